@@ -1,0 +1,64 @@
+"""Plain data passed between the stages: capture → store → compare.
+
+No torch code runs here; these are the records the hooks fill, the store writes and reads,
+and the comparison consumes. Tensors are kept in their storage dtype (bit-exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: kinds of capture point at the "layers" granularity, in execution order
+LAYER_KINDS = ("embedding", "layer", "final_norm", "logits")
+
+
+@dataclass
+class CaptureRecord:
+    """What one capture point saw during one run.
+
+    Attributes:
+        name: the HF module path (``model.layers.3``), as in ``model.named_modules()``.
+        kind: ``embedding``, ``layer`` (decoder layer output = residual stream), ``final_norm``,
+            ``logits`` (the LM head output), or a sublayer kind (``linear``, ``norm``, ``attention``,
+            ``attention_core``, ``mlp``, ``activation``).
+        tensor: the module output restricted to the compared window, concatenated over the
+            forward calls of the run: shape ``(T, *feature)`` where ``T = window[1] - window[0]``
+            (e.g. ``(T, hidden)`` for the residual stream, ``(T, vocab)`` for logits), on the CPU,
+            in the dtype the model produced (bf16 stays bf16: nothing is converted).
+        calls: one dict per forward call that reached the module, in order:
+            ``{"positions": [start, stop], "in": [[shape], ...], "out": [shape]}``:
+            the absolute token positions the call computed and the full input/output shapes
+            the module saw (for an ``nn.Linear``: in ``[..., K]`` → out ``[..., N]``, GEMM M = prod of leading dims).
+        op: the module's class name (``LlamaDecoderLayer``, ``Linear``, ``LlamaRMSNorm``).
+    """
+
+    name: str
+    kind: str
+    tensor: torch.Tensor
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    op: str = ""
+
+
+@dataclass
+class RunRecord:
+    """One executed run plan: the token ids it processed and every capture point's record.
+
+    Attributes:
+        name: the run's label within its trace (``A``, ``B``).
+        token_ids: the prompt, ``N`` ints.
+        plan: the run plan as plain JSON data (``RunPlan.to_dict()``).
+        window: ``(start, stop)``: the absolute token positions kept by the hooks (the compared
+            positions, e.g. ``(P, N)`` for prefix-cache).
+        captures: capture name → record, in execution order (dict order is meaningful).
+        meta: free-form JSON-able facts about the run (wall time, device, dtype, ...).
+    """
+
+    name: str
+    token_ids: list[int]
+    plan: dict[str, Any]
+    window: tuple[int, int]
+    captures: dict[str, CaptureRecord]
+    meta: dict[str, Any] = field(default_factory=dict)
