@@ -1,0 +1,441 @@
+"""Pure numeric functions of two aligned tensors: bit diffs, abs/rel error, ULPs, logits statistics.
+
+Inputs are two torch tensors of the same shape and the same floating dtype (bfloat16, float16,
+float32 or float64), compared element by element in the **storage dtype** (bit patterns) and in
+float64 (differences). Work happens on the tensors' device, in flat chunks of
+:data:`CHUNK_ELEMENTS` elements, so a ``(1000, 151936)`` bf16 logits tensor never materialises
+whole in float64. Nothing here imports the rest of tracer.
+
+Conventions, applied by every function:
+
+- **Differing** means bitwise different in the storage dtype. NaN vs NaN with the same bits is
+  equal; different NaN payloads differ; ``+0`` vs ``-0`` differ (abs diff 0, 1 ULP).
+- **ULP distance** (:func:`ulp_distance`): the number of steps between the two bit patterns on the
+  ordered line of every non-NaN bit pattern of the dtype::
+
+      -inf < -max < ... < -min_subnormal < -0 < +0 < +min_subnormal < ... < +max < +inf
+
+  ``-0`` and ``+0`` are distinct adjacent points (distance 1), so ULP 0 holds exactly when the
+  bits are equal, and ``ulp_hist[0] == n_total - n_diff`` always. Crossing zero counts every
+  pattern in between: ``-min_subnormal`` vs ``+min_subnormal`` is 3 (via ``-0`` and ``+0``).
+  Any NaN with differing bits gives :data:`ULP_NAN`; a float64 distance too large for int64
+  (only across zero between huge magnitudes) saturates at :data:`ULP_SATURATED`.
+- **Non-finite values**: a position whose bits differ and where either side is NaN, or where the
+  float64 difference is infinite (inf vs anything else), contributes ``inf`` to the abs diff;
+  equal bits contribute 0. ``rel_error``, ``cosine`` and ``sqnr_db`` are computed over the
+  positions where both sides are finite; non-finite mismatches show up in ``n_diff``,
+  ``max_abs_diff = inf`` and the NaN/inf counts.
+- **Empty tensors** compare as identical: counts and errors 0, ``cosine`` 1.0, ``sqnr_db`` inf,
+  ``frac_rel_lt_*`` 1.0, top-k overlaps 1.0 (the values an identical pair gets, so an empty
+  window never reads as a divergence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+#: dtype → the signed integer dtype of the same width, used to read bit patterns
+_INT_VIEW = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+#: ULP distance reported when the bits differ and either side is NaN (lands in the ``>16`` bin)
+ULP_NAN = torch.iinfo(torch.int64).max
+#: ULP distance reported for a float64 pair whose true distance does not fit in int64
+ULP_SATURATED = ULP_NAN - 1
+#: labels of the bins of ``TensorDiff.ulp_hist`` (inclusive ULP ranges)
+ULP_BINS = ("0", "1", "2", "3-4", "5-8", "9-16", ">16")
+_ULP_EDGES = (0, 1, 2, 4, 8, 16)  # upper edges: bin i holds (edges[i-1], edges[i]], the last > 16
+#: elements processed per chunk (float64 temporaries of this size: 16 MiB each)
+CHUNK_ELEMENTS = 1 << 21
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """Element-wise comparison of two same-shape, same-dtype tensors A (reference) and B.
+
+    Attributes:
+        n_total: number of elements compared.
+        n_diff: elements whose bit patterns differ in the storage dtype.
+        max_abs_diff, mean_abs_diff: of ``|a - b|`` in float64 over all elements (``inf`` where a
+            NaN/inf mismatch sits; equal bits give 0); in the tensors' units.
+        max_ulp: largest ULP distance in the storage dtype (see :func:`ulp_distance`).
+        ulp_hist: element counts per ULP bin ``0, 1, 2, 3-4, 5-8, 9-16, >16`` (:data:`ULP_BINS`);
+            sums to ``n_total``.
+        rel_error: ``||a - b||_2 / ||a||_2`` over the positions where both are finite
+            (0 if both are zero there; ``inf`` if ``a`` is zero and ``b`` is not).
+        cosine: cosine similarity of the flattened finite positions (1.0 when identical, incl.
+            both zero; 0.0 when exactly one side is all zero).
+        sqnr_db: ``10 * log10(||a||^2 / ||a - b||^2)`` in dB over the finite positions
+            (``inf`` when identical there; ``-inf`` when ``a`` is zero and ``b`` is not).
+        frac_rel_lt_1e3, frac_rel_lt_5e3: share of all elements with ``|a - b| / |a|`` below
+            1e-3 and 5e-3 (msprobe's 1‰/5‰ ratios); where ``a == 0`` an element counts only if
+            ``b == 0`` too; equal bits always count.
+        n_nan_a, n_nan_b, n_inf_a, n_inf_b: NaN and ±inf counts on each side.
+    """
+
+    n_total: int
+    n_diff: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    max_ulp: int
+    ulp_hist: tuple[int, ...]
+    rel_error: float
+    cosine: float
+    sqnr_db: float
+    frac_rel_lt_1e3: float
+    frac_rel_lt_5e3: float
+    n_nan_a: int
+    n_nan_b: int
+    n_inf_a: int
+    n_inf_b: int
+
+    @property
+    def identical(self) -> bool:
+        """True when every element is bitwise equal."""
+        return self.n_diff == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (floats may be ``inf``/``nan``; tuples become lists)."""
+        d = asdict(self)
+        d["ulp_hist"] = list(self.ulp_hist)
+        return d
+
+
+@dataclass(frozen=True)
+class ArgmaxFlip:
+    """One position whose top-1 token differs between the runs.
+
+    Attributes:
+        position: index within the compared window (the caller adds the window's start).
+        token_a, token_b: the argmax token id in run A and in run B.
+        margin_a, margin_b: top-1 minus top-2 logit in that run (float64 of the stored values).
+    """
+
+    position: int
+    token_a: int
+    token_b: int
+    margin_a: float
+    margin_b: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LogitsDiff:
+    """Comparison of two logits tensors of shape ``(T, V)``.
+
+    Attributes:
+        tensor: the element-wise :class:`TensorDiff` of the whole ``(T, V)`` tensor.
+        n_positions: ``T``.
+        argmax_flips: positions whose argmax differs, in position order.
+        kl_mean, kl_max: ``KL(softmax(a) || softmax(b))`` per position, in nats, computed in
+            float64; mean and max over positions (NaN if a logit is NaN).
+        top5_overlap, top10_overlap: mean over positions of ``|topk(a) ∩ topk(b)| / k``
+            (``k`` capped at ``V``; ties at the k-th value are broken by ``torch.topk``).
+        rank_of_a_top_in_b_max: worst over positions of the 0-based rank, in B, of A's argmax
+            token (rank = number of B logits strictly greater than it).
+    """
+
+    tensor: TensorDiff
+    n_positions: int
+    argmax_flips: tuple[ArgmaxFlip, ...]
+    kl_mean: float
+    kl_max: float
+    top5_overlap: float
+    top10_overlap: float
+    rank_of_a_top_in_b_max: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (nested records become dicts, tuples lists)."""
+        return {
+            "tensor": self.tensor.to_dict(),
+            "n_positions": self.n_positions,
+            "argmax_flips": [f.to_dict() for f in self.argmax_flips],
+            "kl_mean": self.kl_mean,
+            "kl_max": self.kl_max,
+            "top5_overlap": self.top5_overlap,
+            "top10_overlap": self.top10_overlap,
+            "rank_of_a_top_in_b_max": self.rank_of_a_top_in_b_max,
+        }
+
+
+def _check_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Validate a pair and return ``b`` on ``a``'s device. Raises ValueError."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"expected two torch tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"dtype mismatch: {a.dtype} vs {b.dtype}; compare tensors of one storage dtype")
+    if a.dtype not in _INT_VIEW:
+        raise ValueError(f"unsupported dtype {a.dtype}; use bfloat16, float16, float32 or float64")
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}; align the runs first")
+    return b.to(a.device)
+
+
+def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """Map the bit patterns of flat float tensor ``x`` to int64 points on the monotonic line.
+
+    ``+0`` → 0, ``+v`` → its bit pattern, ``-0`` → -1, ``-v`` → ``-(magnitude bits) - 1``.
+    """
+    bits = x.view(_INT_VIEW[x.dtype]).to(torch.int64)  # sign-extended: negative iff sign bit set
+    mag = bits & ((1 << (x.element_size() * 8 - 1)) - 1)  # the pattern without its sign bit
+    return torch.where(bits >= 0, bits, -mag - 1)
+
+
+def _ulp_flat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """ULP distance of two flat same-dtype tensors on one device → int64 tensor."""
+    ka, kb = _ordered_keys(a), _ordered_keys(b)
+    if a.dtype == torch.float64:
+        # |ka - kb| can exceed int64 only across zero: split into the two sides of the line
+        hi, lo = torch.maximum(ka, kb), torch.minimum(ka, kb)
+        cross = (hi >= 0) & (lo < 0)
+        p, q = hi, -(lo + 1)  # both in [0, 2**63 - 1] where cross; distance = p + q + 1
+        overflow = cross & (p > ULP_SATURATED - q)
+        dist = torch.where(cross, p + q + 1, hi - lo)  # may wrap where overflow: replaced below
+        dist = torch.where(overflow, torch.full_like(dist, ULP_SATURATED), dist)
+    else:
+        dist = (ka - kb).abs()
+    nan = (torch.isnan(a) | torch.isnan(b)) & (dist != 0)
+    return torch.where(nan, torch.full_like(dist, ULP_NAN), dist)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-element ULP distance between ``a`` and ``b`` in their storage dtype.
+
+    Args:
+        a, b: same shape, same dtype (bfloat16/float16/float32/float64), any device.
+
+    Returns:
+        int64 tensor of ``a``'s shape on ``a``'s device: 0 iff the bits are equal; the number of
+        steps between the patterns on the ordered line ``-inf ... -0 < +0 ... +inf`` (``-0`` and
+        ``+0`` are 1 apart, subnormals are the small steps next to zero); :data:`ULP_NAN`
+        (int64 max) when the bits differ and either side is NaN; :data:`ULP_SATURATED` for a
+        float64 pair whose distance exceeds int64.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or the dtype is not one of the four above.
+    """
+    b = _check_pair(a, b)
+    return _ulp_flat(a.detach().reshape(-1), b.detach().reshape(-1)).reshape(a.shape)
+
+
+def _abs_diff(a64: torch.Tensor, b64: torch.Tensor) -> torch.Tensor:
+    """float64 ``|a - b|`` at positions whose bits differ: a NaN on either side gives inf."""
+    d = (a64 - b64).abs()
+    return torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+
+
+def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
+    """Compare ``b`` against the reference ``a`` element by element.
+
+    Args:
+        a, b: same shape, same dtype (bfloat16/float16/float32/float64). Computed on ``a``'s
+            device (``b`` is moved there), in chunks of :data:`CHUNK_ELEMENTS` elements with
+            float64 differences.
+
+    Returns:
+        a :class:`TensorDiff`; see the module docstring for NaN/inf, ±0 and empty-tensor rules.
+
+    Raises:
+        ValueError: shapes or dtypes differ, or the dtype is not supported.
+    """
+    b = _check_pair(a, b)
+    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+    n = fa.numel()
+    view = _INT_VIEW[a.dtype]
+    n_diff = n_nan_a = n_nan_b = n_inf_a = n_inf_b = n_rel3 = n_rel5 = max_ulp = 0
+    max_abs = sum_abs = 0.0
+    hist = [0] * len(ULP_BINS)
+    sa = sb = sab = sdd = 0.0  # over positions finite on both sides: ||a||^2, ||b||^2, a.b, ||a-b||^2
+    for start in range(0, n, CHUNK_ELEMENTS):
+        ca, cb = fa[start : start + CHUNK_ELEMENTS], fb[start : start + CHUNK_ELEMENTS]
+        n_nan_a += int(torch.isnan(ca).sum())
+        n_nan_b += int(torch.isnan(cb).sum())
+        n_inf_a += int(torch.isinf(ca).sum())
+        n_inf_b += int(torch.isinf(cb).sum())
+        equal = ca.view(view) == cb.view(view)
+        # equal bits: abs diff 0, ULP 0, relative error 0; finite ones add a^2 to sa, sb and sab
+        a_eq = torch.where(equal & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
+        sq_eq = float(torch.dot(a_eq, a_eq))
+        sa, sb, sab = sa + sq_eq, sb + sq_eq, sab + sq_eq
+        idx = torch.nonzero(~equal).flatten()  # (k,) positions whose bits differ
+        k = idx.numel()
+        n_eq = ca.numel() - k
+        hist[0] += n_eq
+        n_rel3 += n_eq
+        n_rel5 += n_eq
+        if k == 0:
+            continue
+        n_diff += k
+        da, db = ca[idx], cb[idx]  # (k,) in the storage dtype
+        a64, b64 = da.to(torch.float64), db.to(torch.float64)
+        d = _abs_diff(a64, b64)
+        max_abs = max(max_abs, float(d.max()))
+        sum_abs += float(d.sum())
+        ulp = _ulp_flat(da, db)  # (k,) all >= 1
+        max_ulp = max(max_ulp, int(ulp.max()))
+        cum = [k] + [int((ulp > e).sum()) for e in _ULP_EDGES[1:]]  # elements above each edge
+        for i in range(1, len(ULP_BINS)):
+            hist[i] += cum[i - 1] - (cum[i] if i < len(cum) else 0)
+        # relative error per element: a == 0 counts only when b == 0 too (here: -0 vs +0)
+        abs_a = a64.abs()
+        zero_a = abs_a == 0
+        rel = d / torch.where(zero_a, torch.ones_like(abs_a), abs_a)  # NaN/inf where non-finite
+        both_zero = zero_a & (b64 == 0)
+        n_rel3 += int((both_zero | (~zero_a & (rel < 1e-3))).sum())
+        n_rel5 += int((both_zero | (~zero_a & (rel < 5e-3))).sum())
+        finite = torch.isfinite(a64) & torch.isfinite(b64)
+        fa64 = torch.where(finite, a64, torch.zeros_like(a64))
+        fb64 = torch.where(finite, b64, torch.zeros_like(b64))
+        dd = fa64 - fb64
+        sa += float(torch.dot(fa64, fa64))
+        sb += float(torch.dot(fb64, fb64))
+        sab += float(torch.dot(fa64, fb64))
+        sdd += float(torch.dot(dd, dd))
+    if sdd == 0.0:
+        rel_error, cosine, sqnr = 0.0, 1.0, math.inf
+    else:
+        rel_error = math.sqrt(sdd) / math.sqrt(sa) if sa > 0 else math.inf
+        sqnr = 10.0 * math.log10(sa / sdd) if sa > 0 else -math.inf
+        if sa == 0.0 or sb == 0.0:
+            cosine = 0.0
+        else:
+            cosine = max(-1.0, min(1.0, sab / (math.sqrt(sa) * math.sqrt(sb))))
+    return TensorDiff(
+        n_total=n,
+        n_diff=n_diff,
+        max_abs_diff=max_abs,
+        mean_abs_diff=sum_abs / n if n else 0.0,
+        max_ulp=max_ulp,
+        ulp_hist=tuple(hist),
+        rel_error=rel_error,
+        cosine=cosine,
+        sqnr_db=sqnr,
+        frac_rel_lt_1e3=n_rel3 / n if n else 1.0,
+        frac_rel_lt_5e3=n_rel5 / n if n else 1.0,
+        n_nan_a=n_nan_a,
+        n_nan_b=n_nan_b,
+        n_inf_a=n_inf_a,
+        n_inf_b=n_inf_b,
+    )
+
+
+def _nan_max(x: float, y: float) -> float:
+    """max that propagates NaN."""
+    return math.nan if math.isnan(x) or math.isnan(y) else max(x, y)
+
+
+def _kl_rows(a64: torch.Tensor, b64: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(a) || softmax(b))`` per row of float64 ``(rows, V)`` logits → ``(rows,)`` nats.
+
+    ``sum_v p_v (log p_v - log q_v)``; terms with ``p_v == 0`` are 0, ``q_v == 0 < p_v`` gives
+    inf, a NaN logit gives NaN. Tiny negative values from rounding are clamped to 0.
+    """
+    lp, lq = torch.log_softmax(a64, dim=1), torch.log_softmax(b64, dim=1)  # (rows, V)
+    p = lp.exp()
+    terms = p * (lp - lq)
+    terms = torch.where(p == 0, torch.zeros_like(terms), terms)  # 0 * (-inf - x) is 0, not NaN
+    kl = terms.sum(dim=1)
+    return torch.where(kl < 0, torch.zeros_like(kl), kl)
+
+
+def _overlap(ia: torch.Tensor, ib: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-row ``|ia[:, :k] ∩ ib[:, :k]| / k`` of sorted top-k index tensors → float64 ``(rows,)``."""
+    ia, ib = ia[:, :k], ib[:, :k]  # (rows, k)
+    hits = (ia.unsqueeze(2) == ib.unsqueeze(1)).any(dim=2).sum(dim=1)  # (rows,)
+    return hits.to(torch.float64) / k
+
+
+def logits_diff(a: torch.Tensor, b: torch.Tensor) -> LogitsDiff:
+    """Compare two logits tensors position by position.
+
+    Args:
+        a, b: ``(T, V)`` logits of run A (reference) and run B, same dtype
+            (bfloat16/float16/float32/float64), any device. Rows are processed in chunks of
+            about :data:`CHUNK_ELEMENTS` elements, in float64.
+
+    Returns:
+        a :class:`LogitsDiff`: the element-wise :class:`TensorDiff`, argmax flips with their
+        top-2 margins, KL(A||B) mean/max in nats, top-5/top-10 overlap and the worst rank in B of
+        A's top token. ``T == 0`` or ``V == 0`` gives an identical-looking result (no flips,
+        KL 0, overlaps 1.0).
+
+    Raises:
+        ValueError: not 2-D, shapes or dtypes differ, or the dtype is not supported.
+    """
+    b = _check_pair(a, b)
+    if a.dim() != 2:
+        raise ValueError(f"logits must be (T, V); got shape {tuple(a.shape)}")
+    a, b = a.detach(), b.detach()
+    t, v = a.shape
+    td = tensor_diff(a, b)
+    if t == 0 or v == 0:
+        return LogitsDiff(td, t, (), 0.0, 0.0, 1.0, 1.0, 0)
+    rows = max(1, CHUNK_ELEMENTS // v)
+    flips: list[ArgmaxFlip] = []
+    kl_sum, kl_max = 0.0, 0.0
+    ov5 = ov10 = 0.0
+    worst_rank = 0
+    for start in range(0, t, rows):
+        a64 = a[start : start + rows].to(torch.float64)  # (r, V)
+        b64 = b[start : start + rows].to(torch.float64)  # (r, V)
+        top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
+        kl = _kl_rows(a64, b64)  # (r,)
+        kl_sum += float(kl.sum())
+        kl_max = _nan_max(kl_max, float(kl.max()))
+        top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
+        top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)  # ties broken by torch.topk
+        ov5 += float(_overlap(top_ia, top_ib, min(5, v)).sum())
+        ov10 += float(_overlap(top_ia, top_ib, min(10, v)).sum())
+        b_at_a_top = b64.gather(1, top_a.unsqueeze(1))  # (r, 1)
+        rank = (b64 > b_at_a_top).sum(dim=1)  # (r,)
+        worst_rank = max(worst_rank, int(rank.max()))
+        flip_rows = torch.nonzero(top_a != top_b).flatten()
+        if flip_rows.numel():
+            ma, mb = top_va[flip_rows], top_vb[flip_rows]  # (f, k); V >= 2 when a flip exists
+            ma, mb = ma[:, 0] - ma[:, 1], mb[:, 0] - mb[:, 1]  # top-1 minus top-2
+            for i, r in enumerate(flip_rows.tolist()):
+                flips.append(
+                    ArgmaxFlip(
+                        position=start + r,
+                        token_a=int(top_a[r]),
+                        token_b=int(top_b[r]),
+                        margin_a=float(ma[i]),
+                        margin_b=float(mb[i]),
+                    )
+                )
+    return LogitsDiff(
+        tensor=td,
+        n_positions=t,
+        argmax_flips=tuple(flips),
+        kl_mean=kl_sum / t,
+        kl_max=kl_max,
+        top5_overlap=ov5 / t,
+        top10_overlap=ov10 / t,
+        rank_of_a_top_in_b_max=worst_rank,
+    )
+
+
+def amplification(prev_max_abs: float, cur_max_abs: float) -> float | None:
+    """Growth of the max abs diff from one capture point to the next: ``cur / prev``.
+
+    Args:
+        prev_max_abs: max abs diff at the previous capture point (tensor units).
+        cur_max_abs: max abs diff at the current one.
+
+    Returns:
+        the ratio (``inf`` if ``cur`` is inf and ``prev`` finite), or None when ``prev`` is 0
+        (no divergence yet to amplify).
+    """
+    if prev_max_abs == 0:
+        return None
+    return float(cur_max_abs) / float(prev_max_abs)
