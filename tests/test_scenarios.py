@@ -1,0 +1,58 @@
+"""The prefix-cache scenario's plans do what they claim."""
+
+from __future__ import annotations
+
+import pytest
+
+from tracer.errors import TracerError
+from tracer.scenarios import RunPlan, build, default_split, prefix_cache
+
+
+@pytest.mark.parametrize("n,block,expected", [(31, 16, 16), (32, 16, 16), (33, 16, 32), (100, 16, 96),
+                                              (250, 16, 240), (1000, 16, 992), (17, 16, 16), (5, 2, 4)])
+def test_default_split_is_last_block_boundary_below_n(n, block, expected):
+    # independent: the largest k*block with k*block < n
+    assert expected == max(k * block for k in range(1, n) if k * block < n)
+    assert default_split(n, block) == expected
+
+
+def test_prefix_cache_plans():
+    s = prefix_cache(250, block_size=16)
+    assert s.plan_a.chunks == ((0, 250),)
+    assert s.plan_b.chunks == ((0, 240), (240, 250))
+    assert s.plan_a.gemm_m() == [250] and s.plan_b.gemm_m() == [240, 10]
+    assert s.window == (240, 250)
+    assert s.level == 2
+
+
+def test_aligned_mitigation_splits_run_a_at_p():
+    s = prefix_cache(250, block_size=16, mitigation="aligned")
+    assert s.plan_a.chunks == s.plan_b.chunks == ((0, 240), (240, 250))
+
+
+def test_split_at_overrides_block_size():
+    s = prefix_cache(100, split_at=99)  # the decode-step case: one token after the cache
+    assert s.plan_b.chunks == ((0, 99), (99, 100)) and s.window == (99, 100)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(n_tokens=16, block_size=16), "more than one KV block"),
+    (dict(n_tokens=10, block_size=0), "positive"),
+    (dict(n_tokens=10, split_at=10), "outside 1..9"),
+    (dict(n_tokens=10, split_at=0), "outside 1..9"),
+    (dict(n_tokens=40, mitigation="magic"), "unknown mitigation"),
+])
+def test_bad_parameters(kwargs, msg):
+    n = kwargs.pop("n_tokens")
+    with pytest.raises(TracerError, match=msg):
+        prefix_cache(n, **kwargs)
+
+
+def test_plans_must_tile_the_prompt():
+    with pytest.raises(TracerError, match="tile"):
+        RunPlan("A", ((0, 10), (11, 20)))
+
+
+def test_unknown_scenario():
+    with pytest.raises(TracerError, match="unknown scenario"):
+        build("nope", 10)

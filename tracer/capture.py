@@ -1,0 +1,394 @@
+"""Capture hooks on the real, unmodified Hugging Face model.
+
+A *capture point* is a module of ``model.named_modules()`` (named by its HF path, as nnsight
+does) whose output (or input) tracer keeps. :func:`discover_points` finds them for standard
+HF decoder models (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...), optionally steered by a
+TOML hook map in ``hooks/``. :class:`Capture` is the context manager that owns the forward
+hooks: it keeps only the compared window of each output, on the CPU, in the model's dtype, and
+records the shapes every module saw. Every hook is removed on exit, whatever happened inside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .errors import TracerError
+from .models import data_dir
+from .records import CaptureRecord
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - python 3.10
+    import tomli as tomllib
+
+GRANULARITIES = ("layers", "sublayers")
+
+_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm")
+_LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
+
+
+@dataclass(frozen=True)
+class CapturePoint:
+    """One place tracer records.
+
+    Attributes:
+        name: the capture name; the HF module path for outputs (``model.layers.3``), or a
+            documented virtual name (e.g. ``model.layers.3.self_attn.core`` for the input of
+            ``o_proj``) when ``which == "input"``.
+        module: the HF module path the hook sits on.
+        kind: ``embedding`` | ``layer`` | ``final_norm`` | ``logits`` | a sublayer kind.
+        op: the module's class name.
+        which: ``"output"`` (the module's output) or ``"input"`` (its first tensor input).
+        full: keep every position of the prompt instead of the compared window (for tensors
+            the compared positions depend on, such as keys/values).
+    """
+
+    name: str
+    module: str
+    kind: str
+    op: str
+    which: str = "output"
+    full: bool = False
+
+
+@lru_cache(maxsize=None)
+def _hook_maps() -> tuple[dict[str, Any], ...]:
+    maps = []
+    for path in sorted(data_dir("hooks").glob("*.toml")):
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        data["_path"] = str(path)
+        maps.append(data)
+    return tuple(maps)
+
+
+def hook_map_for(model_type: str) -> dict[str, Any] | None:
+    """The hook map (from ``hooks/*.toml``) whose ``families`` lists ``model_type``, or None."""
+    for m in _hook_maps():
+        if model_type in m.get("families", ()):
+            return m
+    return None
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): name for name, m in model.named_modules()}
+
+
+def _find_layer_list(model: nn.Module, n_layers: int | None) -> tuple[str, nn.ModuleList]:
+    candidates = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (n_layers is None or len(m) == n_layers)
+    ]
+    named = [c for c in candidates if c[0].rsplit(".", 1)[-1] in _LAYER_LIST_NAMES]
+    pick = named or candidates
+    if not pick:
+        raise TracerError(
+            f"could not find the decoder layers of {type(model).__name__}; "
+            "add a hook map for this family in hooks/ (see hooks/README.md)"
+        )
+    return min(pick, key=lambda c: c[0].count("."))
+
+
+def _layer_paths(model: nn.Module) -> dict[str, Any]:
+    """Module paths of the embedding, decoder layers, final norm and LM head."""
+    cfg = getattr(model, "config", None)
+    model_type = getattr(cfg, "model_type", "")
+    hmap = hook_map_for(model_type) or {}
+    modules = dict(model.named_modules())
+    names = _module_names(model)
+
+    def must_exist(path: str, what: str) -> str:
+        if path not in modules:
+            raise TracerError(
+                f"hook map {hmap.get('_path', '?')} names {what} '{path}', which "
+                f"{type(model).__name__} does not have; fix the map"
+            )
+        return path
+
+    if "embedding" in hmap:
+        embedding = must_exist(hmap["embedding"], "embedding")
+    else:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if emb is None or id(emb) not in names:
+            raise TracerError(
+                f"{type(model).__name__} has no input embedding module; add a hook map in hooks/"
+            )
+        embedding = names[id(emb)]
+
+    n_layers = None
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        n_layers = getattr(cfg, key, None) if n_layers is None else n_layers
+    if "layers" in hmap:
+        layers_path = must_exist(hmap["layers"], "layers")
+        layer_list = modules[layers_path]
+    else:
+        layers_path, layer_list = _find_layer_list(model, n_layers)
+    layers = [f"{layers_path}.{i}" for i in range(len(layer_list))]
+
+    if "final_norm" in hmap:
+        final_norm = must_exist(hmap["final_norm"], "final_norm")
+    else:
+        parent = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
+        final_norm = None
+        for cand in _FINAL_NORM_NAMES:
+            path = f"{parent}.{cand}" if parent else cand
+            if path in modules:
+                final_norm = path
+                break
+        if final_norm is None:
+            raise TracerError(
+                f"could not find the final norm of {type(model).__name__} next to {layers_path}; "
+                "name it in a hook map in hooks/"
+            )
+
+    if "logits" in hmap:
+        logits = must_exist(hmap["logits"], "logits")
+    else:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None or id(head) not in names:
+            raise TracerError(
+                f"{type(model).__name__} has no LM head (get_output_embeddings() is None); "
+                "tracer needs a causal LM (…ForCausalLM)"
+            )
+        logits = names[id(head)]
+    return {"embedding": embedding, "layers": layers, "final_norm": final_norm, "logits": logits,
+            "map": hmap}
+
+
+def _sublayer_kind(module: nn.Module, rel: str, hmap: dict[str, Any]) -> str | None:
+    """Kind of a module inside a decoder layer, or None if it is not a capture point."""
+    explicit = hmap.get("sublayers", {})
+    if rel in explicit:
+        return explicit[rel]
+    cls = type(module).__name__
+    last = rel.rsplit(".", 1)[-1]
+    if isinstance(module, nn.Linear) or cls in ("Conv1D",):
+        return "linear"
+    if "norm" in cls.lower() or "norm" in last.lower():
+        return "norm"
+    if last in ("self_attn", "attn", "attention", "self_attention"):
+        return "attention"
+    if last in ("mlp", "feed_forward", "ffn"):
+        return "mlp"
+    if last in ("act_fn", "act", "activation_fn"):
+        return "activation"
+    return None
+
+
+def discover_points(model: nn.Module, granularity: str = "layers") -> list[CapturePoint]:
+    """The capture points of ``model`` in execution order.
+
+    ``layers``: the embedding output, every decoder layer's output (the residual stream),
+    the final norm and the logits (LM head output). ``sublayers`` adds, inside every decoder
+    layer, each norm, the attention block output, the attention core (the input of the output
+    projection: the SDPA/eager result before ``o_proj``), the MLP and its activation, and every
+    Linear, in the order they run.
+
+    Raises:
+        TracerError: unknown granularity, or a model whose structure cannot be discovered.
+    """
+    if granularity not in GRANULARITIES:
+        raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
+    paths = _layer_paths(model)
+    modules = dict(model.named_modules())
+
+    def point(path: str, kind: str, **kw: Any) -> CapturePoint:
+        return CapturePoint(name=kw.pop("name", path), module=path, kind=kind,
+                            op=type(modules[path]).__name__, **kw)
+
+    points = [point(paths["embedding"], "embedding")]
+    for layer_path in paths["layers"]:
+        if granularity == "sublayers":
+            points.extend(_sublayer_points(modules[layer_path], layer_path, paths["map"], point))
+        points.append(point(layer_path, "layer"))
+    points.append(point(paths["final_norm"], "final_norm"))
+    points.append(point(paths["logits"], "logits"))
+    return points
+
+
+def _sublayer_points(layer: nn.Module, layer_path: str, hmap: dict[str, Any], point) -> list[CapturePoint]:
+    order = _execution_order(layer, layer_path, hmap)
+    out: list[CapturePoint] = []
+    for rel, kind in order:
+        path = f"{layer_path}.{rel}"
+        if kind == "linear" and rel.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "c_proj", "dense") and (
+            rel.split(".")[0] in ("self_attn", "attn", "attention", "self_attention")
+        ):
+            attn = rel.rsplit(".", 1)[0]
+            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{attn}.core"))
+        out.append(point(path, kind))
+    return out
+
+
+def _execution_order(layer: nn.Module, layer_path: str, hmap: dict[str, Any]) -> list[tuple[str, str]]:
+    """Sublayer modules of one decoder layer, in definition order.
+
+    Definition order is not always execution order (Llama defines ``self_attn`` before
+    ``input_layernorm`` but runs the norm first); :meth:`Capture.records` therefore returns
+    records in the order the hooks actually fired.
+    """
+    found = []
+    for rel, m in layer.named_modules():
+        if rel:
+            kind = _sublayer_kind(m, rel, hmap)
+            if kind is not None:
+                found.append((rel, kind))
+    return found
+
+
+def _first_tensor(x: Any) -> torch.Tensor | None:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            t = _first_tensor(item)
+            if t is not None:
+                return t
+        return None
+    if hasattr(x, "to_tuple"):
+        return _first_tensor(x.to_tuple())
+    return None
+
+
+def _shapes(x: Any) -> list[list[int]]:
+    if isinstance(x, torch.Tensor):
+        return [list(x.shape)]
+    if isinstance(x, (tuple, list)):
+        return [s for item in x for s in _shapes(item)]
+    return []
+
+
+class Capture:
+    """Context manager owning the forward hooks for one run.
+
+    Usage (the runner does this)::
+
+        with Capture(model, points, window=(P, N)) as cap:
+            with cap.forward_call(0, P):
+                model(ids[:, :P], ...)
+            with cap.forward_call(P, N):
+                model(ids[:, P:N], past_key_values=cache, ...)
+        records = cap.records()
+
+    Each hook slices its tensor ``(B, T, *feature)`` to batch row ``row`` and the part of the
+    call's positions inside ``window``, moves that slice to the CPU (a copy, same dtype), and
+    records the input/output shapes the module saw. Memory is therefore proportional to the
+    compared window, not to the prompt (except for points with ``full=True``).
+
+    Raises:
+        TracerError: a module output whose sequence dimension does not match the call.
+    """
+
+    def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int]) -> None:
+        self.model = model
+        self.points = list(points)
+        self.window = (int(window[0]), int(window[1]))
+        self._handles: list[Any] = []
+        self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
+        self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
+        self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
+        self._fired: dict[str, int] = {}  # capture name -> index of its first firing
+
+    def __enter__(self) -> "Capture":
+        modules = dict(self.model.named_modules())
+        by_module: dict[str, list[CapturePoint]] = {}
+        for p in self.points:
+            if p.module not in modules:
+                raise TracerError(f"capture point {p.name}: module '{p.module}' not found in the model")
+            by_module.setdefault(p.module, []).append(p)
+        try:
+            for path, pts in by_module.items():
+                handle = modules[path].register_forward_hook(self._make_hook(pts), with_kwargs=True)
+                self._handles.append(handle)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove every hook this capture registered (idempotent)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+    @contextlib.contextmanager
+    def forward_call(self, start: int, stop: int, row: int = 0, col_offset: int = 0) -> Iterator[None]:
+        """Declare that the next forward computes absolute positions ``[start, stop)``.
+
+        ``row`` is the batch row holding the traced prompt, ``col_offset`` the column of the
+        input where position ``start`` sits (non-zero with left padding).
+        """
+        self._call = (int(start), int(stop), int(row), int(col_offset))
+        try:
+            yield
+        finally:
+            self._call = None
+
+    def _make_hook(self, pts: list[CapturePoint]):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._call is None:
+                return  # a forward outside a declared call (e.g. a warm-up): ignore
+            start, stop, row, col = self._call
+            ins = _shapes(args) or _shapes(kwargs.get("hidden_states")) or _shapes(kwargs.get("input"))
+            out_shapes = _shapes(_first_tensor(output))
+            call = {"positions": [start, stop], "in": ins, "out": out_shapes}
+            for p in pts:
+                if p.which == "input":
+                    t = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+                else:
+                    t = _first_tensor(output)
+                if t is None:
+                    continue
+                self._calls[p.name].append(call)
+                self._fired.setdefault(p.name, len(self._fired))
+                kept = self._slice(p, t, start, stop, row, col)
+                if kept is not None:
+                    self._chunks[p.name].append(kept)
+
+        return hook
+
+    def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int):
+        if t.dim() < 2:
+            raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
+        n = stop - start
+        if t.shape[1] < col + n:
+            raise TracerError(
+                f"capture point {p.name}: output has {t.shape[1]} positions but the call computed {n}; "
+                "is logits_to_keep or a similar option trimming the output?"
+            )
+        lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
+        if lo >= hi:
+            return None
+        piece = t[row, col + lo - start : col + hi - start]
+        return piece.detach().to("cpu", copy=True)
+
+    def records(self) -> dict[str, CaptureRecord]:
+        """Capture name → :class:`CaptureRecord`, in execution order.
+
+        Execution order is the order in which the hooks first fired (points that never fired
+        come last, in discovery order). Tensors are the kept slices concatenated along
+        positions: ``(T, *feature)``.
+        """
+        out: dict[str, CaptureRecord] = {}
+        never = len(self.points)
+        order = sorted(range(len(self.points)),
+                       key=lambda i: (self._fired.get(self.points[i].name, never), i))
+        for p in (self.points[i] for i in order):
+            chunks = self._chunks[p.name]
+            if chunks:
+                tensor = torch.cat(chunks, dim=0) if len(chunks) > 1 else chunks[0]
+            else:
+                tensor = torch.empty(0)
+            out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor,
+                                        calls=self._calls[p.name], op=p.op)
+        return out

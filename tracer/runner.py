@@ -1,0 +1,86 @@
+"""Executing a run plan on the model with capture hooks attached.
+
+One run = the plan's chunks as successive forward passes sharing one KV cache (HF's
+``DynamicCache``), under ``torch.inference_mode``. Positions come from the cache length, as in
+HF ``generate``: chunk ``[s, e)`` is computed at positions ``s..e-1``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .capture import Capture, CapturePoint
+from .errors import TracerError
+from .records import RunRecord
+from .scenarios import RunPlan
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's input embedding (where ``input_ids`` must go)."""
+    emb = model.get_input_embeddings()
+    return emb.weight.device
+
+
+def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
+                   capture: Capture | None = None) -> Any:
+    """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the final KV cache.
+
+    Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], past_key_values=cache)`` call.
+    """
+    cache = None
+    for start, stop in plan.chunks:
+        kwargs: dict[str, Any] = {"input_ids": ids[:, start:stop], "use_cache": True}
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        if capture is not None:
+            with capture.forward_call(start, stop):
+                out = model(**kwargs)
+        else:
+            out = model(**kwargs)
+        cache = out.past_key_values
+    return cache
+
+
+def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
+            window: tuple[int, int], *, meta: dict[str, Any] | None = None,
+            on_chunk: Callable[[], None] | None = None) -> RunRecord:
+    """Execute one run plan with capture hooks and return what they saw.
+
+    Args:
+        model: an HF causal LM (eval mode).
+        token_ids: the prompt, N ints; the plan's chunks must tile ``[0, N)``.
+        plan: the run plan.
+        points: capture points (:func:`tracer.capture.discover_points`).
+        window: the compared positions ``(start, stop)`` kept by the hooks.
+
+    Returns:
+        a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
+        in the model's dtype, with wall time and GEMM M per chunk in ``meta``.
+
+    Raises:
+        TracerError: the plan does not cover the prompt.
+    """
+    n = len(token_ids)
+    if plan.n_tokens != n:
+        raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {n}")
+    device = model_device(model)
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode(), Capture(model, points, window) as cap:
+        forward_chunks(model, ids, plan, cap)
+        _sync(device)
+    wall = time.perf_counter() - t0
+    info = {"wall_s": wall, "device": str(device), "gemm_m": plan.gemm_m()}
+    info.update(meta or {})
+    return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
+                     window=(int(window[0]), int(window[1])), captures=cap.records(), meta=info)
