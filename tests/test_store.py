@@ -1,0 +1,384 @@
+"""tracer.store: bit-exact round trips, atomic completion, reader errors, h5py-only reading.
+
+Expected bits come from the numpy arrays the tensors were built from; the h5py-only reader
+follows traces/README.md, not tracer's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tracer.errors import TracerError
+from tracer.records import CaptureRecord, RunRecord
+from tracer.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    READ_VERSIONS,
+    TraceWriter,
+    collect_environment,
+    read_trace,
+)
+
+# name → (torch dtype, unsigned bits, signed view, special patterns: NaN payloads, ±inf, ±0, subnormals)
+SPECIAL = {
+    "bfloat16": (torch.bfloat16, np.uint16, np.int16, [0x7FC0, 0x7FC1, 0xFFC3, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F]),
+    "float16": (torch.float16, np.uint16, np.int16, [0x7E00, 0x7E01, 0xFE05, 0x7C01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x83FF]),
+    "float32": (torch.float32, np.uint32, np.int32, [0x7FC00000, 0x7FC00001, 0xFFC0BEEF, 0x7F800001, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x807FFFFF]),
+    "float64": (torch.float64, np.uint64, np.int64, [0x7FF8000000000000, 0x7FF8000000000001, 0xFFF800000000BEEF, 0x7FF0000000000001,
+                                                    0x7FF0000000000000, 0xFFF0000000000000, 0, 0x8000000000000000, 1, 0x800FFFFFFFFFFFFF]),
+}
+NAMES = list(SPECIAL)
+
+
+def bits_tensor(name: str, shape, rng) -> tuple[torch.Tensor, np.ndarray]:
+    """A tensor of dtype ``name`` with random bit patterns plus every special pattern; and those bits."""
+    tdtype, ubits, sbits, special = SPECIAL[name]
+    n = int(np.prod(shape))
+    width = np.dtype(ubits).itemsize * 8
+    bits = rng.integers(0, 2**width, size=n, dtype=np.uint64 if width == 64 else np.int64).astype(ubits)
+    bits[: len(special)] = np.array(special, dtype=np.uint64).astype(ubits)
+    bits = bits.reshape(shape)
+    return torch.from_numpy(bits.view(sbits).copy()).view(tdtype), bits
+
+
+def tensor_bits(t: torch.Tensor) -> np.ndarray:
+    """The bit patterns of a tensor as unsigned numpy ints."""
+    sbits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(sbits).numpy().view({2: np.uint16, 4: np.uint32, 8: np.uint64}[t.element_size()])
+
+
+def make_run(name: str, rng, names=NAMES, t=5) -> tuple[RunRecord, dict[str, np.ndarray]]:
+    captures, expected = {}, {}
+    order = ["model.embed_tokens", "model.layers.0", "model.layers.0.mlp.down_proj", "model.layers.1", "model.norm", "lm_head"]
+    for i, cap in enumerate(order):
+        dname = names[i % len(names)]
+        tensor, bits = bits_tensor(dname, (t, 16 + i), rng)
+        calls = [{"positions": [3, 3 + t], "in": [[1, 8, 16 + i]], "out": [1, 8, 16 + i]}]
+        captures[cap] = CaptureRecord(name=cap, kind="layer" if "layers" in cap else "logits", tensor=tensor, calls=calls, op=f"Op{i}")
+        expected[cap] = bits
+    plan = {"chunks": [[0, 3], [3, 8]], "batch": 1, "nested": {"x": [1.5, None, True]}}
+    run = RunRecord(name=name, token_ids=[5, 7, 11, 13, 17, 19, 23, 29], plan=plan, window=(3, 8), captures=captures,
+                    meta={"wall_s": 0.25, "device": "cpu"})
+    return run, expected
+
+
+HEADER = {"device": "cpu", "torch": "2.x", "model": {"name": "tiny", "hash": "abc"}, "split_points": [3, 5], "nan_ok": math.inf}
+
+
+def write_trace(path, runs, **kw):
+    with TraceWriter(path, header=HEADER, **kw) as w:
+        for r in runs:
+            w.add_run(r)
+        w.add_comparison("A_vs_B", {"n_diff": 3, "max_abs": math.inf, "points": ["a", "b"]})
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("compression", [None, "lzf", "gzip"])
+def test_round_trip_bit_exact(tmp_path, compression):
+    rng = np.random.default_rng(0)
+    run_a, bits_a = make_run("A", rng)
+    run_b, bits_b = make_run("B", rng, names=NAMES[::-1])
+    path = tmp_path / "sub" / "dir" / "t.h5"  # parents are created
+    write_trace(path, [run_a, run_b], compression=compression)
+    assert path.exists() and not list(tmp_path.rglob("*.partial-*"))
+    with read_trace(path) as r:
+        assert r.runs == ["A", "B"]
+        assert r.header == HEADER
+        assert r.comparisons() == {"A_vs_B": {"n_diff": 3, "max_abs": math.inf, "points": ["a", "b"]}}
+        for run, bits in ((run_a, bits_a), (run_b, bits_b)):
+            got = r.run(run.name)
+            assert got.name == run.name and got.token_ids == run.token_ids and got.window == (3, 8)
+            assert got.plan == run.plan and got.meta == run.meta
+            assert list(got.captures) == list(run.captures)  # execution order, not name order
+            assert r.capture_names(run.name) == list(run.captures)
+            for cap, rec in run.captures.items():
+                g = got.captures[cap]
+                assert g.tensor.dtype == rec.tensor.dtype and g.tensor.shape == rec.tensor.shape
+                np.testing.assert_array_equal(tensor_bits(g.tensor), bits[cap])
+                np.testing.assert_array_equal(tensor_bits(r.tensor(run.name, cap)), bits[cap])
+                assert (g.kind, g.op, g.calls) == (rec.kind, rec.op, rec.calls)
+                info = r.capture_info(run.name, cap)
+                assert info == {"kind": rec.kind, "op": rec.op, "calls": rec.calls,
+                                "dtype": str(rec.tensor.dtype).removeprefix("torch."), "shape": list(rec.tensor.shape)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_special_values_per_dtype_and_odd_shapes(tmp_path, name):
+    rng = np.random.default_rng(1)
+    tdtype = SPECIAL[name][0]
+    big, big_bits = bits_tensor(name, (300, 1000), rng)  # several chunks
+    caps = {
+        "big": big,
+        "empty": torch.empty((0, 7), dtype=tdtype),
+        "vector": bits_tensor(name, (10,), rng)[0],
+        "scalar": torch.tensor(-0.0, dtype=tdtype),
+        "noncontig": big[:20, :30].t(),
+        "3d": bits_tensor(name, (2, 3, 10), rng)[0],
+    }
+    run = RunRecord("A", [1], {}, (0, 1), {k: CaptureRecord(k, "layer", v) for k, v in caps.items()})
+    write_trace(tmp_path / "t.h5", [run])
+    with read_trace(tmp_path / "t.h5") as r:
+        for k, v in caps.items():
+            got = r.tensor("A", k)
+            assert got.dtype == tdtype and got.shape == v.shape, k
+            np.testing.assert_array_equal(tensor_bits(got), tensor_bits(v))
+        np.testing.assert_array_equal(tensor_bits(r.tensor("A", "big", rows=slice(100, 103))), big_bits[100:103])
+        lazy = r.run("A", load_tensors=False)
+        assert lazy.captures["big"].tensor.device.type == "meta" and lazy.captures["big"].tensor.shape == (300, 1000)
+
+
+def test_h5py_only_reading_per_readme(tmp_path):
+    """The README's snippet (plain h5py + numpy) recovers the same bits and values."""
+    rng = np.random.default_rng(2)
+    t, bits = bits_tensor("bfloat16", (4, 8), rng)
+    half, half_bits = bits_tensor("float16", (4, 8), rng)
+    run = RunRecord("A", [1, 2], {}, (0, 4), {
+        "model.layers.0": CaptureRecord("model.layers.0", "layer", t),
+        "model.layers.1": CaptureRecord("model.layers.1", "layer", half),
+    })
+    path = tmp_path / "example.h5"
+    write_trace(path, [run])
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format"] == FORMAT and f.attrs["format_version"] == FORMAT_VERSION
+        ds = f["runs/A/captures/model.layers.0"]
+        assert f.attrs["complete"] and ds.attrs["dtype"] == "bfloat16"
+        x = torch.from_numpy(ds[()].view(np.int16)).view(torch.bfloat16)
+        np.testing.assert_array_equal(tensor_bits(x), bits)
+        as_f32 = (ds[()].astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal((as_f32.view(np.uint32) >> 16).astype(np.uint16), bits)
+        h = f["runs/A/captures/model.layers.1"]
+        assert h.attrs["dtype"] == "float16" and h.dtype == np.uint16
+        np.testing.assert_array_equal(h[()].view(np.float16).view(np.uint16), half_bits)
+        assert json.loads(f["runs/A"].attrs["capture_order"]) == ["model.layers.0", "model.layers.1"]
+        assert list(f["runs/A"].attrs["window"]) == [0, 4]
+        assert json.loads(f["runs"].attrs["order"]) == ["A"]
+        assert f["header"].attrs["model.name"] == "tiny"  # flat copy for h5ls
+        assert json.loads(f["header"].attrs["json"])["split_points"] == [3, 5]
+
+
+def test_readme_snippet_runs_as_written(tmp_path):
+    """The python block of traces/README.md, run verbatim on a trace, yields the stored bits."""
+    readme = (Path(__file__).resolve().parent.parent / "traces" / "README.md").read_text()
+    section = readme.split("## Reading a bf16 tensor without tracer", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    rng = np.random.default_rng(12)
+    t, bits = bits_tensor("bfloat16", (3, 64), rng)
+    run = RunRecord("A", [1, 2, 3], {}, (0, 3), {"model.layers.0": CaptureRecord("model.layers.0", "layer", t)})
+    write_trace(tmp_path / "traces" / "example.h5", [run])
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        scope: dict = {}
+        exec(code, scope)  # noqa: S102 - our own documentation
+    finally:
+        os.chdir(cwd)
+    np.testing.assert_array_equal(tensor_bits(scope["x"]), bits)
+
+
+# ---------------------------------------------------------------- atomic writing
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_overwrite_refused_leaves_existing_file(tmp_path):
+    rng = np.random.default_rng(3)
+    path = tmp_path / "t.h5"
+    write_trace(path, [make_run("A", rng)[0]])
+    before = sha(path)
+    with pytest.raises(TracerError, match="exists; pass --overwrite or choose another --output"):
+        TraceWriter(path, header=HEADER)
+    assert sha(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+
+
+def test_overwrite_replaces_only_when_complete(tmp_path):
+    rng = np.random.default_rng(4)
+    path = tmp_path / "t.h5"
+    write_trace(path, [make_run("A", rng)[0]])
+    before = sha(path)
+    with pytest.raises(RuntimeError):
+        with TraceWriter(path, header=HEADER, overwrite=True) as w:
+            w.add_run(make_run("B", rng)[0])
+            assert sha(path) == before  # not replaced while writing
+            raise RuntimeError("boom")
+    assert sha(path) == before
+    write_trace(path, [make_run("B", rng)[0]], overwrite=True)
+    with read_trace(path) as r:
+        assert r.runs == ["B"]
+
+
+def test_exception_leaves_no_file(tmp_path):
+    rng = np.random.default_rng(5)
+    path = tmp_path / "t.h5"
+    with pytest.raises(RuntimeError, match="boom"):
+        with TraceWriter(path, header=HEADER) as w:
+            w.add_run(make_run("A", rng)[0])
+            assert w.partial_path.exists()
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_partial_file_is_marked_incomplete_while_writing(tmp_path):
+    rng = np.random.default_rng(6)
+    path = tmp_path / "t.h5"
+    w = TraceWriter(path, header=HEADER)
+    w.add_run(make_run("A", rng)[0])
+    w._file.flush()
+    with pytest.raises(TracerError, match="incomplete"):
+        read_trace(w.partial_path)
+    w.close()
+    assert not w.partial_path.exists()
+    with read_trace(path) as r:
+        assert r.runs == ["A"]
+
+
+def test_writer_validation(tmp_path):
+    rng = np.random.default_rng(7)
+    with pytest.raises(TracerError, match="compression"):
+        TraceWriter(tmp_path / "a.h5", header={}, compression="zstd")
+    with pytest.raises(TracerError, match="JSON"):
+        TraceWriter(tmp_path / "a.h5", header={"x": object()})
+    with pytest.raises(TracerError, match="folder"):
+        TraceWriter(tmp_path, header={})
+    run, _ = make_run("A", rng)
+    with pytest.raises(TracerError, match="already"):
+        with TraceWriter(tmp_path / "b.h5", header={}) as w:
+            w.add_run(run)
+            w.add_run(run)
+    bad = RunRecord("A/B", [1], {}, (0, 1), {})
+    with pytest.raises(TracerError, match="not a valid trace name"):
+        with TraceWriter(tmp_path / "c.h5", header={}) as w:
+            w.add_run(bad)
+    ints = RunRecord("A", [1], {}, (0, 1), {
+        "ok": CaptureRecord("ok", "layer", torch.zeros(2)),
+        "x": CaptureRecord("x", "layer", torch.zeros(2, dtype=torch.int32)),
+    })
+    with pytest.raises(TracerError, match="int32"):
+        with TraceWriter(tmp_path / "d.h5", header={}) as w:
+            w.add_run(ints)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # a refused run leaves the trace as it was: the writer can go on
+    with TraceWriter(tmp_path / "e.h5", header={}) as w:
+        with pytest.raises(TracerError, match="int32"):
+            w.add_run(ints)
+        w.add_run(run)
+    with read_trace(tmp_path / "e.h5") as r, h5py.File(tmp_path / "e.h5", "r") as f:
+        assert r.runs == ["A"] and list(f["runs"]) == ["A"] and len(r.capture_names("A")) == 6
+
+
+# ---------------------------------------------------------------- reader errors
+
+
+def test_reader_missing(tmp_path):
+    with pytest.raises(TracerError, match=r"trace file .*nope\.h5 not found"):
+        read_trace(tmp_path / "nope.h5")
+
+
+def test_reader_garbage_and_truncated(tmp_path):
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(os.urandom(4096))
+    with pytest.raises(TracerError, match=r"is not a readable HDF5 file \(truncated or corrupt\?\)"):
+        read_trace(garbage)
+    good = tmp_path / "good.h5"
+    write_trace(good, [make_run("A", np.random.default_rng(8))[0]])
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(TracerError, match="truncated or corrupt"):
+        read_trace(truncated)
+
+
+def _plain_h5(path, **attrs):
+    with h5py.File(path, "w") as f:
+        for k, v in attrs.items():
+            f.attrs[k] = v
+        f.create_group("header").attrs["json"] = "{}"
+        f.create_group("runs").attrs["order"] = "[]"
+
+
+def test_reader_not_a_trace(tmp_path):
+    path = tmp_path / "plain.h5"
+    _plain_h5(path)
+    with pytest.raises(TracerError, match="is not a tracer trace"):
+        read_trace(path)
+
+
+def test_reader_wrong_version(tmp_path):
+    path = tmp_path / "v99.h5"
+    _plain_h5(path, format=FORMAT, format_version=99, complete=True)
+    with pytest.raises(TracerError, match=r"format_version 99; this tracer reads version 1") as e:
+        read_trace(path)
+    assert all(str(v) in str(e.value) for v in READ_VERSIONS)
+
+
+def test_reader_incomplete(tmp_path):
+    path = tmp_path / "inc.h5"
+    _plain_h5(path, format=FORMAT, format_version=FORMAT_VERSION, complete=False)
+    with pytest.raises(TracerError, match="is incomplete: the run that wrote it did not finish; re-run it"):
+        read_trace(path)
+    _plain_h5(path, format=FORMAT, format_version=FORMAT_VERSION)  # no complete attribute at all
+    with pytest.raises(TracerError, match="incomplete"):
+        read_trace(path)
+
+
+def test_reader_unknown_run_and_capture(tmp_path):
+    path = tmp_path / "t.h5"
+    write_trace(path, [make_run("A", np.random.default_rng(9))[0], make_run("B", np.random.default_rng(10))[0]])
+    with read_trace(path) as r:
+        with pytest.raises(TracerError, match="run 'C' not in .*available runs: A, B"):
+            r.run("C")
+        with pytest.raises(TracerError, match="capture 'nope' not in run 'A'; available: model.embed_tokens"):
+            r.tensor("A", "nope")
+    with pytest.raises(TracerError, match="closed"):
+        r.run("A")
+
+
+# ---------------------------------------------------------------- environment header
+
+
+def test_collect_environment_is_json_and_merges_extra():
+    env = collect_environment("cpu", {"model": "tiny", "block_size": 16, "torch": "overridden"})
+    assert json.loads(json.dumps(env)) == env
+    for key in ("python", "numpy", "h5py", "tracer_version", "hostname", "cpu", "device_name",
+                "matmul_allow_tf32", "matmul_allow_bf16_reduced_precision_reduction",
+                "matmul_allow_fp16_reduced_precision_reduction", "cudnn_allow_tf32",
+                "deterministic_algorithms", "CUBLAS_WORKSPACE_CONFIG", "num_threads", "float32_matmul_precision",
+                "cuda", "cudnn", "cublas", "driver", "device_capability"):
+        assert key in env, key
+    assert env["model"] == "tiny" and env["block_size"] == 16 and env["torch"] == "overridden"
+    assert env["num_threads"] == torch.get_num_threads()
+    assert env["deterministic_algorithms"] == torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(TracerError, match="JSON"):
+        collect_environment("cpu", {"bad": {1, 2}})
+
+
+def test_environment_header_round_trip(tmp_path):
+    env = collect_environment("cpu", {"model": {"name": "tiny", "weights_sha256": "00ff"}, "split_points": [16, 32]})
+    run = RunRecord("A", [1], {}, (0, 1), {})
+    with TraceWriter(tmp_path / "t.h5", header=env) as w:
+        w.add_run(run)
+    with read_trace(tmp_path / "t.h5") as r:
+        assert r.header == env and r.runs == ["A"] and r.run("A").captures == {}
+    with h5py.File(tmp_path / "t.h5", "r") as f:
+        assert f["header"].attrs["torch"] == torch.__version__  # flat copy, a plain string
+        assert f["header"].attrs["model.weights_sha256"] == "00ff"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_collect_environment_cuda():
+    env = collect_environment("cuda")
+    assert env["device_name"] == torch.cuda.get_device_name(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    assert env["device_capability"] == f"{major}.{minor}" and env["cuda"] == torch.version.cuda

@@ -1,0 +1,659 @@
+"""The HDF5 trace: bit-exact tensors, environment header, runs, comparisons, atomic completion.
+
+The on-disk layout is specified in ``traces/README.md`` (format ``tracer-trace``, version
+:data:`FORMAT_VERSION`). In short::
+
+    /                         attrs: format, format_version, complete, created, tool_version
+    /header                   attrs: json (+ flat scalar copies)
+    /runs                     attrs: order
+    /runs/<run>               attrs: plan, meta, window, capture_order; dataset token_ids
+    /runs/<run>/captures/<module path>   attrs: dtype, kind, op, calls
+    /comparisons/<name>       attrs: json
+
+bf16 and fp16 tensors are stored as their raw 16-bit patterns (uint16) plus a ``dtype``
+attribute; fp32/fp64 natively. Each tensor is written with one ``create_dataset`` call from a
+numpy view of the tensor's memory (:func:`write_tensor`), and read back the same way
+(:func:`read_tensor`), so the round trip is bit-exact and costs no per-element Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from tracer.errors import TracerError
+from tracer.records import CaptureRecord, RunRecord
+
+FORMAT = "tracer-trace"
+FORMAT_VERSION = 1
+#: format versions this tracer reads
+READ_VERSIONS = (1,)
+#: compression filters accepted by :class:`TraceWriter`
+COMPRESSIONS = (None, "lzf", "gzip")
+#: target size of one HDF5 chunk (rows along the first axis)
+CHUNK_BYTES = 1 << 20
+
+# dtype name ↔ torch dtype, and how each is laid out on disk
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_RAW16 = ("bfloat16", "float16")  # stored as uint16 bit patterns
+_STORED = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "float64": np.float64}
+
+
+# ---------------------------------------------------------------- environment header
+
+
+def _tool_version() -> str:
+    """tracer's version: installed metadata, else the checkout's pyproject.toml, else 'unknown'."""
+    try:
+        return importlib.metadata.version("tracer")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    try:
+        for line in pyproject.read_text().splitlines():
+            if line.strip().startswith("version"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _dist_version(name: str) -> str | None:
+    """Installed version of a distribution without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cublas_version() -> str | None:
+    """cuBLAS version from the libcublas already loaded by torch (``cublasGetProperty``), or None."""
+    try:
+        path = None
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcublas.so" in line:
+                    path = line.split()[-1]
+                    break
+        if path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        parts = []
+        for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
+            value = ctypes.c_int()
+            if lib.cublasGetProperty(prop, ctypes.byref(value)) != 0:
+                return None
+            parts.append(str(value.value))
+        return ".".join(parts)
+    except Exception:  # noqa: BLE001 - optional fact: any failure means "not obtainable"
+        return None
+
+
+def _nvidia_driver(index: int) -> str | None:
+    """Driver version from nvidia-smi when it is on PATH and answers within 5 s, else None."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader", f"--id={index}"],
+            capture_output=True, text=True, timeout=5, check=True,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any]:
+    """The numeric contract of this process: what a bit-exact comparison depends on.
+
+    Args:
+        device: the device the runs execute on (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        extra: run-level facts merged in last (model name and weights hash, dtype, attention
+            implementation, scenario, block size, split points, ...); its keys win.
+
+    Returns:
+        a flat JSON-able dict: versions (python, torch, transformers, numpy, h5py, tracer),
+        platform, hostname, CPU model, device name and compute capability, CUDA/HIP, cuDNN,
+        cuBLAS and driver versions (None where not obtainable), the TF32 / reduced-precision /
+        deterministic flags, ``CUBLAS_WORKSPACE_CONFIG``, thread count and float32 matmul
+        precision. Nothing is initialised that the runs would not initialise anyway, except
+        that a CUDA device is queried when ``device`` names one.
+
+    Raises:
+        TracerError: ``extra`` is not JSON-serialisable.
+    """
+    matmul = torch.backends.cuda.matmul
+    env: dict[str, Any] = {
+        "tracer_version": _tool_version(),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),  # a str subclass (TorchVersion): h5py needs plain str
+        "transformers": _dist_version("transformers"),
+        "numpy": np.__version__,
+        "h5py": h5py.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "device": device,
+        "device_name": None,
+        "device_capability": None,
+        "device_sm_count": None,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cublas": None,
+        "driver": None,
+        "matmul_allow_tf32": bool(matmul.allow_tf32),
+        "matmul_allow_bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
+        "matmul_allow_fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "num_threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
+    }
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        env["device_name"] = props.name
+        env["device_capability"] = f"{props.major}.{props.minor}"
+        env["device_sm_count"] = props.multi_processor_count
+        env["cublas"] = _cublas_version()
+        env["driver"] = _nvidia_driver(index)
+    elif dev.type == "cpu":
+        env["device_name"] = env["cpu"]
+    if extra:
+        env.update(extra)
+    _json_dumps(env, "the environment header")
+    return env
+
+
+# ---------------------------------------------------------------- low-level tensor I/O
+
+
+def _json_dumps(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TracerError(f"{what} is not JSON-serialisable ({e}); pass plain str/int/float/bool/list/dict values") from None
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name or name == ".":
+        raise TracerError(f"{what} {name!r} is not a valid trace name; use a non-empty name without '/'")
+
+
+def tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A numpy array sharing ``tensor``'s bits (CPU, contiguous) and the dtype name to store.
+
+    bf16/fp16 become uint16 views of the bit patterns; fp32/fp64 stay as they are.
+
+    Raises:
+        TracerError: the dtype is not bfloat16/float16/float32/float64.
+    """
+    name = _DTYPE_NAMES.get(tensor.dtype)
+    if name is None:
+        raise TracerError(f"cannot store a {tensor.dtype} tensor; the trace holds {', '.join(_DTYPES)}")
+    t = tensor.detach().cpu().contiguous()
+    if name in _RAW16:
+        return t.view(torch.int16).numpy().view(np.uint16), name
+    return t.numpy(), name
+
+
+def numpy_to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """The torch tensor whose bits are ``array`` (as stored), in dtype ``dtype`` (a name).
+
+    Raises:
+        TracerError: unknown dtype name, or an array whose storage type does not match it.
+    """
+    if dtype not in _DTYPES:
+        raise TracerError(f"stored dtype {dtype!r} is unknown; this tracer reads {', '.join(_DTYPES)}")
+    if array.dtype != _STORED[dtype]:
+        raise TracerError(f"dataset of {array.dtype} does not hold {dtype} values; the trace is corrupt, re-run it")
+    if not array.flags.c_contiguous:
+        array = array.copy(order="C")  # (np.ascontiguousarray would turn a 0-d array 1-d)
+    if dtype in _RAW16:
+        return torch.from_numpy(array.view(np.int16)).view(_DTYPES[dtype])
+    return torch.from_numpy(array)
+
+
+def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compression: str | None = None) -> h5py.Dataset:
+    """Write ``tensor`` bit-exactly as dataset ``group[name]`` with a ``dtype`` attribute.
+
+    One ``create_dataset`` call; chunked along the first axis (~:data:`CHUNK_BYTES` per chunk)
+    when the tensor is at least 1-D and non-empty; ``compression`` passed through.
+    """
+    array, dtype = tensor_to_numpy(tensor)
+    chunks = None
+    if array.ndim >= 1 and array.size > 0:
+        row_bytes = array.itemsize * (array.size // array.shape[0])
+        rows = max(1, min(array.shape[0], CHUNK_BYTES // max(1, row_bytes)))
+        chunks = (rows, *array.shape[1:])
+    ds = group.create_dataset(name, data=array, chunks=chunks, compression=compression if chunks else None)
+    ds.attrs["dtype"] = dtype
+    return ds
+
+
+def read_tensor(ds: h5py.Dataset, rows: slice | None = None) -> torch.Tensor:
+    """The tensor stored in ``ds`` (all of it, or ``rows`` along the first axis), bit-exact."""
+    if "dtype" not in ds.attrs:
+        raise TracerError(f"dataset {ds.name} has no dtype attribute; the trace is corrupt, re-run it")
+    data = ds[()] if rows is None else ds[rows]
+    return numpy_to_tensor(np.asarray(data), str(ds.attrs["dtype"]))
+
+
+def _check_capture(record: CaptureRecord) -> str:
+    """Validate a capture before anything is written; return its calls as JSON."""
+    _check_name(record.name, "capture")
+    if record.tensor.dtype not in _DTYPE_NAMES:
+        raise TracerError(f"capture {record.name} is {record.tensor.dtype}; the trace holds {', '.join(_DTYPES)}")
+    return _json_dumps(record.calls, f"calls of capture {record.name}")
+
+
+def write_capture(group: h5py.Group, record: CaptureRecord, *, compression: str | None = None) -> h5py.Dataset:
+    """Write one capture point's record as dataset ``group[record.name]`` (tensor + kind/op/calls).
+
+    Raises:
+        TracerError: invalid name, unsupported dtype, or calls not JSON-able.
+    """
+    calls = _check_capture(record)
+    ds = write_tensor(group, record.name, record.tensor, compression=compression)
+    ds.attrs["kind"] = str(record.kind)
+    ds.attrs["op"] = str(record.op)
+    ds.attrs["calls"] = calls
+    return ds
+
+
+def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
+    """Write a whole run as ``runs[run.name]``: attributes, token ids and every capture in order.
+
+    Everything is validated first, so a TracerError leaves ``runs`` unchanged; if writing
+    itself fails, the half-written group is removed.
+
+    Raises:
+        TracerError: invalid or duplicate run name, capture key ≠ record name, invalid capture,
+            plan/meta not JSON-able.
+    """
+    _check_name(run.name, "run")
+    if run.name in runs:
+        raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
+    for key, record in run.captures.items():
+        if key != record.name:
+            raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
+        _check_capture(record)
+    plan = _json_dumps(run.plan, f"plan of run {run.name}")
+    meta = _json_dumps(run.meta, f"meta of run {run.name}")
+    g = runs.create_group(run.name, track_order=True)
+    try:
+        g.attrs["plan"] = plan
+        g.attrs["meta"] = meta
+        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
+        g.attrs["capture_order"] = json.dumps(list(run.captures))
+        g.create_dataset("token_ids", data=np.asarray(run.token_ids, dtype=np.int64).reshape(-1))
+        captures = g.create_group("captures", track_order=True)
+        for record in run.captures.values():
+            write_capture(captures, record, compression=compression)
+    except BaseException:
+        del runs[run.name]
+        raise
+    return g
+
+
+def _flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Scalar entries of a nested dict, keys joined with '.', for readable h5ls attributes."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_scalars(v, key + "."))
+        elif isinstance(v, bool):
+            out[key] = bool(v)
+        elif isinstance(v, str):
+            out[key] = str(v)  # a plain str: h5py rejects subclasses such as torch's TorchVersion
+        elif isinstance(v, int):
+            out[key] = int(v)
+        elif isinstance(v, float):
+            out[key] = float(v)
+    return out
+
+
+# ---------------------------------------------------------------- writer
+
+
+class TraceWriter:
+    """Writes a trace atomically: a temporary sibling file, renamed onto ``path`` when complete.
+
+    Use as a context manager::
+
+        with TraceWriter("traces/x.h5", header=collect_environment("cuda")) as w:
+            w.add_run(run_a); w.add_run(run_b)
+
+    On a clean exit ``complete`` is set True, the file is closed and moved onto ``path``; if the
+    block raises, the partial file is deleted and ``path`` is left as it was.
+
+    Args:
+        path: the trace file to create; parent folders are created.
+        header: the environment header (:func:`collect_environment`), JSON-able.
+        overwrite: replace an existing ``path`` (only once the new trace is complete).
+        compression: ``None`` (default), ``"lzf"`` or ``"gzip"``, passed to ``create_dataset``.
+
+    Raises:
+        TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
+            compression; header not JSON-able; the file cannot be created.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False, compression: str | None = None) -> None:
+        self.path = Path(path)
+        self.overwrite = overwrite
+        if compression not in COMPRESSIONS:
+            raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
+        self.compression = compression
+        if self.path.is_dir():
+            raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
+        if self.path.exists() and not overwrite:
+            raise TracerError(f"trace {self.path} exists; pass --overwrite or choose another --output")
+        header_json = _json_dumps(header, "the trace header")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
+        self.partial_path = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        try:
+            self._file: h5py.File | None = h5py.File(self.partial_path, "w", track_order=True)
+        except OSError as e:
+            raise TracerError(f"cannot create {self.partial_path} ({e}); choose another --output") from None
+        try:
+            f = self._file
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            f.attrs["complete"] = False
+            f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            f.attrs["tool_version"] = _tool_version()
+            h = f.create_group("header")
+            h.attrs["json"] = header_json
+            for key, value in _flat_scalars(header).items():
+                if key != "json":
+                    h.attrs[key] = value
+            self._runs = f.create_group("runs", track_order=True)
+            self._runs.attrs["order"] = "[]"
+            self._run_names: list[str] = []
+        except BaseException:
+            self.abort()
+            raise
+
+    def _require_open(self) -> h5py.File:
+        if self._file is None:
+            raise TracerError(f"trace writer for {self.path} is closed; open a new TraceWriter")
+        return self._file
+
+    def add_run(self, run: RunRecord) -> None:
+        """Write ``run`` (its token ids, plan, meta, window and every capture, in order).
+
+        Raises:
+            TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,
+                plan/meta/calls not JSON-able, or the writer is closed.
+        """
+        self._require_open()
+        write_run(self._runs, run, compression=self.compression)
+        self._run_names.append(run.name)
+        self._runs.attrs["order"] = json.dumps(self._run_names)
+
+    def add_comparison(self, name: str, data: dict) -> None:
+        """Store a comparison result (JSON-able dict) as ``/comparisons/<name>``.
+
+        Raises:
+            TracerError: invalid or duplicate name, data not JSON-able, or the writer is closed.
+        """
+        f = self._require_open()
+        _check_name(name, "comparison")
+        text = _json_dumps(data, f"comparison {name}")
+        comps = f.require_group("comparisons")
+        if name in comps:
+            raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
+        comps.create_group(name).attrs["json"] = text
+
+    def close(self) -> None:
+        """Mark the trace complete, close it and move it onto ``path`` (idempotent).
+
+        Raises:
+            TracerError: ``path`` appeared meanwhile and ``overwrite`` is False (the complete
+                trace is left at ``partial_path``).
+        """
+        if self._file is None:
+            return
+        f, self._file = self._file, None
+        try:
+            f.attrs["complete"] = True
+            f.flush()
+            f.close()
+        except BaseException:
+            self.partial_path.unlink(missing_ok=True)
+            raise
+        if self.overwrite:
+            os.replace(self.partial_path, self.path)
+            return
+        try:
+            os.link(self.partial_path, self.path)  # atomic, and refuses to clobber
+        except FileExistsError:
+            raise TracerError(
+                f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                "move it yourself or pass --overwrite"
+            ) from None
+        except OSError:  # no hard links on this filesystem: check, then rename
+            if self.path.exists():
+                raise TracerError(
+                    f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                    "move it yourself or pass --overwrite"
+                ) from None
+            os.replace(self.partial_path, self.path)
+            return
+        self.partial_path.unlink()
+
+    def abort(self) -> None:
+        """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - closing a broken file must not mask the cause
+                pass
+        self.partial_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+# ---------------------------------------------------------------- reader
+
+
+class TraceReader:
+    """Read-only access to a complete trace; a context manager (or call :meth:`close`).
+
+    Attributes:
+        path: the trace file.
+        header: the environment header (dict).
+        runs: run names in written order.
+        format_version: the file's format version.
+
+    Raises:
+        TracerError: the file is missing, not readable HDF5, not a tracer trace, of a format
+            version this tracer does not read, or incomplete.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise TracerError(f"trace file {self.path} not found")
+        try:
+            self._file: h5py.File | None = h5py.File(self.path, "r")
+        except OSError:
+            raise TracerError(f"{self.path} is not a readable HDF5 file (truncated or corrupt?)") from None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        f = self._f
+        fmt = f.attrs.get("format")
+        if fmt != FORMAT:
+            raise TracerError(f"{self.path} is not a tracer trace (no format={FORMAT!r} attribute); pass a file written by tracer")
+        version = f.attrs.get("format_version")
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            version = None
+        if version not in READ_VERSIONS:
+            known = ", ".join(map(str, READ_VERSIONS))
+            raise TracerError(f"{self.path} has trace format_version {version}; this tracer reads version {known}; use a matching tracer or re-run")
+        complete = f.attrs.get("complete")
+        if not (isinstance(complete, (bool, np.bool_)) and bool(complete)):
+            raise TracerError(f"{self.path} is incomplete: the run that wrote it did not finish; re-run it")
+        self.format_version = version
+        try:
+            self.header: dict[str, Any] = json.loads(f["header"].attrs["json"])
+            self.runs: list[str] = json.loads(f["runs"].attrs["order"])
+        except (KeyError, ValueError):
+            raise TracerError(f"{self.path} lacks its header or run list; the trace is corrupt, re-run it") from None
+
+    @property
+    def _f(self) -> h5py.File:
+        if self._file is None:
+            raise TracerError(f"trace {self.path} is closed; open it again with read_trace")
+        return self._file
+
+    def _run_group(self, run: str) -> h5py.Group:
+        if run not in self.runs:
+            raise TracerError(f"run {run!r} not in {self.path}; available runs: {', '.join(self.runs) or 'none'}")
+        return self._f["runs"][run]
+
+    def _capture_ds(self, run: str, capture: str) -> h5py.Dataset:
+        caps = self._run_group(run)["captures"]
+        if capture not in caps:
+            names = self.capture_names(run)
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise TracerError(f"capture {capture!r} not in run {run!r}; available: {shown or 'none'}")
+        return caps[capture]
+
+    def capture_names(self, run: str) -> list[str]:
+        """Capture names of ``run`` in execution order."""
+        return json.loads(self._run_group(run).attrs["capture_order"])
+
+    def capture_info(self, run: str, capture: str) -> dict[str, Any]:
+        """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data."""
+        ds = self._capture_ds(run, capture)
+        return {
+            "kind": str(ds.attrs["kind"]),
+            "op": str(ds.attrs["op"]),
+            "calls": json.loads(ds.attrs["calls"]),
+            "dtype": str(ds.attrs["dtype"]),
+            "shape": list(ds.shape),
+        }
+
+    def tensor(self, run: str, capture: str, *, rows: slice | None = None) -> torch.Tensor:
+        """The captured tensor exactly as stored (bf16 back as ``torch.bfloat16``), on the CPU.
+
+        Args:
+            rows: optional slice along the first (position) axis, read without loading the rest.
+        """
+        return read_tensor(self._capture_ds(run, capture), rows)
+
+    def run(self, name: str, *, load_tensors: bool = True) -> RunRecord:
+        """The :class:`RunRecord` of run ``name``, captures in execution order.
+
+        With ``load_tensors=False`` each capture's tensor is a ``meta``-device tensor of the
+        stored shape and dtype (no data is read).
+
+        Raises:
+            TracerError: unknown run (the message lists the available ones).
+        """
+        g = self._run_group(name)
+        captures: dict[str, CaptureRecord] = {}
+        for cap in self.capture_names(name):
+            info = self.capture_info(name, cap)
+            if load_tensors:
+                tensor = self.tensor(name, cap)
+            else:
+                tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
+            captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
+        start, stop = (int(x) for x in g.attrs["window"])
+        return RunRecord(
+            name=name,
+            token_ids=[int(x) for x in g["token_ids"][()]],
+            plan=json.loads(g.attrs["plan"]),
+            window=(start, stop),
+            captures=captures,
+            meta=json.loads(g.attrs["meta"]),
+        )
+
+    def comparisons(self) -> dict[str, dict]:
+        """Stored comparison results, name → data (empty if none)."""
+        comps = self._f.get("comparisons")
+        if comps is None:
+            return {}
+        return {name: json.loads(comps[name].attrs["json"]) for name in comps}
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+
+def read_trace(path: str | os.PathLike) -> TraceReader:
+    """Open a complete trace for reading (see :class:`TraceReader` for the errors raised)."""
+    return TraceReader(path)
+
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "collect_environment", "TraceWriter", "TraceReader",
+    "read_trace", "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
+]
