@@ -1,0 +1,5 @@
+"""``python -m tracer`` = the ``tracer`` command."""
+
+from .cli import main
+
+main()

