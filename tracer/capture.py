@@ -279,16 +279,20 @@ class Capture:
         records = cap.records()
 
     Each hook slices its tensor ``(B, T, *feature)`` to batch row ``row`` and the part of the
-    call's positions inside ``window``, moves that slice to the CPU (a copy, same dtype), and
-    records the input/output shapes the module saw. Memory is therefore proportional to the
+    call's positions inside ``window``, copies that slice to the CPU (same dtype; from a GPU a
+    non-blocking copy into pinned memory, synchronised once in :meth:`records`) or keeps it on
+    the device (``keep_on_device=True``, for online comparison), and records the input/output
+    shapes the module saw. Memory is therefore proportional to the
     compared window, not to the prompt (except for points with ``full=True``).
 
     Raises:
         TracerError: a module output whose sequence dimension does not match the call.
     """
 
-    def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int]) -> None:
+    def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int],
+                 *, keep_on_device: bool = False) -> None:
         self.model = model
+        self.keep_on_device = keep_on_device
         self.points = list(points)
         self.window = (int(window[0]), int(window[1]))
         self._handles: list[Any] = []
@@ -296,6 +300,7 @@ class Capture:
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
         self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
         self._fired: dict[str, int] = {}  # capture name -> index of its first firing
+        self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
 
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
@@ -369,8 +374,16 @@ class Capture:
         lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
         if lo >= hi:
             return None
-        piece = t[row, col + lo - start : col + hi - start]
-        return piece.detach().to("cpu", copy=True)
+        piece = t[row, col + lo - start : col + hi - start].detach()
+        if self.keep_on_device or piece.device.type == "cpu":
+            return piece.clone()
+        # GPU: copy into pinned host memory without blocking the host, so the GPU never waits
+        # for the hook; the copy is ordered on the current stream after the kernel that made
+        # `piece`, and records() synchronises once at the end of the run.
+        host = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
+        host.copy_(piece, non_blocking=True)
+        self._pending_sync.add(piece.device)
+        return host
 
     def records(self) -> dict[str, CaptureRecord]:
         """Capture name → :class:`CaptureRecord`, in execution order.
@@ -379,6 +392,9 @@ class Capture:
         come last, in discovery order). Tensors are the kept slices concatenated along
         positions: ``(T, *feature)``.
         """
+        for device in self._pending_sync:
+            torch.cuda.synchronize(device)
+        self._pending_sync.clear()
         out: dict[str, CaptureRecord] = {}
         never = len(self.points)
         order = sorted(range(len(self.points)),
