@@ -19,6 +19,7 @@ numpy view of the tensor's memory (:func:`write_tensor`), and read back the same
 from __future__ import annotations
 
 import ctypes
+import functools
 import datetime as _dt
 import importlib.metadata
 import json
@@ -85,6 +86,7 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -96,6 +98,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
 def _cublas_version() -> str | None:
     """cuBLAS version from the libcublas already loaded by torch (``cublasGetProperty``), or None."""
     try:
@@ -119,6 +122,7 @@ def _cublas_version() -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
 def _nvidia_driver(index: int) -> str | None:
     """Driver version from nvidia-smi when it is on PATH and answers within 5 s, else None."""
     exe = shutil.which("nvidia-smi")
