@@ -382,3 +382,49 @@ def test_collect_environment_cuda():
     assert env["device_name"] == torch.cuda.get_device_name(0)
     major, minor = torch.cuda.get_device_capability(0)
     assert env["device_capability"] == f"{major}.{minor}" and env["cuda"] == torch.version.cuda
+
+
+# ---------------------------------------------------------------- background writer (issue 6)
+
+def _bg_run(name: str, seed: int) -> RunRecord:
+    g = torch.Generator().manual_seed(seed)
+    caps = {}
+    for i, dt in enumerate((torch.bfloat16, torch.float16, torch.float32, torch.float64)):
+        t = torch.randn(64, 96, generator=g).to(dt)
+        caps[f"model.layers.{i}"] = CaptureRecord(name=f"model.layers.{i}", kind="layer", tensor=t,
+                                                  calls=[{"positions": [0, 64]}], op="Block")
+    return RunRecord(name=name, token_ids=list(range(64)), plan={"chunks": [[0, 64]]}, window=(0, 64), captures=caps)
+
+
+def test_background_writer_equals_synchronous_write(tmp_path):
+    runs = [_bg_run("A", 1), _bg_run("B", 2)]
+    paths = {}
+    for background in (False, True):
+        paths[background] = tmp_path / f"bg-{background}.h5"
+        with TraceWriter(paths[background], header={"x": 1}, background=background) as w:
+            for r in runs:
+                w.add_run(r)
+    from tracer.store import TraceReader
+
+    with TraceReader(paths[False]) as s, TraceReader(paths[True]) as b:
+        assert s.runs == b.runs == ["A", "B"]
+        for run in s.runs:
+            assert s.capture_names(run) == b.capture_names(run)
+            for name in s.capture_names(run):
+                ts, tb = s.tensor(run, name), b.tensor(run, name)
+                assert ts.dtype == tb.dtype
+                # byte-identical: compare the raw bytes of both datasets
+                assert ts.contiguous().view(torch.uint8).equal(tb.contiguous().view(torch.uint8))
+
+
+def test_exception_in_forward_leaves_no_writer_thread_and_no_complete_file(tmp_path):
+    import threading
+
+    path = tmp_path / "planted.h5"
+    with pytest.raises(RuntimeError, match="planted"):
+        with TraceWriter(path, header={"x": 1}, background=True) as w:
+            w.add_run(_bg_run("A", 1))  # written in the background while "run B" executes
+            raise RuntimeError("planted failure inside the forward of run B")
+    assert not path.exists()
+    assert not list(tmp_path.glob("planted.h5.partial-*"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("tracer-writer")]

@@ -18,6 +18,7 @@ numpy view of the tensor's memory (:func:`write_tensor`), and read back the same
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import datetime as _dt
@@ -375,14 +376,22 @@ class TraceWriter:
         header: the environment header (:func:`collect_environment`), JSON-able.
         overwrite: replace an existing ``path`` (only once the new trace is complete).
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"``, passed to ``create_dataset``.
+        background: write runs on one background thread, so :meth:`add_run` returns at once and
+            the model can run the next plan while run A is written (h5py serialises its own
+            calls; torch releases the GIL in its kernels, so the two overlap). Runs are written
+            in submission order; :meth:`close` waits for them and re-raises a writer error;
+            on an exception in the ``with`` block the thread is joined and the file deleted.
 
     Raises:
         TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
             compression; header not JSON-able; the file cannot be created.
     """
 
-    def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False, compression: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False,
+                 compression: str | None = None, background: bool = False) -> None:
         self.path = Path(path)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._futures: list[concurrent.futures.Future] = []
         self.overwrite = overwrite
         if compression not in COMPRESSIONS:
             raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
@@ -419,6 +428,8 @@ class TraceWriter:
         except BaseException:
             self.abort()
             raise
+        if background:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
 
     def _require_open(self) -> h5py.File:
         if self._file is None:
@@ -433,9 +444,27 @@ class TraceWriter:
                 plan/meta/calls not JSON-able, or the writer is closed.
         """
         self._require_open()
+        if self._pool is not None:
+            self._futures.append(self._pool.submit(self._write_run, run))
+        else:
+            self._write_run(run)
+
+    def _write_run(self, run: RunRecord) -> None:
         write_run(self._runs, run, compression=self.compression)
         self._run_names.append(run.name)
         self._runs.attrs["order"] = json.dumps(self._run_names)
+
+    def _drain(self) -> None:
+        """Wait for the background writes (if any); re-raise the first error; stop the thread."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        futures, self._futures = self._futures, []
+        try:
+            for fut in futures:
+                fut.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def add_comparison(self, name: str, data: dict) -> None:
         """Store a comparison result (JSON-able dict) as ``/comparisons/<name>``.
@@ -460,6 +489,11 @@ class TraceWriter:
         """
         if self._file is None:
             return
+        try:
+            self._drain()
+        except BaseException:
+            self.abort()
+            raise
         f, self._file = self._file, None
         try:
             f.attrs["complete"] = True
@@ -490,6 +524,10 @@ class TraceWriter:
 
     def abort(self) -> None:
         """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
+        try:
+            self._drain()
+        except BaseException:  # noqa: BLE001 - aborting already; the cause is the caller's
+            pass
         f, self._file = self._file, None
         if f is not None:
             try:
