@@ -156,7 +156,7 @@ def test_bad_token_ids_file(tmp_path, cli_env):
     f = tmp_path / "ids.json"
     f.write_text('{"ids": [1, 2]}')
     _bad(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "JSON array of ints")
-    f.write_text("[1, 2, 99999]")
+    f.write_text(json.dumps([1] * 40 + [99999]))
     _bad(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "outside the model's vocabulary")
 
 

@@ -6,6 +6,7 @@ with capture hooks, writes the HDF5 trace and returns the comparison.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import re
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .errors import TracerError
+
+#: what a run keeps: every tensor in the trace, statistics only (online comparison), or nothing
+STORE_MODES = ("tensors", "stats", "none")
 
 
 @dataclass
@@ -152,7 +156,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         scenario: str = "prefix-cache", block_size: int = 16, split_at: int | None = None,
         mitigation: str | None = None, dtype: str = "bfloat16", device: str | None = None,
         attn: str = "sdpa", gguf: str | None = None, granularity: str = "layers",
-        length: int | None = None, output: str | Path | None = None, store: bool = True,
+        length: int | None = None, output: str | Path | None = None, store: str | bool = "tensors",
+        compression: str | None = None,
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
@@ -170,8 +175,14 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         dtype, device, attn: model dtype (``bfloat16``), device (``cuda`` if available, else
             ``cpu``), attention implementation (``sdpa``/``eager``).
         granularity: ``layers`` or ``sublayers``.
-        output: trace path; default ``traces/<model>-<scenario>-<timestamp>.h5``. ``store=False``
-            keeps everything in memory.
+        output: trace path; default ``traces/<model>-<scenario>-<timestamp>.h5``.
+        store: ``tensors`` (default): the trace holds every captured tensor, written by a
+            background thread while the next plan runs. ``stats``: online comparison — the
+            captures stay on the model's device and are compared there, so only statistics reach
+            the host; the trace holds the header, both runs' token ids and plans, and the
+            comparison (no tensors). ``none``: online comparison, no file. (``True``/``False``
+            mean ``tensors``/``none``.)
+        compression: HDF5 compression of the stored tensors: None (default), ``lzf``, ``gzip``.
         loaded: a :class:`~tracer.models.LoadedModel` to reuse (notebooks), instead of loading.
 
     Returns:
@@ -188,6 +199,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     from .store import TraceWriter, collect_environment
 
     say = status or (lambda msg: None)
+    store = {True: "tensors", False: "none"}.get(store, store)  # type: ignore[arg-type]
+    if store not in STORE_MODES:
+        raise TracerError(f"unknown --store '{store}'; use one of: {', '.join(STORE_MODES)}")
     # -- validate everything that needs no model --------------------------------------------------
     if scenario not in SCENARIOS:
         raise TracerError(f"unknown scenario '{scenario}'; use one of: {', '.join(SCENARIOS)}")
@@ -201,7 +215,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         _models.resolve_dtype(dtype)
         _models.resolve_device(device)
         _models.check_attn(attn)
-    check_output(output if store else None, overwrite)
+    check_output(output if store != "none" else None, overwrite)
     if length is not None and length < 2:
         raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
     n_known = length if length is not None else (len(ids) if ids is not None else None)
@@ -219,34 +233,51 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     scen = build(scenario, len(ids), block_size=block_size, split_at=split_at, mitigation=mitigation)
     points = discover_points(loaded.model, granularity)
 
-    # -- execute both plans -----------------------------------------------------------------------
-    records = []
-    for plan in (scen.plan_a, scen.plan_b):
-        say(f"run {plan.name}: {plan.description}")
-        records.append(execute(loaded.model, ids, plan, points, scen.window))
-    rec_a, rec_b = records
-
-    # -- store, compare ---------------------------------------------------------------------------
-    trace_path = None
+    # -- execute both plans, storing run A while run B executes ------------------------------------
     header = collect_environment(info.device, extra={
         "model": info.to_dict(), "scenario": scen.to_dict(), "granularity": granularity,
         "dtype": info.dtype, "attn_implementation": info.attn_implementation,
         "block_size": block_size, "split_points": [scen.window[0]], "n_tokens": len(ids),
+        "store": store,
     })
-    if store:
+    trace_path = None
+    writer = None
+    if store != "none":
         out = Path(output) if output is not None else default_output(info.name, scen.name)
-        say(f"writing {out}")
-        with TraceWriter(out, header=header, overwrite=overwrite) as w:
-            w.add_run(rec_a)
-            w.add_run(rec_b)
+        writer = TraceWriter(out, header=header, overwrite=overwrite, compression=compression,
+                             background=True)
         trace_path = str(out)
-    facts = {
-        "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
-        "device_name": header.get("device_name"), "n_tokens": len(ids),
-        "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
-        "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
-    }
-    comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
-                                 trace=trace_path, facts=facts)
+    online = store != "tensors"
+    records = []
+    with writer if writer is not None else contextlib.nullcontext():
+        for plan in (scen.plan_a, scen.plan_b):
+            say(f"run {plan.name}: {plan.description}")
+            rec = execute(loaded.model, ids, plan, points, scen.window, keep_on_device=online)
+            records.append(rec)
+            if writer is not None:
+                writer.add_run(rec if not online else _without_tensors(rec))
+        rec_a, rec_b = records
+        facts = {
+            "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
+            "device_name": header.get("device_name"), "n_tokens": len(ids),
+            "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
+            "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
+        }
+        comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
+                                     trace=trace_path, facts=facts)
+        if writer is not None and online:
+            writer.add_comparison(f"{rec_a.name}-vs-{rec_b.name}", comparison.to_dict())
+        if writer is not None:
+            say(f"writing {trace_path}")
+    if online:  # the device copies have served their purpose
+        records = [_without_tensors(r) for r in records]
     return RunResult(comparison=comparison, scenario=scen, trace=trace_path, token_ids=ids,
-                     runs=(rec_a, rec_b), model_info=info)
+                     runs=tuple(records), model_info=info)
+
+
+def _without_tensors(rec: Any) -> Any:
+    """The run record with its captures dropped (plans, token ids and meta only)."""
+    from .records import RunRecord
+
+    return RunRecord(name=rec.name, token_ids=rec.token_ids, plan=rec.plan, window=rec.window,
+                     captures={}, meta=rec.meta)

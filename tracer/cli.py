@@ -73,7 +73,9 @@ def run_cmd(
     granularity: Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")] = "layers",
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")] = False,
-    no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
+    store: Annotated[str, typer.Option("--store", help="tensors: trace every captured tensor; stats: compare on the device, store only the comparison; none: no file.")] = "tensors",
+    no_store: Annotated[bool, typer.Option("--no-store", help="Same as --store none.")] = False,
+    compression: Annotated[Optional[str], typer.Option("--compression", help="HDF5 compression of stored tensors: none, lzf, gzip.")] = None,
     fmt: FormatOpt = "table",
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
@@ -88,7 +90,8 @@ def run_cmd(
             result = run(model, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
                          chat=chat, length=length, scenario=scenario, block_size=block_size, split_at=split_at,
                          mitigation=mitigation, dtype=dtype, device=device, attn=attn, gguf=gguf,
-                         granularity=granularity, output=output, store=not no_store,
+                         granularity=granularity, output=output, store="none" if no_store else store,
+                         compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status)
     except TracerError as e:
         _fail(str(e))
@@ -141,11 +144,12 @@ def show_cmd(
                 rec = r.run(name, load_tensors=False)
                 runs.append({"name": name, "n_tokens": len(rec.token_ids), "window": list(rec.window),
                              "plan": rec.plan, "captures": len(r.capture_names(name)), "meta": rec.meta})
+            stored = r.comparisons()
     except TracerError as e:
         _fail(str(e))
         return
     if as_json:
-        print(json.dumps({"header": header, "runs": runs}, indent=2, default=str))
+        print(json.dumps({"header": header, "runs": runs, "comparisons": stored}, indent=2, default=str))
         return
     out = Console()
     t = Table(title=f"trace {trace}", show_header=False, title_justify="left")
@@ -161,6 +165,8 @@ def show_cmd(
         rt.add_row(r["name"], str(r["n_tokens"]), f"{r['window'][0]}..{r['window'][1] - 1}",
                    r["plan"].get("description", ""), str(r["plan"].get("gemm_m", "")), str(r["captures"]))
     out.print(rt)
+    for name, comp in stored.items():
+        out.print(f"stored comparison {name}: {comp.get('verdict', '?')}")
 
 
 @app.command("models")

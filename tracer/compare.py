@@ -236,6 +236,11 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None)
         rb = reader.run(run_b, load_tensors=False)
         check_alignable(ra.name, ra.token_ids, ra.window, rb.name, rb.token_ids, rb.window)
         header = reader.header
+        if not reader.capture_names(run_a) and not reader.capture_names(run_b):
+            raise TracerError(
+                f"trace {path} holds no tensors (written with --store {header.get('store', 'stats')}); "
+                f"'tracer show {path}' prints its stored comparison"
+            )
 
         def pairs():
             for name in reader.capture_names(run_a):

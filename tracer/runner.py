@@ -8,7 +8,7 @@ HF ``generate``: chunk ``[s, e)`` is computed at positions ``s..e-1``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
 
 def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
             window: tuple[int, int], *, meta: dict[str, Any] | None = None,
-            on_chunk: Callable[[], None] | None = None) -> RunRecord:
+            keep_on_device: bool = False) -> RunRecord:
     """Execute one run plan with capture hooks and return what they saw.
 
     Args:
@@ -61,6 +61,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         plan: the run plan.
         points: capture points (:func:`tracer.capture.discover_points`).
         window: the compared positions ``(start, stop)`` kept by the hooks.
+        keep_on_device: leave the captures on the model's device (online comparison) instead
+            of copying them to the host.
 
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
@@ -76,7 +78,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode(), Capture(model, points, window) as cap:
+    with torch.inference_mode(), Capture(model, points, window, keep_on_device=keep_on_device) as cap:
         forward_chunks(model, ids, plan, cap)
         _sync(device)
     wall = time.perf_counter() - t0
