@@ -186,6 +186,39 @@ def models_cmd() -> None:
     Console().print(t)
 
 
+@app.command("bench")
+def bench_cmd(
+    model: ModelArg = "smollm2-135m",
+    length: Annotated[int, typer.Option("--length", "-n", help="Prompt length N in tokens.")] = 1024,
+    dtype: DtypeOpt = "bfloat16",
+    device: DeviceOpt = None,
+    gguf: GgufOpt = None,
+    granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
+    reps: Annotated[int, typer.Option("--reps", help="Measured repetitions of each mode.")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured repetitions first.")] = 1,
+    outdir: Annotated[Optional[str], typer.Option("--outdir", help="Folder for the trace and raw I/O files (default: a temp dir).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Measure tracer's overhead over the bare forward pass and its I/O against the disk."""
+    from .bench import bench, table, to_json
+
+    if reps < 1 or warmup < 0:
+        _fail("--reps must be ≥ 1 and --warmup ≥ 0")
+    try:
+        spinner = err.status("benchmarking", spinner="dots") if err.is_terminal else contextlib.nullcontext()
+        with spinner as st:
+            result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
+                           granularity=granularity, reps=reps, warmup=warmup, outdir=outdir,
+                           progress=st.update if st is not None else None)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    if as_json:
+        print(to_json(result))
+    else:
+        Console().print(table(result))
+
+
 def main() -> None:
     """Entry point of the ``tracer`` console script."""
     try:
