@@ -22,10 +22,10 @@ IDS = [(7 * i + 3) % 500 for i in range(40)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_captures_equal_hf_hidden_states(family, dtype):
     model = make_model(family, dtype)
-    points = discover_points(model, "layers")
-    kinds = [p.kind for p in points]
+    all_points = discover_points(model, "layers")
     n_layers = model.config.num_hidden_layers
-    assert kinds == ["embedding"] + ["layer"] * n_layers + ["final_norm", "logits"]
+    assert [p.kind for p in all_points] == ["embedding"] + ["kv_cache", "layer"] * n_layers + ["final_norm", "logits"]
+    points = [p for p in all_points if p.kind != "kv_cache"]
 
     plan = RunPlan("A", ((0, len(IDS)),))
     rec = execute(model, IDS, plan, points, (0, len(IDS)))
@@ -62,6 +62,37 @@ def test_window_keeps_only_compared_positions_and_records_gemm_m(tiny_llama):
     # GEMM M per call = rows of the input: 32 (cached prefix) then 8 (suffix); K = hidden 64
     assert [c["in"][0] for c in q.calls] == [[1, 32, 64], [1, 8, 64]]
     assert [c["positions"] for c in q.calls] == [[0, 32], [32, 40]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+def test_kv_cache_points_equal_hf_cache(family):
+    model = make_model(family, torch.bfloat16)
+    scen = prefix_cache(len(IDS), block_size=16)
+    points = discover_points(model, "sublayers")
+    rec = execute(model, IDS, scen.plan_b, points, scen.window)
+    with torch.no_grad():  # an independent cache-hit prefill: prefix pass, then suffix pass
+        out = model(torch.tensor([IDS[:32]]), use_cache=True)
+        out = model(torch.tensor([IDS[32:]]), past_key_values=out.past_key_values, use_cache=True)
+    cache = out.past_key_values
+    kv_names = [n for n, r in rec.captures.items() if r.kind == "kv_cache"]
+    assert len(kv_names) == len(cache.layers)
+    for i, name in enumerate(kv_names):
+        k, v = cache.layers[i].keys[0], cache.layers[i].values[0]  # (heads, N, head_dim)
+        want = torch.cat([k.permute(1, 0, 2).reshape(len(IDS), -1), v.permute(1, 0, 2).reshape(len(IDS), -1)], 1)
+        assert torch.equal(rec.captures[name].tensor.view(torch.int16), want.view(torch.int16)), name
+        # recorded right before the attention core of its layer (execution order)
+        names = list(rec.captures)
+        assert names[names.index(name) + 1].endswith(".core")
+
+
+def test_down_proj_input_is_what_down_proj_consumed(tiny_llama):
+    points = discover_points(tiny_llama, "sublayers")
+    rec = execute(tiny_llama, IDS[:20], RunPlan("A", ((0, 20),)), points, (0, 20))
+    mlp = tiny_llama.model.layers[1].mlp
+    hidden = rec.captures["model.layers.1.mlp.down_proj.input"].tensor
+    assert torch.equal(mlp.down_proj(hidden), rec.captures["model.layers.1.mlp.down_proj"].tensor)
+    gate, up = (rec.captures[f"model.layers.1.mlp.{n}"].tensor for n in ("gate_proj", "up_proj"))
+    assert torch.equal(hidden, mlp.act_fn(gate) * up)
 
 
 def test_sublayer_order_is_execution_order(tiny_llama):

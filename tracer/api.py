@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import re
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,10 +39,16 @@ class RunResult:
     token_ids: list[int]
     runs: tuple[Any, Any] = field(repr=False, default=(None, None))
     model_info: Any = None
+    fail_on: str | None = None
+
+    def check(self) -> tuple[bool, str]:
+        """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
+        return self.comparison.check(self.fail_on)
 
     def to_dict(self) -> dict[str, Any]:
-        """The same document as ``tracer run --format json``."""
-        return self.comparison.to_dict()
+        """The same document as ``tracer run --format json`` (with ``check``: the --fail-on outcome)."""
+        failed, reason = self.check()
+        return {**self.comparison.to_dict(), "check": {"fail_on": self.fail_on, "failed": failed, "reason": reason}}
 
     def verdict(self) -> str:
         return self.comparison.verdict()
@@ -159,7 +166,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         length: int | None = None, output: str | Path | None = None, store: str | bool = "tensors",
         compression: str | None = None,
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
-        status: Callable[[str], None] | None = None) -> RunResult:
+        status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
+        atol: float | None = None, rtol: float | None = None, fail_on: str | None = None) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -184,6 +192,13 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             mean ``tensors``/``none``.)
         compression: HDF5 compression of the stored tensors: None (default), ``lzf``, ``gzip``.
         loaded: a :class:`~tracer.models.LoadedModel` to reuse (notebooks), instead of loading.
+        decode: greedy-decode this many tokens from each run's final KV cache and report the
+            first generated position where they differ (``comparison.replay``); 0 = off.
+        verdict: re-run the scenario at float32 (and float64 on the CPU) on the same model and
+            judge rounding noise vs defect (``comparison.noise``, :mod:`tracer.verdict`).
+        atol, rtol: tolerances: count elements outside ``atol + rtol * |a|`` per capture point.
+        fail_on: ``any`` | ``flip`` | ``tolerance``: the rule :meth:`RunResult.check` (and the
+            CLI's exit code 1) judges by; None = report only.
 
     Returns:
         a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
@@ -193,7 +208,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     """
     from . import models as _models
     from .capture import GRANULARITIES, discover_points
-    from .compare import compare_records
+    from .compare import check_fail_on, compare_records, replay_diff
     from .runner import execute
     from .scenarios import SCENARIOS, build, check_mitigation
     from .store import TraceWriter, collect_environment
@@ -208,6 +223,14 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
     check_mitigation(mitigation)
+    check_fail_on(fail_on, atol, rtol)
+    if not isinstance(decode, int) or decode < 0:
+        raise TracerError(f"--decode {decode} must be a number of tokens >= 0 (0 = off)")
+    if verdict:
+        from .verdict import higher_dtypes
+
+        higher_dtypes(_models.dtype_name(_models.resolve_dtype(dtype)) if loaded is None else loaded.info.dtype,
+                      _models.resolve_device(device) if loaded is None else loaded.info.device)
     if block_size < 1:
         raise TracerError(f"--block-size must be a positive number of tokens, got {block_size}")
     text, ids = (None, list(token_ids)) if token_ids is not None else read_prompt(prompt, prompt_file, token_ids_file)
@@ -252,7 +275,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     with writer if writer is not None else contextlib.nullcontext():
         for plan in (scen.plan_a, scen.plan_b):
             say(f"run {plan.name}: {plan.description}")
-            rec = execute(loaded.model, ids, plan, points, scen.window, keep_on_device=online)
+            rec = execute(loaded.model, ids, plan, points, scen.window, keep_on_device=online, decode=decode)
+            if decode:
+                rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)
             if writer is not None:
                 writer.add_run(rec if not online else _without_tensors(rec))
@@ -262,17 +287,27 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             "device_name": header.get("device_name"), "n_tokens": len(ids),
             "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
             "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
+            "chunks_a": [list(c) for c in scen.plan_a.chunks], "chunks_b": [list(c) for c in scen.plan_b.chunks],
         }
         comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
-                                     trace=trace_path, facts=facts)
+                                     trace=trace_path, facts=facts, atol=atol, rtol=rtol)
+        if decode:
+            comparison = _replace(comparison, replay=replay_diff(
+                rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
+                rec_b.meta["decode_text"]))
         if writer is not None and online:
             writer.add_comparison(f"{rec_a.name}-vs-{rec_b.name}", comparison.to_dict())
         if writer is not None:
             say(f"writing {trace_path}")
     if online:  # the device copies have served their purpose
         records = [_without_tensors(r) for r in records]
+    if verdict:
+        from .verdict import noise_verdict
+
+        say("verdict: re-running at higher precision")
+        comparison = _replace(comparison, noise=noise_verdict(loaded.model, ids, scen, comparison, info.dtype, info.device))
     return RunResult(comparison=comparison, scenario=scen, trace=trace_path, token_ids=ids,
-                     runs=tuple(records), model_info=info)
+                     runs=tuple(records), model_info=info, fail_on=fail_on)
 
 
 def _without_tensors(rec: Any) -> Any:

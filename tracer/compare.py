@@ -6,14 +6,19 @@ from in-memory :class:`~tracer.records.RunRecord` objects or from a stored trace
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator
 
 import torch
 
+from .dataflow import Consumes, dataflow
 from .errors import TracerError
-from .metrics import LogitsDiff, TensorDiff, logits_diff, tensor_diff
+from .metrics import LogitsDiff, TensorDiff, count_outside_tolerance, logits_diff, tensor_diff
 from .records import RunRecord
+
+#: the rules of ``--fail-on`` (None: report only)
+FAIL_ON = ("any", "flip", "tolerance")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,16 @@ class PointResult:
         amplification: ``max_abs_diff`` divided by the first divergent point's ``max_abs_diff``
             (None before divergence starts).
         calls_a, calls_b: the shapes the module saw in each run (see ``CaptureRecord.calls``).
+        growth: layer-to-layer amplification: ``max_abs_diff`` divided by that of the same
+            point in the previous decoder layer (``model.layers.4.mlp`` over
+            ``model.layers.3.mlp``; a layer over the previous layer); None outside the layers,
+            for layer 0, or when the previous one did not differ.
+        consumes: the capture points it consumes (:mod:`tracer.dataflow`).
+        origin: True when it differs although everything it consumed was bit-identical.
+        differing_inputs: the consumed points that differed (why it is *propagated*).
+        n_diff_prefix: for ``kv_cache`` points: differing elements at positions before the
+            compared window (computed by an earlier forward pass); None for other points.
+        n_outside_tol: elements outside ``atol + rtol * |a|`` (None when no tolerance was given).
     """
 
     name: str
@@ -36,6 +51,12 @@ class PointResult:
     amplification: float | None = None
     calls_a: list[dict[str, Any]] = field(default_factory=list)
     calls_b: list[dict[str, Any]] = field(default_factory=list)
+    growth: float | None = None
+    consumes: Consumes = Consumes(points=())
+    origin: bool = False
+    differing_inputs: tuple[str, ...] = ()
+    n_diff_prefix: int | None = None
+    n_outside_tol: int | None = None
 
     @property
     def diverged(self) -> bool:
@@ -46,6 +67,12 @@ class PointResult:
         d.update(self.diff.to_dict())
         d["fraction"] = self.diff.n_diff / self.diff.n_total if self.diff.n_total else 0.0
         d["amplification"] = self.amplification
+        d["growth"] = self.growth
+        d["origin"] = self.origin
+        d["consumes"] = self.consumes.to_dict()
+        d["differing_inputs"] = list(self.differing_inputs)
+        d["n_diff_prefix"] = self.n_diff_prefix
+        d["n_outside_tol"] = self.n_outside_tol
         d["shapes_a"] = self.calls_a
         d["shapes_b"] = self.calls_b
         return d
@@ -77,6 +104,56 @@ class Comparison:
     logits_calls: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
     trace: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
+    logits_origin: bool = False
+    logits_n_outside_tol: int | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    replay: Any = None
+    noise: Any = None
+
+    @property
+    def origins(self) -> tuple[PointResult, ...]:
+        """The origin points in execution order (the logits are an origin via :attr:`logits_origin`)."""
+        return tuple(p for p in self.points if p.origin)
+
+    def origin_lines(self) -> list[str]:
+        """One line per origin: op type, shapes in both runs, how much differs (see :func:`origin_line`)."""
+        lines = [origin_line(p, self) for p in self.origins]
+        if self.logits_origin and self.logits is not None:
+            lines.append(origin_line(PointResult(self.logits_name or "logits", "logits", "LM head", self.logits.tensor,
+                                                 calls_a=self.logits_calls[0], calls_b=self.logits_calls[1]), self))
+        return lines
+
+    def check(self, fail_on: str | None) -> tuple[bool, str]:
+        """Judge the comparison by a ``--fail-on`` rule.
+
+        Args:
+            fail_on: None (report only: always passes), ``any`` (fails on any bitwise
+                difference), ``flip`` (fails on an argmax flip at the logits), ``tolerance``
+                (fails when an element of any capture point or the logits lies outside
+                ``atol + rtol * |a|``; needs the comparison made with a tolerance).
+
+        Returns:
+            ``(failed, one-line reason)``.
+
+        Raises:
+            TracerError: unknown rule, or ``tolerance`` without atol/rtol.
+        """
+        check_fail_on(fail_on, self.atol, self.rtol)
+        if fail_on is None:
+            return False, "report only (no --fail-on)"
+        if fail_on == "any":
+            return (not self.identical), ("bit-identical" if self.identical else f"differs from {self.first_divergent}")
+        if fail_on == "flip":
+            flips = len(self.logits.argmax_flips) if self.logits is not None else 0
+            return flips > 0, f"{flips} argmax flip{'s' if flips != 1 else ''}"
+        bad = [(p.name, p.n_outside_tol) for p in self.points if p.n_outside_tol]
+        if self.logits_n_outside_tol:
+            bad.append((f"{self.logits_name} (logits)", self.logits_n_outside_tol))
+        tol = f"atol {self.atol or 0:g}, rtol {self.rtol or 0:g}"
+        if not bad:
+            return False, f"every capture point within {tol}"
+        return True, f"{len(bad)} capture point(s) outside {tol}, first {bad[0][0]} ({bad[0][1]} elements)"
 
     @property
     def first_divergent(self) -> str | None:
@@ -121,16 +198,26 @@ class Comparison:
                 ],
                 **{k: v for k, v in lt.to_dict().items() if k not in ("tensor", "argmax_flips", "n_positions")},
             }
+        if logits is not None:
+            logits["origin"] = self.logits_origin
+            logits["n_outside_tol"] = self.logits_n_outside_tol
+        origins = [origin_record(p, self) for p in self.origins]
+        if self.logits_origin and self.logits is not None:
+            origins.append({"name": self.logits_name, "op": "LM head", "text": self.origin_lines()[-1]})
         return {
             "scenario": self.scenario,
             "model": self.model,
             "positions": list(self.positions),
             "runs": [self.run_a, self.run_b],
+            "origins": origins,
             "layers": [p.to_dict() for p in self.points],
             "logits": logits,
             "first_divergent": self.first_divergent,
             "identical": self.identical,
             "verdict": self.verdict(),
+            "tolerance": {"atol": self.atol, "rtol": self.rtol},
+            "replay": self.replay.to_dict() if self.replay is not None else None,
+            "noise_verdict": self.noise.to_dict() if self.noise is not None else None,
             "trace": self.trace,
             "facts": self.facts,
         }
@@ -163,18 +250,49 @@ def check_alignable(name_a: str, ids_a: list[int], window_a, name_b: str, ids_b:
         )
 
 
+def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:
+    """Validate ``--fail-on`` and the tolerances (before any model is loaded).
+
+    Raises:
+        TracerError: unknown rule, negative/NaN tolerance, or ``tolerance`` without atol/rtol.
+    """
+    if fail_on is not None and fail_on not in FAIL_ON:
+        raise TracerError(f"unknown --fail-on '{fail_on}'; use one of: {', '.join(FAIL_ON)}")
+    for opt, v in (("--atol", atol), ("--rtol", rtol)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise TracerError(f"{opt} {v} is not a finite number >= 0; give e.g. {opt} 1e-3")
+    if fail_on == "tolerance" and atol is None and rtol is None:
+        raise TracerError("--fail-on tolerance needs --atol and/or --rtol (e.g. --atol 1e-2)")
+
+
+def _prefix_rows(kind: str, calls: list, window_start: int) -> int | None:
+    """Rows of a ``kv_cache`` tensor that lie before the compared window (None for other kinds)."""
+    if kind != "kv_cache" or not calls:
+        return None
+    first = int(calls[-1]["positions"][0])
+    return max(0, window_start - first)
+
+
 def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tensor, list, list]], *,
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
-                  facts: dict[str, Any] | None = None) -> Comparison:
+                  facts: dict[str, Any] | None = None, atol: float | None = None,
+                  rtol: float | None = None) -> Comparison:
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
-    Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``.
-    Only one pair is held at a time.
+    Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
+    ``kv_cache`` pairs ``(S, features)`` over all cached positions. Only one pair is held at a
+    time. Afterwards every differing point is classified origin/propagated
+    (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
+    given) count the elements outside ``atol + rtol * |a|`` per point.
 
     Raises:
-        TracerError: a capture point whose tensors have different shapes or dtypes in the two runs.
+        TracerError: a capture point whose tensors have different shapes or dtypes in the two
+            runs, or a bad tolerance.
     """
+    check_fail_on(None, atol, rtol)
+    tol = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
+    logits_tol = None
     points: list[PointResult] = []
     logits = None
     logits_name = None
@@ -186,26 +304,203 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
+        n_tol = count_outside_tolerance(ta, tb, *tol) if tol is not None else None
         if kind == "logits":
             logits = logits_diff(ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta, tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb)
             logits_name = name
             logits_calls = (ca, cb)
+            logits_tol = n_tol
             continue
         d = tensor_diff(ta, tb)
+        n_prefix = None
+        rows = _prefix_rows(kind, ca, positions[0])
+        if rows is not None:
+            n_prefix = tensor_diff(ta[:rows], tb[:rows]).n_diff if rows and d.n_diff else 0
         amp = None
         if first_max is None and d.n_diff > 0:
             first_max = d.max_abs_diff
         if first_max is not None:
             amp = d.max_abs_diff / first_max if first_max > 0 else None
         points.append(PointResult(name=name, kind=kind, op=op, diff=d, amplification=amp,
-                                  calls_a=ca, calls_b=cb))
-    return Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
-                      run_b=run_b, points=tuple(points), logits_name=logits_name, logits=logits,
-                      logits_calls=logits_calls, trace=trace, facts=dict(facts or {}))
+                                  calls_a=ca, calls_b=cb, n_diff_prefix=n_prefix, n_outside_tol=n_tol))
+    c = Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
+                   run_b=run_b, points=tuple(points), logits_name=logits_name, logits=logits,
+                   logits_calls=logits_calls, trace=trace, facts=dict(facts or {}),
+                   logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol)
+    return classify_origins(c)
+
+
+def _growth(points: list[PointResult]) -> list[float | None]:
+    """Layer-to-layer amplification of each point (see ``PointResult.growth``)."""
+    layers = [p.name for p in points if p.kind == "layer"]
+    by_name = {p.name: p for p in points}
+    out: list[float | None] = []
+    for p in points:
+        owner = max((lay for lay in layers if p.name == lay or p.name.startswith(lay + ".")), key=len, default=None)
+        g = None
+        if owner is not None and layers.index(owner) > 0:
+            prev_layer = layers[layers.index(owner) - 1]
+            prev = by_name.get(prev_layer + p.name[len(owner):])
+            if prev is not None and prev.diff.max_abs_diff > 0:
+                g = p.diff.max_abs_diff / prev.diff.max_abs_diff
+        out.append(g)
+    return out
+
+
+def classify_origins(c: Comparison) -> Comparison:
+    """Mark every differing capture point as origin or propagated, and fill ``growth``.
+
+    A differing point is an **origin** when every capture point it consumes
+    (:func:`tracer.dataflow.dataflow`) was bit-identical in both runs: the op itself computed
+    differently. Otherwise it is **propagated** and ``differing_inputs`` names the culprits.
+    A ``kv_cache`` point is judged per part: its rows inside the compared window against its
+    K/V producers, its rows before the window (computed by an earlier forward pass) against the
+    previous layer's cache rows there. The logits are an origin when they differ while the final
+    norm (their input) did not.
+
+    Returns:
+        a new :class:`Comparison` with ``origin``, ``differing_inputs``, ``consumes`` and
+        ``growth`` set on its points and ``logits_origin`` set.
+    """
+    names = [(p.name, p.kind) for p in c.points]
+    if c.logits_name is not None:
+        names.append((c.logits_name, "logits"))
+    flow = dataflow(names)
+    by_name = {p.name: p for p in c.points}
+
+    def diverged(n: str) -> bool:
+        return n in by_name and by_name[n].diverged
+
+    def prefix_diverged(n: str) -> bool:
+        q = by_name.get(n)
+        return q is not None and bool(q.n_diff_prefix if q.n_diff_prefix is not None else q.diverged)
+
+    out = []
+    for p, growth in zip(c.points, _growth(list(c.points))):
+        cons = flow[p.name]
+        origin, bad = False, ()
+        if p.diverged:
+            bad_w = tuple(d for d in cons.points if diverged(d))
+            if p.n_diff_prefix is not None:
+                in_window = p.diff.n_diff - p.n_diff_prefix > 0
+                bad_p = tuple(d for d in cons.prefix if prefix_diverged(d))
+                origin = (in_window and not bad_w) or (p.n_diff_prefix > 0 and not bad_p)
+                bad = tuple(dict.fromkeys((bad_w if in_window else ()) + (bad_p if p.n_diff_prefix else ())))
+            else:
+                origin, bad = not bad_w, bad_w
+        out.append(replace(p, consumes=cons, origin=origin, differing_inputs=bad, growth=growth))
+    logits_origin = False
+    if c.logits is not None and c.logits.tensor.n_diff and c.logits_name in flow:
+        logits_origin = not any(diverged(d) for d in flow[c.logits_name].points)
+    return replace(c, points=tuple(out), logits_origin=logits_origin)
+
+
+def _window_call(calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any] | None:
+    """The (last) forward call that computed positions of the compared window."""
+    hit = [c for c in calls if c.get("positions") and c["positions"][0] < positions[1] and c["positions"][1] > positions[0]]
+    return hit[-1] if hit else (calls[-1] if calls else None)
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any]:
+    """The shapes the op of ``p`` saw in the call that computed the compared window.
+
+    Returns:
+        ``{}`` if unknown; for a Linear ``{"M", "N", "K"}`` (GEMM: M = product of the input's
+        leading dims, K its last, N the output's last); for the attention core ``{"queries",
+        "keys", "width"}``; for a ``kv_cache`` ``{"positions": [first, stop]}``; otherwise
+        ``{"rows", "width"}`` of the captured tensor's source.
+    """
+    call = _window_call(calls, positions)
+    if call is None:
+        return {}
+    ins, outs = call.get("in") or [], call.get("out") or []
+    if p.kind == "kv_cache":
+        return {"positions": list(call["positions"])}
+    if p.kind == "attention_core" and ins:
+        return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
+    if p.kind in ("linear",) and ins and outs:
+        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
+    if p.kind == "logits" and ins and outs:
+        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
+    src = ins[0] if p.kind in ("attention_core", "mlp_hidden") and ins else (outs[0] if outs else None)
+    if not src:
+        return {}
+    return {"rows": _prod(src[:-1]), "width": int(src[-1])}
+
+
+def _chunk_of(chunks: list | None, pos: int) -> int | None:
+    for start, stop in chunks or []:
+        if start <= pos < stop:
+            return stop - start
+    return None
+
+
+def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
+    """The JSON record of one origin: name, op, shapes in both runs, counts, the one-line text."""
+    return {"name": p.name, "kind": p.kind, "op": p.op,
+            "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
+            "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
+            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c)}
+
+
+def _shape_text(p: PointResult, c: Comparison) -> str:
+    a, b = call_shapes(p, p.calls_a, c.positions), call_shapes(p, p.calls_b, c.positions)
+    if "M" in a and "M" in b:
+        return f"GEMM M×N×K {a['M']}×{a['N']}×{a['K']} in {c.run_a} vs {b['M']}×{b['N']}×{b['K']} in {c.run_b}"
+    if "queries" in a and "queries" in b:
+        return f"queries {a['queries']} vs {b['queries']}, keys {a['keys']} vs {b['keys']}, width {a['width']}"
+    if p.kind == "kv_cache":
+        first, stop = (a.get("positions") or [0, 0])
+        text = f"positions {first}..{stop - 1}"
+        if p.n_diff_prefix:
+            ma = _chunk_of(c.facts.get("chunks_a"), first)
+            mb = _chunk_of(c.facts.get("chunks_b"), first)
+            if ma is not None and mb is not None:
+                text += (f"; positions {first}..{c.positions[0] - 1} computed by a forward pass of "
+                         f"{ma} tokens in {c.run_a} vs {mb} in {c.run_b}")
+        return text
+    if "rows" in a and "rows" in b:
+        return f"rows {a['rows']} vs {b['rows']}, width {a['width']}"
+    return ""
+
+
+def origin_line(p: PointResult, c: Comparison) -> str:
+    """``model.layers.21.post_attention_layernorm (RMSNorm, rows 250 vs 10, width 576): 8 elements, max 1 ULP``.
+
+    Adds where the difference sits for a ``kv_cache`` point (before the window: born in the
+    earlier forward pass, not traced op by op) and, for a decoder layer origin at layers
+    granularity, the hint to re-run with ``--granularity sublayers``.
+    """
+    op = "KVCache" if p.kind == "kv_cache" else p.op
+    shapes = _shape_text(p, c)
+    head = f"{p.name} ({op}{', ' + shapes if shapes else ''})"
+    d = p.diff
+    ulp = f"max {d.max_ulp} ULP" if d.max_ulp <= 16 else f"max {d.max_ulp_mag:.3g} ULP of the larger magnitude"
+    body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}, {ulp}, max |Δ| {d.max_abs_diff:.3g}"
+    tail = ""
+    if p.kind == "kv_cache" and p.n_diff_prefix:
+        inside = d.n_diff - p.n_diff_prefix
+        tail = (f"; {p.n_diff_prefix:,} of them before the compared window: born in the forward pass that "
+                f"computed those positions (not traced op by op)" + (f", {inside:,} inside it" if inside else ""))
+    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != "kv_cache"]
+    if p.kind == "layer" and not subs:
+        tail = f"; origin within {p.name} (use --granularity sublayers to find the op)"
+    if p.kind == "kv_cache" and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
+                                     and q.kind not in ("kv_cache",)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
+        tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"
+    return f"{head}: {body}{tail}"
 
 
 def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
-                    trace: str | None = None, facts: dict[str, Any] | None = None) -> Comparison:
+                    trace: str | None = None, facts: dict[str, Any] | None = None,
+                    atol: float | None = None, rtol: float | None = None) -> Comparison:
     """Compare two in-memory runs (see :func:`compare_pairs`).
 
     Raises:
@@ -213,13 +508,16 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
     """
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     return compare_pairs(_pairs_from_records(a, b), scenario=scenario, model=model,
-                         positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts)
+                         positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts,
+                         atol=atol, rtol=rtol)
 
 
-def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None) -> Comparison:
+def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
+                  atol: float | None = None, rtol: float | None = None) -> Comparison:
     """Compare two runs stored in one trace file, one capture point at a time.
 
-    ``run_a``/``run_b`` default to the first two runs of the file.
+    ``run_a``/``run_b`` default to the first two runs of the file; ``atol``/``rtol`` as in
+    :func:`compare_pairs`. A replay (``--decode``) stored in the runs' meta is compared too.
 
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts.
@@ -251,12 +549,16 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None)
                        reader.tensor(run_b, name), ia.get("calls", []), ib.get("calls", []))
 
         scen = header.get("scenario", {})
-        return compare_pairs(
+        c = compare_pairs(
             pairs(), scenario=scen.get("name", "?") if isinstance(scen, dict) else str(scen),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
             positions=tuple(ra.window), run_a=run_a, run_b=run_b, trace=str(path),
-            facts=facts_from_header(header, ra, rb),
+            facts=facts_from_header(header, ra, rb), atol=atol, rtol=rtol,
         )
+        if "decode_tokens" in ra.meta and "decode_tokens" in rb.meta:
+            c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
+                                              ra.meta.get("decode_text"), rb.meta.get("decode_text")))
+        return c
 
 
 def facts_from_header(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
@@ -272,4 +574,48 @@ def facts_from_header(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dic
         "plan_b": b.plan.get("description", ""),
         "gemm_m_a": a.plan.get("gemm_m"),
         "gemm_m_b": b.plan.get("gemm_m"),
+        "chunks_a": a.plan.get("chunks"),
+        "chunks_b": b.plan.get("chunks"),
     }
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Greedy continuations of both runs from their own KV caches (``--decode T``).
+
+    Attributes:
+        tokens_a, tokens_b: the T generated token ids of each run.
+        first_diff: index (0-based, among the generated tokens) of the first position whose ids
+            differ, or None when the continuations are identical.
+        text_a, text_b: the continuations decoded to text (None if no tokenizer was at hand).
+    """
+
+    tokens_a: tuple[int, ...]
+    tokens_b: tuple[int, ...]
+    first_diff: int | None
+    text_a: str | None = None
+    text_b: str | None = None
+
+    def line(self) -> str:
+        """One line for people."""
+        n = len(self.tokens_a)
+        if self.first_diff is None:
+            return f"replay: the {n} greedy tokens after the prompt are identical in both runs"
+        return f"replay: the greedy continuations differ from generated token {self.first_diff} of {n}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": len(self.tokens_a), "first_diff": self.first_diff, "tokens_a": list(self.tokens_a),
+                "tokens_b": list(self.tokens_b), "text_a": self.text_a, "text_b": self.text_b}
+
+
+def replay_diff(tokens_a: list[int], tokens_b: list[int], text_a: str | None = None,
+                text_b: str | None = None) -> Replay:
+    """Compare two greedy continuations token by token (see :class:`Replay`).
+
+    Raises:
+        TracerError: the continuations have different lengths.
+    """
+    if len(tokens_a) != len(tokens_b):
+        raise TracerError(f"the runs decoded {len(tokens_a)} and {len(tokens_b)} tokens; replay both with the same --decode")
+    first = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), None)
+    return Replay(tuple(int(t) for t in tokens_a), tuple(int(t) for t in tokens_b), first, text_a, text_b)

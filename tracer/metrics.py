@@ -78,6 +78,11 @@ class TensorDiff:
             1e-3 and 5e-3 (msprobe's 1‰/5‰ ratios); where ``a == 0`` an element counts only if
             ``b == 0`` too; equal bits always count.
         n_nan_a, n_nan_b, n_inf_a, n_inf_b: NaN and ±inf counts on each side.
+        max_ulp_mag: the largest ``|a - b| / ulp(max(|a|, |b|))`` over differing elements: the
+            difference measured in units of the spacing of the storage dtype at the larger
+            magnitude (:func:`ulp_of`). Equals the ULP distance where both values share a binade,
+            but stays proportionate where a value crosses zero (``-1e-5`` vs ``+1e-5`` in bf16:
+            336, twice the magnitude's 168 ulps, not the 28241 steps of ``max_ulp``); ``inf`` for a NaN/inf mismatch, 0.0 when identical.
     """
 
     n_total: int
@@ -95,6 +100,7 @@ class TensorDiff:
     n_nan_b: int
     n_inf_a: int
     n_inf_b: int
+    max_ulp_mag: float = 0.0
 
     @property
     def identical(self) -> bool:
@@ -228,6 +234,40 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _ulp_flat(a.detach().reshape(-1), b.detach().reshape(-1)).reshape(a.shape)
 
 
+#: dtype → (explicit mantissa bits, exponent of the smallest normal number)
+_FLOAT_LAYOUT = {
+    torch.bfloat16: (7, -126),
+    torch.float16: (10, -14),
+    torch.float32: (23, -126),
+    torch.float64: (52, -1022),
+}
+
+
+def ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at magnitude ``|x|``: the gap from ``|x|`` to the next larger value.
+
+    Args:
+        x: any real tensor (read as float64).
+        dtype: bfloat16, float16, float32 or float64.
+
+    Returns:
+        float64 tensor of ``x``'s shape: ``2**(e - p)`` for ``2**e <= |x| < 2**(e+1)`` with ``p``
+        the dtype's explicit mantissa bits; the subnormal spacing ``2**(emin - p)`` below the
+        smallest normal (and at 0); NaN/inf where ``x`` is.
+
+    Raises:
+        ValueError: unsupported dtype.
+    """
+    if dtype not in _FLOAT_LAYOUT:
+        raise ValueError(f"unsupported dtype {dtype}; use bfloat16, float16, float32 or float64")
+    p, emin = _FLOAT_LAYOUT[dtype]
+    ax = x.to(torch.float64).abs()
+    _, e = torch.frexp(ax)  # ax = m * 2**e, m in [0.5, 1): 2**(e-1) <= ax < 2**e
+    e = torch.where(ax == 0, torch.full_like(ax, emin), torch.clamp(e.to(torch.float64) - 1, min=emin))
+    spacing = torch.pow(torch.full_like(ax, 2.0), e - p)
+    return torch.where(torch.isfinite(ax), spacing, ax)
+
+
 def _abs_diff(a64: torch.Tensor, b64: torch.Tensor) -> torch.Tensor:
     """float64 ``|a - b|`` at positions whose bits differ: a NaN on either side gives inf."""
     d = (a64 - b64).abs()
@@ -253,7 +293,7 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
     n = fa.numel()
     view = _INT_VIEW[a.dtype]
     n_diff = n_nan_a = n_nan_b = n_inf_a = n_inf_b = n_rel3 = n_rel5 = max_ulp = 0
-    max_abs = sum_abs = 0.0
+    max_abs = sum_abs = max_ulp_mag = 0.0
     hist = [0] * len(ULP_BINS)
     sa = sb = sab = sdd = 0.0  # over positions finite on both sides: ||a||^2, ||b||^2, a.b, ||a-b||^2
     for start in range(0, n, CHUNK_ELEMENTS):
@@ -283,6 +323,9 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
         sum_abs += float(d.sum())
         ulp = _ulp_flat(da, db)  # (k,) all >= 1
         max_ulp = max(max_ulp, int(ulp.max()))
+        mag = d / ulp_of(torch.maximum(a64.abs(), b64.abs()), a.dtype)  # inf/NaN where non-finite
+        mag = torch.where(torch.isnan(mag), torch.full_like(mag, math.inf), mag)
+        max_ulp_mag = max(max_ulp_mag, float(mag.max()))
         cum = [k] + [int((ulp > e).sum()) for e in _ULP_EDGES[1:]]  # elements above each edge
         for i in range(1, len(ULP_BINS)):
             hist[i] += cum[i - 1] - (cum[i] if i < len(cum) else 0)
@@ -326,7 +369,40 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
         n_nan_b=n_nan_b,
         n_inf_a=n_inf_a,
         n_inf_b=n_inf_b,
+        max_ulp_mag=max_ulp_mag,
     )
+
+
+def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> int:
+    """Elements where ``b`` is not within ``atol + rtol * |a|`` of the reference ``a``.
+
+    Args:
+        a, b: same shape and dtype (as :func:`tensor_diff`); compared in float64.
+        atol, rtol: absolute (tensor units) and relative tolerance, both >= 0.
+
+    Returns:
+        the count of elements with ``|a - b| > atol + rtol * |a|``; bitwise-equal elements always
+        pass (NaN with the same bits too), any other NaN/inf mismatch always fails.
+
+    Raises:
+        ValueError: shapes/dtypes differ, or a tolerance is negative or NaN.
+    """
+    if not (atol >= 0 and rtol >= 0):
+        raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+    b = _check_pair(a, b)
+    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+    view = _INT_VIEW[a.dtype]
+    bad = 0
+    for start in range(0, fa.numel(), CHUNK_ELEMENTS):
+        ca, cb = fa[start : start + CHUNK_ELEMENTS], fb[start : start + CHUNK_ELEMENTS]
+        idx = torch.nonzero(ca.view(view) != cb.view(view)).flatten()
+        if idx.numel() == 0:
+            continue
+        a64, b64 = ca[idx].to(torch.float64), cb[idx].to(torch.float64)
+        d = _abs_diff(a64, b64)  # inf for NaN/inf mismatches
+        ok = torch.isfinite(d) & (d <= atol + rtol * a64.abs())
+        bad += int((~ok).sum())
+    return bad
 
 
 def _nan_max(x: float, y: float) -> float:

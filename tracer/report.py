@@ -18,6 +18,7 @@ from rich.text import Text
 
 from .compare import Comparison
 from .errors import TracerError
+from .metrics import ULP_BINS
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -54,28 +55,92 @@ def _frac(n: int, total: int) -> str:
     return f"{100 * f:.3g}%"
 
 
+def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
+    r = {"name": name, "kind": kind, "origin": False, "n_diff": d.n_diff, "n_total": d.n_total,
+         "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
+         "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff,
+         "max_ulp": d.max_ulp, "max_ulp_mag": d.max_ulp_mag,
+         **{f"ulp_{b}": n for b, n in zip(ULP_KEYS, d.ulp_hist)},
+         "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
+         "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
+         "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
+         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None}
+    r.update(extra)
+    return r
+
+
+#: ``ulp_hist`` bins as CSV/JSON row keys (``ulp_0``, ``ulp_1``, ``ulp_2``, ``ulp_3_4``, ...)
+ULP_KEYS = ("0", "1", "2", "3_4", "5_8", "9_16", "gt16")
+
+
 def rows(c: Comparison) -> list[dict[str, Any]]:
-    """The table's rows as plain dicts (shared by every format)."""
-    out = []
-    for p in c.points:
-        d = p.diff
-        out.append({
-            "name": p.name, "kind": p.kind, "n_diff": d.n_diff, "n_total": d.n_total,
-            "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
-            "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff,
-            "max_ulp": d.max_ulp, "amplification": p.amplification, "argmax_flips": None,
-        })
+    """The table's rows as plain dicts (shared by every format), logits last.
+
+    Keys: ``name, kind, origin, n_diff, n_total, fraction, max_abs_diff, mean_abs_diff,
+    max_ulp`` (integer-line ULP distance), ``max_ulp_mag`` (ULPs of the larger magnitude),
+    ``ulp_0 .. ulp_gt16`` (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3,
+    frac_rel_lt_5e3, n_nan_a, n_nan_b, n_inf_a, n_inf_b, amplification`` (vs the first divergent
+    point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips``.
+    """
+    out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
+                n_outside_tol=p.n_outside_tol) for p in c.points]
     if c.logits is not None:
         d = c.logits.tensor
         first_max = next((p.diff.max_abs_diff for p in c.points if p.diverged), None)
-        out.append({
-            "name": f"{c.logits_name} (logits)", "kind": "logits", "n_diff": d.n_diff,
-            "n_total": d.n_total, "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
-            "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff, "max_ulp": d.max_ulp,
-            "amplification": (d.max_abs_diff / first_max) if first_max else None,
-            "argmax_flips": len(c.logits.argmax_flips),
-        })
+        out.append(_row(f"{c.logits_name} (logits)", "logits", d, origin=c.logits_origin,
+                        amplification=(d.max_abs_diff / first_max) if first_max else None,
+                        n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips)))
     return out
+
+
+def _hist(r: dict[str, Any]) -> str:
+    """Compact ULP histogram of the differing elements: ``1:12 2:3 >16:1``."""
+    parts = [f"{label}:{r[f'ulp_{key}']}" for label, key in zip(ULP_BINS[1:], ULP_KEYS[1:]) if r[f"ulp_{key}"]]
+    return " ".join(parts) or "-"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.4g}%"
+
+
+#: table columns: key → (header, formatter of a row); the first is always shown
+COLUMNS: dict[str, tuple[str, Any]] = {
+    "point": ("capture point", None),
+    "diff": ("differing / total", lambda r: f"{r['n_diff']:,} / {r['n_total']:,}"),
+    "fraction": ("fraction", lambda r: _frac(r["n_diff"], r["n_total"])),
+    "max_abs": ("max abs diff", lambda r: _num(r["max_abs_diff"])),
+    "mean_abs": ("mean abs diff", lambda r: _num(r["mean_abs_diff"])),
+    "ulp": ("max ULP*", lambda r: _num(r["max_ulp_mag"])),
+    "ulp_line": ("max ULP (line)", lambda r: str(r["max_ulp"])),
+    "hist": ("ULP histogram", _hist),
+    "rel": ("rel err", lambda r: _num(r["rel_error"])),
+    "cos": ("cosine", lambda r: "1" if r["cosine"] == 1.0 else f"{r['cosine']:.9f}"),
+    "sqnr": ("SQNR dB", lambda r: _num(r["sqnr_db"])),
+    "rel1": ("<1‰", lambda r: _pct(r["frac_rel_lt_1e3"])),
+    "rel5": ("<5‰", lambda r: _pct(r["frac_rel_lt_5e3"])),
+    "growth": ("×prev layer", lambda r: _num(r["growth"])),
+    "ampl": ("×first", lambda r: _num(r["amplification"])),
+    "nan_inf": ("NaN/Inf A|B", lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}"),
+    "tol": ("outside tol", lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}"),
+    "flips": ("flips", lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"])),
+}
+DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
+WIDE_COLUMNS = tuple(COLUMNS)
+
+
+def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[str, ...]:
+    """The table columns: ``--columns a,b`` (keys of :data:`COLUMNS`), ``--wide`` (all), or the default.
+
+    Raises:
+        TracerError: an unknown column key (the message lists the known ones).
+    """
+    if columns is None or columns == "" or columns == []:
+        return WIDE_COLUMNS if wide else DEFAULT_COLUMNS
+    keys = [k.strip() for k in (columns.split(",") if isinstance(columns, str) else columns) if k.strip()]
+    bad = [k for k in keys if k not in COLUMNS]
+    if bad:
+        raise TracerError(f"unknown column '{bad[0]}' in --columns; use some of: {', '.join(COLUMNS)}")
+    return ("point",) + tuple(k for k in keys if k != "point")
 
 
 def _title(c: Comparison) -> str:
@@ -114,41 +179,79 @@ def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
     return lines
 
 
-def table(c: Comparison) -> Table:
-    """The amplification table as a rich Table."""
-    t = Table(title=_title(c), caption=_plans(c), title_justify="left", caption_justify="left",
-              header_style="bold")
-    t.add_column("capture point", no_wrap=True)
-    t.add_column("differing / total", justify="right", no_wrap=True)
-    t.add_column("fraction", justify="right", no_wrap=True)
-    t.add_column("max abs diff", justify="right", no_wrap=True)
-    t.add_column("max ULP", justify="right", no_wrap=True)
-    t.add_column("ampl.", justify="right", no_wrap=True)
-    t.add_column("flips", justify="right", no_wrap=True)
+def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS) -> Table:
+    """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`)."""
+    t = Table(title=_title(c), caption=_plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else ""),
+              title_justify="left", caption_justify="left", header_style="bold")
+    for key in columns:
+        t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
     first = c.first_divergent
     for r in rows(c):
+        base = r["name"].split(" ")[0]
         style = None
         if r["n_diff"]:
-            style = "bold red" if r["name"].split(" ")[0] == first else "red"
-        t.add_row(
-            Text(r["name"] + ("  ◀ first" if r["name"].split(" ")[0] == first else "")),
-            f"{r['n_diff']:,} / {r['n_total']:,}", _frac(r["n_diff"], r["n_total"]),
-            _num(r["max_abs_diff"]), str(r["max_ulp"]), _num(r["amplification"]) if r["amplification"] is not None else "-",
-            "-" if r["argmax_flips"] is None else str(r["argmax_flips"]),
-            style=style,
-        )
+            style = "bold red" if r["origin"] else "red"
+        mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
+        cells = [Text(r["name"] + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
+        t.add_row(*cells, style=style)
     return t
 
 
-def print_report(c: Comparison, console: Console | None = None) -> None:
-    """Print the rich table, the argmax flips and the verdict to ``console`` (stdout by default).
+ULP_NOTE = ("ULP*: max |a−b| in units of the dtype's spacing at max(|a|,|b|); the integer bit-pattern "
+            "distance (huge across zero) is 'max ULP (line)' (--wide) and max_ulp in JSON/CSV")
+
+
+def logits_lines(c: Comparison) -> list[str]:
+    """The logits statistics: KL(A‖B), top-k overlap, rank in B of A's top token."""
+    if c.logits is None:
+        return []
+    lg = c.logits
+    return [f"logits: KL(A‖B) mean {_num(lg.kl_mean)} max {_num(lg.kl_max)} nats · top-5 overlap "
+            f"{lg.top5_overlap:.4g} · top-10 overlap {lg.top10_overlap:.4g} · worst rank in B of A's top "
+            f"token {lg.rank_of_a_top_in_b_max} · {len(lg.argmax_flips)} argmax flip(s) in {lg.n_positions} positions"]
+
+
+def replay_lines(c: Comparison) -> list[str]:
+    """The ``--decode`` replay: first differing generated token and both continuations."""
+    rp = c.replay
+    if rp is None:
+        return []
+    lines = [rp.line()]
+    if rp.first_diff is not None or rp.text_a is not None:
+        for run, toks, text in ((c.run_a, rp.tokens_a, rp.text_a), (c.run_b, rp.tokens_b, rp.text_b)):
+            lines.append(f"  {run}: {text!r}" if text is not None else f"  {run}: {list(toks)}")
+    return lines
+
+
+def origin_block(c: Comparison) -> list[str]:
+    """The origin lines, for the top of the report."""
+    lines = c.origin_lines()
+    if not lines:
+        return []
+    head = f"origin of divergence ({len(lines)} op{'s' if len(lines) != 1 else ''} where it is born; everything else propagates):"
+    return [head, *(f"  {line}" for line in lines)]
+
+
+def print_report(c: Comparison, console: Console | None = None,
+                 columns: tuple[str, ...] = DEFAULT_COLUMNS) -> None:
+    """Print the origins, the rich table, logits statistics, flips, replay, noise verdict and the
+    verdict to ``console`` (stdout by default).
 
     Styled in a terminal, plain text when piped (rich decides from the stream).
     """
     console = console or Console()
-    console.print(table(c))
+    for line in origin_block(c):
+        console.print(Text(line, style="bold red" if not line.startswith(" ") else "red"))
+    console.print(table(c, columns))
+    for line in logits_lines(c):
+        console.print(line)
     for line in flips_lines(c):
         console.print(f"  {line}")
+    for line in replay_lines(c):
+        console.print(line)
+    if c.noise is not None:
+        for line in c.noise.lines():
+            console.print(line)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {c.verdict()}", style=style))
     if c.trace:
@@ -156,28 +259,34 @@ def print_report(c: Comparison, console: Console | None = None) -> None:
 
 
 def to_csv(c: Comparison) -> str:
+    """Every row key of :func:`rows` as a CSV column."""
     buf = io.StringIO()
-    fields = ["name", "kind", "n_diff", "n_total", "fraction", "max_abs_diff", "mean_abs_diff",
-              "max_ulp", "amplification", "argmax_flips"]
+    all_rows = rows(c)
+    fields = list(all_rows[0]) if all_rows else ["name"]
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
-    for r in rows(c):
+    for r in all_rows:
         w.writerow({k: ("" if r[k] is None else r[k]) for k in fields})
     return buf.getvalue()
 
 
-def to_markdown(c: Comparison) -> str:
-    lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), "",
-             "| capture point | differing / total | fraction | max abs diff | max ULP | amplification | argmax flips |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
+    """A markdown report: origins, the table (every column by default), logits, replay, verdict."""
+    lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
+    if c.origin_lines():
+        lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
+    lines += ["| " + " | ".join(COLUMNS[k][0] for k in columns) + " |",
+              "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
-        lines.append(
-            f"| {r['name']} | {r['n_diff']:,} / {r['n_total']:,} | {_frac(r['n_diff'], r['n_total'])} | "
-            f"{_num(r['max_abs_diff'])} | {r['max_ulp']} | {_num(r['amplification'])} | "
-            f"{'' if r['argmax_flips'] is None else r['argmax_flips']} |"
-        )
+        cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
+                 for k in columns]
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines.append("")
-    lines.extend(f"- {line}" for line in flips_lines(c))
+    if "ulp" in columns:
+        lines += [ULP_NOTE, ""]
+    lines.extend(f"- {line}" for line in logits_lines(c) + flips_lines(c) + replay_lines(c))
+    if c.noise is not None:
+        lines.extend(f"- {line}" for line in c.noise.lines())
     lines.append(f"\n**verdict:** {c.verdict()}")
     return "\n".join(lines) + "\n"
 
@@ -203,11 +312,15 @@ def to_json(c: Comparison) -> str:
     return json.dumps(_clean(c.to_dict()), indent=2, default=_json_default)
 
 
-def render(c: Comparison, fmt: str = "table", console: Console | None = None) -> str | None:
-    """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text."""
+def render(c: Comparison, fmt: str = "table", console: Console | None = None,
+           columns: tuple[str, ...] = DEFAULT_COLUMNS) -> str | None:
+    """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text.
+
+    ``columns`` selects the terminal table's columns; JSON, CSV and markdown carry everything.
+    """
     match check_format(fmt):
         case "table":
-            print_report(c, console)
+            print_report(c, console, columns)
             return None
         case "json":
             return to_json(c)
