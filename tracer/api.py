@@ -46,9 +46,8 @@ class RunResult:
         return self.comparison.check(self.fail_on)
 
     def to_dict(self) -> dict[str, Any]:
-        """The same document as ``tracer run --format json`` (with ``check``: the --fail-on outcome)."""
-        failed, reason = self.check()
-        return {**self.comparison.to_dict(), "check": {"fail_on": self.fail_on, "failed": failed, "reason": reason}}
+        """The same document as ``tracer run --format json`` (``check``: the --fail-on outcome)."""
+        return self.comparison.to_dict()
 
     def verdict(self) -> str:
         return self.comparison.verdict()
@@ -291,6 +290,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         }
         comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
                                      trace=trace_path, facts=facts, atol=atol, rtol=rtol)
+        comparison = _replace(comparison, fail_on=fail_on)
         if decode:
             comparison = _replace(comparison, replay=replay_diff(
                 rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from dataclasses import replace
 from typing import Annotated, Optional
 
 import typer
@@ -53,8 +54,8 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
     from .report import DEFAULT_COLUMNS, render
 
     # styled in a terminal; plain and wide enough for the module paths when piped
-    console = Console() if sys.stdout.isatty() else Console(width=150 if not columns or len(columns) <= 8 else 260,
-                                                            no_color=True, highlight=False)
+    wide = columns is not None and len(columns) > 8
+    console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 150, no_color=True, highlight=False)
     text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS)
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -62,7 +63,7 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
 
 def _exit_on(comparison, fail_on: str | None) -> None:
     """Exit 1 (EXIT_DIVERGED) when the comparison fails the --fail-on rule, saying why on stderr."""
-    failed, reason = comparison.check(fail_on)
+    failed, reason = comparison.check(fail_on)  # the same rule the JSON's "check" reports
     if failed:
         err.print(f"fail-on {fail_on}: {reason}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_DIVERGED)
@@ -153,6 +154,7 @@ def compare_cmd(
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
         comparison = compare_trace(trace, run_a, run_b, atol=atol, rtol=rtol)
+        comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
         return

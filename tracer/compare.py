@@ -110,6 +110,7 @@ class Comparison:
     rtol: float | None = None
     replay: Any = None
     noise: Any = None
+    fail_on: str | None = None
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -124,11 +125,11 @@ class Comparison:
                                                  calls_a=self.logits_calls[0], calls_b=self.logits_calls[1]), self))
         return lines
 
-    def check(self, fail_on: str | None) -> tuple[bool, str]:
+    def check(self, fail_on: str | None = "default") -> tuple[bool, str]:
         """Judge the comparison by a ``--fail-on`` rule.
 
         Args:
-            fail_on: None (report only: always passes), ``any`` (fails on any bitwise
+            fail_on: the rule (default: the comparison's own ``fail_on``). None (report only: always passes), ``any`` (fails on any bitwise
                 difference), ``flip`` (fails on an argmax flip at the logits), ``tolerance``
                 (fails when an element of any capture point or the logits lies outside
                 ``atol + rtol * |a|``; needs the comparison made with a tolerance).
@@ -139,6 +140,8 @@ class Comparison:
         Raises:
             TracerError: unknown rule, or ``tolerance`` without atol/rtol.
         """
+        if fail_on == "default":
+            fail_on = self.fail_on
         check_fail_on(fail_on, self.atol, self.rtol)
         if fail_on is None:
             return False, "report only (no --fail-on)"
@@ -216,6 +219,7 @@ class Comparison:
             "identical": self.identical,
             "verdict": self.verdict(),
             "tolerance": {"atol": self.atol, "rtol": self.rtol},
+            "check": dict(zip(("failed", "reason"), self.check()), fail_on=self.fail_on),
             "replay": self.replay.to_dict() if self.replay is not None else None,
             "noise_verdict": self.noise.to_dict() if self.noise is not None else None,
             "trace": self.trace,
