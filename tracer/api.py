@@ -166,7 +166,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         compression: str | None = None,
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
-        atol: float | None = None, rtol: float | None = None, fail_on: str | None = None) -> RunResult:
+        atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
+        positions: str = "window") -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -198,6 +199,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         atol, rtol: tolerances: count elements outside ``atol + rtol * |a|`` per capture point.
         fail_on: ``any`` | ``flip`` | ``tolerance``: the rule :meth:`RunResult.check` (and the
             CLI's exit code 1) judges by; None = report only.
+        positions: ``window`` (the positions both runs computed last: P..N-1) or ``all``
+            (capture and compare every position 0..N-1: in run B the prefix positions come from
+            its cached-prefix pass, so a divergence born there is located op by op; memory N/(N-P)
+            times larger).
 
     Returns:
         a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
@@ -223,6 +228,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
     check_mitigation(mitigation)
     check_fail_on(fail_on, atol, rtol)
+    if positions not in ("window", "all"):
+        raise TracerError(f"unknown --positions '{positions}'; use window (P..N-1) or all (0..N-1)")
     if not isinstance(decode, int) or decode < 0:
         raise TracerError(f"--decode {decode} must be a number of tokens >= 0 (0 = off)")
     if verdict:
@@ -254,6 +261,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
     scen = build(scenario, len(ids), block_size=block_size, split_at=split_at, mitigation=mitigation)
     points = discover_points(loaded.model, granularity)
+    window = (0, len(ids)) if positions == "all" else scen.window
 
     # -- execute both plans, storing run A while run B executes ------------------------------------
     header = collect_environment(info.device, extra={
@@ -274,7 +282,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     with writer if writer is not None else contextlib.nullcontext():
         for plan in (scen.plan_a, scen.plan_b):
             say(f"run {plan.name}: {plan.description}")
-            rec = execute(loaded.model, ids, plan, points, scen.window, keep_on_device=online, decode=decode)
+            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=online, decode=decode)
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)

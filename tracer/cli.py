@@ -99,6 +99,7 @@ def run_cmd(
     fail_on: FailOnOpt = None,
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
+    positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     from .api import run
@@ -118,7 +119,7 @@ def run_cmd(
                          granularity=granularity, output=output, store="none" if no_store else store,
                          compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
-                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on)
+                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions)
     except TracerError as e:
         _fail(str(e))
         return

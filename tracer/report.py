@@ -56,7 +56,7 @@ def _frac(n: int, total: int) -> str:
 
 
 def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
-    r = {"name": name, "kind": kind, "origin": False, "n_diff": d.n_diff, "n_total": d.n_total,
+    r = {"name": name, "kind": kind, "n_diff": d.n_diff, "n_total": d.n_total,
          "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
          "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff,
          "max_ulp": d.max_ulp, "max_ulp_mag": d.max_ulp_mag,
@@ -64,7 +64,7 @@ def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
          "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
          "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
          "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
-         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None}
+         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False}
     r.update(extra)
     return r
 
@@ -76,11 +76,11 @@ ULP_KEYS = ("0", "1", "2", "3_4", "5_8", "9_16", "gt16")
 def rows(c: Comparison) -> list[dict[str, Any]]:
     """The table's rows as plain dicts (shared by every format), logits last.
 
-    Keys: ``name, kind, origin, n_diff, n_total, fraction, max_abs_diff, mean_abs_diff,
+    Keys: ``name, kind, n_diff, n_total, fraction, max_abs_diff, mean_abs_diff,
     max_ulp`` (integer-line ULP distance), ``max_ulp_mag`` (ULPs of the larger magnitude),
     ``ulp_0 .. ulp_gt16`` (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3,
     frac_rel_lt_5e3, n_nan_a, n_nan_b, n_inf_a, n_inf_b, amplification`` (vs the first divergent
-    point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips``.
+    point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
     """
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
                 n_outside_tol=p.n_outside_tol) for p in c.points]
@@ -241,17 +241,17 @@ def print_report(c: Comparison, console: Console | None = None,
     """
     console = console or Console()
     for line in origin_block(c):
-        console.print(Text(line, style="bold red" if not line.startswith(" ") else "red"))
+        console.print(Text(line, style="bold red" if not line.startswith(" ") else "red"), soft_wrap=True)
     console.print(table(c, columns))
     for line in logits_lines(c):
-        console.print(line)
+        console.print(line, soft_wrap=True)
     for line in flips_lines(c):
-        console.print(f"  {line}")
+        console.print(f"  {line}", soft_wrap=True)
     for line in replay_lines(c):
-        console.print(line)
+        console.print(line, soft_wrap=True, markup=False)
     if c.noise is not None:
         for line in c.noise.lines():
-            console.print(line)
+            console.print(line, soft_wrap=True)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {c.verdict()}", style=style))
     if c.trace:
