@@ -161,3 +161,19 @@ def test_dataflow_names_only_real_points_and_every_point(family):
         assert cons.rule == "structure", (n, cons)  # every module of these families is in the table
     core = next(n for n, k in names if k == "attention_core")
     assert any(d.endswith(".kv_cache") for d in flow[core].points)
+
+
+def test_all_positions_locate_the_planted_prefix_key_op(model):
+    """Comparing every prompt position (--positions all): the perturbed k_proj rows of the prefix
+    pass are compared too, so k_proj itself is the only origin; shapes list both of B's calls."""
+    points = discover_points(model, "sublayers")
+    window = (0, len(IDS))
+    a = execute(model, IDS, SCEN.plan_a, points, window)
+    h = model.get_submodule("model.layers.1.self_attn.k_proj").register_forward_hook(_shifted(5, 0.5))
+    try:
+        b = execute(model, IDS, SCEN.plan_b, points, window)
+    finally:
+        h.remove()
+    c = compare_records(a, b, scenario="s", model="m")
+    assert [o.name for o in c.origins] == ["model.layers.1.self_attn.k_proj"]
+    assert "GEMM M×N×K 40×32×64 in A vs 32×32×64 + 8×32×64 in B" in c.origin_lines()[0]

@@ -214,7 +214,7 @@ def discover_points(model: nn.Module, granularity: str = "layers") -> list[Captu
 
     def point(path: str, kind: str, **kw: Any) -> CapturePoint:
         return CapturePoint(name=kw.pop("name", path), module=path, kind=kind,
-                            op=type(modules[path]).__name__, **kw)
+                            op=kw.pop("op", type(modules[path]).__name__), **kw)
 
     points = [point(paths["embedding"], "embedding")]
     for index, layer_path in enumerate(paths["layers"]):
@@ -253,7 +253,8 @@ def _sublayer_points(layer: nn.Module, layer_path: str, hmap: dict[str, Any], po
         if kind == "linear" and last in ("o_proj", "out_proj", "c_proj", "dense") and (
             rel.split(".")[0] in _ATTN_NAMES
         ):
-            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{parent}.core"))
+            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{parent}.core",
+                             op=f"{type(layer.get_submodule(parent)).__name__} core"))
         if kind == "linear" and last == "down_proj" and (
             f"{parent}.gate_proj" in rels or f"{parent}.gate_up_proj" in rels
         ):  # a gated MLP: down_proj consumes act(gate) * up, which no other point captures

@@ -454,12 +454,27 @@ def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
             "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c)}
 
 
+def _each_call(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> list[dict[str, Any]]:
+    """:func:`call_shapes` of every call that computed compared positions (several with --positions all)."""
+    hit = [cl for cl in calls if cl.get("positions") and cl["positions"][0] < positions[1] and cl["positions"][1] > positions[0]]
+    return [call_shapes(p, [cl], positions) for cl in hit] or [call_shapes(p, calls, positions)]
+
+
 def _shape_text(p: PointResult, c: Comparison) -> str:
     a, b = call_shapes(p, p.calls_a, c.positions), call_shapes(p, p.calls_b, c.positions)
+    ea, eb = _each_call(p, p.calls_a, c.positions), _each_call(p, p.calls_b, c.positions)
+
+    def gemm(xs: list[dict[str, Any]]) -> str:
+        return " + ".join(f"{x.get('M', '?')}×{x.get('N', '?')}×{x.get('K', '?')}" for x in xs)
+
+    def each(xs: list[dict[str, Any]], key: str) -> str:
+        return "+".join(str(x.get(key, "?")) for x in xs)
+
     if "M" in a and "M" in b:
-        return f"GEMM M×N×K {a['M']}×{a['N']}×{a['K']} in {c.run_a} vs {b['M']}×{b['N']}×{b['K']} in {c.run_b}"
+        return f"GEMM M×N×K {gemm(ea)} in {c.run_a} vs {gemm(eb)} in {c.run_b}"
     if "queries" in a and "queries" in b:
-        return f"queries {a['queries']} vs {b['queries']}, keys {a['keys']} vs {b['keys']}, width {a['width']}"
+        return (f"queries {each(ea, 'queries')} vs {each(eb, 'queries')}, keys {each(ea, 'keys')} vs "
+                f"{each(eb, 'keys')}, width {a['width']}")
     if p.kind == "kv_cache":
         first, stop = (a.get("positions") or [0, 0])
         text = f"positions {first}..{stop - 1}"
@@ -471,7 +486,7 @@ def _shape_text(p: PointResult, c: Comparison) -> str:
                          f"{ma} tokens in {c.run_a} vs {mb} in {c.run_b}")
         return text
     if "rows" in a and "rows" in b:
-        return f"rows {a['rows']} vs {b['rows']}, width {a['width']}"
+        return f"rows {each(ea, 'rows')} vs {each(eb, 'rows')}, width {a['width']}"
     return ""
 
 
