@@ -147,8 +147,8 @@ def print_report(c: Comparison, console: Console | None = None) -> None:
     """
     console = console or Console()
     console.print(table(c))
-    for line in flips_lines(c):
-        console.print(f"  {line}")
+    for line in [*flips_lines(c), *c.facts.get("notes", [])]:
+        console.print(f"  {line}", highlight=False)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {c.verdict()}", style=style))
     if c.trace:
@@ -177,7 +177,7 @@ def to_markdown(c: Comparison) -> str:
             f"{'' if r['argmax_flips'] is None else r['argmax_flips']} |"
         )
     lines.append("")
-    lines.extend(f"- {line}" for line in flips_lines(c))
+    lines.extend(f"- {line}" for line in [*flips_lines(c), *c.facts.get("notes", [])])
     lines.append(f"\n**verdict:** {c.verdict()}")
     return "\n".join(lines) + "\n"
 
