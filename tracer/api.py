@@ -234,7 +234,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
     sopts = dict(options, block_size=block_size, split_at=split_at, mitigation=mitigation)
     if isinstance(scenario, str):  # every length-independent option error, before loading
-        build(scenario, n_known if n_known is not None and n_known >= 2 else 100_000, **sopts)
+        check_resources(build(scenario, n_known if n_known is not None and n_known >= 2 else 100_000, **sopts))
 
     # -- load, tokenize, plan ---------------------------------------------------------------------
     if loaded is None:
@@ -242,7 +242,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress)
     info = loaded.info
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
-    scen = make_scenario(scenario, len(ids), sopts)
+    scen = check_resources(make_scenario(scenario, len(ids), sopts))
     points = discover_points(loaded.model, granularity)
 
     # -- execute both plans, storing run A while run B executes ------------------------------------
@@ -320,6 +320,26 @@ def check_options(options: dict[str, Any]) -> None:
     if devices is not None:
         for dev in (devices.split(",") if isinstance(devices, str) else devices):
             _models.resolve_device(dev.strip())
+
+
+def check_resources(scen: Any) -> Any:
+    """Refuse a scenario whose plans need a device or attention implementation this machine lacks.
+
+    Raises:
+        TracerError: naming the missing device or implementation.
+    """
+    from . import models as _models
+
+    for plan in (scen.plan_a, scen.plan_b):
+        for dev in plan.devices or ():
+            try:
+                _models.resolve_device(dev)
+            except TracerError as e:
+                raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
+                                  "pass --devices with two devices it has, e.g. cpu,cpu") from None
+        if plan.attn is not None:
+            _models.check_attn(plan.attn)
+    return scen
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
