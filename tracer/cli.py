@@ -147,6 +147,54 @@ def run_cmd(
         )
 
 
+@app.command("audit")
+def audit_cmd(
+    model: ModelArg = "smollm2-135m",
+    levels: Annotated[Optional[str], typer.Option("--levels", "-l", help="Levels to run, e.g. 0,1,2 (default: all, 0-7).")] = None,
+    prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
+    length: LengthOpt = None, chat: ChatOpt = False,
+    dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
+    granularity: GranularityOpt = "layers",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit-<timestamp>.h5).")] = None,
+    overwrite: OverwriteOpt = False,
+    no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
+    no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
+    fmt: FormatOpt = "table",
+    batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
+    block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
+) -> None:
+    """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .audit import audit, parse_levels, render_audit
+    from .report import check_format
+
+    try:
+        check_format(fmt)
+        parse_levels(levels)
+        options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
+                                   block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
+        with bar:
+            task = bar.add_task("audit", total=None)
+
+            def on_check(label: str, done: int, total: int) -> None:
+                bar.update(task, description=label, completed=done, total=total)
+
+            result = audit(model, levels=levels, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
+                           chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
+                           granularity=granularity, output=output, store=not no_store, overwrite=overwrite,
+                           mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check, **options)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    console = Console() if sys.stdout.isatty() else Console(width=250, no_color=True, highlight=False)
+    text = render_audit(result, fmt, console)
+    if text is not None:
+        sys.stdout.write(text)
+
+
 @app.command("compare")
 def compare_cmd(
     trace: Annotated[str, typer.Argument(help="An HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN.")],
