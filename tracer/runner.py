@@ -134,7 +134,7 @@ def attn_implementation(model: nn.Module, name: str | None) -> Iterator[None]:
 @contextlib.contextmanager
 def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]]:
     """Everything a plan changes about the model, undone on exit: attention implementation,
-    simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``\ d
+    simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
     from .tp import simulate_tp
 

@@ -95,7 +95,7 @@ class RunPlan:
             cache are quantize-dequantized before the next forward pass reads them.
         tp: simulate tensor parallelism of the row-parallel layers (None = unsharded).
         attn: attention implementation for this run (None = as loaded).
-        compile: run a ``torch.compile``\ d model.
+        compile: run a ``torch.compile``-d model.
         devices: the device of each chunk (None = the model's); the model and the KV cache move.
         generate: greedy-decode this many tokens after the prompt (0 = prefill only).
         recompute: with ``generate``, recompute the whole sequence every step instead of using
