@@ -167,7 +167,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
         atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
-        positions: str = "window") -> RunResult:
+        positions: str = "window", **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -176,10 +176,18 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         prompt / prompt_file / token_ids / token_ids_file: the prompt (default: a built-in text
             of a few hundred tokens); text is tokenized as-is unless ``chat``.
         length: use exactly N = ``length`` tokens (the prompt truncated, or repeated to reach N).
-        scenario: ``prefix-cache`` (level 2): cache miss vs cache hit.
+        scenario: a catalogue name (:data:`tracer.scenarios.SCENARIOS`: ``repeat``, ``batch``,
+            ``prefix-cache``, ``generate-cache``, ``block-size``, ``chunked-prefill``,
+            ``tensor-parallel``, ``kv-quant``, ``attention``, ``compile``, ``device``,
+            ``disaggregated``), a :class:`~tracer.scenarios.Scenario`, or a function
+            ``n_tokens -> Scenario`` (user-defined scenarios).
+        options: the scenario's options (see :func:`tracer.scenarios.build`): ``batch_size``,
+            ``padding``, ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``,
+            ``reduce``, ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``.
         block_size: KV block size in tokens; the cached prefix P is the largest multiple below N.
         split_at: explicit P (1..N-1).
-        mitigation: ``aligned``: run A also splits at P.
+        mitigation: ``aligned`` (prefix-cache: run A also splits at P) or ``deterministic``
+            (both runs under torch's deterministic mode, TF32 off).
         dtype, device, attn: model dtype (``bfloat16``), device (``cuda`` if available, else
             ``cpu``), attention implementation (``sdpa``/``eager``).
         granularity: ``layers`` or ``sublayers``.
@@ -222,8 +230,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if store not in STORE_MODES:
         raise TracerError(f"unknown --store '{store}'; use one of: {', '.join(STORE_MODES)}")
     # -- validate everything that needs no model --------------------------------------------------
-    if scenario not in SCENARIOS:
+    if isinstance(scenario, str) and scenario not in SCENARIOS:
         raise TracerError(f"unknown scenario '{scenario}'; use one of: {', '.join(SCENARIOS)}")
+    check_options(options)
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
     check_mitigation(mitigation)
@@ -248,10 +257,13 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if length is not None and length < 2:
         raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
     n_known = length if length is not None else (len(ids) if ids is not None else None)
-    if n_known is not None and n_known >= 2:
+    if n_known is not None and n_known >= 2 and scenario == "prefix-cache":
         from .scenarios import check_split, default_split
 
         check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
+    sopts = dict(options, block_size=block_size, split_at=split_at, mitigation=mitigation)
+    if isinstance(scenario, str):  # every length-independent option error, before loading
+        check_resources(build(scenario, n_known if n_known is not None and n_known >= 2 else 100_000, **sopts))
 
     # -- load, tokenize, plan ---------------------------------------------------------------------
     if loaded is None:
@@ -259,7 +271,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress)
     info = loaded.info
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
-    scen = build(scenario, len(ids), block_size=block_size, split_at=split_at, mitigation=mitigation)
+    scen = check_resources(make_scenario(scenario, len(ids), sopts))
     points = discover_points(loaded.model, granularity)
     window = (0, len(ids)) if positions == "all" else scen.window
 
@@ -282,7 +294,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     with writer if writer is not None else contextlib.nullcontext():
         for plan in (scen.plan_a, scen.plan_b):
             say(f"run {plan.name}: {plan.description}")
-            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=online, decode=decode)
+            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=online and not plan.devices,
+                          decode=decode, meta={"scenario": scen.name, "level": scen.level})
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)
@@ -295,6 +308,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
             "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
             "chunks_a": [list(c) for c in scen.plan_a.chunks], "chunks_b": [list(c) for c in scen.plan_b.chunks],
+            **scenario_facts(scen, rec_a, rec_b),
         }
         comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
                                      trace=trace_path, facts=facts, atol=atol, rtol=rtol)
@@ -324,3 +338,84 @@ def _without_tensors(rec: Any) -> Any:
 
     return RunRecord(name=rec.name, token_ids=rec.token_ids, plan=rec.plan, window=rec.window,
                      captures={}, meta=rec.meta)
+
+
+#: scenario options accepted by :func:`run` (``**options``) and :func:`tracer.scenarios.build`
+OPTIONS = ("batch_size", "padding", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "reduce",
+           "reduce_dtype", "kv_format", "attn_a", "attn_b", "devices")
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Refuse unknown scenario options and unavailable attention implementations/devices (no model needed).
+
+    Raises:
+        TracerError: an unknown option name, attention implementation or device.
+    """
+    from . import models as _models
+
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TracerError(f"unknown scenario option(s) {', '.join(unknown)}; valid: {', '.join(OPTIONS)}")
+    for key in ("attn_a", "attn_b"):
+        if options.get(key) is not None:
+            _models.check_attn(options[key])
+    devices = options.get("devices")
+    if devices is not None:
+        for dev in (devices.split(",") if isinstance(devices, str) else devices):
+            _models.resolve_device(dev.strip())
+
+
+def check_resources(scen: Any) -> Any:
+    """Refuse a scenario whose plans need a device or attention implementation this machine lacks.
+
+    Raises:
+        TracerError: naming the missing device or implementation.
+    """
+    from . import models as _models
+
+    for plan in (scen.plan_a, scen.plan_b):
+        for dev in plan.devices or ():
+            try:
+                _models.resolve_device(dev)
+            except TracerError as e:
+                raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
+                                  "pass --devices with two devices it has, e.g. cpu,cpu") from None
+        if plan.attn is not None:
+            _models.check_attn(plan.attn)
+    return scen
+
+
+def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
+    """A :class:`~tracer.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
+
+    Raises:
+        TracerError: bad options, or a callable that does not return a Scenario.
+    """
+    from .scenarios import Scenario, build
+
+    if isinstance(scenario, str):
+        return build(scenario, n_tokens, **options)
+    scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
+    if not isinstance(scen, Scenario):
+        raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
+    return scen
+
+
+def scenario_facts(scen: Any, rec_a: Any, rec_b: Any) -> dict[str, Any]:
+    """Scenario-specific facts for the report: generated tokens (``generate-cache``), KV block format."""
+    facts: dict[str, Any] = {}
+    notes = []
+    gen_a, gen_b = rec_a.meta.get("generated"), rec_b.meta.get("generated")
+    if gen_a is not None and gen_b is not None:
+        first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
+        facts.update(generated_a=gen_a, generated_b=gen_b, first_token_difference=first)
+        notes.append(f"generated tokens: A {gen_a}, B {gen_b}; " + (
+            f"identical for all {len(gen_a)} steps" if first is None else
+            f"first different at step {first} (position {scen.window[0] + first}); later steps compare different contexts"))
+    if "kv_block_format" in scen.params:
+        facts["kv_block_format"] = scen.params["kv_block_format"]
+        f = scen.params["kv_block_format"]
+        notes.append(f"KV format {f['name']}: {f['element']} elements, block {f['block_size'] or '-'}, scale {f['scale']}")
+    if notes:
+        facts["notes"] = notes
+    return facts

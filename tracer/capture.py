@@ -424,13 +424,15 @@ class Capture:
         self._pending_sync.add(piece.device)
         return host
 
-    def add_cache(self, cache: Any, row: int = 0) -> None:
+    def add_cache(self, cache: Any, row: int = 0, col: int = 0) -> None:
         """Record the ``kv_cache`` points from the run's final KV cache.
 
         Args:
             cache: an HF cache (``DynamicCache``: ``cache.layers[i].keys``/``.values``, or the
                 older ``key_cache``/``value_cache`` lists), each ``(B, kv_heads, S, head_dim)``.
             row: the batch row of the traced prompt.
+            col: the cache column of its first token (non-zero with left padding); columns
+                outside ``[col, col + N)`` (padding) are dropped.
 
         Each point gets ``(S, kv_heads * head_dim_k + kv_heads * head_dim_v)``: keys then values
         of the last ``S`` positions (all N, unless a sliding-window layer dropped older ones).
@@ -452,6 +454,8 @@ class Capture:
                                   "is this a decoder with a standard HF cache?") from None
             if k is None or v is None or k.dim() != 4:
                 continue
+            if col or k.shape[2] > n:  # a padded batch: keep the traced prompt's own columns
+                k, v = k[:, :, col:col + n], v[:, :, col:col + n]
             s = k.shape[2]
             kk = k[row].transpose(0, 1).reshape(s, -1)  # (S, kv_heads * head_dim)
             vv = v[row].transpose(0, 1).reshape(s, -1)

@@ -43,6 +43,39 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative toler
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.COLUMNS).")]
+# prompt and output options (run, audit)
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
+PromptFileOpt = Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")]
+TokenIdsOpt = Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them).")]
+LengthOpt = Annotated[Optional[int], typer.Option("--length", "-n", help="Use exactly N tokens: the prompt truncated, or repeated to reach N.")]
+ChatOpt = Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template to the prompt.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")]
+GranularityOpt = Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")]
+# scenario options (run, audit): each scenario uses the ones that apply to it
+BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", help="batch: rows in the batch, the prompt included (default 4).")]
+PaddingOpt = Annotated[Optional[str], typer.Option("--padding", help="batch: none (rows of equal length), left or right (different lengths, attention mask).")]
+BatchRowOpt = Annotated[Optional[int], typer.Option("--batch-row", help="batch: row of the traced prompt (default batch-size // 2).")]
+NewTokensOpt = Annotated[Optional[int], typer.Option("--new-tokens", help="generate-cache: greedy tokens to generate (default 8).")]
+BlockSizesOpt = Annotated[Optional[str], typer.Option("--block-sizes", help="block-size: two KV block sizes b1,b2 (default 16,64).")]
+ChunkSizeOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="chunked-prefill: tokens per chunk C (default 32; 1 = token by token).")]
+TpOpt = Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel: shards k of the row-parallel layers (default 2).")]
+ReduceOpt = Annotated[Optional[str], typer.Option("--reduce", help="tensor-parallel: all-reduce order ring or tree (default ring).")]
+ReduceDtypeOpt = Annotated[Optional[str], typer.Option("--reduce-dtype", help="tensor-parallel: add partials in the activation dtype or float32.")]
+KvFormatOpt = Annotated[Optional[str], typer.Option("--kv-format", help="kv-quant: fp8-e4m3, mxfp8 or nvfp4 (default fp8-e4m3).")]
+AttnAOpt = Annotated[Optional[str], typer.Option("--attn-a", help="attention: run A's implementation (default eager).")]
+AttnBOpt = Annotated[Optional[str], typer.Option("--attn-b", help="attention: run B's implementation (default sdpa; flash_attention_2 where installed).")]
+DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="device/disaggregated: X,Y (default cpu,cuda).")]
+
+
+def scenario_options(**given) -> dict:
+    """The scenario options the user set (None = the scenario's default), parsed."""
+    opts = {k: v for k, v in given.items() if v is not None}
+    if "block_sizes" in opts:
+        try:
+            opts["block_sizes"] = tuple(int(x) for x in opts["block_sizes"].split(","))
+        except ValueError:
+            raise TracerError(f"--block-sizes {given['block_sizes']!r} must be two integers such as 16,64") from None
+    return opts
 
 
 def _fail(message: str) -> None:
@@ -77,10 +110,10 @@ def run_cmd(
     token_ids_file: Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them).")] = None,
     length: Annotated[Optional[int], typer.Option("--length", "-n", help="Use exactly N tokens: the prompt truncated, or repeated to reach N.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
-    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario: prefix-cache (cache miss vs cache hit).")] = "prefix-cache",
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, disaggregated.")] = "prefix-cache",
     block_size: Annotated[int, typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N.")] = 16,
     split_at: Annotated[Optional[int], typer.Option("--split-at", help="Cached prefix length P (1..N-1), overriding --block-size.")] = None,
-    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned: the cache-miss run also splits at P (vLLM #34046).")] = None,
+    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic (torch deterministic algorithms, TF32 off).")] = None,
     dtype: DtypeOpt = "bfloat16",
     device: DeviceOpt = None,
     attn: AttnOpt = "sdpa",
@@ -100,6 +133,10 @@ def run_cmd(
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
     positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
+    batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
+    new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
+    tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
+    attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     from .api import run
@@ -110,6 +147,10 @@ def run_cmd(
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
+        options = scenario_options(batch_size=batch_size, padding=padding, batch_row=batch_row, new_tokens=new_tokens,
+                                   block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
+                                   reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
+                                   devices=devices)
         spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
         with spinner as st:
             status = st.update if st is not None else None
@@ -119,25 +160,73 @@ def run_cmd(
                          granularity=granularity, output=output, store="none" if no_store else store,
                          compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
-                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions)
+                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions, **options)
     except TracerError as e:
         _fail(str(e))
         return
     _emit(result.comparison, fmt, cols)
-    if mitigation == "aligned" and fmt == "table":
+    if mitigation is not None and fmt == "table":
         ok = result.comparison.identical
         Console().print(
-            f"mitigation aligned: {'restores' if ok else 'does NOT restore'} bitwise equality "
+            f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
             f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
             style="green" if ok else "red",
         )
     _exit_on(result.comparison, fail_on)
 
 
+@app.command("audit")
+def audit_cmd(
+    model: ModelArg = "smollm2-135m",
+    levels: Annotated[Optional[str], typer.Option("--levels", "-l", help="Levels to run, e.g. 0,1,2 (default: all, 0-7).")] = None,
+    prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
+    length: LengthOpt = None, chat: ChatOpt = False,
+    dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
+    granularity: GranularityOpt = "layers",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit-<timestamp>.h5).")] = None,
+    overwrite: OverwriteOpt = False,
+    no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
+    no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
+    fmt: FormatOpt = "table",
+    batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
+    block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
+) -> None:
+    """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .audit import audit, parse_levels, render_audit
+    from .report import check_format
+
+    try:
+        check_format(fmt)
+        parse_levels(levels)
+        options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
+                                   block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
+        with bar:
+            task = bar.add_task("audit", total=None)
+
+            def on_check(label: str, done: int, total: int) -> None:
+                bar.update(task, description=label, completed=done, total=total)
+
+            result = audit(model, levels=levels, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
+                           chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
+                           granularity=granularity, output=output, store=not no_store, overwrite=overwrite,
+                           mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check, **options)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    console = Console() if sys.stdout.isatty() else Console(width=250, no_color=True, highlight=False)
+    text = render_audit(result, fmt, console)
+    if text is not None:
+        sys.stdout.write(text)
+
+
 @app.command("compare")
 def compare_cmd(
-    trace: Annotated[str, typer.Argument(help="An HDF5 trace written by 'tracer run'.")],
-    run_a: Annotated[Optional[str], typer.Argument(help="First run (default: the first in the file).")] = None,
+    trace: Annotated[str, typer.Argument(help="An HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN.")],
+    run_a: Annotated[Optional[str], typer.Argument(help="First run (default: the first in the file), or a second trace FILE2[:RUN].")] = None,
     run_b: Annotated[Optional[str], typer.Argument(help="Second run (default: the second).")] = None,
     fmt: FormatOpt = "table",
     atol: AtolOpt = None,
@@ -146,15 +235,17 @@ def compare_cmd(
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
 ) -> None:
-    """Re-render the comparison of two runs from a stored trace (no model needed)."""
-    from .compare import check_fail_on, compare_trace
+    """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
+    for traces made on two machines (a file without :RUN uses the other side's run name, else its first run)."""
+    from .compare import check_fail_on, compare_runs, resolve_refs
     from .report import check_columns, check_format
 
     try:
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
-        comparison = compare_trace(trace, run_a, run_b, atol=atol, rtol=rtol)
+        comparison = compare_runs(*resolve_refs([x for x in (trace, run_a, run_b) if x is not None]),
+                                  atol=atol, rtol=rtol)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))

@@ -303,6 +303,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     logits_calls: tuple[list, list] = ([], [])
     first_max: float | None = None
     for name, kind, op, ta, tb, ca, cb in pairs:
+        if (ta.numel() == 0) != (tb.numel() == 0):
+            continue  # captured in one run only (e.g. no KV cache in a run that recomputes): nothing to align
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
             raise TracerError(
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
@@ -541,38 +543,105 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts.
     """
+    return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol)
+
+
+def _is_file_ref(ref: str) -> bool:
+    from pathlib import Path
+
+    return Path(ref).is_file() or (":" in ref and Path(ref.rsplit(":", 1)[0]).is_file())
+
+
+def split_ref(ref: str) -> tuple[str, str | None]:
+    """``FILE`` → ``(FILE, None)``; ``FILE:RUN`` → ``(FILE, RUN)`` (a path that exists as a file wins)."""
+    from pathlib import Path
+
+    if Path(ref).exists() or ":" not in ref:
+        return ref, None
+    path, run = ref.rsplit(":", 1)
+    return path, run or None
+
+
+def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    """The two runs named by ``tracer compare``'s arguments.
+
+    ``TRACE`` (its first two runs) · ``TRACE RUN_A [RUN_B]`` (runs of one file) ·
+    ``TRACE[:RUN] TRACE2[:RUN]`` (a run of each file; a file without ``:RUN`` uses the run of the
+    other side's name, else its first run).
+
+    Raises:
+        TracerError: no or too many arguments.
+    """
+    if not 1 <= len(refs) <= 3:
+        raise TracerError("give TRACE [RUN_A [RUN_B]] or TRACE[:RUN] TRACE2[:RUN]")
+    first = split_ref(refs[0])
+    if len(refs) == 2 and _is_file_ref(refs[1]):
+        return first, split_ref(refs[1])
+    if len(refs) == 1 and first[1] is not None:
+        return first, (first[0], None)
+    runs = [first[1]] if first[1] is not None else []
+    runs += refs[1:]
+    if len(runs) > 2:
+        raise TracerError("give at most two run names: TRACE RUN_A RUN_B or TRACE:RUN_A TRACE2:RUN_B")
+    runs += [None] * (2 - len(runs))
+    return (first[0], runs[0]), (first[0], runs[1])
+
+
+def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *,
+                 atol: float | None = None, rtol: float | None = None) -> Comparison:
+    """Compare run ``ref_a = (file, run)`` with ``ref_b``, from one trace or two (e.g. made on two
+    machines), one capture point at a time. A run of None is resolved as in :func:`resolve_refs`;
+    ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``) stored in the runs'
+    meta is compared too.
+
+    Raises:
+        TracerError: missing/corrupt trace, unknown run names, runs of different prompts or windows.
+    """
     from .store import TraceReader
 
-    with TraceReader(path) as reader:
-        names = reader.runs
-        if run_a is None or run_b is None:
-            if len(names) < 2:
-                raise TracerError(f"trace {path} holds {len(names)} run(s); a comparison needs two")
-            run_a, run_b = run_a or names[0], run_b or names[1]
-        ra = reader.run(run_a, load_tensors=False)
-        rb = reader.run(run_b, load_tensors=False)
-        check_alignable(ra.name, ra.token_ids, ra.window, rb.name, rb.token_ids, rb.window)
-        header = reader.header
-        if not reader.capture_names(run_a) and not reader.capture_names(run_b):
+    (path_a, run_a), (path_b, run_b) = ref_a, ref_b
+    same = str(path_a) == str(path_b)
+    with TraceReader(path_a) as reader_a, TraceReader(path_b) as reader_b:
+        names_a, names_b = reader_a.runs, reader_b.runs
+        if same and (run_a is None or run_b is None):
+            if len(names_a) < 2:
+                raise TracerError(f"trace {path_a} holds {len(names_a)} run(s); a comparison needs two")
+            run_a = run_a or names_a[0]
+            run_b = run_b or next(n for n in names_a if n != run_a)
+        run_a = run_a or (run_b if run_b in names_a else names_a[0] if names_a else None)
+        run_b = run_b or (run_a if run_a in names_b else names_b[0] if names_b else None)
+        ra = reader_a.run(run_a, load_tensors=False)
+        rb = reader_b.run(run_b, load_tensors=False)
+        label_a, label_b = (run_a, run_b) if same else (f"{path_a}:{run_a}", f"{path_b}:{run_b}")
+        check_alignable(label_a, ra.token_ids, ra.window, label_b, rb.token_ids, rb.window)
+        header = reader_a.header
+        names_in_b = set(reader_b.capture_names(run_b))
+        if not reader_a.capture_names(run_a) and not reader_b.capture_names(run_b):
             raise TracerError(
-                f"trace {path} holds no tensors (written with --store {header.get('store', 'stats')}); "
-                f"'tracer show {path}' prints its stored comparison"
+                f"trace {path_a} holds no tensors (written with --store {header.get('store', 'stats')}); "
+                f"'tracer show {path_a}' prints its stored comparison"
             )
 
         def pairs():
-            for name in reader.capture_names(run_a):
-                if name not in reader.capture_names(run_b):
+            for name in reader_a.capture_names(run_a):
+                if name not in names_in_b:
                     continue
-                ia, ib = reader.capture_info(run_a, name), reader.capture_info(run_b, name)
-                yield (name, ia["kind"], ia.get("op", ""), reader.tensor(run_a, name),
-                       reader.tensor(run_b, name), ia.get("calls", []), ib.get("calls", []))
+                ia, ib = reader_a.capture_info(run_a, name), reader_b.capture_info(run_b, name)
+                yield (name, ia["kind"], ia.get("op", ""), reader_a.tensor(run_a, name),
+                       reader_b.tensor(run_b, name), ia.get("calls", []), ib.get("calls", []))
 
         scen = header.get("scenario", {})
+        scen_name = scen.get("name", "?") if isinstance(scen, dict) else str(scen)
+        facts = facts_from_header(header, ra, rb)
+        if not same:
+            hb = reader_b.header
+            facts["notes"] = [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
+                              f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
         c = compare_pairs(
-            pairs(), scenario=scen.get("name", "?") if isinstance(scen, dict) else str(scen),
+            pairs(), scenario=ra.meta.get("scenario", scen_name),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
-            positions=tuple(ra.window), run_a=run_a, run_b=run_b, trace=str(path),
-            facts=facts_from_header(header, ra, rb), atol=atol, rtol=rtol,
+            positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
+            facts=facts, atol=atol, rtol=rtol,
         )
         if "decode_tokens" in ra.meta and "decode_tokens" in rb.meta:
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],

@@ -252,6 +252,8 @@ def print_report(c: Comparison, console: Console | None = None,
     if c.noise is not None:
         for line in c.noise.lines():
             console.print(line, soft_wrap=True)
+    for line in c.facts.get("notes", []):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {c.verdict()}", style=style))
     if c.trace:
@@ -284,7 +286,7 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines.append("")
     if "ulp" in columns:
         lines += [ULP_NOTE, ""]
-    lines.extend(f"- {line}" for line in logits_lines(c) + flips_lines(c) + replay_lines(c))
+    lines.extend(f"- {line}" for line in logits_lines(c) + flips_lines(c) + replay_lines(c) + list(c.facts.get("notes", [])))
     if c.noise is not None:
         lines.extend(f"- {line}" for line in c.noise.lines())
     lines.append(f"\n**verdict:** {c.verdict()}")

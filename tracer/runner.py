@@ -7,8 +7,10 @@ HF ``generate``: chunk ``[s, e)`` is computed at positions ``s..e-1``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 from .capture import Capture, CapturePoint
 from .errors import TracerError
 from .records import RunRecord
-from .scenarios import RunPlan
+from .scenarios import Batch, RunPlan, Scenario
 
 
 def _sync(device: torch.device) -> None:
@@ -30,13 +32,220 @@ def model_device(model: nn.Module) -> torch.device:
     return emb.weight.device
 
 
-def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
-                   capture: Capture | None = None) -> Any:
-    """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the final KV cache.
+def _kv_layers(cache: Any) -> list[Any]:
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TracerError(f"{type(cache).__name__} has no .layers; this transformers version's KV cache is not supported "
+                          "by kv_transform/devices (transformers >= 4.56 needed)")
+    return [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
 
-    Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], past_key_values=cache)`` call.
+
+def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
+    """Quantize-dequantize (:mod:`tracer.quant` format ``fmt``) the cached keys and values of
+    sequence columns ``[start, stop)``, in place. Cache layers hold ``(batch, kv_heads, seq, head_dim)``."""
+    from .quant import quantize_dequantize
+
+    for layer in _kv_layers(cache):
+        layer.keys[:, :, start:stop] = quantize_dequantize(layer.keys[:, :, start:stop], fmt)
+        layer.values[:, :, start:stop] = quantize_dequantize(layer.values[:, :, start:stop], fmt)
+
+
+def move_kv(cache: Any, device: torch.device) -> None:
+    """Move every cached key/value tensor to ``device`` (a disaggregated KV transfer; bits unchanged)."""
+    for layer in _kv_layers(cache):
+        layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+        if hasattr(layer, "device"):
+            layer.device = device
+
+
+def batch_inputs(token_ids: list[int], spec: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The padded batch: ``ids (B, W)`` int64, ``mask (B, W)`` int64 (1 = real token) and the column
+    of the traced prompt's first token. Row ``spec.row`` is the prompt; row j holds the prompt
+    rotated by ``(37 j + 11) mod N`` tokens, repeated to its length. Padding uses token 0."""
+    n, w = len(token_ids), spec.width
+    ids = torch.zeros((spec.size, w), dtype=torch.long)
+    mask = torch.zeros((spec.size, w), dtype=torch.long)
+    for j, length in enumerate(spec.lengths):
+        if j == spec.row:
+            row = list(token_ids)
+        else:
+            rot = (37 * j + 11) % n
+            base = token_ids[rot:] + token_ids[:rot]
+            row = (base * (-(-length // n)))[:length]
+        lo = w - length if spec.padding == "left" else 0
+        ids[j, lo:lo + length] = torch.tensor(row, dtype=torch.long)
+        mask[j, lo:lo + length] = 1
+    col = w - n if spec.padding == "left" else 0
+    return ids.to(device), mask.to(device), col
+
+
+@contextlib.contextmanager
+def deterministic_mode() -> Iterator[None]:
+    """torch deterministic algorithms (warn-only: an op without a deterministic kernel warns instead
+    of failing), ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, TF32 off, cuDNN deterministic and not
+    benchmarking; everything restored on exit. cuBLAS reads the workspace variable when it
+    creates a handle, so it fully applies only to a process that had not used cuBLAS before."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.get_float32_matmul_precision(),
+             torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    try:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True, False
+        yield
+    finally:
+        det, warn, ws, prec, tf32, cdet, bench = saved
+        torch.use_deterministic_algorithms(det, warn_only=warn)
+        if ws is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ws
+        torch.set_float32_matmul_precision(prec)
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = tf32, cdet, bench
+
+
+@contextlib.contextmanager
+def attn_implementation(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Switch the model's attention implementation (``eager``/``sdpa``/``flash_attention_2``) for the block."""
+    cfg = getattr(model, "config", None)
+    before = getattr(cfg, "_attn_implementation", None)
+    if name is None or name == before:
+        yield
+        return
+
+    def set_(impl: str) -> None:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(impl)
+        else:  # pragma: no cover - older transformers
+            cfg._attn_implementation = impl
+
+    try:
+        set_(name)
+    except (ValueError, ImportError) as e:
+        raise TracerError(f"attention implementation {name!r} is not available here ({str(e).splitlines()[0]}); "
+                          "choose eager or sdpa") from None
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+@contextlib.contextmanager
+def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]]:
+    """Everything a plan changes about the model, undone on exit: attention implementation,
+    simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
+    when ``plan.compile``)."""
+    from .tp import simulate_tp
+
+    home = model_device(model)
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: model.to(home) if model_device(model) != home else None)
+        if plan.deterministic:
+            stack.enter_context(deterministic_mode())
+        stack.enter_context(attn_implementation(model, plan.attn))
+        if plan.tp is not None:
+            stack.enter_context(simulate_tp(model, plan.tp.k, plan.tp.reduce, plan.tp.dtype))
+        fn = model
+        if plan.compile:
+            try:
+                fn = torch.compile(model)
+            except Exception as e:  # noqa: BLE001 - any failure means "unavailable here"
+                raise TracerError(f"torch.compile is not available here ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); skip the compile scenario") from None
+        yield fn
+
+
+def _call(fn: Callable[..., Any], compiled: bool, **kwargs: Any) -> Any:
+    if not compiled:
+        return fn(**kwargs)
+    try:
+        return fn(**kwargs)
+    except TracerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - compiler failures surface at the first call
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise TracerError(f"torch.compile failed on this platform ({type(e).__name__}: {msg}); "
+                          "skip the compile scenario") from None
+
+
+def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
+                   capture: Capture | None = None, fn: Callable[..., Any] | None = None) -> Any:
+    """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the last model output.
+
+    Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], past_key_values=cache)`` call
+    (all rows of ``plan.batch`` at once, with its attention mask and position ids when padded).
+    Between chunks the new KV entries go through ``plan.kv_transform``; a chunk on another device
+    (``plan.devices``) moves the model and the KV cache there first. The output's
+    ``past_key_values`` is the final cache.
     """
-    return prefill(model, ids, plan, capture)[0]
+    fn = model if fn is None else fn
+    compiled = fn is not model
+    cache, out = None, None
+    n = ids.shape[1]
+    for i, (start, stop) in enumerate(plan.chunks):
+        if plan.devices is not None and plan.devices[i] is not None:
+            dev = torch.device(plan.devices[i])
+            if model_device(model) != dev:
+                model.to(dev)
+            if cache is not None:
+                move_kv(cache, dev)
+        dev = model_device(model)
+        kwargs: dict[str, Any] = {"use_cache": not plan.recompute}
+        row, col = 0, 0
+        if plan.batch is not None:
+            bids, mask, col = batch_inputs(ids[0].tolist(), plan.batch, dev)  # (B, W)
+            row = plan.batch.row
+            if plan.batch.padding == "none":
+                kwargs["input_ids"] = bids[:, start:stop]
+            else:
+                kwargs.update(input_ids=bids, attention_mask=mask,
+                              position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        else:
+            kwargs["input_ids"] = ids[:, start:stop].to(dev)
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        before = cache.get_seq_length() if cache is not None else 0
+        if capture is not None:
+            with capture.forward_call(start, stop, row, col):
+                out = _call(fn, compiled, **kwargs)
+        else:
+            out = _call(fn, compiled, **kwargs)
+        cache = out.past_key_values
+        if plan.kv_transform is not None and cache is not None:
+            transform_kv(cache, plan.kv_transform, before, cache.get_seq_length())
+    assert n == plan.n_tokens or plan.batch is not None, "ids must hold the plan's N tokens"
+    return out
+
+
+def generate_greedy(model: nn.Module, ids: torch.Tensor, plan: RunPlan, out: Any,
+                    capture: Capture | None = None) -> list[int]:
+    """Continue a prefilled run greedily for ``plan.generate`` tokens; return them.
+
+    ``out`` is the prefill's model output. Step t ≥ 1 computes position N-1+t: with the KV cache
+    (one token, GEMM M = 1) or, with ``plan.recompute``, the whole sequence of N+t tokens without a
+    cache (only the last position is kept by the hooks).
+    """
+    n = ids.shape[1]
+    dev = model_device(model)
+    gen = [int(out.logits[0, -1].argmax())]
+    cache = out.past_key_values
+    for t in range(1, plan.generate):
+        pos = n - 1 + t
+        if plan.recompute:
+            seq = torch.cat([ids.to(dev), torch.tensor([gen], dtype=torch.long, device=dev)], dim=1)  # (1, N+t)
+            kwargs: dict[str, Any] = {"input_ids": seq, "use_cache": False}
+            col = pos
+        else:
+            kwargs = {"input_ids": torch.tensor([[gen[-1]]], dtype=torch.long, device=dev),
+                      "past_key_values": cache, "use_cache": True}
+            col = 0
+        ctx = capture.forward_call(pos, pos + 1, 0, col) if capture is not None else contextlib.nullcontext()
+        with ctx:
+            out = model(**kwargs)
+        cache = out.past_key_values
+        gen.append(int(out.logits[0, -1].argmax()))
+    return gen
 
 
 def prefill(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
@@ -45,20 +254,8 @@ def prefill(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
 
     ``last_logits``: ``(V,)`` logits of the last prompt position (model dtype, model device).
     """
-    cache = None
-    out = None
-    for start, stop in plan.chunks:
-        kwargs: dict[str, Any] = {"input_ids": ids[:, start:stop], "use_cache": True}
-        if cache is not None:
-            kwargs["past_key_values"] = cache
-        if capture is not None:
-            with capture.forward_call(start, stop):
-                out = model(**kwargs)
-        else:
-            out = model(**kwargs)
-        cache = out.past_key_values
-    assert out is not None, "a run plan has at least one chunk"
-    return cache, out.logits[0, -1]
+    out = forward_chunks(model, ids, plan, capture)
+    return out.past_key_values, out.logits[0, -1]
 
 
 def greedy_decode(model: nn.Module, cache: Any, last_logits: torch.Tensor, steps: int) -> list[int]:
@@ -122,16 +319,48 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
     _sync(device)
     t0 = time.perf_counter()
+    generated = None
+    tokens = None
     with torch.inference_mode():
-        with Capture(model, points, window, keep_on_device=keep_on_device) as cap:
-            cache, last = prefill(model, ids, plan, cap)
-            cap.add_cache(cache)
-            _sync(device)
-        wall = time.perf_counter() - t0
-        tokens = greedy_decode(model, cache, last, decode) if decode else None
-    info = {"wall_s": wall, "device": str(device), "gemm_m": plan.gemm_m()}
+        with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
+                plan_context(model, plan) as fn:
+            out = forward_chunks(model, ids, plan, cap, fn)
+            if out.past_key_values is not None:
+                b = plan.batch
+                cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
+                              col=b.width - n if b is not None and b.padding == "left" else 0)
+            if plan.generate:
+                generated = generate_greedy(model, ids, plan, out, cap)
+            _sync(model_device(model))
+            wall = time.perf_counter() - t0
+            if decode:  # replay: greedy continuation of the final KV cache, not captured
+                tokens = greedy_decode(model, out.past_key_values, out.logits[0, -1], decode)
+    info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
+            "gemm_m": plan.gemm_m()}
+    if generated is not None:
+        info["generated"] = generated
     if tokens is not None:
         info["decode_tokens"] = tokens
     info.update(meta or {})
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
                      window=(int(window[0]), int(window[1])), captures=cap.records(), meta=info)
+
+
+def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],
+                     names: tuple[str, str] | None = None,
+                     say: Callable[[str], None] | None = None) -> tuple[RunRecord, RunRecord]:
+    """Execute both plans of ``scen`` (A, then B) and return their records, named ``names`` (default
+    the plans' names: ``A``, ``B``). The scenario is recorded in each run's ``meta["scenario"]``.
+
+    Raises:
+        TracerError: a plan that does not cover the prompt, or a plan feature unavailable here
+            (attention implementation, torch.compile, device).
+    """
+    records = []
+    for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
+        if say is not None:
+            say(f"run {name}: {plan.description}")
+        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level})
+        rec.name = name
+        records.append(rec)
+    return records[0], records[1]

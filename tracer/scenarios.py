@@ -6,19 +6,78 @@ is one chunk ``(0, N)``; a cache hit is the cached prefix ``(0, P)`` (computed b
 request's own forward pass) followed by the suffix ``(P, N)``. The GEMM M dimension of every
 projection in a chunk is its length, which is what changes the kernels' tiling.
 
+Every other level of the determinism hierarchy is a field of the plan, so each level is a pair
+of plans that differ in one field: ``batch`` (the prompt as one row of a padded batch),
+``kv_transform`` (a KV cache format applied between chunks), ``tp`` (simulated tensor-parallel
+reduction), ``attn`` (attention implementation), ``compile``, ``devices`` (the device of each
+chunk, the KV cache moved between them), ``generate`` (greedy decoding with or without the
+cache) and ``deterministic`` (torch's deterministic mode).
+
 A :class:`Scenario` pairs plan A with plan B and names the compared window (the positions both
-runs computed in their final state). User-defined scenarios are plain instances of these two
-classes.
+runs computed in their final state). User-defined scenarios are plain instances of these
+classes, e.g. ``Scenario("mine", 1, "batch size", RunPlan("A", ((0, n),)),
+RunPlan("B", ((0, n),), batch=Batch(size=4, row=2, lengths=(n,) * 4)), window=(0, n))``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import inspect
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
 
 from .errors import TracerError
 
-MITIGATIONS = ("aligned",)
+MITIGATIONS = ("aligned", "deterministic")
+PADDINGS = ("none", "left", "right")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The traced prompt as one row of a batch.
+
+    Attributes:
+        size: rows in the batch (the traced prompt included).
+        row: index of the traced prompt's row.
+        padding: ``none`` (all rows have the prompt's length N), ``left`` or ``right`` (rows of
+            different lengths padded to the longest, with an attention mask that excludes padding).
+        lengths: the length of every row; ``lengths[row]`` is N. The other rows hold the prompt
+            rotated by a row-dependent offset (valid tokens, different content), cut to length.
+    """
+
+    size: int
+    row: int
+    padding: str
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or len(self.lengths) != self.size:
+            raise TracerError(f"batch of {self.size} rows needs {self.size} lengths, got {len(self.lengths)}; "
+                              "use --batch-size 1 or more")
+        if not 0 <= self.row < self.size:
+            raise TracerError(f"--batch-row {self.row} is outside 0..{self.size - 1}; choose a row of the batch")
+        if self.padding not in PADDINGS:
+            raise TracerError(f"unknown --padding '{self.padding}'; use one of: {', '.join(PADDINGS)}")
+        if self.padding == "none" and len(set(self.lengths)) > 1:
+            raise TracerError("rows of different lengths need --padding left or right")
+
+    @property
+    def width(self) -> int:
+        """Columns of the padded batch (the longest row)."""
+        return max(self.lengths)
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """Simulated tensor parallelism of the row-parallel layers (see :mod:`tracer.tp`).
+
+    Attributes:
+        k: shards along K. reduce: ``ring`` | ``tree``. dtype: ``activation`` | ``float32``
+        (the dtype the all-reduce adds in).
+    """
+
+    k: int
+    reduce: str = "ring"
+    dtype: str = "activation"
 
 
 @dataclass(frozen=True)
@@ -31,11 +90,32 @@ class RunPlan:
             one KV cache; they must tile ``[0, N)`` in order. A chunk of length ``M`` runs every
             projection as a GEMM with M = ``M`` rows (batch 1).
         description: one line for people (``cache miss: all 250 tokens in one pass``).
+        batch: run the prompt as one row of this batch (None = batch of 1).
+        kv_transform: a :mod:`tracer.quant` format name; the positions each chunk added to the KV
+            cache are quantize-dequantized before the next forward pass reads them.
+        tp: simulate tensor parallelism of the row-parallel layers (None = unsharded).
+        attn: attention implementation for this run (None = as loaded).
+        compile: run a ``torch.compile``-d model.
+        devices: the device of each chunk (None = the model's); the model and the KV cache move.
+        generate: greedy-decode this many tokens after the prompt (0 = prefill only).
+        recompute: with ``generate``, recompute the whole sequence every step instead of using
+            the KV cache.
+        deterministic: run under torch's deterministic algorithms, TF32 off and
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
     """
 
     name: str
     chunks: tuple[tuple[int, int], ...]
     description: str = ""
+    batch: Batch | None = None
+    kv_transform: str | None = None
+    tp: TPSpec | None = None
+    attn: str | None = None
+    compile: bool = False
+    devices: tuple[str, ...] | None = None
+    generate: int = 0
+    recompute: bool = False
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         pos = 0
@@ -45,14 +125,28 @@ class RunPlan:
                     f"run plan {self.name}: chunks {list(self.chunks)} must tile [0, N) in order without gaps"
                 )
             pos = stop
+        if self.devices is not None and len(self.devices) != len(self.chunks):
+            raise TracerError(f"run plan {self.name}: {len(self.devices)} devices for {len(self.chunks)} chunks; "
+                              "give one device per chunk")
+        if self.batch is not None and self.batch.padding != "none" and len(self.chunks) > 1:
+            raise TracerError(f"run plan {self.name}: a padded batch runs as one chunk; use --padding none")
+        if self.generate and self.batch is not None:
+            raise TracerError(f"run plan {self.name}: generation runs at batch 1; drop the batch")
 
     @property
     def n_tokens(self) -> int:
         return self.chunks[-1][1] if self.chunks else 0
 
     def gemm_m(self) -> list[int]:
-        """The GEMM M dimension of each forward pass (its number of tokens)."""
-        return [stop - start for start, stop in self.chunks]
+        """The GEMM M dimension of each forward pass (rows x tokens, padding included)."""
+        if self.batch is not None:
+            if self.batch.padding != "none":
+                return [self.batch.size * self.batch.width]
+            return [self.batch.size * (stop - start) for start, stop in self.chunks]
+        ms = [stop - start for start, stop in self.chunks]
+        n = self.n_tokens
+        ms += [n + t if self.recompute else 1 for t in range(1, self.generate)]
+        return ms
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -155,7 +249,7 @@ def prefix_cache(n_tokens: int, *, block_size: int = 16, split_at: int | None = 
     else:
         plan_a = RunPlan("A", ((0, n),), f"cache miss: all {n} tokens in one pass")
     plan_b = RunPlan("B", ((0, p), (p, n)), f"cache hit: {p} cached tokens, then the {n - p}-token suffix")
-    return Scenario(
+    scen = Scenario(
         name="prefix-cache",
         level=2,
         invariant="cache hit vs miss",
@@ -166,20 +260,267 @@ def prefix_cache(n_tokens: int, *, block_size: int = 16, split_at: int | None = 
                 "n_tokens": n, "split_points_a": [c[0] for c in plan_a.chunks[1:]],
                 "split_points_b": [c[0] for c in plan_b.chunks[1:]]},
     )
+    return with_mitigation(scen, mitigation) if mitigation == "deterministic" else scen
 
 
-#: name → (level, invariant, builder) for the CLI's --scenario
-SCENARIOS = {
+def _window_scenario(name: str, level: int, invariant: str, a: RunPlan, b: RunPlan,
+                     window: tuple[int, int], **params: Any) -> Scenario:
+    return Scenario(name=name, level=level, invariant=invariant, plan_a=a, plan_b=b, window=window,
+                    params={"n_tokens": a.n_tokens, **params})
+
+
+def repeat(n_tokens: int) -> Scenario:
+    """Level 0: the same forward pass twice (catches split-K atomics and other run-to-run noise)."""
+    n = n_tokens
+    return _window_scenario("repeat", 0, "repeating the identical call",
+                            RunPlan("A", ((0, n),), f"all {n} tokens in one pass"),
+                            RunPlan("B", ((0, n),), f"the same call again: all {n} tokens in one pass"), (0, n))
+
+
+def batch_lengths(n_tokens: int, size: int, row: int, padding: str) -> tuple[int, ...]:
+    """Row lengths of a batch holding the prompt (N tokens) at ``row``.
+
+    ``none``: every row has N tokens. ``left``/``right``: the other rows alternate between
+    longer and shorter than N (N + s, N - s, N + 2s, ...; s = max(1, N // 8), at least 1 token),
+    so the traced row is padded whenever the batch has 2 or more rows.
+    """
+    if padding == "none":
+        return (n_tokens,) * size
+    step = max(1, n_tokens // 8)
+    others = []
+    for j in range(size - 1):
+        d = (j // 2 + 1) * step
+        others.append(n_tokens + d if j % 2 == 0 else max(1, n_tokens - d))
+    return tuple(others[:row]) + (n_tokens,) + tuple(others[row:])
+
+
+def batch(n_tokens: int, *, batch_size: int = 4, padding: str = "none", batch_row: int | None = None) -> Scenario:
+    """Level 1: the prompt alone versus the prompt as row ``batch_row`` of a batch of ``batch_size``.
+
+    With ``padding="none"`` every row has N tokens (no mask needed); with ``left``/``right`` the
+    rows have different lengths (:func:`batch_lengths`), padded to the longest with an attention
+    mask, positions counted from each row's first real token. Compared: all N positions.
+
+    Raises:
+        TracerError: batch size < 1, row outside the batch, unknown padding.
+    """
+    if batch_size < 1:
+        raise TracerError(f"--batch-size must be at least 1, got {batch_size}")
+    if padding not in PADDINGS:
+        raise TracerError(f"unknown --padding '{padding}'; use one of: {', '.join(PADDINGS)}")
+    n = n_tokens
+    row = batch_size // 2 if batch_row is None else batch_row
+    lengths = batch_lengths(n, batch_size, row, padding) if 0 <= row < batch_size else (n,) * batch_size
+    spec = Batch(size=batch_size, row=row, padding=padding, lengths=lengths)
+    pad = "" if padding == "none" else f", {padding}-padded to {spec.width} with an attention mask"
+    return _window_scenario(
+        "batch", 1, "batch size",
+        RunPlan("A", ((0, n),), f"the prompt alone: batch 1 x {n} tokens"),
+        RunPlan("B", ((0, n),), f"row {row} of a batch of {batch_size} (lengths {list(lengths)}{pad})", batch=spec),
+        (0, n), batch_size=batch_size, padding=padding, batch_row=row, lengths=list(lengths))
+
+
+def generate_cache(n_tokens: int, *, new_tokens: int = 8) -> Scenario:
+    """Level 2: greedy generation with the KV cache versus recomputing the whole sequence each step.
+
+    Both runs prefill the N-token prompt, then generate ``new_tokens`` tokens greedily: A feeds
+    one token per step with the cache (GEMM M = 1), B recomputes all N + t tokens without a cache.
+    Compared: the logits of every step (positions N-1 .. N+T-2), token by token.
+
+    Raises:
+        TracerError: new_tokens < 1.
+    """
+    if new_tokens < 1:
+        raise TracerError(f"--new-tokens must be at least 1, got {new_tokens}")
+    n, t = n_tokens, new_tokens
+    return _window_scenario(
+        "generate-cache", 2, "cache hit vs miss (generation)",
+        RunPlan("A", ((0, n),), f"greedy generation of {t} tokens with the KV cache", generate=t),
+        RunPlan("B", ((0, n),), f"greedy generation of {t} tokens recomputing the sequence each step",
+                generate=t, recompute=True),
+        (n - 1, n - 1 + t), new_tokens=t)
+
+
+def block_size_scenario(n_tokens: int, *, block_sizes: tuple[int, int] = (16, 64)) -> Scenario:
+    """Level 3: a cache hit with block size b1 versus b2 (cached prefix = last block boundary below N).
+
+    Compared: the positions both runs compute in the suffix, max(P1, P2)..N-1.
+
+    Raises:
+        TracerError: not two block sizes, or a prompt too short for the larger one.
+    """
+    if len(block_sizes) != 2:
+        raise TracerError(f"--block-sizes needs two sizes such as 16,64, got {list(block_sizes)}")
+    n = n_tokens
+    (b1, b2) = block_sizes
+    p1, p2 = default_split(n, b1), default_split(n, b2)
+    return _window_scenario(
+        "block-size", 3, "KV block size",
+        RunPlan("A", ((0, p1), (p1, n)), f"cache hit at block size {b1}: {p1} cached, {n - p1}-token suffix"),
+        RunPlan("B", ((0, p2), (p2, n)), f"cache hit at block size {b2}: {p2} cached, {n - p2}-token suffix"),
+        (max(p1, p2), n), block_sizes=[b1, b2], split_points_a=[p1], split_points_b=[p2])
+
+
+def chunked_prefill(n_tokens: int, *, chunk_size: int = 32) -> Scenario:
+    """Level 3: the whole prompt in one pass versus chunks of C tokens (C = 1: token by token).
+
+    Raises:
+        TracerError: chunk size < 1.
+    """
+    if chunk_size < 1:
+        raise TracerError(f"--chunk-size must be at least 1 token, got {chunk_size}")
+    n = n_tokens
+    chunks = tuple((s, min(s + chunk_size, n)) for s in range(0, n, chunk_size))
+    return _window_scenario(
+        "chunked-prefill", 3, "chunked prefill",
+        RunPlan("A", ((0, n),), f"full prefill: all {n} tokens in one pass"),
+        RunPlan("B", chunks, f"prefill in {len(chunks)} chunks of {chunk_size} tokens"),
+        (0, n), chunk_size=chunk_size, split_points_b=[c[0] for c in chunks[1:]])
+
+
+def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str = "ring", reduce_dtype: str = "activation") -> Scenario:
+    """Level 4: unsharded versus simulated TP-k of the row-parallel layers (:mod:`tracer.tp`).
+
+    Raises:
+        TracerError: bad k, reduce order or reduce dtype.
+    """
+    from .tp import check_tp
+
+    check_tp(tp, reduce, reduce_dtype)
+    n = n_tokens
+    spec = TPSpec(tp, reduce, reduce_dtype)
+    return _window_scenario(
+        "tensor-parallel", 4, "parallelism degree",
+        RunPlan("A", ((0, n),), "unsharded"),
+        RunPlan("B", ((0, n),), f"o_proj/down_proj as {tp} K-shards, {reduce} all-reduce in {reduce_dtype} dtype", tp=spec),
+        (0, n), tp=tp, reduce=reduce, reduce_dtype=reduce_dtype)
+
+
+def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16,
+             split_at: int | None = None) -> Scenario:
+    """Level 5: a cache hit reading a bf16 KV cache versus one quantize-dequantized as ``kv_format``.
+
+    Both runs prefill the prefix P, then the suffix; in B the KV entries each chunk writes are
+    rounded through the format before the next pass reads them. Compared: P..N-1. The block
+    format is recorded in ``params["kv_block_format"]`` (the trace header).
+
+    Raises:
+        TracerError: unknown format, bad split.
+    """
+    from .quant import FORMATS, check_format
+
+    check_format(kv_format)
+    n = n_tokens
+    p = check_split(n, split_at) if split_at is not None else default_split(n, block_size)
+    chunks = ((0, p), (p, n))
+    return _window_scenario(
+        "kv-quant", 5, "quantization scheme",
+        RunPlan("A", chunks, f"cache hit, KV cache in the model dtype: {p} cached, {n - p}-token suffix"),
+        RunPlan("B", chunks, f"cache hit, KV cache stored as {kv_format}: {p} cached, {n - p}-token suffix",
+                kv_transform=kv_format),
+        (p, n), kv_format=kv_format, kv_block_format=FORMATS[kv_format][1].to_dict(), split_at=p)
+
+
+def attention(n_tokens: int, *, attn_a: str = "eager", attn_b: str = "sdpa") -> Scenario:
+    """Level 6: attention implementation ``attn_a`` versus ``attn_b`` (eager, sdpa, flash_attention_2)."""
+    n = n_tokens
+    return _window_scenario(
+        "attention", 6, "engine choice (attention kernel)",
+        RunPlan("A", ((0, n),), f"attention {attn_a}", attn=attn_a),
+        RunPlan("B", ((0, n),), f"attention {attn_b}", attn=attn_b), (0, n), attn_a=attn_a, attn_b=attn_b)
+
+
+def compile_scenario(n_tokens: int) -> Scenario:
+    """Level 6: the eager model versus ``torch.compile(model)``."""
+    n = n_tokens
+    return _window_scenario("compile", 6, "engine choice (compiler)",
+                            RunPlan("A", ((0, n),), "eager PyTorch"),
+                            RunPlan("B", ((0, n),), "torch.compile", compile=True), (0, n))
+
+
+def _two_devices(devices: tuple[str, ...] | list[str] | str) -> tuple[str, str]:
+    if isinstance(devices, str):
+        devices = tuple(d.strip() for d in devices.split(","))
+    if len(devices) != 2 or not all(devices):
+        raise TracerError(f"--devices needs two devices such as cpu,cuda, got {list(devices)}")
+    return devices[0], devices[1]
+
+
+def device(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cuda")) -> Scenario:
+    """Level 7: the same run on device X versus device Y."""
+    x, y = _two_devices(devices)
+    n = n_tokens
+    return _window_scenario("device", 7, "hardware",
+                            RunPlan("A", ((0, n),), f"on {x}", devices=(x,)),
+                            RunPlan("B", ((0, n),), f"on {y}", devices=(y,)), (0, n), devices=[x, y])
+
+
+def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cuda"), block_size: int = 16,
+                  split_at: int | None = None) -> Scenario:
+    """Level 7: prefix and suffix on device Y versus prefix KV computed on X, moved to Y, suffix on Y."""
+    x, y = _two_devices(devices)
+    n = n_tokens
+    p = check_split(n, split_at) if split_at is not None else default_split(n, block_size)
+    chunks = ((0, p), (p, n))
+    return _window_scenario(
+        "disaggregated", 7, "hardware (disaggregated prefill)",
+        RunPlan("A", chunks, f"prefix ({p}) and suffix ({n - p}) on {y}", devices=(y, y)),
+        RunPlan("B", chunks, f"prefix KV ({p}) on {x}, moved to {y}, suffix ({n - p}) on {y}", devices=(x, y)),
+        (p, n), devices=[x, y], split_at=p)
+
+
+def with_mitigation(scen: Scenario, mitigation: str | None) -> Scenario:
+    """``scen`` with a mitigation applied to both plans (``deterministic``); ``aligned`` is
+    prefix-cache's own (see :func:`prefix_cache`).
+
+    Raises:
+        TracerError: unknown mitigation, or ``aligned`` on another scenario.
+    """
+    check_mitigation(mitigation)
+    if mitigation == "aligned" and scen.name != "prefix-cache":
+        raise TracerError(f"--mitigation aligned applies to prefix-cache only, not to {scen.name}; "
+                          "use --mitigation deterministic")
+    if mitigation != "deterministic":
+        return scen
+    a = replace(scen.plan_a, deterministic=True, description=scen.plan_a.description + " (deterministic)")
+    b = replace(scen.plan_b, deterministic=True, description=scen.plan_b.description + " (deterministic)")
+    return replace(scen, plan_a=a, plan_b=b, params={**scen.params, "mitigation": "deterministic"})
+
+
+#: name → builder ``f(n_tokens, **options) -> Scenario`` for the CLI's --scenario
+SCENARIOS: dict[str, Callable[..., Scenario]] = {
+    "repeat": repeat,
+    "batch": batch,
     "prefix-cache": prefix_cache,
+    "generate-cache": generate_cache,
+    "block-size": block_size_scenario,
+    "chunked-prefill": chunked_prefill,
+    "tensor-parallel": tensor_parallel,
+    "kv-quant": kv_quant,
+    "attention": attention,
+    "compile": compile_scenario,
+    "device": device,
+    "disaggregated": disaggregated,
 }
 
 
 def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     """Build the named scenario for a prompt of ``n_tokens`` tokens.
 
+    ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
+    ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
+    ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
+    builder takes the ones it uses, None means its default, and the rest are ignored.
+
     Raises:
         TracerError: unknown scenario name (listing the known ones) or bad parameters.
     """
     if name not in SCENARIOS:
         raise TracerError(f"unknown scenario '{name}'; use one of: {', '.join(SCENARIOS)}")
-    return SCENARIOS[name](n_tokens, **params)
+    fn = SCENARIOS[name]
+    accepted = inspect.signature(fn).parameters
+    mitigation = params.get("mitigation")
+    check_mitigation(mitigation)
+    kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
+    scen = fn(n_tokens, **kwargs)
+    return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
