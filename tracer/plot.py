@@ -303,16 +303,19 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
     finite_max = vals[np.isfinite(vals)].max() if np.isfinite(vals).any() else 0.0
     vals[np.isinf(vals)] = finite_max if finite_max > 0 else 1.0
     masked = np.ma.masked_where(vals <= 0, vals)
-    fig, ax = _figure(figsize=figsize or (min(16.0, max(7.0, 4 + 0.12 * t)), min(14.0, max(3.5, 2.5 + 0.16 * c))), layout="constrained")
+    fig, ax = _figure(figsize=figsize or (min(16.0, max(9.0, 5 + 0.12 * t)), min(12.0, max(3.5, 2.5 + 0.16 * c))), layout="constrained")
     cmap = plt.get_cmap("magma_r").with_extremes(bad="white")
     norm = _log_norm(vals)
     im = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
                    extent=(diffs.positions[0] - 0.5, diffs.positions[1] - 0.5, c - 0.5, -0.5))
     if norm is not None:
-        fig.colorbar(im, ax=ax, label="max |A − B| at the position (log)")
+        fig.colorbar(im, ax=ax, label="max |A − B| at the position (log)", fraction=0.04, shrink=0.7)
     else:
         ax.text(0.5, 0.5, "bit-identical everywhere", transform=ax.transAxes, ha="center", va="center", color="green")
     _tick_labels(ax, diffs.names, axis="y", max_labels=45)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("token position")
     ax.set_title(title or "max |A − B| per capture point and position (white: bit-identical)", fontsize=9)
     fig.tracer_data = {"names": diffs.names, "values": diffs.values, "positions": diffs.positions}
