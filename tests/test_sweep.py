@@ -8,6 +8,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from tracer.errors import TracerError
 from tracer.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep, sweep
@@ -141,3 +142,20 @@ def test_sweep_cli(tmp_path, cli_env):
                      (["--lengths", "17:20", "-o", "s.h5"], "other parameters")):
         proc = tracer("sweep", "tiny-llama", "--device", "cpu", *bad)
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_keep_tensors(tmp_path, loaded):
+    import tracer
+    from tracer.store import read_tensor
+
+    out = tmp_path / "k.h5"
+    sweep("tiny-llama", loaded=loaded, output=out, lengths="17,30", block_sizes=[8], keep_tensors=True, progress=False)
+    ref = tracer.run("tiny-llama", loaded=loaded, length=30, block_size=8, output=tmp_path / "ref.h5", progress=False)
+    with h5py.File(out, "r") as f:
+        assert sorted(f["tensors"]) == ["N17_b8", "N30_b8"]
+        g = f["tensors/N30_b8"]
+        assert sorted(g) == ["A", "B"]
+        for run in ref.runs:
+            for name, rec in run.captures.items():
+                assert torch.equal(read_tensor(g[run.name]["captures"][name]).view(torch.int16), rec.tensor.view(torch.int16))
+    assert not list(tmp_path.glob(".k.point-*"))  # temporary traces removed

@@ -569,11 +569,13 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
         case "ulp":
             return ulp_figure(comparison, layers)
         case "heatmap":
-            if runs is not None and all(r is not None for r in runs):
+            if runs is not None and all(r is not None and r.captures for r in runs):
                 return heatmap_figure(position_diffs_records(*runs))
             if trace is not None:
-                return heatmap_figure(position_diffs_trace(trace, *run_names))
-            raise TracerError("a heat map needs the runs' tensors: run with store=True or keep the RunResult")
+                d = position_diffs_trace(trace, *run_names)
+                if d.names:
+                    return heatmap_figure(d)
+            raise TracerError("a heat map needs the captured tensors: run with store='tensors' (the default)")
         case "sweep":
             raise TracerError("kind 'sweep' plots a sweep file; use SweepResult.plot() or 'tracer plot SWEEP.h5'")
     raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,8 +340,8 @@ class SweepFile:
             return set()
         return set(zip((int(x) for x in g["length"][:n]), (int(x) for x in g["block_size"][:n])))
 
-    def append(self, row: SweepRow, names: list[str], kinds: list[str], runs: tuple | None = None) -> None:
-        """Append one finished point and flush; ``runs`` (two RunRecords) stored when given.
+    def append(self, row: SweepRow, names: list[str], kinds: list[str], runs_from: Path | None = None) -> None:
+        """Append one finished point and flush; the runs of trace ``runs_from`` are copied in when given.
 
         Raises:
             TracerError: the point's capture points differ from the earlier points'.
@@ -364,12 +365,15 @@ class SweepFile:
             ds = g[name]
             ds.resize(n + 1, axis=0)
             ds[n] = values[name]
-        if runs is not None:
-            from .store import write_run
+        if runs_from is not None:
+            import h5py
 
-            grp = self.f.require_group("tensors").create_group(f"N{row.length}_b{row.block_size}", track_order=True)
-            for rec in runs:
-                write_run(grp, rec)
+            key = f"N{row.length}_b{row.block_size}"
+            tensors = self.f.require_group("tensors")
+            if key in tensors:  # left by a killed run
+                del tensors[key]
+            with h5py.File(runs_from, "r") as src:
+                src.copy(src["runs"], tensors, name=key)
         g.attrs["n_done"] = np.int64(n + 1)  # the row counts only once this is written
         self.f.flush()
 
@@ -560,12 +564,18 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         with _progress(progress, len(done), len(done) + len(todo)) as advance:
             for n, b in todo:
                 t0 = time.perf_counter()
-                res = run(info.name, loaded=loaded, token_ids=all_ids[:n], scenario=scenario, block_size=b,
-                          mitigation=mitigation, granularity=granularity, store=False, progress=False)
-                row, names, kinds = row_from_comparison(res.comparison, length=n, block_size=b,
-                                                        wall_s=time.perf_counter() - t0)
-                if sf is not None:
-                    sf.append(row, names, kinds, runs=res.runs if keep_tensors else None)
+                kw = dict(loaded=loaded, token_ids=all_ids[:n], scenario=scenario, block_size=b,
+                          mitigation=mitigation, granularity=granularity, progress=False)
+                tmp = sf.path.with_name(f".{sf.path.stem}.point-{os.getpid()}.h5") if keep_tensors and sf else None
+                try:  # tensors go through a temporary trace, copied into the sweep file
+                    res = run(info.name, store="tensors" if tmp else "none", output=tmp, overwrite=True, **kw)
+                    row, names, kinds = row_from_comparison(res.comparison, length=n, block_size=b,
+                                                            wall_s=time.perf_counter() - t0)
+                    if sf is not None:
+                        sf.append(row, names, kinds, runs_from=tmp)
+                finally:
+                    if tmp is not None and tmp.exists():
+                        tmp.unlink()
                 rows.append(row)
                 advance(n, b, row)
                 if on_point is not None:
