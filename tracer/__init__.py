@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["run", "read_trace", "compare_trace", "load_model", "TracerError", "__version__"]
+__all__ = ["run", "read_trace", "compare_trace", "load_model", "sweep", "read_sweep", "TracerError", "__version__"]
 
 from .errors import TracerError
 
@@ -45,3 +45,17 @@ def load_model(*args: Any, **kwargs: Any):
     from .models import load_model as _lm
 
     return _lm(*args, **kwargs)
+
+
+def sweep(*args: Any, **kwargs: Any):
+    """Run a scenario over many prompt lengths (x block sizes); see :func:`tracer.sweep.sweep`."""
+    from .sweep import sweep as _sweep
+
+    return _sweep(*args, **kwargs)
+
+
+def read_sweep(path: str):
+    """Read a sweep file; see :func:`tracer.sweep.read_sweep`."""
+    from .sweep import read_sweep as _rs
+
+    return _rs(path)

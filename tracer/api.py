@@ -52,6 +52,23 @@ class RunResult:
     def verdict(self) -> str:
         return self.comparison.verdict()
 
+    def plot(self, kind: str = "amplification", **kwargs: Any):
+        """A matplotlib Figure: ``amplification``, ``heatmap`` (per position, from the in-memory
+        runs or the trace) or ``ulp`` (``layers=[...]`` picks points); see :mod:`tracer.plot`.
+
+        Raises:
+            TracerError: unknown kind, matplotlib missing.
+        """
+        from .plot import figure_for
+
+        return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
+
+    def to_pandas(self):
+        """The comparison as a DataFrame, one row per capture point (see :func:`tracer.frames.comparison_frame`)."""
+        from .frames import comparison_frame
+
+        return comparison_frame(self.comparison)
+
     def _repr_markdown_(self) -> str:  # Jupyter
         from .report import to_markdown
 

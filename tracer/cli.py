@@ -297,6 +297,94 @@ def show_cmd(
         out.print(f"stored comparison {name}: {comp.get('verdict', '?')}")
 
 
+@app.command("sweep")
+def sweep_cmd(
+    model: ModelArg = "smollm2-135m",
+    lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma lists (64,128) or both.")] = "17:512",
+    block_size: Annotated[Optional[int], typer.Option("--block-size", "-b", help="KV block size in tokens (default 16).")] = None,
+    block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Several block sizes as a second axis, e.g. 16,32,64 (same syntax as --lengths).")] = None,
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario run at every point.")] = "prefix-cache",
+    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned: the cache-miss run also splits at P.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text, repeated to the longest length (default: the built-in prompt).")] = None,
+    prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")] = None,
+    token_ids_file: Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids; prompts are its prefixes.")] = None,
+    dtype: DtypeOpt = "bfloat16",
+    device: DeviceOpt = None,
+    attn: AttnOpt = "sdpa",
+    gguf: GgufOpt = None,
+    granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Sweep file (default traces/sweep-<model>-<scenario>.h5); an unfinished one with the same parameters is resumed.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over, replacing an existing --output.")] = False,
+    keep_tensors: Annotated[bool, typer.Option("--keep-tensors", help="Also store every point's captured tensors (large).")] = False,
+    plot: Annotated[Optional[str], typer.Option("--plot", help="Also write the divergence map to this .png/.svg/.pdf.")] = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv.")] = "table",
+) -> None:
+    """Run a scenario for every prompt length (x block size): which lengths diverge, from which layer, how much."""
+    from .sweep import parse_int_list, sweep
+
+    try:
+        if fmt not in ("table", "json", "csv"):
+            raise TracerError(f"unknown format '{fmt}'; use one of: table, json, csv")
+        if block_size is not None and block_sizes is not None:
+            raise TracerError("give --block-size or --block-sizes, not both")
+        bs = parse_int_list(block_sizes, "--block-sizes") if block_sizes is not None else [block_size or 16]
+        if plot is not None:
+            from .plot import check_figure_path
+
+            check_figure_path(plot, overwrite)
+        result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
+                       prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file, dtype=dtype,
+                       device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
+                       overwrite=overwrite, keep_tensors=keep_tensors, progress=err.is_terminal)
+        if plot is not None:
+            from .plot import save_figure
+
+            save_figure(result.plot(), plot, overwrite=overwrite)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    if fmt == "table":
+        for line in result.summary_lines():
+            print(line)
+        if result.path:
+            print(f"sweep file: {result.path}")
+        if plot is not None:
+            print(f"divergence map: {plot}")
+    else:
+        df_rows = [{"length": r.length, "block_size": r.block_size, "split_at": r.split_at,
+                    "first_divergent": result.point_name(r.first_divergent),
+                    "last_layer_fraction": r.last_layer_fraction, "logits_max_abs_diff": r.logits_max_abs_diff,
+                    "argmax_flips": r.argmax_flips} for r in result.rows]
+        if fmt == "json":
+            print(json.dumps({"params": result.params, "points": result.points, "rows": df_rows}, indent=1, default=str))
+        else:
+            import csv
+
+            w = csv.DictWriter(sys.stdout, fieldnames=list(df_rows[0]) if df_rows else ["length"], lineterminator="\n")
+            w.writeheader()
+            w.writerows(df_rows)
+
+
+@app.command("plot")
+def plot_cmd(
+    trace: Annotated[str, typer.Argument(help="A trace (tracer run) or a sweep file (tracer sweep).")],
+    kind: Annotated[Optional[str], typer.Option("--kind", "-k", help="amplification, heatmap, ulp (traces) or sweep (sweep files); default: amplification or sweep.")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Figure file: .png, .svg or .pdf (default: beside the input, <name>-<kind>.png).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output.")] = False,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="ulp: capture points to show, comma-separated names or indices (default: first divergent, middle, last, logits).")] = None,
+) -> None:
+    """Draw a figure from a stored trace or sweep file (no model needed)."""
+    from .plot import plot_file
+
+    try:
+        path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
+                         layers=layers.split(",") if layers else None)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    print(path)
+
+
 @app.command("models")
 def models_cmd() -> None:
     """List the built-in model names."""

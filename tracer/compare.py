@@ -176,6 +176,18 @@ class Comparison:
     def n_positions(self) -> int:
         return self.positions[1] - self.positions[0]
 
+    def plot(self, kind: str = "amplification", **kwargs: Any):
+        """A matplotlib Figure (``amplification``, ``ulp``; ``heatmap`` when read from a trace)."""
+        from .plot import figure_for
+
+        return figure_for(kind, comparison=self, trace=self.trace, run_names=(self.run_a, self.run_b), **kwargs)
+
+    def to_pandas(self):
+        """One DataFrame row per capture point (see :func:`tracer.frames.comparison_frame`)."""
+        from .frames import comparison_frame
+
+        return comparison_frame(self)
+
     def verdict(self) -> str:
         """One line: ``bit-identical ...`` or ``diverges from X, K argmax flips in T positions``."""
         n_points = len(self.points) + (self.logits is not None)
