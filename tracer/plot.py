@@ -228,7 +228,10 @@ def position_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray,
 def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]], positions: tuple[int, int]) -> PositionDiffs:
     names, kinds, vals, nds = [], [], [], []
     logits = None
+    t = positions[1] - positions[0]
     for name, kind, ta, tb in pairs:
+        if ta.shape[:1] != (t,) or tb.shape[:1] != (t,):
+            continue  # not a window capture (e.g. the KV cache over all N positions)
         mx, nd = position_max_abs_diff(ta, tb)
         if kind == "logits":
             logits = (name, kind, mx, nd)
@@ -236,7 +239,6 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
         names.append(name), kinds.append(kind), vals.append(mx), nds.append(nd)
     if logits is not None:
         names.append(logits[0]), kinds.append(logits[1]), vals.append(logits[2]), nds.append(logits[3])
-    t = positions[1] - positions[0]
     return PositionDiffs(names=names, kinds=kinds, positions=tuple(positions),
                          values=np.stack(vals) if vals else np.zeros((0, t)),
                          n_diff=np.stack(nds) if nds else np.zeros((0, t), dtype=np.int64))
