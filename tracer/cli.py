@@ -88,7 +88,7 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
 
     # styled in a terminal; plain and wide enough for the module paths when piped
     wide = columns is not None and len(columns) > 8
-    console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 150, no_color=True, highlight=False)
+    console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
     text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS)
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
