@@ -100,7 +100,7 @@ def amplification_data(comparison: Any) -> dict[str, Any]:
         names.append(comparison.logits_name or "logits")
         mad.append(float(d.max_abs_diff))
         frac.append(d.n_diff / d.n_total if d.n_total else 0.0)
-        origin.append(False)
+        origin.append(bool(getattr(comparison, "logits_origin", False)))
     return {"names": names, "max_abs_diff": np.asarray(mad, dtype=np.float64),
             "fraction": np.asarray(frac, dtype=np.float64), "origin": np.asarray(origin, dtype=bool),
             "logits_index": logits_index}
@@ -230,8 +230,12 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
     logits = None
     t = positions[1] - positions[0]
     for name, kind, ta, tb in pairs:
-        if ta.shape[:1] != (t,) or tb.shape[:1] != (t,):
-            continue  # not a window capture (e.g. the KV cache over all N positions)
+        if ta.dim() == 0 or ta.shape != tb.shape:
+            continue  # no position axis, or not comparable
+        if ta.shape[0] != t:
+            if ta.shape[0] != positions[1]:
+                continue  # not a window capture
+            ta, tb = ta[positions[0]:], tb[positions[0]:]  # kept for all N positions (the KV cache): its window rows
         mx, nd = position_max_abs_diff(ta, tb)
         if kind == "logits":
             logits = (name, kind, mx, nd)

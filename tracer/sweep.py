@@ -359,7 +359,7 @@ class SweepFile:
                 g.create_dataset(name, shape=(0, c), maxshape=(None, c), dtype=dt, chunks=(64, c))
         elif points != names:
             raise TracerError(f"N={row.length} captured {len(names)} points but earlier points captured "
-                              f"{len(points)}; a sweep needs one model and granularity throughout")
+                              f"{len(points)} (another model, granularity or tracer version?); pass --overwrite to start the sweep over")
         values = {f: getattr(row, f) for f in (*ROW_FIELDS, *MATRIX_FIELDS)}
         for name in (*ROW_FIELDS, *MATRIX_FIELDS):
             ds = g[name]
