@@ -230,10 +230,12 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
     logits = None
     t = positions[1] - positions[0]
     for name, kind, ta, tb in pairs:
-        if ta.dim() == 0 or ta.shape[0] != t:
-            if ta.dim() == 0 or ta.shape[0] < t or ta.shape[0] != positions[1]:
-                continue  # not indexed by position (nothing to place in a column)
-            ta, tb = ta[positions[0]:], tb[positions[0]:]  # a point kept for every prompt position (kv_cache)
+        if ta.dim() == 0 or ta.shape != tb.shape:
+            continue  # no position axis, or not comparable
+        if ta.shape[0] != t:
+            if ta.shape[0] != positions[1]:
+                continue  # not a window capture
+            ta, tb = ta[positions[0]:], tb[positions[0]:]  # kept for all N positions (the KV cache): its window rows
         mx, nd = position_max_abs_diff(ta, tb)
         if kind == "logits":
             logits = (name, kind, mx, nd)
