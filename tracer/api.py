@@ -280,7 +280,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
     sopts = dict(options, block_size=block_size, split_at=split_at, mitigation=mitigation)
     if isinstance(scenario, str):  # every length-independent option error, before loading
-        check_resources(build(scenario, n_known if n_known is not None and n_known >= 2 else 100_000, **sopts))
+        known = n_known is not None and n_known >= 2
+        # the prompt length is not known before tokenizing: check everything but the split point
+        check_resources(build(scenario, n_known if known else 100_000,
+                              **(sopts if known else dict(sopts, split_at=None))))
 
     # -- load, tokenize, plan ---------------------------------------------------------------------
     if loaded is None:
