@@ -70,8 +70,9 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L3-chunked-prefill", 3, "chunked-prefill", "full prefill vs chunks"),
         Check("L4-tp-sim-ring", 4, "tensor-parallel", "unsharded vs simulated TP-2, ring all-reduce",
               {"reduce": "ring"}),
-        Check("L4-tp-sim-tree-fp32", 4, "tensor-parallel", "unsharded vs simulated TP-2, tree all-reduce in fp32",
-              {"reduce": "tree", "reduce_dtype": "float32"}),
+        # at k = 2 every order and dtype gives the same sum (one rounding of p0 + p1); k = 4 differs
+        Check("L4-tp-sim-tree-fp32", 4, "tensor-parallel", "unsharded vs simulated TP-4, tree all-reduce in fp32",
+              {"tp": 4, "reduce": "tree", "reduce_dtype": "float32"}),
         Check("L4-tp-real", 4, "tensor-parallel", "single GPU vs torch.distributed TP-2", needs="cuda2"),
         Check("L5-kv-fp8", 5, "kv-quant", "KV cache model dtype vs FP8 E4M3", {"kv_format": "fp8-e4m3"}),
         Check("L5-kv-mxfp8", 5, "kv-quant", "KV cache model dtype vs MXFP8 (32, E8M0)", {"kv_format": "mxfp8"}),
