@@ -135,7 +135,7 @@ def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, c
     elif chat:
         raise TracerError("--chat applies to text prompts, not to --token-ids-file")
     if not token_ids:
-        raise TracerError("the prompt is empty; give a --prompt with some text")
+        raise TracerError("the prompt is empty; give a --prompt with some text or a non-empty --token-ids-file")
     if length is not None:
         if length < 2:
             raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
