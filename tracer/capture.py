@@ -117,19 +117,20 @@ def _layer_paths(model: nn.Module) -> dict[str, Any]:
             )
         return path
 
+    def path_of(getter: str, error: str) -> str:
+        """The module path of ``model.<getter>()`` (the embedding or the LM head)."""
+        module = getattr(model, getter)() if hasattr(model, getter) else None
+        if module is None or id(module) not in names:
+            raise TracerError(f"{type(model).__name__} {error}")
+        return names[id(module)]
+
     if "embedding" in hmap:
         embedding = must_exist(hmap["embedding"], "embedding")
     else:
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if emb is None or id(emb) not in names:
-            raise TracerError(
-                f"{type(model).__name__} has no input embedding module; add a hook map in hooks/"
-            )
-        embedding = names[id(emb)]
+        embedding = path_of("get_input_embeddings", "has no input embedding module; add a hook map in hooks/")
 
-    n_layers = None
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        n_layers = getattr(cfg, key, None) if n_layers is None else n_layers
+    n_layers = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
+                     if getattr(cfg, k, None) is not None), None)
     if "layers" in hmap:
         layers_path = must_exist(hmap["layers"], "layers")
         layer_list = modules[layers_path]
@@ -156,13 +157,8 @@ def _layer_paths(model: nn.Module) -> dict[str, Any]:
     if "logits" in hmap:
         logits = must_exist(hmap["logits"], "logits")
     else:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if head is None or id(head) not in names:
-            raise TracerError(
-                f"{type(model).__name__} has no LM head (get_output_embeddings() is None); "
-                "tracer needs a causal LM (…ForCausalLM)"
-            )
-        logits = names[id(head)]
+        logits = path_of("get_output_embeddings", "has no LM head (get_output_embeddings() is None); "
+                                                  "tracer needs a causal LM (…ForCausalLM)")
     return {"embedding": embedding, "layers": layers, "final_norm": final_norm, "logits": logits,
             "map": hmap}
 
