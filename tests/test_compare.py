@@ -81,3 +81,44 @@ def test_stored_comparison_equals_in_memory(tmp_path):
     assert [p.diff for p in stored.points] == [p.diff for p in mem.points]
     assert stored.logits == mem.logits
     assert stored.scenario == "s" and stored.model == "m"
+
+
+def test_compare_trace_on_an_explicit_device_and_a_missing_one(tmp_path):
+    a, b, _ = _pair()
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "x"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+    on_cpu = compare_trace(str(path), device="cpu")
+    assert on_cpu.first_divergent == "l0"
+    assert [p.diff for p in on_cpu.points] == [p.diff for p in compare_trace(str(path)).points]
+    if not torch.cuda.is_available():
+        with pytest.raises(TracerError, match="CUDA was requested"):
+            compare_trace(str(path), device="cuda")
+    else:
+        on_gpu = compare_trace(str(path), device="cuda")
+        assert [p.diff.n_diff for p in on_gpu.points] == [p.diff.n_diff for p in on_cpu.points]
+
+
+def test_prefetched_keeps_order_propagates_errors_and_stops_early():
+    import threading
+
+    from tracer.compare import _prefetched
+
+    loaded = []
+
+    def load(i):
+        loaded.append(i)
+        if i == 7:
+            raise ValueError("planted read error")
+        return i * i
+
+    assert list(_prefetched(list(range(5)), load)) == [0, 1, 4, 9, 16]
+    with pytest.raises(ValueError, match="planted"):
+        list(_prefetched(list(range(10)), load))
+    loaded.clear()
+    gen = _prefetched(list(range(100)), load, depth=2)
+    assert next(gen) == 0
+    gen.close()  # a consumer that stops early: no thread left, at most depth + 1 items loaded
+    assert len(loaded) <= 3
+    assert not [t for t in threading.enumerate() if t.name.startswith("tracer-read")]

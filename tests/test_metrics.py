@@ -513,3 +513,60 @@ def test_cuda_matches_cpu():
         gc, gg = logits_diff(la, lb), logits_diff(la.cuda(), lb.cuda())
         assert gc.argmax_flips == gg.argmax_flips and gc.tensor.n_diff == gg.tensor.n_diff
         assert gg.kl_mean == pytest.approx(gc.kl_mean, rel=1e-9)
+
+
+# ---------------------------------------------------------------- DiffBatch
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 256])
+def test_batch_of_pairs_matches_numpy_per_pair(chunk, monkeypatch):
+    """Many pairs of mixed dtypes and sizes in one batch (sharing chunks, padded to blocks, one
+    spread over several chunks, one empty): each result equals the numpy oracle of that pair,
+    the per-pair split count and tolerance counts equal numpy counts."""
+    if chunk:
+        monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(metrics, "BLOCK_ELEMENTS", 4 if chunk == 7 else 64)
+    rng = np.random.default_rng(11)
+    pairs = []
+    for i, (name, shape) in enumerate([("bfloat16", (3, 5)), ("float32", (40, 9)), ("bfloat16", (0, 4)),
+                                       ("float16", (17,)), ("bfloat16", (31, 33)), ("float64", (6, 7))]):
+        ab = random_bits(name, shape, rng)
+        bb = ab.copy()
+        flat = bb.reshape(-1)
+        if flat.size and i != 3:  # pair 3 stays identical
+            hit = rng.choice(flat.size, size=max(1, flat.size // 5), replace=False)
+            flat[hit] = bits_of(values64(flat[hit], name) * (1 + rng.uniform(-0.01, 0.01, hit.size)), name)
+        pairs.append((name, ab, bb))
+    atol, rtol = 1e-3, 2e-3
+    batch = metrics.DiffBatch(tolerance=(atol, rtol))
+    splits = {}
+    for i, (name, ab, bb) in enumerate(pairs):
+        split = ab.size // 3 if i in (1, 4) else None
+        splits[i] = split
+        assert batch.add(to_torch(ab, name), to_torch(bb, name), split=split) == i
+    got = batch.results()
+    for i, (name, ab, bb) in enumerate(pairs):
+        if ab.size:  # (the empty pair: the documented identical values, checked below)
+            assert_matches(got[i], oracle_diff(ab, bb, name), check_max_ulp=name in SIXTEEN)
+        a, b = values64(ab.ravel(), name), values64(bb.ravel(), name)
+        equal = ab.ravel() == bb.ravel()
+        with np.errstate(invalid="ignore"):
+            want_tol = int(np.sum(~equal & ~(np.abs(a - b) <= atol + rtol * np.abs(a))))
+        assert batch.outside_tolerance(i) == want_tol
+        want_before = int(np.sum(~equal[: splits[i]])) if splits[i] is not None else 0
+        assert batch.n_diff_before(i) == want_before
+    assert got[3].n_diff == 0 and got[2].n_total == 0
+    assert (got[2].frac_rel_lt_1e3, got[2].cosine, got[2].sqnr_db) == (1.0, 1.0, math.inf)
+    assert got[1].n_diff > 0 and batch.n_diff_before(1) > 0
+
+
+def test_batch_refuses_bad_pairs_and_reuse():
+    batch = metrics.DiffBatch()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        batch.add(torch.zeros(3), torch.zeros(4))
+    batch.add(torch.zeros(3), torch.ones(3))
+    assert batch.results()[0].n_diff == 3
+    with pytest.raises(RuntimeError, match="already"):
+        batch.add(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="tolerances"):
+        metrics.DiffBatch(tolerance=(-1.0, 0.0))

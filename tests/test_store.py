@@ -428,3 +428,57 @@ def test_exception_in_forward_leaves_no_writer_thread_and_no_complete_file(tmp_p
     assert not path.exists()
     assert not list(tmp_path.glob("planted.h5.partial-*"))
     assert not [t for t in threading.enumerate() if t.name.startswith("tracer-writer")]
+
+
+def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path):
+    """add_run(ready=...) (used to wait for non-blocking device-to-host copies) is called on the
+    writing thread before the run is read; a failing ready aborts the trace."""
+    import threading
+
+    seen = []
+    run = _bg_run("A", 1)
+    original = run.captures
+
+    class Watched(dict):
+        def items(self):  # the writer reads the captures through items()
+            seen.append(("read", threading.current_thread().name))
+            return super().items()
+
+    run.captures = Watched(original)
+    path = tmp_path / "ready.h5"
+    with TraceWriter(path, header={"x": 1}, background=True) as w:
+        w.add_run(run, ready=lambda: seen.append(("ready", threading.current_thread().name)))
+    assert [s[0] for s in seen[:2]] == ["ready", "read"]
+    assert seen[0][1].startswith("tracer-writer") and seen[0][1] == seen[1][1]
+
+    def broken():
+        raise RuntimeError("planted: copy failed")
+
+    bad = tmp_path / "broken.h5"
+    with pytest.raises(RuntimeError, match="planted"):
+        with TraceWriter(bad, header={"x": 1}, background=True) as w:
+            w.add_run(_bg_run("A", 1), ready=broken)
+    assert not bad.exists() and not list(tmp_path.glob("broken.h5.partial-*"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_read_and_host_copies_are_bit_exact(tmp_path):
+    from tracer.capture import host_copies
+    from tracer.records import CaptureRecord
+    from tracer.store import TraceReader
+
+    run = _bg_run("A", 3)
+    with TraceWriter(tmp_path / "p.h5", header={"x": 1}) as w:
+        w.add_run(run)
+    with TraceReader(tmp_path / "p.h5") as r:
+        for name in r.capture_names("A"):
+            plain, pinned = r.tensor("A", name), r.tensor("A", name, pin=True)
+            assert pinned.is_pinned() and pinned.dtype == plain.dtype
+            assert pinned.view(torch.uint8).equal(plain.contiguous().view(torch.uint8))
+    caps = {n: CaptureRecord(name=n, kind=c.kind, tensor=c.tensor.cuda(), calls=c.calls, op=c.op)
+            for n, c in run.captures.items()}
+    host, wait = host_copies(caps)
+    wait()
+    for n, c in run.captures.items():
+        assert host[n].tensor.device.type == "cpu" and host[n].tensor.is_pinned()
+        assert host[n].tensor.view(torch.uint8).equal(c.tensor.contiguous().view(torch.uint8))

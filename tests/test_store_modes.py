@@ -45,3 +45,19 @@ def test_stored_and_online_reports_are_identical(tmp_path, lm):
 def test_unknown_store_mode(lm):
     with pytest.raises(TracerError, match="--store"):
         tracer.run(loaded=lm, store="everything", progress=False)
+
+
+def test_no_kv_cache_leaves_out_only_the_kv_points(tmp_path, lm):
+    """--no-kv-cache drops the kv_cache points and nothing else: every other point's statistics
+    equal those of the run that captured the caches (capturing does not change the forward)."""
+    kw = dict(loaded=lm, prompt="x" * 70 + " cache hit versus cache miss", progress=False)
+    full = tracer.run(**kw, store="none")
+    lean = tracer.run(**kw, kv_cache=False, output=tmp_path / "lean.h5")
+    kinds = [p.kind for p in full.comparison.points]
+    assert "kv_cache" in kinds and "kv_cache" not in [p.kind for p in lean.comparison.points]
+    want = {p.name: p.diff for p in full.comparison.points if p.kind != "kv_cache"}
+    assert {p.name: p.diff for p in lean.comparison.points} == want
+    assert lean.comparison.logits == full.comparison.logits
+    with TraceReader(tmp_path / "lean.h5") as r:
+        assert r.header["kv_cache"] is False
+        assert not [n for n in r.capture_names("A") if n.endswith(".kv_cache")]

@@ -184,7 +184,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
         atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
-        positions: str = "window", **options: Any) -> RunResult:
+        positions: str = "window", kv_cache: bool = True, **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -228,6 +228,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             (capture and compare every position 0..N-1: in run B the prefix positions come from
             its cached-prefix pass, so a divergence born there is located op by op; memory N/(N-P)
             times larger).
+        kv_cache: capture each layer's KV cache over all N positions (the ``kv_cache`` points
+            the origin analysis uses to tell a divergence born in the cached-prefix pass);
+            False leaves them out: on long prompts they are most of the bytes captured, stored
+            and compared (:func:`tracer.capture.discover_points`).
 
     Returns:
         a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
@@ -236,9 +240,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         TracerError: for every bad input (checked before the model is loaded where possible).
     """
     from . import models as _models
-    from .capture import GRANULARITIES, discover_points
+    from .capture import GRANULARITIES, discover_points, host_copies
     from .compare import check_fail_on, compare_records, replay_diff
-    from .runner import execute
+    from .runner import execute, model_device
     from .scenarios import SCENARIOS, build, check_mitigation
     from .store import TraceWriter, collect_environment
 
@@ -292,7 +296,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     info = loaded.info
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
     scen = check_resources(make_scenario(scenario, len(ids), sopts))
-    points = discover_points(loaded.model, granularity)
+    points = discover_points(loaded.model, granularity, kv_cache=kv_cache)
     window = (0, len(ids)) if positions == "all" else scen.window
 
     # -- execute both plans, storing run A while run B executes ------------------------------------
@@ -300,7 +304,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         "model": info.to_dict(), "scenario": scen.to_dict(), "granularity": granularity,
         "dtype": info.dtype, "attn_implementation": info.attn_implementation,
         "block_size": block_size, "split_points": [scen.window[0]], "n_tokens": len(ids),
-        "store": store,
+        "store": store, "kv_cache": bool(kv_cache),
     })
     trace_path = None
     writer = None
@@ -310,17 +314,26 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
                              background=True)
         trace_path = str(out)
     online = store != "tensors"
-    records = []
+    # on a GPU the captures stay on the device and are compared there, also when the trace
+    # stores tensors: the host gets pinned copies made on a side stream while the next plan runs
+    on_gpu = model_device(loaded.model).type == "cuda"
+    records, host_records = [], []
     with writer if writer is not None else contextlib.nullcontext():
         for plan in (scen.plan_a, scen.plan_b):
             say(f"run {plan.name}: {plan.description}")
-            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=online and not plan.devices,
+            keep = (online or on_gpu) and not plan.devices
+            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=keep,
                           decode=decode, meta={"scenario": scen.name, "level": scen.level})
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)
+            host_rec, wait = rec, None
+            if not online and keep:
+                captures, wait = host_copies(rec.captures)
+                host_rec = _replace(rec, captures=captures)
+            host_records.append(host_rec)
             if writer is not None:
-                writer.add_run(rec if not online else _without_tensors(rec))
+                writer.add_run(host_rec if not online else _without_tensors(rec), ready=wait)
         rec_a, rec_b = records
         facts = {
             "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
@@ -343,6 +356,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             say(f"writing {trace_path}")
     if online:  # the device copies have served their purpose
         records = [_without_tensors(r) for r in records]
+    else:  # the host copies (landed: the writer waited for them) replace the device tensors
+        records = host_records
     if verdict:
         from .verdict import noise_verdict
 

@@ -6,7 +6,7 @@ wall time, the ratios the performance targets use, and peak host / device memory
 
 Modes (one "repetition" of a mode = the scenario's two run plans, A then B):
     a  floor: both plans with no hooks
-    b  tracer, in-memory comparison (captures on the host, no file)
+    b  tracer, online comparison (``--store none``: captures compared on the model's device, no file)
     c  tracer writing the HDF5 trace (b + store)
     d  ``compare`` from the stored trace (no model)
     e  raw sequential write and read of the same number of bytes (plain file I/O, same folder)
@@ -96,8 +96,11 @@ def _raw_read(path: Path, block: int = 16 << 20) -> None:
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
           device: str | None = None, granularity: str = "layers", block_size: int = 16,
           reps: int = 5, warmup: int = 1, outdir: str | None = None, gguf: str | None = None,
-          progress: Callable[[str], None] | None = None) -> BenchResult:
+          kv_cache: bool = True, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure modes a–e for one model/dtype/device/length (see the module docstring).
+
+    ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.capture.discover_points`).
+    Mode (d) computes the metrics on the model's device, as ``tracer compare`` does by default.
 
     Raises:
         TracerError: bad model/options (as :func:`tracer.api.run`).
@@ -118,7 +121,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     raw = folder / "bench-raw.bin"
 
     common = dict(loaded=lm, length=length, block_size=block_size, granularity=granularity,
-                  progress=False)
+                  kv_cache=kv_cache, progress=False)
     first = run(**common, store=False)
     ids = first.token_ids
     scen = prefix_cache(len(ids), block_size=block_size)
@@ -137,11 +140,12 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         run(**common, output=str(trace), overwrite=True)
 
     def mode_d() -> None:
-        compare_trace(str(trace))
+        compare_trace(str(trace), device=dev)
 
     result = BenchResult(config={"model": model, "length": length, "dtype": dtype, "device": dev,
-                                 "granularity": granularity, "block_size": block_size, "reps": reps,
-                                 "warmup": warmup, "n_points": len(discover_points(lm.model, granularity)),
+                                 "granularity": granularity, "kv_cache": kv_cache, "block_size": block_size,
+                                 "reps": reps, "warmup": warmup,
+                                 "n_points": len(discover_points(lm.model, granularity, kv_cache=kv_cache)),
                                  "folder": str(folder)},
                          times={m: [] for m in MODES})
     if dev.startswith("cuda"):
@@ -152,7 +156,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
             "a": _timed(mode_a, dev),
             "b": _timed(mode_b, dev),
             "c": _timed(mode_c, dev),
-            "d": _timed(mode_d, "cpu"),
+            "d": _timed(mode_d, dev),
         }
         nbytes = trace.stat().st_size
         t["e_write"] = _timed(lambda: _raw_write(raw, nbytes), "cpu")
@@ -174,13 +178,14 @@ def table(result: BenchResult):
     from rich.table import Table
 
     c = result.config
+    kv = "" if c.get("kv_cache", True) else ", no KV cache"
     t = Table(title=f"tracer bench · {c['model']} · {c['dtype']} · {c['device']} · N={c['length']} · "
-                    f"{c['granularity']} ({c['n_points']} points) · {c['reps']} reps",
+                    f"{c['granularity']} ({c['n_points']} points{kv}) · {c['reps']} reps",
               title_justify="left")
     t.add_column("mode")
     t.add_column("median s", justify="right")
     t.add_column("min–max s", justify="right")
-    names = {"a": "(a) floor: two plans, no hooks", "b": "(b) tracer, in-memory compare",
+    names = {"a": "(a) floor: two plans, no hooks", "b": "(b) tracer, online compare (no file)",
              "c": "(c) tracer + HDF5 trace", "d": "(d) compare from trace",
              "e_write": "(e) raw write, same bytes", "e_read": "(e) raw read, same bytes"}
     for m in MODES:

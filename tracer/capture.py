@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -183,7 +183,7 @@ def _sublayer_kind(module: nn.Module, rel: str, hmap: dict[str, Any]) -> str | N
     return None
 
 
-def discover_points(model: nn.Module, granularity: str = "layers") -> list[CapturePoint]:
+def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: bool = True) -> list[CapturePoint]:
     """The capture points of ``model`` in execution order.
 
     ``layers``: the embedding output, every decoder layer's output (the residual stream),
@@ -198,7 +198,11 @@ def discover_points(model: nn.Module, granularity: str = "layers") -> list[Captu
     attention core consumed besides its queries (in a cache hit the prefix K/V were computed
     by another forward pass). Its tensor is ``(positions, kv_heads * head_dim_k +
     kv_heads * head_dim_v)``: keys then values, heads flattened. The origin analysis needs it
-    (:mod:`tracer.dataflow`).
+    (:mod:`tracer.dataflow`). ``kv_cache=False`` leaves these points out: on a long prompt
+    they are most of the captured bytes (``2 * N * kv_heads * head_dim`` values per layer and
+    run, against ``(N - P) * hidden`` for a layer's output), at the price of the origin
+    analysis no longer seeing the cache: a divergence born in the cached-prefix pass then shows
+    first at the attention core or layer that consumed it.
 
     Raises:
         TracerError: unknown granularity, or a model whose structure cannot be discovered.
@@ -214,7 +218,7 @@ def discover_points(model: nn.Module, granularity: str = "layers") -> list[Captu
 
     points = [point(paths["embedding"], "embedding")]
     for index, layer_path in enumerate(paths["layers"]):
-        kv = _kv_point(modules[layer_path], layer_path, index)
+        kv = _kv_point(modules[layer_path], layer_path, index) if kv_cache else None
         if granularity == "sublayers":
             subs = _sublayer_points(modules[layer_path], layer_path, paths["map"], point)
             at = next((i for i, p in enumerate(subs) if p.kind == "attention_core"), len(subs))
@@ -491,3 +495,46 @@ class Capture:
             out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor,
                                         calls=self._calls[p.name], op=p.op)
         return out
+
+
+def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRecord], Callable[[], None]]:
+    """Copies of ``captures`` in pinned host memory, made without blocking the host or the GPU.
+
+    Used when a run's captures stay on the GPU for the comparison while the trace writer needs
+    them on the host: for each CUDA device a side stream waits for the work queued so far, then
+    copies every tensor into a pinned buffer with non-blocking copies, so the copies overlap
+    whatever the GPU runs next (the next run plan). CPU tensors are passed through.
+
+    Args:
+        captures: capture name → record; tensors ``(T, *feature)`` on any devices.
+
+    Returns:
+        ``(records, wait)``: records with host tensors (same names, kinds, calls), and a function
+        that blocks until every copy has landed; call it before reading the host tensors.
+    """
+    streams: dict[torch.device, Any] = {}
+    out: dict[str, CaptureRecord] = {}
+    for name, rec in captures.items():
+        t = rec.tensor
+        if t.device.type != "cuda":
+            out[name] = rec
+            continue
+        if t.device not in streams:
+            streams[t.device] = torch.cuda.Stream(t.device)
+            streams[t.device].wait_stream(torch.cuda.current_stream(t.device))
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(streams[t.device]):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(streams[t.device])  # the caching allocator must not reuse t before the copy
+        out[name] = replace(rec, tensor=host)
+    events = []
+    for stream in streams.values():
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+
+    def wait() -> None:
+        for event in events:
+            event.synchronize()
+
+    return out, wait

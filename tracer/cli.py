@@ -51,6 +51,7 @@ LengthOpt = Annotated[Optional[int], typer.Option("--length", "-n", help="Use ex
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template to the prompt.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")]
 GranularityOpt = Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")]
+KvCacheOpt = Annotated[bool, typer.Option("--kv-cache/--no-kv-cache", help="Capture each layer's KV cache over all N positions (origin analysis of cached-prefix divergence); --no-kv-cache for long prompts, where it is most of the bytes.")]
 # scenario options (run, audit): each scenario uses the ones that apply to it
 BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", help="batch: rows in the batch, the prompt included (default 4).")]
 PaddingOpt = Annotated[Optional[str], typer.Option("--padding", help="batch: none (rows of equal length), left or right (different lengths, attention mask).")]
@@ -116,6 +117,7 @@ def run_cmd(
     attn: AttnOpt = "sdpa",
     gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers",
+    kv_cache: KvCacheOpt = True,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")] = None,
     overwrite: OverwriteOpt = False,
     store: Annotated[str, typer.Option("--store", help="tensors: trace every captured tensor; stats: compare on the device, store only the comparison; none: no file.")] = "tensors",
@@ -157,7 +159,8 @@ def run_cmd(
                          granularity=granularity, output=output, store="none" if no_store else store,
                          compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
-                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions, **options)
+                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions,
+                         kv_cache=kv_cache, **options)
     except TracerError as e:
         _fail(str(e))
         return
@@ -231,6 +234,7 @@ def compare_cmd(
     fail_on: FailOnOpt = None,
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
     for traces made on two machines (a file without :RUN uses the other side's run name, else its first run)."""
@@ -242,7 +246,7 @@ def compare_cmd(
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
         comparison = compare_runs(*resolve_refs([x for x in (trace, run_a, run_b) if x is not None]),
-                                  atol=atol, rtol=rtol)
+                                  atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
@@ -407,6 +411,7 @@ def bench_cmd(
     device: DeviceOpt = None,
     gguf: GgufOpt = None,
     granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
+    kv_cache: KvCacheOpt = True,
     reps: Annotated[int, typer.Option("--reps", help="Measured repetitions of each mode.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured repetitions first.")] = 1,
     outdir: Annotated[Optional[str], typer.Option("--outdir", help="Folder for the trace and raw I/O files (default: a temp dir).")] = None,
@@ -421,7 +426,7 @@ def bench_cmd(
         spinner = err.status("benchmarking", spinner="dots") if err.is_terminal else contextlib.nullcontext()
         with spinner as st:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
-                           granularity=granularity, reps=reps, warmup=warmup, outdir=outdir,
+                           granularity=granularity, kv_cache=kv_cache, reps=reps, warmup=warmup, outdir=outdir,
                            progress=st.update if st is not None else None)
     except TracerError as e:
         _fail(str(e))

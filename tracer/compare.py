@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .dataflow import Consumes, dataflow
 from .errors import TracerError
-from .metrics import LogitsDiff, TensorDiff, count_outside_tolerance, logits_diff, tensor_diff
+from .metrics import DiffBatch, LogitsDiff, TensorDiff, count_outside_tolerance, logits_diff
 from .records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
@@ -297,8 +297,9 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
-    ``kv_cache`` pairs ``(S, features)`` over all cached positions. Only one pair is held at a
-    time. Afterwards every differing point is classified origin/propagated
+    ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
+    :class:`~tracer.metrics.DiffBatch`, which holds at most one chunk's worth of pending tensors
+    (a large pair stays alive until its last chunk is computed). Afterwards every differing point is classified origin/propagated
     (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point.
 
@@ -309,11 +310,13 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     check_fail_on(None, atol, rtol)
     tol = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
     logits_tol = None
-    points: list[PointResult] = []
     logits = None
     logits_name = None
     logits_calls: tuple[list, list] = ([], [])
-    first_max: float | None = None
+    # every pair but the logits goes into one batch: kernels for many points at once, and the
+    # tensors are released as soon as their chunk is computed (see DiffBatch)
+    batch = DiffBatch(tolerance=tol)
+    queued: list[tuple[int, str, str, str, list, list, int | None]] = []
     for name, kind, op, ta, tb, ca, cb in pairs:
         if (ta.numel() == 0) != (tb.numel() == 0):
             continue  # captured in one run only (e.g. no KV cache in a run that recomputes): nothing to align
@@ -322,23 +325,29 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
-        n_tol = count_outside_tolerance(ta, tb, *tol) if tol is not None else None
         if kind == "logits":
+            n_tol = count_outside_tolerance(ta, tb, *tol) if tol is not None else None
             logits = logits_diff(ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta, tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb)
             logits_name = name
             logits_calls = (ca, cb)
             logits_tol = n_tol
             continue
-        d = tensor_diff(ta, tb)
-        n_prefix = None
         rows = _prefix_rows(kind, ca, positions[0])
-        if rows is not None:
-            n_prefix = tensor_diff(ta[:rows], tb[:rows]).n_diff if rows and d.n_diff else 0
+        split = rows * (ta[0].numel() if ta.dim() else 1) if rows else None
+        queued.append((batch.add(ta, tb, split=split), name, kind, op, ca, cb, rows))
+        del ta, tb
+    diffs = batch.results()
+    points: list[PointResult] = []
+    first_max: float | None = None
+    for index, name, kind, op, ca, cb, rows in queued:
+        d = diffs[index]
+        n_prefix = None if rows is None else (batch.n_diff_before(index) if rows else 0)
         amp = None
         if first_max is None and d.n_diff > 0:
             first_max = d.max_abs_diff
         if first_max is not None:
             amp = d.max_abs_diff / first_max if first_max > 0 else None
+        n_tol = batch.outside_tolerance(index) if tol is not None else None
         points.append(PointResult(name=name, kind=kind, op=op, diff=d, amplification=amp,
                                   calls_a=ca, calls_b=cb, n_diff_prefix=n_prefix, n_outside_tol=n_tol))
     c = Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
@@ -546,16 +555,46 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
-                  atol: float | None = None, rtol: float | None = None) -> Comparison:
+                  atol: float | None = None, rtol: float | None = None, device: str | None = None) -> Comparison:
     """Compare two runs stored in one trace file, one capture point at a time.
 
     ``run_a``/``run_b`` default to the first two runs of the file; ``atol``/``rtol`` as in
-    :func:`compare_pairs`. A replay (``--decode``) stored in the runs' meta is compared too.
+    :func:`compare_pairs`; ``device`` as in :func:`compare_runs`. A replay (``--decode``) stored
+    in the runs' meta is compared too.
 
     Raises:
-        TracerError: missing/corrupt trace, unknown run names, runs of different prompts.
+        TracerError: missing/corrupt trace, unknown run names, runs of different prompts, an
+            unavailable device.
     """
-    return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol)
+    return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol, device=device)
+
+
+def _prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
+    """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread."""
+    import collections
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read") as pool:
+        queue: collections.deque = collections.deque()
+        it = iter(items)
+        for item in it:
+            queue.append(pool.submit(load, item))
+            if len(queue) >= depth:
+                break
+        try:
+            while queue:
+                value = queue.popleft().result()
+                nxt = next(it, _END)
+                if nxt is not _END:
+                    queue.append(pool.submit(load, nxt))
+                yield value
+                del value
+        finally:
+            for fut in queue:
+                fut.cancel()
+
+
+_END = object()
 
 
 def _is_file_ref(ref: str) -> bool:
@@ -600,15 +639,24 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
 
 
 def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *,
-                 atol: float | None = None, rtol: float | None = None) -> Comparison:
+                 atol: float | None = None, rtol: float | None = None,
+                 device: str | None = None) -> Comparison:
     """Compare run ``ref_a = (file, run)`` with ``ref_b``, from one trace or two (e.g. made on two
-    machines), one capture point at a time. A run of None is resolved as in :func:`resolve_refs`;
-    ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``) stored in the runs'
-    meta is compared too.
+    machines), streaming capture point by capture point. A run of None is resolved as in
+    :func:`resolve_refs`; ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``)
+    stored in the runs' meta is compared too.
+
+    A background thread reads the next two capture points while the current one is compared
+    (h5py releases the GIL while it reads). ``device``: where the metrics are computed (``cpu``,
+    ``cuda``, ``cuda:N``; None: cuda if available); on a GPU the points are read into pinned host
+    memory and copied with non-blocking copies. Host memory holds about three capture points'
+    tensors at a time, whatever the trace size.
 
     Raises:
-        TracerError: missing/corrupt trace, unknown run names, runs of different prompts or windows.
+        TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
+            windows, an unavailable device.
     """
+    from .models import resolve_device
     from .store import TraceReader
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
@@ -634,13 +682,18 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                 f"'tracer show {path_a}' prints its stored comparison"
             )
 
+        dev = torch.device(resolve_device(device))
+        pin = dev.type == "cuda"
+
+        def load(name: str):
+            ia, ib = reader_a.capture_info(run_a, name), reader_b.capture_info(run_b, name)
+            return (name, ia["kind"], ia.get("op", ""), reader_a.tensor(run_a, name, pin=pin),
+                    reader_b.tensor(run_b, name, pin=pin), ia.get("calls", []), ib.get("calls", []))
+
         def pairs():
-            for name in reader_a.capture_names(run_a):
-                if name not in names_in_b:
-                    continue
-                ia, ib = reader_a.capture_info(run_a, name), reader_b.capture_info(run_b, name)
-                yield (name, ia["kind"], ia.get("op", ""), reader_a.tensor(run_a, name),
-                       reader_b.tensor(run_b, name), ia.get("calls", []), ib.get("calls", []))
+            names = [n for n in reader_a.capture_names(run_a) if n in names_in_b]
+            for name, kind, op, ta, tb, ca, cb in _prefetched(names, load):
+                yield name, kind, op, ta.to(dev, non_blocking=True), tb.to(dev, non_blocking=True), ca, cb
 
         scen = header.get("scenario", {})
         scen_name = scen.get("name", "?") if isinstance(scen, dict) else str(scen)

@@ -36,6 +36,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 #: dtype → the signed integer dtype of the same width, used to read bit patterns
@@ -52,7 +53,7 @@ ULP_SATURATED = ULP_NAN - 1
 #: labels of the bins of ``TensorDiff.ulp_hist`` (inclusive ULP ranges)
 ULP_BINS = ("0", "1", "2", "3-4", "5-8", "9-16", ">16")
 _ULP_EDGES = (0, 1, 2, 4, 8, 16)  # upper edges: bin i holds (edges[i-1], edges[i]], the last > 16
-#: elements processed per chunk (float64 temporaries of this size: 16 MiB each)
+#: elements processed per chunk on the CPU (float64 temporaries of this size: 16 MiB each)
 CHUNK_ELEMENTS = 1 << 21
 
 
@@ -279,8 +280,8 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
 
     Args:
         a, b: same shape, same dtype (bfloat16/float16/float32/float64). Computed on ``a``'s
-            device (``b`` is moved there), in chunks of :data:`CHUNK_ELEMENTS` elements with
-            float64 differences.
+            device (``b`` is moved there) by a one-pair :class:`DiffBatch`: bit comparisons
+            in the storage dtype, differences in float64.
 
     Returns:
         a :class:`TensorDiff`; see the module docstring for NaN/inf, ±0 and empty-tensor rules.
@@ -288,89 +289,9 @@ def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
     Raises:
         ValueError: shapes or dtypes differ, or the dtype is not supported.
     """
-    b = _check_pair(a, b)
-    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
-    n = fa.numel()
-    view = _INT_VIEW[a.dtype]
-    n_diff = n_nan_a = n_nan_b = n_inf_a = n_inf_b = n_rel3 = n_rel5 = max_ulp = 0
-    max_abs = sum_abs = max_ulp_mag = 0.0
-    hist = [0] * len(ULP_BINS)
-    sa = sb = sab = sdd = 0.0  # over positions finite on both sides: ||a||^2, ||b||^2, a.b, ||a-b||^2
-    for start in range(0, n, CHUNK_ELEMENTS):
-        ca, cb = fa[start : start + CHUNK_ELEMENTS], fb[start : start + CHUNK_ELEMENTS]
-        n_nan_a += int(torch.isnan(ca).sum())
-        n_nan_b += int(torch.isnan(cb).sum())
-        n_inf_a += int(torch.isinf(ca).sum())
-        n_inf_b += int(torch.isinf(cb).sum())
-        equal = ca.view(view) == cb.view(view)
-        # equal bits: abs diff 0, ULP 0, relative error 0; finite ones add a^2 to sa, sb and sab
-        a_eq = torch.where(equal & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
-        sq_eq = float(torch.dot(a_eq, a_eq))
-        sa, sb, sab = sa + sq_eq, sb + sq_eq, sab + sq_eq
-        idx = torch.nonzero(~equal).flatten()  # (k,) positions whose bits differ
-        k = idx.numel()
-        n_eq = ca.numel() - k
-        hist[0] += n_eq
-        n_rel3 += n_eq
-        n_rel5 += n_eq
-        if k == 0:
-            continue
-        n_diff += k
-        da, db = ca[idx], cb[idx]  # (k,) in the storage dtype
-        a64, b64 = da.to(torch.float64), db.to(torch.float64)
-        d = _abs_diff(a64, b64)
-        max_abs = max(max_abs, float(d.max()))
-        sum_abs += float(d.sum())
-        ulp = _ulp_flat(da, db)  # (k,) all >= 1
-        max_ulp = max(max_ulp, int(ulp.max()))
-        mag = d / ulp_of(torch.maximum(a64.abs(), b64.abs()), a.dtype)  # inf/NaN where non-finite
-        mag = torch.where(torch.isnan(mag), torch.full_like(mag, math.inf), mag)
-        max_ulp_mag = max(max_ulp_mag, float(mag.max()))
-        cum = [k] + [int((ulp > e).sum()) for e in _ULP_EDGES[1:]]  # elements above each edge
-        for i in range(1, len(ULP_BINS)):
-            hist[i] += cum[i - 1] - (cum[i] if i < len(cum) else 0)
-        # relative error per element: a == 0 counts only when b == 0 too (here: -0 vs +0)
-        abs_a = a64.abs()
-        zero_a = abs_a == 0
-        rel = d / torch.where(zero_a, torch.ones_like(abs_a), abs_a)  # NaN/inf where non-finite
-        both_zero = zero_a & (b64 == 0)
-        n_rel3 += int((both_zero | (~zero_a & (rel < 1e-3))).sum())
-        n_rel5 += int((both_zero | (~zero_a & (rel < 5e-3))).sum())
-        finite = torch.isfinite(a64) & torch.isfinite(b64)
-        fa64 = torch.where(finite, a64, torch.zeros_like(a64))
-        fb64 = torch.where(finite, b64, torch.zeros_like(b64))
-        dd = fa64 - fb64
-        sa += float(torch.dot(fa64, fa64))
-        sb += float(torch.dot(fb64, fb64))
-        sab += float(torch.dot(fa64, fb64))
-        sdd += float(torch.dot(dd, dd))
-    if sdd == 0.0:
-        rel_error, cosine, sqnr = 0.0, 1.0, math.inf
-    else:
-        rel_error = math.sqrt(sdd) / math.sqrt(sa) if sa > 0 else math.inf
-        sqnr = 10.0 * math.log10(sa / sdd) if sa > 0 else -math.inf
-        if sa == 0.0 or sb == 0.0:
-            cosine = 0.0
-        else:
-            cosine = max(-1.0, min(1.0, sab / (math.sqrt(sa) * math.sqrt(sb))))
-    return TensorDiff(
-        n_total=n,
-        n_diff=n_diff,
-        max_abs_diff=max_abs,
-        mean_abs_diff=sum_abs / n if n else 0.0,
-        max_ulp=max_ulp,
-        ulp_hist=tuple(hist),
-        rel_error=rel_error,
-        cosine=cosine,
-        sqnr_db=sqnr,
-        frac_rel_lt_1e3=n_rel3 / n if n else 1.0,
-        frac_rel_lt_5e3=n_rel5 / n if n else 1.0,
-        n_nan_a=n_nan_a,
-        n_nan_b=n_nan_b,
-        n_inf_a=n_inf_a,
-        n_inf_b=n_inf_b,
-        max_ulp_mag=max_ulp_mag,
-    )
+    batch = DiffBatch()
+    batch.add(a, b)
+    return batch.results()[0]
 
 
 def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> int:
@@ -387,22 +308,292 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
     Raises:
         ValueError: shapes/dtypes differ, or a tolerance is negative or NaN.
     """
-    if not (atol >= 0 and rtol >= 0):
-        raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
-    b = _check_pair(a, b)
-    fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
-    view = _INT_VIEW[a.dtype]
-    bad = 0
-    for start in range(0, fa.numel(), CHUNK_ELEMENTS):
-        ca, cb = fa[start : start + CHUNK_ELEMENTS], fb[start : start + CHUNK_ELEMENTS]
-        idx = torch.nonzero(ca.view(view) != cb.view(view)).flatten()
-        if idx.numel() == 0:
-            continue
-        a64, b64 = ca[idx].to(torch.float64), cb[idx].to(torch.float64)
-        d = _abs_diff(a64, b64)  # inf for NaN/inf mismatches
-        ok = torch.isfinite(d) & (d <= atol + rtol * a64.abs())
-        bad += int((~ok).sum())
-    return bad
+    batch = DiffBatch(tolerance=(atol, rtol))
+    batch.add(a, b)
+    batch.results()
+    return batch.outside_tolerance(0)
+
+
+#: elements per block of the per-block partial reductions (a segment is padded to whole blocks)
+BLOCK_ELEMENTS = 2048
+#: elements per chunk on a CUDA device (float64 temporaries of this size: 128 MiB each)
+CUDA_CHUNK_ELEMENTS = 1 << 24
+
+# columns of the per-block statistics (pass 1: every block; pass 2: blocks with a difference)
+_P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b")  # int64
+_P2_SUM = ("sum_abs", "sa", "sb", "sab", "sdd")  # float64 sums over the differing elements
+_P2_MAX = ("max_abs", "max_ulp_mag")  # float64 maxima
+_P2_CNT = ("rel3", "rel5", "tol") + tuple(f"ulp_gt_{e}" for e in _ULP_EDGES[1:])  # int64 counts
+
+
+class DiffBatch:
+    """:func:`tensor_diff` for many pairs at once: batched kernels, few host synchronisations.
+
+    The pairs are laid end to end (each padded with zeros to whole blocks of
+    :data:`BLOCK_ELEMENTS`) and processed in chunks (:data:`CHUNK_ELEMENTS` elements on the
+    CPU, :data:`CUDA_CHUNK_ELEMENTS` on a GPU), so the number of kernel launches does not grow
+    with the number of capture points. Per chunk:
+
+    1. every element, in the storage dtype: differing bits, NaN/inf counts and ``sum a²`` over
+       the equal finite elements, reduced per block;
+    2. one host synchronisation to learn which blocks hold a difference; only those blocks get
+       the float64 work (abs diff, ULP distance and histogram, ULPs at the larger magnitude,
+       relative-error shares, the sums behind rel. error/cosine/SQNR, tolerance counts).
+
+    Per-block results are summed per pair on the host in a fixed order, so the numbers do not
+    depend on thread scheduling (no atomics). Memory: a few chunk-sized float64 temporaries,
+    whatever the number and size of the pairs; a pair's tensors are released once its last
+    chunk is processed.
+
+    Args:
+        tolerance: ``(atol, rtol)`` to also count the elements outside ``atol + rtol * |a|``
+            (:meth:`outside_tolerance`), or None.
+
+    Raises:
+        ValueError: (from :meth:`add`) shapes/dtypes differ or unsupported dtype; a negative or
+            NaN tolerance.
+    """
+
+    def __init__(self, tolerance: tuple[float, float] | None = None) -> None:
+        if tolerance is not None:
+            atol, rtol = tolerance
+            if not (atol >= 0 and rtol >= 0):
+                raise ValueError(f"tolerances must be >= 0, got atol={atol}, rtol={rtol}")
+            tolerance = (float(atol), float(rtol))
+        self.tolerance = tolerance
+        self._pairs: list[list[int]] = []  # pair index -> its segment ids
+        self._seg_n: list[int] = []  # segment id -> number of elements
+        self._pending: dict[tuple, list] = {}  # (device, dtype) -> [(segment, flat a, flat b, offset)], filled
+        self._fill: dict[tuple, int] = {}
+        # per-segment accumulators, folded chunk by chunk (no per-chunk host arrays kept alive: on
+        # the CPU, small long-lived allocations between big freed ones keep glibc from returning
+        # memory to the OS)
+        self._acc: dict[str, np.ndarray] = {}
+        self._p2: list[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # GPU, pending
+        self._done: list[TensorDiff] | None = None
+        self._tol_counts: list[int] = []
+
+    # -- queueing ----------------------------------------------------------------------------------
+    def add(self, a: torch.Tensor, b: torch.Tensor, *, split: int | None = None) -> int:
+        """Queue the pair ``(a, b)``; returns its index in :meth:`results`.
+
+        Args:
+            a, b: as :func:`tensor_diff` (``b`` is moved to ``a``'s device).
+            split: optional element offset into the flattened pair: the elements before it get
+                their own differing count (:meth:`n_diff_before`), e.g. the rows of a KV cache
+                before the compared window.
+
+        Raises:
+            ValueError: shapes or dtypes differ, or the dtype is not supported.
+        """
+        if self._done is not None:
+            raise RuntimeError("DiffBatch.results() was already called; start a new batch")
+        b = _check_pair(a, b)
+        fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+        n = fa.numel()
+        cuts = [0, n] if split is None else [0, min(max(int(split), 0), n), n]
+        segs = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            seg = len(self._seg_n)
+            self._seg_n.append(hi - lo)
+            segs.append(seg)
+            self._queue(seg, fa[lo:hi], fb[lo:hi])
+        self._pairs.append(segs)
+        return len(self._pairs) - 1
+
+    def _sizes(self, device: torch.device) -> tuple[int, int]:
+        chunk = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+        block = max(1, min(BLOCK_ELEMENTS, chunk))
+        return block, max(block, chunk // block * block)
+
+    def _queue(self, seg: int, fa: torch.Tensor, fb: torch.Tensor) -> None:
+        key = (fa.device, fa.dtype)
+        block, chunk = self._sizes(fa.device)
+        n = fa.numel()
+        padded = -(-n // block) * block
+        start = 0
+        while start < padded:
+            fill = self._fill.get(key, 0)
+            take = min(padded - start, chunk - fill)
+            self._pending.setdefault(key, []).append((seg, fa[start:start + take], fb[start:start + take], take))
+            self._fill[key] = fill + take
+            start += take
+            if self._fill[key] == chunk:
+                self._run_chunk(key)
+
+    def _flush(self) -> None:
+        for key in list(self._pending):
+            if self._pending[key]:
+                self._run_chunk(key)
+
+    # -- the two passes ----------------------------------------------------------------------------
+    def _run_chunk(self, key: tuple) -> None:
+        device, dtype = key
+        pieces = self._pending.pop(key)
+        self._fill[key] = 0
+        block, _ = self._sizes(device)
+        parts_a, parts_b, seg_of_block = [], [], []
+        for seg, pa, pb, take in pieces:
+            pad = take - pa.numel()  # the segment's tail: zeros on both sides (equal, finite, 0)
+            parts_a.append(pa)
+            parts_b.append(pb)
+            if pad:
+                z = torch.zeros(pad, dtype=dtype, device=device)
+                parts_a.append(z)
+                parts_b.append(z)
+            seg_of_block.extend([seg] * (take // block))
+        ca = torch.cat(parts_a) if len(parts_a) > 1 else parts_a[0]
+        cb = torch.cat(parts_b) if len(parts_b) > 1 else parts_b[0]
+        del pieces, parts_a, parts_b
+        nb = ca.numel() // block
+        view = _INT_VIEW[dtype]
+        neq = ca.view(view) != cb.view(view)  # (C,)
+        p1 = torch.stack([
+            neq.view(nb, block).sum(1),
+            torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
+            torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
+        ], dim=1)  # (nb, 5) int64
+        # equal finite elements: |a - b| 0, ULP 0, relative error 0; they add a^2 to sa, sb, sab
+        a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
+        sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
+        del a_eq
+        p1_host = p1.cpu().numpy()  # the one synchronisation of this chunk
+        segs = np.asarray(seg_of_block, dtype=np.int64)
+        self._fold_p1(segs, p1_host, sq_eq.cpu().numpy())
+        hot = np.flatnonzero(p1_host[:, 0])
+        if hot.size == 0:
+            return
+        idx = torch.from_numpy(hot).to(device)
+        da = ca.view(nb, block).index_select(0, idx).reshape(-1)  # (k * block,) storage dtype
+        db = cb.view(nb, block).index_select(0, idx).reshape(-1)
+        del ca, cb
+        stats = self._heavy(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), hot.size, block)
+        if device.type == "cpu":
+            self._fold_p2(segs[hot], *(t.numpy() for t in stats))
+        else:  # stays on the device until results(): one transfer for the whole batch
+            self._p2.append((segs[hot],) + stats)
+
+    def _accumulators(self) -> dict[str, np.ndarray]:
+        ns = len(self._seg_n)
+        have = len(self._acc["p1"]) if self._acc else 0
+        if have < ns:  # grow geometrically, zero-filled
+            size = max(ns, 2 * have, 16)
+            new = {"p1": np.zeros((size, len(_P1)), np.int64), "sq": np.zeros(size, np.float64),
+                   "sums": np.zeros((size, len(_P2_SUM)), np.float64),
+                   "maxes": np.zeros((size, len(_P2_MAX)), np.float64),
+                   "cnt": np.zeros((size, len(_P2_CNT)), np.int64), "max_ulp": np.zeros(size, np.int64)}
+            for k, v in self._acc.items():
+                new[k][:have] = v
+            self._acc = new
+        return self._acc
+
+    def _fold_p1(self, segs: np.ndarray, p1: np.ndarray, sq_eq: np.ndarray) -> None:
+        acc = self._accumulators()
+        np.add.at(acc["p1"], segs, p1)
+        np.add.at(acc["sq"], segs, sq_eq)
+
+    def _fold_p2(self, segs: np.ndarray, sums: np.ndarray, maxes: np.ndarray, cnt: np.ndarray,
+                 max_ulp: np.ndarray) -> None:
+        acc = self._accumulators()
+        np.add.at(acc["sums"], segs, sums)
+        np.maximum.at(acc["maxes"], segs, maxes)
+        np.add.at(acc["cnt"], segs, cnt)
+        np.maximum.at(acc["max_ulp"], segs, max_ulp)
+
+    def _heavy(self, da: torch.Tensor, db: torch.Tensor, m: torch.Tensor, k: int, block: int):
+        """Float64 statistics of the blocks holding a difference → per-block (k, .) tensors."""
+        a64, b64 = da.to(torch.float64), db.to(torch.float64)
+        zero = torch.zeros((), dtype=torch.float64, device=da.device)
+        d = torch.where(m, _abs_diff(a64, b64), zero)  # inf for NaN/inf mismatches, 0 where equal
+        ulp = _ulp_flat(da, db)  # 0 where the bits are equal
+        mag = d / ulp_of(torch.maximum(a64.abs(), b64.abs()), da.dtype)  # inf/NaN where non-finite
+        mag = torch.where(torch.isnan(mag), torch.full_like(mag, math.inf), mag)
+        mag = torch.where(m, mag, zero)
+        # relative error per element: a == 0 counts only when b == 0 too (here: -0 vs +0)
+        abs_a = a64.abs()
+        zero_a = abs_a == 0
+        rel = d / torch.where(zero_a, torch.ones_like(abs_a), abs_a)  # NaN/inf where non-finite
+        both_zero = zero_a & (b64 == 0)
+        counts = [m & (both_zero | (~zero_a & (rel < 1e-3))), m & (both_zero | (~zero_a & (rel < 5e-3)))]
+        if self.tolerance is not None:
+            atol, rtol = self.tolerance
+            counts.append(m & ~(torch.isfinite(d) & (d <= atol + rtol * abs_a)))
+        else:
+            counts.append(torch.zeros_like(m))
+        counts += [ulp > e for e in _ULP_EDGES[1:]]  # equal bits have ULP 0: never counted
+        del rel, both_zero, zero_a
+        finite = m & torch.isfinite(a64) & torch.isfinite(b64)
+        fa = torch.where(finite, a64, zero)
+        fb = torch.where(finite, b64, zero)
+        dd = fa - fb
+        sums = torch.stack([d.view(k, block).sum(1)] + [(x * y).view(k, block).sum(1)
+                                                       for x, y in ((fa, fa), (fb, fb), (fa, fb), (dd, dd))], 1)
+        maxes = torch.stack([d.view(k, block).amax(1), mag.view(k, block).amax(1)], 1)
+        cnt = torch.stack([c.view(k, block).sum(1) for c in counts], 1)
+        return sums, maxes, cnt, ulp.view(k, block).amax(1)
+
+    # -- results -----------------------------------------------------------------------------------
+    def results(self) -> list[TensorDiff]:
+        """One :class:`TensorDiff` per :meth:`add`, in order (computes what is still queued)."""
+        if self._done is not None:
+            return self._done
+        self._flush()
+        if self._p2:  # one transfer per kind of statistic
+            segs = np.concatenate([p[0] for p in self._p2])
+            self._fold_p2(segs, *(torch.cat([p[i] for p in self._p2]).cpu().numpy() for i in range(1, 5)))
+            self._p2 = []
+        acc = self._accumulators()
+        p1, sq, sums, maxes, cnt, max_ulp = (acc[k] for k in ("p1", "sq", "sums", "maxes", "cnt", "max_ulp"))
+        out, tol = [], []
+        for segs in self._pairs:
+            n = int(sum(self._seg_n[s] for s in segs))
+            q1 = p1[segs].sum(0)
+            q2 = sums[segs].sum(0)
+            c = cnt[segs].sum(0)
+            mx = maxes[segs].max(0)
+            n_diff = int(q1[0])
+            sa, sb, sab, sdd = (float(x) for x in q2[1:])
+            s_eq = float(sq[segs].sum())
+            sa, sb, sab = sa + s_eq, sb + s_eq, sab + s_eq
+            if sdd == 0.0:
+                rel_error, cosine, sqnr = 0.0, 1.0, math.inf
+            else:
+                rel_error = math.sqrt(sdd) / math.sqrt(sa) if sa > 0 else math.inf
+                sqnr = 10.0 * math.log10(sa / sdd) if sa > 0 else -math.inf
+                cosine = 0.0 if sa == 0.0 or sb == 0.0 else max(-1.0, min(1.0, sab / (math.sqrt(sa) * math.sqrt(sb))))
+            above = [n_diff] + [int(x) for x in c[3:]]  # elements above each ULP edge
+            hist = [n - n_diff] + [above[i - 1] - (above[i] if i < len(above) else 0) for i in range(1, len(ULP_BINS))]
+            out.append(TensorDiff(
+                n_total=n, n_diff=n_diff, max_abs_diff=float(mx[0]), mean_abs_diff=float(q2[0]) / n if n else 0.0,
+                max_ulp=int(max_ulp[segs].max()) if segs else 0, ulp_hist=tuple(hist),
+                rel_error=rel_error, cosine=cosine, sqnr_db=sqnr,
+                frac_rel_lt_1e3=(n - n_diff + int(c[0])) / n if n else 1.0,
+                frac_rel_lt_5e3=(n - n_diff + int(c[1])) / n if n else 1.0,
+                n_nan_a=int(q1[1]), n_nan_b=int(q1[2]), n_inf_a=int(q1[3]), n_inf_b=int(q1[4]),
+                max_ulp_mag=float(mx[1]),
+            ))
+            tol.append(int(c[2]))
+        self._segment_diff = p1[:len(self._seg_n), 0].copy()
+        self._acc = {}
+        self._done, self._tol_counts = out, tol
+        return out
+
+    def outside_tolerance(self, index: int) -> int:
+        """Elements of pair ``index`` outside the batch's tolerance (after :meth:`results`).
+
+        Raises:
+            RuntimeError: no tolerance was given, or :meth:`results` was not called yet.
+        """
+        if self.tolerance is None or self._done is None:
+            raise RuntimeError("outside_tolerance() needs a tolerance and results() first")
+        return self._tol_counts[index]
+
+    def n_diff_before(self, index: int) -> int:
+        """Differing elements of pair ``index`` before its ``split`` (after :meth:`results`; 0 without a split)."""
+        if self._done is None:
+            raise RuntimeError("n_diff_before() needs results() first")
+        segs = self._pairs[index]
+        return int(self._segment_diff[segs[0]]) if len(segs) > 1 else 0
 
 
 def _nan_max(x: float, y: float) -> float:

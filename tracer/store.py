@@ -30,7 +30,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -63,6 +63,7 @@ _STORED = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "
 # ---------------------------------------------------------------- environment header
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
 def _tool_version() -> str:
     """tracer's version: installed metadata, else the checkout's pyproject.toml, else 'unknown'."""
     try:
@@ -79,6 +80,7 @@ def _tool_version() -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once (importlib.metadata is slow)
 def _dist_version(name: str) -> str | None:
     """Installed version of a distribution without importing it (None if absent)."""
     try:
@@ -274,12 +276,24 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compress
     return ds
 
 
-def read_tensor(ds: h5py.Dataset, rows: slice | None = None) -> torch.Tensor:
-    """The tensor stored in ``ds`` (all of it, or ``rows`` along the first axis), bit-exact."""
+def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
+    """The tensor stored in ``ds`` (all of it, or ``rows`` along the first axis), bit-exact.
+
+    Args:
+        pin: read straight into page-locked (pinned) host memory, from which a non-blocking copy
+            to a GPU runs at full speed (needs CUDA; whole datasets only).
+    """
     if "dtype" not in ds.attrs:
         raise TracerError(f"dataset {ds.name} has no dtype attribute; the trace is corrupt, re-run it")
+    dtype = str(ds.attrs["dtype"])
+    if pin and rows is None and dtype in _DTYPES and ds.dtype == _STORED[dtype] and ds.size > 0:
+        raw16 = dtype in _RAW16
+        out = torch.empty(ds.shape, dtype=torch.int16 if raw16 else _DTYPES[dtype], pin_memory=True)
+        view = out.numpy().view(np.uint16) if raw16 else out.numpy()
+        ds.read_direct(view)  # no conversion: the stored type and the buffer's agree
+        return out.view(_DTYPES[dtype]) if raw16 else out
     data = ds[()] if rows is None else ds[rows]
-    return numpy_to_tensor(np.asarray(data), str(ds.attrs["dtype"]))
+    return numpy_to_tensor(np.asarray(data), dtype)
 
 
 def _check_capture(record: CaptureRecord) -> str:
@@ -436,8 +450,14 @@ class TraceWriter:
             raise TracerError(f"trace writer for {self.path} is closed; open a new TraceWriter")
         return self._file
 
-    def add_run(self, run: RunRecord) -> None:
+    def add_run(self, run: RunRecord, *, ready: Callable[[], None] | None = None) -> None:
         """Write ``run`` (its token ids, plan, meta, window and every capture, in order).
+
+        Args:
+            run: the run; its capture tensors on the host.
+            ready: called (on the writing thread) before anything is read from ``run``, e.g. to
+                wait for the non-blocking device-to-host copies of its tensors
+                (:func:`tracer.capture.host_copies`).
 
         Raises:
             TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,
@@ -445,11 +465,13 @@ class TraceWriter:
         """
         self._require_open()
         if self._pool is not None:
-            self._futures.append(self._pool.submit(self._write_run, run))
+            self._futures.append(self._pool.submit(self._write_run, run, ready))
         else:
-            self._write_run(run)
+            self._write_run(run, ready)
 
-    def _write_run(self, run: RunRecord) -> None:
+    def _write_run(self, run: RunRecord, ready: Callable[[], None] | None = None) -> None:
+        if ready is not None:
+            ready()
         write_run(self._runs, run, compression=self.compression)
         self._run_names.append(run.name)
         self._runs.attrs["order"] = json.dumps(self._run_names)
@@ -634,13 +656,14 @@ class TraceReader:
             "shape": list(ds.shape),
         }
 
-    def tensor(self, run: str, capture: str, *, rows: slice | None = None) -> torch.Tensor:
+    def tensor(self, run: str, capture: str, *, rows: slice | None = None, pin: bool = False) -> torch.Tensor:
         """The captured tensor exactly as stored (bf16 back as ``torch.bfloat16``), on the CPU.
 
         Args:
             rows: optional slice along the first (position) axis, read without loading the rest.
+            pin: read into pinned host memory (for a fast copy to a GPU; see :func:`read_tensor`).
         """
-        return read_tensor(self._capture_ds(run, capture), rows)
+        return read_tensor(self._capture_ds(run, capture), rows, pin=pin)
 
     def run(self, name: str, *, load_tensors: bool = True) -> RunRecord:
         """The :class:`RunRecord` of run ``name``, captures in execution order.

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 6 measurements on the H200 (qwen3-0.6b-shape: random init, real Qwen3-0.6B shapes).
+# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss  (default: all)
+set -uo pipefail
+out=${1:?OUTDIR}; shift
+steps=${*:-tests b4k b32k sub32k rss}
+mkdir -p "$out"
+t="python3 -m tracer"
+log() { echo "== $(date +%T) $*" | tee -a "$out/log.txt"; }
+python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())" > "$out/versions.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$out/versions.txt" 2>/dev/null
+for s in $steps; do case $s in
+  tests) log "CUDA tests"
+    python3 -m pytest -q -p no:cacheprovider tests/test_metrics.py tests/test_store.py tests/test_compare.py tests/test_store_modes.py > "$out/tests.txt" 2>&1 ;;
+  b4k) for kv in --kv-cache --no-kv-cache; do log "bench 4096 $kv"
+    timeout 240 $t bench qwen3-0.6b-shape --device cuda --length 4096 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-4096$kv.json" 2>"$out/bench-4096$kv.err"; done ;;
+  b32k) for kv in --no-kv-cache --kv-cache; do log "bench 32768 $kv"
+    timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-32768$kv.json" 2>"$out/bench-32768$kv.err"; done ;;
+  sub32k) log "bench 32768 sublayers"
+    timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --granularity sublayers --reps 2 --outdir /tmp/bench --json > "$out/bench-32768-sublayers.json" 2>"$out/bench-sub.err" ;;
+  rss) log "compare peak RSS on a >= 4 GB trace"
+    $t run qwen3-0.6b-shape --device cuda --length 32768 -o /tmp/big.h5 --overwrite --format json > /dev/null 2>"$out/rss.err"
+    ls -l /tmp/big.h5 >> "$out/rss.txt"
+    for dev in cuda cpu; do
+      timeout 200 python3 -c "
+import json, resource, sys, time; from tracer.compare import compare_trace
+t0 = time.perf_counter(); c = compare_trace('/tmp/big.h5', device='$dev'); dt = time.perf_counter() - t0
+print(json.dumps({'device': '$dev', 'seconds': dt, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 'first_divergent': c.first_divergent}))" >> "$out/rss.txt" 2>&1
+    done ;;
+esac; done
+log done
