@@ -59,6 +59,7 @@ origin if the whole layer was identical up to it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
@@ -174,7 +175,13 @@ def dataflow(points: list[tuple[str, str]]) -> dict[str, Consumes]:
 
     Returns:
         name → :class:`Consumes` for every point. Dependencies name only points of ``points``.
+        (Memoised per point list: every run of one model and granularity shares it.)
     """
+    return dict(_dataflow(tuple((str(n), str(k)) for n, k in points)))
+
+
+@functools.lru_cache(maxsize=16)
+def _dataflow(points: tuple[tuple[str, str], ...]) -> dict[str, Consumes]:
     names = [n for n, _ in points]
     kinds = dict(points)
     layers = [n for n, k in points if k == "layer"]

@@ -314,10 +314,28 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
     return batch.outside_tolerance(0)
 
 
+def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
+    """``acc[s] = op(acc[s], op-reduce of values[segs == s])`` for every segment ``s``, in a fixed order.
+
+    ``segs`` (per-row segment ids) is sorted first when it is not already (a stable sort, so the
+    reduction order stays the order of the rows).
+    """
+    if segs.size == 0:
+        return
+    if np.any(segs[1:] < segs[:-1]):
+        order = np.argsort(segs, kind="stable")
+        segs, values = segs[order], values[order]
+    starts = np.flatnonzero(np.concatenate(([True], segs[1:] != segs[:-1])))
+    reduced = op.reduceat(values, starts, axis=0)
+    owners = segs[starts]
+    acc[owners] = op(acc[owners], reduced)
+
+
 #: elements per block of the per-block partial reductions (a segment is padded to whole blocks)
 BLOCK_ELEMENTS = 2048
-#: elements per chunk on a CUDA device (float64 temporaries of this size: 128 MiB each)
-CUDA_CHUNK_ELEMENTS = 1 << 24
+#: most elements per chunk on a CUDA device (float64 temporaries of this size: 512 MiB each);
+#: fewer when the device has less than 256 bytes free per element
+CUDA_CHUNK_ELEMENTS = 1 << 26
 
 # columns of the per-block statistics (pass 1: every block; pass 2: blocks with a difference)
 _P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b")  # int64
@@ -371,6 +389,7 @@ class DiffBatch:
         self._acc: dict[str, np.ndarray] = {}
         self._p2: list[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # GPU, pending
         self._done: list[TensorDiff] | None = None
+        self._chunk: dict[torch.device, int] = {}
         self._tol_counts: list[int] = []
 
     # -- queueing ----------------------------------------------------------------------------------
@@ -402,7 +421,13 @@ class DiffBatch:
         return len(self._pairs) - 1
 
     def _sizes(self, device: torch.device) -> tuple[int, int]:
-        chunk = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+        if device not in self._chunk:
+            chunk = CHUNK_ELEMENTS
+            if device.type == "cuda":  # big chunks: fewer kernel launches; bounded by free memory
+                free, _ = torch.cuda.mem_get_info(device)
+                chunk = int(min(CUDA_CHUNK_ELEMENTS, max(1 << 20, free // 256)))
+            self._chunk[device] = chunk
+        chunk = self._chunk[device]
         block = max(1, min(BLOCK_ELEMENTS, chunk))
         return block, max(block, chunk // block * block)
 
@@ -489,16 +514,16 @@ class DiffBatch:
 
     def _fold_p1(self, segs: np.ndarray, p1: np.ndarray, sq_eq: np.ndarray) -> None:
         acc = self._accumulators()
-        np.add.at(acc["p1"], segs, p1)
-        np.add.at(acc["sq"], segs, sq_eq)
+        _fold(acc["p1"], segs, p1, np.add)
+        _fold(acc["sq"], segs, sq_eq, np.add)
 
     def _fold_p2(self, segs: np.ndarray, sums: np.ndarray, maxes: np.ndarray, cnt: np.ndarray,
                  max_ulp: np.ndarray) -> None:
         acc = self._accumulators()
-        np.add.at(acc["sums"], segs, sums)
-        np.maximum.at(acc["maxes"], segs, maxes)
-        np.add.at(acc["cnt"], segs, cnt)
-        np.maximum.at(acc["max_ulp"], segs, max_ulp)
+        _fold(acc["sums"], segs, sums, np.add)
+        _fold(acc["maxes"], segs, maxes, np.maximum)
+        _fold(acc["cnt"], segs, cnt, np.add)
+        _fold(acc["max_ulp"], segs, max_ulp, np.maximum)
 
     def _heavy(self, da: torch.Tensor, db: torch.Tensor, m: torch.Tensor, k: int, block: int):
         """Float64 statistics of the blocks holding a difference → per-block (k, .) tensors."""
@@ -525,9 +550,10 @@ class DiffBatch:
         finite = m & torch.isfinite(a64) & torch.isfinite(b64)
         fa = torch.where(finite, a64, zero)
         fb = torch.where(finite, b64, zero)
-        dd = fa - fb
-        sums = torch.stack([d.view(k, block).sum(1)] + [(x * y).view(k, block).sum(1)
-                                                       for x, y in ((fa, fa), (fb, fb), (fa, fb), (dd, dd))], 1)
+        x = torch.stack([fa, fb, fa - fb], dim=1).view(k, block, 3)
+        del fa, fb
+        gram = torch.bmm(x.transpose(1, 2), x)  # (k, 3, 3): per block a.a, b.b, a.b, (a-b).(a-b) in one GEMM
+        sums = torch.stack([d.view(k, block).sum(1), gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1], gram[:, 2, 2]], 1)
         maxes = torch.stack([d.view(k, block).amax(1), mag.view(k, block).amax(1)], 1)
         cnt = torch.stack([c.view(k, block).sum(1) for c in counts], 1)
         return sums, maxes, cnt, ulp.view(k, block).amax(1)
