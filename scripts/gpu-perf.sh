@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 6 measurements on the H200 (qwen3-0.6b-shape: random init, real Qwen3-0.6B shapes).
-# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss  (default: all)
+# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss dmap  (default: all)
 set -uo pipefail
 out=${1:?OUTDIR}; shift
-steps=${*:-tests b4k b32k sub32k rss}
+steps=${*:-tests b4k b32k sub32k rss dmap}
 mkdir -p "$out"
 t="python3 -m tracer"
 log() { echo "== $(date +%T) $*" | tee -a "$out/log.txt"; }
@@ -11,7 +11,7 @@ python3 -c "import torch, transformers, sys; print('python', sys.version.split()
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$out/versions.txt" 2>/dev/null
 for s in $steps; do case $s in
   tests) log "CUDA tests"
-    python3 -m pytest -q -p no:cacheprovider tests/test_metrics.py tests/test_store.py tests/test_compare.py tests/test_store_modes.py > "$out/tests.txt" 2>&1 ;;
+    python3 -m pytest -q -p no:cacheprovider tests/test_metrics.py tests/test_store.py tests/test_compare.py tests/test_store_modes.py tests/test_device_map.py > "$out/tests.txt" 2>&1 ;;
   b4k) for kv in --kv-cache --no-kv-cache; do log "bench 4096 $kv"
     timeout 240 $t bench qwen3-0.6b-shape --device cuda --length 4096 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-4096$kv.json" 2>"$out/bench-4096$kv.err"; done ;;
   b32k) for kv in --no-kv-cache --kv-cache; do log "bench 32768 $kv"
@@ -27,5 +27,22 @@ import json, resource, sys, time; from tracer.compare import compare_trace
 t0 = time.perf_counter(); c = compare_trace('/tmp/big.h5', device='$dev'); dt = time.perf_counter() - t0
 print(json.dumps({'device': '$dev', 'seconds': dt, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 'first_divergent': c.first_divergent}))" >> "$out/rss.txt" 2>&1
     done ;;
+  dmap) log "device_map: qwen3-0.6b-shape split GPU + CPU vs whole on the GPU"
+    $t run qwen3-0.6b-shape --device cuda --length 1024 -o /tmp/one.h5 --overwrite --format json > "$out/dmap-one.json" 2>"$out/dmap.err"
+    $t run qwen3-0.6b-shape --device-map auto --max-memory 0=600MiB,cpu=64GiB --length 1024 -o /tmp/split.h5 --overwrite --format json > "$out/dmap-split.json" 2>>"$out/dmap.err"
+    python3 - >> "$out/dmap.txt" 2>&1 <<'PY'
+import collections, json
+from tracer.compare import compare_runs
+from tracer.store import TraceReader
+with TraceReader("/tmp/split.h5") as r:
+    dm = r.header["model"]["device_map"]
+print("device_map:", dict(collections.Counter(dm.values())), "e.g.", {k: dm[k] for k in list(dm)[:3]}, "...", {k: dm[k] for k in list(dm)[-3:]})
+for run in ("A", "B"):
+    c = compare_runs(("/tmp/one.h5", run), ("/tmp/split.h5", run))
+    print(f"run {run}: whole-GPU vs GPU+CPU split:", c.verdict())
+for f in ("dmap-one", "dmap-split"):
+    pass
+PY
+    ;;
 esac; done
 log done

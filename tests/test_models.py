@@ -198,7 +198,7 @@ def test_recipe_applies_dtype_attn_eval_nograd(dtype, attn):
     assert lm.info.to_dict() == {
         "name": "tiny-llama", "source": "random-init", "family": "llama", "dtype": M.dtype_name(torch_dtype),
         "device": "cpu", "attn_implementation": attn, "weights_hash": "seed=3", "path": None,
-        "n_layers": 4, "hidden_size": 64, "vocab_size": 512,
+        "n_layers": 4, "hidden_size": 64, "vocab_size": 512, "device_map": None,
     }
     ids = lm.tokenizer("hello", return_tensors="pt")["input_ids"]  # (1, 5)
     assert model(ids).logits.shape == (1, 5, 512)

@@ -184,7 +184,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
         atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
-        positions: str = "window", kv_cache: bool = True, **options: Any) -> RunResult:
+        positions: str = "window", kv_cache: bool = True, device_map: str | dict[str, Any] | None = None,
+        max_memory: str | dict[Any, str] | None = None, **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -232,6 +233,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             the origin analysis uses to tell a divergence born in the cached-prefix pass);
             False leaves them out: on long prompts they are most of the bytes captured, stored
             and compared (:func:`tracer.capture.discover_points`).
+        device_map, max_memory: spread the model over several GPUs, or GPU and CPU, with
+            accelerate (:func:`tracer.models.load_model`); the hooks then capture on whatever
+            device each module runs on. Not with ``device``, ``verdict`` or the scenarios whose
+            runs move the model between devices.
 
     Returns:
         a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
@@ -262,6 +267,11 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         raise TracerError(f"unknown --positions '{positions}'; use window (P..N-1) or all (0..N-1)")
     if not isinstance(decode, int) or decode < 0:
         raise TracerError(f"--decode {decode} must be a number of tokens >= 0 (0 = off)")
+    dispatched = device_map is not None or (loaded is not None and loaded.info.device_map is not None)
+    if dispatched and verdict:
+        raise TracerError("--verdict re-loads the model at float32 on one device; it does not combine with --device-map")
+    if dispatched and options.get("devices") is not None or dispatched and scenario in ("device", "disaggregated"):
+        raise TracerError(f"scenario {scenario} moves the model between devices; it does not combine with --device-map")
     if verdict:
         from .verdict import higher_dtypes
 
@@ -272,7 +282,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     text, ids = (None, list(token_ids)) if token_ids is not None else read_prompt(prompt, prompt_file, token_ids_file)
     if loaded is None:
         _models.resolve_dtype(dtype)
-        _models.resolve_device(device)
+        if device_map is None:
+            _models.resolve_device(device)
         _models.check_attn(attn)
     check_output(output if store != "none" else None, overwrite)
     if length is not None and length < 2:
@@ -292,7 +303,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     # -- load, tokenize, plan ---------------------------------------------------------------------
     if loaded is None:
         say(f"loading {model}")
-        loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress)
+        loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress,
+                                    device_map=device_map, max_memory=max_memory)
     info = loaded.info
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
     scen = check_resources(make_scenario(scenario, len(ids), sopts))

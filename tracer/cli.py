@@ -118,6 +118,8 @@ def run_cmd(
     gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers",
     kv_cache: KvCacheOpt = True,
+    device_map: Annotated[Optional[str], typer.Option("--device-map", help="Spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device.")] = None,
+    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")] = None,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")] = None,
     overwrite: OverwriteOpt = False,
     store: Annotated[str, typer.Option("--store", help="tensors: trace every captured tensor; stats: compare on the device, store only the comparison; none: no file.")] = "tensors",
@@ -160,7 +162,7 @@ def run_cmd(
                          compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
                          verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions,
-                         kv_cache=kv_cache, **options)
+                         kv_cache=kv_cache, device_map=device_map, max_memory=max_memory, **options)
     except TracerError as e:
         _fail(str(e))
         return

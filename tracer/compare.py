@@ -569,6 +569,18 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol, device=device)
 
 
+#: bytes of capture tensors ``compare`` reads ahead of the comparison (at least two pairs)
+PREFETCH_BYTES = 256 << 20
+
+
+def _nbytes(info: dict[str, Any]) -> int:
+    """Bytes of a stored capture from its :meth:`TraceReader.capture_info` (shape and dtype)."""
+    size = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}.get(info.get("dtype", ""), 8)
+    for d in info.get("shape", []):
+        size *= int(d)
+    return size
+
+
 def _prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
     """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread."""
     import collections
@@ -646,11 +658,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
     :func:`resolve_refs`; ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``)
     stored in the runs' meta is compared too.
 
-    A background thread reads the next two capture points while the current one is compared
-    (h5py releases the GIL while it reads). ``device``: where the metrics are computed (``cpu``,
+    A background thread reads ahead (one capture point on the CPU; on a GPU
+    :data:`PREFETCH_BYTES`, at least two points) while the current point is compared (h5py
+    releases the GIL while it reads). ``device``: where the metrics are computed (``cpu``,
     ``cuda``, ``cuda:N``; None: cuda if available); on a GPU the points are read into pinned host
-    memory and copied with non-blocking copies. Host memory holds about three capture points'
-    tensors at a time, whatever the trace size.
+    memory and copied with non-blocking copies. Host memory holds the read-ahead plus the point
+    being compared, whatever the trace size.
 
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
@@ -692,7 +705,11 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
 
         def pairs():
             names = [n for n in reader_a.capture_names(run_a) if n in names_in_b]
-            for name, kind, op, ta, tb, ca, cb in _prefetched(names, load):
+            biggest = max((_nbytes(reader_a.capture_info(run_a, n)) for n in names), default=1)
+            # pairs read ahead: a GPU computes while the host reads; on the CPU both share the
+            # cores, so one pair ahead is enough (and keeps host memory at ~3 pairs)
+            depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 1
+            for name, kind, op, ta, tb, ca, cb in _prefetched(names, load, depth):
                 yield name, kind, op, ta.to(dev, non_blocking=True), tb.to(dev, non_blocking=True), ca, cb
 
         scen = header.get("scenario", {})

@@ -440,7 +440,10 @@ class DiffBatch:
         while start < padded:
             fill = self._fill.get(key, 0)
             take = min(padded - start, chunk - fill)
-            self._pending.setdefault(key, []).append((seg, fa[start:start + take], fb[start:start + take], take))
+            pa, pb = fa[start:start + take], fb[start:start + take]
+            if fill + take < chunk and pa.numel() < n:  # a tail left pending: copy it, so the
+                pa, pb = pa.clone(), pb.clone()  # whole tensor can be freed before the next chunk
+            self._pending.setdefault(key, []).append((seg, pa, pb, take))
             self._fill[key] = fill + take
             start += take
             if self._fill[key] == chunk:

@@ -90,6 +90,8 @@ class ModelInfo:
         weights_hash: sha256 of the GGUF file (gguf), ``"seed=N"`` (random-init), or None (hf).
         path: where the weights came from (GGUF file, checkpoint directory), None for random-init.
         n_layers, hidden_size, vocab_size: from the (text) config.
+        device_map: with ``load_model(device_map=...)``: module path → device (``cuda:0``,
+            ``cpu``, ``disk``) as accelerate dispatched it; None for a model on one device.
     """
 
     name: str
@@ -103,6 +105,7 @@ class ModelInfo:
     n_layers: int
     hidden_size: int
     vocab_size: int
+    device_map: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of all fields."""
@@ -653,6 +656,8 @@ def load_model(
     seed: int = 0,
     trust_remote_code: bool = False,
     progress: bool = True,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: str | dict[Any, str] | None = None,
 ) -> LoadedModel:
     """Load a model by recipe name, local directory or (cached) HF id.
 
@@ -667,16 +672,35 @@ def load_model(
         seed: RNG seed of ``random-init`` recipes (float32 init on the CPU, then cast).
         trust_remote_code: passed to ``from_pretrained`` for HF models.
         progress: show rich status messages (on stderr) and transformers' progress bars.
+        device_map: spread the model over several devices with accelerate (a model larger than
+            one GPU): ``auto``/``balanced``/``balanced_low_0``/``sequential`` (accelerate's
+            ``infer_auto_device_map``, bounded by ``max_memory``), or a dict / JSON object
+            ``{module path: device}`` with devices ``cuda:N``, ``cpu`` or ``disk``. Modules mapped
+            to ``cpu``/``disk`` keep their weights there and run on the main device (the first
+            GPU of the map) when one exists. The model is loaded on the CPU first; excludes
+            ``device``.
+        max_memory: for the ``auto`` maps: per-device budget, a dict (``{0: "20GiB", "cpu":
+            "64GiB"}``) or ``"0=20GiB,cpu=64GiB"``; use it to split a model that would fit on
+            one GPU (GPU + CPU) on purpose.
 
     Returns:
-        :class:`LoadedModel` with the model in eval mode, ``requires_grad=False``, on ``device``.
+        :class:`LoadedModel` with the model in eval mode, ``requires_grad=False``, on ``device``
+        (or dispatched by ``device_map``; ``info.device`` is then its main device and
+        ``info.device_map`` the map).
 
     Raises:
         TracerError: bad dtype/device/attn, unknown model, missing GGUF, broken recipe, or an
             unsupported option combination (``gguf`` with a non-GGUF model).
     """
     torch_dtype = resolve_dtype(dtype)
-    dev = resolve_device(device)
+    if device_map is not None:
+        if device is not None:
+            raise TracerError("give either --device or --device-map, not both (the map names the devices)")
+        device_map = _parse_device_map(device_map)
+        max_memory = _parse_max_memory(max_memory)
+    elif max_memory is not None:
+        raise TracerError("--max-memory applies only with --device-map auto|balanced|sequential; add --device-map auto")
+    dev = resolve_device(device) if device_map is None else "cpu"
     attn = check_attn(attn)
     table = recipes()
     recipe = table.get(name)
@@ -684,7 +708,98 @@ def load_model(
         gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
         raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; drop --gguf")
     if recipe is None:
-        return _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress)
-    if recipe.kind == "gguf":
-        return _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress)
-    return _load_random_init(recipe, torch_dtype, dev, attn, seed, progress)
+        loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress)
+    elif recipe.kind == "gguf":
+        loaded = _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress)
+    else:
+        loaded = _load_random_init(recipe, torch_dtype, dev, attn, seed, progress)
+    if device_map is not None:
+        loaded = _dispatch(loaded, device_map, max_memory)
+    return loaded
+
+
+_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _parse_device_map(device_map: str | dict[str, Any]) -> str | dict[str, str]:
+    """``auto``-style names as they are; a dict or JSON object → ``{module: device}`` (validated).
+
+    Raises:
+        TracerError: not a known name, bad JSON, or an unknown device in the map.
+    """
+    if isinstance(device_map, str) and device_map.strip() in _AUTO_MAPS:
+        return device_map.strip()
+    if isinstance(device_map, str):
+        try:
+            device_map = json.loads(device_map)
+        except ValueError:
+            raise TracerError(f"--device-map {device_map!r} is neither {', '.join(_AUTO_MAPS)} nor a JSON object "
+                              '{"module.path": "cuda:0" | "cpu" | "disk"}') from None
+    if not isinstance(device_map, dict) or not device_map:
+        raise TracerError('--device-map must be auto, balanced, sequential or a JSON object {"module.path": "cuda:0"}')
+    out = {}
+    for module, where in device_map.items():
+        where = str(where) if not isinstance(where, int) else f"cuda:{where}"
+        if where != "disk":
+            where = resolve_device(where)
+        out[str(module)] = where
+    return out
+
+
+def _parse_max_memory(max_memory: str | dict[Any, str] | None) -> dict[Any, str] | None:
+    """``"0=20GiB,cpu=64GiB"`` → ``{0: "20GiB", "cpu": "64GiB"}`` (dicts pass through).
+
+    Raises:
+        TracerError: a malformed entry.
+    """
+    if max_memory is None or isinstance(max_memory, dict):
+        return max_memory
+    out: dict[Any, str] = {}
+    for part in filter(None, (p.strip() for p in max_memory.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().removeprefix("cuda:")
+        if not sep or not value.strip() or not (key.isdigit() or key in ("cpu", "disk")):
+            raise TracerError(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB")
+        out[int(key) if key.isdigit() else key] = value.strip()
+    return out
+
+
+def _dispatch(loaded: LoadedModel, device_map: str | dict[str, str], max_memory: dict[Any, str] | None) -> LoadedModel:
+    """Dispatch a CPU-loaded model over devices with accelerate (see :func:`load_model`).
+
+    Raises:
+        TracerError: accelerate is missing, or the map does not cover the model.
+    """
+    try:
+        from accelerate import dispatch_model, infer_auto_device_map
+    except ImportError:
+        raise TracerError("--device-map needs accelerate: pip install accelerate") from None
+    model = loaded.model
+    if isinstance(device_map, str):
+        kwargs: dict[str, Any] = {"no_split_module_classes": list(getattr(model, "_no_split_modules", None) or [])}
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
+        elif device_map != "sequential":
+            from accelerate.utils import get_balanced_memory
+
+            kwargs["max_memory"] = get_balanced_memory(model, low_zero=device_map == "balanced_low_0", **kwargs)
+        device_map = {k: (f"cuda:{v}" if isinstance(v, int) else str(v))
+                      for k, v in infer_auto_device_map(model, **kwargs).items()}
+    gpus = [d for d in device_map.values() if d.startswith("cuda")]
+    offload_dir = None
+    if "disk" in device_map.values():
+        import tempfile
+
+        offload_dir = tempfile.mkdtemp(prefix="tracer-offload-")
+    try:
+        dispatch_model(model, device_map=device_map, main_device=gpus[0] if gpus else "cpu",
+                       offload_dir=offload_dir)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise TracerError(f"--device-map could not be applied: {str(e).splitlines()[0]}; "
+                          "the map must cover every module of the model (see 'tracer run --help')") from None
+    from dataclasses import replace as _replace
+
+    from .runner import model_device
+
+    info = _replace(loaded.info, device=str(model_device(model)), device_map=dict(device_map))
+    return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)

@@ -27,8 +27,14 @@ def _sync(device: torch.device) -> None:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's input embedding (where ``input_ids`` must go)."""
+    """The device of the model's input embedding (where ``input_ids`` must go): its weight's
+    device, or, for a module accelerate offloaded (weight on ``meta``), its execution device."""
     emb = model.get_input_embeddings()
+    if emb.weight.device.type == "meta":
+        hook = getattr(emb, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     return emb.weight.device
 
 
