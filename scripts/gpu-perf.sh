@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 6 measurements on the H200 (qwen3-0.6b-shape: random init, real Qwen3-0.6B shapes).
-# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss dmap  (default: all)
+# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss dmap dprof  (default: all but dprof)
 set -uo pipefail
 out=${1:?OUTDIR}; shift
 steps=${*:-tests b4k b32k sub32k rss dmap}
@@ -27,6 +27,19 @@ import json, resource, sys, time; from tracer.compare import compare_trace
 t0 = time.perf_counter(); c = compare_trace('/tmp/big.h5', device='$dev'); dt = time.perf_counter() - t0
 print(json.dumps({'device': '$dev', 'seconds': dt, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 'first_divergent': c.first_divergent}))" >> "$out/rss.txt" 2>&1
     done ;;
+  dprof) log "profile of compare (d) on the GPU, N=4096 trace with KV cache"
+    $t run qwen3-0.6b-shape --device cuda --length 4096 -o /tmp/d4k.h5 --overwrite --format json > /dev/null 2>"$out/dprof.err"
+    python3 - > "$out/dprof.txt" 2>&1 <<'PY'
+import cProfile, pstats, time, torch
+from tracer.compare import compare_trace
+compare_trace("/tmp/d4k.h5", device="cuda")
+for dev in ("cuda", "cpu"):
+    t0 = time.perf_counter(); compare_trace("/tmp/d4k.h5", device=dev); torch.cuda.synchronize(); print(dev, f"{time.perf_counter() - t0:.3f} s")
+t0 = time.perf_counter(); open("/tmp/d4k.h5", "rb").read(); print(f"raw read {time.perf_counter() - t0:.3f} s")
+pr = cProfile.Profile(); pr.enable(); compare_trace("/tmp/d4k.h5", device="cuda"); torch.cuda.synchronize(); pr.disable()
+pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+PY
+    ;;
   dmap) log "device_map: qwen3-0.6b-shape split GPU + CPU vs whole on the GPU"
     $t run qwen3-0.6b-shape --device cuda --length 1024 -o /tmp/one.h5 --overwrite --format json > "$out/dmap-one.json" 2>"$out/dmap.err"
     $t run qwen3-0.6b-shape --device-map auto --max-memory 0=600MiB,cpu=64GiB --length 1024 -o /tmp/split.h5 --overwrite --format json > "$out/dmap-split.json" 2>>"$out/dmap.err"

@@ -122,3 +122,13 @@ def test_prefetched_keeps_order_propagates_errors_and_stops_early():
     gen.close()  # a consumer that stops early: no thread left, at most depth + 1 items loaded
     assert len(loaded) <= 3
     assert not [t for t in threading.enumerate() if t.name.startswith("tracer-read")]
+
+
+def test_prefetched_depth_zero_loads_in_turn_on_the_calling_thread():
+    import threading
+
+    from tracer.compare import _prefetched
+
+    threads = []
+    out = list(_prefetched([1, 2, 3], lambda i: threads.append(threading.current_thread()) or i + 1, depth=0))
+    assert out == [2, 3, 4] and set(threads) == {threading.current_thread()}

@@ -582,9 +582,15 @@ def _nbytes(info: dict[str, Any]) -> int:
 
 
 def _prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
-    """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread."""
+    """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread
+    (``depth=0``: in turn, on the calling thread)."""
     import collections
     from concurrent.futures import ThreadPoolExecutor
+
+    if depth <= 0:
+        for item in items:
+            yield load(item)
+        return
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read") as pool:
         queue: collections.deque = collections.deque()
@@ -658,12 +664,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
     :func:`resolve_refs`; ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``)
     stored in the runs' meta is compared too.
 
-    A background thread reads ahead (one capture point on the CPU; on a GPU
-    :data:`PREFETCH_BYTES`, at least two points) while the current point is compared (h5py
-    releases the GIL while it reads). ``device``: where the metrics are computed (``cpu``,
+    On a GPU a background thread reads ahead (:data:`PREFETCH_BYTES`, at least two capture
+    points) while the current point is compared (h5py releases the GIL while it reads); on the
+    CPU points are read in turn. ``device``: where the metrics are computed (``cpu``,
     ``cuda``, ``cuda:N``; None: cuda if available); on a GPU the points are read into pinned host
-    memory and copied with non-blocking copies. Host memory holds the read-ahead plus the point
-    being compared, whatever the trace size.
+    memory and copied with non-blocking copies. Host memory holds the point being compared (plus
+    the read-ahead on a GPU), whatever the trace size.
 
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
@@ -698,17 +704,19 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         dev = torch.device(resolve_device(device))
         pin = dev.type == "cuda"
 
+        names = [n for n in reader_a.capture_names(run_a) if n in names_in_b]
+        infos = {n: (reader_a.capture_info(run_a, n), reader_b.capture_info(run_b, n)) for n in names}
+
         def load(name: str):
-            ia, ib = reader_a.capture_info(run_a, name), reader_b.capture_info(run_b, name)
+            ia, ib = infos[name]
             return (name, ia["kind"], ia.get("op", ""), reader_a.tensor(run_a, name, pin=pin),
                     reader_b.tensor(run_b, name, pin=pin), ia.get("calls", []), ib.get("calls", []))
 
         def pairs():
-            names = [n for n in reader_a.capture_names(run_a) if n in names_in_b]
-            biggest = max((_nbytes(reader_a.capture_info(run_a, n)) for n in names), default=1)
-            # pairs read ahead: a GPU computes while the host reads; on the CPU both share the
-            # cores, so one pair ahead is enough (and keeps host memory at ~3 pairs)
-            depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 1
+            biggest = max((_nbytes(ia) for ia, _ in infos.values()), default=1)
+            # pairs read ahead on a GPU (it computes while the host reads); on the CPU both share
+            # the cores, so points are read in turn and host memory stays at ~1 pair
+            depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 0
             for name, kind, op, ta, tb, ca, cb in _prefetched(names, load, depth):
                 yield name, kind, op, ta.to(dev, non_blocking=True), tb.to(dev, non_blocking=True), ca, cb
 

@@ -53,8 +53,8 @@ ULP_SATURATED = ULP_NAN - 1
 #: labels of the bins of ``TensorDiff.ulp_hist`` (inclusive ULP ranges)
 ULP_BINS = ("0", "1", "2", "3-4", "5-8", "9-16", ">16")
 _ULP_EDGES = (0, 1, 2, 4, 8, 16)  # upper edges: bin i holds (edges[i-1], edges[i]], the last > 16
-#: elements processed per chunk on the CPU (float64 temporaries of this size: 16 MiB each)
-CHUNK_ELEMENTS = 1 << 21
+#: elements processed per chunk on the CPU (float64 temporaries of this size: 8 MiB each)
+CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
