@@ -124,6 +124,10 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
                   kv_cache=kv_cache, progress=False)
     first = run(**common, store=False)
     ids = first.token_ids
+    # how much of the captured data differs: the comparison's float64 work is done only on
+    # the blocks holding a difference, so (b) and (d) depend on it
+    pts = list(first.comparison.points)
+    differing = sum(p.diff.n_diff for p in pts) / max(1, sum(p.diff.n_total for p in pts))
     scen = prefix_cache(len(ids), block_size=block_size)
     ids_t = torch.tensor([ids], device=model_device(lm.model))
     del first
@@ -144,7 +148,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
 
     result = BenchResult(config={"model": model, "length": length, "dtype": dtype, "device": dev,
                                  "granularity": granularity, "kv_cache": kv_cache, "block_size": block_size,
-                                 "reps": reps, "warmup": warmup,
+                                 "reps": reps, "warmup": warmup, "differing_fraction": differing,
                                  "n_points": len(discover_points(lm.model, granularity, kv_cache=kv_cache)),
                                  "folder": str(folder)},
                          times={m: [] for m in MODES})
@@ -198,6 +202,8 @@ def table(result: BenchResult):
     t.add_row("(c) write bytes/s ÷ (e) write", f"{r['c_write_bw_over_raw']:.3f}", "target ≥ 0.7")
     t.add_row("(d) read bytes/s ÷ (e) read", f"{r['d_read_bw_over_raw']:.3f}", "target ≥ 0.7")
     t.add_row("trace size", f"{result.trace_bytes / 2**20:.2f} MiB", "")
+    if "differing_fraction" in c:
+        t.add_row("captured elements that differ", f"{c['differing_fraction']:.1%}", "float64 work scales with it")
     t.add_row("peak host memory", f"{result.peak_host_mb:.0f} MiB", "")
     if result.peak_device_mb is not None:
         t.add_row("peak device memory", f"{result.peak_device_mb:.0f} MiB", "")

@@ -262,12 +262,14 @@ def numpy_to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
 def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compression: str | None = None) -> h5py.Dataset:
     """Write ``tensor`` bit-exactly as dataset ``group[name]`` with a ``dtype`` attribute.
 
-    One ``create_dataset`` call; chunked along the first axis (~:data:`CHUNK_BYTES` per chunk)
-    when the tensor is at least 1-D and non-empty; ``compression`` passed through.
+    One ``create_dataset`` call. Without compression the dataset is contiguous: reading it
+    back is one sequential read, at the disk's speed (measured on the H200 machine: 1 MiB
+    chunks read at about half the raw bandwidth). With ``compression`` it is chunked along the
+    first axis (~:data:`CHUNK_BYTES` per chunk), which HDF5 filters need.
     """
     array, dtype = tensor_to_numpy(tensor)
     chunks = None
-    if array.ndim >= 1 and array.size > 0:
+    if compression is not None and array.ndim >= 1 and array.size > 0:
         row_bytes = array.itemsize * (array.size // array.shape[0])
         rows = max(1, min(array.shape[0], CHUNK_BYTES // max(1, row_bytes)))
         chunks = (rows, *array.shape[1:])
