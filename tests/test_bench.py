@@ -13,3 +13,16 @@ def test_bench_reports_every_mode_and_ratio(tmp_path):
     assert set(d["ratios"]) == {"b_over_a", "c_over_a", "c_write_bw_over_raw", "d_read_bw_over_raw"}
     assert d["ratios"]["b_over_a"] == r.median("b") / r.median("a")
     assert not list(tmp_path.iterdir())  # the trace and raw files are cleaned up
+
+
+def test_bench_never_touches_the_users_files(tmp_path):
+    import pytest
+
+    from tracer.errors import TracerError
+
+    mine = tmp_path / "bench-trace.h5"
+    mine.write_bytes(b"my own file")
+    bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(tmp_path))
+    assert mine.read_bytes() == b"my own file" and list(tmp_path.iterdir()) == [mine]
+    with pytest.raises(TracerError, match="is a file"):
+        bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(mine))

@@ -72,3 +72,13 @@ def test_auto_map_on_this_machine_and_bad_maps(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--device-map" in err and "Traceback" not in err
+
+
+def test_bad_memory_budgets_and_all_on_disk_are_one_line_errors():
+    with pytest.raises(TracerError, match="not a size"):
+        load_model("tiny-llama", device_map="auto", max_memory="cpu=-5GiB", progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(TracerError, match="names GPU 0"):
+            load_model("tiny-llama", device_map="auto", max_memory="0=1GiB", progress=False)
+    with pytest.raises(TracerError, match="whole model on disk"):
+        load_model("tiny-llama", device_map='{"": "disk"}', progress=False)

@@ -61,3 +61,14 @@ def test_no_kv_cache_leaves_out_only_the_kv_points(tmp_path, lm):
     with TraceReader(tmp_path / "lean.h5") as r:
         assert r.header["kv_cache"] is False
         assert not [n for n in r.capture_names("A") if n.endswith(".kv_cache")]
+
+
+def test_comparing_a_tensor_trace_with_a_stats_trace_is_a_one_line_error(tmp_path, lm):
+    kw = dict(loaded=lm, prompt="x" * 70 + " cache hit versus cache miss", progress=False)
+    tracer.run(**kw, output=tmp_path / "t.h5")
+    tracer.run(**kw, store="stats", output=tmp_path / "s.h5")
+    from tracer.compare import compare_runs
+
+    for a, b in ((tmp_path / "t.h5", tmp_path / "s.h5"), (tmp_path / "s.h5", tmp_path / "t.h5")):
+        with pytest.raises(TracerError, match="holds no tensors"):
+            compare_runs((str(a), "A"), (str(b), "A"))

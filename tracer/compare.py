@@ -695,11 +695,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         check_alignable(label_a, ra.token_ids, ra.window, label_b, rb.token_ids, rb.window)
         header = reader_a.header
         names_in_b = set(reader_b.capture_names(run_b))
-        if not reader_a.capture_names(run_a) and not reader_b.capture_names(run_b):
-            raise TracerError(
-                f"trace {path_a} holds no tensors (written with --store {header.get('store', 'stats')}); "
-                f"'tracer show {path_a}' prints its stored comparison"
-            )
+        for path, reader, run in ((path_a, reader_a, run_a), (path_b, reader_b, run_b)):
+            if not reader.capture_names(run):
+                raise TracerError(
+                    f"trace {path} holds no tensors for run {run} (written with --store "
+                    f"{reader.header.get('store', 'stats')}); 'tracer show {path}' prints its stored comparison"
+                )
 
         dev = torch.device(resolve_device(device))
         pin = dev.type == "cuda"

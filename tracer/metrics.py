@@ -504,7 +504,7 @@ class DiffBatch:
     def _accumulators(self) -> dict[str, np.ndarray]:
         ns = len(self._seg_n)
         have = len(self._acc["p1"]) if self._acc else 0
-        if have < ns:  # grow geometrically, zero-filled
+        if have < ns or not self._acc:  # grow geometrically, zero-filled
             size = max(ns, 2 * have, 16)
             new = {"p1": np.zeros((size, len(_P1)), np.int64), "sq": np.zeros(size, np.float64),
                    "sums": np.zeros((size, len(_P2_SUM)), np.float64),

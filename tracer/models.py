@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -760,6 +761,11 @@ def _parse_max_memory(max_memory: str | dict[Any, str] | None) -> dict[Any, str]
         key = key.strip().removeprefix("cuda:")
         if not sep or not value.strip() or not (key.isdigit() or key in ("cpu", "disk")):
             raise TracerError(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB")
+        if not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", value.strip(), flags=re.IGNORECASE):
+            raise TracerError(f"--max-memory size {value.strip()!r} is not a size like 600MiB or 20GiB")
+        if key.isdigit() and int(key) >= torch.cuda.device_count():
+            raise TracerError(f"--max-memory names GPU {key}, but {torch.cuda.device_count()} CUDA device(s) are "
+                              "visible; budget cpu= (and disk=) only, or run on a machine with that GPU")
         out[int(key) if key.isdigit() else key] = value.strip()
     return out
 
@@ -786,17 +792,21 @@ def _dispatch(loaded: LoadedModel, device_map: str | dict[str, str], max_memory:
         device_map = {k: (f"cuda:{v}" if isinstance(v, int) else str(v))
                       for k, v in infer_auto_device_map(model, **kwargs).items()}
     gpus = [d for d in device_map.values() if d.startswith("cuda")]
+    if set(device_map.values()) == {"disk"}:
+        raise TracerError("--device-map puts the whole model on disk; keep at least the embedding on a GPU or the CPU")
     offload_dir = None
     if "disk" in device_map.values():
-        import tempfile
+        import weakref
 
         offload_dir = tempfile.mkdtemp(prefix="tracer-offload-")
+        weakref.finalize(model, shutil.rmtree, offload_dir, True)  # the offloaded weights go with the model
     try:
         dispatch_model(model, device_map=device_map, main_device=gpus[0] if gpus else "cpu",
                        offload_dir=offload_dir)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise TracerError(f"--device-map could not be applied: {str(e).splitlines()[0]}; "
-                          "the map must cover every module of the model (see 'tracer run --help')") from None
+    except (ValueError, KeyError, RuntimeError, OSError, AssertionError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TracerError(f"--device-map could not be applied ({msg[:160]}); the map must place every "
+                          "module of the model, e.g. --device-map auto") from None
     from dataclasses import replace as _replace
 
     from .runner import model_device
