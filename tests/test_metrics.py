@@ -518,11 +518,14 @@ def test_cuda_matches_cpu():
 # ---------------------------------------------------------------- DiffBatch
 
 
+@pytest.mark.parametrize("sparse_ratio", [0, 10**9])  # float64 pass: whole blocks / differing elements only
 @pytest.mark.parametrize("chunk", [None, 7, 256])
-def test_batch_of_pairs_matches_numpy_per_pair(chunk, monkeypatch):
+def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch):
     """Many pairs of mixed dtypes and sizes in one batch (sharing chunks, padded to blocks, one
     spread over several chunks, one empty): each result equals the numpy oracle of that pair,
-    the per-pair split count and tolerance counts equal numpy counts."""
+    the per-pair split count and tolerance counts equal numpy counts; for both forms of the
+    float64 pass (dense blocks and gathered differing elements)."""
+    monkeypatch.setattr(metrics, "SPARSE_RATIO", sparse_ratio)
     if chunk:
         monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", chunk)
         monkeypatch.setattr(metrics, "BLOCK_ELEMENTS", 4 if chunk == 7 else 64)

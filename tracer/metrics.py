@@ -333,6 +333,10 @@ def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -
 
 #: elements per block of the per-block partial reductions (a segment is padded to whole blocks)
 BLOCK_ELEMENTS = 2048
+#: a chunk's blocks holding a difference get the float64 pass on their differing elements alone
+#: (gathered) when at most 1/SPARSE_RATIO of their elements differ, else on the whole blocks
+SPARSE_RATIO = 4
+_ULP_BIG = 1 << 40  # above any ULP distance of a <= 32-bit dtype
 #: most elements per chunk on a CUDA device (float64 temporaries of this size: 512 MiB each);
 #: fewer when the device has less than 256 bytes free per element
 CUDA_CHUNK_ELEMENTS = 1 << 26
@@ -485,17 +489,25 @@ class DiffBatch:
         a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
         sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
         del a_eq
-        p1_host = p1.cpu().numpy()  # the one synchronisation of this chunk
+        # the one synchronisation of this chunk (sq_eq travels as its bits, in the same transfer)
+        both = torch.cat([p1, sq_eq.view(torch.int64).unsqueeze(1)], 1).cpu().numpy()
+        p1_host = both[:, :5]
         segs = np.asarray(seg_of_block, dtype=np.int64)
-        self._fold_p1(segs, p1_host, sq_eq.cpu().numpy())
+        self._fold_p1(segs, p1_host, both[:, 5].copy().view(np.float64))
         hot = np.flatnonzero(p1_host[:, 0])
         if hot.size == 0:
             return
-        idx = torch.from_numpy(hot).to(device)
-        da = ca.view(nb, block).index_select(0, idx).reshape(-1)  # (k * block,) storage dtype
-        db = cb.view(nb, block).index_select(0, idx).reshape(-1)
-        del ca, cb
-        stats = self._heavy(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), hot.size, block)
+        n_hot = p1_host[hot, 0]
+        if dtype != torch.float64 and int(n_hot.sum()) * SPARSE_RATIO <= hot.size * block:
+            # differences scattered thinly over many blocks: the float64 pass on them alone
+            pos = torch.nonzero(neq).flatten()  # in order, so grouped by block
+            stats = self._heavy(ca[pos], cb[pos], None, torch.from_numpy(n_hot).to(device))
+        else:
+            idx = torch.from_numpy(hot).to(device)
+            da = ca.view(nb, block).index_select(0, idx).reshape(-1)  # (k * block,) storage dtype
+            db = cb.view(nb, block).index_select(0, idx).reshape(-1)
+            del ca, cb
+            stats = self._heavy(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), (hot.size, block))
         if device.type == "cpu":
             self._fold_p2(segs[hot], *(t.numpy() for t in stats))
         else:  # stays on the device until results(): one transfer for the whole batch
@@ -528,31 +540,56 @@ class DiffBatch:
         _fold(acc["cnt"], segs, cnt, np.add)
         _fold(acc["max_ulp"], segs, max_ulp, np.maximum)
 
-    def _heavy(self, da: torch.Tensor, db: torch.Tensor, m: torch.Tensor, k: int, block: int):
-        """Float64 statistics of the blocks holding a difference → per-block (k, .) tensors."""
+    def _heavy(self, da: torch.Tensor, db: torch.Tensor, m: torch.Tensor | None,
+               groups: tuple[int, int] | torch.Tensor):
+        """Float64 statistics of differing elements → per-group ``(k, .)`` tensors.
+
+        Dense form: ``da``/``db`` are ``k`` whole blocks (``groups = (k, block)``) and ``m`` marks
+        the differing elements. Sparse form: ``da``/``db`` hold only differing elements
+        (``m`` None), grouped by block, ``groups`` the ``(k,)`` element count of each block
+        (reduced with ``torch.segment_reduce``: one thread per group and column, in order).
+        """
         a64, b64 = da.to(torch.float64), db.to(torch.float64)
         zero = torch.zeros((), dtype=torch.float64, device=da.device)
-        d = torch.where(m, _abs_diff(a64, b64), zero)  # inf for NaN/inf mismatches, 0 where equal
+
+        def masked(x: torch.Tensor) -> torch.Tensor:
+            return x if m is None else torch.where(m, x, zero)
+
+        def flag(x: torch.Tensor) -> torch.Tensor:
+            return x if m is None else m & x
+
+        d = masked(_abs_diff(a64, b64))  # inf for NaN/inf mismatches, 0 where equal
         ulp = _ulp_flat(da, db)  # 0 where the bits are equal
         mag = d / ulp_of(torch.maximum(a64.abs(), b64.abs()), da.dtype)  # inf/NaN where non-finite
-        mag = torch.where(torch.isnan(mag), torch.full_like(mag, math.inf), mag)
-        mag = torch.where(m, mag, zero)
+        mag = masked(torch.where(torch.isnan(mag), torch.full_like(mag, math.inf), mag))
         # relative error per element: a == 0 counts only when b == 0 too (here: -0 vs +0)
         abs_a = a64.abs()
         zero_a = abs_a == 0
         rel = d / torch.where(zero_a, torch.ones_like(abs_a), abs_a)  # NaN/inf where non-finite
         both_zero = zero_a & (b64 == 0)
-        counts = [m & (both_zero | (~zero_a & (rel < 1e-3))), m & (both_zero | (~zero_a & (rel < 5e-3)))]
+        counts = [flag(both_zero | (~zero_a & (rel < 1e-3))), flag(both_zero | (~zero_a & (rel < 5e-3)))]
         if self.tolerance is not None:
             atol, rtol = self.tolerance
-            counts.append(m & ~(torch.isfinite(d) & (d <= atol + rtol * abs_a)))
+            counts.append(flag(~(torch.isfinite(d) & (d <= atol + rtol * abs_a))))
         else:
-            counts.append(torch.zeros_like(m))
+            counts.append(torch.zeros_like(zero_a))
         counts += [ulp > e for e in _ULP_EDGES[1:]]  # equal bits have ULP 0: never counted
         del rel, both_zero, zero_a
-        finite = m & torch.isfinite(a64) & torch.isfinite(b64)
+        finite = flag(torch.isfinite(a64) & torch.isfinite(b64))
         fa = torch.where(finite, a64, zero)
         fb = torch.where(finite, b64, zero)
+        if not isinstance(groups, tuple):  # sparse: segment reductions over the groups
+            dd = fa - fb
+            per_sum = torch.stack([d, fa * fa, fb * fb, fa * fb, dd * dd] + [c.to(torch.float64) for c in counts], 1)
+            # ULP distances of <= 32-bit dtypes are below 2**33 (exact in float64); only the NaN
+            # sentinel is larger: clamped here, restored below
+            per_max = torch.stack([d, mag, ulp.clamp(max=_ULP_BIG).to(torch.float64)], 1)
+            s = torch.segment_reduce(per_sum, "sum", lengths=groups, axis=0)
+            x = torch.segment_reduce(per_max, "max", lengths=groups, axis=0)
+            u = x[:, 2]
+            max_ulp = torch.where(u >= _ULP_BIG, torch.full_like(u, ULP_NAN, dtype=torch.int64), u.to(torch.int64))
+            return s[:, :5].contiguous(), x[:, :2].contiguous(), s[:, 5:].round().to(torch.int64), max_ulp
+        k, block = groups
         x = torch.stack([fa, fb, fa - fb], dim=1).view(k, block, 3)
         del fa, fb
         gram = torch.bmm(x.transpose(1, 2), x)  # (k, 3, 3): per block a.a, b.b, a.b, (a-b).(a-b) in one GEMM
