@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 6 measurements on the H200 (qwen3-0.6b-shape: random init, real Qwen3-0.6B shapes).
-# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k sub32k rss dmap dprof  (default: all but dprof)
+# Usage: scripts/gpu-perf.sh OUTDIR [steps...]   steps: tests b4k b32k b32kkv sub32k rss dmap dprof prof  (default: tests b4k b32k sub32k rss dmap)
 set -uo pipefail
 out=${1:?OUTDIR}; shift
 steps=${*:-tests b4k b32k sub32k rss dmap}
@@ -13,7 +13,11 @@ for s in $steps; do case $s in
   tests) log "CUDA tests"
     python3 -m pytest -q -p no:cacheprovider tests/test_metrics.py tests/test_store.py tests/test_compare.py tests/test_store_modes.py tests/test_device_map.py > "$out/tests.txt" 2>&1 ;;
   b4k) for kv in --kv-cache --no-kv-cache; do log "bench 4096 $kv"
-    timeout 240 $t bench qwen3-0.6b-shape --device cuda --length 4096 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-4096$kv.json" 2>"$out/bench-4096$kv.err"; done ;;
+    timeout 240 $t bench qwen3-0.6b-shape --device cuda --length 4096 --reps 5 $kv --outdir /tmp/bench --json > "$out/bench-4096$kv.json" 2>"$out/bench-4096$kv.err"; done ;;
+  b32kkv) log "bench 32768 --kv-cache"
+    timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --reps 3 --kv-cache --outdir /tmp/bench --json > "$out/bench-32768--kv-cache.json" 2>"$out/bench-32768--kv-cache.err" ;;
+  prof) log "host profile of tracer.run"
+    python3 scripts/gpu-profile.py > "$out/prof.txt" 2>&1 ;;
   b32k) for kv in --no-kv-cache --kv-cache; do log "bench 32768 $kv"
     timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-32768$kv.json" 2>"$out/bench-32768$kv.err"; done ;;
   sub32k) log "bench 32768 sublayers"

@@ -14,7 +14,7 @@ import torch
 
 from .dataflow import Consumes, dataflow
 from .errors import TracerError
-from .metrics import DiffBatch, LogitsDiff, TensorDiff, count_outside_tolerance, logits_diff
+from .metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
 from .records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
@@ -313,7 +313,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     logits = None
     logits_name = None
     logits_calls: tuple[list, list] = ([], [])
-    # every pair but the logits goes into one batch: kernels for many points at once, and the
+    logits_pair = None
+    # every pair goes into one batch: kernels for many points at once, and the
     # tensors are released as soon as their chunk is computed (see DiffBatch)
     batch = DiffBatch(tolerance=tol)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
@@ -325,18 +326,23 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
-        if kind == "logits":
-            n_tol = count_outside_tolerance(ta, tb, *tol) if tol is not None else None
-            logits = logits_diff(ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta, tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb)
+        if kind == "logits":  # element-wise statistics in the batch; per-position ones below
+            logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
             logits_calls = (ca, cb)
-            logits_tol = n_tol
             continue
         rows = _prefix_rows(kind, ca, positions[0])
         split = rows * (ta[0].numel() if ta.dim() else 1) if rows else None
         queued.append((batch.add(ta, tb, split=split), name, kind, op, ca, cb, rows))
         del ta, tb
     diffs = batch.results()
+    if logits_pair is not None:
+        index, ta, tb = logits_pair
+        rows_a = ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta
+        rows_b = tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb
+        logits = logits_diff(rows_a, rows_b, tensor=diffs[index])
+        logits_tol = batch.outside_tolerance(index) if tol is not None else None
+        del logits_pair, ta, tb, rows_a, rows_b
     points: list[PointResult] = []
     first_max: float | None = None
     for index, name, kind, op, ca, cb, rows in queued:
@@ -676,7 +682,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             windows, an unavailable device.
     """
     from .models import resolve_device
-    from .store import TraceReader
+    from .store import TraceReader, read_tensor
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
     same = str(path_a) == str(path_b)
@@ -705,16 +711,16 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         dev = torch.device(resolve_device(device))
         pin = dev.type == "cuda"
 
-        names = [n for n in reader_a.capture_names(run_a) if n in names_in_b]
-        infos = {n: (reader_a.capture_info(run_a, n), reader_b.capture_info(run_b, n)) for n in names}
+        caps_a, caps_b = reader_a.captures(run_a), reader_b.captures(run_b)
+        names = [n for n in caps_a if n in names_in_b]
 
         def load(name: str):
-            ia, ib = infos[name]
-            return (name, ia["kind"], ia.get("op", ""), reader_a.tensor(run_a, name, pin=pin),
-                    reader_b.tensor(run_b, name, pin=pin), ia.get("calls", []), ib.get("calls", []))
+            (ia, da), (ib, db) = caps_a[name], caps_b[name]
+            return (name, ia["kind"], ia.get("op", ""), read_tensor(da, pin=pin), read_tensor(db, pin=pin),
+                    ia.get("calls", []), ib.get("calls", []))
 
         def pairs():
-            biggest = max((_nbytes(ia) for ia, _ in infos.values()), default=1)
+            biggest = max((_nbytes(caps_a[n][0]) for n in names), default=1)
             # pairs read ahead on a GPU (it computes while the host reads); on the CPU both share
             # the cores, so points are read in turn and host memory stays at ~1 pair
             depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 0

@@ -464,7 +464,7 @@ class DiffBatch:
         pieces = self._pending.pop(key)
         self._fill[key] = 0
         block, _ = self._sizes(device)
-        parts_a, parts_b, seg_of_block = [], [], []
+        parts_a, parts_b, seg_ids, seg_blocks = [], [], [], []
         for seg, pa, pb, take in pieces:
             pad = take - pa.numel()  # the segment's tail: zeros on both sides (equal, finite, 0)
             parts_a.append(pa)
@@ -473,7 +473,8 @@ class DiffBatch:
                 z = torch.zeros(pad, dtype=dtype, device=device)
                 parts_a.append(z)
                 parts_b.append(z)
-            seg_of_block.extend([seg] * (take // block))
+            seg_ids.append(seg)
+            seg_blocks.append(take // block)
         ca = torch.cat(parts_a) if len(parts_a) > 1 else parts_a[0]
         cb = torch.cat(parts_b) if len(parts_b) > 1 else parts_b[0]
         del pieces, parts_a, parts_b
@@ -492,7 +493,7 @@ class DiffBatch:
         # the one synchronisation of this chunk (sq_eq travels as its bits, in the same transfer)
         both = torch.cat([p1, sq_eq.view(torch.int64).unsqueeze(1)], 1).cpu().numpy()
         p1_host = both[:, :5]
-        segs = np.asarray(seg_of_block, dtype=np.int64)
+        segs = np.repeat(np.asarray(seg_ids, dtype=np.int64), seg_blocks)  # segment of each block
         self._fold_p1(segs, p1_host, both[:, 5].copy().view(np.float64))
         hot = np.flatnonzero(p1_host[:, 0])
         if hot.size == 0:
@@ -688,13 +689,16 @@ def _overlap(ia: torch.Tensor, ib: torch.Tensor, k: int) -> torch.Tensor:
     return hits.to(torch.float64) / k
 
 
-def logits_diff(a: torch.Tensor, b: torch.Tensor) -> LogitsDiff:
+def logits_diff(a: torch.Tensor, b: torch.Tensor, *, tensor: TensorDiff | None = None) -> LogitsDiff:
     """Compare two logits tensors position by position.
 
     Args:
         a, b: ``(T, V)`` logits of run A (reference) and run B, same dtype
             (bfloat16/float16/float32/float64), any device. Rows are processed in chunks of
             about :data:`CHUNK_ELEMENTS` elements, in float64.
+
+    ``tensor``: the element-wise :class:`TensorDiff` of ``a``/``b`` when the caller already
+    computed it (e.g. in a :class:`DiffBatch` with the other capture points).
 
     Returns:
         a :class:`LogitsDiff`: the element-wise :class:`TensorDiff`, argmax flips with their
@@ -710,7 +714,7 @@ def logits_diff(a: torch.Tensor, b: torch.Tensor) -> LogitsDiff:
         raise ValueError(f"logits must be (T, V); got shape {tuple(a.shape)}")
     a, b = a.detach(), b.detach()
     t, v = a.shape
-    td = tensor_diff(a, b)
+    td = tensor if tensor is not None else tensor_diff(a, b)
     if t == 0 or v == 0:
         return LogitsDiff(td, t, (), 0.0, 0.0, 1.0, 1.0, 0)
     rows = max(1, CHUNK_ELEMENTS // v)

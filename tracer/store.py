@@ -285,9 +285,10 @@ def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = Fals
         pin: read straight into page-locked (pinned) host memory, from which a non-blocking copy
             to a GPU runs at full speed (needs CUDA; whole datasets only).
     """
-    if "dtype" not in ds.attrs:
-        raise TracerError(f"dataset {ds.name} has no dtype attribute; the trace is corrupt, re-run it")
-    dtype = str(ds.attrs["dtype"])
+    try:
+        dtype = str(ds.attrs["dtype"])
+    except KeyError:
+        raise TracerError(f"dataset {ds.name} has no dtype attribute; the trace is corrupt, re-run it") from None
     if pin and rows is None and dtype in _DTYPES and ds.dtype == _STORED[dtype] and ds.size > 0:
         raw16 = dtype in _RAW16
         out = torch.empty(ds.shape, dtype=torch.int16 if raw16 else _DTYPES[dtype], pin_memory=True)
@@ -296,6 +297,17 @@ def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = Fals
         return out.view(_DTYPES[dtype]) if raw16 else out
     data = ds[()] if rows is None else ds[rows]
     return numpy_to_tensor(np.asarray(data), dtype)
+
+
+def _capture_info(ds: h5py.Dataset) -> dict[str, Any]:
+    attrs = ds.attrs
+    return {
+        "kind": str(attrs["kind"]),
+        "op": str(attrs["op"]),
+        "calls": json.loads(attrs["calls"]),
+        "dtype": str(attrs["dtype"]),
+        "shape": list(ds.shape),
+    }
 
 
 def _check_capture(record: CaptureRecord) -> str:
@@ -649,14 +661,18 @@ class TraceReader:
 
     def capture_info(self, run: str, capture: str) -> dict[str, Any]:
         """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data."""
-        ds = self._capture_ds(run, capture)
-        return {
-            "kind": str(ds.attrs["kind"]),
-            "op": str(ds.attrs["op"]),
-            "calls": json.loads(ds.attrs["calls"]),
-            "dtype": str(ds.attrs["dtype"]),
-            "shape": list(ds.shape),
-        }
+        return _capture_info(self._capture_ds(run, capture))
+
+    def captures(self, run: str) -> dict[str, tuple[dict[str, Any], h5py.Dataset]]:
+        """Capture name → ``(capture_info, dataset)`` for every capture of ``run``, in execution
+        order, with one pass over the run's group (for streaming readers: pass the dataset to
+        :func:`read_tensor`)."""
+        caps = self._run_group(run)["captures"]
+        out = {}
+        for name in self.capture_names(run):
+            ds = caps[name]
+            out[name] = (_capture_info(ds), ds)
+        return out
 
     def tensor(self, run: str, capture: str, *, rows: slice | None = None, pin: bool = False) -> torch.Tensor:
         """The captured tensor exactly as stored (bf16 back as ``torch.bfloat16``), on the CPU.
