@@ -12,7 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import typer  # noqa: E402
+
 from tracer.cli import app  # noqa: E402
 
 if __name__ == "__main__":
-    app(["bench", *sys.argv[1:]], prog_name="benchmarks/bench.py")
+    typer.main.get_command(app).commands["bench"].main(sys.argv[1:], prog_name="python benchmarks/bench.py")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,10 @@ def test_runs_with_different_token_ids_refused(tmp_path, cli_env, prompt_file):
         f["runs/B/token_ids"][...] = ids
     _bad(["compare", str(out)], cli_env, tmp_path, "different token ids")
     _bad(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z")
+
+
+def test_no_store_contradicting_store_is_one_line_error():
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "tiny-llama", "--device", "cpu",
+                           "--store", "stats", "--no-store"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    assert proc.returncode == 2 and "contradict" in proc.stderr and "Traceback" not in proc.stderr

@@ -145,6 +145,8 @@ def run_cmd(
     from .report import check_columns, check_format
 
     try:
+        if no_store and store not in ("tensors", "none"):
+            raise TracerError(f"--no-store and --store {store} contradict each other; give one of them")
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
@@ -414,6 +416,7 @@ def bench_cmd(
     gguf: GgufOpt = None,
     granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
     kv_cache: KvCacheOpt = True,
+    block_size: Annotated[int, typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N.")] = 16,
     reps: Annotated[int, typer.Option("--reps", help="Measured repetitions of each mode.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured repetitions first.")] = 1,
     outdir: Annotated[Optional[str], typer.Option("--outdir", help="Folder for the trace and raw I/O files (default: a temp dir).")] = None,
@@ -428,7 +431,8 @@ def bench_cmd(
         spinner = err.status("benchmarking", spinner="dots") if err.is_terminal else contextlib.nullcontext()
         with spinner as st:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
-                           granularity=granularity, kv_cache=kv_cache, reps=reps, warmup=warmup, outdir=outdir,
+                           granularity=granularity, kv_cache=kv_cache, block_size=block_size, reps=reps,
+                           warmup=warmup, outdir=outdir,
                            progress=st.update if st is not None else None)
     except TracerError as e:
         _fail(str(e))
