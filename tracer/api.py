@@ -270,7 +270,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     dispatched = device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     if dispatched and verdict:
         raise TracerError("--verdict re-loads the model at float32 on one device; it does not combine with --device-map")
-    if dispatched and options.get("devices") is not None or dispatched and scenario in ("device", "disaggregated"):
+    if dispatched and (options.get("devices") is not None or scenario in ("device", "disaggregated")):
         raise TracerError(f"scenario {scenario} moves the model between devices; it does not combine with --device-map")
     if verdict:
         from .verdict import higher_dtypes

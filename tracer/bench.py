@@ -108,11 +108,10 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     from .api import run
     from .capture import discover_points
     from .compare import compare_trace
+    from .errors import TracerError
     from .models import load_model
     from .runner import forward_chunks, model_device
     from .scenarios import prefix_cache
-
-    from .errors import TracerError
 
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
@@ -131,8 +130,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
                   kv_cache=kv_cache, progress=False)
     first = run(**common, store=False)
     ids = first.token_ids
-    # how much of the captured data differs: the comparison's float64 work is done only on
-    # the blocks holding a difference, so (b) and (d) depend on it
+    # how much of the captured data differs: the comparison's float64 work is done only where
+    # something differs, so (b) and (d) depend on it
     pts = list(first.comparison.points)
     differing = sum(p.diff.n_diff for p in pts) / max(1, sum(p.diff.n_total for p in pts))
     scen = prefix_cache(len(ids), block_size=block_size)

@@ -298,9 +298,9 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
     ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
-    :class:`~tracer.metrics.DiffBatch`, which holds at most one chunk's worth of pending tensors
-    (a large pair stays alive until its last chunk is computed). Afterwards every differing point is classified origin/propagated
-    (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
+    :class:`~tracer.metrics.DiffBatch`, which holds at most one chunk's worth of pending
+    tensors (only the logits pair is kept until the end, for its per-position statistics).
+    Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point.
 
     Raises:
@@ -575,16 +575,8 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol, device=device)
 
 
-#: bytes of capture tensors ``compare`` reads ahead of the comparison (at least two pairs)
+#: bytes of capture tensors ``compare`` reads ahead of the comparison on a GPU (at least two pairs)
 PREFETCH_BYTES = 256 << 20
-
-
-def _nbytes(info: dict[str, Any]) -> int:
-    """Bytes of a stored capture from its :meth:`TraceReader.capture_info` (shape and dtype)."""
-    size = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}.get(info.get("dtype", ""), 8)
-    for d in info.get("shape", []):
-        size *= int(d)
-    return size
 
 
 def _prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
@@ -700,19 +692,16 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         label_a, label_b = (run_a, run_b) if same else (f"{path_a}:{run_a}", f"{path_b}:{run_b}")
         check_alignable(label_a, ra.token_ids, ra.window, label_b, rb.token_ids, rb.window)
         header = reader_a.header
-        names_in_b = set(reader_b.capture_names(run_b))
-        for path, reader, run in ((path_a, reader_a, run_a), (path_b, reader_b, run_b)):
-            if not reader.capture_names(run):
+        caps_a, caps_b = reader_a.captures(run_a), reader_b.captures(run_b)  # name -> (info, dataset)
+        for path, reader, run, caps in ((path_a, reader_a, run_a, caps_a), (path_b, reader_b, run_b, caps_b)):
+            if not caps:
                 raise TracerError(
                     f"trace {path} holds no tensors for run {run} (written with --store "
                     f"{reader.header.get('store', 'stats')}); 'tracer show {path}' prints its stored comparison"
                 )
-
+        names = [n for n in caps_a if n in caps_b]
         dev = torch.device(resolve_device(device))
         pin = dev.type == "cuda"
-
-        caps_a, caps_b = reader_a.captures(run_a), reader_b.captures(run_b)
-        names = [n for n in caps_a if n in names_in_b]
 
         def load(name: str):
             (ia, da), (ib, db) = caps_a[name], caps_b[name]
@@ -720,7 +709,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                     ia.get("calls", []), ib.get("calls", []))
 
         def pairs():
-            biggest = max((_nbytes(caps_a[n][0]) for n in names), default=1)
+            biggest = max((caps_a[n][1].nbytes for n in names), default=1)
             # pairs read ahead on a GPU (it computes while the host reads); on the CPU both share
             # the cores, so points are read in turn and host memory stays at ~1 pair
             depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 0

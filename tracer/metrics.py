@@ -358,9 +358,11 @@ class DiffBatch:
 
     1. every element, in the storage dtype: differing bits, NaN/inf counts and ``sum a²`` over
        the equal finite elements, reduced per block;
-    2. one host synchronisation to learn which blocks hold a difference; only those blocks get
-       the float64 work (abs diff, ULP distance and histogram, ULPs at the larger magnitude,
-       relative-error shares, the sums behind rel. error/cosine/SQNR, tolerance counts).
+    2. one host synchronisation to learn which blocks hold a difference; only those get the
+       float64 work (abs diff, ULP distance and histogram, ULPs at the larger magnitude,
+       relative-error shares, the sums behind rel. error/cosine/SQNR, tolerance counts): on
+       their differing elements alone when at most 1/:data:`SPARSE_RATIO` of them differ, else
+       on the whole blocks.
 
     Per-block results are summed per pair on the host in a fixed order, so the numbers do not
     depend on thread scheduling (no atomics). Memory: a few chunk-sized float64 temporaries,
@@ -385,8 +387,8 @@ class DiffBatch:
         self.tolerance = tolerance
         self._pairs: list[list[int]] = []  # pair index -> its segment ids
         self._seg_n: list[int] = []  # segment id -> number of elements
-        self._pending: dict[tuple, list] = {}  # (device, dtype) -> [(segment, flat a, flat b, offset)], filled
-        self._fill: dict[tuple, int] = {}
+        self._pending: dict[tuple, list] = {}  # (device, dtype) -> [(segment, flat a, flat b, padded length)]
+        self._fill: dict[tuple, int] = {}  # (device, dtype) -> elements pending, padding included
         # per-segment accumulators, folded chunk by chunk (no per-chunk host arrays kept alive: on
         # the CPU, small long-lived allocations between big freed ones keep glibc from returning
         # memory to the OS)
