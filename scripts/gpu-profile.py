@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tracer  # noqa: E402
-from tracer.models import load_model  # noqa: E402
-from tracer.runner import forward_chunks, model_device  # noqa: E402
-from tracer.scenarios import prefix_cache  # noqa: E402
+from tracer.load.models import load_model  # noqa: E402
+from tracer.execute.runner import forward_chunks, model_device  # noqa: E402
+from tracer.plan.scenarios import prefix_cache  # noqa: E402
 
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b-shape"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 4096

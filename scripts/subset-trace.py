@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tracer.store import TraceReader, TraceWriter  # noqa: E402
+from tracer.store.trace import TraceReader, TraceWriter  # noqa: E402
 
 src, dst = sys.argv[1], sys.argv[2]
 with TraceReader(src) as r:

@@ -1,4 +1,4 @@
-"""Shared fixtures: small random-init HF models built straight from configs (independent of tracer.models)."""
+"""Shared fixtures: small random-init HF models built straight from configs (independent of tracer.load.models)."""
 
 from __future__ import annotations
 

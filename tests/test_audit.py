@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.test_cli import _bad, tracer
-from tracer.audit import checks, parse_levels
+from tracer.loops.audit import checks, parse_levels
 from tracer.errors import TracerError
-from tracer.store import TraceReader
+from tracer.store.trace import TraceReader
 
 
 def test_audit_end_to_end(tmp_path, cli_env):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracer.bench import MODES, bench
+from tracer.loops.bench import MODES, bench
 
 
 def test_bench_reports_every_mode_and_ratio(tmp_path):

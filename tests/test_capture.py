@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_model
-from tracer.capture import Capture, discover_points
+from tracer.execute.capture import Capture, discover_points
 from tracer.errors import TracerError
-from tracer.runner import execute
-from tracer.scenarios import RunPlan, prefix_cache
+from tracer.execute.runner import execute
+from tracer.plan.scenarios import RunPlan, prefix_cache
 
 # families whose hidden_states[0] is exactly the input-embedding module's output
 # (Gemma scales it by sqrt(hidden), GPT-2 adds position embeddings)

@@ -12,7 +12,7 @@ import h5py
 import pytest
 import torch
 
-from tracer.store import TraceReader
+from tracer.store.trace import TraceReader
 
 
 def tracer(args, env, cwd, check=True):

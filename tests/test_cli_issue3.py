@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from test_cli import _bad, tracer
-from tracer.store import TraceReader
+from tracer.store.trace import TraceReader
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ pytest.importorskip("accelerate")
 import tracer  # noqa: E402
 from tracer.cli import app  # noqa: E402
 from tracer.errors import TracerError  # noqa: E402
-from tracer.models import load_model  # noqa: E402
-from tracer.store import TraceReader  # noqa: E402
+from tracer.load.models import load_model  # noqa: E402
+from tracer.store.trace import TraceReader  # noqa: E402
 
 PROMPT = "x" * 70 + " a model split over devices"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer.capture import discover_points
-from tracer.compare import compare_records
+from tracer.execute.capture import discover_points
+from tracer.diff.core import compare_records
 from tracer.errors import TracerError
-from tracer.quant import fp8_e4m3
-from tracer.runner import batch_inputs, execute, execute_scenario, forward_chunks
-from tracer.scenarios import SCENARIOS, Batch, RunPlan, Scenario, build
+from tracer.plan.quant import fp8_e4m3
+from tracer.execute.runner import batch_inputs, execute, execute_scenario, forward_chunks
+from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario, build
 
 IDS = [(7 * i + 3) % 500 for i in range(40)]
 N = len(IDS)

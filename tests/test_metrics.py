@@ -1,4 +1,4 @@
-"""tracer.metrics against independent numpy oracles.
+"""tracer.diff.metrics against independent numpy oracles.
 
 Tensors are built from bit patterns in numpy; expected values come from numpy float64 formulas,
 from enumerating every 16-bit pattern in value order, or from stepping with ``np.nextafter``,
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tracer import metrics
-from tracer.metrics import (
+from tracer.diff import metrics
+from tracer.diff.metrics import (
     ULP_NAN,
     ULP_SATURATED,
     amplification,

@@ -1,4 +1,4 @@
-"""tracer.models: option resolution, recipes, random-init, byte tokenizer, HF directories, smollm2-135m.
+"""tracer.load.models: option resolution, recipes, random-init, byte tokenizer, HF directories, smollm2-135m.
 
 Oracles are independent of the code under test: dtype casts done by torch directly, checkpoints
 round-tripped through save_pretrained/from_pretrained, the GGUF dequantized with gguf's own
@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 
-from tracer import models as M
+from tracer.load import models as M
 from tracer.errors import TracerError
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import make_model
-from tracer.capture import discover_points
-from tracer.compare import compare_records
-from tracer.dataflow import dataflow
-from tracer.records import RunRecord
-from tracer.runner import execute
-from tracer.scenarios import prefix_cache
+from tracer.execute.capture import discover_points
+from tracer.diff.core import compare_records
+from tracer.diff.dataflow import dataflow
+from tracer.execute.records import RunRecord
+from tracer.execute.runner import execute
+from tracer.plan.scenarios import prefix_cache
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]
 SCEN = prefix_cache(len(IDS), block_size=16)  # N = 40, P = 32: window 32..39

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.compare import compare_records, compare_trace
+from tracer.diff.core import compare_records, compare_trace
 from tracer.errors import TracerError
-from tracer.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
+from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
                          position_diffs_trace, sweep_figure, ulp_figure)
-from tracer.records import CaptureRecord, RunRecord
-from tracer.store import TraceWriter
-from tracer.sweep import SweepResult, SweepRow
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.store.trace import TraceWriter
+from tracer.loops.sweep import SweepResult, SweepRow
 
 
 def _run(name, tensors, ids=(1, 2, 3, 4), window=(2, 4)):
@@ -102,7 +102,7 @@ def test_heatmap_from_records_and_trace(pair, tmp_path):
 def test_position_diff_nan_counts_inf():
     a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     b = torch.tensor([[1.0, float("nan")], [3.0, 4.5]])
-    from tracer.plot import position_max_abs_diff
+    from tracer.report.plot import position_max_abs_diff
 
     mx, nd = position_max_abs_diff(a, b)
     assert mx[0] == float("inf") and mx[1] == 0.5 and nd.tolist() == [1, 1]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.quant import e2m1, fp8_e4m3, mxfp8, nvfp4, quantize_dequantize
+from tracer.plan.quant import e2m1, fp8_e4m3, mxfp8, nvfp4, quantize_dequantize
 
 
 def t(*xs):

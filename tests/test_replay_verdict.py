@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.models import load_model
+from tracer.load.models import load_model
 
 IDS = [(13 * i + 7) % 250 for i in range(40)]  # N = 40, block 16: P = 32, run B's prefix pass has 32 tokens
 P = 32
@@ -105,7 +105,7 @@ def test_verdict_bit_identical_is_inconclusive(tiny):
 
 
 def test_verdict_rules():
-    from tracer.verdict import Level, judge
+    from tracer.diff.verdict import Level, judge
 
     base = Level("bfloat16", 2**-7, 0.5, 8.0, False)
     noise = Level("float32", 2**-23, 4e-5, 3e-4, False)

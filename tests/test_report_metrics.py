@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.compare import compare_records
+from tracer.diff.core import compare_records
 from tracer.errors import TracerError
-from tracer.metrics import count_outside_tolerance, tensor_diff, ulp_of
-from tracer.records import CaptureRecord, RunRecord
-from tracer.report import check_columns, render, rows, to_csv, to_markdown
+from tracer.diff.metrics import count_outside_tolerance, tensor_diff, ulp_of
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.report.tables import check_columns, render, rows, to_csv, to_markdown
 
 
 def _bf16_spacing(x: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""tracer.store: bit-exact round trips, atomic completion, reader errors, h5py-only reading.
+"""tracer.store.trace: bit-exact round trips, atomic completion, reader errors, h5py-only reading.
 
 Expected bits come from the numpy arrays the tensors were built from; the h5py-only reader
 follows traces/README.md, not tracer's code.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.records import CaptureRecord, RunRecord
-from tracer.store import (
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.store.trace import (
     FORMAT,
     FORMAT_VERSION,
     READ_VERSIONS,
@@ -404,7 +404,7 @@ def test_background_writer_equals_synchronous_write(tmp_path):
         with TraceWriter(paths[background], header={"x": 1}, background=background) as w:
             for r in runs:
                 w.add_run(r)
-    from tracer.store import TraceReader
+    from tracer.store.trace import TraceReader
 
     with TraceReader(paths[False]) as s, TraceReader(paths[True]) as b:
         assert s.runs == b.runs == ["A", "B"]
@@ -463,9 +463,9 @@ def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_read_and_host_copies_are_bit_exact(tmp_path):
-    from tracer.capture import host_copies
-    from tracer.records import CaptureRecord
-    from tracer.store import TraceReader
+    from tracer.execute.capture import host_copies
+    from tracer.execute.records import CaptureRecord
+    from tracer.store.trace import TraceReader
 
     run = _bg_run("A", 3)
     with TraceWriter(tmp_path / "p.h5", header={"x": 1}) as w:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep, sweep
+from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep, sweep
 
 
 @pytest.mark.parametrize("spec,expect", [
@@ -39,7 +39,7 @@ def test_compress_ranges():
 
 @pytest.fixture(scope="module")
 def loaded():
-    from tracer.models import load_model
+    from tracer.load.models import load_model
 
     return load_model("tiny-llama", dtype="bfloat16", device="cpu", progress=False)
 
@@ -146,7 +146,7 @@ def test_sweep_cli(tmp_path, cli_env):
 
 def test_keep_tensors(tmp_path, loaded):
     import tracer
-    from tracer.store import read_tensor
+    from tracer.store.trace import read_tensor
 
     out = tmp_path / "k.h5"
     sweep("tiny-llama", loaded=loaded, output=out, lengths="17,30", block_sizes=[8], keep_tensors=True, progress=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.tp import all_reduce, partials, row_parallel_modules, simulate_tp
+from tracer.plan.tp import all_reduce, partials, row_parallel_modules, simulate_tp
 
 
 def test_tp1_is_bit_identical_to_the_unsharded_product():

@@ -16,46 +16,46 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["run", "read_trace", "compare_trace", "load_model", "sweep", "read_sweep", "TracerError", "__version__"]
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 
 def run(*args: Any, **kwargs: Any):
     """Run a scenario and compare its two runs; see :func:`tracer.api.run`."""
-    from .api import run as _run
+    from tracer.api import run as _run
 
     return _run(*args, **kwargs)
 
 
 def read_trace(path: str):
-    """Open a stored trace; see :class:`tracer.store.TraceReader`."""
-    from .store import TraceReader
+    """Open a stored trace; see :class:`tracer.store.trace.TraceReader`."""
+    from tracer.store.trace import TraceReader
 
     return TraceReader(path)
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None):
-    """Compare two runs of a stored trace; see :func:`tracer.compare.compare_trace`."""
-    from .compare import compare_trace as _ct
+    """Compare two runs of a stored trace; see :func:`tracer.diff.core.compare_trace`."""
+    from tracer.diff.core import compare_trace as _ct
 
     return _ct(path, run_a, run_b)
 
 
 def load_model(*args: Any, **kwargs: Any):
-    """Load a model by name; see :func:`tracer.models.load_model`."""
-    from .models import load_model as _lm
+    """Load a model by name; see :func:`tracer.load.models.load_model`."""
+    from tracer.load.models import load_model as _lm
 
     return _lm(*args, **kwargs)
 
 
 def sweep(*args: Any, **kwargs: Any):
-    """Run a scenario over many prompt lengths (x block sizes); see :func:`tracer.sweep.sweep`."""
-    from .sweep import sweep as _sweep
+    """Run a scenario over many prompt lengths (x block sizes); see :func:`tracer.loops.sweep.sweep`."""
+    from tracer.loops.sweep import sweep as _sweep
 
     return _sweep(*args, **kwargs)
 
 
 def read_sweep(path: str):
-    """Read a sweep file; see :func:`tracer.sweep.read_sweep`."""
-    from .sweep import read_sweep as _rs
+    """Read a sweep file; see :func:`tracer.loops.sweep.read_sweep`."""
+    from tracer.loops.sweep import read_sweep as _rs
 
     return _rs(path)

@@ -1,5 +1,5 @@
 """``python -m tracer`` = the ``tracer`` command."""
 
-from .cli import main
+from tracer.cli import main
 
 main()

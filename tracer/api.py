@@ -15,7 +15,7 @@ from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 #: what a run keeps: every tensor in the trace, statistics only (online comparison), or nothing
 STORE_MODES = ("tensors", "stats", "none")
@@ -26,11 +26,11 @@ class RunResult:
     """What :func:`run` returns.
 
     Attributes:
-        comparison: the :class:`~tracer.compare.Comparison` (the amplification table as data).
-        scenario: the :class:`~tracer.scenarios.Scenario` that was run.
+        comparison: the :class:`~tracer.diff.core.Comparison` (the amplification table as data).
+        scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
         trace: path of the HDF5 trace, or None when nothing was stored.
         token_ids: the prompt's N token ids.
-        runs: the two :class:`~tracer.records.RunRecord` objects (captured tensors in memory).
+        runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
     """
 
     comparison: Any
@@ -54,23 +54,23 @@ class RunResult:
 
     def plot(self, kind: str = "amplification", **kwargs: Any):
         """A matplotlib Figure: ``amplification``, ``heatmap`` (per position, from the in-memory
-        runs or the trace) or ``ulp`` (``layers=[...]`` picks points); see :mod:`tracer.plot`.
+        runs or the trace) or ``ulp`` (``layers=[...]`` picks points); see :mod:`tracer.report.plot`.
 
         Raises:
             TracerError: unknown kind, matplotlib missing.
         """
-        from .plot import figure_for
+        from tracer.report.plot import figure_for
 
         return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
 
     def to_pandas(self):
-        """The comparison as a DataFrame, one row per capture point (see :func:`tracer.frames.comparison_frame`)."""
-        from .frames import comparison_frame
+        """The comparison as a DataFrame, one row per capture point (see :func:`tracer.report.frames.comparison_frame`)."""
+        from tracer.report.frames import comparison_frame
 
         return comparison_frame(self.comparison)
 
     def _repr_markdown_(self) -> str:  # Jupyter
-        from .report import to_markdown
+        from tracer.report.tables import to_markdown
 
         return to_markdown(self.comparison)
 
@@ -106,7 +106,7 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
         return None, data
     if prompt is not None:
         return prompt, None
-    from .prompts import DEFAULT_PROMPT
+    from tracer.load.prompts import DEFAULT_PROMPT
 
     return DEFAULT_PROMPT, None
 
@@ -194,12 +194,12 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         prompt / prompt_file / token_ids / token_ids_file: the prompt (default: a built-in text
             of a few hundred tokens); text is tokenized as-is unless ``chat``.
         length: use exactly N = ``length`` tokens (the prompt truncated, or repeated to reach N).
-        scenario: a catalogue name (:data:`tracer.scenarios.SCENARIOS`: ``repeat``, ``batch``,
+        scenario: a catalogue name (:data:`tracer.plan.scenarios.SCENARIOS`: ``repeat``, ``batch``,
             ``prefix-cache``, ``generate-cache``, ``block-size``, ``chunked-prefill``,
             ``tensor-parallel``, ``kv-quant``, ``attention``, ``compile``, ``device``,
-            ``disaggregated``), a :class:`~tracer.scenarios.Scenario`, or a function
+            ``disaggregated``), a :class:`~tracer.plan.scenarios.Scenario`, or a function
             ``n_tokens -> Scenario`` (user-defined scenarios).
-        options: the scenario's options (see :func:`tracer.scenarios.build`): ``batch_size``,
+        options: the scenario's options (see :func:`tracer.plan.scenarios.build`): ``batch_size``,
             ``padding``, ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``,
             ``reduce``, ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``.
         block_size: KV block size in tokens; the cached prefix P is the largest multiple below N.
@@ -217,11 +217,11 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             comparison (no tensors). ``none``: online comparison, no file. (``True``/``False``
             mean ``tensors``/``none``.)
         compression: HDF5 compression of the stored tensors: None (default), ``lzf``, ``gzip``.
-        loaded: a :class:`~tracer.models.LoadedModel` to reuse (notebooks), instead of loading.
+        loaded: a :class:`~tracer.load.models.LoadedModel` to reuse (notebooks), instead of loading.
         decode: greedy-decode this many tokens from each run's final KV cache and report the
             first generated position where they differ (``comparison.replay``); 0 = off.
         verdict: re-run the scenario at float32 (and float64 on the CPU) on the same model and
-            judge rounding noise vs defect (``comparison.noise``, :mod:`tracer.verdict`).
+            judge rounding noise vs defect (``comparison.noise``, :mod:`tracer.diff.verdict`).
         atol, rtol: tolerances: count elements outside ``atol + rtol * |a|`` per capture point.
         fail_on: ``any`` | ``flip`` | ``tolerance``: the rule :meth:`RunResult.check` (and the
             CLI's exit code 1) judges by; None = report only.
@@ -232,9 +232,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         kv_cache: capture each layer's KV cache over all N positions (the ``kv_cache`` points
             the origin analysis uses to tell a divergence born in the cached-prefix pass);
             False leaves them out: on long prompts they are most of the bytes captured, stored
-            and compared (:func:`tracer.capture.discover_points`).
+            and compared (:func:`tracer.execute.capture.discover_points`).
         device_map, max_memory: spread the model over several GPUs, or GPU and CPU, with
-            accelerate (:func:`tracer.models.load_model`); the hooks then capture on whatever
+            accelerate (:func:`tracer.load.models.load_model`); the hooks then capture on whatever
             device each module runs on. Not with ``device``, ``verdict`` or the scenarios whose
             runs move the model between devices.
 
@@ -244,12 +244,12 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     Raises:
         TracerError: for every bad input (checked before the model is loaded where possible).
     """
-    from . import models as _models
-    from .capture import GRANULARITIES, discover_points, host_copies
-    from .compare import check_fail_on, compare_records, replay_diff
-    from .runner import execute, model_device
-    from .scenarios import SCENARIOS, build, check_mitigation
-    from .store import TraceWriter, collect_environment
+    from tracer.load import models as _models
+    from tracer.execute.capture import GRANULARITIES, discover_points, host_copies
+    from tracer.diff.core import check_fail_on, compare_records, replay_diff
+    from tracer.execute.runner import execute, model_device
+    from tracer.plan.scenarios import SCENARIOS, build, check_mitigation
+    from tracer.store.trace import TraceWriter, collect_environment
 
     say = status or (lambda msg: None)
     store = {True: "tensors", False: "none"}.get(store, store)  # type: ignore[arg-type]
@@ -273,7 +273,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if dispatched and (options.get("devices") is not None or scenario in ("device", "disaggregated")):
         raise TracerError(f"scenario {scenario} moves the model between devices; it does not combine with --device-map")
     if verdict:
-        from .verdict import higher_dtypes
+        from tracer.diff.verdict import higher_dtypes
 
         higher_dtypes(_models.dtype_name(_models.resolve_dtype(dtype)) if loaded is None else loaded.info.dtype,
                       _models.resolve_device(device) if loaded is None else loaded.info.device)
@@ -290,7 +290,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
     n_known = length if length is not None else (len(ids) if ids is not None else None)
     if n_known is not None and n_known >= 2 and scenario == "prefix-cache":
-        from .scenarios import check_split, default_split
+        from tracer.plan.scenarios import check_split, default_split
 
         check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
     sopts = dict(options, block_size=block_size, split_at=split_at, mitigation=mitigation)
@@ -371,7 +371,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     else:  # the host copies (landed: the writer waited for them) replace the device tensors
         records = host_records
     if verdict:
-        from .verdict import noise_verdict
+        from tracer.diff.verdict import noise_verdict
 
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=noise_verdict(loaded.model, ids, scen, comparison, info.dtype, info.device))
@@ -381,13 +381,13 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
 
 def _without_tensors(rec: Any) -> Any:
     """The run record with its captures dropped (plans, token ids and meta only)."""
-    from .records import RunRecord
+    from tracer.execute.records import RunRecord
 
     return RunRecord(name=rec.name, token_ids=rec.token_ids, plan=rec.plan, window=rec.window,
                      captures={}, meta=rec.meta)
 
 
-#: scenario options accepted by :func:`run` (``**options``) and :func:`tracer.scenarios.build`
+#: scenario options accepted by :func:`run` (``**options``) and :func:`tracer.plan.scenarios.build`
 OPTIONS = ("batch_size", "padding", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "reduce",
            "reduce_dtype", "kv_format", "attn_a", "attn_b", "devices")
 
@@ -398,7 +398,7 @@ def check_options(options: dict[str, Any]) -> None:
     Raises:
         TracerError: an unknown option name, attention implementation or device.
     """
-    from . import models as _models
+    from tracer.load import models as _models
 
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -418,7 +418,7 @@ def check_resources(scen: Any) -> Any:
     Raises:
         TracerError: naming the missing device or implementation.
     """
-    from . import models as _models
+    from tracer.load import models as _models
 
     for plan in (scen.plan_a, scen.plan_b):
         for dev in plan.devices or ():
@@ -433,12 +433,12 @@ def check_resources(scen: Any) -> Any:
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
-    """A :class:`~tracer.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
+    """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
 
     Raises:
         TracerError: bad options, or a callable that does not return a Scenario.
     """
-    from .scenarios import Scenario, build
+    from tracer.plan.scenarios import Scenario, build
 
     if isinstance(scenario, str):
         return build(scenario, n_tokens, **options)

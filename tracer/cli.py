@@ -1,4 +1,4 @@
-"""The ``tracer`` command: a thin layer over :mod:`tracer.api`, :mod:`tracer.compare`, :mod:`tracer.store`.
+"""The ``tracer`` command: a thin layer over :mod:`tracer.api`, :mod:`tracer.diff.core`, :mod:`tracer.store.trace`.
 
 Arguments are validated before any model is loaded. Bad input prints one line to stderr and
 exits with code 2 (no traceback); nothing on disk is touched.
@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
+from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
 
 app = typer.Typer(
     name="tracer",
@@ -42,7 +42,7 @@ AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="Absolute toler
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (see --atol).")]
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
-ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.COLUMNS).")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.tables.COLUMNS).")]
 # prompt and output options (run, audit)
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
 PromptFileOpt = Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")]
@@ -85,7 +85,7 @@ def _fail(message: str) -> None:
 
 
 def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
-    from .report import DEFAULT_COLUMNS, render
+    from tracer.report.tables import DEFAULT_COLUMNS, render
 
     # styled in a terminal; plain and wide enough for the module paths when piped
     wide = columns is not None and len(columns) > 8
@@ -140,9 +140,9 @@ def run_cmd(
     attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
-    from .api import run
-    from .compare import check_fail_on
-    from .report import check_columns, check_format
+    from tracer.api import run
+    from tracer.diff.core import check_fail_on
+    from tracer.report.tables import check_columns, check_format
 
     try:
         if no_store and store not in ("tensors", "none"):
@@ -198,8 +198,8 @@ def audit_cmd(
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .audit import audit, parse_levels, render_audit
-    from .report import check_format
+    from tracer.loops.audit import audit, parse_levels, render_audit
+    from tracer.report.tables import check_format
 
     try:
         check_format(fmt)
@@ -242,8 +242,8 @@ def compare_cmd(
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
     for traces made on two machines (a file without :RUN uses the other side's run name, else its first run)."""
-    from .compare import check_fail_on, compare_runs, resolve_refs
-    from .report import check_columns, check_format
+    from tracer.diff.core import check_fail_on, compare_runs, resolve_refs
+    from tracer.report.tables import check_columns, check_format
 
     try:
         check_format(fmt)
@@ -267,7 +267,7 @@ def show_cmd(
     """Print a trace's header (the numeric contract) and its runs."""
     from rich.table import Table
 
-    from .store import TraceReader
+    from tracer.store.trace import TraceReader
 
     try:
         with TraceReader(trace) as r:
@@ -325,7 +325,7 @@ def sweep_cmd(
     fmt: Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv.")] = "table",
 ) -> None:
     """Run a scenario for every prompt length (x block size): which lengths diverge, from which layer, how much."""
-    from .sweep import parse_int_list, sweep
+    from tracer.loops.sweep import parse_int_list, sweep
 
     try:
         if fmt not in ("table", "json", "csv"):
@@ -334,7 +334,7 @@ def sweep_cmd(
             raise TracerError("give --block-size or --block-sizes, not both")
         bs = parse_int_list(block_sizes, "--block-sizes") if block_sizes is not None else [block_size or 16]
         if plot is not None:
-            from .plot import check_figure_path
+            from tracer.report.plot import check_figure_path
 
             check_figure_path(plot, overwrite)
         result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
@@ -342,7 +342,7 @@ def sweep_cmd(
                        device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
                        overwrite=overwrite, keep_tensors=keep_tensors, progress=err.is_terminal)
         if plot is not None:
-            from .plot import save_figure
+            from tracer.report.plot import save_figure
 
             save_figure(result.plot(), plot, overwrite=overwrite)
     except TracerError as e:
@@ -379,7 +379,7 @@ def plot_cmd(
     layers: Annotated[Optional[str], typer.Option("--layers", help="ulp: capture points to show, comma-separated names or indices (default: first divergent, middle, last, logits).")] = None,
 ) -> None:
     """Draw a figure from a stored trace or sweep file (no model needed)."""
-    from .plot import plot_file
+    from tracer.report.plot import plot_file
 
     try:
         path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
@@ -395,7 +395,7 @@ def models_cmd() -> None:
     """List the built-in model names."""
     from rich.table import Table
 
-    from .models import list_models
+    from tracer.load.models import list_models
 
     t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
               title_justify="left")
@@ -423,7 +423,7 @@ def bench_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk."""
-    from .bench import bench, table, to_json
+    from tracer.loops.bench import bench, table, to_json
 
     if reps < 1 or warmup < 0:
         _fail("--reps must be ≥ 1 and --warmup ≥ 0")

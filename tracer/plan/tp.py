@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 REDUCES = ("ring", "tree")
 REDUCE_DTYPES = ("activation", "float32")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 FORMAT = "tracer-sweep"
 FORMAT_VERSION = 1
@@ -198,7 +198,7 @@ class SweepResult:
         Raises:
             TracerError: pandas is not installed.
         """
-        from .frames import pandas
+        from tracer.report.frames import pandas
 
         pd = pandas()
         recs = []
@@ -217,8 +217,8 @@ class SweepResult:
             "first_divergent_index", "last_layer_fraction", "logits_max_abs_diff", "argmax_flips", "wall_s"])
 
     def plot(self, **kwargs: Any):
-        """The divergence map as a matplotlib Figure (see :func:`tracer.plot.sweep_figure`)."""
-        from .plot import sweep_figure
+        """The divergence map as a matplotlib Figure (see :func:`tracer.report.plot.sweep_figure`)."""
+        from tracer.report.plot import sweep_figure
 
         return sweep_figure(self, **kwargs)
 
@@ -228,7 +228,7 @@ class SweepResult:
 
 
 def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
-    """Summarise a :class:`~tracer.compare.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
+    """Summarise a :class:`~tracer.diff.core.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
     names = [p.name for p in c.points]
     kinds = [p.kind for p in c.points]
     n_diff = [p.diff.n_diff for p in c.points]
@@ -309,7 +309,7 @@ class SweepFile:
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.f = h5py.File(self.path, "w")
-            from . import __version__
+            from tracer import __version__
 
             self.f.attrs["format"] = FORMAT
             self.f.attrs["format_version"] = np.int64(FORMAT_VERSION)
@@ -507,11 +507,11 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
     """
     import time
 
-    from . import models as _models
-    from .api import read_prompt, run, tokenize
-    from .capture import GRANULARITIES
-    from .scenarios import SCENARIOS, check_mitigation
-    from .store import collect_environment
+    from tracer.load import models as _models
+    from tracer.api import read_prompt, run, tokenize
+    from tracer.execute.capture import GRANULARITIES
+    from tracer.plan.scenarios import SCENARIOS, check_mitigation
+    from tracer.store.trace import collect_environment
 
     ns = parse_int_list(lengths, "--lengths") if isinstance(lengths, str) else [int(x) for x in lengths]
     bs = parse_int_list(block_sizes, "--block-sizes") if isinstance(block_sizes, str) else [int(x) for x in block_sizes]

@@ -148,7 +148,7 @@ def data_dir(kind: str) -> Path:
     """
     if kind not in _DATA_PACKAGES:
         raise TracerError(f"unknown data folder {kind!r}; valid: {', '.join(_DATA_PACKAGES)}")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     # pyproject.toml marks a checkout, so a stray site-packages/models of another package is ignored
     if (root / kind).is_dir() and (root / "pyproject.toml").is_file():
         return root / kind
@@ -809,7 +809,7 @@ def _dispatch(loaded: LoadedModel, device_map: str | dict[str, str], max_memory:
                           "module of the model, e.g. --device-map auto") from None
     from dataclasses import replace as _replace
 
-    from .runner import model_device
+    from tracer.execute.runner import model_device
 
     info = _replace(loaded.info, device=str(model_device(model)), device_map=dict(device_map))
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)

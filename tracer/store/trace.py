@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.records import CaptureRecord, RunRecord
+from tracer.execute.records import CaptureRecord, RunRecord
 
 FORMAT = "tracer-trace"
 FORMAT_VERSION = 1
@@ -70,7 +70,7 @@ def _tool_version() -> str:
         return importlib.metadata.version("tracer")
     except importlib.metadata.PackageNotFoundError:
         pass
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
         for line in pyproject.read_text().splitlines():
             if line.strip().startswith("version"):
@@ -471,7 +471,7 @@ class TraceWriter:
             run: the run; its capture tensors on the host.
             ready: called (on the writing thread) before anything is read from ``run``, e.g. to
                 wait for the non-blocking device-to-host copies of its tensors
-                (:func:`tracer.capture.host_copies`).
+                (:func:`tracer.execute.capture.host_copies`).
 
         Raises:
             TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .errors import TracerError
-from .models import data_dir
-from .records import CaptureRecord
+from tracer.errors import TracerError
+from tracer.load.models import data_dir
+from tracer.execute.records import CaptureRecord
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -194,7 +194,7 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
     attention core consumed besides its queries (in a cache hit the prefix K/V were computed
     by another forward pass). Its tensor is ``(positions, kv_heads * head_dim_k +
     kv_heads * head_dim_v)``: keys then values, heads flattened. The origin analysis needs it
-    (:mod:`tracer.dataflow`). ``kv_cache=False`` leaves these points out: on a long prompt
+    (:mod:`tracer.diff.dataflow`). ``kv_cache=False`` leaves these points out: on a long prompt
     they are most of the captured bytes (``2 * N * kv_heads * head_dim`` values per layer and
     run, against ``(N - P) * hidden`` for a layer's output), at the price of the origin
     analysis no longer seeing the cache: a divergence born in the cached-prefix pass then shows

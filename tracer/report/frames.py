@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 
 def pandas():
@@ -22,14 +22,14 @@ def pandas():
 
 def comparison_frame(comparison: Any):
     """One row per capture point in execution order, the logits last: the report's columns
-    (:func:`tracer.report.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
+    (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
     ``index`` and ``op``.
 
     Raises:
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from .report import rows
+    from tracer.report.tables import rows
 
     recs = rows(comparison)
     ops = [p.op for p in comparison.points] + ([""] if comparison.logits is not None else [])

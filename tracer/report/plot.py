@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 KINDS = ("amplification", "heatmap", "ulp", "sweep")
 SUFFIXES = (".png", ".svg", ".pdf")
@@ -127,7 +127,7 @@ def amplification_figure(comparison: Any, *, title: str | None = None, figsize: 
     (:data:`LABEL_FRAC`) have one x value per capture point, logits included.
 
     Args:
-        comparison: a :class:`~tracer.compare.Comparison`.
+        comparison: a :class:`~tracer.diff.core.Comparison`.
 
     Returns:
         a matplotlib Figure (axes 0: max |diff|, axes 1: its twin with the fraction).
@@ -249,12 +249,12 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
 
 
 def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
-    """:class:`PositionDiffs` of two in-memory :class:`~tracer.records.RunRecord` objects.
+    """:class:`PositionDiffs` of two in-memory :class:`~tracer.execute.records.RunRecord` objects.
 
     Raises:
         TracerError: the runs processed different prompts or windows.
     """
-    from .compare import check_alignable
+    from tracer.diff.core import check_alignable
 
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     pairs = ((n, r.kind, r.tensor, b.captures[n].tensor) for n, r in a.captures.items() if n in b.captures)
@@ -267,8 +267,8 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
     Raises:
         TracerError: missing/corrupt trace, unknown runs, runs of different prompts.
     """
-    from .compare import check_alignable
-    from .store import TraceReader
+    from tracer.diff.core import check_alignable
+    from tracer.store.trace import TraceReader
 
     with TraceReader(path) as r:
         names = r.runs
@@ -380,7 +380,7 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     Raises:
         TracerError: unknown ``layers`` entries (see :func:`select_points`).
     """
-    from .metrics import ULP_BINS
+    from tracer.diff.metrics import ULP_BINS
 
     chosen = select_points(comparison, layers)
     fig, ax = _figure(figsize=figsize or (8.0, 4.2), layout="constrained")
@@ -411,7 +411,7 @@ def sweep_data(result: Any, block_size: int | None = None) -> dict[str, Any]:
         "logits_max_abs_diff": float64 (L,), "argmax_flips": int (L,), "first_divergent": int (L,)}``
         with lengths sorted ascending.
     """
-    from .sweep import iter_rows
+    from tracer.loops.sweep import iter_rows
 
     bs = result.params.get("block_sizes") or sorted({r.block_size for r in result.rows})
     b = bs[0] if block_size is None else block_size
@@ -598,7 +598,7 @@ def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str |
     Raises:
         TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
     """
-    from .sweep import is_sweep_file, read_sweep
+    from tracer.loops.sweep import is_sweep_file, read_sweep
 
     src = Path(path)
     if not src.exists():
@@ -615,7 +615,7 @@ def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str |
     if is_sweep:
         fig = sweep_figure(read_sweep(src))
     else:
-        from .compare import compare_trace
+        from tracer.diff.core import compare_trace
 
         if kind == "heatmap":
             fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))

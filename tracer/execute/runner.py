@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .capture import Capture, CapturePoint
-from .errors import TracerError
-from .records import RunRecord
-from .scenarios import Batch, RunPlan, Scenario
+from tracer.execute.capture import Capture, CapturePoint
+from tracer.errors import TracerError
+from tracer.execute.records import RunRecord
+from tracer.plan.scenarios import Batch, RunPlan, Scenario
 
 
 def _sync(device: torch.device) -> None:
@@ -47,9 +47,9 @@ def _kv_layers(cache: Any) -> list[Any]:
 
 
 def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
-    """Quantize-dequantize (:mod:`tracer.quant` format ``fmt``) the cached keys and values of
+    """Quantize-dequantize (:mod:`tracer.plan.quant` format ``fmt``) the cached keys and values of
     sequence columns ``[start, stop)``, in place. Cache layers hold ``(batch, kv_heads, seq, head_dim)``."""
-    from .quant import quantize_dequantize
+    from tracer.plan.quant import quantize_dequantize
 
     for layer in _kv_layers(cache):
         layer.keys[:, :, start:stop] = quantize_dequantize(layer.keys[:, :, start:stop], fmt)
@@ -142,7 +142,7 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
     """Everything a plan changes about the model, undone on exit: attention implementation,
     simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
-    from .tp import simulate_tp
+    from tracer.plan.tp import simulate_tp
 
     home = model_device(model)
     with contextlib.ExitStack() as stack:
@@ -300,7 +300,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         model: an HF causal LM (eval mode).
         token_ids: the prompt, N ints; the plan's chunks must tile ``[0, N)``.
         plan: the run plan.
-        points: capture points (:func:`tracer.capture.discover_points`).
+        points: capture points (:func:`tracer.execute.capture.discover_points`).
         window: the compared positions ``(start, stop)`` kept by the hooks.
         keep_on_device: leave the captures on the model's device (online comparison) instead
             of copying them to the host.

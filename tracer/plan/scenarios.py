@@ -25,7 +25,7 @@ import inspect
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 MITIGATIONS = ("aligned", "deterministic")
 PADDINGS = ("none", "left", "right")
@@ -68,7 +68,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class TPSpec:
-    """Simulated tensor parallelism of the row-parallel layers (see :mod:`tracer.tp`).
+    """Simulated tensor parallelism of the row-parallel layers (see :mod:`tracer.plan.tp`).
 
     Attributes:
         k: shards along K. reduce: ``ring`` | ``tree``. dtype: ``activation`` | ``float32``
@@ -91,7 +91,7 @@ class RunPlan:
             projection as a GEMM with M = ``M`` rows (batch 1).
         description: one line for people (``cache miss: all 250 tokens in one pass``).
         batch: run the prompt as one row of this batch (None = batch of 1).
-        kv_transform: a :mod:`tracer.quant` format name; the positions each chunk added to the KV
+        kv_transform: a :mod:`tracer.plan.quant` format name; the positions each chunk added to the KV
             cache are quantize-dequantized before the next forward pass reads them.
         tp: simulate tensor parallelism of the row-parallel layers (None = unsharded).
         attn: attention implementation for this run (None = as loaded).
@@ -379,12 +379,12 @@ def chunked_prefill(n_tokens: int, *, chunk_size: int = 32) -> Scenario:
 
 
 def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str = "ring", reduce_dtype: str = "activation") -> Scenario:
-    """Level 4: unsharded versus simulated TP-k of the row-parallel layers (:mod:`tracer.tp`).
+    """Level 4: unsharded versus simulated TP-k of the row-parallel layers (:mod:`tracer.plan.tp`).
 
     Raises:
         TracerError: bad k, reduce order or reduce dtype.
     """
-    from .tp import check_tp
+    from tracer.plan.tp import check_tp
 
     check_tp(tp, reduce, reduce_dtype)
     n = n_tokens
@@ -407,7 +407,7 @@ def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16
     Raises:
         TracerError: unknown format, bad split.
     """
-    from .quant import FORMATS, check_format
+    from tracer.plan.quant import FORMATS, check_format
 
     check_format(kv_format)
     n = n_tokens

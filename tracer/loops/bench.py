@@ -99,19 +99,19 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
           kv_cache: bool = True, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure modes a–e for one model/dtype/device/length (see the module docstring).
 
-    ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.capture.discover_points`).
+    ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.execute.capture.discover_points`).
     Mode (d) computes the metrics on the model's device, as ``tracer compare`` does by default.
 
     Raises:
         TracerError: bad model/options (as :func:`tracer.api.run`).
     """
-    from .api import run
-    from .capture import discover_points
-    from .compare import compare_trace
-    from .errors import TracerError
-    from .models import load_model
-    from .runner import forward_chunks, model_device
-    from .scenarios import prefix_cache
+    from tracer.api import run
+    from tracer.execute.capture import discover_points
+    from tracer.diff.core import compare_trace
+    from tracer.errors import TracerError
+    from tracer.load.models import load_model
+    from tracer.execute.runner import forward_chunks, model_device
+    from tracer.plan.scenarios import prefix_cache
 
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():

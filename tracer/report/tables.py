@@ -1,4 +1,4 @@
-"""Rendering a :class:`~tracer.compare.Comparison`: rich table, JSON, CSV or markdown.
+"""Rendering a :class:`~tracer.diff.core.Comparison`: rich table, JSON, CSV or markdown.
 
 One result object, one dispatch (:func:`render`). The table has one row per capture point in
 execution order, a logits row with the argmax flips, and a one-line verdict.
@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .compare import Comparison
-from .errors import TracerError
-from .metrics import ULP_BINS
+from tracer.diff.core import Comparison
+from tracer.errors import TracerError
+from tracer.diff.metrics import ULP_BINS
 
 FORMATS = ("table", "json", "csv", "markdown")
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 #: the seed's status of each level ("The Illusion of Determinism", hierarchy table)
 SEED_STATUS = {
@@ -216,14 +216,14 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     Raises:
         TracerError: bad input (checked before the model loads where possible).
     """
-    from . import models as _models
-    from .api import check_options, check_output, default_output, read_prompt, tokenize
-    from .capture import GRANULARITIES, discover_points
-    from .compare import compare_records
-    from .report import _clean
-    from .runner import execute_scenario
-    from .scenarios import build
-    from .store import TraceWriter, collect_environment
+    from tracer.load import models as _models
+    from tracer.api import check_options, check_output, default_output, read_prompt, tokenize
+    from tracer.execute.capture import GRANULARITIES, discover_points
+    from tracer.diff.core import compare_records
+    from tracer.report.tables import _clean
+    from tracer.execute.runner import execute_scenario
+    from tracer.plan.scenarios import build
+    from tracer.store.trace import TraceWriter, collect_environment
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     if granularity not in GRANULARITIES:
@@ -319,7 +319,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
 
 def _fmt_row(r: AuditRow) -> dict[str, str]:
     def num(x: float | None) -> str:
-        from .report import _num
+        from tracer.report.tables import _num
 
         return _num(x)
 
@@ -380,7 +380,7 @@ def render_audit(a: Audit, fmt: str = "table", console: Any = None) -> str | Non
     import io
     import json
 
-    from .report import _clean, check_format
+    from tracer.report.tables import _clean, check_format
 
     match check_format(fmt):
         case "table":

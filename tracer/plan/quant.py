@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 E4M3_MAX = 448.0
 E4M3_EMAX = 8  # largest unbiased exponent of a finite E4M3 value (448 = 1.75 * 2^8)

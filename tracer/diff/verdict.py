@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .errors import TracerError
+from tracer.errors import TracerError
 
 NOISE_MIN_EXPONENT = 0.5
 DEFECT_MAX_EXPONENT = 0.25
@@ -186,7 +186,7 @@ def noise_verdict(model: Any, token_ids: list[int], scenario: Any, base: Any, ba
             back afterwards, whatever happens (an up-cast and back is exact, so its weights are
             bit-identical afterwards; forward hooks stay attached).
         token_ids, scenario: what the base run computed.
-        base: the base :class:`~tracer.compare.Comparison` (any granularity).
+        base: the base :class:`~tracer.diff.core.Comparison` (any granularity).
         base_dtype, device: the model's dtype name and device.
         dtypes: the re-run dtypes (default :func:`higher_dtypes`).
 
@@ -196,9 +196,9 @@ def noise_verdict(model: Any, token_ids: list[int], scenario: Any, base: Any, ba
     Raises:
         TracerError: no higher precision available on this device.
     """
-    from .capture import discover_points
-    from .compare import compare_records
-    from .runner import execute
+    from tracer.execute.capture import discover_points
+    from tracer.diff.core import compare_records
+    from tracer.execute.runner import execute
 
     dtypes = dtypes or higher_dtypes(base_dtype, device)
     layers = [p for p in base.points if p.kind == "layer"]

@@ -1,7 +1,7 @@
 """Aligning two runs and comparing them capture point by capture point.
 
 The comparison streams: it holds one capture point's two tensors at a time, whether they come
-from in-memory :class:`~tracer.records.RunRecord` objects or from a stored trace.
+from in-memory :class:`~tracer.execute.records.RunRecord` objects or from a stored trace.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .dataflow import Consumes, dataflow
-from .errors import TracerError
-from .metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
-from .records import RunRecord
+from tracer.diff.dataflow import Consumes, dataflow
+from tracer.errors import TracerError
+from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
+from tracer.execute.records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -28,7 +28,7 @@ class PointResult:
     Attributes:
         name: HF module path.
         kind, op: capture kind and module class.
-        diff: the metrics (:class:`~tracer.metrics.TensorDiff`).
+        diff: the metrics (:class:`~tracer.diff.metrics.TensorDiff`).
         amplification: ``max_abs_diff`` divided by the first divergent point's ``max_abs_diff``
             (None before divergence starts).
         calls_a, calls_b: the shapes the module saw in each run (see ``CaptureRecord.calls``).
@@ -36,7 +36,7 @@ class PointResult:
             point in the previous decoder layer (``model.layers.4.mlp`` over
             ``model.layers.3.mlp``; a layer over the previous layer); None outside the layers,
             for layer 0, or when the previous one did not differ.
-        consumes: the capture points it consumes (:mod:`tracer.dataflow`).
+        consumes: the capture points it consumes (:mod:`tracer.diff.dataflow`).
         origin: True when it differs although everything it consumed was bit-identical.
         differing_inputs: the consumed points that differed (why it is *propagated*).
         n_diff_prefix: for ``kv_cache`` points: differing elements at positions before the
@@ -88,7 +88,7 @@ class Comparison:
         run_a, run_b: run names.
         points: one :class:`PointResult` per non-logits capture point, in execution order.
         logits_name: the logits capture point (HF path of the LM head), or None if not captured.
-        logits: :class:`~tracer.metrics.LogitsDiff` of the logits, or None.
+        logits: :class:`~tracer.diff.metrics.LogitsDiff` of the logits, or None.
         trace: the trace file path, if stored.
         facts: short facts for the report header (dtype, device, plans).
     """
@@ -178,13 +178,13 @@ class Comparison:
 
     def plot(self, kind: str = "amplification", **kwargs: Any):
         """A matplotlib Figure (``amplification``, ``ulp``; ``heatmap`` when read from a trace)."""
-        from .plot import figure_for
+        from tracer.report.plot import figure_for
 
         return figure_for(kind, comparison=self, trace=self.trace, run_names=(self.run_a, self.run_b), **kwargs)
 
     def to_pandas(self):
-        """One DataFrame row per capture point (see :func:`tracer.frames.comparison_frame`)."""
-        from .frames import comparison_frame
+        """One DataFrame row per capture point (see :func:`tracer.report.frames.comparison_frame`)."""
+        from tracer.report.frames import comparison_frame
 
         return comparison_frame(self)
 
@@ -298,7 +298,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
     ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
-    :class:`~tracer.metrics.DiffBatch`, which holds at most one chunk's worth of pending
+    :class:`~tracer.diff.metrics.DiffBatch`, which holds at most one chunk's worth of pending
     tensors (only the logits pair is kept until the end, for its per-position statistics).
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point.
@@ -384,7 +384,7 @@ def classify_origins(c: Comparison) -> Comparison:
     """Mark every differing capture point as origin or propagated, and fill ``growth``.
 
     A differing point is an **origin** when every capture point it consumes
-    (:func:`tracer.dataflow.dataflow`) was bit-identical in both runs: the op itself computed
+    (:func:`tracer.diff.dataflow.dataflow`) was bit-identical in both runs: the op itself computed
     differently. Otherwise it is **propagated** and ``differing_inputs`` names the culprits.
     A ``kv_cache`` point is judged per part: its rows inside the compared window against its
     K/V producers, its rows before the window (computed by an earlier forward pass) against the
@@ -673,8 +673,8 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
     """
-    from .models import resolve_device
-    from .store import TraceReader, read_tensor
+    from tracer.load.models import resolve_device
+    from tracer.store.trace import TraceReader, read_tensor
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
     same = str(path_a) == str(path_b)
