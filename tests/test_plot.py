@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import tracer
+
 from tracer.diff.core import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
@@ -95,7 +97,7 @@ def test_heatmap_from_records_and_trace(pair, tmp_path):
     img = fig.axes[0].images[0].get_array()
     assert img.shape == (4, 2)
     assert bool(img.mask[0].all())  # the identical embedding row is masked (drawn white)
-    fig2 = compare_trace(str(path)).plot("heatmap")
+    fig2 = tracer.plot(compare_trace(str(path)), "heatmap")
     assert fig2.axes[0].images[0].get_array().shape == (4, 2)
 
 
@@ -159,13 +161,13 @@ def test_sweep_figure_block_axis():
 def test_to_pandas(pair, monkeypatch):
     a, b = pair
     c = compare_records(a, b, scenario="s", model="m")
-    df = c.to_pandas()
+    df = tracer.to_pandas(c)
     assert list(df["name"]) == ["emb", "l0", "l1", "head (logits)"] and df["n_diff"].tolist() == [0, 1, 2, 1]
-    sdf = _sweep_result().to_pandas()
+    sdf = tracer.to_pandas(_sweep_result())
     assert len(sdf) == 4 and sdf["diverged"].tolist() == [False, True, False, True]
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(TracerError, match="pip install"):
-        c.to_pandas()
+        tracer.to_pandas(c)
 
 
 def test_plot_cli(pair, tmp_path, cli_env):

@@ -25,8 +25,8 @@ from tracer.store.trace import (
     READ_VERSIONS,
     TraceWriter,
     collect_environment,
-    read_trace,
 )
+from tracer import read_trace
 
 # name → (torch dtype, unsigned bits, signed view, special patterns: NaN payloads, ±inf, ±0, subnormals)
 SPECIAL = {

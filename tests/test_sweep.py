@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep, sweep
+from tracer import sweep
+from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep
 
 
 @pytest.mark.parametrize("spec,expect", [

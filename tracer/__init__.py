@@ -1,61 +1,26 @@
 """tracer: layer-by-layer numeric divergence tracer for transformer inference.
 
 Importing tracer has no side effects and loads neither torch nor transformers; the public
-functions import what they need when called.
+functions import what they need when called. The notebook API (:mod:`tracer.api`)::
 
     >>> import tracer
     >>> result = tracer.run("smollm2-135m")          # cache miss vs cache hit, layer by layer
     >>> result.comparison.first_divergent
+    >>> lm = tracer.load_model("smollm2-135m")
+    >>> with tracer.capture(lm) as cap:               # every forward inside is captured
+    ...     lm.model(ids)
+    >>> tracer.compare(cap_a, cap_b)                  # or two runs, or "file.h5:RUN" references
     >>> reader = tracer.read_trace(result.trace)      # any stored tensor, bit-exact
+    >>> tracer.audit(lm); tracer.sweep(lm, lengths="17:64"); tracer.plot(result); tracer.render(result, "markdown")
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
-__all__ = ["run", "read_trace", "compare_trace", "load_model", "sweep", "read_sweep", "TracerError", "__version__"]
 
+from tracer.api import (audit, capture, compare, compare_trace, load_model, plot, plot_file, read_sweep, read_trace,
+                        render, run, sweep, to_pandas)
 from tracer.errors import TracerError
 
-
-def run(*args: Any, **kwargs: Any):
-    """Run a scenario and compare its two runs; see :func:`tracer.api.run`."""
-    from tracer.api import run as _run
-
-    return _run(*args, **kwargs)
-
-
-def read_trace(path: str):
-    """Open a stored trace; see :class:`tracer.store.trace.TraceReader`."""
-    from tracer.store.trace import TraceReader
-
-    return TraceReader(path)
-
-
-def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None):
-    """Compare two runs of a stored trace; see :func:`tracer.diff.core.compare_trace`."""
-    from tracer.diff.core import compare_trace as _ct
-
-    return _ct(path, run_a, run_b)
-
-
-def load_model(*args: Any, **kwargs: Any):
-    """Load a model by name; see :func:`tracer.load.models.load_model`."""
-    from tracer.load.models import load_model as _lm
-
-    return _lm(*args, **kwargs)
-
-
-def sweep(*args: Any, **kwargs: Any):
-    """Run a scenario over many prompt lengths (x block sizes); see :func:`tracer.loops.sweep.sweep`."""
-    from tracer.loops.sweep import sweep as _sweep
-
-    return _sweep(*args, **kwargs)
-
-
-def read_sweep(path: str):
-    """Read a sweep file; see :func:`tracer.loops.sweep.read_sweep`."""
-    from tracer.loops.sweep import read_sweep as _rs
-
-    return _rs(path)
+__all__ = ["run", "load_model", "capture", "compare", "compare_trace", "read_trace", "audit", "sweep", "read_sweep",
+           "plot", "plot_file", "render", "to_pandas", "TracerError", "__version__"]

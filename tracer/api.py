@@ -1,468 +1,393 @@
-"""The Python API: one call runs a scenario end to end (the CLI is a thin layer over it).
+"""The notebook API: a few composable calls over the pipeline (the ``tracer`` command is the same calls).
 
-``tracer.run()`` loads the model, tokenizes the prompt, executes the scenario's two run plans
-with capture hooks, writes the HDF5 trace and returns the comparison.
+    >>> import tracer
+    >>> lm = tracer.load_model("smollm2-135m")                       # LoadedModel (model, tokenizer, info)
+    >>> result = tracer.run(lm, scenario="prefix-cache", length=250)  # RunResult: one scenario end to end
+    >>> with tracer.capture(lm, points="layers") as cap:              # any forward inside is captured
+    ...     lm.model(ids)
+    >>> cap["model.layers.3"].tensor                                  # (T, hidden), model dtype
+    >>> tracer.compare(cap_a, cap_b)                                  # captures, runs or "file.h5:RUN"
+    >>> tracer.render(result, "markdown"); tracer.plot(result, "amplification")
+    >>> tracer.audit(lm); tracer.sweep(lm, lengths="17:64")
+
+Every option of :func:`run`, :func:`audit` and :func:`sweep` is declared once in
+:data:`tracer.config.OPTIONS`; their signatures are built from it (``inspect.signature`` and tab
+completion show every keyword). Importing this module loads neither torch nor transformers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
-import json
-import re
-from dataclasses import dataclass, field
-from dataclasses import replace as _replace
-from pathlib import Path
+import inspect
 from typing import Any, Callable
 
+from tracer.config import OPTIONS, RunConfig, validate
 from tracer.errors import TracerError
 
-#: what a run keeps: every tensor in the trace, statistics only (online comparison), or nothing
-STORE_MODES = ("tensors", "stats", "none")
+#: the flat options of each command (audit and sweep take no per-run scenario choice of their own)
+_MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
+_PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "length")
+RUN_OPTIONS = tuple(OPTIONS)
+#: the audit's checks fix padding, reduce order and dtype, KV formats and devices themselves
+AUDIT_OPTIONS = (*_MODEL, *_PROMPT, "granularity", "kv_cache", "store", "output", "overwrite",
+                 "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b")
+SWEEP_OPTIONS = (*(k for k in _MODEL if k not in ("device_map", "max_memory")), *(k for k in _PROMPT if k != "length"),
+                 "scenario", "mitigation", "granularity", "kv_cache", "store", "output", "overwrite",
+                 *(k for k, o in OPTIONS.items() if o.group == "scenario_options"))
 
 
-@dataclass
-class RunResult:
-    """What :func:`run` returns.
-
-    Attributes:
-        comparison: the :class:`~tracer.diff.core.Comparison` (the amplification table as data).
-        scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
-        trace: path of the HDF5 trace, or None when nothing was stored.
-        token_ids: the prompt's N token ids.
-        runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
-    """
-
-    comparison: Any
-    scenario: Any
-    trace: str | None
-    token_ids: list[int]
-    runs: tuple[Any, Any] = field(repr=False, default=(None, None))
-    model_info: Any = None
-    fail_on: str | None = None
-
-    def check(self) -> tuple[bool, str]:
-        """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
-        return self.comparison.check(self.fail_on)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The same document as ``tracer run --format json`` (``check``: the --fail-on outcome)."""
-        return self.comparison.to_dict()
-
-    def verdict(self) -> str:
-        return self.comparison.verdict()
-
-    def plot(self, kind: str = "amplification", **kwargs: Any):
-        """A matplotlib Figure: ``amplification``, ``heatmap`` (per position, from the in-memory
-        runs or the trace) or ``ulp`` (``layers=[...]`` picks points); see :mod:`tracer.report.plot`.
-
-        Raises:
-            TracerError: unknown kind, matplotlib missing.
-        """
-        from tracer.report.plot import figure_for
-
-        return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
-
-    def to_pandas(self):
-        """The comparison as a DataFrame, one row per capture point (see :func:`tracer.report.frames.comparison_frame`)."""
-        from tracer.report.frames import comparison_frame
-
-        return comparison_frame(self.comparison)
-
-    def _repr_markdown_(self) -> str:  # Jupyter
-        from tracer.report.tables import to_markdown
-
-        return to_markdown(self.comparison)
-
-    def __repr__(self) -> str:
-        return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"
+def _quiet(msg: str) -> None:
+    return None
 
 
-def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
-                token_ids_file: str | None = None) -> tuple[str | None, list[int] | None]:
-    """Resolve the prompt options into ``(text, None)`` or ``(None, token_ids)``.
+def _is_loaded(obj: Any) -> bool:
+    return hasattr(obj, "model") and hasattr(obj, "info") and hasattr(obj, "tokenizer")
+
+
+def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: bool = True,
+            new_output: bool = True, one_length: bool = True, **options: Any) -> tuple[RunConfig, Any]:
+    """The validated config and the loaded model to reuse (``model`` may itself be a LoadedModel)."""
+    lm = model if _is_loaded(model) else loaded
+    if lm is not None:
+        given = sorted(k for k in _MODEL[1:] if options.get(k) is not None
+                       and options[k] != getattr(RunConfig().model, OPTIONS[k].field))
+        if given:
+            raise TracerError(f"{', '.join(given)} do(es) not apply to an already loaded model; load it with "
+                              "tracer.load_model(..., dtype=..., device=...) instead")
+        options = {k: v for k, v in options.items() if k not in _MODEL[1:]}
+    name = lm.info.name if lm is not None else model
+    cfg = RunConfig.from_options(allowed=allowed, model=name, check_scenario=check_scenario, **options)
+    return validate(cfg, lm, new_output=new_output, one_length=one_length), lm
+
+
+def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
+    """Give ``fn(..., **options)`` a real signature: its own parameters, then every flat option in
+    ``names`` as a keyword with its default (tab completion and ``inspect.signature`` see them)."""
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    defaults = RunConfig()
+    extra = []
+    for n in names:
+        if n in sig.parameters:
+            continue
+        opt = OPTIONS[n]
+        default = None if opt.group == "scenario_options" else getattr(getattr(defaults, opt.group), opt.field)
+        extra.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=default))
+    fn.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
+    fn.__doc__ = (fn.__doc__ or "") + "\n    Options (:data:`tracer.config.OPTIONS`):\n" + "".join(
+        f"        {n}: {OPTIONS[n].help}\n" for n in names if n in OPTIONS and n not in sig.parameters)
+    return fn
+
+
+def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str | None = None,
+               attn: str = "sdpa", gguf: str | None = None, device_map: Any = None, max_memory: Any = None,
+               progress: bool = False) -> Any:
+    """Load a model by name (:func:`tracer.load.models.load_model`): a built-in recipe, an HF id in the
+    local cache, or a local folder. Returns a :class:`~tracer.load.models.LoadedModel`.
 
     Raises:
-        TracerError: more than one source given, unreadable files, malformed token id JSON.
+        TracerError: unknown model, missing weights, bad dtype/device/attention/device map.
     """
-    given = [x for x in (prompt, prompt_file, token_ids_file) if x is not None]
-    if len(given) > 1:
-        raise TracerError("give only one of --prompt, --prompt-file and --token-ids-file")
-    if prompt_file is not None:
-        try:
-            return Path(prompt_file).read_text(encoding="utf-8"), None
-        except OSError as e:
-            raise TracerError(f"cannot read --prompt-file {prompt_file}: {e.strerror}; check the path") from None
-    if token_ids_file is not None:
-        try:
-            data = json.loads(Path(token_ids_file).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise TracerError(f"cannot read --token-ids-file {token_ids_file}: {e.strerror}; check the path") from None
-        except json.JSONDecodeError as e:
-            raise TracerError(f"--token-ids-file {token_ids_file} is not JSON ({e.msg} at line {e.lineno}); "
-                              "it must hold a JSON array of ints, e.g. [1, 2, 3]") from None
-        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise TracerError(f"--token-ids-file {token_ids_file} must hold a JSON array of ints, e.g. [1, 2, 3]")
-        return None, data
-    if prompt is not None:
-        return prompt, None
-    from tracer.load.prompts import DEFAULT_PROMPT
+    from tracer.load.models import load_model as _load
 
-    return DEFAULT_PROMPT, None
+    return _load(name, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress,
+                 device_map=device_map, max_memory=max_memory)
 
 
-def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, chat: bool,
-             vocab_size: int, length: int | None = None) -> list[int]:
-    """Token ids of the prompt: plain text as-is (no special tokens added), or the chat template.
-
-    ``length`` fixes N: the first ``length`` tokens, the prompt repeated as often as needed to
-    reach it (so any N can be traced with the built-in prompt).
-
-    Raises:
-        TracerError: empty prompt, ids outside the vocabulary, no chat template, length < 2.
-    """
-    if token_ids is None:
-        if chat:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise TracerError("this tokenizer has no chat template; drop --chat")
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            token_ids = [int(i) for i in ids]
-        else:
-            token_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
-    elif chat:
-        raise TracerError("--chat applies to text prompts, not to --token-ids-file")
-    if not token_ids:
-        raise TracerError("the prompt is empty; give a --prompt with some text or a non-empty --token-ids-file")
-    if length is not None:
-        if length < 2:
-            raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
-        reps = -(-length // len(token_ids))
-        token_ids = (token_ids * reps)[:length]
-    bad = [i for i in token_ids if not 0 <= i < vocab_size]
-    if bad:
-        raise TracerError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}); "
-                          "the ids were made for another tokenizer")
-    return token_ids
-
-
-def default_output(model: str, scenario: str, root: str | Path = "traces") -> Path:
-    """``traces/<model>-<scenario>-<UTC timestamp>.h5`` (a free name; never an existing file)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    base = Path(root) / f"{safe}-{scenario}-{stamp}"
-    path, k = base.with_suffix(".h5"), 1
-    while path.exists():
-        path, k = Path(f"{base}-{k}.h5"), k + 1
-    return path
-
-
-def check_output(output: str | Path | None, overwrite: bool) -> None:
-    """Refuse an existing output file (before anything is loaded or run).
-
-    Raises:
-        TracerError: the file exists and ``overwrite`` is False, or it is a directory.
-    """
-    if output is None:
-        return
-    p = Path(output)
-    if p.is_dir():
-        raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
-    if p.exists() and not overwrite:
-        raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
-
-
-def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: str | None = None,
-        token_ids: list[int] | None = None, token_ids_file: str | None = None, chat: bool = False,
-        scenario: str = "prefix-cache", block_size: int = 16, split_at: int | None = None,
-        mitigation: str | None = None, dtype: str = "bfloat16", device: str | None = None,
-        attn: str = "sdpa", gguf: str | None = None, granularity: str = "layers",
-        length: int | None = None, output: str | Path | None = None, store: str | bool = "tensors",
-        compression: str | None = None,
-        overwrite: bool = False, loaded: Any = None, progress: bool = True,
-        status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
-        atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
-        positions: str = "window", kv_cache: bool = True, device_map: str | dict[str, Any] | None = None,
-        max_memory: str | dict[Any, str] | None = None, **options: Any) -> RunResult:
+def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = True,
+        status: Callable[[str], None] | None = None, **options: Any) -> Any:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
-        model: a built-in recipe (``tracer models``), an HF model id in the local cache, or a
-            local directory.
-        prompt / prompt_file / token_ids / token_ids_file: the prompt (default: a built-in text
-            of a few hundred tokens); text is tokenized as-is unless ``chat``.
-        length: use exactly N = ``length`` tokens (the prompt truncated, or repeated to reach N).
-        scenario: a catalogue name (:data:`tracer.plan.scenarios.SCENARIOS`: ``repeat``, ``batch``,
-            ``prefix-cache``, ``generate-cache``, ``block-size``, ``chunked-prefill``,
-            ``tensor-parallel``, ``kv-quant``, ``attention``, ``compile``, ``device``,
-            ``disaggregated``), a :class:`~tracer.plan.scenarios.Scenario`, or a function
-            ``n_tokens -> Scenario`` (user-defined scenarios).
-        options: the scenario's options (see :func:`tracer.plan.scenarios.build`): ``batch_size``,
-            ``padding``, ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``,
-            ``reduce``, ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``.
-        block_size: KV block size in tokens; the cached prefix P is the largest multiple below N.
-        split_at: explicit P (1..N-1).
-        mitigation: ``aligned`` (prefix-cache: run A also splits at P) or ``deterministic``
-            (both runs under torch's deterministic mode, TF32 off).
-        dtype, device, attn: model dtype (``bfloat16``), device (``cuda`` if available, else
-            ``cpu``), attention implementation (``sdpa``/``eager``).
-        granularity: ``layers`` or ``sublayers``.
-        output: trace path; default ``traces/<model>-<scenario>-<timestamp>.h5``.
-        store: ``tensors`` (default): the trace holds every captured tensor, written by a
-            background thread while the next plan runs. ``stats``: online comparison — the
-            captures stay on the model's device and are compared there, so only statistics reach
-            the host; the trace holds the header, both runs' token ids and plans, and the
-            comparison (no tensors). ``none``: online comparison, no file. (``True``/``False``
-            mean ``tensors``/``none``.)
-        compression: HDF5 compression of the stored tensors: None (default), ``lzf``, ``gzip``.
-        loaded: a :class:`~tracer.load.models.LoadedModel` to reuse (notebooks), instead of loading.
-        decode: greedy-decode this many tokens from each run's final KV cache and report the
-            first generated position where they differ (``comparison.replay``); 0 = off.
-        verdict: re-run the scenario at float32 (and float64 on the CPU) on the same model and
-            judge rounding noise vs defect (``comparison.noise``, :mod:`tracer.diff.verdict`).
-        atol, rtol: tolerances: count elements outside ``atol + rtol * |a|`` per capture point.
-        fail_on: ``any`` | ``flip`` | ``tolerance``: the rule :meth:`RunResult.check` (and the
-            CLI's exit code 1) judges by; None = report only.
-        positions: ``window`` (the positions both runs computed last: P..N-1) or ``all``
-            (capture and compare every position 0..N-1: in run B the prefix positions come from
-            its cached-prefix pass, so a divergence born there is located op by op; memory N/(N-P)
-            times larger).
-        kv_cache: capture each layer's KV cache over all N positions (the ``kv_cache`` points
-            the origin analysis uses to tell a divergence born in the cached-prefix pass);
-            False leaves them out: on long prompts they are most of the bytes captured, stored
-            and compared (:func:`tracer.execute.capture.discover_points`).
-        device_map, max_memory: spread the model over several GPUs, or GPU and CPU, with
-            accelerate (:func:`tracer.load.models.load_model`); the hooks then capture on whatever
-            device each module runs on. Not with ``device``, ``verdict`` or the scenarios whose
-            runs move the model between devices.
+        model: a built-in recipe name, an HF id in the local cache, a local folder, or a loaded
+            model (:func:`load_model`) to reuse.
+        loaded: a loaded model to reuse (the older spelling of passing it as ``model``).
+        progress: show loading progress bars.
+        status: called with one short line per stage.
+        options: any of :data:`tracer.config.OPTIONS` (listed below); unknown names, and scenario
+            options the chosen scenario does not use, are errors.
 
     Returns:
-        a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
+        a :class:`~tracer.pipeline.RunResult`; ``result.comparison`` is the table as data and
+        ``result.to_dict()`` the JSON document of ``tracer run --format json``.
 
     Raises:
-        TracerError: for every bad input (checked before the model is loaded where possible).
+        TracerError: every bad input, checked before the model loads where possible.
     """
-    from tracer.load import models as _models
-    from tracer.execute.capture import GRANULARITIES, discover_points, host_copies
-    from tracer.diff.core import check_fail_on, compare_records, replay_diff
-    from tracer.execute.runner import execute, model_device
-    from tracer.plan.scenarios import SCENARIOS, build, check_mitigation
-    from tracer.store.trace import TraceWriter, collect_environment
+    from tracer.pipeline import run as _run
 
-    say = status or (lambda msg: None)
-    store = {True: "tensors", False: "none"}.get(store, store)  # type: ignore[arg-type]
-    if store not in STORE_MODES:
-        raise TracerError(f"unknown --store '{store}'; use one of: {', '.join(STORE_MODES)}")
-    # -- validate everything that needs no model --------------------------------------------------
-    if isinstance(scenario, str) and scenario not in SCENARIOS:
-        raise TracerError(f"unknown scenario '{scenario}'; use one of: {', '.join(SCENARIOS)}")
-    check_options(options)
-    if granularity not in GRANULARITIES:
-        raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
-    check_mitigation(mitigation)
-    check_fail_on(fail_on, atol, rtol)
-    if positions not in ("window", "all"):
-        raise TracerError(f"unknown --positions '{positions}'; use window (P..N-1) or all (0..N-1)")
-    if not isinstance(decode, int) or decode < 0:
-        raise TracerError(f"--decode {decode} must be a number of tokens >= 0 (0 = off)")
-    dispatched = device_map is not None or (loaded is not None and loaded.info.device_map is not None)
-    if dispatched and verdict:
-        raise TracerError("--verdict re-loads the model at float32 on one device; it does not combine with --device-map")
-    if dispatched and (options.get("devices") is not None or scenario in ("device", "disaggregated")):
-        raise TracerError(f"scenario {scenario} moves the model between devices; it does not combine with --device-map")
-    if verdict:
-        from tracer.diff.verdict import higher_dtypes
-
-        higher_dtypes(_models.dtype_name(_models.resolve_dtype(dtype)) if loaded is None else loaded.info.dtype,
-                      _models.resolve_device(device) if loaded is None else loaded.info.device)
-    if block_size < 1:
-        raise TracerError(f"--block-size must be a positive number of tokens, got {block_size}")
-    text, ids = (None, list(token_ids)) if token_ids is not None else read_prompt(prompt, prompt_file, token_ids_file)
-    if loaded is None:
-        _models.resolve_dtype(dtype)
-        if device_map is None:
-            _models.resolve_device(device)
-        _models.check_attn(attn)
-    check_output(output if store != "none" else None, overwrite)
-    if length is not None and length < 2:
-        raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
-    n_known = length if length is not None else (len(ids) if ids is not None else None)
-    if n_known is not None and n_known >= 2 and scenario == "prefix-cache":
-        from tracer.plan.scenarios import check_split, default_split
-
-        check_split(n_known, split_at) if split_at is not None else default_split(n_known, block_size)
-    sopts = dict(options, block_size=block_size, split_at=split_at, mitigation=mitigation)
-    if isinstance(scenario, str):  # every length-independent option error, before loading
-        known = n_known is not None and n_known >= 2
-        # the prompt length is not known before tokenizing: check everything but the split point
-        check_resources(build(scenario, n_known if known else 100_000,
-                              **(sopts if known else dict(sopts, split_at=None))))
-
-    # -- load, tokenize, plan ---------------------------------------------------------------------
-    if loaded is None:
-        say(f"loading {model}")
-        loaded = _models.load_model(model, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress,
-                                    device_map=device_map, max_memory=max_memory)
-    info = loaded.info
-    ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
-    scen = check_resources(make_scenario(scenario, len(ids), sopts))
-    points = discover_points(loaded.model, granularity, kv_cache=kv_cache)
-    window = (0, len(ids)) if positions == "all" else scen.window
-
-    # -- execute both plans, storing run A while run B executes ------------------------------------
-    header = collect_environment(info.device, extra={
-        "model": info.to_dict(), "scenario": scen.to_dict(), "granularity": granularity,
-        "dtype": info.dtype, "attn_implementation": info.attn_implementation,
-        "block_size": block_size, "split_points": [scen.window[0]], "n_tokens": len(ids),
-        "store": store, "kv_cache": bool(kv_cache),
-    })
-    trace_path = None
-    writer = None
-    if store != "none":
-        out = Path(output) if output is not None else default_output(info.name, scen.name)
-        writer = TraceWriter(out, header=header, overwrite=overwrite, compression=compression,
-                             background=True)
-        trace_path = str(out)
-    online = store != "tensors"
-    # on a GPU the captures stay on the device and are compared there, also when the trace
-    # stores tensors: the host gets pinned copies made on a side stream while the next plan runs
-    on_gpu = model_device(loaded.model).type == "cuda"
-    records, host_records = [], []
-    with writer if writer is not None else contextlib.nullcontext():
-        for plan in (scen.plan_a, scen.plan_b):
-            say(f"run {plan.name}: {plan.description}")
-            keep = (online or on_gpu) and not plan.devices
-            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=keep,
-                          decode=decode, meta={"scenario": scen.name, "level": scen.level})
-            if decode:
-                rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
-            records.append(rec)
-            host_rec, wait = rec, None
-            if not online and keep:
-                captures, wait = host_copies(rec.captures)
-                host_rec = _replace(rec, captures=captures)
-            host_records.append(host_rec)
-            if writer is not None:
-                writer.add_run(host_rec if not online else _without_tensors(rec), ready=wait)
-        rec_a, rec_b = records
-        facts = {
-            "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
-            "device_name": header.get("device_name"), "n_tokens": len(ids),
-            "plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
-            "gemm_m_a": scen.plan_a.gemm_m(), "gemm_m_b": scen.plan_b.gemm_m(),
-            "chunks_a": [list(c) for c in scen.plan_a.chunks], "chunks_b": [list(c) for c in scen.plan_b.chunks],
-            **scenario_facts(scen, rec_a, rec_b),
-        }
-        comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
-                                     trace=trace_path, facts=facts, atol=atol, rtol=rtol)
-        comparison = _replace(comparison, fail_on=fail_on)
-        if decode:
-            comparison = _replace(comparison, replay=replay_diff(
-                rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
-                rec_b.meta["decode_text"]))
-        if writer is not None and online:
-            writer.add_comparison(f"{rec_a.name}-vs-{rec_b.name}", comparison.to_dict())
-        if writer is not None:
-            say(f"writing {trace_path}")
-    if online:  # the device copies have served their purpose
-        records = [_without_tensors(r) for r in records]
-    else:  # the host copies (landed: the writer waited for them) replace the device tensors
-        records = host_records
-    if verdict:
-        from tracer.diff.verdict import noise_verdict
-
-        say("verdict: re-running at higher precision")
-        comparison = _replace(comparison, noise=noise_verdict(loaded.model, ids, scen, comparison, info.dtype, info.device))
-    return RunResult(comparison=comparison, scenario=scen, trace=trace_path, token_ids=ids,
-                     runs=tuple(records), model_info=info, fail_on=fail_on)
+    cfg, lm = _config(model, loaded, RUN_OPTIONS, **options)
+    return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def _without_tensors(rec: Any) -> Any:
-    """The run record with its captures dropped (plans, token ids and meta only)."""
+def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> Any:
+    """A context manager that captures every forward pass of ``model`` run inside it.
+
+    ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
+    decoder layer's output, final norm, logits), ``"sublayers"`` or a list of module paths
+    (``["model.layers.3", "model.layers.3.mlp"]``). Each forward is a call of its own: positions
+    continue from the KV cache it is given, else start at 0; every position of batch row 0 is kept,
+    in call order. After (or during) the block, ``cap["model.layers.3"]`` is a
+    :class:`~tracer.execute.records.CaptureRecord` whose ``.tensor`` is ``(T, *feature)`` in the
+    model's dtype (on the CPU unless ``keep_on_device``)::
+
+        with tracer.capture(lm) as cap:
+            lm.model(ids)
+
+    Raises:
+        TracerError: unknown granularity or module path.
+    """
+    from tracer.execute.capture import Captured
+
+    return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
+
+
+def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = None,
+            device: str | None = None) -> Any:
+    """Compare two captures, two runs, or two stored runs, layer by layer.
+
+    Args:
+        a, b: each a :func:`capture` result, a :class:`~tracer.execute.records.RunRecord`, or a
+            reference ``"file.h5:RUN"`` / ``("file.h5", "RUN")`` (files from different machines
+            included; ``"file.h5"`` alone: its first run for ``a``, its second for ``b``).
+        atol, rtol: tolerances counted per capture point.
+        device: where the metrics of stored runs are computed (default: cuda if available).
+
+    Returns:
+        the :class:`~tracer.diff.core.Comparison` the CLI renders.
+
+    Raises:
+        TracerError: runs of different prompts or windows, unknown files or runs.
+    """
+    from tracer.diff.core import compare_records, compare_runs
+
+    if _is_ref(a) and _is_ref(b):
+        return compare_runs(_ref(a, 0), _ref(b, 1), atol=atol, rtol=rtol, device=device)
+    rec_a, rec_b = _record(a, "A", 0), _record(b, "B", 1)
+    return compare_records(rec_a, rec_b, scenario="capture", model="model", atol=atol, rtol=rtol)
+
+
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, (str, tuple)) or hasattr(x, "__fspath__")
+
+
+def _ref(x: Any, side: int) -> tuple[str, str | None]:
+    from tracer.diff.core import split_ref
+
+    if isinstance(x, tuple):
+        return str(x[0]), x[1]
+    path, run = split_ref(str(x))
+    if run is None:
+        from tracer.store.trace import TraceReader
+
+        with TraceReader(path) as r:
+            if len(r.runs) <= side:
+                raise TracerError(f"{path} holds {len(r.runs)} run(s); name the run as {path}:RUN")
+            run = r.runs[side]
+    return path, run
+
+
+def _record(x: Any, name: str, side: int) -> Any:
+    """A RunRecord of a capture, a run record, or a stored run (read whole)."""
+    from tracer.execute.capture import Captured
     from tracer.execute.records import RunRecord
 
-    return RunRecord(name=rec.name, token_ids=rec.token_ids, plan=rec.plan, window=rec.window,
-                     captures={}, meta=rec.meta)
+    if isinstance(x, Captured):
+        return x.run_record(name)
+    if isinstance(x, RunRecord):
+        return x
+    if _is_ref(x):
+        from tracer.store.trace import TraceReader
+
+        path, run = _ref(x, side)
+        with TraceReader(path) as r:
+            return r.run(run)
+    raise TracerError(f"cannot compare a {type(x).__name__}; give a tracer.capture(...), a RunRecord or 'file.h5:RUN'")
 
 
-#: scenario options accepted by :func:`run` (``**options``) and :func:`tracer.plan.scenarios.build`
-OPTIONS = ("batch_size", "padding", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "reduce",
-           "reduce_dtype", "kv_format", "attn_a", "attn_b", "devices")
-
-
-def check_options(options: dict[str, Any]) -> None:
-    """Refuse unknown scenario options and unavailable attention implementations/devices (no model needed).
-
-    Raises:
-        TracerError: an unknown option name, attention implementation or device.
-    """
-    from tracer.load import models as _models
-
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TracerError(f"unknown scenario option(s) {', '.join(unknown)}; valid: {', '.join(OPTIONS)}")
-    for key in ("attn_a", "attn_b"):
-        if options.get(key) is not None:
-            _models.check_attn(options[key])
-    devices = options.get("devices")
-    if devices is not None:
-        for dev in (devices.split(",") if isinstance(devices, str) else devices):
-            _models.resolve_device(dev.strip())
-
-
-def check_resources(scen: Any) -> Any:
-    """Refuse a scenario whose plans need a device or attention implementation this machine lacks.
+def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
+                  atol: float | None = None, rtol: float | None = None, device: str | None = None) -> Any:
+    """Compare two runs of a stored trace (default: its first two); see :func:`tracer.diff.core.compare_trace`.
 
     Raises:
-        TracerError: naming the missing device or implementation.
+        TracerError: missing/corrupt trace, unknown run names, an unavailable device.
     """
-    from tracer.load import models as _models
+    from tracer.diff.core import compare_trace as _ct
 
-    for plan in (scen.plan_a, scen.plan_b):
-        for dev in plan.devices or ():
-            try:
-                _models.resolve_device(dev)
-            except TracerError as e:
-                raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
-                                  "pass --devices with two devices it has, e.g. cpu,cpu") from None
-        if plan.attn is not None:
-            _models.check_attn(plan.attn)
-    return scen
+    return _ct(path, run_a, run_b, atol=atol, rtol=rtol, device=device)
 
 
-def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
-    """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
+def read_trace(path: str) -> Any:
+    """Open a stored trace (:class:`tracer.store.trace.TraceReader`; use it as a context manager).
 
     Raises:
-        TracerError: bad options, or a callable that does not return a Scenario.
+        TracerError: missing, incomplete or corrupt file, unknown format version.
     """
-    from tracer.plan.scenarios import Scenario, build
+    from tracer.store.trace import TraceReader
 
-    if isinstance(scenario, str):
-        return build(scenario, n_tokens, **options)
-    scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
-    if not isinstance(scen, Scenario):
-        raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return scen
+    return TraceReader(path)
 
 
-def scenario_facts(scen: Any, rec_a: Any, rec_b: Any) -> dict[str, Any]:
-    """Scenario-specific facts for the report: generated tokens (``generate-cache``), KV block format."""
-    facts: dict[str, Any] = {}
-    notes = []
-    gen_a, gen_b = rec_a.meta.get("generated"), rec_b.meta.get("generated")
-    if gen_a is not None and gen_b is not None:
-        first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
-        facts.update(generated_a=gen_a, generated_b=gen_b, first_token_difference=first)
-        notes.append(f"generated tokens: A {gen_a}, B {gen_b}; " + (
-            f"identical for all {len(gen_a)} steps" if first is None else
-            f"first different at step {first} (position {scen.window[0] + first}); later steps compare different contexts"))
-    if "kv_block_format" in scen.params:
-        facts["kv_block_format"] = scen.params["kv_block_format"]
-        f = scen.params["kv_block_format"]
-        notes.append(f"KV format {f['name']}: {f['element']} elements, block {f['block_size'] or '-'}, scale {f['scale']}")
-    if notes:
-        facts["notes"] = notes
-    return facts
+def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None, mitigations: bool = True,
+          loaded: Any = None, progress: bool = True, on_check: Callable[[str, int, int], None] | None = None,
+          **options: Any) -> Any:
+    """Run every selected level of the determinism hierarchy on this machine (:mod:`tracer.loops.audit`).
+
+    Args:
+        model: a model name or a loaded model.
+        levels: ``"0,1,2"`` or a list of levels (default: all).
+        mitigations: re-run diverging checks under each applicable mitigation.
+        on_check: called as ``on_check(label, done, total)`` before each check.
+        options: model, prompt, capture and store options, and scenario options applied to every
+            check that uses them (listed below); ``store=False`` keeps everything in memory.
+
+    Returns:
+        an :class:`~tracer.loops.audit.Audit` (the hierarchy table as data).
+
+    Raises:
+        TracerError: bad input (checked before the model loads where possible).
+    """
+    from tracer.loops.audit import audit as _audit
+
+    cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, **options)
+    return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check)
+
+
+def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
+          keep_tensors: bool = False, loaded: Any = None, progress: bool = True,
+          on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
+    """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
+
+    Args:
+        model: a model name or a loaded model.
+        lengths: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"`` or a list of ints.
+        block_sizes: KV block sizes, same syntax, or a list.
+        keep_tensors: also store both runs' captured tensors of every point (large).
+        on_point: called with each finished :class:`~tracer.loops.sweep.SweepRow`.
+        options: listed below; ``store=False`` keeps everything in memory, ``output`` is the sweep
+            file (an unfinished one with the same parameters is resumed).
+
+    Returns:
+        a :class:`~tracer.loops.sweep.SweepResult`.
+
+    Raises:
+        TracerError: bad axes, a prompt too short, a file of other parameters, every bad run option.
+    """
+    from tracer.loops.sweep import sweep as _sweep
+
+    cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **options)
+    return _sweep(cfg, lengths=lengths, block_sizes=block_sizes, keep_tensors=keep_tensors, loaded=lm,
+                  progress=progress, on_point=on_point)
+
+
+def read_sweep(path: str) -> Any:
+    """Read a sweep file (:func:`tracer.loops.sweep.read_sweep`).
+
+    Raises:
+        TracerError: not a sweep file, or corrupt.
+    """
+    from tracer.loops.sweep import read_sweep as _rs
+
+    return _rs(path)
+
+
+def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
+    """A matplotlib Figure of a result: a RunResult or Comparison (``amplification``, ``heatmap``,
+    ``ulp``), a SweepResult (``sweep``), or a trace/sweep file path (its default figure).
+
+    Raises:
+        TracerError: unknown kind for this object, matplotlib missing.
+    """
+    from tracer.report.plot import figure_for
+
+    if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__"):
+        from tracer.store.sweepfile import is_sweep_file, read_sweep as _rs
+
+        if is_sweep_file(obj):
+            return figure_for(kind or "sweep", sweep=_rs(str(obj)), **kwargs)
+        return figure_for(kind or "amplification", trace=str(obj), **kwargs)
+    if hasattr(obj, "rows") and hasattr(obj, "params"):  # a SweepResult
+        return figure_for(kind or "sweep", sweep=obj, **kwargs)
+    if hasattr(obj, "comparison"):  # a RunResult
+        return obj.plot(kind or "amplification", **kwargs)
+    return figure_for(kind or "amplification", comparison=obj, trace=obj.trace, run_names=(obj.run_a, obj.run_b),
+                      **kwargs)
+
+
+def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
+              overwrite: bool = False, layers: list[str] | None = None, run_a: str | None = None,
+              run_b: str | None = None) -> Any:
+    """``tracer plot``: draw ``kind`` from a trace or sweep file and save it.
+
+    Default kind: ``sweep`` for a sweep file, ``amplification`` for a trace. Default output:
+    ``<input stem>-<kind>.png`` beside the input.
+
+    Raises:
+        TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
+    """
+    from tracer.diff.core import compare_trace
+    from tracer.report.plot import (KINDS, check_figure_path, figure_for, heatmap_figure, position_diffs_trace,
+                                    save_figure, sweep_figure)
+    from tracer.store.sweepfile import is_sweep_file, read_sweep
+
+    from pathlib import Path
+
+    src = Path(path)
+    if not src.exists():
+        raise TracerError(f"file {src} not found; pass a trace or sweep file")
+    if kind is not None and kind not in KINDS:
+        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
+    is_sweep = is_sweep_file(src)
+    kind = kind or ("sweep" if is_sweep else "amplification")
+    if is_sweep != (kind == "sweep"):
+        raise TracerError(f"--kind {kind} needs a {'sweep file' if kind == 'sweep' else 'trace'}, "
+                          f"but {src} is a {'sweep file' if is_sweep else 'trace'}; "
+                          f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
+    out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
+    if is_sweep:
+        fig = sweep_figure(read_sweep(src))
+    else:
+        if kind == "heatmap":
+            fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
+        else:
+            fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
+    return save_figure(fig, out, overwrite=overwrite)
+
+
+def to_pandas(obj: Any) -> Any:
+    """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison) or per
+    sweep point (a SweepResult).
+
+    Raises:
+        TracerError: pandas is not installed.
+    """
+    from tracer.report.frames import comparison_frame, sweep_frame
+
+    if hasattr(obj, "rows") and hasattr(obj, "params"):
+        return sweep_frame(obj)
+    return comparison_frame(getattr(obj, "comparison", obj))
+
+
+def render(obj: Any, fmt: str = "markdown", columns: tuple[str, ...] | None = None) -> str | None:
+    """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``.
+    ``obj`` is a RunResult, a Comparison or an Audit.
+
+    Raises:
+        TracerError: unknown format or columns.
+    """
+    from rich.console import Console
+
+    from tracer.report.hierarchy import render_audit
+    from tracer.report.tables import DEFAULT_COLUMNS, render as _render
+
+    if hasattr(obj, "rows") and hasattr(obj, "counts"):  # an Audit
+        return render_audit(obj, fmt, Console())
+    comparison = getattr(obj, "comparison", obj)
+    return _render(comparison, fmt, Console(), columns or DEFAULT_COLUMNS)
+
+
+run = _signature(run, tuple(k for k in RUN_OPTIONS if k != "model"))
+audit = _signature(audit, tuple(k for k in AUDIT_OPTIONS if k != "model"))
+sweep = _signature(sweep, tuple(k for k in SWEEP_OPTIONS if k != "model"))
+
+__all__ = ["load_model", "run", "capture", "compare", "compare_trace", "read_trace", "audit", "sweep",
+           "read_sweep", "plot", "plot_file", "render", "to_pandas"]

@@ -31,7 +31,7 @@ app = typer.Typer(
 
 err = Console(stderr=True)
 
-# -- options shared between commands (defined once) -------------------------------------------------
+# -- options, each declared once and reused by every command that takes it -------------------------
 ModelArg = Annotated[str, typer.Argument(help="Built-in model (see 'tracer models'), HF model id in the local cache, or local directory.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: bfloat16, float16, float32, float64.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu).")]
@@ -43,7 +43,6 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative toler
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.tables.COLUMNS).")]
-# prompt and output options (run, audit)
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
 PromptFileOpt = Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")]
 TokenIdsOpt = Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them).")]
@@ -52,7 +51,16 @@ ChatOpt = Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's cha
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")]
 GranularityOpt = Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")]
 KvCacheOpt = Annotated[bool, typer.Option("--kv-cache/--no-kv-cache", help="Capture each layer's KV cache over all N positions (origin analysis of cached-prefix divergence); --no-kv-cache for long prompts, where it is most of the bytes.")]
-# scenario options (run, audit): each scenario uses the ones that apply to it
+ScenarioOpt = Annotated[str, typer.Option("--scenario", "-s", help="Scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, disaggregated.")]
+BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16).")]
+SplitAtOpt = Annotated[Optional[int], typer.Option("--split-at", help="Cached prefix length P (1..N-1), overriding --block-size.")]
+MitigationOpt = Annotated[Optional[str], typer.Option("--mitigation", help="aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic (torch deterministic algorithms, TF32 off).")]
+DeviceMapOpt = Annotated[Optional[str], typer.Option("--device-map", help="Spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device.")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")]
+NoStoreOpt = Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no file (same as --store none).")]
+PositionsOpt = Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")]
+# scenario options: each scenario uses the ones that apply to it (others are refused)
 BatchSizeOpt = Annotated[Optional[int], typer.Option("--batch-size", help="batch: rows in the batch, the prompt included (default 4).")]
 PaddingOpt = Annotated[Optional[str], typer.Option("--padding", help="batch: none (rows of equal length), left or right (different lengths, attention mask).")]
 BatchRowOpt = Annotated[Optional[int], typer.Option("--batch-row", help="batch: row of the traced prompt (default batch-size // 2).")]
@@ -67,15 +75,23 @@ AttnAOpt = Annotated[Optional[str], typer.Option("--attn-a", help="attention: ru
 AttnBOpt = Annotated[Optional[str], typer.Option("--attn-b", help="attention: run B's implementation (default sdpa; flash_attention_2 where installed).")]
 DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="device/disaggregated: X,Y (default cpu,cuda).")]
 
+#: parameters of the commands that are not run options (output format, table layout, CLI-only flags)
+_NOT_OPTIONS = ("fmt", "wide", "columns", "no_store", "levels", "no_mitigations", "lengths", "block_sizes_axis",
+                "keep_tensors", "plot")
 
-def scenario_options(**given) -> dict:
-    """The scenario options the user set (None = the scenario's default), parsed."""
-    opts = {k: v for k, v in given.items() if v is not None}
-    if "block_sizes" in opts:
+
+def run_options(given: dict) -> dict:
+    """The run options among a command's parameters (``locals()``), parsed; None = the default."""
+    opts = {k: v for k, v in given.items() if k not in _NOT_OPTIONS and v is not None}
+    if isinstance(opts.get("block_sizes"), str):
         try:
             opts["block_sizes"] = tuple(int(x) for x in opts["block_sizes"].split(","))
         except ValueError:
             raise TracerError(f"--block-sizes {given['block_sizes']!r} must be two integers such as 16,64") from None
+    if given.get("no_store"):
+        if opts.get("store", "tensors") not in ("tensors", "none"):
+            raise TracerError(f"--no-store and --store {opts['store']} contradict each other; give one of them")
+        opts["store"] = "none"
     return opts
 
 
@@ -103,68 +119,45 @@ def _exit_on(comparison, fail_on: str | None) -> None:
         raise typer.Exit(EXIT_DIVERGED)
 
 
+def _spinner():
+    return err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
+
+
 @app.command("run")
 def run_cmd(
     model: ModelArg = "smollm2-135m",
     prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
     length: LengthOpt = None, chat: ChatOpt = False,
-    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, disaggregated.")] = "prefix-cache",
-    block_size: Annotated[int, typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N.")] = 16,
-    split_at: Annotated[Optional[int], typer.Option("--split-at", help="Cached prefix length P (1..N-1), overriding --block-size.")] = None,
-    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic (torch deterministic algorithms, TF32 off).")] = None,
-    dtype: DtypeOpt = "bfloat16",
-    device: DeviceOpt = None,
-    attn: AttnOpt = "sdpa",
-    gguf: GgufOpt = None,
-    granularity: GranularityOpt = "layers",
-    kv_cache: KvCacheOpt = True,
-    device_map: Annotated[Optional[str], typer.Option("--device-map", help="Spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device.")] = None,
-    max_memory: Annotated[Optional[str], typer.Option("--max-memory", help="With --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB.")] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file (default traces/<model>-<scenario>-<timestamp>.h5).")] = None,
-    overwrite: OverwriteOpt = False,
+    scenario: ScenarioOpt = "prefix-cache", block_size: BlockSizeOpt = None, split_at: SplitAtOpt = None,
+    mitigation: MitigationOpt = None,
+    dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
+    granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
+    device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
+    output: OutputOpt = None, overwrite: OverwriteOpt = False,
     store: Annotated[str, typer.Option("--store", help="tensors: trace every captured tensor; stats: compare on the device, store only the comparison; none: no file.")] = "tensors",
-    no_store: Annotated[bool, typer.Option("--no-store", help="Same as --store none.")] = False,
+    no_store: NoStoreOpt = False,
     compression: Annotated[Optional[str], typer.Option("--compression", help="HDF5 compression of stored tensors: none, lzf, gzip.")] = None,
     fmt: FormatOpt = "table",
     decode: Annotated[int, typer.Option("--decode", help="Greedy-decode T tokens from each run's KV cache and report the first generated position that differs (0 = off).")] = 0,
     verdict: Annotated[bool, typer.Option("--verdict", help="Re-run at float32 (and float64 on CPU) and judge: rounding noise, defect suspected, or inconclusive.")] = False,
-    atol: AtolOpt = None,
-    rtol: RtolOpt = None,
-    fail_on: FailOnOpt = None,
-    wide: WideOpt = False,
-    columns: ColumnsOpt = None,
-    positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
+    atol: AtolOpt = None, rtol: RtolOpt = None, fail_on: FailOnOpt = None, wide: WideOpt = False, columns: ColumnsOpt = None,
+    positions: PositionsOpt = "window",
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
     attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
+    given = dict(locals())  # the parameters, before any other local exists
     from tracer.api import run
-    from tracer.diff.core import check_fail_on
     from tracer.report.tables import check_columns, check_format
 
     try:
-        if no_store and store not in ("tensors", "none"):
-            raise TracerError(f"--no-store and --store {store} contradict each other; give one of them")
         check_format(fmt)
         cols = check_columns(columns, wide)
-        check_fail_on(fail_on, atol, rtol)
-        options = scenario_options(batch_size=batch_size, padding=padding, batch_row=batch_row, new_tokens=new_tokens,
-                                   block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
-                                   reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
-                                   devices=devices)
-        spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
-        with spinner as st:
-            status = st.update if st is not None else None
-            result = run(model, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
-                         chat=chat, length=length, scenario=scenario, block_size=block_size, split_at=split_at,
-                         mitigation=mitigation, dtype=dtype, device=device, attn=attn, gguf=gguf,
-                         granularity=granularity, output=output, store="none" if no_store else store,
-                         compression=None if compression in (None, "none") else compression,
-                         overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
-                         verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions,
-                         kv_cache=kv_cache, device_map=device_map, max_memory=max_memory, **options)
+        opts = run_options(given)
+        with _spinner() as st:
+            result = run(progress=err.is_terminal, status=st.update if st is not None else None, **opts)
     except TracerError as e:
         _fail(str(e))
         return
@@ -186,26 +179,27 @@ def audit_cmd(
     prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
     length: LengthOpt = None, chat: ChatOpt = False,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
-    granularity: GranularityOpt = "layers",
+    granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit-<timestamp>.h5).")] = None,
-    overwrite: OverwriteOpt = False,
-    no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
+    overwrite: OverwriteOpt = False, no_store: NoStoreOpt = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
     batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
+    given = dict(locals())  # the parameters, before any other local exists
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tracer.loops.audit import audit, parse_levels, render_audit
+    from tracer.api import audit
+    from tracer.plan.hierarchy import parse_levels
+    from tracer.report.hierarchy import render_audit
     from tracer.report.tables import check_format
 
     try:
         check_format(fmt)
         parse_levels(levels)
-        options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
-                                   block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
+        opts = run_options(given)
         bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                        TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
         with bar:
@@ -214,10 +208,8 @@ def audit_cmd(
             def on_check(label: str, done: int, total: int) -> None:
                 bar.update(task, description=label, completed=done, total=total)
 
-            result = audit(model, levels=levels, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
-                           chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
-                           granularity=granularity, output=output, store=not no_store, overwrite=overwrite,
-                           mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check, **options)
+            result = audit(levels=levels, mitigations=not no_mitigations, progress=err.is_terminal,
+                           on_check=on_check, **opts)
     except TracerError as e:
         _fail(str(e))
         return
@@ -306,50 +298,51 @@ def show_cmd(
 def sweep_cmd(
     model: ModelArg = "smollm2-135m",
     lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma lists (64,128) or both.")] = "17:512",
-    block_size: Annotated[Optional[int], typer.Option("--block-size", "-b", help="KV block size in tokens (default 16).")] = None,
-    block_sizes: Annotated[Optional[str], typer.Option("--block-sizes", help="Several block sizes as a second axis, e.g. 16,32,64 (same syntax as --lengths).")] = None,
-    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario run at every point.")] = "prefix-cache",
-    mitigation: Annotated[Optional[str], typer.Option("--mitigation", help="aligned: the cache-miss run also splits at P.")] = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text, repeated to the longest length (default: the built-in prompt).")] = None,
-    prompt_file: Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")] = None,
-    token_ids_file: Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids; prompts are its prefixes.")] = None,
-    dtype: DtypeOpt = "bfloat16",
-    device: DeviceOpt = None,
-    attn: AttnOpt = "sdpa",
-    gguf: GgufOpt = None,
-    granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
+    block_size: BlockSizeOpt = None,
+    block_sizes_axis: Annotated[Optional[str], typer.Option("--block-sizes", help="Several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as --lengths).")] = None,
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario run at every point (default prefix-cache).")] = "prefix-cache",
+    mitigation: MitigationOpt = None,
+    prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
+    dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
+    granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
     output: Annotated[Optional[str], typer.Option("--output", "-o", help="Sweep file (default traces/sweep-<model>-<scenario>.h5); an unfinished one with the same parameters is resumed.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over, replacing an existing --output.")] = False,
     keep_tensors: Annotated[bool, typer.Option("--keep-tensors", help="Also store every point's captured tensors (large).")] = False,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write the divergence map to this .png/.svg/.pdf.")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv.")] = "table",
+    batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
+    new_tokens: NewTokensOpt = None, chunk_size: ChunkSizeOpt = None,
+    tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
+    attn_a: AttnAOpt = None, attn_b: AttnBOpt = None,
 ) -> None:
     """Run a scenario for every prompt length (x block size): which lengths diverge, from which layer, how much."""
-    from tracer.loops.sweep import parse_int_list, sweep
+    given = dict(locals())  # the parameters, before any other local exists
+    from tracer.api import sweep
+    from tracer.loops.sweep import parse_int_list
+    from tracer.report.tables import sweep_summary_lines
 
     try:
         if fmt not in ("table", "json", "csv"):
             raise TracerError(f"unknown format '{fmt}'; use one of: table, json, csv")
-        if block_size is not None and block_sizes is not None:
+        if block_size is not None and block_sizes_axis is not None:
             raise TracerError("give --block-size or --block-sizes, not both")
-        bs = parse_int_list(block_sizes, "--block-sizes") if block_sizes is not None else [block_size or 16]
+        bs = parse_int_list(block_sizes_axis, "--block-sizes") if block_sizes_axis is not None else [16 if block_size is None else block_size]
         if plot is not None:
             from tracer.report.plot import check_figure_path
 
             check_figure_path(plot, overwrite)
-        result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
-                       prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file, dtype=dtype,
-                       device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
-                       overwrite=overwrite, keep_tensors=keep_tensors, progress=err.is_terminal)
+        opts = run_options(given)
+        opts.pop("block_size", None)  # the block-size axis, not a run option
+        result = sweep(lengths=lengths, block_sizes=bs, keep_tensors=keep_tensors, progress=err.is_terminal, **opts)
         if plot is not None:
-            from tracer.report.plot import save_figure
+            from tracer.report.plot import save_figure, sweep_figure
 
-            save_figure(result.plot(), plot, overwrite=overwrite)
+            save_figure(sweep_figure(result), plot, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
     if fmt == "table":
-        for line in result.summary_lines():
+        for line in sweep_summary_lines(result):
             print(line)
         if result.path:
             print(f"sweep file: {result.path}")
@@ -379,7 +372,7 @@ def plot_cmd(
     layers: Annotated[Optional[str], typer.Option("--layers", help="ulp: capture points to show, comma-separated names or indices (default: first divergent, middle, last, logits).")] = None,
 ) -> None:
     """Draw a figure from a stored trace or sweep file (no model needed)."""
-    from tracer.report.plot import plot_file
+    from tracer.api import plot_file
 
     try:
         path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,

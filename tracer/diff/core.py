@@ -176,18 +176,6 @@ class Comparison:
     def n_positions(self) -> int:
         return self.positions[1] - self.positions[0]
 
-    def plot(self, kind: str = "amplification", **kwargs: Any):
-        """A matplotlib Figure (``amplification``, ``ulp``; ``heatmap`` when read from a trace)."""
-        from tracer.report.plot import figure_for
-
-        return figure_for(kind, comparison=self, trace=self.trace, run_names=(self.run_a, self.run_b), **kwargs)
-
-    def to_pandas(self):
-        """One DataFrame row per capture point (see :func:`tracer.report.frames.comparison_frame`)."""
-        from tracer.report.frames import comparison_frame
-
-        return comparison_frame(self)
-
     def verdict(self) -> str:
         """One line: ``bit-identical ...`` or ``diverges from X, K argmax flips in T positions``."""
         n_points = len(self.points) + (self.logits is not None)
@@ -718,7 +706,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
 
         scen = header.get("scenario", {})
         scen_name = scen.get("name", "?") if isinstance(scen, dict) else str(scen)
-        facts = facts_from_header(header, ra, rb)
+        facts = run_facts(header, ra, rb)
         if not same:
             hb = reader_b.header
             facts["notes"] = [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
@@ -735,10 +723,20 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         return c
 
 
-def facts_from_header(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
-    """Short facts shown above the table: model dtype/device, the two plans' GEMM M."""
+def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
+    """The short facts shown above the table, from a trace header and the two runs (one builder for a
+    run in memory and a trace read back).
+
+    Returns:
+        ``dtype``, ``device``, ``attn``: the model's dtype, device and attention implementation;
+        ``device_name``: the GPU/CPU name (None when the header has none); ``n_tokens``: N;
+        ``plan_a``/``plan_b``: the plans' descriptions; ``gemm_m_a``/``gemm_m_b``: GEMM M per
+        forward pass; ``chunks_a``/``chunks_b``: the ``[start, stop)`` chunks of each plan; and,
+        where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
+        (``generate-cache``), ``kv_block_format`` (``kv-quant``) and ``notes`` (a line each).
+    """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
-    return {
+    facts: dict[str, Any] = {
         "dtype": model.get("dtype"),
         "device": model.get("device"),
         "attn": model.get("attn_implementation"),
@@ -748,9 +746,25 @@ def facts_from_header(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dic
         "plan_b": b.plan.get("description", ""),
         "gemm_m_a": a.plan.get("gemm_m"),
         "gemm_m_b": b.plan.get("gemm_m"),
-        "chunks_a": a.plan.get("chunks"),
-        "chunks_b": b.plan.get("chunks"),
+        "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
+        "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
     }
+    scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
+    notes = []
+    gen_a, gen_b = a.meta.get("generated"), b.meta.get("generated")
+    if gen_a is not None and gen_b is not None:
+        first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
+        facts.update(generated_a=gen_a, generated_b=gen_b, first_token_difference=first)
+        notes.append(f"generated tokens: A {gen_a}, B {gen_b}; " + (
+            f"identical for all {len(gen_a)} steps" if first is None else
+            f"first different at step {first} (position {a.window[0] + first}); later steps compare different contexts"))
+    fmt = (scenario.get("params") or {}).get("kv_block_format")
+    if fmt is not None:
+        facts["kv_block_format"] = fmt
+        notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
+    if notes:
+        facts["notes"] = notes
+    return facts
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracer.dtypes import FLOATS, INT_VIEW
+
 #: dtype → the signed integer dtype of the same width, used to read bit patterns
-_INT_VIEW = {
-    torch.bfloat16: torch.int16,
-    torch.float16: torch.int16,
-    torch.float32: torch.int32,
-    torch.float64: torch.int64,
-}
+_INT_VIEW = INT_VIEW
 #: ULP distance reported when the bits differ and either side is NaN (lands in the ``>16`` bin)
 ULP_NAN = torch.iinfo(torch.int64).max
 #: ULP distance reported for a float64 pair whose true distance does not fit in int64
@@ -236,12 +233,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 #: dtype → (explicit mantissa bits, exponent of the smallest normal number)
-_FLOAT_LAYOUT = {
-    torch.bfloat16: (7, -126),
-    torch.float16: (10, -14),
-    torch.float32: (23, -126),
-    torch.float64: (52, -1022),
-}
+_FLOAT_LAYOUT = {f.torch: (f.mantissa_bits, f.emin) for f in FLOATS.values()}
 
 
 def ulp_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Rounding-order noise (a GEMM tiled differently, a reduction split elsewhere) is a difference of
 roughly one rounding error, amplified by the network: it scales with the dtype's machine epsilon
 ε. A logic difference (a wrong mask, a padding bug, a stale or perturbed cache) does not: it is
-there at any precision. :func:`noise_verdict` runs the same scenario on the same model cast to
+there at any precision. :func:`tracer.pipeline.precision_ladder` runs the same scenario on the same model cast to
 float32 (and float64 on the CPU), measures the divergence D at the logits and at the worst
 decoder layer (the layer with the largest max abs diff in the original run), and compares the
 drop with the drop of ε.
@@ -36,8 +36,6 @@ from tracer.errors import TracerError
 
 NOISE_MIN_EXPONENT = 0.5
 DEFECT_MAX_EXPONENT = 0.25
-#: the precisions a run is re-done at, in order, above the base dtype
-LADDER = ("bfloat16", "float16", "float32", "float64")
 VERDICTS = ("rounding noise", "defect suspected", "inconclusive")
 
 
@@ -90,7 +88,7 @@ class Level:
 
 @dataclass(frozen=True)
 class NoiseVerdict:
-    """Result of :func:`noise_verdict`.
+    """Result of :func:`tracer.pipeline.precision_ladder`.
 
     Attributes:
         verdict: one of :data:`VERDICTS`.
@@ -124,7 +122,8 @@ class NoiseVerdict:
                 "rule": {"noise_min_exponent": NOISE_MIN_EXPONENT, "defect_max_exponent": DEFECT_MAX_EXPONENT}}
 
 
-def _measure(c: Any, layer: str | None) -> tuple[float, float]:
+def measure(c: Any, layer: str | None) -> tuple[float, float]:
+    """``(logits max abs diff, max abs diff at capture point ``layer``)`` of a comparison (NaN where absent)."""
     logits = c.logits.tensor.max_abs_diff if c.logits is not None else math.nan
     lay = next((p.diff.max_abs_diff for p in c.points if p.name == layer), math.nan)
     return float(logits), float(lay)
@@ -175,47 +174,3 @@ def judge(base: Level, others: list[Level]) -> tuple[str, str, tuple[Level, ...]
         return ("rounding noise", f"{nums(top)}: it falls with machine epsilon "
                 f"(scaling exponent >= {NOISE_MIN_EXPONENT} at every precision)", levels)
     return "inconclusive", f"{nums(top)}: between the thresholds ({DEFECT_MAX_EXPONENT}..{NOISE_MIN_EXPONENT})", levels
-
-
-def noise_verdict(model: Any, token_ids: list[int], scenario: Any, base: Any, base_dtype: str,
-                  device: str, dtypes: tuple[str, ...] | None = None) -> NoiseVerdict:
-    """Re-run ``scenario`` on ``model`` at higher precision and judge the base comparison.
-
-    Args:
-        model: the loaded HF model (``base_dtype``); it is cast in place to each dtype and cast
-            back afterwards, whatever happens (an up-cast and back is exact, so its weights are
-            bit-identical afterwards; forward hooks stay attached).
-        token_ids, scenario: what the base run computed.
-        base: the base :class:`~tracer.diff.core.Comparison` (any granularity).
-        base_dtype, device: the model's dtype name and device.
-        dtypes: the re-run dtypes (default :func:`higher_dtypes`).
-
-    Returns:
-        a :class:`NoiseVerdict`.
-
-    Raises:
-        TracerError: no higher precision available on this device.
-    """
-    from tracer.execute.capture import discover_points
-    from tracer.diff.core import compare_records
-    from tracer.execute.runner import execute
-
-    dtypes = dtypes or higher_dtypes(base_dtype, device)
-    layers = [p for p in base.points if p.kind == "layer"]
-    worst = max(layers, key=lambda p: p.diff.max_abs_diff).name if layers else None
-    lb, yb = _measure(base, worst)
-    base_level = Level(base_dtype, epsilon(base_dtype), lb, yb, base.identical)
-    points = discover_points(model, "layers")
-    others = []
-    original = getattr(torch, base_dtype)
-    try:
-        for name in dtypes:
-            model.to(getattr(torch, name))
-            recs = [execute(model, token_ids, plan, points, scenario.window) for plan in (scenario.plan_a, scenario.plan_b)]
-            c = compare_records(recs[0], recs[1], scenario=scenario.name, model=base.model)
-            lg, ly = _measure(c, worst)
-            others.append(Level(name, epsilon(name), lg, ly, c.identical))
-    finally:
-        model.to(original)
-    verdict, reason, levels = judge(base_level, others)
-    return NoiseVerdict(verdict, reason, worst, levels)

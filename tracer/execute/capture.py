@@ -21,7 +21,7 @@ from torch import nn
 
 from tracer.errors import TracerError
 from tracer.load.models import data_dir
-from tracer.execute.records import CaptureRecord
+from tracer.execute.records import CaptureRecord, RunRecord
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -320,12 +320,16 @@ class Capture:
         TracerError: a module output whose sequence dimension does not match the call.
     """
 
-    def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int],
+    def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int] | None,
                  *, keep_on_device: bool = False) -> None:
         self.model = model
         self.keep_on_device = keep_on_device
         self.points = list(points)
-        self.window = (int(window[0]), int(window[1]))
+        #: window None: every forward of the model inside the block is a call of its own (positions
+        #: continue from the KV cache it is given, else from 0) and every position is kept
+        self.auto = window is None
+        self.window = (0, 1 << 62) if window is None else (int(window[0]), int(window[1]))
+        self.token_ids: list[int] = []  # auto: row 0's input ids of every call, in call order
         self._handles: list[Any] = []
         self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
@@ -347,9 +351,13 @@ class Capture:
             except AttributeError:
                 raise TracerError(f"capture point {by_module[path][0].name}: module '{path}' not found in the model") from None
         try:
+            if self.auto:
+                self._handles.append(self.model.register_forward_pre_hook(self._auto_begin, with_kwargs=True))
             for path, pts in by_module.items():
                 handle = modules[path].register_forward_hook(self._make_hook(pts), with_kwargs=True)
                 self._handles.append(handle)
+            if self.auto:  # registered last: runs after every module hook of the call
+                self._handles.append(self.model.register_forward_hook(self._auto_end, with_kwargs=True))
         except BaseException:
             self.remove()
             raise
@@ -376,6 +384,24 @@ class Capture:
             yield
         finally:
             self._call = None
+
+    def _auto_begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Auto mode: declare the call from the model's own inputs (row 0)."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        seq = ids if isinstance(ids, torch.Tensor) else embeds
+        if not isinstance(seq, torch.Tensor) or seq.dim() < 2:
+            return
+        cache = kwargs.get("past_key_values")
+        start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+        n = int(seq.shape[1])
+        if isinstance(ids, torch.Tensor):
+            self.token_ids += [int(i) for i in ids[0].tolist()]
+        self._call = (start, start + n, 0, 0)
+        self._n_tokens = max(self._n_tokens, start + n)
+
+    def _auto_end(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._call = None
 
     def _make_hook(self, pts: list[CapturePoint]):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -537,3 +563,82 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
             event.synchronize()
 
     return out, wait
+
+
+class Captured:
+    """The notebook capture (:func:`tracer.capture`): every forward pass of the model inside the
+    ``with`` block is captured, no other call needed.
+
+    Each forward is a call of its own (positions continue from the KV cache it is given, else start
+    at 0); every position of batch row 0 is kept, in call order. Behaves as a read-only mapping of
+    capture name → :class:`~tracer.execute.records.CaptureRecord` (``.tensor``: ``(T, *feature)``
+    in the model's dtype, on the CPU unless ``keep_on_device``), during and after the block.
+
+    Args:
+        model: an HF causal LM.
+        points: ``layers`` or ``sublayers`` (see :func:`discover_points`, without KV-cache points),
+            or a list of module paths of ``model`` (a path that is also a discovered point keeps
+            its kind and op, any other module is captured at its output).
+
+    Raises:
+        TracerError: unknown granularity, or a module path that is not in the model.
+    """
+
+    def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> None:
+        if isinstance(points, str):
+            pts = discover_points(model, points, kv_cache=False)
+        else:
+            known = {p.name: p for p in discover_points(model, "sublayers", kv_cache=False)}
+            pts = []
+            for name in points:
+                if name in known:
+                    pts.append(known[name])
+                    continue
+                try:
+                    mod = model.get_submodule(name)
+                except AttributeError:
+                    raise TracerError(f"module '{name}' is not in the model; give paths of model.named_modules(), "
+                                      "e.g. model.layers.0.mlp") from None
+                pts.append(CapturePoint(name=name, module=name, kind="module", op=type(mod).__name__))
+        self._capture = Capture(model, pts, None, keep_on_device=keep_on_device)
+        self._records: dict[str, CaptureRecord] | None = None
+
+    def __enter__(self) -> "Captured":
+        self._records = None
+        self._capture.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._capture.__exit__(*exc)
+        self._records = self._capture.records()
+
+    def records(self) -> dict[str, CaptureRecord]:
+        """Capture name → record, in execution order."""
+        return self._records if self._records is not None else self._capture.records()
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Batch row 0's input ids of every captured call, in call order."""
+        return list(self._capture.token_ids)
+
+    def __getitem__(self, name: str) -> CaptureRecord:
+        recs = self.records()
+        if name not in recs:
+            raise KeyError(f"no capture point {name!r}; captured: {', '.join(list(recs)[:6])}, ...")
+        return recs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records())
+
+    def __len__(self) -> int:
+        return len(self.records())
+
+    def keys(self) -> list[str]:
+        """The capture names, in execution order."""
+        return list(self.records())
+
+    def run_record(self, name: str = "A") -> RunRecord:
+        """The capture as a :class:`~tracer.execute.records.RunRecord` (window: every captured position)."""
+        n = len(self._capture.token_ids) or self._capture._n_tokens
+        return RunRecord(name=name, token_ids=self.token_ids, plan={"description": "tracer.capture"},
+                         window=(0, n), captures=self.records(), meta={})

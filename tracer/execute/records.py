@@ -11,10 +11,6 @@ from typing import Any
 
 import torch
 
-#: kinds of capture point at the "layers" granularity, in execution order
-LAYER_KINDS = ("embedding", "layer", "final_norm", "logits")
-
-
 @dataclass
 class CaptureRecord:
     """What one capture point saw during one run.

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tracer.execute.capture import Capture, CapturePoint
+from tracer.load.models import model_device
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.plan.scenarios import Batch, RunPlan, Scenario
@@ -24,18 +25,6 @@ from tracer.plan.scenarios import Batch, RunPlan, Scenario
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's input embedding (where ``input_ids`` must go): its weight's
-    device, or, for a module accelerate offloaded (weight on ``meta``), its execution device."""
-    emb = model.get_input_embeddings()
-    if emb.weight.device.type == "meta":
-        hook = getattr(emb, "_hf_hook", None)
-        device = getattr(hook, "execution_device", None)
-        if device is not None:
-            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
-    return emb.weight.device
 
 
 def _kv_layers(cache: Any) -> list[Any]:
@@ -224,22 +213,32 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     return out
 
 
-def generate_greedy(model: nn.Module, ids: torch.Tensor, plan: RunPlan, out: Any,
-                    capture: Capture | None = None) -> list[int]:
-    """Continue a prefilled run greedily for ``plan.generate`` tokens; return them.
+def greedy(model: nn.Module, ids: torch.Tensor, out: Any, steps: int, *, recompute: bool = False,
+           capture: Capture | None = None) -> list[int]:
+    """Greedy-decode ``steps`` tokens continuing a prefilled run; return them.
 
-    ``out`` is the prefill's model output. Step t ≥ 1 computes position N-1+t: with the KV cache
-    (one token, GEMM M = 1) or, with ``plan.recompute``, the whole sequence of N+t tokens without a
-    cache (only the last position is kept by the hooks).
+    Args:
+        model: the HF causal LM.
+        ids: ``(1, N)`` int64 prompt ids.
+        out: the prefill's model output; its ``past_key_values`` is extended in place.
+        steps: tokens to generate (0 gives ``[]``). The first is the argmax (first index among
+            ties) of the prefill's last logits; step t ≥ 1 computes position N-1+t with the KV cache
+            (one token, GEMM M = 1) or, with ``recompute``, the whole sequence of N+t tokens
+            without a cache.
+        capture: hooks that record each step (only the step's own position is kept), or None.
     """
     n = ids.shape[1]
     dev = model_device(model)
-    gen = [int(out.logits[0, -1].argmax())]
+    gen: list[int] = []
     cache = out.past_key_values
-    for t in range(1, plan.generate):
-        pos = n - 1 + t
-        if plan.recompute:
-            seq = torch.cat([ids.to(dev), torch.tensor([gen], dtype=torch.long, device=dev)], dim=1)  # (1, N+t)
+    logits = out.logits[0, -1]
+    for t in range(steps):
+        gen.append(int(torch.argmax(logits)))
+        if t + 1 == steps:
+            break
+        pos = n + t
+        if recompute:
+            seq = torch.cat([ids.to(dev), torch.tensor([gen], dtype=torch.long, device=dev)], dim=1)  # (1, N+t+1)
             kwargs: dict[str, Any] = {"input_ids": seq, "use_cache": False}
             col = pos
         else:
@@ -248,47 +247,9 @@ def generate_greedy(model: nn.Module, ids: torch.Tensor, plan: RunPlan, out: Any
             col = 0
         ctx = capture.forward_call(pos, pos + 1, 0, col) if capture is not None else contextlib.nullcontext()
         with ctx:
-            out = model(**kwargs)
-        cache = out.past_key_values
-        gen.append(int(out.logits[0, -1].argmax()))
+            step = model(**kwargs)
+        cache, logits = step.past_key_values, step.logits[0, -1]
     return gen
-
-
-def prefill(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
-            capture: Capture | None = None) -> tuple[Any, torch.Tensor]:
-    """Like :func:`forward_chunks`, returning ``(cache, last_logits)``.
-
-    ``last_logits``: ``(V,)`` logits of the last prompt position (model dtype, model device).
-    """
-    out = forward_chunks(model, ids, plan, capture)
-    return out.past_key_values, out.logits[0, -1]
-
-
-def greedy_decode(model: nn.Module, cache: Any, last_logits: torch.Tensor, steps: int) -> list[int]:
-    """Greedy-decode ``steps`` tokens continuing a prefilled KV cache (the cache is extended).
-
-    Args:
-        cache: the KV cache after the prompt's N positions.
-        last_logits: ``(V,)`` logits of position N-1; the first generated token is their argmax.
-        steps: number of tokens to generate (0 gives ``[]``).
-
-    Returns:
-        the generated token ids (``steps`` ints), each the argmax (first index among ties) of the
-        previous step's logits; one ``model(input_ids=(1, 1), past_key_values=cache)`` call per
-        token after the first. No capture hooks record these calls.
-    """
-    tokens: list[int] = []
-    logits = last_logits
-    device = model_device(model)
-    for step in range(steps):
-        tok = int(torch.argmax(logits))
-        tokens.append(tok)
-        if step + 1 == steps:
-            break
-        out = model(input_ids=torch.tensor([[tok]], dtype=torch.long, device=device),
-                    past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[0, -1]
-    return tokens
 
 
 def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
@@ -336,11 +297,11 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                 cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
                               col=b.width - n if b is not None and b.padding == "left" else 0)
             if plan.generate:
-                generated = generate_greedy(model, ids, plan, out, cap)
+                generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)
             _sync(model_device(model))
             wall = time.perf_counter() - t0
             if decode:  # replay: greedy continuation of the final KV cache, not captured
-                tokens = greedy_decode(model, out.past_key_values, out.logits[0, -1], decode)
+                tokens = greedy(model, ids, out, decode)
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
             "gemm_m": plan.gemm_m()}
     if generated is not None:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from tracer import dtypes
+from tracer.dtypes import DTYPES
 from tracer.errors import TracerError
 
 if sys.version_info >= (3, 11):
@@ -43,14 +45,6 @@ if TYPE_CHECKING:
 #: data folder in a checkout → the package it becomes in an installed wheel (see pyproject)
 _DATA_PACKAGES = {"models": "tracer.recipes", "hooks": "tracer.hook_maps"}
 
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32", "fp64": "float64", "double": "float64"}
 
 #: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -214,26 +208,17 @@ def list_models() -> list[dict[str, str]]:
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"``/``"bf16"``/... (or a ``torch.dtype`` from :data:`DTYPES`) → ``torch.dtype``.
+    """``"bfloat16"``/``"bf16"``/... (or a ``torch.dtype`` of :data:`tracer.dtypes.DTYPES`) → ``torch.dtype``.
 
     Raises:
         TracerError: unknown name, listing the valid ones.
     """
-    if isinstance(name, torch.dtype):
-        if name in DTYPES.values():
-            return name
-        name = str(name)
-    key = str(name).strip().lower().removeprefix("torch.")
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPES:
-        valid = ", ".join([*DTYPES, *_DTYPE_ALIASES])
-        raise TracerError(f"unknown dtype {name!r}; valid: {valid}")
-    return DTYPES[key]
+    return dtypes.resolve(name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"`` (the canonical names of :data:`DTYPES`)."""
-    return str(dtype).removeprefix("torch.")
+    """``torch.bfloat16`` → ``"bfloat16"`` (the canonical names of :data:`tracer.dtypes.DTYPES`)."""
+    return dtypes.name_of(dtype)
 
 
 def resolve_device(name: str | None) -> str:
@@ -647,6 +632,18 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 
 
+def model_device(model: Any) -> torch.device:
+    """The device of the model's input embedding (where ``input_ids`` must go): its weight's
+    device, or, for a module accelerate offloaded (weight on ``meta``), its execution device."""
+    emb = model.get_input_embeddings()
+    if emb.weight.device.type == "meta":
+        hook = getattr(emb, "_hf_hook", None)
+        device = getattr(hook, "execution_device", None)
+        if device is not None:
+            return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return emb.weight.device
+
+
 def load_model(
     name: str = "smollm2-135m",
     *,
@@ -808,8 +805,6 @@ def _dispatch(loaded: LoadedModel, device_map: str | dict[str, str], max_memory:
         raise TracerError(f"--device-map could not be applied ({msg[:160]}); the map must place every "
                           "module of the model, e.g. --device-map auto") from None
     from dataclasses import replace as _replace
-
-    from tracer.execute.runner import model_device
 
     info = _replace(loaded.info, device=str(model_device(model)), device_map=dict(device_map))
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)

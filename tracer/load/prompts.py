@@ -1,8 +1,18 @@
-"""The built-in prompt of ``tracer run`` with no ``--prompt``: a few hundred tokens of plain text.
+"""The prompt: the built-in text, the prompt options resolved, and tokenizing to the N token ids.
 
-Long enough to hold several KV blocks of 16 tokens and a non-aligned tail, so the default
+The built-in prompt of ``tracer run`` with no ``--prompt`` is a few hundred tokens of plain text,
+
+long enough to hold several KV blocks of 16 tokens and a non-aligned tail, so the default
 prefix-cache split (the last block boundary below N) leaves a short suffix, as a cache hit does.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tracer.errors import TracerError
 
 DEFAULT_PROMPT = """\
 Serving engines reuse work to answer requests faster. When two requests share a prefix, such as \
@@ -23,3 +33,83 @@ To study this, we run the same prompt twice, once in a single forward pass and o
 prefix followed by the suffix, and compare every layer of the two runs bit for bit. The table shows \
 where the first difference appears, how many elements differ at each layer, and how large the \
 largest difference grows on its way to the logits. Explain in two sentences why the two runs differ."""
+
+
+def check_prompt_sources(prompt: str | None = None, prompt_file: str | None = None,
+                         token_ids: Any = None, token_ids_file: str | None = None) -> None:
+    """Refuse more than one prompt source (nothing is read).
+
+    Raises:
+        TracerError: more than one of text, text file, token ids and token-id file given.
+    """
+    given = [x for x in (prompt, prompt_file, token_ids, token_ids_file) if x is not None]
+    if len(given) > 1:
+        raise TracerError("give only one of --prompt, --prompt-file, --token-ids-file (or token_ids)")
+
+
+def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
+                token_ids_file: str | None = None, token_ids: Any = None) -> tuple[str | None, list[int] | None]:
+    """Resolve the prompt options into ``(text, None)`` or ``(None, token_ids)``.
+
+    Raises:
+        TracerError: more than one source given, unreadable files, malformed token id JSON.
+    """
+    check_prompt_sources(prompt, prompt_file, token_ids, token_ids_file)
+    if token_ids is not None:
+        return None, [int(i) for i in token_ids]
+    if prompt_file is not None:
+        try:
+            return Path(prompt_file).read_text(encoding="utf-8"), None
+        except OSError as e:
+            raise TracerError(f"cannot read --prompt-file {prompt_file}: {e.strerror}; check the path") from None
+    if token_ids_file is not None:
+        try:
+            data = json.loads(Path(token_ids_file).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise TracerError(f"cannot read --token-ids-file {token_ids_file}: {e.strerror}; check the path") from None
+        except json.JSONDecodeError as e:
+            raise TracerError(f"--token-ids-file {token_ids_file} is not JSON ({e.msg} at line {e.lineno}); "
+                              "it must hold a JSON array of ints, e.g. [1, 2, 3]") from None
+        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
+            raise TracerError(f"--token-ids-file {token_ids_file} must hold a JSON array of ints, e.g. [1, 2, 3]")
+        return None, data
+    if prompt is not None:
+        return prompt, None
+    return DEFAULT_PROMPT, None
+
+
+def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, chat: bool,
+             vocab_size: int, length: int | None = None) -> list[int]:
+    """Token ids of the prompt: plain text as-is (no special tokens added), or the chat template.
+
+    ``length`` fixes N: the first ``length`` tokens, the prompt repeated as often as needed to
+    reach it (so any N can be traced with the built-in prompt).
+
+    Raises:
+        TracerError: empty prompt, ids outside the vocabulary, no chat template, length < 2.
+    """
+    if token_ids is None:
+        if chat:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise TracerError("this tokenizer has no chat template; drop --chat")
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            token_ids = [int(i) for i in ids]
+        else:
+            token_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    elif chat:
+        raise TracerError("--chat applies to text prompts, not to --token-ids-file")
+    if not token_ids:
+        raise TracerError("the prompt is empty; give a --prompt with some text or a non-empty --token-ids-file")
+    if length is not None:
+        if length < 2:
+            raise TracerError(f"--length {length} is too short; a comparison needs at least 2 tokens")
+        reps = -(-length // len(token_ids))
+        token_ids = (token_ids * reps)[:length]
+    bad = [i for i in token_ids if not 0 <= i < vocab_size]
+    if bad:
+        raise TracerError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}); "
+                          "the ids were made for another tokenizer")
+    return token_ids

@@ -105,18 +105,18 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     Raises:
         TracerError: bad model/options (as :func:`tracer.api.run`).
     """
-    from tracer.api import run
-    from tracer.execute.capture import discover_points
+    from tracer import pipeline
+    from tracer.config import RunConfig, validate
     from tracer.diff.core import compare_trace
     from tracer.errors import TracerError
-    from tracer.load.models import load_model
-    from tracer.execute.runner import forward_chunks, model_device
-    from tracer.plan.scenarios import prefix_cache
 
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
-    lm = load_model(model, dtype=dtype, device=device, gguf=gguf, progress=False)
+    cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, device=device, gguf=gguf,
+                                          block_size=block_size, granularity=granularity, kv_cache=kv_cache,
+                                          store="none"))
+    lm = pipeline.load(cfg)
     dev = lm.info.device
     own_folder = outdir is None
     folder = Path(outdir or tempfile.mkdtemp(prefix="tracer-bench-"))
@@ -125,29 +125,24 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     scratch = Path(tempfile.mkdtemp(prefix="tracer-bench-", dir=folder)) if not own_folder else folder
     trace = scratch / "bench-trace.h5"
     raw = scratch / "bench-raw.bin"
+    stored = cfg.with_options(store="tensors", output=str(trace), overwrite=True)
 
-    common = dict(loaded=lm, length=length, block_size=block_size, granularity=granularity,
-                  kv_cache=kv_cache, progress=False)
-    first = run(**common, store=False)
-    ids = first.token_ids
+    first = pipeline.run(cfg, lm)
+    ids, scen = first.token_ids, first.scenario
     # how much of the captured data differs: the comparison's float64 work is done only where
     # something differs, so (b) and (d) depend on it
     pts = list(first.comparison.points)
     differing = sum(p.diff.n_diff for p in pts) / max(1, sum(p.diff.n_total for p in pts))
-    scen = prefix_cache(len(ids), block_size=block_size)
-    ids_t = torch.tensor([ids], device=model_device(lm.model))
     del first
 
     def mode_a() -> None:
-        with torch.inference_mode():
-            forward_chunks(lm.model, ids_t, scen.plan_a)
-            forward_chunks(lm.model, ids_t, scen.plan_b)
+        pipeline.run_bare(lm, ids, scen)
 
     def mode_b() -> None:
-        run(**common, store=False)
+        pipeline.run(cfg, lm)
 
     def mode_c() -> None:
-        run(**common, output=str(trace), overwrite=True)
+        pipeline.run(stored, lm)
 
     def mode_d() -> None:
         compare_trace(str(trace), device=dev)
@@ -155,7 +150,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     result = BenchResult(config={"model": model, "length": length, "dtype": dtype, "device": dev,
                                  "granularity": granularity, "kv_cache": kv_cache, "block_size": block_size,
                                  "reps": reps, "warmup": warmup, "differing_fraction": differing,
-                                 "n_points": len(discover_points(lm.model, granularity, kv_cache=kv_cache)),
+                                 "n_points": len(pipeline.capture_points(lm, cfg.capture)),
                                  "folder": str(folder)},
                          times={m: [] for m in MODES})
     if dev.startswith("cuda"):

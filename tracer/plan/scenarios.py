@@ -510,10 +510,11 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
     ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
     ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
-    builder takes the ones it uses, None means its default, and the rest are ignored.
+    builder takes the ones it uses and None means its default; an option it does not use is an error.
 
     Raises:
-        TracerError: unknown scenario name (listing the known ones) or bad parameters.
+        TracerError: unknown scenario name (listing the known ones), an option the scenario does
+            not use, or bad parameters.
     """
     if name not in SCENARIOS:
         raise TracerError(f"unknown scenario '{name}'; use one of: {', '.join(SCENARIOS)}")
@@ -521,6 +522,56 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     accepted = inspect.signature(fn).parameters
     mitigation = params.get("mitigation")
     check_mitigation(mitigation)
+    extra = sorted(k for k, v in params.items() if v is not None and k != "mitigation" and k not in accepted)
+    if extra:
+        valid = ", ".join(p for p in accepted if p not in ("n_tokens", "mitigation")) or "none"
+        raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
     kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
     scen = fn(n_tokens, **kwargs)
     return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
+
+
+def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
+    """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
+
+    Raises:
+        TracerError: bad options, or a callable that does not return a Scenario.
+    """
+    if isinstance(scenario, str):
+        return build(scenario, n_tokens, **options)
+    scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
+    if not isinstance(scen, Scenario):
+        raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
+    return scen
+
+
+def check_resources(scen: Any) -> Any:
+    """Refuse a scenario whose plans need a device or attention implementation this machine lacks.
+
+    Raises:
+        TracerError: naming the missing device or implementation.
+    """
+    from tracer.load import models
+
+    for plan in (scen.plan_a, scen.plan_b):
+        for dev in plan.devices or ():
+            try:
+                models.resolve_device(dev)
+            except TracerError as e:
+                raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
+                                  "pass --devices with two devices it has, e.g. cpu,cpu") from None
+        if plan.attn is not None:
+            models.check_attn(plan.attn)
+    return scen
+
+
+def preview(name: str, n_tokens: int | None, params: dict[str, Any]) -> Scenario:
+    """The scenario as far as it can be built before the prompt is tokenized (every
+    length-independent error): for N when N is known, else for a long prompt without the split point.
+
+    Raises:
+        TracerError: bad options.
+    """
+    if n_tokens is not None:
+        return build(name, n_tokens, **params)
+    return build(name, 100_000, **{k: v for k, v in params.items() if k != "split_at"})

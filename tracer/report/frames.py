@@ -38,3 +38,27 @@ def comparison_frame(comparison: Any):
         rec.setdefault("op", ops[i])
         rec.setdefault("origin", False)
     return pd.DataFrame.from_records(recs).set_index("index")
+
+
+def sweep_frame(result: Any):
+    """One DataFrame row per finished point: the scalar fields plus ``first_divergent_name``.
+
+    Raises:
+        TracerError: pandas is not installed.
+    """
+    pd = pandas()
+    recs = []
+    for r in result.rows:
+        recs.append({
+            "length": r.length, "block_size": r.block_size, "split_at": r.split_at,
+            "n_positions": r.n_positions, "diverged": r.diverged,
+            "first_divergent": result.point_name(r.first_divergent),
+            "first_divergent_index": r.first_divergent,
+            "last_layer_fraction": r.last_layer_fraction,
+            "logits_max_abs_diff": r.logits_max_abs_diff, "argmax_flips": r.argmax_flips,
+            "wall_s": r.wall_s,
+        })
+    return pd.DataFrame.from_records(recs, columns=[
+        "length", "block_size", "split_at", "n_positions", "diverged", "first_divergent",
+        "first_divergent_index", "last_layer_fraction", "logits_max_abs_diff", "argmax_flips", "wall_s"])
+

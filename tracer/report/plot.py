@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
 
 KINDS = ("amplification", "heatmap", "ulp", "sweep")
@@ -29,8 +30,6 @@ SUFFIXES = (".png", ".svg", ".pdf")
 #: labels of the amplification figure's two lines (tests and notebooks find them by label)
 LABEL_ABS, LABEL_FRAC = "max |diff|", "differing fraction"
 _ELEMENTS_PER_CHUNK = 1 << 21
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}
 
 
 def _plt():
@@ -207,7 +206,7 @@ def position_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray,
     if a.shape != b.shape or a.dtype != b.dtype:
         raise TracerError(f"cannot compare {tuple(a.shape)} {a.dtype} with {tuple(b.shape)} {b.dtype}; "
                           "the runs used different models or dtypes")
-    if a.dtype not in _INT_VIEW:
+    if a.dtype not in INT_VIEW:
         raise TracerError(f"unsupported dtype {a.dtype}; use bfloat16, float16, float32 or float64")
     t = a.shape[0] if a.dim() else 1
     a2, b2 = a.reshape(t, -1), b.reshape(t, -1)
@@ -216,7 +215,7 @@ def position_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray,
     mx, nd = np.zeros(t, dtype=np.float64), np.zeros(t, dtype=np.int64)
     for s in range(0, t, step):
         xa, xb = a2[s:s + step], b2[s:s + step]
-        differ = xa.view(_INT_VIEW[a.dtype]) != xb.view(_INT_VIEW[a.dtype])  # (rows, F) bool
+        differ = xa.view(INT_VIEW[a.dtype]) != xb.view(INT_VIEW[a.dtype])  # (rows, F) bool
         d = (xa.double() - xb.double()).abs()
         d = torch.where(differ, torch.nan_to_num(d, nan=float("inf")), torch.zeros_like(d))
         if d.shape[1]:
@@ -411,11 +410,9 @@ def sweep_data(result: Any, block_size: int | None = None) -> dict[str, Any]:
         "logits_max_abs_diff": float64 (L,), "argmax_flips": int (L,), "first_divergent": int (L,)}``
         with lengths sorted ascending.
     """
-    from tracer.loops.sweep import iter_rows
-
     bs = result.params.get("block_sizes") or sorted({r.block_size for r in result.rows})
     b = bs[0] if block_size is None else block_size
-    rows = list(iter_rows(result, b))
+    rows = result.rows_at(b)
     c = len(result.points)
     return {
         "block_size": b,
@@ -563,8 +560,9 @@ def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, d
 
 
 def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, trace: str | None = None,
-               run_names: tuple[str | None, str | None] = (None, None), layers: Sequence[str | int] | None = None):
-    """Dispatch ``kind`` to a figure from whatever is at hand (used by the result objects' ``.plot``).
+               run_names: tuple[str | None, str | None] = (None, None), layers: Sequence[str | int] | None = None,
+               sweep: Any = None):
+    """Dispatch ``kind`` to a figure from whatever is at hand (``tracer.plot`` and ``RunResult.plot``).
 
     Raises:
         TracerError: unknown kind, or a heat map with neither in-memory runs nor a trace.
@@ -583,42 +581,7 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
                     return heatmap_figure(d)
             raise TracerError("a heat map needs the captured tensors: run with store='tensors' (the default)")
         case "sweep":
-            raise TracerError("kind 'sweep' plots a sweep file; use SweepResult.plot() or 'tracer plot SWEEP.h5'")
+            if sweep is None:
+                raise TracerError("kind 'sweep' plots a sweep; pass a SweepResult or a sweep file to tracer.plot")
+            return sweep_figure(sweep)
     raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
-
-
-def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str | os.PathLike | None = None,
-              overwrite: bool = False, layers: Sequence[str] | None = None, run_a: str | None = None,
-              run_b: str | None = None) -> Path:
-    """``tracer plot``: draw ``kind`` from a trace or sweep file and save it.
-
-    Default kind: ``sweep`` for a sweep file, ``amplification`` for a trace. Default output:
-    ``<input stem>-<kind>.png`` beside the input.
-
-    Raises:
-        TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
-    """
-    from tracer.loops.sweep import is_sweep_file, read_sweep
-
-    src = Path(path)
-    if not src.exists():
-        raise TracerError(f"file {src} not found; pass a trace or sweep file")
-    if kind is not None and kind not in KINDS:
-        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
-    is_sweep = is_sweep_file(src)
-    kind = kind or ("sweep" if is_sweep else "amplification")
-    if is_sweep != (kind == "sweep"):
-        raise TracerError(f"--kind {kind} needs a {'sweep file' if kind == 'sweep' else 'trace'}, "
-                          f"but {src} is a {'sweep file' if is_sweep else 'trace'}; "
-                          f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
-    out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
-    if is_sweep:
-        fig = sweep_figure(read_sweep(src))
-    else:
-        from tracer.diff.core import compare_trace
-
-        if kind == "heatmap":
-            fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
-        else:
-            fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
-    return save_figure(fig, out, overwrite=overwrite)

@@ -299,19 +299,19 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """Replace non-finite floats by strings so the document is strict JSON."""
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
 def to_json(c: Comparison) -> str:
-    return json.dumps(_clean(c.to_dict()), indent=2, default=_json_default)
+    return json.dumps(json_safe(c.to_dict()), indent=2, default=_json_default)
 
 
 def render(c: Comparison, fmt: str = "table", console: Console | None = None,
@@ -331,3 +331,50 @@ def render(c: Comparison, fmt: str = "table", console: Console | None = None,
         case "markdown":
             return to_markdown(c)
     raise AssertionError(fmt)
+
+
+def compress_ranges(values: list[int]) -> str:
+    """``[17, 18, 19, 33, 40, 41]`` → ``"17-19, 33, 40-41"`` (sorted)."""
+    vals = sorted(set(values))
+    parts: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        parts.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------- result objects
+
+
+def sweep_summary_lines(result: Any) -> list[str]:
+    """A few lines for people: per block size, which lengths diverge, from where, how much."""
+    lines = []
+    for b in result.params.get("block_sizes", []):
+        rows = [r for r in result.rows if r.block_size == b]
+        if not rows:
+            lines.append(f"block size {b}: no finished points")
+            continue
+        div = [r for r in rows if r.diverged]
+        flips = [r for r in rows if r.argmax_flips]
+        lines.append(f"block size {b}: {len(div)} of {len(rows)} lengths diverge, "
+                     f"{len(flips)} with argmax flips")
+        if div:
+            lines.append(f"  diverging lengths: {compress_ranges([r.length for r in div])}")
+            counts: dict[str, int] = {}
+            for r in div:
+                name = result.point_name(r.first_divergent) or "?"
+                counts[name] = counts.get(name, 0) + 1
+            common = sorted(counts.items(), key=lambda kv: (-kv[1], result.points.index(kv[0]) if kv[0] in result.points else 0))
+            lines.append("  first divergent at: " + ", ".join(f"{n} ({c})" for n, c in common[:6])
+                         + (f", ... ({len(common)} points)" if len(common) > 6 else ""))
+            worst = max(div, key=lambda r: r.logits_max_abs_diff)
+            lines.append(f"  max |logit diff| {worst.logits_max_abs_diff:.4g} at N={worst.length}; "
+                         f"last-layer differing fraction up to {max(r.last_layer_fraction for r in div):.3g}")
+        if flips:
+            lines.append(f"  argmax flips at: {compress_ranges([r.length for r in flips])}")
+    return lines
+

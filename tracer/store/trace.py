@@ -24,6 +24,7 @@ import functools
 import datetime as _dt
 import importlib.metadata
 import json
+import re
 import os
 import platform
 import shutil
@@ -36,6 +37,7 @@ import h5py
 import numpy as np
 import torch
 
+from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 
@@ -48,16 +50,11 @@ COMPRESSIONS = (None, "lzf", "gzip")
 #: target size of one HDF5 chunk (rows along the first axis)
 CHUNK_BYTES = 1 << 20
 
-# dtype name ↔ torch dtype, and how each is laid out on disk
-_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_RAW16 = ("bfloat16", "float16")  # stored as uint16 bit patterns
-_STORED = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "float64": np.float64}
+# the one dtype table (:mod:`tracer.dtypes`): names, on-disk layout (bf16/fp16 as uint16 bit patterns)
+_DTYPES = DTYPES
+_DTYPE_NAMES = {f.torch: n for n, f in FLOATS.items()}
+_RAW16 = tuple(n for n, f in FLOATS.items() if f.raw16)
+_STORED = {n: f.stored for n, f in FLOATS.items()}
 
 
 # ---------------------------------------------------------------- environment header
@@ -639,7 +636,7 @@ class TraceReader:
     @property
     def _f(self) -> h5py.File:
         if self._file is None:
-            raise TracerError(f"trace {self.path} is closed; open it again with read_trace")
+            raise TracerError(f"trace {self.path} is closed; open it again with tracer.read_trace")
         return self._file
 
     def _run_group(self, run: str) -> h5py.Group:
@@ -731,12 +728,33 @@ class TraceReader:
         self.close()
 
 
-def read_trace(path: str | os.PathLike) -> TraceReader:
-    """Open a complete trace for reading (see :class:`TraceReader` for the errors raised)."""
-    return TraceReader(path)
-
-
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "collect_environment", "TraceWriter", "TraceReader",
-    "read_trace", "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
+    "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
 ]
+
+
+def default_output(model: str, scenario: str, root: str | Path = "traces") -> Path:
+    """``traces/<model>-<scenario>-<UTC timestamp>.h5`` (a free name; never an existing file)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{safe}-{scenario}-{stamp}"
+    path, k = base.with_suffix(".h5"), 1
+    while path.exists():
+        path, k = Path(f"{base}-{k}.h5"), k + 1
+    return path
+
+
+def check_output(output: str | Path | None, overwrite: bool) -> None:
+    """Refuse an existing output file (before anything is loaded or run).
+
+    Raises:
+        TracerError: the file exists and ``overwrite`` is False, or it is a directory.
+    """
+    if output is None:
+        return
+    p = Path(output)
+    if p.is_dir():
+        raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
+    if p.exists() and not overwrite:
+        raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")

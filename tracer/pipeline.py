@@ -1,0 +1,375 @@
+"""The one orchestration: a scenario on a loaded model → both runs captured, compared, stored.
+
+Every command goes through these functions (``run``, ``audit``, ``sweep``, the ``--verdict``
+precision ladder and ``bench``)::
+
+    prepare(cfg)               load the model, tokenize the prompt, plan the scenario  → Prepared
+    open_writer(cfg, ...)      the HDF5 trace writer (background thread), or None
+    run_scenario(...)          execute run A and run B with the capture hooks, compare them,
+                               hand both runs (and the comparison) to the writer       → Outcome
+    precision_ladder(...)      the noise-or-defect re-runs at float32/float64, each a run_scenario
+    run(cfg)                   all of the above for one scenario                       → RunResult
+
+The GPU fast path lives here once: on a CUDA device the captures stay on the device and both runs
+are compared there; for a stored trace run A's captures are copied to pinned host memory on a
+side stream while run B executes, and a background thread writes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from dataclasses import replace as _replace
+from pathlib import Path
+from typing import Any, Callable
+
+from tracer.config import CaptureConfig, RunConfig
+from tracer.errors import TracerError
+
+Say = Callable[[str], None]
+
+
+def _quiet(msg: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A loaded model, the prompt's token ids and the planned scenario: what a run needs.
+
+    Attributes:
+        loaded: the :class:`~tracer.load.models.LoadedModel`.
+        token_ids: the prompt, N ints.
+        scenario: the :class:`~tracer.plan.scenarios.Scenario` planned for N tokens.
+    """
+
+    loaded: Any
+    token_ids: list[int]
+    scenario: Any
+
+
+def load(cfg: RunConfig, *, progress: bool = False) -> Any:
+    """Load ``cfg.model`` (:func:`tracer.load.models.load_model`).
+
+    Raises:
+        TracerError: unknown model, missing weights, bad device or device map.
+    """
+    from tracer.load.models import load_model
+
+    m = cfg.model
+    return load_model(m.name, dtype=m.dtype, device=m.device, attn=m.attn, gguf=m.gguf, progress=progress,
+                      device_map=m.device_map, max_memory=m.max_memory)
+
+
+def prompt_ids(cfg: RunConfig, loaded: Any, length: int | None = None) -> list[int]:
+    """The prompt's token ids (``length`` overrides ``cfg.prompt.length``).
+
+    Raises:
+        TracerError: unreadable prompt files, ids outside the vocabulary, empty prompt.
+    """
+    from tracer.load.prompts import read_prompt, tokenize
+
+    p = cfg.prompt
+    text, ids = read_prompt(p.prompt, p.prompt_file, p.token_ids_file, p.token_ids)
+    return tokenize(loaded.tokenizer, text, ids, chat=p.chat, vocab_size=loaded.info.vocab_size,
+                    length=p.length if length is None else length)
+
+
+def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say = _quiet) -> Prepared:
+    """Load (unless ``loaded`` is given), tokenize, and plan the scenario for the prompt's N.
+
+    Raises:
+        TracerError: every bad input the model, the prompt or the scenario reveals.
+    """
+    from tracer.plan.scenarios import check_resources, make_scenario
+
+    if loaded is None:
+        say(f"loading {cfg.model.name}")
+        loaded = load(cfg, progress=progress)
+    ids = prompt_ids(cfg, loaded)
+    scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
+    return Prepared(loaded, ids, scen)
+
+
+def trace_header(info: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
+    model, granularity, dtype, attention, N, store mode, whether KV-cache points were captured and,
+    for one scenario (``scen`` not None), the scenario, its block size and split points; ``extra``
+    is merged in last."""
+    from tracer.store.trace import collect_environment
+
+    facts: dict[str, Any] = {
+        "model": info.to_dict(), "granularity": capture.granularity, "dtype": info.dtype,
+        "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
+        "kv_cache": bool(capture.kv_cache)}
+    if scen is not None:
+        facts.update(scenario=scen.to_dict(), block_size=scen.params.get("block_size", 16),
+                     split_points=[scen.window[0]])
+    return collect_environment(info.device, extra={**facts, **(extra or {})})
+
+
+def open_writer(path: str | Path, header: dict[str, Any], *, overwrite: bool = False,
+                compression: str | None = None) -> Any:
+    """A background :class:`~tracer.store.trace.TraceWriter` on ``path`` (use it as a context manager)."""
+    from tracer.store.trace import TraceWriter
+
+    return TraceWriter(Path(path), header=header, overwrite=overwrite, compression=compression, background=True)
+
+
+@dataclass
+class Outcome:
+    """What :func:`run_scenario` returns.
+
+    Attributes:
+        comparison: the :class:`~tracer.diff.core.Comparison` of run A vs run B.
+        records: both :class:`~tracer.execute.records.RunRecord` (host tensors; no tensors when
+            the run compared online).
+    """
+
+    comparison: Any
+    records: tuple[Any, Any]
+
+
+def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureConfig = CaptureConfig(), *,
+                 writer: Any = None, online: bool = True, names: tuple[str, str] | None = None,
+                 header: dict[str, Any] | None = None, comparison_key: str | None = None,
+                 decode: int = 0, atol: float | None = None, rtol: float | None = None,
+                 trace: str | None = None, points: list[Any] | None = None, say: Say = _quiet) -> Outcome:
+    """Execute both plans of ``scen`` with the capture hooks, compare them and store them.
+
+    Args:
+        loaded: a :class:`~tracer.load.models.LoadedModel`.
+        token_ids: the prompt, N ints.
+        scen: the planned :class:`~tracer.plan.scenarios.Scenario`.
+        capture: granularity, positions (``window``: the scenario's compared window; ``all``:
+            every position 0..N-1) and KV-cache points.
+        writer: a :class:`~tracer.store.trace.TraceWriter` receiving both runs (None: nothing stored).
+        online: compare without keeping tensors for the trace (the writer then gets the runs'
+            token ids, plans and meta only, and the comparison under ``comparison_key``).
+        names: run names in the trace (default: the plans' names ``A``, ``B``).
+        header: the trace header, for the report's facts (default: the model and scenario alone).
+        comparison_key: also store the comparison in the trace under this name.
+        decode: greedy-decode this many tokens from each run's final KV cache (``comparison.replay``).
+        atol, rtol: tolerances counted per capture point.
+        trace: the trace path the comparison names.
+        points: capture points (default :func:`tracer.execute.capture.discover_points`).
+
+    Returns:
+        an :class:`Outcome`.
+
+    Raises:
+        TracerError: a plan the model or machine cannot execute; runs that are not alignable.
+    """
+    from tracer.diff.core import compare_records, replay_diff, run_facts
+    from tracer.execute.capture import host_copies
+    from tracer.execute.runner import execute
+    from tracer.load.models import model_device
+    from tracer.report.tables import json_safe
+
+    model, info = loaded.model, loaded.info
+    if points is None:
+        points = capture_points(loaded, capture)
+    window = (0, len(token_ids)) if capture.positions == "all" else scen.window
+    # on a GPU the captures stay on the device and are compared there, also when the trace stores
+    # tensors: the host gets pinned copies made on a side stream while the next plan runs
+    on_gpu = model_device(model).type == "cuda"
+    records, host_records = [], []
+    for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
+        say(f"run {name}: {plan.description}")
+        keep = (online or on_gpu) and not plan.devices
+        rec = execute(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
+                      meta={"scenario": scen.name, "level": scen.level})
+        rec.name = name
+        if decode:
+            rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"]) if loaded.tokenizer else None
+        records.append(rec)
+        host_rec, wait = rec, None
+        if not online and keep:
+            captures, wait = host_copies(rec.captures)
+            host_rec = _replace(rec, captures=captures)
+        host_records.append(host_rec)
+        if writer is not None:
+            writer.add_run(without_tensors(rec) if online else host_rec, ready=wait)
+    rec_a, rec_b = records
+    header = header or {"model": info.to_dict(), "scenario": scen.to_dict()}
+    comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name, trace=trace,
+                                 facts=run_facts(header, rec_a, rec_b), atol=atol, rtol=rtol)
+    if decode:
+        comparison = _replace(comparison, replay=replay_diff(
+            rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
+            rec_b.meta["decode_text"]))
+    if writer is not None and comparison_key is not None:
+        writer.add_comparison(comparison_key, json_safe(comparison.to_dict()))
+    # online: the device copies have served their purpose; else the host copies (landed: the
+    # writer waited for them) replace the device tensors
+    kept = tuple(without_tensors(r) for r in records) if online else tuple(host_records)
+    return Outcome(comparison, kept)
+
+
+def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
+    """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.capture.discover_points`)."""
+    from tracer.execute.capture import discover_points
+
+    return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
+
+
+def run_bare(loaded: Any, token_ids: list[int], scen: Any) -> None:
+    """Both plans of ``scen`` with no hooks and no comparison: the floor ``tracer bench`` measures
+    tracer against (mode a)."""
+    import torch
+
+    from tracer.execute.runner import forward_chunks, plan_context
+    from tracer.load.models import model_device
+
+    ids = torch.tensor([token_ids], device=model_device(loaded.model))  # (1, N)
+    with torch.inference_mode():
+        for plan in (scen.plan_a, scen.plan_b):
+            with plan_context(loaded.model, plan) as fn:
+                forward_chunks(loaded.model, ids, plan, None, fn)
+
+
+def without_tensors(rec: Any) -> Any:
+    """The run record with its captures dropped (plans, token ids and meta only)."""
+    return _replace(rec, captures={})
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` (and ``tracer.run``) returns.
+
+    Attributes:
+        comparison: the :class:`~tracer.diff.core.Comparison` (the amplification table as data).
+        scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
+        trace: path of the HDF5 trace, or None when nothing was stored.
+        token_ids: the prompt's N token ids.
+        runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
+        model_info: the :class:`~tracer.load.models.ModelInfo` of the model that ran.
+        fail_on: the rule :meth:`check` judges by.
+    """
+
+    comparison: Any
+    scenario: Any
+    trace: str | None
+    token_ids: list[int]
+    runs: tuple[Any, Any] = field(repr=False, default=(None, None))
+    model_info: Any = None
+    fail_on: str | None = None
+
+    def check(self) -> tuple[bool, str]:
+        """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
+        return self.comparison.check(self.fail_on)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The same document as ``tracer run --format json``."""
+        return self.comparison.to_dict()
+
+    def verdict(self) -> str:
+        """One line: bit-identical, or where the runs diverge and how many argmax flips."""
+        return self.comparison.verdict()
+
+    def plot(self, kind: str = "amplification", **kwargs: Any):
+        """A matplotlib Figure (see :func:`tracer.report.plot.figure_for`): ``amplification``,
+        ``heatmap`` or ``ulp``.
+
+        Raises:
+            TracerError: unknown kind, matplotlib missing.
+        """
+        from tracer.report.plot import figure_for
+
+        return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
+
+    def to_pandas(self):
+        """The comparison as a DataFrame, one row per capture point (:func:`tracer.report.frames.comparison_frame`)."""
+        from tracer.report.frames import comparison_frame
+
+        return comparison_frame(self.comparison)
+
+    def _repr_markdown_(self) -> str:  # Jupyter
+        from tracer.report.tables import to_markdown
+
+        return to_markdown(self.comparison)
+
+    def __repr__(self) -> str:
+        return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"
+
+
+def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say = _quiet,
+        default_trace: bool = True) -> RunResult:
+    """Run one scenario end to end: prepare, execute both plans, compare, store, decode, verdict.
+
+    Args:
+        cfg: a validated :class:`~tracer.config.RunConfig` (:func:`tracer.config.validate`).
+        loaded: a loaded model to reuse instead of loading ``cfg.model``.
+        progress: show the model loading's progress bars.
+        say: status callback (one short line per stage).
+        default_trace: with ``store`` tensors/stats and no ``output``, write
+            ``traces/<model>-<scenario>-<timestamp>.h5`` (the CLI); False writes nothing then.
+
+    Raises:
+        TracerError: every bad input found while loading, tokenizing, planning or running.
+    """
+    from tracer.store.trace import default_output
+
+    prep = prepare(cfg, loaded, progress=progress, say=say)
+    info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids
+    st, ch = cfg.store, cfg.checks
+    out = st.output
+    if out is None and st.mode != "none" and default_trace:
+        out = default_output(info.name, scen.name)
+    header = trace_header(info, scen, len(ids), cfg.capture, st.mode)
+    writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
+    online = st.mode != "tensors"
+    with writer if writer is not None else contextlib.nullcontext():
+        outcome = run_scenario(prep.loaded, ids, scen, cfg.capture, writer=writer, online=online, header=header,
+                               comparison_key="A-vs-B" if online else None, decode=ch.decode, atol=ch.atol,
+                               rtol=ch.rtol, trace=str(out) if out else None, say=say)
+        if writer is not None:
+            say(f"writing {out}")
+    comparison = _replace(outcome.comparison, fail_on=ch.fail_on)
+    if ch.verdict:
+        say("verdict: re-running at higher precision")
+        comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison))
+    return RunResult(comparison=comparison, scenario=scen, trace=str(out) if out else None, token_ids=ids,
+                     runs=outcome.records, model_info=info, fail_on=ch.fail_on)
+
+
+def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
+                     dtypes: tuple[str, ...] | None = None) -> Any:
+    """Noise or defect: re-run ``scen`` with the model cast to each higher dtype and judge how the
+    divergence of ``base`` scales with machine epsilon (rule: :mod:`tracer.diff.verdict`).
+
+    The model is cast in place and cast back afterwards, whatever happens (an up-cast and back is
+    exact, so its weights are bit-identical afterwards). Each re-run is a :func:`run_scenario`
+    at ``layers`` granularity, compared online.
+
+    Returns:
+        a :class:`~tracer.diff.verdict.NoiseVerdict`.
+
+    Raises:
+        TracerError: no higher precision on this device.
+    """
+    import torch
+
+    from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, judge, measure
+
+    info, model = loaded.info, loaded.model
+    dtypes = dtypes or higher_dtypes(info.dtype, info.device)
+    layers = [p for p in base.points if p.kind == "layer"]
+    worst = max(layers, key=lambda p: p.diff.max_abs_diff).name if layers else None
+    lb, yb = measure(base, worst)
+    levels = []
+    try:
+        for name in dtypes:
+            model.to(getattr(torch, name))
+            c = run_scenario(loaded, token_ids, scen, CaptureConfig("layers")).comparison
+            lg, ly = measure(c, worst)
+            levels.append(Level(name, epsilon(name), lg, ly, c.identical))
+    finally:
+        model.to(getattr(torch, info.dtype))
+    verdict, reason, judged = judge(Level(info.dtype, epsilon(info.dtype), lb, yb, base.identical), levels)
+    return NoiseVerdict(verdict, reason, worst, judged)
+
+
+__all__ = ["Prepared", "Outcome", "RunResult", "load", "prompt_ids", "prepare", "trace_header", "open_writer",
+           "run_scenario", "without_tensors", "run", "precision_ladder", "TracerError"]

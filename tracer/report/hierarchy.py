@@ -1,0 +1,93 @@
+"""The audit's hierarchy table rendered: rich table, JSON, CSV, markdown (rendering only).
+
+Takes an :class:`~tracer.loops.audit.Audit` (the table as data) and draws it; nothing is computed here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from tracer.plan.hierarchy import SEED_STATUS, invariant
+from tracer.report.tables import _num, check_format, json_safe
+
+
+def _fmt_row(r: Any) -> dict[str, str]:
+    mit = "; ".join(f"{k}: {'restores' if v is True else 'no' if v is False else 'n/a'}" for k, v in r.mitigations.items())
+    holds = {"passed": "yes", "failed": "no", "skipped": "skipped"}[r.status]
+    return {
+        "level": str(r.check.level), "check": r.check.label, "invariant": invariant(r.check), "holds": holds,
+        "last": "-" if r.last_layer is None else f"{r.last_layer[0]:,} / {r.last_layer[1]:,}",
+        "logit": _num(r.max_logit_diff) if r.max_logit_diff is not None else "-",
+        "flips": "-" if r.argmax_flips is None else str(r.argmax_flips),
+        "first": r.first_divergent or ("-" if r.status != "skipped" else (r.reason or "")),
+        "mitigations": mit or "-", "seed": SEED_STATUS[r.check.level],
+    }
+
+
+_COLUMNS = (("level", "level"), ("check", "check"), ("invariant", "invariant"), ("holds", "holds bitwise?"),
+            ("last", "last layer differing"), ("logit", "max abs logit diff"), ("flips", "argmax flips"),
+            ("first", "first divergent (or why skipped)"), ("mitigations", "mitigations"), ("seed", "seed's status"))
+
+
+def _title(a: Any) -> str:
+    f = a.facts
+    dev = f"{f.get('device')} ({f.get('device_name')})" if f.get("device_name") else str(f.get("device"))
+    return f"determinism audit · model {a.model} · {f.get('dtype')} · {dev} · {f.get('n_tokens')} tokens · torch {f.get('torch')}"
+
+
+def _summary(a: Any) -> str:
+    c = a.counts()
+    return f"{c['total']} checks: {c['passed']} hold bitwise, {c['failed']} diverge, {c['skipped']} skipped"
+
+
+def print_audit(a: Any, console: Any = None) -> None:
+    """The hierarchy table as a rich table, the summary line and the trace path."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=_title(a), title_justify="left", header_style="bold", show_lines=False)
+    for key, head in _COLUMNS:
+        t.add_column(head, overflow="fold", no_wrap=key in ("level", "holds", "flips"))
+    for r in a.rows:
+        cells = _fmt_row(r)
+        style = {"passed": "green", "failed": "red", "skipped": "dim"}[r.status]
+        t.add_row(*(cells[k] for k, _ in _COLUMNS), style=style)
+    console.print(t)
+    console.print(_summary(a), highlight=False)
+    if a.trace:
+        console.print(f"trace: {a.trace}", style="dim", highlight=False)
+
+
+def render_audit(a: Any, fmt: str = "table", console: Any = None) -> str | None:
+    """Render an audit as ``table`` (printed; returns None), ``json``, ``csv`` or ``markdown``.
+
+    Raises:
+        TracerError: unknown format.
+    """
+    match check_format(fmt):
+        case "table":
+            print_audit(a, console)
+            return None
+        case "json":
+            return json.dumps(json_safe(a.to_dict()), indent=2, default=str)
+        case "csv":
+            buf = io.StringIO()
+            rows = [r.to_dict() for r in a.rows]
+            w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["key"], lineterminator="\n")
+            w.writeheader()
+            for r in rows:
+                w.writerow({k: json.dumps(v) if isinstance(v, dict) else ("" if v is None else v) for k, v in r.items()})
+            return buf.getvalue()
+        case "markdown":
+            lines = [f"**{_title(a)}**", "", "| " + " | ".join(h for _, h in _COLUMNS) + " |",
+                     "|" + "---|" * len(_COLUMNS)]
+            for r in a.rows:
+                cells = _fmt_row(r)
+                lines.append("| " + " | ".join(cells[k].replace("|", "\\|") for k, _ in _COLUMNS) + " |")
+            lines += ["", _summary(a)]
+            return "\n".join(lines) + "\n"
+    raise AssertionError(fmt)

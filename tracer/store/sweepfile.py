@@ -1,0 +1,325 @@
+"""Sweep files: one scenario over many prompt lengths × KV block sizes, one summary row per point.
+
+A sweep file (``format = "tracer-sweep"``, specified in ``traces/README.md``) holds the sweep's
+parameters, the capture point names, and per finished point a row of scalars plus per-point
+differing counts and max |diff|; each row is flushed as it finishes, so an interrupted sweep
+resumes where it stopped. :class:`SweepResult` is the file's content as data.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tracer.errors import TracerError
+
+FORMAT = "tracer-sweep"
+FORMAT_VERSION = 1
+READ_VERSIONS = (1,)
+#: per-row 1-D datasets of ``/sweep`` (name → numpy dtype)
+ROW_FIELDS = {
+    "length": np.int64,            # N, prompt tokens
+    "block_size": np.int64,        # KV block size in tokens
+    "split_at": np.int64,          # P, first compared position
+    "n_positions": np.int64,       # N - P compared positions
+    "first_divergent": np.int64,   # index into the `points` attribute; -1 = bit-identical
+    "last_layer_fraction": np.float64,  # differing fraction of the last decoder layer output
+    "logits_max_abs_diff": np.float64,  # max |logit_A - logit_B| over the compared positions
+    "argmax_flips": np.int64,      # compared positions whose top-1 token differs
+    "wall_s": np.float64,          # seconds this point took (not part of the result)
+}
+#: per-row 2-D datasets of ``/sweep``, one column per capture point (logits last)
+MATRIX_FIELDS = {"n_diff": np.int64, "n_total": np.int64, "max_abs_diff": np.float64}
+
+
+# ---------------------------------------------------------------- parsing the axes
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """The summary of one sweep point (one prompt length at one block size).
+
+    Attributes:
+        length: N, prompt tokens. block_size: KV block size. split_at: P (compared: P..N-1).
+        n_positions: N - P.
+        first_divergent: index into :attr:`SweepResult.points` of the first capture point that
+            differs bitwise (-1: all bit-identical).
+        n_diff, n_total, max_abs_diff: per capture point (logits last), as in the comparison.
+        last_layer_fraction: differing fraction of the last decoder layer's output.
+        logits_max_abs_diff: max |logit diff| (0.0 when identical; ``inf`` for NaN/inf mismatches).
+        argmax_flips: number of compared positions whose top-1 token differs.
+        wall_s: seconds the point took (excluded from equality checks of results).
+    """
+
+    length: int
+    block_size: int
+    split_at: int
+    n_positions: int
+    first_divergent: int
+    n_diff: tuple[int, ...]
+    n_total: tuple[int, ...]
+    max_abs_diff: tuple[float, ...]
+    last_layer_fraction: float
+    logits_max_abs_diff: float
+    argmax_flips: int
+    wall_s: float = field(default=0.0, compare=False)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first_divergent >= 0
+
+
+@dataclass
+class SweepResult:
+    """A sweep: its parameters, capture point names, and one :class:`SweepRow` per finished point.
+
+    Attributes:
+        params: the sweep parameters (model, scenario, lengths, block_sizes, ...), as stored.
+        points: capture point names in execution order, logits last (the columns of
+            ``n_diff``/``max_abs_diff``); empty before the first point finished.
+        kinds: the capture kinds of ``points``.
+        rows: finished points in the order they ran (block size outer, length inner).
+        path: the sweep file, or None.
+        complete: every planned point has a row.
+    """
+
+    params: dict[str, Any]
+    points: list[str]
+    kinds: list[str]
+    rows: list[SweepRow]
+    path: str | None = None
+    complete: bool = False
+
+    def diverging_lengths(self, block_size: int | None = None) -> list[int]:
+        """Prompt lengths whose runs differ anywhere (at ``block_size``, default: any)."""
+        return [r.length for r in self.rows if r.diverged and (block_size is None or r.block_size == block_size)]
+
+    def point_name(self, index: int) -> str | None:
+        return self.points[index] if 0 <= index < len(self.points) else None
+
+    def rows_at(self, block_size: int | None = None) -> list[SweepRow]:
+        """Rows at ``block_size`` (all when None), sorted by block size, then length."""
+        return sorted((r for r in self.rows if block_size is None or r.block_size == block_size),
+                      key=lambda r: (r.block_size, r.length))
+
+    def __repr__(self) -> str:
+        n_div = sum(r.diverged for r in self.rows)
+        return f"SweepResult({len(self.rows)} points, {n_div} diverge, path={self.path!r})"
+
+
+def default_output(model: str, scenario: str, root: str | Path = "traces") -> Path:
+    """``traces/sweep-<model>-<scenario>.h5``: a fixed name, so re-running a sweep resumes it."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    return Path(root) / f"sweep-{safe}-{scenario}.h5"
+
+
+def _describe_diff(old: dict, new: dict) -> str:
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+    def show(v: Any) -> str:
+        if isinstance(v, list) and len(v) > 6:
+            return f"[{compress_ranges(v) if all(isinstance(x, int) for x in v) else '...'}]"
+        return json.dumps(v)
+
+    return "; ".join(f"{k} {show(old.get(k))} in the file vs {show(new.get(k))} now" for k in keys[:3])
+
+
+class SweepFile:
+    """An open sweep file: created, or reopened to resume; appends one row per finished point.
+
+    Raises:
+        TracerError: the path is a directory, an existing file is not a sweep (or a version
+            this tracer does not read), or it holds a sweep with other parameters.
+    """
+
+    def __init__(self, path: str | Path, params: dict[str, Any], header: dict[str, Any], *,
+                 overwrite: bool = False) -> None:
+        import h5py
+
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise TracerError(f"--output {self.path} is a directory; give a file path ending in .h5")
+        if self.path.exists() and overwrite:
+            self.path.unlink()
+        if self.path.exists():
+            self.f = _open_sweep(self.path, "a")
+            g = self.f["sweep"]
+            old = json.loads(g.attrs["params"])
+            if old != params:
+                self.f.close()
+                raise TracerError(
+                    f"{self.path} holds a sweep with other parameters ({_describe_diff(old, params)}); "
+                    "re-run with the same options to resume it, choose another --output, or pass --overwrite to start over")
+            n = int(g.attrs["n_done"])
+            for name in (*ROW_FIELDS, *MATRIX_FIELDS):  # drop a half-written row of a killed run
+                if name in g and g[name].shape[0] != n:
+                    g[name].resize(n, axis=0)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.f = h5py.File(self.path, "w")
+            from tracer import __version__
+
+            self.f.attrs["format"] = FORMAT
+            self.f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            self.f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            self.f.attrs["tool_version"] = __version__
+            self.f.attrs["complete"] = False
+            self.f.create_group("header").attrs["json"] = json.dumps(header, default=str)
+            g = self.f.create_group("sweep")
+            g.attrs["params"] = json.dumps(params)
+            g.attrs["points"] = json.dumps([])
+            g.attrs["kinds"] = json.dumps([])
+            g.attrs["n_done"] = np.int64(0)
+            self.f.flush()
+        self.params = params
+
+    @property
+    def group(self):
+        return self.f["sweep"]
+
+    def result(self) -> SweepResult:
+        return _result_from_file(self.f, str(self.path))
+
+    def done(self) -> set[tuple[int, int]]:
+        """The ``(length, block_size)`` pairs already stored."""
+        g = self.group
+        n = int(g.attrs["n_done"])
+        if n == 0:
+            return set()
+        return set(zip((int(x) for x in g["length"][:n]), (int(x) for x in g["block_size"][:n])))
+
+    def append(self, row: SweepRow, names: list[str], kinds: list[str], runs_from: Path | None = None) -> None:
+        """Append one finished point and flush; the runs of trace ``runs_from`` are copied in when given.
+
+        Raises:
+            TracerError: the point's capture points differ from the earlier points'.
+        """
+        g = self.group
+        n = int(g.attrs["n_done"])
+        points = json.loads(g.attrs["points"])
+        if n == 0:
+            g.attrs["points"] = json.dumps(names)
+            g.attrs["kinds"] = json.dumps(kinds)
+            c = len(names)
+            for name, dt in ROW_FIELDS.items():
+                g.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
+            for name, dt in MATRIX_FIELDS.items():
+                g.create_dataset(name, shape=(0, c), maxshape=(None, c), dtype=dt, chunks=(64, c))
+        elif points != names:
+            raise TracerError(f"N={row.length} captured {len(names)} points but earlier points captured "
+                              f"{len(points)} (another model, granularity or tracer version?); pass --overwrite to start the sweep over")
+        values = {f: getattr(row, f) for f in (*ROW_FIELDS, *MATRIX_FIELDS)}
+        for name in (*ROW_FIELDS, *MATRIX_FIELDS):
+            ds = g[name]
+            ds.resize(n + 1, axis=0)
+            ds[n] = values[name]
+        if runs_from is not None:
+            import h5py
+
+            key = f"N{row.length}_b{row.block_size}"
+            tensors = self.f.require_group("tensors")
+            if key in tensors:  # left by a killed run
+                del tensors[key]
+            with h5py.File(runs_from, "r") as src:
+                src.copy(src["runs"], tensors, name=key)
+        g.attrs["n_done"] = np.int64(n + 1)  # the row counts only once this is written
+        self.f.flush()
+
+    def finish(self, complete: bool) -> None:
+        if complete:
+            self.f.attrs["complete"] = True
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+
+
+def _open_sweep(path: Path, mode: str):
+    import h5py
+
+    try:
+        f = h5py.File(path, mode)
+    except OSError:
+        f = None
+        if mode == "r":  # a running sweep holds the write lock; its flushed rows are still readable
+            try:
+                f = h5py.File(path, mode, locking=False)
+            except (OSError, TypeError):
+                f = None
+        if f is None:
+            raise TracerError(f"cannot open {path}: another sweep is writing it, or it is not HDF5 (truncated or "
+                              "corrupt?); wait for that sweep, choose another --output, or pass --overwrite") from None
+    if f.attrs.get("format") != FORMAT:
+        f.close()
+        raise TracerError(f"{path} is not a tracer sweep file (no format={FORMAT!r} attribute); "
+                          "choose another --output")
+    try:
+        version = int(f.attrs.get("format_version"))
+    except (TypeError, ValueError):
+        version = None
+    if version not in READ_VERSIONS:
+        f.close()
+        raise TracerError(f"{path} has sweep format_version {version}; this tracer reads "
+                          f"{', '.join(map(str, READ_VERSIONS))}; use a matching tracer")
+    return f
+
+
+def _result_from_file(f: Any, path: str) -> SweepResult:
+    g = f["sweep"]
+    n = int(g.attrs["n_done"])
+    cols = {name: (g[name][:n] if name in g else np.zeros((0,))) for name in (*ROW_FIELDS, *MATRIX_FIELDS)}
+    rows = []
+    for i in range(n):
+        rows.append(SweepRow(
+            length=int(cols["length"][i]), block_size=int(cols["block_size"][i]),
+            split_at=int(cols["split_at"][i]), n_positions=int(cols["n_positions"][i]),
+            first_divergent=int(cols["first_divergent"][i]),
+            n_diff=tuple(int(x) for x in cols["n_diff"][i]), n_total=tuple(int(x) for x in cols["n_total"][i]),
+            max_abs_diff=tuple(float(x) for x in cols["max_abs_diff"][i]),
+            last_layer_fraction=float(cols["last_layer_fraction"][i]),
+            logits_max_abs_diff=float(cols["logits_max_abs_diff"][i]),
+            argmax_flips=int(cols["argmax_flips"][i]), wall_s=float(cols["wall_s"][i]),
+        ))
+    return SweepResult(params=json.loads(g.attrs["params"]), points=json.loads(g.attrs["points"]),
+                       kinds=json.loads(g.attrs["kinds"]), rows=rows, path=path,
+                       complete=bool(f.attrs.get("complete", False)))
+
+
+def read_sweep(path: str | Path) -> SweepResult:
+    """Read a sweep file (finished or not) into a :class:`SweepResult`.
+
+    Raises:
+        TracerError: missing file, not a sweep file, unknown format version.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise TracerError(f"sweep file {p} not found")
+    f = _open_sweep(p, "r")
+    try:
+        return _result_from_file(f, str(p))
+    finally:
+        f.close()
+
+
+def is_sweep_file(path: str | Path) -> bool:
+    """True if ``path`` is an HDF5 file with ``format = "tracer-sweep"``."""
+    import h5py
+
+    try:
+        with h5py.File(path, "r") as f:
+            return f.attrs.get("format") == FORMAT
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- running a sweep
+
+
