@@ -170,8 +170,14 @@ class RunConfig:
         return RunConfig.from_options(**{**{k: v for k, v in self.flat().items() if v is not None}, **options})
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for a trace header (JSON-serialisable where the values are)."""
-        return {k: v for k, v in self.flat().items() if v is not None and not callable(v)}
+        """The options that were set, as JSON data (the trace header's ``options``); a Scenario object or
+        builder given as ``scenario`` is named by its type, token ids are left out (the runs hold them)."""
+        out: dict[str, Any] = {}
+        for k, v in self.flat().items():
+            if v is None or k == "token_ids":
+                continue
+            out[k] = v if isinstance(v, (str, int, float, bool, list, tuple, dict)) else type(v).__name__
+        return out
 
 
 def _normalise(key: str, value: Any) -> Any:
@@ -339,7 +345,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     pr = cfg.prompt
-    check_prompt_sources(pr.prompt, pr.prompt_file, pr.token_ids, pr.token_ids_file)
+    check_prompt_sources(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:

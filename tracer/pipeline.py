@@ -165,7 +165,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.execute.capture import host_copies
     from tracer.execute.runner import execute
     from tracer.load.models import model_device
-    from tracer.report.tables import json_safe
+    from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
     if points is None:
@@ -317,7 +317,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     out = st.output
     if out is None and st.mode != "none" and default_trace:
         out = default_output(info.name, scen.name)
-    header = trace_header(info, scen, len(ids), cfg.capture, st.mode)
+    header = trace_header(info, scen, len(ids), cfg.capture, st.mode, extra={"options": cfg.to_dict()})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"
     with writer if writer is not None else contextlib.nullcontext():

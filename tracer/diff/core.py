@@ -14,7 +14,7 @@ import torch
 
 from tracer.diff.dataflow import Consumes, dataflow
 from tracer.errors import TracerError
-from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
+from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, amplification, logits_diff
 from tracer.execute.records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
@@ -90,7 +90,9 @@ class Comparison:
         logits_name: the logits capture point (HF path of the LM head), or None if not captured.
         logits: :class:`~tracer.diff.metrics.LogitsDiff` of the logits, or None.
         trace: the trace file path, if stored.
-        facts: short facts for the report header (dtype, device, plans).
+        facts: short facts for the report header (:func:`run_facts`).
+        logits_amplification: the logits' max abs diff over the first divergent point's (None
+            when nothing before the logits differs).
     """
 
     scenario: str
@@ -111,6 +113,7 @@ class Comparison:
     replay: Any = None
     noise: Any = None
     fail_on: str | None = None
+    logits_amplification: float | None = None
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -336,18 +339,18 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     for index, name, kind, op, ca, cb, rows in queued:
         d = diffs[index]
         n_prefix = None if rows is None else (batch.n_diff_before(index) if rows else 0)
-        amp = None
         if first_max is None and d.n_diff > 0:
             first_max = d.max_abs_diff
-        if first_max is not None:
-            amp = d.max_abs_diff / first_max if first_max > 0 else None
+        amp = None if first_max is None else amplification(first_max, d.max_abs_diff)
         n_tol = batch.outside_tolerance(index) if tol is not None else None
         points.append(PointResult(name=name, kind=kind, op=op, diff=d, amplification=amp,
                                   calls_a=ca, calls_b=cb, n_diff_prefix=n_prefix, n_outside_tol=n_tol))
     c = Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
                    run_b=run_b, points=tuple(points), logits_name=logits_name, logits=logits,
                    logits_calls=logits_calls, trace=trace, facts=dict(facts or {}),
-                   logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol)
+                   logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol,
+                   logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
+                   if logits is not None and first_max is not None else None)
     return classify_origins(c)
 
 
@@ -362,8 +365,8 @@ def _growth(points: list[PointResult]) -> list[float | None]:
         if owner is not None and layers.index(owner) > 0:
             prev_layer = layers[layers.index(owner) - 1]
             prev = by_name.get(prev_layer + p.name[len(owner):])
-            if prev is not None and prev.diff.max_abs_diff > 0:
-                g = p.diff.max_abs_diff / prev.diff.max_abs_diff
+            if prev is not None:
+                g = amplification(prev.diff.max_abs_diff, p.diff.max_abs_diff)
         out.append(g)
     return out
 

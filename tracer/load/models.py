@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from tracer import dtypes
-from tracer.dtypes import DTYPES
 from tracer.errors import TracerError
 
 if sys.version_info >= (3, 11):
@@ -662,7 +661,7 @@ def load_model(
     Args:
         name: a built-in recipe (:func:`list_models`), a directory with ``config.json``, or an HF
             id in the local cache. Recipe names win over same-named directories (use ``./name``).
-        dtype: parameter dtype (:data:`DTYPES` or alias); non-persistent float buffers such as
+        dtype: parameter dtype (:data:`tracer.dtypes.DTYPES` or alias); non-persistent float buffers such as
             rotary ``inv_freq`` stay float32, as ``from_pretrained`` leaves them.
         device: ``cpu``, ``cuda``, ``cuda:N``, ``mps``; None → cuda if available else cpu.
         attn: attention implementation (:func:`check_attn`).

@@ -36,7 +36,7 @@ largest difference grows on its way to the logits. Explain in two sentences why 
 
 
 def check_prompt_sources(prompt: str | None = None, prompt_file: str | None = None,
-                         token_ids: Any = None, token_ids_file: str | None = None) -> None:
+                         token_ids_file: str | None = None, token_ids: Any = None) -> None:
     """Refuse more than one prompt source (nothing is read).
 
     Raises:
@@ -54,7 +54,7 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
     Raises:
         TracerError: more than one source given, unreadable files, malformed token id JSON.
     """
-    check_prompt_sources(prompt, prompt_file, token_ids, token_ids_file)
+    check_prompt_sources(prompt, prompt_file, token_ids_file, token_ids)
     if token_ids is not None:
         return None, [int(i) for i in token_ids]
     if prompt_file is not None:

@@ -12,16 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
-from tracer.report.tables import compress_ranges
-from tracer.store.sweepfile import (MATRIX_FIELDS, ROW_FIELDS, SweepFile, SweepResult, SweepRow, default_output,
-                                    is_sweep_file, read_sweep)
+from tracer.store.sweepfile import (MATRIX_FIELDS, ROW_FIELDS, SweepFile, SweepResult, SweepRow, compress_ranges,
+                                    default_output, is_sweep_file, read_sweep)
 
 def parse_int_list(spec: str, what: str = "--lengths") -> list[int]:
     """Expand ``"17:512"``, ``"16:1024:8"``, ``"100,200,300"`` or a mix (``"17:64,100"``).

@@ -23,21 +23,31 @@ def pandas():
 def comparison_frame(comparison: Any):
     """One row per capture point in execution order, the logits last: the report's columns
     (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
-    ``index`` and ``op``.
+    ``index``, ``op`` and ``shapes_a``/``shapes_b``: the shapes the op saw in each run for the
+    compared positions (``M 18 K 576 N 1536`` for a Linear; :func:`tracer.diff.core.call_shapes`).
 
     Raises:
         TracerError: pandas is not installed.
     """
     pd = pandas()
+    from tracer.diff.core import call_shapes
     from tracer.report.tables import rows
 
     recs = rows(comparison)
     ops = [p.op for p in comparison.points] + ([""] if comparison.logits is not None else [])
+    shapes = [(call_shapes(p, p.calls_a, comparison.positions), call_shapes(p, p.calls_b, comparison.positions))
+              for p in comparison.points] + ([({}, {})] if comparison.logits is not None else [])
     for i, rec in enumerate(recs):
         rec.setdefault("index", i)
         rec.setdefault("op", ops[i])
         rec.setdefault("origin", False)
+        rec["shapes_a"], rec["shapes_b"] = (_shape_text(s) for s in shapes[i])
     return pd.DataFrame.from_records(recs).set_index("index")
+
+
+def _shape_text(shape: dict) -> str:
+    """``{"M": 18, "K": 576, "N": 1536}`` → ``M 18 K 576 N 1536`` ("" when unknown)."""
+    return " ".join(f"{k} {v}" for k, v in shape.items())
 
 
 def sweep_frame(result: Any):

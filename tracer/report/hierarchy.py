@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
-from tracer.report.tables import _num, check_format, json_safe
+from tracer.report.tables import _num, check_format
+from tracer.store.trace import json_safe
 
 
 def _fmt_row(r: Any) -> dict[str, str]:

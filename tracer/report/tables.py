@@ -18,6 +18,8 @@ from rich.text import Text
 
 from tracer.diff.core import Comparison
 from tracer.errors import TracerError
+from tracer.store.sweepfile import compress_ranges
+from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
 
 FORMATS = ("table", "json", "csv", "markdown")
@@ -85,10 +87,8 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
                 n_outside_tol=p.n_outside_tol) for p in c.points]
     if c.logits is not None:
-        d = c.logits.tensor
-        first_max = next((p.diff.max_abs_diff for p in c.points if p.diverged), None)
-        out.append(_row(f"{c.logits_name} (logits)", "logits", d, origin=c.logits_origin,
-                        amplification=(d.max_abs_diff / first_max) if first_max else None,
+        out.append(_row(f"{c.logits_name} (logits)", "logits", c.logits.tensor, origin=c.logits_origin,
+                        amplification=c.logits_amplification,
                         n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips)))
     return out
 
@@ -299,17 +299,6 @@ def _json_default(x: Any) -> Any:
     return str(x)
 
 
-def json_safe(x: Any) -> Any:
-    """Replace non-finite floats by strings so the document is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x
-
-
 def to_json(c: Comparison) -> str:
     return json.dumps(json_safe(c.to_dict()), indent=2, default=_json_default)
 
@@ -331,23 +320,6 @@ def render(c: Comparison, fmt: str = "table", console: Console | None = None,
         case "markdown":
             return to_markdown(c)
     raise AssertionError(fmt)
-
-
-def compress_ranges(values: list[int]) -> str:
-    """``[17, 18, 19, 33, 40, 41]`` → ``"17-19, 33, 40-41"`` (sorted)."""
-    vals = sorted(set(values))
-    parts: list[str] = []
-    i = 0
-    while i < len(vals):
-        j = i
-        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
-            j += 1
-        parts.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
-# ---------------------------------------------------------------- result objects
 
 
 def sweep_summary_lines(result: Any) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +117,23 @@ def default_output(model: str, scenario: str, root: str | Path = "traces") -> Pa
     """``traces/sweep-<model>-<scenario>.h5``: a fixed name, so re-running a sweep resumes it."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
     return Path(root) / f"sweep-{safe}-{scenario}.h5"
+
+
+def compress_ranges(values: list[int]) -> str:
+    """``[17, 18, 19, 33, 40, 41]`` → ``"17-19, 33, 40-41"`` (sorted)."""
+    vals = sorted(set(values))
+    parts: list[str] = []
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        parts.append(str(vals[i]) if i == j else f"{vals[i]}-{vals[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------- result objects
 
 
 def _describe_diff(old: dict, new: dict) -> str:

@@ -24,6 +24,7 @@ import functools
 import datetime as _dt
 import importlib.metadata
 import json
+import math
 import re
 import os
 import platform
@@ -728,10 +729,17 @@ class TraceReader:
         self.close()
 
 
-__all__ = [
-    "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "collect_environment", "TraceWriter", "TraceReader",
-    "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
-]
+
+
+def json_safe(x: Any) -> Any:
+    """Replace non-finite floats by strings so the document is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def default_output(model: str, scenario: str, root: str | Path = "traces") -> Path:
@@ -758,3 +766,10 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
         raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
     if p.exists() and not overwrite:
         raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
+
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "collect_environment", "TraceWriter", "TraceReader",
+    "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
+    "json_safe", "default_output", "check_output",
+]

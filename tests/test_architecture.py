@@ -1,0 +1,150 @@
+"""The pipeline's shape: no import cycle inside ``tracer/`` (function-local imports counted), no
+function over 120 lines, importing ``tracer`` loads no heavy library, and the public API shows
+real signatures."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "tracer"
+MAX_FUNCTION_LINES = 120
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _resolve(target: str, mods: dict[str, Path]) -> str | None:
+    """The module of ours an import names (``tracer.x.y.Name`` → ``tracer.x.y``), or None."""
+    while target and target not in mods:
+        target = target.rpartition(".")[0]
+    return target if target and target != "tracer" else None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → modules of ``tracer`` it imports anywhere in its body (functions included)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                targets = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                r = _resolve(t, mods)
+                if r is not None and r != mod:
+                    graph[mod].add(r)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_detector_finds_a_planted_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_function_local_imports_included():
+    graph = import_graph()
+    assert len(graph) > 20 and graph["tracer.pipeline"], "the walk must see the package"
+    assert "tracer.diff.core" in graph["tracer.pipeline"]  # a function-local import is an edge
+    assert cycles(graph) == []
+
+
+def test_stages_depend_downward():
+    order = ["tracer.errors", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.store",
+             "tracer.diff", "tracer.report", "tracer.config", "tracer.pipeline", "tracer.loops", "tracer.api",
+             "tracer.cli"]
+
+    def rank(mod: str) -> int:
+        return max(i for i, stage in enumerate(order) if mod == stage or mod.startswith(stage + "."))
+
+    upward = [(m, t) for m, ts in import_graph().items() if m not in ("tracer", "tracer.__main__")
+              for t in ts if rank(t) > rank(m)]
+    assert upward == []
+
+
+def test_no_function_over_the_limit():
+    long = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name} ({n} lines)")
+    assert long == []
+
+
+def test_import_tracer_loads_no_heavy_library():
+    code = "import sys, tracer; print(sorted(m for m in ('torch', 'transformers', 'h5py', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout.strip()
+    assert out == "[]"
+
+
+@pytest.mark.parametrize("name, must", [
+    ("run", ("scenario", "tp", "granularity", "store", "fail_on", "verdict", "length")),
+    ("audit", ("levels", "length", "granularity", "tp")),
+    ("sweep", ("lengths", "block_sizes", "scenario", "granularity")),
+    ("compare", ("a", "b", "atol")),
+    ("capture", ("model", "points")),
+])
+def test_public_api_has_real_signatures(name, must):
+    import tracer
+
+    params = inspect.signature(getattr(tracer, name)).parameters
+    assert all(m in params for m in must)
+    assert not any(p.kind == p.VAR_KEYWORD for p in params.values())
