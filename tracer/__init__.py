@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["run", "read_trace", "compare_trace", "load_model", "sweep", "read_sweep", "TracerError", "__version__"]
+__all__ = ["run", "read_trace", "compare_trace", "compare", "import_dump", "write_sglang_dump", "load_model", "sweep",
+           "read_sweep", "TracerError", "__version__"]
 
 from .errors import TracerError
 
@@ -38,6 +39,44 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None)
     from .compare import compare_trace as _ct
 
     return _ct(path, run_a, run_b)
+
+
+def compare(a: str, b: str, *, engine_map: str | None = None, atol: float | None = None,
+            rtol: float | None = None, device: str | None = None):
+    """Compare run ``a`` (``TRACE[:RUN]``) with ``b``: another ``TRACE[:RUN]``, or an engine dump
+    (SGLang dumper folder, ``PassN.pt`` folder, ``.safetensors``/``.npz``, or a trace written by
+    :func:`import_dump`), mapped onto ``a``'s HF capture points (``engine_map``: a TOML map merged
+    over the built-in one). Returns a :class:`tracer.compare.Comparison`; see
+    :func:`tracer.compare_dump.compare_dump` and :func:`tracer.compare.compare_runs`.
+
+    Raises:
+        TracerError: a bad trace or dump (one line).
+    """
+    from .compare import compare_runs, resolve_refs
+    from .compare_dump import compare_dump, dump_side
+
+    dump = dump_side([str(a), str(b)])
+    if dump is not None:
+        return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+    return compare_runs(*resolve_refs([str(a), str(b)]), atol=atol, rtol=rtol, device=device)
+
+
+def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
+                overwrite: bool = False, run_name: str = "engine"):
+    """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace;
+    see :func:`tracer.compare_dump.import_dump` (returns its :class:`~tracer.enginemap.MappedDump`)."""
+    from .compare import split_ref
+    from .compare_dump import import_dump as _imp
+
+    return _imp(str(dump), split_ref(str(reference)), str(output), engine_map=engine_map, overwrite=overwrite,
+                run_name=run_name)
+
+
+def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any):
+    """Write a stored HF run as a synthetic SGLang dumper folder; see :func:`tracer.sglang_dump.write_sglang_dump`."""
+    from .sglang_dump import write_sglang_dump as _w
+
+    return _w(trace, run, out, **kwargs)
 
 
 def load_model(*args: Any, **kwargs: Any):
