@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["run", "read_trace", "compare_trace", "compare", "import_dump", "write_sglang_dump", "load_model", "sweep",
+__all__ = ["run", "read_trace", "compare_trace", "import_dump", "write_sglang_dump", "load_model", "sweep",
            "read_sweep", "TracerError", "__version__"]
 
 from .errors import TracerError
@@ -34,31 +34,28 @@ def read_trace(path: str):
     return TraceReader(path)
 
 
-def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None):
-    """Compare two runs of a stored trace; see :func:`tracer.compare.compare_trace`."""
-    from .compare import compare_trace as _ct
-
-    return _ct(path, run_a, run_b)
-
-
-def compare(a: str, b: str, *, engine_map: str | None = None, atol: float | None = None,
-            rtol: float | None = None, device: str | None = None):
-    """Compare run ``a`` (``TRACE[:RUN]``) with ``b``: another ``TRACE[:RUN]``, or an engine dump
-    (SGLang dumper folder, ``PassN.pt`` folder, ``.safetensors``/``.npz``, or a trace written by
-    :func:`import_dump`), mapped onto ``a``'s HF capture points (``engine_map``: a TOML map merged
-    over the built-in one). Returns a :class:`tracer.compare.Comparison`; see
-    :func:`tracer.compare_dump.compare_dump` and :func:`tracer.compare.compare_runs`.
+def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
+                  engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
+                  device: str | None = None):
+    """Compare two runs of a stored trace (see :func:`tracer.compare.compare_trace`), or an HF
+    reference run with an engine dump: ``compare_trace("REF.h5:A", DUMP)`` where DUMP is an SGLang
+    dumper folder, a ``PassN.pt`` folder, a ``.safetensors``/``.npz`` file or a trace written by
+    :func:`import_dump` (``engine_map``: a TOML map merged over the built-in one; see
+    :func:`tracer.compare_dump.compare_dump`). Returns a :class:`tracer.compare.Comparison`.
 
     Raises:
         TracerError: a bad trace or dump (one line).
     """
-    from .compare import compare_runs, resolve_refs
     from .compare_dump import compare_dump, dump_side
 
-    dump = dump_side([str(a), str(b)])
+    dump = dump_side([str(path), str(run_a)]) if run_a is not None and run_b is None else None
     if dump is not None:
         return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
-    return compare_runs(*resolve_refs([str(a), str(b)]), atol=atol, rtol=rtol, device=device)
+    if engine_map is not None:
+        raise TracerError("engine_map applies to an engine dump: compare_trace('REF.h5:RUN', DUMP, engine_map=...)")
+    from .compare import compare_trace as _ct
+
+    return _ct(path, run_a, run_b, atol=atol, rtol=rtol, device=device)
 
 
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,

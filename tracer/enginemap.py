@@ -234,8 +234,10 @@ def _segments(ids: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[i
 
 
 def _find(ref: list[int], seg: list[int], after: int | None) -> int | None:
-    """Start of ``seg`` in ``ref``: right after the previous step if it fits, else the unique or last occurrence."""
+    """Start of ``seg`` in ``ref``: right after the previous step if it fits, else the last occurrence."""
     n = len(seg)
+    if n == 0:
+        return None
     if after is not None and ref[after:after + n] == seg:
         return after
     hits = [i for i in range(len(ref) - n + 1) if ref[i:i + n] == seg]
@@ -259,8 +261,12 @@ def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[
     """
     plan: dict[int, list[tuple[int, int, int]]] = {}
     notes: list[str] = []
-    after = None
     steps = sorted({e.step for e in raw.entries})
+    # steps without positions are located together (chunked prefill: one contiguous run of the
+    # prompt), so a chunk whose ids recur in the prompt is not placed on another occurrence
+    loose = [raw.tokens[s]["input_ids"].tolist() for s in steps
+             if s in raw.tokens and raw.tokens[s].get("input_ids") is not None and raw.tokens[s].get("positions") is None]
+    after = _find(ref_ids, [t for ids in loose for t in ids], None) if len(loose) > 1 else None
     for step in steps:
         tok = raw.tokens.get(step)
         if tok is None or tok.get("input_ids") is None:
@@ -306,6 +312,8 @@ def _group(raw: RawDump) -> dict[tuple[str, int], dict[int | None, dict[int, Dum
 def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str, Any], hf: list[str | None],
                 ref: RefLayout, what: str) -> tuple[list[torch.Tensor], str, list[str]] | None:
     """The tensors one rule produces for one (module, step): one per HF target; None if an element is absent."""
+    if "sum" in rule and set(elements) == {None}:  # a layer dumped as one tensor: already the residual stream
+        rule = {k: v for k, v in rule.items() if k != "sum"}
     wanted = rule.get("sum") or [rule.get("element")]
     if rule.get("element") is None and "sum" not in rule and None not in elements:
         raise TracerError(f"{what} is a tuple of {len(elements)} tensors; its map rule must pick an element "
@@ -370,6 +378,8 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = _locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
+        if rules is None and (_hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
+            rules = [{"hf": rel if layer is not None else module}]  # already an HF module path
         if rules is None:
             if any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(rel, p) for p in emap["ignore"]):
                 ignored.add(module)

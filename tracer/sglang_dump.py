@@ -22,6 +22,7 @@ window: only the positions the run kept (e.g. the suffix a prefix-cache hit comp
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def _layer_tensors(get: Any, layer: str, prev: torch.Tensor, first: bool) -> lis
 
 def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chunk: int | None = None,
                       exp_name: str = "dump_synthetic", tokenizer_path: str | None = None,
-                      perturb: dict[str, float] | None = None) -> Path:
+                      perturb: dict[str, float] | None = None, layout: str = "sglang-dumper") -> Path:
     """Write run ``run`` of ``trace`` (captured with ``granularity="sublayers"``) as an SGLang dumper folder.
 
     Args:
@@ -71,6 +72,9 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         tp: number of tensor-parallel ranks to shard column-parallel outputs over.
         chunk: split the window into chunked-prefill steps of at most this many tokens (one
             dumper step each); None: one step.
+        layout: ``sglang-dumper`` (the dumper's ``k=v___k=v.pt`` files) or ``passes`` (SGLang's
+            ``--debug-tensor-dump-output-folder`` layout: ``TP{r}_PP0_Rank{r}_pid0/Pass{NNNNN}.pt``
+            dicts of leaf modules).
         perturb: ``{HF capture name: delta}``: add ``delta`` to that point's tensor before writing
             (for tests of the comparison; only that tensor changes).
 
@@ -83,6 +87,8 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
     """
     from .store import TraceReader
 
+    if layout not in ("sglang-dumper", "passes"):
+        raise TracerError(f"unknown dump layout {layout!r}; use sglang-dumper or passes")
     folder = Path(out) / exp_name
     if folder.exists() and any(folder.iterdir()):
         raise TracerError(f"{folder} exists and is not empty; choose another --out")
@@ -119,9 +125,41 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
     steps = [(a, min(a + (chunk or hi - lo), hi - lo)) for a in range(0, hi - lo, chunk or hi - lo)]
     for step, (a, b) in enumerate(steps):
         for rank in range(tp):
-            _write_step(folder, step, rank, tp, items, ids, lo, a, b, tokenizer_path,
-                        last_logits if b == hi - lo else None)
+            logits_rows = last_logits if b == hi - lo else None
+            if layout == "passes":
+                _write_pass(folder, step, rank, tp, items, ids, lo, a, b, logits_rows)
+            else:
+                _write_step(folder, step, rank, tp, items, ids, lo, a, b, tokenizer_path, logits_rows)
     return folder
+
+
+#: modules with children: SGLang's per-pass hook (--debug-tensor-dump-output-folder) dumps leaves only
+_NOT_LEAF = re.compile(r"^model(\.layers\.\d+(\.self_attn|\.mlp)?)?$")
+
+
+def _write_pass(folder: Path, step: int, rank: int, tp: int, items: list, ids: torch.Tensor, lo: int,
+                a: int, b: int, logits: torch.Tensor | None) -> None:
+    """One ``Pass{step:05d}.pt`` of rank ``rank``: leaf module name → tensor (list for a tuple output)."""
+    data: dict[str, Any] = {
+        "model.forward_batch_info.input_ids": ids[a:b].clone(),
+        "model.forward_batch_info.positions": torch.arange(lo + a, lo + b, dtype=torch.long),
+    }
+    for module, value, style in items:
+        if _NOT_LEAF.match(module):
+            continue
+        if isinstance(value, tuple):
+            data[module] = [v[a:b].clone() for v in value]
+        elif style == "fused":
+            data[module] = torch.cat([_shard(v[a:b], tp, rank) for v in value], dim=-1)
+        elif style == "column":
+            data[module] = _shard(value[a:b], tp, rank).clone()
+        else:
+            data[module] = value[a:b].clone()
+    if logits is not None:
+        data["logits_processor"] = logits.clone()
+    sub = folder / f"TP{rank}_PP0_Rank{rank}_pid0"
+    sub.mkdir(exist_ok=True)
+    torch.save(data, sub / f"Pass{step:05d}.pt")
 
 
 def _write_step(folder: Path, step: int, rank: int, tp: int, items: list, ids: torch.Tensor, lo: int,
