@@ -134,6 +134,18 @@ def test_dims_metadata_gives_the_sharded_dim(ref, dump):
     assert "2 TP shards along dim 1" in c.facts["mapping"]["model.layers.0.self_attn.o_proj"]
 
 
+def test_partial_sums_are_added(ref, dump):
+    """dims "t h(tp,partial)": each rank holds a partial sum (here half the value each: exact in bf16)."""
+    for f in sorted(Path(dump).glob("*name=non_intrusive__model.layers.1.mlp.down_proj.output*")):
+        data = torch.load(f, weights_only=True)
+        data["value"] = data["value"] * 0.5
+        data["meta"]["dims"] = "t h(tp,partial)"
+        torch.save(data, f)
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical
+    assert "partial sums added" in c.facts["mapping"]["model.layers.1.mlp.down_proj"]
+
+
 def test_safetensors_of_hf_names(ref, tmp_path):
     from safetensors.torch import save_file
 

@@ -125,10 +125,12 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
             "dtype": model.get("dtype"), "device": model.get("device"), "device_name": header.get("device_name"),
             "n_tokens": len(layout.token_ids),
             "plan_a": f"Hugging Face reference, run {run_a} of {path_a}",
-            "plan_b": f"{engine} {mapped.path} (TP {tp}, steps {mapped.facts.get('steps')})",
+            "plan_b": f"{engine} {mapped.path} (TP {tp}, {len(mapped.facts.get('steps', []))} step(s); GEMM M = tokens per step)",
+            "gemm_m_a": reader.run(run_a, load_tensors=False).plan.get("gemm_m"),
+            "gemm_m_b": mapped.facts.get("step_tokens"),
             "engine": engine, "engine_path": mapped.path, "mapping": mapped.mapping,
             "notes": [f"engine: {engine} at {mapped.path}; {len(mapped.mapping)} capture points mapped "
-                      f"(engine name → HF name [what was fused/sharded/summed]):",
+                      f"(HF name ← engine name (what was fused, sharded, summed)):",
                       *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
         }
         return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),

@@ -257,7 +257,7 @@ def read_passes(folder: Path) -> RawDump:
                 if not all(isinstance(v, torch.Tensor) for v in values):
                     raise TracerError(f"{path}: {name!r} is not a tensor or a list of tensors")
                 for i, v in enumerate(values):
-                    entries.append(DumpEntry(name=name if len(values) == 1 else f"{name}[{i}]", module=name,
+                    entries.append(DumpEntry(name=name if len(values) == 1 else f"{name}#{i}", module=name,
                                              element=None if len(values) == 1 else i, step=step, tp_rank=tp,
                                              tp_size=tp_size, pp_rank=pp, dims=None, tensor=v, file=str(path)))
     if len({tuple(v) for v in passes_of.values()}) > 1:

@@ -198,6 +198,10 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
         shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
         raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
     split = rule.get("split")
+    if first.dims and re.search(r"[\[(][^\])]*\btp\b[^\])]*\bpartial\b", first.dims):
+        # "h(tp,partial)": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
+        total = torch.stack([t.float() for t in ts]).sum(0).to(ts[0].dtype)
+        return [total], f"{size} TP partial sums added (float32, rounded once)"
     dim = _tp_dim(first.dims)
     if dim is None and rule.get("shard") == "columns":
         dim = ts[0].dim() - 1
@@ -361,7 +365,7 @@ def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: in
     if note:
         bits.append(note)
     src = " + ".join(names)
-    return src + (f" [{'; '.join(bits)}]" if bits else "")
+    return src + (f" ({'; '.join(bits)})" if bits else "")
 
 
 def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
@@ -476,7 +480,8 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     if raw.ignored_inputs:
         notes.append(f"module inputs in the dump not compared: {len(raw.ignored_inputs)} names")
     tp = max((e.tp_size for e in raw.entries), default=1)
-    facts = {"tp_size": tp, "steps": sorted({e.step for e in raw.entries}), **raw.facts}
+    steps = sorted({e.step for e in raw.entries})
+    facts = {"tp_size": tp, "steps": steps, "step_tokens": [len(raw.tokens[s]["input_ids"]) for s in steps], **raw.facts}
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts)
 
