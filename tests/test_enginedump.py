@@ -109,6 +109,16 @@ def test_planted_mlp_perturbation_is_the_origin(tiny, ref, tmp_path):
     assert all(not p.diverged for p in c.points if p.name.startswith(("model.embed", "model.layers.0")))
 
 
+def test_reference_at_layers_granularity(tiny, dump, tmp_path):
+    """The sublayer tensors of the dump have no counterpart: listed, and the layers still compare."""
+    path = tmp_path / "layers.h5"
+    tracer.run("tiny-llama", loaded=tiny, length=N, split_at=P, output=path, progress=False)
+    c = compare_dump((str(path), "B"), str(dump))
+    assert c.identical
+    assert [p.name for p in c.points] == ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(4)] + ["model.norm"]
+    assert any("did not capture" in n and "model.layers.0.input_layernorm" in n for n in c.facts["notes"])
+
+
 def test_per_pass_folders_with_two_ranks(ref, tmp_path):
     d = write_sglang_dump(ref, "B", tmp_path / "passes", tp=2, chunk=3, layout="passes")
     raw = read_dump(d)

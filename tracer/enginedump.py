@@ -199,12 +199,11 @@ def read_sglang_dumper(folder: Path) -> RawDump:
             continue
         if not isinstance(value, torch.Tensor):
             raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
+        if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
+            module, element = (f"{module}.{element}" if module else element), None
         tp_rank, tp_size, pp_rank = _tp_of(meta)
-        entries.append(DumpEntry(name=name, module=module, element=element if isinstance(element, int) or element is None else None,
-                                 step=step, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                                 dims=meta.get("dims"), tensor=value, file=str(path)))
-        if isinstance(element, str):  # LogitsProcessorOutput → output.next_token_logits
-            entries[-1].module = f"{module}.{element}" if module else element
+        entries.append(DumpEntry(name=name, module=module, element=element, step=step, tp_rank=tp_rank,
+                                 tp_size=tp_size, pp_rank=pp_rank, dims=meta.get("dims"), tensor=value, file=str(path)))
     # execution order: the dumper numbers its files per rank (dump_index) within a step
     entries.sort(key=lambda e: (e.step, e.tp_rank, _index_of(e.file)))
     return RawDump(path=str(folder), layout="sglang-dumper", engine="SGLang dumper", entries=entries,
@@ -300,7 +299,9 @@ def read_named_tensors(path: Path) -> RawDump:
         module, element, is_input = parse_output_name(name)
         if is_input:
             continue
-        entries.append(DumpEntry(name=name, module=module, element=element if not isinstance(element, str) else None,
+        if isinstance(element, str):
+            module, element = (f"{module}.{element}" if module else element), None
+        entries.append(DumpEntry(name=name, module=module, element=element,
                                  step=0, tp_rank=0, tp_size=1, pp_rank=0, dims=None, tensor=value, file=str(path)))
     return RawDump(path=str(path), layout="tensors", engine="named tensors", entries=entries, tokens=tokens)
 

@@ -206,7 +206,7 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     if dim is None and rule.get("shard") == "columns":
         dim = ts[0].dim() - 1
     if size == 1 or dim is None:
-        if size > 1 and any(not torch.equal(t.view(torch.uint8) if t.dtype.is_floating_point else t, ts[0].view(torch.uint8) if t.dtype.is_floating_point else ts[0]) for t in ts[1:]):
+        if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
             raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
                               f"{size} ranks hold different values ({first.file}); give its dims, e.g. \"t h(tp)\"")
         return [ts[0]], ""
@@ -214,6 +214,11 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     if split is None:
         return [torch.cat(ts, dim=dim)], note
     return [torch.cat(list(parts), dim=dim) for parts in zip(*[_split(t, rule, dim, size, what) for t in ts])], note
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included, -0.0 != 0.0)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _split(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
@@ -379,6 +384,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
     mapping: dict[str, str] = {}
     ignored: set[str] = set()
+    uncaptured: set[str] = set()
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = _locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -397,6 +403,9 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             hf = [_hf_name(t, layer, ref) for t in targets]
             if all(h is None for h in hf):
                 continue
+            if rule.get("split") and not all(h in ref.names for h in hf):
+                uncaptured.update(h for h in hf if h is not None)  # e.g. a reference traced at layers granularity
+                continue
             got = _rule_parts(elements, rule, hf, ref, f"{module} (step {step})")
             if got is None:
                 continue
@@ -406,7 +415,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                     continue
                 _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, notes, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
-    return _assemble(raw, ref, rows, mapping, notes, ignored)
+    return _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
 
 
 def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
@@ -431,7 +440,7 @@ def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: lis
 
 
 def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torch.Tensor, int]]],
-              mapping: dict[str, str], notes: list[str], ignored: set[str]) -> MappedDump:
+              mapping: dict[str, str], notes: list[str], ignored: set[str], uncaptured: set[str]) -> MappedDump:
     """Stack the rows of the compared positions; list what exists on one side only."""
     w0, w1 = ref.window
     dumped = sorted({p for slot in rows.values() for p in slot})
@@ -449,12 +458,14 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     if outside:
         notes.append(f"positions only in the dump: {_ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
     tensors: dict[str, torch.Tensor] = {}
+    partial: set[str] = set()
     for name in ref.names:
         slot = rows.get(name)
         if slot is None:
             continue
         missing = [p for p in range(lo, hi) if p not in slot]
         if missing:
+            partial.add(name)
             notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
                          f"(missing {_ranges(missing)}); not compared")
             mapping.pop(name, None)
@@ -467,10 +478,11 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
                                   f"{feat}; the map points a tensor at the wrong HF module")
             stacked = stacked.reshape(hi - lo, *feat)
         tensors[name] = stacked
-    extra = sorted(set(rows) - set(ref.names))
+    extra = sorted((set(rows) - set(ref.names)) | uncaptured)
     if extra:
-        notes.append(f"mapped but not captured in the reference: {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
-    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and k != "kv_cache" and not any(n in x for x in notes)]
+        notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
+                     f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
+    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and n not in partial and k != "kv_cache"]
     if only_ref:
         notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
                      f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")
