@@ -49,6 +49,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_round_trip_is_bit_identical_at_every_mapped_point(ref, dump, tmp_path):
     c = compare_dump((ref, "B"), str(dump))
     assert c.identical and c.positions == (P, N)
+    # SGLang dumps next-token logits (the last position): compared there, on their own
+    assert any(n.startswith(f"lm_head (logits) at position(s) {N - 1} only") and ": 0 / 512 differ" in n
+               and "no argmax flip" in n for n in c.facts["notes"])
     reader = tracer.read_trace(ref)
     names = reader.capture_names("B")
     # every HF point with an SGLang counterpart is mapped: all but the KV caches, HF's act_fn (act(gate)
@@ -107,6 +110,8 @@ def test_planted_mlp_perturbation_is_the_origin(tiny, ref, tmp_path):
     assert [p.name for p in c.origins] == ["model.layers.1.mlp"]
     assert c.first_divergent == "model.layers.1.mlp"
     assert all(not p.diverged for p in c.points if p.name.startswith(("model.embed", "model.layers.0")))
+    logits_note = next(n for n in c.facts["notes"] if n.startswith("lm_head (logits)"))
+    assert ": 0 / 512 differ" not in logits_note  # the perturbation reaches the last position's logits
 
 
 def test_reference_at_layers_granularity(tiny, dump, tmp_path):

@@ -133,9 +133,32 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
                       f"(HF name ← engine name (what was fused, sharded, summed)):",
                       *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
         }
+        for name, (ps, rows_b, src) in mapped.partial_logits.items():
+            from .store import read_tensor
+
+            rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
+            facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
         return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
                              positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
                              facts=facts, atol=atol, rtol=rtol)
+
+
+def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
+    """One line comparing logits the engine dumped at a few positions only: ``(k, vocab)`` rows of
+    the reference (``a``) and the engine (``b``), same dtype.
+
+    Raises:
+        TracerError: the rows differ in dtype (the engine computed logits in another dtype).
+    """
+    from .metrics import logits_diff
+
+    if a.dtype != b.dtype:
+        raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")
+    d = logits_diff(a, b)
+    flips = ", ".join(f"position {positions[f.position]}: top-1 {f.token_a} in HF, {f.token_b} in the engine"
+                      for f in d.argmax_flips) or "no argmax flip"
+    return (f"{name} (logits) at position(s) {', '.join(map(str, positions))} only ← {src}: {d.tensor.n_diff} / "
+            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
 
 
 def _mapped(dump: str, reader: Any, run: str, engine_map: str | None) -> MappedDump:
@@ -178,7 +201,10 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     lo, hi = mapped.positions
     captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"])
                 for n, t in mapped.tensors.items()}
-    info = {"engine": mapped.engine, "path": mapped.path, "mapping": mapped.mapping, "notes": mapped.notes,
+    notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
+                                  "in the imported trace; compare the dump itself to see them"
+                                  for n, (ps, _t, _s) in mapped.partial_logits.items()]
+    info = {"engine": mapped.engine, "path": mapped.path, "mapping": mapped.mapping, "notes": notes,
             "facts": json.loads(json.dumps(mapped.facts, default=str))}
     rec = RunRecord(name=run_name, token_ids=layout.token_ids, window=(lo, hi),
                     plan={"name": run_name, "description": f"{mapped.engine} {mapped.path}"},

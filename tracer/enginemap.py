@@ -65,6 +65,9 @@ class MappedDump:
             model.layers.3.mlp.gate_proj (fused gate_up_proj, half 1 of 2; 2 TP shards along dim -1)``).
         notes: positions and names on one side only, ignored engine tensors, skipped logits.
         facts: ``tp_size``, ``steps``, ``tokenizer_path`` ...
+        partial_logits: HF logits name → ``(positions, (len(positions), vocab) rows, mapping line)``
+            for logits the engine dumped at some compared positions only (SGLang: next-token
+            logits, the last position of each request).
     """
 
     engine: str
@@ -74,6 +77,7 @@ class MappedDump:
     mapping: dict[str, str]
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
+    partial_logits: dict[str, tuple[list[int], torch.Tensor, str]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- the map
@@ -290,6 +294,10 @@ def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[
                 start = _find(ref_ids, seg, after)
             else:
                 start = None
+            if start is None and pos is not None and pos + len(seg) > len(ref_ids):
+                notes.append(f"step {step} rows {a}..{b - 1} (positions {pos}..{pos + len(seg) - 1}): beyond the "
+                             f"reference's {len(ref_ids)} tokens (decode steps?); not compared")
+                continue
             if start is None:
                 where = f"positions {pos}..{pos + len(seg) - 1}" if pos is not None else f"{len(seg)} tokens"
                 notes.append(f"step {step} rows {a}..{b - 1} ({where}, first id {seg[0]}): token ids not in the reference prompt; not compared (another request)")
@@ -459,6 +467,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
         notes.append(f"positions only in the dump: {_ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
     tensors: dict[str, torch.Tensor] = {}
     partial: set[str] = set()
+    partial_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
     for name in ref.names:
         slot = rows.get(name)
         if slot is None:
@@ -466,6 +475,10 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
         missing = [p for p in range(lo, hi) if p not in slot]
         if missing:
             partial.add(name)
+            present = [p for p in range(lo, hi) if p in slot]
+            if present and ref.names[name][0] == "logits":
+                partial_rows[name] = (present, torch.stack([slot[p][0][slot[p][1]] for p in present]))
+                continue  # compared at those positions on their own (compare_dump)
             notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
                          f"(missing {_ranges(missing)}); not compared")
             mapping.pop(name, None)
@@ -495,7 +508,8 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     steps = sorted({e.step for e in raw.entries})
     facts = {"tp_size": tp, "steps": steps, "step_tokens": [len(raw.tokens[s]["input_ids"]) for s in steps], **raw.facts}
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
-                      mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts)
+                      mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
+                      partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
 
 
 def _ranges(ps: list[int]) -> str:
