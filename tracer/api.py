@@ -148,7 +148,9 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
     Args:
         a, b: each a :func:`capture` result, a :class:`~tracer.execute.records.RunRecord`, or a
             reference ``"file.h5:RUN"`` / ``("file.h5", "RUN")`` (files from different machines
-            included; ``"file.h5"`` alone: its first run for ``a``, its second for ``b``).
+            included; ``"file.h5"`` alone: its first run for ``a``, its second for ``b``); ``b``
+            may be an engine dump (SGLang dumper folder, ``PassN.pt`` folder, ``.safetensors``/
+            ``.npz``) compared against the HF reference run ``a``.
         atol, rtol: tolerances counted per capture point.
         device: where the metrics of stored runs are computed (default: cuda if available).
 
@@ -158,9 +160,13 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
     Raises:
         TracerError: runs of different prompts or windows, unknown files or runs.
     """
+    from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.core import compare_records, compare_runs
 
     if _is_ref(a) and _is_ref(b):
+        dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None
+        if dump is not None:  # an HF reference run against an engine dump
+            return compare_dump(dump[0], dump[1], atol=atol, rtol=rtol, device=device)
         return compare_runs(_ref(a, 0), _ref(b, 1), atol=atol, rtol=rtol, device=device)
     rec_a, rec_b = _record(a, "A", 0), _record(b, "B", 1)
     return compare_records(rec_a, rec_b, scenario="capture", model="model", atol=atol, rtol=rtol)
@@ -205,15 +211,47 @@ def _record(x: Any, name: str, side: int) -> Any:
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
-                  atol: float | None = None, rtol: float | None = None, device: str | None = None) -> Any:
-    """Compare two runs of a stored trace (default: its first two); see :func:`tracer.diff.core.compare_trace`.
+                  engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
+                  device: str | None = None) -> Any:
+    """Compare two runs of a stored trace (default: its first two), or an HF reference run with an
+    engine dump: ``compare_trace("REF.h5:A", DUMP)`` where DUMP is an SGLang dumper folder, a
+    ``PassN.pt`` folder, a ``.safetensors``/``.npz`` file or a trace written by :func:`import_dump`
+    (``engine_map``: a TOML map merged over the built-in one; :func:`tracer.diff.compare_dump.compare_dump`).
 
     Raises:
-        TracerError: missing/corrupt trace, unknown run names, an unavailable device.
+        TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device.
     """
+    from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.core import compare_trace as _ct
 
+    dump = dump_side([str(path), str(run_a)]) if run_a is not None and run_b is None else None
+    if dump is not None:
+        return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+    if engine_map is not None:
+        raise TracerError("engine_map applies to an engine dump: compare_trace('REF.h5:RUN', DUMP, engine_map=...)")
     return _ct(path, run_a, run_b, atol=atol, rtol=rtol, device=device)
+
+
+def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
+                overwrite: bool = False, run_name: str = "engine") -> Any:
+    """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
+    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.diff.enginemap.MappedDump`).
+
+    Raises:
+        TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
+    """
+    from tracer.diff.compare_dump import import_dump as _imp
+    from tracer.diff.core import split_ref
+
+    return _imp(str(dump), split_ref(str(reference)), str(output), engine_map=engine_map, overwrite=overwrite,
+                run_name=run_name)
+
+
+def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
+    """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
+    from tracer.store.sglang_dump import write_sglang_dump as _w
+
+    return _w(trace, run, out, **kwargs)
 
 
 def read_trace(path: str) -> Any:
@@ -389,5 +427,5 @@ run = _signature(run, tuple(k for k in RUN_OPTIONS if k != "model"))
 audit = _signature(audit, tuple(k for k in AUDIT_OPTIONS if k != "model"))
 sweep = _signature(sweep, tuple(k for k in SWEEP_OPTIONS if k != "model"))
 
-__all__ = ["load_model", "run", "capture", "compare", "compare_trace", "read_trace", "audit", "sweep",
-           "read_sweep", "plot", "plot_file", "render", "to_pandas"]
+__all__ = ["load_model", "run", "capture", "compare", "compare_trace", "import_dump", "write_sglang_dump",
+           "read_trace", "audit", "sweep", "read_sweep", "plot", "plot_file", "render", "to_pandas"]

@@ -231,9 +231,13 @@ def compare_cmd(
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
     device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
+    engine_map: Annotated[Optional[str], typer.Option("--map", help="Engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the built-in one; for a DUMP argument.")] = None,
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
-    for traces made on two machines (a file without :RUN uses the other side's run name, else its first run)."""
+    for traces made on two machines (a file without :RUN uses the other side's run name, else its first run),
+    or TRACE[:RUN] DUMP: an HF reference run against an engine dump (SGLang dumper folder, PassN.pt
+    folder, .safetensors/.npz, or a trace written by 'tracer import')."""
+    from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.core import check_fail_on, compare_runs, resolve_refs
     from tracer.report.tables import check_columns, check_format
 
@@ -241,14 +245,47 @@ def compare_cmd(
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
-        comparison = compare_runs(*resolve_refs([x for x in (trace, run_a, run_b) if x is not None]),
-                                  atol=atol, rtol=rtol, device=device)
+        refs = [x for x in (trace, run_a, run_b) if x is not None]
+        dump = dump_side(refs)
+        if dump is not None:
+            comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+        elif engine_map is not None:
+            raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
+        else:
+            comparison = compare_runs(*resolve_refs(refs), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
         return
     _emit(comparison, fmt, cols)
     _exit_on(comparison, fail_on)
+
+
+@app.command("import")
+def import_cmd(
+    dump: Annotated[str, typer.Argument(help="An engine dump: SGLang dumper folder, PassN.pt folder (per-rank sub-folders), or .safetensors/.npz of named tensors.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The trace to write (one run, HF capture names).")],
+    reference: Annotated[str, typer.Option("--reference", "-r", help="The HF reference run TRACE[:RUN] whose names, shapes and token ids the dump is mapped onto.")],
+    engine_map: Annotated[Optional[str], typer.Option("--map", help="Engine dump map (TOML) merged over the built-in one.")] = None,
+    run_name: Annotated[str, typer.Option("--run", help="Name of the imported run.")] = "engine",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.")] = False,
+) -> None:
+    """Map an engine dump onto an HF reference run's capture points and write it as a trace
+    (compare it with 'tracer compare REF.h5:RUN OUTPUT')."""
+    from tracer.diff.core import split_ref
+    from tracer.diff.compare_dump import import_dump
+
+    try:
+        mapped = import_dump(dump, split_ref(reference), output, engine_map=engine_map, overwrite=overwrite,
+                             run_name=run_name)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    lo, hi = mapped.positions
+    print(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, positions {lo}..{hi - 1} "
+          f"-> {output} (run {run_name})")
+    for line in mapped.notes:
+        print(f"  {line}")
 
 
 @app.command("show")

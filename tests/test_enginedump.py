@@ -1,0 +1,314 @@
+"""Engine dumps (SGLang dumper, PassN.pt folders, safetensors/npz) mapped onto an HF reference run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tracer
+from tracer.diff.compare_dump import compare_dump, import_dump
+from tracer.store.enginedump import DumpEntry, RawDump, read_dump
+from tracer.diff.enginemap import align_steps
+from tracer.errors import TracerError
+from tracer.load.models import load_model
+from tracer.store.sglang_dump import write_sglang_dump
+
+N, P = 40, 32  # prefix-cache: run B computes positions 32..39 with the prefix cached (the engine's cache hit)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama", dtype="bfloat16", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny, tmp_path_factory):
+    """tracer's own trace of the tiny model, sublayers: A = full prefill, B = cache hit (suffix 32..39)."""
+    path = tmp_path_factory.mktemp("ref") / "ref.h5"
+    tracer.run("tiny-llama", loaded=tiny, length=N, split_at=P, granularity="sublayers", output=path,
+               progress=False)
+    return str(path)
+
+
+@pytest.fixture
+def dump(ref, tmp_path):
+    """B written as SGLang's dumper would: fused qkv/gate_up, (hidden, residual) layers, 2 TP ranks, 2 chunked steps."""
+    return write_sglang_dump(ref, "B", tmp_path / "dump", tp=2, chunk=5)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16) if t.element_size() == 2 else t.contiguous().view(torch.int32)
+
+
+def test_round_trip_is_bit_identical_at_every_mapped_point(ref, dump, tmp_path):
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical and c.positions == (P, N)
+    # SGLang dumps next-token logits (the last position): compared there, on their own
+    assert any(n.startswith(f"lm_head (logits) at position(s) {N - 1} only") and ": 0 / 512 differ" in n
+               and "no argmax flip" in n for n in c.facts["notes"])
+    reader = tracer.read_trace(ref)
+    names = reader.capture_names("B")
+    # every HF point with an SGLang counterpart is mapped: all but the KV caches, HF's act_fn (act(gate)
+    # alone: SGLang's act_fn is act(gate) * up = down_proj.input) and the logits (SGLang: last row only)
+    expected = [n for n in names if not n.endswith((".kv_cache", ".mlp.act_fn")) and n != "lm_head"]
+    assert [p.name for p in c.points] == expected
+    # the imported tensors, compared here independently of compare_pairs: bit for bit with the trace
+    out = tmp_path / "imported.h5"
+    mapped = import_dump(str(dump), (ref, "B"), str(out))
+    for name in expected:
+        assert torch.equal(_bits(mapped.tensors[name]), _bits(reader.tensor("B", name))), name
+    # the mapping says what was fused and sharded
+    assert "fused qkv_proj, part 2 of 3; 2 TP shards" in mapped.mapping["model.layers.1.self_attn.k_proj"]
+    assert "summed" in mapped.mapping["model.layers.2"]
+    reader.close()
+
+
+def test_layer_outputs_match_hf_hidden_states(tiny, ref, dump):
+    """Independent oracle: HF's own output_hidden_states of the same cache-hit computation."""
+    from transformers import DynamicCache
+
+    ids = tracer.read_trace(ref).run("B", load_tensors=False).token_ids
+    with torch.no_grad():
+        cache = DynamicCache()
+        tiny.model(torch.tensor([ids[:P]]), past_key_values=cache, use_cache=True)
+        out = tiny.model(torch.tensor([ids[P:]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+    mapped = import_dump(str(dump), (ref, "B"), str(Path(dump).parent / "i.h5"))
+    n_layers = tiny.model.config.num_hidden_layers
+    for i in range(n_layers - 1):  # the last entry of hidden_states is after the final norm
+        assert torch.equal(_bits(mapped.tensors[f"model.layers.{i}"]), _bits(out.hidden_states[i + 1][0])), i
+
+
+def test_cli_import_then_compare(ref, dump, tmp_path, cli_env):
+    out = tmp_path / "engine.h5"
+    r = subprocess.run([sys.executable, "-m", "tracer", "import", str(dump), "-o", str(out), "-r", f"{ref}:B"],
+                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", f"{ref}:B", str(out), "--fail-on", "any"],
+                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "HF vs SGLang dumper" in r.stdout and "bit-identical" in r.stdout
+    assert "model.layers.0.self_attn.q_proj ← non_intrusive__model.layers.0.self_attn.qkv_proj.output" in r.stdout
+
+
+def test_planted_mlp_perturbation_is_the_origin(tiny, ref, tmp_path):
+    """The 'engine' computes layer 1's MLP differently (+0.25): the origin is that MLP."""
+    handle = tiny.model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out + 0.25)
+    try:
+        bad = tmp_path / "bad.h5"
+        tracer.run("tiny-llama", loaded=tiny, length=N, split_at=P, granularity="sublayers", output=bad,
+                   progress=False)
+    finally:
+        handle.remove()
+    d = write_sglang_dump(str(bad), "B", tmp_path / "dump", tp=2)
+    c = compare_dump((ref, "B"), str(d))
+    assert [p.name for p in c.origins] == ["model.layers.1.mlp"]
+    assert c.first_divergent == "model.layers.1.mlp"
+    assert all(not p.diverged for p in c.points if p.name.startswith(("model.embed", "model.layers.0")))
+    logits_note = next(n for n in c.facts["notes"] if n.startswith("lm_head (logits)"))
+    assert ": 0 / 512 differ" not in logits_note  # the perturbation reaches the last position's logits
+
+
+def test_reference_at_layers_granularity(tiny, dump, tmp_path):
+    """The sublayer tensors of the dump have no counterpart: listed, and the layers still compare."""
+    path = tmp_path / "layers.h5"
+    tracer.run("tiny-llama", loaded=tiny, length=N, split_at=P, output=path, progress=False)
+    c = compare_dump((str(path), "B"), str(dump))
+    assert c.identical
+    assert [p.name for p in c.points] == ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(4)] + ["model.norm"]
+    assert any("did not capture" in n and "model.layers.0.input_layernorm" in n for n in c.facts["notes"])
+
+
+def test_per_pass_folders_with_two_ranks(ref, tmp_path):
+    d = write_sglang_dump(ref, "B", tmp_path / "passes", tp=2, chunk=3, layout="passes")
+    raw = read_dump(d)
+    assert raw.layout == "passes" and raw.facts["tp_size"] == 2 and sorted(raw.tokens) == [0, 1, 2]
+    c = compare_dump((ref, "B"), str(d))
+    assert c.identical
+    # leaves only: the layer outputs come from the next layer's input_layernorm residual / the final norm's
+    names = {p.name for p in c.points}
+    assert {"model.layers.0", "model.layers.3", "model.layers.2.mlp.gate_proj"} <= names
+
+
+def test_dims_metadata_gives_the_sharded_dim(ref, dump):
+    """o_proj is replicated by default; with dims "t h[tp]" the two halves are concatenated."""
+    for f in sorted(Path(dump).glob("*name=non_intrusive__model.layers.0.self_attn.o_proj.output*")):
+        data = torch.load(f, weights_only=True)
+        rank = data["meta"]["sglang_parallel_info"]["tp_rank"]
+        half = data["value"].shape[-1] // 2
+        data["value"] = data["value"][:, rank * half:(rank + 1) * half].clone()
+        data["meta"]["dims"] = "t h[tp]"
+        torch.save(data, f)
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical
+    assert "2 TP shards along dim 1" in c.facts["mapping"]["model.layers.0.self_attn.o_proj"]
+
+
+def test_partial_sums_are_added(ref, dump):
+    """dims "t h(tp,partial)": each rank holds a partial sum (here half the value each: exact in bf16)."""
+    for f in sorted(Path(dump).glob("*name=non_intrusive__model.layers.1.mlp.down_proj.output*")):
+        data = torch.load(f, weights_only=True)
+        data["value"] = data["value"] * 0.5
+        data["meta"]["dims"] = "t h(tp,partial)"
+        torch.save(data, f)
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical
+    assert "partial sums added" in c.facts["mapping"]["model.layers.1.mlp.down_proj"]
+
+
+def test_safetensors_of_hf_names(ref, tmp_path):
+    from safetensors.torch import save_file
+
+    reader = tracer.read_trace(ref)
+    rec = reader.run("B", load_tensors=False)
+    tensors = {n: reader.tensor("B", n).contiguous() for n in ("model.embed_tokens", "model.layers.0", "model.layers.1.mlp")}
+    tensors["input_ids"] = torch.tensor(rec.token_ids[P - 4:N])  # more positions than the reference kept
+    tensors = {k: (torch.cat([torch.zeros(4, *v.shape[1:], dtype=v.dtype), v]) if k != "input_ids" else v)
+               for k, v in tensors.items()}
+    save_file(tensors, tmp_path / "t.safetensors")
+    c = tracer.compare_trace(f"{ref}:B", str(tmp_path / "t.safetensors"))
+    assert c.identical and [p.name for p in c.points] == ["model.embed_tokens", "model.layers.0", "model.layers.1.mlp"]
+    assert any("positions only in the dump: 28..31" in n for n in c.facts["notes"])
+    reader.close()
+
+
+def test_suffix_shorter_than_the_reference_window_is_reported(ref, dump, tmp_path):
+    """A dump of fewer positions than the reference kept: compared where both exist, the rest reported."""
+    for f in Path(dump).glob("step=0___*"):
+        f.unlink()  # drop the first chunk (positions 32..36)
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.positions == (37, N) and c.identical
+    assert any("positions only in the reference: 32..36" in n for n in c.facts["notes"])
+
+
+# ---------------------------------------------------------------- token alignment (no model)
+
+
+def _raw(steps: dict[int, tuple[list[int], list[int] | None]]) -> RawDump:
+    entries = [DumpEntry(name="x", module="x", element=None, step=s, tp_rank=0, tp_size=1, pp_rank=0, dims=None,
+                         tensor=torch.zeros(len(ids)), file="f") for s, (ids, _pos) in steps.items()]
+    tokens = {s: {"input_ids": torch.tensor(ids), "positions": None if pos is None else torch.tensor(pos), "file": "f"}
+              for s, (ids, pos) in steps.items()}
+    return RawDump(path="d", layout="tensors", engine="t", entries=entries, tokens=tokens)
+
+
+def test_batch_row_found_by_token_ids():
+    ref = list(range(100, 120))
+    other = [7, 8, 9]
+    raw = _raw({0: (other + ref[15:20], [0, 1, 2, 15, 16, 17, 18, 19])})
+    plan, notes = align_steps(raw, ref)
+    assert plan == {0: [(3, 8, 15)]} and "rows 0..2" in notes[0]
+
+
+def test_chunked_steps_without_positions_are_concatenated():
+    ref = [1, 2, 1, 2, 1, 2, 3, 4]  # repeated ids: the second chunk must follow the first
+    raw = _raw({0: ([1, 2], None), 1: ([1, 2, 3, 4], None)})
+    plan, _ = align_steps(raw, ref)
+    assert plan == {0: [(0, 2, 2)], 1: [(0, 4, 4)]}
+
+
+def test_cache_hit_suffix_without_positions_is_placed_at_the_end():
+    ref = [5, 6, 5, 6, 9]
+    plan, _ = align_steps(_raw({0: ([5, 6, 9], None)}), ref)
+    assert plan == {0: [(0, 3, 2)]}
+
+
+# ---------------------------------------------------------------- malformed dumps: one-line errors
+
+
+def _one_line(exc: pytest.ExceptionInfo, *words: str) -> None:
+    msg = str(exc.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_missing_meta(ref, dump):
+    f = next(Path(dump).glob("*name=non_intrusive__model.layers.0.mlp.output*"))
+    torch.save({"value": torch.zeros(2)}, f)
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, "missing meta", f.name)
+
+
+def test_missing_shard(ref, dump):
+    next(Path(dump).glob("*rank=1___*qkv_proj*")).unlink()
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, "inconsistent shards", "qkv_proj", "ranks [0] of tp_size 2")
+
+
+def test_replicated_shards_that_differ(ref, dump):
+    f = next(Path(dump).glob("step=0___rank=1___*model.layers.1.mlp.down_proj.output*"))
+    data = torch.load(f, weights_only=True)
+    data["value"] = data["value"] + 1
+    torch.save(data, f)
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, "inconsistent shards", "down_proj", "different values")
+
+
+def test_unknown_name(ref, dump):
+    src = next(Path(dump).glob("step=0___rank=0___*model.layers.0.mlp.output*"))
+    data = torch.load(src, weights_only=True)
+    data["meta"]["name"] = "non_intrusive__model.layers.0.mlp.mystery_proj.output"
+    torch.save(data, Path(dump) / "step=0___rank=0___dump_index=999___name=non_intrusive__model.layers.0.mlp.mystery_proj.output.pt")
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, "unknown engine tensor", "mystery_proj", "--map")
+
+
+def test_unknown_name_mapped_by_a_toml_override(ref, dump, tmp_path):
+    src = next(Path(dump).glob("step=0___rank=0___*model.layers.0.mlp.output*"))
+    for f in Path(dump).glob("*model.layers.0.mlp.output*"):
+        data = torch.load(f, weights_only=True)
+        data["meta"]["name"] = data["meta"]["name"].replace(".mlp.output", ".ffn.output")
+        f.rename(f.with_name(f.name.replace(".mlp.output", ".ffn.output")))
+        torch.save(data, f.with_name(f.name.replace(".mlp.output", ".ffn.output")))
+    assert not src.exists()
+    (tmp_path / "m.toml").write_text('[layer]\n"ffn" = { hf = "mlp" }\n')
+    c = tracer.compare_trace(f"{ref}:B", str(dump), engine_map=str(tmp_path / "m.toml"))
+    assert c.identical and "ffn.output" in c.facts["mapping"]["model.layers.0.mlp"]
+
+
+class _Evil:  # any class: weights_only=True refuses to construct it
+    pass
+
+
+def test_pickled_objects_are_refused(ref, dump):
+    f = next(Path(dump).glob("*name=non_intrusive__model.embed_tokens*"))
+    data = torch.load(f, weights_only=True)
+    data["meta"]["obj"] = _Evil()
+    torch.save(data, f)
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, f.name, "weights_only=True")
+
+
+def test_pickled_npz_is_refused(tmp_path):
+    np.savez(tmp_path / "x.npz", input_ids=np.arange(3), bad=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(TracerError) as e:
+        read_dump(tmp_path / "x.npz")
+    _one_line(e, "x.npz", "pickled")
+
+
+def test_token_ids_that_do_not_match(ref, dump):
+    for f in Path(dump).glob("*name=input_ids*"):
+        data = torch.load(f, weights_only=True)
+        data["value"] = data["value"] + 1
+        torch.save(data, f)
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(dump))
+    _one_line(e, "token ids do not match the reference")
+
+
+def test_cli_error_is_one_line_and_exit_2(ref, dump, tmp_path, cli_env):
+    shutil.rmtree(dump)
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", f"{ref}:B", str(tmp_path / "empty")],
+                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert r.returncode == 2 and "holds no engine dump" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

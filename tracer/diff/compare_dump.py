@@ -1,0 +1,235 @@
+"""An HF reference run versus an engine dump: the same comparison and report as for two HF runs.
+
+``tracer compare REF.h5:A DUMP`` and ``tracer.compare("REF.h5:A", "DUMP")`` land here when one
+side is an engine dump (a folder, a ``.safetensors``/``.npz`` file) or a run written by
+``tracer import``. The dump is read (:mod:`tracer.store.enginedump`), mapped onto the reference's HF
+capture points (:mod:`tracer.diff.enginemap`) and compared with :func:`tracer.diff.core.compare_pairs`
+over the positions both sides hold; the report names the engine and lists every point's mapping.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.diff.core import Comparison, compare_pairs, split_ref
+from tracer.store.enginedump import read_dump
+from tracer.diff.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
+from tracer.errors import TracerError
+
+#: run meta key marking a run written by ``tracer import``
+IMPORTED = "engine_dump"
+
+
+def is_dump(ref: str) -> bool:
+    """True for a path that is an engine dump: a folder, or a ``.safetensors``/``.npz`` file."""
+    p = Path(ref)
+    return p.is_dir() or (p.is_file() and p.suffix in (".safetensors", ".npz"))
+
+
+def ref_layout(reader: Any, run: str) -> RefLayout:
+    """The :class:`~tracer.diff.enginemap.RefLayout` of run ``run`` of an open trace.
+
+    Raises:
+        TracerError: unknown run, or a run stored without tensors.
+    """
+    rec = reader.run(run, load_tensors=False)
+    caps = reader.captures(run)
+    if not caps:
+        raise TracerError(f"trace {reader.path} holds no tensors for run {run} (written with --store stats/none); "
+                          "re-run the reference with --store tensors")
+    names = {n: (i["kind"], i["op"], tuple(i["shape"][1:]), i["dtype"]) for n, (i, _ds) in caps.items()}
+    layers = [n for n, v in names.items() if v[0] == "layer"]
+    model = reader.header.get("model", {})
+    return RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
+                     n_layers=len(layers), token_ids=list(rec.token_ids), window=tuple(rec.window),
+                     family=model.get("family", "?") if isinstance(model, dict) else "?")
+
+
+def _resolve_run(reader: Any, run: str | None) -> str:
+    if run is None:
+        if not reader.runs:
+            raise TracerError(f"trace {reader.path} holds no runs")
+        return reader.runs[0]
+    return run
+
+
+def map_engine_dump(dump: str, reader: Any, run: str, engine_map: str | None = None) -> MappedDump:
+    """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``.
+
+    Raises:
+        TracerError: any malformed dump, unknown names, mismatched tokens (one line each).
+    """
+    layout = ref_layout(reader, run)
+    raw = read_dump(dump)
+    emap = load_engine_map(layout.family, engine_map)
+    return map_dump(raw, layout, emap)
+
+
+def _imported(reader: Any, run: str) -> MappedDump | None:
+    """The :class:`MappedDump` stored by ``tracer import`` as run ``run``, or None for an ordinary run."""
+    rec = reader.run(run, load_tensors=False)
+    info = rec.meta.get(IMPORTED)
+    if info is None:
+        return None
+    tensors = {n: reader.tensor(run, n) for n in reader.capture_names(run)}
+    return MappedDump(engine=info["engine"], path=info["path"], positions=tuple(rec.window), tensors=tensors,
+                      mapping=info["mapping"], notes=list(info["notes"]), facts=info.get("facts", {}))
+
+
+def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | None = None,
+                 atol: float | None = None, rtol: float | None = None, device: str | None = None) -> Comparison:
+    """Compare HF reference run ``ref = (trace, run)`` with an engine dump (or an imported run ``FILE:RUN``).
+
+    Positions: those both sides hold (the dump's positions inside the reference's kept window;
+    see :func:`tracer.diff.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
+    reference, run B the engine. ``atol``/``rtol``/``device`` as in :func:`tracer.diff.core.compare_runs`.
+
+    Raises:
+        TracerError: a bad reference or dump (one line).
+    """
+    from tracer.load.models import resolve_device
+    from tracer.store.trace import TraceReader
+
+    path_a, run_a = ref
+    dev = torch.device(resolve_device(device))
+    with TraceReader(path_a) as reader:
+        run_a = _resolve_run(reader, run_a)
+        layout = ref_layout(reader, run_a)
+        mapped = _mapped(dump, reader, run_a, engine_map)
+        lo, hi = mapped.positions
+        w0, w1 = layout.window
+        if not (w0 <= lo and hi <= w1):
+            raise TracerError(f"the dump covers positions {lo}..{hi - 1} but run {run_a} kept {w0}..{w1 - 1}; "
+                              "compare with the run it was imported against")
+        caps = reader.captures(run_a)
+
+        def pairs():
+            for name, (info, ds) in caps.items():
+                t_b = mapped.tensors.get(name)
+                if t_b is None:
+                    continue
+                from tracer.store.trace import read_tensor
+
+                t_a = read_tensor(ds, rows=slice(lo - w0, hi - w0))
+                yield name, info["kind"], info["op"], t_a.to(dev), t_b.to(dev), info["calls"], []
+
+        header = reader.header
+        model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
+        engine = mapped.engine
+        tp = mapped.facts.get("tp_size", 1)
+        facts = {
+            "dtype": model.get("dtype"), "device": model.get("device"), "device_name": header.get("device_name"),
+            "n_tokens": len(layout.token_ids),
+            "plan_a": f"Hugging Face reference, run {run_a} of {path_a}",
+            "plan_b": f"{engine} {mapped.path} (TP {tp}, {len(mapped.facts.get('steps', []))} step(s); GEMM M = tokens per step)",
+            "gemm_m_a": reader.run(run_a, load_tensors=False).plan.get("gemm_m"),
+            "gemm_m_b": mapped.facts.get("step_tokens"),
+            "engine": engine, "engine_path": mapped.path, "mapping": mapped.mapping,
+            "notes": [f"engine: {engine} at {mapped.path}; {len(mapped.mapping)} capture points mapped "
+                      f"(HF name ← engine name (what was fused, sharded, summed)):",
+                      *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
+        }
+        for name, (ps, rows_b, src) in mapped.partial_logits.items():
+            from tracer.store.trace import read_tensor
+
+            rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
+            facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
+        return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
+                             positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
+                             facts=facts, atol=atol, rtol=rtol)
+
+
+def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
+    """One line comparing logits the engine dumped at a few positions only: ``(k, vocab)`` rows of
+    the reference (``a``) and the engine (``b``), same dtype.
+
+    Raises:
+        TracerError: the rows differ in dtype (the engine computed logits in another dtype).
+    """
+    from tracer.diff.metrics import logits_diff
+
+    if a.dtype != b.dtype:
+        raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")
+    d = logits_diff(a, b)
+    flips = ", ".join(f"position {positions[f.position]}: top-1 {f.token_a} in HF, {f.token_b} in the engine"
+                      for f in d.argmax_flips) or "no argmax flip"
+    return (f"{name} (logits) at position(s) {', '.join(map(str, positions))} only ← {src}: {d.tensor.n_diff} / "
+            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
+
+
+def _mapped(dump: str, reader: Any, run: str, engine_map: str | None) -> MappedDump:
+    if is_dump(dump):
+        return map_engine_dump(dump, reader, run, engine_map)
+    from tracer.store.trace import TraceReader
+
+    path, drun = split_ref(dump)
+    with TraceReader(path) as r2:
+        drun = drun or next((n for n in r2.runs if IMPORTED in r2.run(n, load_tensors=False).meta), None)
+        m = _imported(r2, drun) if drun is not None else None
+    if m is None:
+        raise TracerError(f"{dump} is neither an engine dump nor a run written by 'tracer import'")
+    return m
+
+
+def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, engine_map: str | None = None,
+                overwrite: bool = False, run_name: str = "engine") -> MappedDump:
+    """Map ``dump`` onto the reference run and write it as a one-run trace ``output``.
+
+    The run holds the HF-named tensors of the compared positions (window = those positions), the
+    reference's token ids, and in its meta the engine, the per-point mapping and the notes; the
+    header is the reference's, with ``engine_dump`` facts added. ``tracer compare REF.h5:A
+    output`` compares it like the dump itself.
+
+    Raises:
+        TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
+    """
+    from tracer.execute.records import CaptureRecord, RunRecord
+    from tracer.store.trace import TraceReader, TraceWriter
+
+    path, run = reference
+    with TraceReader(path) as reader:
+        run = _resolve_run(reader, run)
+        layout = ref_layout(reader, run)
+        mapped = map_engine_dump(dump, reader, run, engine_map)
+        header = dict(reader.header)
+        caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
+    header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}
+    lo, hi = mapped.positions
+    captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"])
+                for n, t in mapped.tensors.items()}
+    notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
+                                  "in the imported trace; compare the dump itself to see them"
+                                  for n, (ps, _t, _s) in mapped.partial_logits.items()]
+    info = {"engine": mapped.engine, "path": mapped.path, "mapping": mapped.mapping, "notes": notes,
+            "facts": json.loads(json.dumps(mapped.facts, default=str))}
+    rec = RunRecord(name=run_name, token_ids=layout.token_ids, window=(lo, hi),
+                    plan={"name": run_name, "description": f"{mapped.engine} {mapped.path}"},
+                    captures=captures, meta={IMPORTED: info})
+    with TraceWriter(output, header=header, overwrite=overwrite) as w:
+        w.add_run(rec)
+    return mapped
+
+
+def dump_side(refs: list[str]) -> tuple[tuple[str, str | None], str] | None:
+    """For ``tracer compare`` arguments ``REF[:RUN] DUMP``: ``((REF, RUN), DUMP)`` when the second is an
+    engine dump (folder, ``.safetensors``, ``.npz``) or a trace written by ``tracer import``; else None."""
+    if len(refs) != 2:
+        return None
+    second = refs[1]
+    if is_dump(second):
+        return split_ref(refs[0]), second
+    path, _run = split_ref(second)
+    if Path(path).is_file() and path.endswith((".h5", ".hdf5")):
+        from tracer.store.trace import TraceReader
+
+        try:
+            with TraceReader(path) as r:
+                if "engine_dump" in r.header:
+                    return split_ref(refs[0]), second
+        except TracerError:
+            return None
+    return None

@@ -1,0 +1,524 @@
+"""Mapping an engine dump onto the HF capture points of a reference run: names, fusion, TP shards, tokens.
+
+Planning and executing are one pass here because every step is cheap, but each decision is
+recorded: a :class:`MappedDump` holds, per HF capture point, the rows of every compared position
+and a one-line account of where they came from (``engine name → HF name``, what was split, how
+many TP shards were concatenated along which dim, what was summed). Positions present on one side
+only, and engine tensors that map to nothing tracer captures, are listed in ``notes``; nothing is
+dropped silently. The map format is documented in ``hooks/engine-llama.toml``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.store.enginedump import DumpEntry, RawDump
+from tracer.errors import TracerError
+
+_LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
+_RULE_KEYS = {"hf", "element", "sum", "split", "shard", "rows"}
+
+
+@dataclass(frozen=True)
+class RefLayout:
+    """What the mapping needs to know about the HF reference run.
+
+    Attributes:
+        names: HF capture names in execution order → ``(kind, op, feature shape, dtype name)``;
+            the feature shape excludes the leading token dim.
+        layer_prefix: the HF decoder-layer list path (``model.layers``).
+        n_layers: number of decoder layers.
+        token_ids: the reference prompt, N ints.
+        window: ``(start, stop)``: the positions the reference run kept.
+        family: ``config.model_type`` of the reference model (``llama``).
+    """
+
+    names: dict[str, tuple[str, str, tuple[int, ...], str]]
+    layer_prefix: str
+    n_layers: int
+    token_ids: list[int]
+    window: tuple[int, int]
+    family: str
+
+    def special(self, kind: str) -> str | None:
+        return next((n for n, (k, *_rest) in self.names.items() if k == kind), None)
+
+
+@dataclass
+class MappedDump:
+    """An engine dump expressed as HF capture points over a contiguous range of positions.
+
+    Attributes:
+        engine: display name of the dump's layout (``SGLang dumper``).
+        path: the dump folder/file.
+        positions: ``(lo, hi)``: absolute positions every tensor covers.
+        tensors: HF name → ``(hi - lo, *feature)`` tensor in the engine's dtype.
+        mapping: HF name → one line (``non_intrusive__model.layers.3.mlp.gate_up_proj.output →
+            model.layers.3.mlp.gate_proj (fused gate_up_proj, half 1 of 2; 2 TP shards along dim -1)``).
+        notes: positions and names on one side only, ignored engine tensors, skipped logits.
+        facts: ``tp_size``, ``steps``, ``tokenizer_path`` ...
+        partial_logits: HF logits name → ``(positions, (len(positions), vocab) rows, mapping line)``
+            for logits the engine dumped at some compared positions only (SGLang: next-token
+            logits, the last position of each request).
+    """
+
+    engine: str
+    path: str
+    positions: tuple[int, int]
+    tensors: dict[str, torch.Tensor]
+    mapping: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+    partial_logits: dict[str, tuple[list[int], torch.Tensor, str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- the map
+
+
+def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
+    rules = rules if isinstance(rules, list) else [rules]
+    for r in rules:
+        if not isinstance(r, dict) or "hf" not in r or set(r) - _RULE_KEYS:
+            raise TracerError(f"{where}: rule for {key!r} must be a table with 'hf' and only {sorted(_RULE_KEYS)}")
+        if r.get("split") not in (None, "qkv", "halves") or r.get("shard") not in (None, "columns", "replicated"):
+            raise TracerError(f"{where}: rule for {key!r} has an unknown split/shard; use split qkv|halves, shard columns|replicated")
+    return rules
+
+
+def load_engine_map(family: str, override: str | Path | None = None) -> dict[str, Any]:
+    """The engine map for ``family`` (``hooks/engine-*.toml``), with ``override`` (a TOML file of
+    the same schema) merged over it key by key.
+
+    Returns:
+        ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns], "sources": [paths]}``.
+
+    Raises:
+        TracerError: no map for the family and no override; an unreadable or malformed map.
+    """
+    from tracer.load.models import data_dir
+
+    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "sources": []}
+    files = [p for p in sorted(data_dir("hooks").glob("engine-*.toml"))]
+    base = None
+    for p in files:
+        data = _read_toml(p)
+        if family in data.get("engine", {}).get("families", ()):
+            base = (p, data)
+            break
+    layers = [(base[0], base[1])] if base else []
+    if override is not None:
+        layers.append((Path(override), _read_toml(Path(override))))
+    if not layers:
+        raise TracerError(f"no engine map for model family {family!r} (hooks/engine-*.toml); "
+                          "write one in that schema and pass it with --map FILE")
+    for path, data in layers:
+        for section in ("layer", "model"):
+            for key, rules in data.get(section, {}).items():
+                merged[section][key] = _check_rules(rules, key, str(path))
+        merged["ignore"] += list(data.get("engine", {}).get("ignore", data.get("ignore", [])))
+        merged["sources"].append(str(path))
+    return merged
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise TracerError(f"cannot read engine map {path} ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TracerError(f"engine map {path} is not valid TOML ({e})") from None
+
+
+# ---------------------------------------------------------------- names
+
+
+def _locate(module: str) -> tuple[int | None, str]:
+    """``model.layers.3.mlp`` → ``(3, "mlp")``; ``model.embed_tokens`` → ``(None, "embed_tokens")``."""
+    m = _LAYER_RE.match(module)
+    if m:
+        return int(m.group(1)), m.group(2) or ""
+    rel = module
+    for prefix in ("model.", "transformer."):
+        while rel.startswith(prefix) and rel != prefix.rstrip("."):
+            rel = rel[len(prefix):]
+    return None, rel
+
+
+def _hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
+    """Resolve a rule's ``hf`` value to an HF capture name (None for ``-`` or out of range)."""
+    if target == "-":
+        return None
+    specials = {"@embedding": "embedding", "@final_norm": "final_norm", "@logits": "logits"}
+    if target in specials:
+        return ref.special(specials[target])
+    if target == "@last_layer":
+        return f"{ref.layer_prefix}.{ref.n_layers - 1}"
+    if layer is None:
+        return target
+    if target == "@layer":
+        return f"{ref.layer_prefix}.{layer}"
+    if target == "@prev_layer":
+        return f"{ref.layer_prefix}.{layer - 1}" if layer > 0 else None
+    return f"{ref.layer_prefix}.{layer}.{target}"
+
+
+# ---------------------------------------------------------------- shards
+
+
+def _tp_dim(dims: str | None) -> int | None:
+    """The dim marked ``(tp)`` / ``[tp]`` in a dims string (``"t h(tp)"`` → 1), or None."""
+    if not dims:
+        return None
+    tokens = dims.split()
+    for i, tok in enumerate(tokens):
+        if re.search(r"[\[(][^\])]*\btp\b", tok):
+            return i
+    return None
+
+
+def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> tuple[list[torch.Tensor], str]:
+    """Join one (module, element, step)'s TP shards; returns the parts (one, or the split parts) and a note.
+
+    Raises:
+        TracerError: missing ranks, shapes/dtypes that differ, replicated shards that are not equal.
+    """
+    first = next(iter(shards.values()))
+    size = first.tp_size
+    ranks = sorted(shards)
+    if ranks != list(range(size)):
+        raise TracerError(f"inconsistent shards: {what} has TP ranks {ranks} of tp_size {size} ({first.file}); "
+                          "dump every rank of the TP group")
+    ts = [shards[r].tensor for r in ranks]
+    if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
+        shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
+        raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
+    split = rule.get("split")
+    if first.dims and re.search(r"[\[(][^\])]*\btp\b[^\])]*\bpartial\b", first.dims):
+        # "h(tp,partial)": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
+        total = torch.stack([t.float() for t in ts]).sum(0).to(ts[0].dtype)
+        return [total], f"{size} TP partial sums added (float32, rounded once)"
+    dim = _tp_dim(first.dims)
+    if dim is None and rule.get("shard") == "columns":
+        dim = ts[0].dim() - 1
+    if size == 1 or dim is None:
+        if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
+            raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
+                              f"{size} ranks hold different values ({first.file}); give its dims, e.g. \"t h(tp)\"")
+        return [ts[0]], ""
+    note = f"{size} TP shards along dim {dim}"
+    if split is None:
+        return [torch.cat(ts, dim=dim)], note
+    return [torch.cat(list(parts), dim=dim) for parts in zip(*[_split(t, rule, dim, size, what) for t in ts])], note
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included, -0.0 != 0.0)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _split(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
+    sizes = [s // tp for s in rule["_sizes"]]
+    if sum(sizes) != t.shape[dim] or any(s * tp != full for s, full in zip(sizes, rule["_sizes"])):
+        raise TracerError(f"{what}: width {t.shape[dim]} on each of {tp} ranks does not split into "
+                          f"{rule['_sizes']} (the HF widths) / {tp}; check the map's split or the model")
+    return list(torch.split(t, sizes, dim=dim))
+
+
+# ---------------------------------------------------------------- tokens
+
+
+def _segments(ids: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int, int | None]]:
+    """``(row0, row1, pos0)`` runs of consecutive positions (one per request in a batch)."""
+    if positions is None:
+        return [(0, len(ids), None)]
+    if len(positions) != len(ids):
+        raise TracerError(f"a step has {len(ids)} input_ids but {len(positions)} positions; the dump is inconsistent")
+    cuts = [0] + [i for i in range(1, len(ids)) if int(positions[i]) != int(positions[i - 1]) + 1] + [len(ids)]
+    return [(a, b, int(positions[a])) for a, b in zip(cuts, cuts[1:])]
+
+
+def _find(ref: list[int], seg: list[int], after: int | None) -> int | None:
+    """Start of ``seg`` in ``ref``: right after the previous step if it fits, else the last occurrence."""
+    n = len(seg)
+    if n == 0:
+        return None
+    if after is not None and ref[after:after + n] == seg:
+        return after
+    hits = [i for i in range(len(ref) - n + 1) if ref[i:i + n] == seg]
+    return hits[-1] if hits else None
+
+
+def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[int, int, int]]], list[str]]:
+    """Which rows of each step hold which absolute positions of the reference prompt.
+
+    Steps are taken in order (chunked prefill: consecutive steps continue each other); within a
+    step, runs of consecutive ``positions`` are requests of a batch, kept when their token ids
+    equal the reference's at those positions; without ``positions`` a step's ids are located
+    in the reference prompt (right after the previous step when they fit there, else the last
+    occurrence: a cache hit computes a suffix).
+
+    Returns:
+        ``({step: [(row0, row1, pos0), ...]}, notes)``.
+
+    Raises:
+        TracerError: a step without ``input_ids``, or no request whose token ids match the reference.
+    """
+    plan: dict[int, list[tuple[int, int, int]]] = {}
+    notes: list[str] = []
+    steps = sorted({e.step for e in raw.entries})
+    # steps without positions are located together (chunked prefill: one contiguous run of the
+    # prompt), so a chunk whose ids recur in the prompt is not placed on another occurrence
+    loose = [raw.tokens[s]["input_ids"].tolist() for s in steps
+             if s in raw.tokens and raw.tokens[s].get("input_ids") is not None and raw.tokens[s].get("positions") is None]
+    after = _find(ref_ids, [t for ids in loose for t in ids], None) if len(loose) > 1 else None
+    for step in steps:
+        tok = raw.tokens.get(step)
+        if tok is None or tok.get("input_ids") is None:
+            raise TracerError(f"{raw.path}: step {step} has activations but no input_ids; dump the token ids "
+                              "(SGLang dumper core field input_ids, or input_ids in a tensors file)")
+        ids = tok["input_ids"].tolist()
+        for a, b, pos in _segments(tok["input_ids"], tok.get("positions")):
+            seg = ids[a:b]
+            if pos is not None and ref_ids[pos:pos + len(seg)] == seg:
+                start = pos
+            elif pos is None:
+                start = _find(ref_ids, seg, after)
+            else:
+                start = None
+            if start is None and pos is not None and pos + len(seg) > len(ref_ids):
+                notes.append(f"step {step} rows {a}..{b - 1} (positions {pos}..{pos + len(seg) - 1}): beyond the "
+                             f"reference's {len(ref_ids)} tokens (decode steps?); not compared")
+                continue
+            if start is None:
+                where = f"positions {pos}..{pos + len(seg) - 1}" if pos is not None else f"{len(seg)} tokens"
+                notes.append(f"step {step} rows {a}..{b - 1} ({where}, first id {seg[0]}): token ids not in the reference prompt; not compared (another request)")
+                continue
+            plan.setdefault(step, []).append((a, b, start))
+            after = start + len(seg)
+    if not plan:
+        raise TracerError(f"{raw.path}: token ids do not match the reference prompt in any step "
+                          f"({'; '.join(n.split(':')[0] for n in notes[:3])}); compare a dump of the same prompt")
+    return plan, notes
+
+
+# ---------------------------------------------------------------- mapping
+
+
+def _group(raw: RawDump) -> dict[tuple[str, int], dict[int | None, dict[int, DumpEntry]]]:
+    """(module, step) → element → TP rank → entry, refusing a tensor dumped twice with other values."""
+    groups: dict[tuple[str, int], dict[int | None, dict[int, DumpEntry]]] = {}
+    for e in raw.entries:
+        slot = groups.setdefault((e.module, e.step), {}).setdefault(e.element, {})
+        old = slot.get(e.tp_rank)
+        if old is not None and not (old.tensor.shape == e.tensor.shape and torch.equal(old.tensor, e.tensor)):
+            raise TracerError(f"{e.name} is dumped twice in step {e.step} on TP rank {e.tp_rank} with different "
+                              f"values ({old.file}, {e.file}); dump one forward pass per step")
+        slot.setdefault(e.tp_rank, e)
+    return groups
+
+
+def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str, Any], hf: list[str | None],
+                ref: RefLayout, what: str) -> tuple[list[torch.Tensor], str, list[str]] | None:
+    """The tensors one rule produces for one (module, step): one per HF target; None if an element is absent."""
+    if "sum" in rule and set(elements) == {None}:  # a layer dumped as one tensor: already the residual stream
+        rule = {k: v for k, v in rule.items() if k != "sum"}
+    wanted = rule.get("sum") or [rule.get("element")]
+    if rule.get("element") is None and "sum" not in rule and None not in elements:
+        raise TracerError(f"{what} is a tuple of {len(elements)} tensors; its map rule must pick an element "
+                          "(element = 0) or add them (sum = [1, 0])")
+    picked = []
+    for el in wanted:
+        shards = elements.get(el, elements.get(None) if el == 0 else None)
+        if shards is None:
+            return None
+        picked.append(shards)
+    used = [next(iter(s.values())).name for s in picked]
+    if rule.get("split"):
+        dims = [ref.names[n][2] for n in hf if n is not None and n in ref.names]
+        if len(dims) != len(hf):
+            return None  # the reference did not capture the split parts (e.g. --granularity layers)
+        rule = dict(rule, _sizes=[d[-1] if d else 1 for d in dims])
+    outs, note = [], ""
+    for shards in picked:
+        parts, note = _unshard(shards, rule, what)
+        outs.append(parts)
+    if "sum" in rule:
+        dtype = _torch_dtype(ref.names[hf[0]][3]) if hf[0] in ref.names else outs[0][0].dtype
+        total = outs[0][0].to(dtype)
+        for p in outs[1:]:
+            total = total + p[0].to(dtype)  # HF: hidden_states = residual + hidden_states, in the model dtype
+        return [total], note, used
+    return outs[0], note, used
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "float64": torch.float64}.get(name, torch.float32)
+
+
+def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: int, note: str, is_tuple: bool) -> str:
+    bits = []
+    if rule.get("split"):
+        bits.append(f"fused {module.rsplit('.', 1)[-1]}, part {i + 1} of {n}")
+    if "sum" in rule:
+        bits.append("(hidden, residual) summed in the HF dtype")
+    elif rule.get("element") is not None and is_tuple:
+        bits.append(f"element {rule['element']} of a tuple")
+    if rule.get("rows") == "last":
+        bits.append("last position of each request")
+    if note:
+        bits.append(note)
+    src = " + ".join(names)
+    return src + (f" ({'; '.join(bits)})" if bits else "")
+
+
+def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
+    """Express ``raw`` as HF capture points of ``ref`` over one contiguous range of positions.
+
+    Raises:
+        TracerError: an engine name with no rule and no ignore pattern, inconsistent shards, a
+            tensor whose rows do not match its step's token count, token ids that match nowhere.
+    """
+    plan, notes = align_steps(raw, ref.token_ids)
+    rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
+    mapping: dict[str, str] = {}
+    ignored: set[str] = set()
+    uncaptured: set[str] = set()
+    for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
+        layer, rel = _locate(module)
+        rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
+        if rules is None and (_hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
+            rules = [{"hf": rel if layer is not None else module}]  # already an HF module path
+        if rules is None:
+            if any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(rel, p) for p in emap["ignore"]):
+                ignored.add(module)
+                continue
+            e = next(iter(next(iter(elements.values())).values()))
+            raise TracerError(f"unknown engine tensor {e.name!r} ({e.file}): no rule for "
+                              f"{'layer-relative ' if layer is not None else ''}{rel!r} in {', '.join(emap['sources'])}; "
+                              "add one (or an ignore pattern) in a map passed with --map FILE")
+        for rule in rules:
+            targets = rule["hf"] if isinstance(rule["hf"], list) else [rule["hf"]]
+            hf = [_hf_name(t, layer, ref) for t in targets]
+            if all(h is None for h in hf):
+                continue
+            if rule.get("split") and not all(h in ref.names for h in hf):
+                uncaptured.update(h for h in hf if h is not None)  # e.g. a reference traced at layers granularity
+                continue
+            got = _rule_parts(elements, rule, hf, ref, f"{module} (step {step})")
+            if got is None:
+                continue
+            parts, note, used = got
+            for i, (name, t) in enumerate(zip(hf, parts)):
+                if name is None:
+                    continue
+                _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, notes, module)
+                mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
+    return _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+
+
+def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
+           raw: RawDump, step: int, rule: dict[str, Any], name: str, notes: list[str], module: str) -> None:
+    """Record which row of ``t`` holds each absolute position (first source wins; a differing second is noted)."""
+    n_tokens = len(raw.tokens[step]["input_ids"])
+    last = rule.get("rows") == "last"
+    if not last and t.shape[0] != n_tokens:
+        raise TracerError(f"{module} in step {step} has {t.shape[0]} rows but the step has {n_tokens} tokens; "
+                          "the dump's activations and input_ids disagree")
+    all_segs = _segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"))
+    for a, b, pos in segs:
+        pairs = [(pos + (b - a) - 1, all_segs.index(next(s for s in all_segs if s[0] == a)))] if last else \
+            [(pos + k, a + k) for k in range(b - a)]
+        for p, r in pairs:
+            if p in slot:
+                old, row = slot[p]
+                if not torch.equal(old[row], t[r].to(old.dtype)):
+                    notes.append(f"{name} at position {p}: {module} (step {step}) differs from the first engine tensor mapped there; the first is compared")
+                continue
+            slot[p] = (t, r)
+
+
+def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torch.Tensor, int]]],
+              mapping: dict[str, str], notes: list[str], ignored: set[str], uncaptured: set[str]) -> MappedDump:
+    """Stack the rows of the compared positions; list what exists on one side only."""
+    w0, w1 = ref.window
+    dumped = sorted({p for slot in rows.values() for p in slot})
+    inside = [p for p in dumped if w0 <= p < w1]
+    if not inside:
+        raise TracerError(f"{raw.path}: the dump covers positions {_ranges(dumped)} but the reference kept {w0}..{w1 - 1}; "
+                          "no position is on both sides (trace the reference with --positions all)")
+    lo = inside[-1]
+    while lo - 1 in set(inside):
+        lo -= 1
+    hi = inside[-1] + 1
+    if w0 < lo or hi < w1:
+        notes.append(f"positions only in the reference: {_ranges([p for p in range(w0, w1) if not lo <= p < hi])} (not dumped by the engine)")
+    outside = [p for p in dumped if not lo <= p < hi]
+    if outside:
+        notes.append(f"positions only in the dump: {_ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
+    tensors: dict[str, torch.Tensor] = {}
+    partial: set[str] = set()
+    partial_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
+    for name in ref.names:
+        slot = rows.get(name)
+        if slot is None:
+            continue
+        missing = [p for p in range(lo, hi) if p not in slot]
+        if missing:
+            partial.add(name)
+            present = [p for p in range(lo, hi) if p in slot]
+            if present and ref.names[name][0] == "logits":
+                partial_rows[name] = (present, torch.stack([slot[p][0][slot[p][1]] for p in present]))
+                continue  # compared at those positions on their own (compare_dump)
+            notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
+                         f"(missing {_ranges(missing)}); not compared")
+            mapping.pop(name, None)
+            continue
+        feat = ref.names[name][2]
+        stacked = torch.stack([slot[p][0][slot[p][1]] for p in range(lo, hi)])
+        if tuple(stacked.shape[1:]) != feat:
+            if stacked[0].numel() != math.prod(feat):
+                raise TracerError(f"{name}: the engine's rows have shape {tuple(stacked.shape[1:])} but the reference's "
+                                  f"{feat}; the map points a tensor at the wrong HF module")
+            stacked = stacked.reshape(hi - lo, *feat)
+        tensors[name] = stacked
+    extra = sorted((set(rows) - set(ref.names)) | uncaptured)
+    if extra:
+        notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
+                     f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
+    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and n not in partial and k != "kv_cache"]
+    if only_ref:
+        notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
+                     f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")
+    if ignored:
+        notes.append(f"engine tensors read and not mapped (ignore patterns): {', '.join(sorted(ignored)[:6])}"
+                     f"{' ...' if len(ignored) > 6 else ''}")
+    if raw.ignored_inputs:
+        notes.append(f"module inputs in the dump not compared: {len(raw.ignored_inputs)} names")
+    tp = max((e.tp_size for e in raw.entries), default=1)
+    steps = sorted({e.step for e in raw.entries})
+    facts = {"tp_size": tp, "steps": steps, "step_tokens": [len(raw.tokens[s]["input_ids"]) for s in steps], **raw.facts}
+    return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
+                      mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
+                      partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
+
+
+def _ranges(ps: list[int]) -> str:
+    """``[0, 1, 2, 7]`` → ``"0..2, 7"``."""
+    out, start = [], None
+    for i, p in enumerate(ps):
+        if start is None:
+            start = p
+        if i + 1 == len(ps) or ps[i + 1] != p + 1:
+            out.append(f"{start}..{p}" if p != start else f"{p}")
+            start = None
+    return ", ".join(out) or "none"

@@ -1,0 +1,336 @@
+"""Reading engine tensor dumps (SGLang dumper, per-pass ``PassN.pt`` folders, safetensors/npz).
+
+Three layouts are recognised (sources followed: ``traces/README.md``, section "Engine dumps"):
+
+- **SGLang dumper** (``python/sglang/srt/debug_utils/dumper.py``): a folder (``<dir>/<exp_name>/``)
+  of ``torch.save`` files named by their tags, ``step=S___rank=R___dump_index=I___name=NAME___...pt``,
+  each holding ``{"value": tensor, "meta": {...}}``; the meta repeats the tags and adds
+  ``world_rank``/``world_size``, ``sglang_parallel_info`` (``tp_rank``, ``tp_size``, ...), an optional
+  ``dims`` string (``"t h(tp)"``) and ``tokenizer_path``. Token ids are the core fields ``input_ids``
+  and ``positions`` of each step. Non-intrusive names are ``non_intrusive__<module>.output[.<i>]``
+  and ``non_intrusive__<module>.inputs.<i>``.
+- **Per-pass folders** (SGLang ``--debug-tensor-dump-output-folder``,
+  ``python/sglang/srt/debug_utils/tensor_dump_forward_hook.py``; the vLLM proposal has the same
+  shape): one sub-folder per rank, ``TP{t}_PP{p}_Rank{r}_pid{pid}/Pass{NNNNN}.pt``, each a dict of
+  leaf-module name → tensor (or list of tensors for a tuple output); token ids under
+  ``model.forward_batch_info.input_ids`` and ``...positions``. A folder of ``PassN.pt`` files
+  without rank sub-folders is one rank.
+- **Named tensors**: one ``.safetensors`` or ``.npz`` file, name → tensor, with the token ids
+  under ``input_ids`` (and optionally ``positions``); one step, one rank.
+
+Loading is safe: ``torch.load(..., weights_only=True)``, ``np.load(..., allow_pickle=False)``; a
+file that needs more (a pickled object) is refused with a one-line error naming it. This module
+reads and groups; mapping onto HF names, unsharding and token alignment are in
+:mod:`tracer.diff.enginemap`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.errors import TracerError
+
+#: names of SGLang's dumper core fields (token bookkeeping, not activations)
+CORE_FIELDS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "rids")
+_PASS_RE = re.compile(r"^Pass(\d+)\.pt$")
+_RANK_DIR_RE = re.compile(r"^(?:TP(\d+)_PP(\d+)_Rank\d+(?:_pid\d+)?|(?:rank|tp)[_-]?(\d+))$", re.IGNORECASE)
+_NON_INTRUSIVE = "non_intrusive__"
+
+
+@dataclass
+class DumpEntry:
+    """One dumped activation on one rank in one step.
+
+    Attributes:
+        name: the engine's name as dumped (``non_intrusive__model.layers.3.mlp.output``).
+        module: the engine module path (``model.layers.3.mlp``).
+        element: the tuple element (``0``, ``1``) or None for a single tensor.
+        step: the step / forward pass the tensor belongs to.
+        tp_rank, tp_size: tensor-parallel rank and size of the rank that dumped it.
+        pp_rank: pipeline stage.
+        dims: the dump's dims string (``"t h(tp)"``) or None.
+        tensor: ``(T, *feature)`` rows for the T tokens of the step (any dtype the engine used).
+        file: the file it came from (for error messages).
+    """
+
+    name: str
+    module: str
+    element: int | None
+    step: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    dims: str | None
+    tensor: torch.Tensor
+    file: str
+
+
+@dataclass
+class RawDump:
+    """A dump as read: activations plus the token ids of each step.
+
+    Attributes:
+        path: the folder or file.
+        layout: ``sglang-dumper``, ``passes`` or ``tensors``.
+        engine: a display name (``SGLang dumper``, ``SGLang/vLLM per-pass dump``, ``named tensors``).
+        entries: the activations (token bookkeeping removed).
+        tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``.
+        facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``.
+        ignored_inputs: names of module inputs that were read but are not activations tracer maps.
+    """
+
+    path: str
+    layout: str
+    engine: str
+    entries: list[DumpEntry]
+    tokens: dict[int, dict[str, Any]]
+    facts: dict[str, Any] = field(default_factory=dict)
+    ignored_inputs: list[str] = field(default_factory=list)
+
+
+def safe_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, refusing anything that needs unpickling code.
+
+    Raises:
+        TracerError: unreadable file, or one holding pickled objects (naming the file).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TracerError(f"{path} holds objects that only an unsafe unpickler can load ({first[:120]}); "
+                          "tracer reads tensors and plain dicts/lists only (torch.load weights_only=True)") from None
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TracerError(f"cannot read {path} as a torch.save file ({first[:120]})") from None
+
+
+def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
+    """Split an engine name into ``(module path, element, is_input)``.
+
+    ``non_intrusive__model.layers.3.output.1`` → ``("model.layers.3", 1, False)``;
+    ``non_intrusive__model.layers.3.inputs.1`` → ``("model.layers.3", None, True)``;
+    ``non_intrusive__logits_processor.output.next_token_logits`` → ``("logits_processor", "next_token_logits", False)``;
+    a plain module path (per-pass dumps, named tensors) → ``(name, None, False)``.
+    """
+    if name.startswith(_NON_INTRUSIVE):
+        name = name[len(_NON_INTRUSIVE):]
+    m = re.match(r"^(?:(?P<module>.*)\.)?inputs\.\w+$", name)
+    if m:
+        return m.group("module") or "", None, True
+    m = re.match(r"^(?:(?P<module>.*)\.)?output(?:\.(?P<element>\w+))?$", name)
+    if m:
+        el = m.group("element")
+        return m.group("module") or "", (int(el) if el is not None and el.isdigit() else el), False
+    return name, None, False
+
+
+def _tp_of(meta: dict) -> tuple[int, int, int]:
+    for key in ("sglang_parallel_info", "megatron_parallel_info"):
+        info = meta.get(key)
+        if isinstance(info, dict) and "tp_rank" in info:
+            return int(info["tp_rank"]), int(info.get("tp_size", 1)), int(info.get("pp_rank", 0))
+    if "tp_rank" in meta:
+        return int(meta["tp_rank"]), int(meta.get("tp_size", 1)), int(meta.get("pp_rank", 0))
+    return 0, 1, 0
+
+
+def _tags_of(stem: str, path: Path) -> dict[str, str]:
+    tags = {}
+    for part in stem.split("___"):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise TracerError(f"{path} is not named like an SGLang dumper file (tags k=v joined by '___'); "
+                              "rename it or dump with SGLang's dumper")
+        tags[k] = v
+    return tags
+
+
+def _add_token(tokens: dict, step: int, key: str, value: Any, file: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TracerError(f"{file}: {key} is a {type(value).__name__}, not a tensor of token ids")
+    value = value.reshape(-1).to(torch.long)
+    slot = tokens.setdefault(step, {"input_ids": None, "positions": None, "file": file})
+    old = slot.get(key)
+    if old is not None and not torch.equal(old, value):
+        raise TracerError(f"{file}: {key} of step {step} differs from the one in {slot['file']} "
+                          "(ranks disagree on the batch); dump one request's run")
+    slot[key] = value
+
+
+def read_sglang_dumper(folder: Path) -> RawDump:
+    """Read an SGLang dumper folder (``k=v___k=v.pt`` files of ``{"value", "meta"}``).
+
+    Raises:
+        TracerError: a file without ``value``/``meta``, a meta without ``step``/``name``, pickled
+            objects, a non-tensor activation.
+    """
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".pt")
+    entries, tokens, ignored, facts = [], {}, [], {}
+    for path in files:
+        tags = _tags_of(path.stem, path)
+        data = safe_load(path)
+        if not isinstance(data, dict) or "value" not in data or not isinstance(data.get("meta"), dict):
+            raise TracerError(f"{path} holds no {{'value', 'meta'}} dict (missing meta); an SGLang dumper "
+                              "file is torch.save({'value': tensor, 'meta': {...}})")
+        meta = data["meta"]
+        for key in ("name", "step"):
+            if key not in meta:
+                raise TracerError(f"{path}: meta has no '{key}' (missing meta); the SGLang dumper writes "
+                                  "step, rank, dump_index and name into every file's meta")
+        if str(meta["name"]) != tags.get("name", str(meta["name"])):
+            raise TracerError(f"{path}: meta name {meta['name']!r} differs from the file name's {tags['name']!r}")
+        name, step, value = str(meta["name"]), int(meta["step"]), data["value"]
+        if "tokenizer_path" in meta:
+            facts["tokenizer_path"] = meta["tokenizer_path"]
+        if name in CORE_FIELDS:
+            if name in ("input_ids", "positions"):
+                _add_token(tokens, step, name, value, str(path))
+            continue
+        module, element, is_input = parse_output_name(name)
+        if is_input:
+            ignored.append(name)
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
+        if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
+            module, element = (f"{module}.{element}" if module else element), None
+        tp_rank, tp_size, pp_rank = _tp_of(meta)
+        entries.append(DumpEntry(name=name, module=module, element=element, step=step, tp_rank=tp_rank,
+                                 tp_size=tp_size, pp_rank=pp_rank, dims=meta.get("dims"), tensor=value, file=str(path)))
+    # execution order: the dumper numbers its files per rank (dump_index) within a step
+    entries.sort(key=lambda e: (e.step, e.tp_rank, _index_of(e.file)))
+    return RawDump(path=str(folder), layout="sglang-dumper", engine="SGLang dumper", entries=entries,
+                   tokens=tokens, facts=facts, ignored_inputs=sorted(set(ignored)))
+
+
+def _index_of(file: str) -> int:
+    m = re.search(r"(?:^|___)dump_index=(\d+)", Path(file).stem)
+    return int(m.group(1)) if m else 0
+
+
+def _rank_dirs(folder: Path) -> list[tuple[int, int, Path]]:
+    out = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        m = _RANK_DIR_RE.match(sub.name)
+        if m and any(_PASS_RE.match(f.name) for f in sub.iterdir()):
+            tp = int(m.group(1) if m.group(1) is not None else m.group(3))
+            pp = int(m.group(2)) if m.group(2) is not None else 0
+            out.append((tp, pp, sub))
+    return out
+
+
+def read_passes(folder: Path) -> RawDump:
+    """Read a per-pass dump: rank sub-folders (or one folder) of ``PassN.pt`` dicts name → tensor(s).
+
+    Raises:
+        TracerError: a pass file that is not a dict of tensors, pickled objects, ranks with
+            different sets of passes.
+    """
+    ranks = _rank_dirs(folder) or [(0, 0, folder)]
+    tp_size = len({tp for tp, _, _ in ranks})
+    passes_of = {}
+    entries, tokens, ignored = [], {}, []
+    for tp, pp, sub in ranks:
+        files = sorted((int(_PASS_RE.match(f.name).group(1)), f) for f in sub.iterdir() if _PASS_RE.match(f.name))
+        passes_of[sub.name] = [n for n, _ in files]
+        for step, path in files:
+            data = safe_load(path)
+            if not isinstance(data, dict):
+                raise TracerError(f"{path} holds a {type(data).__name__}, not a dict of module name → tensor")
+            for name, value in data.items():
+                if name.endswith(".forward_batch_info.input_ids") or name.endswith(".forward_batch_info.positions"):
+                    if tp == 0:
+                        _add_token(tokens, step, name.rsplit(".", 1)[1], value, str(path))
+                    continue
+                if ".forward_batch_info." in name or name == "model":
+                    ignored.append(name)  # seq_lens; the root model's output lands in the next pass
+                    continue
+                values = value if isinstance(value, (list, tuple)) else [value]
+                if not all(isinstance(v, torch.Tensor) for v in values):
+                    raise TracerError(f"{path}: {name!r} is not a tensor or a list of tensors")
+                for i, v in enumerate(values):
+                    entries.append(DumpEntry(name=name if len(values) == 1 else f"{name}#{i}", module=name,
+                                             element=None if len(values) == 1 else i, step=step, tp_rank=tp,
+                                             tp_size=tp_size, pp_rank=pp, dims=None, tensor=v, file=str(path)))
+    if len({tuple(v) for v in passes_of.values()}) > 1:
+        detail = ", ".join(f"{k}: {len(v)}" for k, v in passes_of.items())
+        raise TracerError(f"{folder}: rank folders hold different passes ({detail}); the shards are inconsistent")
+    return RawDump(path=str(folder), layout="passes", engine="SGLang/vLLM per-pass dump", entries=entries,
+                   tokens=tokens, facts={"tp_size": tp_size}, ignored_inputs=sorted(set(ignored)))
+
+
+def read_named_tensors(path: Path) -> RawDump:
+    """Read a ``.safetensors`` or ``.npz`` file of named tensors (token ids under ``input_ids``).
+
+    Raises:
+        TracerError: unreadable file, pickled arrays in an npz, no ``input_ids``.
+    """
+    if path.suffix == ".npz":
+        import numpy as np
+
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                tensors = {k: torch.from_numpy(z[k].copy()) for k in z.files}
+        except ValueError as e:
+            raise TracerError(f"{path} holds pickled objects ({str(e).splitlines()[0][:100]}); "
+                              "save plain numeric arrays (np.savez)") from None
+        except OSError as e:
+            raise TracerError(f"cannot read {path} as an npz file ({e})") from None
+    else:
+        try:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise TracerError(f"cannot read {path} as a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    tokens: dict = {}
+    entries = []
+    for name, value in tensors.items():
+        if name in ("input_ids", "positions"):
+            _add_token(tokens, 0, name, value, str(path))
+            continue
+        module, element, is_input = parse_output_name(name)
+        if is_input:
+            continue
+        if isinstance(element, str):
+            module, element = (f"{module}.{element}" if module else element), None
+        entries.append(DumpEntry(name=name, module=module, element=element,
+                                 step=0, tp_rank=0, tp_size=1, pp_rank=0, dims=None, tensor=value, file=str(path)))
+    return RawDump(path=str(path), layout="tensors", engine="named tensors", entries=entries, tokens=tokens)
+
+
+def read_dump(path: str | Path) -> RawDump:
+    """Read an engine dump, recognising its layout (see the module docstring).
+
+    ``path``: an SGLang dumper folder (or its parent holding one ``<exp_name>/`` folder), a
+    per-pass folder (rank sub-folders of ``PassN.pt``, or ``PassN.pt`` files), or a
+    ``.safetensors``/``.npz`` file.
+
+    Raises:
+        TracerError: missing path, unrecognised layout, or any malformed file (one line naming it).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise TracerError(f"engine dump {p} does not exist; give an SGLang dumper folder, a PassN.pt folder, "
+                          "or a .safetensors/.npz file")
+    if p.is_file():
+        if p.suffix in (".safetensors", ".npz"):
+            return read_named_tensors(p)
+        raise TracerError(f"{p} is a file but not .safetensors/.npz; give the dump's folder for .pt dumps")
+    if _rank_dirs(p) or any(_PASS_RE.match(f.name) for f in p.iterdir()):
+        return read_passes(p)
+    if any(f.suffix == ".pt" and "___" in f.name for f in p.iterdir()):
+        return read_sglang_dumper(p)
+    subs = [s for s in p.iterdir() if s.is_dir() and any(f.suffix == ".pt" for f in s.iterdir())]
+    if len(subs) == 1:
+        return read_sglang_dumper(subs[0])
+    if len(subs) > 1:
+        raise TracerError(f"{p} holds {len(subs)} dump folders ({', '.join(s.name for s in subs[:4])}); give one of them")
+    raise TracerError(f"{p} holds no engine dump (no k=v___k=v.pt dumper files, PassN.pt files or rank folders)")
