@@ -27,7 +27,7 @@ for s in $steps; do case $s in
     ls -l /tmp/big.h5 >> "$out/rss.txt"
     for dev in cuda cpu; do
       timeout 200 python3 -c "
-import json, resource, sys, time; from tracer.compare import compare_trace
+import json, resource, sys, time; from tracer.diff.core import compare_trace
 t0 = time.perf_counter(); c = compare_trace('/tmp/big.h5', device='$dev'); dt = time.perf_counter() - t0
 print(json.dumps({'device': '$dev', 'seconds': dt, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 'first_divergent': c.first_divergent}))" >> "$out/rss.txt" 2>&1
     done ;;
@@ -35,7 +35,7 @@ print(json.dumps({'device': '$dev', 'seconds': dt, 'peak_rss_mib': resource.getr
     $t run qwen3-0.6b-shape --device cuda --length 4096 -o /tmp/d4k.h5 --overwrite --format json > /dev/null 2>"$out/dprof.err"
     python3 - > "$out/dprof.txt" 2>&1 <<'PY'
 import cProfile, pstats, time, torch
-from tracer.compare import compare_trace
+from tracer.diff.core import compare_trace
 compare_trace("/tmp/d4k.h5", device="cuda")
 for dev in ("cuda", "cpu"):
     t0 = time.perf_counter(); compare_trace("/tmp/d4k.h5", device=dev); torch.cuda.synchronize(); print(dev, f"{time.perf_counter() - t0:.3f} s")
@@ -49,8 +49,8 @@ PY
     $t run qwen3-0.6b-shape --device-map auto --max-memory 0=600MiB,cpu=64GiB --length 1024 -o /tmp/split.h5 --overwrite --format json > "$out/dmap-split.json" 2>>"$out/dmap.err"
     python3 - >> "$out/dmap.txt" 2>&1 <<'PY'
 import collections, json
-from tracer.compare import compare_runs
-from tracer.store import TraceReader
+from tracer.diff.core import compare_runs
+from tracer.store.trace import TraceReader
 with TraceReader("/tmp/split.h5") as r:
     dm = r.header["model"]["device_map"]
 print("device_map:", dict(collections.Counter(dm.values())), "e.g.", {k: dm[k] for k in list(dm)[:3]}, "...", {k: dm[k] for k in list(dm)[-3:]})

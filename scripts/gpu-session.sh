@@ -14,7 +14,7 @@ if [ "$phase" = 1 ]; then
   $t plot "$out/sweep-h200.h5" --kind sweep -o "$out/sweep-h200.png" >> "$out/sweep.txt" 2>&1
   python3 - "$out/sweep-h200.h5" > "$out/diverging.txt" <<'PY'
 import sys
-from tracer.sweep import read_sweep
+from tracer import read_sweep
 r = read_sweep(sys.argv[1])
 print(" ".join(map(str, r.diverging_lengths())))
 PY
