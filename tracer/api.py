@@ -40,6 +40,8 @@ class RunResult:
     runs: tuple[Any, Any] = field(repr=False, default=(None, None))
     model_info: Any = None
     fail_on: str | None = None
+    #: ``--tp-mode distributed --tp-partials``: run ``B.partials``, every rank's row-parallel partials
+    partials: Any = field(repr=False, default=None)
 
     def check(self) -> tuple[bool, str]:
         """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
@@ -201,7 +203,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             ``n_tokens -> Scenario`` (user-defined scenarios).
         options: the scenario's options (see :func:`tracer.scenarios.build`): ``batch_size``,
             ``padding``, ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``,
-            ``reduce``, ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``.
+            ``reduce``, ``reduce_dtype``, ``tp_mode`` (``simulated``/``distributed``: run B over
+            ``tp`` processes with torch.distributed, :mod:`tracer.tp_dist`), ``tp_partials``,
+            ``tp_vocab_parallel``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``.
         block_size: KV block size in tokens; the cached prefix P is the largest multiple below N.
         split_at: explicit P (1..N-1).
         mitigation: ``aligned`` (prefix-cache: run A also splits at P) or ``deterministic``
@@ -247,8 +251,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     from . import models as _models
     from .capture import GRANULARITIES, discover_points, host_copies
     from .compare import check_fail_on, compare_records, replay_diff
-    from .runner import execute, model_device
+    from .runner import model_device
     from .scenarios import SCENARIOS, build, check_mitigation
+    from .tp_dist import execute_plan
     from .store import TraceWriter, collect_environment
 
     say = status or (lambda msg: None)
@@ -297,8 +302,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if isinstance(scenario, str):  # every length-independent option error, before loading
         known = n_known is not None and n_known >= 2
         # the prompt length is not known before tokenizing: check everything but the split point
-        check_resources(build(scenario, n_known if known else 100_000,
-                              **(sopts if known else dict(sopts, split_at=None))))
+        planned = check_resources(build(scenario, n_known if known else 100_000,
+                                        **(sopts if known else dict(sopts, split_at=None))))
+        check_distributed(planned, device if loaded is None else loaded.info.device, verdict=verdict,
+                          dispatched=dispatched)
 
     # -- load, tokenize, plan ---------------------------------------------------------------------
     if loaded is None:
@@ -308,6 +315,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     info = loaded.info
     ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=length)
     scen = check_resources(make_scenario(scenario, len(ids), sopts))
+    check_distributed(scen, info.device, verdict=verdict, dispatched=dispatched, model=loaded.model)
     points = discover_points(loaded.model, granularity, kv_cache=kv_cache)
     window = (0, len(ids)) if positions == "all" else scen.window
 
@@ -316,7 +324,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         "model": info.to_dict(), "scenario": scen.to_dict(), "granularity": granularity,
         "dtype": info.dtype, "attn_implementation": info.attn_implementation,
         "block_size": block_size, "split_points": [scen.window[0]], "n_tokens": len(ids),
-        "store": store, "kv_cache": bool(kv_cache),
+        "store": store, "kv_cache": bool(kv_cache), **distributed_header(scen, info.device),
     })
     trace_path = None
     writer = None
@@ -330,12 +338,18 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     # stores tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(loaded.model).type == "cuda"
     records, host_records = [], []
+    partials = None
     with writer if writer is not None else contextlib.nullcontext():
         for plan in (scen.plan_a, scen.plan_b):
             say(f"run {plan.name}: {plan.description}")
             keep = (online or on_gpu) and not plan.devices
-            rec = execute(loaded.model, ids, plan, points, window, keep_on_device=keep,
-                          decode=decode, meta={"scenario": scen.name, "level": scen.level})
+            rec, part = execute_plan(loaded.model, ids, plan, points, window, keep_on_device=keep, decode=decode,
+                                     meta={"scenario": scen.name, "level": scen.level}, say=say)
+            if part is not None:
+                partials = part
+            if keep and plan.tp is not None and plan.tp.mode == "distributed":  # compared beside run A
+                dev = model_device(loaded.model)
+                rec.captures = {n: _replace(c, tensor=c.tensor.to(dev)) for n, c in rec.captures.items()}
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)
@@ -346,6 +360,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             host_records.append(host_rec)
             if writer is not None:
                 writer.add_run(host_rec if not online else _without_tensors(rec), ready=wait)
+        if writer is not None and partials is not None and not online:
+            writer.add_run(partials)
         rec_a, rec_b = records
         facts = {
             "dtype": info.dtype, "device": info.device, "attn": info.attn_implementation,
@@ -376,7 +392,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=noise_verdict(loaded.model, ids, scen, comparison, info.dtype, info.device))
     return RunResult(comparison=comparison, scenario=scen, trace=trace_path, token_ids=ids,
-                     runs=tuple(records), model_info=info, fail_on=fail_on)
+                     runs=tuple(records), model_info=info, fail_on=fail_on, partials=partials)
 
 
 def _without_tensors(rec: Any) -> Any:
@@ -389,7 +405,7 @@ def _without_tensors(rec: Any) -> Any:
 
 #: scenario options accepted by :func:`run` (``**options``) and :func:`tracer.scenarios.build`
 OPTIONS = ("batch_size", "padding", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "reduce",
-           "reduce_dtype", "kv_format", "attn_a", "attn_b", "devices")
+           "reduce_dtype", "tp_mode", "tp_partials", "tp_vocab_parallel", "kv_format", "attn_a", "attn_b", "devices")
 
 
 def check_options(options: dict[str, Any]) -> None:
@@ -430,6 +446,41 @@ def check_resources(scen: Any) -> Any:
         if plan.attn is not None:
             _models.check_attn(plan.attn)
     return scen
+
+
+def _distributed_plans(scen: Any) -> list[Any]:
+    return [p for p in (scen.plan_a, scen.plan_b) if p.tp is not None and p.tp.mode == "distributed"]
+
+
+def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, dispatched: bool = False,
+                      model: Any = None) -> None:
+    """Refuse a distributed TP plan this machine or this run cannot start, before anything is spawned:
+    K larger than the GPUs, a missing backend, ``--verdict`` or ``--device-map`` with it, and (given the
+    loaded ``model``) K not dividing the heads, KV heads or sharded dimensions.
+
+    Raises:
+        TracerError: one line naming the problem and what to do.
+    """
+    from . import models as _models
+    from .tp_dist import check_shardable, check_world
+
+    for plan in _distributed_plans(scen):
+        if verdict:
+            raise TracerError("--verdict re-runs the scenario in this process; it does not combine with "
+                              "--tp-mode distributed (use --tp-mode simulated)")
+        if dispatched:
+            raise TracerError("--tp-mode distributed shards the model over processes; it does not combine with --device-map")
+        check_world(plan.tp.k, _models.resolve_device(device))
+        if model is not None:
+            check_shardable(model, plan.tp.k, vocab_parallel=plan.tp.vocab_parallel)
+
+
+def distributed_header(scen: Any, device: str) -> dict[str, Any]:
+    """``{"tensor_parallel": {...}}`` for the trace header when run B is distributed (else ``{}``)."""
+    from .tp_dist import header_facts
+
+    plans = _distributed_plans(scen)
+    return {"tensor_parallel": header_facts(plans[0], device)} if plans else {}
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:

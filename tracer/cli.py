@@ -61,6 +61,9 @@ BlockSizesOpt = Annotated[Optional[str], typer.Option("--block-sizes", help="blo
 ChunkSizeOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="chunked-prefill: tokens per chunk C (default 32; 1 = token by token).")]
 TpOpt = Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel: shards k of the row-parallel layers (default 2).")]
 ReduceOpt = Annotated[Optional[str], typer.Option("--reduce", help="tensor-parallel: all-reduce order ring or tree (default ring).")]
+TpModeOpt = Annotated[Optional[str], typer.Option("--tp-mode", help="tensor-parallel: simulated (one process, default) or distributed (run B on --tp processes with torch.distributed: gloo on the CPU, NCCL on GPUs).")]
+TpPartialsOpt = Annotated[Optional[bool], typer.Option("--tp-partials", help="tensor-parallel, distributed: also store every rank's o_proj/down_proj partial product before the all_reduce (run B.partials).")]
+TpVocabOpt = Annotated[Optional[bool], typer.Option("--tp-vocab-parallel", help="tensor-parallel, distributed: shard the embedding and the LM head by vocabulary too.")]
 ReduceDtypeOpt = Annotated[Optional[str], typer.Option("--reduce-dtype", help="tensor-parallel: add partials in the activation dtype or float32.")]
 KvFormatOpt = Annotated[Optional[str], typer.Option("--kv-format", help="kv-quant: fp8-e4m3, mxfp8 or nvfp4 (default fp8-e4m3).")]
 AttnAOpt = Annotated[Optional[str], typer.Option("--attn-a", help="attention: run A's implementation (default eager).")]
@@ -138,6 +141,7 @@ def run_cmd(
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
     attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
+    tp_mode: TpModeOpt = None, tp_partials: TpPartialsOpt = None, tp_vocab_parallel: TpVocabOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     from .api import run
@@ -153,7 +157,8 @@ def run_cmd(
         options = scenario_options(batch_size=batch_size, padding=padding, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
                                    reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
-                                   devices=devices)
+                                   devices=devices, tp_mode=tp_mode, tp_partials=tp_partials,
+                                   tp_vocab_parallel=tp_vocab_parallel)
         spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
         with spinner as st:
             status = st.update if st is not None else None
