@@ -10,8 +10,9 @@ restores. The result renders as the hierarchy table, beside the seed's own statu
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,7 +42,8 @@ class Check:
         key: run-name prefix in the trace (``L1-batch-padded``).
         level, scenario, label: hierarchy level, catalogue name, one line for the table.
         options: scenario options fixed by this check (they win over the user's).
-        needs: ``"cuda"``, ``"cuda2"`` (two GPUs), ``"flash"`` or None.
+        needs: ``"cuda"``, ``"ranks"`` (K processes of a torch.distributed group: always on the CPU
+            with gloo, one GPU per rank with NCCL), ``"flash"`` or None.
         mitigations: mitigations that apply when the check diverges.
     """
 
@@ -73,7 +75,8 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         # at k = 2 every order and dtype gives the same sum (one rounding of p0 + p1); k = 4 differs
         Check("L4-tp-sim-tree-fp32", 4, "tensor-parallel", "unsharded vs simulated TP-4, tree all-reduce in fp32",
               {"tp": 4, "reduce": "tree", "reduce_dtype": "float32"}),
-        Check("L4-tp-real", 4, "tensor-parallel", "single GPU vs torch.distributed TP-2", needs="cuda2"),
+        Check("L4-tp-real", 4, "tensor-parallel", "unsharded vs real TP-2 over torch.distributed",
+              {"tp": 2, "tp_mode": "distributed"}, needs="ranks"),
         Check("L5-kv-fp8", 5, "kv-quant", "KV cache model dtype vs FP8 E4M3", {"kv_format": "fp8-e4m3"}),
         Check("L5-kv-mxfp8", 5, "kv-quant", "KV cache model dtype vs MXFP8 (32, E8M0)", {"kv_format": "mxfp8"}),
         Check("L5-kv-nvfp4", 5, "kv-quant", "KV cache model dtype vs NVFP4 (16, E4M3)", {"kv_format": "nvfp4"}),
@@ -87,15 +90,18 @@ def checks(n_tokens: int | None = None) -> list[Check]:
     ]
 
 
-def skip_reason(check: Check) -> str | None:
-    """Why this machine cannot run ``check`` (None if it can)."""
+def skip_reason(check: Check, device: str = "cpu") -> str | None:
+    """Why this machine cannot run ``check`` with the model on ``device`` (None if it can)."""
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if check.needs == "cuda" and n_gpu == 0:
         return "no CUDA GPU on this machine"
-    if check.needs == "cuda2":
-        if n_gpu < 2:
-            return f"real tensor parallelism needs 2 or more GPUs; this machine has {n_gpu}"
-        return "real multi-GPU TP (torch.distributed) is not implemented yet; the simulation rows cover level 4"
+    if check.needs == "ranks":
+        from .tp_dist import check_world
+
+        try:
+            check_world(int(check.options.get("tp", 2)), device)
+        except TracerError as e:
+            return str(e)
     if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attention is not installed (pip install flash-attn)"
     return None
@@ -221,8 +227,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     from .capture import GRANULARITIES, discover_points
     from .compare import compare_records
     from .report import _clean
-    from .runner import execute_scenario
     from .scenarios import build
+    from .tp_dist import backend_for, execute_scenario
     from .store import TraceWriter, collect_environment
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
@@ -244,8 +250,11 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     # plan everything first (metadata only): scenarios go into the header, bad options fail early
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
-    for c in todo:
-        reason = skip_reason(c)
+    for j, c in enumerate(todo):
+        if c.needs == "ranks":  # the row says which mode and backend produced it
+            with contextlib.suppress(TracerError):
+                todo[j] = c = replace(c, label=f"{c.label} ({backend_for(info.device)})")
+        reason = skip_reason(c, info.device)
         if reason is None:
             try:
                 plans[c.key] = build(c.scenario, n, **{**options, **c.options})
