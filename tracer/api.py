@@ -243,7 +243,9 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             runs move the model between devices.
 
     Returns:
-        a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
+        a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI. Under
+        ``torchrun`` with ``tp_mode="distributed"``, ranks other than 0 return one with
+        ``comparison=None`` (rank 0 compares, stores and reports).
 
     Raises:
         TracerError: for every bad input (checked before the model is loaded where possible).
@@ -253,7 +255,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     from .compare import check_fail_on, compare_records, replay_diff
     from .runner import model_device
     from .scenarios import SCENARIOS, build, check_mitigation
-    from .tp_dist import execute_plan
+    from .tp_dist import execute_plan, torchrun_rank
     from .store import TraceWriter, collect_environment
 
     say = status or (lambda msg: None)
@@ -318,6 +320,12 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     check_distributed(scen, info.device, verdict=verdict, dispatched=dispatched, model=loaded.model)
     points = discover_points(loaded.model, granularity, kv_cache=kv_cache)
     window = (0, len(ids)) if positions == "all" else scen.window
+    if torchrun_rank() not in (None, 0) and _distributed_plans(scen):
+        # a rank > 0 under torchrun: it only takes part in the distributed plan; rank 0 compares and writes
+        for plan in _distributed_plans(scen):
+            execute_plan(loaded.model, ids, plan, points, window, decode=decode,
+                         meta={"scenario": scen.name, "level": scen.level})
+        return RunResult(comparison=None, scenario=scen, trace=None, token_ids=ids, model_info=info)
 
     # -- execute both plans, storing run A while run B executes ------------------------------------
     header = collect_environment(info.device, extra={

@@ -173,6 +173,8 @@ def run_cmd(
     except TracerError as e:
         _fail(str(e))
         return
+    if result.comparison is None:  # a rank > 0 under torchrun: rank 0 reports
+        return
     _emit(result.comparison, fmt, cols)
     if mitigation is not None and fmt == "table":
         ok = result.comparison.identical

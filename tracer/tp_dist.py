@@ -341,6 +341,24 @@ def _fault_hook(model: nn.Module, rank: int) -> None:
     target.register_forward_pre_hook(die)
 
 
+def _run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: int, plan: Any,
+              points: list[CapturePoint], token_ids: list[int], window: tuple[int, int], decode: int,
+              meta: dict[str, Any]) -> dict[str, Any]:
+    """One rank's part of run B, the group already joined: shard ``model`` (in place), run the plan
+    with capture; return ``{"captures": name -> CaptureRecord (CPU tensors), "meta": ...}``."""
+    tp = plan.tp
+    rows = shard_model(model, rank, world, Reducer(world, plan.deterministic), vocab_parallel=tp.vocab_parallel)
+    if backend == "nccl":
+        model.to(torch.device("cuda", local_rank))
+    points = list(points)
+    if tp.partials:
+        points += [CapturePoint(name=f"{r}.tp_partial", module=f"{r}.tp_partial", kind="partial",
+                                op="Linear partial") for r in rows]
+    _fault_hook(model, rank)
+    rec = execute(model, token_ids, replace(plan, tp=None), points, window, decode=decode, meta=meta)
+    return {"captures": {n: replace(c, tensor=c.tensor.cpu()) for n, c in rec.captures.items()}, "meta": rec.meta}
+
+
 def _worker(rank: int, job: _Job) -> None:
     """One rank of run B: join the group, shard, execute the plan with capture, save the captures."""
     import torch.distributed as dist
@@ -361,21 +379,10 @@ def _worker(rank: int, job: _Job) -> None:
                                     device_id=torch.device("cuda", rank))
         else:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=job.world, timeout=timeout)
-        tp = job.plan.tp
-        rows = shard_model(model, rank, job.world, Reducer(job.world, job.plan.deterministic),
-                           vocab_parallel=tp.vocab_parallel)
-        if job.backend == "nccl":
-            model.to(torch.device("cuda", rank))
-        points = list(job.points)
-        if tp.partials:
-            points += [CapturePoint(name=f"{r}.tp_partial", module=f"{r}.tp_partial", kind="partial",
-                                    op="Linear partial") for r in rows]
-        _fault_hook(model, rank)
-        rec = execute(model, job.token_ids, replace(job.plan, tp=None), points, job.window,
-                      decode=job.decode, meta=job.meta)
-        caps = {n: replace(c, tensor=c.tensor.cpu()) for n, c in rec.captures.items()}
+        mine = _run_rank(model, rank, job.world, job.backend, rank, job.plan, job.points, job.token_ids,
+                         job.window, job.decode, job.meta)
         path = os.path.join(job.scratch, f"rank{rank}.pt")
-        torch.save({"captures": caps, "meta": rec.meta}, path + ".tmp")
+        torch.save(mine, path + ".tmp")
         os.replace(path + ".tmp", path)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
@@ -551,7 +558,8 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
         shutil.rmtree(scratch, ignore_errors=True)
         del store
     run, partials = _assemble(points, per_rank, plan, token_ids, tuple(window), plan.name)
-    run.meta.update({"device": device, "tp_world_size": k, "tp_backend": backend, "tp_threads_per_rank": threads})
+    run.meta.update({"device": device, "tp_world_size": k, "tp_backend": backend, "tp_launcher": "tracer (spawn)",
+                     "tp_threads_per_rank": threads})
     return run, partials
 
 
@@ -576,9 +584,65 @@ def header_facts(plan: Any, device: str) -> dict[str, Any]:
                     + ("; vocab-parallel embedding and lm_head" if tp.vocab_parallel else "") + ")",
         "collective": "all_gather + sum in rank order (deterministic)" if plan.deterministic
         else f"torch.distributed.all_reduce ({backend})",
-        "threads_per_rank": max(1, torch.get_num_threads() // tp.k) if backend == "gloo" else None,
+        "threads_per_rank": (torch.get_num_threads() if torchrun_rank() is not None
+                             else max(1, torch.get_num_threads() // tp.k)) if backend == "gloo" else None,
         "partials": bool(tp.partials),
+        "launcher": "torchrun" if torchrun_rank() is not None else "tracer (torch.multiprocessing spawn)",
     }
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when it was started by ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
+    set), else None."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return int(os.environ["RANK"])
+    return None
+
+
+def execute_joined(model: nn.Module, token_ids: list[int], plan: Any, points: list[CapturePoint],
+                   window: tuple[int, int], *, decode: int = 0, meta: dict[str, Any] | None = None,
+                   say: Callable[[str], None] | None = None) -> tuple[RunRecord | None, RunRecord | None]:
+    """Run B as one rank of the group ``torchrun`` started (this process; ``plan.tp.k`` must be
+    ``WORLD_SIZE``): shard a copy of ``model``, run with capture, gather every rank's captures on
+    rank 0. Returns what :func:`execute_distributed` returns on rank 0, ``(None, None)`` elsewhere.
+    With NCCL, rank r uses ``cuda:$LOCAL_RANK``.
+
+    Raises:
+        TracerError: ``--tp`` differs from the world size, a missing backend, an unshardable model.
+    """
+    import copy
+
+    import torch.distributed as dist
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if plan.tp.k != world:
+        raise TracerError(f"--tp {plan.tp.k} differs from torchrun's world size {world}; "
+                          f"pass --tp {world} or start torchrun with --nproc-per-node {plan.tp.k}")
+    device = str(model_device(model))
+    backend = backend_for(device)
+    check_shardable(model, world, vocab_parallel=plan.tp.vocab_parallel)
+    if backend == "nccl" and plan.deterministic:
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("NCCL_PROTO", "Simple")
+    if not dist.is_initialized():
+        kw: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+            kw["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s()), **kw)
+    if say is not None:
+        say(f"run {plan.name}: rank {rank} of {world} ({backend}, torchrun)")
+    mine = _run_rank(copy.deepcopy(model), rank, world, backend, local, plan, points, token_ids, tuple(window),
+                     decode, dict(meta or {}))
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return None, None
+    run, partials = _assemble(points, gathered, plan, token_ids, tuple(window), plan.name)
+    run.meta.update({"device": device, "tp_world_size": world, "tp_backend": backend, "tp_launcher": "torchrun",
+                     "tp_threads_per_rank": torch.get_num_threads()})
+    return run, partials
 
 
 def execute_plan(model: nn.Module, token_ids: list[int], plan: Any, points: list[CapturePoint],
@@ -587,6 +651,8 @@ def execute_plan(model: nn.Module, token_ids: list[int], plan: Any, points: list
     (``partials`` None)."""
     if plan.tp is not None and plan.tp.mode == "distributed":
         kw.pop("keep_on_device", None)
+        if torchrun_rank() is not None:
+            return execute_joined(model, token_ids, plan, points, window, **kw)
         return execute_distributed(model, token_ids, plan, points, window, **kw)
     kw.pop("say", None)
     return execute(model, token_ids, plan, points, window, **kw), None
