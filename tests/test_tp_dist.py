@@ -82,10 +82,10 @@ def test_bad_input_is_refused_before_anything_is_spawned(tiny32, monkeypatch):
 
     from tracer import tp_dist
 
-    if torch.cuda.device_count() < 64:
-        with pytest.raises(TracerError, match="GPUs"):
-            monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-            tp_dist.check_world(2, "cuda")
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(TracerError, match="--tp 2 needs 2 GPUs"):
+        tp_dist.check_world(2, "cuda")
     monkeypatch.setattr(dist, "is_gloo_available", lambda: False)
     with pytest.raises(TracerError, match="no gloo backend"):
         tracer.run("tiny-llama", loaded=tiny32, scenario="tensor-parallel", tp=2, tp_mode="distributed", length=8, **CPU)
@@ -140,3 +140,19 @@ def test_a_rank_that_dies_stops_the_run_without_trace_or_orphans(cli_env, tmp_pa
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _marked(marker) == []
+
+
+def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
+    env = dict(cli_env, OMP_NUM_THREADS="2")  # spawned: 2 // 2 = 1 thread per rank; torchrun: 1 per rank
+    args = ["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
+            "--tp-mode", "distributed", "--length", "24", "--format", "json"]
+    assert _cli(args + ["-o", str(tmp_path / "spawn.h5")], env, tmp_path).returncode == 0
+    tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                         "-m", "tracer", *args, "-o", str(tmp_path / "torchrun.h5")], env=env, cwd=tmp_path,
+                        capture_output=True, text=True, timeout=300)
+    assert tr.returncode == 0, tr.stderr
+    assert tr.stdout.count('"scenario"') == 1  # only rank 0 reports
+    with tracer.read_trace(tmp_path / "torchrun.h5") as r:
+        assert r.header["tensor_parallel"]["launcher"] == "torchrun"
+    same = _cli(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env, tmp_path)
+    assert json.loads(same.stdout)["identical"] is True

@@ -533,9 +533,10 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
     check_shardable(model, k, vocab_parallel=tp.vocab_parallel)
     limit = timeout_s()
     threads = max(1, torch.get_num_threads() // k)
-    scratch = tempfile.mkdtemp(prefix="tracer-tp-")
+    # the parent serves the rendezvous on a port the OS picks (no race for a "free" port)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=_dt.timedelta(seconds=limit))
+    scratch = tempfile.mkdtemp(prefix="tracer-tp-")
     job = _Job(model=model, token_ids=list(token_ids), plan=plan, points=list(points), window=tuple(window),
                decode=decode, meta=dict(meta or {}), backend=backend, world=k, port=store.port, scratch=scratch,
                threads=threads, timeout_s=limit, parent_pid=os.getpid())
