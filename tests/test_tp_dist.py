@@ -99,15 +99,19 @@ def _cli(args, env, cwd):
 def test_cli_tp2_end_to_end(cli_env, tmp_path):
     out = tmp_path / "tp2.h5"
     p = _cli(["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
-              "--tp-mode", "distributed", "--tp-partials", "--length", "24", "-o", str(out), "--format", "json"],
-             cli_env, tmp_path)
+              "--tp-mode", "distributed", "--tp-partials", "--tp-vocab-parallel", "--length", "24", "-o", str(out),
+              "--format", "json"], cli_env, tmp_path)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert doc["scenario"] == "tensor-parallel" and doc["layers"]
+    assert doc["scenario"] == "tensor-parallel" and doc["logits"]["n_total"] == 24 * 512
+    # the vocab-parallel embedding adds exact zeros from the other rank: bit-identical to the unsharded lookup
+    emb = next(p for p in doc["layers"] if p["name"] == "model.embed_tokens")
+    assert emb["n_diff"] == 0 and emb["n_total"] == 24 * 64
     with tracer.read_trace(out) as r:
         assert r.runs == ["A", "B", "B.partials"]
         facts = r.header["tensor_parallel"]
         assert (facts["world_size"], facts["backend"], facts["mode"]) == (2, "gloo", "distributed")
+        assert "vocab-parallel" in facts["sharding"] and r.tensor("B", "lm_head").shape == (24, 512)
 
 
 def _marked(marker: str) -> list[int]:

@@ -255,8 +255,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     from .compare import check_fail_on, compare_records, replay_diff
     from .runner import model_device
     from .scenarios import SCENARIOS, build, check_mitigation
-    from .tp_dist import execute_plan, torchrun_rank
     from .store import TraceWriter, collect_environment
+    from .tp_dist import execute_plan, torchrun_rank
 
     say = status or (lambda msg: None)
     store = {True: "tensors", False: "none"}.get(store, store)  # type: ignore[arg-type]

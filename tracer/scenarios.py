@@ -550,7 +550,8 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
 
     ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
     ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
-    ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
+    ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
+    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
     builder takes the ones it uses, None means its default, and the rest are ignored.
 
     Raises:

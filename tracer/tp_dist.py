@@ -152,7 +152,8 @@ def check_shardable(model: nn.Module, k: int, *, vocab_parallel: bool = False) -
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     fused = sorted(names & set(FUSED))
     if fused or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
-        raise TracerError(f"{type(model).__name__} has {'fused projections ' + '/'.join(fused) if fused else 'no q/k/v/o_proj'}; "
+        what = "fused projections " + "/".join(fused) if fused else "no q/k/v/o_proj"
+        raise TracerError(f"{type(model).__name__} has {what}; "
                           "tracer's tensor-parallel sharding covers Llama-style layouts (Llama, Qwen, Mistral, "
                           "SmolLM); use --tp-mode simulated")
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
