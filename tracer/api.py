@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
@@ -470,7 +471,7 @@ def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, d
         TracerError: one line naming the problem and what to do.
     """
     from . import models as _models
-    from .tp_dist import check_shardable, check_world
+    from .tp_dist import check_shardable, check_world, torchrun_rank
 
     for plan in _distributed_plans(scen):
         if verdict:
@@ -479,6 +480,10 @@ def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, d
         if dispatched:
             raise TracerError("--tp-mode distributed shards the model over processes; it does not combine with --device-map")
         check_world(plan.tp.k, _models.resolve_device(device))
+        world = os.environ.get("WORLD_SIZE") if torchrun_rank() is not None else None
+        if world is not None and int(world) != plan.tp.k:
+            raise TracerError(f"--tp {plan.tp.k} differs from torchrun's world size {world}; "
+                              f"pass --tp {world} or start torchrun with --nproc-per-node {plan.tp.k}")
         if model is not None:
             check_shardable(model, plan.tp.k, vocab_parallel=plan.tp.vocab_parallel)
 
