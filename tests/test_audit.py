@@ -42,6 +42,7 @@ def test_audit_end_to_end(tmp_path, cli_env):
     with TraceReader(out) as reader:
         assert {"L0-repeat.A", "L0-repeat.B", "L5-kv-fp8.A", "L5-kv-fp8+deterministic.B", "L4-tp-real.B"} <= set(reader.runs)
         assert reader.header["audit"]["L5-kv-mxfp8"]["params"]["kv_block_format"]["block_size"] == 32
+        assert (reader.header["tensor_parallel"]["backend"], reader.header["tensor_parallel"]["world_size"]) == ("gloo", 2)
         assert reader.header["audit"]["L5-kv-nvfp4"]["params"]["kv_block_format"]["scale"] == "e4m3"
     # a stored audit run pair compares again from the file
     again = json.loads(tracer(["compare", str(out), "L5-kv-fp8.A", "L5-kv-fp8.B", "-f", "json"], cli_env, tmp_path).stdout)

@@ -228,7 +228,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     from .compare import compare_records
     from .report import _clean
     from .scenarios import build
-    from .tp_dist import backend_for, execute_scenario
+    from .tp_dist import backend_for, execute_scenario, header_facts
     from .store import TraceWriter, collect_environment
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
@@ -266,6 +266,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
         "model": info.to_dict(), "scenario": {"name": "audit", "levels": selected}, "granularity": granularity,
         "dtype": info.dtype, "attn_implementation": info.attn_implementation, "n_tokens": n,
         "audit": {k: s.to_dict() for k, s in plans.items()},
+        **({"tensor_parallel": header_facts(plans["L4-tp-real"].plan_b, info.device)} if "L4-tp-real" in plans else {}),
     })
     points = discover_points(loaded.model, granularity)
     out_path = Path(output) if output is not None else default_output(info.name, "audit")
