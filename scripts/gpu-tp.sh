@@ -25,9 +25,10 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 } > "$out/versions.txt"
 run() {  # run NAME ARGS...
   local name=$1; shift
-  /usr/bin/time -f "%e s wall, %M KiB peak RSS" python3 -m tracer run "$@" --device cuda --scenario tensor-parallel \
+  local t0=$SECONDS
+  python3 -m tracer run "$@" --device cuda --scenario tensor-parallel \
     --tp-mode distributed --format json --no-store > "$out/$name.json" 2> "$out/$name.err"
-  echo "$name: exit $?" >> "$out/status.txt"
+  echo "$name: exit $?, $((SECONDS - t0)) s" >> "$out/status.txt"
 }
 for n in 100 1000; do
   run "qwen3-tp1-$n" qwen3-0.6b-shape --length "$n" --tp 1
