@@ -23,7 +23,12 @@ def test_audit_end_to_end(tmp_path, cli_env):
     s = doc["summary"]
     assert s["total"] == len(doc["rows"]) == s["passed"] + s["failed"] + s["skipped"]
     assert rows["L0-repeat"]["holds_bitwise"] is True and rows["L0-repeat"]["status"] == "passed"
-    assert rows["L4-tp-real"]["status"] == "skipped" and "2 or more GPUs" in rows["L4-tp-real"]["reason"]
+    # level 4 for real: 2 gloo ranks on the CPU (the row names the mode and the backend)
+    real = rows["L4-tp-real"]
+    assert real["status"] in ("passed", "failed") and real["check"].endswith("torch.distributed (gloo)")
+    assert real["last_layer_total"] == 48 * 64 and "simulated" in rows["L4-tp-sim-ring"]["check"]
+    if real["status"] == "failed":  # the deterministic collective is tried and reported like other mitigations
+        assert isinstance(real["mitigations"]["deterministic"], bool)
     assert rows["L3-block-size"]["status"] == "skipped" and "KV block" in rows["L3-block-size"]["reason"]  # N=48 < 64
     if not torch.cuda.is_available():
         assert rows["L7-device"]["status"] == "skipped" and "no CUDA GPU" in rows["L7-device"]["reason"]
@@ -35,8 +40,9 @@ def test_audit_end_to_end(tmp_path, cli_env):
         if r["status"] != "skipped":
             assert r["last_layer_total"] > 0 and r["argmax_flips"] is not None
     with TraceReader(out) as reader:
-        assert {"L0-repeat.A", "L0-repeat.B", "L5-kv-fp8.A", "L5-kv-fp8+deterministic.B"} <= set(reader.runs)
+        assert {"L0-repeat.A", "L0-repeat.B", "L5-kv-fp8.A", "L5-kv-fp8+deterministic.B", "L4-tp-real.B"} <= set(reader.runs)
         assert reader.header["audit"]["L5-kv-mxfp8"]["params"]["kv_block_format"]["block_size"] == 32
+        assert (reader.header["tensor_parallel"]["backend"], reader.header["tensor_parallel"]["world_size"]) == ("gloo", 2)
         assert reader.header["audit"]["L5-kv-nvfp4"]["params"]["kv_block_format"]["scale"] == "e4m3"
     # a stored audit run pair compares again from the file
     again = json.loads(tracer(["compare", str(out), "L5-kv-fp8.A", "L5-kv-fp8.B", "-f", "json"], cli_env, tmp_path).stdout)

@@ -69,6 +69,9 @@ BlockSizesOpt = Annotated[Optional[str], typer.Option("--block-sizes", help="blo
 ChunkSizeOpt = Annotated[Optional[int], typer.Option("--chunk-size", help="chunked-prefill: tokens per chunk C (default 32; 1 = token by token).")]
 TpOpt = Annotated[Optional[int], typer.Option("--tp", help="tensor-parallel: shards k of the row-parallel layers (default 2).")]
 ReduceOpt = Annotated[Optional[str], typer.Option("--reduce", help="tensor-parallel: all-reduce order ring or tree (default ring).")]
+TpModeOpt = Annotated[Optional[str], typer.Option("--tp-mode", help="tensor-parallel: simulated (one process, default) or distributed (run B on --tp processes with torch.distributed: gloo on the CPU, NCCL on GPUs).")]
+TpPartialsOpt = Annotated[Optional[bool], typer.Option("--tp-partials", help="tensor-parallel, distributed: also store every rank's o_proj/down_proj partial product before the all_reduce (run B.partials).")]
+TpVocabOpt = Annotated[Optional[bool], typer.Option("--tp-vocab-parallel", help="tensor-parallel, distributed: shard the embedding and the LM head by vocabulary too.")]
 ReduceDtypeOpt = Annotated[Optional[str], typer.Option("--reduce-dtype", help="tensor-parallel: add partials in the activation dtype or float32.")]
 KvFormatOpt = Annotated[Optional[str], typer.Option("--kv-format", help="kv-quant: fp8-e4m3, mxfp8 or nvfp4 (default fp8-e4m3).")]
 AttnAOpt = Annotated[Optional[str], typer.Option("--attn-a", help="attention: run A's implementation (default eager).")]
@@ -146,6 +149,7 @@ def run_cmd(
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
     attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
+    tp_mode: TpModeOpt = None, tp_partials: TpPartialsOpt = None, tp_vocab_parallel: TpVocabOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     given = dict(locals())  # the parameters, before any other local exists
@@ -160,6 +164,8 @@ def run_cmd(
             result = run(progress=err.is_terminal, status=st.update if st is not None else None, **opts)
     except TracerError as e:
         _fail(str(e))
+        return
+    if result.comparison is None:  # a rank > 0 under torchrun: rank 0 reports
         return
     _emit(result.comparison, fmt, cols)
     if mitigation is not None and fmt == "table":

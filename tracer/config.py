@@ -246,6 +246,9 @@ _HELP = {
     "attn_a": "attention: run A's implementation (default eager)",
     "attn_b": "attention: run B's implementation (default sdpa)",
     "devices": "device/disaggregated: X,Y (default cpu,cuda)",
+    "tp_mode": "tensor-parallel: simulated (one process) or distributed (K processes, torch.distributed)",
+    "tp_partials": "tensor-parallel, distributed: also store every rank's row-parallel partials",
+    "tp_vocab_parallel": "tensor-parallel, distributed: shard the embedding and LM head by vocabulary",
 }
 
 
@@ -361,7 +364,11 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if st.mode != "none" and new_output:
         check_output(st.output, st.overwrite)
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
-        check_resources(preview(s.name, _known_length(cfg.prompt) if one_length else None, s.params()))
+        from tracer.execute.tp_dist import check_distributed
+
+        planned = check_resources(preview(s.name, _known_length(cfg.prompt) if one_length else None, s.params()))
+        check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
+                          dispatched=dispatched)
     return cfg
 
 

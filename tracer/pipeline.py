@@ -81,6 +81,7 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
     Raises:
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
+    from tracer.execute.tp_dist import check_distributed
     from tracer.plan.scenarios import check_resources, make_scenario
 
     if loaded is None:
@@ -88,6 +89,8 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
         loaded = load(cfg, progress=progress)
     ids = prompt_ids(cfg, loaded)
     scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
+    check_distributed(scen, loaded.info.device, verdict=cfg.checks.verdict,
+                      dispatched=loaded.info.device_map is not None, model=loaded.model)
     return Prepared(loaded, ids, scen)
 
 
@@ -125,10 +128,13 @@ class Outcome:
         comparison: the :class:`~tracer.diff.core.Comparison` of run A vs run B.
         records: both :class:`~tracer.execute.records.RunRecord` (host tensors; no tensors when
             the run compared online).
+        partials: ``--tp-mode distributed --tp-partials``: every rank's row-parallel partials before
+            the all-reduce, as a run of its own (else None).
     """
 
     comparison: Any
     records: tuple[Any, Any]
+    partials: Any = None
 
 
 def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureConfig = CaptureConfig(), *,
@@ -163,7 +169,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     """
     from tracer.diff.core import compare_records, replay_diff, run_facts
     from tracer.execute.capture import host_copies
-    from tracer.execute.runner import execute
+    from tracer.execute.tp_dist import execute_plan
     from tracer.load.models import model_device
     from tracer.store.trace import json_safe
 
@@ -174,13 +180,18 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
-    records, host_records = [], []
+    records, host_records, partials = [], [], None
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}")
         keep = (online or on_gpu) and not plan.devices
-        rec = execute(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
-                      meta={"scenario": scen.name, "level": scen.level})
+        rec, part = execute_plan(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
+                                 meta={"scenario": scen.name, "level": scen.level}, say=say)
         rec.name = name
+        if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
+            partials = _replace(part, name=f"{name}.partials")
+        if keep and plan.tp is not None and plan.tp.mode == "distributed":  # compared beside run A
+            dev = model_device(model)
+            rec.captures = {n: _replace(c, tensor=c.tensor.to(dev)) for n, c in rec.captures.items()}
         if decode:
             rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"]) if loaded.tokenizer else None
         records.append(rec)
@@ -191,6 +202,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         host_records.append(host_rec)
         if writer is not None:
             writer.add_run(without_tensors(rec) if online else host_rec, ready=wait)
+    if writer is not None and partials is not None and not online:
+        writer.add_run(partials)
     rec_a, rec_b = records
     header = header or {"model": info.to_dict(), "scenario": scen.to_dict()}
     comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name, trace=trace,
@@ -204,7 +217,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     # online: the device copies have served their purpose; else the host copies (landed: the
     # writer waited for them) replace the device tensors
     kept = tuple(without_tensors(r) for r in records) if online else tuple(host_records)
-    return Outcome(comparison, kept)
+    return Outcome(comparison, kept, partials)
 
 
 def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
@@ -246,6 +259,8 @@ class RunResult:
         runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
         model_info: the :class:`~tracer.load.models.ModelInfo` of the model that ran.
         fail_on: the rule :meth:`check` judges by.
+        partials: ``--tp-mode distributed --tp-partials``: run ``B.partials``, every rank's
+            row-parallel partials. Under ``torchrun``, ranks other than 0 get ``comparison=None``.
     """
 
     comparison: Any
@@ -255,6 +270,7 @@ class RunResult:
     runs: tuple[Any, Any] = field(repr=False, default=(None, None))
     model_info: Any = None
     fail_on: str | None = None
+    partials: Any = field(repr=False, default=None)
 
     def check(self) -> tuple[bool, str]:
         """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
@@ -311,13 +327,23 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     """
     from tracer.store.trace import default_output
 
+    from tracer.execute.tp_dist import distributed_header, distributed_plans, execute_plan, torchrun_rank
+
     prep = prepare(cfg, loaded, progress=progress, say=say)
     info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids
     st, ch = cfg.store, cfg.checks
+    if torchrun_rank() not in (None, 0) and distributed_plans(scen):
+        # a rank > 0 under torchrun only takes part in the distributed plan; rank 0 compares and writes
+        window = (0, len(ids)) if cfg.capture.positions == "all" else scen.window
+        for plan in distributed_plans(scen):
+            execute_plan(prep.loaded.model, ids, plan, capture_points(prep.loaded, cfg.capture), window,
+                         decode=ch.decode, meta={"scenario": scen.name, "level": scen.level})
+        return RunResult(comparison=None, scenario=scen, trace=None, token_ids=ids, model_info=info)
     out = st.output
     if out is None and st.mode != "none" and default_trace:
         out = default_output(info.name, scen.name)
-    header = trace_header(info, scen, len(ids), cfg.capture, st.mode, extra={"options": cfg.to_dict()})
+    header = trace_header(info, scen, len(ids), cfg.capture, st.mode,
+                          extra={"options": cfg.to_dict(), **distributed_header(scen, info.device)})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"
     with writer if writer is not None else contextlib.nullcontext():
@@ -331,7 +357,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison))
     return RunResult(comparison=comparison, scenario=scen, trace=str(out) if out else None, token_ids=ids,
-                     runs=outcome.records, model_info=info, fail_on=ch.fail_on)
+                     runs=outcome.records, model_info=info, fail_on=ch.fail_on, partials=outcome.partials)
 
 
 def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,

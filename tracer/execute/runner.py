@@ -139,6 +139,9 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
         if plan.deterministic:
             stack.enter_context(deterministic_mode())
         stack.enter_context(attn_implementation(model, plan.attn))
+        if plan.tp is not None and plan.tp.mode == "distributed":
+            raise TracerError(f"run plan {plan.name} is sharded over processes (--tp-mode distributed); "
+                              "execute it with tracer.tp_dist.execute_plan, not in one process")
         if plan.tp is not None:
             stack.enter_context(simulate_tp(model, plan.tp.k, plan.tp.reduce, plan.tp.dtype))
         fn = model

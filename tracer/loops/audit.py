@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
-from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels, skip_reason
+from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
         TracerError: bad input (checked before the model loads where possible).
     """
     from tracer import pipeline
+    from tracer.execute.tp_dist import distributed_header
     from tracer.store.trace import default_output
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
@@ -118,10 +119,12 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     info = loaded.info
     ids = pipeline.prompt_ids(cfg, loaded)
     todo = [c for c in checks(len(ids)) if c.level in selected]
-    plans, reasons = _plan(todo, len(ids), options)
+    plans, reasons = _plan(todo, len(ids), options, info.device)
     header = pipeline.trace_header(info, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "levels": selected},
-                                          "audit": {k: s.to_dict() for k, s in plans.items()}})
+                                          "audit": {k: s.to_dict() for k, s in plans.items()},
+                                          **(distributed_header(plans["L4-tp-real"], info.device)
+                                             if "L4-tp-real" in plans else {})})
     store = cfg.store.mode != "none"
     out = (cfg.store.output or default_output(info.name, "audit")) if store else None
     writer = pipeline.open_writer(out, header, overwrite=cfg.store.overwrite) if store else None
@@ -144,6 +147,27 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
 
 
+def skip_reason(check: Check, device: str = "cpu") -> str | None:
+    """Why this machine cannot run ``check`` with the model on ``device`` (None if it can)."""
+    import importlib.util
+
+    import torch
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if check.needs == "cuda" and n_gpu == 0:
+        return "no CUDA GPU on this machine"
+    if check.needs == "ranks":
+        from tracer.execute.tp_dist import check_world
+
+        try:
+            check_world(int(check.options.get("tp", 2)), device)
+        except TracerError as e:
+            return str(e)
+    if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attention is not installed (pip install flash-attn)"
+    return None
+
+
 def _check_options(options: dict[str, Any], selected: list[int]) -> None:
     """Refuse scenario options that no selected check uses (e.g. ``tp`` without level 4)."""
     used = {o for c in checks() if c.level in selected for o in applicable_options(c.scenario)}
@@ -153,15 +177,19 @@ def _check_options(options: dict[str, Any], selected: list[int]) -> None:
                           f"{','.join(map(str, selected))}; drop it or add the level that uses it")
 
 
-def _plan(todo: list[Check], n: int, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
-    skip reason of every other check."""
+    skip reason of every other check; a real-TP check's label names its backend (in place in ``todo``)."""
+    from tracer.execute.tp_dist import backend_for
     from tracer.plan.scenarios import build
 
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
-    for c in todo:
-        reason = skip_reason(c)
+    for j, c in enumerate(todo):
+        if c.needs == "ranks":  # the row says which mode and backend produced it
+            with contextlib.suppress(TracerError):
+                todo[j] = c = _replace(c, label=f"{c.label} ({backend_for(device)})")
+        reason = skip_reason(c, device)
         if reason is None:
             try:
                 plans[c.key] = build(c.scenario, n, **_options_for(c, options))

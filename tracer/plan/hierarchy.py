@@ -8,11 +8,8 @@ is the source's own status of each level, printed beside the measurement.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from tracer.errors import TracerError
 
@@ -38,7 +35,8 @@ class Check:
         key: run-name prefix in the trace (``L1-batch-padded``).
         level, scenario, label: hierarchy level, catalogue name, one line for the table.
         options: scenario options fixed by this check (they win over the user's).
-        needs: ``"cuda"``, ``"cuda2"`` (two GPUs), ``"flash"`` or None.
+        needs: ``"cuda"``, ``"ranks"`` (K processes of a torch.distributed group: always on the CPU
+            with gloo, one GPU per rank with NCCL), ``"flash"`` or None.
         mitigations: mitigations that apply when the check diverges.
     """
 
@@ -70,7 +68,8 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         # at k = 2 every order and dtype gives the same sum (one rounding of p0 + p1); k = 4 differs
         Check("L4-tp-sim-tree-fp32", 4, "tensor-parallel", "unsharded vs simulated TP-4, tree all-reduce in fp32",
               {"tp": 4, "reduce": "tree", "reduce_dtype": "float32"}),
-        Check("L4-tp-real", 4, "tensor-parallel", "single GPU vs torch.distributed TP-2", needs="cuda2"),
+        Check("L4-tp-real", 4, "tensor-parallel", "unsharded vs real TP-2 over torch.distributed",
+              {"tp": 2, "tp_mode": "distributed"}, needs="ranks"),
         Check("L5-kv-fp8", 5, "kv-quant", "KV cache model dtype vs FP8 E4M3", {"kv_format": "fp8-e4m3"}),
         Check("L5-kv-mxfp8", 5, "kv-quant", "KV cache model dtype vs MXFP8 (32, E8M0)", {"kv_format": "mxfp8"}),
         Check("L5-kv-nvfp4", 5, "kv-quant", "KV cache model dtype vs NVFP4 (16, E4M3)", {"kv_format": "nvfp4"}),
@@ -82,20 +81,6 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L7-disaggregated", 7, "disaggregated", "prefix on CPU, moved to GPU, vs all on GPU",
               {"devices": "cpu,cuda"}, needs="cuda"),
     ]
-
-
-def skip_reason(check: Check) -> str | None:
-    """Why this machine cannot run ``check`` (None if it can)."""
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if check.needs == "cuda" and n_gpu == 0:
-        return "no CUDA GPU on this machine"
-    if check.needs == "cuda2":
-        if n_gpu < 2:
-            return f"real tensor parallelism needs 2 or more GPUs; this machine has {n_gpu}"
-        return "real multi-GPU TP (torch.distributed) is not implemented yet; the simulation rows cover level 4"
-    if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attention is not installed (pip install flash-attn)"
-    return None
 
 
 def parse_levels(levels: str | None) -> list[int]:

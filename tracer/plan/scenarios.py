@@ -66,18 +66,30 @@ class Batch:
         return max(self.lengths)
 
 
+#: how run B of ``tensor-parallel`` is sharded: in one process (``simulated``, :mod:`tracer.plan.tp`) or
+#: over K processes with torch.distributed (``distributed``, :mod:`tracer.execute.tp_dist`)
+TP_MODES = ("simulated", "distributed")
+
+
 @dataclass(frozen=True)
 class TPSpec:
-    """Simulated tensor parallelism of the row-parallel layers (see :mod:`tracer.plan.tp`).
+    """Tensor parallelism of a run plan.
 
     Attributes:
-        k: shards along K. reduce: ``ring`` | ``tree``. dtype: ``activation`` | ``float32``
-        (the dtype the all-reduce adds in).
+        k: shards (simulated) or ranks (distributed). reduce: ``ring`` | ``tree``. dtype:
+        ``activation`` | ``float32`` (the dtype the simulated all-reduce adds in; both simulated
+        only). mode: ``simulated`` (:mod:`tracer.plan.tp`: row-parallel layers as K partial GEMMs in
+        one process) or ``distributed`` (:mod:`tracer.execute.tp_dist`: K processes, real collectives).
+        partials: distributed only: also capture every rank's row-parallel partials before the
+        all_reduce. vocab_parallel: distributed only: shard the embedding and LM head by vocabulary.
     """
 
     k: int
     reduce: str = "ring"
     dtype: str = "activation"
+    mode: str = "simulated"
+    partials: bool = False
+    vocab_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -378,22 +390,51 @@ def chunked_prefill(n_tokens: int, *, chunk_size: int = 32) -> Scenario:
         (0, n), chunk_size=chunk_size, split_points_b=[c[0] for c in chunks[1:]])
 
 
-def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str = "ring", reduce_dtype: str = "activation") -> Scenario:
-    """Level 4: unsharded versus simulated TP-k of the row-parallel layers (:mod:`tracer.plan.tp`).
+def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str | None = None, reduce_dtype: str | None = None,
+                    tp_mode: str = "simulated", tp_partials: bool = False,
+                    tp_vocab_parallel: bool = False) -> Scenario:
+    """Level 4: unsharded (TP-1) versus TP-k.
+
+    ``tp_mode="simulated"``: the row-parallel layers as k K-shards reduced in one process in the
+    ``reduce`` order and ``reduce_dtype`` (:mod:`tracer.plan.tp`). ``"distributed"``: run B on k processes
+    with torch.distributed (:mod:`tracer.execute.tp_dist`): column-parallel q/k/v/gate/up, row-parallel
+    o/down with a real all_reduce; ``tp_partials`` keeps every rank's partials, ``tp_vocab_parallel``
+    shards the embedding and LM head too.
 
     Raises:
-        TracerError: bad k, reduce order or reduce dtype.
+        TracerError: bad k, mode, reduce order or reduce dtype; simulated-only options with
+            ``distributed`` or distributed-only options with ``simulated``.
     """
     from tracer.plan.tp import check_tp
 
-    check_tp(tp, reduce, reduce_dtype)
+    if tp_mode not in TP_MODES:
+        raise TracerError(f"unknown --tp-mode '{tp_mode}'; use one of: {', '.join(TP_MODES)}")
     n = n_tokens
+    if tp_mode == "distributed":
+        if reduce is not None or reduce_dtype is not None:
+            raise TracerError("--reduce/--reduce-dtype choose the simulated reduction; with --tp-mode distributed the "
+                              "collective sums (drop them, or use --mitigation deterministic for a fixed order)")
+        if tp < 1:
+            raise TracerError(f"--tp must be a positive number of ranks, got {tp}")
+        spec = TPSpec(tp, mode="distributed", partials=bool(tp_partials), vocab_parallel=bool(tp_vocab_parallel))
+        vocab = ", vocab-parallel embedding/lm_head" if tp_vocab_parallel else ""
+        return _window_scenario(
+            "tensor-parallel", 4, "parallelism degree",
+            RunPlan("A", ((0, n),), "unsharded (TP-1, this process)"),
+            RunPlan("B", ((0, n),), f"TP-{tp} over torch.distributed: q/k/v/gate/up column-parallel, o/down "
+                    f"row-parallel + all_reduce{vocab}", tp=spec),
+            (0, n), tp=tp, tp_mode="distributed", tp_partials=bool(tp_partials),
+            tp_vocab_parallel=bool(tp_vocab_parallel))
+    if tp_partials or tp_vocab_parallel:
+        raise TracerError("--tp-partials and --tp-vocab-parallel apply to --tp-mode distributed only")
+    reduce, reduce_dtype = reduce or "ring", reduce_dtype or "activation"
+    check_tp(tp, reduce, reduce_dtype)
     spec = TPSpec(tp, reduce, reduce_dtype)
     return _window_scenario(
         "tensor-parallel", 4, "parallelism degree",
         RunPlan("A", ((0, n),), "unsharded"),
         RunPlan("B", ((0, n),), f"o_proj/down_proj as {tp} K-shards, {reduce} all-reduce in {reduce_dtype} dtype", tp=spec),
-        (0, n), tp=tp, reduce=reduce, reduce_dtype=reduce_dtype)
+        (0, n), tp=tp, reduce=reduce, reduce_dtype=reduce_dtype, tp_mode="simulated")
 
 
 def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16,
@@ -509,8 +550,9 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
 
     ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
     ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
-    ``reduce_dtype``, ``kv_format``, ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
-    builder takes the ones it uses and None means its default; an option it does not use is an error.
+    ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
+    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
+    builder takes the ones it uses, None means its default, and the rest are ignored.
 
     Raises:
         TracerError: unknown scenario name (listing the known ones), an option the scenario does
