@@ -48,15 +48,37 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
     """The validated config and the loaded model to reuse (``model`` may itself be a LoadedModel)."""
     lm = model if _is_loaded(model) else loaded
     if lm is not None:
-        given = sorted(k for k in _MODEL[1:] if options.get(k) is not None
-                       and options[k] != getattr(RunConfig().model, OPTIONS[k].field))
-        if given:
-            raise TracerError(f"{', '.join(given)} do(es) not apply to an already loaded model; load it with "
+        clash = _loaded_clash(lm.info, options)
+        if clash:
+            raise TracerError(f"{clash} does not match the already loaded model; load it with "
                               "tracer.load_model(..., dtype=..., device=...) instead")
         options = {k: v for k, v in options.items() if k not in _MODEL[1:]}
     name = lm.info.name if lm is not None else model
     cfg = RunConfig.from_options(allowed=allowed, model=name, check_scenario=check_scenario, **options)
     return validate(cfg, lm, new_output=new_output, one_length=one_length), lm
+
+
+def _loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
+    """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
+    from tracer.load.models import dtype_name, resolve_device, resolve_dtype
+
+    for key in ("gguf", "device_map", "max_memory"):
+        if options.get(key) is not None:
+            return f"{key}={options[key]!r}"
+    if options.get("dtype") is not None and dtype_name(resolve_dtype(options["dtype"])) != info.dtype:
+        return f"dtype={options['dtype']!r} (the model is {info.dtype})"
+    if options.get("device") is not None and not _same_device(resolve_device(options["device"]), info.device):
+        return f"device={options['device']!r} (the model is on {info.device})"
+    if options.get("attn") is not None and options["attn"] != info.attn_implementation:
+        return f"attn={options['attn']!r} (the model uses {info.attn_implementation})"
+    return None
+
+
+def _same_device(a: str, b: str) -> bool:
+    import torch
+
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
 def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
