@@ -362,7 +362,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             comparison = _replace(comparison, replay=replay_diff(
                 rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
                 rec_b.meta["decode_text"]))
-        if writer is not None and online:
+        if writer is not None:  # reports and figures read it back instead of recomputing
             writer.add_comparison(f"{rec_a.name}-vs-{rec_b.name}", comparison.to_dict())
         if writer is not None:
             say(f"writing {trace_path}")

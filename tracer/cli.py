@@ -42,6 +42,7 @@ AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="Absolute toler
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (see --atol).")]
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
+AllRowsOpt = Annotated[bool, typer.Option("--all-rows", help="Table: every capture point (default: the headline and the rows that matter, sized to the terminal).")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.COLUMNS).")]
 # prompt and output options (run, audit)
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
@@ -84,13 +85,13 @@ def _fail(message: str) -> None:
     raise typer.Exit(EXIT_ERROR)
 
 
-def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
+def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows: bool = False) -> None:
     from .report import DEFAULT_COLUMNS, render
 
     # styled in a terminal; plain and wide enough for the module paths when piped
     wide = columns is not None and len(columns) > 8
     console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
-    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS)
+    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows)
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
@@ -133,6 +134,7 @@ def run_cmd(
     fail_on: FailOnOpt = None,
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
+    all_rows: AllRowsOpt = False,
     positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -168,7 +170,7 @@ def run_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    _emit(result.comparison, fmt, cols)
+    _emit(result.comparison, fmt, cols, all_rows)
     if mitigation is not None and fmt == "table":
         ok = result.comparison.identical
         Console().print(
@@ -238,6 +240,7 @@ def compare_cmd(
     fail_on: FailOnOpt = None,
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
+    all_rows: AllRowsOpt = False,
     device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
@@ -255,7 +258,7 @@ def compare_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    _emit(comparison, fmt, cols)
+    _emit(comparison, fmt, cols, all_rows)
     _exit_on(comparison, fail_on)
 
 
