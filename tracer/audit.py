@@ -370,6 +370,27 @@ def print_audit(a: Audit, console: Any = None) -> None:
         console.print(f"trace: {a.trace}", style="dim", highlight=False)
 
 
+def audit_html(a: Audit) -> str:
+    """The audit as a single-file HTML page: the counts, the hierarchy matrix (sortable,
+    filterable; rows coloured by status) and the facts (see :mod:`tracer.html`)."""
+    from .html import esc, headline_html, kv_table, page, table_html
+
+    counts = a.counts()
+    failed = [r for r in a.rows if r.status == "failed"]
+    head = [("checks", _summary(a))]
+    if failed:
+        head.append(("diverge", "; ".join(f"L{r.check.level} {r.check.label} (from {r.first_divergent})" for r in failed)))
+    head += [(f"skipped: L{r.check.level}", f"{r.check.label}: {r.reason}") for r in a.rows if r.status == "skipped"]
+    cells = [_fmt_row(r) for r in a.rows]
+    table = table_html("audit", [h for _, h in _COLUMNS], ([c[k] for k, _ in _COLUMNS] for c in cells),
+                       classes=[{"passed": "", "failed": "diff", "skipped": "skip"}[r.status] for r in a.rows],
+                       values=[[r.check.level] + [None] * 4 + [r.max_logit_diff, r.argmax_flips] + [None] * 3 for r in a.rows],
+                       diff_toggle=True)
+    sections = [("summary", headline_html(head)), ("determinism hierarchy", table),
+                ("facts", kv_table(a.facts.items()) + (f'<p class="note">trace: {esc(a.trace)}</p>' if a.trace else ""))]
+    return page(_title(a), _summary(a), counts["failed"] == 0, sections)
+
+
 def render_audit(a: Audit, fmt: str = "table", console: Any = None) -> str | None:
     """Render an audit as ``table`` (printed; returns None), ``json``, ``csv`` or ``markdown``.
 

@@ -43,6 +43,7 @@ RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative toler
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
 AllRowsOpt = Annotated[bool, typer.Option("--all-rows", help="Table: every capture point (default: the headline and the rows that matter, sized to the terminal).")]
+ReportOpt = Annotated[Optional[str], typer.Option("--report", help="Also write a single-file HTML report (summary, tables, figures; no network needed to view it) to this .html file.")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.COLUMNS).")]
 # prompt and output options (run, audit)
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
@@ -96,6 +97,23 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
+def _check_report(report: str | None, overwrite: bool) -> None:
+    if report is not None:
+        from .html import check_report_path
+
+        check_report_path(report, overwrite)
+
+
+def _trace_header(trace: str | None) -> dict | None:
+    """The header of a written trace (the report's numeric contract), None without one."""
+    if not trace:
+        return None
+    from .store import TraceReader
+
+    with TraceReader(trace) as r:
+        return r.header
+
+
 def _exit_on(comparison, fail_on: str | None) -> None:
     """Exit 1 (EXIT_DIVERGED) when the comparison fails the --fail-on rule, saying why on stderr."""
     failed, reason = comparison.check(fail_on)  # the same rule the JSON's "check" reports
@@ -135,6 +153,7 @@ def run_cmd(
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
     all_rows: AllRowsOpt = False,
+    report: ReportOpt = None,
     positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -152,6 +171,7 @@ def run_cmd(
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
+        _check_report(report, overwrite)
         options = scenario_options(batch_size=batch_size, padding=padding, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
                                    reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
@@ -167,10 +187,16 @@ def run_cmd(
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
                          verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions,
                          kv_cache=kv_cache, device_map=device_map, max_memory=max_memory, **options)
+        if report is not None:
+            from .html import comparison_html, write_report
+
+            write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
     _emit(result.comparison, fmt, cols, all_rows)
+    if report is not None:
+        err.print(f"report: {report}", highlight=False)
     if mitigation is not None and fmt == "table":
         ok = result.comparison.identical
         Console().print(
@@ -194,6 +220,7 @@ def audit_cmd(
     no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
+    report: ReportOpt = None,
     batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:
@@ -206,6 +233,7 @@ def audit_cmd(
     try:
         check_format(fmt)
         parse_levels(levels)
+        _check_report(report, overwrite)
         options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
         bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -220,6 +248,11 @@ def audit_cmd(
                            chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
                            granularity=granularity, output=output, store=not no_store, overwrite=overwrite,
                            mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check, **options)
+        if report is not None:
+            from .audit import audit_html
+            from .html import write_report
+
+            write_report(audit_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -325,6 +358,7 @@ def sweep_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over, replacing an existing --output.")] = False,
     keep_tensors: Annotated[bool, typer.Option("--keep-tensors", help="Also store every point's captured tensors (large).")] = False,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write the divergence map to this .png/.svg/.pdf.")] = None,
+    report: ReportOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv.")] = "table",
 ) -> None:
     """Run a scenario for every prompt length (x block size): which lengths diverge, from which layer, how much."""
@@ -340,6 +374,7 @@ def sweep_cmd(
             from .plot import check_figure_path
 
             check_figure_path(plot, overwrite)
+        _check_report(report, overwrite)
         result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
                        prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file, dtype=dtype,
                        device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
@@ -348,6 +383,11 @@ def sweep_cmd(
             from .plot import save_figure
 
             save_figure(result.plot(), plot, overwrite=overwrite)
+        if report is not None:
+            from .html import write_report
+            from .sweep import sweep_html
+
+            write_report(sweep_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -387,6 +427,25 @@ def plot_cmd(
     try:
         path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
                          layers=layers.split(",") if layers else None)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    print(path)
+
+
+@app.command("report")
+def report_cmd(
+    trace: Annotated[str, typer.Argument(help="A trace (tracer run / audit) or a sweep file (tracer sweep).")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="The .html file (default: beside the input, <name>.html).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output.")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="Only for traces without a stored comparison: where to compare (cpu, cuda).")] = None,
+) -> None:
+    """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit matrix or
+    sweep map) from a stored trace or sweep file: no model needed, nothing recomputed."""
+    from .report_file import write_report_file
+
+    try:
+        path = write_report_file(trace, output, overwrite=overwrite, device=device)
     except TracerError as e:
         _fail(str(e))
         return

@@ -619,6 +619,38 @@ class _progress:
             self.bar.__exit__(*exc)
 
 
+def sweep_html(result: SweepResult) -> str:
+    """A sweep as a single-file HTML page: the summary lines, the divergence map (inline SVG, when
+    matplotlib is installed) and one sortable, filterable row per point (see :mod:`tracer.html`)."""
+    from .html import esc, figure_html, figure_svg, headline_html, page, table_html
+
+    p = result.params
+    title = f"{p.get('scenario')} sweep · {p.get('model')} · {p.get('dtype')} · {p.get('device')}"
+    n_div = sum(r.diverged for r in result.rows)
+    verdict = f"{n_div} of {len(result.rows)} points diverge" + ("" if result.complete else " (sweep unfinished)")
+    sections = [("summary", headline_html([("sweep", line.strip()) for line in result.summary_lines()]))]
+    try:
+        from .plot import sweep_figure
+
+        sections.append(("divergence map", figure_html(figure_svg(sweep_figure(result)),
+                                                      "top: max |logit diff| per prompt length (hollow green: "
+                                                      "bit-identical); bottom: max |A − B| per capture point and length",
+                                                      "fig-sweep")))
+    except (ImportError, TracerError) as e:
+        sections.append(("divergence map", f'<p class="note">no figure: {esc(e)}</p>'))
+    cols = ["length", "block size", "split at", "first divergent", "last-layer differing fraction",
+            "max |logit diff|", "argmax flips"]
+    rows = list(iter_rows(result))
+    cells = [[r.length, r.block_size, r.split_at, result.point_name(r.first_divergent) or "-",
+              f"{r.last_layer_fraction:.3g}", f"{r.logits_max_abs_diff:.3g}", r.argmax_flips] for r in rows]
+    vals = [[r.length, r.block_size, r.split_at, r.first_divergent, r.last_layer_fraction, r.logits_max_abs_diff,
+             r.argmax_flips] for r in rows]
+    sections.append((f"every point ({len(rows)})", table_html("points", cols, cells, values=vals,
+                                                               classes=["diff" if r.diverged else "" for r in rows],
+                                                               diff_toggle=True)))
+    return page(title, verdict, n_div == 0, sections)
+
+
 def iter_rows(result: SweepResult, block_size: int | None = None) -> Iterator[SweepRow]:
     """Rows of ``result`` at ``block_size`` (all when None), sorted by length."""
     yield from sorted((r for r in result.rows if block_size is None or r.block_size == block_size),
