@@ -6,7 +6,6 @@ exits with code 2 (no traceback); nothing on disk is touched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import replace
@@ -16,6 +15,7 @@ import typer
 from rich.console import Console
 
 from .errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
+from .progress import ItemProgress, StatusProgress
 
 app = typer.Typer(
     name="tracer",
@@ -176,9 +176,8 @@ def run_cmd(
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
                                    reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
                                    devices=devices)
-        spinner = err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
-        with spinner as st:
-            status = st.update if st is not None else None
+        long_run = verdict or decode > 0  # without a terminal, log lines only for the long forms
+        with StatusProgress("run", mode="bar" if err.is_terminal else ("lines" if long_run else "off")) as status:
             result = run(model, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
                          chat=chat, length=length, scenario=scenario, block_size=block_size, split_at=split_at,
                          mitigation=mitigation, dtype=dtype, device=device, attn=attn, gguf=gguf,
@@ -225,8 +224,6 @@ def audit_cmd(
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from .audit import audit, parse_levels, render_audit
     from .report import check_format
 
@@ -236,13 +233,10 @@ def audit_cmd(
         _check_report(report, overwrite)
         options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
-        with bar:
-            task = bar.add_task("audit", total=None)
+        with ItemProgress("audit", None, mode="auto") as bar:
 
             def on_check(label: str, done: int, total: int) -> None:
-                bar.update(task, description=label, completed=done, total=total)
+                bar.update(done, total, label)
 
             result = audit(model, levels=levels, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
                            chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
@@ -378,7 +372,8 @@ def sweep_cmd(
         result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
                        prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file, dtype=dtype,
                        device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
-                       overwrite=overwrite, keep_tensors=keep_tensors, progress=err.is_terminal)
+                       overwrite=overwrite, keep_tensors=keep_tensors,
+                       progress=True if err.is_terminal else "lines")
         if plot is not None:
             from .plot import save_figure
 
@@ -490,12 +485,10 @@ def bench_cmd(
     if reps < 1 or warmup < 0:
         _fail("--reps must be ≥ 1 and --warmup ≥ 0")
     try:
-        spinner = err.status("benchmarking", spinner="dots") if err.is_terminal else contextlib.nullcontext()
-        with spinner as st:
+        with StatusProgress("bench", mode="auto") as status:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
                            granularity=granularity, kv_cache=kv_cache, block_size=block_size, reps=reps,
-                           warmup=warmup, outdir=outdir,
-                           progress=st.update if st is not None else None)
+                           warmup=warmup, outdir=outdir, progress=status)
     except TracerError as e:
         _fail(str(e))
         return

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .errors import TracerError
+from .progress import ItemProgress
 
 FORMAT = "tracer-sweep"
 FORMAT_VERSION = 1
@@ -480,7 +482,7 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
           dtype: str = "bfloat16", device: str | None = None, attn: str = "sdpa", gguf: str | None = None,
           granularity: str = "layers", output: str | Path | None = None, store: bool = True,
           overwrite: bool = False, keep_tensors: bool = False, loaded: Any = None,
-          progress: bool = True, on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
+          progress: bool | str = True, on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``scenario`` for every prompt length × block size; one summary row per point.
 
     The prompts are prefixes of one token sequence: the text prompt (default: the built-in one)
@@ -497,6 +499,9 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
             unless ``overwrite``. ``store=False`` keeps everything in memory.
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
+        progress: per-point progress on stderr (:class:`tracer.progress.ItemProgress`): True or
+            ``"auto"``: a bar with count and ETA in a terminal, one log line per point otherwise;
+            ``"lines"``: log lines; False: nothing. Model-loading messages only with True in a terminal.
 
     Returns:
         a :class:`SweepResult` with every row of the file (earlier sessions' rows included).
@@ -544,7 +549,8 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
             raise TracerError(f"{out} exists and is not a sweep file; choose another --output")
 
     if loaded is None:
-        loaded = _models.load_model(model, dtype=dtype, device=dev, attn=attn, gguf=gguf, progress=progress)
+        loaded = _models.load_model(model, dtype=dtype, device=dev, attn=attn, gguf=gguf,
+                                    progress=progress is True and sys.stderr.isatty())
     info = loaded.info
     all_ids = tokenize(loaded.tokenizer, text, ids, chat=chat, vocab_size=info.vocab_size, length=max(ns))
     params = {
@@ -561,7 +567,7 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         names: list[str] = []
         kinds: list[str] = []
         todo = [pt for pt in plan_points(ns, bs) if pt not in done]
-        with _progress(progress, len(done), len(done) + len(todo)) as advance:
+        with ItemProgress("sweep", len(done) + len(todo), done=len(done), mode=progress) as bar:
             for n, b in todo:
                 t0 = time.perf_counter()
                 kw = dict(loaded=loaded, token_ids=all_ids[:n], scenario=scenario, block_size=b,
@@ -577,7 +583,7 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
                     if tmp is not None and tmp.exists():
                         tmp.unlink()
                 rows.append(row)
-                advance(n, b, row)
+                bar.advance(f"N={n} b={b} {'diverges' if row.diverged else 'bit-identical'}")
                 if on_point is not None:
                     on_point(row)
         if sf is not None:
@@ -587,36 +593,6 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
     finally:
         if sf is not None:
             sf.close()
-
-
-class _progress:
-    """A rich progress bar with ETA on stderr (or nothing), yielding ``advance(n, b, row)``."""
-
-    def __init__(self, enabled: bool, done: int, total: int) -> None:
-        self.enabled, self.done, self.total = enabled, done, total
-
-    def __enter__(self) -> Callable[[int, int, SweepRow], None]:
-        if not self.enabled:
-            return lambda n, b, row: None
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
-        self.bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                            console=Console(stderr=True), transient=False)
-        self.bar.__enter__()
-        self.task = self.bar.add_task("", total=self.total, completed=self.done)
-
-        def advance(n: int, b: int, row: SweepRow) -> None:
-            state = "[red]diverges[/]" if row.diverged else "[green]identical[/]"
-            self.bar.update(self.task, advance=1, description=f"N={n} b={b} {state}")
-
-        return advance
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)
 
 
 def sweep_html(result: SweepResult) -> str:
