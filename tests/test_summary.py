@@ -177,3 +177,68 @@ def test_sweep_progress_lines_when_stderr_is_not_a_terminal(tmp_path, cli_env):
     lines = [x for x in proc.stderr.splitlines() if x.startswith("sweep: ")]
     assert [re.match(r"sweep: (\d)/2 \(\d+%\) N=(\d+) b=16 (diverges|bit-identical)", x).group(1, 2) for x in lines] \
         == [("1", "20"), ("2", "24")]
+
+
+def test_audit_skip_reasons_name_only_audit_options():
+    from tracer.audit import AUDIT_OPTIONS, skip_hint
+    from tracer.scenarios import build
+
+    assert set(AUDIT_OPTIONS) == {o for o in _run_options("audit") if o.startswith("-")} - {"--help"}
+    with pytest.raises(Exception) as e:
+        build("prefix-cache", 10)  # 10 tokens: no full 16-token block to cache
+    raw = str(e.value)
+    assert "--split-at" in raw  # the run-level advice ...
+    reason = skip_hint(raw)  # ... becomes advice the audit can follow
+    assert reason.startswith(raw.partition("; ")[0]) and "--length" in reason
+    assert all(o in AUDIT_OPTIONS for o in re.findall(r"--[a-z][a-z0-9-]*", reason))
+    assert skip_hint("no CUDA GPU on this machine") == "no CUDA GPU on this machine"
+
+
+def test_model_hints(tmp_path, cli_env):
+    from tracer.errors import TracerError
+    from tracer.models import load_model
+
+    with pytest.raises(TracerError) as e:
+        load_model("someone/not-cached-anywhere", device="cpu", progress=False)
+    assert "hf download someone/not-cached-anywhere" in str(e.value) and "huggingface-cli" not in str(e.value)
+    gguf = tmp_path / "model-Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(TracerError) as e:
+        load_model(str(gguf), device="cpu", progress=False)
+    assert "is a GGUF file" in str(e.value) and f"--gguf {gguf}" in str(e.value)
+
+
+def test_library_run_writes_no_file_unless_asked(tmp_path, monkeypatch, tiny_loaded):
+    import tracer
+
+    monkeypatch.chdir(tmp_path)
+    res = tracer.run("tiny-llama", loaded=tiny_loaded, length=24, progress=False)
+    assert res.trace is None and list(tmp_path.iterdir()) == []
+    res = tracer.run("tiny-llama", loaded=tiny_loaded, length=24, progress=False, output=tmp_path / "t.h5")
+    assert res.trace == str(tmp_path / "t.h5") and (tmp_path / "t.h5").is_file()
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded():
+    from tracer.models import load_model
+
+    return load_model("tiny-llama", device="cpu", progress=False)
+
+
+def test_compare_across_traces_names_every_differing_version(tmp_path, tiny_loaded):
+    import h5py
+
+    import tracer
+    from tracer.compare import compare_runs
+
+    for name in ("a.h5", "b.h5"):
+        tracer.run("tiny-llama", loaded=tiny_loaded, length=24, progress=False, output=tmp_path / name)
+    with h5py.File(tmp_path / "b.h5", "r+") as f:  # as if made elsewhere: other torch and transformers
+        header = json.loads(f["header"].attrs["json"])
+        old = {k: header[k] for k in ("torch", "transformers", "python")}
+        header.update(torch="9.9.9+cu999", transformers="0.0.1")
+        f["header"].attrs["json"] = json.dumps(header)
+    c = compare_runs((str(tmp_path / "a.h5"), "A"), (str(tmp_path / "b.h5"), "A"))
+    assert c.facts["versions_differ"] == [f"torch {old['torch']} (A) vs 9.9.9+cu999 (B)",
+                                          f"transformers {old['transformers']} (A) vs 0.0.1 (B)"]
+    assert dict(headline(c))["versions"] == "; ".join(c.facts["versions_differ"])

@@ -179,7 +179,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         scenario: str = "prefix-cache", block_size: int = 16, split_at: int | None = None,
         mitigation: str | None = None, dtype: str = "bfloat16", device: str | None = None,
         attn: str = "sdpa", gguf: str | None = None, granularity: str = "layers",
-        length: int | None = None, output: str | Path | None = None, store: str | bool = "tensors",
+        length: int | None = None, output: str | Path | None = None, store: str | bool | None = None,
         compression: str | None = None,
         overwrite: bool = False, loaded: Any = None, progress: bool = True,
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
@@ -209,8 +209,10 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         dtype, device, attn: model dtype (``bfloat16``), device (``cuda`` if available, else
             ``cpu``), attention implementation (``sdpa``/``eager``).
         granularity: ``layers`` or ``sublayers``.
-        output: trace path; default ``traces/<model>-<scenario>-<timestamp>.h5``.
-        store: ``tensors`` (default): the trace holds every captured tensor, written by a
+        output: trace path; with ``store`` given and no ``output``: ``traces/<model>-<scenario>-<timestamp>.h5``.
+        store: None (default): ``tensors`` when ``output`` is given, else ``none`` — a library
+            call writes a file only when asked (the CLI asks: ``tracer run`` writes a trace unless
+            ``--no-store``). ``tensors``: the trace holds every captured tensor, written by a
             background thread while the next plan runs. ``stats``: online comparison — the
             captures stay on the model's device and are compared there, so only statistics reach
             the host; the trace holds the header, both runs' token ids and plans, and the
@@ -252,6 +254,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     from .store import TraceWriter, collect_environment
 
     say = status or (lambda msg: None)
+    if store is None:
+        store = "tensors" if output is not None else "none"
     store = {True: "tensors", False: "none"}.get(store, store)  # type: ignore[arg-type]
     if store not in STORE_MODES:
         raise TracerError(f"unknown --store '{store}'; use one of: {', '.join(STORE_MODES)}")

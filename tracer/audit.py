@@ -11,6 +11,7 @@ restores. The result renders as the hierarchy table, beside the seed's own statu
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -99,6 +100,25 @@ def skip_reason(check: Check) -> str | None:
     if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attention is not installed (pip install flash-attn)"
     return None
+
+
+#: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
+AUDIT_OPTIONS = ("--levels", "-l", "--prompt", "-p", "--prompt-file", "--token-ids-file", "--length", "-n", "--chat",
+                 "--dtype", "--device", "--attn", "--gguf", "--granularity", "--output", "-o", "--overwrite",
+                 "--no-store", "--no-mitigations", "--format", "-f", "--report", "--batch-size", "--batch-row",
+                 "--new-tokens", "--block-sizes", "--chunk-size", "--tp")
+
+
+def skip_hint(message: str) -> str:
+    """A scenario's error as an audit skip reason: its advice is kept when every option it names
+    is one of :data:`AUDIT_OPTIONS`; otherwise the advice is replaced by one the audit can follow
+    (``tracer run`` options such as ``--split-at`` or ``--block-size`` do not exist here)."""
+    head, sep, advice = message.partition("; ")
+    if not sep or all(o in AUDIT_OPTIONS for o in re.findall(r"--[a-z][a-z0-9-]*", advice)):
+        return message
+    if "tokens" in head:
+        return f"{head}; use a longer prompt (--length N, --prompt or --prompt-file)"
+    return f"{head}; run it alone with 'tracer run' to use the options it names"
 
 
 def parse_levels(levels: str | None) -> list[int]:
@@ -197,7 +217,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
           prompt_file: str | None = None, token_ids_file: str | None = None, chat: bool = False,
           length: int | None = None, dtype: str = "bfloat16", device: str | None = None, attn: str = "sdpa",
           gguf: str | None = None, granularity: str = "layers", output: str | Path | None = None,
-          store: bool = True, overwrite: bool = False, mitigations: bool = True, loaded: Any = None,
+          store: bool | None = None, overwrite: bool = False, mitigations: bool = True, loaded: Any = None,
           progress: bool = True, on_check: Callable[[str, int, int], None] | None = None,
           **options: Any) -> Audit:
     """Run every selected level of the hierarchy on this machine and return the table.
@@ -205,7 +225,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     Args:
         model, prompt..., dtype, device, attn, gguf, granularity: as :func:`tracer.api.run`.
         levels: ``"0,1,2"`` or a list of levels (default: all).
-        output / store / overwrite: one trace for all runs (default
+        output / store / overwrite: one trace for all runs (store None, the default: only when
+            ``output`` is given; ``store=True`` without ``output``: the default
             ``traces/<model>-audit-<timestamp>.h5``), runs named ``<check key>.A``/``.B`` and
             ``<check key>+<mitigation>.A``/``.B``; comparisons under ``/comparisons/<key>``.
         mitigations: re-run diverging checks under each applicable mitigation.
@@ -225,6 +246,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
     from .scenarios import build
     from .store import TraceWriter, collect_environment
 
+    if store is None:
+        store = output is not None
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
@@ -250,7 +273,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
             try:
                 plans[c.key] = build(c.scenario, n, **{**options, **c.options})
             except TracerError as e:
-                reason = str(e)
+                reason = skip_hint(str(e))
         if reason is not None:
             reasons[c.key] = reason
     header = collect_environment(info.device, extra={
@@ -273,7 +296,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
             try:
                 rec_a, rec_b = execute_scenario(loaded.model, ids, scen, points, names=(f"{c.key}.A", f"{c.key}.B"))
             except TracerError as e:
-                rows.append(AuditRow(check=c, status="skipped", reason=str(e)))
+                rows.append(AuditRow(check=c, status="skipped", reason=skip_hint(str(e))))
                 continue
             comp = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name)
             if writer is not None:
@@ -290,7 +313,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
                         ms = build(c.scenario, n, **{**options, **c.options, "mitigation": m})
                         ra, rb = execute_scenario(loaded.model, ids, ms, points, names=(f"{key}.A", f"{key}.B"))
                     except TracerError as e:
-                        fixed[m] = str(e)
+                        fixed[m] = skip_hint(str(e))
                         continue
                     mc = compare_records(ra, rb, scenario=ms.name, model=info.name)
                     fixed[m] = mc.identical

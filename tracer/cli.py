@@ -369,7 +369,7 @@ def sweep_cmd(
 
             check_figure_path(plot, overwrite)
         _check_report(report, overwrite)
-        result = sweep(model, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
+        result = sweep(model, store=True, lengths=lengths, block_sizes=bs, scenario=scenario, mitigation=mitigation,
                        prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file, dtype=dtype,
                        device=device, attn=attn, gguf=gguf, granularity=granularity, output=output,
                        overwrite=overwrite, keep_tensors=keep_tensors,

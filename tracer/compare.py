@@ -723,6 +723,8 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             hb = reader_b.header
             facts["notes"] = [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
+            facts["versions_differ"] = version_differences(header, hb)
+            facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
         c = compare_pairs(
             pairs(), scenario=ra.meta.get("scenario", scen_name),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
@@ -733,6 +735,22 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
                                               ra.meta.get("decode_text"), rb.meta.get("decode_text")))
         return c
+
+
+#: header keys naming a version of something the numbers depend on (compared across two traces)
+VERSION_KEYS = ("tracer_version", "python", "torch", "transformers", "numpy", "h5py", "cuda", "hip", "cudnn", "cublas",
+                "driver", "device_name", "cpu", "platform")
+
+
+def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
+    """``["torch 2.13.0+cpu (A) vs 2.11.0+cu130 (B)", ...]``: every :data:`VERSION_KEYS` entry
+    whose value differs between two trace headers (a key missing on one side counts as differing)."""
+    out = []
+    for k in VERSION_KEYS:
+        a, b = header_a.get(k), header_b.get(k)
+        if a != b:
+            out.append(f"{k} {a} (A) vs {b} (B)")
+    return out
 
 
 def facts_from_header(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:

@@ -121,7 +121,8 @@ def headline(c: Any) -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
     Labels: ``verdict``, ``origin`` (one pair per origin; shapes, and kernels when recorded),
-    ``first divergent``, ``growth``, ``logits``, ``noise`` / ``decode`` when present, ``next``
+    ``first divergent``, ``growth``, ``logits``, ``versions`` (two traces: every version that
+    differs), ``noise`` / ``decode`` when present, ``next``
     (one pair per suggestion).
     """
     out: list[tuple[str, str]] = [("verdict", c.verdict())]
@@ -137,6 +138,8 @@ def headline(c: Any) -> list[tuple[str, str]]:
             f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
         out.append(("growth", growth_text(c)))
     out.append(("logits", logits_text(c)))
+    if "versions_differ" in c.facts:  # runs from two traces
+        out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
     if c.noise is not None:
         lines = c.noise.lines()
         if lines:

@@ -480,7 +480,7 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
           mitigation: str | None = None, prompt: str | None = None, prompt_file: str | None = None,
           token_ids: list[int] | None = None, token_ids_file: str | None = None, chat: bool = False,
           dtype: str = "bfloat16", device: str | None = None, attn: str = "sdpa", gguf: str | None = None,
-          granularity: str = "layers", output: str | Path | None = None, store: bool = True,
+          granularity: str = "layers", output: str | Path | None = None, store: bool | None = None,
           overwrite: bool = False, keep_tensors: bool = False, loaded: Any = None,
           progress: bool | str = True, on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``scenario`` for every prompt length × block size; one summary row per point.
@@ -496,7 +496,8 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         block_sizes: KV block sizes, same syntax (``"16,32,64"``) or a list.
         output: the sweep file (default ``traces/sweep-<model>-<scenario>.h5``). An existing
             sweep file with the same parameters is resumed; with other parameters it is an error
-            unless ``overwrite``. ``store=False`` keeps everything in memory.
+            unless ``overwrite``. ``store=False`` keeps everything in memory; None (the default):
+            a file only when ``output`` is given (``tracer sweep`` always writes one).
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
         progress: per-point progress on stderr (:class:`tracer.progress.ItemProgress`): True or
@@ -541,6 +542,8 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         dev = _models.resolve_device(device)
         _models.check_attn(attn)
     out = None
+    if store is None:
+        store = output is not None
     if store:
         out = Path(output) if output is not None else default_output(model, scenario)
         if out.is_dir():
