@@ -15,6 +15,7 @@ import torch
 from .dataflow import Consumes, dataflow
 from .errors import TracerError
 from .metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
+from .positions import PositionStats
 from .records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
@@ -91,6 +92,8 @@ class Comparison:
         logits: :class:`~tracer.metrics.LogitsDiff` of the logits, or None.
         trace: the trace file path, if stored.
         facts: short facts for the report header (dtype, device, plans).
+        per_position: max |A − B| and differing count per capture point and compared position
+            (:meth:`tracer.positions.PositionStats.result`; the position heat map's data), or None.
     """
 
     scenario: str
@@ -111,6 +114,7 @@ class Comparison:
     replay: Any = None
     noise: Any = None
     fail_on: str | None = None
+    per_position: dict[str, Any] | None = None
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -236,6 +240,7 @@ class Comparison:
             "noise_verdict": self.noise.to_dict() if self.noise is not None else None,
             "trace": self.trace,
             "facts": self.facts,
+            "per_position": self.per_position,
         }
 
 
@@ -317,6 +322,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     # every pair goes into one batch: kernels for many points at once, and the
     # tensors are released as soon as their chunk is computed (see DiffBatch)
     batch = DiffBatch(tolerance=tol)
+    per_position = PositionStats(positions)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
     for name, kind, op, ta, tb, ca, cb in pairs:
         if (ta.numel() == 0) != (tb.numel() == 0):
@@ -326,6 +332,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
+        per_position.add(name, kind, ta, tb)
         if kind == "logits":  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
@@ -359,7 +366,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     c = Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
                    run_b=run_b, points=tuple(points), logits_name=logits_name, logits=logits,
                    logits_calls=logits_calls, trace=trace, facts=dict(facts or {}),
-                   logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol)
+                   logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol, per_position=per_position.result())
     return classify_origins(c)
 
 

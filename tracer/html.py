@@ -201,17 +201,23 @@ def _origins_html(c: Any) -> str:
 
 
 def comparison_figures(c: Any) -> list[tuple[str, str, str]]:
-    """``(id, caption, svg)`` of the figures drawn from ``c`` (amplification, ULP histogram); empty,
+    """``(id, caption, svg)`` of the figures drawn from ``c`` (amplification, the position heat map
+    when ``c`` carries per-position data, ULP histogram); empty,
     with no error, when matplotlib is not installed (the page then says so)."""
     try:
-        from .plot import amplification_figure, ulp_figure
+        from .plot import amplification_figure, heatmap_figure, position_diffs_comparison, ulp_figure
     except ImportError:  # pragma: no cover - plot imports matplotlib lazily
         return []
     try:
-        return [("fig-amplification", "max |A − B| per capture point in execution order (KV caches below); "
-                 "hollow green circles: bit-identical", figure_svg(amplification_figure(c))),
-                ("fig-ulp", "ULP distance histogram of the first divergent point, the middle and last layer, the logits",
-                 figure_svg(ulp_figure(c)))]
+        figs = [("fig-amplification", "max |A − B| per capture point in execution order (KV caches below); "
+                 "hollow green circles: bit-identical", figure_svg(amplification_figure(c)))]
+        carried = position_diffs_comparison(c)
+        if carried is not None and carried.names:
+            figs.append(("fig-heatmap", "max |A − B| per capture point (rows) and compared position (columns); "
+                         "white: bit-identical", figure_svg(heatmap_figure(carried))))
+        figs.append(("fig-ulp", "ULP distance histogram of the first divergent point, the middle and last layer, "
+                     "the logits", figure_svg(ulp_figure(c))))
+        return figs
     except TracerError:
         return []
 

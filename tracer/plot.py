@@ -321,6 +321,22 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
                          n_diff=np.stack(nds) if nds else np.zeros((0, t), dtype=np.int64))
 
 
+def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
+    """:class:`PositionDiffs` from the per-position data a comparison carries
+    (:attr:`~tracer.compare.Comparison.per_position`; no tensor is read), None when it has none.
+    With more compared positions than :data:`tracer.positions.MAX_COLUMNS`, columns are bins of
+    consecutive positions (max |Δ| and counts per bin)."""
+    pp = getattr(comparison, "per_position", None)
+    if not pp:
+        return None
+    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == "logits")  # logits last, stable
+    vals = np.asarray([[np.inf if isinstance(v, str) else v for v in pp["max_abs_diff"][i]] for i in order],
+                      dtype=np.float64)
+    return PositionDiffs(names=[pp["names"][i] for i in order], kinds=[pp["kinds"][i] for i in order],
+                         positions=(int(pp["start"]), int(pp["stop"])), values=vals,
+                         n_diff=np.asarray([pp["n_diff"][i] for i in order], dtype=np.int64))
+
+
 def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
     """:class:`PositionDiffs` of two in-memory :class:`~tracer.records.RunRecord` objects.
 
@@ -656,6 +672,9 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
         case "ulp":
             return ulp_figure(comparison, layers)
         case "heatmap":
+            carried = position_diffs_comparison(comparison) if comparison is not None else None
+            if carried is not None and carried.names:
+                return heatmap_figure(carried)
             if runs is not None and all(r is not None and r.captures for r in runs):
                 return heatmap_figure(position_diffs_records(*runs))
             if trace is not None:
@@ -695,7 +714,13 @@ def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str |
     out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
     if is_sweep:
         fig = sweep_figure(read_sweep(src))
-    else:
+        return save_figure(fig, out, overwrite=overwrite)
+    from .stored import stored_comparison
+
+    stored = stored_comparison(src) if run_a is None and run_b is None else None
+    if stored is not None and (kind != "heatmap" or stored.per_position):  # drawn from the stored numbers
+        fig = figure_for(kind, comparison=stored, layers=layers)
+    else:  # a trace written before comparisons were stored with it: computed from its tensors
         from .compare import compare_trace
 
         if kind == "heatmap":

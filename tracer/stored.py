@@ -96,7 +96,8 @@ def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
             replay=Replay(tokens_a=tuple(replay["tokens_a"]), tokens_b=tuple(replay["tokens_b"]),
                           first_diff=replay.get("first_diff"), text_a=replay.get("text_a"),
                           text_b=replay.get("text_b")) if replay else None,
-            noise=_noise(doc.get("noise_verdict")), fail_on=(doc.get("check") or {}).get("fail_on"))
+            noise=_noise(doc.get("noise_verdict")), fail_on=(doc.get("check") or {}).get("fail_on"),
+            per_position=doc.get("per_position"))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise TracerError(f"not a stored comparison document ({type(e).__name__}: {e}); "
                           "was the trace written by this version of tracer?") from None
