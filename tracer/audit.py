@@ -375,11 +375,19 @@ def _summary(a: Audit) -> str:
 
 
 def print_audit(a: Audit, console: Any = None) -> None:
-    """The hierarchy table as a rich table, the summary line and the trace path."""
+    """The summary first (counts, then one line per diverging check), the hierarchy table as a rich
+    table, the summary line again and the trace path."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
+    console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
+                  highlight=False)
+    for r in a.rows:  # summary first: what diverges, from where
+        if r.status == "failed":
+            console.print(f"diverges: L{r.check.level} {r.check.label}: from {r.first_divergent}, "
+                          f"{r.argmax_flips} argmax flip(s)", highlight=False, soft_wrap=True)
+    console.print()
     t = Table(title=_title(a), title_justify="left", header_style="bold", show_lines=False)
     for key, head in _COLUMNS:
         t.add_column(head, overflow="fold", no_wrap=key in ("level", "holds", "flips"))
