@@ -140,3 +140,27 @@ def test_cli_run_report_and_report_command(tmp_path, cli_env):
     proc = subprocess.run(cmd + ["report", str(trace), "-o", str(r2)], capture_output=True, text=True, env=cli_env,
                           cwd=tmp_path)
     assert proc.returncode == 2 and "exists" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@needs_browser
+def test_audit_and_sweep_reports_render(tmp_path, cli_env):
+    """The audit matrix (``audit --report`` and ``tracer report`` of the audit trace) and the sweep map."""
+    cmd = [sys.executable, "-m", "tracer"]
+    proc = subprocess.run(cmd + ["audit", "tiny-llama", "--device", "cpu", "--length", "24", "--levels", "0,2",
+                                 "-o", str(tmp_path / "a.h5"), "--report", str(tmp_path / "audit.html")],
+                          capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("verdict: ")  # summary first
+    proc = subprocess.run(cmd + ["report", str(tmp_path / "a.h5"), "-o", str(tmp_path / "matrix.html")],
+                          capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(cmd + ["sweep", "tiny-llama", "--device", "cpu", "--lengths", "20,24", "-o",
+                                 str(tmp_path / "s.h5"), "--report", str(tmp_path / "sweep.html")],
+                          capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for page, n_figures, rows in (("audit.html", 0, "the same call twice"), ("matrix.html", 0, "L0-repeat"),
+                                     ("sweep.html", 1, '<td data-v="20">20</td>')):
+        probe, _ = render(tmp_path / page, tmp_path)
+        assert probe["errors"] == [], (page, probe["errors"])
+        assert len(probe["figures"]) == n_figures and all(f["w"] > 100 and f["h"] > 50 for f in probe["figures"])
+        assert rows in (tmp_path / page).read_text(encoding="utf-8")
