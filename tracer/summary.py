@@ -60,7 +60,8 @@ def growth_text(c: Any) -> str:
     """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)`` or a why-not."""
     first, last = _first_point(c), last_layer(c)
     if first is None:
-        return "none: every capture point is bit-identical"
+        return ("none: every capture point is bit-identical" if c.identical
+                else "none before the logits: every other capture point is bit-identical")
     if last is None:
         return "no decoder layer captured"
     a, b = first.diff.max_abs_diff, last.diff.max_abs_diff
