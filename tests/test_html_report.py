@@ -92,7 +92,7 @@ def test_page_is_self_contained(diverging, tmp_path):
     assert not re.search(r'(src|href)="(https?:)?//', page)
     urls = set(re.findall(r'https?://[^"\s<>]+', page))
     assert urls <= {"http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink"}, urls  # XML namespaces only
-    assert page.count("<figure") == 2 and page.count("<svg") == 2
+    assert page.count("<figure") == 3 and page.count("<svg") == 3  # amplification, position heat map, ULP
 
 
 @needs_browser
@@ -103,7 +103,7 @@ def test_report_renders_in_chromium(diverging, tmp_path):
     assert probe["errors"] == [], probe["errors"]
     assert "Uncaught" not in stderr, stderr[-2000:]
     assert probe["verdict"] == f"verdict: {diverging.verdict()}"
-    assert [f["id"] for f in probe["figures"]] == ["fig-amplification", "fig-ulp"]
+    assert [f["id"] for f in probe["figures"]] == ["fig-amplification", "fig-heatmap", "fig-ulp"]
     assert all(f["svg"] and f["w"] > 100 and f["h"] > 50 for f in probe["figures"]), probe["figures"]
     vals = [v for v in probe["sorted"] if v is not None]  # the click sorted the table ascending by max |diff|
     assert len(vals) == 6 and vals == sorted(vals)
@@ -136,7 +136,7 @@ def test_cli_run_report_and_report_command(tmp_path, cli_env):
     for page in (r1, r2):
         probe, _ = render(page, tmp_path)
         assert probe["errors"] == [] and probe["verdict"].startswith("verdict: ")
-        assert len(probe["figures"]) == 2 and all(f["w"] > 100 and f["h"] > 50 for f in probe["figures"])
+        assert len(probe["figures"]) == 3 and all(f["w"] > 100 and f["h"] > 50 for f in probe["figures"])
     proc = subprocess.run(cmd + ["report", str(trace), "-o", str(r2)], capture_output=True, text=True, env=cli_env,
                           cwd=tmp_path)
     assert proc.returncode == 2 and "exists" in proc.stderr and proc.stderr.count("\n") == 1
