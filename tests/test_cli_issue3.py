@@ -77,7 +77,7 @@ def test_wide_table_and_origins(trace):
         assert col in proc.stdout
     doc = json.loads(tracer(["compare", str(path), "--format", "json"], env, tmp).stdout)
     if not doc["identical"]:
-        assert doc["origins"] and proc.stdout.index("origin of divergence") < proc.stdout.index("capture point")
+        assert doc["origins"] and proc.stdout.index("origin:") < proc.stdout.index("capture point")
 
 
 @pytest.mark.parametrize("args,needle", [

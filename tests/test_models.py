@@ -268,7 +268,7 @@ def test_unknown_model_message():
     assert str(err.value) == (
         "model 'no-such-org/no-such-model-xyz' is not a built-in recipe (see 'tracer models') and is not in the "
         "local Hugging Face cache or a local directory; download it where the hub is reachable "
-        "(huggingface-cli download no-such-org/no-such-model-xyz) or pass a directory"
+        "(hf download no-such-org/no-such-model-xyz) or pass a directory"
     )
 
 

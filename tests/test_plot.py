@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -196,3 +197,86 @@ def test_plot_cli(pair, tmp_path, cli_env):
     assert proc.returncode == 2 and "sweep file" in proc.stderr
     proc = tracer("plot", str(path), "--kind", "ulp")
     assert proc.returncode == 0 and (tmp_path / "t-ulp.png").exists()
+
+
+def _kv_pair():
+    """A, B with KV caches (4 positions, window 2..3): L0 + its cache identical, L1's cache 1 ULP off
+    in a prefix row and a window row, L1 off, logits flipped at window row 1."""
+    g = torch.Generator().manual_seed(3)
+    emb, l0, l1 = (torch.randn(2, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    kv0, kv1 = (torch.randn(4, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.9]], dtype=torch.bfloat16)
+    kv1b, l1b, lb = kv1.clone(), l1.clone(), logits.clone()
+    kv1b.view(torch.int16)[0, 2] += 1
+    kv1b.view(torch.int16)[3, 5] += 3
+    l1b[0, 0] += 4.0
+    lb[1, 3] = 5.5
+    names = ["emb", "layers.0.kv_cache", "layers.0", "layers.1.kv_cache", "layers.1", "head"]
+    kinds = ["embedding", "kv_cache", "layer", "kv_cache", "layer", "logits"]
+    ta = [emb, kv0, l0, kv1, l1, logits]
+    tb = [emb.clone(), kv0.clone(), l0.clone(), kv1b, l1b, lb]
+    return (_run("A", list(zip(names, kinds, ta))), _run("B", list(zip(names, kinds, tb))), dict(zip(names, ta)),
+            dict(zip(names, tb)))
+
+
+def test_amplification_series_split_and_zero_markers():
+    from tracer.report.plot import LABEL_KV, LABEL_ZERO
+
+    a, b, ta, tb = _kv_pair()
+    c = compare_records(a, b, scenario="s", model="m")
+    fig = amplification_figure(c)
+    main, kv = _line(fig, LABEL_ABS), _line(fig, LABEL_KV)
+    # the independent oracle: max |a - b| of each raw tensor, KV caches over all their rows
+    want_main = [_oracle_max(ta[n], tb[n]) for n in ("emb", "layers.0", "layers.1", "head")]
+    want_kv = [_oracle_max(ta[n], tb[n]) for n in ("layers.0.kv_cache", "layers.1.kv_cache")]
+    for line, want in ((main, want_main), (kv, want_kv)):
+        y = np.asarray(line.get_ydata(), dtype=float)
+        assert list(line.get_xdata()) == list(range(len(want)))
+        assert np.array_equal(np.isnan(y), np.asarray(want) == 0)  # a gap exactly where bit-identical ...
+        assert np.allclose(y[~np.isnan(y)], [w for w in want if w])
+    zeros = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == LABEL_ZERO]
+    assert len(zeros) == 2  # ... and a zero marker there, in each panel
+    assert [list(z.get_xdata()) for z in zeros] == [[i for i, w in enumerate(want_main) if w == 0],
+                                                     [i for i, w in enumerate(want_kv) if w == 0]]
+    for z, ax in zip(zeros, fig.axes):  # the zero row sits below every non-zero value, labelled "0"
+        zy = set(z.get_ydata())
+        assert len(zy) == 1 and min(zy) < min(w for w in want_main + want_kv if w)
+        assert ax.get_yticklabels()[0].get_text() == "0"
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)  # the legend sits outside the axes
+
+
+def test_heatmap_from_the_comparison_needs_no_trace():
+    a, b, ta, tb = _kv_pair()
+    c = compare_records(a, b, scenario="s", model="m")
+    fig = c.plot("heatmap")  # from c.per_position: no tensors, no trace
+    d = fig.tracer_data
+    assert d["names"] == ["emb", "layers.0.kv_cache", "layers.0", "layers.1.kv_cache", "layers.1", "head"]
+    for i, n in enumerate(d["names"]):
+        x, y = ta[n], tb[n]
+        if x.shape[0] == 4:  # a KV cache: its window rows 2..3
+            x, y = x[2:], y[2:]
+        for t in range(2):
+            assert d["values"][i, t] == pytest.approx(_oracle_max(x[t], y[t]))
+    from tracer.diff.stored import comparison_from_dict
+
+    again = comparison_from_dict(json.loads(json.dumps(c.to_dict())))  # as stored in a trace
+    assert np.array_equal(again.plot("heatmap").tracer_data["values"], d["values"])
+
+
+def test_position_stats_bin_long_windows(monkeypatch):
+    import tracer.diff.positions as positions
+
+    monkeypatch.setattr(positions, "MAX_COLUMNS", 4)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(10, 3, generator=g)
+    b = a.clone()
+    b[1, 0] += 1.0
+    b[6, 2] -= 0.5
+    b[7, 1] -= 2.0
+    st = positions.PositionStats((0, 10))
+    st.add("x", "layer", a, b)
+    r = st.result()
+    assert r["bin"] == 3  # ceil(10 / 4) positions per column: [0-2], [3-5], [6-8], [9]
+    diff = (a.double() - b.double()).abs().max(dim=1).values
+    want = [float(diff[i:i + 3].max()) for i in range(0, 10, 3)]
+    assert r["max_abs_diff"][0] == pytest.approx(want) and r["n_diff"][0] == [1, 0, 2, 0]

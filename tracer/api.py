@@ -81,6 +81,14 @@ def _same_device(a: str, b: str) -> bool:
     return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
+def _asked_store(options: dict[str, Any]) -> dict[str, Any]:
+    """A library call writes a file only when asked: ``store`` None means ``tensors`` with an
+    ``output``, else ``none`` (the CLI always passes ``store``)."""
+    if options.get("store") is None:
+        return {**options, "store": "tensors" if options.get("output") is not None else "none"}
+    return options
+
+
 def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., Any]:
     """Give ``fn(..., **options)`` a real signature: its own parameters, then every flat option in
     ``names`` as a keyword with its default (tab completion and ``inspect.signature`` see them)."""
@@ -92,7 +100,8 @@ def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., 
         if n in sig.parameters:
             continue
         opt = OPTIONS[n]
-        default = None if opt.group == "scenario_options" else getattr(getattr(defaults, opt.group), opt.field)
+        default = (None if opt.group == "scenario_options" or n == "store"
+                   else getattr(getattr(defaults, opt.group), opt.field))
         extra.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=default))
     fn.__signature__ = sig.replace(parameters=own + extra)  # type: ignore[attr-defined]
     fn.__doc__ = (fn.__doc__ or "") + "\n    Options (:data:`tracer.config.OPTIONS`):\n" + "".join(
@@ -126,7 +135,8 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
         progress: show loading progress bars.
         status: called with one short line per stage.
         options: any of :data:`tracer.config.OPTIONS` (listed below); unknown names, and scenario
-            options the chosen scenario does not use, are errors.
+            options the chosen scenario does not use, are errors. ``store`` None (the default):
+            a trace is written only when ``output`` is given.
 
     Returns:
         a :class:`~tracer.pipeline.RunResult`; ``result.comparison`` is the table as data and
@@ -137,7 +147,7 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     """
     from tracer.pipeline import run as _run
 
-    cfg, lm = _config(model, loaded, RUN_OPTIONS, **options)
+    cfg, lm = _config(model, loaded, RUN_OPTIONS, **_asked_store(options))
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
@@ -308,12 +318,12 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
     """
     from tracer.loops.audit import audit as _audit
 
-    cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, **options)
+    cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, **_asked_store(options))
     return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check)
 
 
 def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
-          keep_tensors: bool = False, loaded: Any = None, progress: bool = True,
+          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
           on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
     """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
 
@@ -334,7 +344,7 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", b
     """
     from tracer.loops.sweep import sweep as _sweep
 
-    cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **options)
+    cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **_asked_store(options))
     return _sweep(cfg, lengths=lengths, block_sizes=block_sizes, keep_tensors=keep_tensors, loaded=lm,
                   progress=progress, on_point=on_point)
 
@@ -385,6 +395,7 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
         TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
     """
     from tracer.diff.core import compare_trace
+    from tracer.diff.stored import stored_comparison
     from tracer.report.plot import (KINDS, check_figure_path, figure_for, heatmap_figure, position_diffs_trace,
                                     save_figure, sweep_figure)
     from tracer.store.sweepfile import is_sweep_file, read_sweep
@@ -404,12 +415,14 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
                           f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
     out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
     if is_sweep:
-        fig = sweep_figure(read_sweep(src))
+        return save_figure(sweep_figure(read_sweep(src)), out, overwrite=overwrite)
+    stored = stored_comparison(src) if run_a is None and run_b is None else None
+    if stored is not None and (kind != "heatmap" or stored.per_position):  # drawn from the stored numbers
+        fig = figure_for(kind, comparison=stored, layers=layers)
+    elif kind == "heatmap":  # a trace written before comparisons were stored with it: from its tensors
+        fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
     else:
-        if kind == "heatmap":
-            fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
-        else:
-            fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
+        fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
     return save_figure(fig, out, overwrite=overwrite)
 
 

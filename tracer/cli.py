@@ -6,7 +6,6 @@ exits with code 2 (no traceback); nothing on disk is touched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import replace
@@ -16,6 +15,7 @@ import typer
 from rich.console import Console
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
+from tracer.report.progress import ItemProgress, StatusProgress
 
 app = typer.Typer(
     name="tracer",
@@ -42,6 +42,8 @@ AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="Absolute toler
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (see --atol).")]
 FailOnOpt = Annotated[Optional[str], typer.Option("--fail-on", help="Exit 1 when the comparison fails: any (a bitwise difference), flip (an argmax flip), tolerance (outside --atol/--rtol). Default: report only.")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="Table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ shares, NaN/Inf, ...).")]
+AllRowsOpt = Annotated[bool, typer.Option("--all-rows", help="Table: every capture point (default: the headline and the rows that matter, sized to the terminal).")]
+ReportOpt = Annotated[Optional[str], typer.Option("--report", help="Also write a single-file HTML report (summary, tables, figures; no network needed to view it) to this .html file.")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.tables.COLUMNS).")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
 PromptFileOpt = Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")]
@@ -79,7 +81,8 @@ AttnBOpt = Annotated[Optional[str], typer.Option("--attn-b", help="attention: ru
 DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="device/disaggregated: X,Y (default cpu,cuda).")]
 
 #: parameters of the commands that are not run options (output format, table layout, CLI-only flags)
-_NOT_OPTIONS = ("fmt", "wide", "columns", "no_store", "levels", "no_mitigations", "lengths", "block_sizes_axis",
+_NOT_OPTIONS = ("fmt", "wide", "columns", "all_rows", "report", "no_store", "levels", "no_mitigations", "lengths",
+                "block_sizes_axis",
                 "keep_tensors", "plot")
 
 
@@ -95,6 +98,7 @@ def run_options(given: dict) -> dict:
         if opts.get("store", "tensors") not in ("tensors", "none"):
             raise TracerError(f"--no-store and --store {opts['store']} contradict each other; give one of them")
         opts["store"] = "none"
+    opts.setdefault("store", "tensors")  # the command writes its file unless --no-store
     return opts
 
 
@@ -103,15 +107,32 @@ def _fail(message: str) -> None:
     raise typer.Exit(EXIT_ERROR)
 
 
-def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None) -> None:
+def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows: bool = False) -> None:
     from tracer.report.tables import DEFAULT_COLUMNS, render
 
     # styled in a terminal; plain and wide enough for the module paths when piped
     wide = columns is not None and len(columns) > 8
     console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
-    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS)
+    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows)
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def _check_report(report: str | None, overwrite: bool) -> None:
+    if report is not None:
+        from tracer.report.html import check_report_path
+
+        check_report_path(report, overwrite)
+
+
+def _trace_header(trace: str | None) -> dict | None:
+    """The header of a written trace (the report's numeric contract), None without one."""
+    if not trace:
+        return None
+    from tracer.store.trace import TraceReader
+
+    with TraceReader(trace) as r:
+        return r.header
 
 
 def _exit_on(comparison, fail_on: str | None) -> None:
@@ -120,10 +141,6 @@ def _exit_on(comparison, fail_on: str | None) -> None:
     if failed:
         err.print(f"fail-on {fail_on}: {reason}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_DIVERGED)
-
-
-def _spinner():
-    return err.status("starting", spinner="dots") if err.is_terminal else contextlib.nullcontext()
 
 
 @app.command("run")
@@ -144,6 +161,7 @@ def run_cmd(
     decode: Annotated[int, typer.Option("--decode", help="Greedy-decode T tokens from each run's KV cache and report the first generated position that differs (0 = off).")] = 0,
     verdict: Annotated[bool, typer.Option("--verdict", help="Re-run at float32 (and float64 on CPU) and judge: rounding noise, defect suspected, or inconclusive.")] = False,
     atol: AtolOpt = None, rtol: RtolOpt = None, fail_on: FailOnOpt = None, wide: WideOpt = False, columns: ColumnsOpt = None,
+    all_rows: AllRowsOpt = False, report: ReportOpt = None,
     positions: PositionsOpt = "window",
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -159,15 +177,23 @@ def run_cmd(
     try:
         check_format(fmt)
         cols = check_columns(columns, wide)
+        _check_report(report, overwrite)
         opts = run_options(given)
-        with _spinner() as st:
-            result = run(progress=err.is_terminal, status=st.update if st is not None else None, **opts)
+        long_run = verdict or decode > 0  # without a terminal, log lines only for the long forms
+        with StatusProgress("run", mode="bar" if err.is_terminal else ("lines" if long_run else "off")) as status:
+            result = run(progress=err.is_terminal, status=status, **opts)
+        if report is not None and result.comparison is not None:
+            from tracer.report.html import comparison_html, write_report
+
+            write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
     if result.comparison is None:  # a rank > 0 under torchrun: rank 0 reports
         return
-    _emit(result.comparison, fmt, cols)
+    _emit(result.comparison, fmt, cols, all_rows)
+    if report is not None:
+        err.print(f"report: {report}", highlight=False)
     if mitigation is not None and fmt == "table":
         ok = result.comparison.identical
         Console().print(
@@ -190,13 +216,12 @@ def audit_cmd(
     overwrite: OverwriteOpt = False, no_store: NoStoreOpt = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
+    report: ReportOpt = None,
     batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
     given = dict(locals())  # the parameters, before any other local exists
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from tracer.api import audit
     from tracer.plan.hierarchy import parse_levels
     from tracer.report.hierarchy import render_audit
@@ -205,17 +230,20 @@ def audit_cmd(
     try:
         check_format(fmt)
         parse_levels(levels)
+        _check_report(report, overwrite)
         opts = run_options(given)
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal)
-        with bar:
-            task = bar.add_task("audit", total=None)
+        with ItemProgress("audit", None, mode="auto") as bar:
 
             def on_check(label: str, done: int, total: int) -> None:
-                bar.update(task, description=label, completed=done, total=total)
+                bar.update(done, total, label)
 
             result = audit(levels=levels, mitigations=not no_mitigations, progress=err.is_terminal,
                            on_check=on_check, **opts)
+        if report is not None:
+            from tracer.report.hierarchy import audit_html
+            from tracer.report.html import write_report
+
+            write_report(audit_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -236,6 +264,7 @@ def compare_cmd(
     fail_on: FailOnOpt = None,
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
+    all_rows: AllRowsOpt = False,
     device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
     engine_map: Annotated[Optional[str], typer.Option("--map", help="Engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the built-in one; for a DUMP argument.")] = None,
 ) -> None:
@@ -263,7 +292,7 @@ def compare_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    _emit(comparison, fmt, cols)
+    _emit(comparison, fmt, cols, all_rows)
     _exit_on(comparison, fail_on)
 
 
@@ -352,6 +381,7 @@ def sweep_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start over, replacing an existing --output.")] = False,
     keep_tensors: Annotated[bool, typer.Option("--keep-tensors", help="Also store every point's captured tensors (large).")] = False,
     plot: Annotated[Optional[str], typer.Option("--plot", help="Also write the divergence map to this .png/.svg/.pdf.")] = None,
+    report: ReportOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv.")] = "table",
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, chunk_size: ChunkSizeOpt = None,
@@ -374,13 +404,20 @@ def sweep_cmd(
             from tracer.report.plot import check_figure_path
 
             check_figure_path(plot, overwrite)
+        _check_report(report, overwrite)
         opts = run_options(given)
         opts.pop("block_size", None)  # the block-size axis, not a run option
-        result = sweep(lengths=lengths, block_sizes=bs, keep_tensors=keep_tensors, progress=err.is_terminal, **opts)
+        result = sweep(lengths=lengths, block_sizes=bs, keep_tensors=keep_tensors,
+                       progress=True if err.is_terminal else "lines", **opts)
         if plot is not None:
             from tracer.report.plot import save_figure, sweep_figure
 
             save_figure(sweep_figure(result), plot, overwrite=overwrite)
+        if report is not None:
+            from tracer.report.html import write_report
+            from tracer.report.pages import sweep_html
+
+            write_report(sweep_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -426,6 +463,25 @@ def plot_cmd(
     print(path)
 
 
+@app.command("report")
+def report_cmd(
+    trace: Annotated[str, typer.Argument(help="A trace (tracer run / audit) or a sweep file (tracer sweep).")],
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="The .html file (default: beside the input, <name>.html).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output.")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="Only for traces without a stored comparison: where to compare (cpu, cuda).")] = None,
+) -> None:
+    """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit matrix or
+    sweep map) from a stored trace or sweep file: no model needed, nothing recomputed."""
+    from tracer.report.pages import write_report_file
+
+    try:
+        path = write_report_file(trace, output, overwrite=overwrite, device=device)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    print(path)
+
+
 @app.command("models")
 def models_cmd() -> None:
     """List the built-in model names."""
@@ -464,12 +520,10 @@ def bench_cmd(
     if reps < 1 or warmup < 0:
         _fail("--reps must be ≥ 1 and --warmup ≥ 0")
     try:
-        spinner = err.status("benchmarking", spinner="dots") if err.is_terminal else contextlib.nullcontext()
-        with spinner as st:
+        with StatusProgress("bench", mode="auto") as status:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
                            granularity=granularity, kv_cache=kv_cache, block_size=block_size, reps=reps,
-                           warmup=warmup, outdir=outdir,
-                           progress=st.update if st is not None else None)
+                           warmup=warmup, outdir=outdir, progress=status)
     except TracerError as e:
         _fail(str(e))
         return

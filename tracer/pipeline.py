@@ -348,7 +348,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     online = st.mode != "tensors"
     with writer if writer is not None else contextlib.nullcontext():
         outcome = run_scenario(prep.loaded, ids, scen, cfg.capture, writer=writer, online=online, header=header,
-                               comparison_key="A-vs-B" if online else None, decode=ch.decode, atol=ch.atol,
+                               comparison_key="A-vs-B", decode=ch.decode, atol=ch.atol,
                                rtol=ch.rtol, trace=str(out) if out else None, say=say)
         if writer is not None:
             say(f"writing {out}")

@@ -16,6 +16,7 @@ from tracer.diff.dataflow import Consumes, dataflow
 from tracer.errors import TracerError
 from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, amplification, logits_diff
 from tracer.execute.records import RunRecord
+from tracer.diff.positions import PositionStats
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -93,6 +94,8 @@ class Comparison:
         facts: short facts for the report header (:func:`run_facts`).
         logits_amplification: the logits' max abs diff over the first divergent point's (None
             when nothing before the logits differs).
+        per_position: max |A − B| and differing count per capture point and compared position
+            (:meth:`tracer.diff.positions.PositionStats.result`; the position heat map's data), or None.
     """
 
     scenario: str
@@ -114,6 +117,7 @@ class Comparison:
     noise: Any = None
     fail_on: str | None = None
     logits_amplification: float | None = None
+    per_position: dict[str, Any] | None = None
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -227,6 +231,7 @@ class Comparison:
             "noise_verdict": self.noise.to_dict() if self.noise is not None else None,
             "trace": self.trace,
             "facts": self.facts,
+            "per_position": self.per_position,
         }
 
 
@@ -308,6 +313,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     # every pair goes into one batch: kernels for many points at once, and the
     # tensors are released as soon as their chunk is computed (see DiffBatch)
     batch = DiffBatch(tolerance=tol)
+    per_position = PositionStats(positions)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
     for name, kind, op, ta, tb, ca, cb in pairs:
         if (ta.numel() == 0) != (tb.numel() == 0):
@@ -317,6 +323,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
+        per_position.add(name, kind, ta, tb)
         if kind == "logits":  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
@@ -350,7 +357,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                    logits_calls=logits_calls, trace=trace, facts=dict(facts or {}),
                    logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol,
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
-                   if logits is not None and first_max is not None else None)
+                   if logits is not None and first_max is not None else None,
+                   per_position=per_position.result())
     return classify_origins(c)
 
 
@@ -712,8 +720,10 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         facts = run_facts(header, ra, rb)
         if not same:
             hb = reader_b.header
-            facts["notes"] = [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
+            facts["notes"] = facts.get("notes", []) + [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
+            facts["versions_differ"] = version_differences(header, hb)
+            facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
         c = compare_pairs(
             pairs(), scenario=ra.meta.get("scenario", scen_name),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
@@ -724,6 +734,22 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
                                               ra.meta.get("decode_text"), rb.meta.get("decode_text")))
         return c
+
+
+#: header keys naming a version of something the numbers depend on (compared across two traces)
+VERSION_KEYS = ("tracer_version", "python", "torch", "transformers", "numpy", "h5py", "cuda", "hip", "cudnn", "cublas",
+                "driver", "device_name", "cpu", "platform")
+
+
+def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
+    """``["torch 2.13.0+cpu (A) vs 2.11.0+cu130 (B)", ...]``: every :data:`VERSION_KEYS` entry
+    whose value differs between two trace headers (a key missing on one side counts as differing)."""
+    out = []
+    for k in VERSION_KEYS:
+        a, b = header_a.get(k), header_b.get(k)
+        if a != b:
+            out.append(f"{k} {a} (A) vs {b} (B)")
+    return out
 
 
 def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:

@@ -605,7 +605,7 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
             raise TracerError(
                 f"model {name!r} is not a built-in recipe (see 'tracer models') and is not in the local "
                 f"Hugging Face cache or a local directory; download it where the hub is reachable "
-                f"(huggingface-cli download {name}) or pass a directory"
+                f"(hf download {name}) or pass a directory"
             ) from None
     kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     with _status(progress, f"loading {name}"), _quiet_transformers(progress):
@@ -704,6 +704,12 @@ def load_model(
     if gguf is not None and (recipe is None or recipe.kind != "gguf"):
         gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
         raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; drop --gguf")
+    if recipe is None and name.lower().endswith(".gguf"):
+        gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
+        raise TracerError(
+            f"{name!r} is a GGUF file, not a model: give a recipe and the file, e.g. "
+            f"'tracer run {gguf_names[0] if gguf_names else 'smollm2-135m'} --gguf {name}' (GGUF recipes: "
+            f"{', '.join(gguf_names) or 'none'}); for another architecture pass a directory written by save_pretrained")
     if recipe is None:
         loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress)
     elif recipe.kind == "gguf":

@@ -11,6 +11,7 @@ restores. The result renders as the hierarchy table, beside the seed's own statu
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from typing import Any, Callable
@@ -147,6 +148,25 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
 
 
+#: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
+AUDIT_FLAGS = ("--levels", "-l", "--prompt", "-p", "--prompt-file", "--token-ids-file", "--length", "-n", "--chat",
+                 "--dtype", "--device", "--attn", "--gguf", "--granularity", "--kv-cache", "--no-kv-cache", "--output", "-o", "--overwrite",
+                 "--no-store", "--no-mitigations", "--format", "-f", "--report", "--batch-size", "--batch-row",
+                 "--new-tokens", "--block-sizes", "--chunk-size", "--tp")
+
+
+def skip_hint(message: str) -> str:
+    """A scenario's error as an audit skip reason: its advice is kept when every option it names
+    is one of :data:`AUDIT_FLAGS`; otherwise the advice is replaced by one the audit can follow
+    (``tracer run`` options such as ``--split-at`` or ``--block-size`` do not exist here)."""
+    head, sep, advice = message.partition("; ")
+    if not sep or all(o in AUDIT_FLAGS for o in re.findall(r"--[a-z][a-z0-9-]*", advice)):
+        return message
+    if "tokens" in head:
+        return f"{head}; use a longer prompt (--length N, --prompt or --prompt-file)"
+    return f"{head}; run it alone with 'tracer run' to use the options it names"
+
+
 def skip_reason(check: Check, device: str = "cpu") -> str | None:
     """Why this machine cannot run ``check`` with the model on ``device`` (None if it can)."""
     import importlib.util
@@ -194,7 +214,7 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
             try:
                 plans[c.key] = build(c.scenario, n, **_options_for(c, options))
             except TracerError as e:
-                reason = str(e)
+                reason = skip_hint(str(e))
         if reason is not None:
             reasons[c.key] = reason
     return plans, reasons
@@ -215,7 +235,7 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
     try:
         row = _row(c, one(c.key, plans[c.key]))
     except TracerError as e:
-        return AuditRow(check=c, status="skipped", reason=str(e))
+        return AuditRow(check=c, status="skipped", reason=skip_hint(str(e)))
     if not mitigations or row.status != "failed":
         return row
     fixed: dict[str, bool | str] = {}
@@ -223,7 +243,7 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
         try:
             fixed[m] = one(f"{c.key}+{m}", build(c.scenario, n, **_options_for(c, options), mitigation=m)).identical
         except TracerError as e:
-            fixed[m] = str(e)
+            fixed[m] = skip_hint(str(e))
     return _replace(row, mitigations=fixed)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
+from tracer.report.progress import ItemProgress
 from tracer.store.sweepfile import (MATRIX_FIELDS, ROW_FIELDS, SweepFile, SweepResult, SweepRow, compress_ranges,
                                     default_output, is_sweep_file, read_sweep)
 
@@ -99,7 +101,7 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
 
 
 def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
-          keep_tensors: bool = False, loaded: Any = None, progress: bool = True,
+          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
           on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``cfg``'s scenario for every prompt length × block size; one summary row per point.
 
@@ -119,6 +121,9 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             that take a block size.
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
+        progress: per-point progress on stderr (:class:`tracer.report.progress.ItemProgress`): True or
+            ``"auto"``: a bar with count and ETA in a terminal, one log line per point otherwise;
+            ``"lines"``: log lines; False: nothing. Model-loading messages only with True in a terminal.
 
     Returns:
         a :class:`SweepResult` with every row of the file (earlier sessions' rows included).
@@ -136,7 +141,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         raise TracerError(f"the token ids hold {len(ids)} tokens but --lengths goes up to {max(ns)}; "
                           "give a longer --token-ids-file or lower the lengths")
     if loaded is None:
-        loaded = pipeline.load(cfg, progress=progress)
+        loaded = pipeline.load(cfg, progress=progress is True and sys.stderr.isatty())
     info = loaded.info
     all_ids = pipeline.prompt_ids(cfg, loaded, length=max(ns))
     params = {
@@ -157,7 +162,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         names: list[str] = []
         kinds: list[str] = []
         todo = [pt for pt in plan_points(ns, bs) if pt not in done]
-        with _progress(progress, len(done), len(done) + len(todo)) as advance:
+        with ItemProgress("sweep", len(done) + len(todo), done=len(done), mode=progress) as bar:
             for n, b in todo:
                 t0 = time.perf_counter()
                 scen = _point_scenario(cfg, n, b if uses_block else None)
@@ -172,7 +177,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
                     if tmp is not None and tmp.exists():
                         tmp.unlink()
                 rows.append(row)
-                advance(n, b, row)
+                bar.advance(f"N={n} b={b} {'diverges' if row.diverged else 'bit-identical'}")
                 if on_point is not None:
                     on_point(row)
         if sf is not None:
@@ -227,36 +232,6 @@ def _run_point(pipeline: Any, cfg: RunConfig, loaded: Any, ids: list[int], scen:
     with pipeline.open_writer(tmp, header, overwrite=True) as writer:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture, writer=writer, online=False,
                                      header=header, trace=str(tmp)).comparison
-
-
-class _progress:
-    """A rich progress bar with ETA on stderr (or nothing), yielding ``advance(n, b, row)``."""
-
-    def __init__(self, enabled: bool, done: int, total: int) -> None:
-        self.enabled, self.done, self.total = enabled, done, total
-
-    def __enter__(self) -> Callable[[int, int, SweepRow], None]:
-        if not self.enabled:
-            return lambda n, b, row: None
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
-
-        self.bar = Progress(TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                            console=Console(stderr=True), transient=False)
-        self.bar.__enter__()
-        self.task = self.bar.add_task("", total=self.total, completed=self.done)
-
-        def advance(n: int, b: int, row: SweepRow) -> None:
-            state = "[red]diverges[/]" if row.diverged else "[green]identical[/]"
-            self.bar.update(self.task, advance=1, description=f"N={n} b={b} {state}")
-
-        return advance
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self.bar.__exit__(*exc)
 
 
 __all__ = ["sweep", "parse_int_list", "plan_points", "row_from_comparison", "SweepResult", "SweepRow", "SweepFile",

@@ -45,11 +45,19 @@ def _summary(a: Any) -> str:
 
 
 def print_audit(a: Any, console: Any = None) -> None:
-    """The hierarchy table as a rich table, the summary line and the trace path."""
+    """The summary first (counts, then one line per diverging check), the hierarchy table as a rich
+    table, the summary line again and the trace path."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
+    console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
+                  highlight=False)
+    for r in a.rows:  # summary first: what diverges, from where
+        if r.status == "failed":
+            console.print(f"diverges: L{r.check.level} {r.check.label}: from {r.first_divergent}, "
+                          f"{r.argmax_flips} argmax flip(s)", highlight=False, soft_wrap=True)
+    console.print()
     t = Table(title=_title(a), title_justify="left", header_style="bold", show_lines=False)
     for key, head in _COLUMNS:
         t.add_column(head, overflow="fold", no_wrap=key in ("level", "holds", "flips"))
@@ -61,6 +69,27 @@ def print_audit(a: Any, console: Any = None) -> None:
     console.print(_summary(a), highlight=False)
     if a.trace:
         console.print(f"trace: {a.trace}", style="dim", highlight=False)
+
+
+def audit_html(a: Any) -> str:
+    """The audit as a single-file HTML page: the counts, the hierarchy matrix (sortable,
+    filterable; rows coloured by status) and the facts (see :mod:`tracer.report.html`)."""
+    from tracer.report.html import esc, headline_html, kv_table, page, table_html
+
+    counts = a.counts()
+    failed = [r for r in a.rows if r.status == "failed"]
+    head = [("checks", _summary(a))]
+    if failed:
+        head.append(("diverge", "; ".join(f"L{r.check.level} {r.check.label} (from {r.first_divergent})" for r in failed)))
+    head += [(f"skipped: L{r.check.level}", f"{r.check.label}: {r.reason}") for r in a.rows if r.status == "skipped"]
+    cells = [_fmt_row(r) for r in a.rows]
+    table = table_html("audit", [h for _, h in _COLUMNS], ([c[k] for k, _ in _COLUMNS] for c in cells),
+                       classes=[{"passed": "", "failed": "diff", "skipped": "skip"}[r.status] for r in a.rows],
+                       values=[[r.check.level] + [None] * 4 + [r.max_logit_diff, r.argmax_flips] + [None] * 3 for r in a.rows],
+                       diff_toggle=True)
+    sections = [("summary", headline_html(head)), ("determinism hierarchy", table),
+                ("facts", kv_table(a.facts.items()) + (f'<p class="note">trace: {esc(a.trace)}</p>' if a.trace else ""))]
+    return page(_title(a), _summary(a), counts["failed"] == 0, sections)
 
 
 def render_audit(a: Any, fmt: str = "table", console: Any = None) -> str | None:

@@ -57,38 +57,74 @@ def _figure(nrows: int = 1, ncols: int = 1, **kw: Any):
     return fig, axes
 
 
+def compact_name(name: str, kind: str | None = None) -> str:
+    """``model.layers.3.self_attn.kv_cache`` → ``L3 KV``, ``model.layers.3`` → ``L3``,
+    ``model.layers.3.mlp.down_proj`` → ``L3 mlp.down_proj`` (dense axis labels); others as :func:`short_name`."""
+    parts = short_name(name).split(".")
+    if len(parts) >= 2 and parts[0] in ("layers", "h", "blocks") and parts[1].isdigit():
+        rest = ".".join(parts[2:])
+        if kind == "kv_cache" or rest.endswith("kv_cache"):
+            return f"L{parts[1]} KV"
+        return f"L{parts[1]}" + (f" {rest}" if rest else "")
+    return short_name(name)
+
+
 def short_name(name: str) -> str:
     """``model.layers.3.mlp.down_proj`` → ``layers.3.mlp.down_proj`` (axis labels)."""
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _tick_labels(ax: Any, names: Sequence[str], axis: str = "x", max_labels: int = 40) -> None:
-    step = max(1, -(-len(names) // max_labels))
-    idx = list(range(0, len(names), step))
-    if names and idx[-1] != len(names) - 1:
-        idx.append(len(names) - 1)
-    labels = [short_name(names[i]) for i in idx]
+#: point kinds that always get an axis label when labels are thinned (sublayers)
+_LANDMARKS = ("embedding", "layer", "final_norm", "logits", "kv_cache")
+
+
+def thin_labels(names: Sequence[str], kinds: Sequence[str] | None = None, max_labels: int = 40,
+                keep: Iterable[int] = ()) -> list[int]:
+    """Indices of the points that get an axis label: all when they fit, else the ``keep`` ones
+    (origins), the landmarks (layer outputs, KV caches, embedding, final norm, logits) and, when
+    those still do not fit, every k-th landmark; the last point is always labelled."""
+    n = len(names)
+    if n <= max_labels:
+        return list(range(n))
+    keep = set(keep)
+    marks = [i for i in range(n) if kinds is not None and kinds[i] in _LANDMARKS] or list(range(n))
+    room = max(1, max_labels - len(keep) - 1)
+    step = max(1, -(-len(marks) // room))
+    return sorted(keep | set(marks[::step]) | {n - 1})
+
+
+def _tick_labels(ax: Any, names: Sequence[str], axis: str = "x", max_labels: int = 40,
+                 kinds: Sequence[str] | None = None, keep: Iterable[int] = (), compact: bool = False) -> None:
+    idx = thin_labels(names, kinds, max_labels, keep)
+    pos = idx
+    labels = [compact_name(names[i], kinds[i] if kinds else None) if compact else short_name(names[i]) for i in idx]
     if axis == "x":
-        ax.set_xticks(idx)
+        ax.set_xticks(pos)
         ax.set_xticklabels(labels, rotation=90, fontsize=7)
     else:
-        ax.set_yticks(idx)
+        ax.set_yticks(pos)
         ax.set_yticklabels(labels, fontsize=7)
 
 
 # ---------------------------------------------------------------- amplification
+
+#: labels of the KV-cache series and of the explicit zero markers
+LABEL_KV, LABEL_ZERO = "KV cache max |diff|", "bit-identical (|diff| = 0)"
 
 
 def amplification_data(comparison: Any) -> dict[str, Any]:
     """The data behind :func:`amplification_figure`, one entry per capture point, logits last.
 
     Returns:
-        ``{"names": [str], "max_abs_diff": float64 (C,), "fraction": float64 (C,),
-        "origin": bool (C,), "logits_index": int | None}``.
+        ``{"names": [str], "kinds": [str], "max_abs_diff": float64 (C,), "fraction": float64 (C,),
+        "origin": bool (C,), "zero": bool (C,) (max |diff| = 0), "logits_index": int | None,
+        "series": {"points": int (P,), "kv_cache": int (K,)}}``: ``series`` splits the indices
+        into the residual-stream/sublayer/logits series and the per-layer KV-cache series.
     """
-    names, mad, frac, origin = [], [], [], []
+    names, kinds, mad, frac, origin = [], [], [], [], []
     for p in comparison.points:
         names.append(p.name)
+        kinds.append(p.kind)
         mad.append(float(p.diff.max_abs_diff))
         frac.append(p.diff.n_diff / p.diff.n_total if p.diff.n_total else 0.0)
         origin.append(bool(getattr(p, "origin", False)))
@@ -97,12 +133,16 @@ def amplification_data(comparison: Any) -> dict[str, Any]:
         d = comparison.logits.tensor
         logits_index = len(names)
         names.append(comparison.logits_name or "logits")
+        kinds.append("logits")
         mad.append(float(d.max_abs_diff))
         frac.append(d.n_diff / d.n_total if d.n_total else 0.0)
         origin.append(bool(getattr(comparison, "logits_origin", False)))
-    return {"names": names, "max_abs_diff": np.asarray(mad, dtype=np.float64),
+    mad_a = np.asarray(mad, dtype=np.float64)
+    kv = np.asarray([i for i, k in enumerate(kinds) if k == "kv_cache"], dtype=np.int64)
+    rest = np.asarray([i for i, k in enumerate(kinds) if k != "kv_cache"], dtype=np.int64)
+    return {"names": names, "kinds": kinds, "max_abs_diff": mad_a,
             "fraction": np.asarray(frac, dtype=np.float64), "origin": np.asarray(origin, dtype=bool),
-            "logits_index": logits_index}
+            "zero": mad_a == 0, "logits_index": logits_index, "series": {"points": rest, "kv_cache": kv}}
 
 
 def _title(comparison: Any) -> str:
@@ -117,53 +157,86 @@ def _title(comparison: Any) -> str:
     return " · ".join(bits)
 
 
+def _panel(ax: Any, data: dict[str, Any], idx: np.ndarray, label: str, color: str, zero_y: float) -> None:
+    """One series of max |diff| over the points ``idx`` (x = 0..len(idx)-1): a log line with gaps
+    at zeros, and the zeros drawn explicitly as hollow markers on a separate ``0`` row below."""
+    x = np.arange(idx.size)
+    mad = data["max_abs_diff"][idx]
+    ax.plot(x, np.where(mad > 0, mad, np.nan), "o-", color=color, ms=3.5, lw=1.4, label=label)
+    z = data["zero"][idx]
+    ax.plot(x[z], np.full(int(z.sum()), zero_y), "o", ms=4, mfc="none", mec="tab:green", ls="none",
+            label=LABEL_ZERO)
+    org = np.flatnonzero(data["origin"][idx])
+    if org.size:
+        ax.scatter(x[org], np.where(mad[org] > 0, mad[org], zero_y), s=140, facecolors="none",
+                   edgecolors="black", linewidths=1.5, zorder=5, label="origin")
+    ax.set_yscale("log")
+    ax.axhline(zero_y * 2, color="gray", lw=0.6, ls=":")
+    ticks = [t for t in ax.get_yticks() if t > zero_y * 2]
+    ax.set_ylim(zero_y / 2, None)
+    ax.set_yticks([zero_y, *ticks])
+    ax.set_yticklabels(["0", *(f"{t:g}" for t in ticks)])
+    ax.set_xlim(-0.5, max(0, idx.size - 0.5))
+    ax.grid(True, which="major", axis="y", alpha=0.3)
+    kinds = [data["kinds"][i] for i in idx]
+    _tick_labels(ax, [data["names"][i] for i in idx], kinds=kinds, keep=[int(i) for i in org],
+                 compact=bool(kinds) and all(k == "kv_cache" for k in kinds))
+
+
 def amplification_figure(comparison: Any, *, title: str | None = None, figsize: tuple[float, float] | None = None):
-    """Max |diff| (log y, left) and differing fraction (right) per capture point in execution order.
+    """Max |diff| (log y) per capture point in execution order, the KV caches as a separate panel.
 
-    Points with bit-identical outputs have no max |diff| marker (log scale); origin points
-    (``row.origin``, when the comparison provides it) are circled; the logits point is marked by
-    a dashed vertical line. The first line (label :data:`LABEL_ABS`) and the second
-    (:data:`LABEL_FRAC`) have one x value per capture point, logits included.
-
-    Args:
-        comparison: a :class:`~tracer.diff.core.Comparison`.
+    Panel 0: residual stream (and sublayers) and the logits, with the differing fraction on a
+    twin axis (line :data:`LABEL_FRAC`); panel 1 (when KV caches were captured): each layer's KV
+    cache (line :data:`LABEL_KV`). In both, max |diff| (:data:`LABEL_ABS`) has a gap where a point
+    is bit-identical and the zeros are drawn explicitly (:data:`LABEL_ZERO`) on a ``0`` row below
+    the log axis; origins are circled; the logits point has a dotted vertical line. Labels are
+    thinned to the landmarks with sublayers; the legend sits outside the axes.
 
     Returns:
-        a matplotlib Figure (axes 0: max |diff|, axes 1: its twin with the fraction).
+        a matplotlib Figure; ``fig.tracer_data`` is :func:`amplification_data` plus ``argmax_flips``.
     """
     data = amplification_data(comparison)
-    names, n = data["names"], len(data["names"])
-    x = np.arange(n)
-    mad = np.where(data["max_abs_diff"] > 0, data["max_abs_diff"], np.nan)
-    fig, ax = _figure(figsize=figsize or (max(6.0, min(18.0, 0.28 * n + 3)), 4.8), layout="constrained")
-    ax.plot(x, mad, "o-", color="tab:red", ms=3.5, lw=1.4, label=LABEL_ABS)
-    ax.set_yscale("log")
+    pts, kv = data["series"]["points"], data["series"]["kv_cache"]
+    pos = data["max_abs_diff"][(data["max_abs_diff"] > 0) & np.isfinite(data["max_abs_diff"])]
+    zero_y = float(pos.min()) / 8 if pos.size else 1e-3
+    n = max(pts.size, kv.size)
+    width = figsize[0] if figsize else max(7.0, min(18.0, 0.22 * n + 4))
+    nrows = 2 if kv.size else 1
+    fig, axes = _figure(nrows, 1, figsize=figsize or (width, 4.4 + 2.8 * (nrows - 1)), layout="constrained",
+                        gridspec_kw={"height_ratios": [1.4, 1]} if nrows == 2 else None)
+    axes = list(np.atleast_1d(axes))
+    ax = axes[0]
+    _panel(ax, data, pts, LABEL_ABS, "tab:red", zero_y)
     ax.set_ylabel("max |A − B| (log)")
     ax2 = ax.twinx()
-    ax2.plot(x, data["fraction"], "s--", color="tab:blue", ms=2.5, lw=1, alpha=0.8, label=LABEL_FRAC)
+    ax2.plot(np.arange(pts.size), data["fraction"][pts], "s--", color="tab:blue", ms=2.5, lw=1, alpha=0.8,
+             label=LABEL_FRAC)
     ax2.set_ylabel("differing fraction")
     ax2.set_ylim(-0.02, 1.02)
-    org = np.flatnonzero(data["origin"])
-    if org.size:
-        ax.scatter(x[org], np.where(np.isnan(mad[org]), 1.0, mad[org]), s=140, facecolors="none",
-                   edgecolors="black", linewidths=1.5, zorder=5, label="origin")
     if data["logits_index"] is not None:
-        ax.axvline(data["logits_index"], color="gray", ls=":", lw=1)
-        ax.annotate("logits", (data["logits_index"], 1.0), xycoords=("data", "axes fraction"),
-                    ha="right", va="top", fontsize=8, color="gray", rotation=90)
-    if not np.isfinite(mad).any():
-        ax.text(0.5, 0.5, "bit-identical at every capture point", transform=ax.transAxes,
-                ha="center", va="center", color="green")
-        ax.set_yscale("linear")
-        ax.set_yticks([])
-    _tick_labels(ax, names)
-    ax.set_xlim(-0.5, n - 0.5)
-    ax.grid(True, which="major", axis="y", alpha=0.3)
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+        xl = int(np.flatnonzero(pts == data["logits_index"])[0])
+        ax.axvline(xl, color="gray", ls=":", lw=1)
+        ax.annotate("logits", (xl, 1.0), xycoords=("data", "axes fraction"), ha="right", va="top", fontsize=8,
+                    color="gray", rotation=90)
+    ax.set_title("residual stream" + (" and sublayers" if any(k not in ("embedding", "layer", "final_norm", "logits", "kv_cache")
+                                                           for k in data["kinds"]) else "") + " · logits", fontsize=9)
+    if kv.size:
+        _panel(axes[1], data, kv, LABEL_KV, "tab:purple", zero_y)
+        axes[1].set_ylabel("max |A − B| (log)")
+        axes[1].set_title("KV cache of each layer (all N positions)", fontsize=9)
+    if not pos.size:
+        ax.text(0.5, 0.5, "bit-identical at every capture point", transform=ax.transAxes, ha="center",
+                va="center", color="green")
+    handles, labels = [], []
+    for a in [*axes, ax2]:
+        for h, lab in zip(*a.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8, frameon=False)
     flips = len(comparison.logits.argmax_flips) if comparison.logits is not None else 0
-    ax.set_title(title or f"{_title(comparison)}\n{comparison.verdict()}", fontsize=9)
+    fig.suptitle(title or f"{_title(comparison)}\n{comparison.verdict()}", fontsize=9)
     fig.tracer_data = {**data, "argmax_flips": flips}
     return fig
 
@@ -247,6 +320,22 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
                          n_diff=np.stack(nds) if nds else np.zeros((0, t), dtype=np.int64))
 
 
+def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
+    """:class:`PositionDiffs` from the per-position data a comparison carries
+    (:attr:`~tracer.compare.Comparison.per_position`; no tensor is read), None when it has none.
+    With more compared positions than :data:`tracer.diff.positions.MAX_COLUMNS`, columns are bins of
+    consecutive positions (max |Δ| and counts per bin)."""
+    pp = getattr(comparison, "per_position", None)
+    if not pp:
+        return None
+    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == "logits")  # logits last, stable
+    vals = np.asarray([[np.inf if isinstance(v, str) else v for v in pp["max_abs_diff"][i]] for i in order],
+                      dtype=np.float64)
+    return PositionDiffs(names=[pp["names"][i] for i in order], kinds=[pp["kinds"][i] for i in order],
+                         positions=(int(pp["start"]), int(pp["stop"])), values=vals,
+                         n_diff=np.asarray([pp["n_diff"][i] for i in order], dtype=np.int64))
+
+
 def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
     """:class:`PositionDiffs` of two in-memory :class:`~tracer.execute.records.RunRecord` objects.
 
@@ -317,7 +406,7 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
         fig.colorbar(im, ax=ax, label="max |A − B| at the position (log)", fraction=0.04, shrink=0.7)
     else:
         ax.text(0.5, 0.5, "bit-identical everywhere", transform=ax.transAxes, ha="center", va="center", color="green")
-    _tick_labels(ax, diffs.names, axis="y", max_labels=45)
+    _tick_labels(ax, diffs.names, axis="y", max_labels=45, kinds=diffs.kinds)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -458,24 +547,26 @@ def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float,
                               gridspec_kw={"height_ratios": [1, 2.2]}, sharex=True)
     all_lengths = sorted({r.length for r in result.rows})
     per_block = {b: sweep_data(result, b) for b in bs}
-    floor = None
     pos = [v for d in per_block.values() for v in d["logits_max_abs_diff"] if v > 0 and np.isfinite(v)]
-    if pos:
-        floor = min(pos) / 3
+    zero_y = min(pos) / 8 if pos else 1e-3
     for b, d in per_block.items():
         y = np.where(d["logits_max_abs_diff"] > 0, d["logits_max_abs_diff"], np.nan)
         line, = ax1.plot(d["lengths"], y, ".", ms=4, label=f"block {b}")
         ident = d["lengths"][d["logits_max_abs_diff"] == 0]
-        if floor is not None and ident.size:
-            ax1.plot(ident, np.full(ident.size, floor), "|", color=line.get_color(), alpha=0.35, ms=5)
+        ax1.plot(ident, np.full(ident.size, zero_y), "o", ms=3.5, mfc="none", mec="tab:green", ls="none",
+                 label=LABEL_ZERO if b == bs[0] else None)
         fl = d["argmax_flips"] > 0
         if fl.any():
             ax1.plot(d["lengths"][fl], y[fl], "x", color="black", ms=6, label="argmax flip" if b == bs[0] else None)
-    if pos:
-        ax1.set_yscale("log")
+    ax1.set_yscale("log")
+    ticks = [t for t in ax1.get_yticks() if t > zero_y * 2]
+    ax1.axhline(zero_y * 2, color="gray", lw=0.6, ls=":")
+    ax1.set_ylim(zero_y / 2, None)
+    ax1.set_yticks([zero_y, *ticks])
+    ax1.set_yticklabels(["0", *(f"{t:g}" for t in ticks)])
     ax1.set_ylabel("max |logit diff|")
     ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8, loc="upper left", ncol=4)
+    ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     cmap = plt.get_cmap("magma_r").with_extremes(bad="white")
     if len(bs) == 1:
         d = per_block[bs[0]]
@@ -488,10 +579,16 @@ def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float,
         fd = d["first_divergent"] >= 0
         ax2.plot(d["lengths"][fd], d["first_divergent"][fd], ".", color="deepskyblue", ms=3, label="first divergent")
         ax2.set_ylim(c - 0.5, -0.5)
-        _tick_labels(ax2, d["names"], axis="y", max_labels=35)
+        kinds = list(getattr(result, "kinds", None) or [])
+        ax2.set_yticks(range(c))
+        ax2.set_yticklabels([compact_name(nm, kinds[i] if i < len(kinds) else None) for i, nm in enumerate(d["names"])],
+                            fontsize=max(4.5, min(8.0, 400 / max(1, c))))
+        for i, k in enumerate(kinds[:c]):
+            if k == "kv_cache":
+                ax2.get_yticklabels()[i].set_color("tab:purple")
         if norm is not None:
-            fig.colorbar(mesh, ax=ax2, label="max |A − B| (log)")
-            ax2.legend(fontsize=8, loc="lower right")
+            fig.colorbar(mesh, ax=ax2, label="max |A − B| (log)", location="right")
+            ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.08), borderaxespad=0)
         ax2.set_ylabel("capture point")
         data = {"kind": "layers", "lengths": d["lengths"], "values": d["max_abs_diff"], "names": d["names"]}
     else:
@@ -573,6 +670,9 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
         case "ulp":
             return ulp_figure(comparison, layers)
         case "heatmap":
+            carried = position_diffs_comparison(comparison) if comparison is not None else None
+            if carried is not None and carried.names:
+                return heatmap_figure(carried)
             if runs is not None and all(r is not None and r.captures for r in runs):
                 return heatmap_figure(position_diffs_records(*runs))
             if trace is not None:

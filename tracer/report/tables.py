@@ -1,7 +1,8 @@
 """Rendering a :class:`~tracer.diff.core.Comparison`: rich table, JSON, CSV or markdown.
 
-One result object, one dispatch (:func:`render`). The table has one row per capture point in
-execution order, a logits row with the argmax flips, and a one-line verdict.
+One result object, one dispatch (:func:`render`). The terminal report starts with the headline
+block of :mod:`tracer.report.summary`, then the table of the rows that matter (one row per capture point
+in execution order with ``all_rows``), a logits row with the argmax flips, and a one-line verdict.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tracer.errors import TracerError
 from tracer.store.sweepfile import compress_ranges
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
+from tracer.report.summary import headline, rows_that_matter
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -179,14 +181,21 @@ def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
     return lines
 
 
-def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS) -> Table:
-    """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`)."""
-    t = Table(title=_title(c), caption=_plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else ""),
+def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None) -> Table:
+    """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`; ``keep``:
+    indices into :func:`rows` to show, all when None; the caption says how many were left out)."""
+    all_rows = rows(c)
+    shown = all_rows if keep is None else [all_rows[i] for i in keep]
+    caption = _plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else "")
+    if len(shown) < len(all_rows):
+        caption = (f"{len(shown)} of {len(all_rows)} rows: the first point, the origin, rows where the differing "
+                   f"count changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)\n" + caption)
+    t = Table(title=_title(c), caption=caption,
               title_justify="left", caption_justify="left", header_style="bold")
     for key in columns:
         t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
     first = c.first_divergent
-    for r in rows(c):
+    for r in shown:
         base = r["name"].split(" ")[0]
         style = None
         if r["n_diff"]:
@@ -232,17 +241,34 @@ def origin_block(c: Comparison) -> list[str]:
     return [head, *(f"  {line}" for line in lines)]
 
 
+def _row_budget(console: Console, n_headline: int) -> int | None:
+    """Rows of the table that fit the terminal below the headline (None when not a terminal)."""
+    if not console.is_terminal:
+        return None
+    return max(8, console.size.height - n_headline - 14)
+
+
 def print_report(c: Comparison, console: Console | None = None,
-                 columns: tuple[str, ...] = DEFAULT_COLUMNS) -> None:
-    """Print the origins, the rich table, logits statistics, flips, replay, noise verdict and the
-    verdict to ``console`` (stdout by default).
+                 columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> None:
+    """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
+    point, growth, logits, what to try next), then the table of the rows that matter
+    (:func:`tracer.report.summary.rows_that_matter`, as many as fit a terminal; every row with
+    ``all_rows``), logits statistics, flips, replay, noise verdict and the verdict to ``console``
+    (stdout by default).
 
     Styled in a terminal, plain text when piped (rich decides from the stream).
     """
     console = console or Console()
-    for line in origin_block(c):
-        console.print(Text(line, style="bold red" if not line.startswith(" ") else "red"), soft_wrap=True)
-    console.print(table(c, columns))
+    head = headline(c)
+    width = max(len(k) for k, _ in head)
+    for key, text in head:
+        style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
+        line = Text(f"{key + ':':<{width + 1}} ", style="bold")
+        line.append(text, style=style)
+        console.print(line, soft_wrap=True)
+    console.print()
+    keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
+    console.print(table(c, columns, keep))
     for line in logits_lines(c):
         console.print(line, soft_wrap=True)
     for line in flips_lines(c):
@@ -260,11 +286,27 @@ def print_report(c: Comparison, console: Console | None = None,
         console.print(f"trace: {c.trace}", style="dim")
 
 
+#: run metadata leading every CSV row (the same value on each row of one comparison)
+CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "positions_stop", "n_tokens",
+            "verdict", "first_divergent", "trace")
+
+
+def csv_meta(c: Comparison) -> dict[str, Any]:
+    """The run metadata of :data:`CSV_META` for ``c``."""
+    f = c.facts
+    return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
+            "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
+            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace}
+
+
 def to_csv(c: Comparison) -> str:
-    """Every row key of :func:`rows` as a CSV column."""
+    """The run metadata (:data:`CSV_META`: model, scenario, dtype, device, compared positions,
+    token count, verdict, first divergent point, trace) then every row key of :func:`rows`, as CSV
+    columns; one line per capture point."""
     buf = io.StringIO()
-    all_rows = rows(c)
-    fields = list(all_rows[0]) if all_rows else ["name"]
+    meta = csv_meta(c)
+    all_rows = [{**meta, **r} for r in rows(c)]
+    fields = list(all_rows[0]) if all_rows else [*CSV_META, "name"]
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
     for r in all_rows:
@@ -304,14 +346,15 @@ def to_json(c: Comparison) -> str:
 
 
 def render(c: Comparison, fmt: str = "table", console: Console | None = None,
-           columns: tuple[str, ...] = DEFAULT_COLUMNS) -> str | None:
+           columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> str | None:
     """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text.
 
-    ``columns`` selects the terminal table's columns; JSON, CSV and markdown carry everything.
+    ``columns`` selects the terminal table's columns and ``all_rows`` prints every row (default:
+    the rows that matter); JSON, CSV and markdown carry everything.
     """
     match check_format(fmt):
         case "table":
-            print_report(c, console, columns)
+            print_report(c, console, columns, all_rows)
             return None
         case "json":
             return to_json(c)

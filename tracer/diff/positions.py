@@ -1,0 +1,100 @@
+"""Per-position statistics of a comparison: for every capture point and compared position, the
+max |A − B| and the number of bitwise-differing elements (the data of the position heat map).
+
+Computed while comparing (:func:`tracer.diff.core.compare_pairs` feeds every pair to a
+:class:`PositionStats`), kept on the device until the end (one transfer), carried by the
+:class:`~tracer.diff.core.Comparison` and stored with it, so figures never re-read a trace. Beyond
+:data:`MAX_COLUMNS` compared positions, consecutive positions are binned (max and sum per bin).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: at most this many position columns are kept; longer windows are binned
+MAX_COLUMNS = 2048
+#: elements per chunk of the pass (bounded temporary memory)
+CHUNK_ELEMENTS = 1 << 21
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+
+def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (first axis): max |a − b| over the differing elements and the differing count.
+
+    Args:
+        a, b: ``(T, *feature)`` tensors of one shape and a float dtype, on one device.
+
+    Returns:
+        ``(max_abs float64 (T,), n_diff int64 (T,))`` on the tensors' device; equal bits count 0
+        (also ``-0`` vs ``+0``: they differ in bits, the |Δ| is 0); a NaN or infinite difference
+        counts ``inf``. The difference is taken in float32 for 16-bit dtypes (exact up to an
+        exponent gap of 16 between the two values; a relative 2⁻²⁴ beyond) and float64 otherwise.
+    """
+    t = a.shape[0] if a.dim() else 1
+    a2, b2 = a.reshape(t, -1), b.reshape(t, -1)
+    work = torch.float32 if a.element_size() == 2 else torch.float64
+    step = max(1, CHUNK_ELEMENTS // max(1, a2.shape[1]))
+    mx = torch.zeros(t, dtype=torch.float64, device=a.device)
+    nd = torch.zeros(t, dtype=torch.int64, device=a.device)
+    if a2.shape[1] == 0:
+        return mx, nd
+    iv = _INT_VIEW[a.dtype]
+    for s in range(0, t, step):
+        xa, xb = a2[s:s + step], b2[s:s + step]
+        differ = xa.view(iv) != xb.view(iv)  # (rows, F) bool
+        d = (xa.to(work) - xb.to(work)).abs_()
+        d = torch.where(differ, torch.nan_to_num(d, nan=float("inf")), torch.zeros((), dtype=work, device=a.device))
+        mx[s:s + step] = d.amax(dim=1).to(torch.float64)
+        nd[s:s + step] = differ.sum(dim=1)
+    return mx, nd
+
+
+class PositionStats:
+    """Accumulates :func:`position_reduce` of the compared window's rows, point by point.
+
+    Args:
+        positions: ``(start, stop)`` absolute compared positions. A pair with ``stop - start``
+            rows is taken whole; one with ``stop`` rows (a KV cache over all positions) is cut to
+            its window rows; other pairs (no position axis) are left out.
+    """
+
+    def __init__(self, positions: tuple[int, int]) -> None:
+        self.start, self.stop = int(positions[0]), int(positions[1])
+        t = self.stop - self.start
+        self.bin = max(1, -(-t // MAX_COLUMNS))
+        self.names: list[str] = []
+        self.kinds: list[str] = []
+        self.max: list[torch.Tensor] = []
+        self.n: list[torch.Tensor] = []
+
+    def add(self, name: str, kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Reduce one pair (the window rows; see the class docstring); float dtypes only."""
+        t = self.stop - self.start
+        if a.dim() == 0 or a.shape != b.shape or a.dtype not in _INT_VIEW or a.numel() == 0:
+            return
+        if a.shape[0] != t:
+            if a.shape[0] != self.stop:
+                return
+            a, b = a[self.start:], b[self.start:]
+        mx, nd = position_reduce(a, b)
+        if self.bin > 1:  # bins of `bin` consecutive positions, the last one short
+            pad = (-t) % self.bin
+            mx = torch.nn.functional.pad(mx, (0, pad)).reshape(-1, self.bin).amax(dim=1)
+            nd = torch.nn.functional.pad(nd, (0, pad)).reshape(-1, self.bin).sum(dim=1)
+        self.names.append(name)
+        self.kinds.append(kind)
+        self.max.append(mx)
+        self.n.append(nd)
+
+    def result(self) -> dict[str, Any] | None:
+        """``{"start", "stop", "bin", "names", "kinds", "max_abs_diff": [[float]] (C, T/bin),
+        "n_diff": [[int]] (C, T/bin)}`` (one host transfer), or None when no pair had positions."""
+        if not self.names:
+            return None
+        mx = torch.stack(self.max).cpu()
+        nd = torch.stack(self.n).cpu()
+        return {"start": self.start, "stop": self.stop, "bin": self.bin, "names": list(self.names),
+                "kinds": list(self.kinds), "max_abs_diff": mx.tolist(), "n_diff": nd.tolist()}

@@ -1,0 +1,210 @@
+"""The summary that every report starts with: a headline block and the rows that matter.
+
+Pure functions of a :class:`~tracer.diff.core.Comparison` (no I/O, no recomputation); the terminal
+table (:mod:`tracer.report.tables`) and the HTML report (:mod:`tracer.report.html`) render the same data.
+
+- :func:`headline`: ``[(label, text)]``: verdict, origin (op, shapes, kernels when recorded),
+  first divergent point, growth to the last layer, logits (differing share, flips, KL) and
+  what to try next (options of ``tracer run`` that exist).
+- :func:`rows_that_matter`: indices of the table rows worth printing: the first point, the
+  origins, the first divergent point, every row where the differing count or max |Δ| changes
+  notably (count ×2, max |Δ| ×4, or from/to zero) against the last kept row of the same kind, the last layer
+  and the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: a row is kept when its differing count moves by this factor from the previous row of its kind ...
+NOTABLE_COUNT = 2.0
+#: ... or its max |Δ| by this one (bf16 max |Δ| moves in powers of two: ×2 is one step of rounding)
+NOTABLE_MAX = 4.0
+
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    return f"{x:.3g}"
+
+
+def _share(n: int, total: int) -> str:
+    return "-" if not total else f"{100 * n / total:.3g}%"
+
+
+def last_layer(c: Any) -> Any:
+    """The last decoder-layer point (kind ``layer``) in execution order, or None."""
+    layers = [p for p in c.points if p.kind == "layer"]
+    return layers[-1] if layers else None
+
+
+def _first_point(c: Any) -> Any:
+    return next((p for p in c.points if p.diverged), None)
+
+
+def _kernels(p: Any) -> str:
+    """Kernel names recorded for a point's calls (``calls[*]['kernels']``), when a capture recorded them."""
+    ka = sorted({k for cl in p.calls_a for k in cl.get("kernels", ()) or ()})
+    kb = sorted({k for cl in p.calls_b for k in cl.get("kernels", ()) or ()})
+    if not ka and not kb:
+        return ""
+    return f"kernels A: {', '.join(ka) or '-'}; B: {', '.join(kb) or '-'}"
+
+
+def growth_text(c: Any) -> str:
+    """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)`` or a why-not."""
+    first, last = _first_point(c), last_layer(c)
+    if first is None:
+        return ("none: every capture point is bit-identical" if c.identical
+                else "none before the logits: every other capture point is bit-identical")
+    if last is None:
+        return "no decoder layer captured"
+    a, b = first.diff.max_abs_diff, last.diff.max_abs_diff
+    if first.name == last.name:
+        return f"first divergent point is the last layer ({last.name}, max |Δ| {_g(b)})"
+    idx = [p.name for p in c.points]
+    if idx.index(first.name) > idx.index(last.name):
+        return f"the last layer {last.name} is bit-identical; the divergence starts after it"
+    factor = f"×{_g(b / a)}" if a else "from 0"
+    return (f"{factor} from {first.name} (max |Δ| {_g(a)}, {_share(first.diff.n_diff, first.diff.n_total)} differ) "
+            f"to {last.name} (max |Δ| {_g(b)}, {_share(last.diff.n_diff, last.diff.n_total)} differ)")
+
+
+def logits_text(c: Any) -> str:
+    """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
+    if c.logits is None:
+        return "not captured"
+    lg, d = c.logits, c.logits.tensor
+    flips = len(lg.argmax_flips)
+    text = (f"{_share(d.n_diff, d.n_total)} of {d.n_total:,} differ (max |Δ| {_g(d.max_abs_diff)}) · "
+            f"{flips} argmax flip{'s' if flips != 1 else ''} in {lg.n_positions} position{'s' if lg.n_positions != 1 else ''} · "
+            f"KL(A‖B) mean {_g(lg.kl_mean)}, max {_g(lg.kl_max)} nats")
+    if flips:
+        f = lg.argmax_flips[0]
+        text += f" · first flip at position {c.positions[0] + f.position} (token {f.token_a} in A, {f.token_b} in B)"
+    return text
+
+
+def next_steps(c: Any) -> list[str]:
+    """What to try next, naming options ``tracer run`` has (and ``tracer sweep``/``audit`` for identical runs)."""
+    steps: list[str] = []
+    if c.identical:
+        steps.append("other prompt lengths can diverge where this one does not: "
+                     "`tracer sweep MODEL --lengths 17:512` maps them")
+        steps.append("the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit MODEL`")
+        return steps
+    origins = list(c.origins)
+    whole_prompt = c.positions[0] == 0
+    if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:
+        steps.append("`--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
+                     "op by op and names the op")
+    subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+    if not subs:
+        steps.append("`--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, MLP, "
+                     "every Linear) with its GEMM shapes")
+    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
+        steps.append("`--mitigation aligned`: the cache-miss run also splits at P (vLLM #34046); "
+                     "checks whether aligning the split restores bitwise equality")
+    if c.noise is None:
+        steps.append("`--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is rounding "
+                     "noise or a defect")
+    if c.replay is None and c.logits is not None:
+        steps.append("`--decode 16`: greedy-decodes from both runs and shows where the generated text first differs")
+    return steps
+
+
+def headline(c: Any) -> list[tuple[str, str]]:
+    """The headline block as ``(label, text)`` pairs, in print order.
+
+    Labels: ``verdict``, ``origin`` (one pair per origin; shapes, and kernels when recorded),
+    ``first divergent``, ``growth``, ``logits``, ``versions`` (two traces: every version that
+    differs), ``noise`` / ``decode`` when present, ``next``
+    (one pair per suggestion).
+    """
+    out: list[tuple[str, str]] = [("verdict", c.verdict())]
+    for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), c.origin_lines()):
+        out.append(("origin", line))
+        k = _kernels(p) if p is not None else ""
+        if k:
+            out.append(("kernels", k))
+    if not c.identical:
+        first = _first_point(c)
+        out.append(("first divergent", c.first_divergent + (
+            f" ({first.kind}, {first.diff.n_diff:,} of {first.diff.n_total:,} elements, max |Δ| "
+            f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
+        out.append(("growth", growth_text(c)))
+    out.append(("logits", logits_text(c)))
+    if "versions_differ" in c.facts:  # runs from two traces
+        out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
+    if c.noise is not None:
+        lines = c.noise.lines()
+        if lines:
+            out.append(("noise", lines[0]))
+    if c.replay is not None:
+        out.append(("decode", c.replay.line()))
+    out.extend(("next", s) for s in next_steps(c))
+    return out
+
+
+def headline_text(c: Any) -> list[str]:
+    """:func:`headline` as plain lines (``label: text``), labels padded to one width."""
+    pairs = headline(c)
+    w = max(len(k) for k, _ in pairs)
+    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
+
+
+def _notable(prev: Any, cur: Any) -> bool:
+    """The differing count moves by :data:`NOTABLE_COUNT` or max |Δ| by :data:`NOTABLE_MAX` or more,
+    or either goes between 0 and non-zero."""
+    for a, b, f in ((prev.n_diff, cur.n_diff, NOTABLE_COUNT), (prev.max_abs_diff, cur.max_abs_diff, NOTABLE_MAX)):
+        if (a == 0) != (b == 0):
+            return True
+        if a and b and (b / a >= f or a / b >= f):
+            return True
+    return False
+
+
+def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
+    """Indices into :func:`tracer.report.tables.rows` (points in execution order, logits last) worth printing.
+
+    Always: the first point, the origins, the first divergent point, the last layer, the final
+    norm (kind ``final_norm``) and the logits. Then every point whose differing count or max |Δ| changed notably from the
+    last kept point of the same kind (:func:`_notable`). With ``limit``, the notable rows are thinned
+    (the largest changes kept) so that at most ``max(limit, number of always-rows)`` rows remain.
+    """
+    pts = list(c.points)
+    n = len(pts) + (c.logits is not None)
+    if n == 0:
+        return []
+    must = {0}
+    first = c.first_divergent
+    last = last_layer(c)
+    for i, p in enumerate(pts):
+        if p.origin or p.name == first or (last is not None and p.name == last.name) or p.kind == "final_norm":
+            must.add(i)
+    if c.logits is not None:
+        must.add(n - 1)
+    scored: list[tuple[float, int]] = []
+    last_kept: dict[str, Any] = {}  # per kind: the last row kept, the reference for "changed notably"
+    for i, p in enumerate(pts):
+        ref = last_kept.get(p.kind)
+        if i in must or ref is None:
+            last_kept[p.kind] = p
+            continue
+        if _notable(ref.diff, p.diff):
+            a, b = ref.diff.max_abs_diff, p.diff.max_abs_diff
+            na, nb = ref.diff.n_diff, p.diff.n_diff
+            jump = (abs(math.log2(b / a)) if a and b else 64.0) + (abs(math.log2(nb / na)) if na and nb else 0.0)
+            scored.append((jump, i))
+            last_kept[p.kind] = p
+    keep = set(must)
+    scored.sort(key=lambda t: (-t[0], t[1]))
+    room = None if limit is None else max(0, limit - len(must))
+    for _, i in scored if room is None else scored[:room]:
+        keep.add(i)
+    return sorted(keep)
