@@ -17,6 +17,7 @@ from torch import nn
 
 from .capture import Capture, CapturePoint
 from .errors import TracerError
+from .kernels import KernelRecorder
 from .records import RunRecord
 from .scenarios import Batch, RunPlan, Scenario
 
@@ -293,7 +294,7 @@ def greedy_decode(model: nn.Module, cache: Any, last_logits: torch.Tensor, steps
 
 def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
             window: tuple[int, int], *, meta: dict[str, Any] | None = None,
-            keep_on_device: bool = False, decode: int = 0) -> RunRecord:
+            keep_on_device: bool = False, decode: int = 0, kernels: bool = False) -> RunRecord:
     """Execute one run plan with capture hooks and return what they saw.
 
     Args:
@@ -307,6 +308,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         decode: greedy-decode this many tokens from the run's final KV cache after the capture
             (``meta["decode_tokens"]``); the hooks are removed by then, and the ``kv_cache``
             points are read before decoding extends the cache.
+        kernels: record which kernels each capture point's module ran (``calls[k]["kernels"]``,
+            :mod:`tracer.kernels`); the run executes under ``torch.profiler``.
 
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
@@ -330,13 +333,14 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     with torch.inference_mode():
         with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
                 plan_context(model, plan) as fn:
-            out = forward_chunks(model, ids, plan, cap, fn)
-            if out.past_key_values is not None:
-                b = plan.batch
-                cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
-                              col=b.width - n if b is not None and b.padding == "left" else 0)
-            if plan.generate:
-                generated = generate_greedy(model, ids, plan, out, cap)
+            with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder:
+                out = forward_chunks(model, ids, plan, cap, fn)
+                if out.past_key_values is not None:
+                    b = plan.batch
+                    cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
+                                  col=b.width - n if b is not None and b.padding == "left" else 0)
+                if plan.generate:
+                    generated = generate_greedy(model, ids, plan, out, cap)
             _sync(model_device(model))
             wall = time.perf_counter() - t0
             if decode:  # replay: greedy continuation of the final KV cache, not captured
@@ -348,8 +352,12 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if tokens is not None:
         info["decode_tokens"] = tokens
     info.update(meta or {})
+    captures = cap.records()
+    if recorder is not None:
+        recorder.attach(captures)
+        info["kernels"] = "recorded"
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
-                     window=(int(window[0]), int(window[1])), captures=cap.records(), meta=info)
+                     window=(int(window[0]), int(window[1])), captures=captures, meta=info)
 
 
 def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],
