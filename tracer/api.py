@@ -185,7 +185,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         status: Callable[[str], None] | None = None, decode: int = 0, verdict: bool = False,
         atol: float | None = None, rtol: float | None = None, fail_on: str | None = None,
         positions: str = "window", kv_cache: bool = True, device_map: str | dict[str, Any] | None = None,
-        max_memory: str | dict[Any, str] | None = None, **options: Any) -> RunResult:
+        max_memory: str | dict[Any, str] | None = None, kernels: bool = False, op_replay: bool = False,
+        **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -237,6 +238,13 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             accelerate (:func:`tracer.models.load_model`); the hooks then capture on whatever
             device each module runs on. Not with ``device``, ``verdict`` or the scenarios whose
             runs move the model between devices.
+        kernels: record which kernels each capture point ran in each run (``torch.profiler``;
+            :mod:`tracer.kernels`): stored with the calls in the trace, shown in a ``kernels``
+            column, in the origin lines (with the origin's class, :mod:`tracer.provenance`) and in
+            the JSON rows ``kernels_a``/``kernels_b``.
+        op_replay: replay every origin op in float64 on the CPU from the captured inputs and
+            report each run's error in ULPs against that exact result (``comparison.op_replay``,
+            :mod:`tracer.accuracy`); needs ``granularity="sublayers"`` to find the op's inputs.
 
     Returns:
         a :class:`RunResult`; ``result.to_dict()`` is the JSON document of the CLI.
@@ -335,7 +343,7 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             say(f"run {plan.name}: {plan.description}")
             keep = (online or on_gpu) and not plan.devices
             rec = execute(loaded.model, ids, plan, points, window, keep_on_device=keep,
-                          decode=decode, meta={"scenario": scen.name, "level": scen.level})
+                          decode=decode, meta={"scenario": scen.name, "level": scen.level}, kernels=bool(kernels))
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)
@@ -358,6 +366,11 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
         comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name,
                                      trace=trace_path, facts=facts, atol=atol, rtol=rtol)
         comparison = _replace(comparison, fail_on=fail_on)
+        if op_replay:
+            from .accuracy import replay_origins
+
+            say("replaying the origin ops in float64")
+            comparison = _replace(comparison, op_replay=replay_origins(loaded.model, comparison, rec_a, rec_b))
         if decode:
             comparison = _replace(comparison, replay=replay_diff(
                 rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],

@@ -134,6 +134,8 @@ def run_cmd(
     wide: WideOpt = False,
     columns: ColumnsOpt = None,
     positions: Annotated[str, typer.Option("--positions", help="window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 (locates a divergence born in the cached-prefix pass).")] = "window",
+    kernels: Annotated[bool, typer.Option("--kernels", help="Record which kernels each capture point ran in each run (torch.profiler): kernels column, origin class, JSON kernels_a/kernels_b.")] = False,
+    op_replay: Annotated[bool, typer.Option("--op-replay", help="Replay each origin op in float64 on the CPU from the captured inputs: each run's error in ULPs against the exact result (with --granularity sublayers).")] = False,
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
@@ -164,7 +166,8 @@ def run_cmd(
                          compression=None if compression in (None, "none") else compression,
                          overwrite=overwrite, progress=err.is_terminal, status=status, decode=decode,
                          verdict=verdict, atol=atol, rtol=rtol, fail_on=fail_on, positions=positions,
-                         kv_cache=kv_cache, device_map=device_map, max_memory=max_memory, **options)
+                         kv_cache=kv_cache, device_map=device_map, max_memory=max_memory, kernels=kernels,
+                         op_replay=op_replay, **options)
     except TracerError as e:
         _fail(str(e))
         return

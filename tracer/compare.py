@@ -15,6 +15,7 @@ import torch
 from .dataflow import Consumes, dataflow
 from .errors import TracerError
 from .metrics import DiffBatch, LogitsDiff, TensorDiff, logits_diff
+from .provenance import class_text, classify, kernel_rows
 from .records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
@@ -111,6 +112,7 @@ class Comparison:
     replay: Any = None
     noise: Any = None
     fail_on: str | None = None
+    op_replay: Any = None  # capture name -> tracer.accuracy.OpReplay (origins replayed in float64)
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -225,7 +227,9 @@ class Comparison:
             "positions": list(self.positions),
             "runs": [self.run_a, self.run_b],
             "origins": origins,
-            "layers": [p.to_dict() for p in self.points],
+            "layers": [dict(p.to_dict(), kernels_a=kernel_rows(p.calls_a, self.positions),
+                            kernels_b=kernel_rows(p.calls_b, self.positions),
+                            **{"class": (classify(p, self.positions) or {}).get("class")}) for p in self.points],
             "logits": logits,
             "first_divergent": self.first_divergent,
             "identical": self.identical,
@@ -480,7 +484,10 @@ def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
     return {"name": p.name, "kind": p.kind, "op": p.op,
             "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
             "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
-            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c)}
+            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c),
+            "class": (classify(p, c.positions) or {}).get("class"),
+            "kernels_a": kernel_rows(p.calls_a, c.positions), "kernels_b": kernel_rows(p.calls_b, c.positions),
+            "replay": (c.op_replay[p.name].to_dict() if c.op_replay and p.name in c.op_replay else None)}
 
 
 def _each_call(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> list[dict[str, Any]]:
@@ -543,6 +550,11 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     if p.kind == "kv_cache" and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
                                      and q.kind not in ("kv_cache",)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
         tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"
+    info = classify(p, c.positions)
+    if info is not None and (info["kernels_a"] != "-" or info["kernels_b"] != "-"):
+        tail += f"; {class_text(info, c.run_a, c.run_b)}"
+    if c.op_replay and p.name in c.op_replay:
+        tail += f"; replay in float64: {c.op_replay[p.name].text}"
     return f"{head}: {body}{tail}"
 
 

@@ -355,17 +355,45 @@ def summarize(kernels: dict[str, Any] | None) -> str:
     ops = kernels.get("ops") or []
     if not ops:
         return "-"
-    return " + ".join((_kernel_text(parse_kernel(k["name"])) if "scaled_dot_product" in k["name"] else k["name"])
-                      + (f" ×{k['count']}" if k["count"] > 1 else "") for k in ops)
+    main = [k for k in ops if _MAIN_OP.match(k["name"])]
+    shown = main or ops[:3]
+    parts = [_op_text(k) for k in shown]
+    rest = sum(k["count"] for k in ops if k not in shown)
+    return " + ".join(parts + ([f"{rest} other"] if rest else []))
+
+
+_MAIN_OP = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|_scaled_dot_product_\w+|_efficient_attention\w*|"
+                      r"_flash_attention\w*|mkldnn_\w+|_mkldnn_\w+|matmul)$")
+
+
+def _op_text(k: dict[str, Any]) -> str:
+    name = k["name"]
+    if "scaled_dot_product" in name:
+        p = parse_kernel(name)
+        text = f"sdpa {p.get('variant', '?')}{' (cpu)' if name.endswith('_for_cpu') else ''}"
+    else:
+        text = name[6:] if name.startswith("aten::") else name
+    return text + (f" ×{k['count']}" if k["count"] > 1 else "")
 
 
 def names(kernels: dict[str, Any] | None) -> tuple[tuple[str, ...], str]:
-    """``(sorted kernel names, "device"|"ops"|"none")``: what two runs' kernels are compared by."""
+    """``(sorted "name×count" strings, "device"|"ops"|"none")``: what two runs' kernels are compared by."""
     if not kernels:
         return (), "none"
-    if kernels.get("device"):
-        return tuple(sorted(k["name"] for k in kernels["device"])), "device"
-    return tuple(sorted(k["name"] for k in kernels.get("ops") or [])), "ops"
+    part = "device" if kernels.get("device") else "ops"
+    return tuple(sorted(f"{k['name']}×{k['count']}" for k in kernels.get(part) or [])), part
+
+
+def main_names(kernels: dict[str, Any] | None) -> tuple[tuple[str, ...], str]:
+    """Like :func:`names`, restricted to the GEMM and attention kernels (or ops) when the call ran
+    any: an origin's class is decided by the kernels that reduce, not by the elementwise ones
+    around them (RoPE, cache updates), whose variants change with the shape without changing bits."""
+    got, by = names(kernels)
+    if by == "device":
+        main = tuple(n for n in got if parse_kernel(n.rsplit("×", 1)[0]).get("library") in _GEMM_LIBS)
+    else:
+        main = tuple(n for n in got if _MAIN_OP.match(n.rsplit("×", 1)[0]))
+    return (main or got), by
 
 
 def rows(kernels: dict[str, Any] | None) -> list[dict[str, Any]]:

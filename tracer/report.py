@@ -18,7 +18,9 @@ from rich.text import Text
 
 from .compare import Comparison
 from .errors import TracerError
+from .kernels import summarize
 from .metrics import ULP_BINS
+from .provenance import classify, merged_kernels
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -64,7 +66,8 @@ def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
          "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
          "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
          "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
-         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False}
+         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False,
+         "kernels": None, "class": None}
     r.update(extra)
     return r
 
@@ -83,14 +86,25 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
     point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
     """
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
-                n_outside_tol=p.n_outside_tol) for p in c.points]
+                n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
+                **{"class": (classify(p, c.positions) or {}).get("class")}) for p in c.points]
     if c.logits is not None:
         d = c.logits.tensor
         first_max = next((p.diff.max_abs_diff for p in c.points if p.diverged), None)
         out.append(_row(f"{c.logits_name} (logits)", "logits", d, origin=c.logits_origin,
                         amplification=(d.max_abs_diff / first_max) if first_max else None,
-                        n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips)))
+                        n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips),
+                        kernels=_kernels_cell(c.logits_calls[0], c.logits_calls[1], c.positions)))
     return out
+
+
+def _kernels_cell(calls_a: list, calls_b: list, positions: tuple[int, int]) -> str | None:
+    """``A | B`` kernel summaries of one point (one text when equal); None when not recorded."""
+    ka, kb = merged_kernels(calls_a, positions), merged_kernels(calls_b, positions)
+    if ka is None and kb is None:
+        return None
+    sa, sb = summarize(ka), summarize(kb)
+    return sa if sa == sb else f"{sa} | {sb}"
 
 
 def _hist(r: dict[str, Any]) -> str:
@@ -123,9 +137,10 @@ COLUMNS: dict[str, tuple[str, Any]] = {
     "nan_inf": ("NaN/Inf A|B", lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}"),
     "tol": ("outside tol", lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}"),
     "flips": ("flips", lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"])),
+    "kernels": ("kernels (A | B)", lambda r: r["kernels"] or "-"),
 }
 DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
-WIDE_COLUMNS = tuple(COLUMNS)
+WIDE_COLUMNS = tuple(k for k in COLUMNS if k != "kernels")  # kernels: added when recorded (with_kernels)
 
 
 def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[str, ...]:
@@ -179,8 +194,17 @@ def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
     return lines
 
 
+def with_kernels(c: Comparison, columns: tuple[str, ...]) -> tuple[str, ...]:
+    """``columns`` plus the ``kernels`` column when the runs recorded kernels (``--kernels``) and the
+    columns are the default set."""
+    if columns in (DEFAULT_COLUMNS, WIDE_COLUMNS) and any(r["kernels"] for r in rows(c)):
+        return columns + ("kernels",)
+    return columns
+
+
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS) -> Table:
     """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`)."""
+    columns = with_kernels(c, columns)
     t = Table(title=_title(c), caption=_plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else ""),
               title_justify="left", caption_justify="left", header_style="bold")
     for key in columns:
@@ -274,6 +298,7 @@ def to_csv(c: Comparison) -> str:
 
 def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     """A markdown report: origins, the table (every column by default), logits, replay, verdict."""
+    columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
