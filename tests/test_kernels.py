@@ -99,3 +99,45 @@ def test_kernel_recording_on_cpu_changes_no_bit(model):
                 ops = [k["name"] for c in r.calls for k in c["kernels"]["ops"]]
                 assert any("scaled_dot_product" in o for o in ops), ops
                 assert not any(o == "aten::mm" for o in ops), ops  # q/k/v/o projections are not the core's
+
+
+def test_kernels_survive_the_trace(model, tmp_path):
+    """Kernels travel with the calls: written, read back equal, and compare_trace reports them."""
+    from tracer.compare import compare_trace
+    from tracer.store import TraceReader, TraceWriter
+
+    scen = build("prefix-cache", len(IDS), block_size=16)
+    points = discover_points(model, "sublayers")
+    a = execute(model, IDS, scen.plan_a, points, scen.window, kernels=True)
+    b = execute(model, IDS, scen.plan_b, points, scen.window, kernels=True)
+    path = tmp_path / "k.h5"
+    with TraceWriter(path, header={"model": "tiny"}) as w:
+        w.add_run(a)
+        w.add_run(b)
+    with TraceReader(path) as r:
+        back = r.run("B", load_tensors=False)
+    for name, rec in b.captures.items():
+        assert back.captures[name].calls == rec.calls, name
+    assert back.meta["kernels"] == "recorded"
+    doc = compare_trace(str(path)).to_dict()
+    row = next(r for r in doc["layers"] if r["name"] == "model.layers.0.mlp.down_proj")
+    assert row["kernels_a"] and row["kernels_b"]
+    assert {k["name"] for k in row["kernels_a"]} == {"aten::mm"} and row["kernels_a"][0]["device"] == "cpu"
+
+
+def test_cli_kernels_and_op_replay_json(cli_env, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "tiny-llama", "--device", "cpu", "--length", "24",
+                           "--granularity", "sublayers", "--kernels", "--op-replay", "--no-store", "--format", "json"],
+                          capture_output=True, text=True, env=cli_env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "USDT" not in proc.stderr  # the profiler's start/stop lines are silenced
+    doc = json.loads(proc.stdout)
+    linears = [r for r in doc["layers"] if r["kind"] == "linear"]
+    assert linears and all(r["kernels_a"] and r["kernels_b"] for r in linears)
+    for o in doc["origins"]:
+        if o["kind"] != "kv_cache":
+            assert o["replay"] is not None and o["class"] is not None

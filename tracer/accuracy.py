@@ -17,8 +17,10 @@ Which ops replay, and from which captured points (:mod:`tracer.dataflow` names t
   ``nn.LayerNorm``; the input is the consumed point, or the sum of the two consumed points for
   a norm after a residual add (``X + attention``, added in the model dtype as the model does).
 - activation functions (``act_fn``): the module itself applied to the float64 input.
-- everything else (the attention core among them: its queries after RoPE are not captured) is
-  "not replayable", with the reason.
+- the attention core (SDPA): softmax(q k^T * scale + mask) v from the queries, mask rows and scale
+  SDPA was given (recorded for the compared window, :mod:`tracer.sdpa_inputs`) and the keys and
+  values of the layer's ``kv_cache`` point; its legitimate bound is in :func:`exact_attention`.
+- everything else is "not replayable", with the reason.
 
 Verdict per origin (:class:`OpReplay`): a run whose error exceeds the legitimate bound by more
 than :data:`DEFECT_ULP` ULP on some element is "defect suspected"; otherwise both runs are
@@ -52,7 +54,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     mant, emin = _FORMAT[dtype]
     _, e = torch.frexp(x.abs())  # |x| = m * 2^e, m in [0.5, 1): floor(log2|x|) = e - 1
-    exp = torch.clamp(e.to(torch.float64) - 1, min=emin)
+    exp = torch.where(x == 0, torch.full_like(x, float(emin)), torch.clamp(e.to(torch.float64) - 1, min=emin))
     return torch.exp2(exp - mant)
 
 
@@ -65,7 +67,8 @@ class RunError:
         correctly_rounded: share of elements within 0.5 ULP (0..1).
         max_excess_ulp: max of ``(|y - exact| - bound) / ulp(exact)``, bound = the op's
             legitimate accumulation error (0 for elementwise ops); > :data:`DEFECT_ULP` = defect.
-        worst: flat index of the element with the largest error.
+        worst: flat index of the element furthest beyond the bound (of the largest error when
+            none exceeds it).
         n: finite elements measured.
     """
 
@@ -106,7 +109,8 @@ def run_error(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor | None =
         return RunError(0.0, 0.0, 1.0, 0.0, 0, 0)
     return RunError(max_ulp=float(err.max()), mean_ulp=float(err[ok].mean()),
                     correctly_rounded=float((err[ok] <= 0.5).double().mean()),
-                    max_excess_ulp=float(excess.max()), worst=int(err.argmax()), n=n)
+                    max_excess_ulp=float(excess.max()),
+                    worst=int(excess.argmax()) if float(excess.max()) > 0 else int(err.argmax()), n=n)
 
 
 @dataclass(frozen=True)
@@ -147,14 +151,21 @@ def verdict_text(errors: dict[str, RunError], op: str) -> str:
         return (f"run {r} is {_f(e.max_ulp)} ULP from the exact {op} result (run {ro} {_f(eo.max_ulp)} ULP): "
                 f"defect suspected in run {r}")
     pa, pb = 100 * ea.correctly_rounded, 100 * eb.correctly_rounded
-    head = (f"both runs are within 0.5 ULP of the exact {op} result on {pa:.4g} % of elements" if abs(pa - pb) < 0.05
-            else f"run {ra} is within 0.5 ULP of the exact {op} result on {pa:.4g} % of elements, run {rb} on {pb:.4g} %")
+    head = (f"both runs are within 0.5 ULP of the exact {op} result on {_pct(pa)} % of elements" if pa == pb
+            else f"run {ra} is within 0.5 ULP of the exact {op} result on {_pct(pa)} % of elements, run {rb} on {_pct(pb)} %")
     head += f" (max {_f(ea.max_ulp)} vs {_f(eb.max_ulp)} ULP, mean {_f(ea.mean_ulp)} vs {_f(eb.mean_ulp)})"
-    close = abs(ea.mean_ulp - eb.mean_ulp) <= 0.1 * max(ea.mean_ulp, eb.mean_ulp, 1e-12) and ea.max_ulp == eb.max_ulp
-    if close:
+    if abs(ea.mean_ulp - eb.mean_ulp) <= 0.1 * max(ea.mean_ulp, eb.mean_ulp, 1e-12) or ea.mean_ulp == eb.mean_ulp:
         return f"{head}; neither is more accurate: reduction-order noise, not a defect"
     better = ra if ea.mean_ulp < eb.mean_ulp else rb
-    return f"{head}; run {better} is slightly closer, both within the rounding bound: reduction-order noise, not a defect"
+    return f"{head}; run {better} is closer on average, both within the rounding bound: reduction-order noise, not a defect"
+
+
+def _pct(x: float) -> str:
+    """A percentage that never rounds a share below 100 up to 100."""
+    if x == 100.0:
+        return "100"
+    text = f"{x:.4g}"
+    return text if float(text) < 100 else f"{x:.6f}".rstrip("0")
 
 
 def _eps(m: nn.Module) -> float:
@@ -215,6 +226,62 @@ def exact_op(module: nn.Module, kind: str, x: torch.Tensor) -> tuple[str, torch.
     raise ValueError(f"{cls} ({kind}) is not an op the replay knows (Linear, RMSNorm/LayerNorm, activations)")
 
 
+def exact_attention(calls: list[dict[str, Any]], kv: torch.Tensor, width: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact, bound)`` of an attention core, float64 ``(T, heads * head_dim_v)``, from the
+    recorded SDPA inputs (:mod:`tracer.sdpa_inputs`) and the layer's ``kv_cache`` capture.
+
+    Args:
+        calls: the recorded calls, in order (their kept query rows concatenate to the core's T).
+        kv: the ``kv_cache`` tensor ``(S_cache, kv_heads * (head_dim_k + head_dim_v))``, keys then
+            values, positions ``N - S_cache .. N-1``.
+        width: the core's feature width ``heads * head_dim_v``.
+        dtype: the storage dtype (the kernels round P to it before the P·V product).
+
+    The bound per element is ``(u + S * u_acc + 2 * ds) * (P @ |V|)``: the rounding of P to the
+    storage dtype (``u``), the fp32 accumulation over S keys, and the score error ``ds = D *
+    u_acc * scale * max_j |q|·|k_j|`` that becomes a relative error of P.
+
+    Raises:
+        ValueError: the recorded calls cannot be replayed (dropout, left padding, the cache does
+            not start at position 0, shapes that do not fit).
+    """
+    u, acc = 2.0 ** -(_FORMAT[dtype][0] + 1), _ACC_U.get(dtype, 2.0 ** -24)
+    outs, bounds = [], []
+    kv64 = kv.detach().to("cpu", torch.float64)
+    for c in calls:
+        if c["dropout"]:
+            raise ValueError("the attention ran with dropout")
+        if c["col"]:
+            raise ValueError("the prompt sat at a padded column of a batch")
+        q = c["q"].to(torch.float64)  # (H, T, D)
+        heads, _, d = q.shape
+        dv = width // heads
+        if dv * heads != width or kv64.shape[1] % (d + dv):
+            raise ValueError(f"head sizes do not fit (heads {heads}, head_dim {d}, core width {width}, cache width {kv64.shape[1]})")
+        kvh = kv64.shape[1] // (d + dv)
+        s = c["S"]
+        if kv64.shape[0] < s or heads % kvh:
+            raise ValueError(f"the kv_cache holds {kv64.shape[0]} positions but the call attended {s}")
+        k = kv64[:s, :kvh * d].reshape(s, kvh, d).permute(1, 0, 2).repeat_interleave(heads // kvh, 0)  # (H, S, D)
+        v = kv64[:s, kvh * d:].reshape(s, kvh, dv).permute(1, 0, 2).repeat_interleave(heads // kvh, 0)
+        scale = c["scale"] if c["scale"] is not None else d ** -0.5
+        scores = (q @ k.transpose(1, 2)) * scale  # (H, T, S)
+        if c["mask"] is not None:
+            m = c["mask"]
+            scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.to(torch.float64)
+        if c["is_causal"]:
+            rows = torch.arange(scores.shape[1]).unsqueeze(1) + c["q_offset"]
+            scores = scores.masked_fill(torch.arange(s).unsqueeze(0) > rows, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        ds = d * acc * scale * (q.abs() @ k.abs().transpose(1, 2)).amax(-1, keepdim=True)  # (H, T, 1)
+        outs.append((p @ v).permute(1, 0, 2).reshape(-1, width))
+        bounds.append(((u + s * acc + 2 * ds) * (p @ v.abs())).permute(1, 0, 2).reshape(-1, width))
+    if not outs:
+        raise ValueError("no SDPA call was recorded for it (eager attention, or packed GQA decode)")
+    return torch.cat(outs), torch.cat(bounds)
+
+
 def _input(point: Any, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The op's input from the captured points it consumes (one point, or X + attention for a
     norm after the residual add)."""
@@ -226,17 +293,40 @@ def _input(point: Any, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"its input is not a captured point (consumes {', '.join(deps) or 'nothing'})")
 
 
-def replay_point(model: nn.Module, point: Any, runs: dict[str, dict[str, torch.Tensor]]) -> OpReplay:
+def _replay_core(point: Any, runs: dict[str, dict[str, torch.Tensor]], extras: dict[str, Any]) -> OpReplay:
+    kv_name = next((d for d in point.consumes.points if d.endswith(".kv_cache")), None)
+    errors: dict[str, RunError] = {}
+    try:
+        for run, tensors in runs.items():
+            calls = (extras.get(run) or {}).get("sdpa", {}).get(point.name)
+            if calls is None:
+                raise ValueError("its SDPA inputs were not recorded (tracer.run(op_replay=True) records them)")
+            if kv_name is None or kv_name not in tensors:
+                raise ValueError("the layer's kv_cache point was not captured (drop --no-kv-cache)")
+            y = tensors[point.name]
+            exact, bound = exact_attention(calls, tensors[kv_name], int(y.shape[-1]), y.dtype)
+            errors[run] = run_error(y, exact.reshape(y.shape), bound.reshape(y.shape))
+    except ValueError as e:
+        return OpReplay(point.name, None, reason=f"not replayable: {e}", text=f"not replayable ({e})")
+    return OpReplay(point.name, "attention", errors=errors, text=verdict_text(errors, "attention"))
+
+
+def replay_point(model: nn.Module, point: Any, runs: dict[str, dict[str, torch.Tensor]],
+                 extras: dict[str, Any] | None = None) -> OpReplay:
     """Replay one compared point (:class:`tracer.compare.PointResult`) in float64 for both runs.
 
     Args:
         model: the model the runs used (its module ``point.name`` is the op).
         point: the compared point (``name``, ``kind``, ``consumes``).
         runs: run name → {capture name → tensor ``(T, *feature)``} (two runs, in order A, B).
+        extras: run name → the run's ``RunRecord.extras`` (the attention core needs its recorded
+            SDPA inputs, ``extras["sdpa"]``).
 
     Returns:
         an :class:`OpReplay`; ``op`` None and ``reason`` set when the op is not replayable.
     """
+    if point.kind == "attention_core":
+        return _replay_core(point, runs, extras or {})
     try:
         module = model.get_submodule(point.name)
     except AttributeError:
@@ -281,5 +371,5 @@ def replay_origins(model: nn.Module, comparison: Any, run_a: Any, run_b: Any, *,
             out[p.name] = OpReplay(p.name, None, reason="not replayable: tensors not in memory",
                                    text="not replayable (tensors not in memory)")
             continue
-        out[p.name] = replay_point(model, p, runs)
+        out[p.name] = replay_point(model, p, runs, {run_a.name: run_a.extras, run_b.name: run_b.extras})
     return out

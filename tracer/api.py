@@ -343,7 +343,8 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
             say(f"run {plan.name}: {plan.description}")
             keep = (online or on_gpu) and not plan.devices
             rec = execute(loaded.model, ids, plan, points, window, keep_on_device=keep,
-                          decode=decode, meta={"scenario": scen.name, "level": scen.level}, kernels=bool(kernels))
+                          decode=decode, meta={"scenario": scen.name, "level": scen.level}, kernels=bool(kernels),
+                          sdpa_inputs=bool(op_replay))
             if decode:
                 rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"])
             records.append(rec)

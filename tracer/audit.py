@@ -199,7 +199,7 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
           gguf: str | None = None, granularity: str = "layers", output: str | Path | None = None,
           store: bool = True, overwrite: bool = False, mitigations: bool = True, loaded: Any = None,
           progress: bool = True, on_check: Callable[[str, int, int], None] | None = None,
-          **options: Any) -> Audit:
+          kernels: bool = False, **options: Any) -> Audit:
     """Run every selected level of the hierarchy on this machine and return the table.
 
     Args:
@@ -210,6 +210,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
             ``<check key>+<mitigation>.A``/``.B``; comparisons under ``/comparisons/<key>``.
         mitigations: re-run diverging checks under each applicable mitigation.
         on_check: called as ``on_check(label, done, total)`` before each check (progress bars).
+        kernels: record the kernels of every capture point in every run (as ``tracer.run``'s
+            ``kernels``): stored in the trace, and in each stored comparison's origins and rows.
         options: scenario options applied to every check that uses them (a check's own
             options win), e.g. ``batch_size=8``, ``tp=4``.
 
@@ -271,7 +273,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
                 continue
             scen = plans[c.key]
             try:
-                rec_a, rec_b = execute_scenario(loaded.model, ids, scen, points, names=(f"{c.key}.A", f"{c.key}.B"))
+                rec_a, rec_b = execute_scenario(loaded.model, ids, scen, points, names=(f"{c.key}.A", f"{c.key}.B"),
+                                              kernels=kernels)
             except TracerError as e:
                 rows.append(AuditRow(check=c, status="skipped", reason=str(e)))
                 continue
@@ -288,7 +291,8 @@ def audit(model: str = "smollm2-135m", *, levels: str | list[int] | None = None,
                     key = f"{c.key}+{m}"
                     try:
                         ms = build(c.scenario, n, **{**options, **c.options, "mitigation": m})
-                        ra, rb = execute_scenario(loaded.model, ids, ms, points, names=(f"{key}.A", f"{key}.B"))
+                        ra, rb = execute_scenario(loaded.model, ids, ms, points, names=(f"{key}.A", f"{key}.B"),
+                                              kernels=kernels)
                     except TracerError as e:
                         fixed[m] = str(e)
                         continue

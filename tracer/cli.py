@@ -195,6 +195,7 @@ def audit_cmd(
     no_store: Annotated[bool, typer.Option("--no-store", help="Compare in memory; write no trace file.")] = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
+    kernels: Annotated[bool, typer.Option("--kernels", help="Record which kernels each capture point ran in every run (stored in the trace and in each stored comparison).")] = False,
     batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:
@@ -220,7 +221,8 @@ def audit_cmd(
             result = audit(model, levels=levels, prompt=prompt, prompt_file=prompt_file, token_ids_file=token_ids_file,
                            chat=chat, length=length, dtype=dtype, device=device, attn=attn, gguf=gguf,
                            granularity=granularity, output=output, store=not no_store, overwrite=overwrite,
-                           mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check, **options)
+                           mitigations=not no_mitigations, progress=err.is_terminal, on_check=on_check,
+                           kernels=kernels, **options)
     except TracerError as e:
         _fail(str(e))
         return

@@ -26,9 +26,12 @@ of the report (``nvjet 32x64 (no split-K)``, ``nvjet 64x8 split-K + splitKreduce
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
 from collections import Counter
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -95,7 +98,8 @@ class KernelRecorder:
                 self._handles.append(m.register_forward_hook(self._post(path), prepend=True, always_call=True))
                 self._handles.append(m.register_forward_hook(self._after_capture(path), always_call=True))
             self._prof = profile(activities=acts)
-            self._prof.__enter__()
+            with _quiet_stderr():
+                self._prof.__enter__()
         except BaseException:
             self._remove()
             raise
@@ -107,7 +111,8 @@ class KernelRecorder:
             while stack:
                 stack.pop().__exit__(None, None, None)
         if self._prof is not None:
-            self._prof.__exit__(None, None, None)
+            with _quiet_stderr():
+                self._prof.__exit__(None, None, None)
             if exc[0] is None:
                 self._collect()
 
@@ -173,6 +178,26 @@ class KernelRecorder:
                     new["kernels"] = {"device": _counted(got.get(pick[0])), "ops": _counted(got.get(pick[1]))}
                 calls.append(new)
             rec.calls = calls
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 for the block: the profiler's C++ side prints a line to stderr at
+    every start and stop (``USDT: ... profiler_start``) whatever its log level."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (embedded interpreters): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _under_range(evt: Any) -> bool:

@@ -20,6 +20,7 @@ from .errors import TracerError
 from .kernels import KernelRecorder
 from .records import RunRecord
 from .scenarios import Batch, RunPlan, Scenario
+from .sdpa_inputs import SdpaRecorder
 
 
 def _sync(device: torch.device) -> None:
@@ -294,7 +295,8 @@ def greedy_decode(model: nn.Module, cache: Any, last_logits: torch.Tensor, steps
 
 def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
             window: tuple[int, int], *, meta: dict[str, Any] | None = None,
-            keep_on_device: bool = False, decode: int = 0, kernels: bool = False) -> RunRecord:
+            keep_on_device: bool = False, decode: int = 0, kernels: bool = False,
+            sdpa_inputs: bool = False) -> RunRecord:
     """Execute one run plan with capture hooks and return what they saw.
 
     Args:
@@ -310,6 +312,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
             points are read before decoding extends the cache.
         kernels: record which kernels each capture point's module ran (``calls[k]["kernels"]``,
             :mod:`tracer.kernels`); the run executes under ``torch.profiler``.
+        sdpa_inputs: keep the attention cores' SDPA inputs (queries of the compared window, mask
+            rows, scale) in ``extras["sdpa"]`` for the float64 replay (:mod:`tracer.sdpa_inputs`).
 
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
@@ -333,7 +337,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     with torch.inference_mode():
         with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
                 plan_context(model, plan) as fn:
-            with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder:
+            with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
+                    SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
                 out = forward_chunks(model, ids, plan, cap, fn)
                 if out.past_key_values is not None:
                     b = plan.batch
@@ -357,12 +362,13 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         recorder.attach(captures)
         info["kernels"] = "recorded"
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
-                     window=(int(window[0]), int(window[1])), captures=captures, meta=info)
+                     window=(int(window[0]), int(window[1])), captures=captures, meta=info,
+                     extras={"sdpa": sdpa.calls} if sdpa is not None else {})
 
 
 def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],
                      names: tuple[str, str] | None = None,
-                     say: Callable[[str], None] | None = None) -> tuple[RunRecord, RunRecord]:
+                     say: Callable[[str], None] | None = None, kernels: bool = False) -> tuple[RunRecord, RunRecord]:
     """Execute both plans of ``scen`` (A, then B) and return their records, named ``names`` (default
     the plans' names: ``A``, ``B``). The scenario is recorded in each run's ``meta["scenario"]``.
 
@@ -374,7 +380,8 @@ def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, poi
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         if say is not None:
             say(f"run {name}: {plan.description}")
-        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level})
+        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level},
+                      kernels=kernels)
         rec.name = name
         records.append(rec)
     return records[0], records[1]

@@ -1,0 +1,47 @@
+"""Cost of --kernels: one run plan executed with and without kernel recording, interleaved, in one
+process. Usage: PYTHONPATH=$PWD python3 scripts/kernels-cost.py [MODEL] [N] [GRANULARITY] [REPS] [DEVICE]
+(default smollm2-135m 250 sublayers 5 cpu). Prints the median wall time of each and their ratio."""
+
+import statistics
+import sys
+import time
+
+import torch
+
+import tracer
+from tracer.api import tokenize
+from tracer.prompts import DEFAULT_PROMPT
+from tracer.capture import discover_points
+from tracer.runner import execute
+from tracer.scenarios import build
+
+model, n, gran, reps, device = (sys.argv[1:] + ["smollm2-135m", "250", "sublayers", "5", "cpu"][len(sys.argv) - 1:])[:5]
+n, reps = int(n), int(reps)
+lm = tracer.load_model(model, device=device, progress=False)
+ids = tokenize(lm.tokenizer, DEFAULT_PROMPT, None, chat=False,
+                          vocab_size=lm.info.vocab_size, length=n)
+scen = build("prefix-cache", n, block_size=16)
+points = discover_points(lm.model, gran)
+
+
+def once(kernels: bool) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for plan in (scen.plan_a, scen.plan_b):
+        execute(lm.model, ids, plan, points, scen.window, kernels=kernels)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+once(False), once(True)  # warm-up
+times: dict[bool, list[float]] = {False: [], True: []}
+for rep in range(reps):
+    for k in ((False, True) if rep % 2 == 0 else (True, False)):
+        times[k].append(once(k))
+off, on = statistics.median(times[False]), statistics.median(times[True])
+print(f"{model} N={n} {gran} {device} torch {torch.__version__} threads {torch.get_num_threads()}: both runs, "
+      f"median of {reps}: without --kernels {off:.3f} s, with {on:.3f} s: +{100 * (on / off - 1):.1f} %")
+print("without:", " ".join(f"{t:.3f}" for t in times[False]))
+print("with:   ", " ".join(f"{t:.3f}" for t in times[True]))
