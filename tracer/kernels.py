@@ -150,9 +150,9 @@ class KernelRecorder:
         return hook
 
     def _collect(self) -> None:
-        for evt in self._prof.events():
-            if evt.name.startswith(_RANGE) and not _under_range(evt):
-                _walk_range(evt, self.ranges)
+        for node in _event_tree(self._prof):
+            if node.name.startswith(_RANGE):
+                _walk_range(node, self.ranges)
 
     def attach(self, records: dict[str, Any]) -> None:
         """Add ``kernels`` to every call of every record (in place; copies the call dicts).
@@ -200,13 +200,67 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(devnull)
 
 
-def _under_range(evt: Any) -> bool:
-    parent = evt.cpu_parent
-    while parent is not None:
-        if parent.name.startswith(_RANGE):
-            return True
-        parent = parent.cpu_parent
-    return False
+class _Node:
+    """One CPU event of the profile (an op, a runtime call or a tracer range), its children and the
+    device kernels launched by it."""
+
+    __slots__ = ("name", "end", "children", "kernels")
+
+    def __init__(self, name: str, end: int) -> None:
+        self.name, self.end = name, end
+        self.children: list[_Node] = []
+        self.kernels: list[str] = []
+
+
+def _event_tree(prof: Any) -> list[_Node]:
+    """The profile's CPU events as nested nodes (roots returned), from the raw kineto events.
+
+    Nesting is by time on each thread; device kernels (CUDA) are attached to the op whose
+    correlation id their ``linked_correlation_id`` names, as torch's own post-processing does
+    (``torch.autograd.profiler._parse_kineto_results``), but without building a FunctionEvent
+    per event, which costs seconds per run on a model with thousands of ops.
+    """
+    from torch._C._autograd import DeviceType
+
+    events = prof.profiler.kineto_results.events()
+    cpu_type = DeviceType.CPU
+    kernels: dict[int, list[str]] = {}
+    cpu = []
+    for e in events:
+        linked = e.linked_correlation_id()
+        if e.device_type() != cpu_type:
+            kernels.setdefault(linked, []).append(e.name())
+        elif linked == 0:
+            thread = e.start_thread_id()
+            if thread == e.end_thread_id():
+                cpu.append((thread, e.start_ns(), -e.end_ns(), e.name(), e.correlation_id()))
+    cpu.sort(key=lambda t: t[:3])
+    roots: list[_Node] = []
+    stack: list[_Node] = []
+    current = None
+    for thread, start, neg_end, name, corr in cpu:
+        if thread != current:
+            current, stack = thread, []
+        while stack and stack[-1].end <= start:
+            stack.pop()
+        node = _Node(name, -neg_end)
+        node.kernels = kernels.get(corr, [])
+        (stack[-1].children if stack else roots).append(node)
+        stack.append(node)
+    return [n for n in _ranges_outermost(roots)]
+
+
+def _ranges_outermost(nodes: list[_Node]) -> list[_Node]:
+    """The tracer ranges not nested in another tracer range."""
+    out: list[_Node] = []
+    todo = list(nodes)
+    while todo:
+        n = todo.pop()
+        if n.name.startswith(_RANGE):
+            out.append(n)
+        else:
+            todo.extend(n.children)
+    return out
 
 
 def _counted(c: Counter | None) -> list[dict[str, Any]]:
@@ -218,8 +272,8 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
     inclusive (device kernels, ops) counters."""
     dev, ops, own_dev, own_ops = Counter(), Counter(), Counter(), Counter()
 
-    def visit(e: Any, own: bool) -> None:
-        for child in e.cpu_children:
+    def visit(e: _Node, own: bool) -> None:
+        for child in e.children:
             if child.name == _SKIP:
                 continue
             if child.name.startswith(_RANGE):
@@ -227,14 +281,15 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
                 dev.update(d)
                 ops.update(o)
                 continue
-            for k in getattr(child, "kernels", []) or []:
-                dev[k.name] += 1
+            for k in child.kernels:
+                dev[k] += 1
                 if own:
-                    own_dev[k.name] += 1
-            if child.name in _TRIVIAL:
+                    own_dev[k] += 1
+            if child.name in _TRIVIAL or not child.name.startswith("aten::"):
                 visit(child, own)
                 continue
-            if _LEAF.match(child.name) or not any(g.name not in _TRIVIAL for g in child.cpu_children):
+            if _LEAF.match(child.name) or not any(g.name.startswith("aten::") and g.name not in _TRIVIAL
+                                                  for g in child.children):
                 ops[child.name] += 1
                 if own:
                     own_ops[child.name] += 1
@@ -247,12 +302,12 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
     return dev, ops
 
 
-def _kernels_below(e: Any, dev: Counter, own: Counter | None) -> None:
-    for child in e.cpu_children:
-        for k in getattr(child, "kernels", []) or []:
-            dev[k.name] += 1
+def _kernels_below(e: _Node, dev: Counter, own: Counter | None) -> None:
+    for child in e.children:
+        for k in child.kernels:
+            dev[k] += 1
             if own is not None:
-                own[k.name] += 1
+                own[k] += 1
         _kernels_below(child, dev, own)
 
 
