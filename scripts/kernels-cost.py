@@ -24,24 +24,26 @@ scen = build("prefix-cache", n, block_size=16)
 points = discover_points(lm.model, gran)
 
 
-def once(kernels: bool) -> float:
+def once(kernels: bool) -> tuple[float, float]:
+    """(wall s, CPU s of this process, all threads) of both runs."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for plan in (scen.plan_a, scen.plan_b):
         execute(lm.model, ids, plan, points, scen.window, kernels=kernels)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 once(False), once(True)  # warm-up
-times: dict[bool, list[float]] = {False: [], True: []}
+times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
 for rep in range(reps):
     for k in ((False, True) if rep % 2 == 0 else (True, False)):
         times[k].append(once(k))
-off, on = statistics.median(times[False]), statistics.median(times[True])
-print(f"{model} N={n} {gran} {device} torch {torch.__version__} threads {torch.get_num_threads()}: both runs, "
-      f"median of {reps}: without --kernels {off:.3f} s, with {on:.3f} s: +{100 * (on / off - 1):.1f} %")
-print("without:", " ".join(f"{t:.3f}" for t in times[False]))
-print("with:   ", " ".join(f"{t:.3f}" for t in times[True]))
+print(f"{model} N={n} {gran} {device} torch {torch.__version__} threads {torch.get_num_threads()}: both runs, median of {reps}")
+for i, what in enumerate(("wall", "process CPU")):
+    off, on = (statistics.median(t[i] for t in times[k]) for k in (False, True))
+    print(f"  {what}: without --kernels {off:.3f} s, with {on:.3f} s: {100 * (on / off - 1):+.1f} %")
+    print("    without:", " ".join(f"{t[i]:.3f}" for t in times[False]))
+    print("    with:   ", " ".join(f"{t[i]:.3f}" for t in times[True]))
