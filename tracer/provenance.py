@@ -94,7 +94,7 @@ def class_text(info: dict[str, Any], run_a: str = "A", run_b: str = "B") -> str:
     if info["kernels_a"] == "-" and info["kernels_b"] == "-":
         return cls if cls != "origin" else "kernels not recorded (--kernels names them)"
     if info["kernels_a"] == info["kernels_b"]:
-        return f"run {run_a} and run {run_b} {info['kernels_a']}: {cls}"
+        return f"both runs ran {info['kernels_a']}: {cls}"
     return f"run {run_a} {info['kernels_a']} vs run {run_b} {info['kernels_b']}: {cls}"
 
 

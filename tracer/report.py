@@ -99,12 +99,12 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
 
 
 def _kernels_cell(calls_a: list, calls_b: list, positions: tuple[int, int]) -> str | None:
-    """``A | B`` kernel summaries of one point (one text when equal); None when not recorded."""
+    """``A vs B`` kernel summaries of one point (one text when equal); None when not recorded."""
     ka, kb = merged_kernels(calls_a, positions), merged_kernels(calls_b, positions)
     if ka is None and kb is None:
         return None
     sa, sb = summarize(ka), summarize(kb)
-    return sa if sa == sb else f"{sa} | {sb}"
+    return sa if sa == sb else f"{sa} vs {sb}"
 
 
 def _hist(r: dict[str, Any]) -> str:
@@ -137,7 +137,7 @@ COLUMNS: dict[str, tuple[str, Any]] = {
     "nan_inf": ("NaN/Inf A|B", lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}"),
     "tol": ("outside tol", lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}"),
     "flips": ("flips", lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"])),
-    "kernels": ("kernels (A | B)", lambda r: r["kernels"] or "-"),
+    "kernels": ("kernels (A vs B)", lambda r: r["kernels"] or "-"),
 }
 DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
 WIDE_COLUMNS = tuple(k for k in COLUMNS if k != "kernels")  # kernels: added when recorded (with_kernels)
@@ -302,7 +302,7 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
-    lines += ["| " + " | ".join(COLUMNS[k][0] for k in columns) + " |",
+    lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
         cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
