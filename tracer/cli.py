@@ -163,6 +163,8 @@ def run_cmd(
     atol: AtolOpt = None, rtol: RtolOpt = None, fail_on: FailOnOpt = None, wide: WideOpt = False, columns: ColumnsOpt = None,
     all_rows: AllRowsOpt = False, report: ReportOpt = None,
     positions: PositionsOpt = "window",
+    kernels: Annotated[bool, typer.Option("--kernels", help="Record which kernels each capture point ran in each run (torch.profiler): kernels column, origin class, JSON kernels_a/kernels_b.")] = False,
+    op_replay: Annotated[bool, typer.Option("--op-replay", help="Replay each origin op in float64 on the CPU from the captured inputs: each run's error in ULPs against the exact result (with --granularity sublayers).")] = False,
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
@@ -217,6 +219,7 @@ def audit_cmd(
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
     report: ReportOpt = None,
+    kernels: Annotated[bool, typer.Option("--kernels", help="Record which kernels each capture point ran in every run (stored in the trace and in each stored comparison).")] = False,
     batch_size: BatchSizeOpt = None, batch_row: BatchRowOpt = None, new_tokens: NewTokensOpt = None,
     block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None, tp: TpOpt = None,
 ) -> None:

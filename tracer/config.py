@@ -81,11 +81,13 @@ class ScenarioConfig:
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """What the hooks keep: ``layers``/``sublayers``, the compared ``window`` or ``all`` positions, KV caches."""
+    """What the hooks keep: ``layers``/``sublayers``, the compared ``window`` or ``all`` positions, KV caches,
+    and (``kernels``) which kernels each capture point ran (``torch.profiler``, :mod:`tracer.execute.kernels`)."""
 
     granularity: str = "layers"
     positions: str = "window"
     kv_cache: bool = True
+    kernels: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,15 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ChecksConfig:
-    """What is judged: tolerances, the ``--fail-on`` rule, the decode replay, the noise verdict."""
+    """What is judged: tolerances, the ``--fail-on`` rule, the decode replay, the noise verdict, and
+    (``op_replay``) each origin op replayed in float64 against both runs (:mod:`tracer.diff.accuracy`)."""
 
     atol: float | None = None
     rtol: float | None = None
     fail_on: str | None = None
     decode: int = 0
     verdict: bool = False
+    op_replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,8 @@ _HELP = {
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window (positions P..N-1 both runs computed last) or all (0..N-1)",
     "kv_cache": "capture each layer's KV cache over all N positions",
+    "kernels": "record which kernels each capture point ran in each run (torch.profiler)",
+    "op_replay": "replay each origin op in float64 on the CPU: each run's error in ULPs against the exact result",
     "store": "tensors (every captured tensor), stats (comparison only) or none (no file)",
     "output": "trace file (default traces/<model>-<scenario>-<timestamp>.h5)",
     "overwrite": "replace an existing output file",

@@ -140,7 +140,7 @@ class Outcome:
 def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureConfig = CaptureConfig(), *,
                  writer: Any = None, online: bool = True, names: tuple[str, str] | None = None,
                  header: dict[str, Any] | None = None, comparison_key: str | None = None,
-                 decode: int = 0, atol: float | None = None, rtol: float | None = None,
+                 decode: int = 0, atol: float | None = None, rtol: float | None = None, op_replay: bool = False,
                  trace: str | None = None, points: list[Any] | None = None, say: Say = _quiet) -> Outcome:
     """Execute both plans of ``scen`` with the capture hooks, compare them and store them.
 
@@ -158,6 +158,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         comparison_key: also store the comparison in the trace under this name.
         decode: greedy-decode this many tokens from each run's final KV cache (``comparison.replay``).
         atol, rtol: tolerances counted per capture point.
+        op_replay: replay every origin op in float64 on the CPU from the captured inputs
+            (``comparison.op_replay``, :func:`tracer.diff.accuracy.replay_origins`).
         trace: the trace path the comparison names.
         points: capture points (default :func:`tracer.execute.capture.discover_points`).
 
@@ -185,7 +187,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         say(f"run {name}: {plan.description}")
         keep = (online or on_gpu) and not plan.devices
         rec, part = execute_plan(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
-                                 meta={"scenario": scen.name, "level": scen.level}, say=say)
+                                 meta={"scenario": scen.name, "level": scen.level}, say=say,
+                                 kernels=capture.kernels, sdpa_inputs=op_replay)
         rec.name = name
         if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
             partials = _replace(part, name=f"{name}.partials")
@@ -212,6 +215,11 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         comparison = _replace(comparison, replay=replay_diff(
             rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
             rec_b.meta["decode_text"]))
+    if op_replay:
+        from tracer.diff.accuracy import replay_origins
+
+        say("replaying the origin ops in float64")
+        comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if writer is not None and comparison_key is not None:
         writer.add_comparison(comparison_key, json_safe(comparison.to_dict()))
     # online: the device copies have served their purpose; else the host copies (landed: the
@@ -348,7 +356,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     online = st.mode != "tensors"
     with writer if writer is not None else contextlib.nullcontext():
         outcome = run_scenario(prep.loaded, ids, scen, cfg.capture, writer=writer, online=online, header=header,
-                               comparison_key="A-vs-B", decode=ch.decode, atol=ch.atol,
+                               comparison_key="A-vs-B", decode=ch.decode, atol=ch.atol, op_replay=ch.op_replay,
                                rtol=ch.rtol, trace=str(out) if out else None, say=say)
         if writer is not None:
             say(f"writing {out}")

@@ -17,6 +17,7 @@ from tracer.errors import TracerError
 from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, amplification, logits_diff
 from tracer.execute.records import RunRecord
 from tracer.diff.positions import PositionStats
+from tracer.diff.provenance import class_text, classify, kernel_rows
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -118,6 +119,7 @@ class Comparison:
     fail_on: str | None = None
     logits_amplification: float | None = None
     per_position: dict[str, Any] | None = None
+    op_replay: Any = None  # capture name -> tracer.diff.accuracy.OpReplay (origins replayed in float64)
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -220,7 +222,9 @@ class Comparison:
             "positions": list(self.positions),
             "runs": [self.run_a, self.run_b],
             "origins": origins,
-            "layers": [p.to_dict() for p in self.points],
+            "layers": [dict(p.to_dict(), kernels_a=kernel_rows(p.calls_a, self.positions),
+                            kernels_b=kernel_rows(p.calls_b, self.positions),
+                            **{"class": (classify(p, self.positions) or {}).get("class")}) for p in self.points],
             "logits": logits,
             "first_divergent": self.first_divergent,
             "identical": self.identical,
@@ -479,7 +483,10 @@ def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
     return {"name": p.name, "kind": p.kind, "op": p.op,
             "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
             "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
-            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c)}
+            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c),
+            "class": (classify(p, c.positions) or {}).get("class"),
+            "kernels_a": kernel_rows(p.calls_a, c.positions), "kernels_b": kernel_rows(p.calls_b, c.positions),
+            "replay": (c.op_replay[p.name].to_dict() if c.op_replay and p.name in c.op_replay else None)}
 
 
 def _each_call(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> list[dict[str, Any]]:
@@ -542,6 +549,11 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     if p.kind == "kv_cache" and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
                                      and q.kind not in ("kv_cache",)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
         tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"
+    info = classify(p, c.positions)
+    if info is not None and (info["kernels_a"] != "-" or info["kernels_b"] != "-"):
+        tail += f"; {class_text(info, c.run_a, c.run_b)}"
+    if c.op_replay and p.name in c.op_replay:
+        tail += f"; replay in float64: {c.op_replay[p.name].text}"
     return f"{head}: {body}{tail}"
 
 

@@ -50,6 +50,8 @@ class RunRecord:
             positions, e.g. ``(P, N)`` for prefix-cache).
         captures: capture name → record, in execution order (dict order is meaningful).
         meta: free-form JSON-able facts about the run (wall time, device, dtype, ...).
+        extras: in-memory only, never stored: e.g. ``extras["sdpa"]`` = the attention cores'
+            SDPA inputs for the float64 replay (:mod:`tracer.execute.sdpa_inputs`).
     """
 
     name: str
@@ -58,3 +60,4 @@ class RunRecord:
     window: tuple[int, int]
     captures: dict[str, CaptureRecord]
     meta: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict, repr=False)

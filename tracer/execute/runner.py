@@ -20,6 +20,8 @@ from tracer.load.models import model_device
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.plan.scenarios import Batch, RunPlan, Scenario
+from tracer.execute.kernels import KernelRecorder
+from tracer.execute.sdpa_inputs import SdpaRecorder
 
 
 def _sync(device: torch.device) -> None:
@@ -257,7 +259,8 @@ def greedy(model: nn.Module, ids: torch.Tensor, out: Any, steps: int, *, recompu
 
 def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
             window: tuple[int, int], *, meta: dict[str, Any] | None = None,
-            keep_on_device: bool = False, decode: int = 0) -> RunRecord:
+            keep_on_device: bool = False, decode: int = 0, kernels: bool = False,
+            sdpa_inputs: bool = False) -> RunRecord:
     """Execute one run plan with capture hooks and return what they saw.
 
     Args:
@@ -271,6 +274,10 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         decode: greedy-decode this many tokens from the run's final KV cache after the capture
             (``meta["decode_tokens"]``); the hooks are removed by then, and the ``kv_cache``
             points are read before decoding extends the cache.
+        kernels: record which kernels each capture point's module ran (``calls[k]["kernels"]``,
+            :mod:`tracer.execute.kernels`); the run executes under ``torch.profiler``.
+        sdpa_inputs: keep the attention cores' SDPA inputs (queries of the compared window, mask
+            rows, scale) in ``extras["sdpa"]`` for the float64 replay (:mod:`tracer.execute.sdpa_inputs`).
 
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
@@ -294,13 +301,15 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     with torch.inference_mode():
         with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
                 plan_context(model, plan) as fn:
-            out = forward_chunks(model, ids, plan, cap, fn)
-            if out.past_key_values is not None:
-                b = plan.batch
-                cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
-                              col=b.width - n if b is not None and b.padding == "left" else 0)
-            if plan.generate:
-                generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)
+            with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
+                    SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
+                out = forward_chunks(model, ids, plan, cap, fn)
+                if out.past_key_values is not None:
+                    b = plan.batch
+                    cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
+                                  col=b.width - n if b is not None and b.padding == "left" else 0)
+                if plan.generate:
+                    generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)
             _sync(model_device(model))
             wall = time.perf_counter() - t0
             if decode:  # replay: greedy continuation of the final KV cache, not captured
@@ -312,13 +321,18 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if tokens is not None:
         info["decode_tokens"] = tokens
     info.update(meta or {})
+    captures = cap.records()
+    if recorder is not None:
+        recorder.attach(captures)
+        info["kernels"] = "recorded"
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
-                     window=(int(window[0]), int(window[1])), captures=cap.records(), meta=info)
+                     window=(int(window[0]), int(window[1])), captures=captures, meta=info,
+                     extras={"sdpa": sdpa.calls} if sdpa is not None else {})
 
 
 def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],
                      names: tuple[str, str] | None = None,
-                     say: Callable[[str], None] | None = None) -> tuple[RunRecord, RunRecord]:
+                     say: Callable[[str], None] | None = None, kernels: bool = False) -> tuple[RunRecord, RunRecord]:
     """Execute both plans of ``scen`` (A, then B) and return their records, named ``names`` (default
     the plans' names: ``A``, ``B``). The scenario is recorded in each run's ``meta["scenario"]``.
 
@@ -330,7 +344,8 @@ def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, poi
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         if say is not None:
             say(f"run {name}: {plan.description}")
-        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level})
+        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level},
+                      kernels=kernels)
         rec.name = name
         records.append(rec)
     return records[0], records[1]

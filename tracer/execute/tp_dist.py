@@ -653,6 +653,9 @@ def execute_plan(model: nn.Module, token_ids: list[int], plan: Any, points: list
     (``partials`` None)."""
     if plan.tp is not None and plan.tp.mode == "distributed":
         kw.pop("keep_on_device", None)
+        if kw.pop("kernels", False) or kw.pop("sdpa_inputs", False):
+            raise TracerError("--kernels and --op-replay record inside this process; they do not combine with "
+                              "--tp-mode distributed yet (use --tp-mode simulated)")
         if torchrun_rank() is not None:
             return execute_joined(model, token_ids, plan, points, window, **kw)
         return execute_distributed(model, token_ids, plan, points, window, **kw)

@@ -23,6 +23,8 @@ from tracer.store.sweepfile import compress_ranges
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
 from tracer.report.summary import headline, rows_that_matter
+from tracer.execute.kernels import summarize
+from tracer.diff.provenance import classify, merged_kernels
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -68,7 +70,8 @@ def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
          "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
          "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
          "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
-         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False}
+         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False,
+         "kernels": None, "class": None}
     r.update(extra)
     return r
 
@@ -87,12 +90,23 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
     point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
     """
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
-                n_outside_tol=p.n_outside_tol) for p in c.points]
+                n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
+                **{"class": (classify(p, c.positions) or {}).get("class")}) for p in c.points]
     if c.logits is not None:
         out.append(_row(f"{c.logits_name} (logits)", "logits", c.logits.tensor, origin=c.logits_origin,
                         amplification=c.logits_amplification,
-                        n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips)))
+                        n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips),
+                        kernels=_kernels_cell(c.logits_calls[0], c.logits_calls[1], c.positions)))
     return out
+
+
+def _kernels_cell(calls_a: list, calls_b: list, positions: tuple[int, int]) -> str | None:
+    """``A vs B`` kernel summaries of one point (one text when equal); None when not recorded."""
+    ka, kb = merged_kernels(calls_a, positions), merged_kernels(calls_b, positions)
+    if ka is None and kb is None:
+        return None
+    sa, sb = summarize(ka), summarize(kb)
+    return sa if sa == sb else f"{sa} vs {sb}"
 
 
 def _hist(r: dict[str, Any]) -> str:
@@ -125,9 +139,10 @@ COLUMNS: dict[str, tuple[str, Any]] = {
     "nan_inf": ("NaN/Inf A|B", lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}"),
     "tol": ("outside tol", lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}"),
     "flips": ("flips", lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"])),
+    "kernels": ("kernels (A vs B)", lambda r: r["kernels"] or "-"),
 }
 DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
-WIDE_COLUMNS = tuple(COLUMNS)
+WIDE_COLUMNS = tuple(k for k in COLUMNS if k != "kernels")  # kernels: added when recorded (with_kernels)
 
 
 def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[str, ...]:
@@ -181,9 +196,19 @@ def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
     return lines
 
 
+def with_kernels(c: Comparison, columns: tuple[str, ...]) -> tuple[str, ...]:
+    """``columns`` plus the ``kernels`` column when the runs recorded kernels (``--kernels``) and the
+    columns are the default set."""
+    if columns in (DEFAULT_COLUMNS, WIDE_COLUMNS) and any(r["kernels"] for r in rows(c)):
+        return columns + ("kernels",)
+    return columns
+
+
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None) -> Table:
     """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`; ``keep``:
-    indices into :func:`rows` to show, all when None; the caption says how many were left out)."""
+    indices into :func:`rows` to show, all when None; the caption says how many were left out). The
+    ``kernels`` column is added when the runs recorded kernels (:func:`with_kernels`)."""
+    columns = with_kernels(c, columns)
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
     caption = _plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else "")
@@ -316,10 +341,11 @@ def to_csv(c: Comparison) -> str:
 
 def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     """A markdown report: origins, the table (every column by default), logits, replay, verdict."""
+    columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
-    lines += ["| " + " | ".join(COLUMNS[k][0] for k in columns) + " |",
+    lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
         cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
