@@ -33,11 +33,12 @@ def read_trace(path: str):
     return TraceReader(path)
 
 
-def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None):
-    """Compare two runs of a stored trace; see :func:`tracer.compare.compare_trace`."""
+def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, **kwargs: Any):
+    """Compare two runs of a stored trace; see :func:`tracer.compare.compare_trace` (keywords
+    ``atol``, ``rtol``, ``device`` are passed through)."""
     from .compare import compare_trace as _ct
 
-    return _ct(path, run_a, run_b)
+    return _ct(path, run_a, run_b, **kwargs)
 
 
 def load_model(*args: Any, **kwargs: Any):

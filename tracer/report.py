@@ -19,6 +19,7 @@ from rich.text import Text
 from .compare import Comparison
 from .errors import TracerError
 from .metrics import ULP_BINS
+from .textsafe import printable
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -181,7 +182,9 @@ def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
 
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS) -> Table:
     """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`)."""
-    t = Table(title=_title(c), caption=_plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else ""),
+    # text from the trace is data: no markup, control characters escaped
+    t = Table(title=Text(printable(_title(c))),
+              caption=Text(printable(_plans(c), newlines=True) + ("\n" + ULP_NOTE if "ulp" in columns else "")),
               title_justify="left", caption_justify="left", header_style="bold")
     for key in columns:
         t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
@@ -192,8 +195,12 @@ def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS) -> Table:
         if r["n_diff"]:
             style = "bold red" if r["origin"] else "red"
         mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
-        cells = [Text(r["name"] + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
+        cells = [Text(printable(r["name"]) + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
         t.add_row(*cells, style=style)
+    for sk in c.skipped:  # never dropped: a point that could not be compared is a row too
+        cells = [Text(f"{printable(sk.name)}  ◀ not compared: {printable(sk.reason)}") if key == "point" else "-"
+                 for key in columns]
+        t.add_row(*cells, style="bold red" if sk.fails else "dim")
     return t
 
 
@@ -241,23 +248,23 @@ def print_report(c: Comparison, console: Console | None = None,
     """
     console = console or Console()
     for line in origin_block(c):
-        console.print(Text(line, style="bold red" if not line.startswith(" ") else "red"), soft_wrap=True)
+        console.print(Text(printable(line), style="bold red" if not line.startswith(" ") else "red"), soft_wrap=True)
     console.print(table(c, columns))
     for line in logits_lines(c):
-        console.print(line, soft_wrap=True)
-    for line in flips_lines(c):
-        console.print(f"  {line}", soft_wrap=True)
-    for line in replay_lines(c):
         console.print(line, soft_wrap=True, markup=False)
+    for line in flips_lines(c):
+        console.print(f"  {line}", soft_wrap=True, markup=False)
+    for line in replay_lines(c):
+        console.print(printable(line), soft_wrap=True, markup=False)
     if c.noise is not None:
         for line in c.noise.lines():
-            console.print(line, soft_wrap=True)
+            console.print(printable(line), soft_wrap=True, markup=False)
     for line in c.facts.get("notes", []):
-        console.print(f"  {line}", highlight=False, soft_wrap=True)
+        console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
-    console.print(Text(f"verdict: {c.verdict()}", style=style))
+    console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
-        console.print(f"trace: {c.trace}", style="dim")
+        console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
 
 
 def to_csv(c: Comparison) -> str:
@@ -282,6 +289,9 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     for r in rows(c):
         cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
                  for k in columns]
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+    for sk in c.skipped:
+        cells = [f"{sk.name} **◀ not compared: {sk.reason}**" if k == "point" else "-" for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines.append("")
     if "ulp" in columns:
