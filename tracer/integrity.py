@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
 
 from tracer.errors import TracerError
@@ -36,6 +37,31 @@ DATA_KEY = "@data"
 UNSEALED_ROOT = ("complete",)
 #: longest file name most filesystems accept (bytes)
 NAME_MAX = 255
+
+
+# ---------------------------------------------------------------- text attributes
+
+
+def set_text(obj: Any, name: str, text: str) -> None:
+    """Write ``text`` as a fixed-length UTF-8 string attribute ``obj.attrs[name]``.
+
+    Fixed-length strings live in the object header, which HDF5 (file format of 1.8 and later)
+    protects with its own checksum; variable-length ones live in the global heap, which has none
+    (zeroed bytes there make HDF5 loop forever).
+    """
+    data = text.encode("utf-8", "surrogatepass")
+    obj.attrs.create(name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
+
+
+def attr_text(value: Any) -> str | None:
+    """A text attribute's value as ``str`` (fixed-length bytes decoded, variable-length as is);
+    None when it is not text or not valid UTF-8."""
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
 
 
 # ---------------------------------------------------------------- checksums
@@ -82,7 +108,7 @@ def seal(obj: Any, data_crc: int | None = None) -> None:
         sums[name] = zlib.crc32(attr_bytes(obj.attrs[name])) & 0xFFFFFFFF
     if data_crc is not None:
         sums[DATA_KEY] = int(data_crc)
-    obj.attrs[CRC_ATTR] = json.dumps(sums, sort_keys=True)
+    set_text(obj, CRC_ATTR, json.dumps(sums, sort_keys=True))
 
 
 def verify_attrs(obj: Any, what: str, required: tuple[str, ...] = ()) -> dict[str, int]:
@@ -97,8 +123,8 @@ def verify_attrs(obj: Any, what: str, required: tuple[str, ...] = ()) -> dict[st
             ``crc32``, an attribute whose bytes differ, a required attribute not covered).
     """
     bad = TracerError(f"trace corrupt: {what} fails its checksum; the file was damaged after it was written, re-run it")
-    raw = obj.attrs.get(CRC_ATTR)
-    if not isinstance(raw, str):
+    raw = attr_text(obj.attrs.get(CRC_ATTR))
+    if raw is None:
         raise bad
     try:
         sums = json.loads(raw)

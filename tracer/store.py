@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, check_input_file, check_output_path,
-                              clean_stale_partials, crc32_bytes, partial_pid, seal, write_error_message)
+from tracer.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_output_path,
+                              clean_stale_partials, crc32_bytes, partial_pid, seal, set_text, write_error_message)
 from tracer.records import CaptureRecord, RunRecord
 from tracer.validate import load_json, validate_trace
 
@@ -281,9 +281,9 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compress
         chunks = (rows, *array.shape[1:])
     data_crc = crc32_bytes(array)
     ds = group.create_dataset(name, data=array, chunks=chunks, compression=compression if chunks else None)
-    ds.attrs["dtype"] = dtype
+    set_text(ds, "dtype", dtype)
     for key, value in (attrs or {}).items():
-        ds.attrs[key] = value
+        set_text(ds, key, value) if isinstance(value, str) else ds.attrs.create(key, value)
     seal(ds, data_crc)
     return ds
 
@@ -303,7 +303,9 @@ def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = Fals
             dataset, or a missing/unknown dtype.
     """
     try:
-        dtype = str(ds.attrs["dtype"])
+        dtype = attr_text(ds.attrs["dtype"])
+        if dtype is None:
+            raise KeyError("dtype")
         expected = _data_crc(ds) if rows is None else None
         if pin and rows is None and dtype in _DTYPES and ds.dtype == _STORED[dtype] and ds.size > 0:
             raw16 = dtype in _RAW16
@@ -353,10 +355,10 @@ def _verify_data(ds: h5py.Dataset, array: np.ndarray, expected: int | None) -> N
 def _capture_info(ds: h5py.Dataset) -> dict[str, Any]:
     attrs = ds.attrs
     return {
-        "kind": str(attrs["kind"]),
-        "op": str(attrs["op"]),
+        "kind": attr_text(attrs["kind"]),
+        "op": attr_text(attrs["op"]),
         "calls": json.loads(attrs["calls"]),
-        "dtype": str(attrs["dtype"]),
+        "dtype": attr_text(attrs["dtype"]),
         "shape": list(ds.shape),
     }
 
@@ -401,10 +403,10 @@ def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = Non
     meta = _json_dumps(run.meta, f"meta of run {run.name}")
     g = runs.create_group(run.name, track_order=True)
     try:
-        g.attrs["plan"] = plan
-        g.attrs["meta"] = meta
+        set_text(g, "plan", plan)
+        set_text(g, "meta", meta)
         g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
-        g.attrs["capture_order"] = json.dumps(list(run.captures))
+        set_text(g, "capture_order", json.dumps(list(run.captures)))
         ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
         seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
         seal(g)
@@ -496,21 +498,21 @@ class TraceWriter:
             raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
         try:
             f = self._file
-            f.attrs["format"] = FORMAT
+            set_text(f, "format", FORMAT)
             f.attrs["format_version"] = np.int64(FORMAT_VERSION)
-            f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-            f.attrs["tool_version"] = _tool_version()
-            f.attrs["checksums"] = CHECKSUMS
+            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            set_text(f, "tool_version", _tool_version())
+            set_text(f, "checksums", CHECKSUMS)
             seal(f)
             f.attrs["complete"] = False
             h = f.create_group("header")
-            h.attrs["json"] = header_json
+            set_text(h, "json", header_json)
             for key, value in _flat_scalars(header).items():
                 if key not in ("json", "crc32"):
-                    h.attrs[key] = value
+                    set_text(h, key, value) if isinstance(value, str) else h.attrs.create(key, value)
             seal(h)
             self._runs = f.create_group("runs", track_order=True)
-            self._runs.attrs["order"] = "[]"
+            set_text(self._runs, "order", "[]")
             seal(self._runs)
             self._run_names: list[str] = []
             self._check_io()
@@ -559,7 +561,7 @@ class TraceWriter:
             raise
         self._check_io()
         self._run_names.append(run.name)
-        self._runs.attrs["order"] = json.dumps(self._run_names)
+        set_text(self._runs, "order", json.dumps(self._run_names))
         seal(self._runs)
 
     def _drain(self) -> None:
@@ -587,7 +589,7 @@ class TraceWriter:
         if name in comps:
             raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
         g = comps.create_group(name)
-        g.attrs["json"] = text
+        set_text(g, "json", text)
         seal(g)
         self._check_io()
 
@@ -705,7 +707,7 @@ class TraceReader:
 
     def _open(self) -> None:
         f = self._f
-        fmt = f.attrs.get("format")
+        fmt = attr_text(f.attrs.get("format"))
         if fmt != FORMAT:
             raise TracerError(f"{self.path} is not a tracer trace (no format={FORMAT!r} attribute); pass a file written by tracer")
         raw = f.attrs.get("format_version")

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
-from tracer.integrity import CHECKSUMS, DATA_KEY, verify_attrs
+from tracer.integrity import CHECKSUMS, DATA_KEY, attr_text, verify_attrs
 
 #: the largest ratio of a compressed dataset's size to its stored bytes that is believed
 #: (gzip's best case is ~1000:1); a larger declared size is refused before anything is allocated
@@ -41,13 +41,9 @@ def load_json(raw: Any, path: Any, what: str, kind: type | tuple[type, ...]) -> 
     Raises:
         TracerError: not a string, invalid JSON (or nested too deeply), or not of ``kind``.
     """
-    if isinstance(raw, bytes):
-        try:
-            raw = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _corrupt(path, f"{what} is not UTF-8 text") from None
-    if not isinstance(raw, str):
-        raise _corrupt(path, f"{what} is missing or not a JSON string")
+    raw = attr_text(raw)
+    if raw is None:
+        raise _corrupt(path, f"{what} is missing or not UTF-8 JSON text")
     try:
         value = json.loads(raw)
     except (ValueError, RecursionError):
@@ -118,7 +114,7 @@ def validate_trace(f: h5py.File, path: Any) -> bool:
     Raises:
         TracerError: one line naming the first problem found (``trace corrupt: ...``).
     """
-    checked = f.attrs.get("checksums")
+    checked = attr_text(f.attrs.get("checksums"))
     if checked is not None and checked != CHECKSUMS:
         raise _corrupt(path, f"unknown checksum scheme {checked!r} (this tracer knows {CHECKSUMS!r})")
     checked = checked == CHECKSUMS
@@ -202,13 +198,13 @@ def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path:
     for key in _CAPTURE_ATTRS:
         if key not in ds.attrs:
             raise _corrupt(path, f"{what} has no {key} attribute")
-    dtype = ds.attrs["dtype"]
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
+    dtype = attr_text(ds.attrs["dtype"])
+    if dtype not in _DTYPES:
         raise _corrupt(path, f"{what} has dtype {str(dtype)[:20]!r}; traces hold {', '.join(_DTYPES)}")
     if ds.dtype != _DTYPES[dtype]:
         raise _corrupt(path, f"{what} is stored as {ds.dtype}, which does not hold {dtype} values")
-    kind, op = ds.attrs["kind"], ds.attrs["op"]
-    if not isinstance(kind, str) or not isinstance(op, str):
+    kind, op = attr_text(ds.attrs["kind"]), attr_text(ds.attrs["op"])
+    if kind is None or op is None:
         raise _corrupt(path, f"{what} has a non-string kind or op")
     calls = load_json(ds.attrs["calls"], path, f"calls of {what}", list)
     if not all(isinstance(c, dict) for c in calls):
