@@ -464,6 +464,9 @@ def main() -> None:
     2 bad input or corrupt file, 3 internal error (one line; the traceback with
     ``TRACER_DEBUG=1``), 130 interrupted.
     """
+    from .offline import ensure_offline
+
+    ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own

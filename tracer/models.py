@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from tracer.errors import TracerError
+from tracer.offline import ensure_offline
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -633,7 +634,8 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TracerError(
                 f"model {name!r} cannot be loaded with attn_implementation={attn}: {first}; "
-                "try --attn eager, or --trust-remote-code for custom architectures"
+                "try --attn eager; a custom architecture needs tracer.load_model(..., trust_remote_code=True) "
+                "in Python (the CLI never runs a model's own code)"
             ) from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -693,6 +695,7 @@ def load_model(
         TracerError: bad dtype/device/attn, unknown model, missing GGUF, broken recipe, or an
             unsupported option combination (``gguf`` with a non-GGUF model).
     """
+    ensure_offline()  # no network unless TRACER_ALLOW_NETWORK=1
     torch_dtype = resolve_dtype(dtype)
     if device_map is not None:
         if device is not None:
