@@ -19,6 +19,8 @@ from .records import RunRecord
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
+#: how a difference of NaN payloads alone (NaN at the same elements in both runs) is reported
+NAN_PAYLOAD = "NaN in both runs (payload differs)"
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,8 @@ class Comparison:
         if fail_on is None:
             return False, "report only (no --fail-on)"
         if fail_on == "any":
+            if self.first_divergent is None and self.nan_point is not None:
+                return True, f"NaN in both runs, first at {self.nan_point} (bit-identical, but not a number)"
             if self.not_compared:
                 s = self.not_compared[0]
                 return True, f"{len(self.not_compared)} capture point(s) not compared, first {s.name} ({s.reason})"
@@ -204,6 +208,16 @@ class Comparison:
             if p.diverged:
                 return p.name
         if self.logits is not None and self.logits.tensor.n_diff:
+            return self.logits_name
+        return None
+
+    @property
+    def nan_point(self) -> str | None:
+        """The first capture point (logits included) holding a NaN in either run, or None."""
+        for p in self.points:
+            if p.diff.has_nan:
+                return p.name
+        if self.logits is not None and self.logits.tensor.has_nan:
             return self.logits_name
         return None
 
@@ -235,12 +249,20 @@ class Comparison:
             s = self.not_compared[0]
             return (f"NOT comparable: {len(self.not_compared)} capture point(s) missing or empty in one run "
                     f"(first {s.name}: {s.reason}); the {n_points} compared points agree bit for bit")
+        nan = self.nan_point
+        if self.identical and nan is not None:
+            return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
+                    "but the values are not numbers)")
         if self.identical:
             return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
                     f"{self.positions[0]}..{self.positions[1] - 1}")
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
         tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {self.n_positions} positions"
-        return f"diverges from {self.first_divergent}{tail if self.logits is not None else ''}"
+        first = next((p.diff for p in self.points if p.name == self.first_divergent), None)
+        if first is None and self.logits is not None and self.first_divergent == self.logits_name:
+            first = self.logits.tensor
+        what = f": {NAN_PAYLOAD}" if first is not None and first.nan_payload_only else ""
+        return f"diverges from {self.first_divergent}{what}{tail if self.logits is not None else ''}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``tracer run --format json``."""
@@ -587,6 +609,8 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     d = p.diff
     ulp = f"max {d.max_ulp} ULP" if d.max_ulp <= 16 else f"max {d.max_ulp_mag:.3g} ULP of the larger magnitude"
     body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}, {ulp}, max |Δ| {d.max_abs_diff:.3g}"
+    if d.nan_payload_only:
+        body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}: {NAN_PAYLOAD}"
     tail = ""
     if p.kind == "kv_cache" and p.n_diff_prefix:
         inside = d.n_diff - p.n_diff_prefix
