@@ -88,22 +88,12 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
     given = [x for x in (prompt, prompt_file, token_ids_file) if x is not None]
     if len(given) > 1:
         raise TracerError("give only one of --prompt, --prompt-file and --token-ids-file")
-    if prompt_file is not None:
-        try:
-            return Path(prompt_file).read_text(encoding="utf-8"), None
-        except OSError as e:
-            raise TracerError(f"cannot read --prompt-file {prompt_file}: {e.strerror}; check the path") from None
+    from .files import read_text_file, read_token_ids
+
+    if prompt_file is not None:  # regular UTF-8 files only: a FIFO or device would block
+        return read_text_file(prompt_file, "--prompt-file"), None
     if token_ids_file is not None:
-        try:
-            data = json.loads(Path(token_ids_file).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise TracerError(f"cannot read --token-ids-file {token_ids_file}: {e.strerror}; check the path") from None
-        except json.JSONDecodeError as e:
-            raise TracerError(f"--token-ids-file {token_ids_file} is not JSON ({e.msg} at line {e.lineno}); "
-                              "it must hold a JSON array of ints, e.g. [1, 2, 3]") from None
-        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise TracerError(f"--token-ids-file {token_ids_file} must hold a JSON array of ints, e.g. [1, 2, 3]")
-        return None, data
+        return None, read_token_ids(token_ids_file)
     if prompt is not None:
         return prompt, None
     from .prompts import DEFAULT_PROMPT
@@ -167,11 +157,14 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
     """
     if output is None:
         return
+    from .integrity import check_output_path
+
     p = Path(output)
     if p.is_dir():
         raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
     if p.exists() and not overwrite:
         raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
+    check_output_path(p, overwrite, "--output")  # devices, FIFOs, long names, read-only folders
 
 
 def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: str | None = None,
@@ -256,6 +249,11 @@ def run(model: str = "smollm2-135m", *, prompt: str | None = None, prompt_file: 
     if store not in STORE_MODES:
         raise TracerError(f"unknown --store '{store}'; use one of: {', '.join(STORE_MODES)}")
     # -- validate everything that needs no model --------------------------------------------------
+    from .checks import check_compression, check_length, check_scenario_values
+
+    check_length(length)
+    compression = check_compression(compression)
+    check_scenario_values(options)
     if isinstance(scenario, str) and scenario not in SCENARIOS:
         raise TracerError(f"unknown scenario '{scenario}'; use one of: {', '.join(SCENARIOS)}")
     check_options(options)

@@ -78,7 +78,9 @@ def scenario_options(**given) -> dict:
             opts["block_sizes"] = tuple(int(x) for x in opts["block_sizes"].split(","))
         except ValueError:
             raise TracerError(f"--block-sizes {given['block_sizes']!r} must be two integers such as 16,64") from None
-    return opts
+    from .checks import check_scenario_values
+
+    return check_scenario_values(opts)
 
 
 def _fail(message: str) -> None:
@@ -156,6 +158,10 @@ def run_cmd(
         check_format(fmt)
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
+        from .checks import check_compression, check_length
+
+        check_compression(compression)
+        check_length(length)
         options = scenario_options(batch_size=batch_size, padding=padding, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp, reduce=reduce,
                                    reduce_dtype=reduce_dtype, kv_format=kv_format, attn_a=attn_a, attn_b=attn_b,
@@ -209,6 +215,9 @@ def audit_cmd(
 
     try:
         check_format(fmt)
+        from .checks import check_length
+
+        check_length(length)
         parse_levels(levels)
         options = scenario_options(batch_size=batch_size, batch_row=batch_row, new_tokens=new_tokens,
                                    block_sizes=block_sizes, chunk_size=chunk_size, tp=tp)
@@ -346,7 +355,7 @@ def sweep_cmd(
             raise TracerError(f"unknown format '{fmt}'; use one of: table, json, csv")
         if block_size is not None and block_sizes is not None:
             raise TracerError("give --block-size or --block-sizes, not both")
-        bs = parse_int_list(block_sizes, "--block-sizes") if block_sizes is not None else [block_size or 16]
+        bs = parse_int_list(block_sizes, "--block-sizes") if block_sizes is not None else [16 if block_size is None else block_size]
         if plot is not None:
             from .plot import check_figure_path
 

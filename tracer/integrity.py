@@ -26,6 +26,7 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.files import check_input_file, file_kind
 
 #: the checksum scheme this tracer writes (root attribute ``checksums``)
 CHECKSUMS = "crc32"
@@ -145,43 +146,17 @@ def verify_attrs(obj: Any, what: str, required: tuple[str, ...] = ()) -> dict[st
 # ---------------------------------------------------------------- files the user names
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-def check_input_file(path: str | os.PathLike, what: str) -> Path:
-    """``path`` as a Path after checking it names an existing regular file (symlinks followed).
-
-    Refusing FIFOs, devices and sockets up front is what keeps a read from blocking forever.
-
-    Raises:
-        TracerError: missing, unreadable, or not a regular file (folder, FIFO, device, socket).
-    """
-    p = Path(path)
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise TracerError(f"{what} {p} not found; check the path") from None
-    except OSError as e:
-        raise TracerError(f"cannot read {what} {p} ({e.strerror}); check the path and its permissions") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TracerError(f"{what} {p} is {_kind(st.st_mode)}; pass a regular file")
-    return p
-
-
-def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "output") -> Path:
-    """Check that ``path`` may be written: its name fits the filesystem, and an existing entry is
-    replaced only when ``overwrite`` is given and it is a regular file or a symlink.
+def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "output", *,
+                      resume: bool = False) -> Path:
+    """Check that ``path`` may be written: its name fits the filesystem, an existing entry is
+    replaced only when ``overwrite`` is given and it is a regular file or a symlink (``resume``:
+    an existing regular file may also be continued), and the nearest existing parent is a folder
+    this process can write.
 
     Raises:
         TracerError: a name longer than 255 bytes; an existing folder, FIFO, device or socket
-            (with or without ``overwrite``); an existing file without ``overwrite``; the parent
-            is an existing non-folder.
+            (with or without ``overwrite``); an existing file without ``overwrite``/``resume``;
+            the parent is an existing non-folder or not writable.
     """
     p = Path(path)
     if len(os.fsencode(p.name)) > NAME_MAX:
@@ -197,13 +172,15 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
         raise TracerError(f"cannot inspect {what} {p} ({e.strerror}); choose another path") from None
     if st is not None:
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
-            raise TracerError(f"{what} {p} is {_kind(st.st_mode)}; only a regular file is ever replaced, choose a file name")
-        if not overwrite:
+            raise TracerError(f"{what} {p} is {file_kind(st.st_mode)}; only a regular file is ever replaced, choose a file name")
+        if not overwrite and not resume:
             raise TracerError(f"{what} {p} exists; pass --overwrite or choose another --output")
-    for parent in p.parents:
+    for parent in (p.absolute().parent, *p.absolute().parents):
         if parent.exists():
             if not parent.is_dir():
                 raise TracerError(f"{what} {p}: {parent} is a file, not a folder; choose another path")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise TracerError(f"{what} {p}: the folder {parent} is not writable; choose another path")
             break
     return p
 

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from tracer.errors import TracerError
+from tracer.files import check_gguf_file
 from tracer.offline import ensure_offline
+from tracer.recipe_check import check_recipe_data, inside
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -183,8 +185,9 @@ def _read_recipe(path: Path) -> Recipe:
             f"recipe {path}: missing keys {missing}, unknown keys {unknown}; "
             f"a {kind} recipe takes {', '.join(valid)}"
         )
-    if kind == "random-init" and "model_type" not in data["config"]:
+    if kind == "random-init" and (not isinstance(data["config"], dict) or "model_type" not in data["config"]):
         raise TracerError(f"recipe {path}: [config] needs model_type (llama, qwen3, gpt2, ...)")
+    check_recipe_data(data, path)  # names, module, file: data that must not reach outside tracer's folders
     return Recipe(name=data["name"], kind=kind, description=data["description"], data=data, path=path)
 
 
@@ -496,7 +499,7 @@ def _find_in_sys_path(module: str, file: str) -> Path | None:
     dirs += [os.path.join(p, module) for p in sys.path if p]
     for d in dirs:
         candidate = Path(d) / file
-        if candidate.is_file():
+        if candidate.is_file() and inside(candidate, Path(d)):  # a symlink out of the package is not its file
             return candidate
     return None
 
@@ -521,7 +524,7 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
             path = Path(value).expanduser()
             if not path.is_file():
                 raise TracerError(f"{origin} names {value!r}, which is not a file; {hint}")
-            return path.resolve()
+            return Path(check_gguf_file(path, origin)).resolve()  # the user's explicit file: must be GGUF
     found = _find_in_sys_path(data["module"], data["file"])
     if found is None:
         raise TracerError(hint)

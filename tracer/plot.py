@@ -534,6 +534,8 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
+    from .integrity import check_output_path
+
     p = Path(path)
     if p.suffix.lower() not in SUFFIXES:
         raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")
@@ -541,7 +543,7 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
         raise TracerError(f"figure file {p} is a directory; give a file name ending in .png or .svg")
     if p.exists() and not overwrite:
         raise TracerError(f"{p} exists; pass --overwrite to replace it or choose another -o")
-    return p
+    return check_output_path(p, overwrite, "figure file")  # FIFOs, devices, file/p.png, read-only folders
 
 
 def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, dpi: int = 110) -> Path:
@@ -600,9 +602,12 @@ def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str |
     """
     from .sweep import is_sweep_file, read_sweep
 
+    from .files import check_input_file
+
     src = Path(path)
     if not src.exists():
         raise TracerError(f"file {src} not found; pass a trace or sweep file")
+    check_input_file(src, "input file")  # a FIFO or device would block the read
     if kind is not None and kind not in KINDS:
         raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
     is_sweep = is_sweep_file(src)

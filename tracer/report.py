@@ -133,11 +133,16 @@ def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[
     """The table columns: ``--columns a,b`` (keys of :data:`COLUMNS`), ``--wide`` (all), or the default.
 
     Raises:
-        TracerError: an unknown column key (the message lists the known ones).
+        TracerError: an unknown column key (the message lists the known ones), an empty list,
+            or ``--wide`` together with ``--columns``.
     """
-    if columns is None or columns == "" or columns == []:
+    if columns is None:
         return WIDE_COLUMNS if wide else DEFAULT_COLUMNS
+    if wide:
+        raise TracerError("--wide shows every column and --columns picks some; give one of them")
     keys = [k.strip() for k in (columns.split(",") if isinstance(columns, str) else columns) if k.strip()]
+    if not keys:
+        raise TracerError(f"--columns is empty; give some of: {', '.join(COLUMNS)}")
     bad = [k for k in keys if k not in COLUMNS]
     if bad:
         raise TracerError(f"unknown column '{bad[0]}' in --columns; use some of: {', '.join(COLUMNS)}")

@@ -45,6 +45,11 @@ MATRIX_FIELDS = {"n_diff": np.int64, "n_total": np.int64, "max_abs_diff": np.flo
 # ---------------------------------------------------------------- parsing the axes
 
 
+#: the largest value and the most values one --lengths / --block-sizes list may hold
+MAX_VALUE = 1 << 24
+MAX_POINTS = 100_000
+
+
 def parse_int_list(spec: str, what: str = "--lengths") -> list[int]:
     """Expand ``"17:512"``, ``"16:1024:8"``, ``"100,200,300"`` or a mix (``"17:64,100"``).
 
@@ -71,12 +76,14 @@ def parse_int_list(spec: str, what: str = "--lengths") -> list[int]:
             start, stop, step = nums[0], nums[1], (nums[2] if len(nums) == 3 else 1)
             if step < 1 or stop < start:
                 raise TracerError(f"{what} range {item!r} must have start <= stop and step >= 1 (stop is inclusive)")
+            if stop > MAX_VALUE or (stop - start) // step >= MAX_POINTS:  # before anything is allocated
+                raise TracerError(f"{what} range {item!r} is too large: at most {MAX_POINTS} values up to {MAX_VALUE}")
             values = list(range(start, stop + 1, step))
         else:
             raise TracerError(f"{what} item {item!r} has too many ':'; use start:stop[:step]")
         for v in values:
-            if v < 1:
-                raise TracerError(f"{what} holds {v}; values must be positive")
+            if not 1 <= v <= MAX_VALUE:
+                raise TracerError(f"{what} holds {v if len(str(v)) < 24 else str(v)[:12] + '...'}; values must be 1..{MAX_VALUE}")
             if v not in seen:
                 seen.add(v)
                 out.append(v)
@@ -307,8 +314,11 @@ class SweepFile:
                 if name in g and g[name].shape[0] != n:
                     g[name].resize(n, axis=0)
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = h5py.File(self.path, "w")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.f = h5py.File(self.path, "w")
+            except OSError as e:
+                raise TracerError(f"cannot create {self.path} ({e.strerror or e}); choose another --output") from None
             from . import __version__
 
             self.f.attrs["format"] = FORMAT
@@ -444,9 +454,9 @@ def read_sweep(path: str | Path) -> SweepResult:
     Raises:
         TracerError: missing file, not a sweep file, unknown format version.
     """
-    p = Path(path)
-    if not p.exists():
-        raise TracerError(f"sweep file {p} not found")
+    from .files import check_input_file
+
+    p = check_input_file(path, "sweep file")  # a FIFO or device would block the read
     f = _open_sweep(p, "r")
     try:
         return _result_from_file(f, str(p))
@@ -457,11 +467,14 @@ def read_sweep(path: str | Path) -> SweepResult:
 def is_sweep_file(path: str | Path) -> bool:
     """True if ``path`` is an HDF5 file with ``format = "tracer-sweep"``."""
     import h5py
+    import stat
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or device: it would block
+            return False
         with h5py.File(path, "r") as f:
             return f.attrs.get("format") == FORMAT
-    except OSError:
+    except Exception:  # noqa: BLE001 - any unreadable file is "not a sweep file"
         return False
 
 
@@ -540,6 +553,9 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         out = Path(output) if output is not None else default_output(model, scenario)
         if out.is_dir():
             raise TracerError(f"--output {out} is a directory; give a file path ending in .h5")
+        from .integrity import check_output_path
+
+        check_output_path(out, overwrite, "--output", resume=True)  # before is_sweep_file opens it
         if out.exists() and not overwrite and not is_sweep_file(out):
             raise TracerError(f"{out} exists and is not a sweep file; choose another --output")
 
