@@ -157,9 +157,9 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
     """
     if output is None:
         return
-    from .integrity import check_output_path
+    from .integrity import check_name_length, check_output_path
 
-    p = Path(output)
+    p = check_name_length(output, "--output")
     if p.is_dir():
         raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
     if p.exists() and not overwrite:

@@ -146,6 +146,20 @@ def verify_attrs(obj: Any, what: str, required: tuple[str, ...] = ()) -> dict[st
 # ---------------------------------------------------------------- files the user names
 
 
+def check_name_length(path: str | os.PathLike, what: str = "output") -> Path:
+    """``path`` as a Path after checking no component is longer than :data:`NAME_MAX` bytes.
+
+    Raises:
+        TracerError: a file or folder name longer than 255 bytes.
+    """
+    p = Path(path)
+    for part in p.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise TracerError(f"{what} name {part[:40]}... is {len(os.fsencode(part))} bytes long; "
+                              f"file names are limited to {NAME_MAX} bytes, choose a shorter name")
+    return p
+
+
 def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "output", *,
                       resume: bool = False) -> Path:
     """Check that ``path`` may be written: its name fits the filesystem, an existing entry is
@@ -158,10 +172,7 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
             (with or without ``overwrite``); an existing file without ``overwrite``/``resume``;
             the parent is an existing non-folder or not writable.
     """
-    p = Path(path)
-    if len(os.fsencode(p.name)) > NAME_MAX:
-        raise TracerError(f"{what} name {p.name[:40]}... is {len(os.fsencode(p.name))} bytes long; "
-                          f"file names are limited to {NAME_MAX} bytes, choose a shorter name")
+    p = check_name_length(path, what)
     try:
         st = os.lstat(p)
     except FileNotFoundError:

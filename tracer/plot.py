@@ -534,9 +534,9 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
-    from .integrity import check_output_path
+    from .integrity import check_name_length, check_output_path
 
-    p = Path(path)
+    p = check_name_length(path, "figure file")
     if p.suffix.lower() not in SUFFIXES:
         raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")
     if p.is_dir():

@@ -38,7 +38,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_output_path,
-                              clean_stale_partials, crc32_bytes, partial_pid, seal, set_text, write_error_message)
+                              check_name_length, clean_stale_partials, crc32_bytes, partial_pid, seal, set_text, write_error_message)
 from tracer.records import CaptureRecord, RunRecord
 from tracer.validate import load_json, validate_trace
 
@@ -476,6 +476,7 @@ class TraceWriter:
         if compression not in COMPRESSIONS:
             raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
         self.compression = compression
+        check_name_length(self.path, "trace")
         if self.path.is_dir():
             raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
         check_output_path(self.path, overwrite, "trace")

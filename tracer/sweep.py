@@ -550,7 +550,9 @@ def sweep(model: str = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         _models.check_attn(attn)
     out = None
     if store:
-        out = Path(output) if output is not None else default_output(model, scenario)
+        from .integrity import check_name_length
+
+        out = check_name_length(output if output is not None else default_output(model, scenario), "--output")
         if out.is_dir():
             raise TracerError(f"--output {out} is a directory; give a file path ending in .h5")
         from .integrity import check_output_path

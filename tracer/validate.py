@@ -213,7 +213,8 @@ def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path:
     window_rows, seq_rows = rows
     if ds.size and kind == "kv_cache" and (ds.ndim != 2 or ds.shape[0] > seq_rows):
         raise _corrupt(path, f"{what} has shape {tuple(ds.shape)}; a KV cache is (positions <= {seq_rows}, features)")
-    if ds.size and kind in WINDOW_KINDS:
+    rows_given = ds.ndim >= 1 and ds.shape[0] > 0  # (0, ...) = not captured in this run
+    if kind in WINDOW_KINDS and (ds.size or rows_given):
         if ds.ndim == 0 or ds.shape[0] != window_rows:
             raise _corrupt(path, f"{what} has shape {tuple(ds.shape)}; its window holds {window_rows} positions")
         if kind == "logits" and (ds.ndim < 2 or ds.shape[-1] == 0):
