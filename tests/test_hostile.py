@@ -490,3 +490,16 @@ def test_recipes_and_hook_maps_are_data(tmp_path):
     for bad in ({"families": ["../x"]}, {"layers": "model/../x"}, {"exec": "x"}, {"sublayers": {"a b": "mlp"}}):
         with pytest.raises(TracerError, match="hook maps are data"):
             check_hook_map(bad, "h.toml")
+
+
+def test_stale_cache_build_folders_are_removed_only_when_their_process_is_gone(tmp_path):
+    from tracer.recipe_check import clean_stale_temp_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = tmp_path / f".m-abc.{int(dead.stdout)}.x1.tmp"
+    alive = tmp_path / f".m-abc.{os.getppid()}.x2.tmp"
+    old = tmp_path / ".m-abc.x3.tmp"  # no PID in the name: not ours to judge
+    for d in (gone, alive, old):
+        d.mkdir()
+    assert clean_stale_temp_dirs(tmp_path, ".m-abc.") == [gone]
+    assert alive.is_dir() and old.is_dir() and not gone.exists()

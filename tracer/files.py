@@ -60,6 +60,8 @@ def read_text_file(path: str | os.PathLike, option: str) -> str:
     Raises:
         TracerError: missing, not a regular file, too large, unreadable or not UTF-8.
     """
+    if not os.path.exists(path):
+        raise TracerError(f"cannot read {option} {path}: No such file or directory; check the path")
     p = check_input_file(path, option)
     try:
         size = p.stat().st_size

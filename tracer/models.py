@@ -33,7 +33,7 @@ import torch
 from tracer.errors import TracerError
 from tracer.files import check_gguf_file
 from tracer.offline import ensure_offline
-from tracer.recipe_check import check_recipe_data, inside
+from tracer.recipe_check import check_recipe_data, clean_stale_temp_dirs, inside
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -538,7 +538,8 @@ def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: b
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    clean_stale_temp_dirs(target.parent, f".{target.name}.")  # folders of builds killed midway
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     try:
         folder, fname = str(gguf_path.parent), gguf_path.name
         with _status(progress, f"building the {recipe.name} cache from {fname} (once; ~30 s)"), \

@@ -10,7 +10,9 @@ file found must stay inside the package folder. Hook maps may only name module p
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +96,32 @@ def check_hook_map(data: dict[str, Any], path: Any) -> dict[str, Any]:
                 for k, v in value.items())):
             raise bad(f"[{key}] must map module paths to kinds such as norm")
     return data
+
+
+def clean_stale_temp_dirs(folder: Path, prefix: str) -> list[Path]:
+    """Remove ``<prefix><PID>.<random>.tmp`` folders (cache builds) whose process is gone.
+
+    Folders without a PID in their name (written by older tracers) are left alone.
+    """
+    removed = []
+    try:
+        entries = list(folder.glob(f"{prefix}*.tmp"))
+    except OSError:
+        return removed
+    for d in entries:
+        pid = d.name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not d.is_dir() or d.is_symlink():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

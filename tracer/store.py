@@ -493,7 +493,7 @@ class TraceWriter:
             self.partial_path.unlink(missing_ok=True)  # our own PID's leftover from an earlier writer
             # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
             self._guard = GuardedFile(self.partial_path)
-            self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "latest"))
+            self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
         except OSError as e:
             self.abort()
             raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
