@@ -634,6 +634,9 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
             model = AutoModelForCausalLM.from_pretrained(
                 where, attn_implementation=attn, **kwargs, **_dtype_kwarg(dtype)
             )
+        except OSError as exc:  # a broken checkpoint: unreadable or invalid config.json, missing weights
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise TracerError(f"model {name!r} at {where} cannot be loaded: {first}; fix or re-save the checkpoint") from None
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TracerError(
