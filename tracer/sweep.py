@@ -83,7 +83,7 @@ def parse_int_list(spec: str, what: str = "--lengths") -> list[int]:
             raise TracerError(f"{what} item {item!r} has too many ':'; use start:stop[:step]")
         for v in values:
             if not 1 <= v <= MAX_VALUE:
-                raise TracerError(f"{what} holds {v if len(str(v)) < 24 else str(v)[:12] + '...'}; values must be 1..{MAX_VALUE}")
+                raise TracerError(f"{what} holds {v if len(str(v)) < 24 else str(v)[:12] + '...'}; values must be positive, at most {MAX_VALUE}")
             if v not in seen:
                 seen.add(v)
                 out.append(v)
