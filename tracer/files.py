@@ -100,7 +100,7 @@ def read_token_ids(path: str | os.PathLike, option: str = "--token-ids-file") ->
         TracerError: unreadable, not UTF-8, nested, not JSON, not a non-empty flat array of ints.
     """
     text = read_text_file(path, option)
-    shape = f"{option} {path} must hold a flat JSON array of token ids, e.g. [1, 2, 3]"
+    shape = f"{option} {path} must hold a flat JSON array of ints (token ids), e.g. [1, 2, 3]"
     if not _depth_ok(text, MAX_JSON_DEPTH - 1):
         raise TracerError(shape)
     try:
