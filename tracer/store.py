@@ -793,9 +793,12 @@ class TraceReader:
                 tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
             captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
         start, stop = (int(x) for x in g.attrs["window"])
+        ids_ds = g["token_ids"]
+        ids = np.asarray(ids_ds[()])
+        _verify_data(ids_ds, ids, _data_crc(ids_ds))
         return RunRecord(
             name=name,
-            token_ids=[int(x) for x in g["token_ids"][()]],
+            token_ids=[int(x) for x in ids],
             plan=json.loads(g.attrs["plan"]),
             window=(start, stop),
             captures=captures,
