@@ -503,3 +503,13 @@ def test_stale_cache_build_folders_are_removed_only_when_their_process_is_gone(t
         d.mkdir()
     assert clean_stale_temp_dirs(tmp_path, ".m-abc.") == [gone]
     assert alive.is_dir() and old.is_dir() and not gone.exists()
+
+
+def test_in_place_writers_check_space_first(tmp_path):
+    code = (f"import resource, sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "from tracer.integrity import check_space\n"
+            f"check_space({str(tmp_path / 's.h5')!r}, 10_000, 'sweep file')\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (5_000, 5_000))\n"
+            f"check_space({str(tmp_path / 's.h5')!r}, 10_000, 'sweep file')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "TracerError: sweep file: the file size limit (ulimit -f" in proc.stderr

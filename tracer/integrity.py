@@ -320,6 +320,32 @@ class GuardedFile(io.RawIOBase):
         super().close()
 
 
+def check_space(path: str | os.PathLike, need: int, what: str) -> None:
+    """Refuse to grow ``path`` by ``need`` bytes when the filesystem's free space or the process's
+    file size limit (``ulimit -f``) cannot take them: for writers that write in place (a sweep
+    file), where a failing write would leave HDF5 (and the file) broken.
+
+    Raises:
+        TracerError: too little space or too low a limit; the message says which.
+    """
+    import resource
+
+    p = Path(path)
+    try:
+        size = p.stat().st_size if p.exists() else 0
+        st = os.statvfs(p.parent if p.parent.exists() else ".")
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if need > free:
+        raise TracerError(f"{what}: {need} more bytes needed but {free} are free on the disk of {p}; free space, "
+                          "then re-run the same command (the finished points are kept)")
+    if limit != resource.RLIM_INFINITY and size + need > limit:
+        raise TracerError(f"{what}: the file size limit (ulimit -f, {limit} bytes) would be exceeded; raise it, "
+                          "then re-run the same command (the finished points are kept)")
+
+
 def write_error_message(path: str | os.PathLike, e: OSError) -> str:
     """One line for a failed trace write: what failed and what to do."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -356,6 +356,11 @@ class SweepFile:
         Raises:
             TracerError: the point's capture points differ from the earlier points'.
         """
+        from .integrity import check_space
+
+        # writes happen in place: a failing one would break HDF5 and the file, so check first
+        check_space(self.path, (runs_from.stat().st_size if runs_from is not None else 0) + (1 << 20),
+                    f"sweep file {self.path}")
         g = self.group
         n = int(g.attrs["n_done"])
         points = json.loads(g.attrs["points"])
