@@ -685,13 +685,13 @@ class TraceReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = check_input_file(path, "trace file")
         self._file: h5py.File | None = None
-        pid = partial_pid(self.path)
-        if pid is not None:
-            raise TracerError(f"{self.path} is incomplete: the partial file of writer process {pid}, which did "
-                              "not finish; re-run it")
         try:
             self._file = h5py.File(self.path, "r")
         except Exception:  # noqa: BLE001 - h5py raises OSError, RuntimeError, ... for damaged files
+            pid = partial_pid(self.path)
+            if pid is not None:  # a writer killed before HDF5 flushed its superblock
+                raise TracerError(f"{self.path} is incomplete: the partial file of writer process {pid}, which "
+                                  "did not finish; re-run it") from None
             raise TracerError(f"{self.path} is not a readable HDF5 file (truncated or corrupt?)") from None
         try:
             self._open()

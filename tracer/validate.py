@@ -72,7 +72,8 @@ def _members(group: h5py.Group, path: Any, where: str, seen: set) -> dict[str, A
             kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
             raise _corrupt(path, f"{where}/{name} is {kind}; traces hold no links")
         obj = group[name]
-        addr = h5py.h5o.get_info(obj.id).token if hasattr(h5py.h5o.get_info(obj.id), "token") else h5py.h5o.get_info(obj.id).addr
+        info = h5py.h5o.get_info(obj.id)
+        addr = info.token if hasattr(info, "token") else info.addr  # HDF5 >= 1.12: a token
         key = bytes(addr) if isinstance(addr, (bytes, bytearray, memoryview)) else addr
         if key in seen:
             raise _corrupt(path, f"{where}/{name} is the same object as another entry")
