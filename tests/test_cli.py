@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tracer.store.trace import TraceReader
+from tracer.store.trace.integrity import crc32_bytes, seal
 
 
 def tracer(args, env, cwd, check=True):
@@ -189,6 +190,7 @@ def test_runs_with_different_token_ids_refused(tmp_path, cli_env, prompt_file):
         ids = f["runs/B/token_ids"][...]
         ids[3] = (ids[3] + 1) % 256
         f["runs/B/token_ids"][...] = ids
+        seal(f["runs/B/token_ids"], crc32_bytes(ids))  # a trace written so, not a damaged one
     _bad(["compare", str(out)], cli_env, tmp_path, "different token ids")
     _bad(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z")
 

@@ -346,7 +346,7 @@ def test_interrupted_cache_build_leaves_nothing(monkeypatch, tmp_path):
     import transformers
 
     fake = tmp_path / "fake.gguf"
-    fake.write_bytes(b"not really a gguf")
+    fake.write_bytes(b"GGUF not really a gguf")  # the magic passes; the build then fails
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRACER_CACHE_DIR", str(cache))
 

@@ -402,9 +402,12 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
 
     from pathlib import Path
 
+    from tracer.files import check_input_file
+
     src = Path(path)
     if not src.exists():
         raise TracerError(f"file {src} not found; pass a trace or sweep file")
+    check_input_file(src, "input file")  # a FIFO or device would block the read
     if kind is not None and kind not in KINDS:
         raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
     is_sweep = is_sweep_file(src)

@@ -7,6 +7,7 @@ exits with code 2 (no traceback); nothing on disk is touched.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import Annotated, Optional
@@ -14,8 +15,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
+from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERNAL, TracerError
 from tracer.report.progress import ItemProgress, StatusProgress
+from tracer.report.tables.textsafe import printable
 
 app = typer.Typer(
     name="tracer",
@@ -103,7 +105,10 @@ def run_options(given: dict) -> dict:
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.text import Text
+
+    # the message may quote file names or file contents: no markup, control characters escaped
+    err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_ERROR)
 
 
@@ -115,6 +120,7 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows
     console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
     text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows)
     if text is not None:
+        text = printable(text, newlines=True)  # csv/markdown quote names from the trace
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
@@ -139,7 +145,7 @@ def _exit_on(comparison, fail_on: str | None) -> None:
     """Exit 1 (EXIT_DIVERGED) when the comparison fails the --fail-on rule, saying why on stderr."""
     failed, reason = comparison.check(fail_on)  # the same rule the JSON's "check" reports
     if failed:
-        err.print(f"fail-on {fail_on}: {reason}", highlight=False, soft_wrap=True)
+        err.print(f"fail-on {fail_on}: {printable(reason)}", highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_DIVERGED)
 
 
@@ -232,6 +238,9 @@ def audit_cmd(
 
     try:
         check_format(fmt)
+        from tracer.plan.checks import check_length
+
+        check_length(length)
         parse_levels(levels)
         _check_report(report, overwrite)
         opts = run_options(given)
@@ -345,28 +354,36 @@ def show_cmd(
                 runs.append({"name": name, "n_tokens": len(rec.token_ids), "window": list(rec.window),
                              "plan": rec.plan, "captures": len(r.capture_names(name)), "meta": rec.meta})
             stored = r.comparisons()
+            checksummed = r.checksummed
     except TracerError as e:
         _fail(str(e))
         return
     if as_json:
         print(json.dumps({"header": header, "runs": runs, "comparisons": stored}, indent=2, default=str))
         return
+    from rich.text import Text
+
+    def cell(v) -> Text:  # header strings come from the file: shown as data, never as markup
+        return Text(printable(v if isinstance(v, str) else json.dumps(v, default=str)))
+
     out = Console()
-    t = Table(title=f"trace {trace}", show_header=False, title_justify="left")
+    t = Table(title=cell(f"trace {trace}"), show_header=False, title_justify="left")
     t.add_column("key", style="bold")
     t.add_column("value")
     for k, v in header.items():
-        t.add_row(k, v if isinstance(v, str) else json.dumps(v, default=str))
+        t.add_row(cell(k), cell(v))
+    if not checksummed:
+        t.add_row("checksums", "none: written before tracer stored checksums; integrity not verified")
     out.print(t)
     rt = Table(title="runs", title_justify="left")
     for col in ("run", "tokens", "compared positions", "plan", "GEMM M", "capture points"):
         rt.add_column(col)
     for r in runs:
-        rt.add_row(r["name"], str(r["n_tokens"]), f"{r['window'][0]}..{r['window'][1] - 1}",
-                   r["plan"].get("description", ""), str(r["plan"].get("gemm_m", "")), str(r["captures"]))
+        rt.add_row(cell(r["name"]), str(r["n_tokens"]), f"{r['window'][0]}..{r['window'][1] - 1}",
+                   cell(r["plan"].get("description", "")), cell(str(r["plan"].get("gemm_m", ""))), str(r["captures"]))
     out.print(rt)
     for name, comp in stored.items():
-        out.print(f"stored comparison {name}: {comp.get('verdict', '?')}")
+        out.print(Text(printable(f"stored comparison {name}: {comp.get('verdict', '?')}")))
 
 
 @app.command("sweep")
@@ -537,12 +554,34 @@ def bench_cmd(
 
 
 def main() -> None:
-    """Entry point of the ``tracer`` console script."""
+    """Entry point of the ``tracer`` console script.
+
+    Exit codes: 0 identical / within tolerance / report only, 1 diverged (failed ``--fail-on``),
+    2 bad input or corrupt file, 3 internal error (one line; the traceback with
+    ``TRACER_DEBUG=1``), 130 interrupted.
+    """
+    from tracer.load.offline import ensure_offline
+
+    ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"error: {printable(e)}", highlight=False, markup=False)
         sys.exit(EXIT_ERROR)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
+        if os.environ.get("TRACER_DEBUG") == "1":
+            raise SystemExit(_debug_exit()) from None
+        first = (str(e).splitlines() or [""])[0][:200]
+        err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
+                  "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+        sys.exit(EXIT_INTERNAL)
+
+
+def _debug_exit() -> int:
+    import traceback
+
+    traceback.print_exc()
+    return EXIT_INTERNAL

@@ -336,7 +336,14 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.plan.scenarios import check_mitigation, check_resources, preview
     from tracer.store.trace import check_output
 
+    from tracer.plan.checks import check_block_size, check_compression, check_length, check_scenario_values
+
     m, s, c, st, ch = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks
+    check_length(cfg.prompt.length)
+    check_compression(st.compression)
+    check_scenario_values(dict(s.options))
+    if s.block_size is not None:
+        check_block_size(s.block_size)
     if st.mode not in STORE_MODES:
         raise TracerError(f"unknown --store '{st.mode}'; use one of: {', '.join(STORE_MODES)}")
     if st.compression not in COMPRESSIONS:

@@ -21,6 +21,8 @@ from tracer.diff.provenance import class_text, classify, kernel_rows
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
+#: how a difference of NaN payloads alone (NaN at the same elements in both runs) is reported
+NAN_PAYLOAD = "NaN in both runs (payload differs)"
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,36 @@ class PointResult:
 
 
 @dataclass(frozen=True)
+class SkipRecord:
+    """A capture point that could not be compared, kept in the result (never dropped).
+
+    Attributes:
+        name, kind: the capture point.
+        reason: one line, e.g. ``missing in run B`` or ``empty in run A``.
+        fails: True when it makes the comparison not identical (``--fail-on any`` fails); False
+            only for a ``kv_cache`` point empty in a run that keeps no KV cache (it recomputes).
+    """
+
+    name: str
+    kind: str
+    reason: str
+    fails: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "reason": self.reason, "fails": self.fails}
+
+
+def skip_record(name: str, kind: str, run: str, missing: bool) -> SkipRecord:
+    """The :class:`SkipRecord` of a point missing (or empty) in ``run``: failing, except a KV cache
+    left empty by a run that recomputes without one."""
+    if missing:
+        return SkipRecord(name, kind, f"missing in run {run}")
+    if kind == "kv_cache":
+        return SkipRecord(name, kind, f"no KV cache in run {run} (it keeps none)", fails=False)
+    return SkipRecord(name, kind, f"empty in run {run}")
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Run A versus run B of one scenario: the amplification table as data.
 
@@ -120,6 +152,12 @@ class Comparison:
     logits_amplification: float | None = None
     per_position: dict[str, Any] | None = None
     op_replay: Any = None  # capture name -> tracer.diff.accuracy.OpReplay (origins replayed in float64)
+    skipped: tuple[SkipRecord, ...] = ()
+
+    @property
+    def not_compared(self) -> tuple[SkipRecord, ...]:
+        """The skipped points that count against identity (missing or empty in one run)."""
+        return tuple(s for s in self.skipped if s.fails)
 
     @property
     def origins(self) -> tuple[PointResult, ...]:
@@ -155,6 +193,11 @@ class Comparison:
         if fail_on is None:
             return False, "report only (no --fail-on)"
         if fail_on == "any":
+            if self.first_divergent is None and self.nan_point is not None:
+                return True, f"NaN in both runs, first at {self.nan_point} (bit-identical, but not a number)"
+            if self.not_compared:
+                s = self.not_compared[0]
+                return True, f"{len(self.not_compared)} capture point(s) not compared, first {s.name} ({s.reason})"
             return (not self.identical), ("bit-identical" if self.identical else f"differs from {self.first_divergent}")
         if fail_on == "flip":
             flips = len(self.logits.argmax_flips) if self.logits is not None else 0
@@ -178,8 +221,19 @@ class Comparison:
         return None
 
     @property
+    def nan_point(self) -> str | None:
+        """The first capture point (logits included) holding a NaN in either run, or None."""
+        for p in self.points:
+            if p.diff.has_nan:
+                return p.name
+        if self.logits is not None and self.logits.tensor.has_nan:
+            return self.logits_name
+        return None
+
+    @property
     def identical(self) -> bool:
-        return self.first_divergent is None
+        """No bitwise difference and no point missing or empty in one run."""
+        return self.first_divergent is None and not self.not_compared
 
     @property
     def n_positions(self) -> int:
@@ -188,12 +242,24 @@ class Comparison:
     def verdict(self) -> str:
         """One line: ``bit-identical ...`` or ``diverges from X, K argmax flips in T positions``."""
         n_points = len(self.points) + (self.logits is not None)
+        if self.first_divergent is None and self.not_compared:
+            s = self.not_compared[0]
+            return (f"NOT comparable: {len(self.not_compared)} capture point(s) missing or empty in one run "
+                    f"(first {s.name}: {s.reason}); the {n_points} compared points agree bit for bit")
+        nan = self.nan_point
+        if self.identical and nan is not None:
+            return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
+                    "but the values are not numbers)")
         if self.identical:
             return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
                     f"{self.positions[0]}..{self.positions[1] - 1}")
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
         tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {self.n_positions} positions"
-        return f"diverges from {self.first_divergent}{tail if self.logits is not None else ''}"
+        first = next((p.diff for p in self.points if p.name == self.first_divergent), None)
+        if first is None and self.logits is not None and self.first_divergent == self.logits_name:
+            first = self.logits.tensor
+        what = f": {NAN_PAYLOAD}" if first is not None and first.nan_payload_only else ""
+        return f"diverges from {self.first_divergent}{what}{tail if self.logits is not None else ''}"
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document of ``tracer run --format json``."""
@@ -227,6 +293,7 @@ class Comparison:
                             **{"class": (classify(p, self.positions) or {}).get("class")}) for p in self.points],
             "logits": logits,
             "first_divergent": self.first_divergent,
+            "skipped": [s.to_dict() for s in self.skipped],
             "identical": self.identical,
             "verdict": self.verdict(),
             "tolerance": {"atol": self.atol, "rtol": self.rtol},
@@ -245,6 +312,13 @@ def _pairs_from_records(a: RunRecord, b: RunRecord) -> Iterator[tuple[str, str, 
         if rb is None:
             continue
         yield name, ra.kind, ra.op, ra.tensor, rb.tensor, ra.calls, rb.calls
+
+
+def missing_points(kinds_a: dict[str, str], kinds_b: dict[str, str], run_a: str, run_b: str) -> list[SkipRecord]:
+    """A :class:`SkipRecord` for every capture point of one run absent from the other
+    (``kinds_x``: capture name → kind, in execution order)."""
+    out = [skip_record(n, k, run_b, missing=True) for n, k in kinds_a.items() if n not in kinds_b]
+    return out + [skip_record(n, k, run_a, missing=True) for n, k in kinds_b.items() if n not in kinds_a]
 
 
 def check_alignable(name_a: str, ids_a: list[int], window_a, name_b: str, ids_b: list[int], window_b) -> None:
@@ -293,7 +367,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
                   facts: dict[str, Any] | None = None, atol: float | None = None,
-                  rtol: float | None = None) -> Comparison:
+                  rtol: float | None = None, skipped: Iterable[SkipRecord] = ()) -> Comparison:
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
@@ -301,7 +375,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     :class:`~tracer.diff.metrics.DiffBatch`, which holds at most one chunk's worth of pending
     tensors (only the logits pair is kept until the end, for its per-position statistics).
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
-    given) count the elements outside ``atol + rtol * |a|`` per point.
+    given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run
+    only, and every point in ``skipped`` (missing in one run), is kept as a :class:`SkipRecord`.
 
     Raises:
         TracerError: a capture point whose tensors have different shapes or dtypes in the two
@@ -319,9 +394,11 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     batch = DiffBatch(tolerance=tol)
     per_position = PositionStats(positions)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
+    skips = list(skipped)
     for name, kind, op, ta, tb, ca, cb in pairs:
-        if (ta.numel() == 0) != (tb.numel() == 0):
-            continue  # captured in one run only (e.g. no KV cache in a run that recomputes): nothing to align
+        if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
+            skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
+            continue
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
             raise TracerError(
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
@@ -362,7 +439,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                    logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol,
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
                    if logits is not None and first_max is not None else None,
-                   per_position=per_position.result())
+                   per_position=per_position.result(), skipped=tuple(skips))
     return classify_origins(c)
 
 
@@ -538,6 +615,8 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     d = p.diff
     ulp = f"max {d.max_ulp} ULP" if d.max_ulp <= 16 else f"max {d.max_ulp_mag:.3g} ULP of the larger magnitude"
     body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}, {ulp}, max |Δ| {d.max_abs_diff:.3g}"
+    if d.nan_payload_only:
+        body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}: {NAN_PAYLOAD}"
     tail = ""
     if p.kind == "kv_cache" and p.n_diff_prefix:
         inside = d.n_diff - p.n_diff_prefix
@@ -568,7 +647,9 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     return compare_pairs(_pairs_from_records(a, b), scenario=scenario, model=model,
                          positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts,
-                         atol=atol, rtol=rtol)
+                         atol=atol, rtol=rtol,
+                         skipped=missing_points({n: r.kind for n, r in a.captures.items()},
+                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name))
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
@@ -711,6 +792,8 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                     f"{reader.header.get('store', 'stats')}); 'tracer show {path}' prints its stored comparison"
                 )
         names = [n for n in caps_a if n in caps_b]
+        skipped = missing_points({n: i["kind"] for n, (i, _) in caps_a.items()},
+                                 {n: i["kind"] for n, (i, _) in caps_b.items()}, label_a, label_b)
         dev = torch.device(resolve_device(device))
         pin = dev.type == "cuda"
 
@@ -740,7 +823,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             pairs(), scenario=ra.meta.get("scenario", scen_name),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
             positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
-            facts=facts, atol=atol, rtol=rtol,
+            facts=facts, atol=atol, rtol=rtol, skipped=skipped,
         )
         if "decode_tokens" in ra.meta and "decode_tokens" in rb.meta:
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],

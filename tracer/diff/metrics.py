@@ -81,6 +81,8 @@ class TensorDiff:
             magnitude (:func:`ulp_of`). Equals the ULP distance where both values share a binade,
             but stays proportionate where a value crosses zero (``-1e-5`` vs ``+1e-5`` in bf16:
             336, twice the magnitude's 168 ulps, not the 28241 steps of ``max_ulp``); ``inf`` for a NaN/inf mismatch, 0.0 when identical.
+        n_nan_payload: differing elements that are NaN in both runs (only the payload bits
+            differ); reported as "NaN in both runs (payload differs)".
     """
 
     n_total: int
@@ -99,11 +101,22 @@ class TensorDiff:
     n_inf_a: int
     n_inf_b: int
     max_ulp_mag: float = 0.0
+    n_nan_payload: int = 0
 
     @property
     def identical(self) -> bool:
         """True when every element is bitwise equal."""
         return self.n_diff == 0
+
+    @property
+    def nan_payload_only(self) -> bool:
+        """True when every differing element is NaN in both runs (only the NaN payload differs)."""
+        return self.n_diff > 0 and self.n_nan_payload == self.n_diff
+
+    @property
+    def has_nan(self) -> bool:
+        """True when either side holds a NaN."""
+        return self.n_nan_a > 0 or self.n_nan_b > 0
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (floats may be ``inf``/``nan``; tuples become lists)."""
@@ -334,7 +347,7 @@ _ULP_BIG = 1 << 40  # above any ULP distance of a <= 32-bit dtype
 CUDA_CHUNK_ELEMENTS = 1 << 26
 
 # columns of the per-block statistics (pass 1: every block; pass 2: blocks with a difference)
-_P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b")  # int64
+_P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b", "n_nan_payload")  # int64
 _P2_SUM = ("sum_abs", "sa", "sb", "sab", "sdd")  # float64 sums over the differing elements
 _P2_MAX = ("max_abs", "max_ulp_mag")  # float64 maxima
 _P2_CNT = ("rel3", "rel5", "tol") + tuple(f"ulp_gt_{e}" for e in _ULP_EDGES[1:])  # int64 counts
@@ -479,16 +492,17 @@ class DiffBatch:
             neq.view(nb, block).sum(1),
             torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
             torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
-        ], dim=1)  # (nb, 5) int64
+            (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
+        ], dim=1)  # (nb, 6) int64
         # equal finite elements: |a - b| 0, ULP 0, relative error 0; they add a^2 to sa, sb, sab
         a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
         sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
         del a_eq
         # the one synchronisation of this chunk (sq_eq travels as its bits, in the same transfer)
         both = torch.cat([p1, sq_eq.view(torch.int64).unsqueeze(1)], 1).cpu().numpy()
-        p1_host = both[:, :5]
+        p1_host = both[:, :6]
         segs = np.repeat(np.asarray(seg_ids, dtype=np.int64), seg_blocks)  # segment of each block
-        self._fold_p1(segs, p1_host, both[:, 5].copy().view(np.float64))
+        self._fold_p1(segs, p1_host, both[:, 6].copy().view(np.float64))
         hot = np.flatnonzero(p1_host[:, 0])
         if hot.size == 0:
             return
@@ -631,7 +645,7 @@ class DiffBatch:
                 frac_rel_lt_1e3=(n - n_diff + int(c[0])) / n if n else 1.0,
                 frac_rel_lt_5e3=(n - n_diff + int(c[1])) / n if n else 1.0,
                 n_nan_a=int(q1[1]), n_nan_b=int(q1[2]), n_inf_a=int(q1[3]), n_inf_b=int(q1[4]),
-                max_ulp_mag=float(mx[1]),
+                max_ulp_mag=float(mx[1]), n_nan_payload=int(q1[5]),
             ))
             tol.append(int(c[2]))
         self._segment_diff = p1[:len(self._seg_n), 0].copy()

@@ -22,6 +22,7 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.load.models import data_dir
 from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.load.recipe_check import check_hook_map
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,8 +67,11 @@ class CapturePoint:
 def _hook_maps() -> tuple[dict[str, Any], ...]:
     maps = []
     for path in sorted(data_dir("hooks").glob("*.toml")):
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                data = check_hook_map(tomllib.load(f), path)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise TracerError(f"hook map {path} cannot be read: {exc}; fix or delete the file") from None
         data["_path"] = str(path)
         maps.append(data)
     return tuple(maps)

@@ -32,6 +32,9 @@ import torch
 
 from tracer import dtypes
 from tracer.errors import TracerError
+from tracer.files import check_gguf_file
+from tracer.load.offline import ensure_offline
+from tracer.load.recipe_check import check_recipe_data, clean_stale_temp_dirs, inside
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -175,8 +178,9 @@ def _read_recipe(path: Path) -> Recipe:
             f"recipe {path}: missing keys {missing}, unknown keys {unknown}; "
             f"a {kind} recipe takes {', '.join(valid)}"
         )
-    if kind == "random-init" and "model_type" not in data["config"]:
+    if kind == "random-init" and (not isinstance(data["config"], dict) or "model_type" not in data["config"]):
         raise TracerError(f"recipe {path}: [config] needs model_type (llama, qwen3, gpt2, ...)")
+    check_recipe_data(data, path)  # names, module, file: data that must not reach outside tracer's folders
     return Recipe(name=data["name"], kind=kind, description=data["description"], data=data, path=path)
 
 
@@ -479,7 +483,7 @@ def _find_in_sys_path(module: str, file: str) -> Path | None:
     dirs += [os.path.join(p, module) for p in sys.path if p]
     for d in dirs:
         candidate = Path(d) / file
-        if candidate.is_file():
+        if candidate.is_file() and inside(candidate, Path(d)):  # a symlink out of the package is not its file
             return candidate
     return None
 
@@ -504,7 +508,7 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
             path = Path(value).expanduser()
             if not path.is_file():
                 raise TracerError(f"{origin} names {value!r}, which is not a file; {hint}")
-            return path.resolve()
+            return Path(check_gguf_file(path, origin)).resolve()  # the user's explicit file: must be GGUF
     found = _find_in_sys_path(data["module"], data["file"])
     if found is None:
         raise TracerError(hint)
@@ -518,7 +522,8 @@ def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: b
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    clean_stale_temp_dirs(target.parent, f".{target.name}.")  # folders of builds killed midway
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     try:
         folder, fname = str(gguf_path.parent), gguf_path.name
         with _status(progress, f"building the {recipe.name} cache from {fname} (once; ~30 s)"), \
@@ -613,11 +618,15 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
             model = AutoModelForCausalLM.from_pretrained(
                 where, attn_implementation=attn, **kwargs, **_dtype_kwarg(dtype)
             )
+        except OSError as exc:  # a broken checkpoint: unreadable or invalid config.json, missing weights
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise TracerError(f"model {name!r} at {where} cannot be loaded: {first}; fix or re-save the checkpoint") from None
         except ValueError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise TracerError(
                 f"model {name!r} cannot be loaded with attn_implementation={attn}: {first}; "
-                "try --attn eager, or --trust-remote-code for custom architectures"
+                "try --attn eager; a custom architecture needs tracer.load_model(..., trust_remote_code=True) "
+                "in Python (the CLI never runs a model's own code)"
             ) from None
         try:
             tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
@@ -689,6 +698,7 @@ def load_model(
         TracerError: bad dtype/device/attn, unknown model, missing GGUF, broken recipe, or an
             unsupported option combination (``gguf`` with a non-GGUF model).
     """
+    ensure_offline()  # no network unless TRACER_ALLOW_NETWORK=1
     torch_dtype = resolve_dtype(dtype)
     if device_map is not None:
         if device is not None:

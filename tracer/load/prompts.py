@@ -8,8 +8,6 @@ prefix-cache split (the last block boundary below N) leaves a short suffix, as a
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from tracer.errors import TracerError
@@ -57,22 +55,12 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
     check_prompt_sources(prompt, prompt_file, token_ids_file, token_ids)
     if token_ids is not None:
         return None, [int(i) for i in token_ids]
-    if prompt_file is not None:
-        try:
-            return Path(prompt_file).read_text(encoding="utf-8"), None
-        except OSError as e:
-            raise TracerError(f"cannot read --prompt-file {prompt_file}: {e.strerror}; check the path") from None
+    from tracer.files import read_text_file, read_token_ids
+
+    if prompt_file is not None:  # regular UTF-8 files only: a FIFO or device would block
+        return read_text_file(prompt_file, "--prompt-file"), None
     if token_ids_file is not None:
-        try:
-            data = json.loads(Path(token_ids_file).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise TracerError(f"cannot read --token-ids-file {token_ids_file}: {e.strerror}; check the path") from None
-        except json.JSONDecodeError as e:
-            raise TracerError(f"--token-ids-file {token_ids_file} is not JSON ({e.msg} at line {e.lineno}); "
-                              "it must hold a JSON array of ints, e.g. [1, 2, 3]") from None
-        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise TracerError(f"--token-ids-file {token_ids_file} must hold a JSON array of ints, e.g. [1, 2, 3]")
-        return None, data
+        return None, read_token_ids(token_ids_file)
     if prompt is not None:
         return prompt, None
     return DEFAULT_PROMPT, None

@@ -113,6 +113,10 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
+    if outdir is not None:
+        from tracer.store.integrity import check_output_path
+
+        check_output_path(Path(outdir) / "bench.h5", True, "--outdir")  # name length, writable folder
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, device=device, gguf=gguf,
                                           block_size=block_size, granularity=granularity, kv_cache=kv_cache,
                                           store="none"))

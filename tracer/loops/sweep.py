@@ -20,6 +20,10 @@ from typing import Any, Callable
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.report.progress import ItemProgress
+
+#: the largest value and the most values one --lengths / --block-sizes list may hold
+MAX_VALUE = 1 << 24
+MAX_POINTS = 100_000
 from tracer.store.sweepfile import (MATRIX_FIELDS, ROW_FIELDS, SweepFile, SweepResult, SweepRow, compress_ranges,
                                     default_output, is_sweep_file, read_sweep)
 
@@ -49,12 +53,14 @@ def parse_int_list(spec: str, what: str = "--lengths") -> list[int]:
             start, stop, step = nums[0], nums[1], (nums[2] if len(nums) == 3 else 1)
             if step < 1 or stop < start:
                 raise TracerError(f"{what} range {item!r} must have start <= stop and step >= 1 (stop is inclusive)")
+            if stop > MAX_VALUE or (stop - start) // step >= MAX_POINTS:  # before anything is allocated
+                raise TracerError(f"{what} range {item!r} is too large: at most {MAX_POINTS} values up to {MAX_VALUE}")
             values = list(range(start, stop + 1, step))
         else:
             raise TracerError(f"{what} item {item!r} has too many ':'; use start:stop[:step]")
         for v in values:
-            if v < 1:
-                raise TracerError(f"{what} holds {v}; values must be positive")
+            if not 1 <= v <= MAX_VALUE:
+                raise TracerError(f"{what} holds {v if len(str(v)) < 24 else str(v)[:12] + '...'}; values must be positive, at most {MAX_VALUE}")
             if v not in seen:
                 seen.add(v)
                 out.append(v)
@@ -207,7 +213,11 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     """The sweep file (None: in memory), refused when it is a folder or another kind of file."""
     if cfg.store.mode == "none":
         return None
-    out = Path(cfg.store.output) if cfg.store.output is not None else default_output(cfg.model.name, scenario)
+    from tracer.store.integrity import check_name_length, check_output_path
+
+    out = check_name_length(cfg.store.output if cfg.store.output is not None else default_output(cfg.model.name, scenario),
+                            "--output")
+    check_output_path(out, cfg.store.overwrite, "--output", resume=True)  # before is_sweep_file opens it
     if out.is_dir():
         raise TracerError(f"--output {out} is a directory; give a file path ending in .h5")
     if out.exists() and not cfg.store.overwrite and not is_sweep_file(out):

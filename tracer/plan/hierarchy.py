@@ -89,8 +89,10 @@ def parse_levels(levels: str | None) -> list[int]:
     Raises:
         TracerError: not a comma-separated list of integers 0-7.
     """
-    if levels is None or not levels.strip():
+    if levels is None:
         return list(range(8))
+    if not levels.replace(",", "").strip():  # "" is a mistake, not "all levels"
+        raise TracerError("--levels is empty; give e.g. --levels 0,1,2, or leave it out for all levels")
     try:
         out = sorted({int(x) for x in levels.split(",") if x.strip()})
     except ValueError:

@@ -322,7 +322,7 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
 
 def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
     """:class:`PositionDiffs` from the per-position data a comparison carries
-    (:attr:`~tracer.compare.Comparison.per_position`; no tensor is read), None when it has none.
+    (:attr:`~tracer.diff.core.Comparison.per_position`; no tensor is read), None when it has none.
     With more compared positions than :data:`tracer.diff.positions.MAX_COLUMNS`, columns are bins of
     consecutive positions (max |Δ| and counts per bin)."""
     pp = getattr(comparison, "per_position", None)
@@ -628,14 +628,16 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
-    p = Path(path)
+    from tracer.store.trace.integrity import check_name_length, check_output_path
+
+    p = check_name_length(path, "figure file")
     if p.suffix.lower() not in SUFFIXES:
         raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")
     if p.is_dir():
         raise TracerError(f"figure file {p} is a directory; give a file name ending in .png or .svg")
     if p.exists() and not overwrite:
         raise TracerError(f"{p} exists; pass --overwrite to replace it or choose another -o")
-    return p
+    return check_output_path(p, overwrite, "figure file")  # FIFOs, devices, file/p.png, read-only folders
 
 
 def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, dpi: int = 110) -> Path:
@@ -659,7 +661,7 @@ def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, d
 def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, trace: str | None = None,
                run_names: tuple[str | None, str | None] = (None, None), layers: Sequence[str | int] | None = None,
                sweep: Any = None):
-    """Dispatch ``kind`` to a figure from whatever is at hand (``tracer.plot`` and ``RunResult.plot``).
+    """Dispatch ``kind`` to a figure from whatever is at hand (``tracer.report.plot`` and ``RunResult.plot``).
 
     Raises:
         TracerError: unknown kind, or a heat map with neither in-memory runs nor a trace.
@@ -682,6 +684,6 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
             raise TracerError("a heat map needs the captured tensors: run with store='tensors' (the default)")
         case "sweep":
             if sweep is None:
-                raise TracerError("kind 'sweep' plots a sweep; pass a SweepResult or a sweep file to tracer.plot")
+                raise TracerError("kind 'sweep' plots a sweep; pass a SweepResult or a sweep file to tracer.report.plot")
             return sweep_figure(sweep)
     raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")

@@ -25,6 +25,7 @@ from tracer.diff.metrics import ULP_BINS
 from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
 from tracer.diff.provenance import classify, merged_kernels
+from tracer.report.tables.textsafe import printable
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -149,11 +150,16 @@ def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[
     """The table columns: ``--columns a,b`` (keys of :data:`COLUMNS`), ``--wide`` (all), or the default.
 
     Raises:
-        TracerError: an unknown column key (the message lists the known ones).
+        TracerError: an unknown column key (the message lists the known ones), an empty list,
+            or ``--wide`` together with ``--columns``.
     """
-    if columns is None or columns == "" or columns == []:
+    if columns is None:
         return WIDE_COLUMNS if wide else DEFAULT_COLUMNS
+    if wide:
+        raise TracerError("--wide shows every column and --columns picks some; give one of them")
     keys = [k.strip() for k in (columns.split(",") if isinstance(columns, str) else columns) if k.strip()]
+    if not keys:
+        raise TracerError(f"--columns is empty; give some of: {', '.join(COLUMNS)}")
     bad = [k for k in keys if k not in COLUMNS]
     if bad:
         raise TracerError(f"unknown column '{bad[0]}' in --columns; use some of: {', '.join(COLUMNS)}")
@@ -215,7 +221,8 @@ def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[
     if len(shown) < len(all_rows):
         caption = (f"{len(shown)} of {len(all_rows)} rows: the first point, the origin, rows where the differing "
                    f"count changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)\n" + caption)
-    t = Table(title=_title(c), caption=caption,
+    # text from the trace is data: no markup, control characters escaped
+    t = Table(title=Text(printable(_title(c))), caption=Text(printable(caption, newlines=True)),
               title_justify="left", caption_justify="left", header_style="bold")
     for key in columns:
         t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
@@ -226,8 +233,12 @@ def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[
         if r["n_diff"]:
             style = "bold red" if r["origin"] else "red"
         mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
-        cells = [Text(r["name"] + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
+        cells = [Text(printable(r["name"]) + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
         t.add_row(*cells, style=style)
+    for sk in c.skipped:  # never dropped: a point that could not be compared is a row too
+        cells = [Text(f"{printable(sk.name)}  ◀ not compared: {printable(sk.reason)}") if key == "point" else "-"
+                 for key in columns]
+        t.add_row(*cells, style="bold red" if sk.fails else "dim")
     return t
 
 
@@ -289,26 +300,26 @@ def print_report(c: Comparison, console: Console | None = None,
     for key, text in head:
         style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
         line = Text(f"{key + ':':<{width + 1}} ", style="bold")
-        line.append(text, style=style)
+        line.append(printable(text), style=style)
         console.print(line, soft_wrap=True)
     console.print()
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
     console.print(table(c, columns, keep))
     for line in logits_lines(c):
-        console.print(line, soft_wrap=True)
-    for line in flips_lines(c):
-        console.print(f"  {line}", soft_wrap=True)
-    for line in replay_lines(c):
         console.print(line, soft_wrap=True, markup=False)
+    for line in flips_lines(c):
+        console.print(f"  {line}", soft_wrap=True, markup=False)
+    for line in replay_lines(c):
+        console.print(printable(line), soft_wrap=True, markup=False)
     if c.noise is not None:
         for line in c.noise.lines():
-            console.print(line, soft_wrap=True)
+            console.print(printable(line), soft_wrap=True, markup=False)
     for line in c.facts.get("notes", []):
-        console.print(f"  {line}", highlight=False, soft_wrap=True)
+        console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
-    console.print(Text(f"verdict: {c.verdict()}", style=style))
+    console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
-        console.print(f"trace: {c.trace}", style="dim")
+        console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
@@ -350,6 +361,9 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     for r in rows(c):
         cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
                  for k in columns]
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
+    for sk in c.skipped:
+        cells = [f"{sk.name} **◀ not compared: {sk.reason}**" if k == "point" else "-" for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     lines.append("")
     if "ulp" in columns:

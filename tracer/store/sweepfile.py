@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,8 +179,11 @@ class SweepFile:
                 if name in g and g[name].shape[0] != n:
                     g[name].resize(n, axis=0)
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = h5py.File(self.path, "w")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.f = h5py.File(self.path, "w")
+            except OSError as e:
+                raise TracerError(f"cannot create {self.path} ({e.strerror or e}); choose another --output") from None
             from tracer import __version__
 
             self.f.attrs["format"] = FORMAT
@@ -215,8 +219,14 @@ class SweepFile:
         """Append one finished point and flush; the runs of trace ``runs_from`` are copied in when given.
 
         Raises:
-            TracerError: the point's capture points differ from the earlier points'.
+            TracerError: the point's capture points differ from the earlier points', or the disk
+                has no room for it.
         """
+        from tracer.store.integrity import check_space
+
+        # writes happen in place: a failing one would break HDF5 and the file, so check first
+        check_space(self.path, (runs_from.stat().st_size if runs_from is not None else 0) + (1 << 20),
+                    f"sweep file {self.path}")
         g = self.group
         n = int(g.attrs["n_done"])
         points = json.loads(g.attrs["points"])
@@ -315,9 +325,9 @@ def read_sweep(path: str | Path) -> SweepResult:
     Raises:
         TracerError: missing file, not a sweep file, unknown format version.
     """
-    p = Path(path)
-    if not p.exists():
-        raise TracerError(f"sweep file {p} not found")
+    from tracer.files import check_input_file
+
+    p = check_input_file(path, "sweep file")  # a FIFO or device would block the read
     f = _open_sweep(p, "r")
     try:
         return _result_from_file(f, str(p))
@@ -328,14 +338,13 @@ def read_sweep(path: str | Path) -> SweepResult:
 def is_sweep_file(path: str | Path) -> bool:
     """True if ``path`` is an HDF5 file with ``format = "tracer-sweep"``."""
     import h5py
+    import stat
 
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or device: it would block
+            return False
         with h5py.File(path, "r") as f:
             return f.attrs.get("format") == FORMAT
-    except OSError:
+    except Exception:  # noqa: BLE001 - any unreadable file is "not a sweep file"
         return False
-
-
-# ---------------------------------------------------------------- running a sweep
-
 

@@ -41,6 +41,10 @@ import torch
 from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.store.trace.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_name_length,
+                                    check_output_path, clean_stale_partials, crc32_bytes, partial_pid, seal, set_text,
+                                    write_error_message)
+from tracer.store.trace.validate import load_json, validate_trace
 
 FORMAT = "tracer-trace"
 FORMAT_VERSION = 1
@@ -257,8 +261,11 @@ def numpy_to_tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compression: str | None = None) -> h5py.Dataset:
-    """Write ``tensor`` bit-exactly as dataset ``group[name]`` with a ``dtype`` attribute.
+def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compression: str | None = None,
+                 attrs: dict[str, Any] | None = None) -> h5py.Dataset:
+    """Write ``tensor`` bit-exactly as dataset ``group[name]`` with a ``dtype`` attribute, the
+    given extra ``attrs``, and a ``crc32`` attribute sealing them and the data's raw bytes
+    (:func:`tracer.store.integrity.seal`; CRC-32 of the bytes costs ~0.1 s per GiB, see the README).
 
     One ``create_dataset`` call. Without compression the dataset is contiguous: reading it
     back is one sequential read, at the disk's speed (measured on the H200 machine: 1 MiB
@@ -271,8 +278,12 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compress
         row_bytes = array.itemsize * (array.size // array.shape[0])
         rows = max(1, min(array.shape[0], CHUNK_BYTES // max(1, row_bytes)))
         chunks = (rows, *array.shape[1:])
+    data_crc = crc32_bytes(array)
     ds = group.create_dataset(name, data=array, chunks=chunks, compression=compression if chunks else None)
-    ds.attrs["dtype"] = dtype
+    set_text(ds, "dtype", dtype)
+    for key, value in (attrs or {}).items():
+        set_text(ds, key, value) if isinstance(value, str) else ds.attrs.create(key, value)
+    seal(ds, data_crc)
     return ds
 
 
@@ -282,28 +293,71 @@ def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = Fals
     Args:
         pin: read straight into page-locked (pinned) host memory, from which a non-blocking copy
             to a GPU runs at full speed (needs CUDA; whole datasets only).
+
+    A whole-dataset read is checked against the dataset's ``crc32`` (when it has one); a
+    ``rows`` slice is not (its checksum covers the whole dataset).
+
+    Raises:
+        TracerError: ``trace corrupt: <name> in run <run> fails its checksum``, an unreadable
+            dataset, or a missing/unknown dtype.
     """
     try:
-        dtype = str(ds.attrs["dtype"])
+        dtype = attr_text(ds.attrs["dtype"])
+        if dtype is None:
+            raise KeyError("dtype")
+        expected = _data_crc(ds) if rows is None else None
+        if pin and rows is None and dtype in _DTYPES and ds.dtype == _STORED[dtype] and ds.size > 0:
+            raw16 = dtype in _RAW16
+            out = torch.empty(ds.shape, dtype=torch.int16 if raw16 else _DTYPES[dtype], pin_memory=True)
+            view = out.numpy().view(np.uint16) if raw16 else out.numpy()
+            ds.read_direct(view)  # no conversion: the stored type and the buffer's agree
+            _verify_data(ds, view, expected)
+            return out.view(_DTYPES[dtype]) if raw16 else out
+        data = np.asarray(ds[()] if rows is None else ds[rows])
     except KeyError:
-        raise TracerError(f"dataset {ds.name} has no dtype attribute; the trace is corrupt, re-run it") from None
-    if pin and rows is None and dtype in _DTYPES and ds.dtype == _STORED[dtype] and ds.size > 0:
-        raw16 = dtype in _RAW16
-        out = torch.empty(ds.shape, dtype=torch.int16 if raw16 else _DTYPES[dtype], pin_memory=True)
-        view = out.numpy().view(np.uint16) if raw16 else out.numpy()
-        ds.read_direct(view)  # no conversion: the stored type and the buffer's agree
-        return out.view(_DTYPES[dtype]) if raw16 else out
-    data = ds[()] if rows is None else ds[rows]
-    return numpy_to_tensor(np.asarray(data), dtype)
+        raise TracerError(f"trace corrupt: {describe_dataset(ds)} has no dtype attribute; re-run it") from None
+    except (OSError, RuntimeError, ValueError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0][:120]
+        raise TracerError(f"trace corrupt: {describe_dataset(ds)} cannot be read ({first}); re-run it") from None
+    _verify_data(ds, data, expected)
+    return numpy_to_tensor(data, dtype)
+
+
+def describe_dataset(ds: h5py.Dataset) -> str:
+    """``model.layers.3 in run A`` for ``/runs/A/captures/model.layers.3`` (else the HDF5 path)."""
+    parts = ds.name.split("/")
+    if len(parts) >= 5 and parts[-2] == "captures":
+        return f"{parts[-1]} in run {parts[-3]}"
+    if len(parts) >= 3 and parts[-1] == "token_ids":
+        return f"token_ids of run {parts[-2]}"
+    return ds.name
+
+
+def _data_crc(ds: h5py.Dataset) -> int | None:
+    """The CRC-32 stored for ``ds``'s data, or None (a trace written before checksums)."""
+    raw = ds.attrs.get("crc32")
+    if raw is None:
+        return None
+    sums = load_json(raw, ds.file.filename, f"the checksum of {describe_dataset(ds)}", dict)
+    value = sums.get(DATA_KEY)
+    if not isinstance(value, int):
+        raise TracerError(f"trace corrupt: {describe_dataset(ds)} fails its checksum; re-run it")
+    return value
+
+
+def _verify_data(ds: h5py.Dataset, array: np.ndarray, expected: int | None) -> None:
+    if expected is not None and crc32_bytes(array) != expected:
+        raise TracerError(f"trace corrupt: {describe_dataset(ds)} fails its checksum; the file was damaged "
+                          "after it was written, re-run it")
 
 
 def _capture_info(ds: h5py.Dataset) -> dict[str, Any]:
     attrs = ds.attrs
     return {
-        "kind": str(attrs["kind"]),
-        "op": str(attrs["op"]),
+        "kind": attr_text(attrs["kind"]),
+        "op": attr_text(attrs["op"]),
         "calls": json.loads(attrs["calls"]),
-        "dtype": str(attrs["dtype"]),
+        "dtype": attr_text(attrs["dtype"]),
         "shape": list(ds.shape),
     }
 
@@ -323,11 +377,8 @@ def write_capture(group: h5py.Group, record: CaptureRecord, *, compression: str 
         TracerError: invalid name, unsupported dtype, or calls not JSON-able.
     """
     calls = _check_capture(record)
-    ds = write_tensor(group, record.name, record.tensor, compression=compression)
-    ds.attrs["kind"] = str(record.kind)
-    ds.attrs["op"] = str(record.op)
-    ds.attrs["calls"] = calls
-    return ds
+    return write_tensor(group, record.name, record.tensor, compression=compression,
+                        attrs={"kind": str(record.kind), "op": str(record.op), "calls": calls})
 
 
 def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
@@ -351,11 +402,13 @@ def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = Non
     meta = _json_dumps(run.meta, f"meta of run {run.name}")
     g = runs.create_group(run.name, track_order=True)
     try:
-        g.attrs["plan"] = plan
-        g.attrs["meta"] = meta
+        set_text(g, "plan", plan)
+        set_text(g, "meta", meta)
         g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
-        g.attrs["capture_order"] = json.dumps(list(run.captures))
-        g.create_dataset("token_ids", data=np.asarray(run.token_ids, dtype=np.int64).reshape(-1))
+        set_text(g, "capture_order", json.dumps(list(run.captures)))
+        ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
+        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
+        seal(g)
         captures = g.create_group("captures", track_order=True)
         for record in run.captures.values():
             write_capture(captures, record, compression=compression)
@@ -422,40 +475,57 @@ class TraceWriter:
         if compression not in COMPRESSIONS:
             raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
         self.compression = compression
+        check_name_length(self.path, "trace")
         if self.path.is_dir():
             raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
-        if self.path.exists() and not overwrite:
-            raise TracerError(f"trace {self.path} exists; pass --overwrite or choose another --output")
+        check_output_path(self.path, overwrite, "trace")
         header_json = _json_dumps(header, "the trace header")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
+        clean_stale_partials(self.path)
         self.partial_path = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        self._guard: GuardedFile | None = None
+        self._file: h5py.File | None = None
         try:
-            self._file: h5py.File | None = h5py.File(self.partial_path, "w", track_order=True)
+            self.partial_path.unlink(missing_ok=True)  # our own PID's leftover from an earlier writer
+            # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
+            self._guard = GuardedFile(self.partial_path)
+            self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
         except OSError as e:
-            raise TracerError(f"cannot create {self.partial_path} ({e}); choose another --output") from None
+            self.abort()
+            raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
         try:
             f = self._file
-            f.attrs["format"] = FORMAT
+            set_text(f, "format", FORMAT)
             f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            set_text(f, "tool_version", _tool_version())
+            set_text(f, "checksums", CHECKSUMS)
+            seal(f)
             f.attrs["complete"] = False
-            f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-            f.attrs["tool_version"] = _tool_version()
             h = f.create_group("header")
-            h.attrs["json"] = header_json
+            set_text(h, "json", header_json)
             for key, value in _flat_scalars(header).items():
-                if key != "json":
-                    h.attrs[key] = value
+                if key not in ("json", "crc32"):
+                    set_text(h, key, value) if isinstance(value, str) else h.attrs.create(key, value)
+            seal(h)
             self._runs = f.create_group("runs", track_order=True)
-            self._runs.attrs["order"] = "[]"
+            set_text(self._runs, "order", "[]")
+            seal(self._runs)
             self._run_names: list[str] = []
+            self._check_io()
         except BaseException:
             self.abort()
             raise
         if background:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
+
+    def _check_io(self) -> None:
+        """Raise the first write error the guard recorded (disk full, ``ulimit -f``) as one line."""
+        if self._guard is not None and self._guard.error is not None:
+            raise TracerError(write_error_message(self.path, self._guard.error))
 
     def _require_open(self) -> h5py.File:
         if self._file is None:
@@ -484,9 +554,15 @@ class TraceWriter:
     def _write_run(self, run: RunRecord, ready: Callable[[], None] | None = None) -> None:
         if ready is not None:
             ready()
-        write_run(self._runs, run, compression=self.compression)
+        try:
+            write_run(self._runs, run, compression=self.compression)
+        except (OSError, RuntimeError):
+            self._check_io()  # a write error reported by HDF5 after the guard's: say the cause
+            raise
+        self._check_io()
         self._run_names.append(run.name)
-        self._runs.attrs["order"] = json.dumps(self._run_names)
+        set_text(self._runs, "order", json.dumps(self._run_names))
+        seal(self._runs)
 
     def _drain(self) -> None:
         """Wait for the background writes (if any); re-raise the first error; stop the thread."""
@@ -512,7 +588,10 @@ class TraceWriter:
         comps = f.require_group("comparisons")
         if name in comps:
             raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
-        comps.create_group(name).attrs["json"] = text
+        g = comps.create_group(name)
+        set_text(g, "json", text)
+        seal(g)
+        self._check_io()
 
     def close(self) -> None:
         """Mark the trace complete, close it and move it onto ``path`` (idempotent).
@@ -525,16 +604,18 @@ class TraceWriter:
             return
         try:
             self._drain()
-        except BaseException:
-            self.abort()
-            raise
-        f, self._file = self._file, None
-        try:
+            self._check_io()
+            f = self._file
             f.attrs["complete"] = True
             f.flush()
             f.close()
+            self._file = None
+            guard, self._guard = self._guard, None
+            guard.close()
+            if guard.error is not None:
+                raise TracerError(write_error_message(self.path, guard.error))
         except BaseException:
-            self.partial_path.unlink(missing_ok=True)
+            self.abort()
             raise
         if self.overwrite:
             os.replace(self.partial_path, self.path)
@@ -565,9 +646,12 @@ class TraceWriter:
         f, self._file = self._file, None
         if f is not None:
             try:
-                f.close()
+                f.close()  # safe after a write error: the guard kept it from HDF5
             except Exception:  # noqa: BLE001 - closing a broken file must not mask the cause
                 pass
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.close()
         self.partial_path.unlink(missing_ok=True)
 
     def __enter__(self) -> TraceWriter:
@@ -598,41 +682,49 @@ class TraceReader:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
-            raise TracerError(f"trace file {self.path} not found")
+        self.path = check_input_file(path, "trace file")
+        self._file: h5py.File | None = None
         try:
-            self._file: h5py.File | None = h5py.File(self.path, "r")
-        except OSError:
+            self._file = h5py.File(self.path, "r")
+        except Exception:  # noqa: BLE001 - h5py raises OSError, RuntimeError, ... for damaged files
+            pid = partial_pid(self.path)
+            if pid is not None:  # a writer killed before HDF5 flushed its superblock
+                raise TracerError(f"{self.path} is incomplete: the partial file of writer process {pid}, which "
+                                  "did not finish; re-run it") from None
             raise TracerError(f"{self.path} is not a readable HDF5 file (truncated or corrupt?)") from None
         try:
             self._open()
+        except TracerError:
+            self.close()
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+            self.close()
+            first = (str(e).splitlines() or [""])[0][:100]
+            raise TracerError(f"trace corrupt: {self.path} cannot be read ({type(e).__name__}: {first}); re-run it") from None
         except BaseException:
             self.close()
             raise
 
     def _open(self) -> None:
         f = self._f
-        fmt = f.attrs.get("format")
+        fmt = attr_text(f.attrs.get("format"))
         if fmt != FORMAT:
             raise TracerError(f"{self.path} is not a tracer trace (no format={FORMAT!r} attribute); pass a file written by tracer")
-        version = f.attrs.get("format_version")
-        try:
-            version = int(version)
-        except (TypeError, ValueError):
-            version = None
+        raw = f.attrs.get("format_version")
+        # an integer, stored as one: "1" or 1.5 are not version 1
+        version = int(raw) if isinstance(raw, (int, np.integer)) and not isinstance(raw, (bool, np.bool_)) else None
         if version not in READ_VERSIONS:
             known = ", ".join(map(str, READ_VERSIONS))
-            raise TracerError(f"{self.path} has trace format_version {version}; this tracer reads version {known}; use a matching tracer or re-run")
+            shown = repr(raw.item() if isinstance(raw, np.generic) else raw)[:20]
+            raise TracerError(f"{self.path} has trace format_version {shown}; this tracer reads version {known}; use a matching tracer or re-run")
         complete = f.attrs.get("complete")
         if not (isinstance(complete, (bool, np.bool_)) and bool(complete)):
             raise TracerError(f"{self.path} is incomplete: the run that wrote it did not finish; re-run it")
         self.format_version = version
-        try:
-            self.header: dict[str, Any] = json.loads(f["header"].attrs["json"])
-            self.runs: list[str] = json.loads(f["runs"].attrs["order"])
-        except (KeyError, ValueError):
-            raise TracerError(f"{self.path} lacks its header or run list; the trace is corrupt, re-run it") from None
+        #: True when the file carries checksums (verified on every read); False: written before them
+        self.checksummed = validate_trace(f, self.path)
+        self.header: dict[str, Any] = json.loads(f["header"].attrs["json"])
+        self.runs: list[str] = json.loads(f["runs"].attrs["order"])
 
     @property
     def _f(self) -> h5py.File:
@@ -700,9 +792,12 @@ class TraceReader:
                 tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
             captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
         start, stop = (int(x) for x in g.attrs["window"])
+        ids_ds = g["token_ids"]
+        ids = np.asarray(ids_ds[()])
+        _verify_data(ids_ds, ids, _data_crc(ids_ds))
         return RunRecord(
             name=name,
-            token_ids=[int(x) for x in g["token_ids"][()]],
+            token_ids=[int(x) for x in ids],
             plan=json.loads(g.attrs["plan"]),
             window=(start, stop),
             captures=captures,
@@ -761,7 +856,8 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
     """
     if output is None:
         return
-    p = Path(output)
+    p = check_name_length(output, "--output")
+    check_output_path(p, overwrite, "--output")  # devices, FIFOs, long names, read-only folders
     if p.is_dir():
         raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
     if p.exists() and not overwrite:

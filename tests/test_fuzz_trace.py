@@ -1,0 +1,141 @@
+"""Seeded mutation fuzz of a small real trace (issue 16): every outcome is the original result or a
+one-line TracerError; never a silent wrong answer, a traceback, a hang or a crash.
+
+A worker process (spawned once, restarted after a hang or crash) opens each mutated copy through
+the public reader (header, runs, run metadata, stored comparisons) and compares its two runs;
+the parent bounds each case with a timeout. The original answer comes from the unmutated file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+N_CASES = int(os.environ.get("TRACER_FUZZ_CASES", "240"))
+SEED = 16
+CASE_TIMEOUT_S = 20.0
+
+
+def outcome(path: str):
+    """What a user sees: ``("ok", summary)`` or ``("error", message)`` for a TracerError; any
+    other exception is ``("exception", type and message)``."""
+    import tracer
+    from tracer.errors import TracerError
+
+    try:
+        with tracer.read_trace(path) as r:
+            runs = [(name, r.run(name, load_tensors=False)) for name in r.runs]
+            shown = (r.header, [(n, rec.token_ids, rec.window, rec.plan, rec.meta, list(rec.captures)) for n, rec in runs],
+                     r.comparisons())
+            tensors = {(n, cap): r.tensor(n, cap).view(-1).float().sum().item() for n, _ in runs for cap in r.capture_names(n)}
+        c = tracer.compare_trace(path, device="cpu")
+        points = [(p.name, p.diff.n_diff, p.diff.max_abs_diff) for p in c.points]
+        return "ok", repr((shown, sorted(tensors.items()), c.verdict(), c.identical, points,
+                           [s.to_dict() for s in c.skipped], c.check("any")))
+    except TracerError as e:
+        return "error", str(e)
+    except Exception as e:  # noqa: BLE001 - the fuzz reports it as a failure
+        return "exception", f"{type(e).__name__}: {e}"
+
+
+def _worker(conn) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        path = conn.recv()
+        if path is None:
+            return
+        conn.send(outcome(path))
+
+
+class Worker:
+    """One spawned process answering :func:`outcome` requests, with a timeout per request."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.conn, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
+        self.proc.start()
+
+    def ask(self, path: str, timeout: float):
+        self.conn.send(path)
+        if self.conn.poll(timeout):
+            try:
+                return self.conn.recv()
+            except EOFError:
+                pass
+        code = self.proc.exitcode
+        self.proc.kill()
+        self.proc.join()
+        self.start()
+        return ("hang", f"no answer in {timeout} s") if code is None else ("crash", f"exit code {code}")
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def mutate(data: bytearray, rng: random.Random) -> tuple[bytearray, str]:
+    """One mutation: a bit flip, a random byte, a zeroed block or a truncation."""
+    out = bytearray(data)
+    kind = rng.choice(("flip", "byte", "zero", "truncate"))
+    at = rng.randrange(len(out))
+    if kind == "flip":
+        out[at] ^= 1 << rng.randrange(8)
+    elif kind == "byte":
+        out[at] = rng.randrange(256)
+    elif kind == "zero":
+        n = rng.randrange(1, 256)
+        out[at:at + n] = bytes(len(out[at:at + n]))
+    else:
+        del out[at:]
+    return out, f"{kind}@{at}"
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory) -> Path:
+    """A real trace of tiny-llama (prefix-cache, float32, 24 tokens) made by this test."""
+    import tracer
+
+    path = tmp_path_factory.mktemp("fuzz") / "t.h5"
+    tracer.run("tiny-llama", prompt="ab" * 12, device="cpu", dtype="float32", output=str(path), progress=False,
+               block_size=16)
+    return path
+
+
+def test_mutations_give_the_original_result_or_one_line_error(small_trace, tmp_path):
+    worker = Worker()
+    try:
+        status, original = worker.ask(str(small_trace), 120)
+        assert status == "ok", original
+        data = bytearray(small_trace.read_bytes())
+        rng = random.Random(SEED)
+        bad, counts = [], {"ok": 0, "error": 0}
+        case = tmp_path / "case.h5"
+        for i in range(N_CASES):
+            mutated, what = mutate(data, rng)
+            case.write_bytes(mutated)
+            status, detail = worker.ask(str(case), CASE_TIMEOUT_S)
+            if status == "ok" and detail == original:
+                counts["ok"] += 1
+            elif status == "error" and "\n" not in detail and detail:
+                counts["error"] += 1
+            else:
+                bad.append((i, what, status, detail if status != "ok" else "a different answer"))
+                shutil.copy(case, tmp_path / f"bad-{i}.h5")
+        assert not bad, f"{len(bad)} of {N_CASES} mutations gave a wrong answer, traceback, hang or crash: {bad[:5]}"
+        assert counts["error"] > N_CASES // 4  # most mutations hit data or metadata and are caught
+    finally:
+        worker.close()
