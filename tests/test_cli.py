@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tracer.store.trace import TraceReader
-from tracer.store.trace.integrity import crc32_bytes, seal
+from tracer.store.integrity import crc32_bytes, seal
 
 
 def tracer(args, env, cwd, check=True):

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERNAL, TracerError
 from tracer.report.progress import ItemProgress, StatusProgress
-from tracer.report.tables.textsafe import printable
+from tracer.report.textsafe import printable
 
 app = typer.Typer(
     name="tracer",

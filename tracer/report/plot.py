@@ -628,7 +628,7 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
-    from tracer.store.trace.integrity import check_name_length, check_output_path
+    from tracer.store.integrity import check_name_length, check_output_path
 
     p = check_name_length(path, "figure file")
     if p.suffix.lower() not in SUFFIXES:

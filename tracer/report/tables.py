@@ -25,7 +25,7 @@ from tracer.diff.metrics import ULP_BINS
 from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
 from tracer.diff.provenance import classify, merged_kernels
-from tracer.report.tables.textsafe import printable
+from tracer.report.textsafe import printable
 
 FORMATS = ("table", "json", "csv", "markdown")
 

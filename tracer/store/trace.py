@@ -41,10 +41,10 @@ import torch
 from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.store.trace.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_name_length,
+from tracer.store.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_name_length,
                                     check_output_path, clean_stale_partials, crc32_bytes, partial_pid, seal, set_text,
                                     write_error_message)
-from tracer.store.trace.validate import load_json, validate_trace
+from tracer.store.validate import load_json, validate_trace
 
 FORMAT = "tracer-trace"
 FORMAT_VERSION = 1
