@@ -14,7 +14,7 @@ for rep in 1 2; do
     s=$(date +%s.%N)
     (cd "$dir" && PYTHONPATH="$dir" python3 -m tracer $args > "$out/audit-$v-$rep.json" 2> "$out/audit-$v-$rep.err")
     e=$(date +%s.%N)
-    echo "$v rep $rep: $(echo "$e - $s" | bc) s" | tee -a "$out/timing.txt"
+    echo "$v rep $rep: $(python3 -c "print(round($e - $s, 2))") s" | tee -a "$out/timing.txt"
   done
 done
 python3 - "$out" <<'PY'
