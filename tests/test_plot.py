@@ -248,7 +248,7 @@ def test_amplification_series_split_and_zero_markers():
 def test_heatmap_from_the_comparison_needs_no_trace():
     a, b, ta, tb = _kv_pair()
     c = compare_records(a, b, scenario="s", model="m")
-    fig = c.plot("heatmap")  # from c.per_position: no tensors, no trace
+    fig = tracer.plot(c, "heatmap")  # from c.per_position: no tensors, no trace
     d = fig.tracer_data
     assert d["names"] == ["emb", "layers.0.kv_cache", "layers.0", "layers.1.kv_cache", "layers.1", "head"]
     for i, n in enumerate(d["names"]):
@@ -260,7 +260,7 @@ def test_heatmap_from_the_comparison_needs_no_trace():
     from tracer.diff.stored import comparison_from_dict
 
     again = comparison_from_dict(json.loads(json.dumps(c.to_dict())))  # as stored in a trace
-    assert np.array_equal(again.plot("heatmap").tracer_data["values"], d["values"])
+    assert np.array_equal(tracer.plot(again, "heatmap").tracer_data["values"], d["values"])
 
 
 def test_position_stats_bin_long_windows(monkeypatch):

@@ -150,7 +150,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
 
 #: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
 AUDIT_FLAGS = ("--levels", "-l", "--prompt", "-p", "--prompt-file", "--token-ids-file", "--length", "-n", "--chat",
-                 "--dtype", "--device", "--attn", "--gguf", "--granularity", "--kv-cache", "--no-kv-cache", "--output", "-o", "--overwrite",
+                 "--dtype", "--device", "--attn", "--gguf", "--granularity", "--kv-cache", "--kernels", "--output", "-o", "--overwrite",
                  "--no-store", "--no-mitigations", "--format", "-f", "--report", "--batch-size", "--batch-row",
                  "--new-tokens", "--block-sizes", "--chunk-size", "--tp")
 
