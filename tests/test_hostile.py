@@ -22,7 +22,8 @@ import torch
 from tracer.diff.core import compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.store.trace import TraceWriter, read_trace
+from tracer import read_trace
+from tracer.store.trace import TraceWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 T, H, V = 4, 8, 16  # window positions, hidden size, vocabulary
