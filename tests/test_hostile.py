@@ -459,7 +459,7 @@ def test_bad_values_fail_before_the_model_loads(tmp_path):
 
 
 def test_bad_input_files(tmp_path):
-    from tracer.api import read_prompt
+    from tracer.load.prompts import read_prompt
     from tracer.files import check_gguf_file
 
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")

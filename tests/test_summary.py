@@ -230,6 +230,7 @@ def test_compare_across_traces_names_every_differing_version(tmp_path, tiny_load
 
     import tracer
     from tracer.diff.core import compare_runs
+    from tracer.store.integrity import seal, set_text
 
     for name in ("a.h5", "b.h5"):
         tracer.run("tiny-llama", loaded=tiny_loaded, length=24, progress=False, output=tmp_path / name)
@@ -237,7 +238,8 @@ def test_compare_across_traces_names_every_differing_version(tmp_path, tiny_load
         header = json.loads(f["header"].attrs["json"])
         old = {k: header[k] for k in ("torch", "transformers", "python")}
         header.update(torch="9.9.9+cu999", transformers="0.0.1")
-        f["header"].attrs["json"] = json.dumps(header)
+        set_text(f["header"], "json", json.dumps(header))
+        seal(f["header"])  # the edit is deliberate: re-seal the checksum (tracer.store.integrity)
     c = compare_runs((str(tmp_path / "a.h5"), "A"), (str(tmp_path / "b.h5"), "A"))
     assert c.facts["versions_differ"] == [f"torch {old['torch']} (A) vs 9.9.9+cu999 (B)",
                                           f"transformers {old['transformers']} (A) vs 0.0.1 (B)"]

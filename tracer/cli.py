@@ -553,6 +553,18 @@ def bench_cmd(
         Console().print(table(result))
 
 
+def _quiet_cache_deprecation() -> None:
+    """transformers >= 5.24 warns on every forward that ``past_key_values`` is deprecated (tracer's
+    use of the new ``cache`` argument is issue 15, not yet merged); the warning is not the user's
+    business, and the CLI keeps stderr to one line per error. The environment variable reaches the
+    tensor-parallel ranks too."""
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)
+
+
 def main() -> None:
     """Entry point of the ``tracer`` console script.
 
@@ -563,6 +575,7 @@ def main() -> None:
     from tracer.load.offline import ensure_offline
 
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
+    _quiet_cache_deprecation()
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own

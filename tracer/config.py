@@ -361,6 +361,11 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     pr = cfg.prompt
+    from tracer.files import check_input_file
+
+    for path, opt in ((pr.prompt_file, "--prompt-file"), (pr.token_ids_file, "--token-ids-file")):
+        if path is not None:
+            check_input_file(path, opt)  # a FIFO or device would block; refused before any model loads
     check_prompt_sources(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)

@@ -406,6 +406,19 @@ def _how(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _rank_error(scratch: str, rank: int) -> str:
+    """The one-line error rank ``rank`` left in the scratch folder ("" when none)."""
+    with contextlib.suppress(OSError), open(os.path.join(scratch, f"rank{rank}.err")) as f:
+        return f.read().strip()
+    return ""
+
+
+def _peer_lost(why: str) -> bool:
+    """An error that only says a peer went away (the collective's side effect of another rank dying)."""
+    return any(s in why for s in ("Connection reset", "Connection closed", "connection closed", "transport",
+                                  "communicator was aborted"))
+
+
 def _watch(procs: list[Any], scratch: str, timeout_s: float) -> None:
     """Wait until every rank exits 0; on the first failure kill the others and raise.
 
@@ -418,19 +431,19 @@ def _watch(procs: list[Any], scratch: str, timeout_s: float) -> None:
         codes = [p.exitcode for p in procs]
         bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            # the first rank whose own error file says why; otherwise the first that died
+            time.sleep(0.5)  # a peer's collective fails as soon as one rank dies: let the cause show too
+            bad = [(r, c) for r, c in enumerate(p.exitcode for p in procs) if c not in (None, 0)]
+            # the rank that failed first-hand: not one whose collective only lost its peer
             first = bad[0]
             for r, c in bad:
-                if c == 3 and os.path.exists(os.path.join(scratch, f"rank{r}.err")):
+                if not _peer_lost(_rank_error(scratch, r)):
                     first = (r, c)
                     break
             for p in procs:
                 if p.exitcode is None:
                     p.kill()
             r, c = first
-            why = ""
-            with contextlib.suppress(OSError), open(os.path.join(scratch, f"rank{r}.err")) as f:
-                why = f.read().strip()
+            why = _rank_error(scratch, r)
             raise TracerError(f"tensor-parallel rank {r} of {k} failed ({why or _how(c)}); every rank was stopped "
                               "and no trace was written; rerun, or use --tp-mode simulated")
         if all(c == 0 for c in codes):

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from tracer import dtypes
+from tracer.dtypes import DTYPES  # noqa: F401  (re-exported: tracer.load.models.DTYPES)
 from tracer.errors import TracerError
 from tracer.files import check_gguf_file
 from tracer.load.offline import ensure_offline

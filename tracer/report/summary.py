@@ -132,7 +132,7 @@ def headline(c: Any) -> list[tuple[str, str]]:
         k = _kernels(p) if p is not None else ""
         if k:
             out.append(("kernels", k))
-    if not c.identical:
+    if not c.identical and c.first_divergent is not None:
         first = _first_point(c)
         out.append(("first divergent", c.first_divergent + (
             f" ({first.kind}, {first.diff.n_diff:,} of {first.diff.n_total:,} elements, max |Δ| "
