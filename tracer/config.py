@@ -20,6 +20,7 @@ not apply to the chosen scenario (``--tp 2`` with ``--scenario repeat`` is an er
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
@@ -364,7 +365,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.files import check_input_file
 
     for path, opt in ((pr.prompt_file, "--prompt-file"), (pr.token_ids_file, "--token-ids-file")):
-        if path is not None:
+        if path is not None and os.path.exists(path):  # a missing file: read_prompt says "cannot read"
             check_input_file(path, opt)  # a FIFO or device would block; refused before any model loads
     check_prompt_sources(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
