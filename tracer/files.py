@@ -132,3 +132,16 @@ def check_gguf_file(path: str | os.PathLike, option: str = "--gguf") -> str:
     if head != GGUF_MAGIC:
         raise TracerError(f"{option} {p} is not a GGUF file (it does not start with 'GGUF'); pass the model's .gguf file")
     return str(p)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (also when it belongs to another user)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

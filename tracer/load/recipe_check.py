@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.errors import TracerError
+from tracer.files import pid_alive
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -110,18 +111,8 @@ def clean_stale_temp_dirs(folder: Path, prefix: str) -> list[Path]:
         return removed
     for d in entries:
         pid = d.name[len(prefix):].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not d.is_dir() or d.is_symlink():
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)) or not d.is_dir() or d.is_symlink():
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

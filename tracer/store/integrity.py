@@ -26,7 +26,7 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
-from tracer.files import check_input_file, file_kind
+from tracer.files import file_kind, pid_alive
 
 #: the checksum scheme this tracer writes (root attribute ``checksums``)
 CHECKSUMS = "crc32"
@@ -194,19 +194,6 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
                 raise TracerError(f"{what} {p}: the folder {parent} is not writable; choose another path")
             break
     return p
-
-
-def pid_alive(pid: int) -> bool:
-    """True while process ``pid`` exists (also when it belongs to another user)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _PARTIAL = re.compile(r"\.partial-(\d+)$")

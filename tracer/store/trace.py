@@ -41,7 +41,8 @@ import torch
 from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.store.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_input_file, check_name_length,
+from tracer.files import check_input_file
+from tracer.store.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_name_length,
                                     check_output_path, clean_stale_partials, crc32_bytes, partial_pid, seal, set_text,
                                     write_error_message)
 from tracer.store.validate import load_json, validate_trace
