@@ -30,8 +30,10 @@ def test_stored_and_online_reports_are_identical(tmp_path, lm):
     stored = tracer.run(**kw, store="tensors", output=tmp_path / "t.h5")
     online = tracer.run(**kw, store="stats", output=tmp_path / "s.h5")
     nofile = tracer.run(**kw, store="none")
+    auto = tracer.run(**kw, output=tmp_path / "a.h5")  # the default: --store auto, the whole fits
     from_file = compare_trace(str(tmp_path / "t.h5"))
-    assert _doc(stored.comparison) == _doc(online.comparison) == _doc(nofile.comparison)
+    assert _doc(stored.comparison) == _doc(online.comparison) == _doc(nofile.comparison) == _doc(auto.comparison)
+    assert compare_trace(str(tmp_path / "a.h5")).to_dict()["layers"] == from_file.to_dict()["layers"]
     assert _doc(from_file.comparison if hasattr(from_file, "comparison") else from_file) == _doc(online.comparison)
     assert nofile.trace is None
     # the stats trace holds no tensors, only the comparison

@@ -82,10 +82,10 @@ def _same_device(a: str, b: str) -> bool:
 
 
 def _asked_store(options: dict[str, Any]) -> dict[str, Any]:
-    """A library call writes a file only when asked: ``store`` None means ``tensors`` with an
+    """A library call writes a file only when asked: ``store`` None means ``auto`` with an
     ``output``, else ``none`` (the CLI always passes ``store``)."""
     if options.get("store") is None:
-        return {**options, "store": "tensors" if options.get("output") is not None else "none"}
+        return {**options, "store": "auto" if options.get("output") is not None else "none"}
     return options
 
 

@@ -97,10 +97,10 @@ def run_options(given: dict) -> dict:
         except ValueError:
             raise TracerError(f"--block-sizes {given['block_sizes']!r} must be two integers such as 16,64") from None
     if given.get("no_store"):
-        if opts.get("store", "tensors") not in ("tensors", "none"):
+        if opts.get("store", "none") != "none":
             raise TracerError(f"--no-store and --store {opts['store']} contradict each other; give one of them")
         opts["store"] = "none"
-    opts.setdefault("store", "tensors")  # the command writes its file unless --no-store
+    opts.setdefault("store", "auto")  # the command writes its file unless --no-store
     return opts
 
 
@@ -160,7 +160,8 @@ def run_cmd(
     granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
     device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
     output: OutputOpt = None, overwrite: OverwriteOpt = False,
-    store: Annotated[str, typer.Option("--store", help="tensors: trace every captured tensor; stats: compare on the device, store only the comparison; none: no file.")] = "tensors",
+    store: Annotated[Optional[str], typer.Option("--store", help="auto (default): compare every point on the device, keep full tensors of the logits and the points around the origin within --max-trace-size, statistics of all; tensors: every captured tensor; stats: the comparison only; none: no file.")] = None,
+    max_trace_size: Annotated[Optional[str], typer.Option("--max-trace-size", help="With --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB).")] = None,
     no_store: NoStoreOpt = False,
     compression: Annotated[Optional[str], typer.Option("--compression", help="HDF5 compression of stored tensors: none, lzf, gzip.")] = None,
     fmt: FormatOpt = "table",

@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 from tracer.errors import TracerError
 
-#: what a run keeps: every tensor in the trace, statistics only (online comparison), or nothing
-STORE_MODES = ("tensors", "stats", "none")
+#: what a run keeps: full tensors of the points around the origin within a byte budget (auto), every
+#: tensor in the trace, statistics only (online comparison), or nothing
+STORE_MODES = ("auto", "tensors", "stats", "none")
 POSITIONS = ("window", "all")
 COMPRESSIONS = (None, "lzf", "gzip")
 
@@ -93,12 +94,25 @@ class CaptureConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """Where the trace goes: ``tensors`` (every captured tensor), ``stats`` or ``none``."""
+    """Where the trace goes: ``auto`` (every point compared on the device, full tensors of the
+    points around the origin and the logits within ``max_trace_size`` bytes, :mod:`tracer.store.budget`),
+    ``tensors`` (every captured tensor), ``stats`` (the comparison only) or ``none``."""
 
-    mode: str = "tensors"
+    mode: str = "auto"
     output: str | None = None
     overwrite: bool = False
     compression: str | None = None
+    max_trace_size: int | str | None = None
+
+    def budget(self) -> int:
+        """``--store auto``'s byte budget (:data:`tracer.store.budget.DEFAULT_MAX_TRACE_SIZE` when unset).
+
+        Raises:
+            TracerError: not a size.
+        """
+        from tracer.store.budget import DEFAULT_MAX_TRACE_SIZE, parse_size
+
+        return DEFAULT_MAX_TRACE_SIZE if self.max_trace_size is None else parse_size(self.max_trace_size)
 
 
 @dataclass(frozen=True)
@@ -231,7 +245,9 @@ _HELP = {
     "kv_cache": "capture each layer's KV cache over all N positions",
     "kernels": "record which kernels each capture point ran in each run (torch.profiler)",
     "op_replay": "replay each origin op in float64 on the CPU: each run's error in ULPs against the exact result",
-    "store": "tensors (every captured tensor), stats (comparison only) or none (no file)",
+    "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
+             "tensors (every captured tensor), stats (comparison only) or none (no file)",
+    "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB)",
     "output": "trace file (default traces/<model>-<scenario>-<timestamp>.h5)",
     "overwrite": "replace an existing output file",
     "compression": "HDF5 compression of stored tensors: none, lzf, gzip",
@@ -351,8 +367,13 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown --compression '{st.compression}'; use one of: none, lzf, gzip")
     if st.mode == "none" and st.output is not None:
         raise TracerError("--output does not apply with --store none (nothing is written); drop one of them")
-    if st.mode != "tensors" and st.compression is not None:
+    if st.mode not in ("tensors", "auto") and st.compression is not None:
         raise TracerError(f"--compression applies to stored tensors; it does nothing with --store {st.mode}")
+    if st.max_trace_size is not None:
+        if st.mode != "auto":
+            raise TracerError(f"--max-trace-size applies to --store auto; --store {st.mode} "
+                              + ("keeps every tensor" if st.mode == "tensors" else "keeps no tensors"))
+        st.budget()
     if c.granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{c.granularity}'; use one of: {', '.join(GRANULARITIES)}")
     if c.positions not in POSITIONS:

@@ -141,7 +141,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
                  writer: Any = None, online: bool = True, names: tuple[str, str] | None = None,
                  header: dict[str, Any] | None = None, comparison_key: str | None = None,
                  decode: int = 0, atol: float | None = None, rtol: float | None = None, op_replay: bool = False,
-                 trace: str | None = None, points: list[Any] | None = None, say: Say = _quiet) -> Outcome:
+                 trace: str | None = None, points: list[Any] | None = None, budget: int | None = None,
+                 say: Say = _quiet) -> Outcome:
     """Execute both plans of ``scen`` with the capture hooks, compare them and store them.
 
     Args:
@@ -162,6 +163,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
             (``comparison.op_replay``, :func:`tracer.diff.accuracy.replay_origins`).
         trace: the trace path the comparison names.
         points: capture points (default :func:`tracer.execute.capture.discover_points`).
+        budget: ``--store auto``: compare every point first (as ``online``), then give the writer
+            full tensors only of the points :func:`tracer.store.budget.choose` keeps within this
+            many bytes (both runs); the choice goes into each stored run's meta (``store_auto``)
+            and the comparison's notes.
 
     Returns:
         an :class:`Outcome`.
@@ -185,7 +190,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     records, host_records, partials = [], [], None
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}")
-        keep = (online or on_gpu) and not plan.devices
+        keep = (online or on_gpu or budget is not None) and not plan.devices
         rec, part = execute_plan(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
                                  kernels=capture.kernels, sdpa_inputs=op_replay)
@@ -199,11 +204,11 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
             rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"]) if loaded.tokenizer else None
         records.append(rec)
         host_rec, wait = rec, None
-        if not online and keep:
+        if not online and keep and budget is None:
             captures, wait = host_copies(rec.captures)
             host_rec = _replace(rec, captures=captures)
         host_records.append(host_rec)
-        if writer is not None:
+        if writer is not None and budget is None:
             writer.add_run(without_tensors(rec) if online else host_rec, ready=wait)
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
@@ -220,12 +225,49 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
 
         say("replaying the origin ops in float64")
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
+    if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
+        comparison, host_records = _store_auto(records, comparison, budget, writer, say)
     if writer is not None and comparison_key is not None:
         writer.add_comparison(comparison_key, json_safe(comparison.to_dict()))
     # online: the device copies have served their purpose; else the host copies (landed: the
     # writer waited for them) replace the device tensors
-    kept = tuple(without_tensors(r) for r in records) if online else tuple(host_records)
+    kept = tuple(without_tensors(r) for r in records) if online and budget is None else tuple(host_records)
     return Outcome(comparison, kept, partials)
+
+
+def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, say: Say) -> tuple[Any, list[Any]]:
+    """``--store auto`` after the comparison: choose the points kept in full
+    (:func:`tracer.store.budget.choose`), copy only those to the host, hand both runs to the writer
+    (when there is one), and name the choice in the comparison's notes.
+
+    Returns:
+        ``(comparison with the note, host records holding the kept tensors)``.
+    """
+    from tracer.execute.capture import host_copies
+    from tracer.store.budget import choose
+
+    rec_a, rec_b = records
+    sizes = [(n, c.tensor.nbytes + (rec_b.captures[n].tensor.nbytes if n in rec_b.captures else 0))
+             for n, c in rec_a.captures.items()]
+    sizes += [(n, c.tensor.nbytes) for n, c in rec_b.captures.items() if n not in rec_a.captures]
+    origins = tuple(p.name for p in comparison.origins)
+    if comparison.logits_origin and comparison.logits_name:
+        origins += (comparison.logits_name,)
+    kept = choose(sizes, budget, origins=origins, logits=comparison.logits_name)
+    say(kept.summary())
+    host = []
+    for rec in records:
+        captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
+        host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": kept.to_dict()})
+        host.append(host_rec)
+        if writer is not None:
+            writer.add_run(host_rec, ready=wait)
+        else:
+            wait()
+    if not kept.dropped:  # the whole trace fitted: nothing to say
+        return comparison, host
+    facts = {**comparison.facts, "notes": list(comparison.facts.get("notes", [])) + [kept.summary()]}
+    return _replace(comparison, facts=facts), host
 
 
 def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
@@ -354,10 +396,11 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
                           extra={"options": cfg.to_dict(), **distributed_header(scen, info.device)})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"
+    budget = st.budget() if st.mode == "auto" and writer is not None else None
     with writer if writer is not None else contextlib.nullcontext():
         outcome = run_scenario(prep.loaded, ids, scen, cfg.capture, writer=writer, online=online, header=header,
                                comparison_key="A-vs-B", decode=ch.decode, atol=ch.atol, op_replay=ch.op_replay,
-                               rtol=ch.rtol, trace=str(out) if out else None, say=say)
+                               rtol=ch.rtol, trace=str(out) if out else None, budget=budget, say=say)
         if writer is not None:
             say(f"writing {out}")
     comparison = _replace(outcome.comparison, fail_on=ch.fail_on)

@@ -886,6 +886,11 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
     if fmt is not None:
         facts["kv_block_format"] = fmt
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
+    auto = a.meta.get("store_auto") or {}
+    if auto.get("dropped"):  # a stored run of --store auto: the table covers the kept points only
+        notes.append(f"--store auto kept full tensors of {len(auto.get('kept', []))} of "
+                     f"{len(auto.get('kept', [])) + len(auto['dropped'])} points; the other {len(auto['dropped'])} "
+                     "were compared when the trace was written ('tracer show' prints that comparison)")
     if notes:
         facts["notes"] = notes
     return facts

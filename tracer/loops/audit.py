@@ -130,9 +130,12 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     out = (cfg.store.output or default_output(info.name, "audit")) if store else None
     writer = pipeline.open_writer(out, header, overwrite=cfg.store.overwrite) if store else None
 
+    budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
+
     def one(key: str, scen: Any) -> Any:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture, writer=writer, online=not store,
-                                     names=(f"{key}.A", f"{key}.B"), header=header, comparison_key=key).comparison
+                                     names=(f"{key}.A", f"{key}.B"), header=header, comparison_key=key,
+                                     budget=budget).comparison
 
     rows: list[AuditRow] = []
     with writer if writer is not None else contextlib.nullcontext():
