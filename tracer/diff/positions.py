@@ -52,8 +52,19 @@ def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     return mx, nd
 
 
+#: pairs smaller than this (elements) are reduced together, concatenated by feature size and
+#: dtype (one set of kernel launches for many points instead of one per point)
+SMALL_ELEMENTS = 1 << 20
+
+
 class PositionStats:
     """Accumulates :func:`position_reduce` of the compared window's rows, point by point.
+
+    Small pairs (under :data:`SMALL_ELEMENTS` elements) wait in a queue of at most
+    ``4 * SMALL_ELEMENTS`` elements and are reduced together, one concatenation per feature size
+    and dtype (on a GPU the per-point kernel launches, not the bytes, dominate small pairs);
+    larger pairs are reduced at once. The results are identical either way (the reduction is per
+    row).
 
     Args:
         positions: ``(start, stop)`` absolute compared positions. A pair with ``stop - start``
@@ -67,8 +78,10 @@ class PositionStats:
         self.bin = max(1, -(-t // MAX_COLUMNS))
         self.names: list[str] = []
         self.kinds: list[str] = []
-        self.max: list[torch.Tensor] = []
-        self.n: list[torch.Tensor] = []
+        self.max: list[torch.Tensor | None] = []
+        self.n: list[torch.Tensor | None] = []
+        self._queue: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._queued = 0
 
     def add(self, name: str, kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Reduce one pair (the window rows; see the class docstring); float dtypes only."""
@@ -79,19 +92,46 @@ class PositionStats:
             if a.shape[0] != self.stop:
                 return
             a, b = a[self.start:], b[self.start:]
-        mx, nd = position_reduce(a, b)
-        if self.bin > 1:  # bins of `bin` consecutive positions, the last one short
-            pad = (-t) % self.bin
-            mx = torch.nn.functional.pad(mx, (0, pad)).reshape(-1, self.bin).amax(dim=1)
-            nd = torch.nn.functional.pad(nd, (0, pad)).reshape(-1, self.bin).sum(dim=1)
         self.names.append(name)
         self.kinds.append(kind)
-        self.max.append(mx)
-        self.n.append(nd)
+        self.max.append(None)
+        self.n.append(None)
+        index = len(self.names) - 1
+        if a.numel() >= SMALL_ELEMENTS:
+            self._store(index, *position_reduce(a, b))
+            return
+        self._queue.append((index, a.reshape(t, -1), b.reshape(t, -1)))
+        self._queued += a.numel()
+        if self._queued >= 4 * SMALL_ELEMENTS:
+            self._flush()
+
+    def _store(self, index: int, mx: torch.Tensor, nd: torch.Tensor) -> None:
+        if self.bin > 1:  # bins of `bin` consecutive positions, the last one short
+            pad = (-mx.shape[0]) % self.bin
+            mx = torch.nn.functional.pad(mx, (0, pad)).reshape(-1, self.bin).amax(dim=1)
+            nd = torch.nn.functional.pad(nd, (0, pad)).reshape(-1, self.bin).sum(dim=1)
+        self.max[index], self.n[index] = mx, nd
+
+    def _flush(self) -> None:
+        """Reduce the queued small pairs: one concatenation and reduction per (features, dtype, device)."""
+        groups: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        for item in self._queue:
+            groups.setdefault((item[1].shape[1], item[1].dtype, item[1].device), []).append(item)
+        self._queue, self._queued = [], 0
+        for items in groups.values():
+            if len(items) == 1:
+                index, a, b = items[0]
+                self._store(index, *position_reduce(a, b))
+                continue
+            mx, nd = position_reduce(torch.cat([a for _, a, _ in items]), torch.cat([b for _, _, b in items]))
+            rows = [a.shape[0] for _, a, _ in items]
+            for (index, _, _), m, n in zip(items, mx.split(rows), nd.split(rows)):
+                self._store(index, m, n)
 
     def result(self) -> dict[str, Any] | None:
         """``{"start", "stop", "bin", "names", "kinds", "max_abs_diff": [[float]] (C, T/bin),
         "n_diff": [[int]] (C, T/bin)}`` (one host transfer), or None when no pair had positions."""
+        self._flush()
         if not self.names:
             return None
         mx = torch.stack(self.max).cpu()
