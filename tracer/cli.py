@@ -533,9 +533,13 @@ def bench_cmd(
     reps: Annotated[int, typer.Option("--reps", help="Measured repetitions of each mode.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured repetitions first.")] = 1,
     outdir: Annotated[Optional[str], typer.Option("--outdir", help="Folder for the trace and raw I/O files (default: a temp dir).")] = None,
+    peers: Annotated[bool, typer.Option("--peers/--no-peers", help="Also measure the peers in the same loop: HF output_hidden_states, forward hooks + .cpu(), nnsight .save() (if installed), each checked to count the same differing elements per layer as tracer.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Measure tracer's overhead over the bare forward pass and its I/O against the disk."""
+    """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
+    side with peers doing the same comparison: HF output_hidden_states, naive forward hooks +
+    .cpu(), and nnsight .save() when installed (the 'peers' extra). The bench refuses
+    to report when a peer's per-layer differing counts are not tracer's."""
     from tracer.loops.bench import bench, table, to_json
 
     if reps < 1 or warmup < 0:
@@ -544,7 +548,7 @@ def bench_cmd(
         with StatusProgress("bench", mode="auto") as status:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
                            granularity=granularity, kv_cache=kv_cache, block_size=block_size, reps=reps,
-                           warmup=warmup, outdir=outdir, progress=status)
+                           warmup=warmup, outdir=outdir, peers=peers, progress=status)
     except TracerError as e:
         _fail(str(e))
         return

@@ -277,9 +277,20 @@ def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
     return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
 
 
-def run_bare(loaded: Any, token_ids: list[int], scen: Any) -> None:
+def run_bare(loaded: Any, token_ids: list[int], scen: Any, *, extra: dict[str, Any] | None = None,
+             on_output: Callable[[int, int, int, Any], None] | None = None,
+             wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
     """Both plans of ``scen`` with no hooks and no comparison: the floor ``tracer bench`` measures
-    tracer against (mode a)."""
+    tracer against (mode a).
+
+    The bench's peers (:mod:`tracer.loops.peers`) run the same plans, calling the model the same
+    way (the same chunks, the same KV cache), through these arguments:
+
+    Args:
+        extra: more keyword arguments for every model call (``output_hidden_states=True``).
+        on_output: ``on_output(plan_index, start, stop, output)`` after each chunk (plan A is 0).
+        wrap: ``wrap(fn)`` returns the callable to call instead of the plan's model (nnsight).
+    """
     import torch
 
     from tracer.execute.runner import forward_chunks, plan_context
@@ -287,9 +298,11 @@ def run_bare(loaded: Any, token_ids: list[int], scen: Any) -> None:
 
     ids = torch.tensor([token_ids], device=model_device(loaded.model))  # (1, N)
     with torch.inference_mode():
-        for plan in (scen.plan_a, scen.plan_b):
+        for i, plan in enumerate((scen.plan_a, scen.plan_b)):
             with plan_context(loaded.model, plan) as fn:
-                forward_chunks(loaded.model, ids, plan, None, fn)
+                each = None if on_output is None else (lambda s, e, out, i=i: on_output(i, s, e, out))
+                forward_chunks(loaded.model, ids, plan, None, fn if wrap is None else wrap(fn), extra=extra,
+                               on_output=each, compiled=fn is not loaded.model)
 
 
 def without_tensors(rec: Any) -> Any:

@@ -170,7 +170,10 @@ def _call(fn: Callable[..., Any], compiled: bool, **kwargs: Any) -> Any:
 
 
 def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
-                   capture: Capture | None = None, fn: Callable[..., Any] | None = None) -> Any:
+                   capture: Capture | None = None, fn: Callable[..., Any] | None = None, *,
+                   extra: dict[str, Any] | None = None,
+                   on_output: Callable[[int, int, Any], None] | None = None,
+                   compiled: bool | None = None) -> Any:
     """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the last model output.
 
     Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], past_key_values=cache)`` call
@@ -178,9 +181,14 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     Between chunks the new KV entries go through ``plan.kv_transform``; a chunk on another device
     (``plan.devices``) moves the model and the KV cache there first. The output's
     ``past_key_values`` is the final cache.
+
+    ``extra``: more keyword arguments for every call (e.g. ``output_hidden_states=True``);
+    ``on_output(s, e, output)`` is called after each chunk's call; ``compiled``: whether ``fn``
+    is a ``torch.compile``-d model (its failures are then reported as such; default: ``fn`` is
+    not ``model``).
     """
     fn = model if fn is None else fn
-    compiled = fn is not model
+    compiled = fn is not model if compiled is None else compiled
     cache, out = None, None
     n = ids.shape[1]
     for i, (start, stop) in enumerate(plan.chunks):
@@ -191,7 +199,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
             if cache is not None:
                 move_kv(cache, dev)
         dev = model_device(model)
-        kwargs: dict[str, Any] = {"use_cache": not plan.recompute}
+        kwargs: dict[str, Any] = {"use_cache": not plan.recompute, **(extra or {})}
         row, col = 0, 0
         if plan.batch is not None:
             bids, mask, col = batch_inputs(ids[0].tolist(), plan.batch, dev)  # (B, W)
@@ -211,6 +219,8 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
                 out = _call(fn, compiled, **kwargs)
         else:
             out = _call(fn, compiled, **kwargs)
+        if on_output is not None:
+            on_output(start, stop, out)
         cache = out.past_key_values
         if plan.kv_transform is not None and cache is not None:
             transform_kv(cache, plan.kv_transform, before, cache.get_seq_length())

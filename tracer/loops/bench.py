@@ -10,6 +10,13 @@ Modes (one "repetition" of a mode = the scenario's two run plans, A then B):
     c  tracer writing the HDF5 trace (b + store)
     d  ``compare`` from the stored trace (no model)
     e  raw sequential write and read of the same number of bytes (plain file I/O, same folder)
+
+Peers (:mod:`tracer.loops.peers`), in the same loop, each doing mode b's job the way people do it
+without tracer (both plans, the same KV-cache reuse, per-layer differing elements on the
+compared window): ``peer_hf`` (HF ``output_hidden_states=True``), ``peer_hooks`` (forward hooks
++ ``.cpu()``) and ``peer_nnsight`` (nnsight ``.save()``, when nnsight is installed). Every
+repetition checks each peer's per-layer counts against tracer's, and the bench refuses
+(:class:`~tracer.errors.TracerError`) when they differ: timings of different work are useless.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -26,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+#: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "d", "e_write", "e_read")
 
 
@@ -38,6 +47,8 @@ class BenchResult:
     trace_bytes: int = 0
     peak_host_mb: float = 0.0
     peak_device_mb: float | None = None
+    #: peer name → {"status": "checked", "covers", "points"} or {"status": "skipped", "reason"}
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def median(self, mode: str) -> float:
         return statistics.median(self.times[mode])
@@ -53,9 +64,13 @@ class BenchResult:
         raw_r = self.trace_bytes / self.median("e_read")
         r["c_write_bw_over_raw"] = (self.trace_bytes / write_s) / raw_w
         r["d_read_bw_over_raw"] = (self.trace_bytes / self.median("d")) / raw_r
+        for m in self.times:
+            if m.startswith("peer_") and self.times[m]:
+                r[f"{m}_over_a"] = self.median(m) / a
         return r
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON document of ``tracer bench --json``: the fields, medians, min, max and ratios."""
         d = asdict(self)
         d["median_s"] = {m: self.median(m) for m in self.times}
         d["min_s"] = {m: min(v) for m, v in self.times.items()}
@@ -93,22 +108,59 @@ def _raw_read(path: Path, block: int = 16 << 20) -> None:
             pass
 
 
+def _counts(comparison: Any) -> dict[str, int]:
+    """Capture name → differing elements of tracer's comparison."""
+    return {p.name: p.diff.n_diff for p in comparison.points}
+
+
+def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_counts: dict[str, int],
+                result: BenchResult, say: Callable[[str], None]) -> dict[str, Callable[[], dict[str, int]]]:
+    """The peers that run here (mode name → callable returning their counts), each checked once
+    against tracer's counts; the skipped ones and why go to ``result.peers``.
+
+    Raises:
+        TracerError: a peer whose counts differ from tracer's (:func:`tracer.loops.peers.check_counts`).
+    """
+    from tracer.errors import TracerError
+    from tracer.loops.peers import check_counts, make_peers
+
+    modes = {}
+    for peer in make_peers(lm, ids, scen, points):
+        if peer.run is not None:
+            say(f"checking {peer.name}")
+            try:
+                got = peer.run()
+            except TracerError as e:  # the peer cannot run this scenario or model: say why
+                peer.skipped = str(e)
+            else:
+                check_counts(peer.name, got, tracer_counts)
+                result.peers[peer.name] = {"status": "checked", "covers": peer.covers, "points": len(got)}
+                modes[peer.name] = peer.run
+        if peer.skipped is not None:
+            result.peers[peer.name] = {"status": "skipped", "reason": peer.skipped}
+    return modes
+
+
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
           device: str | None = None, granularity: str = "layers", block_size: int = 16,
           reps: int = 5, warmup: int = 1, outdir: str | None = None, gguf: str | None = None,
-          kv_cache: bool = True, progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Measure modes a–e for one model/dtype/device/length (see the module docstring).
+          kv_cache: bool = True, peers: bool = True,
+          progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure modes a–e and the peers for one model/dtype/device/length (see the module docstring).
 
     ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.execute.capture.discover_points`).
     Mode (d) computes the metrics on the model's device, as ``tracer compare`` does by default.
+    ``peers``: also measure the peers (:mod:`tracer.loops.peers`), in the same loop.
 
     Raises:
-        TracerError: bad model/options (as :func:`tracer.api.run`).
+        TracerError: bad model/options (as :func:`tracer.api.run`); a peer whose per-layer
+            differing counts are not tracer's (in any repetition).
     """
     from tracer import pipeline
     from tracer.config import RunConfig, validate
     from tracer.diff.core import compare_trace
     from tracer.errors import TracerError
+    from tracer.loops.peers import check_counts
 
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
@@ -131,63 +183,61 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     raw = scratch / "bench-raw.bin"
     stored = cfg.with_options(store="tensors", output=str(trace), overwrite=True)
 
-    first = pipeline.run(cfg, lm)
-    ids, scen = first.token_ids, first.scenario
-    # how much of the captured data differs: the comparison's float64 work is done only where
-    # something differs, so (b) and (d) depend on it
-    pts = list(first.comparison.points)
-    differing = sum(p.diff.n_diff for p in pts) / max(1, sum(p.diff.n_total for p in pts))
-    del first
+    try:
+        first = pipeline.run(cfg, lm)
+        ids, scen = first.token_ids, first.scenario
+        # how much of the captured data differs: the comparison's float64 work is done only where
+        # something differs, so (b) and (d) depend on it
+        pts = list(first.comparison.points)
+        differing = sum(p.diff.n_diff for p in pts) / max(1, sum(p.diff.n_total for p in pts))
+        points = pipeline.capture_points(lm, cfg.capture)
+        result = BenchResult(config={"model": model, "length": length, "dtype": dtype, "device": dev,
+                                     "granularity": granularity, "kv_cache": kv_cache, "block_size": block_size,
+                                     "reps": reps, "warmup": warmup, "differing_fraction": differing,
+                                     "n_points": len(points), "folder": str(folder)})
+        peer_modes = _peer_modes(lm, ids, scen, points, _counts(first.comparison), result, say) if peers else {}
+        del first
+        last: dict[str, Any] = {}
 
-    def mode_a() -> None:
-        pipeline.run_bare(lm, ids, scen)
+        def mode_b() -> None:
+            last["b"] = _counts(pipeline.run(cfg, lm).comparison)
 
-    def mode_b() -> None:
-        pipeline.run(cfg, lm)
-
-    def mode_c() -> None:
-        pipeline.run(stored, lm)
-
-    def mode_d() -> None:
-        compare_trace(str(trace), device=dev)
-
-    result = BenchResult(config={"model": model, "length": length, "dtype": dtype, "device": dev,
-                                 "granularity": granularity, "kv_cache": kv_cache, "block_size": block_size,
-                                 "reps": reps, "warmup": warmup, "differing_fraction": differing,
-                                 "n_points": len(pipeline.capture_points(lm, cfg.capture)),
-                                 "folder": str(folder)},
-                         times={m: [] for m in MODES})
-    if dev.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(warmup + reps):
-        say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
-        t = {
-            "a": _timed(mode_a, dev),
-            "b": _timed(mode_b, dev),
-            "c": _timed(mode_c, dev),
-            "d": _timed(mode_d, dev),
-        }
-        nbytes = trace.stat().st_size
-        t["e_write"] = _timed(lambda: _raw_write(raw, nbytes), "cpu")
-        t["e_read"] = _timed(lambda: _raw_read(raw), "cpu")
-        if i >= warmup:
-            for k, v in t.items():
-                result.times[k].append(v)
-        result.trace_bytes = nbytes
-    result.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if dev.startswith("cuda"):
-        result.peak_device_mb = torch.cuda.max_memory_allocated() / 2**20
-    for p in (trace, raw):
-        p.unlink(missing_ok=True)
-    scratch.rmdir()
+        modes: dict[str, Callable[[], Any]] = {"a": lambda: pipeline.run_bare(lm, ids, scen), "b": mode_b}
+        for name, run in peer_modes.items():
+            modes[name] = lambda run=run, name=name: last.__setitem__(name, run())
+        modes["c"] = lambda: pipeline.run(stored, lm)
+        modes["d"] = lambda: compare_trace(str(trace), device=dev)
+        result.times = {m: [] for m in list(modes) + ["e_write", "e_read"]}
+        if dev.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(warmup + reps):
+            say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
+            t = {m: _timed(fn, dev) for m, fn in modes.items()}
+            for name in peer_modes:  # every repetition: the peers did the same work as tracer's (b)
+                check_counts(name, last[name], last["b"])
+            nbytes = trace.stat().st_size
+            t["e_write"] = _timed(lambda: _raw_write(raw, nbytes), "cpu")
+            t["e_read"] = _timed(lambda: _raw_read(raw), "cpu")
+            if i >= warmup:
+                for k, v in t.items():
+                    result.times[k].append(v)
+            result.trace_bytes = nbytes
+        result.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if dev.startswith("cuda"):
+            result.peak_device_mb = torch.cuda.max_memory_allocated() / 2**20
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # our own folder: the trace, the raw file, any partial
     if own_folder:
         result.config["folder"] = None
     return result
 
 
 def table(result: BenchResult):
-    """A rich Table of medians, min–max and the target ratios."""
+    """A rich Table of medians, min–max, the target ratios and the peers (checked or skipped, and why)."""
+    from rich.markup import escape
     from rich.table import Table
+
+    from tracer.loops.peers import LABELS
 
     c = result.config
     kv = "" if c.get("kv_cache", True) else ", no KV cache"
@@ -199,14 +249,21 @@ def table(result: BenchResult):
     t.add_column("min–max s", justify="right")
     names = {"a": "(a) floor: two plans, no hooks", "b": "(b) tracer, online compare (no file)",
              "c": "(c) tracer + HDF5 trace", "d": "(d) compare from trace",
-             "e_write": "(e) raw write, same bytes", "e_read": "(e) raw read, same bytes"}
-    for m in MODES:
-        v = result.times[m]
-        t.add_row(names[m], f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
+             "e_write": "(e) raw write, same bytes", "e_read": "(e) raw read, same bytes",
+             **{k: f"peer: {v}" for k, v in LABELS.items()}}
+    for m, v in result.times.items():
+        t.add_row(names.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
+    for m, info in result.peers.items():
+        if info["status"] == "skipped":
+            t.add_row(names.get(m, m), "skipped", escape(info["reason"]))
     r = result.ratios()
     t.add_section()
-    t.add_row("(b)/(a)", f"{r['b_over_a']:.3f}", "target ≤ 1.10")
-    t.add_row("(c)/(a)", f"{r['c_over_a']:.3f}", "target ≤ 1.5 where the disk is not the bound")
+    t.add_row("(b)/(a)", f"{r['b_over_a']:.3f}", "target ≤ 1.05 (CPU), and ≤ every peer's ratio")
+    for m, info in result.peers.items():
+        if f"{m}_over_a" in r:
+            t.add_row(f"({m})/(a)", f"{r[f'{m}_over_a']:.3f}",
+                      escape(f"per-layer differing counts = tracer's ✓ ({info['points']} points: {info['covers']})"))
+    t.add_row("(c)/(a)", f"{r['c_over_a']:.3f}", "target ≤ 1.15 (stored trace)")
     t.add_row("(c) write bytes/s ÷ (e) write", f"{r['c_write_bw_over_raw']:.3f}",
               "target ≥ 0.7 (bytes over all of (c), forward included: a lower bound)")
     t.add_row("(d) read bytes/s ÷ (e) read", f"{r['d_read_bw_over_raw']:.3f}", "target ≥ 0.7 ((e) reads the file just written)")
@@ -220,4 +277,5 @@ def table(result: BenchResult):
 
 
 def to_json(result: BenchResult) -> str:
+    """:meth:`BenchResult.to_dict` as indented JSON."""
     return json.dumps(result.to_dict(), indent=2)
