@@ -70,15 +70,23 @@ for n in lengths:
     pstats.Stats(pr).sort_stats("tottime").print_stats(30)
     print(f"--- cProfile, by cumulative time")
     pstats.Stats(pr).sort_stats("cumtime").print_stats(40)
+    print(f"--- cProfile, tracer's own functions by cumulative time")
+    pstats.Stats(pr).sort_stats("cumtime").print_stats("tracer/", 60)
 
     from torch.profiler import ProfilerActivity, profile
 
+    counts: dict[str, dict[str, int]] = {}
     for label, fn in (("bare", modes["bare"]), ("none", modes["none"])):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
         rows = [e for e in prof.key_averages() if e.key.startswith("cuda") or e.key.startswith("aten::")]
+        counts[label] = {e.key: e.count for e in rows}
         rows.sort(key=lambda e: -e.count)
         print(f"--- runtime calls / aten ops, one {label} run, N={n} (count, self CPU ms)")
         for e in rows[:30]:
             print(f"{e.count:7d} {e.self_cpu_time_total / 1000:9.2f}  {e.key}")
+    extra = {k: v - counts["bare"].get(k, 0) for k, v in counts["none"].items()}
+    print(f"--- calls a none run makes beyond the bare run, N={n}")
+    for k, v in sorted(extra.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{v:7d}  {k}")
