@@ -12,7 +12,7 @@ def test_bench_reports_every_mode_and_ratio(tmp_path):
     assert set(r.times) == set(MODES) | peers and all(len(v) == 2 for v in r.times.values())
     assert r.trace_bytes > 0
     d = r.to_dict()
-    assert set(d["ratios"]) == {"b_over_a", "c_over_a", "c_write_bw_over_raw", "d_read_bw_over_raw"} | {
+    assert set(d["ratios"]) == {"b_over_a", "c_over_a", "c_auto_over_a", "c_write_bw_over_raw", "d_read_bw_over_raw"} | {
         f"{m}_over_a" for m in peers}
     assert d["ratios"]["b_over_a"] == r.median("b") / r.median("a")
     assert not list(tmp_path.iterdir())  # the trace and raw files are cleaned up
