@@ -41,7 +41,7 @@ N_LAYERS, HIDDEN, VOCAB, WINDOW = 18, 640, 262_144, 512
 GLOBAL_LAYERS = [5, 11, 17]
 SLIDING_LAYERS = [i for i in range(N_LAYERS) if i not in GLOBAL_LAYERS]
 IDS_FILE = Path(__file__).resolve().parent.parent / "scripts" / "gemma3-default-prompt-ids.json"
-N = 40  # block size 16: the cached prefix is P = 32
+N = 20  # block size 16: the cached prefix is P = 16, the suffix 4 tokens
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_gemma3_cli_prefix_cache_and_header(gemma, tmp_path, cli_env):
     doc = json.loads(_tracer(["run", "gemma3-270m", "--device", "cpu", "--token-ids-file", str(IDS_FILE),
                               "--length", str(N), "--format", "json", "--store", "stats", "--output", str(trace)],
                              cli_env, tmp_path))
-    assert doc["positions"] == [32, N] and doc["facts"]["gemm_m_a"] == [N] and doc["facts"]["gemm_m_b"] == [32, 8]
+    assert doc["positions"] == [16, N] and doc["facts"]["gemm_m_a"] == [N] and doc["facts"]["gemm_m_b"] == [16, 4]
     assert doc["facts"]["sliding_layers"] == SLIDING_LAYERS and doc["facts"]["sliding_window"] == WINDOW
     kinds = [p["kind"] for p in doc["layers"]]
     assert kinds.count("kv_cache") == N_LAYERS and kinds.count("layer") == N_LAYERS
