@@ -8,6 +8,7 @@ import torch
 from conftest import FAMILIES, make_model
 from tracer.execute.capture import Capture, discover_points
 from tracer.errors import TracerError
+from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.execute.runner import execute
 from tracer.plan.scenarios import RunPlan, prefix_cache
 
@@ -72,8 +73,8 @@ def test_kv_cache_points_equal_hf_cache(family):
     rec = execute(model, IDS, scen.plan_b, points, scen.window)
     with torch.no_grad():  # an independent cache-hit prefill: prefix pass, then suffix pass
         out = model(torch.tensor([IDS[:32]]), use_cache=True)
-        out = model(torch.tensor([IDS[32:]]), past_key_values=out.past_key_values, use_cache=True)
-    cache = out.past_key_values
+        out = model(torch.tensor([IDS[32:]]), use_cache=True, **{cache_kwarg(model): output_cache(out)})
+    cache = output_cache(out)
     kv_names = [n for n, r in rec.captures.items() if r.kind == "kv_cache"]
     assert len(kv_names) == len(cache.layers)
     for i, name in enumerate(kv_names):

@@ -38,6 +38,9 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     assert "model.layers.3" in proc.stdout and "lm_head (logits)" in proc.stdout
     assert "verdict:" in proc.stdout
     assert out.exists()
+    # nothing on stderr: the KV cache goes in as transformers' current argument (no FutureWarning
+    # about past_key_values), and the CLI filters no warning to get there
+    assert proc.stderr == ""
 
     proc = tracer(["compare", str(out), "--format", "json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)

@@ -16,6 +16,7 @@ from tracer.diff.compare_dump import compare_dump, import_dump
 from tracer.store.enginedump import DumpEntry, RawDump, read_dump
 from tracer.diff.enginemap import align_steps
 from tracer.errors import TracerError
+from tracer.load.hf_cache import cache_kwarg
 from tracer.load.models import load_model
 from tracer.store.sglang_dump import write_sglang_dump
 
@@ -76,8 +77,9 @@ def test_layer_outputs_match_hf_hidden_states(tiny, ref, dump):
     ids = tracer.read_trace(ref).run("B", load_tensors=False).token_ids
     with torch.no_grad():
         cache = DynamicCache()
-        tiny.model(torch.tensor([ids[:P]]), past_key_values=cache, use_cache=True)
-        out = tiny.model(torch.tensor([ids[P:]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        tiny.model(torch.tensor([ids[:P]]), use_cache=True, **{cache_kwarg(tiny.model): cache})
+        out = tiny.model(torch.tensor([ids[P:]]), use_cache=True, output_hidden_states=True,
+                         **{cache_kwarg(tiny.model): cache})
     mapped = import_dump(str(dump), (ref, "B"), str(Path(dump).parent / "i.h5"))
     n_layers = tiny.model.config.num_hidden_layers
     for i in range(n_layers - 1):  # the last entry of hidden_states is after the final norm

@@ -8,6 +8,7 @@ import torch
 from tracer.execute.capture import discover_points
 from tracer.diff.core import compare_records
 from tracer.errors import TracerError
+from tracer.load.hf_cache import output_cache
 from tracer.plan.quant import fp8_e4m3
 from tracer.execute.runner import batch_inputs, execute, execute_scenario, forward_chunks
 from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario, build
@@ -97,7 +98,7 @@ def test_kv_quant_rounds_the_cache_between_chunks(tiny_llama):
     with torch.inference_mode():
         out_b = forward_chunks(tiny_llama, ids, s.plan_b)
         out_a = forward_chunks(tiny_llama, ids, s.plan_a)
-    kb, ka = out_b.past_key_values.layers[0].keys, out_a.past_key_values.layers[0].keys
+    kb, ka = output_cache(out_b).layers[0].keys, output_cache(out_a).layers[0].keys
     assert torch.equal(kb, fp8_e4m3(kb))  # every cached key is an E4M3 value
     assert not torch.equal(ka, fp8_e4m3(ka))
     assert torch.equal(kb[:, :, :30], fp8_e4m3(ka[:, :, :30]))  # the prefix was rounded, not recomputed differently

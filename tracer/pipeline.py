@@ -49,7 +49,8 @@ class Prepared:
 
 
 def load(cfg: RunConfig, *, progress: bool = False) -> Any:
-    """Load ``cfg.model`` (:func:`tracer.load.models.load_model`).
+    """Load ``cfg.model`` (:func:`tracer.load.models.load_model`), with its tokenizer only when
+    :func:`needs_tokenizer` says the run uses it.
 
     Raises:
         TracerError: unknown model, missing weights, bad device or device map.
@@ -58,7 +59,15 @@ def load(cfg: RunConfig, *, progress: bool = False) -> Any:
 
     m = cfg.model
     return load_model(m.name, dtype=m.dtype, device=m.device, attn=m.attn, gguf=m.gguf, progress=progress,
-                      device_map=m.device_map, max_memory=m.max_memory)
+                      device_map=m.device_map, max_memory=m.max_memory, tokenizer=needs_tokenizer(cfg))
+
+
+def needs_tokenizer(cfg: RunConfig) -> bool:
+    """Whether a run of ``cfg`` uses the tokenizer: a text prompt (the built-in one included), the
+    chat template, or ``decode`` (the replay shows the continuations as text). A prompt given as
+    token ids needs none, so a GGUF's tokenizer is then not converted (:func:`~tracer.load.models.load_model`)."""
+    p = cfg.prompt
+    return (p.token_ids is None and p.token_ids_file is None) or p.chat or cfg.checks.decode > 0
 
 
 def prompt_ids(cfg: RunConfig, loaded: Any, length: int | None = None) -> list[int]:
@@ -94,16 +103,20 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
     return Prepared(loaded, ids, scen)
 
 
-def trace_header(info: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
+def trace_header(loaded: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
-    model, granularity, dtype, attention, N, store mode, whether KV-cache points were captured and,
-    for one scenario (``scen`` not None), the scenario, its block size and split points; ``extra``
-    is merged in last."""
+    model, its numeric contract (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and
+    devices, casting after load, attention per layer kind), granularity, dtype, attention, N,
+    store mode, whether KV-cache points were captured and, for one scenario (``scen`` not None),
+    the scenario, its block size and split points; ``extra`` is merged in last."""
+    from tracer.load.contract import numeric_contract
     from tracer.store.trace import collect_environment
 
+    info = loaded.info
     facts: dict[str, Any] = {
-        "model": info.to_dict(), "granularity": capture.granularity, "dtype": info.dtype,
+        "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model),
+        "granularity": capture.granularity, "dtype": info.dtype,
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
         "kv_cache": bool(capture.kv_cache)}
     if scen is not None:
@@ -155,7 +168,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         online: compare without keeping tensors for the trace (the writer then gets the runs'
             token ids, plans and meta only, and the comparison under ``comparison_key``).
         names: run names in the trace (default: the plans' names ``A``, ``B``).
-        header: the trace header, for the report's facts (default: the model and scenario alone).
+        header: the trace header, for the report's facts (default: the model, its numeric contract
+            and the scenario).
         comparison_key: also store the comparison in the trace under this name.
         decode: greedy-decode this many tokens from each run's final KV cache (``comparison.replay``).
         atol, rtol: tolerances counted per capture point.
@@ -177,6 +191,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.core import compare_records, replay_diff, run_facts
     from tracer.execute.capture import host_copies
     from tracer.execute.tp_dist import execute_plan
+    from tracer.load.contract import numeric_contract
     from tracer.load.models import model_device
     from tracer.store.trace import json_safe
 
@@ -213,7 +228,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
-    header = header or {"model": info.to_dict(), "scenario": scen.to_dict()}
+    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(), "numeric_contract": numeric_contract(model)}
     comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=run_facts(header, rec_a, rec_b), atol=atol, rtol=rtol)
     if decode:
@@ -405,7 +420,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     out = st.output
     if out is None and st.mode != "none" and default_trace:
         out = default_output(info.name, scen.name)
-    header = trace_header(info, scen, len(ids), cfg.capture, st.mode,
+    header = trace_header(prep.loaded, scen, len(ids), cfg.capture, st.mode,
                           extra={"options": cfg.to_dict(), **distributed_header(scen, info.device)})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"
@@ -430,7 +445,10 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     divergence of ``base`` scales with machine epsilon (rule: :mod:`tracer.diff.verdict`).
 
     The model is cast in place and cast back afterwards, whatever happens (an up-cast and back is
-    exact, so its weights are bit-identical afterwards). Each re-run is a :func:`run_scenario`
+    exact, so its weights are bit-identical afterwards); non-persistent buffers such as rotary
+    ``inv_freq`` keep their dtype, as ``from_pretrained(dtype=...)`` leaves them
+    (:func:`~tracer.load.models.cast_weights`), so the numeric contract is the same after the
+    ladder as before. Each re-run is a :func:`run_scenario`
     at ``layers`` granularity, compared online.
 
     Returns:
@@ -442,6 +460,7 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     import torch
 
     from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, judge, measure
+    from tracer.load.models import cast_weights
 
     info, model = loaded.info, loaded.model
     dtypes = dtypes or higher_dtypes(info.dtype, info.device)
@@ -451,15 +470,15 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     levels = []
     try:
         for name in dtypes:
-            model.to(getattr(torch, name))
+            cast_weights(model, getattr(torch, name))
             c = run_scenario(loaded, token_ids, scen, CaptureConfig("layers")).comparison
             lg, ly = measure(c, worst)
             levels.append(Level(name, epsilon(name), lg, ly, c.identical))
     finally:
-        model.to(getattr(torch, info.dtype))
+        cast_weights(model, getattr(torch, info.dtype))
     verdict, reason, judged = judge(Level(info.dtype, epsilon(info.dtype), lb, yb, base.identical), levels)
     return NoiseVerdict(verdict, reason, worst, judged)
 
 
-__all__ = ["Prepared", "Outcome", "RunResult", "load", "prompt_ids", "prepare", "trace_header", "open_writer",
+__all__ = ["Prepared", "Outcome", "RunResult", "load", "needs_tokenizer", "prompt_ids", "prepare", "trace_header", "open_writer",
            "run_scenario", "without_tensors", "run", "precision_ladder", "TracerError"]

@@ -16,6 +16,7 @@ from tracer.diff.dataflow import Consumes, dataflow
 from tracer.errors import TracerError
 from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, amplification, logits_diff
 from tracer.execute.records import RunRecord
+from tracer.load.contract import attention_facts, contract_differences
 from tracer.diff.positions import PositionStats
 from tracer.diff.provenance import class_text, classify, kernel_rows
 
@@ -819,6 +820,9 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
             facts["versions_differ"] = version_differences(header, hb)
             facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
+            facts["contract_differs"] = contract_differences(header, hb)
+            if facts["contract_differs"]:
+                facts["notes"].append("warning: the numeric contract differs: " + "; ".join(facts["contract_differs"]))
         c = compare_pairs(
             pairs(), scenario=ra.meta.get("scenario", scen_name),
             model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
@@ -857,7 +861,10 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         ``plan_a``/``plan_b``: the plans' descriptions; ``gemm_m_a``/``gemm_m_b``: GEMM M per
         forward pass; ``chunks_a``/``chunks_b``: the ``[start, stop)`` chunks of each plan; and,
         where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
-        (``generate-cache``), ``kv_block_format`` (``kv-quant``) and ``notes`` (a line each).
+        (``generate-cache``), ``kv_block_format`` (``kv-quant``), ``sliding_layers`` /
+        ``sliding_window`` (a model with sliding-window attention layers, from the header's
+        ``numeric_contract``: decoder-layer indices and the window in tokens) and ``notes`` (a
+        line each).
     """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
     facts: dict[str, Any] = {
@@ -872,6 +879,7 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "gemm_m_b": b.plan.get("gemm_m"),
         "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
+        **attention_facts(header.get("numeric_contract") or {}),
     }
     scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
     notes = []

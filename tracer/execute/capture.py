@@ -312,7 +312,7 @@ class Capture:
             with cap.forward_call(0, P):
                 model(ids[:, :P], ...)
             with cap.forward_call(P, N):
-                model(ids[:, P:N], past_key_values=cache, ...)
+                model(ids[:, P:N], cache=cache, ...)
         records = cap.records()
 
     Each hook slices its tensor ``(B, T, *feature)`` to batch row ``row`` and the part of the
@@ -342,6 +342,7 @@ class Capture:
         self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
         self._fired: dict[str, int] = {}  # capture name -> index of its first firing
         self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
+        self._seq_axis: dict[str, int] = {}  # 4-D outputs: 2 where heads come first (B, H, S, D)
         self._n_tokens = 0  # the end of the last declared call: N after a run
 
     def __enter__(self) -> "Capture":
@@ -398,7 +399,7 @@ class Capture:
         seq = ids if isinstance(ids, torch.Tensor) else embeds
         if not isinstance(seq, torch.Tensor) or seq.dim() < 2:
             return
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 / before
         start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         n = int(seq.shape[1])
         if isinstance(ids, torch.Tensor):
@@ -432,10 +433,27 @@ class Capture:
 
         return hook
 
+    def _axis(self, name: str, t: torch.Tensor, need: int) -> int:
+        """The sequence axis (1 or 2) of a 4-D output ``t``: the one long enough for the call
+        (``need`` positions) when only one is, else what this point showed before, else the one
+        with the larger stride (in both layouts HF produces, ``(B, S, H, D)`` and ``(B, H, S, D)``
+        from a transpose, the sequence lies outside the heads in memory); remembered per point."""
+        fits = [axis for axis in (1, 2) if t.shape[axis] >= need]
+        if len(fits) == 1:
+            axis = fits[0]
+        elif name in self._seq_axis:
+            return self._seq_axis[name]
+        else:
+            axis = 2 if t.shape[1] > 1 and t.shape[2] > 1 and t.stride(2) > t.stride(1) else 1
+        self._seq_axis.setdefault(name, axis)
+        return axis
+
     def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int):
         if t.dim() < 2:
             raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
         n = stop - start
+        if t.dim() == 4 and self._axis(p.name, t, col + n) == 2:
+            t = t.transpose(1, 2)  # (B, H, S, D), e.g. Gemma 3's q/k norms after the head transpose → (B, S, H, D)
         if t.shape[1] < col + n:
             raise TracerError(
                 f"capture point {p.name}: output has {t.shape[1]} positions but the call computed {n}; "

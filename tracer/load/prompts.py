@@ -71,11 +71,17 @@ def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, c
     """Token ids of the prompt: plain text as-is (no special tokens added), or the chat template.
 
     ``length`` fixes N: the first ``length`` tokens, the prompt repeated as often as needed to
-    reach it (so any N can be traced with the built-in prompt).
+    reach it (so any N can be traced with the built-in prompt). ``tokenizer`` None (a model saved
+    without one, or loaded with ``tokenizer=False``) takes token ids only.
 
     Raises:
-        TracerError: empty prompt, ids outside the vocabulary, no chat template, length < 2.
+        TracerError: empty prompt, ids outside the vocabulary, no chat template, length < 2,
+            text for a model without a tokenizer.
     """
+    if token_ids is None and tokenizer is None:
+        raise TracerError("this model has no tokenizer, so a text prompt cannot be tokenized; pass token ids "
+                          "(--token-ids-file FILE.json / token_ids=[...]) or save a tokenizer next to the weights "
+                          "(tokenizer.save_pretrained(DIR))")
     if token_ids is None:
         if chat:
             if getattr(tokenizer, "chat_template", None) is None:

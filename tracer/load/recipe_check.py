@@ -5,7 +5,9 @@ into paths and imports: its ``name`` becomes a cache folder, a GGUF recipe's ``m
 up on ``sys.path`` and its ``file`` joined to that folder. Names are therefore restricted to
 ``[a-z0-9._-]+``, a module to the import name of the recipe's own PyPI package (one identifier,
 never a dotted path, so nothing is imported to find it), a file to one plain file name, and the
-file found must stay inside the package folder. Hook maps may only name module paths.
+file found must stay inside the package folder. A recipe with ``assemble`` (a package that ships
+its GGUF in chunk packages) imports that one package and calls the public function it names, one
+identifier. Hook maps may only name module paths.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ def check_recipe_data(data: dict[str, Any], path: Any) -> None:
     Raises:
         TracerError: a name not matching ``[a-z0-9._-]+`` (or starting with '.'), a GGUF
             ``module`` that is not its package's import name, a ``file`` that is not a plain
-            file name, a bad ``env`` name, or a random-init ``model_type`` that is not a name.
+            file name, a bad ``env`` name, an ``assemble`` that is not a public function name, or a random-init ``model_type`` that is not a name.
     """
     name = data.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise _bad(path, f"name {str(name)[:40]!r} must match [a-z0-9._-]+ and start with a letter or digit")
-    for key in ("description", "package", "module", "file", "env"):
+    for key in ("description", "package", "module", "file", "env", "assemble"):
         if key in data and not isinstance(data[key], str):
             raise _bad(path, f"{key} must be a string")
     if data.get("kind") == "gguf":
@@ -57,6 +59,8 @@ def check_recipe_data(data: dict[str, Any], path: Any) -> None:
             raise _bad(path, f"file {file[:40]!r} must be a plain file name inside the package, without folders")
         if "env" in data and not ENV_NAME.fullmatch(data["env"]):
             raise _bad(path, f"env {data['env'][:40]!r} must be an environment variable name (A-Z, 0-9, _)")
+        if "assemble" in data and (not IDENTIFIER.fullmatch(data["assemble"]) or data["assemble"].startswith("_")):
+            raise _bad(path, f"assemble {data['assemble'][:40]!r} must name a public function of module {module!r}")
     config = data.get("config")
     if data.get("kind") == "random-init":
         if not isinstance(config, dict):

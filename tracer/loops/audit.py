@@ -121,7 +121,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     ids = pipeline.prompt_ids(cfg, loaded)
     todo = [c for c in checks(len(ids)) if c.level in selected]
     plans, reasons = _plan(todo, len(ids), options, info.device)
-    header = pipeline.trace_header(info, None, len(ids), cfg.capture, cfg.store.mode,
+    header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
                                           **(distributed_header(plans["L4-tp-real"], info.device)

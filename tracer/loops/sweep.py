@@ -159,7 +159,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     extra = {k: v for k, v in cfg.scenario.options}
     if extra:
         params["options"] = extra
-    header = pipeline.trace_header(info, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
+    header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
     sf = SweepFile(out, params, header, overwrite=cfg.store.overwrite) if out is not None else None
     uses_block = "block_size" in applicable_options(scenario)
     try:
@@ -238,7 +238,7 @@ def _run_point(pipeline: Any, cfg: RunConfig, loaded: Any, ids: list[int], scen:
     """One point: compared online, or stored in the temporary trace ``tmp`` (``keep_tensors``)."""
     if tmp is None:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture).comparison
-    header = pipeline.trace_header(loaded.info, scen, len(ids), cfg.capture, "tensors")
+    header = pipeline.trace_header(loaded, scen, len(ids), cfg.capture, "tensors")
     with pipeline.open_writer(tmp, header, overwrite=True) as writer:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture, writer=writer, online=False,
                                      header=header, trace=str(tmp)).comparison

@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import math
+import re
 from typing import Any
 
 from rich.console import Console
@@ -184,7 +185,25 @@ def _plans(c: Comparison) -> str:
     f = c.facts
     a = f"A: {f.get('plan_a', '')} (GEMM M {f.get('gemm_m_a')})"
     b = f"B: {f.get('plan_b', '')} (GEMM M {f.get('gemm_m_b')})"
-    return f"{a}\n{b}"
+    return f"{a}\n{b}" + (f"\n{_sliding_note(c)}" if f.get("sliding_layers") else "")
+
+
+#: a decoder layer's row or one inside its attention: ``model.layers.7``, ``model.layers.7.self_attn.k_norm``
+_LAYER_OF = re.compile(r"\.layers\.(\d+)(\.self_attn(\.|$)|$)")
+
+
+def sliding_mark(c: Comparison, name: str) -> str:
+    """``" (sliding)"`` for a decoder layer's row, or a row of its attention, when that layer uses
+    sliding-window attention (``facts["sliding_layers"]``, from the header's numeric contract);
+    ``""`` otherwise."""
+    m = _LAYER_OF.search(name)
+    return " (sliding)" if m and int(m.group(1)) in set(c.facts.get("sliding_layers") or ()) else ""
+
+
+def _sliding_note(c: Comparison) -> str:
+    layers = c.facts["sliding_layers"]
+    return (f"(sliding) = sliding-window attention (window {c.facts.get('sliding_window')} tokens): "
+            f"{len(layers)} layers; the others attend globally")
 
 
 def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
@@ -233,7 +252,8 @@ def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[
         if r["n_diff"]:
             style = "bold red" if r["origin"] else "red"
         mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
-        cells = [Text(printable(r["name"]) + mark) if key == "point" else COLUMNS[key][1](r) for key in columns]
+        cells = [Text(printable(r["name"]) + sliding_mark(c, base) + mark) if key == "point" else COLUMNS[key][1](r)
+                 for key in columns]
         t.add_row(*cells, style=style)
     for sk in c.skipped:  # never dropped: a point that could not be compared is a row too
         cells = [Text(f"{printable(sk.name)}  ◀ not compared: {printable(sk.reason)}") if key == "point" else "-"
@@ -359,8 +379,8 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
-        cells = [(r["name"] + (" **◀ origin**" if r["origin"] else "")) if k == "point" else COLUMNS[k][1](r)
-                 for k in columns]
+        cells = [(r["name"] + sliding_mark(c, r["name"]) + (" **◀ origin**" if r["origin"] else ""))
+                 if k == "point" else COLUMNS[k][1](r) for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     for sk in c.skipped:
         cells = [f"{sk.name} **◀ not compared: {sk.reason}**" if k == "point" else "-" for k in columns]

@@ -1,0 +1,185 @@
+"""The model's side of the numeric contract: buffer precision, casting, attention per layer kind.
+
+A bit-exact comparison depends on more than the parameters' dtype. A blanket ``model.to(bf16)``
+after loading rounds the rotary ``inv_freq`` buffer to bf16, while ``from_pretrained(dtype=bf16)``
+keeps it in float32 (on an H200 that alone makes SmolLM2 at N=250 diverge from layer 21);
+Gemma's embedding scale is a buffer too; and a model with sliding-window layers runs two kinds
+of attention. :func:`numeric_contract` records all of it for the trace header, and
+:func:`contract_differences` names what differs between two headers (``tracer compare`` of two
+files warns with it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+#: buffers that ``from_pretrained`` computes in float32 whatever the parameters' dtype
+_FLOAT32_BUFFERS = re.compile(r"(^|\.|_)inv_freq$")
+_LAYER = re.compile(r"^(.*\.layers)\.(\d+)$")
+
+
+def _dtype(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def float_buffers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every floating-point buffer: ``{module path.buffer: {"dtype", "device", "persistent", "shape"}}``.
+
+    ``dtype`` is the canonical name (``float32``), ``device`` the tensor's device string,
+    ``persistent`` whether ``state_dict`` saves it, ``shape`` a list of ints. Sorted by name.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for mod_name, mod in model.named_modules():
+        for b_name, buf in mod._buffers.items():
+            if buf is None or not torch.is_floating_point(buf):
+                continue
+            key = f"{mod_name}.{b_name}" if mod_name else b_name
+            out[key] = {"dtype": _dtype(buf.dtype), "device": str(buf.device),
+                        "persistent": b_name not in mod._non_persistent_buffers_set, "shape": list(buf.shape)}
+    return dict(sorted(out.items()))
+
+
+def parameter_dtypes(model: nn.Module) -> dict[str, int]:
+    """``{dtype name: number of parameter elements}`` (one entry for a model in one dtype)."""
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        counts[_dtype(p.dtype)] = counts.get(_dtype(p.dtype), 0) + p.numel()
+    return counts
+
+
+def cast_after_load(model: nn.Module) -> dict[str, Any]:
+    """Whether the model was cast after loading (``model.to(dtype)``), with the evidence.
+
+    Evidence (any one suffices): a rotary ``inv_freq`` buffer that is not float32
+    (``from_pretrained(dtype=...)`` and tracer's loaders keep it float32; ``.to(dtype)`` rounds
+    it), or ``config.dtype`` naming another floating dtype than the parameters'. A float32
+    model cast to float32 leaves no trace and is not detected (nothing was rounded).
+
+    Returns:
+        ``{"detected": bool, "evidence": [str, ...]}``.
+    """
+    evidence = []
+    for name, b in float_buffers(model).items():
+        if _FLOAT32_BUFFERS.search(name) and b["dtype"] != "float32":
+            evidence.append(f"{name} is {b['dtype']} (from_pretrained keeps it float32)")
+    params = parameter_dtypes(model)
+    config = getattr(model, "config", None)
+    declared = getattr(config, "dtype", None) if config is not None else None
+    declared = declared if declared is not None else getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if isinstance(declared, torch.dtype) and len(params) == 1 and _dtype(declared) not in params:
+        evidence.append(f"config.dtype is {_dtype(declared)} but the parameters are {next(iter(params))}")
+    return {"detected": bool(evidence), "evidence": evidence}
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_kinds(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The attention of each layer kind: ``{kind: {"implementation", "layers", "sliding_window"}}``.
+
+    ``kind`` is the config's ``layer_types`` entry (``full_attention``, ``sliding_attention``;
+    ``full_attention`` for every layer of a model without ``layer_types``), ``layers`` the
+    decoder-layer indices of that kind, ``sliding_window`` the window in tokens (None for
+    global attention), ``implementation`` what the layers' attention modules run (``sdpa``,
+    ``eager``, ...; the model's ``_attn_implementation`` where a module does not say).
+    """
+    config = _text_config(getattr(model, "config", None))
+    if config is None:
+        return {}
+    n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    default_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    impl_of: dict[int, str | None] = {}
+    for name, mod in model.named_modules():
+        m = _LAYER.match(name)
+        if m is None:
+            continue
+        attn = getattr(mod, "self_attn", None) or getattr(mod, "attn", None)
+        cfg = getattr(attn, "config", None)
+        impl_of[int(m.group(2))] = getattr(cfg, "_attn_implementation", None) or default_impl
+    window = getattr(config, "sliding_window", None)
+    out: dict[str, dict[str, Any]] = {}
+    for i, kind in enumerate(types):
+        entry = out.setdefault(str(kind), {"implementation": impl_of.get(i, default_impl), "layers": [],
+                                           "sliding_window": int(window) if "sliding" in str(kind) and window else None})
+        entry["layers"].append(i)
+        if impl_of.get(i, default_impl) != entry["implementation"]:
+            entry["implementation"] = "mixed"
+    return out
+
+
+def sliding_layers(contract: dict[str, Any]) -> list[int]:
+    """Decoder-layer indices with sliding-window attention, from a :func:`numeric_contract` dict."""
+    kinds = (contract or {}).get("attention", {}) or {}
+    return sorted(i for k in kinds.values() if k.get("sliding_window") for i in k.get("layers", []))
+
+
+def attention_facts(contract: dict[str, Any]) -> dict[str, Any]:
+    """Report facts for a model with sliding-window layers: ``{"sliding_layers": [i, ...],
+    "sliding_window": tokens}``; ``{}`` for a model whose layers all attend globally."""
+    layers = sliding_layers(contract)
+    if not layers:
+        return {}
+    window = next(k["sliding_window"] for k in contract["attention"].values() if k.get("sliding_window"))
+    return {"sliding_layers": layers, "sliding_window": window}
+
+
+def numeric_contract(model: nn.Module) -> dict[str, Any]:
+    """The model's numeric contract for the trace header (JSON-able).
+
+    Returns:
+        ``{"parameter_dtypes": {dtype: elements}, "buffers": float_buffers(model),
+        "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}``.
+    """
+    return {"parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
+            "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}
+
+
+def contract_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
+    """What differs in the numeric contract of two trace headers, one phrase per difference.
+
+    Compared: the model's parameter dtypes, every floating-point buffer's dtype and device
+    (a buffer on one side only counts too), whether the model was cast after loading, and each
+    attention kind's implementation, layers and window. Headers written before the contract was
+    recorded (no ``numeric_contract`` key) give one phrase saying it cannot be checked.
+    """
+    ca, cb = header_a.get("numeric_contract"), header_b.get("numeric_contract")
+    if not isinstance(ca, dict) or not isinstance(cb, dict):
+        if ca is None and cb is None:
+            return []
+        return ["the numeric contract (buffer dtypes, casting, attention kinds) is recorded on one side only"]
+    out = []
+    if ca.get("parameter_dtypes") != cb.get("parameter_dtypes"):
+        out.append(f"parameter dtypes {ca.get('parameter_dtypes')} (A) vs {cb.get('parameter_dtypes')} (B)")
+    ba, bb = ca.get("buffers", {}) or {}, cb.get("buffers", {}) or {}
+    for name in sorted(set(ba) | set(bb)):
+        xa, xb = ba.get(name), bb.get(name)
+        if xa is None or xb is None:
+            out.append(f"buffer {name} exists only in {'B' if xa is None else 'A'}")
+            continue
+        for key in ("dtype", "device"):
+            if xa.get(key) != xb.get(key):
+                out.append(f"buffer {name} {key} {xa.get(key)} (A) vs {xb.get(key)} (B)")
+    da, db = (ca.get("cast_after_load") or {}).get("detected"), (cb.get("cast_after_load") or {}).get("detected")
+    if da != db:
+        yes = {True: "cast after loading", False: "not cast", None: "unknown"}
+        out.append(f"model {yes[da]} (A) vs {yes[db]} (B)")
+    ka, kb = ca.get("attention", {}) or {}, cb.get("attention", {}) or {}
+    for kind in sorted(set(ka) | set(kb)):
+        if ka.get(kind) != kb.get(kind):
+            out.append(f"{kind} attention {_kind(ka.get(kind))} (A) vs {_kind(kb.get(kind))} (B)")
+    return out
+
+
+def _kind(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "absent"
+    window = f", window {entry['sliding_window']}" if entry.get("sliding_window") else ""
+    return f"{entry.get('implementation')} on {len(entry.get('layers', []))} layers{window}"
