@@ -13,7 +13,7 @@ def test_bench_reports_every_mode_and_ratio(tmp_path):
     assert r.trace_bytes > 0
     d = r.to_dict()
     assert set(d["ratios"]) == {"b_over_a", "c_over_a", "c_auto_over_a", "c_write_bw_over_raw", "d_read_bw_over_raw"} | {
-        f"{m}_over_a" for m in peers}
+        f"{m}_over_a" for m in peers} | {"b_over_fastest_peer"}
     assert d["ratios"]["b_over_a"] == r.median("b") / r.median("a")
     assert not list(tmp_path.iterdir())  # the trace and raw files are cleaned up
 

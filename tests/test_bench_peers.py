@@ -162,6 +162,7 @@ def test_bench_json_and_table_show_peers_and_skips(tmp_path, monkeypatch):
     text = console.export_text()
     assert "nnsight .save() + compare" in text and "skipped" in text
     assert "nnsight is not installed (pip install 'tracer[peers]')" in text
-    assert "(peer_hooks)/(a)" in text
+    assert "(peer_hooks)/(a)" in text and "fastest peer" in text
+    assert d["ratios"]["b_over_fastest_peer"] == r.median("b") / min(r.median("peer_hf"), r.median("peer_hooks"))
     none = bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(tmp_path), peers=False)
     assert not any(m.startswith("peer_") for m in none.times) and none.peers == {}
