@@ -23,7 +23,7 @@ from tracer.diff.core import compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer import read_trace
-from tracer.store.trace import TraceWriter
+from tracer.store.trace import TraceWriter, read_row_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 T, H, V = 4, 8, 16  # window positions, hidden size, vocabulary
@@ -55,8 +55,8 @@ def make_runs(diverge_at: str | None = "model.layers.1", empty_in_b: str | None 
     return runs
 
 
-def write(path: Path, runs: list[RunRecord], header: dict | None = None) -> Path:
-    with TraceWriter(path, header=header or {"model": {"name": "planted"}}) as w:
+def write(path: Path, runs: list[RunRecord], header: dict | None = None, version: int = 2) -> Path:
+    with TraceWriter(path, header=header or {"model": {"name": "planted"}}, format_version=version) as w:
         for r in runs:
             w.add_run(r)
     return path
@@ -149,34 +149,106 @@ def test_cli_fail_on_any_fails_when_a_point_is_missing(tmp_path):
 # ---------------------------------------------------------------- checksums
 
 
-def _flip_data_byte(path: Path, dataset: str, at: int = 5) -> None:
-    with h5py.File(path, "r") as f:
-        off = f[dataset].id.get_offset()
+def _flip_byte(path: Path, offset: int) -> None:
     with open(path, "r+b") as fh:
-        fh.seek(off + at)
+        fh.seek(offset)
         b = fh.read(1)
-        fh.seek(off + at)
+        fh.seek(offset)
         fh.write(bytes([b[0] ^ 0x01]))
 
 
-def test_a_flipped_data_byte_is_a_checksum_error_not_a_divergence(tmp_path):
-    path = write(tmp_path / "t.h5", make_runs(diverge_at=None))
-    _flip_data_byte(path, "runs/A/captures/lm_head")
-    with pytest.raises(TracerError, match=r"^trace corrupt: lm_head in run A fails its checksum"):
+def _point_offset(path: Path, run: str, name: str, version: int) -> int:
+    """File offset of the first byte of a capture point's data, found as the README says."""
+    with h5py.File(path, "r") as f:
+        if version == 1:
+            return f[f"runs/{run}/captures/{name}"].id.get_offset()
+        entry = next(e for e in json.loads(f[f"runs/{run}"].attrs["index"]) if e["name"] == name)
+        ds = f[f"runs/{run}/data/{entry['dtype']}"]
+        return ds.id.get_offset() + entry["offset"] * ds.dtype.itemsize
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("name", ["lm_head", "model.layers.0"])
+def test_a_flipped_data_byte_is_a_checksum_error_not_a_divergence(tmp_path, version, name):
+    path = write(tmp_path / "t.h5", make_runs(diverge_at=None), version=version)
+    _flip_byte(path, _point_offset(path, "A", name, version) + 5)
+    with pytest.raises(TracerError, match=rf"^trace corrupt: {name} in run A fails its checksum") as e:
         compare_trace(str(path), device="cpu")
+    assert "\n" not in str(e.value)
     with read_trace(path) as r:  # metadata still reads; the tensor does not
         assert r.checksummed
         with pytest.raises(TracerError, match="fails its checksum"):
-            r.tensor("A", "lm_head")
+            r.tensor("A", name)
+        with pytest.raises(TracerError, match=f"{name} in run A fails its checksum"):
+            r.run("A")
+        with pytest.raises(TracerError, match=f"{name} in run A fails its checksum"):
+            list(read_row_blocks(r.captures("A")[name][1], 1))  # streamed: checked after the last block
+        r.tensor("B", name)  # the other run's copy is intact
+
+
+def test_a_flipped_byte_in_a_streamed_point_fails_the_comparison(tmp_path, monkeypatch):
+    """A point compared in row blocks (larger than the block size) still has its CRC checked."""
+    import tracer.diff.core as core
+
+    monkeypatch.setattr(core, "STREAM_BYTES", 64)  # every point of more than 64 bytes is streamed
+    path = write(tmp_path / "t.h5", make_runs(diverge_at=None))
+    assert compare_trace(str(path), device="cpu").identical
+    _flip_byte(path, _point_offset(path, "B", "model.layers.1", 2) + T * H * 4 - 3)  # in the last block
+    with pytest.raises(TracerError, match=r"^trace corrupt: model.layers.1 in run B fails its checksum"):
+        compare_trace(str(path), device="cpu")
 
 
 def test_a_changed_json_attribute_is_a_checksum_error(tmp_path):
-    path = write(tmp_path / "t.h5", make_runs())
+    path = write(tmp_path / "t.h5", make_runs(), version=1)
     with h5py.File(path, "r+") as f:  # a rewritten attribute (same type, other content)
         ds = f["runs/B/captures/model.layers.0"]
         ds.attrs.create("op", np.array(b"Evil", dtype=h5py.string_dtype("utf-8", 4)))
     with pytest.raises(TracerError, match=r"trace corrupt: model.layers.0 in run B fails its checksum"):
         read_trace(path)
+
+
+@pytest.mark.parametrize("field", ["op", "offset", "crc32", "shape"])
+def test_a_changed_index_entry_is_a_checksum_error_naming_the_point(tmp_path, field):
+    path = write(tmp_path / "t.h5", make_runs())
+    with h5py.File(path, "r+") as f:  # one entry of the index rewritten (same length: a bit flip)
+        g = f["runs/B"]
+        text = g.attrs["index"].decode()
+        entry = json.dumps(json.loads(text)[1])
+        changed = {"op": entry.replace('"op": ""', '"op": " "'), "offset": entry.replace('"offset": 32', '"offset": 33'),
+                   "crc32": entry.replace('"crc32": ', '"crc32": 1'), "shape": entry.replace('"shape": [4, 8]', '"shape": [4, 9]')}[field]
+        assert changed != entry
+        g.attrs.create("index", np.array(text.replace(entry, changed).encode(),
+                                         dtype=h5py.string_dtype("utf-8", len(text.replace(entry, changed).encode()))))
+    with pytest.raises(TracerError, match=r"^trace corrupt: index entry 1 \(model.layers.0\) of run B fails its checksum"):
+        read_trace(path)
+
+
+def test_a_flipped_bit_anywhere_in_the_file_is_caught_or_harmless(tmp_path):
+    """Every byte of a small version-2 trace flipped in turn (one bit): the comparison is the
+    original one or a one-line error; never another answer."""
+    path = write(tmp_path / "t.h5", make_runs())
+    good = compare_trace(str(path), device="cpu").to_dict()
+    data = path.read_bytes()
+    bad = tmp_path / "bad.h5"
+    for at in range(0, len(data), max(1, len(data) // 400)):
+        bad.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
+        try:
+            got = compare_trace(str(bad), device="cpu").to_dict()
+        except TracerError as e:
+            assert "\n" not in str(e)
+            continue
+        got["trace"] = good["trace"]
+        assert got == good, at
+
+
+def test_truncated_trace_is_refused(tmp_path):
+    path = write(tmp_path / "t.h5", make_runs())
+    data = path.read_bytes()
+    for keep in (len(data) // 2, len(data) - 100, 2000):
+        (tmp_path / "cut.h5").write_bytes(data[:keep])
+        with pytest.raises(TracerError) as e:
+            compare_trace(str(tmp_path / "cut.h5"), device="cpu")
+        assert "\n" not in str(e.value)
 
 
 def test_old_trace_without_checksums_still_reads(tmp_path):
@@ -220,15 +292,32 @@ def _replace_ds(path: Path, name: str, data, **kwargs) -> None:
         ds.attrs.update(attrs)
 
 
+def _index(path: Path, run: str, edit) -> None:
+    """Rewrite run ``run``'s index (a list of entries) through ``edit`` (which may return a new value)."""
+    with h5py.File(path, "r+") as f:
+        g = f[f"runs/{run}"]
+        entries = json.loads(g.attrs["index"])
+        entries = edit(entries) or entries
+        text = json.dumps(entries).encode() if not isinstance(entries, str) else entries.encode()
+        g.attrs.create("index", np.array(text, dtype=h5py.string_dtype("utf-8", len(text))))
+
+
+def _entry(path: Path, point: str, **changes) -> None:
+    def edit(entries):
+        e = next(x for x in entries if x["name"] == point)
+        for k, v in changes.items():
+            if v is None:
+                del e[k]
+            else:
+                e[k] = v
+    _index(path, "A", edit)
+
+
+#: mutations of either format version (run level)
 CASES = {
-    "no capture_order": lambda p: _attr(p, "runs/A", "capture_order", None),
     "no window": lambda p: _attr(p, "runs/A", "window", None),
     "no plan": lambda p: _attr(p, "runs/A", "plan", None),
     "no meta": lambda p: _attr(p, "runs/B", "meta", None),
-    "no dtype": lambda p: _attr(p, "runs/A/captures/model.norm", "dtype", None),
-    "no kind": lambda p: _attr(p, "runs/A/captures/model.norm", "kind", None),
-    "no op": lambda p: _attr(p, "runs/A/captures/model.norm", "op", None),
-    "no calls": lambda p: _attr(p, "runs/A/captures/model.norm", "calls", None),
     "run in order missing": lambda p: _attr(p, "runs", "order", json.dumps(["A", "B", "C"])),
     "integer order entry": lambda p: _attr(p, "runs", "order", json.dumps(["A", 2])),
     "duplicated order entry": lambda p: _attr(p, "runs", "order", json.dumps(["A", "A"])),
@@ -241,21 +330,83 @@ CASES = {
     "window [0, 40] on 6 tokens": lambda p: _attr(p, "runs/A", "window", np.array([0, 40], np.int64)),
     "negative window": lambda p: _attr(p, "runs/A", "window", np.array([-3, 1], np.int64)),
     "reversed window": lambda p: _attr(p, "runs/A", "window", np.array([6, 2], np.int64)),
+    "format_version '1'": lambda p: _attr(p, "/", "format_version", "1"),
+    "format_version 1.5": lambda p: _attr(p, "/", "format_version", 1.5),
+}
+#: mutations of a version-1 capture dataset
+CASES_V1 = {
+    "no capture_order": lambda p: _attr(p, "runs/A", "capture_order", None),
+    "no dtype": lambda p: _attr(p, "runs/A/captures/model.norm", "dtype", None),
+    "no kind": lambda p: _attr(p, "runs/A/captures/model.norm", "kind", None),
+    "no op": lambda p: _attr(p, "runs/A/captures/model.norm", "op", None),
+    "no calls": lambda p: _attr(p, "runs/A/captures/model.norm", "calls", None),
     "24 rows against a 4-position window": lambda p: _replace_ds(p, "runs/A/captures/model.norm", np.ones((24, H), np.float32)),
     "dtype int8": lambda p: _attr(p, "runs/A/captures/model.norm", "dtype", "int8"),
     "0-column logits": lambda p: _replace_ds(p, "runs/A/captures/lm_head", np.ones((T, 0), np.float32)),
     "declared 2^31 x 64": lambda p: _replace_ds(p, "runs/A/captures/model.norm", None, shape=(2**31, 64), dtype=np.float32),
-    "format_version '1'": lambda p: _attr(p, "/", "format_version", "1"),
-    "format_version 1.5": lambda p: _attr(p, "/", "format_version", 1.5),
+}
+#: mutations of a version-2 index or data dataset
+CASES_V2 = {
+    "no index": lambda p: _attr(p, "runs/A", "index", None),
+    "index not a list": lambda p: _index(p, "A", lambda e: {"x": e}),
+    "index not JSON": lambda p: _index(p, "A", lambda e: "[{"),
+    "entry not an object": lambda p: _index(p, "A", lambda e: e[:-1] + [[1, 2]]),
+    "no dtype": lambda p: _entry(p, "model.norm", dtype=None),
+    "no kind": lambda p: _entry(p, "model.norm", kind=None),
+    "no op": lambda p: _entry(p, "model.norm", op=None),
+    "no calls": lambda p: _entry(p, "model.norm", calls=None),
+    "no crc32": lambda p: _entry(p, "model.norm", crc32=None),
+    "crc32 as text": lambda p: _entry(p, "model.norm", crc32="123"),
+    "crc32 above 2^32": lambda p: _entry(p, "model.norm", crc32=2**40),
+    "offset as bool": lambda p: _entry(p, "model.norm", offset=True),
+    "negative shape": lambda p: _entry(p, "model.norm", shape=[-4, -8]),
+    "shape of floats": lambda p: _entry(p, "model.norm", shape=[4.0, 8.0]),
+    "calls of numbers": lambda p: _entry(p, "model.norm", calls=[1]),
+    "24 rows against a 4-position window": lambda p: _entry(p, "model.norm", shape=[24, 8]),
+    "dtype int8": lambda p: _entry(p, "model.norm", dtype="int8"),
+    "dtype with no dataset": lambda p: _entry(p, "model.norm", dtype="float64"),
+    "0-column logits": lambda p: _entry(p, "lm_head", shape=[T, 0]),
+    "declared 2^31 x 64": lambda p: _entry(p, "lm_head", shape=[2**31, 64]),
+    "overlapping points": lambda p: _entry(p, "model.layers.0", offset=0),
+    "a gap between points": lambda p: _entry(p, "model.layers.0", offset=33),
+    "duplicated name": lambda p: _entry(p, "model.norm", name="model.layers.0"),
+    "name with a slash": lambda p: _entry(p, "model.norm", name="a/b"),
+    "data shorter than its points": lambda p: _replace_ds(p, "runs/A/data/float32", np.ones(10, np.float32)),
+    "data longer than its points": lambda p: _replace_ds(p, "runs/A/data/float32", np.ones(1000, np.float32)),
+    "data of another type": lambda p: _replace_ds(p, "runs/A/data/float32", np.ones(4 * 8 * 4 + 6 * 4 + 4 * 16, np.float64)),
+    "2-D data": lambda p: _replace_ds(p, "runs/A/data/float32", np.ones((2, 100), np.float32)),
+    "an unused data dataset": lambda p: _add_ds(p, "runs/A/data/float16", np.ones(4, np.uint16)),
+    "declared 2^40 elements": lambda p: _replace_ds(p, "runs/A/data/float32", None, shape=(2**40,), dtype=np.float32),
+    "no data group": lambda p: _replace_ds(p, "runs/A/data/float32", None, shape=(0,), dtype=np.float32) or _del(p, "runs/A/data"),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_invalid_trace_is_a_one_line_error(tmp_path, case):
-    path = write(tmp_path / "t.h5", make_runs())
+def _add_ds(path: Path, name: str, data) -> None:
+    with h5py.File(path, "r+") as f:
+        f.create_dataset(name, data=data)
+
+
+def _del(path: Path, name: str) -> None:
+    with h5py.File(path, "r+") as f:
+        del f[name]
+
+
+@pytest.mark.parametrize("version,case", [(v, c) for v in (1, 2) for c in CASES]
+                         + [(1, c) for c in CASES_V1] + [(2, c) for c in CASES_V2])
+def test_invalid_trace_is_a_one_line_error(tmp_path, version, case):
+    path = write(tmp_path / "t.h5", make_runs(), version=version)
     strip_checksums(path)  # the validator alone must catch it (a checksum would catch it first)
-    CASES[case](path)
+    {**CASES, **(CASES_V1 if version == 1 else CASES_V2)}[case](path)
     with pytest.raises(TracerError) as info:
+        compare_trace(str(path), device="cpu")
+    assert "\n" not in str(info.value) and str(info.value).startswith(("trace corrupt", str(path)))
+
+
+@pytest.mark.parametrize("case", ["no dtype", "overlapping points", "data longer than its points"])
+def test_index_damage_is_caught_by_the_checksums_too(tmp_path, case):
+    path = write(tmp_path / "t.h5", make_runs())
+    CASES_V2[case](path)
+    with pytest.raises(TracerError, match="trace corrupt") as info:
         compare_trace(str(path), device="cpu")
     assert "\n" not in str(info.value)
 
@@ -264,7 +415,7 @@ def test_external_storage_and_links_are_refused(tmp_path):
     outside = tmp_path / "secret.bin"
     outside.write_bytes(np.arange(T * H, dtype=np.float32).tobytes())
     for case in ("external storage", "external link", "soft link", "soft-link loop"):
-        path = write(tmp_path / f"{case}.h5", make_runs())
+        path = write(tmp_path / f"{case}.h5", make_runs(), version=1)
         with h5py.File(path, "r+") as f:
             name = "runs/A/captures/model.norm"
             attrs = dict(f[name].attrs)
@@ -281,6 +432,29 @@ def test_external_storage_and_links_are_refused(tmp_path):
         with pytest.raises(TracerError, match="trace corrupt") as info:
             compare_trace(str(path), device="cpu")
         assert "link" in str(info.value) or "external" in str(info.value), case
+
+
+def test_external_storage_and_links_are_refused_in_version_2(tmp_path):
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(np.arange(1000, dtype=np.float32).tobytes())
+    for case in ("external storage", "external link", "soft link", "same object twice"):
+        path = write(tmp_path / f"{case}.h5", make_runs())
+        with h5py.File(path, "r+") as f:
+            name = "runs/A/data/float32"
+            n, attrs = f[name].shape[0], dict(f[name].attrs)
+            del f[name]
+            if case == "external storage":
+                f.create_dataset(name, shape=(n,), dtype=np.float32, external=[(str(outside), 0, n * 4)])
+                f[name].attrs.update(attrs)
+            elif case == "external link":
+                f[name] = h5py.ExternalLink(str(tmp_path / "t2.h5"), "/x")
+            elif case == "soft link":
+                f[name] = h5py.SoftLink("/runs/B/data/float32")
+            else:
+                f[name] = f["runs/B/data/float32"]  # a hard link to run B's data
+        with pytest.raises(TracerError, match="trace corrupt") as info:
+            compare_trace(str(path), device="cpu")
+        assert any(w in str(info.value) for w in ("link", "external", "same object")), case
 
 
 def test_partial_file_of_a_killed_writer_says_incomplete_and_is_cleaned_later(tmp_path):

@@ -25,6 +25,7 @@ from tracer.store.trace import (
     READ_VERSIONS,
     TraceWriter,
     collect_environment,
+    read_row_blocks,
 )
 from tracer import read_trace
 
@@ -84,15 +85,17 @@ def write_trace(path, runs, **kw):
 # ---------------------------------------------------------------- round trips
 
 
+@pytest.mark.parametrize("version", READ_VERSIONS)
 @pytest.mark.parametrize("compression", [None, "lzf", "gzip"])
-def test_round_trip_bit_exact(tmp_path, compression):
+def test_round_trip_bit_exact(tmp_path, compression, version):
     rng = np.random.default_rng(0)
     run_a, bits_a = make_run("A", rng)
     run_b, bits_b = make_run("B", rng, names=NAMES[::-1])
     path = tmp_path / "sub" / "dir" / "t.h5"  # parents are created
-    write_trace(path, [run_a, run_b], compression=compression)
+    write_trace(path, [run_a, run_b], compression=compression, format_version=version)
     assert path.exists() and not list(tmp_path.rglob("*.partial-*"))
     with read_trace(path) as r:
+        assert r.format_version == version
         assert r.runs == ["A", "B"]
         assert r.header == HEADER
         assert r.comparisons() == {"A_vs_B": {"n_diff": 3, "max_abs": math.inf, "points": ["a", "b"]}}
@@ -113,8 +116,9 @@ def test_round_trip_bit_exact(tmp_path, compression):
                                 "dtype": str(rec.tensor.dtype).removeprefix("torch."), "shape": list(rec.tensor.shape)}
 
 
+@pytest.mark.parametrize("version", READ_VERSIONS)
 @pytest.mark.parametrize("name", NAMES)
-def test_special_values_per_dtype_and_odd_shapes(tmp_path, name):
+def test_special_values_per_dtype_and_odd_shapes(tmp_path, name, version):
     rng = np.random.default_rng(1)
     tdtype = SPECIAL[name][0]
     big, big_bits = bits_tensor(name, (300, 1000), rng)  # several chunks
@@ -128,45 +132,115 @@ def test_special_values_per_dtype_and_odd_shapes(tmp_path, name):
     }
     # kind "tensor": not one whose rows the trace validator checks against the window
     run = RunRecord("A", [1], {}, (0, 1), {k: CaptureRecord(k, "tensor", v) for k, v in caps.items()})
-    write_trace(tmp_path / "t.h5", [run])
+    write_trace(tmp_path / "t.h5", [run], format_version=version)
     with read_trace(tmp_path / "t.h5") as r:
         for k, v in caps.items():
             got = r.tensor("A", k)
             assert got.dtype == tdtype and got.shape == v.shape, k
             np.testing.assert_array_equal(tensor_bits(got), tensor_bits(v))
         np.testing.assert_array_equal(tensor_bits(r.tensor("A", "big", rows=slice(100, 103))), big_bits[100:103])
+        np.testing.assert_array_equal(tensor_bits(r.tensor("A", "big", rows=slice(290, 400))), big_bits[290:])
+        np.testing.assert_array_equal(tensor_bits(r.tensor("A", "big", rows=slice(1, 9, 3))), big_bits[1:9:3])
+        for cap, (_, handle) in r.captures("A").items():  # streamed in row blocks: the same bits
+            blocks = list(read_row_blocks(handle, 7))
+            if caps[cap].dim() and caps[cap].shape[0]:
+                assert [b[0] for b in blocks] == list(range(0, caps[cap].shape[0], 7))
+                np.testing.assert_array_equal(tensor_bits(torch.cat([b[1] for b in blocks])), tensor_bits(caps[cap]))
         lazy = r.run("A", load_tensors=False)
         assert lazy.captures["big"].tensor.device.type == "meta" and lazy.captures["big"].tensor.shape == (300, 1000)
 
 
-def test_h5py_only_reading_per_readme(tmp_path):
-    """The README's snippet (plain h5py + numpy) recovers the same bits and values."""
+def _readme_run():
     rng = np.random.default_rng(2)
     t, bits = bits_tensor("bfloat16", (4, 8), rng)
     half, half_bits = bits_tensor("float16", (4, 8), rng)
-    run = RunRecord("A", [1, 2], {}, (0, 4), {
+    logits, logit_bits = bits_tensor("float32", (4, 5), rng)
+    run = RunRecord("A", [1, 2, 3, 4], {}, (0, 4), {
         "model.layers.0": CaptureRecord("model.layers.0", "layer", t),
         "model.layers.1": CaptureRecord("model.layers.1", "layer", half),
+        "model.layers.2": CaptureRecord("model.layers.2", "layer", t[:0]),  # not captured: empty
+        "model.layers.3": CaptureRecord("model.layers.3", "layer", t.flip(0)),
+        "lm_head": CaptureRecord("lm_head", "logits", logits),
     })
+    return run, {"model.layers.0": bits, "model.layers.1": half_bits, "model.layers.2": bits[:0],
+                 "model.layers.3": bits[::-1], "lm_head": logit_bits}
+
+
+def test_h5py_only_reading_per_readme(tmp_path):
+    """Format version 2 read with plain h5py + numpy + zlib as traces/README.md describes it: the
+    index, the tiling of data/<dtype>, each point's CRC-32 and its bits."""
+    import zlib
+
+    run, expected = _readme_run()
     path = tmp_path / "example.h5"
     write_trace(path, [run])
     with h5py.File(path, "r") as f:
         # string attributes are fixed-length UTF-8 (h5py gives bytes), see traces/README.md
-        assert f.attrs["format"].decode() == FORMAT and f.attrs["format_version"] == FORMAT_VERSION
-        ds = f["runs/A/captures/model.layers.0"]
-        assert f.attrs["complete"] and ds.attrs["dtype"].decode() == "bfloat16"
-        x = torch.from_numpy(ds[()].view(np.int16)).view(torch.bfloat16)
-        np.testing.assert_array_equal(tensor_bits(x), bits)
-        as_f32 = (ds[()].astype(np.uint32) << 16).view(np.float32)
-        np.testing.assert_array_equal((as_f32.view(np.uint32) >> 16).astype(np.uint16), bits)
-        h = f["runs/A/captures/model.layers.1"]
-        assert h.attrs["dtype"].decode() == "float16" and h.dtype == np.uint16
-        np.testing.assert_array_equal(h[()].view(np.float16).view(np.uint16), half_bits)
-        assert json.loads(f["runs/A"].attrs["capture_order"]) == ["model.layers.0", "model.layers.1"]
-        assert list(f["runs/A"].attrs["window"]) == [0, 4]
+        assert f.attrs["format"].decode() == FORMAT and f.attrs["format_version"] == FORMAT_VERSION == 2
+        assert f.attrs["complete"]
+        g = f["runs/A"]
+        assert sorted(g) == ["data", "token_ids"] and sorted(g["data"]) == ["bfloat16", "float16", "float32"]
+        index = json.loads(g.attrs["index"])
+        assert [e["name"] for e in index] == list(run.captures)  # execution order
+        ends: dict[str, int] = {}
+        for e in index:
+            n = int(np.prod(e["shape"]))
+            assert e["offset"] == ends.get(e["dtype"], 0)  # the points tile their dataset
+            ends[e["dtype"]] = e["offset"] + n
+            raw = g["data"][e["dtype"]][e["offset"]:e["offset"] + n]
+            assert zlib.crc32(raw.tobytes()) == e["crc32"]
+            np.testing.assert_array_equal(raw.reshape(e["shape"]).view(expected[e["name"]].dtype), expected[e["name"]])
+            assert e["kind"] == run.captures[e["name"]].kind and e["calls"] == []
+        assert {k: v.shape[0] for k, v in g["data"].items()} == ends
+        sums = json.loads(g.attrs["index_crc32"])
+        text = g.attrs["index"]
+        assert text == ("[" + ", ".join(json.dumps(e) for e in index) + "]").encode()
+        pos = 1
+        for (length, crc), e in zip(sums, index):
+            assert zlib.crc32(text[pos:pos + length]) == crc and json.loads(text[pos:pos + length]) == e
+            pos += length + 2
+        as_f32 = (g["data/bfloat16"][:32].astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal((as_f32.view(np.uint32) >> 16).astype(np.uint16), expected["model.layers.0"].ravel())
+        assert list(g.attrs["window"]) == [0, 4]
         assert json.loads(f["runs"].attrs["order"]) == ["A"]
         assert f["header"].attrs["model.name"].decode() == "tiny"  # flat copy for h5ls
         assert json.loads(f["header"].attrs["json"])["split_points"] == [3, 5]
+
+
+def test_h5py_only_reading_of_version_1(tmp_path):
+    """The kept version-1 writer: one dataset per capture point, read with plain h5py as the
+    README's "Format version 1" describes, and by tracer bit for bit."""
+    run, expected = _readme_run()
+    path = tmp_path / "old.h5"
+    write_trace(path, [run], format_version=1)
+    with h5py.File(path, "r") as f:
+        assert f.attrs["format_version"] == 1
+        assert json.loads(f["runs/A"].attrs["capture_order"]) == list(run.captures)
+        for name, bits in expected.items():
+            ds = f[f"runs/A/captures/{name}"]
+            assert ds.attrs["dtype"].decode() == str(run.captures[name].tensor.dtype).removeprefix("torch.")
+            np.testing.assert_array_equal(ds[()].view(bits.dtype), bits)
+    with read_trace(path) as r:
+        assert r.format_version == 1
+        for name, bits in expected.items():
+            np.testing.assert_array_equal(tensor_bits(r.tensor("A", name)), bits)
+
+
+def test_version_2_has_few_objects_whatever_the_number_of_points(tmp_path):
+    counts = {}
+    for n in (3, 60):
+        caps = {f"p{i}": CaptureRecord(f"p{i}", "tensor", torch.full((2, 3), float(i), dtype=torch.bfloat16))
+                for i in range(n)}
+        path = tmp_path / f"{n}.h5"
+        write_trace(path, [RunRecord("A", [1], {}, (0, 1), caps)])
+        with h5py.File(path, "r") as f:
+            names: list[str] = []
+            f.visit(names.append)
+        counts[n] = len(names)
+        with read_trace(path) as r:
+            assert [float(r.tensor("A", f"p{i}")[0, 0]) for i in range(n)] == [float(i) for i in range(n)]
+    # header, comparisons + its entry, runs, runs/A, token_ids, data, data/bfloat16
+    assert counts[3] == counts[60] == 8
 
 
 def test_readme_snippet_runs_as_written(tmp_path):

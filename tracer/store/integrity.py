@@ -28,6 +28,11 @@ import numpy as np
 from tracer.errors import TracerError
 from tracer.files import file_kind, pid_alive
 
+try:  # ISA-L's CRC-32: the same checksum as zlib.crc32 (same polynomial and values), ~7x faster
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the fallback
+    _crc32 = zlib.crc32
+
 #: the checksum scheme this tracer writes (root attribute ``checksums``)
 CHECKSUMS = "crc32"
 #: the name of the per-object checksum attribute
@@ -68,13 +73,19 @@ def attr_text(value: Any) -> str | None:
 # ---------------------------------------------------------------- checksums
 
 
-def crc32_bytes(buf: Any) -> int:
-    """CRC-32 of a bytes-like object or C-contiguous numpy array (its raw bytes), as an int."""
+def crc32_bytes(buf: Any, crc: int = 0) -> int:
+    """CRC-32 (``zlib.crc32``'s checksum) of a bytes-like object or numpy array (its raw bytes in C
+    order), as an unsigned int; ``crc``: the running value of the bytes before ``buf`` (so the CRC
+    of a stream is carried block by block: ``crc32_bytes(b2, crc32_bytes(b1)) == crc32_bytes(b1 + b2)``).
+
+    Computed with ISA-L (``isal``, ~11 GiB/s on the development machine's CPU) when it is
+    installed, else with zlib (~1.6 GiB/s there); both give the same values.
+    """
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             buf = np.ascontiguousarray(buf)
         buf = memoryview(buf.reshape(-1).view(np.uint8)) if buf.size else b""
-    return zlib.crc32(buf) & 0xFFFFFFFF
+    return _crc32(buf, crc) & 0xFFFFFFFF
 
 
 def attr_bytes(value: Any) -> bytes:

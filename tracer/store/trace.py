@@ -6,14 +6,14 @@ The on-disk layout is specified in ``traces/README.md`` (format ``tracer-trace``
     /                         attrs: format, format_version, complete, created, tool_version
     /header                   attrs: json (+ flat scalar copies)
     /runs                     attrs: order
-    /runs/<run>               attrs: plan, meta, window, capture_order; dataset token_ids
-    /runs/<run>/captures/<module path>   attrs: dtype, kind, op, calls
+    /runs/<run>               attrs: plan, meta, window, index (one entry per capture point); dataset token_ids
+    /runs/<run>/data/<dtype>  every capture point of that dtype, end to end (:mod:`tracer.store.packed`)
     /comparisons/<name>       attrs: json
 
-bf16 and fp16 tensors are stored as their raw 16-bit patterns (uint16) plus a ``dtype``
-attribute; fp32/fp64 natively. Each tensor is written with one ``create_dataset`` call from a
-numpy view of the tensor's memory (:func:`write_tensor`), and read back the same way
-(:func:`read_tensor`), so the round trip is bit-exact and costs no per-element Python.
+bf16 and fp16 tensors are stored as their raw 16-bit patterns (uint16); fp32/fp64 natively.
+Version 1 (still read; written with ``TraceWriter(..., format_version=1)``) kept one dataset per
+capture point under ``/runs/<run>/captures/`` (:func:`write_tensor`, :func:`write_run`). Either
+way the round trip is bit-exact and costs no per-element Python.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import h5py
 import numpy as np
@@ -45,12 +45,13 @@ from tracer.files import check_input_file
 from tracer.store.integrity import (CHECKSUMS, DATA_KEY, GuardedFile, attr_text, check_name_length,
                                     check_output_path, clean_stale_partials, crc32_bytes, partial_pid, seal, set_text,
                                     write_error_message)
+from tracer.store.packed import StoredPoint, iter_row_blocks, pack_index, read_point, read_run_tensors, write_packed
 from tracer.store.validate import load_json, validate_trace
 
 FORMAT = "tracer-trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: format versions this tracer reads
-READ_VERSIONS = (1,)
+READ_VERSIONS = (1, 2)
 #: compression filters accepted by :class:`TraceWriter`
 COMPRESSIONS = (None, "lzf", "gzip")
 #: target size of one HDF5 chunk (rows along the first axis)
@@ -288,7 +289,7 @@ def write_tensor(group: h5py.Group, name: str, tensor: torch.Tensor, *, compress
     return ds
 
 
-def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
+def read_tensor(ds: h5py.Dataset | StoredPoint, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
     """The tensor stored in ``ds`` (all of it, or ``rows`` along the first axis), bit-exact.
 
     Args:
@@ -298,10 +299,15 @@ def read_tensor(ds: h5py.Dataset, rows: slice | None = None, *, pin: bool = Fals
     A whole-dataset read is checked against the dataset's ``crc32`` (when it has one); a
     ``rows`` slice is not (its checksum covers the whole dataset).
 
+    ``ds`` is a version-1 capture dataset or a version-2 :class:`~tracer.store.packed.StoredPoint`
+    (as :meth:`TraceReader.captures` hands them out); both read the same way.
+
     Raises:
         TracerError: ``trace corrupt: <name> in run <run> fails its checksum``, an unreadable
             dataset, or a missing/unknown dtype.
     """
+    if isinstance(ds, StoredPoint):
+        return read_point(ds, rows, pin=pin)
     try:
         dtype = attr_text(ds.attrs["dtype"])
         if dtype is None:
@@ -349,6 +355,37 @@ def _data_crc(ds: h5py.Dataset) -> int | None:
 def _verify_data(ds: h5py.Dataset, array: np.ndarray, expected: int | None) -> None:
     if expected is not None and crc32_bytes(array) != expected:
         raise TracerError(f"trace corrupt: {describe_dataset(ds)} fails its checksum; the file was damaged "
+                          "after it was written, re-run it")
+
+
+def read_row_blocks(handle: h5py.Dataset | StoredPoint, rows_per_block: int,
+                    buffers: tuple[np.ndarray, ...] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """A capture point's tensor front to back in blocks of ``rows_per_block`` rows (first axis):
+    ``(first row, tensor (rows, *feature))``, bit-exact, for comparing points larger than memory.
+
+    The CRC-32 is carried from block to block and checked after the last block, so a damaged
+    point raises before the caller reports anything computed from its blocks. ``buffers``
+    (version-2 points only): reusable flat arrays of the storage type (each at least one block)
+    read into in turn; a yielded tensor then shares one and stays valid until ``len(buffers)``
+    blocks later. A 0-d tensor is one block.
+
+    Raises:
+        TracerError: ``trace corrupt: <name> in run <run> fails its checksum`` or an unreadable point.
+    """
+    if isinstance(handle, StoredPoint):
+        yield from iter_row_blocks(handle, rows_per_block, buffers)
+        return
+    expected = _data_crc(handle)
+    if handle.ndim == 0:
+        yield 0, read_tensor(handle)
+        return
+    crc, step = 0, max(1, int(rows_per_block))
+    for r0 in range(0, handle.shape[0], step):
+        t = read_tensor(handle, slice(r0, r0 + step))
+        crc = crc32_bytes(tensor_to_numpy(t)[0], crc)
+        yield r0, t
+    if expected is not None and crc != expected:
+        raise TracerError(f"trace corrupt: {describe_dataset(handle)} fails its checksum; the file was damaged "
                           "after it was written, re-run it")
 
 
@@ -419,6 +456,39 @@ def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = Non
     return g
 
 
+def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
+    """Write a whole run as ``runs[run.name]`` in format version 2: attributes, token ids, the
+    ``data/<dtype>`` datasets holding every capture end to end and the ``index`` attribute
+    (:mod:`tracer.store.packed`; ``traces/README.md``).
+
+    Everything is validated first, so a TracerError leaves ``runs`` unchanged; if writing
+    itself fails, the half-written group is removed.
+
+    Raises:
+        TracerError: invalid or duplicate run name, capture key ≠ record name, invalid capture,
+            plan/meta not JSON-able.
+    """
+    _check_name(run.name, "run")
+    if run.name in runs:
+        raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
+    entries, totals = pack_index(run)
+    plan = _json_dumps(run.plan, f"plan of run {run.name}")
+    meta = _json_dumps(run.meta, f"meta of run {run.name}")
+    g = runs.create_group(run.name, track_order=True)
+    try:
+        set_text(g, "plan", plan)
+        set_text(g, "meta", meta)
+        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
+        ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
+        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
+        write_packed(g, run, entries, totals, compression=compression)
+        seal(g)
+    except BaseException:
+        del runs[run.name]
+        raise
+    return g
+
+
 def _flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:
     """Scalar entries of a nested dict, keys joined with '.', for readable h5ls attributes."""
     out: dict[str, Any] = {}
@@ -461,15 +531,21 @@ class TraceWriter:
             calls; torch releases the GIL in its kernels, so the two overlap). Runs are written
             in submission order; :meth:`close` waits for them and re-raises a writer error;
             on an exception in the ``with`` block the thread is joined and the file deleted.
+        format_version: the layout to write: :data:`FORMAT_VERSION` (2, default) or 1 (one dataset
+            per capture point, as tracer wrote before; for tests and older readers).
 
     Raises:
         TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
-            compression; header not JSON-able; the file cannot be created.
+            compression or format version; header not JSON-able; the file cannot be created.
     """
 
     def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False,
-                 compression: str | None = None, background: bool = False) -> None:
+                 compression: str | None = None, background: bool = False,
+                 format_version: int = FORMAT_VERSION) -> None:
         self.path = Path(path)
+        if format_version not in READ_VERSIONS:
+            raise TracerError(f"unknown trace format_version {format_version!r}; this tracer writes {', '.join(map(str, READ_VERSIONS))}")
+        self.format_version = format_version
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._futures: list[concurrent.futures.Future] = []
         self.overwrite = overwrite
@@ -500,7 +576,7 @@ class TraceWriter:
         try:
             f = self._file
             set_text(f, "format", FORMAT)
-            f.attrs["format_version"] = np.int64(FORMAT_VERSION)
+            f.attrs["format_version"] = np.int64(self.format_version)
             set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
             set_text(f, "tool_version", _tool_version())
             set_text(f, "checksums", CHECKSUMS)
@@ -556,7 +632,8 @@ class TraceWriter:
         if ready is not None:
             ready()
         try:
-            write_run(self._runs, run, compression=self.compression)
+            write = write_run_packed if self.format_version >= 2 else write_run
+            write(self._runs, run, compression=self.compression)
         except (OSError, RuntimeError):
             self._check_io()  # a write error reported by HDF5 after the guard's: say the cause
             raise
@@ -685,6 +762,9 @@ class TraceReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = check_input_file(path, "trace file")
         self._file: h5py.File | None = None
+        self._fd: int | None = None  # for version-2 points: positioned reads that release the GIL
+        self._points: dict[str, dict[str, StoredPoint]] = {}  # run -> name -> point (version 2)
+        self._entries: dict[str, dict[str, dict[str, Any]]] = {}  # run -> name -> index entry (version 2)
         try:
             self._file = h5py.File(self.path, "r")
         except Exception:  # noqa: BLE001 - h5py raises OSError, RuntimeError, ... for damaged files
@@ -722,10 +802,18 @@ class TraceReader:
         if not (isinstance(complete, (bool, np.bool_)) and bool(complete)):
             raise TracerError(f"{self.path} is incomplete: the run that wrote it did not finish; re-run it")
         self.format_version = version
+        indexes: dict[str, list[dict[str, Any]]] = {}
         #: True when the file carries checksums (verified on every read); False: written before them
-        self.checksummed = validate_trace(f, self.path)
+        self.checksummed = validate_trace(f, self.path, indexes)
         self.header: dict[str, Any] = json.loads(f["header"].attrs["json"])
         self.runs: list[str] = json.loads(f["runs"].attrs["order"])
+        if version >= 2:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            for run, entries in indexes.items():
+                data = f["runs"][run]["data"]
+                self._points[run] = {e["name"]: StoredPoint(run, e["name"], e["dtype"], tuple(e["shape"]), e["offset"],
+                                                            e["crc32"], data[e["dtype"]], self._fd) for e in entries}
+                self._entries[run] = {e["name"]: e for e in entries}
 
     @property
     def _f(self) -> h5py.File:
@@ -738,26 +826,49 @@ class TraceReader:
             raise TracerError(f"run {run!r} not in {self.path}; available runs: {', '.join(self.runs) or 'none'}")
         return self._f["runs"][run]
 
-    def _capture_ds(self, run: str, capture: str) -> h5py.Dataset:
-        caps = self._run_group(run)["captures"]
+    def _missing(self, run: str, capture: str) -> TracerError:
+        names = self.capture_names(run)
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        return TracerError(f"capture {capture!r} not in run {run!r}; available: {shown or 'none'}")
+
+    def _capture_ds(self, run: str, capture: str) -> h5py.Dataset | StoredPoint:
+        """The capture's version-1 dataset or version-2 :class:`~tracer.store.packed.StoredPoint`."""
+        g = self._run_group(run)
+        if self.format_version >= 2:
+            point = self._points[run].get(capture)
+            if point is None:
+                raise self._missing(run, capture)
+            return point
+        caps = g["captures"]
         if capture not in caps:
-            names = self.capture_names(run)
-            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-            raise TracerError(f"capture {capture!r} not in run {run!r}; available: {shown or 'none'}")
+            raise self._missing(run, capture)
         return caps[capture]
+
+    def _info(self, run: str, handle: h5py.Dataset | StoredPoint) -> dict[str, Any]:
+        if isinstance(handle, StoredPoint):
+            e = self._entries[run][handle.name]
+            return {"kind": e["kind"], "op": e["op"], "calls": e["calls"], "dtype": e["dtype"], "shape": list(e["shape"])}
+        return _capture_info(handle)
 
     def capture_names(self, run: str) -> list[str]:
         """Capture names of ``run`` in execution order."""
-        return json.loads(self._run_group(run).attrs["capture_order"])
+        g = self._run_group(run)
+        if self.format_version >= 2:
+            return list(self._points[run])
+        return json.loads(g.attrs["capture_order"])
 
     def capture_info(self, run: str, capture: str) -> dict[str, Any]:
         """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data."""
-        return _capture_info(self._capture_ds(run, capture))
+        return self._info(run, self._capture_ds(run, capture))
 
-    def captures(self, run: str) -> dict[str, tuple[dict[str, Any], h5py.Dataset]]:
-        """Capture name → ``(capture_info, dataset)`` for every capture of ``run``, in execution
-        order, with one pass over the run's group (for streaming readers: pass the dataset to
-        :func:`read_tensor`)."""
+    def captures(self, run: str) -> dict[str, tuple[dict[str, Any], h5py.Dataset | StoredPoint]]:
+        """Capture name → ``(capture_info, handle)`` for every capture of ``run``, in execution
+        order, with one pass over the run (for streaming readers: pass the handle, a version-1
+        ``h5py.Dataset`` or a version-2 :class:`~tracer.store.packed.StoredPoint`, to
+        :func:`read_tensor` or :func:`read_row_blocks`; both have ``shape``, ``ndim`` and ``nbytes``)."""
+        if self.format_version >= 2:
+            self._run_group(run)
+            return {name: (self._info(run, p), p) for name, p in self._points[run].items()}
         caps = self._run_group(run)["captures"]
         out = {}
         for name in self.capture_names(run):
@@ -778,17 +889,23 @@ class TraceReader:
         """The :class:`RunRecord` of run ``name``, captures in execution order.
 
         With ``load_tensors=False`` each capture's tensor is a ``meta``-device tensor of the
-        stored shape and dtype (no data is read).
+        stored shape and dtype (no data is read). A version-2 run is read with one read per
+        ``data/<dtype>`` dataset (every point checked against its CRC-32).
 
         Raises:
-            TracerError: unknown run (the message lists the available ones).
+            TracerError: unknown run (the message lists the available ones), a point that fails
+                its checksum.
         """
         g = self._run_group(name)
         captures: dict[str, CaptureRecord] = {}
-        for cap in self.capture_names(name):
-            info = self.capture_info(name, cap)
-            if load_tensors:
-                tensor = self.tensor(name, cap)
+        loaded = None
+        if load_tensors and self.format_version >= 2:
+            loaded = read_run_tensors(list(self._points[name].values()))
+        for cap, (info, handle) in self.captures(name).items():
+            if loaded is not None:
+                tensor = loaded[cap]
+            elif load_tensors:
+                tensor = read_tensor(handle)
             else:
                 tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
             captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
@@ -817,6 +934,9 @@ class TraceReader:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> TraceReader:
         return self
@@ -867,6 +987,7 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "collect_environment", "TraceWriter", "TraceReader",
-    "write_tensor", "read_tensor", "write_capture", "write_run", "tensor_to_numpy", "numpy_to_tensor",
+    "write_tensor", "read_tensor", "read_row_blocks", "write_capture", "write_run", "write_run_packed",
+    "tensor_to_numpy", "numpy_to_tensor", "StoredPoint",
     "json_safe", "default_output", "check_output",
 ]

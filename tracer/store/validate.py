@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import h5py
 import numpy as np
 
 from tracer.errors import TracerError
-from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, verify_attrs
+from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
 
 #: the largest ratio of a compressed dataset's size to its stored bytes that is believed
 #: (gzip's best case is ~1000:1); a larger declared size is refused before anything is allocated
 MAX_COMPRESSION_RATIO = 1100
 _DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "float64": np.float64}
 _RUN_ATTRS = ("plan", "meta", "window", "capture_order")
+_RUN_ATTRS_V2 = ("plan", "meta", "window", "index")
+#: keys of a version-2 index entry and their JSON types
+_ENTRY_KEYS = {"name": str, "kind": str, "op": str, "calls": list, "dtype": str, "shape": list, "offset": int,
+               "crc32": int}
 _CAPTURE_ATTRS = ("dtype", "kind", "op", "calls")
 #: capture kinds whose tensors are (T, *feature) over the run's window (the spec's list)
 WINDOW_KINDS = ("embedding", "layer", "final_norm", "logits", "linear", "norm", "attention", "attention_core",
@@ -105,8 +110,12 @@ def _check_storage(ds: h5py.Dataset, path: Any, what: str, file_size: int) -> No
         raise _corrupt(path, f"{what} declares {nbytes} bytes that the file does not hold")
 
 
-def validate_trace(f: h5py.File, path: Any) -> bool:
+def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, Any]]] | None = None) -> bool:
     """Validate an open trace whose root ``format``/``format_version``/``complete`` were checked.
+
+    Args:
+        indexes: for a version-2 trace, filled with run name → its validated index entries
+            (:func:`check_index`), so the reader need not parse them again.
 
     Returns:
         True when the file carries checksums (attributes verified here; data verified by
@@ -135,8 +144,11 @@ def validate_trace(f: h5py.File, path: Any) -> bool:
     runs = _members(root["runs"], path, "/runs", seen)
     if set(runs) != set(order):
         raise _corrupt(path, f"/runs order lists {sorted(order)} but the file holds runs {sorted(runs)}")
+    version = int(f.attrs["format_version"])
     for name in order:
-        _validate_run(runs[name], name, path, file_size, checked, seen)
+        entries = _validate_run(runs[name], name, path, file_size, checked, seen, version)
+        if indexes is not None and entries is not None:
+            indexes[name] = entries
     comps = root.get("comparisons")
     if comps is not None:
         if not isinstance(comps, h5py.Group):
@@ -150,18 +162,28 @@ def validate_trace(f: h5py.File, path: Any) -> bool:
     return checked
 
 
-def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, seen: set) -> None:
+def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, seen: set,
+                  version: int = 1) -> list[dict[str, Any]] | None:
+    """Validate one run group; return its index entries (version 2) or None (version 1)."""
     if not isinstance(g, h5py.Group):
         raise _corrupt(path, f"run {run} is not a group")
+    required = _RUN_ATTRS_V2 if version >= 2 else _RUN_ATTRS
     if checked:
-        verify_attrs(g, f"run {run}", _RUN_ATTRS)
-    for key in _RUN_ATTRS:
+        try:
+            verify_attrs(g, f"run {run}", required)
+        except TracerError:
+            if version >= 2:  # name the capture point whose index entry was damaged, when it can be told
+                index = attr_text(g.attrs.get("index"))
+                where = damaged_entry(index, attr_text(g.attrs.get("index_crc32"))) if index is not None else None
+                if where is not None:
+                    raise TracerError(f"trace corrupt: index {where} of run {run} fails its checksum; the file was "
+                                      "damaged after it was written, re-run it") from None
+            raise
+    for key in required:
         if key not in g.attrs:
             raise _corrupt(path, f"run {run} has no {key} attribute")
     plan = load_json(g.attrs["plan"], path, f"plan of run {run}", dict)
     load_json(g.attrs["meta"], path, f"meta of run {run}", dict)
-    order = _names(load_json(g.attrs["capture_order"], path, f"capture_order of run {run}", list),
-                   path, f"capture_order of run {run}")
     members = _members(g, path, f"/runs/{run}", seen)
     ids = members.get("token_ids")
     if not isinstance(ids, h5py.Dataset) or ids.dtype != np.int64 or ids.ndim != 1 or ids.size == 0:
@@ -179,6 +201,13 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
     n = ids.size + generate  # a generation run's window reaches into the generated tokens
     if not 0 <= start < stop <= n:
         raise _corrupt(path, f"window of run {run} is [{start}, {stop}], outside the sequence of {n} positions")
+    if version >= 2:
+        entries = check_index(g, members, run, path, file_size, checked, seen)
+        for e in entries:
+            _check_shape(tuple(e["shape"]), e["kind"], f"{e['name']} in run {run}", (stop - start, n), path)
+        return entries
+    order = _names(load_json(g.attrs["capture_order"], path, f"capture_order of run {run}", list),
+                   path, f"capture_order of run {run}")
     caps = members.get("captures")
     if not isinstance(caps, h5py.Group):
         raise _corrupt(path, f"run {run} has no captures group")
@@ -188,6 +217,7 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
         raise _corrupt(path, f"capture_order of run {run} and its datasets disagree (on {missing[0]})")
     for name in order:
         _validate_capture(datasets[name], name, run, (stop - start, n), path, file_size, checked)
+    return None
 
 
 def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path: Any, file_size: int, checked: bool) -> None:
@@ -211,12 +241,105 @@ def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path:
     if not all(isinstance(c, dict) for c in calls):
         raise _corrupt(path, f"calls of {what} are not JSON objects")
     _check_storage(ds, path, what, file_size)
+    _check_shape(tuple(ds.shape), kind, what, rows, path)
+
+
+def _check_shape(shape: tuple[int, ...], kind: str, what: str, rows: tuple[int, int], path: Any) -> None:
+    """A capture's shape against its kind: window rows, KV cache positions, logits width."""
     window_rows, seq_rows = rows
-    if ds.size and kind == "kv_cache" and (ds.ndim != 2 or ds.shape[0] > seq_rows):
-        raise _corrupt(path, f"{what} has shape {tuple(ds.shape)}; a KV cache is (positions <= {seq_rows}, features)")
-    rows_given = ds.ndim >= 1 and ds.shape[0] > 0  # (0, ...) = not captured in this run
-    if kind in WINDOW_KINDS and (ds.size or rows_given):
-        if ds.ndim == 0 or ds.shape[0] != window_rows:
-            raise _corrupt(path, f"{what} has shape {tuple(ds.shape)}; its window holds {window_rows} positions")
-        if kind == "logits" and (ds.ndim < 2 or ds.shape[-1] == 0):
-            raise _corrupt(path, f"logits {what} have shape {tuple(ds.shape)}, not (positions, vocab)")
+    size = int(np.prod(shape, dtype=np.float64)) if shape else 1
+    if size and kind == "kv_cache" and (len(shape) != 2 or shape[0] > seq_rows):
+        raise _corrupt(path, f"{what} has shape {shape}; a KV cache is (positions <= {seq_rows}, features)")
+    rows_given = len(shape) >= 1 and shape[0] > 0  # (0, ...) = not captured in this run
+    if kind in WINDOW_KINDS and (size or rows_given):
+        if len(shape) == 0 or shape[0] != window_rows:
+            raise _corrupt(path, f"{what} has shape {shape}; its window holds {window_rows} positions")
+        if kind == "logits" and (len(shape) < 2 or shape[-1] == 0):
+            raise _corrupt(path, f"logits {what} have shape {shape}, not (positions, vocab)")
+
+
+def _entry_ok(e: Any) -> bool:
+    """An index entry with every key of the right JSON type (bools are not ints)."""
+    if not isinstance(e, dict):
+        return False
+    for key, kind in _ENTRY_KEYS.items():
+        v = e.get(key)
+        if not isinstance(v, kind) or isinstance(v, bool):
+            return False
+    return (all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["shape"])
+            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and all(isinstance(c, dict) for c in e["calls"]))
+
+
+def check_index(g: h5py.Group, members: dict[str, Any], run: str, path: Any, file_size: int, checked: bool,
+                seen: set) -> list[dict[str, Any]]:
+    """Validate a version-2 run's ``index`` attribute and ``data/<dtype>`` datasets (the spec's
+    "Tiling" rules: every entry well-typed, names unique, each dtype's points tiling its dataset
+    exactly); return the entries in execution order.
+
+    Raises:
+        TracerError: one line naming the first problem (``trace corrupt: ...``).
+    """
+    entries = load_json(g.attrs["index"], path, f"index of run {run}", list)
+    if not all(_entry_ok(e) for e in entries):
+        raise _corrupt(path, f"index of run {run} holds an entry without name, kind, op, calls, dtype, shape, "
+                             "offset or crc32 of the right type")
+    _names([e["name"] for e in entries], path, f"index of run {run}")
+    data = members.get("data")
+    if not isinstance(data, h5py.Group):
+        raise _corrupt(path, f"run {run} has no data group")
+    if checked:
+        verify_attrs(data, f"data of run {run}")
+    blobs = _members(data, path, f"/runs/{run}/data", seen)
+    ends: dict[str, int] = {}
+    for e in entries:
+        what = f"{e['name']} in run {run}"
+        dtype = e["dtype"]
+        if dtype not in _DTYPES:
+            raise _corrupt(path, f"{what} has dtype {dtype[:20]!r}; traces hold {', '.join(_DTYPES)}")
+        if dtype not in blobs:
+            raise _corrupt(path, f"{what} lies in data/{dtype}, which run {run} does not hold")
+        if e["offset"] != ends.get(dtype, 0):
+            raise _corrupt(path, f"{what} starts at element {e['offset']} of data/{dtype}, not where the previous "
+                                 f"point ends ({ends.get(dtype, 0)})")
+        size = 1
+        for x in e["shape"]:
+            size *= x
+        ends[dtype] = e["offset"] + size
+    for dtype, ds in blobs.items():
+        what = f"data/{dtype} of run {run}"
+        if dtype not in _DTYPES or not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype != _DTYPES[dtype]:
+            raise _corrupt(path, f"{what[:60]} is not a 1-D dataset of a stored dtype's type")
+        if checked:
+            verify_attrs(ds, what)
+        _check_storage(ds, path, what, file_size)
+        if dtype not in ends or ends[dtype] != ds.shape[0]:
+            raise _corrupt(path, f"{what} holds {ds.shape[0]} elements but its points cover {ends.get(dtype, 0)}")
+    return entries
+
+
+_ENTRY_NAME = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*")')
+
+
+def damaged_entry(index_text: str, sums_text: str | None) -> str | None:
+    """``entry 3 (model.layers.1)``: the first index entry whose bytes fail their CRC-32 in the
+    run's ``index_crc32`` (one ``[byte length, CRC-32]`` per entry, the index being the entries'
+    JSON joined by ``", "`` in brackets), or None when it cannot be told (no or damaged sums)."""
+    try:
+        sums = json.loads(sums_text) if sums_text is not None else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(sums, list) or not all(isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x)
+                                             for x in sums):
+        return None
+    raw, pos = index_text.encode("utf-8", "surrogatepass"), 1
+    for i, (length, crc) in enumerate(sums):
+        part = raw[pos:pos + length]
+        if crc32_bytes(part) != crc:
+            m = _ENTRY_NAME.match(part.decode("utf-8", "replace"))
+            try:
+                name = json.loads(m.group(1)) if m else None
+            except ValueError:
+                name = None
+            return f"entry {i}" + (f" ({name})" if isinstance(name, str) else "")
+        pos += length + 2
+    return None

@@ -1,0 +1,274 @@
+"""Format version 2 tensor storage: a run's capture points packed into one dataset per dtype.
+
+Store-layer module, used by :mod:`tracer.store.trace`. The layout is specified in
+``traces/README.md`` ("The index", ``/runs/<run>/data/<dtype>``): every capture point of dtype
+``d`` is a contiguous range of elements of ``/runs/<run>/data/<d>``, in index order, and the
+run's ``index`` attribute lists each point's name, kind, op, calls, dtype, shape, offset and the
+CRC-32 of its bytes. Writing a run is a few large sequential writes; reading a point is one
+positioned read (``os.preadv``, which releases the GIL) straight into the caller's buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import h5py
+import numpy as np
+import torch
+
+from tracer.dtypes import DTYPES, FLOATS
+from tracer.errors import TracerError
+from tracer.execute.records import RunRecord
+from tracer.store.integrity import crc32_bytes, seal, set_text
+
+#: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)
+STORED = {n: np.dtype(f.stored) for n, f in FLOATS.items()}
+_RAW16 = tuple(n for n, f in FLOATS.items() if f.raw16)
+_NAMES = {f.torch: n for n, f in FLOATS.items()}
+#: target size of one HDF5 chunk of a compressed ``data/<dtype>`` dataset
+CHUNK_BYTES = 1 << 20
+#: largest byte count of one ``preadv`` call (Linux transfers at most 0x7ffff000 bytes per call)
+_MAX_IO = 1 << 30
+
+
+def _host_bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as a flat numpy array of their storage type, sharing memory when it can."""
+    t = tensor.detach().cpu().contiguous().reshape(-1)
+    name = _NAMES[t.dtype]
+    if name in _RAW16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The index entries of ``run`` (``crc32`` still 0) and the element count per dtype.
+
+    Raises:
+        TracerError: a capture key that is not its record's name, an invalid name, an unsupported
+            dtype, or calls that are not JSON-serialisable.
+    """
+    entries: list[dict[str, Any]] = []
+    totals: dict[str, int] = {}
+    for key, record in run.captures.items():
+        if key != record.name:
+            raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
+        name = record.name
+        if not isinstance(name, str) or not name or "/" in name or name == ".":
+            raise TracerError(f"capture {name!r} is not a valid trace name; use a non-empty name without '/'")
+        dtype = _NAMES.get(record.tensor.dtype)
+        if dtype is None:
+            raise TracerError(f"capture {name} is {record.tensor.dtype}; the trace holds {', '.join(DTYPES)}")
+        try:
+            calls = json.loads(json.dumps(record.calls))
+        except (TypeError, ValueError) as e:
+            raise TracerError(f"calls of capture {name} is not JSON-serialisable ({e}); pass plain "
+                              "str/int/float/bool/list/dict values") from None
+        offset = totals.get(dtype, 0)
+        totals[dtype] = offset + record.tensor.numel()
+        entries.append({"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
+                        "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0})
+    if len({e["name"] for e in entries}) != len(entries):
+        raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
+    return entries, totals
+
+
+def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], totals: dict[str, int], *,
+                 compression: str | None = None) -> None:
+    """Write the tensors of ``run`` into ``g["data"]`` (one dataset per dtype, points in index order)
+    and the sealed ``index`` attribute on ``g``, filling each entry's ``crc32``.
+
+    Each point is written with one ``write_direct`` from the tensor's own memory, at increasing
+    offsets: the file grows front to back. Without ``compression`` the datasets are contiguous
+    and never filled first (no zero pass).
+    """
+    data = g.create_group("data", track_order=True)
+    datasets = {}
+    for dtype, total in totals.items():
+        kw: dict[str, Any] = {}
+        if compression is not None and total > 0:
+            kw = {"chunks": (max(1, min(total, CHUNK_BYTES // STORED[dtype].itemsize)),), "compression": compression}
+        ds = data.create_dataset(dtype, shape=(total,), dtype=STORED[dtype], fill_time="never", **kw)
+        seal(ds)
+        datasets[dtype] = ds
+    seal(data)
+    for entry, record in zip(entries, run.captures.values()):
+        bits = _host_bits(record.tensor)
+        entry["crc32"] = crc32_bytes(bits)
+        if bits.size:
+            off = entry["offset"]
+            datasets[entry["dtype"]].write_direct(bits, dest_sel=np.s_[off:off + bits.size])
+        del bits
+    texts = [json.dumps(e) for e in entries]
+    set_text(g, "index", "[" + ", ".join(texts) + "]")  # == json.dumps(entries)
+    sums = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
+    set_text(g, "index_crc32", json.dumps(sums))
+
+
+@dataclass(frozen=True)
+class StoredPoint:
+    """Where one capture point of a version-2 trace lies: ``shape`` elements of ``dtype`` from
+    element ``offset`` of ``blob`` (the run's ``data/<dtype>`` dataset), with CRC-32 ``crc``.
+
+    What :meth:`tracer.store.trace.TraceReader.captures` hands out for a version-2 trace in place of
+    a version-1 ``h5py.Dataset``; pass it to :func:`tracer.store.trace.read_tensor`.
+    """
+
+    run: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    crc: int
+    blob: h5py.Dataset
+    fd: int | None  # an open read-only descriptor of the file (None: read through HDF5)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes."""
+        return self.size * STORED[self.dtype].itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def describe(self) -> str:
+        """``model.layers.3 in run A``."""
+        return f"{self.name} in run {self.run}"
+
+    def read_into(self, out: np.ndarray, start: int = 0) -> None:
+        """Read elements ``[offset + start, offset + start + out.size)`` into the flat,
+        C-contiguous array ``out`` (of the storage type): one ``preadv`` when the dataset is
+        contiguous, else an HDF5 hyperslab read.
+
+        Raises:
+            TracerError: the read fails or the file ends early (one line naming the point).
+        """
+        n = out.size
+        if n == 0:
+            return
+        first = self.offset + start
+        try:
+            base = self.blob.id.get_offset() if self.fd is not None else None
+            if base is None:  # chunked (compressed) or not allocated: through HDF5
+                self.blob.read_direct(out.reshape(-1), source_sel=np.s_[first:first + n])
+                return
+            view = memoryview(out.reshape(-1).view(np.uint8))
+            pos, done = base + first * out.itemsize, 0
+            while done < len(view):
+                k = os.preadv(self.fd, [view[done:done + _MAX_IO]], pos + done)
+                if k <= 0:
+                    raise OSError("the file ends before the point does")
+                done += k
+        except (OSError, RuntimeError, ValueError) as e:
+            first_line = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise TracerError(f"trace corrupt: {self.describe()} cannot be read ({first_line}); re-run it") from None
+
+    def fails(self) -> TracerError:
+        """The error of a point whose bytes do not match its CRC-32."""
+        return TracerError(f"trace corrupt: {self.describe()} fails its checksum; the file was damaged after it "
+                           "was written, re-run it")
+
+
+def bits_to_tensor(array: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The torch tensor (dtype name ``dtype``, ``shape``) whose bits are the flat storage-type ``array``."""
+    t = torch.from_numpy(array.view(np.int16) if dtype in _RAW16 else array)
+    return (t.view(DTYPES[dtype]) if dtype in _RAW16 else t).reshape(shape)
+
+
+def empty_host(n: int, dtype: str, pin: bool = False) -> tuple[torch.Tensor, np.ndarray]:
+    """A fresh host buffer of ``n`` elements of dtype name ``dtype``: ``(tensor, numpy view of its
+    storage type)``; ``pin``: page-locked memory (needs CUDA)."""
+    raw16 = dtype in _RAW16
+    t = torch.empty(n, dtype=torch.int16 if raw16 else DTYPES[dtype], pin_memory=pin)
+    view = t.numpy().view(np.uint16) if raw16 else t.numpy()
+    return (t.view(DTYPES[dtype]) if raw16 else t), view
+
+
+def read_point(p: StoredPoint, rows: slice | None = None, *, pin: bool = False) -> torch.Tensor:
+    """The tensor of ``p`` (all of it, checked against its CRC-32; or ``rows`` along the first
+    axis, unchecked), bit-exact, on the host (pinned when ``pin``).
+
+    Raises:
+        TracerError: the point fails its checksum or cannot be read (one line naming it).
+    """
+    if rows is None or not p.shape:
+        t, view = empty_host(p.size, p.dtype, pin)
+        p.read_into(view)
+        if crc32_bytes(view) != p.crc:
+            raise p.fails()
+        return t.reshape(p.shape)
+    start, stop, step = rows.indices(p.shape[0])
+    row = p.size // p.shape[0] if p.shape[0] else 0
+    if step != 1:  # rare: read the whole point (unchecked, as for any slice) and pick the rows
+        t, view = empty_host(p.size, p.dtype)
+        p.read_into(view)
+        picked = np.ascontiguousarray(view.reshape(p.shape)[rows])
+        return bits_to_tensor(picked.reshape(-1), p.dtype, picked.shape)
+    stop = max(start, stop)
+    t, view = empty_host((stop - start) * row, p.dtype)
+    p.read_into(view, start * row)
+    return t.reshape((stop - start, *p.shape[1:]))
+
+
+def iter_row_blocks(p: StoredPoint, rows_per_block: int, buffers: tuple[np.ndarray, ...] | None = None
+                    ) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, tensor of the next rows)`` of ``p`` front to back, ``rows_per_block`` rows at a
+    time, the CRC-32 carried from block to block and checked after the last block (a mismatch
+    raises there, before the caller can report anything computed from the blocks).
+
+    Args:
+        buffers: reusable flat storage-type arrays to read into in turn (each at least one block);
+            a yielded tensor then shares the buffer and is valid until the block after next.
+
+    Raises:
+        TracerError: the point fails its checksum or cannot be read.
+    """
+    total = p.shape[0] if p.shape else 1
+    row = p.size // total if total else 0
+    crc = 0
+    for i, r0 in enumerate(range(0, total, max(1, rows_per_block))):
+        r1 = min(total, r0 + max(1, rows_per_block))
+        n = (r1 - r0) * row
+        if buffers:
+            raw = buffers[i % len(buffers)][:n]
+            t = bits_to_tensor(raw, p.dtype, (n,))
+        else:
+            t, raw = empty_host(n, p.dtype)
+        p.read_into(raw, r0 * row)
+        crc = crc32_bytes(raw, crc)
+        yield r0, t.reshape((r1 - r0, *p.shape[1:]) if p.shape else ())
+    if crc != p.crc:
+        raise p.fails()
+
+
+def read_run_tensors(points: list[StoredPoint]) -> dict[str, torch.Tensor]:
+    """Every point's tensor, reading each ``data/<dtype>`` dataset with one read (the points of a run
+    tile it) and checking each point's CRC-32; name → tensor (views into one buffer per dtype).
+
+    Raises:
+        TracerError: a point fails its checksum or the data cannot be read.
+    """
+    out: dict[str, torch.Tensor] = {}
+    by_dtype: dict[str, list[StoredPoint]] = {}
+    for p in points:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for dtype, ps in by_dtype.items():
+        total = ps[-1].offset + ps[-1].size
+        t, view = empty_host(total, dtype)
+        if total:
+            whole = StoredPoint(ps[0].run, f"data/{dtype}", dtype, (total,), 0, 0, ps[0].blob, ps[0].fd)
+            whole.read_into(view)
+        for p in ps:
+            part = view[p.offset:p.offset + p.size]
+            if crc32_bytes(part) != p.crc:
+                raise p.fails()
+            out[p.name] = t[p.offset:p.offset + p.size].reshape(p.shape)
+    return {p.name: out[p.name] for p in points}
