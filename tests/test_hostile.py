@@ -190,7 +190,7 @@ def test_a_flipped_byte_in_a_streamed_point_fails_the_comparison(tmp_path, monke
     """A point compared in row blocks (larger than the block size) still has its CRC checked."""
     import tracer.diff.core as core
 
-    monkeypatch.setattr(core, "STREAM_BYTES", 64)  # every point of more than 64 bytes is streamed
+    monkeypatch.setattr(core, "BLOCK_BYTES", 64)  # every point of more than 64 bytes takes several blocks
     path = write(tmp_path / "t.h5", make_runs(diverge_at=None))
     assert compare_trace(str(path), device="cpu").identical
     _flip_byte(path, _point_offset(path, "B", "model.layers.1", 2) + T * H * 4 - 3)  # in the last block

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -147,7 +148,6 @@ def test_sweep_cli(tmp_path, cli_env):
 
 def test_keep_tensors(tmp_path, loaded):
     import tracer
-    from tracer.store.trace import read_tensor
 
     out = tmp_path / "k.h5"
     sweep("tiny-llama", loaded=loaded, output=out, lengths="17,30", block_sizes=[8], keep_tensors=True, progress=False)
@@ -156,7 +156,10 @@ def test_keep_tensors(tmp_path, loaded):
         assert sorted(f["tensors"]) == ["N17_b8", "N30_b8"]
         g = f["tensors/N30_b8"]
         assert sorted(g) == ["A", "B"]
-        for run in ref.runs:
+        for run in ref.runs:  # laid out as a trace's runs (format version 2: index + data/<dtype>)
+            index = {e["name"]: e for e in json.loads(g[run.name].attrs["index"])}
             for name, rec in run.captures.items():
-                assert torch.equal(read_tensor(g[run.name]["captures"][name]).view(torch.int16), rec.tensor.view(torch.int16))
+                e = index[name]
+                raw = g[run.name]["data"][e["dtype"]][e["offset"]:e["offset"] + rec.tensor.numel()]
+                assert torch.equal(torch.from_numpy(raw.view(np.int16)), rec.tensor.reshape(-1).view(torch.int16))
     assert not list(tmp_path.glob(".k.point-*"))  # temporary traces removed

@@ -14,7 +14,7 @@ import torch
 
 from tracer.diff.dataflow import Consumes, dataflow
 from tracer.errors import TracerError
-from tracer.diff.metrics import DiffBatch, LogitsDiff, TensorDiff, amplification, logits_diff
+from tracer.diff.metrics import DiffBatch, LogitsAccumulator, LogitsDiff, TensorDiff, amplification, logits_diff
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts, contract_differences
 from tracer.diff.positions import PositionStats
@@ -364,6 +364,58 @@ def _prefix_rows(kind: str, calls: list, window_start: int) -> int | None:
     return max(0, window_start - first)
 
 
+@dataclass(frozen=True)
+class RowBlocks:
+    """A capture point read in row blocks, in place of its two tensors in :func:`compare_pairs`'s
+    pairs (a point larger than memory, streamed from a trace).
+
+    The pair's ``tensor_a`` is a RowBlocks whose ``blocks`` yields ``(first row, rows of A, rows
+    of B)`` front to back (same rows on both sides, on the compute device); ``tensor_b`` is a
+    RowBlocks of run B's shape and dtype with ``blocks`` None. The blocks' buffers may be reused
+    after the next block is requested: nothing of a block is kept.
+
+    Attributes:
+        shape: the whole tensor's shape ``(rows, *feature)``.
+        dtype: its torch dtype.
+        blocks: the iterator of blocks (side A), or None (side B).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: Iterator[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, ta: RowBlocks,
+                 split_rows: int | None) -> tuple[int, LogitsAccumulator | None]:
+    """Feed a pair given in row blocks to the batch, the per-position statistics and (logits) a
+    :class:`LogitsAccumulator`; returns its batch index and the accumulator."""
+    shape = tuple(ta.shape)
+    row = math.prod(shape[1:]) if shape else 1
+    split = split_rows * row if split_rows else None
+    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    pos = stats.rows(name, kind, shape, ta.dtype)
+    index = None
+    for r0, xa, xb in ta.blocks:
+        if index is None:
+            index = batch.add(xa, xb, split=split, more=True)
+        else:
+            batch.extend(index, xa, xb)
+        if pos is not None:
+            pos.add(r0, xa, xb)
+        if acc is not None:
+            acc.add(xa, xb)
+    if index is None:  # no rows: an empty pair
+        empty = torch.empty(shape, dtype=ta.dtype)
+        index = batch.add(empty, empty, split=split)
+    batch.close(index)
+    if pos is not None:
+        pos.finish()
+    return index, acc
+
+
 def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tensor, list, list]], *,
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
@@ -396,15 +448,23 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     per_position = PositionStats(positions)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
     skips = list(skipped)
+    logits_acc = None
     for name, kind, op, ta, tb, ca, cb in pairs:
         if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
             skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
             continue
-        if ta.shape != tb.shape or ta.dtype != tb.dtype:
+        if tuple(ta.shape) != tuple(tb.shape) or ta.dtype != tb.dtype:
             raise TracerError(
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
                 f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
             )
+        if isinstance(ta, RowBlocks):  # streamed in row blocks: the same numbers, bounded memory
+            index, acc = _stream_pair(batch, per_position, name, kind, ta, _prefix_rows(kind, ca, positions[0]))
+            if kind == "logits":
+                logits_acc, logits_pair, logits_name, logits_calls = acc, (index, None, None), name, (ca, cb)
+            else:
+                queued.append((index, name, kind, op, ca, cb, _prefix_rows(kind, ca, positions[0])))
+            continue
         per_position.add(name, kind, ta, tb)
         if kind == "logits":  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
@@ -416,7 +476,10 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
         queued.append((batch.add(ta, tb, split=split), name, kind, op, ca, cb, rows))
         del ta, tb
     diffs = batch.results()
-    if logits_pair is not None:
+    if logits_acc is not None:
+        logits = logits_acc.result(diffs[logits_pair[0]])
+        logits_tol = batch.outside_tolerance(logits_pair[0]) if tol is not None else None
+    elif logits_pair is not None:
         index, ta, tb = logits_pair
         rows_a = ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta
         rows_b = tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb
@@ -670,6 +733,153 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 
 #: bytes of capture tensors ``compare`` reads ahead of the comparison on a GPU (at least two pairs)
 PREFETCH_BYTES = 256 << 20
+#: bytes of one row block of a stored capture point (per run): ``compare`` reads every point in
+#: row blocks of about this size into reused buffers, so host memory does not grow with the trace
+BLOCK_BYTES = 32 << 20
+#: row blocks (per run) read ahead of the comparison, on one background thread (0: in turn)
+READ_AHEAD = 2
+
+
+class _Ring:
+    """``count`` reusable byte buffers of ``nbytes`` each (pinned for a GPU), handed out in turn
+    (allocated on first use)."""
+
+    def __init__(self, count: int, nbytes: int, pin: bool) -> None:
+        self.count, self.nbytes, self.pin = count, nbytes, pin
+        self.bufs: list = []
+        self.i = 0
+
+    def next(self):
+        if len(self.bufs) < self.count:
+            self.bufs.append(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy())
+            return self.bufs[-1]
+        self.i = (self.i + 1) % self.count
+        return self.bufs[self.i]
+
+
+class _Raised:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _ReadAhead:
+    """Items of ``gen`` produced on one background thread, at most ``depth`` ahead of the consumer
+    (``depth`` 0: produced in turn on the calling thread); an error is raised where its item would
+    have come. :meth:`close` stops the thread."""
+
+    def __init__(self, gen: Iterator[Any], depth: int) -> None:
+        import queue
+        import threading
+
+        self.gen, self.depth, self.stop = gen, depth, False
+        self.done = False
+        if depth > 0:
+            self.q: queue.Queue = queue.Queue(maxsize=depth)
+            self.thread = threading.Thread(target=self._run, name="tracer-read", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self.gen:
+                if self.stop:
+                    return
+                self.q.put(item)
+            self.q.put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, in order
+            self.q.put(_Raised(e))
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self.done:
+            raise StopIteration
+        if self.depth <= 0:
+            return next(self.gen)
+        item = self.q.get()
+        if item is _END:
+            self.done = True
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self.done = True
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self.stop = True
+        if self.depth > 0 and self.thread.is_alive():
+            while self.thread.is_alive():  # let a put() blocked on a full queue finish
+                try:
+                    self.q.get(timeout=0.05)
+                except Exception:  # noqa: BLE001 - queue.Empty: the thread is finishing
+                    pass
+            self.thread.join()
+
+
+class _StoredPairs:
+    """The pairs of :func:`compare_pairs` for points of two stored runs: every point as
+    :class:`RowBlocks`, read front to back in row blocks of about :data:`BLOCK_BYTES` into reused
+    buffers, :data:`READ_AHEAD` blocks ahead on one thread (reads release the GIL), each point's
+    CRC-32 checked after its last block. A point whose shape or dtype differ between the runs (or
+    that is empty in one) is given by its shapes alone: :func:`compare_pairs` reports it unread.
+    Host memory: the ring of buffers, whatever the trace size."""
+
+    def __init__(self, names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> None:
+        from tracer.dtypes import DTYPES
+
+        self.dev = dev
+        self.items = []
+        biggest = 1
+        for name in names:
+            (ia, ha), (ib, hb) = caps_a[name], caps_b[name]
+            same = list(ia["shape"]) == list(ib["shape"]) and ia["dtype"] == ib["dtype"]
+            self.items.append((name, ia, ib, ha, hb, same, DTYPES[ia["dtype"]], DTYPES[ib["dtype"]]))
+            if same:
+                biggest = max(biggest, int(ha.nbytes), int(hb.nbytes))
+        size = min(BLOCK_BYTES, biggest)
+        pin = dev.type == "cuda"
+        self.rings = (_Ring(READ_AHEAD + 2, size, pin), _Ring(READ_AHEAD + 2, size, pin))
+        self.ahead = _ReadAhead(self._produce(), READ_AHEAD)
+
+    def _produce(self) -> Iterator[tuple]:
+        from tracer.store.trace import read_row_blocks
+
+        for name, ia, _ib, ha, hb, same, _da, _db in self.items:
+            if not same:
+                continue
+            shape = tuple(ia["shape"])
+            rows = shape[0] if shape else 1
+            row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))
+            per_block = max(1, BLOCK_BYTES // row_bytes)
+            ga = read_row_blocks(ha, per_block, self.rings[0].next)
+            gb = read_row_blocks(hb, per_block, self.rings[1].next)
+            for (r0, xa), (_, xb) in zip(ga, gb):
+                yield r0, xa, xb
+            for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
+                pass
+            yield None, None, None  # the end of this point
+
+    def _blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for r0, xa, xb in self.ahead:
+            if r0 is None:
+                return
+            yield r0, xa.to(self.dev), xb.to(self.dev)  # a blocking copy: the buffer is reused later
+
+    def __iter__(self) -> Iterator[tuple]:
+        for name, ia, ib, _ha, _hb, same, da, db in self.items:
+            sa, sb = tuple(ia["shape"]), tuple(ib["shape"])
+            blocks = self._blocks() if same else None
+            yield name, ia["kind"], ia.get("op", ""), RowBlocks(sa, da, blocks), RowBlocks(sb, db), \
+                ia.get("calls", []), ib.get("calls", [])
+            for _ in blocks or ():  # what the comparison did not take (a point it skipped)
+                pass
+
+    def close(self) -> None:
+        self.ahead.close()
+
+
+def _stored_pairs(names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> _StoredPairs:
+    return _StoredPairs(names, caps_a, caps_b, dev)
 
 
 def _prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
@@ -755,12 +965,14 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
     :func:`resolve_refs`; ``atol``/``rtol`` as in :func:`compare_pairs`. A replay (``--decode``)
     stored in the runs' meta is compared too.
 
-    On a GPU a background thread reads ahead (:data:`PREFETCH_BYTES`, at least two capture
-    points) while the current point is compared (h5py releases the GIL while it reads); on the
-    CPU points are read in turn. ``device``: where the metrics are computed (``cpu``,
-    ``cuda``, ``cuda:N``; None: cuda if available); on a GPU the points are read into pinned host
-    memory and copied with non-blocking copies. Host memory holds the point being compared (plus
-    the read-ahead on a GPU), whatever the trace size.
+    Every point is read front to back in row blocks of about :data:`BLOCK_BYTES` into a few reused
+    buffers, :data:`READ_AHEAD` blocks ahead of the comparison on one background thread (a version-2
+    trace is read with ``preadv``, which releases the GIL), and compared block by block with the
+    numbers of a whole-tensor comparison (:class:`RowBlocks`); each point's CRC-32 is checked after
+    its last block, before anything is reported. ``device``: where the metrics are computed
+    (``cpu``, ``cuda``, ``cuda:N``; None: cuda if available); on a GPU the buffers are pinned. Host
+    memory: the buffers (2 × (READ_AHEAD + 2) × BLOCK_BYTES at most) plus the metrics' chunk
+    temporaries, whatever the trace size.
 
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
@@ -796,21 +1008,6 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         skipped = missing_points({n: i["kind"] for n, (i, _) in caps_a.items()},
                                  {n: i["kind"] for n, (i, _) in caps_b.items()}, label_a, label_b)
         dev = torch.device(resolve_device(device))
-        pin = dev.type == "cuda"
-
-        def load(name: str):
-            (ia, da), (ib, db) = caps_a[name], caps_b[name]
-            return (name, ia["kind"], ia.get("op", ""), read_tensor(da, pin=pin), read_tensor(db, pin=pin),
-                    ia.get("calls", []), ib.get("calls", []))
-
-        def pairs():
-            biggest = max((caps_a[n][1].nbytes for n in names), default=1)
-            # pairs read ahead on a GPU (it computes while the host reads); on the CPU both share
-            # the cores, so points are read in turn and host memory stays at ~1 pair
-            depth = max(2, PREFETCH_BYTES // max(1, 2 * biggest)) if pin else 0
-            for name, kind, op, ta, tb, ca, cb in _prefetched(names, load, depth):
-                yield name, kind, op, ta.to(dev, non_blocking=True), tb.to(dev, non_blocking=True), ca, cb
-
         scen = header.get("scenario", {})
         scen_name = scen.get("name", "?") if isinstance(scen, dict) else str(scen)
         facts = run_facts(header, ra, rb)
@@ -823,12 +1020,16 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             facts["contract_differs"] = contract_differences(header, hb)
             if facts["contract_differs"]:
                 facts["notes"].append("warning: the numeric contract differs: " + "; ".join(facts["contract_differs"]))
-        c = compare_pairs(
-            pairs(), scenario=ra.meta.get("scenario", scen_name),
-            model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
-            positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
-            facts=facts, atol=atol, rtol=rtol, skipped=skipped,
-        )
+        pairs = _stored_pairs(names, caps_a, caps_b, dev)
+        try:
+            c = compare_pairs(
+                pairs, scenario=ra.meta.get("scenario", scen_name),
+                model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
+                positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
+                facts=facts, atol=atol, rtol=rtol, skipped=skipped,
+            )
+        finally:
+            pairs.close()
         if "decode_tokens" in ra.meta and "decode_tokens" in rb.meta:
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
                                               ra.meta.get("decode_text"), rb.meta.get("decode_text")))

@@ -105,6 +105,22 @@ class PositionStats:
         if self._queued >= 4 * SMALL_ELEMENTS:
             self._flush()
 
+    def rows(self, name: str, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> RowStats | None:
+        """For a pair given in row blocks (``shape``/``dtype`` of each side): a :class:`RowStats`
+        taking the blocks, whose :meth:`RowStats.finish` stores the same numbers :meth:`add`
+        would for the whole pair (in this pair's place among the points); None when :meth:`add`
+        would leave the pair out."""
+        t = self.stop - self.start
+        if len(shape) == 0 or dtype not in _INT_VIEW or 0 in shape:
+            return None
+        if shape[0] != t and shape[0] != self.stop:
+            return None
+        self.names.append(name)
+        self.kinds.append(kind)
+        self.max.append(None)
+        self.n.append(None)
+        return RowStats(self, len(self.names) - 1, 0 if shape[0] == t else self.start)
+
     def _store(self, index: int, mx: torch.Tensor, nd: torch.Tensor) -> None:
         if self.bin > 1:  # bins of `bin` consecutive positions, the last one short
             pad = (-mx.shape[0]) % self.bin
@@ -138,3 +154,36 @@ class PositionStats:
         nd = torch.stack(self.n).cpu()
         return {"start": self.start, "stop": self.stop, "bin": self.bin, "names": list(self.names),
                 "kinds": list(self.kinds), "max_abs_diff": mx.tolist(), "n_diff": nd.tolist()}
+
+
+class RowStats:
+    """:func:`position_reduce` of one pair given in row blocks (see :meth:`PositionStats.rows`).
+
+    Args:
+        stats: the :class:`PositionStats` to store into.
+        index: the pair's place among its points.
+        offset: the tensor row of the first compared position (0; ``start`` for a KV cache).
+    """
+
+    def __init__(self, stats: PositionStats, index: int, offset: int) -> None:
+        self.stats, self.index, self.offset = stats, index, offset
+        self.mx: torch.Tensor | None = None
+        self.nd: torch.Tensor | None = None
+
+    def add(self, row0: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Rows ``row0 .. row0 + len(a)`` of the pair (``(rows, *feature)`` each)."""
+        t = self.stats.stop - self.stats.start
+        if self.mx is None:
+            self.mx = torch.zeros(t, dtype=torch.float64, device=a.device)
+            self.nd = torch.zeros(t, dtype=torch.int64, device=a.device)
+        lo, hi = max(row0, self.offset), min(row0 + a.shape[0], self.offset + t)
+        if lo >= hi:
+            return
+        mx, nd = position_reduce(a[lo - row0:hi - row0], b[lo - row0:hi - row0])
+        self.mx[lo - self.offset:hi - self.offset] = mx
+        self.nd[lo - self.offset:hi - self.offset] = nd
+
+    def finish(self) -> None:
+        """Record the pair's per-position statistics (after its last block)."""
+        if self.mx is not None:
+            self.stats._store(self.index, self.mx, self.nd)

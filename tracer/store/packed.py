@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import h5py
 import numpy as np
@@ -218,15 +218,16 @@ def read_point(p: StoredPoint, rows: slice | None = None, *, pin: bool = False) 
     return t.reshape((stop - start, *p.shape[1:]))
 
 
-def iter_row_blocks(p: StoredPoint, rows_per_block: int, buffers: tuple[np.ndarray, ...] | None = None
+def iter_row_blocks(p: StoredPoint, rows_per_block: int, buffers: Callable[[], np.ndarray] | None = None
                     ) -> Iterator[tuple[int, torch.Tensor]]:
     """``(first row, tensor of the next rows)`` of ``p`` front to back, ``rows_per_block`` rows at a
     time, the CRC-32 carried from block to block and checked after the last block (a mismatch
     raises there, before the caller can report anything computed from the blocks).
 
     Args:
-        buffers: reusable flat storage-type arrays to read into in turn (each at least one block);
-            a yielded tensor then shares the buffer and is valid until the block after next.
+        buffers: a function returning the next reusable byte buffer (flat ``uint8`` array) to read
+            a block into; a yielded tensor then shares it (valid as long as the caller's rotation
+            says). A block larger than the buffer gets a fresh one.
 
     Raises:
         TracerError: the point fails its checksum or cannot be read.
@@ -234,11 +235,12 @@ def iter_row_blocks(p: StoredPoint, rows_per_block: int, buffers: tuple[np.ndarr
     total = p.shape[0] if p.shape else 1
     row = p.size // total if total else 0
     crc = 0
-    for i, r0 in enumerate(range(0, total, max(1, rows_per_block))):
+    for r0 in range(0, total, max(1, rows_per_block)):
         r1 = min(total, r0 + max(1, rows_per_block))
         n = (r1 - r0) * row
-        if buffers:
-            raw = buffers[i % len(buffers)][:n]
+        buf = buffers() if buffers is not None else None
+        if buf is not None and buf.size >= n * STORED[p.dtype].itemsize:
+            raw = buf[:n * STORED[p.dtype].itemsize].view(STORED[p.dtype])
             t = bits_to_tensor(raw, p.dtype, (n,))
         else:
             t, raw = empty_host(n, p.dtype)

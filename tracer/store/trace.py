@@ -359,15 +359,15 @@ def _verify_data(ds: h5py.Dataset, array: np.ndarray, expected: int | None) -> N
 
 
 def read_row_blocks(handle: h5py.Dataset | StoredPoint, rows_per_block: int,
-                    buffers: tuple[np.ndarray, ...] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+                    buffers: Callable[[], np.ndarray] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
     """A capture point's tensor front to back in blocks of ``rows_per_block`` rows (first axis):
     ``(first row, tensor (rows, *feature))``, bit-exact, for comparing points larger than memory.
 
     The CRC-32 is carried from block to block and checked after the last block, so a damaged
     point raises before the caller reports anything computed from its blocks. ``buffers``
-    (version-2 points only): reusable flat arrays of the storage type (each at least one block)
-    read into in turn; a yielded tensor then shares one and stays valid until ``len(buffers)``
-    blocks later. A 0-d tensor is one block.
+    (version-2 points only): a function returning the next reusable byte buffer (flat ``uint8``)
+    to read a block into (:func:`tracer.store.packed.iter_row_blocks`); a yielded tensor then
+    shares it. A 0-d tensor is one block.
 
     Raises:
         TracerError: ``trace corrupt: <name> in run <run> fails its checksum`` or an unreadable point.
