@@ -96,10 +96,16 @@ def test_logits_in_row_blocks_equal_logits_diff(block):
     assert math.isfinite(got.kl_mean) and got.kl_mean > 0
 
 
-def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("hint", ["crc", "always equal"])
+def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkeypatch, hint):
     """Every point streamed in small row blocks (a KV cache with a prefix, logits, NaN): the
-    stored comparison equals the in-memory one."""
+    stored comparison equals the in-memory one. "always equal": every point is hinted equal (as
+    if all CRC-32s collided), so the differing ones take the fall-back full comparison."""
     import tracer.diff.core as core
+    import tracer.store.trace as trace
+
+    if hint == "always equal":
+        monkeypatch.setattr(trace, "stored_crc", lambda handle: 0)
 
     g = torch.Generator().manual_seed(5)
     caps_a = {
@@ -131,3 +137,66 @@ def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkey
         got.pop(k), ref.pop(k)
     assert got == ref
     assert got["layers"][1]["n_diff_prefix"] == 1 and got["first_divergent"] == "model.layers.0.self_attn.kv_cache"
+
+
+def _reference_logits(a, b):
+    """logits_diff as tracer computed it before the identical-row shortcut: every row in float64."""
+    from tracer.diff.metrics import CHUNK_ELEMENTS, _kl_rows, _overlap
+
+    t, v = a.shape
+    rows = max(1, CHUNK_ELEMENTS // v)
+    flips, kl_sum, kl_max, ov5, ov10, worst = [], 0.0, 0.0, 0.0, 0.0, 0
+    for start in range(0, t, rows):
+        a64, b64 = a[start:start + rows].double(), b[start:start + rows].double()
+        top_a, top_b = a64.argmax(1), b64.argmax(1)
+        kl = _kl_rows(a64, b64)
+        kl_sum += float(kl.sum())
+        kl_max = math.nan if math.isnan(kl_max) or math.isnan(float(kl.max())) else max(kl_max, float(kl.max()))
+        va, ia = torch.topk(a64, min(10, v), dim=1)
+        vb, ib = torch.topk(b64, min(10, v), dim=1)
+        ov5 += float(_overlap(ia, ib, min(5, v)).sum())
+        ov10 += float(_overlap(ia, ib, min(10, v)).sum())
+        worst = max(worst, int((b64 > b64.gather(1, top_a.unsqueeze(1))).sum(1).max()))
+        for r in torch.nonzero(top_a != top_b).flatten().tolist():
+            flips.append((start + r, int(top_a[r]), int(top_b[r]), float(va[r, 0] - va[r, 1]), float(vb[r, 0] - vb[r, 1])))
+    return flips, kl_sum / t, kl_max, ov5 / t, ov10 / t, worst
+
+
+@pytest.mark.parametrize("case", ["mixed", "identical", "nan row"])
+def test_identical_rows_shortcut_gives_the_full_computation(case):
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(300, 5000, generator=g).bfloat16()  # 209 rows per chunk: chunks of both kinds
+    b = a.clone()
+    if case != "identical":
+        b[::7].view(torch.int16)[:, ::3] += 1
+        b[250:].view(torch.int16)[:] += 2  # a whole chunk of differing rows
+        b[5, 10] = 50  # a flip
+    if case == "nan row":
+        a[17, 3] = math.nan
+        b[17, 3] = math.nan
+    got = logits_diff(a, b)
+    flips, kl_mean, kl_max, ov5, ov10, worst = _reference_logits(a, b)
+    assert [(f.position, f.token_a, f.token_b, f.margin_a, f.margin_b) for f in got.argmax_flips] == flips
+    for x, y in ((got.kl_mean, kl_mean), (got.kl_max, kl_max), (got.top5_overlap, ov5), (got.top10_overlap, ov10)):
+        assert x == y or (math.isnan(x) and math.isnan(y))
+    assert got.rank_of_a_top_in_b_max == worst
+    if case == "identical":
+        assert got.kl_mean == 0.0 and got.top5_overlap == 1.0 and not got.argmax_flips
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_bit_level_checks(dtype):
+    from tracer.diff.metrics import bits_equal, has_nonfinite
+
+    x = torch.randn(3_000_000, generator=torch.Generator().manual_seed(1)).to(dtype)  # several slices
+    x[7], x[8] = torch.finfo(dtype).max, -torch.finfo(dtype).max  # the largest finite values
+    assert not has_nonfinite(x) and bits_equal(x, x.clone())
+    for v in (math.inf, -math.inf, math.nan, -math.nan):
+        y = x.clone()
+        y[2_500_000] = v
+        assert has_nonfinite(y) and not bits_equal(x, y)
+    z = x.clone()
+    z[2_999_999] = -z[2_999_999]
+    assert not bits_equal(x, z)
+    zero, neg_zero = torch.zeros(4, dtype=dtype), torch.tensor([0.0, 0.0, 0.0, -0.0], dtype=dtype)
+    assert not bits_equal(zero, neg_zero) and not has_nonfinite(neg_zero)

@@ -6,6 +6,7 @@ from in-memory :class:`~tracer.execute.records.RunRecord` objects or from a stor
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
@@ -378,14 +379,49 @@ class RowBlocks:
         shape: the whole tensor's shape ``(rows, *feature)``.
         dtype: its torch dtype.
         blocks: the iterator of blocks (side A), or None (side B).
+        equal_hint: the runs' stored CRC-32s of the point are equal, so its bits are probably
+            equal: each block's bits are compared as integers and, if all agree, the point is
+            recorded as equal without float64 work (the numbers a full comparison gives).
+        reread: a function giving the blocks again (fresh buffers), for the one case the hint is
+            wrong (two different tensors with one CRC-32): the point is then compared in full.
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     blocks: Iterator[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    equal_hint: bool = False
+    reread: Callable[[], Iterator[tuple[int, torch.Tensor, torch.Tensor]]] | None = None
 
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
+                ) -> tuple[int, LogitsAccumulator | None, torch.device] | None:
+    """Check a pair hinted equal block by block (bits as integers, NaN/inf counted only where the
+    bits show some); when every block agrees, record it with :meth:`DiffBatch.add_equal` and return
+    ``(index, logits accumulator, device)``; else read its remaining blocks (their CRC-32 checks)
+    and return None."""
+    from tracer.diff.metrics import bits_equal, has_nonfinite
+
+    shape = tuple(ta.shape)
+    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    n_nan = n_inf = 0
+    device = torch.device("cpu")
+    for _r0, xa, xb in ta.blocks:
+        device = xa.device
+        if not bits_equal(xa, xb):
+            for _ in ta.blocks:
+                pass
+            return None
+        if has_nonfinite(xa):
+            n_nan += int(torch.isnan(xa).sum())
+            n_inf += int(torch.isinf(xa).sum())
+            if acc is not None:
+                acc.add(xa, xb)  # rows with a NaN/inf: as any
+        elif acc is not None:
+            acc.add_equal(xa.shape[0])
+    return batch.add_equal(math.prod(shape), n_nan, n_inf, split=split), acc, device
 
 
 def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, ta: RowBlocks,
@@ -395,10 +431,20 @@ def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, t
     shape = tuple(ta.shape)
     row = math.prod(shape[1:]) if shape else 1
     split = split_rows * row if split_rows else None
-    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
     pos = stats.rows(name, kind, shape, ta.dtype)
+    blocks = ta.blocks
+    if ta.equal_hint:
+        equal = _equal_pair(batch, kind, ta, split)
+        if equal is not None:
+            index, acc, device = equal
+            if pos is not None:
+                pos.equal(device)
+                pos.finish()
+            return index, acc
+        blocks = ta.reread()  # the hint was wrong: compare the point in full, read again
+    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
     index = None
-    for r0, xa, xb in ta.blocks:
+    for r0, xa, xb in blocks:
         if index is None:
             index = batch.add(xa, xb, split=split, more=True)
         else:
@@ -826,6 +872,7 @@ class _StoredPairs:
 
     def __init__(self, names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> None:
         from tracer.dtypes import DTYPES
+        from tracer.store.trace import stored_crc
 
         self.dev = dev
         self.items = []
@@ -833,7 +880,9 @@ class _StoredPairs:
         for name in names:
             (ia, ha), (ib, hb) = caps_a[name], caps_b[name]
             same = list(ia["shape"]) == list(ib["shape"]) and ia["dtype"] == ib["dtype"]
-            self.items.append((name, ia, ib, ha, hb, same, DTYPES[ia["dtype"]], DTYPES[ib["dtype"]]))
+            crc_a = stored_crc(ha) if same else None
+            hint = crc_a is not None and crc_a == stored_crc(hb)
+            self.items.append((name, ia, ib, ha, hb, same, DTYPES[ia["dtype"]], DTYPES[ib["dtype"]], hint))
             if same:
                 biggest = max(biggest, int(ha.nbytes), int(hb.nbytes))
         size = min(BLOCK_BYTES, biggest)
@@ -844,20 +893,30 @@ class _StoredPairs:
     def _produce(self) -> Iterator[tuple]:
         from tracer.store.trace import read_row_blocks
 
-        for name, ia, _ib, ha, hb, same, _da, _db in self.items:
+        for _name, ia, _ib, ha, hb, same, _da, _db, _hint in self.items:
             if not same:
                 continue
-            shape = tuple(ia["shape"])
-            rows = shape[0] if shape else 1
-            row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))
-            per_block = max(1, BLOCK_BYTES // row_bytes)
-            ga = read_row_blocks(ha, per_block, self.rings[0].next)
-            gb = read_row_blocks(hb, per_block, self.rings[1].next)
-            for (r0, xa), (_, xb) in zip(ga, gb):
-                yield r0, xa, xb
-            for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
-                pass
+            yield from self._read(ia, ha, hb, self.rings[0].next, self.rings[1].next)
             yield None, None, None  # the end of this point
+
+    @staticmethod
+    def _read(ia: dict, ha: Any, hb: Any, buf_a: Callable | None, buf_b: Callable | None) -> Iterator[tuple]:
+        from tracer.store.trace import read_row_blocks
+
+        shape = tuple(ia["shape"])
+        rows = shape[0] if shape else 1
+        row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))
+        per_block = max(1, BLOCK_BYTES // row_bytes)
+        ga = read_row_blocks(ha, per_block, buf_a)
+        gb = read_row_blocks(hb, per_block, buf_b)
+        for (r0, xa), (_, xb) in zip(ga, gb):
+            yield r0, xa, xb
+        for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
+            pass
+
+    def _again(self, ia: dict, ha: Any, hb: Any) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        for r0, xa, xb in self._read(ia, ha, hb, None, None):
+            yield r0, xa.to(self.dev), xb.to(self.dev)
 
     def _blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for r0, xa, xb in self.ahead:
@@ -866,10 +925,11 @@ class _StoredPairs:
             yield r0, xa.to(self.dev), xb.to(self.dev)  # a blocking copy: the buffer is reused later
 
     def __iter__(self) -> Iterator[tuple]:
-        for name, ia, ib, _ha, _hb, same, da, db in self.items:
+        for name, ia, ib, ha, hb, same, da, db, hint in self.items:
             sa, sb = tuple(ia["shape"]), tuple(ib["shape"])
             blocks = self._blocks() if same else None
-            yield name, ia["kind"], ia.get("op", ""), RowBlocks(sa, da, blocks), RowBlocks(sb, db), \
+            again = functools.partial(self._again, ia, ha, hb)
+            yield name, ia["kind"], ia.get("op", ""), RowBlocks(sa, da, blocks, hint, again), RowBlocks(sb, db), \
                 ia.get("calls", []), ib.get("calls", [])
             for _ in blocks or ():  # what the comparison did not take (a point it skipped)
                 pass

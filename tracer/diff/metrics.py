@@ -324,11 +324,38 @@ _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F8
              torch.float64: 0x7FF0000000000000}
 
 
-def _has_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when either flat tensor holds an inf or NaN (exponent bits all set), from the bits."""
-    mask = _EXP_MASK[a.dtype]
+#: elements per slice of the integer passes below (their temporaries stay in the CPU's caches)
+_SLICE = 1 << 20
+
+
+def has_nonfinite(x: torch.Tensor) -> bool:
+    """True when the tensor ``x`` (bfloat16/float16/float32/float64) holds an inf or NaN, read
+    from its bits: a positive one is an integer ``>=`` the exponent mask, a negative one an unsigned
+    integer ``>=`` sign bit | mask. On the CPU two numpy maxima per slice, at memory speed."""
+    mask = _EXP_MASK[x.dtype]
+    bits = x.reshape(-1).view(_INT_VIEW[x.dtype])
+    if bits.numel() == 0:
+        return False
+    if bits.device.type != "cpu":
+        return bool(((bits & mask) == mask).any())
+    signed = bits.numpy()
+    unsigned = signed.view(f"u{signed.itemsize}")
+    neg = (1 << (8 * signed.itemsize - 1)) | mask
+    for i in range(0, signed.size, _SLICE):
+        if int(signed[i:i + _SLICE].max()) >= mask or int(unsigned[i:i + _SLICE].max()) >= neg:
+            return True
+    return False
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two same-shape, same-dtype tensors hold the same bit patterns (NaN payloads, ±0
+    included); on the CPU a numpy comparison of the raw integers, slice by slice, at memory speed."""
     view = _INT_VIEW[a.dtype]
-    return bool(((a.view(view) & mask) == mask).any() or ((b.view(view) & mask) == mask).any())
+    ia, ib = a.reshape(-1).view(view), b.reshape(-1).view(view)
+    if ia.device.type != "cpu" or ib.device.type != "cpu":
+        return bool(torch.equal(ia, ib))
+    na, nb = ia.numpy(), ib.numpy()
+    return all(np.array_equal(na[i:i + _SLICE], nb[i:i + _SLICE]) for i in range(0, na.size, _SLICE))
 
 
 def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
@@ -462,6 +489,28 @@ class DiffBatch:
         self._pairs.append(segs)
         return len(self._pairs) - 1
 
+    def add_equal(self, n: int, n_nan: int, n_inf: int, *, split: int | None = None) -> int:
+        """Record a pair of ``n`` elements known to be bitwise equal (checked by the caller), with
+        ``n_nan``/``n_inf`` NaN and ±inf elements on each side, without its data; returns its index.
+
+        Its result is what :meth:`add` gives for such a pair: nothing differs, so no float64 work
+        is needed (``sum a²``, which only scales a non-zero difference, is left out).
+        """
+        if self._done is not None:
+            raise RuntimeError("DiffBatch.results() was already called; start a new batch")
+        cut = n if split is None else min(max(int(split), 0), n)
+        counts = [(cut, 0, 0)] if split is None else [(cut, 0, 0), (n - cut, 0, 0)]
+        counts[-1] = (counts[-1][0], n_nan, n_inf)  # the counts go to one segment: only sums are used
+        segs = []
+        for size, nan, inf in counts:
+            seg = len(self._seg_n)
+            self._seg_n.append(size)
+            segs.append(seg)
+            row = np.array([[0, nan, nan, inf, inf, 0]], dtype=np.int64)
+            self._fold_p1(np.array([seg]), row, np.zeros(1))
+        self._pairs.append(segs)
+        return len(self._pairs) - 1
+
     def extend(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """The next elements of pair ``index`` (opened by ``add(..., more=True)``), flattened in C order.
 
@@ -581,17 +630,21 @@ class DiffBatch:
         del pieces, parts_a, parts_b
         nb = ca.numel() // block
         view = _INT_VIEW[dtype]
-        neq = ca.view(view) != cb.view(view)  # (C,)
-        if device.type == "cpu" and not _has_nonfinite(ca, cb):
+        differ = True
+        if device.type == "cpu":  # bits compared as integers first (numpy, at memory speed)
+            differ = not bits_equal(ca, cb)
+        neq = ca.view(view) != cb.view(view) if differ else None  # (C,)
+        if device.type == "cpu" and not has_nonfinite(ca) and not (differ and has_nonfinite(cb)):
             # the common case on the CPU, where every pass over the chunk counts: no NaN/inf on
             # either side, so those counts are 0 and every element is finite (the same numbers as
-            # the general pass below, with a third of its work; bits compared as integers first)
-            differ = bool(neq.any())
+            # the general pass below, with a fraction of its work)
             p1 = torch.zeros((nb, 6), dtype=torch.int64)
             if differ:
                 p1[:, 0] = neq.view(nb, block).sum(1)
             a_eq = (torch.where(~neq, ca, torch.zeros_like(ca)) if differ else ca).to(torch.float64)
         else:
+            if neq is None:
+                neq = torch.zeros(ca.shape, dtype=torch.bool)
             p1 = torch.stack([
                 neq.view(nb, block).sum(1),
                 torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
@@ -877,20 +930,43 @@ class LogitsAccumulator:
             self._wait = (a[start:].clone(), b[start:].clone())
 
     def _chunk(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        v, start = self.v, self.t
-        self.t += a.shape[0]
+        v, start, r = self.v, self.t, a.shape[0]
+        self.t += r
         if v == 0:
             return
+        # rows whose bits are equal and finite contribute KL 0, overlaps 1, rank 0 and no flip:
+        # the float64 work runs on the other rows only, its results scattered into full-length
+        # vectors so every sum adds the same values in the same order as over all rows
+        view = _INT_VIEW[a.dtype]
+        mask = _EXP_MASK[a.dtype]
+        if a.device.type == "cpu":  # numpy's integer passes run at memory speed
+            ia, ib = a.view(view).numpy(), b.view(view).numpy()
+            busy = torch.from_numpy((ia != ib).any(axis=1) | (np.bitwise_and(ia, mask) == mask).any(axis=1))
+        else:
+            busy = (a.view(view) != b.view(view)).any(dim=1) | ((a.view(view) & mask) == mask).any(dim=1)
+        rows = torch.nonzero(busy).flatten()
+        kl = torch.zeros(r, dtype=torch.float64, device=a.device)
+        o5 = torch.ones(r, dtype=torch.float64, device=a.device)
+        o10 = torch.ones(r, dtype=torch.float64, device=a.device)
+        if rows.numel():
+            self._rows(a.index_select(0, rows), b.index_select(0, rows), rows, start, kl, o5, o10)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = _nan_max(self.kl_max, float(kl.max()))
+        self.ov5 += float(o5.sum())
+        self.ov10 += float(o10.sum())
+
+    def _rows(self, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, start: int, kl: torch.Tensor,
+              o5: torch.Tensor, o10: torch.Tensor) -> None:
+        """The float64 statistics of the rows ``rows`` (of the chunk starting at ``start``), given as ``a``/``b``."""
+        v = self.v
         a64 = a.to(torch.float64)  # (r, V)
         b64 = b.to(torch.float64)  # (r, V)
         top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
-        kl = _kl_rows(a64, b64)  # (r,)
-        self.kl_sum += float(kl.sum())
-        self.kl_max = _nan_max(self.kl_max, float(kl.max()))
+        kl[rows] = _kl_rows(a64, b64)  # (r,)
         top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
         top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)  # ties broken by torch.topk
-        self.ov5 += float(_overlap(top_ia, top_ib, min(5, v)).sum())
-        self.ov10 += float(_overlap(top_ia, top_ib, min(10, v)).sum())
+        o5[rows] = _overlap(top_ia, top_ib, min(5, v))
+        o10[rows] = _overlap(top_ia, top_ib, min(10, v))
         b_at_a_top = b64.gather(1, top_a.unsqueeze(1))  # (r, 1)
         rank = (b64 > b_at_a_top).sum(dim=1)  # (r,)
         self.worst_rank = max(self.worst_rank, int(rank.max()))
@@ -898,9 +974,24 @@ class LogitsAccumulator:
         if flip_rows.numel():
             ma, mb = top_va[flip_rows], top_vb[flip_rows]  # (f, k); V >= 2 when a flip exists
             ma, mb = ma[:, 0] - ma[:, 1], mb[:, 0] - mb[:, 1]  # top-1 minus top-2
+            where = rows[flip_rows].tolist()
             for i, r in enumerate(flip_rows.tolist()):
-                self.flips.append(ArgmaxFlip(position=start + r, token_a=int(top_a[r]), token_b=int(top_b[r]),
+                self.flips.append(ArgmaxFlip(position=start + where[i], token_a=int(top_a[r]), token_b=int(top_b[r]),
                                              margin_a=float(ma[i]), margin_b=float(mb[i])))
+
+    def add_equal(self, rows: int) -> None:
+        """The next ``rows`` rows, known to be bitwise equal in both runs and finite (checked by the
+        caller): KL 0, overlaps 1, rank 0, no flip, exactly what :meth:`add` would add for them
+        (the sums involved are of zeros and of whole row counts, exact in any grouping)."""
+        if self._wait is not None:  # rows waiting for a chunk: processed as any (they may differ)
+            wa, wb = self._wait
+            self._wait = None
+            self._chunk(wa, wb)
+        self.t += rows
+        if self.v and rows:
+            self.kl_max = _nan_max(self.kl_max, 0.0)
+            self.ov5 += float(rows)
+            self.ov10 += float(rows)
 
     def result(self, tensor: TensorDiff) -> LogitsDiff:
         """The :class:`LogitsDiff` of every row given, with the element-wise ``tensor`` statistics."""

@@ -183,6 +183,12 @@ class RowStats:
         self.mx[lo - self.offset:hi - self.offset] = mx
         self.nd[lo - self.offset:hi - self.offset] = nd
 
+    def equal(self, device: torch.device) -> None:
+        """The pair is bitwise equal throughout: every position 0 (what :meth:`add` would give)."""
+        t = self.stats.stop - self.stats.start
+        self.mx = torch.zeros(t, dtype=torch.float64, device=device)
+        self.nd = torch.zeros(t, dtype=torch.int64, device=device)
+
     def finish(self) -> None:
         """Record the pair's per-position statistics (after its last block)."""
         if self.mx is not None:

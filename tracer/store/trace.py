@@ -389,6 +389,17 @@ def read_row_blocks(handle: h5py.Dataset | StoredPoint, rows_per_block: int,
                           "after it was written, re-run it")
 
 
+def stored_crc(handle: h5py.Dataset | StoredPoint) -> int | None:
+    """The CRC-32 stored for a capture point's data (version 2: its index entry; version 1: its
+    dataset's ``crc32``), or None for a trace written before checksums."""
+    if isinstance(handle, StoredPoint):
+        return handle.crc
+    try:
+        return _data_crc(handle)
+    except TracerError:
+        return None
+
+
 def _capture_info(ds: h5py.Dataset) -> dict[str, Any]:
     attrs = ds.attrs
     return {
