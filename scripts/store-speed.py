@@ -8,7 +8,8 @@ logits point; run B differs by one ULP in every 10th row from point ``diverge * 
 real divergence propagates), then, in one process and interleaved, median of ``--reps``:
 
 - write: the same runs through ``TraceWriter`` format v1, format v2, and the raw bytes with plain
-  ``write`` calls (all into the page cache, no fsync; each file deleted before its timed write);
+  ``write`` calls (all into the page cache, no fsync; each file deleted and the page cache's dirty
+  pages synced before its timed write, the writers' order rotated from rep to rep);
 - compare: ``compare_trace`` on the v2 trace vs a raw sequential read (``readinto`` a reused
   64 MiB buffer) of the same file, both warm (the page cache cannot be dropped without root);
 - peak RSS of ``compare_trace`` in a fresh process (``VmHWM`` of ``/proc/self/status``: unlike
@@ -106,9 +107,11 @@ def main() -> None:
                  "cpu_count": os.cpu_count()}
     paths = {"v1": d / "v1.h5", "v2": d / "v2.h5", "raw": d / "raw.bin"}
     writes: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(a.reps if not a.skip_write else 1):
-        for k in ("raw", "v1", "v2"):
+    order = ["raw", "v1", "v2"]
+    for rep in range(a.reps if not a.skip_write else 1):
+        for k in order[rep % 3:] + order[:rep % 3]:  # each writer first, second and last in turn
             paths[k].unlink(missing_ok=True)  # outside the timing: freeing the old file's pages costs too
+            os.sync()  # ... and so does the kernel's write-back of the previous writer's dirty pages
             writes[k].append(timed(write_raw, paths[k], runs) if k == "raw" else
                              timed(write_trace, paths[k], runs, int(k[1])))
     out["write_s"] = {k: statistics.median(v) for k, v in writes.items()}
