@@ -201,11 +201,11 @@ def test_model_hints(tmp_path, cli_env):
     with pytest.raises(TracerError) as e:
         load_model("someone/not-cached-anywhere", device="cpu", progress=False)
     assert "hf download someone/not-cached-anywhere" in str(e.value) and "huggingface-cli" not in str(e.value)
-    gguf = tmp_path / "model-Q4.gguf"
+    gguf = tmp_path / "model-Q4.gguf"  # a GGUF path is a model now (issue 15); a truncated one is refused in one line
     gguf.write_bytes(b"GGUF")
     with pytest.raises(TracerError) as e:
         load_model(str(gguf), device="cpu", progress=False)
-    assert "is a GGUF file" in str(e.value) and f"--gguf {gguf}" in str(e.value)
+    assert "not a readable GGUF file" in str(e.value) and "truncated or damaged" in str(e.value)
 
 
 def test_library_run_writes_no_file_unless_asked(tmp_path, monkeypatch, tiny_loaded):

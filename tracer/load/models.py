@@ -605,6 +605,8 @@ def _read_gguf_config(gguf_path: Path) -> Any:
     Raises:
         TracerError: an architecture or metadata transformers cannot read.
     """
+    import struct
+
     from transformers import AutoConfig
 
     try:
@@ -613,6 +615,9 @@ def _read_gguf_config(gguf_path: Path) -> Any:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise TracerError(f"{gguf_path}: transformers cannot read this GGUF ({first}); "
                           "use a GGUF of an architecture transformers supports") from None
+    except (struct.error, EOFError, IndexError, OverflowError, MemoryError) as exc:  # a truncated/damaged file
+        raise TracerError(f"{gguf_path}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
+                          "it is truncated or damaged: download it again") from None
 
 
 def _gguf_state(recipe: Recipe, gguf_path: Path, config: Any) -> dict[str, torch.Tensor]:
