@@ -96,8 +96,10 @@ def test_logits_in_row_blocks_equal_logits_diff(block):
     assert math.isfinite(got.kl_mean) and got.kl_mean > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("hint", ["crc", "always equal"])
-def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkeypatch, hint):
+def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkeypatch, hint, device):
     """Every point streamed in small row blocks (a KV cache with a prefix, logits, NaN): the
     stored comparison equals the in-memory one. "always equal": every point is hinted equal (as
     if all CRC-32s collided), so the differing ones take the fall-back full comparison."""
@@ -130,9 +132,12 @@ def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkey
     with TraceWriter(path, header={}) as w:
         for r in runs:
             w.add_run(r)
-    ref = compare_records(runs[0], runs[1], scenario="?", model="?").to_dict()
+    on = [RunRecord(r.name, r.token_ids, r.plan, r.window,
+                    {k: CaptureRecord(k, c.kind, c.tensor.to(device), calls=c.calls) for k, c in r.captures.items()})
+          for r in runs]  # the reference computed on the same device (CUDA: the pinned ring, device copies)
+    ref = compare_records(on[0], on[1], scenario="?", model="?").to_dict()
     monkeypatch.setattr(core, "BLOCK_BYTES", 250)  # every point in blocks of a few rows
-    got = compare_trace(str(path), device="cpu").to_dict()
+    got = compare_trace(str(path), device=device).to_dict()
     for k in ("trace", "facts", "scenario", "model"):
         got.pop(k), ref.pop(k)
     assert got == ref
