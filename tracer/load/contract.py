@@ -11,7 +11,9 @@ files warns with it).
 
 from __future__ import annotations
 
+import copy
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -131,15 +133,34 @@ def attention_facts(contract: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_layers": layers, "sliding_window": window}
 
 
+#: model → (fingerprint, contract): every run of a loaded model writes the same contract until the
+#: model is cast or moved, so it is computed once per state (it walks every module and parameter)
+_CONTRACTS: "weakref.WeakKeyDictionary[nn.Module, tuple[Any, dict[str, Any]]]" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    """What a cast or a move changes: each parameter's and buffer's dtype and device, in order."""
+    return (tuple((p.dtype, p.device) for p in model.parameters()),
+            tuple((b.dtype, b.device) for b in model.buffers()),
+            getattr(getattr(model, "config", None), "_attn_implementation", None))
+
+
 def numeric_contract(model: nn.Module) -> dict[str, Any]:
-    """The model's numeric contract for the trace header (JSON-able).
+    """The model's numeric contract for the trace header (JSON-able); computed once per model
+    state (a cast, a move or another attention implementation computes it again).
 
     Returns:
         ``{"parameter_dtypes": {dtype: elements}, "buffers": float_buffers(model),
-        "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}``.
+        "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}``
+        (a fresh copy: callers may change it).
     """
-    return {"parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
-            "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}
+    key = _fingerprint(model)
+    hit = _CONTRACTS.get(model)
+    if hit is None or hit[0] != key:
+        hit = (key, {"parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
+                     "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)})
+        _CONTRACTS[model] = hit
+    return copy.deepcopy(hit[1])
 
 
 def contract_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
