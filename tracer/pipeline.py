@@ -273,7 +273,8 @@ def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, s
     host = []
     for rec in records:
         captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
-        host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": kept.to_dict()})
+        host_rec = _replace(rec, captures=captures,
+                            meta={**rec.meta, "store_auto": {**kept.to_dict(), "logits": comparison.logits_name}})
         host.append(host_rec)
         if writer is not None:
             writer.add_run(host_rec, ready=wait)

@@ -1009,6 +1009,10 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
         return first, split_ref(refs[1])
     if len(refs) == 1 and first[1] is not None:
         return first, (first[0], None)
+    for ref in refs[1:]:  # a run name never looks like a file: a missing second trace is named as such
+        path = split_ref(ref)[0]
+        if path.lower().endswith((".h5", ".hdf5")) or "/" in path:
+            raise TracerError(f"trace file {path} not found; give an existing trace (or a run name of {refs[0]})")
     runs = [first[1]] if first[1] is not None else []
     runs += refs[1:]
     if len(runs) > 2:
@@ -1157,9 +1161,13 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
     auto = a.meta.get("store_auto") or {}
     if auto.get("dropped"):  # a stored run of --store auto: the table covers the kept points only
+        logits = [n for n in auto["dropped"] if n == auto.get("logits")] or \
+            [n for n in auto["dropped"] if n.endswith("lm_head")]
         notes.append(f"--store auto kept full tensors of {len(auto.get('kept', []))} of "
-                     f"{len(auto.get('kept', [])) + len(auto['dropped'])} points; the other {len(auto['dropped'])} "
-                     "were compared when the trace was written ('tracer show' prints that comparison)")
+                     f"{len(auto.get('kept', [])) + len(auto['dropped'])} points; the other {len(auto['dropped'])}"
+                     + (" (the logits among them)" if logits else "")
+                     + " were compared when the trace was written: 'tracer report TRACE' renders that comparison, "
+                     "'tracer show TRACE --json' prints it")
     if notes:
         facts["notes"] = notes
     return facts

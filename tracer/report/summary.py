@@ -78,6 +78,8 @@ def growth_text(c: Any) -> str:
 def logits_text(c: Any) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
+        if any("(the logits among them)" in n for n in c.facts.get("notes", [])):
+            return "not stored in this trace (--store auto); compared when it was written: 'tracer report TRACE'"
         return "not captured"
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)

@@ -500,13 +500,20 @@ def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | Non
     return g
 
 
-def _flat_scalars(d: dict, prefix: str = "") -> dict[str, Any]:
-    """Scalar entries of a nested dict, keys joined with '.', for readable h5ls attributes."""
+#: header subtrees left out of the flat attribute copies (large and nested; the ``json`` attribute has them)
+_NOT_FLAT = ("numeric_contract", "options", "audit")
+
+
+def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
+    """Scalar entries of a nested dict down to ``depth`` levels, keys joined with '.', for readable
+    h5ls attributes (each attribute costs a write and its checksum: the big subtrees
+    :data:`_NOT_FLAT` stay in the ``json`` attribute only)."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flat_scalars(v, key + "."))
+            if depth > 1 and not (prefix == "" and k in _NOT_FLAT):
+                out.update(_flat_scalars(v, key + ".", depth - 1))
         elif isinstance(v, bool):
             out[key] = bool(v)
         elif isinstance(v, str):
