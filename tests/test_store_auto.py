@@ -105,11 +105,19 @@ def test_auto_keeps_the_origin_neighbourhood_and_logits(planted):
     assert any("--store auto kept full tensors of 4 of 7 points" in n for n in auto.comparison.facts["notes"])
 
 
-def test_compare_of_an_auto_trace_says_what_it_lacks(planted):
-    _, _, folder, _, _ = planted
+def test_compare_of_an_auto_trace_never_reports_dropped_points_as_identical(planted):
+    full, _, folder, _, _ = planted
+    # default: the comparison made at run time, every point, with a note saying why
     c = tracer.compare_trace(str(folder / "auto.h5"))
-    assert [p.name for p in c.points] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert [p.name for p in c.points] == [p.name for p in full.comparison.points]
+    assert [p.diff.n_diff for p in c.points] == [p.diff.n_diff for p in full.comparison.points]
+    assert c.first_divergent == "model.layers.1" and not c.identical
     assert any("kept full tensors of 4 of 7 points" in n for n in c.facts["notes"])
+    # recomputed from the file (a tolerance asks for it): the dropped points are "not compared", never identical
+    r = tracer.compare_trace(str(folder / "auto.h5"), atol=0.0)
+    assert [p.name for p in r.points] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert sorted(s.name for s in r.not_compared) == ["model.embed_tokens", "model.layers.3", "model.norm"]
+    assert not r.identical
 
 
 @pytest.mark.parametrize("args, message", [

@@ -124,10 +124,13 @@ def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
-def _check_report(report: str | None, overwrite: bool) -> None:
+def _check_report(report: str | None, overwrite: bool, output: str | None = None) -> None:
     if report is not None:
         from tracer.report.html import check_report_path
 
+        if output is not None and os.path.abspath(report) == os.path.abspath(output):
+            raise TracerError(f"--report {report} is the trace's --output too; give the report another name "
+                              "(e.g. .html beside the .h5)")
         check_report_path(report, overwrite)
 
 
@@ -186,7 +189,7 @@ def run_cmd(
     try:
         check_format(fmt)
         cols = check_columns(columns, wide)
-        _check_report(report, overwrite)
+        _check_report(report, overwrite, output)
         opts = run_options(given)
         long_run = verdict or decode > 0  # without a terminal, log lines only for the long forms
         with StatusProgress("run", mode="bar" if err.is_terminal else ("lines" if long_run else "off")) as status:
@@ -243,7 +246,7 @@ def audit_cmd(
 
         check_length(length)
         parse_levels(levels)
-        _check_report(report, overwrite)
+        _check_report(report, overwrite, output)
         opts = run_options(given)
         with ItemProgress("audit", None, mode="auto") as bar:
 
@@ -300,7 +303,12 @@ def compare_cmd(
         elif engine_map is not None:
             raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
         else:
-            comparison = compare_runs(*resolve_refs(refs), atol=atol, rtol=rtol, device=device)
+            from tracer.diff.stored import auto_comparison
+
+            (pa, ra), (pb, rb) = resolve_refs(refs)
+            # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
+            stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
+            comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
@@ -425,7 +433,7 @@ def sweep_cmd(
             from tracer.report.plot import check_figure_path
 
             check_figure_path(plot, overwrite)
-        _check_report(report, overwrite)
+        _check_report(report, overwrite, output)
         opts = run_options(given)
         opts.pop("block_size", None)  # the block-size axis, not a run option
         result = sweep(lengths=lengths, block_sizes=bs, keep_tensors=keep_tensors,

@@ -203,7 +203,15 @@ def _normalise(key: str, value: Any) -> Any:
     if key == "store":
         return {True: "tensors", False: "none"}.get(value, value)
     if key == "token_ids":
-        return tuple(value)
+        import numbers
+
+        if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+            raise TracerError(f"token_ids must be a list of ints, got {type(value).__name__}")
+        ids = tuple(value)
+        bad = [v for v in ids if isinstance(v, bool) or not isinstance(v, numbers.Integral)][:1]
+        if bad:
+            raise TracerError(f"token_ids must be a list of ints; {bad[0]!r} ({type(bad[0]).__name__}) is not one")
+        return tuple(int(v) for v in ids)
     if key == "compression" and value == "none":
         return None
     return value

@@ -242,6 +242,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
         comparison, host_records = _store_auto(records, comparison, budget, writer, say)
+        if writer is not None and partials is not None:
+            writer.add_run(partials)  # asked for with --tp-partials: written whole, outside the budget
     if writer is not None and comparison_key is not None:
         writer.add_comparison(comparison_key, json_safe(comparison.to_dict()))
     # online: the device copies have served their purpose; else the host copies (landed: the

@@ -1071,6 +1071,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         names = [n for n in caps_a if n in caps_b]
         skipped = missing_points({n: i["kind"] for n, (i, _) in caps_a.items()},
                                  {n: i["kind"] for n, (i, _) in caps_b.items()}, label_a, label_b)
+        # --store auto dropped these points' tensors: not compared here, never reported as identical
+        dropped = [n for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)
+                   for n in r.meta["store_auto"].get("dropped") or [] if isinstance(n, str)]
+        skipped += [SkipRecord(n, "layer", "not stored (--store auto kept statistics only; "
+                               "'tracer report' shows the run-time comparison)")
+                    for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))
         scen = header.get("scenario", {})
         scen_name = scen.get("name", "?") if isinstance(scen, dict) else str(scen)

@@ -9,6 +9,7 @@ tensor (and from ``--store stats`` traces, which hold no tensors).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import os
 from typing import Any
 
@@ -120,3 +121,34 @@ def stored_comparison(path: str | os.PathLike, name: str | None = None) -> Compa
     if name not in stored:
         raise TracerError(f"trace {path} stores no comparison {name!r}; stored: {', '.join(stored)}")
     return comparison_from_dict(stored[name])
+
+
+def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | None) -> Comparison | None:
+    """For a ``--store auto`` trace that dropped tensors, the comparison stored at run time of the
+    two runs asked for (default: its first two), with a note; None when the trace keeps every
+    point it compared, or stores no comparison of exactly these runs.
+
+    Raises:
+        TracerError: unreadable trace.
+    """
+    from tracer.store.trace import TraceReader
+
+    with TraceReader(path) as r:
+        runs = r.runs
+        a = run_a or (runs[0] if runs else None)
+        b = run_b or next((n for n in runs if n != a), None)
+        if a not in runs or b not in runs:
+            return None
+        metas = [r.run(n, load_tensors=False).meta.get("store_auto") for n in (a, b)]
+        if not any(isinstance(m, dict) and m.get("dropped") for m in metas):
+            return None
+        stored = r.comparisons()
+    for doc in stored.values():
+        if isinstance(doc, dict) and list(doc.get("runs") or []) == [a, b]:
+            c = comparison_from_dict(doc)
+            kept = metas[0] if isinstance(metas[0], dict) else {}
+            note = (f"from the comparison made when the trace was written: --store auto kept full tensors of "
+                    f"{len(kept.get('kept', []))} of {len(kept.get('kept', [])) + len(kept.get('dropped', []))} "
+                    "points, so the others cannot be recomputed from the file")
+            return replace(c, facts={**c.facts, "notes": list(c.facts.get("notes", [])) + [note]})
+    return None

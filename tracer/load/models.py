@@ -546,6 +546,8 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
         + f" at {data['file']}"
     )
     for origin, value in (("--gguf", gguf), (env, os.environ.get(env) if env else None)):
+        if origin == "--gguf" and value is not None and not str(value).strip():
+            raise TracerError(f"{origin} is empty; give the GGUF file's path, or leave it out for the package's copy")
         if value:
             path = Path(value).expanduser()
             if not path.is_file():
@@ -613,6 +615,9 @@ def _read_gguf_config(gguf_path: Path) -> Any:
         return AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except (ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        if re.search(r"reshape|buffer|larger dtype|offset|out of bounds|not enough", first):  # numpy on short data
+            raise TracerError(f"{gguf_path}: not a readable GGUF file ({first}); it is truncated or damaged: "
+                              "download it again") from None
         raise TracerError(f"{gguf_path}: transformers cannot read this GGUF ({first}); "
                           "use a GGUF of an architecture transformers supports") from None
     except (struct.error, EOFError, IndexError, OverflowError, MemoryError) as exc:  # a truncated/damaged file

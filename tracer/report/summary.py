@@ -201,7 +201,8 @@ def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
         if _notable(ref.diff, p.diff):
             a, b = ref.diff.max_abs_diff, p.diff.max_abs_diff
             na, nb = ref.diff.n_diff, p.diff.n_diff
-            jump = (abs(math.log2(b / a)) if a and b else 64.0) + (abs(math.log2(nb / na)) if na and nb else 0.0)
+            finite = a and b and math.isfinite(a) and math.isfinite(b)  # inf/NaN max |Δ| (an overflow): a big jump
+            jump = (abs(math.log2(b / a)) if finite else 64.0) + (abs(math.log2(nb / na)) if na and nb else 0.0)
             scored.append((jump, i))
             last_kept[p.kind] = p
     keep = set(must)

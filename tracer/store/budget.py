@@ -20,6 +20,8 @@ from tracer.errors import TracerError
 
 #: default ``--max-trace-size``: full tensors kept by ``--store auto``, both runs together
 DEFAULT_MAX_TRACE_SIZE = 256 << 20
+#: the largest budget accepted (fits the int64 attributes the trace stores it in)
+MAX_SIZE = (1 << 63) - 1
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
           "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
@@ -34,18 +36,23 @@ def parse_size(text: Any, what: str = "--max-trace-size") -> int:
     Raises:
         TracerError: not a size, or not positive.
     """
+    shown = repr(text) if len(repr(text)) <= 40 else repr(text)[:37] + "..."
     if isinstance(text, bool):
-        raise TracerError(f"{what} {text!r} is not a size; give bytes or e.g. 300MB, 2GiB")
+        raise TracerError(f"{what} {shown} is not a size; give bytes or e.g. 300MB, 2GiB")
     if isinstance(text, int):
         n = text
     else:
         m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
-            raise TracerError(f"{what} {text!r} is not a size; give bytes or e.g. 300MB, 2GiB")
-        n = int(float(m.group(1)) * _UNITS[unit])
+            raise TracerError(f"{what} {shown} is not a size; give bytes or e.g. 300MB, 2GiB")
+        from decimal import Decimal
+
+        n = int(Decimal(m.group(1)) * _UNITS[unit])  # exact for any number of digits
     if n <= 0:
-        raise TracerError(f"{what} {text!r} must be more than 0 bytes (use --store stats to keep no tensors)")
+        raise TracerError(f"{what} {shown} is under 1 byte; give at least 1 (use --store stats to keep no tensors)")
+    if n > MAX_SIZE:
+        raise TracerError(f"{what} {shown} is more than {MAX_SIZE:,} bytes (8 EiB); give a real budget, e.g. 2GiB")
     return n
 
 

@@ -125,6 +125,9 @@ def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, An
         TracerError: one line naming the first problem found (``trace corrupt: ...``).
     """
     checked = attr_text(f.attrs.get("checksums"))
+    if checked is None and "crc32" in f.attrs:
+        # the root is sealed yet names no scheme: the attribute was removed after writing
+        raise _corrupt(path, "the root attribute 'checksums' is missing from a checksummed trace (removed by an edit)")
     if checked is not None and checked != CHECKSUMS:
         raise _corrupt(path, f"unknown checksum scheme {checked!r} (this tracer knows {CHECKSUMS!r})")
     checked = checked == CHECKSUMS
@@ -343,3 +346,4 @@ def damaged_entry(index_text: str, sums_text: str | None) -> str | None:
             return f"entry {i}" + (f" ({name})" if isinstance(name, str) else "")
         pos += length + 2
     return None
+
