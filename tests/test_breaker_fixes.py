@@ -60,3 +60,11 @@ def test_report_onto_the_trace_is_refused(tmp_path, cli_env):
 def test_empty_gguf_option_is_refused():
     with pytest.raises(TracerError, match="--gguf is empty"):
         tracer.load_model("smollm2-135m", gguf="")
+
+
+def test_gguf_recipe_declares_its_architecture():
+    from tracer.load.models import recipes
+
+    table = recipes()
+    assert table["smollm2-135m"].data["model_type"] == "llama"
+    assert table["gemma3-270m"].data["model_type"] == "gemma3_text"

@@ -59,7 +59,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 RECIPE_KINDS = ("gguf", "random-init")
 _COMMON_KEYS = ("name", "kind", "description")
 _KIND_KEYS = {
-    "gguf": {"required": ("file", "package", "module"), "optional": ("env", "assemble")},
+    "gguf": {"required": ("file", "package", "module"), "optional": ("env", "assemble", "model_type")},
     "random-init": {"required": ("config",), "optional": ()},
 }
 
@@ -773,6 +773,10 @@ def _load_gguf(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, gguf:
     with _status(progress, f"loading {recipe.name} from {target}"), _quiet_transformers(progress=False):
         model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn, **_dtype_kwarg(dtype))
         model = _finish(model, device, attn)
+    expected, found = recipe.data.get("model_type"), getattr(model.config, "model_type", None)
+    if expected and found != expected:  # --gguf / the env var pointed the recipe at another model
+        raise TracerError(f"{path} holds a {found} model, but {recipe.name} is {expected}; give its own GGUF, "
+                          f"or run the file itself: tracer run {path}")
     info = _info(recipe.name, "gguf", model, dtype, device, attn, digest, str(path))
     return LoadedModel(model=model, tokenizer=tok, info=info)
 

@@ -61,6 +61,8 @@ def check_recipe_data(data: dict[str, Any], path: Any) -> None:
             raise _bad(path, f"env {data['env'][:40]!r} must be an environment variable name (A-Z, 0-9, _)")
         if "assemble" in data and (not IDENTIFIER.fullmatch(data["assemble"]) or data["assemble"].startswith("_")):
             raise _bad(path, f"assemble {data['assemble'][:40]!r} must name a public function of module {module!r}")
+        if "model_type" in data and not (isinstance(data["model_type"], str) and MODEL_TYPE.fullmatch(data["model_type"])):
+            raise _bad(path, f"model_type {str(data['model_type'])[:40]!r} must be a transformers model type such as llama")
     config = data.get("config")
     if data.get("kind") == "random-init":
         if not isinstance(config, dict):
