@@ -17,7 +17,7 @@ for s in $steps; do case $s in
   b32kkv) log "bench 32768 --kv-cache"
     timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --reps 3 --kv-cache --outdir /tmp/bench --json > "$out/bench-32768--kv-cache.json" 2>"$out/bench-32768--kv-cache.err" ;;
   prof) log "host profile of tracer.run"
-    python3 scripts/gpu-profile.py > "$out/prof.txt" 2>&1 ;;
+    python3 scripts/gpu-hostcost.py qwen3-0.6b-shape 4096 > "$out/prof.txt" 2>&1 ;;
   b32k) for kv in --no-kv-cache --kv-cache; do log "bench 32768 $kv"
     timeout 300 $t bench qwen3-0.6b-shape --device cuda --length 32768 --reps 3 $kv --outdir /tmp/bench --json > "$out/bench-32768$kv.json" 2>"$out/bench-32768$kv.err"; done ;;
   sub32k) log "bench 32768 sublayers"

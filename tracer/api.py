@@ -265,11 +265,11 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
     if engine_map is not None:
         raise TracerError("engine_map applies to an engine dump: compare_trace('REF.h5:RUN', DUMP, engine_map=...)")
-    if atol is None and rtol is None and run_b is not None or run_a is None:
+    if atol is None and rtol is None:  # a --store auto trace without some tensors: its run-time comparison
         from tracer.diff.stored import auto_comparison
 
-        stored = auto_comparison(path, run_a, run_b) if atol is None and rtol is None else None
-        if stored is not None:  # a --store auto trace without some tensors: its run-time comparison
+        stored = auto_comparison(path, run_a, run_b)
+        if stored is not None:
             return stored
     return _ct(path, run_a, run_b, atol=atol, rtol=rtol, device=device)
 

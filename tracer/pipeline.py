@@ -272,11 +272,13 @@ def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, s
         origins += (comparison.logits_name,)
     kept = choose(sizes, budget, origins=origins, logits=comparison.logits_name)
     say(kept.summary())
+    dropped = set(kept.dropped)
+    kinds = {n: c.kind for r in records for n, c in r.captures.items() if n in dropped}
+    record = {**kept.to_dict(), "logits": comparison.logits_name, "kinds": kinds}  # each stored run's meta
     host = []
     for rec in records:
         captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
-        host_rec = _replace(rec, captures=captures,
-                            meta={**rec.meta, "store_auto": {**kept.to_dict(), "logits": comparison.logits_name}})
+        host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": record})
         host.append(host_rec)
         if writer is not None:
             writer.add_run(host_rec, ready=wait)

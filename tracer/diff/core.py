@@ -777,8 +777,6 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol, device=device)
 
 
-#: bytes of capture tensors ``compare`` reads ahead of the comparison on a GPU (at least two pairs)
-PREFETCH_BYTES = 256 << 20
 #: bytes of one row block of a stored capture point (per run): ``compare`` reads every point in
 #: row blocks of about this size into reused buffers, so host memory does not grow with the trace
 BLOCK_BYTES = 32 << 20
@@ -1072,9 +1070,10 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         skipped = missing_points({n: i["kind"] for n, (i, _) in caps_a.items()},
                                  {n: i["kind"] for n, (i, _) in caps_b.items()}, label_a, label_b)
         # --store auto dropped these points' tensors: not compared here, never reported as identical
-        dropped = [n for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)
-                   for n in r.meta["store_auto"].get("dropped") or [] if isinstance(n, str)]
-        skipped += [SkipRecord(n, "layer", "not stored (--store auto kept statistics only; "
+        autos = [r.meta["store_auto"] for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)]
+        kinds = {n: k for a in autos if isinstance(a.get("kinds"), dict) for n, k in a["kinds"].items()}
+        dropped = [n for a in autos for n in a.get("dropped") or [] if isinstance(n, str)]
+        skipped += [SkipRecord(n, str(kinds.get(n, "layer")), "not stored (--store auto kept statistics only; "
                                "'tracer report' shows the run-time comparison)")
                     for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))
@@ -1167,8 +1166,7 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
     auto = a.meta.get("store_auto") or {}
     if auto.get("dropped"):  # a stored run of --store auto: the table covers the kept points only
-        logits = [n for n in auto["dropped"] if n == auto.get("logits")] or \
-            [n for n in auto["dropped"] if n.endswith("lm_head")]
+        logits = auto.get("logits") in auto["dropped"]
         notes.append(f"--store auto kept full tensors of {len(auto.get('kept', []))} of "
                      f"{len(auto.get('kept', [])) + len(auto['dropped'])} points; the other {len(auto['dropped'])}"
                      + (" (the logits among them)" if logits else "")

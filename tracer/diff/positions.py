@@ -92,11 +92,7 @@ class PositionStats:
             if a.shape[0] != self.stop:
                 return
             a, b = a[self.start:], b[self.start:]
-        self.names.append(name)
-        self.kinds.append(kind)
-        self.max.append(None)
-        self.n.append(None)
-        index = len(self.names) - 1
+        index = self._slot(name, kind)
         if a.numel() >= SMALL_ELEMENTS:
             self._store(index, *position_reduce(a, b))
             return
@@ -115,11 +111,15 @@ class PositionStats:
             return None
         if shape[0] != t and shape[0] != self.stop:
             return None
+        return RowStats(self, self._slot(name, kind), 0 if shape[0] == t else self.start)
+
+    def _slot(self, name: str, kind: str) -> int:
+        """A place for the next point's statistics, filled by :meth:`_store`; its index."""
         self.names.append(name)
         self.kinds.append(kind)
         self.max.append(None)
         self.n.append(None)
-        return RowStats(self, len(self.names) - 1, 0 if shape[0] == t else self.start)
+        return len(self.names) - 1
 
     def _store(self, index: int, mx: torch.Tensor, nd: torch.Tensor) -> None:
         if self.bin > 1:  # bins of `bin` consecutive positions, the last one short

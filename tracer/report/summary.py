@@ -78,9 +78,8 @@ def growth_text(c: Any) -> str:
 def logits_text(c: Any) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
-        if any("(the logits among them)" in n for n in c.facts.get("notes", [])):
-            return "not stored in this trace (--store auto); compared when it was written: 'tracer report TRACE'"
-        return "not captured"
+        skip = next((s for s in c.skipped if s.kind == "logits"), None)  # missing in a run, or not stored
+        return "not captured" if skip is None else f"not compared: {skip.reason}"
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)
     text = (f"{_share(d.n_diff, d.n_total)} of {d.n_total:,} differ (max |Δ| {_g(d.max_abs_diff)}) · "

@@ -430,8 +430,38 @@ def write_capture(group: h5py.Group, record: CaptureRecord, *, compression: str 
                         attrs={"kind": str(record.kind), "op": str(record.op), "calls": calls})
 
 
+def _run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group], None],
+               attrs: dict[str, str] | None = None) -> h5py.Group:
+    """The group ``runs[run.name]`` with the attributes and token ids both format versions share,
+    ``attrs`` (text), then ``fill(group)`` writing the captures, then its seal; a failure removes
+    the half-written group. The caller has validated the captures.
+
+    Raises:
+        TracerError: invalid or duplicate run name, plan/meta not JSON-able.
+    """
+    _check_name(run.name, "run")
+    if run.name in runs:
+        raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
+    texts = {"plan": _json_dumps(run.plan, f"plan of run {run.name}"),
+             "meta": _json_dumps(run.meta, f"meta of run {run.name}"), **(attrs or {})}
+    g = runs.create_group(run.name, track_order=True)
+    try:
+        for key, text in texts.items():
+            set_text(g, key, text)
+        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
+        ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
+        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
+        fill(g)
+        seal(g)
+    except BaseException:
+        del runs[run.name]
+        raise
+    return g
+
+
 def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
-    """Write a whole run as ``runs[run.name]``: attributes, token ids and every capture in order.
+    """Write a whole run as ``runs[run.name]`` in format version 1: attributes, token ids and every
+    capture in order, a dataset each.
 
     Everything is validated first, so a TracerError leaves ``runs`` unchanged; if writing
     itself fails, the half-written group is removed.
@@ -441,30 +471,17 @@ def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = Non
             plan/meta not JSON-able.
     """
     _check_name(run.name, "run")
-    if run.name in runs:
-        raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
     for key, record in run.captures.items():
         if key != record.name:
             raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
         _check_capture(record)
-    plan = _json_dumps(run.plan, f"plan of run {run.name}")
-    meta = _json_dumps(run.meta, f"meta of run {run.name}")
-    g = runs.create_group(run.name, track_order=True)
-    try:
-        set_text(g, "plan", plan)
-        set_text(g, "meta", meta)
-        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
-        set_text(g, "capture_order", json.dumps(list(run.captures)))
-        ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
-        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
-        seal(g)
+
+    def fill(g: h5py.Group) -> None:
         captures = g.create_group("captures", track_order=True)
         for record in run.captures.values():
             write_capture(captures, record, compression=compression)
-    except BaseException:
-        del runs[run.name]
-        raise
-    return g
+
+    return _run_group(runs, run, fill, {"capture_order": json.dumps(list(run.captures))})
 
 
 def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
@@ -480,24 +497,8 @@ def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | Non
             plan/meta not JSON-able.
     """
     _check_name(run.name, "run")
-    if run.name in runs:
-        raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
     entries, totals = pack_index(run)
-    plan = _json_dumps(run.plan, f"plan of run {run.name}")
-    meta = _json_dumps(run.meta, f"meta of run {run.name}")
-    g = runs.create_group(run.name, track_order=True)
-    try:
-        set_text(g, "plan", plan)
-        set_text(g, "meta", meta)
-        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
-        ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)
-        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
-        write_packed(g, run, entries, totals, compression=compression)
-        seal(g)
-    except BaseException:
-        del runs[run.name]
-        raise
-    return g
+    return _run_group(runs, run, lambda g: write_packed(g, run, entries, totals, compression=compression))
 
 
 #: header subtrees left out of the flat attribute copies (large and nested; the ``json`` attribute has them)
