@@ -190,7 +190,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     """
     from tracer.diff.core import compare_records, replay_diff, run_facts
     from tracer.execute.capture import host_copies
-    from tracer.execute.tp_dist import execute_plan
+    from tracer.execute.engines import execute_plan
     from tracer.load.contract import numeric_contract
     from tracer.load.models import model_device
     from tracer.store.trace import json_safe
@@ -206,7 +206,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}")
         keep = (online or on_gpu or budget is not None) and not plan.devices
-        rec, part = execute_plan(model, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
+        rec, part = execute_plan(loaded, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
                                  kernels=capture.kernels, sdpa_inputs=op_replay)
         rec.name = name
@@ -410,7 +410,8 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     """
     from tracer.store.trace import default_output
 
-    from tracer.execute.tp_dist import distributed_header, distributed_plans, execute_plan, torchrun_rank
+    from tracer.execute.engines import execute_plan
+    from tracer.execute.tp_dist import distributed_header, distributed_plans, torchrun_rank
 
     prep = prepare(cfg, loaded, progress=progress, say=say)
     info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids
@@ -419,7 +420,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         # a rank > 0 under torchrun only takes part in the distributed plan; rank 0 compares and writes
         window = (0, len(ids)) if cfg.capture.positions == "all" else scen.window
         for plan in distributed_plans(scen):
-            execute_plan(prep.loaded.model, ids, plan, capture_points(prep.loaded, cfg.capture), window,
+            execute_plan(prep.loaded, ids, plan, capture_points(prep.loaded, cfg.capture), window,
                          decode=ch.decode, meta={"scenario": scen.name, "level": scen.level})
         return RunResult(comparison=None, scenario=scen, trace=None, token_ids=ids, model_info=info)
     out = st.output

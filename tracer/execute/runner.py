@@ -144,7 +144,7 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
         stack.enter_context(attn_implementation(model, plan.attn))
         if plan.tp is not None and plan.tp.mode == "distributed":
             raise TracerError(f"run plan {plan.name} is sharded over processes (--tp-mode distributed); "
-                              "execute it with tracer.tp_dist.execute_plan, not in one process")
+                              "execute it with tracer.execute.engines.execute_plan, not in one process")
         if plan.tp is not None:
             stack.enter_context(simulate_tp(model, plan.tp.k, plan.tp.reduce, plan.tp.dtype))
         fn = model
@@ -342,6 +342,14 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
                      window=(int(window[0]), int(window[1])), captures=captures, meta=info,
                      extras={"sdpa": sdpa.calls} if sdpa is not None else {})
+
+
+def execute_loaded(loaded: Any, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
+                   window: tuple[int, int], *, say: Callable[[str], None] | None = None,
+                   **options: Any) -> tuple[RunRecord, None]:
+    """The ``hf`` executor of :mod:`tracer.execute.engines`: :func:`execute` on ``loaded.model``
+    (``options`` as there); no partials."""
+    return execute(loaded.model, token_ids, plan, points, window, **options), None
 
 
 def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],

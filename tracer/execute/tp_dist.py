@@ -660,20 +660,22 @@ def execute_joined(model: nn.Module, token_ids: list[int], plan: Any, points: li
     return run, partials
 
 
-def execute_plan(model: nn.Module, token_ids: list[int], plan: Any, points: list[CapturePoint],
-                 window: tuple[int, int], **kw: Any) -> tuple[RunRecord, RunRecord | None]:
-    """:func:`execute_distributed` for a distributed TP plan, :func:`tracer.execute.runner.execute` otherwise
-    (``partials`` None)."""
-    if plan.tp is not None and plan.tp.mode == "distributed":
-        kw.pop("keep_on_device", None)
-        if kw.pop("kernels", False) or kw.pop("sdpa_inputs", False):
-            raise TracerError("--kernels and --op-replay record inside this process; they do not combine with "
-                              "--tp-mode distributed yet (use --tp-mode simulated)")
-        if torchrun_rank() is not None:
-            return execute_joined(model, token_ids, plan, points, window, **kw)
-        return execute_distributed(model, token_ids, plan, points, window, **kw)
-    kw.pop("say", None)
-    return execute(model, token_ids, plan, points, window, **kw), None
+def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint],
+                   window: tuple[int, int], **kw: Any) -> tuple[RunRecord, RunRecord | None]:
+    """The ``tp-distributed`` executor of :mod:`tracer.execute.engines`: run B over K ranks
+    (:func:`execute_distributed`, or :func:`execute_joined` under ``torchrun``).
+
+    Raises:
+        TracerError: ``--kernels`` or ``--op-replay`` (they record inside this process), and every
+            error of the two functions above.
+    """
+    kw.pop("keep_on_device", None)
+    if kw.pop("kernels", False) or kw.pop("sdpa_inputs", False):
+        raise TracerError("--kernels and --op-replay record inside this process; they do not combine with "
+                          "--tp-mode distributed yet (use --tp-mode simulated)")
+    if torchrun_rank() is not None:
+        return execute_joined(loaded.model, token_ids, plan, points, window, **kw)
+    return execute_distributed(loaded.model, token_ids, plan, points, window, **kw)
 
 
 def distributed_plans(scen: Any) -> list[Any]:

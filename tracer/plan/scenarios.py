@@ -114,6 +114,8 @@ class RunPlan:
             the KV cache.
         deterministic: run under torch's deterministic algorithms, TF32 off and
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
+        engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
+            the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
     """
 
     name: str
@@ -128,6 +130,7 @@ class RunPlan:
     generate: int = 0
     recompute: bool = False
     deterministic: bool = False
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         pos = 0

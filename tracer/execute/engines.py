@@ -1,0 +1,101 @@
+"""The engine seam: the one place where a run plan is executed.
+
+An *engine* executes one :class:`~tracer.plan.scenarios.RunPlan` on the loaded model with capture
+hooks attached and hands back what its modules computed as a
+:class:`~tracer.execute.records.RunRecord` whose captures carry **HF module names**, whatever
+the engine calls them internally. The pipeline (:func:`tracer.pipeline.run_scenario`) calls
+:func:`execute_plan` and nothing else; which executor runs a plan is decided here, from the plan:
+
+======================  =================================================================
+executor                runs
+======================  =================================================================
+``hf``                  the HF model in this process (:func:`tracer.execute.runner.execute`)
+``tp-distributed``      a ``--tp-mode distributed`` plan: K ranks over torch.distributed
+                        (:func:`tracer.execute.tp_dist.execute_distributed`; under ``torchrun``
+                        :func:`~tracer.execute.tp_dist.execute_joined`)
+``vllm``                ``plan.engine == "vllm"``: vLLM in-process, eager
+                        (:func:`tracer.execute.vllm_engine.execute`)
+======================  =================================================================
+
+Adding an engine means one module with an ``execute`` function of the signature below, one entry
+in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
+imported only when a plan needs them, so ``import tracer`` stays light and an optional engine's
+package (vLLM) is needed only by runs that use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+from tracer.errors import TracerError
+
+#: the engines a run plan can name (``RunPlan.engine``, ``--engine``); ``hf`` is the reference
+ENGINES = ("hf", "vllm")
+
+#: executor name → ``(module, function)``; the function is called as
+#: ``fn(loaded, token_ids, plan, points, window, **options)`` and returns ``(run, partials)``
+EXECUTORS: dict[str, tuple[str, str]] = {
+    "hf": ("tracer.execute.runner", "execute_loaded"),
+    "tp-distributed": ("tracer.execute.tp_dist", "execute_loaded"),
+    "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
+}
+
+
+def executor_name(plan: Any) -> str:
+    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan, else
+    the plan's engine (``hf``, ``vllm``).
+
+    Raises:
+        TracerError: an engine tracer does not know (listing the known ones).
+    """
+    if plan.tp is not None and plan.tp.mode == "distributed":
+        return "tp-distributed"
+    engine = getattr(plan, "engine", "hf") or "hf"
+    if engine not in ENGINES:
+        raise TracerError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
+    return engine
+
+
+def executor(plan: Any) -> Callable[..., tuple[Any, Any]]:
+    """The execute function of :func:`executor_name` (its module imported now).
+
+    Raises:
+        TracerError: unknown engine, or its package is not installed (one line naming it).
+    """
+    name = executor_name(plan)
+    module, fn = EXECUTORS[name]
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing == "tracer":
+            raise TracerError(f"engine {name!r}: this tracer has no executor module {module}") from None
+        raise TracerError(f"engine {name!r} needs the package {missing!r}, which is not installed; "
+                          f"install it (pip install 'tracer[{name}]') or use --engine hf") from None
+
+
+def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any], window: tuple[int, int],
+                 **options: Any) -> tuple[Any, Any]:
+    """Execute ``plan`` on ``loaded`` with the engine it names.
+
+    Args:
+        loaded: the :class:`~tracer.load.models.LoadedModel` (the HF model; other engines build
+            their own from the same weights, ``loaded.info``).
+        token_ids: the prompt, N ints.
+        plan: the :class:`~tracer.plan.scenarios.RunPlan`.
+        points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
+        window: the compared positions ``(start, stop)``.
+        options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``.
+
+    Returns:
+        ``(run, partials)``: the :class:`~tracer.execute.records.RunRecord` and, for
+        ``--tp-partials``, every rank's row-parallel partials as a record of their own (else None).
+
+    Raises:
+        TracerError: a plan this engine cannot execute here (each executor's own errors).
+    """
+    return executor(plan)(loaded, token_ids, plan, points, window, **options)
+
+
+__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan"]
