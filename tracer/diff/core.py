@@ -1040,7 +1040,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
     """
-    from tracer.load.models import resolve_device
+    from tracer.load.devices import resolve_device
     from tracer.store.trace import TraceReader, read_tensor
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
