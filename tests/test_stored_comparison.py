@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.diff.stored import stored_comparison
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter, json_safe
