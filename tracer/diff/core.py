@@ -20,6 +20,7 @@ from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts, contract_differences
 from tracer.diff.positions import PositionStats
 from tracer.diff.provenance import class_text, classify, kernel_rows
+from tracer.store.environment import version_differences
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -1103,22 +1104,6 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
                                               ra.meta.get("decode_text"), rb.meta.get("decode_text")))
         return c
-
-
-#: header keys naming a version of something the numbers depend on (compared across two traces)
-VERSION_KEYS = ("tracer_version", "python", "torch", "transformers", "numpy", "h5py", "cuda", "hip", "cudnn", "cublas",
-                "driver", "device_name", "cpu", "platform")
-
-
-def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
-    """``["torch 2.13.0+cpu (A) vs 2.11.0+cu130 (B)", ...]``: every :data:`VERSION_KEYS` entry
-    whose value differs between two trace headers (a key missing on one side counts as differing)."""
-    out = []
-    for k in VERSION_KEYS:
-        a, b = header_a.get(k), header_b.get(k)
-        if a != b:
-            out.append(f"{k} {a} (A) vs {b} (B)")
-    return out
 
 
 def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
