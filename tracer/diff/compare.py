@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from tracer.diff.batch import DiffBatch
-from tracer.diff.facts import run_facts, version_differences
+from tracer.diff.facts import run_facts
+from tracer.store.environment import version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
