@@ -16,6 +16,7 @@ import torch
 from tracer.diff.dataflow import Consumes, dataflow
 from tracer.errors import TracerError
 from tracer.diff.metrics import DiffBatch, LogitsAccumulator, LogitsDiff, TensorDiff, amplification, logits_diff
+from tracer.execute.family import layout_facts
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts, contract_differences
 from tracer.diff.positions import PositionStats
@@ -466,7 +467,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
                   facts: dict[str, Any] | None = None, atol: float | None = None,
-                  rtol: float | None = None, skipped: Iterable[SkipRecord] = ()) -> Comparison:
+                  rtol: float | None = None, skipped: Iterable[SkipRecord] = (),
+                  roles: dict[str, str] | None = None) -> Comparison:
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
@@ -476,6 +478,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run
     only, and every point in ``skipped`` (missing in one run), is kept as a :class:`SkipRecord`.
+    ``roles``: capture name → its role in the block (``CaptureRecord.role``), for the dataflow.
 
     Raises:
         TracerError: a capture point whose tensors have different shapes or dtypes in the two
@@ -550,7 +553,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
                    if logits is not None and first_max is not None else None,
                    per_position=per_position.result(), skipped=tuple(skips))
-    return classify_origins(c)
+    return classify_origins(c, roles)
 
 
 def _growth(points: list[PointResult]) -> list[float | None]:
@@ -570,7 +573,7 @@ def _growth(points: list[PointResult]) -> list[float | None]:
     return out
 
 
-def classify_origins(c: Comparison) -> Comparison:
+def classify_origins(c: Comparison, roles: dict[str, str] | None = None) -> Comparison:
     """Mark every differing capture point as origin or propagated, and fill ``growth``.
 
     A differing point is an **origin** when every capture point it consumes
@@ -579,15 +582,17 @@ def classify_origins(c: Comparison) -> Comparison:
     A ``kv_cache`` point is judged per part: its rows inside the compared window against its
     K/V producers, its rows before the window (computed by an earlier forward pass) against the
     previous layer's cache rows there. The logits are an origin when they differ while the final
-    norm (their input) did not.
+    norm (their input) did not. ``roles`` (capture name → role, :mod:`tracer.execute.family`)
+    gives each point's place in the block; points without one get their layer's inferred roles.
 
     Returns:
         a new :class:`Comparison` with ``origin``, ``differing_inputs``, ``consumes`` and
         ``growth`` set on its points and ``logits_origin`` set.
     """
-    names = [(p.name, p.kind) for p in c.points]
+    roles = roles or {}
+    names = [(p.name, p.kind, roles.get(p.name, "")) for p in c.points]
     if c.logits_name is not None:
-        names.append((c.logits_name, "logits"))
+        names.append((c.logits_name, "logits", "logits"))
     flow = dataflow(names)
     by_name = {p.name: p for p in c.points}
 
@@ -759,7 +764,8 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
                          positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts,
                          atol=atol, rtol=rtol,
                          skipped=missing_points({n: r.kind for n, r in a.captures.items()},
-                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name))
+                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name),
+                         roles={n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
@@ -1096,6 +1102,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                 model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
                 positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
                 facts=facts, atol=atol, rtol=rtol, skipped=skipped,
+                roles={n: str(i.get("role") or "") for n, (i, _) in caps_a.items()},
             )
         finally:
             pairs.close()
@@ -1133,8 +1140,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
         (``generate-cache``), ``kv_block_format`` (``kv-quant``), ``sliding_layers`` /
         ``sliding_window`` (a model with sliding-window attention layers, from the header's
-        ``numeric_contract``: decoder-layer indices and the window in tokens) and ``notes`` (a
-        line each).
+        ``numeric_contract``: decoder-layer indices and the window in tokens; with them
+        ``layers_path``/``attention_path`` from its family descriptor) and ``notes`` (a line each).
     """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
     facts: dict[str, Any] = {
@@ -1151,6 +1158,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
         **attention_facts(header.get("numeric_contract") or {}),
     }
+    if facts.get("sliding_layers"):  # which rows belong to a layer and its attention (for the marks)
+        facts.update(layout_facts(header))
     scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
     notes = []
     gen_a, gen_b = a.meta.get("generated"), b.meta.get("generated")

@@ -93,31 +93,26 @@ def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
     return rules
 
 
-def load_engine_map(family: str, override: str | Path | None = None) -> dict[str, Any]:
-    """The engine map for ``family`` (``hooks/engine-*.toml``), with ``override`` (a TOML file of
-    the same schema) merged over it key by key.
+def load_engine_map(family: str, override: str | Path | None = None, engine: str = "sglang") -> dict[str, Any]:
+    """The engine map for ``(engine, family)`` (``hooks/engine-*.toml`` on the descriptor search
+    path, :func:`tracer.execute.family.engine_map_file`), with ``override`` (a TOML file of the
+    same schema) merged over it key by key.
 
     Returns:
         ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns], "sources": [paths]}``.
 
     Raises:
-        TracerError: no map for the family and no override; an unreadable or malformed map.
+        TracerError: no map for the engine and family and no override; an unreadable or malformed map.
     """
-    from tracer.load.recipes import data_dir
+    from tracer.execute.family import engine_map_file
 
     merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "sources": []}
-    files = [p for p in sorted(data_dir("hooks").glob("engine-*.toml"))]
-    base = None
-    for p in files:
-        data = _read_toml(p)
-        if family in data.get("engine", {}).get("families", ()):
-            base = (p, data)
-            break
-    layers = [(base[0], base[1])] if base else []
+    base = engine_map_file(engine, family)
+    layers = [(base, _read_toml(base))] if base is not None else []
     if override is not None:
         layers.append((Path(override), _read_toml(Path(override))))
     if not layers:
-        raise TracerError(f"no engine map for model family {family!r} (hooks/engine-*.toml); "
+        raise TracerError(f"no {engine} engine map for model family {family!r} (hooks/engine-*.toml); "
                           "write one in that schema and pass it with --map FILE")
     for path, data in layers:
         for section in ("layer", "model"):

@@ -282,7 +282,7 @@ class Capture:
             else:
                 tensor = torch.empty(0)
             out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor,
-                                        calls=self._calls[p.name], op=p.op)
+                                        calls=self._calls[p.name], op=p.op, role=p.role)
         return out
 
 

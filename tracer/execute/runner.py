@@ -135,7 +135,7 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
     """Everything a plan changes about the model, undone on exit: attention implementation,
     simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
-    from tracer.plan.tp import simulate_tp
+    from tracer.execute.tp_sim import simulate_tp
 
     home = model_device(model)
     with contextlib.ExitStack() as stack:

@@ -51,7 +51,8 @@ from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.execute.runner import model_device
 from tracer.execute.tp_ranks import Job, run_rank, watch, worker
-from tracer.execute.tp_shard import COLUMN_PARALLEL, SHARDED_KINDS, backend_for, check_shardable, check_world
+from tracer.execute.family import SHARDED_ROLES
+from tracer.execute.tp_shard import backend_for, check_shardable, check_world
 
 
 #: seconds a collective (and the rendezvous) may wait before the worker gives up
@@ -70,8 +71,8 @@ def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str)
 
 
 def _sharded(point: CapturePoint) -> bool:
-    last = point.module.rsplit(".", 1)[-1]
-    return point.kind in SHARDED_KINDS or (point.kind == "linear" and last in COLUMN_PARALLEL)
+    """Whether a rank holds only a feature slice of this point's tensor (its role is sharded)."""
+    return point.role in SHARDED_ROLES
 
 
 def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: Any, token_ids: list[int],

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.family import family_for
 from tracer.execute.points import CapturePoint
 from tracer.execute.runner import execute
 from tracer.execute.tp_shard import Reducer, shard_model
@@ -85,7 +86,7 @@ def _fault_hook(model: nn.Module, rank: int) -> None:
     middle decoder layer of run B (the other ranks are then inside or before a collective)."""
     if os.environ.get(FAULT_ENV, "") != str(rank):
         return
-    layers = [m for n, m in model.named_modules() if n.count(".") == 2 and n.split(".")[1] == "layers"]
+    layers = list(model.get_submodule(family_for(model).layers))
     target = layers[len(layers) // 2] if layers else model
 
     def die(*_: Any) -> None:

@@ -68,8 +68,11 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
                               "str/int/float/bool/list/dict values") from None
         offset = totals.get(dtype, 0)
         totals[dtype] = offset + record.tensor.numel()
-        entries.append({"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
-                        "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0})
+        entry = {"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
+                 "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0}
+        if getattr(record, "role", ""):
+            entry["role"] = str(record.role)
+        entries.append(entry)
     if len({e["name"] for e in entries}) != len(entries):
         raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
     return entries, totals

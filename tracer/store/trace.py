@@ -408,6 +408,7 @@ def _capture_info(ds: h5py.Dataset) -> dict[str, Any]:
         "calls": json.loads(attrs["calls"]),
         "dtype": attr_text(attrs["dtype"]),
         "shape": list(ds.shape),
+        **({"role": attr_text(attrs["role"])} if "role" in attrs else {}),
     }
 
 
@@ -426,8 +427,10 @@ def write_capture(group: h5py.Group, record: CaptureRecord, *, compression: str 
         TracerError: invalid name, unsupported dtype, or calls not JSON-able.
     """
     calls = _check_capture(record)
-    return write_tensor(group, record.name, record.tensor, compression=compression,
-                        attrs={"kind": str(record.kind), "op": str(record.op), "calls": calls})
+    attrs = {"kind": str(record.kind), "op": str(record.op), "calls": calls}
+    if getattr(record, "role", ""):
+        attrs["role"] = str(record.role)
+    return write_tensor(group, record.name, record.tensor, compression=compression, attrs=attrs)
 
 
 def _run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group], None],
@@ -866,7 +869,8 @@ class TraceReader:
     def _info(self, run: str, handle: h5py.Dataset | StoredPoint) -> dict[str, Any]:
         if isinstance(handle, StoredPoint):
             e = self._entries[run][handle.name]
-            return {"kind": e["kind"], "op": e["op"], "calls": e["calls"], "dtype": e["dtype"], "shape": list(e["shape"])}
+            return {"kind": e["kind"], "op": e["op"], "calls": e["calls"], "dtype": e["dtype"], "shape": list(e["shape"]),
+                    **({"role": e["role"]} if "role" in e else {})}
         return _capture_info(handle)
 
     def capture_names(self, run: str) -> list[str]:
@@ -877,7 +881,8 @@ class TraceReader:
         return json.loads(g.attrs["capture_order"])
 
     def capture_info(self, run: str, capture: str) -> dict[str, Any]:
-        """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data."""
+        """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data, and
+        ``"role"`` when the trace stores one (:attr:`~tracer.execute.records.CaptureRecord.role`)."""
         return self._info(run, self._capture_ds(run, capture))
 
     def captures(self, run: str) -> dict[str, tuple[dict[str, Any], h5py.Dataset | StoredPoint]]:
@@ -927,7 +932,8 @@ class TraceReader:
                 tensor = read_tensor(handle)
             else:
                 tensor = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]], device="meta")
-            captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
+            captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"],
+                                          role=info.get("role", ""))
         start, stop = (int(x) for x in g.attrs["window"])
         ids_ds = g["token_ids"]
         ids = np.asarray(ids_ds[()])
