@@ -40,7 +40,7 @@ def test_api_token_ids_must_be_ints(ids, message):
 
 
 def test_inf_difference_renders(tmp_path):
-    from tracer.diff.core import compare_records
+    from tracer.diff.compare import compare_records
     from tracer.report.summary import rows_that_matter
 
     a, b = make_runs(diverge_at="model.layers.0")

@@ -208,7 +208,7 @@ def test_the_trace_keeps_roles_and_the_descriptor(renamed, hooks, tmp_path, monk
         assert r.run("B", load_tensors=False).captures["backbone.blocks.0.ffn"].role == "mlp"
     # compared again from the file alone, without the descriptor: the stored roles give the dataflow
     monkeypatch.delenv(F.HOOKS_PATH_ENV)
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
 
     c = compare_trace(str(out))
     flow = {p.name: p.consumes for p in c.points}

@@ -354,7 +354,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     Raises:
         TracerError: the first bad value, one line naming the option and the fix.
     """
-    from tracer.diff.core import check_fail_on
+    from tracer.diff.result import check_fail_on
     from tracer.execute.points import GRANULARITIES
     from tracer.load import devices
     from tracer.load.prompts import check_prompt_sources

@@ -142,7 +142,7 @@ class Outcome:
     """What :func:`run_scenario` returns.
 
     Attributes:
-        comparison: the :class:`~tracer.diff.core.Comparison` of run A vs run B.
+        comparison: the :class:`~tracer.diff.result.Comparison` of run A vs run B.
         records: both :class:`~tracer.execute.records.RunRecord` (host tensors; no tensors when
             the run compared online).
         partials: ``--tp-mode distributed --tp-partials``: every rank's row-parallel partials before
@@ -192,7 +192,9 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     Raises:
         TracerError: a plan the model or machine cannot execute; runs that are not alignable.
     """
-    from tracer.diff.core import compare_records, replay_diff, run_facts
+    from tracer.diff.compare import compare_records
+    from tracer.diff.facts import run_facts
+    from tracer.diff.replay import replay_diff
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
     from tracer.execute.family import family_for
@@ -341,7 +343,7 @@ class RunResult:
     """What :func:`run` (and ``tracer.run``) returns.
 
     Attributes:
-        comparison: the :class:`~tracer.diff.core.Comparison` (the amplification table as data).
+        comparison: the :class:`~tracer.diff.result.Comparison` (the amplification table as data).
         scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
         trace: path of the HDF5 trace, or None when nothing was stored.
         token_ids: the prompt's N token ids.

@@ -1,6 +1,6 @@
 """The dataflow map: which capture points each capture point consumes.
 
-The origin analysis (:func:`tracer.diff.core.classify_origins`) calls a differing capture point an
+The origin analysis (:func:`tracer.diff.origins.classify_origins`) calls a differing capture point an
 **origin** when everything it consumed was bit-identical in both runs. This module says what
 "everything it consumed" is, from each point's **role** in the decoder block (recorded with the
 capture from the model's family descriptor, ``hooks/*.toml``, and stored in the trace), so a

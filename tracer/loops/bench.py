@@ -166,7 +166,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     """
     from tracer import pipeline
     from tracer.config import RunConfig, validate
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
     from tracer.errors import TracerError
     from tracer.loops.peers import check_counts
 
