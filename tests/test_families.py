@@ -231,6 +231,7 @@ def test_a_path_the_model_lacks_is_an_error_naming_the_file(renamed, tmp_path, m
     (('logits = "unembed"', ''), "does not name logits"),
     (('families = ["renamed_llama"]', 'families = ["renamed_llama"]\noptional = ["sinks"]'), "optional names 'sinks'"),
     (('layers = "backbone.blocks"', 'layers = "backbone/../x"'), "hook maps are data"),
+    (('k_proj = "attention.wk"', 'k_proj = "attention.wq"'), "'attention.wq' plays two roles"),
 ])
 def test_malformed_descriptors_are_refused(edit, message, tmp_path, monkeypatch):
     folder = tmp_path / "bad"

@@ -61,8 +61,6 @@ VIRTUAL_ROLES: dict[str, tuple[str, str]] = {
     "kv_cache": ("kv_cache", "kv_cache"),            # <attention>.kv_cache: the layer's keys and values
     "mlp_hidden": ("input", "mlp_hidden"),           # <down_proj>.input: act(gate) * up of a gated MLP
 }
-#: roles outside the decoder layers (and the layer output itself), by capture kind
-MODEL_ROLES = ("embedding", "layer", "final_norm", "logits")
 
 #: what each role consumes: a list of groups; each group is a list of alternatives in order of
 #: preference, the first whose roles are all captured wins (``a+b``: both; ``X``: the layer's
@@ -113,7 +111,6 @@ class Sliding:
     def spec(self) -> tuple[str, tuple[str, ...], str]:
         """``(types, values, window)``, as :func:`tracer.load.contract.attention_kinds` takes it."""
         return (self.types, self.values, self.window)
-
 
 
 @dataclass(frozen=True)
@@ -179,8 +176,8 @@ def parse_family(data: dict[str, Any], path: str | Path) -> Family:
 
     Raises:
         TracerError: a key of the wrong form (:func:`tracer.load.recipe_check.check_hook_map`),
-            no ``families``, a missing model-level path, an unknown role, an optional role that is
-            not a role, a ``[sublayers]`` kind that is not a capture kind.
+            no ``families``, a missing model-level path, an unknown role, a module given two roles,
+            an optional role that is not a role, a ``[sublayers]`` kind that is not a capture kind.
     """
     check_hook_map(data, path)
     if not data.get("families"):
@@ -192,6 +189,9 @@ def parse_family(data: dict[str, Any], path: str | Path) -> Family:
     unknown = sorted(set(roles) - set(ROLES))
     if unknown:
         raise _bad(path, f"unknown role {unknown[0]!r} in [roles] (roles: {', '.join(ROLES)})")
+    twice = sorted({p for p in roles.values() if list(roles.values()).count(p) > 1})
+    if twice:
+        raise _bad(path, f"{twice[0]!r} plays two roles in [roles]; give each module one role")
     optional = frozenset(data.get("optional", ()))
     if optional - set(roles):
         raise _bad(path, f"optional names {sorted(optional - set(roles))[0]!r}, which is not in [roles]")
@@ -409,6 +409,6 @@ def engine_map_file(engine: str, family: str) -> Path | None:
     return None
 
 
-__all__ = ["HOOKS_PATH_ENV", "ROLES", "VIRTUAL_ROLES", "MODEL_ROLES", "DATAFLOW", "COLUMN_PARALLEL_ROLES",
+__all__ = ["HOOKS_PATH_ENV", "ROLES", "VIRTUAL_ROLES", "DATAFLOW", "COLUMN_PARALLEL_ROLES",
            "ROW_PARALLEL_ROLES", "FUSED_ROLES", "SHARDED_ROLES", "Sliding", "Family", "parse_family", "hook_dirs",
            "descriptors", "check_family", "family_for", "role_modules", "infer_roles", "layout_facts", "engine_map_file"]
