@@ -256,3 +256,11 @@ def test_roles_are_inferred_for_names_alone():
                                     "mlp.down_proj.input": "mlp_hidden"}
     gemma = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"]
     assert F.infer_roles(gemma)["post_attention_layernorm"] == "attn_post_norm"  # Gemma's is a post-norm
+
+
+def test_notebook_capture_of_named_modules_needs_no_descriptor(renamed, monkeypatch):
+    monkeypatch.delenv(F.HOOKS_PATH_ENV, raising=False)
+    ids = torch.tensor([[(5 * i + 1) % 500 for i in range(N)]])
+    with tracer.capture(renamed, ["backbone.blocks.0"]) as cap, torch.no_grad():
+        out = renamed(ids, output_hidden_states=True)
+    assert torch.equal(cap["backbone.blocks.0"].tensor, out.hidden_states[1][0])
