@@ -63,7 +63,7 @@ def test_empty_gguf_option_is_refused():
 
 
 def test_gguf_recipe_declares_its_architecture():
-    from tracer.load.models import recipes
+    from tracer.load.recipes import recipes
 
     table = recipes()
     assert table["smollm2-135m"].data["model_type"] == "llama"

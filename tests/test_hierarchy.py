@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.load.hf_cache import output_cache

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import make_model
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.execute.kernels import parse_kernel, summarize
 from tracer.execute.runner import execute
 from tracer.plan.scenarios import build

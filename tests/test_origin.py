@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.dataflow import dataflow
 from tracer.execute.records import RunRecord

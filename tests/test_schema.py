@@ -448,7 +448,7 @@ def test_no_second_hand_written_list_of_a_results_fields():
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_kind_a_model_has_is_a_point_kind(family):
     from conftest import make_model
-    from tracer.execute.capture import discover_points
+    from tracer.execute.points import discover_points
     from tracer.execute.kinds import PointKind
 
     kinds = {p.kind for g in ("layers", "sublayers") for p in discover_points(make_model(family), g)}

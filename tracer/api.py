@@ -60,7 +60,7 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
 
 def _loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
     """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
-    from tracer.load.models import dtype_name, resolve_device, resolve_dtype
+    from tracer.load.devices import dtype_name, resolve_device, resolve_dtype
 
     for key in ("gguf", "device_map", "max_memory"):
         if options.get(key) is not None:

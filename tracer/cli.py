@@ -515,7 +515,7 @@ def models_cmd() -> None:
     """List the built-in model names."""
     from rich.table import Table
 
-    from tracer.load.models import list_models
+    from tracer.load.recipes import list_models
 
     t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
               title_justify="left")

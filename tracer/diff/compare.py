@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from tracer.diff.batch import DiffBatch
-from tracer.diff.facts import run_facts, version_differences
+from tracer.diff.facts import run_facts
+from tracer.store.environment import version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
@@ -281,7 +282,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
     """
-    from tracer.load.models import resolve_device
+    from tracer.load.devices import resolve_device
     from tracer.store.trace import TraceReader
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b

@@ -97,7 +97,7 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
     Raises:
         TracerError: a bad reference or dump (one line).
     """
-    from tracer.load.models import resolve_device
+    from tracer.load.devices import resolve_device
     from tracer.store.trace import TraceReader
 
     path_a, run_a = ref

@@ -8,22 +8,6 @@ from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts
 
 
-#: header keys naming a version of something the numbers depend on (compared across two traces)
-VERSION_KEYS = ("tracer_version", "python", "torch", "transformers", "numpy", "h5py", "cuda", "hip", "cudnn", "cublas",
-                "driver", "device_name", "cpu", "platform")
-
-
-def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
-    """``["torch 2.13.0+cpu (A) vs 2.11.0+cu130 (B)", ...]``: every :data:`VERSION_KEYS` entry
-    whose value differs between two trace headers (a key missing on one side counts as differing)."""
-    out = []
-    for k in VERSION_KEYS:
-        a, b = header_a.get(k), header_b.get(k)
-        if a != b:
-            out.append(f"{k} {a} (A) vs {b} (B)")
-    return out
-
-
 def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
     """The short facts shown above the table, from a trace header and the two runs (one builder for a
     run in memory and a trace read back).

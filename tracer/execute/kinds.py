@@ -1,4 +1,4 @@
-"""What a capture point is: the kinds :func:`tracer.execute.capture.discover_points` creates.
+"""What a capture point is: the kinds :func:`tracer.execute.points.discover_points` creates.
 
 A ``str`` enum, so every kind is also its plain string: stored traces, JSON documents and code
 that still compares strings read the same values (``PointKind.LAYER == "layer"``).
