@@ -14,7 +14,7 @@ import torch
 import tracer
 from tracer.diff.compare_dump import compare_dump, import_dump
 from tracer.store.enginedump import DumpEntry, RawDump, read_dump
-from tracer.diff.enginemap import align_steps
+from tracer.execute.enginemap import align_steps
 from tracer.errors import TracerError
 from tracer.load.hf_cache import cache_kwarg
 from tracer.load.models import load_model
