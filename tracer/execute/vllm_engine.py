@@ -39,7 +39,7 @@ import itertools
 import os
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -61,52 +61,11 @@ from tracer.execute.capture import Capture, CapturePoint  # noqa: E402
 from tracer.execute.enginemap import RefLayout, load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
 from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
+from tracer.execute.vllm_plan import (  # noqa: E402
+    CHUNK_MODES, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
 
 #: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
 MAX_ENGINES = 2
-#: how a plan's chunks can be realised in vLLM (``engine_options["chunks"]``)
-CHUNK_MODES = ("auto", "prefix-cache", "chunked")
-
-
-@dataclass(frozen=True)
-class VllmSettings:
-    """The engine configuration one ``vllm.LLM`` is built with (one LLM per distinct settings).
-
-    Attributes:
-        block_size: KV-cache block size in tokens (the CPU attention backend needs a multiple of 32).
-        max_num_batched_tokens: the scheduler's token budget per step (chunked prefill splits a
-            longer prompt); None: 4096, or more for a longer ``max_model_len``.
-        enable_prefix_caching: vLLM's automatic prefix caching.
-        max_model_len: longest sequence; None: the model's positions, at most 2048.
-        kv_cache_memory_bytes: the KV cache's size; None: room for 4 sequences of ``max_model_len``
-            (a few hundred MiB for SmolLM2-135M), instead of vLLM's share of the machine's RAM.
-        gpu_memory_utilization: on the CPU backend, the share of RAM vLLM may reserve.
-        enforce_eager: must be True (no CUDA graphs).
-        compilation_mode: must be 0 (no torch.compile).
-        seed: vLLM's seed (greedy sampling does not use it).
-    """
-
-    block_size: int = 32
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.12
-    enforce_eager: bool = True
-    compilation_mode: int = 0
-    seed: int = 0
-
-    def check(self) -> "VllmSettings":
-        """Raises:
-            TracerError: compilation or CUDA graphs switched on, or a bad size."""
-        if not self.enforce_eager or self.compilation_mode != 0:
-            raise TracerError(f"vLLM with {'CUDA graphs' if not self.enforce_eager else 'torch.compile'} on "
-                              f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
-                              "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0)")
-        if self.block_size < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
-            raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
-                              "must be positive numbers of tokens")
-        return self
 
 
 # ---------------------------------------------------------------- the LLM
@@ -310,114 +269,6 @@ def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], wi
     return replace(_LAYOUTS[key], token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
 
 
-# ---------------------------------------------------------------- plans → requests
-
-
-def _chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
-    mode = options.get("chunks", "auto")
-    if mode not in CHUNK_MODES:
-        raise TracerError(f"unknown vLLM chunk mode {mode!r}; use one of: {', '.join(CHUNK_MODES)}")
-    if len(plan.chunks) == 1:
-        return "one-step"
-    if mode == "auto":
-        return "chunked" if meta.get("scenario") == "chunked-prefill" else "prefix-cache"
-    return mode
-
-
-def _refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
-    """Raises TracerError for plan features the vLLM executor cannot realise (one line each)."""
-    if plan.compile:
-        raise TracerError(f"run plan {plan.name} asks for torch.compile, which hides vLLM's modules from tracer's "
-                          "hooks; the vllm engine runs eager only")
-    unsupported = [(plan.tp is not None, "tensor parallelism"), (plan.kv_transform is not None, "a KV-cache transform"),
-                   (plan.attn is not None, "an attention implementation"), (plan.devices is not None, "per-chunk devices"),
-                   (bool(plan.generate), "generation"), (plan.deterministic, "torch's deterministic mode"),
-                   (kernels, "--kernels"), (sdpa_inputs, "--op-replay")]
-    what = [w for bad, w in unsupported if bad]
-    if what:
-        raise TracerError(f"run plan {plan.name}: {', '.join(what)} is not available with the vllm engine yet; "
-                          "run it with --engine hf")
-
-
-def _settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
-    base = options.get("settings") or VllmSettings()
-    if not isinstance(base, VllmSettings):
-        base = VllmSettings(**dict(base))
-    if mode == "chunked":
-        sizes = [e - s for s, e in plan.chunks]
-        if any(x != sizes[0] for x in sizes[:-1]) or sizes[-1] > sizes[0]:
-            raise TracerError(f"run plan {plan.name}: chunks {sizes} are not one size C (the last no longer); vLLM "
-                              "splits a prefill by its token budget only")
-        return replace(base, max_num_batched_tokens=sizes[0])
-    if plan.batch is not None:
-        total = sum(plan.batch.lengths)
-        if base.max_num_batched_tokens is not None and base.max_num_batched_tokens < total:
-            raise TracerError(f"a batch of {total} tokens does not fit vLLM's budget of {base.max_num_batched_tokens} "
-                              "tokens per step; raise max_num_batched_tokens")
-        if total > 4096 and base.max_num_batched_tokens is None:
-            return replace(base, max_num_batched_tokens=total)
-    return base
-
-
-def _batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
-    """The batch's rows as :func:`tracer.execute.runner.batch_inputs` builds them, without padding."""
-    n, out = len(token_ids), []
-    for j, length in enumerate(batch.lengths):
-        if j == batch.row:
-            out.append(list(token_ids))
-        else:
-            rot = (37 * j + 11) % n
-            base = token_ids[rot:] + token_ids[:rot]
-            out.append((base * (-(-length // n)))[:length])
-    return out
-
-
-def _waves(token_ids: list[int], plan: Any, mode: str, block_size: int) -> list[tuple[list[list[int]], list[bool]]]:
-    """The requests of a run, in waves added together: ``(prompts, traced?)`` per wave; the
-    traced prompt's own request is the last traced one.
-
-    Raises:
-        TracerError: a prefix-cache boundary that is not a multiple of the KV block size.
-    """
-    if plan.batch is not None:
-        rows = _batch_rows(token_ids, plan.batch)
-        return [(rows, [j == plan.batch.row for j in range(len(rows))])]
-    if mode != "prefix-cache":
-        return [([list(token_ids)], [True])]
-    bounds = [s for s, _e in plan.chunks[1:]]
-    bad = [s for s in bounds if s % block_size]
-    if bad:
-        raise TracerError(f"run plan {plan.name}: cached prefix of {bad[0]} tokens is not a multiple of vLLM's KV block "
-                          f"size {block_size} (vLLM caches whole blocks); use a block size that divides it "
-                          f"(--block-size {block_size} plans the split at a block boundary)")
-    return [([list(token_ids[:s])], [True]) for s in bounds] + [([list(token_ids)], [True])]
-
-
-def _check_schedule(plan: Any, mode: str, requests: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
-    """Refuse a run whose scheduling is not what its plan says (one line naming what vLLM did).
-
-    Raises:
-        TracerError: another cached length than planned, or the prompt split across steps
-            (or batched with fewer requests) where the plan has one step.
-    """
-    traced = [r for r in requests if r["traced"]]
-    main = traced[-1]
-    want = [0] + [s for s, _e in plan.chunks[1:]] if mode == "prefix-cache" else [0]
-    got = [r["num_cached_tokens"] for r in traced]
-    if got != want[:len(got)]:
-        raise TracerError(f"run plan {plan.name}: vLLM reported num_cached_tokens {got} for the traced requests, the plan "
-                          f"needs {want}; the prefix cache did not hold what the run put there")
-    main_steps = [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]]
-    if mode in ("one-step", "prefix-cache") and len(main_steps) != 1:
-        raise TracerError(f"run plan {plan.name}: vLLM split the prompt into {len(main_steps)} steps ({main_steps}); "
-                          "raise max_num_batched_tokens to at least the prompt's length")
-    if plan.batch is not None:
-        n_req = max((s["requests"] for s in steps if any(t["request"] == main["internal_id"] for t in s["traced"])), default=0)
-        if n_req != plan.batch.size:
-            raise TracerError(f"run plan {plan.name}: vLLM scheduled the traced prompt with {n_req} request(s), the "
-                              f"batch has {plan.batch.size}; raise max_num_batched_tokens or max_num_seqs")
-
-
 def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint], window: tuple[int, int], *,
                    keep_on_device: bool = False, decode: int = 0, meta: dict[str, Any] | None = None,
                    say: Callable[[str], None] | None = None, kernels: bool = False, sdpa_inputs: bool = False,
@@ -458,13 +309,13 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
         raise TracerError(f"--decode {decode} is negative; give a number of tokens to generate (0 = off)")
     if plan.n_tokens != len(token_ids):
         raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {len(token_ids)}")
-    _refuse_unsupported(plan, kernels, sdpa_inputs)
-    mode = _chunk_mode(plan, options, meta)
-    eng = engine_for(loaded, _settings_of(plan, mode, options), say)
+    refuse_unsupported(plan, kernels, sdpa_inputs)
+    mode = chunk_mode(plan, options, meta)
+    eng = engine_for(loaded, settings_of(plan, mode, options), say)
     if len(token_ids) + max(decode, 1) > eng.kwargs["max_model_len"]:
         raise TracerError(f"the prompt's {len(token_ids)} tokens (+{max(decode, 1)} generated) exceed vLLM's max_model_len "
                           f"{eng.kwargs['max_model_len']}; pass a larger one in the vLLM settings")
-    waves = _waves(token_ids, plan, mode, eng.kwargs["block_size"])
+    plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
     emap = load_engine_map(loaded.info.family, engine="vllm")
     ref = ref_layout(loaded, points, token_ids, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == "kv_cache"}
@@ -472,8 +323,8 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
     with torch.inference_mode(), VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points) as cap:
-        for w, (prompts, traced) in enumerate(waves):
-            last = w == len(waves) - 1
+        for w, (prompts, traced) in enumerate(plan_waves):
+            last = w == len(plan_waves) - 1
             ids = eng.start(prompts, max_tokens=max(decode, 1) if last else 1)
             cap.ours.update(internal for (_ext, internal), t in zip(ids, traced) if t)
             done = eng.finish()
@@ -483,7 +334,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                                  "num_cached_tokens": int(out.num_cached_tokens or 0),
                                  "generated": list(out.outputs[0].token_ids)})
     wall = time.perf_counter() - t0
-    _check_schedule(plan, mode, requests, cap.steps)
+    check_schedule(plan, mode, requests, cap.steps)
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
     main = [r for r in requests if r["traced"]][-1]
     steps = [s for s in cap.steps if s["traced"]]
