@@ -19,9 +19,9 @@ import sys
 import time
 
 from tracer.diff.compare_dump import partial_logits_line
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.execute import vllm_engine as ve
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.execute.runner import execute
 from tracer.load.models import load_model
 from tracer.load.prompts import DEFAULT_PROMPT, tokenize

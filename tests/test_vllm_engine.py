@@ -14,10 +14,10 @@ vllm = pytest.importorskip("vllm")
 
 import tracer  # noqa: E402
 from tracer.diff.compare_dump import compare_dump  # noqa: E402
-from tracer.diff.core import compare_records  # noqa: E402
+from tracer.diff.compare import compare_records  # noqa: E402
 from tracer.errors import TracerError  # noqa: E402
 from tracer.execute import vllm_engine as ve  # noqa: E402
-from tracer.execute.capture import discover_points  # noqa: E402
+from tracer.execute.points import discover_points  # noqa: E402
 from tracer.load.models import load_model  # noqa: E402
 from tracer.plan.scenarios import RunPlan, prefix_cache  # noqa: E402
 

@@ -133,7 +133,7 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
     Raises:
         TracerError: no map for the family and no override; an unreadable or malformed map.
     """
-    from tracer.load.models import data_dir
+    from tracer.load.recipes import data_dir
 
     merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "sources": []}
     generic, specific = None, None

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
-from tracer.execute.capture import CapturePoint
+from tracer.execute.points import CapturePoint
 from tracer.execute.enginemap import MappedDump, RefLayout, _hf_name, _locate, map_dump, pass_entries
 from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
 

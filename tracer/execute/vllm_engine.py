@@ -57,7 +57,8 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
     raise TracerError(f"import vllm failed ({type(_e).__name__}: {str(_e).splitlines()[0][:160] if str(_e) else ''}); "
                       "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
 
-from tracer.execute.capture import Capture, CapturePoint  # noqa: E402
+from tracer.execute.capture import Capture  # noqa: E402
+from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.execute.enginemap import RefLayout, load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
 from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
@@ -73,13 +74,13 @@ MAX_ENGINES = 2
 
 def weights_folder(loaded: Any) -> Path:
     """The HF checkpoint folder vLLM loads: the folder of an HF model, a GGUF recipe's cached
-    checkpoint (:func:`tracer.load.models.gguf_cache_dir`), or, for a random-init recipe, the model
+    checkpoint (:func:`tracer.load.gguf.gguf_cache_dir`), or, for a random-init recipe, the model
     saved once under the tracer cache (``save_pretrained``, same bits).
 
     Raises:
         TracerError: no folder holds these weights.
     """
-    from tracer.load.models import cache_root, gguf_cache_dir
+    from tracer.load.gguf import cache_root, gguf_cache_dir
 
     info = loaded.info
     if info.source == "hf" and info.path and (Path(info.path) / "config.json").is_file():
@@ -249,7 +250,7 @@ def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], wi
         TracerError: the HF model cannot run that pass.
     """
     from tracer.dtypes import name_of
-    from tracer.load.models import model_device
+    from tracer.load.devices import model_device
 
     key = (id(loaded.model), tuple(p.name for p in points))
     if key not in _LAYOUTS:
