@@ -156,6 +156,7 @@ class VllmEngine:
         return {"engine": "vllm", "version": vllm.__version__, "device": str(cfg.device_config.device),
                 "dtype": str(cfg.model_config.dtype).replace("torch.", ""), "weights": str(self.folder),
                 "attention_backend": backend, "attention_impl": type(impl).__name__ if impl is not None else None,
+                "attention_isa": str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
                 "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else f"auto (= {self.kwargs['dtype']})",
                 "block_size": int(cfg.cache_config.block_size), "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
                 "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
