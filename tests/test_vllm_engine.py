@@ -191,3 +191,33 @@ def test_a_per_pass_dump_written_from_vllm_with_plain_hooks_maps_at_sublayers(lo
     assert len(mapped.tensors) > 300
     for name, t in mapped.tensors.items():
         assert torch.equal(_bits(t), _bits(rec.captures[name].tensor)), name
+
+
+def test_kv_cache_point_is_what_vllms_paged_cache_holds(loaded, engine):
+    """The kv_cache point (captured at the attention layer's key/value inputs) equals the bits in
+    vLLM's paged KV cache, read back through the step's slot_mapping. CPU_ATTN's cache is
+    [blocks, kv_heads, block_size, 2 * head_dim] viewed as keys then values per block; with the
+    `vec` ISA a block's keys are stored transposed, (kv_heads, head_dim, block_size)."""
+    from vllm.forward_context import get_forward_context
+
+    attn = engine.model.model.layers[3].self_attn.attn
+    if str(getattr(attn, "isa", "")) != "vec":
+        pytest.skip(f"the paged key layout is checked for CPU_ATTN's vec ISA only (this one: {getattr(attn, 'isa', None)})")
+    slots = []
+    handle = engine.model.register_forward_pre_hook(lambda m, a, kw: slots.append(
+        get_forward_context().attn_metadata["model.layers.3.self_attn.attn"].slot_mapping.clone()), with_kwargs=True)
+    try:
+        rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), discover_points(loaded.model, "layers"), (0, N))
+    finally:
+        handle.remove()
+    cache = attn.kv_cache if isinstance(attn.kv_cache, torch.Tensor) else attn.kv_cache[0]
+    blocks, kv_heads, bs, width = cache.shape
+    hd = width // 2
+    view = cache.view(blocks, kv_heads, 2 * bs, hd)
+    block, off = slots[0] // bs, slots[0] % bs  # (N,): every prompt position's slot
+    values = view[block, :, bs + off]  # (N, kv_heads, hd)
+    keys = torch.stack([view[b, :, :bs].reshape(kv_heads, hd, bs)[:, :, o] for b, o in zip(block.tolist(), off.tolist())])
+    kv = rec.captures["model.layers.3.self_attn.kv_cache"].tensor
+    assert kv.shape == (N, 2 * kv_heads * hd)
+    assert torch.equal(_bits(kv[:, :kv_heads * hd]), _bits(keys.reshape(N, -1)))
+    assert torch.equal(_bits(kv[:, kv_heads * hd:]), _bits(values.reshape(N, -1)))
