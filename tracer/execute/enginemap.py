@@ -175,7 +175,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- names
 
 
-def _locate(module: str) -> tuple[int | None, str]:
+def locate(module: str) -> tuple[int | None, str]:
     """``model.layers.3.mlp`` → ``(3, "mlp")``; ``model.embed_tokens`` → ``(None, "embed_tokens")``."""
     m = _LAYER_RE.match(module)
     if m:
@@ -187,7 +187,7 @@ def _locate(module: str) -> tuple[int | None, str]:
     return None, rel
 
 
-def _hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
+def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
     """Resolve a rule's ``hf`` value to an HF capture name (None for ``-`` or out of range)."""
     if target == "-":
         return None
@@ -433,9 +433,9 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     ignored: set[str] = set()
     uncaptured: set[str] = set()
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
-        layer, rel = _locate(module)
+        layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
-        if rules is None and (_hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
+        if rules is None and (hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
             rules = [{"hf": rel if layer is not None else module}]  # already an HF module path
         if rules is None:
             if any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(rel, p) for p in emap["ignore"]):
@@ -447,7 +447,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                               "add one (or an ignore pattern) in a map passed with --map FILE")
         for rule in rules:
             targets = rule["hf"] if isinstance(rule["hf"], list) else [rule["hf"]]
-            hf = [_hf_name(t, layer, ref) for t in targets]
+            hf = [hf_name(t, layer, ref) for t in targets]
             if all(h is None for h in hf):
                 continue
             if rule.get("split") and not all(h in ref.names for h in hf):

@@ -15,7 +15,8 @@ the other (``query_start_loc`` of the step's attention metadata, in the model ru
   add + RMSNorm's ``(normed, residual)``, a decoder layer's ``(hidden, residual)``);
 - the attention layer's inputs ``(query, key, value)`` give the ``kv_cache`` points: the post-RoPE
   keys and the values vLLM writes into its paged KV cache (``kv_cache_dtype`` ``auto``: stored
-  without conversion), for every prompt position the run's requests computed.
+  without conversion; ``tests/test_vllm_engine.py`` reads them back from the paged cache), for
+  every prompt position the run's requests computed.
 
 :meth:`VllmCapture.records` builds a :class:`~tracer.execute.records.RawDump` of the kept rows,
 one step per forward pass, as :func:`tracer.store.enginedump.read_passes` would read a per-pass
@@ -34,7 +35,7 @@ from torch import nn
 
 from tracer.errors import TracerError
 from tracer.execute.points import CapturePoint
-from tracer.execute.enginemap import MappedDump, RefLayout, _hf_name, _locate, map_dump, pass_entries
+from tracer.execute.enginemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
 from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
 
 
@@ -63,14 +64,14 @@ def hooked_modules(model: nn.Module, emap: dict[str, Any], ref: RefLayout) -> li
     for name, _m in model.named_modules():
         if not name:
             continue
-        layer, rel = _locate(name)
+        layer, rel = locate(name)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
         if rules is None:
             continue
         targets = []
         for rule in rules:
             hf = rule["hf"] if isinstance(rule["hf"], list) else [rule["hf"]]
-            targets += [_hf_name(t, layer, ref) for t in hf]
+            targets += [hf_name(t, layer, ref) for t in hf]
         if any(t is not None and t in ref.names for t in targets):
             out.append(name)
     return out
@@ -127,7 +128,7 @@ class VllmCapture:
                 self._handles.append(modules[name].register_forward_hook(hook))
             if self.kv_points and kv:
                 for name in modules:
-                    layer, rel = _locate(name)
+                    layer, rel = locate(name)
                     if layer is not None and rel == kv["module"] and layer in self.kv_points:
                         self._handles.append(modules[name].register_forward_hook(
                             self._kv_hook(layer, int(kv.get("keys", 1)), int(kv.get("values", 2)))))
@@ -188,7 +189,8 @@ class VllmCapture:
             self.tokens[step] = {"input_ids": ids_cpu[win_rows], "positions": pos_cpu[win_rows],
                                  "file": f"vLLM forward pass {step}"}
 
-    def _note(self, name: str, args: tuple, out: Any, rows: torch.Tensor, positions: torch.Tensor) -> None:
+    def _note(self, name: str, args: tuple, out: Any, positions: torch.Tensor) -> None:
+        """Record the shapes a hooked module saw in this step and the traced positions kept."""
         cur = self._cur
         self.fired.add(name)
         self.shapes.setdefault(name, []).append({
@@ -200,7 +202,7 @@ class VllmCapture:
             cur = self._cur
             if cur is None or not len(cur["win"]):
                 return
-            self._note(name, args, out, cur["win"], cur["win_pos"])
+            self._note(name, args, out, cur["win_pos"])
             self.entries += pass_entries(name, _take(out, cur["win"]), cur["step"], file=f"vLLM forward pass {cur['step']}")
 
         return hook
@@ -210,7 +212,7 @@ class VllmCapture:
             cur = self._cur
             if cur is None or not len(cur["logits"]) or not isinstance(out, torch.Tensor):
                 return
-            self._note(name, args, out, cur["logits"], cur["win_pos"])
+            self._note(name, args, out, cur["win_pos"])
             self.entries += pass_entries(name, _take(out, cur["logits"]), cur["step"],
                                          file=f"vLLM forward pass {cur['step']}")
 
