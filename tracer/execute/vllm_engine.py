@@ -217,8 +217,12 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
-    while len(_ENGINES) >= MAX_ENGINES:
-        _ENGINES.popitem(last=False)
+    while len(_ENGINES) >= MAX_ENGINES:  # drop the least recently used LLM (its KV cache and weights)
+        _key, old = _ENGINES.popitem(last=False)
+        shutdown = getattr(old.llm.llm_engine.engine_core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del old
         import gc
 
         gc.collect()
