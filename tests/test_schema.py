@@ -36,7 +36,11 @@ PKG = Path(tracer.__file__).resolve().parent
 def _all_records() -> list[type]:
     for m in pkgutil.walk_packages(tracer.__path__, "tracer."):
         if not m.name.endswith("__main__"):
-            importlib.import_module(m.name)
+            try:
+                importlib.import_module(m.name)
+            except ModuleNotFoundError as e:  # a module of an optional engine (vllm) not installed here
+                if (e.name or "tracer").startswith("tracer"):
+                    raise
     out, todo = set(), [schema.Record]
     while todo:
         for sub in todo.pop().__subclasses__():
