@@ -66,14 +66,16 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+from tracer import schema
 from tracer.execute.family import DATAFLOW, VIRTUAL_ROLES, infer_roles
+from tracer.execute.kinds import PointKind
 
 #: capture kinds that name their role (points tracer adds itself)
 _KIND_ROLES = {kind: role for role, (_suffix, kind) in VIRTUAL_ROLES.items()}
 
 
 @dataclass(frozen=True)
-class Consumes:
+class Consumes(schema.Record):
     """What one capture point consumes.
 
     Attributes:
@@ -88,9 +90,6 @@ class Consumes:
     points: tuple[str, ...]
     prefix: tuple[str, ...] = ()
     rule: str = "structure"
-
-    def to_dict(self) -> dict:
-        return {"points": list(self.points), "prefix": list(self.prefix), "rule": self.rule}
 
 
 def _resolve(groups: list[list[str]], present: dict[str, str]) -> tuple[str, ...]:
@@ -143,8 +142,8 @@ def dataflow(points: Sequence[tuple[str, ...]]) -> dict[str, Consumes]:
 def _dataflow(points: tuple[tuple[str, str, str], ...]) -> dict[str, Consumes]:
     names = [n for n, _, _ in points]
     kinds = {n: k for n, k, _ in points}
-    layers = [n for n, k, _ in points if k == "layer"]
-    embedding = next((n for n, k, _ in points if k == "embedding"), None)
+    layers = [n for n, k, _ in points if k == PointKind.LAYER]
+    embedding = next((n for n, k, _ in points if k == PointKind.EMBEDDING), None)
     layer_of: dict[str, str] = {}
     for n in names:
         owner = max((lay for lay in layers if n == lay or n.startswith(lay + ".")), key=len, default=None)
@@ -167,7 +166,7 @@ def _dataflow(points: tuple[tuple[str, str, str], ...]) -> dict[str, Consumes]:
             resolved = tuple(dict.fromkeys(
                 (prev_x if d == "X" else f"{lay}.{d}" if d else lay) for d in deps if not (d == "X" and prev_x is None)))
             prefix: tuple[str, ...] = ()
-            if kinds.get(n) == "kv_cache":
+            if kinds.get(n) == PointKind.KV_CACHE:
                 prefix = (prev_kv,) if prev_kv else ()
                 layer_kv = n
             out[n] = Consumes(points=tuple(r for r in resolved if r != n), prefix=prefix, rule=rule)
@@ -177,12 +176,12 @@ def _dataflow(points: tuple[tuple[str, str, str], ...]) -> dict[str, Consumes]:
     for n, k, _ in points:
         if n in out:
             continue
-        if k == "embedding":
+        if k == PointKind.EMBEDDING:
             out[n] = Consumes(points=())
-        elif k == "final_norm":
+        elif k == PointKind.FINAL_NORM:
             out[n] = Consumes(points=(layers[-1],) if layers else ())
-        elif k == "logits":
-            norm = next((m for m, kk, _ in points if kk == "final_norm"), None)
+        elif k == PointKind.LOGITS:
+            norm = next((m for m, kk, _ in points if kk == PointKind.FINAL_NORM), None)
             out[n] = Consumes(points=(norm,) if norm else ((layers[-1],) if layers else ()))
         else:  # outside any layer and of unknown kind: everything before it
             idx = names.index(n)

@@ -12,7 +12,7 @@ roles are column- and row-parallel), engine maps.
 
 Descriptors are read from the folders of ``$TRACER_HOOKS_PATH`` (``os.pathsep``-separated; a
 descriptor there wins over a built-in one for the same model type) and then from tracer's own
-``hooks/`` folder. Files named ``engine-*.toml`` are engine dump maps (:func:`engine_map_file`),
+``hooks/`` folder. Files named ``engine-*.toml`` are engine dump maps (:func:`engine_map_files`),
 not family descriptors.
 """
 
@@ -389,26 +389,33 @@ def layout_facts(header: Mapping[str, Any]) -> dict[str, str]:
     return {"layers_path": fam["layers"], **({"attention_path": attention} if isinstance(attention, str) else {})}
 
 
-def engine_map_file(engine: str, family: str) -> Path | None:
-    """The engine dump map (``engine-*.toml`` on the search path) whose ``[engine]`` table lists
-    ``engine`` in ``engines`` and the model type ``family`` in ``families``; None when there is none.
-    A map without ``engines`` is SGLang's (the first engine tracer mapped).
+def engine_map_files(family: str, engine: str | None = None) -> list[Path]:
+    """The engine dump maps (``engine-*.toml`` on the search path, :func:`hook_dirs`) for the model
+    type ``family``: the generic one (its ``[engine]`` table has no ``engine`` key: the module tree
+    SGLang and vLLM share) and, when ``engine`` is given, that engine's own (``engine = "vllm"``),
+    in that order; the first of each kind on the search path wins.
 
     Raises:
         TracerError: an unreadable map.
     """
+    generic: Path | None = None
+    specific: Path | None = None
     for folder in hook_dirs():
         for path in sorted(folder.glob("engine-*.toml")):
             try:
                 data = tomllib.loads(read_text_file(path, "engine map"))
             except tomllib.TOMLDecodeError as exc:
                 raise TracerError(f"engine map {path} is not valid TOML ({exc}); fix the file") from None
-            table = data.get("engine", {}) if isinstance(data.get("engine"), dict) else {}
-            if engine in table.get("engines", ["sglang"]) and family in table.get("families", ()):
-                return path
-    return None
+            head = data.get("engine") if isinstance(data.get("engine"), dict) else {}
+            if family not in head.get("families", ()):
+                continue
+            if "engine" not in head and generic is None:
+                generic = path
+            elif engine is not None and head.get("engine") == engine and specific is None:
+                specific = path
+    return [p for p in (generic, specific) if p is not None]
 
 
 __all__ = ["HOOKS_PATH_ENV", "ROLES", "VIRTUAL_ROLES", "DATAFLOW", "COLUMN_PARALLEL_ROLES",
            "ROW_PARALLEL_ROLES", "FUSED_ROLES", "SHARDED_ROLES", "Sliding", "Family", "parse_family", "hook_dirs",
-           "descriptors", "check_family", "family_for", "role_modules", "infer_roles", "layout_facts", "engine_map_file"]
+           "descriptors", "check_family", "family_for", "role_modules", "infer_roles", "layout_facts", "engine_map_files"]
