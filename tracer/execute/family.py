@@ -93,7 +93,9 @@ ROW_PARALLEL_ROLES = ("o_proj", "down_proj")
 #: fused projections (tracer's TP sharding does not split them by whole heads)
 FUSED_ROLES = ("qkv_proj", "gate_up_proj")
 #: roles whose tensors a TP rank holds a feature slice of (concatenated over the ranks in rank order)
-SHARDED_ROLES = (*COLUMN_PARALLEL_ROLES, "attention_core", "mlp_hidden", "act", "kv_cache")
+SHARDED_ROLES = (*COLUMN_PARALLEL_ROLES, "attention_core", "mlp_hidden", "act", "kv_cache", "q_norm", "k_norm")
+#: sharded roles whose tensors are ``(T, heads, head_dim)``: a rank holds whole heads (concatenated along heads)
+HEAD_SHARDED_ROLES = ("q_norm", "k_norm")
 
 _MODEL_KEYS = ("embedding", "layers", "final_norm", "logits")
 
@@ -417,5 +419,5 @@ def engine_map_files(family: str, engine: str | None = None) -> list[Path]:
 
 
 __all__ = ["HOOKS_PATH_ENV", "ROLES", "VIRTUAL_ROLES", "DATAFLOW", "COLUMN_PARALLEL_ROLES",
-           "ROW_PARALLEL_ROLES", "FUSED_ROLES", "SHARDED_ROLES", "Sliding", "Family", "parse_family", "hook_dirs",
+           "ROW_PARALLEL_ROLES", "FUSED_ROLES", "SHARDED_ROLES", "HEAD_SHARDED_ROLES", "Sliding", "Family", "parse_family", "hook_dirs",
            "descriptors", "check_family", "family_for", "role_modules", "infer_roles", "layout_facts", "engine_map_files"]

@@ -59,7 +59,7 @@ from tracer.execute.runner import model_device
 from tracer.execute.tp_launch import rank_main
 from tracer.execute.tp_ranks import Job, run_rank, watch
 from tracer.load.recipe_check import clean_stale_temp_dirs
-from tracer.execute.family import SHARDED_ROLES
+from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
 from tracer.execute.tp_shard import backend_for, check_shardable, check_world
 
 
@@ -67,10 +67,13 @@ from tracer.execute.tp_shard import backend_for, check_shardable, check_world
 DEFAULT_TIMEOUT_S = 600
 
 
-def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str) -> torch.Tensor:
+def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str, role: str = "") -> torch.Tensor:
     """The unsharded layout of a sharded capture: the ranks' tensors concatenated in rank order
-    along the feature dimension (a ``kv_cache`` point: keys of all ranks, then values)."""
+    along the feature dimension (a ``kv_cache`` point: keys of all ranks, then values; a per-head
+    norm's ``(T, heads, head_dim)``: along the heads)."""
     ts = [r.tensor for r in recs]
+    if role in HEAD_SHARDED_ROLES and ts[0].dim() >= 3:
+        return torch.cat(ts, dim=-2)
     if kind != "kv_cache":
         return torch.cat(ts, dim=-1)
     kshape = rec0.calls[0]["out"][0]  # (B, kv_heads_local, S, head_dim_k)
@@ -100,7 +103,7 @@ def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: 
             continue
         p = by_name.get(cname)
         if p is not None and _sharded(p) and k > 1 and rec.tensor.numel():
-            tensor = _merge(cname, rec, [per_rank[r]["captures"][cname] for r in range(k)], p.kind)
+            tensor = _merge(cname, rec, [per_rank[r]["captures"][cname] for r in range(k)], p.kind, p.role)
             rec = replace(rec, tensor=tensor)
         captures[cname] = rec
     meta = dict(per_rank[0]["meta"])
