@@ -131,6 +131,7 @@ class Comparison:
             when nothing before the logits differs).
         per_position: max |A − B| and differing count per capture point and compared position
             (:meth:`tracer.diff.positions.PositionStats.result`; the position heat map's data), or None.
+        rl: ``rollout-vs-train``: the RL metrics (:class:`tracer.diff.rl.RLComparison`), else None.
     """
 
     scenario: str
@@ -155,6 +156,7 @@ class Comparison:
     per_position: dict[str, Any] | None = None
     op_replay: Any = None  # capture name -> tracer.diff.accuracy.OpReplay (origins replayed in float64)
     skipped: tuple[SkipRecord, ...] = ()
+    rl: Any = None  # tracer.diff.rl.RLComparison of a rollout-vs-train run
 
     @property
     def not_compared(self) -> tuple[SkipRecord, ...]:
@@ -305,6 +307,7 @@ class Comparison:
             "trace": self.trace,
             "facts": self.facts,
             "per_position": self.per_position,
+            "rl": self.rl.to_dict() if self.rl is not None else None,
         }
 
 

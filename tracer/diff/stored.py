@@ -74,6 +74,14 @@ def _noise(d: dict[str, Any] | None) -> Any:
     return NoiseVerdict(verdict=d["verdict"], reason=d["reason"], layer=d.get("layer"), levels=levels)
 
 
+def _rl(d: dict[str, Any] | None) -> Any:
+    if not d:
+        return None
+    from tracer.diff.rl import RLComparison
+
+    return RLComparison.from_dict(d)
+
+
 def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
     """The :class:`Comparison` whose :meth:`~Comparison.to_dict` is ``doc``.
 
@@ -98,7 +106,7 @@ def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
                           first_diff=replay.get("first_diff"), text_a=replay.get("text_a"),
                           text_b=replay.get("text_b")) if replay else None,
             noise=_noise(doc.get("noise_verdict")), fail_on=(doc.get("check") or {}).get("fail_on"),
-            per_position=doc.get("per_position"))
+            per_position=doc.get("per_position"), rl=_rl(doc.get("rl")))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise TracerError(f"not a stored comparison document ({type(e).__name__}: {e}); "
                           "was the trace written by this version of tracer?") from None

@@ -15,7 +15,15 @@ executor                runs
                         :func:`~tracer.execute.tp_dist.execute_joined`)
 ``vllm``                ``plan.engine == "vllm"``: vLLM in-process, eager
                         (:func:`tracer.execute.vllm_engine.execute`)
+``hf-rollout``          an RL rollout plan (``plan.rl.role == "rollout"``) on ``hf``: K prompts
+                        sampled token by token from a KV cache (:mod:`tracer.execute.rollout`)
+``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
+                        teacher-forced forward over run A's sequences; it also receives
+                        ``rollout=`` (run A's record)
 ======================  =================================================================
+
+An RL plan on another engine (``engine="vllm"`` with ``plan.rl`` set) goes to that engine's
+executor, which reads ``plan.rl`` the way :mod:`tracer.execute.rollout` does.
 
 Adding an engine means one module with an ``execute`` function of the signature below, one entry
 in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
@@ -39,12 +47,15 @@ EXECUTORS: dict[str, tuple[str, str]] = {
     "hf": ("tracer.execute.runner", "execute_loaded"),
     "tp-distributed": ("tracer.execute.tp_dist", "execute_loaded"),
     "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
+    "hf-rollout": ("tracer.execute.rollout", "execute_rollout"),
+    "hf-train": ("tracer.execute.rollout", "execute_train"),
 }
 
 
 def executor_name(plan: Any) -> str:
-    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan, else
-    the plan's engine (``hf``, ``vllm``).
+    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan,
+    ``hf-rollout``/``hf-train`` for an RL plan (``plan.rl``) on ``hf``, else the plan's engine
+    (``hf``, ``vllm``).
 
     Raises:
         TracerError: an engine tracer does not know (listing the known ones).
@@ -54,6 +65,9 @@ def executor_name(plan: Any) -> str:
     engine = getattr(plan, "engine", "hf") or "hf"
     if engine not in ENGINES:
         raise TracerError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
+    rl = getattr(plan, "rl", None)
+    if rl is not None and engine == "hf":
+        return f"hf-{rl.role}"
     return engine
 
 
@@ -86,7 +100,8 @@ def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any]
         plan: the :class:`~tracer.plan.scenarios.RunPlan`.
         points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
         window: the compared positions ``(start, stop)``.
-        options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``.
+        options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``; for a
+            trainer plan of an RL step also ``rollout`` (run A's record).
 
     Returns:
         ``(run, partials)``: the :class:`~tracer.execute.records.RunRecord` and, for

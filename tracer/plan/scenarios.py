@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 from tracer.errors import TracerError
+from tracer.plan.rollout import (DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, RLSpec, check_rl_options, rl_specs)
 
 MITIGATIONS = ("aligned", "deterministic")
 PADDINGS = ("none", "left", "right")
@@ -116,6 +117,8 @@ class RunPlan:
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
         engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
             the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
+        rl: the plan's side of an RL step (:class:`tracer.plan.rollout.RLSpec`: the rollout sampling
+            token by token, or the trainer's teacher-forced forward), None otherwise.
     """
 
     name: str
@@ -131,6 +134,7 @@ class RunPlan:
     recompute: bool = False
     deterministic: bool = False
     engine: str = "hf"
+    rl: RLSpec | None = None
 
     def __post_init__(self) -> None:
         pos = 0
@@ -154,6 +158,8 @@ class RunPlan:
 
     def gemm_m(self) -> list[int]:
         """The GEMM M dimension of each forward pass (rows x tokens, padding included)."""
+        if self.rl is not None:
+            return self.rl.gemm_m()
         if self.batch is not None:
             if self.batch.padding != "none":
                 return [self.batch.size * self.batch.width]
@@ -513,6 +519,46 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
         (p, n), devices=[x, y], split_at=p)
 
 
+def rollout_vs_train(n_tokens: int, *, rollouts: int = 4, new_tokens: int = 16, sample: bool = False,
+                     temperature: float | None = None, seed: int | None = None, batch_row: int | None = None,
+                     train_batching: str = "padded", train_attn: str | None = None, lm_head_fp32: bool = False,
+                     train_dtype: str | None = None, is_cap: float = DEFAULT_IS_CAP,
+                     mask_threshold: float = DEFAULT_MASK_THRESHOLD, mitigations: bool = False) -> Scenario:
+    """Level 2, RL: a rollout sampling the response from a KV cache versus the trainer recomputing it
+    teacher-forced (:mod:`tracer.plan.rollout`).
+
+    Run A: ``rollouts`` prompts (lengths :func:`batch_lengths` ``left``; the traced prompt at
+    ``batch_row``, default ``rollouts // 2``) prefilled as one left-padded batch, then
+    ``new_tokens`` tokens each, one decode step at a time (GEMM M = K), greedy or ``sample``-d at
+    ``temperature`` with ``seed``. Run B: one teacher-forced forward over prompt + response of the
+    K sequences, ``train_batching`` ``padded`` or ``packed``, attention ``train_attn`` (None: as
+    loaded), ``lm_head_fp32``, ``train_dtype``. Compared: positions N-1 .. N+T-2 (whose logits
+    give the T response tokens). ``is_cap`` (TIS cap C) and ``mask_threshold`` (MIS/IcePop band
+    [1/β, β]) set what the RL metrics count as clipped and masked; ``mitigations`` re-runs the
+    scenario with each knob of :data:`tracer.plan.rollout.KNOBS` changed.
+
+    Raises:
+        TracerError: bad counts, thresholds, batching or dtype; ``temperature``/``seed`` without ``sample``.
+    """
+    check_rl_options(rollouts=rollouts, new_tokens=new_tokens, sample=sample, temperature=temperature, seed=seed,
+                     train_batching=train_batching, train_dtype=train_dtype, is_cap=is_cap,
+                     mask_threshold=mask_threshold)
+    n, t = n_tokens, new_tokens
+    row = rollouts // 2 if batch_row is None else batch_row
+    lengths = batch_lengths(n, rollouts, row, "left") if 0 <= row < rollouts else (n,) * rollouts
+    a, b = rl_specs(n_tokens=n, lengths=lengths, row=row, new_tokens=t, sample=sample,
+                    temperature=1.0 if temperature is None else temperature, seed=0 if seed is None else seed,
+                    train_batching=train_batching, lm_head_fp32=lm_head_fp32, train_dtype=train_dtype)
+    return _window_scenario(
+        "rollout-vs-train", 2, "rollout vs trainer (RL logprobs)",
+        RunPlan("A", ((0, n),), a.describe(), rl=a),
+        RunPlan("B", ((0, n + t),), b.describe(train_attn), attn=train_attn, rl=b),
+        (n - 1, n - 1 + t), rollouts=rollouts, new_tokens=t, batch_row=row, lengths=list(lengths),
+        sample=bool(sample), temperature=a.temperature, seed=a.seed, train_batching=train_batching,
+        train_attn=train_attn, lm_head_fp32=bool(lm_head_fp32), train_dtype=train_dtype, is_cap=float(is_cap),
+        mask_threshold=float(mask_threshold), mitigations=bool(mitigations))
+
+
 def with_mitigation(scen: Scenario, mitigation: str | None) -> Scenario:
     """``scen`` with a mitigation applied to both plans (``deterministic``); ``aligned`` is
     prefix-cache's own (see :func:`prefix_cache`).
@@ -545,6 +591,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "compile": compile_scenario,
     "device": device,
     "disaggregated": disaggregated,
+    "rollout-vs-train": rollout_vs_train,
 }
 
 
@@ -554,7 +601,9 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
     ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
     ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
-    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
+    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``, and ``rollout-vs-train``'s ``rollouts``,
+    ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
+    ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``); each
     builder takes the ones it uses, None means its default, and the rest are ignored.
 
     Raises:

@@ -42,7 +42,28 @@ def comparison_frame(comparison: Any):
         rec.setdefault("op", ops[i])
         rec.setdefault("origin", False)
         rec["shapes_a"], rec["shapes_b"] = (_shape_text(s) for s in shapes[i])
-    return pd.DataFrame.from_records(recs).set_index("index")
+    frame = pd.DataFrame.from_records(recs).set_index("index")
+    if getattr(comparison, "rl", None) is not None:  # rollout-vs-train: the RL summary rides along
+        frame.attrs["rl"] = rl_frame(comparison.rl).attrs["rl"]
+    return frame
+
+
+def rl_frame(rl: Any):
+    """The RL metrics per response token: one row per token of every sequence (K × T), columns
+    ``sequence, step, token, logp_a, logp_b, dlogp, ratio, vocab_kl, traced``
+    (:func:`tracer.report.rl.token_records`); the summary (``rl.to_dict()`` without the per-token
+    lists) in ``frame.attrs["rl"]``.
+
+    Raises:
+        TracerError: pandas is not installed.
+    """
+    pd = pandas()
+    from tracer.report.rl import token_records
+
+    frame = pd.DataFrame.from_records(token_records(rl))
+    per_token = ("steps", "tokens", "logp_a", "logp_b", "dlogp", "vocab_kl")
+    frame.attrs["rl"] = {k: v for k, v in rl.to_dict().items() if k not in per_token}
+    return frame
 
 
 def _shape_text(shape: dict) -> str:
