@@ -75,9 +75,11 @@ def hist_line(rl: Any) -> str:
     return "|Δlogp| histogram (tokens): " + " · ".join(cells)
 
 
-def _short(name: str | None, width: int = 26) -> str:
+def _short(name: str | None, width: int = 22) -> str:
+    """A capture point's name in at most ``width`` characters: ``model.`` dropped, then cut from the left."""
     if not name:
         return "-"
+    name = name[len("model."):] if name.startswith("model.") else name
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
@@ -98,7 +100,7 @@ STEP_COLUMNS = (
 def steps_table(rl: Any) -> Table:
     """The traced sequence's response tokens, one row each (fits 80 columns)."""
     t = Table(title=f"response tokens of the traced sequence (row {rl.row}): how the gap grows", title_justify="left",
-              show_edge=False, pad_edge=False, box=None, header_style="bold")
+              show_edge=False, pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
     for head, _ in STEP_COLUMNS:
         t.add_column(head, justify="left" if head == "first differing" else "right", no_wrap=True)
     for s in rl.steps:
@@ -108,18 +110,19 @@ def steps_table(rl: Any) -> Table:
 
 MITIGATION_COLUMNS = (
     ("knob", lambda m: m.knob + ("" if m.ran else " *")),
-    ("mean |Δlogp|", lambda m: _g(m.mean_abs_dlogp)),
-    ("max |Δlogp|", lambda m: _g(m.max_abs_dlogp)),
+    ("mean|Δlogp|", lambda m: _g(m.mean_abs_dlogp)),
+    ("max|Δlogp|", lambda m: _g(m.max_abs_dlogp)),
     ("k3 KL", lambda m: _g(m.k3_kl)),
-    ("bit-identical", lambda m: "yes" if m.identical else "no"),
-    ("first differing", lambda m: _short(m.first_divergent, 24)),
+    ("identical", lambda m: "yes" if m.identical else "no"),
+    ("first differing", lambda m: _short(m.first_divergent, 20)),
 )
 
 
 def mitigations_table(rl: Any, base: Any = None) -> Table:
-    """The ``--mitigations`` table: one row per knob (``*``: changes nothing here; the base run's numbers)."""
+    """The ``--mitigations`` table: one row per knob (``*``: changes nothing here; the base run's numbers;
+    ``identical``: both runs bit-identical at every compared point and logprob). Fits 80 columns."""
     t = Table(title="which knob closes the gap (--mitigations)", title_justify="left", show_edge=False,
-              pad_edge=False, box=None, header_style="bold")
+              pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
     for head, _ in MITIGATION_COLUMNS:
         t.add_column(head, justify="left" if head in ("knob", "first differing") else "right", no_wrap=True)
     for m in rl.mitigations:
