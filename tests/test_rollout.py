@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import make_model
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.diff.rl import HIST_LABELS, RLComparison, rl_comparison
 from tracer.errors import TracerError
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.execute.engines import execute_plan, executor_name
 from tracer.execute.runner import batch_inputs
 from tracer.plan.rollout import KNOBS, mitigation_variants

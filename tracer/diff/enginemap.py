@@ -103,7 +103,7 @@ def load_engine_map(family: str, override: str | Path | None = None) -> dict[str
     Raises:
         TracerError: no map for the family and no override; an unreadable or malformed map.
     """
-    from tracer.load.models import data_dir
+    from tracer.load.recipes import data_dir
 
     merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "sources": []}
     files = [p for p in sorted(data_dir("hooks").glob("engine-*.toml"))]

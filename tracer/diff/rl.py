@@ -391,7 +391,7 @@ def is_rl(scen: Any) -> bool:
 
 
 def comparable(a: RunRecord, b: RunRecord) -> tuple[RunRecord, RunRecord, tuple[str, ...]]:
-    """The records to hand to :func:`tracer.diff.core.compare_records` (:func:`widened`) and the notes
+    """The records to hand to :func:`tracer.diff.compare.compare_records` (:func:`widened`) and the notes
     that say so."""
     wa, wb, names = widened(a, b)
     note = widened_note(a, b, names)

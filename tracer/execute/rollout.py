@@ -36,13 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tracer.errors import TracerError
-from tracer.execute.capture import Capture, CapturePoint
+from tracer.execute.capture import Capture
+from tracer.execute.points import CapturePoint
 from tracer.execute.kernels import KernelRecorder
 from tracer.execute.records import RunRecord
 from tracer.execute.runner import batch_inputs, plan_context
 from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.hf_cache import cache_kwarg, output_cache
-from tracer.load.models import cast_weights, model_device
+from tracer.load.devices import cast_weights, model_device
 from tracer.plan.scenarios import Batch, RunPlan
 
 
