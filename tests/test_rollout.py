@@ -379,7 +379,7 @@ def test_renderings_carry_the_rl_metrics(result):
     assert lines[0].startswith("RL step:") and lines[1].startswith("|Δlogp|:") and "k3" in lines[2]
     assert lines[3].startswith("clipped:")
     assert min(i for i, x in enumerate(lines) if x.startswith("origin:")) > 3  # then where the gap is born
-    table = lines.index(next(x for x in lines if x.startswith("response tokens of the traced")))
+    table = lines.index(next(x for x in lines if x.startswith("the traced sequence (row")))
     for st, line in zip(c.rl.steps, lines[table + 2:]):
         assert len(line) <= 80 and str(st.token) in line  # whole, at 80 columns
     knobs = lines.index(next(x for x in lines if x.startswith("which knob closes the gap")))

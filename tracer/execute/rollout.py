@@ -44,7 +44,7 @@ from tracer.execute.runner import batch_inputs, plan_context
 from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.load.devices import cast_weights, model_device
-from tracer.plan.scenarios import Batch, RunPlan
+from tracer.plan.plans import Batch, RunPlan
 
 
 def _sync(device: torch.device) -> None:

@@ -86,20 +86,23 @@ def _short(name: str | None, width: int = 22) -> str:
 #: the per-token table's columns: (heading, cell of a TokenStep)
 STEP_COLUMNS = (
     ("tok", lambda s: str(s.step)),
-    ("pos", lambda s: str(s.position)),
     ("id", lambda s: str(s.token)),
     ("logp A", lambda s: f"{s.logp_a:.4g}"),
     ("Δlogp", lambda s: _g(s.dlogp)),
     ("KL", lambda s: _g(s.kl)),
     ("flip", lambda s: "-" if s.flip is None else ("yes" if s.flip else "")),
-    ("first differing", lambda s: _short(s.first_point)),
+    ("first differing", lambda s: _short(s.first_point, 24)),
     ("last |Δ|", lambda s: _g(s.last_layer_max_abs)),
 )
 
 
 def steps_table(rl: Any) -> Table:
-    """The traced sequence's response tokens, one row each (fits 80 columns)."""
-    t = Table(title=f"response tokens of the traced sequence (row {rl.row}): how the gap grows", title_justify="left",
+    """The traced sequence's response tokens, one row each (fits 80 columns): token index and id,
+    the rollout's logprob, Δlogp, full-vocabulary KL, argmax flip, the first capture point that differs
+    at the token's position and the last decoder layer's max |Δ| there."""
+    first = rl.steps[0].position if rl.steps else 0
+    t = Table(title=f"the traced sequence (row {rl.row}), positions {first}..{first + len(rl.steps) - 1}: "
+                    "the gap token by token", title_justify="left",
               show_edge=False, pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
     for head, _ in STEP_COLUMNS:
         t.add_column(head, justify="left" if head == "first differing" else "right", no_wrap=True)
