@@ -348,6 +348,17 @@ def test_pipeline_result_and_mitigations(result):
     assert any(s.reason.startswith("no KV cache in run B") for s in c.skipped)  # the trainer keeps no cache
 
 
+def test_next_steps_name_options_an_rl_run_takes(result):
+    from tracer.report.summary import next_steps
+
+    c = result.comparison
+    assert not c.identical
+    steps = " ".join(next_steps(c))
+    assert "--decode" not in steps and "--mitigations" not in steps  # refused by the scenario; already run
+    steps = " ".join(next_steps(replace(c, rl=replace(c.rl, mitigations=()))))
+    assert "--decode" not in steps and "`--mitigations`" in steps
+
+
 def test_renderings_carry_the_rl_metrics(result):
     import io
 
