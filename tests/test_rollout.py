@@ -326,6 +326,21 @@ def test_fp32_lm_head_and_train_dtype(llama16):
         _run(model, build("rollout-vs-train", N, rollouts=1, new_tokens=2, train_dtype="float16"))
 
 
+def test_train_attn_switches_the_trainer_only_and_is_restored(llama32):
+    s = build("rollout-vs-train", N, rollouts=2, new_tokens=4, train_attn="eager")
+    seen = []
+    hook = llama32.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda mod, args: seen.append(llama32.config._attn_implementation))
+    try:
+        a, b = _run(llama32, s)
+    finally:
+        hook.remove()
+    assert seen[0] == "sdpa" and seen[-1] == "eager" and seen.count("eager") == 1  # the trainer's one pass
+    assert llama32.config._attn_implementation == "sdpa"
+    la, lb = torch.tensor(a.meta["rollout"]["logprobs"]), torch.tensor(b.meta["train"]["logprobs"])
+    assert torch.allclose(la, lb, atol=1e-4, rtol=0)  # another kernel, the same math
+
+
 # -- the pipeline and every rendering ---------------------------------------------------------------------------
 
 
