@@ -277,7 +277,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
                 overwrite: bool = False, run_name: str = "engine") -> Any:
     """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
-    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.diff.enginemap.MappedDump`).
+    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.execute.enginemap.MappedDump`).
 
     Raises:
         TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.

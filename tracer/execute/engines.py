@@ -22,8 +22,9 @@ executor                runs
                         ``rollout=`` (run A's record)
 ======================  =================================================================
 
-An RL plan on another engine (``engine="vllm"`` with ``plan.rl`` set) goes to that engine's
-executor, which reads ``plan.rl`` the way :mod:`tracer.execute.rollout` does.
+An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``):
+a vLLM rollout is one more entry, ``vllm-rollout``, reading ``plan.rl`` the way
+:mod:`tracer.execute.rollout` does. Until an engine has one, its RL plans are refused in one line.
 
 Adding an engine means one module with an ``execute`` function of the signature below, one entry
 in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
@@ -54,11 +55,12 @@ EXECUTORS: dict[str, tuple[str, str]] = {
 
 def executor_name(plan: Any) -> str:
     """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan,
-    ``hf-rollout``/``hf-train`` for an RL plan (``plan.rl``) on ``hf``, else the plan's engine
-    (``hf``, ``vllm``).
+    ``<engine>-<role>`` for an RL plan (``plan.rl``: ``hf-rollout``, ``hf-train``), else the plan's
+    engine (``hf``, ``vllm``).
 
     Raises:
-        TracerError: an engine tracer does not know (listing the known ones).
+        TracerError: an engine tracer does not know (listing the known ones), or an RL plan on an
+            engine without an executor for its role.
     """
     if plan.tp is not None and plan.tp.mode == "distributed":
         return "tp-distributed"
@@ -66,8 +68,12 @@ def executor_name(plan: Any) -> str:
     if engine not in ENGINES:
         raise TracerError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
     rl = getattr(plan, "rl", None)
-    if rl is not None and engine == "hf":
-        return f"hf-{rl.role}"
+    if rl is not None:
+        name = f"{engine}-{rl.role}"
+        if name not in EXECUTORS:
+            raise TracerError(f"engine {engine!r} has no {rl.role} executor for the rollout-vs-train scenario yet "
+                              f"(no {name!r} in tracer.execute.engines.EXECUTORS); run its plans with engine 'hf'")
+        return name
     return engine
 
 

@@ -64,7 +64,7 @@ class CapturePoint:
 def _hook_maps() -> tuple[dict[str, Any], ...]:
     maps = []
     for path in sorted(data_dir("hooks").glob("*.toml")):
-        if path.name.startswith("engine-"):  # engine-dump name maps (tracer.diff.enginemap), not hook maps
+        if path.name.startswith("engine-"):  # engine-dump name maps (tracer.execute.enginemap), not hook maps
             continue
         try:
             with open(path, "rb") as f:
