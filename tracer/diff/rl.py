@@ -23,22 +23,20 @@ teacher-forced), both ``log_softmax(float32(logits) / τ)[y]``:
 
 Plus the per-token picture of the traced sequence (:class:`TokenStep`: which response position
 first differs, and how the gap grows along the response) and, with ``--mitigations``, one
-:class:`KnobResult` per knob. Results are frozen dataclasses; :meth:`RLComparison.to_dict` and
-:meth:`RLComparison.from_dict` are derived from their fields.
+:class:`KnobResult` per knob. The results are frozen dataclasses deriving from
+:class:`tracer.schema.Record`: their documents (``to_dict``, ``from_dict``) come from their fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 
@@ -48,7 +46,7 @@ HIST_LABELS = ("0", "≤1e-8", *(f"≤1e{e}" for e in range(-7, 0)), "≤1", ">1
 
 
 @dataclass(frozen=True)
-class TokenStep:
+class TokenStep(schema.Record):
     """One response token of the traced sequence.
 
     Attributes:
@@ -81,7 +79,7 @@ class TokenStep:
 
 
 @dataclass(frozen=True)
-class KnobResult:
+class KnobResult(schema.Record):
     """One row of the ``--mitigations`` table.
 
     Attributes:
@@ -104,7 +102,7 @@ class KnobResult:
 
 
 @dataclass(frozen=True)
-class RLComparison:
+class RLComparison(schema.Record):
     """The RL metrics of one ``rollout-vs-train`` run (formulas in the module docstring).
 
     Attributes:
@@ -174,56 +172,6 @@ class RLComparison:
     def identical(self) -> bool:
         """Every token's two logprobs are bit-identical."""
         return self.n_equal == self.n_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data (nested results as dicts, tuples as lists), one key per field."""
-        return _encode(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RLComparison":
-        """The result whose :meth:`to_dict` is ``d``.
-
-        Raises:
-            TracerError: ``d`` is not such a document.
-        """
-        try:
-            return _decode(cls, d)
-        except (KeyError, TypeError, ValueError) as e:
-            raise TracerError(f"not a stored RL comparison ({type(e).__name__}: {e})") from None
-
-
-def _encode(x: Any) -> Any:
-    if dataclasses.is_dataclass(x):
-        return {f.name: _encode(getattr(x, f.name)) for f in dataclasses.fields(x)}
-    if isinstance(x, (list, tuple)):
-        return [_encode(v) for v in x]
-    return x
-
-
-def _from_type(tp: Any, v: Any) -> Any:
-    """``v`` (JSON data) as type ``tp`` (a dataclass, tuple[...], X | None, float, int, str, bool)."""
-    if v is None:
-        return None
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        return _from_type(inner[0], v)
-    if origin is tuple:
-        item = args[0]
-        return tuple(_from_type(item, e) for e in v)
-    if dataclasses.is_dataclass(tp):
-        return _decode(tp, v)
-    if tp is float:
-        return float(v)  # "inf"/"nan" strings of strict JSON included
-    if tp in (int, str, bool):
-        return tp(v)
-    return v
-
-
-def _decode(cls: type, d: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
-    kw = {f.name: _from_type(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d}
-    return cls(**kw)
 
 
 def _histogram(absd: np.ndarray) -> tuple[int, ...]:

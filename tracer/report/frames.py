@@ -51,18 +51,17 @@ def comparison_frame(comparison: Any):
 def rl_frame(rl: Any):
     """The RL metrics per response token: one row per token of every sequence (K × T), columns
     ``sequence, step, token, logp_a, logp_b, dlogp, ratio, vocab_kl, traced``
-    (:func:`tracer.report.rl.token_records`); the summary (``rl.to_dict()`` without the per-token
-    lists) in ``frame.attrs["rl"]``.
+    (:func:`tracer.report.rl.token_records`); the summary (:func:`tracer.report.rl.summary_dict`) and
+    the knob rows in ``frame.attrs["rl"]``.
 
     Raises:
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.report.rl import token_records
+    from tracer.report.rl import summary_dict, token_records
 
     frame = pd.DataFrame.from_records(token_records(rl))
-    per_token = ("steps", "tokens", "logp_a", "logp_b", "dlogp", "vocab_kl")
-    frame.attrs["rl"] = {k: v for k, v in rl.to_dict().items() if k not in per_token}
+    frame.attrs["rl"] = {**summary_dict(rl), "mitigations": [m.to_dict() for m in rl.mitigations]}
     return frame
 
 

@@ -8,6 +8,7 @@ the per-token table of the traced sequence, the ``--mitigations`` table (rich ta
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -161,16 +162,16 @@ def mitigation_rows(rl: Any) -> tuple[list[str], list[list[str]]]:
     return [h for h, _ in MITIGATION_COLUMNS], [[cell(m) for _, cell in MITIGATION_COLUMNS] for m in rl.mitigations]
 
 
-#: the RL summary fields that become CSV columns (``rl_<field>``) on every row of ``--format csv``
-CSV_FIELDS = ("rollouts", "new_tokens", "mean_abs_dlogp", "max_abs_dlogp", "p99_abs_dlogp", "k1_kl", "k3_kl",
-              "vocab_kl_mean", "vocab_kl_max", "tis_clipped", "mis_masked", "seq_tis_clipped", "seq_mis_masked",
-              "token_ratio_min", "token_ratio_max", "seq_ratio_min", "seq_ratio_max", "train_ppl", "rollout_ppl",
-              "ppl_ratio", "argmax_flips", "first_divergent_step")
+def summary_dict(rl: Any) -> dict[str, Any]:
+    """Every scalar field of the :class:`~tracer.diff.rl.RLComparison` (its summary: the per-token
+    tuples and the knob rows left out), by name."""
+    scalar = (int, float, bool, str, type(None))
+    return {f.name: getattr(rl, f.name) for f in dataclasses.fields(rl) if isinstance(getattr(rl, f.name), scalar)}
 
 
 def csv_meta(rl: Any) -> dict[str, Any]:
-    """``rl_<field>`` → value for :data:`CSV_FIELDS` (empty when ``rl`` is None)."""
-    return {} if rl is None else {f"rl_{k}": getattr(rl, k) for k in CSV_FIELDS}
+    """``rl_<field>`` → value of :func:`summary_dict` (the CSV columns); empty when ``rl`` is None."""
+    return {} if rl is None else {f"rl_{k}": v for k, v in summary_dict(rl).items()}
 
 
 def token_records(rl: Any) -> list[dict[str, Any]]:
@@ -186,4 +187,4 @@ def token_records(rl: Any) -> list[dict[str, Any]]:
 
 
 __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
-           "step_rows", "mitigation_rows", "csv_meta", "token_records", "CSV_FIELDS"]
+           "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records"]
