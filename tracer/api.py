@@ -277,7 +277,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
                 overwrite: bool = False, run_name: str = "engine") -> Any:
     """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
-    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.diff.enginemap.MappedDump`).
+    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.execute.enginemap.MappedDump`).
 
     Raises:
         TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
@@ -440,16 +440,19 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
 
 
 def to_pandas(obj: Any) -> Any:
-    """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison) or per
-    sweep point (a SweepResult).
+    """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison; a
+    ``rollout-vs-train`` run's RL summary in ``frame.attrs["rl"]``), per sweep point (a SweepResult), or
+    per response token (the RL metrics ``result.comparison.rl``).
 
     Raises:
         TracerError: pandas is not installed.
     """
-    from tracer.report.frames import comparison_frame, sweep_frame
+    from tracer.report.frames import comparison_frame, rl_frame, sweep_frame
 
     if hasattr(obj, "rows") and hasattr(obj, "params"):
         return sweep_frame(obj)
+    if hasattr(obj, "dlogp") and hasattr(obj, "steps"):  # an RLComparison
+        return rl_frame(obj)
     return comparison_frame(getattr(obj, "comparison", obj))
 
 

@@ -106,16 +106,20 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
 def trace_header(loaded: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
-    model, its numeric contract (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and
-    devices, casting after load, attention per layer kind), granularity, dtype, attention, N,
+    model, its family descriptor (``hooks/*.toml``: file, module paths, roles), its numeric contract
+    (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and devices, casting after load,
+    attention per layer kind), granularity, dtype, attention, N,
     store mode, whether KV-cache points were captured and, for one scenario (``scen`` not None),
     the scenario, its block size and split points; ``extra`` is merged in last."""
+    from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.store.trace import collect_environment
 
     info = loaded.info
+    family = family_for(loaded.model)
     facts: dict[str, Any] = {
-        "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model),
+        "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model, family.sliding.spec),
+        "family": family.to_dict(),
         "granularity": capture.granularity, "dtype": info.dtype,
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
         "kv_cache": bool(capture.kv_cache)}
@@ -191,8 +195,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.compare import compare_records
     from tracer.diff.facts import run_facts
     from tracer.diff.replay import replay_diff
+    from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
+    from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
     from tracer.store.trace import json_safe
@@ -200,7 +206,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     model, info = loaded.model, loaded.info
     if points is None:
         points = capture_points(loaded, capture)
-    window = (0, len(token_ids)) if capture.positions == "all" else scen.window
+    window = (0, max(len(token_ids), scen.window[1])) if capture.positions == "all" else scen.window
+    rl = is_rl(scen)
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
@@ -208,9 +215,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}")
         keep = (online or on_gpu or budget is not None) and not plan.devices
+        extra = {"rollout": records[0]} if rl and plan is scen.plan_b else {}  # the trainer recomputes run A's tokens
         rec, part = execute_plan(loaded, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
-                                 kernels=capture.kernels, sdpa_inputs=op_replay)
+                                 kernels=capture.kernels, sdpa_inputs=op_replay, **extra)
         rec.name = name
         if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
             partials = _replace(part, name=f"{name}.partials")
@@ -230,9 +238,17 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
-    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(), "numeric_contract": numeric_contract(model)}
-    comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name, trace=trace,
-                                 facts=run_facts(header, rec_a, rec_b), atol=atol, rtol=rtol)
+    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(),
+                        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)}
+    cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
+    facts = run_facts(header, rec_a, rec_b)
+    if notes:
+        facts["notes"] = list(facts.get("notes", [])) + list(notes)
+    comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
+                                 facts=facts, atol=atol, rtol=rtol)
+    del cmp_a, cmp_b
+    if rl:  # what RL stacks log, from both runs' logprobs and logits
+        comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))
     if decode:
         comparison = _replace(comparison, replay=replay_diff(
             rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
@@ -440,6 +456,13 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         if writer is not None:
             say(f"writing {out}")
     comparison = _replace(outcome.comparison, fail_on=ch.fail_on)
+    if comparison.rl is not None and scen.params.get("mitigations"):  # which knob closes the gap
+        from tracer.diff.rl import mitigation_table
+        from tracer.plan.rollout import mitigation_variants
+
+        table = mitigation_table(mitigation_variants(scen), comparison, lambda s: run_scenario(
+            prep.loaded, ids, s, CaptureConfig("layers", kv_cache=False)).comparison, say)
+        comparison = _replace(comparison, rl=_replace(comparison.rl, mitigations=table))
     if ch.verdict:
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison))

@@ -23,6 +23,7 @@ from tracer.diff.positions import PositionStats
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison, PointResult, SkipRecord, check_fail_on, skip_record
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind, point_kind
 from tracer.execute.records import RunRecord
 from tracer.load.contract import contract_differences
 from tracer.store.stream import RowBlocks, stored_pairs
@@ -64,7 +65,7 @@ def check_alignable(name_a: str, ids_a: list[int], window_a, name_b: str, ids_b:
 
 def _prefix_rows(kind: str, calls: list, window_start: int) -> int | None:
     """Rows of a ``kv_cache`` tensor that lie before the compared window (None for other kinds)."""
-    if kind != "kv_cache" or not calls:
+    if kind != PointKind.KV_CACHE or not calls:
         return None
     first = int(calls[-1]["positions"][0])
     return max(0, window_start - first)
@@ -80,7 +81,7 @@ def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
     from tracer.diff.metrics import bits_equal, has_nonfinite
 
     shape = tuple(ta.shape)
-    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     n_nan = n_inf = 0
     device = torch.device("cpu")
     for _r0, xa, xb in ta.blocks:
@@ -117,7 +118,7 @@ def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, t
                 pos.finish()
             return index, acc
         blocks = ta.reread()  # the hint was wrong: compare the point in full, read again
-    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     index = None
     for r0, xa, xb in blocks:
         if index is None:
@@ -141,7 +142,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
                   facts: dict[str, Any] | None = None, atol: float | None = None,
-                  rtol: float | None = None, skipped: Iterable[SkipRecord] = ()) -> Comparison:
+                  rtol: float | None = None, skipped: Iterable[SkipRecord] = (),
+                  roles: dict[str, str] | None = None) -> Comparison:
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
@@ -151,6 +153,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run
     only, and every point in ``skipped`` (missing in one run), is kept as a :class:`SkipRecord`.
+    ``roles``: capture name → its role in the block (``CaptureRecord.role``), for the dataflow.
 
     Raises:
         TracerError: a capture point whose tensors have different shapes or dtypes in the two
@@ -171,6 +174,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     skips = list(skipped)
     logits_acc = None
     for name, kind, op, ta, tb, ca, cb in pairs:
+        kind = point_kind(kind, name)
         if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
             skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
             continue
@@ -181,13 +185,13 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
             )
         if isinstance(ta, RowBlocks):  # streamed in row blocks: the same numbers, bounded memory
             index, acc = _stream_pair(batch, per_position, name, kind, ta, _prefix_rows(kind, ca, positions[0]))
-            if kind == "logits":
+            if kind == PointKind.LOGITS:
                 logits_acc, logits_pair, logits_name, logits_calls = acc, (index, None, None), name, (ca, cb)
             else:
                 queued.append((index, name, kind, op, ca, cb, _prefix_rows(kind, ca, positions[0])))
             continue
         per_position.add(name, kind, ta, tb)
-        if kind == "logits":  # element-wise statistics in the batch; per-position ones below
+        if kind == PointKind.LOGITS:  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
             logits_calls = (ca, cb)
@@ -225,7 +229,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
                    if logits is not None and first_max is not None else None,
                    per_position=per_position.result(), skipped=tuple(skips))
-    return classify_origins(c)
+    return classify_origins(c, roles)
 
 
 def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
@@ -241,7 +245,8 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
                          positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts,
                          atol=atol, rtol=rtol,
                          skipped=missing_points({n: r.kind for n, r in a.captures.items()},
-                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name))
+                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name),
+                         roles={n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
@@ -313,7 +318,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         autos = [r.meta["store_auto"] for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)]
         kinds = {n: k for a in autos if isinstance(a.get("kinds"), dict) for n, k in a["kinds"].items()}
         dropped = [n for a in autos for n in a.get("dropped") or [] if isinstance(n, str)]
-        skipped += [SkipRecord(n, str(kinds.get(n, "layer")), "not stored (--store auto kept statistics only; "
+        skipped += [SkipRecord(n, point_kind(kinds.get(n, "layer"), n), "not stored (--store auto kept statistics only; "
                                "'tracer report' shows the run-time comparison)")
                     for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))
@@ -336,6 +341,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                 model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
                 positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
                 facts=facts, atol=atol, rtol=rtol, skipped=skipped,
+                roles={n: str(i.get("role") or "") for n, (i, _) in caps_a.items()},
             )
         finally:
             pairs.close()

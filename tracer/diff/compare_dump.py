@@ -3,7 +3,7 @@
 ``tracer compare REF.h5:A DUMP`` and ``tracer.compare("REF.h5:A", "DUMP")`` land here when one
 side is an engine dump (a folder, a ``.safetensors``/``.npz`` file) or a run written by
 ``tracer import``. The dump is read (:mod:`tracer.store.enginedump`), mapped onto the reference's HF
-capture points (:mod:`tracer.diff.enginemap`) and compared with :func:`tracer.diff.compare.compare_pairs`
+capture points (:mod:`tracer.execute.enginemap`) and compared with :func:`tracer.diff.compare.compare_pairs`
 over the positions both sides hold; the report names the engine and lists every point's mapping.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +19,12 @@ from tracer.diff.compare import compare_pairs
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.store.enginedump import read_dump
-from tracer.diff.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
+from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+
+if TYPE_CHECKING:  # h5py is loaded only when a trace is read
+    from tracer.store.trace import TraceReader
 
 #: run meta key marking a run written by ``tracer import``
 IMPORTED = "engine_dump"
@@ -32,8 +36,8 @@ def is_dump(ref: str) -> bool:
     return p.is_dir() or (p.is_file() and p.suffix in (".safetensors", ".npz"))
 
 
-def ref_layout(reader: Any, run: str) -> RefLayout:
-    """The :class:`~tracer.diff.enginemap.RefLayout` of run ``run`` of an open trace.
+def ref_layout(reader: TraceReader, run: str) -> RefLayout:
+    """The :class:`~tracer.execute.enginemap.RefLayout` of run ``run`` of an open trace.
 
     Raises:
         TracerError: unknown run, or a run stored without tensors.
@@ -44,14 +48,14 @@ def ref_layout(reader: Any, run: str) -> RefLayout:
         raise TracerError(f"trace {reader.path} holds no tensors for run {run} (written with --store stats/none); "
                           "re-run the reference with --store tensors")
     names = {n: (i["kind"], i["op"], tuple(i["shape"][1:]), i["dtype"]) for n, (i, _ds) in caps.items()}
-    layers = [n for n, v in names.items() if v[0] == "layer"]
+    layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
     model = reader.header.get("model", {})
     return RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
                      n_layers=len(layers), token_ids=list(rec.token_ids), window=tuple(rec.window),
                      family=model.get("family", "?") if isinstance(model, dict) else "?")
 
 
-def _resolve_run(reader: Any, run: str | None) -> str:
+def _resolve_run(reader: TraceReader, run: str | None) -> str:
     if run is None:
         if not reader.runs:
             raise TracerError(f"trace {reader.path} holds no runs")
@@ -59,7 +63,7 @@ def _resolve_run(reader: Any, run: str | None) -> str:
     return run
 
 
-def map_engine_dump(dump: str, reader: Any, run: str, engine_map: str | None = None) -> MappedDump:
+def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | None = None) -> MappedDump:
     """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``.
 
     Raises:
@@ -71,7 +75,7 @@ def map_engine_dump(dump: str, reader: Any, run: str, engine_map: str | None = N
     return map_dump(raw, layout, emap)
 
 
-def _imported(reader: Any, run: str) -> MappedDump | None:
+def _imported(reader: TraceReader, run: str) -> MappedDump | None:
     """The :class:`MappedDump` stored by ``tracer import`` as run ``run``, or None for an ordinary run."""
     rec = reader.run(run, load_tensors=False)
     info = rec.meta.get(IMPORTED)
@@ -87,7 +91,7 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
     """Compare HF reference run ``ref = (trace, run)`` with an engine dump (or an imported run ``FILE:RUN``).
 
     Positions: those both sides hold (the dump's positions inside the reference's kept window;
-    see :func:`tracer.diff.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
+    see :func:`tracer.execute.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
     reference, run B the engine. ``atol``/``rtol``/``device`` as in :func:`tracer.diff.compare.compare_runs`.
 
     Raises:
@@ -142,7 +146,8 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
             facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
         return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
                              positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
-                             facts=facts, atol=atol, rtol=rtol)
+                             facts=facts, atol=atol, rtol=rtol,
+                             roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
 
 
 def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
@@ -163,7 +168,7 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
             f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
 
 
-def _mapped(dump: str, reader: Any, run: str, engine_map: str | None) -> MappedDump:
+def _mapped(dump: str, reader: TraceReader, run: str, engine_map: str | None) -> MappedDump:
     if is_dump(dump):
         return map_engine_dump(dump, reader, run, engine_map)
     from tracer.store.trace import TraceReader
@@ -201,8 +206,8 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
     header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}
     lo, hi = mapped.positions
-    captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"])
-                for n, t in mapped.tensors.items()}
+    captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"],
+                                 role=str(caps_info[n].get("role") or "")) for n, t in mapped.tensors.items()}
     notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
                                   "in the imported trace; compare the dump itself to see them"
                                   for n, (ps, _t, _s) in mapped.partial_logits.items()]

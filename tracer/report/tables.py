@@ -188,16 +188,19 @@ def _plans(c: Comparison) -> str:
     return f"{a}\n{b}" + (f"\n{_sliding_note(c)}" if f.get("sliding_layers") else "")
 
 
-#: a decoder layer's row or one inside its attention: ``model.layers.7``, ``model.layers.7.self_attn.k_norm``
-_LAYER_OF = re.compile(r"\.layers\.(\d+)(\.self_attn(\.|$)|$)")
-
-
 def sliding_mark(c: Comparison, name: str) -> str:
     """``" (sliding)"`` for a decoder layer's row, or a row of its attention, when that layer uses
-    sliding-window attention (``facts["sliding_layers"]``, from the header's numeric contract);
+    sliding-window attention (``facts["sliding_layers"]``, from the header's numeric contract; the
+    layer list and attention paths from its family descriptor, ``facts["layers_path"]`` and
+    ``facts["attention_path"]``, e.g. ``model.layers.7``, ``model.layers.7.self_attn.k_norm``);
     ``""`` otherwise."""
-    m = _LAYER_OF.search(name)
-    return " (sliding)" if m and int(m.group(1)) in set(c.facts.get("sliding_layers") or ()) else ""
+    layers, attention = c.facts.get("layers_path"), c.facts.get("attention_path")
+    sliding = set(c.facts.get("sliding_layers") or ())
+    if not sliding or not isinstance(layers, str):
+        return ""
+    inner = rf"(\.{re.escape(attention)}(\.|$)|$)" if isinstance(attention, str) else "$"
+    m = re.match(rf"{re.escape(layers)}\.(\d+){inner}", name)
+    return " (sliding)" if m and int(m.group(1)) in sliding else ""
 
 
 def _sliding_note(c: Comparison) -> str:
@@ -315,6 +318,12 @@ def print_report(c: Comparison, console: Console | None = None,
     Styled in a terminal, plain text when piped (rich decides from the stream).
     """
     console = console or Console()
+    if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
+        from tracer.report import rl as rl_report
+
+        for line in rl_report.summary_lines(c.rl):
+            console.print(Text(printable(line)), soft_wrap=True)
+        console.print()
     head = headline(c)
     width = max(len(k) for k, _ in head)
     for key, text in head:
@@ -334,12 +343,28 @@ def print_report(c: Comparison, console: Console | None = None,
     if c.noise is not None:
         for line in c.noise.lines():
             console.print(printable(line), soft_wrap=True, markup=False)
+    if c.rl is not None:
+        _print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
         console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
+
+
+def _print_rl(rl: Any, console: Console) -> None:
+    """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table."""
+    from tracer.report import rl as rl_report
+
+    console.print()
+    console.print(rl_report.steps_table(rl))
+    console.print(rl_report.hist_line(rl), soft_wrap=True, markup=False, highlight=False)
+    if rl.mitigations:
+        console.print()
+        console.print(rl_report.mitigations_table(rl))
+        for line in rl_report.mitigation_notes(rl):
+            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
@@ -349,10 +374,12 @@ CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "position
 
 def csv_meta(c: Comparison) -> dict[str, Any]:
     """The run metadata of :data:`CSV_META` for ``c``."""
+    from tracer.report.rl import csv_meta as rl_meta
+
     f = c.facts
     return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
             "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
-            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace}
+            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace, **rl_meta(c.rl)}
 
 
 def to_csv(c: Comparison) -> str:
@@ -374,6 +401,10 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     """A markdown report: origins, the table (every column by default), logits, replay, verdict."""
     columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
+    if c.rl is not None:
+        from tracer.report.rl import markdown_lines
+
+        lines += markdown_lines(c.rl)
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
