@@ -15,7 +15,8 @@ run B starts from the very bits run A used); the ranks themselves are :mod:`trac
 
 With the deterministic mitigation, every all_reduce becomes an all_gather of the K partials
 summed in rank order on every rank (the same order whatever algorithm the backend would pick),
-and NCCL_ALGO=Ring / NCCL_PROTO=Simple are pinned for NCCL unless set.
+and NCCL_ALGO=Ring / NCCL_PROTO=Simple are pinned for NCCL unless set; NVLink multicast
+(NCCL_NVLS_ENABLE=0) is off for every NCCL run unless the user set it.
 
 Every rank captures with the same hooks; rank 0's captures are the run's (the residual stream
 is replicated after each all_reduce), and captures of sharded tensors (q/k/v, gate/up, the
@@ -257,6 +258,8 @@ def header_facts(plan: Any, device: str) -> dict[str, Any]:
             v = torch.cuda.nccl.version()
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     env = dict(os.environ)
+    if backend == "nccl":
+        env.setdefault("NCCL_NVLS_ENABLE", "0")
     if plan.deterministic and backend == "nccl":
         env.setdefault("NCCL_ALGO", "Ring")
         env.setdefault("NCCL_PROTO", "Simple")
@@ -266,6 +269,7 @@ def header_facts(plan: Any, device: str) -> dict[str, Any]:
     return {
         "mode": "distributed", "world_size": tp.k, "backend": backend, "nccl_version": nccl,
         "NCCL_ALGO": env.get("NCCL_ALGO"), "NCCL_PROTO": env.get("NCCL_PROTO"),
+        "NCCL_NVLS_ENABLE": env.get("NCCL_NVLS_ENABLE"),
         "sharding": "tracer (column-parallel q/k/v/gate/up, row-parallel o/down + all_reduce"
                     + ("; vocab-parallel embedding and lm_head" if tp.vocab_parallel else "") + ")",
         "collective": "all_gather + sum in rank order (deterministic)" if plan.deterministic
@@ -311,6 +315,8 @@ def execute_joined(model: nn.Module, token_ids: list[int], plan: Any, points: li
     device = str(model_device(model))
     backend = backend_for(device)
     check_shardable(model, world, vocab_parallel=plan.tp.vocab_parallel)
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if backend == "nccl" and plan.deterministic:
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("NCCL_PROTO", "Simple")

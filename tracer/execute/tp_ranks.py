@@ -108,6 +108,8 @@ def worker(rank: int, job: Job) -> None:
     if job.socket_ifname:  # the collectives' own sockets on the loopback too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", job.socket_ifname)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", job.socket_ifname)
+    if job.backend == "nccl":  # NVLink multicast (NVLS) off unless the user set it: its reductions are not ours to pin
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if job.backend == "nccl" and job.plan.deterministic:
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("NCCL_PROTO", "Simple")
