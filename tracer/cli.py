@@ -115,9 +115,10 @@ def _fail(message: str) -> None:
 def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows: bool = False) -> None:
     from tracer.report.tables import DEFAULT_COLUMNS, render
 
-    # styled in a terminal; plain and wide enough for the module paths when piped
-    wide = columns is not None and len(columns) > 8
-    console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
+    from tracer.report.tables import stdout_console
+
+    # styled in a terminal; piped: $COLUMNS or 120 wide, every asked-for column kept
+    console = stdout_console(explicit_columns=columns is not None and columns != DEFAULT_COLUMNS)
     text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows)
     if text is not None:
         text = printable(text, newlines=True)  # csv/markdown quote names from the trace

@@ -229,36 +229,81 @@ def with_kernels(c: Comparison, columns: tuple[str, ...]) -> tuple[str, ...]:
     return columns
 
 
-def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None) -> Table:
-    """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`; ``keep``:
-    indices into :func:`rows` to show, all when None; the caption says how many were left out). The
-    ``kernels`` column is added when the runs recorded kernels (:func:`with_kernels`)."""
+def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
+    """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
+    base = r["name"].split(" ")[0]
+    mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
+    return printable(r["name"]) + sliding_mark(c, base), mark
+
+
+def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
+    lines = []
+    if n_shown < n_all:
+        lines.append(f"{n_shown} of {n_all} rows: the first point, the origin, rows where the differing count "
+                     f"changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)")
+    lines += _plans(c).splitlines()
+    if "ulp" in columns:
+        lines.append(ULP_NOTE)
+    return lines
+
+
+def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
+              width: int | None = None) -> tuple[Table, list[str]]:
+    """The amplification table fitted to ``width`` characters, and the lines that go under it.
+
+    ``columns``: keys of :data:`COLUMNS` (the ``kernels`` column is added when the runs recorded
+    kernels, :func:`with_kernels`); ``keep``: indices into :func:`rows` to show (all when None);
+    ``width``: the characters available (None: no limit). Columns the width cannot hold are left
+    out in the order of :data:`tracer.report.layout.DROP_ORDER` (never the name, differing / total,
+    max abs diff, ULP or flips), and a line under the table names them; no number is ever cut
+    (:func:`tracer.report.layout.fit_columns`). Kernels that do not fit as a column get a section
+    of their own under the table, one line per row.
+
+    Returns:
+        ``(table, lines)``: the rich Table (no title, no caption) and the text lines to print after
+        it: kernels, left-out columns, rows left out, the plans, the ULP note.
+    """
+    from tracer.report.layout import fit_columns, name_cell
+
     columns = with_kernels(c, columns)
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
-    caption = _plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else "")
-    if len(shown) < len(all_rows):
-        caption = (f"{len(shown)} of {len(all_rows)} rows: the first point, the origin, rows where the differing "
-                   f"count changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)\n" + caption)
-    # text from the trace is data: no markup, control characters escaped
-    t = Table(title=Text(printable(_title(c))), caption=Text(printable(caption, newlines=True)),
-              title_justify="left", caption_justify="left", header_style="bold")
-    for key in columns:
-        t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
-    first = c.first_divergent
-    for r in shown:
-        base = r["name"].split(" ")[0]
-        style = None
-        if r["n_diff"]:
-            style = "bold red" if r["origin"] else "red"
-        mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
-        cells = [Text(printable(r["name"]) + sliding_mark(c, base) + mark) if key == "point" else COLUMNS[key][1](r)
-                 for key in columns]
-        t.add_row(*cells, style=style)
-    for sk in c.skipped:  # never dropped: a point that could not be compared is a row too
-        cells = [Text(f"{printable(sk.name)}  ◀ not compared: {printable(sk.reason)}") if key == "point" else "-"
-                 for key in columns]
-        t.add_row(*cells, style="bold red" if sk.fails else "dim")
+    names = [_point_marker(c, r) for r in shown]
+    skipped = [(printable(sk.name), f"  ◀ not compared: {printable(sk.reason)}", sk) for sk in c.skipped]
+    cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
+    cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
+    headers = {k: COLUMNS[k][0] for k in columns}
+    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30)
+    wid = dict(zip(fit.columns, fit.widths))
+    t = Table(header_style="bold")
+    for key in fit.columns:
+        # fixed widths, each at least the widest cell: cells never wrap, headers wrap at spaces
+        t.add_column(headers[key], justify="left" if key == "point" else "right", width=wid[key], overflow="fold")
+    for i, (r, (name, mark)) in enumerate(zip(shown, names)):
+        style = ("bold red" if r["origin"] else "red") if r["n_diff"] else None
+        t.add_row(*[Text(name_cell(name, mark, wid["point"])) if k == "point" else cells[k][i] for k in fit.columns],
+                  style=style)
+    for name, mark, sk in skipped:  # never dropped: a point that could not be compared is a row too
+        t.add_row(*[Text(name_cell(name, mark, wid["point"]), overflow="fold") if k == "point" else "-"
+                    for k in fit.columns], style="bold red" if sk.fails else "dim")
+    lines: list[str] = []
+    if "kernels" in fit.dropped:
+        lines.append("kernels (A vs B), not enough width for a column:")
+        lines += [f"  {name}: {r['kernels']}" for r, (name, _) in zip(shown, names) if r["kernels"]]
+    others = [COLUMNS[k][0] for k in fit.dropped if k != "kernels"]
+    if others:
+        lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
+                     "or --format csv / json shows them)")
+    return t, lines + _caption(c, fit.columns, len(shown), len(all_rows))
+
+
+def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
+          width: int | None = None) -> Table:
+    """The amplification table as one rich Table: the title, the rows (:func:`fit_table`, fitted
+    to ``width`` when given) and the lines under it as the caption."""
+    t, lines = fit_table(c, columns, keep, width)
+    t.title, t.caption = Text(printable(_title(c))), Text(printable("\n".join(lines), newlines=True))
+    t.title_justify = t.caption_justify = "left"
     return t
 
 
@@ -297,19 +342,25 @@ def origin_block(c: Comparison) -> list[str]:
     return [head, *(f"  {line}" for line in lines)]
 
 
-def _row_budget(console: Console, n_headline: int) -> int | None:
-    """Rows of the table that fit the terminal below the headline (None when not a terminal)."""
+#: the most rows the table shows by default (``--all-rows``: every row), sublayers included
+MAX_ROWS = 15
+
+
+def _row_budget(console: Console, n_headline: int) -> int:
+    """Rows of the table by default: :data:`MAX_ROWS`, fewer when a terminal is too short for them below
+    the headline."""
     if not console.is_terminal:
-        return None
-    return max(8, console.size.height - n_headline - 14)
+        return MAX_ROWS
+    return min(MAX_ROWS, max(8, console.size.height - n_headline - 14))
 
 
 def print_report(c: Comparison, console: Console | None = None,
                  columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
-    point, growth, logits, what to try next), then the table of the rows that matter
-    (:func:`tracer.report.summary.rows_that_matter`, as many as fit a terminal; every row with
-    ``all_rows``), logits statistics, flips, replay, noise verdict and the verdict to ``console``
+    point, growth, logits, what to try next), then the title line, the table of the rows that matter
+    (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, fewer in a short
+    terminal; every row with ``all_rows``) fitted to the console's width (:func:`fit_table`), the
+    lines under it, logits statistics, flips, replay, noise verdict and the verdict to ``console``
     (stdout by default).
 
     Styled in a terminal, plain text when piped (rich decides from the stream).
@@ -324,7 +375,11 @@ def print_report(c: Comparison, console: Console | None = None,
         console.print(line, soft_wrap=True)
     console.print()
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
-    console.print(table(c, columns, keep))
+    t, under = fit_table(c, columns, keep, console.width)
+    console.print(Text(printable(_title(c))), soft_wrap=True)
+    console.print(t, width=max(console.width, _measure(console, t)), crop=False)  # too narrow even so: never cut
+    for line in under:
+        console.print(Text(printable(line)), soft_wrap=True)
     for line in logits_lines(c):
         console.print(line, soft_wrap=True, markup=False)
     for line in flips_lines(c):
@@ -340,6 +395,27 @@ def print_report(c: Comparison, console: Console | None = None,
     console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
         console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
+
+
+def _measure(console: Console, t: Table) -> int:
+    """The width ``t`` takes: every column's fixed width plus the box (as :func:`fit_table` chose them)."""
+    from tracer.report.layout import table_width
+
+    return table_width([col.width or 0 for col in t.columns])
+
+
+def stdout_console(explicit_columns: bool = False) -> Console:
+    """The console reports print to: styled at the terminal's width in a terminal; piped, plain text
+    :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 120), or wide enough for every
+    column when the columns were asked for explicitly (``--wide``, ``--columns``): nothing asked for
+    is left out of a file."""
+    import sys
+
+    from tracer.report.layout import piped_width
+
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
