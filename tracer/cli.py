@@ -249,13 +249,9 @@ def audit_cmd(
         parse_levels(levels)
         _check_report(report, overwrite, output)
         opts = run_options(given)
-        with ItemProgress("audit", None, mode="auto") as bar:
-
-            def on_check(label: str, done: int, total: int) -> None:
-                bar.update(done, total, label)
-
-            result = audit(levels=levels, mitigations=not no_mitigations, progress=err.is_terminal,
-                           on_check=on_check, **opts)
+        # the plan with each check's cost, then each result as it comes, on stderr
+        result = audit(levels=levels, mitigations=not no_mitigations,
+                       progress=True if err.is_terminal else "lines", **opts)
         if report is not None:
             from tracer.report.hierarchy import audit_html
             from tracer.report.html import write_report
@@ -264,8 +260,9 @@ def audit_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    console = Console() if sys.stdout.isatty() else Console(width=250, no_color=True, highlight=False)
-    text = render_audit(result, fmt, console)
+    from tracer.report.tables import stdout_console
+
+    text = render_audit(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text)
 
