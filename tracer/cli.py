@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERNAL, TracerError
-from tracer.report.progress import ItemProgress, StatusProgress
+from tracer.report.progress import DELAY_S, StatusProgress, phase
 from tracer.report.textsafe import printable
 
 app = typer.Typer(
@@ -192,13 +192,14 @@ def run_cmd(
         cols = check_columns(columns, wide)
         _check_report(report, overwrite, output)
         opts = run_options(given)
-        long_run = verdict or decode > 0  # without a terminal, log lines only for the long forms
-        with StatusProgress("run", mode="bar" if err.is_terminal else ("lines" if long_run else "off")) as status:
+        # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
+        with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
             result = run(progress=err.is_terminal, status=status, **opts)
-        if report is not None and result.comparison is not None:
-            from tracer.report.html import comparison_html, write_report
+            if report is not None and result.comparison is not None:
+                from tracer.report.html import comparison_html, write_report
 
-            write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
+                status(f"writing the HTML report {report}")
+                write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -296,17 +297,18 @@ def compare_cmd(
         check_fail_on(fail_on, atol, rtol)
         refs = [x for x in (trace, run_a, run_b) if x is not None]
         dump = dump_side(refs)
-        if dump is not None:
-            comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
-        elif engine_map is not None:
-            raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
-        else:
-            from tracer.diff.stored import auto_comparison
+        with phase("compare", f"comparing {' '.join(refs)}"):
+            if dump is not None:
+                comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+            elif engine_map is not None:
+                raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
+            else:
+                from tracer.diff.stored import auto_comparison
 
-            (pa, ra), (pb, rb) = resolve_refs(refs)
-            # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
-            stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
-            comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+                (pa, ra), (pb, rb) = resolve_refs(refs)
+                # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
+                stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
+                comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
@@ -330,8 +332,9 @@ def import_cmd(
     from tracer.diff.compare_dump import import_dump
 
     try:
-        mapped = import_dump(dump, split_ref(reference), output, engine_map=engine_map, overwrite=overwrite,
-                             run_name=run_name)
+        with phase("import", f"mapping {dump} onto {reference}"):
+            mapped = import_dump(dump, split_ref(reference), output, engine_map=engine_map, overwrite=overwrite,
+                                 run_name=run_name)
     except TracerError as e:
         _fail(str(e))
         return
@@ -353,7 +356,7 @@ def show_cmd(
     from tracer.store.trace import TraceReader
 
     try:
-        with TraceReader(trace) as r:
+        with phase("show", f"reading {trace}"), TraceReader(trace) as r:
             header = r.header
             runs = []
             for name in r.runs:
@@ -482,8 +485,9 @@ def plot_cmd(
     from tracer.api import plot_file
 
     try:
-        path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
-                         layers=layers.split(",") if layers else None)
+        with phase("plot", f"drawing {kind or 'the figure'} from {trace}"):
+            path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
+                             layers=layers.split(",") if layers else None)
     except TracerError as e:
         _fail(str(e))
         return
@@ -502,7 +506,8 @@ def report_cmd(
     from tracer.report.pages import write_report_file
 
     try:
-        path = write_report_file(trace, output, overwrite=overwrite, device=device)
+        with phase("report", f"writing the HTML report of {trace}"):
+            path = write_report_file(trace, output, overwrite=overwrite, device=device)
     except TracerError as e:
         _fail(str(e))
         return

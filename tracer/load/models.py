@@ -30,7 +30,7 @@ import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -367,7 +367,12 @@ def _one_gguf_parse() -> Iterator[None]:
         readers.clear()
 
 
-def _status(progress: bool, message: str):
+def _status(progress: Any, message: str):
+    """A status for one loading step: ``progress`` a callable (the caller's display) gets the
+    message; True shows a rich status of its own; False nothing."""
+    if callable(progress):
+        progress(message)
+        return nullcontext()
     return _console().status(message) if progress else nullcontext()
 
 
@@ -854,7 +859,7 @@ def load_model(
     gguf: str | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
-    progress: bool = True,
+    progress: bool | Callable[[str], None] = True,
     device_map: str | dict[str, Any] | None = None,
     max_memory: str | dict[Any, str] | None = None,
     tokenizer: bool = True,
@@ -873,7 +878,9 @@ def load_model(
         gguf: GGUF file for a ``gguf`` recipe (overrides the recipe's env var and package copy).
         seed: RNG seed of ``random-init`` recipes (float32 init on the CPU, then cast).
         trust_remote_code: passed to ``from_pretrained`` for HF models.
-        progress: show rich status messages (on stderr) and transformers' progress bars.
+        progress: show rich status messages (on stderr) and transformers' progress bars; or a
+            callable that receives each status message instead (the caller's own display, which
+            relays the tqdm bars: :func:`tracer.report.progress.relay_tqdm`).
         device_map: spread the model over several devices with accelerate (a model larger than
             one GPU): ``auto``/``balanced``/``balanced_low_0``/``sequential`` (accelerate's
             ``infer_auto_device_map``, bounded by ``max_memory``), or a dict / JSON object
