@@ -15,9 +15,12 @@ import torch
 
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
-from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels
+from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
 
 _ELEMENTS_PER_CHUNK = 1 << 21
+#: the heat map labels every row up to this many (the default run's 63 points, sublayers of small
+#: models); beyond it the landmarks, the title saying how many rows carry a label
+MAX_ROW_LABELS = 160
 
 
 
@@ -153,7 +156,10 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
     """Capture points (rows, execution order) × compared positions (columns): max |A − B|.
 
     Log colour scale; bit-identical cells are left white; ``inf`` cells are drawn at the top of
-    the scale. The image array has shape ``(C, T)`` = ``diffs.values.shape``.
+    the scale. The image array has shape ``(C, T)`` = ``diffs.values.shape``. Every row is
+    labelled up to :data:`MAX_ROW_LABELS` rows (the figure is as tall as they need); beyond, the
+    landmark rows are, and the title says how many of the rows carry a label
+    (``fig.tracer_data["labelled"]``: their indices).
 
     Returns:
         a matplotlib Figure with one image on axes 0 (colour bar on axes 1 when anything differs).
@@ -164,7 +170,10 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
     finite_max = vals[np.isfinite(vals)].max() if np.isfinite(vals).any() else 0.0
     vals[np.isinf(vals)] = finite_max if finite_max > 0 else 1.0
     masked = np.ma.masked_where(vals <= 0, vals)
-    fig, ax = _figure(figsize=figsize or (min(16.0, max(9.0, 5 + 0.12 * t)), min(12.0, max(3.5, 2.5 + 0.16 * c))), layout="constrained")
+    # every row labelled: ~11 pt per row up to MAX_ROW_LABELS rows (the figure grows with them)
+    fig, ax = _figure(figsize=figsize or (min(16.0, max(9.0, 5 + 0.12 * t)),
+                                          min(2.5 + 0.155 * MAX_ROW_LABELS, max(3.5, 2.5 + 0.155 * c))),
+                      layout="constrained")
     cmap = plt.get_cmap("magma_r").with_extremes(bad="white")
     norm = _log_norm(vals)
     im = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
@@ -173,11 +182,15 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
         fig.colorbar(im, ax=ax, label="max |A − B| at the position (log)", fraction=0.04, shrink=0.7)
     else:
         ax.text(0.5, 0.5, "bit-identical everywhere", transform=ax.transAxes, ha="center", va="center", color="green")
-    _tick_labels(ax, diffs.names, axis="y", max_labels=45, kinds=diffs.kinds)
+    labelled = thin_labels(diffs.names, diffs.kinds, MAX_ROW_LABELS)
+    _tick_labels(ax, diffs.names, axis="y", max_labels=MAX_ROW_LABELS, kinds=diffs.kinds)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("token position")
-    ax.set_title(title or "max |A − B| per capture point and position (white: bit-identical)", fontsize=9)
-    fig.tracer_data = {"names": diffs.names, "values": diffs.values, "positions": diffs.positions}
+    skipped = "" if len(labelled) == c else (f"; {len(labelled)} of {c} rows labelled (layer outputs, KV caches, "
+                                               "norms, logits; every row drawn)")
+    ax.set_title(title or f"max |A − B| per capture point and position (white: bit-identical){skipped}", fontsize=9)
+    fig.tracer_data = {"names": diffs.names, "values": diffs.values, "positions": diffs.positions,
+                       "labelled": labelled}
     return fig

@@ -34,7 +34,8 @@ def sweep_data(result: Any, block_size: int | None = None) -> dict[str, Any]:
 
 
 def _edges(values: np.ndarray) -> np.ndarray:
-    """Cell edges for possibly uneven sorted centres (pcolormesh)."""
+    """Cell edges for possibly uneven sorted centres (pcolormesh): contiguous, halfway between
+    neighbours; :func:`measured_spans` says which part of each cell was measured."""
     v = values.astype(np.float64)
     if v.size == 1:
         return np.array([v[0] - 0.5, v[0] + 0.5])
@@ -42,14 +43,53 @@ def _edges(values: np.ndarray) -> np.ndarray:
     return np.concatenate([[v[0] - (mid[0] - v[0])], mid, [v[-1] + (v[-1] - mid[-1])]])
 
 
+#: a measured length's column is at least this fraction (1/VISIBLE) of the length axis wide
+VISIBLE = 80
+
+
+def measured_spans(lengths: np.ndarray) -> np.ndarray:
+    """``(L, 2)`` x-ranges drawn for the measured prompt lengths: each length is a column as wide as
+    the finest spacing of the sweep (``1`` for ``17:512``, ``16`` for ``16:1024:16``; at least
+    1/:data:`VISIBLE` of the axis, so a lone length stays visible), centred on it and never reaching
+    halfway to a neighbour. On an evenly spaced grid the columns touch; between unevenly spaced lengths the
+    axis shows the gaps (not measured) instead of stretching a cell over them."""
+    v = np.asarray(lengths, dtype=np.float64)
+    if v.size == 0:
+        return np.zeros((0, 2))
+    gaps = np.diff(v)
+    finest = float(gaps.min()) if gaps.size else 1.0
+    half = np.full(v.size, max(finest, (v[-1] - v[0]) / VISIBLE if v.size > 1 else 1.0) / 2)
+    if gaps.size:
+        half = np.minimum(half, np.concatenate([[np.inf], gaps / 2]))
+        half = np.minimum(half, np.concatenate([gaps / 2, [np.inf]]))
+    return np.stack([v - half, v + half], axis=1)
+
+
+def _hide_unmeasured(ax: Any, lengths: np.ndarray) -> tuple[float, float]:
+    """Cover what a contiguous mesh would paint between measured lengths (hatched grey, "not
+    measured"); return the x-limits: the measured range and the columns' half-widths, no more."""
+    spans = measured_spans(lengths)
+    pad = 0.01 * float(spans[-1, 1] - spans[0, 0])  # the outermost markers of the top panel stay inside
+    lo, hi = float(spans[0, 0]) - pad, float(spans[-1, 1]) + pad
+    gaps = [(lo, spans[0, 0])] + [(spans[i, 1], spans[i + 1, 0]) for i in range(len(lengths) - 1)] + [(spans[-1, 1], hi)]
+    for a, b in gaps:
+        if b - a > 1e-9:
+            ax.axvspan(a, b, facecolor="#eeeeee", edgecolor="#cccccc", hatch="//", lw=0, zorder=3)
+    return lo, hi
+
+
 def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float, float] | None = None):
     """The divergence map of a sweep.
 
-    Top: max |logit diff| per prompt length (log y; identical lengths drawn at the bottom
-    as grey ticks), one series per block size, argmax flips marked ``x``.
+    Top: max |logit diff| per measured prompt length, as points (log y; bit-identical lengths
+    drawn on a ``0`` row at the bottom as hollow green circles), one series per block size,
+    argmax flips marked ``x``.
     Bottom, one block size: capture points × lengths heat map of max |A − B| (white:
     bit-identical) with the first divergent point of each length dotted. Several block sizes:
-    block sizes × lengths heat map of max |logit diff|.
+    block sizes × lengths heat map of max |logit diff| (grey: that block size did not run that length).
+    Only measured lengths are drawn: each is a column as wide as the sweep's finest spacing
+    (:func:`measured_spans`), the axis spans the measured range, and the gaps between unevenly
+    spaced lengths are hatched "not measured".
 
     Returns:
         a matplotlib Figure; ``fig.tracer_data`` holds the arrays drawn.
@@ -109,6 +149,7 @@ def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float,
             fig.colorbar(mesh, ax=ax2, label="max |A − B| (log)", location="right")
             ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.08), borderaxespad=0)
         ax2.set_ylabel("capture point")
+        lo, hi = _hide_unmeasured(ax2, d["lengths"])
         data = {"kind": "layers", "lengths": d["lengths"], "values": d["max_abs_diff"], "names": d["names"]}
     else:
         grid = np.zeros((len(bs), len(all_lengths)))
@@ -121,13 +162,20 @@ def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float,
         norm = _log_norm(np.nan_to_num(shown))
         mesh = ax2.pcolormesh(_edges(np.asarray(all_lengths)), np.arange(len(bs) + 1) - 0.5,
                               np.ma.masked_where(~(shown > 0), shown), cmap=cmap, norm=norm, shading="flat")
+        if np.isnan(grid).any():  # a block size that did not run a length: grey, not "bit-identical" white
+            ax2.pcolormesh(_edges(np.asarray(all_lengths)), np.arange(len(bs) + 1) - 0.5,
+                           np.ma.masked_where(~np.isnan(grid), np.ones_like(grid)), cmap="Greys", vmin=0, vmax=4,
+                           shading="flat")
+        lo, hi = _hide_unmeasured(ax2, np.asarray(all_lengths))
         ax2.set_yticks(range(len(bs)))
         ax2.set_yticklabels([str(b) for b in bs])
         ax2.set_ylabel("KV block size")
         if norm is not None:
             fig.colorbar(mesh, ax=ax2, label="max |logit diff| (log; white: bit-identical)")
         data = {"kind": "block_sizes", "lengths": np.asarray(all_lengths), "values": grid, "block_sizes": bs}
-    ax2.set_xlabel("prompt length N (tokens)")
+    ax2.set_xlim(lo, hi)  # the measured range (sharex: the top panel too)
+    uneven = len(set(np.diff(all_lengths).tolist())) > 1
+    ax2.set_xlabel("prompt length N (tokens)" + ("; hatched: lengths not measured" if uneven else ""))
     p = result.params
     n_div = sum(r.diverged for r in result.rows)
     ax1.set_title(title or (f"{p.get('scenario')} sweep · {p.get('model')} · {p.get('dtype')} · {p.get('device')}"

@@ -54,7 +54,7 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     """Grouped bars: elements per ULP-distance bin (0, 1, 2, 3-4, 5-8, 9-16, >16), one group per point.
 
     Counts on a log scale; each point's bar container holds 7 bars whose heights are its
-    ``TensorDiff.ulp_hist`` (label = capture name).
+    ``TensorDiff.ulp_hist`` (label = capture name). The legend sits below the axes, never over a bar.
 
     Raises:
         TracerError: unknown ``layers`` entries (see :func:`select_points`).
@@ -62,7 +62,7 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     from tracer.diff.metrics import ULP_BINS
 
     chosen = select_points(comparison, layers)
-    fig, ax = _figure(figsize=figsize or (8.0, 4.2), layout="constrained")
+    fig, ax = _figure(figsize=figsize or (8.0, 4.2 + 0.2 * len(chosen)), layout="constrained")
     x = np.arange(len(ULP_BINS))
     width = 0.8 / max(1, len(chosen))
     for k, (name, d) in enumerate(chosen):
@@ -73,7 +73,9 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     ax.set_xticklabels(ULP_BINS)
     ax.set_xlabel("ULP distance between A and B (storage dtype)")
     ax.set_ylabel("elements (log)")
-    ax.legend(fontsize=8)
+    # below the axes, never over the bars (a log axis has no empty corner to put it in)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=1 if len(chosen) > 2 else len(chosen),
+               fontsize=8, frameon=False)
     ax.set_title(title or f"ULP distance histogram · {_title(comparison)}", fontsize=9)
     fig.tracer_data = {"names": [n for n, _ in chosen], "hist": [list(d.ulp_hist) for _, d in chosen]}
     return fig
