@@ -267,17 +267,21 @@ class StatusProgress:
         print(f"{self.label}: {self._text(now, 'elapsed ')}", file=self.stream or sys.stderr, flush=True)
         self.printed_at = now
 
+    def tick(self, now: float) -> bool:
+        """Without a terminal: print the current phase's line if it is due at ``now`` (once the phase
+        ran :attr:`delay_s`, then every :attr:`interval_s`); True if a line was printed."""
+        with self._lock:
+            if not self.message or self.mode != "lines":
+                return False
+            due = (now - self.since >= self.delay_s) if self.printed_at is None else \
+                (now - self.printed_at >= self.interval_s)
+            if due:
+                self._line(now)
+            return due
+
     def _watch(self) -> None:
-        """Without a terminal: the line of a phase once it ran :attr:`delay_s`, then every :attr:`interval_s`."""
         while not self._stop.wait(0.1):
-            now = time.monotonic()
-            with self._lock:
-                if not self.message:
-                    continue
-                due = (now - self.since >= self.delay_s) if self.printed_at is None else \
-                    (now - self.printed_at >= self.interval_s)
-                if due:
-                    self._line(now)
+            self.tick(time.monotonic())
 
 
 @contextlib.contextmanager
