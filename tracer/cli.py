@@ -226,7 +226,7 @@ def audit_cmd(
     length: LengthOpt = None, chat: ChatOpt = False,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit-<timestamp>.h5).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit.h5); finished checks are kept in OUTPUT.checks/ while it runs, so re-running with the same options resumes an interrupted audit.")] = None,
     overwrite: OverwriteOpt = False, no_store: NoStoreOpt = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
@@ -422,7 +422,7 @@ def sweep_cmd(
     given = dict(locals())  # the parameters, before any other local exists
     from tracer.api import sweep
     from tracer.loops.sweep import parse_int_list
-    from tracer.report.tables import sweep_summary_lines
+    from tracer.report.sweep_lines import sweep_summary_lines
 
     try:
         if fmt not in ("table", "json", "csv"):

@@ -264,7 +264,7 @@ def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reas
         lines.append(f"  {c.key:<{width}}  {what}")
     lines.append(f"audit: to run: {total.text()}"
                  + ("; a diverging check is run again under each mitigation (aligned, deterministic)" if mitigations else "")
-                 + f"; every forward pass grows with --length (here N = {n})")
+                 + f"; the tokens grow in proportion to --length (N = {n} here), the passes do not")
     return lines
 
 
