@@ -118,7 +118,7 @@ def main() -> None:
     out["write_GiB_s"] = {k: nbytes / 2**30 / v for k, v in out["write_s"].items()}
     out["trace_bytes"] = paths["v2"].stat().st_size
     del runs
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
 
     buf = bytearray(64 << 20)
     reads: dict[str, list[float]] = {"raw_read": [], "compare_v2": [], "compare_v1": []}
@@ -135,7 +135,7 @@ def main() -> None:
     out["read_GiB_s"] = {k: size / 2**30 / v for k, v in out["read_s"].items()}
     out["compare_v2_over_raw_read"] = out["read_s"]["raw_read"] / out["read_s"]["compare_v2"]
     out["verdict"] = verdict
-    code = ("import json, resource, sys; sys.path.insert(0, %r); from tracer.diff.core import compare_trace\n"
+    code = ("import json, resource, sys; sys.path.insert(0, %r); from tracer.diff.compare import compare_trace\n"
             "c = compare_trace(%r, device='cpu')\n"
             "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
             "print(json.dumps(int(hwm.split()[1]) / 1024))\n"

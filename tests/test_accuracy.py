@@ -129,8 +129,8 @@ IDS = [(13 * i + 7) % 500 for i in range(40)]
 
 def _core_runs(dtype):
     from tests.conftest import make_model
-    from tracer.execute.capture import discover_points
-    from tracer.diff.core import compare_records
+    from tracer.execute.points import discover_points
+    from tracer.diff.compare import compare_records
     from tracer.execute.runner import execute
     from tracer.plan.scenarios import build
 

@@ -40,7 +40,7 @@ def test_api_token_ids_must_be_ints(ids, message):
 
 
 def test_inf_difference_renders(tmp_path):
-    from tracer.diff.core import compare_records
+    from tracer.diff.compare import compare_records
     from tracer.report.summary import rows_that_matter
 
     a, b = make_runs(diverge_at="model.layers.0")
@@ -63,7 +63,7 @@ def test_empty_gguf_option_is_refused():
 
 
 def test_gguf_recipe_declares_its_architecture():
-    from tracer.load.models import recipes
+    from tracer.load.recipes import recipes
 
     table = recipes()
     assert table["smollm2-135m"].data["model_type"] == "llama"

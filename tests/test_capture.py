@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, make_model
-from tracer.execute.capture import Capture, discover_points
+from tracer.execute.capture import Capture
+from tracer.execute.points import discover_points
 from tracer.errors import TracerError
 from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.execute.runner import execute

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer.diff.core import compare_records, compare_trace
+from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter
@@ -103,7 +103,7 @@ def test_compare_trace_on_an_explicit_device_and_a_missing_one(tmp_path):
 def test_prefetched_keeps_order_propagates_errors_and_stops_early():
     import threading
 
-    from tracer.diff.core import _prefetched
+    from tracer.store.stream import prefetched as _prefetched
 
     loaded = []
 
@@ -127,7 +127,7 @@ def test_prefetched_keeps_order_propagates_errors_and_stops_early():
 def test_prefetched_depth_zero_loads_in_turn_on_the_calling_thread():
     import threading
 
-    from tracer.diff.core import _prefetched
+    from tracer.store.stream import prefetched as _prefetched
 
     threads = []
     out = list(_prefetched([1, 2, 3], lambda i: threads.append(threading.current_thread()) or i + 1, depth=0))

@@ -55,7 +55,7 @@ def test_compare_peak_memory_is_bounded(tmp_path):
     size = path.stat().st_size
     assert size > 2 * POINTS * ROWS * COLS * 4 * 0.99  # the trace really is ~2 GiB
     code = (
-        "import json, resource, sys; from tracer.diff.core import compare_trace\n"
+        "import json, resource, sys; from tracer.diff.compare import compare_trace\n"
         f"c = compare_trace({str(path)!r})\n"
         "print(json.dumps({'rss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,"
         " 'diverged': [p.name for p in c.points if p.diverged]}))\n"

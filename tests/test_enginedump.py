@@ -14,7 +14,7 @@ import torch
 import tracer
 from tracer.diff.compare_dump import compare_dump, import_dump
 from tracer.store.enginedump import DumpEntry, RawDump, read_dump
-from tracer.diff.enginemap import align_steps
+from tracer.execute.enginemap import align_steps
 from tracer.errors import TracerError
 from tracer.load.hf_cache import cache_kwarg
 from tracer.load.models import load_model
@@ -314,3 +314,70 @@ def test_cli_error_is_one_line_and_exit_2(ref, dump, tmp_path, cli_env):
                        capture_output=True, text=True, env=cli_env, cwd=tmp_path)
     assert r.returncode == 2 and "holds no engine dump" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _vllm_pass(reader, run: str) -> dict:
+    """Run ``run`` of a stored sublayers trace as one ``Pass00000.pt`` shaped exactly like a dump of
+    real vLLM 0.32 written with plain forward hooks (see hooks/engine-vllm.toml): Linear layers
+    ``[output, None]``, fused ``qkv_proj``/``gate_up_proj``, ``rotary_emb`` ``[q, k]``, a fused
+    add + RMSNorm ``[normed, residual]`` (layer 0's input norm: a tensor), layers ``[hidden, residual]``."""
+    rec = reader.run(run, load_tensors=False)
+    lo, hi = rec.window
+    get = lambda n: reader.tensor(run, n).reshape(hi - lo, -1)  # noqa: E731
+    layers = [n for n in reader.capture_names(run) if reader.capture_info(run, n)["kind"] == "layer"]
+    data = {"model.forward_batch_info.input_ids": torch.tensor(rec.token_ids[lo:hi]),
+            "model.forward_batch_info.positions": torch.arange(lo, hi),
+            "model.embed_tokens": get("model.embed_tokens")}
+    prev = get("model.embed_tokens")
+    for i, layer in enumerate(layers):
+        mid = prev + get(f"{layer}.self_attn")  # the residual after attention (HF adds in bf16)
+        q, k, v = (get(f"{layer}.self_attn.{x}_proj") for x in "qkv")
+        data.update({
+            f"{layer}.input_layernorm": get(f"{layer}.input_layernorm") if i == 0 else [get(f"{layer}.input_layernorm"), prev],
+            f"{layer}.self_attn.qkv_proj": [torch.cat([q, k, v], dim=-1), None],
+            f"{layer}.self_attn.rotary_emb": [q.clone(), k.clone()],
+            f"{layer}.self_attn.attn": get(f"{layer}.self_attn.core"),
+            f"{layer}.self_attn.o_proj": [get(f"{layer}.self_attn.o_proj"), None],
+            f"{layer}.self_attn": get(f"{layer}.self_attn"),
+            f"{layer}.post_attention_layernorm": [get(f"{layer}.post_attention_layernorm"), mid],
+            f"{layer}.mlp.gate_up_proj": [torch.cat([get(f"{layer}.mlp.gate_proj"), get(f"{layer}.mlp.up_proj")], -1), None],
+            f"{layer}.mlp.act_fn": get(f"{layer}.mlp.down_proj.input"),
+            f"{layer}.mlp.down_proj": [get(f"{layer}.mlp.down_proj"), None],
+            f"{layer}.mlp": get(f"{layer}.mlp"),
+            layer: [get(f"{layer}.mlp"), mid],
+        })
+        prev = get(layer)
+    data["model.norm"] = [get("model.norm"), prev]
+    data["logits_processor"] = get("lm_head")[-1:]
+    return data
+
+
+def test_per_pass_dump_shaped_like_real_vllm_maps_at_sublayers(ref, tmp_path):
+    """Real vLLM returns tuples ((output, None) from Linear layers, fused qkv of q + k + v widths):
+    at sublayers granularity every point maps and equals the reference bit for bit (the fused
+    outputs split by the HF widths at TP 1, the None bias skipped, rotary_emb ignored)."""
+    reader = tracer.read_trace(ref)
+    dump = tmp_path / "vllm-dump"
+    dump.mkdir()
+    torch.save(_vllm_pass(reader, "B"), dump / "Pass00000.pt")
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical and c.positions == (P, N)
+    names = reader.capture_names("B")
+    expected = [n for n in names if not n.endswith((".kv_cache", ".mlp.act_fn")) and n != "lm_head"]
+    assert [p.name for p in c.points] == expected
+    mapped = import_dump(str(dump), (ref, "B"), str(tmp_path / "imported.h5"))
+    for name in expected:
+        assert torch.equal(_bits(mapped.tensors[name]), _bits(reader.tensor("B", name))), name
+    assert mapped.tensors["model.layers.0.self_attn.q_proj"].shape[1] == reader.tensor("B", "model.layers.0.self_attn.q_proj").shape[1]
+    assert "fused qkv_proj, part 1 of 3" in mapped.mapping["model.layers.0.self_attn.q_proj"]
+    assert any(f"lm_head (logits) at position(s) {N - 1} only" in n and ": 0 / 512 differ" in n for n in c.facts["notes"])
+    reader.close()
+
+
+def test_per_pass_value_of_none_only_is_refused(ref, tmp_path):
+    dump = tmp_path / "bad"
+    dump.mkdir()
+    torch.save({"model.forward_batch_info.input_ids": torch.tensor([1]), "model.embed_tokens": [None, None]},
+               dump / "Pass00000.pt")
+    with pytest.raises(TracerError, match="not a tensor or a list of tensors"):
+        compare_dump((ref, "B"), str(dump))

@@ -33,3 +33,15 @@ def test_missing_engine_package_names_it(monkeypatch):
     plan = RunPlan("A", ((0, 8),), engine="vllm")
     with pytest.raises(TracerError, match=r"needs the package 'tracer_no_such_engine_pkg'"):
         engines.executor(plan)
+
+
+def test_vllm_plans_go_to_the_vllm_executor_or_name_the_missing_package():
+    import importlib.util
+
+    plan = RunPlan("A", ((0, 8),), engine="vllm")
+    assert engines.executor_name(plan) == "vllm"
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(TracerError, match=r"engine 'vllm' needs the package 'vllm', which is not installed"):
+            engines.executor(plan)
+    else:
+        assert engines.executor(plan).__module__ == "tracer.execute.vllm_engine"

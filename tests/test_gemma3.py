@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tracer
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.execute.runner import execute
 from tracer.load import models as M
 from tracer.plan.scenarios import RunPlan

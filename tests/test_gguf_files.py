@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tracer.load import models as M
+from tracer.load import gguf as G
 from tracer.api import run
 from tracer.errors import TracerError
 
@@ -72,8 +73,8 @@ def test_gguf_file_loads_as_model_and_is_cached(qwen3_gguf, tmp_path, monkeypatc
     got = lm.model.state_dict()
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     (entry,) = list((tmp_path / "cache").iterdir())
-    assert entry.name == f"tiny-qwen3-{M.sha256_file(path)[:16]}"
-    monkeypatch.setattr(M, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
+    assert entry.name == f"tiny-qwen3-{G.sha256_file(path)[:16]}"
+    monkeypatch.setattr(G, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
     again = M.load_model(str(path), dtype="bfloat16", device="cpu", progress=False)
     assert again.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 

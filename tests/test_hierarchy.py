@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tracer.execute.capture import discover_points
-from tracer.diff.core import compare_records
+from tracer.execute.points import discover_points
+from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.load.hf_cache import output_cache
 from tracer.plan.quant import fp8_e4m3

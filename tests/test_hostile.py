@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.diff.core import compare_trace
+from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer import read_trace
@@ -188,9 +188,9 @@ def test_a_flipped_data_byte_is_a_checksum_error_not_a_divergence(tmp_path, vers
 
 def test_a_flipped_byte_in_a_streamed_point_fails_the_comparison(tmp_path, monkeypatch):
     """A point compared in row blocks (larger than the block size) still has its CRC checked."""
-    import tracer.diff.core as core
+    import tracer.store.stream as stream
 
-    monkeypatch.setattr(core, "BLOCK_BYTES", 64)  # every point of more than 64 bytes takes several blocks
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 64)  # every point of more than 64 bytes takes several blocks
     path = write(tmp_path / "t.h5", make_runs(diverge_at=None))
     assert compare_trace(str(path), device="cpu").identical
     _flip_byte(path, _point_offset(path, "B", "model.layers.1", 2) + T * H * 4 - 3)  # in the last block
@@ -536,7 +536,7 @@ def test_show_escapes_control_characters_and_markup(tmp_path):
 
 def test_internal_error_exits_3_with_one_line(tmp_path):
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
-            "import tracer.diff.core as c\n"
+            "import tracer.diff.compare as c\n"
             "def boom(*a, **k): raise ZeroDivisionError('planted bug')\n"
             "c.compare_runs = boom\n"
             "sys.argv = ['tracer', 'compare', 'x.h5']\n"

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.report.html import comparison_html, write_report
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.summary import headline

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import make_model
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.execute.kernels import parse_kernel, summarize
 from tracer.execute.runner import execute
 from tracer.plan.scenarios import build
@@ -103,7 +103,7 @@ def test_kernel_recording_on_cpu_changes_no_bit(model):
 
 def test_kernels_survive_the_trace(model, tmp_path):
     """Kernels travel with the calls: written, read back equal, and compare_trace reports them."""
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
     from tracer.store.trace import TraceReader, TraceWriter
 
     scen = build("prefix-cache", len(IDS), block_size=16)

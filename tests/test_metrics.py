@@ -14,15 +14,11 @@ import numpy as np
 import pytest
 import torch
 
+from tracer.diff import batch as batch_module
 from tracer.diff import metrics
-from tracer.diff.metrics import (
-    ULP_NAN,
-    ULP_SATURATED,
-    amplification,
-    logits_diff,
-    tensor_diff,
-    ulp_distance,
-)
+from tracer.diff.batch import tensor_diff
+from tracer.diff.logits import logits_diff
+from tracer.diff.metrics import ULP_NAN, ULP_SATURATED, amplification, ulp_distance
 
 # dtype name → (torch dtype, unsigned numpy bits type, signed numpy view type, numpy float type or None)
 DTYPES = {
@@ -525,10 +521,10 @@ def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch)
     spread over several chunks, one empty): each result equals the numpy oracle of that pair,
     the per-pair split count and tolerance counts equal numpy counts; for both forms of the
     float64 pass (dense blocks and gathered differing elements)."""
-    monkeypatch.setattr(metrics, "SPARSE_RATIO", sparse_ratio)
+    monkeypatch.setattr(batch_module, "SPARSE_RATIO", sparse_ratio)
     if chunk:
         monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", chunk)
-        monkeypatch.setattr(metrics, "BLOCK_ELEMENTS", 4 if chunk == 7 else 64)
+        monkeypatch.setattr(batch_module, "BLOCK_ELEMENTS", 4 if chunk == 7 else 64)
     rng = np.random.default_rng(11)
     pairs = []
     for i, (name, shape) in enumerate([("bfloat16", (3, 5)), ("float32", (40, 9)), ("bfloat16", (0, 4)),
@@ -541,7 +537,7 @@ def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch)
             flat[hit] = bits_of(values64(flat[hit], name) * (1 + rng.uniform(-0.01, 0.01, hit.size)), name)
         pairs.append((name, ab, bb))
     atol, rtol = 1e-3, 2e-3
-    batch = metrics.DiffBatch(tolerance=(atol, rtol))
+    batch = batch_module.DiffBatch(tolerance=(atol, rtol))
     splits = {}
     for i, (name, ab, bb) in enumerate(pairs):
         split = ab.size // 3 if i in (1, 4) else None
@@ -564,7 +560,7 @@ def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch)
 
 
 def test_batch_refuses_bad_pairs_and_reuse():
-    batch = metrics.DiffBatch()
+    batch = batch_module.DiffBatch()
     with pytest.raises(ValueError, match="shape mismatch"):
         batch.add(torch.zeros(3), torch.zeros(4))
     batch.add(torch.zeros(3), torch.ones(3))
@@ -572,4 +568,4 @@ def test_batch_refuses_bad_pairs_and_reuse():
     with pytest.raises(RuntimeError, match="already"):
         batch.add(torch.zeros(3), torch.zeros(3))
     with pytest.raises(ValueError, match="tolerances"):
-        metrics.DiffBatch(tolerance=(-1.0, 0.0))
+        batch_module.DiffBatch(tolerance=(-1.0, 0.0))

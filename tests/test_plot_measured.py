@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.loops.sweep import SweepResult, SweepRow
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import make_model
-from tracer.execute.capture import discover_points
-from tracer.diff.core import compare_records
+from tracer.execute.points import discover_points
+from tracer.diff.compare import compare_records
 from tracer.diff.provenance import classify
 from tracer.execute.runner import execute
 from tracer.plan.scenarios import build

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
-from tracer.diff.metrics import count_outside_tolerance, tensor_diff, ulp_of
+from tracer.diff.batch import count_outside_tolerance, tensor_diff
+from tracer.diff.metrics import ulp_of
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.tables import check_columns, render, rows, to_csv, to_markdown
 

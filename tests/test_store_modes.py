@@ -7,7 +7,7 @@ import json
 import pytest
 
 import tracer
-from tracer.diff.core import compare_trace
+from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.load.models import load_model
 from tracer.report.tables import to_json
@@ -69,7 +69,7 @@ def test_comparing_a_tensor_trace_with_a_stats_trace_is_a_one_line_error(tmp_pat
     kw = dict(loaded=lm, prompt="x" * 70 + " cache hit versus cache miss", progress=False)
     tracer.run(**kw, output=tmp_path / "t.h5")
     tracer.run(**kw, store="stats", output=tmp_path / "s.h5")
-    from tracer.diff.core import compare_runs
+    from tracer.diff.compare import compare_runs
 
     for a, b in ((tmp_path / "t.h5", tmp_path / "s.h5"), (tmp_path / "s.h5", tmp_path / "t.h5")):
         with pytest.raises(TracerError, match="holds no tensors"):

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from tracer.diff.core import compare_records, compare_trace
-from tracer.diff.metrics import BLOCK_ELEMENTS, DiffBatch, LogitsAccumulator, logits_diff
+from tracer.diff.compare import compare_records, compare_trace
+from tracer.diff.batch import BLOCK_ELEMENTS, DiffBatch
+from tracer.diff.logits import LogitsAccumulator, logits_diff
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter
 
@@ -103,7 +104,7 @@ def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkey
     """Every point streamed in small row blocks (a KV cache with a prefix, logits, NaN): the
     stored comparison equals the in-memory one. "always equal": every point is hinted equal (as
     if all CRC-32s collided), so the differing ones take the fall-back full comparison."""
-    import tracer.diff.core as core
+    import tracer.store.stream as stream
     import tracer.store.trace as trace
 
     if hint == "always equal":
@@ -136,7 +137,7 @@ def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkey
                     {k: CaptureRecord(k, c.kind, c.tensor.to(device), calls=c.calls) for k, c in r.captures.items()})
           for r in runs]  # the reference computed on the same device (CUDA: the pinned ring, device copies)
     ref = compare_records(on[0], on[1], scenario="?", model="?").to_dict()
-    monkeypatch.setattr(core, "BLOCK_BYTES", 250)  # every point in blocks of a few rows
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 250)  # every point in blocks of a few rows
     got = compare_trace(str(path), device=device).to_dict()
     for k in ("trace", "facts", "scenario", "model"):
         got.pop(k), ref.pop(k)
@@ -146,7 +147,8 @@ def test_compare_of_a_streamed_trace_equals_compare_of_the_runs(tmp_path, monkey
 
 def _reference_logits(a, b):
     """logits_diff as tracer computed it before the identical-row shortcut: every row in float64."""
-    from tracer.diff.metrics import CHUNK_ELEMENTS, _kl_rows, _overlap
+    from tracer.diff.logits import _kl_rows, _overlap
+    from tracer.diff.metrics import CHUNK_ELEMENTS
 
     t, v = a.shape
     rows = max(1, CHUNK_ELEMENTS // v)

@@ -18,7 +18,7 @@ import torch
 import typer
 from rich.console import Console
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.report.progress import ItemProgress, StatusProgress
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.tables import render, to_csv
@@ -229,7 +229,7 @@ def test_compare_across_traces_names_every_differing_version(tmp_path, tiny_load
     import h5py
 
     import tracer
-    from tracer.diff.core import compare_runs
+    from tracer.diff.compare import compare_runs
     from tracer.store.integrity import seal, set_text
 
     for name in ("a.h5", "b.h5"):

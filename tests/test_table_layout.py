@@ -13,7 +13,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from tracer.diff.core import compare_records
+from tracer.diff.compare import compare_records
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.layout import fit_columns, name_cell, piped_width, shorten_left, table_width
 from tracer.report.tables import render

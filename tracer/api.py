@@ -60,7 +60,7 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
 
 def _loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
     """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
-    from tracer.load.models import dtype_name, resolve_device, resolve_dtype
+    from tracer.load.devices import dtype_name, resolve_device, resolve_dtype
 
     for key in ("gguf", "device_map", "max_memory"):
         if options.get(key) is not None:
@@ -191,13 +191,13 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
         device: where the metrics of stored runs are computed (default: cuda if available).
 
     Returns:
-        the :class:`~tracer.diff.core.Comparison` the CLI renders.
+        the :class:`~tracer.diff.result.Comparison` the CLI renders.
 
     Raises:
         TracerError: runs of different prompts or windows, unknown files or runs.
     """
     from tracer.diff.compare_dump import compare_dump, dump_side
-    from tracer.diff.core import compare_records, compare_runs
+    from tracer.diff.compare import compare_records, compare_runs
 
     if _is_ref(a) and _is_ref(b):
         dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None
@@ -213,7 +213,7 @@ def _is_ref(x: Any) -> bool:
 
 
 def _ref(x: Any, side: int) -> tuple[str, str | None]:
-    from tracer.diff.core import split_ref
+    from tracer.diff.refs import split_ref
 
     if isinstance(x, tuple):
         return str(x[0]), x[1]
@@ -258,7 +258,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device.
     """
     from tracer.diff.compare_dump import compare_dump, dump_side
-    from tracer.diff.core import compare_trace as _ct
+    from tracer.diff.compare import compare_trace as _ct
 
     dump = dump_side([str(path), str(run_a)]) if run_a is not None and run_b is None else None
     if dump is not None:
@@ -277,13 +277,13 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
                 overwrite: bool = False, run_name: str = "engine") -> Any:
     """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
-    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.diff.enginemap.MappedDump`).
+    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.execute.enginemap.MappedDump`).
 
     Raises:
         TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
     """
     from tracer.diff.compare_dump import import_dump as _imp
-    from tracer.diff.core import split_ref
+    from tracer.diff.refs import split_ref
 
     return _imp(str(dump), split_ref(str(reference)), str(output), engine_map=engine_map, overwrite=overwrite,
                 run_name=run_name)
@@ -410,7 +410,7 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
     Raises:
         TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
     """
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
     from tracer.diff.stored import stored_comparison
     from tracer.report.plot import (KINDS, check_figure_path, figure_for, heatmap_figure, position_diffs_trace,
                                     save_figure, sweep_figure)

@@ -1,4 +1,4 @@
-"""The ``tracer`` command: a thin layer over :mod:`tracer.api`, :mod:`tracer.diff.core`, :mod:`tracer.store.trace`.
+"""The ``tracer`` command: a thin layer over :mod:`tracer.api`, :mod:`tracer.diff.compare`, :mod:`tracer.store.trace`.
 
 Arguments are validated before any model is loaded. Bad input prints one line to stderr and
 exits with code 2 (no traceback); nothing on disk is touched.
@@ -288,7 +288,9 @@ def compare_cmd(
     or TRACE[:RUN] DUMP: an HF reference run against an engine dump (SGLang dumper folder, PassN.pt
     folder, .safetensors/.npz, or a trace written by 'tracer import')."""
     from tracer.diff.compare_dump import compare_dump, dump_side
-    from tracer.diff.core import check_fail_on, compare_runs, resolve_refs
+    from tracer.diff.compare import compare_runs
+    from tracer.diff.refs import resolve_refs
+    from tracer.diff.result import check_fail_on
     from tracer.report.tables import check_columns, check_format
 
     try:
@@ -328,7 +330,7 @@ def import_cmd(
 ) -> None:
     """Map an engine dump onto an HF reference run's capture points and write it as a trace
     (compare it with 'tracer compare REF.h5:RUN OUTPUT')."""
-    from tracer.diff.core import split_ref
+    from tracer.diff.refs import split_ref
     from tracer.diff.compare_dump import import_dump
 
     try:
@@ -519,7 +521,7 @@ def models_cmd() -> None:
     """List the built-in model names."""
     from rich.table import Table
 
-    from tracer.load.models import list_models
+    from tracer.load.recipes import list_models
 
     t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
               title_justify="left")

@@ -354,9 +354,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     Raises:
         TracerError: the first bad value, one line naming the option and the fix.
     """
-    from tracer.diff.core import check_fail_on
-    from tracer.execute.capture import GRANULARITIES
-    from tracer.load import models
+    from tracer.diff.result import check_fail_on
+    from tracer.execute.points import GRANULARITIES
+    from tracer.load import devices
     from tracer.load.prompts import check_prompt_sources
     from tracer.plan.scenarios import check_mitigation, check_resources, preview
     from tracer.store.trace import check_output
@@ -400,15 +400,15 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
-        models.resolve_dtype(m.dtype)
+        devices.resolve_dtype(m.dtype)
         if m.device_map is None:
-            models.resolve_device(m.device)
-        models.check_attn(m.attn)
+            devices.resolve_device(m.device)
+        devices.check_attn(m.attn)
     if ch.verdict:
         from tracer.diff.verdict import higher_dtypes
 
-        higher_dtypes(models.dtype_name(models.resolve_dtype(m.dtype)) if loaded is None else loaded.info.dtype,
-                      models.resolve_device(m.device) if loaded is None else loaded.info.device)
+        higher_dtypes(devices.dtype_name(devices.resolve_dtype(m.dtype)) if loaded is None else loaded.info.dtype,
+                      devices.resolve_device(m.device) if loaded is None else loaded.info.device)
     if st.mode != "none" and new_output:
         check_output(st.output, st.overwrite)
     if isinstance(s.name, str):  # every length-independent scenario error, before loading

@@ -142,7 +142,7 @@ class Outcome:
     """What :func:`run_scenario` returns.
 
     Attributes:
-        comparison: the :class:`~tracer.diff.core.Comparison` of run A vs run B.
+        comparison: the :class:`~tracer.diff.result.Comparison` of run A vs run B.
         records: both :class:`~tracer.execute.records.RunRecord` (host tensors; no tensors when
             the run compared online).
         partials: ``--tp-mode distributed --tp-partials``: every rank's row-parallel partials before
@@ -180,7 +180,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         op_replay: replay every origin op in float64 on the CPU from the captured inputs
             (``comparison.op_replay``, :func:`tracer.diff.accuracy.replay_origins`).
         trace: the trace path the comparison names.
-        points: capture points (default :func:`tracer.execute.capture.discover_points`).
+        points: capture points (default :func:`tracer.execute.points.discover_points`).
         budget: ``--store auto``: compare every point first (as ``online``), then give the writer
             full tensors only of the points :func:`tracer.store.budget.choose` keeps within this
             many bytes (both runs); the choice goes into each stored run's meta (``store_auto``)
@@ -192,11 +192,13 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     Raises:
         TracerError: a plan the model or machine cannot execute; runs that are not alignable.
     """
-    from tracer.diff.core import compare_records, replay_diff, run_facts
+    from tracer.diff.compare import compare_records
+    from tracer.diff.facts import run_facts
+    from tracer.diff.replay import replay_diff
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
     from tracer.load.contract import numeric_contract
-    from tracer.load.models import model_device
+    from tracer.load.devices import model_device
     from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
@@ -296,8 +298,8 @@ def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, s
 
 
 def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
-    """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.capture.discover_points`)."""
-    from tracer.execute.capture import discover_points
+    """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.points.discover_points`)."""
+    from tracer.execute.points import discover_points
 
     return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
 
@@ -319,7 +321,7 @@ def run_bare(loaded: Any, token_ids: list[int], scen: Any, *, extra: dict[str, A
     import torch
 
     from tracer.execute.runner import forward_chunks, plan_context
-    from tracer.load.models import model_device
+    from tracer.load.devices import model_device
 
     ids = torch.tensor([token_ids], device=model_device(loaded.model))  # (1, N)
     with torch.inference_mode():
@@ -340,7 +342,7 @@ class RunResult:
     """What :func:`run` (and ``tracer.run``) returns.
 
     Attributes:
-        comparison: the :class:`~tracer.diff.core.Comparison` (the amplification table as data).
+        comparison: the :class:`~tracer.diff.result.Comparison` (the amplification table as data).
         scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
         trace: path of the HDF5 trace, or None when nothing was stored.
         token_ids: the prompt's N token ids.
@@ -458,7 +460,7 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     The model is cast in place and cast back afterwards, whatever happens (an up-cast and back is
     exact, so its weights are bit-identical afterwards); non-persistent buffers such as rotary
     ``inv_freq`` keep their dtype, as ``from_pretrained(dtype=...)`` leaves them
-    (:func:`~tracer.load.models.cast_weights`), so the numeric contract is the same after the
+    (:func:`~tracer.load.devices.cast_weights`), so the numeric contract is the same after the
     ladder as before. Each re-run is a :func:`run_scenario`
     at ``layers`` granularity, compared online.
 
@@ -471,7 +473,7 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     import torch
 
     from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, judge, measure
-    from tracer.load.models import cast_weights
+    from tracer.load.devices import cast_weights
 
     info, model = loaded.info, loaded.model
     dtypes = dtypes or higher_dtypes(info.dtype, info.device)

@@ -313,7 +313,7 @@ def _replay_core(point: Any, runs: dict[str, dict[str, torch.Tensor]], extras: d
 
 def replay_point(model: nn.Module, point: Any, runs: dict[str, dict[str, torch.Tensor]],
                  extras: dict[str, Any] | None = None) -> OpReplay:
-    """Replay one compared point (:class:`tracer.diff.core.PointResult`) in float64 for both runs.
+    """Replay one compared point (:class:`tracer.diff.result.PointResult`) in float64 for both runs.
 
     Args:
         model: the model the runs used (its module ``point.name`` is the op).
@@ -350,7 +350,7 @@ def replay_origins(model: nn.Module, comparison: Any, run_a: Any, run_b: Any, *,
 
     Args:
         model: the model both runs used.
-        comparison: a :class:`tracer.diff.core.Comparison` of ``run_a`` and ``run_b``.
+        comparison: a :class:`tracer.diff.result.Comparison` of ``run_a`` and ``run_b``.
         run_a, run_b: the two :class:`tracer.execute.records.RunRecord` with their captured tensors (any
             device; copied to the CPU point by point).
 

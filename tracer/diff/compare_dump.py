@@ -3,7 +3,7 @@
 ``tracer compare REF.h5:A DUMP`` and ``tracer.compare("REF.h5:A", "DUMP")`` land here when one
 side is an engine dump (a folder, a ``.safetensors``/``.npz`` file) or a run written by
 ``tracer import``. The dump is read (:mod:`tracer.store.enginedump`), mapped onto the reference's HF
-capture points (:mod:`tracer.diff.enginemap`) and compared with :func:`tracer.diff.core.compare_pairs`
+capture points (:mod:`tracer.execute.enginemap`) and compared with :func:`tracer.diff.compare.compare_pairs`
 over the positions both sides hold; the report names the engine and lists every point's mapping.
 """
 
@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
-from tracer.diff.core import Comparison, compare_pairs, split_ref
+from tracer.diff.compare import compare_pairs
+from tracer.diff.refs import split_ref
+from tracer.diff.result import Comparison
 from tracer.store.enginedump import read_dump
-from tracer.diff.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
+from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
 from tracer.errors import TracerError
 
 #: run meta key marking a run written by ``tracer import``
@@ -31,7 +33,7 @@ def is_dump(ref: str) -> bool:
 
 
 def ref_layout(reader: Any, run: str) -> RefLayout:
-    """The :class:`~tracer.diff.enginemap.RefLayout` of run ``run`` of an open trace.
+    """The :class:`~tracer.execute.enginemap.RefLayout` of run ``run`` of an open trace.
 
     Raises:
         TracerError: unknown run, or a run stored without tensors.
@@ -85,13 +87,13 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
     """Compare HF reference run ``ref = (trace, run)`` with an engine dump (or an imported run ``FILE:RUN``).
 
     Positions: those both sides hold (the dump's positions inside the reference's kept window;
-    see :func:`tracer.diff.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
-    reference, run B the engine. ``atol``/``rtol``/``device`` as in :func:`tracer.diff.core.compare_runs`.
+    see :func:`tracer.execute.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
+    reference, run B the engine. ``atol``/``rtol``/``device`` as in :func:`tracer.diff.compare.compare_runs`.
 
     Raises:
         TracerError: a bad reference or dump (one line).
     """
-    from tracer.load.models import resolve_device
+    from tracer.load.devices import resolve_device
     from tracer.store.trace import TraceReader
 
     path_a, run_a = ref
@@ -150,7 +152,7 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
     Raises:
         TracerError: the rows differ in dtype (the engine computed logits in another dtype).
     """
-    from tracer.diff.metrics import logits_diff
+    from tracer.diff.logits import logits_diff
 
     if a.dtype != b.dtype:
         raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")

@@ -1,6 +1,6 @@
 """The dataflow map: which capture points each capture point consumes.
 
-The origin analysis (:func:`tracer.diff.core.classify_origins`) calls a differing capture point an
+The origin analysis (:func:`tracer.diff.origins.classify_origins`) calls a differing capture point an
 **origin** when everything it consumed was bit-identical in both runs. This module says what
 "everything it consumed" is, from the capture names alone (so a stored trace can be analysed
 without the model). It is derived from the HF module structure of the decoder families tracer

@@ -1,9 +1,9 @@
 """Per-position statistics of a comparison: for every capture point and compared position, the
 max |A − B| and the number of bitwise-differing elements (the data of the position heat map).
 
-Computed while comparing (:func:`tracer.diff.core.compare_pairs` feeds every pair to a
+Computed while comparing (:func:`tracer.diff.compare.compare_pairs` feeds every pair to a
 :class:`PositionStats`), kept on the device until the end (one transfer), carried by the
-:class:`~tracer.diff.core.Comparison` and stored with it, so figures never re-read a trace. Beyond
+:class:`~tracer.diff.result.Comparison` and stored with it, so figures never re-read a trace. Beyond
 :data:`MAX_COLUMNS` compared positions, consecutive positions are binned (max and sum per bin).
 """
 

@@ -1,6 +1,6 @@
 """Why a capture point differs: which kernels ran in each run, and the finer origin class.
 
-Pure functions of a compared point (:class:`tracer.diff.core.PointResult`, duck-typed: ``diverged``,
+Pure functions of a compared point (:class:`tracer.diff.result.PointResult`, duck-typed: ``diverged``,
 ``origin``, ``kind``, ``calls_a``, ``calls_b``, ``n_diff_prefix``, ``diff``) and the compared
 positions. Kernel lists come from ``calls[k]["kernels"]`` (``--kernels``, :mod:`tracer.execute.kernels`).
 

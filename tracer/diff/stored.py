@@ -1,4 +1,4 @@
-"""A :class:`~tracer.diff.core.Comparison` rebuilt from its stored JSON document (no recomputation).
+"""A :class:`~tracer.diff.result.Comparison` rebuilt from its stored JSON document (no recomputation).
 
 ``tracer run`` and ``tracer audit`` store every comparison's :meth:`Comparison.to_dict` in the
 trace (``/comparisons/<name>``); :func:`comparison_from_dict` turns that document back into the
@@ -13,7 +13,8 @@ from dataclasses import replace
 import os
 from typing import Any
 
-from tracer.diff.core import Comparison, PointResult, Replay
+from tracer.diff.replay import Replay
+from tracer.diff.result import Comparison, PointResult
 from tracer.diff.dataflow import Consumes
 from tracer.errors import TracerError
 from tracer.diff.metrics import ArgmaxFlip, LogitsDiff, TensorDiff

@@ -84,7 +84,7 @@ def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any]
             their own from the same weights, ``loaded.info``).
         token_ids: the prompt, N ints.
         plan: the :class:`~tracer.plan.scenarios.RunPlan`.
-        points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
+        points: capture points under HF names (:func:`tracer.execute.points.discover_points`).
         window: the compared positions ``(start, stop)``.
         options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``.
 

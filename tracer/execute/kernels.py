@@ -60,7 +60,7 @@ class KernelRecorder:
 
     Args:
         model: the HF model the :class:`~tracer.execute.capture.Capture` ``capture`` is hooked on.
-        points: the capture points (:func:`tracer.execute.capture.discover_points`).
+        points: the capture points (:func:`tracer.execute.points.discover_points`).
         capture: the entered Capture; only forward calls it declared (``capture._call`` set) are
             recorded, so the k-th recorded firing matches the k-th entry of a record's ``calls``.
 

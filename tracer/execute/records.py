@@ -61,3 +61,54 @@ class RunRecord:
     captures: dict[str, CaptureRecord]
     meta: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class DumpEntry:
+    """One dumped activation on one rank in one step.
+
+    Attributes:
+        name: the engine's name as dumped (``non_intrusive__model.layers.3.mlp.output``).
+        module: the engine module path (``model.layers.3.mlp``).
+        element: the tuple element (``0``, ``1``) or None for a single tensor.
+        step: the step / forward pass the tensor belongs to.
+        tp_rank, tp_size: tensor-parallel rank and size of the rank that dumped it.
+        pp_rank: pipeline stage.
+        dims: the dump's dims string (``"t h(tp)"``) or None.
+        tensor: ``(T, *feature)`` rows for the T tokens of the step (any dtype the engine used).
+        file: the file it came from (for error messages).
+    """
+
+    name: str
+    module: str
+    element: int | None
+    step: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    dims: str | None
+    tensor: torch.Tensor
+    file: str
+
+
+@dataclass
+class RawDump:
+    """A dump as read: activations plus the token ids of each step.
+
+    Attributes:
+        path: the folder or file.
+        layout: ``sglang-dumper``, ``passes`` or ``tensors``.
+        engine: a display name (``SGLang dumper``, ``SGLang/vLLM per-pass dump``, ``named tensors``).
+        entries: the activations (token bookkeeping removed).
+        tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``.
+        facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``.
+        ignored_inputs: names of module inputs that were read but are not activations tracer maps.
+    """
+
+    path: str
+    layout: str
+    engine: str
+    entries: list[DumpEntry]
+    tokens: dict[int, dict[str, Any]]
+    facts: dict[str, Any] = field(default_factory=dict)
+    ignored_inputs: list[str] = field(default_factory=list)

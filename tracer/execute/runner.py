@@ -15,9 +15,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from tracer.execute.capture import Capture, CapturePoint
+from tracer.execute.capture import Capture
+from tracer.execute.points import CapturePoint
 from tracer.load.hf_cache import cache_kwarg, output_cache
-from tracer.load.models import model_device
+from tracer.load.devices import model_device
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.plan.scenarios import Batch, RunPlan, Scenario
@@ -281,7 +282,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         model: an HF causal LM (eval mode).
         token_ids: the prompt, N ints; the plan's chunks must tile ``[0, N)``.
         plan: the run plan.
-        points: capture points (:func:`tracer.execute.capture.discover_points`).
+        points: capture points (:func:`tracer.execute.points.discover_points`).
         window: the compared positions ``(start, stop)`` kept by the hooks.
         keep_on_device: leave the captures on the model's device (online comparison) instead
             of copying them to the host.

@@ -326,7 +326,7 @@ def skip_reason(check: Check, device: str = "cpu") -> str | None:
     if check.needs == "cuda" and n_gpu == 0:
         return "no CUDA GPU on this machine"
     if check.needs == "ranks":
-        from tracer.execute.tp_dist import check_world
+        from tracer.execute.tp_shard import check_world
 
         try:
             check_world(int(check.options.get("tp", 2)), device)
@@ -349,7 +349,7 @@ def _check_options(options: dict[str, Any], selected: list[int]) -> None:
 def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
     skip reason of every other check; a real-TP check's label names its backend (in place in ``todo``)."""
-    from tracer.execute.tp_dist import backend_for
+    from tracer.execute.tp_shard import backend_for
     from tracer.plan.scenarios import build
 
     plans: dict[str, Any] = {}

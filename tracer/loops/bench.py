@@ -156,7 +156,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
           progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure modes a–e and the peers for one model/dtype/device/length (see the module docstring).
 
-    ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.execute.capture.discover_points`).
+    ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.execute.points.discover_points`).
     Mode (d) computes the metrics on the model's device, as ``tracer compare`` does by default.
     ``peers``: also measure the peers (:mod:`tracer.loops.peers`), in the same loop.
 
@@ -166,7 +166,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     """
     from tracer import pipeline
     from tracer.config import RunConfig, validate
-    from tracer.diff.core import compare_trace
+    from tracer.diff.compare import compare_trace
     from tracer.errors import TracerError
     from tracer.loops.peers import check_counts
 

@@ -75,7 +75,7 @@ def plan_points(lengths: list[int], block_sizes: list[int]) -> list[tuple[int, i
 
 
 def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
-    """Summarise a :class:`~tracer.diff.core.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
+    """Summarise a :class:`~tracer.diff.result.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
     names = [p.name for p in c.points]
     kinds = [p.kind for p in c.points]
     n_diff = [p.diff.n_diff for p in c.points]

@@ -24,13 +24,13 @@ def comparison_frame(comparison: Any):
     """One row per capture point in execution order, the logits last: the report's columns
     (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
     ``index``, ``op`` and ``shapes_a``/``shapes_b``: the shapes the op saw in each run for the
-    compared positions (``M 18 K 576 N 1536`` for a Linear; :func:`tracer.diff.core.call_shapes`).
+    compared positions (``M 18 K 576 N 1536`` for a Linear; :func:`tracer.diff.result.call_shapes`).
 
     Raises:
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.diff.core import call_shapes
+    from tracer.diff.result import call_shapes
     from tracer.report.tables import rows
 
     recs = rows(comparison)

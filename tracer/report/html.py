@@ -182,7 +182,7 @@ def contract_html(header: dict[str, Any] | None, facts: dict[str, Any]) -> str:
 
 
 def _origins_html(c: Any) -> str:
-    from tracer.diff.core import origin_record
+    from tracer.diff.result import origin_record
 
     if not c.origins and not c.logits_origin:
         return '<p class="note">no origin: every capture point is bit-identical</p>'
@@ -226,7 +226,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
     """The HTML report of one comparison (see the module docstring).
 
     Args:
-        c: a :class:`~tracer.diff.core.Comparison`.
+        c: a :class:`~tracer.diff.result.Comparison`.
         header: the trace header (numeric contract), when there is a trace.
         figures: embed the figures (needs matplotlib; without it the page says so).
     """

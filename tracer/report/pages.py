@@ -72,7 +72,7 @@ def report_html(path: str | os.PathLike, *, device: str | None = None) -> str:
         return _stored_matrix(stored, header)
     if stored:
         return comparison_html(comparison_from_dict(next(iter(stored.values()))), header)
-    from tracer.diff.core import compare_runs
+    from tracer.diff.compare import compare_runs
 
     return comparison_html(compare_runs((str(src), None), (str(src), None), device=device), header)
 

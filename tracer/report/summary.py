@@ -1,6 +1,6 @@
 """The summary that every report starts with: a headline block and the rows that matter.
 
-Pure functions of a :class:`~tracer.diff.core.Comparison` (no I/O, no recomputation); the terminal
+Pure functions of a :class:`~tracer.diff.result.Comparison` (no I/O, no recomputation); the terminal
 table (:mod:`tracer.report.tables`) and the HTML report (:mod:`tracer.report.html`) render the same data.
 
 - :func:`headline`: ``[(label, text)]``: verdict, origin (op, shapes, kernels when recorded),

@@ -1,4 +1,4 @@
-"""Rendering a :class:`~tracer.diff.core.Comparison`: rich table, JSON, CSV or markdown.
+"""Rendering a :class:`~tracer.diff.result.Comparison`: rich table, JSON, CSV or markdown.
 
 One result object, one dispatch (:func:`render`). The terminal report starts with the headline
 block of :mod:`tracer.report.summary`, then the table of the rows that matter (one row per capture point
@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tracer.diff.core import Comparison
+from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS

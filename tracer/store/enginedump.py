@@ -21,77 +21,27 @@ Three layouts are recognised (sources followed: ``traces/README.md``, section "E
 Loading is safe: ``torch.load(..., weights_only=True)``, ``np.load(..., allow_pickle=False)``; a
 file that needs more (a pickled object) is refused with a one-line error naming it. This module
 reads and groups; mapping onto HF names, unsharding and token alignment are in
-:mod:`tracer.diff.enginemap`.
+:mod:`tracer.execute.enginemap` (the data classes live in :mod:`tracer.execute.records`).
 """
 
 from __future__ import annotations
 
 import pickle
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.enginemap import pass_entries
+from tracer.execute.records import DumpEntry, RawDump  # re-exported: the dump's plain data
 
 #: names of SGLang's dumper core fields (token bookkeeping, not activations)
 CORE_FIELDS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "rids")
 _PASS_RE = re.compile(r"^Pass(\d+)\.pt$")
 _RANK_DIR_RE = re.compile(r"^(?:TP(\d+)_PP(\d+)_Rank\d+(?:_pid\d+)?|(?:rank|tp)[_-]?(\d+))$", re.IGNORECASE)
 _NON_INTRUSIVE = "non_intrusive__"
-
-
-@dataclass
-class DumpEntry:
-    """One dumped activation on one rank in one step.
-
-    Attributes:
-        name: the engine's name as dumped (``non_intrusive__model.layers.3.mlp.output``).
-        module: the engine module path (``model.layers.3.mlp``).
-        element: the tuple element (``0``, ``1``) or None for a single tensor.
-        step: the step / forward pass the tensor belongs to.
-        tp_rank, tp_size: tensor-parallel rank and size of the rank that dumped it.
-        pp_rank: pipeline stage.
-        dims: the dump's dims string (``"t h(tp)"``) or None.
-        tensor: ``(T, *feature)`` rows for the T tokens of the step (any dtype the engine used).
-        file: the file it came from (for error messages).
-    """
-
-    name: str
-    module: str
-    element: int | None
-    step: int
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    dims: str | None
-    tensor: torch.Tensor
-    file: str
-
-
-@dataclass
-class RawDump:
-    """A dump as read: activations plus the token ids of each step.
-
-    Attributes:
-        path: the folder or file.
-        layout: ``sglang-dumper``, ``passes`` or ``tensors``.
-        engine: a display name (``SGLang dumper``, ``SGLang/vLLM per-pass dump``, ``named tensors``).
-        entries: the activations (token bookkeeping removed).
-        tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``.
-        facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``.
-        ignored_inputs: names of module inputs that were read but are not activations tracer maps.
-    """
-
-    path: str
-    layout: str
-    engine: str
-    entries: list[DumpEntry]
-    tokens: dict[int, dict[str, Any]]
-    facts: dict[str, Any] = field(default_factory=dict)
-    ignored_inputs: list[str] = field(default_factory=list)
 
 
 def safe_load(path: Path) -> Any:
@@ -252,13 +202,7 @@ def read_passes(folder: Path) -> RawDump:
                 if ".forward_batch_info." in name or name == "model":
                     ignored.append(name)  # seq_lens; the root model's output lands in the next pass
                     continue
-                values = value if isinstance(value, (list, tuple)) else [value]
-                if not all(isinstance(v, torch.Tensor) for v in values):
-                    raise TracerError(f"{path}: {name!r} is not a tensor or a list of tensors")
-                for i, v in enumerate(values):
-                    entries.append(DumpEntry(name=name if len(values) == 1 else f"{name}#{i}", module=name,
-                                             element=None if len(values) == 1 else i, step=step, tp_rank=tp,
-                                             tp_size=tp_size, pp_rank=pp, dims=None, tensor=v, file=str(path)))
+                entries += pass_entries(name, value, step, tp, tp_size, pp, str(path))
     if len({tuple(v) for v in passes_of.values()}) > 1:
         detail = ", ".join(f"{k}: {len(v)}" for k, v in passes_of.items())
         raise TracerError(f"{folder}: rank folders hold different passes ({detail}); the shards are inconsistent")

@@ -1,6 +1,6 @@
-"""Format version 2 tensor storage: a run's capture points packed into one dataset per dtype.
+"""Format version 2: a run's capture points packed into one dataset per dtype, and an index.
 
-Store-layer module, used by :mod:`tracer.store.trace`. The layout is specified in
+Store-layer module, registered as format version 2 (:mod:`tracer.store.formats`). The layout is specified in
 ``traces/README.md`` ("The index", ``/runs/<run>/data/<dtype>``): every capture point of dtype
 ``d`` is a contiguous range of elements of ``/runs/<run>/data/<d>``, in index order, and the
 run's ``index`` attribute lists each point's name, kind, op, calls, dtype, shape, offset and the
@@ -22,7 +22,9 @@ import torch
 from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
+from tracer.store.formats import TraceFormat, check_name, register, write_run_group
 from tracer.store.integrity import crc32_bytes, seal, set_text
+from tracer.store.validate import validate_v2_index
 
 #: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)
 STORED = {n: np.dtype(f.stored) for n, f in FLOATS.items()}
@@ -112,8 +114,8 @@ class StoredPoint:
     """Where one capture point of a version-2 trace lies: ``shape`` elements of ``dtype`` from
     element ``offset`` of ``blob`` (the run's ``data/<dtype>`` dataset), with CRC-32 ``crc``.
 
-    What :meth:`tracer.store.trace.TraceReader.captures` hands out for a version-2 trace in place of
-    a version-1 ``h5py.Dataset``; pass it to :func:`tracer.store.trace.read_tensor`.
+    What :meth:`tracer.store.reader.TraceReader.captures` hands out for a version-2 trace in place of
+    a version-1 ``h5py.Dataset``; pass it to :func:`tracer.store.reader.read_tensor`.
     """
 
     run: str
@@ -274,3 +276,40 @@ def read_run_tensors(points: list[StoredPoint]) -> dict[str, torch.Tensor]:
                 raise p.fails()
             out[p.name] = t[p.offset:p.offset + p.size].reshape(p.shape)
     return {p.name: out[p.name] for p in points}
+
+
+def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:
+    """Write a whole run as ``runs[run.name]`` in format version 2: attributes, token ids, the
+    ``data/<dtype>`` datasets holding every capture end to end and the ``index`` attribute
+    (``traces/README.md``).
+
+    Everything is validated first, so a TracerError leaves ``runs`` unchanged; if writing
+    itself fails, the half-written group is removed.
+
+    Raises:
+        TracerError: invalid or duplicate run name, capture key ≠ record name, invalid capture,
+            plan/meta not JSON-able.
+    """
+    check_name(run.name, "run")
+    entries, totals = pack_index(run)
+    return write_run_group(runs, run, lambda g: write_packed(g, run, entries, totals, compression=compression))
+
+
+def _open_run(g: h5py.Group, entries: list[dict[str, Any]], fd: int | None) -> dict[str, StoredPoint]:
+    """Capture name → :class:`StoredPoint` of a validated version-2 run (``entries``: its index)."""
+    data = g["data"]
+    run = g.name.rsplit("/", 1)[-1]
+    return {e["name"]: StoredPoint(run, e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["crc32"],
+                                   data[e["dtype"]], fd) for e in entries}
+
+
+def _point_info(p: StoredPoint, entry: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": entry["kind"], "op": entry["op"], "calls": entry["calls"], "dtype": entry["dtype"],
+            "shape": list(entry["shape"])}
+
+
+FORMAT_V2 = register(TraceFormat(
+    version=2, run_attrs=("plan", "meta", "window", "index"), handle=StoredPoint,
+    write_run=write_run_packed, validate_run=validate_v2_index, open_run=_open_run, info=_point_info,
+    read=read_point, row_blocks=iter_row_blocks, crc=lambda p: p.crc, read_all=read_run_tensors,
+))

@@ -19,14 +19,13 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.store.formats import format_for
 from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
 
 #: the largest ratio of a compressed dataset's size to its stored bytes that is believed
 #: (gzip's best case is ~1000:1); a larger declared size is refused before anything is allocated
 MAX_COMPRESSION_RATIO = 1100
 _DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "float64": np.float64}
-_RUN_ATTRS = ("plan", "meta", "window", "capture_order")
-_RUN_ATTRS_V2 = ("plan", "meta", "window", "index")
 #: keys of a version-2 index entry and their JSON types
 _ENTRY_KEYS = {"name": str, "kind": str, "op": str, "calls": list, "dtype": str, "shape": list, "offset": int,
                "crc32": int}
@@ -119,7 +118,7 @@ def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, An
 
     Returns:
         True when the file carries checksums (attributes verified here; data verified by
-        :func:`tracer.store.trace.read_tensor`), False for a file written before checksums existed.
+        :func:`tracer.store.reader.read_tensor`), False for a file written before checksums existed.
 
     Raises:
         TracerError: one line naming the first problem found (``trace corrupt: ...``).
@@ -167,15 +166,17 @@ def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, An
 
 def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, seen: set,
                   version: int = 1) -> list[dict[str, Any]] | None:
-    """Validate one run group; return its index entries (version 2) or None (version 1)."""
+    """Validate one run group: what every format version shares here, the layout of its captures
+    by the version's registered validator; return its index entries (version 2) or None."""
     if not isinstance(g, h5py.Group):
         raise _corrupt(path, f"run {run} is not a group")
-    required = _RUN_ATTRS_V2 if version >= 2 else _RUN_ATTRS
+    fmt = format_for(version, path)
+    required = fmt.run_attrs
     if checked:
         try:
             verify_attrs(g, f"run {run}", required)
         except TracerError:
-            if version >= 2:  # name the capture point whose index entry was damaged, when it can be told
+            if "index" in required:  # name the capture point whose index entry was damaged, when it can be told
                 index = attr_text(g.attrs.get("index"))
                 where = damaged_entry(index, attr_text(g.attrs.get("index_crc32"))) if index is not None else None
                 if where is not None:
@@ -204,11 +205,22 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
     n = ids.size + generate  # a generation run's window reaches into the generated tokens
     if not 0 <= start < stop <= n:
         raise _corrupt(path, f"window of run {run} is [{start}, {stop}], outside the sequence of {n} positions")
-    if version >= 2:
-        entries = check_index(g, members, run, path, file_size, checked, seen)
-        for e in entries:
-            _check_shape(tuple(e["shape"]), e["kind"], f"{e['name']} in run {run}", (stop - start, n), path)
-        return entries
+    return fmt.validate_run(g, members, run, path, file_size, checked, seen, (stop - start, n))
+
+
+def validate_v2_index(g: Any, members: dict[str, Any], run: str, path: Any, file_size: int, checked: bool,
+                      seen: set, rows: tuple[int, int]) -> list[dict[str, Any]]:
+    """The version-2 part of a run: its index and ``data/<dtype>`` datasets (:func:`check_index`) and
+    each point's shape against its kind; returns the entries in execution order."""
+    entries = check_index(g, members, run, path, file_size, checked, seen)
+    for e in entries:
+        _check_shape(tuple(e["shape"]), e["kind"], f"{e['name']} in run {run}", rows, path)
+    return entries
+
+
+def validate_v1_captures(g: Any, members: dict[str, Any], run: str, path: Any, file_size: int, checked: bool,
+                         seen: set, rows: tuple[int, int]) -> None:
+    """The version-1 part of a run: ``capture_order`` and one valid dataset per capture point."""
     order = _names(load_json(g.attrs["capture_order"], path, f"capture_order of run {run}", list),
                    path, f"capture_order of run {run}")
     caps = members.get("captures")
@@ -219,8 +231,7 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
         missing = sorted(set(order) - set(datasets)) + sorted(set(datasets) - set(order))
         raise _corrupt(path, f"capture_order of run {run} and its datasets disagree (on {missing[0]})")
     for name in order:
-        _validate_capture(datasets[name], name, run, (stop - start, n), path, file_size, checked)
-    return None
+        _validate_capture(datasets[name], name, run, rows, path, file_size, checked)
 
 
 def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path: Any, file_size: int, checked: bool) -> None:

@@ -102,7 +102,7 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
 
 def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
     """:class:`PositionDiffs` from the per-position data a comparison carries
-    (:attr:`~tracer.diff.core.Comparison.per_position`; no tensor is read), None when it has none.
+    (:attr:`~tracer.diff.result.Comparison.per_position`; no tensor is read), None when it has none.
     With more compared positions than :data:`tracer.diff.positions.MAX_COLUMNS`, columns are bins of
     consecutive positions (max |Δ| and counts per bin)."""
     pp = getattr(comparison, "per_position", None)
@@ -122,7 +122,7 @@ def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
     Raises:
         TracerError: the runs processed different prompts or windows.
     """
-    from tracer.diff.core import check_alignable
+    from tracer.diff.compare import check_alignable
 
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     pairs = ((n, r.kind, r.tensor, b.captures[n].tensor) for n, r in a.captures.items() if n in b.captures)
@@ -135,7 +135,7 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
     Raises:
         TracerError: missing/corrupt trace, unknown runs, runs of different prompts.
     """
-    from tracer.diff.core import check_alignable
+    from tracer.diff.compare import check_alignable
     from tracer.store.trace import TraceReader
 
     with TraceReader(path) as r:

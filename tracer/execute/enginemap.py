@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tracer.store.enginedump import DumpEntry, RawDump
+from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError
 
 _LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
@@ -80,6 +80,29 @@ class MappedDump:
     partial_logits: dict[str, tuple[list[int], torch.Tensor, str]] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------- entries
+
+
+def pass_entries(name: str, value: Any, step: int, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+                 file: str = "") -> list[DumpEntry]:
+    """The :class:`DumpEntry` list of one module output in a per-pass dump: a tensor, or a tuple/list
+    whose elements are tensors or None (vLLM's and SGLang's Linear layers return ``(output, bias)``
+    with ``bias = None``; RMSNorm with a residual ``(normed, residual)``; ``rotary_emb`` ``(q, k)``).
+    Tuple elements keep their index (``element``); None elements are skipped. Shapes: as dumped,
+    ``(T, *feature)`` for the T tokens of the pass.
+
+    Raises:
+        TracerError: a value that is neither a tensor nor a list of tensors/None, or holds no tensor.
+    """
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not all(v is None or isinstance(v, torch.Tensor) for v in values) or all(v is None for v in values):
+        raise TracerError(f"{file}: {name!r} is not a tensor or a list of tensors (None elements allowed)")
+    single = len(values) == 1
+    return [DumpEntry(name=name if single else f"{name}#{i}", module=name, element=None if single else i, step=step,
+                      tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, dims=None, tensor=v, file=file)
+            for i, v in enumerate(values) if v is not None]
+
+
 # ---------------------------------------------------------------- the map
 
 
@@ -93,27 +116,37 @@ def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
     return rules
 
 
-def load_engine_map(family: str, override: str | Path | None = None) -> dict[str, Any]:
+def load_engine_map(family: str, override: str | Path | None = None, engine: str | None = None) -> dict[str, Any]:
     """The engine map for ``family`` (``hooks/engine-*.toml``), with ``override`` (a TOML file of
     the same schema) merged over it key by key.
 
+    A map whose ``[engine]`` table has no ``engine`` key is generic: it describes the module tree
+    that SGLang and vLLM share for these families (what a dump of either holds). A map with
+    ``engine = "vllm"`` adds that engine's own rules for these families (``[layer]``/``[model]``
+    keys win over the generic ones) and its ``[capture]`` table (what the in-process capture hooks:
+    :mod:`tracer.execute.vllm_capture`); it is read only when ``engine`` names it.
+
     Returns:
-        ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns], "sources": [paths]}``.
+        ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns],
+        "capture": {...}, "sources": [paths]}``.
 
     Raises:
         TracerError: no map for the family and no override; an unreadable or malformed map.
     """
-    from tracer.load.models import data_dir
+    from tracer.load.recipes import data_dir
 
-    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "sources": []}
-    files = [p for p in sorted(data_dir("hooks").glob("engine-*.toml"))]
-    base = None
-    for p in files:
+    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "sources": []}
+    generic, specific = None, None
+    for p in sorted(data_dir("hooks").glob("engine-*.toml")):
         data = _read_toml(p)
-        if family in data.get("engine", {}).get("families", ()):
-            base = (p, data)
-            break
-    layers = [(base[0], base[1])] if base else []
+        head = data.get("engine", {})
+        if family not in head.get("families", ()):
+            continue
+        if "engine" not in head and generic is None:
+            generic = (p, data)
+        elif engine is not None and head.get("engine") == engine and specific is None:
+            specific = (p, data)
+    layers = [x for x in (generic, specific) if x is not None]
     if override is not None:
         layers.append((Path(override), _read_toml(Path(override))))
     if not layers:
@@ -124,6 +157,7 @@ def load_engine_map(family: str, override: str | Path | None = None) -> dict[str
             for key, rules in data.get(section, {}).items():
                 merged[section][key] = _check_rules(rules, key, str(path))
         merged["ignore"] += list(data.get("engine", {}).get("ignore", data.get("ignore", [])))
+        merged["capture"].update(data.get("capture", {}))
         merged["sources"].append(str(path))
     return merged
 
@@ -141,7 +175,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- names
 
 
-def _locate(module: str) -> tuple[int | None, str]:
+def locate(module: str) -> tuple[int | None, str]:
     """``model.layers.3.mlp`` → ``(3, "mlp")``; ``model.embed_tokens`` → ``(None, "embed_tokens")``."""
     m = _LAYER_RE.match(module)
     if m:
@@ -153,7 +187,7 @@ def _locate(module: str) -> tuple[int | None, str]:
     return None, rel
 
 
-def _hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
+def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
     """Resolve a rule's ``hf`` value to an HF capture name (None for ``-`` or out of range)."""
     if target == "-":
         return None
@@ -213,6 +247,8 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
         if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
             raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
                               f"{size} ranks hold different values ({first.file}); give its dims, e.g. \"t h(tp)\"")
+        if split is not None:  # one rank (or replicated copies) of a fused output: split it all the same
+            return _split(ts[0], rule, ts[0].dim() - 1 if dim is None else dim, 1, what), ""
         return [ts[0]], ""
     note = f"{size} TP shards along dim {dim}"
     if split is None:
@@ -331,6 +367,9 @@ def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str
     """The tensors one rule produces for one (module, step): one per HF target; None if an element is absent."""
     if "sum" in rule and set(elements) == {None}:  # a layer dumped as one tensor: already the residual stream
         rule = {k: v for k, v in rule.items() if k != "sum"}
+    if rule.get("element") is None and "sum" not in rule and set(elements) == {0}:
+        # a tuple whose only tensor is element 0: a Linear's (output, bias=None) in vLLM and SGLang
+        elements = {None: elements[0]}
     wanted = rule.get("sum") or [rule.get("element")]
     if rule.get("element") is None and "sum" not in rule and None not in elements:
         raise TracerError(f"{what} is a tuple of {len(elements)} tensors; its map rule must pick an element "
@@ -394,9 +433,9 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     ignored: set[str] = set()
     uncaptured: set[str] = set()
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
-        layer, rel = _locate(module)
+        layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
-        if rules is None and (_hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
+        if rules is None and (hf_name(rel, layer, ref) if layer is not None else module) in ref.names:
             rules = [{"hf": rel if layer is not None else module}]  # already an HF module path
         if rules is None:
             if any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(rel, p) for p in emap["ignore"]):
@@ -408,7 +447,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                               "add one (or an ignore pattern) in a map passed with --map FILE")
         for rule in rules:
             targets = rule["hf"] if isinstance(rule["hf"], list) else [rule["hf"]]
-            hf = [_hf_name(t, layer, ref) for t in targets]
+            hf = [hf_name(t, layer, ref) for t in targets]
             if all(h is None for h in hf):
                 continue
             if rule.get("split") and not all(h in ref.names for h in hf):

@@ -1,0 +1,64 @@
+"""The short facts shown above a comparison's table, from a trace header and the two runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracer.execute.records import RunRecord
+from tracer.load.contract import attention_facts
+
+
+def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
+    """The short facts shown above the table, from a trace header and the two runs (one builder for a
+    run in memory and a trace read back).
+
+    Returns:
+        ``dtype``, ``device``, ``attn``: the model's dtype, device and attention implementation;
+        ``device_name``: the GPU/CPU name (None when the header has none); ``n_tokens``: N;
+        ``plan_a``/``plan_b``: the plans' descriptions; ``gemm_m_a``/``gemm_m_b``: GEMM M per
+        forward pass; ``chunks_a``/``chunks_b``: the ``[start, stop)`` chunks of each plan; and,
+        where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
+        (``generate-cache``), ``kv_block_format`` (``kv-quant``), ``sliding_layers`` /
+        ``sliding_window`` (a model with sliding-window attention layers, from the header's
+        ``numeric_contract``: decoder-layer indices and the window in tokens) and ``notes`` (a
+        line each).
+    """
+    model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
+    facts: dict[str, Any] = {
+        "dtype": model.get("dtype"),
+        "device": model.get("device"),
+        "attn": model.get("attn_implementation"),
+        "device_name": header.get("device_name"),
+        "n_tokens": len(a.token_ids),
+        "plan_a": a.plan.get("description", ""),
+        "plan_b": b.plan.get("description", ""),
+        "gemm_m_a": a.plan.get("gemm_m"),
+        "gemm_m_b": b.plan.get("gemm_m"),
+        "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
+        "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
+        **attention_facts(header.get("numeric_contract") or {}),
+    }
+    scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
+    notes = []
+    gen_a, gen_b = a.meta.get("generated"), b.meta.get("generated")
+    if gen_a is not None and gen_b is not None:
+        first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
+        facts.update(generated_a=gen_a, generated_b=gen_b, first_token_difference=first)
+        notes.append(f"generated tokens: A {gen_a}, B {gen_b}; " + (
+            f"identical for all {len(gen_a)} steps" if first is None else
+            f"first different at step {first} (position {a.window[0] + first}); later steps compare different contexts"))
+    fmt = (scenario.get("params") or {}).get("kv_block_format")
+    if fmt is not None:
+        facts["kv_block_format"] = fmt
+        notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
+    auto = a.meta.get("store_auto") or {}
+    if auto.get("dropped"):  # a stored run of --store auto: the table covers the kept points only
+        logits = auto.get("logits") in auto["dropped"]
+        notes.append(f"--store auto kept full tensors of {len(auto.get('kept', []))} of "
+                     f"{len(auto.get('kept', [])) + len(auto['dropped'])} points; the other {len(auto['dropped'])}"
+                     + (" (the logits among them)" if logits else "")
+                     + " were compared when the trace was written: 'tracer report TRACE' renders that comparison, "
+                     "'tracer show TRACE --json' prints it")
+    if notes:
+        facts["notes"] = notes
+    return facts

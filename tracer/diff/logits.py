@@ -1,0 +1,193 @@
+"""Logits statistics per position: argmax flips with their margins, KL, top-k overlap, rank.
+
+:func:`logits_diff` compares two ``(T, V)`` logits tensors; :class:`LogitsAccumulator` gives the
+same numbers, bit for bit, over rows given in blocks (a logits point streamed from disk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tracer.diff.batch import tensor_diff
+from tracer.diff import metrics as _metrics
+from tracer.diff.metrics import _EXP_MASK, _INT_VIEW, ArgmaxFlip, LogitsDiff, TensorDiff, _check_pair
+
+
+def _nan_max(x: float, y: float) -> float:
+    """max that propagates NaN."""
+    return math.nan if math.isnan(x) or math.isnan(y) else max(x, y)
+
+
+def _kl_rows(a64: torch.Tensor, b64: torch.Tensor) -> torch.Tensor:
+    """``KL(softmax(a) || softmax(b))`` per row of float64 ``(rows, V)`` logits → ``(rows,)`` nats.
+
+    ``sum_v p_v (log p_v - log q_v)``; terms with ``p_v == 0`` are 0, ``q_v == 0 < p_v`` gives
+    inf, a NaN logit gives NaN. Tiny negative values from rounding are clamped to 0.
+    """
+    lp, lq = torch.log_softmax(a64, dim=1), torch.log_softmax(b64, dim=1)  # (rows, V)
+    p = lp.exp()
+    terms = p * (lp - lq)
+    terms = torch.where(p == 0, torch.zeros_like(terms), terms)  # 0 * (-inf - x) is 0, not NaN
+    kl = terms.sum(dim=1)
+    return torch.where(kl < 0, torch.zeros_like(kl), kl)
+
+
+def _overlap(ia: torch.Tensor, ib: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-row ``|ia[:, :k] ∩ ib[:, :k]| / k`` of sorted top-k index tensors → float64 ``(rows,)``."""
+    ia, ib = ia[:, :k], ib[:, :k]  # (rows, k)
+    hits = (ia.unsqueeze(2) == ib.unsqueeze(1)).any(dim=2).sum(dim=1)  # (rows,)
+    return hits.to(torch.float64) / k
+
+
+def logits_diff(a: torch.Tensor, b: torch.Tensor, *, tensor: TensorDiff | None = None) -> LogitsDiff:
+    """Compare two logits tensors position by position.
+
+    Args:
+        a, b: ``(T, V)`` logits of run A (reference) and run B, same dtype
+            (bfloat16/float16/float32/float64), any device. Rows are processed in chunks of
+            about :data:`tracer.diff.metrics.CHUNK_ELEMENTS` elements, in float64.
+
+    ``tensor``: the element-wise :class:`TensorDiff` of ``a``/``b`` when the caller already
+    computed it (e.g. in a :class:`DiffBatch` with the other capture points).
+
+    Returns:
+        a :class:`LogitsDiff`: the element-wise :class:`TensorDiff`, argmax flips with their
+        top-2 margins, KL(A||B) mean/max in nats, top-5/top-10 overlap and the worst rank in B of
+        A's top token. ``T == 0`` or ``V == 0`` gives an identical-looking result (no flips,
+        KL 0, overlaps 1.0).
+
+    Raises:
+        ValueError: not 2-D, shapes or dtypes differ, or the dtype is not supported.
+    """
+    b = _check_pair(a, b)
+    if a.dim() != 2:
+        raise ValueError(f"logits must be (T, V); got shape {tuple(a.shape)}")
+    acc = LogitsAccumulator(a.shape[1])
+    acc.add(a, b)
+    return acc.result(tensor if tensor is not None else tensor_diff(a, b))
+
+
+class LogitsAccumulator:
+    """:func:`logits_diff`'s per-position statistics over rows given in blocks (a logits point
+    streamed from disk), equal bit for bit to one call on the whole ``(T, V)`` pair: rows are
+    processed in the same chunks of ``max(1, metrics.CHUNK_ELEMENTS // V)`` rows, a partial chunk waiting
+    (copied) for the next block.
+
+    Args:
+        vocab: ``V``, the width of every row block.
+    """
+
+    def __init__(self, vocab: int) -> None:
+        self.v = int(vocab)
+        self.rows = max(1, _metrics.CHUNK_ELEMENTS // self.v) if self.v else 1
+        self.t = 0  # rows processed
+        self.flips: list[ArgmaxFlip] = []
+        self.kl_sum, self.kl_max, self.ov5, self.ov10, self.worst_rank = 0.0, 0.0, 0.0, 0.0, 0
+        self._wait: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The next rows: ``(r, V)`` logits of run A and run B (same dtype; ``b`` moved to ``a``'s device).
+
+        Raises:
+            ValueError: not 2-D ``(r, V)``, or dtypes differ or are not supported.
+        """
+        b = _check_pair(a, b)
+        if a.dim() != 2 or a.shape[1] != self.v:
+            raise ValueError(f"logits rows must be (r, {self.v}); got shape {tuple(a.shape)}")
+        a, b = a.detach(), b.detach()
+        if self._wait is not None:
+            wa, wb = self._wait
+            self._wait = None
+            need = self.rows - wa.shape[0]
+            ha, hb = torch.cat([wa, a[:need]]), torch.cat([wb, b[:need]])
+            a, b = a[need:], b[need:]
+            if ha.shape[0] < self.rows:
+                self._wait = (ha, hb)
+                return
+            self._chunk(ha, hb)
+        start = 0
+        while a.shape[0] - start >= self.rows:
+            self._chunk(a[start:start + self.rows], b[start:start + self.rows])
+            start += self.rows
+        if start < a.shape[0]:
+            self._wait = (a[start:].clone(), b[start:].clone())
+
+    def _chunk(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        v, start, r = self.v, self.t, a.shape[0]
+        self.t += r
+        if v == 0:
+            return
+        # rows whose bits are equal and finite contribute KL 0, overlaps 1, rank 0 and no flip:
+        # the float64 work runs on the other rows only, its results scattered into full-length
+        # vectors so every sum adds the same values in the same order as over all rows
+        view = _INT_VIEW[a.dtype]
+        mask = _EXP_MASK[a.dtype]
+        if a.device.type == "cpu":  # numpy's integer passes run at memory speed
+            ia, ib = a.view(view).numpy(), b.view(view).numpy()
+            busy = torch.from_numpy((ia != ib).any(axis=1) | (np.bitwise_and(ia, mask) == mask).any(axis=1))
+        else:
+            busy = (a.view(view) != b.view(view)).any(dim=1) | ((a.view(view) & mask) == mask).any(dim=1)
+        rows = torch.nonzero(busy).flatten()
+        kl = torch.zeros(r, dtype=torch.float64, device=a.device)
+        o5 = torch.ones(r, dtype=torch.float64, device=a.device)
+        o10 = torch.ones(r, dtype=torch.float64, device=a.device)
+        if rows.numel():
+            self._rows(a.index_select(0, rows), b.index_select(0, rows), rows, start, kl, o5, o10)
+        self.kl_sum += float(kl.sum())
+        self.kl_max = _nan_max(self.kl_max, float(kl.max()))
+        self.ov5 += float(o5.sum())
+        self.ov10 += float(o10.sum())
+
+    def _rows(self, a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, start: int, kl: torch.Tensor,
+              o5: torch.Tensor, o10: torch.Tensor) -> None:
+        """The float64 statistics of the rows ``rows`` (of the chunk starting at ``start``), given as ``a``/``b``."""
+        v = self.v
+        a64 = a.to(torch.float64)  # (r, V)
+        b64 = b.to(torch.float64)  # (r, V)
+        top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
+        kl[rows] = _kl_rows(a64, b64)  # (r,)
+        top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
+        top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)  # ties broken by torch.topk
+        o5[rows] = _overlap(top_ia, top_ib, min(5, v))
+        o10[rows] = _overlap(top_ia, top_ib, min(10, v))
+        b_at_a_top = b64.gather(1, top_a.unsqueeze(1))  # (r, 1)
+        rank = (b64 > b_at_a_top).sum(dim=1)  # (r,)
+        self.worst_rank = max(self.worst_rank, int(rank.max()))
+        flip_rows = torch.nonzero(top_a != top_b).flatten()
+        if flip_rows.numel():
+            ma, mb = top_va[flip_rows], top_vb[flip_rows]  # (f, k); V >= 2 when a flip exists
+            ma, mb = ma[:, 0] - ma[:, 1], mb[:, 0] - mb[:, 1]  # top-1 minus top-2
+            where = rows[flip_rows].tolist()
+            for i, r in enumerate(flip_rows.tolist()):
+                self.flips.append(ArgmaxFlip(position=start + where[i], token_a=int(top_a[r]), token_b=int(top_b[r]),
+                                             margin_a=float(ma[i]), margin_b=float(mb[i])))
+
+    def add_equal(self, rows: int) -> None:
+        """The next ``rows`` rows, known to be bitwise equal in both runs and finite (checked by the
+        caller): KL 0, overlaps 1, rank 0, no flip, exactly what :meth:`add` would add for them
+        (the sums involved are of zeros and of whole row counts, exact in any grouping)."""
+        if self._wait is not None:  # rows waiting for a chunk: processed as any (they may differ)
+            wa, wb = self._wait
+            self._wait = None
+            self._chunk(wa, wb)
+        self.t += rows
+        if self.v and rows:
+            self.kl_max = _nan_max(self.kl_max, 0.0)
+            self.ov5 += float(rows)
+            self.ov10 += float(rows)
+
+    def result(self, tensor: TensorDiff) -> LogitsDiff:
+        """The :class:`LogitsDiff` of every row given, with the element-wise ``tensor`` statistics."""
+        if self._wait is not None:
+            wa, wb = self._wait
+            self._wait = None
+            self._chunk(wa, wb)
+        t = self.t
+        if t == 0 or self.v == 0:
+            return LogitsDiff(tensor, t, (), 0.0, 0.0, 1.0, 1.0, 0)
+        return LogitsDiff(tensor=tensor, n_positions=t, argmax_flips=tuple(self.flips), kl_mean=self.kl_sum / t,
+                          kl_max=self.kl_max, top5_overlap=self.ov5 / t, top10_overlap=self.ov10 / t,
+                          rank_of_a_top_in_b_max=self.worst_rank)

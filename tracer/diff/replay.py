@@ -1,0 +1,50 @@
+"""The decode replay (``--decode T``): both runs' greedy continuations, compared token by token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tracer.errors import TracerError
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Greedy continuations of both runs from their own KV caches (``--decode T``).
+
+    Attributes:
+        tokens_a, tokens_b: the T generated token ids of each run.
+        first_diff: index (0-based, among the generated tokens) of the first position whose ids
+            differ, or None when the continuations are identical.
+        text_a, text_b: the continuations decoded to text (None if no tokenizer was at hand).
+    """
+
+    tokens_a: tuple[int, ...]
+    tokens_b: tuple[int, ...]
+    first_diff: int | None
+    text_a: str | None = None
+    text_b: str | None = None
+
+    def line(self) -> str:
+        """One line for people."""
+        n = len(self.tokens_a)
+        if self.first_diff is None:
+            return f"replay: the {n} greedy tokens after the prompt are identical in both runs"
+        return f"replay: the greedy continuations differ from generated token {self.first_diff} of {n}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": len(self.tokens_a), "first_diff": self.first_diff, "tokens_a": list(self.tokens_a),
+                "tokens_b": list(self.tokens_b), "text_a": self.text_a, "text_b": self.text_b}
+
+
+def replay_diff(tokens_a: list[int], tokens_b: list[int], text_a: str | None = None,
+                text_b: str | None = None) -> Replay:
+    """Compare two greedy continuations token by token (see :class:`Replay`).
+
+    Raises:
+        TracerError: the continuations have different lengths.
+    """
+    if len(tokens_a) != len(tokens_b):
+        raise TracerError(f"the runs decoded {len(tokens_a)} and {len(tokens_b)} tokens; replay both with the same --decode")
+    first = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), None)
+    return Replay(tuple(int(t) for t in tokens_a), tuple(int(t) for t in tokens_b), first, text_a, text_b)

@@ -1,0 +1,364 @@
+"""The ``vllm`` executor: a run plan executed by a real vLLM engine in this process, captured with hooks.
+
+tracer builds ``vllm.LLM`` itself from the weights folder the HF model was loaded from (a built-in
+recipe's cached checkpoint, any local HF folder, or a random-init recipe saved once), in the HF
+model's dtype, eager (``enforce_eager=True``, compilation mode 0, no CUDA graphs: compiled
+graphs hide modules from hooks, so anything else is refused), with the engine core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's
+``nn.Module`` fire. One ``LLM`` is kept per :class:`VllmSettings` for the life of the process
+(:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
+
+A :class:`~tracer.plan.scenarios.RunPlan` becomes requests (``SamplingParams(max_tokens=1,
+temperature=0)``, prompt token ids; the prefix cache reset before every run, so the run decides
+what is cached):
+
+==========================  =====================================================================
+plan                        what vLLM is asked to do
+==========================  =====================================================================
+one chunk ``(0, N)``        one request of the prompt: a cache miss, one scheduler step
+chunks, ``prefix-cache``    one request per chunk boundary ``s`` (the prompt's first ``s`` tokens),
+                            then the prompt: each request hits the previous one's cached blocks
+                            (boundaries must be multiples of the KV block size)
+chunks, ``chunked``         one request; the LLM's ``max_num_batched_tokens`` is the chunk length,
+                            so the scheduler splits the prefill (chunked prefill)
+``batch``                   every row of the batch as its own request, added together: one step
+                            (rows as :func:`tracer.execute.runner.batch_inputs` builds them; vLLM
+                            flattens requests, so there is no padding)
+==========================  =====================================================================
+
+The chunks of a plan are ``prefix-cache`` unless ``engine_options["chunks"]`` says ``chunked``,
+or the scenario is ``chunked-prefill``. What the scheduler actually did (each request's
+``num_cached_tokens``, the steps and the traced positions in each) is recorded in the run's meta,
+and a run that did not compute what its plan says (a different cached length, a prompt split
+across steps that should be one) is refused. Captures: :mod:`tracer.execute.vllm_capture`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from tracer.errors import TracerError
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: hooks fire
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+try:
+    import vllm
+except ModuleNotFoundError:
+    raise
+except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU torch
+    raise TracerError(f"import vllm failed ({type(_e).__name__}: {str(_e).splitlines()[0][:160] if str(_e) else ''}); "
+                      "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
+
+from tracer.execute.capture import Capture  # noqa: E402
+from tracer.execute.points import CapturePoint  # noqa: E402
+from tracer.execute.enginemap import RefLayout, load_engine_map  # noqa: E402
+from tracer.execute.records import RunRecord  # noqa: E402
+from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
+from tracer.execute.vllm_plan import (  # noqa: E402
+    CHUNK_MODES, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
+
+#: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
+MAX_ENGINES = 2
+
+
+# ---------------------------------------------------------------- the LLM
+
+
+def weights_folder(loaded: Any) -> Path:
+    """The HF checkpoint folder vLLM loads: the folder of an HF model, a GGUF recipe's cached
+    checkpoint (:func:`tracer.load.gguf.gguf_cache_dir`), or, for a random-init recipe, the model
+    saved once under the tracer cache (``save_pretrained``, same bits).
+
+    Raises:
+        TracerError: no folder holds these weights.
+    """
+    from tracer.load.gguf import cache_root, gguf_cache_dir
+
+    info = loaded.info
+    if info.source == "hf" and info.path and (Path(info.path) / "config.json").is_file():
+        return Path(info.path)
+    if info.source == "gguf" and info.weights_hash:
+        folder = gguf_cache_dir(info.name, info.weights_hash)
+        if (folder / "config.json").is_file():
+            return folder
+    if info.source == "random-init":
+        folder = cache_root() / "vllm" / f"{info.name}-{str(info.weights_hash).replace('=', '')}-{info.dtype}"
+        if not (folder / "config.json").is_file():
+            loaded.model.save_pretrained(folder)
+        return folder
+    raise TracerError(f"no checkpoint folder holds the weights of {info.name} ({info.source}, {info.path}); "
+                      "vLLM loads a folder: load the model from a local HF folder")
+
+
+def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
+    """The ``vllm.LLM`` keyword arguments of ``s`` for this model (defaults resolved)."""
+    cfg = loaded.model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    positions = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
+    max_len = s.max_model_len or min(positions, 2048)
+    heads = getattr(cfg, "num_attention_heads", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", heads) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
+    kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
+    return dict(dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
+                enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
+                max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),
+                gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
+                skip_tokenizer_init=True, seed=s.seed)
+
+
+class VllmEngine:
+    """One in-process ``vllm.LLM`` and what tracer needs of it.
+
+    Attributes:
+        llm: the ``vllm.LLM``.
+        model: vLLM's ``nn.Module`` (hooks go here).
+        runner: vLLM's model runner.
+        settings: the :class:`VllmSettings` it was built with; kwargs: the resolved LLM arguments.
+        folder: the weights folder.
+    """
+
+    def __init__(self, llm: Any, settings: VllmSettings, kwargs: dict[str, Any], folder: Path,
+                 threads: tuple[int, int]) -> None:
+        self.llm, self.settings, self.kwargs, self.folder, self.threads = llm, settings, kwargs, folder, threads
+        self._ids = itertools.count()
+        try:
+            core = llm.llm_engine.engine_core.engine_core
+            self.runner = core.model_executor.driver_worker.worker.model_runner
+            self.model = self.runner.model
+        except AttributeError:
+            raise TracerError("vLLM's engine core is not in this process, so hooks cannot reach its model; set "
+                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts") from None
+        comp = llm.llm_engine.vllm_config.compilation_config
+        graphs = str(getattr(comp, "cudagraph_mode", "NONE")).rsplit(".", 1)[-1]
+        if int(getattr(comp, "mode", 0) or 0) != 0 or graphs not in ("NONE", "None", "0"):
+            raise TracerError(f"this vLLM runs with compilation mode {comp.mode} and CUDA graphs {graphs}, which hide "
+                              "its modules from tracer's hooks; build it eager (enforce_eager=True, compilation mode 0)")
+
+    def facts(self) -> dict[str, Any]:
+        """The engine's numeric contract as plain data (for the run's meta and the trace header):
+        version, attention backend and implementation, KV-cache dtype and block size, the
+        chunked-prefill budget, prefix caching, compilation and graphs (off), threads."""
+        cfg = self.llm.llm_engine.vllm_config
+        attn = next((m for n, m in self.model.named_modules() if n.endswith("self_attn.attn")), None)
+        backend = getattr(getattr(attn, "attn_backend", None), "get_name", lambda: "?")()
+        impl = getattr(attn, "impl", None)
+        kv_dtype = str(cfg.cache_config.cache_dtype)
+        return {"engine": "vllm", "version": vllm.__version__, "device": str(cfg.device_config.device),
+                "dtype": str(cfg.model_config.dtype).replace("torch.", ""), "weights": str(self.folder),
+                "attention_backend": backend, "attention_impl": type(impl).__name__ if impl is not None else None,
+                "attention_isa": str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
+                "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else f"auto (= {self.kwargs['dtype']})",
+                "block_size": int(cfg.cache_config.block_size), "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
+                "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+                "chunked_prefill": bool(cfg.scheduler_config.enable_chunked_prefill),
+                "max_model_len": int(cfg.model_config.max_model_len), "enforce_eager": bool(cfg.model_config.enforce_eager),
+                "compilation_mode": int(cfg.compilation_config.mode or 0),
+                "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
+                "in_process": True, "torch_threads": {"before_build": self.threads[0], "after_build": self.threads[1]}}
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache (no request may be running).
+
+        Raises:
+            TracerError: vLLM refused (requests still running).
+        """
+        if self.settings.enable_prefix_caching and not self.llm.reset_prefix_cache():
+            raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
+
+    def start(self, prompts: list[list[int]], max_tokens: int = 1) -> list[tuple[str, str]]:
+        """Add one request per prompt (greedy, ``max_tokens``), not yet scheduled; returns
+        ``(external id, vLLM's internal id)`` per request."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        out = []
+        for p in prompts:
+            ext = f"tracer-{next(self._ids)}"
+            internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
+            out.append((ext, str(internal)))
+        return out
+
+    def finish(self) -> dict[str, Any]:
+        """Step the engine until every added request is finished; returns external id → RequestOutput."""
+        eng = self.llm.llm_engine
+        done: dict[str, Any] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if getattr(o, "finished", False):
+                    done[str(o.request_id)] = o
+        return done
+
+
+_ENGINES: "OrderedDict[tuple, VllmEngine]" = OrderedDict()
+
+
+def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callable[[str], None] | None = None) -> VllmEngine:
+    """The in-process vLLM engine of ``loaded``'s weights with ``settings``, built on first use
+    (about 15 s and 1-2 GB for SmolLM2-135M on a CPU) and kept for the life of the process.
+
+    Raises:
+        TracerError: compilation or graphs on, no weights folder, or vLLM failing to start (one line).
+    """
+    settings.check()
+    folder = weights_folder(loaded)
+    kwargs = _settings_for(loaded, settings)
+    key = (str(folder), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    if key in _ENGINES:
+        _ENGINES.move_to_end(key)
+        return _ENGINES[key]
+    while len(_ENGINES) >= MAX_ENGINES:  # drop the least recently used LLM (its KV cache and weights)
+        _key, old = _ENGINES.popitem(last=False)
+        shutdown = getattr(old.llm.llm_engine.engine_core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del old
+        import gc
+
+        gc.collect()
+    if say is not None:
+        say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
+            f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
+    before = torch.get_num_threads()
+    try:
+        llm = vllm.LLM(model=str(folder), **kwargs)
+    except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise TracerError(f"vLLM could not start on {folder}: {first}") from None
+    engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
+    _ENGINES[key] = engine
+    return engine
+
+
+# ---------------------------------------------------------------- the reference layout
+
+
+_LAYOUTS: dict[tuple, RefLayout] = {}
+
+
+def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], window: tuple[int, int]) -> RefLayout:
+    """The HF layout the vLLM tensors are mapped onto: every capture point's kind, op, feature
+    shape and dtype, in HF execution order, from one forward pass of the HF model on the prompt's
+    first token (cached per model and point list).
+
+    Raises:
+        TracerError: the HF model cannot run that pass.
+    """
+    from tracer.dtypes import name_of
+    from tracer.load.devices import model_device
+
+    key = (id(loaded.model), tuple(p.name for p in points))
+    if key not in _LAYOUTS:
+        model = loaded.model
+        with torch.inference_mode(), Capture(model, points, (0, 1)) as cap:
+            with cap.forward_call(0, 1):
+                model(input_ids=torch.tensor([token_ids[:1]], device=model_device(model)), use_cache=False)
+        names = {}
+        for n, r in cap.records().items():
+            if r.kind == "kv_cache":
+                names[n] = (r.kind, r.op, (), name_of(model.dtype))
+            elif r.tensor.numel():
+                names[n] = (r.kind, r.op, tuple(r.tensor.shape[1:]), name_of(r.tensor.dtype))
+        layers = [n for n, v in names.items() if v[0] == "layer"]
+        _LAYOUTS[key] = RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
+                                  n_layers=len(layers), token_ids=[], window=(0, 1), family=loaded.info.family)
+    return replace(_LAYOUTS[key], token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
+
+
+def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint], window: tuple[int, int], *,
+                   keep_on_device: bool = False, decode: int = 0, meta: dict[str, Any] | None = None,
+                   say: Callable[[str], None] | None = None, kernels: bool = False, sdpa_inputs: bool = False,
+                   engine_options: dict[str, Any] | None = None) -> tuple[RunRecord, None]:
+    """The ``vllm`` executor of :mod:`tracer.execute.engines`: execute ``plan`` in vLLM with hooks.
+
+    Args:
+        loaded: the HF :class:`~tracer.load.models.LoadedModel` (its weights folder and dtype are
+            vLLM's; its model gives the HF layout the captures are mapped onto).
+        token_ids: the prompt, N ints.
+        plan: the run plan (see the module docstring for what vLLM is asked to do).
+        points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
+        window: the compared positions ``(start, stop)``.
+        keep_on_device: accepted for the seam; vLLM's captures are copied to the host.
+        decode: greedy-decode this many tokens in the traced request (not captured;
+            ``meta["decode_tokens"]``).
+        meta: merged into the run's meta.
+        say: progress messages.
+        kernels, sdpa_inputs: not available with vLLM (refused when True).
+        engine_options: ``{"settings": VllmSettings or its fields as a dict, "chunks":
+            "auto" | "prefix-cache" | "chunked"}``.
+
+    Returns:
+        ``(run, None)``: the :class:`RunRecord` with captures under HF names (``(T, *feature)``
+        over the window in vLLM's dtype; ``kv_cache`` points ``(N, keys + values)``), and in
+        ``meta``: ``engine`` (:meth:`VllmEngine.facts`), ``vllm`` (requests with vLLM's own
+        ``num_cached_tokens``, scheduler steps, the traced positions computed in each step, the
+        chunk mode, the HF ← vLLM mapping, notes), ``cached_tokens``, ``not_captured`` (HF name
+        → reason) and ``logits`` (positions, dtype); ``extras["partial_logits"]``: HF logits name →
+        ``(positions, (k, vocab) tensor)`` where vLLM computed logits at some compared positions only.
+
+    Raises:
+        TracerError: compilation/graphs on, plan features vLLM cannot realise here, a schedule
+            that differs from the plan, hooks that saw nothing (one line each).
+    """
+    meta, options = dict(meta or {}), dict(engine_options or {})
+    if decode < 0:
+        raise TracerError(f"--decode {decode} is negative; give a number of tokens to generate (0 = off)")
+    if plan.n_tokens != len(token_ids):
+        raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {len(token_ids)}")
+    refuse_unsupported(plan, kernels, sdpa_inputs)
+    mode = chunk_mode(plan, options, meta)
+    eng = engine_for(loaded, settings_of(plan, mode, options), say)
+    if len(token_ids) + max(decode, 1) > eng.kwargs["max_model_len"]:
+        raise TracerError(f"the prompt's {len(token_ids)} tokens (+{max(decode, 1)} generated) exceed vLLM's max_model_len "
+                          f"{eng.kwargs['max_model_len']}; pass a larger one in the vLLM settings")
+    plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
+    emap = load_engine_map(loaded.info.family, engine="vllm")
+    ref = ref_layout(loaded, points, token_ids, window)
+    kv_points = {p.layer_index: p.name for p in points if p.kind == "kv_cache"}
+    requests: list[dict[str, Any]] = []
+    eng.reset_prefix_cache()
+    t0 = time.perf_counter()
+    with torch.inference_mode(), VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points) as cap:
+        for w, (prompts, traced) in enumerate(plan_waves):
+            last = w == len(plan_waves) - 1
+            ids = eng.start(prompts, max_tokens=max(decode, 1) if last else 1)
+            cap.ours.update(internal for (_ext, internal), t in zip(ids, traced) if t)
+            done = eng.finish()
+            for (ext, internal), prompt, t in zip(ids, prompts, traced):
+                out = done[ext]
+                requests.append({"request_id": ext, "internal_id": internal, "tokens": len(prompt), "traced": t,
+                                 "num_cached_tokens": int(out.num_cached_tokens or 0),
+                                 "generated": list(out.outputs[0].token_ids)})
+    wall = time.perf_counter() - t0
+    check_schedule(plan, mode, requests, cap.steps)
+    captures, info = cap.records(points, f"vLLM {vllm.__version__}")
+    main = [r for r in requests if r["traced"]][-1]
+    steps = [s for s in cap.steps if s["traced"]]
+    logits = {n: {"positions": ps, "dtype": str(t.dtype).replace("torch.", "")} for n, (ps, t) in info["partial_logits"].items()}
+    logits.update({n: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
+                   for n, c in captures.items() if c.kind == "logits"})
+    record_meta = {
+        "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in steps],
+        "engine": eng.facts(), "cached_tokens": main["num_cached_tokens"],
+        "vllm": {"chunks_as": mode, "requests": requests, "steps": steps,
+                 "chunks": [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]],
+                 "mapping": info["mapping"], "notes": info["notes"]},
+        "not_captured": info["not_captured"], "logits": logits, **meta}
+    if decode:
+        record_meta["decode_tokens"] = main["generated"][:decode]
+    return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(), window=(int(window[0]), int(window[1])),
+                     captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]}), None
+
+
+__all__ = ["VllmSettings", "VllmEngine", "engine_for", "weights_folder", "ref_layout", "execute_loaded",
+           "MAX_ENGINES", "CHUNK_MODES"]

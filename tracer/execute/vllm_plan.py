@@ -1,0 +1,164 @@
+"""How a run plan becomes vLLM requests, and the engine settings: importable without vLLM.
+
+:class:`VllmSettings` is the configuration one ``vllm.LLM`` is built with;
+:func:`waves` turns a :class:`~tracer.plan.scenarios.RunPlan` into the requests added to vLLM
+together (see :mod:`tracer.execute.vllm_engine` for the table); :func:`check_schedule` refuses a
+run whose scheduling (vLLM's own ``num_cached_tokens``, the steps the prompt took) is not what
+the plan says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tracer.errors import TracerError
+
+#: how a plan's chunks can be realised in vLLM (``engine_options["chunks"]``)
+CHUNK_MODES = ("auto", "prefix-cache", "chunked")
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """The engine configuration one ``vllm.LLM`` is built with (one LLM per distinct settings).
+
+    Attributes:
+        block_size: KV-cache block size in tokens (the CPU attention backend needs a multiple of 32).
+        max_num_batched_tokens: the scheduler's token budget per step (chunked prefill splits a
+            longer prompt); None: 4096, or more for a longer ``max_model_len``.
+        enable_prefix_caching: vLLM's automatic prefix caching.
+        max_model_len: longest sequence; None: the model's positions, at most 2048.
+        kv_cache_memory_bytes: the KV cache's size; None: room for 4 sequences of ``max_model_len``
+            (a few hundred MiB for SmolLM2-135M), instead of vLLM's share of the machine's RAM.
+        gpu_memory_utilization: on the CPU backend, the share of RAM vLLM may reserve.
+        enforce_eager: must be True (no CUDA graphs).
+        compilation_mode: must be 0 (no torch.compile).
+        seed: vLLM's seed (greedy sampling does not use it).
+    """
+
+    block_size: int = 32
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.12
+    enforce_eager: bool = True
+    compilation_mode: int = 0
+    seed: int = 0
+
+    def check(self) -> "VllmSettings":
+        """Raises:
+            TracerError: compilation or CUDA graphs switched on, or a bad size."""
+        if not self.enforce_eager or self.compilation_mode != 0:
+            raise TracerError(f"vLLM with {'CUDA graphs' if not self.enforce_eager else 'torch.compile'} on "
+                              f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
+                              "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0)")
+        if self.block_size < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
+            raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
+                              "must be positive numbers of tokens")
+        return self
+
+
+def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
+    mode = options.get("chunks", "auto")
+    if mode not in CHUNK_MODES:
+        raise TracerError(f"unknown vLLM chunk mode {mode!r}; use one of: {', '.join(CHUNK_MODES)}")
+    if len(plan.chunks) == 1:
+        return "one-step"
+    if mode == "auto":
+        return "chunked" if meta.get("scenario") == "chunked-prefill" else "prefix-cache"
+    return mode
+
+
+def refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
+    """Raises TracerError for plan features the vLLM executor cannot realise (one line each)."""
+    if plan.compile:
+        raise TracerError(f"run plan {plan.name} asks for torch.compile, which hides vLLM's modules from tracer's "
+                          "hooks; the vllm engine runs eager only")
+    unsupported = [(plan.tp is not None, "tensor parallelism"), (plan.kv_transform is not None, "a KV-cache transform"),
+                   (plan.attn is not None, "an attention implementation"), (plan.devices is not None, "per-chunk devices"),
+                   (bool(plan.generate), "generation"), (plan.deterministic, "torch's deterministic mode"),
+                   (kernels, "--kernels"), (sdpa_inputs, "--op-replay")]
+    what = [w for bad, w in unsupported if bad]
+    if what:
+        raise TracerError(f"run plan {plan.name}: {', '.join(what)} is not available with the vllm engine yet; "
+                          "run it with --engine hf")
+
+
+def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
+    base = options.get("settings") or VllmSettings()
+    if not isinstance(base, VllmSettings):
+        base = VllmSettings(**dict(base))
+    if mode == "chunked":
+        sizes = [e - s for s, e in plan.chunks]
+        if any(x != sizes[0] for x in sizes[:-1]) or sizes[-1] > sizes[0]:
+            raise TracerError(f"run plan {plan.name}: chunks {sizes} are not one size C (the last no longer); vLLM "
+                              "splits a prefill by its token budget only")
+        return replace(base, max_num_batched_tokens=sizes[0])
+    if plan.batch is not None:
+        total = sum(plan.batch.lengths)
+        if base.max_num_batched_tokens is not None and base.max_num_batched_tokens < total:
+            raise TracerError(f"a batch of {total} tokens does not fit vLLM's budget of {base.max_num_batched_tokens} "
+                              "tokens per step; raise max_num_batched_tokens")
+        if total > 4096 and base.max_num_batched_tokens is None:
+            return replace(base, max_num_batched_tokens=total)
+    return base
+
+
+def _batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
+    """The batch's rows as :func:`tracer.execute.runner.batch_inputs` builds them, without padding."""
+    n, out = len(token_ids), []
+    for j, length in enumerate(batch.lengths):
+        if j == batch.row:
+            out.append(list(token_ids))
+        else:
+            rot = (37 * j + 11) % n
+            base = token_ids[rot:] + token_ids[:rot]
+            out.append((base * (-(-length // n)))[:length])
+    return out
+
+
+def waves(token_ids: list[int], plan: Any, mode: str, block_size: int) -> list[tuple[list[list[int]], list[bool]]]:
+    """The requests of a run, in waves added together: ``(prompts, traced?)`` per wave; the
+    traced prompt's own request is the last traced one.
+
+    Raises:
+        TracerError: a prefix-cache boundary that is not a multiple of the KV block size.
+    """
+    if plan.batch is not None:
+        rows = _batch_rows(token_ids, plan.batch)
+        return [(rows, [j == plan.batch.row for j in range(len(rows))])]
+    if mode != "prefix-cache":
+        return [([list(token_ids)], [True])]
+    bounds = [s for s, _e in plan.chunks[1:]]
+    bad = [s for s in bounds if s % block_size]
+    if bad:
+        raise TracerError(f"run plan {plan.name}: cached prefix of {bad[0]} tokens is not a multiple of vLLM's KV block "
+                          f"size {block_size} (vLLM caches whole blocks); use a block size that divides it "
+                          f"(--block-size {block_size} plans the split at a block boundary)")
+    return [([list(token_ids[:s])], [True]) for s in bounds] + [([list(token_ids)], [True])]
+
+
+def check_schedule(plan: Any, mode: str, requests: list[dict[str, Any]], steps: list[dict[str, Any]]) -> None:
+    """Refuse a run whose scheduling is not what its plan says (one line naming what vLLM did).
+
+    Raises:
+        TracerError: another cached length than planned, or the prompt split across steps
+            (or batched with fewer requests) where the plan has one step.
+    """
+    traced = [r for r in requests if r["traced"]]
+    main = traced[-1]
+    want = [0] + [s for s, _e in plan.chunks[1:]] if mode == "prefix-cache" else [0]
+    got = [r["num_cached_tokens"] for r in traced]
+    if got != want[:len(got)]:
+        raise TracerError(f"run plan {plan.name}: vLLM reported num_cached_tokens {got} for the traced requests, the plan "
+                          f"needs {want}; the prefix cache did not hold what the run put there")
+    main_steps = [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]]
+    if mode in ("one-step", "prefix-cache") and len(main_steps) != 1:
+        raise TracerError(f"run plan {plan.name}: vLLM split the prompt into {len(main_steps)} steps ({main_steps}); "
+                          "raise max_num_batched_tokens to at least the prompt's length")
+    if plan.batch is not None:
+        n_req = max((s["requests"] for s in steps if any(t["request"] == main["internal_id"] for t in s["traced"])), default=0)
+        if n_req != plan.batch.size:
+            raise TracerError(f"run plan {plan.name}: vLLM scheduled the traced prompt with {n_req} request(s), the "
+                              f"batch has {plan.batch.size}; raise max_num_batched_tokens or max_num_seqs")

@@ -1,0 +1,189 @@
+"""The environment header of a trace: the numeric contract of the process that made it.
+
+Store-layer module (nothing here touches HDF5): :func:`collect_environment` probes the versions,
+flags, devices and instruction sets a bit-exact comparison depends on; :data:`VERSION_KEYS` and
+:func:`version_differences` compare two headers (traces made on two machines), naming an
+instruction-set difference as a likely cause (the CPU kernels dispatch on it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from tracer.store.formats import json_dumps
+
+
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
+def tool_version() -> str:
+    """tracer's version: installed metadata, else the checkout's pyproject.toml, else 'unknown'."""
+    try:
+        return importlib.metadata.version("tracer")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        for line in pyproject.read_text().splitlines():
+            if line.strip().startswith("version"):
+                return line.split("=", 1)[1].strip().strip("\"'")
+    except OSError:
+        pass
+    return "unknown"
+
+
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once (importlib.metadata is slow)
+def _dist_version(name: str) -> str | None:
+    """Installed version of a distribution without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
+def _cublas_version() -> str | None:
+    """cuBLAS version from the libcublas already loaded by torch (``cublasGetProperty``), or None."""
+    try:
+        path = None
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcublas.so" in line:
+                    path = line.split()[-1]
+                    break
+        if path is None:
+            return None
+        lib = ctypes.CDLL(path)
+        parts = []
+        for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
+            value = ctypes.c_int()
+            if lib.cublasGetProperty(prop, ctypes.byref(value)) != 0:
+                return None
+            parts.append(str(value.value))
+        return ".".join(parts)
+    except Exception:  # noqa: BLE001 - optional fact: any failure means "not obtainable"
+        return None
+
+
+@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
+def _nvidia_driver(index: int) -> str | None:
+    """Driver version from nvidia-smi when it is on PATH and answers within 5 s, else None."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader", f"--id={index}"],
+            capture_output=True, text=True, timeout=5, check=True,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any]:
+    """The numeric contract of this process: what a bit-exact comparison depends on.
+
+    Args:
+        device: the device the runs execute on (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+        extra: run-level facts merged in last (model name and weights hash, dtype, attention
+            implementation, scenario, block size, split points, ...); its keys win.
+
+    Returns:
+        a flat JSON-able dict: versions (python, torch, transformers, numpy, h5py, tracer),
+        platform, hostname, CPU model, device name and compute capability, CUDA/HIP, cuDNN,
+        cuBLAS and driver versions (None where not obtainable), the TF32 / reduced-precision /
+        deterministic flags, ``CUBLAS_WORKSPACE_CONFIG``, thread count and float32 matmul
+        precision. Nothing is initialised that the runs would not initialise anyway, except
+        that a CUDA device is queried when ``device`` names one.
+
+    Raises:
+        TracerError: ``extra`` is not JSON-serialisable.
+    """
+    matmul = torch.backends.cuda.matmul
+    env: dict[str, Any] = {
+        "tracer_version": tool_version(),
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),  # a str subclass (TorchVersion): h5py needs plain str
+        "transformers": _dist_version("transformers"),
+        "numpy": np.__version__,
+        "h5py": h5py.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "device": device,
+        "device_name": None,
+        "device_capability": None,
+        "device_sm_count": None,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cublas": None,
+        "driver": None,
+        "matmul_allow_tf32": bool(matmul.allow_tf32),
+        "matmul_allow_bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
+        "matmul_allow_fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "num_threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
+    }
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        env["device_name"] = props.name
+        env["device_capability"] = f"{props.major}.{props.minor}"
+        env["device_sm_count"] = props.multi_processor_count
+        env["cublas"] = _cublas_version()
+        env["driver"] = _nvidia_driver(index)
+    elif dev.type == "cpu":
+        env["device_name"] = env["cpu"]
+    if extra:
+        env.update(extra)
+    json_dumps(env, "the environment header")
+    return env
+
+
+#: header keys naming a version of something the numbers depend on (compared across two traces)
+VERSION_KEYS = ("tracer_version", "python", "torch", "transformers", "numpy", "h5py", "cuda", "hip", "cudnn", "cublas",
+                "driver", "device_name", "cpu", "platform")
+
+
+def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
+    """``["torch 2.13.0+cpu (A) vs 2.11.0+cu130 (B)", ...]``: every :data:`VERSION_KEYS` entry
+    whose value differs between two trace headers (a key missing on one side counts as differing)."""
+    out = []
+    for k in VERSION_KEYS:
+        a, b = header_a.get(k), header_b.get(k)
+        if a != b:
+            out.append(f"{k} {a} (A) vs {b} (B)")
+    return out

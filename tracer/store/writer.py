@@ -1,0 +1,285 @@
+"""Writing a trace atomically: a partial sibling file, sealed, marked complete, moved into place.
+
+Store-layer module. :class:`TraceWriter` writes the root attributes, the header and the runs in
+the layout of the requested format version (looked up in :mod:`tracer.store.formats`), on an
+optional background thread, and moves the finished file onto its name only when it is complete;
+any failure deletes the partial file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import h5py
+import numpy as np
+
+from tracer.errors import TracerError
+from tracer.execute.records import RunRecord
+from tracer.store import format_v1, packed  # noqa: F401 - register format versions 1 and 2
+from tracer.store.environment import tool_version
+from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
+from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
+                                    seal, set_text, write_error_message)
+
+
+#: header subtrees left out of the flat attribute copies (large and nested; the ``json`` attribute has them)
+_NOT_FLAT = ("numeric_contract", "options", "audit")
+
+
+def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
+    """Scalar entries of a nested dict down to ``depth`` levels, keys joined with '.', for readable
+    h5ls attributes (each attribute costs a write and its checksum: the big subtrees
+    :data:`_NOT_FLAT` stay in the ``json`` attribute only)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            if depth > 1 and not (prefix == "" and k in _NOT_FLAT):
+                out.update(_flat_scalars(v, key + ".", depth - 1))
+        elif isinstance(v, bool):
+            out[key] = bool(v)
+        elif isinstance(v, str):
+            out[key] = str(v)  # a plain str: h5py rejects subclasses such as torch's TorchVersion
+        elif isinstance(v, int):
+            out[key] = int(v)
+        elif isinstance(v, float):
+            out[key] = float(v)
+    return out
+
+
+class TraceWriter:
+    """Writes a trace atomically: a temporary sibling file, renamed onto ``path`` when complete.
+
+    Use as a context manager::
+
+        with TraceWriter("traces/x.h5", header=collect_environment("cuda")) as w:
+            w.add_run(run_a); w.add_run(run_b)
+
+    On a clean exit ``complete`` is set True, the file is closed and moved onto ``path``; if the
+    block raises, the partial file is deleted and ``path`` is left as it was.
+
+    Args:
+        path: the trace file to create; parent folders are created.
+        header: the environment header (:func:`collect_environment`), JSON-able.
+        overwrite: replace an existing ``path`` (only once the new trace is complete).
+        compression: ``None`` (default), ``"lzf"`` or ``"gzip"``, passed to ``create_dataset``.
+        background: write runs on one background thread, so :meth:`add_run` returns at once and
+            the model can run the next plan while run A is written (h5py serialises its own
+            calls; torch releases the GIL in its kernels, so the two overlap). Runs are written
+            in submission order; :meth:`close` waits for them and re-raises a writer error;
+            on an exception in the ``with`` block the thread is joined and the file deleted.
+        format_version: the layout to write: :data:`FORMAT_VERSION` (2, default) or 1 (one dataset
+            per capture point, as tracer wrote before; for tests and older readers).
+
+    Raises:
+        TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
+            compression or format version; header not JSON-able; the file cannot be created.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False,
+                 compression: str | None = None, background: bool = False,
+                 format_version: int = FORMAT_VERSION) -> None:
+        self.path = Path(path)
+        if not isinstance(format_version, int) or format_version not in FORMATS:
+            raise TracerError(f"unknown trace format_version {format_version!r}; this tracer writes "
+                              f"{', '.join(map(str, sorted(FORMATS)))}")
+        self.format_version = format_version
+        self._format = format_for(format_version)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._futures: list[concurrent.futures.Future] = []
+        self.overwrite = overwrite
+        if compression not in COMPRESSIONS:
+            raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
+        self.compression = compression
+        check_name_length(self.path, "trace")
+        if self.path.is_dir():
+            raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
+        check_output_path(self.path, overwrite, "trace")
+        header_json = json_dumps(header, "the trace header")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
+        clean_stale_partials(self.path)
+        self.partial_path = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        self._guard: GuardedFile | None = None
+        self._file: h5py.File | None = None
+        try:
+            self.partial_path.unlink(missing_ok=True)  # our own PID's leftover from an earlier writer
+            # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
+            self._guard = GuardedFile(self.partial_path)
+            self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
+        except OSError as e:
+            self.abort()
+            raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+        try:
+            f = self._file
+            set_text(f, "format", FORMAT)
+            f.attrs["format_version"] = np.int64(self.format_version)
+            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            set_text(f, "tool_version", tool_version())
+            set_text(f, "checksums", CHECKSUMS)
+            seal(f)
+            f.attrs["complete"] = False
+            h = f.create_group("header")
+            set_text(h, "json", header_json)
+            for key, value in _flat_scalars(header).items():
+                if key not in ("json", "crc32"):
+                    set_text(h, key, value) if isinstance(value, str) else h.attrs.create(key, value)
+            seal(h)
+            self._runs = f.create_group("runs", track_order=True)
+            set_text(self._runs, "order", "[]")
+            seal(self._runs)
+            self._run_names: list[str] = []
+            self._check_io()
+        except BaseException:
+            self.abort()
+            raise
+        if background:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
+
+    def _check_io(self) -> None:
+        """Raise the first write error the guard recorded (disk full, ``ulimit -f``) as one line."""
+        if self._guard is not None and self._guard.error is not None:
+            raise TracerError(write_error_message(self.path, self._guard.error))
+
+    def _require_open(self) -> h5py.File:
+        if self._file is None:
+            raise TracerError(f"trace writer for {self.path} is closed; open a new TraceWriter")
+        return self._file
+
+    def add_run(self, run: RunRecord, *, ready: Callable[[], None] | None = None) -> None:
+        """Write ``run`` (its token ids, plan, meta, window and every capture, in order).
+
+        Args:
+            run: the run; its capture tensors on the host.
+            ready: called (on the writing thread) before anything is read from ``run``, e.g. to
+                wait for the non-blocking device-to-host copies of its tensors
+                (:func:`tracer.execute.capture.host_copies`).
+
+        Raises:
+            TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,
+                plan/meta/calls not JSON-able, or the writer is closed.
+        """
+        self._require_open()
+        if self._pool is not None:
+            self._futures.append(self._pool.submit(self._write_run, run, ready))
+        else:
+            self._write_run(run, ready)
+
+    def _write_run(self, run: RunRecord, ready: Callable[[], None] | None = None) -> None:
+        if ready is not None:
+            ready()
+        try:
+            self._format.write_run(self._runs, run, compression=self.compression)
+        except (OSError, RuntimeError):
+            self._check_io()  # a write error reported by HDF5 after the guard's: say the cause
+            raise
+        self._check_io()
+        self._run_names.append(run.name)
+        set_text(self._runs, "order", json.dumps(self._run_names))
+        seal(self._runs)
+
+    def _drain(self) -> None:
+        """Wait for the background writes (if any); re-raise the first error; stop the thread."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        futures, self._futures = self._futures, []
+        try:
+            for fut in futures:
+                fut.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def add_comparison(self, name: str, data: dict) -> None:
+        """Store a comparison result (JSON-able dict) as ``/comparisons/<name>``.
+
+        Raises:
+            TracerError: invalid or duplicate name, data not JSON-able, or the writer is closed.
+        """
+        f = self._require_open()
+        check_name(name, "comparison")
+        text = json_dumps(data, f"comparison {name}")
+        comps = f.require_group("comparisons")
+        if name in comps:
+            raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
+        g = comps.create_group(name)
+        set_text(g, "json", text)
+        seal(g)
+        self._check_io()
+
+    def close(self) -> None:
+        """Mark the trace complete, close it and move it onto ``path`` (idempotent).
+
+        Raises:
+            TracerError: ``path`` appeared meanwhile and ``overwrite`` is False (the complete
+                trace is left at ``partial_path``).
+        """
+        if self._file is None:
+            return
+        try:
+            self._drain()
+            self._check_io()
+            f = self._file
+            f.attrs["complete"] = True
+            f.flush()
+            f.close()
+            self._file = None
+            guard, self._guard = self._guard, None
+            guard.close()
+            if guard.error is not None:
+                raise TracerError(write_error_message(self.path, guard.error))
+        except BaseException:
+            self.abort()
+            raise
+        if self.overwrite:
+            os.replace(self.partial_path, self.path)
+            return
+        try:
+            os.link(self.partial_path, self.path)  # atomic, and refuses to clobber
+        except FileExistsError:
+            raise TracerError(
+                f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                "move it yourself or pass --overwrite"
+            ) from None
+        except OSError:  # no hard links on this filesystem: check, then rename
+            if self.path.exists():
+                raise TracerError(
+                    f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                    "move it yourself or pass --overwrite"
+                ) from None
+            os.replace(self.partial_path, self.path)
+            return
+        self.partial_path.unlink()
+
+    def abort(self) -> None:
+        """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
+        try:
+            self._drain()
+        except BaseException:  # noqa: BLE001 - aborting already; the cause is the caller's
+            pass
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()  # safe after a write error: the guard kept it from HDF5
+            except Exception:  # noqa: BLE001 - closing a broken file must not mask the cause
+                pass
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.close()
+        self.partial_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
