@@ -82,3 +82,16 @@ def test_weighed_eta_and_notes():
     assert lines[0] == "audit: 3 checks"
     assert re.match(r"audit: 1/3 \(33%\) kept · elapsed \d+s · ETA \?$", lines[1])
     assert re.match(r"audit: 2/3 \(67%\) one · elapsed \d+s · ETA \d+s$", lines[2])
+
+
+def test_an_item_that_runs_long_is_not_silent():
+    out = io.StringIO()
+    bar = ItemProgress("audit", 2, mode="lines", stream=out, interval_s=10.0)  # not entered: no thread
+    bar.update(description="L6-compile (2 forward passes, 192 tokens + torch.compile)")
+    bar.last_line -= 11  # 11 s without a line
+    bar.tick(bar._running)
+    bar.advance("L6-compile: diverges")
+    assert bar._running is None  # finished: the heartbeat stops for it
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].split(" · elapsed")[0] == lines[1].split(" · elapsed")[0]  # the heartbeat
+    assert all("running L6-compile" in x for x in lines[:2]) and "running" not in lines[2]

@@ -162,8 +162,8 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
         loaded: a loaded model to reuse.
         progress: the plan, one line per check and an ETA weighed by each check's cost on stderr
             (:class:`tracer.report.progress.ItemProgress`): True or ``"auto"``: a bar in a terminal,
-            log lines otherwise; ``"lines"``; False: nothing. Model-loading messages only with True
-            in a terminal.
+            log lines otherwise; ``"lines"``; False: nothing. Loading the model shows a status
+            (a spinner, or a ``load:`` line once it takes 2 s).
         on_check: called as ``on_check(label, done, total)`` before each check (progress bars).
         on_row: called with each finished (or reused) :class:`AuditRow`.
 
@@ -171,12 +171,10 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
         TracerError: bad input (checked before the model loads where possible); an output holding
             another audit without ``overwrite``.
     """
-    import sys
-
     from tracer import pipeline
     from tracer.execute.tp_dist import distributed_header
     from tracer.loops.audit_store import AuditStore
-    from tracer.report.progress import ItemProgress
+    from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
@@ -184,7 +182,9 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     store = cfg.store.mode != "none"
     out = _output_path(cfg) if store else None
     if loaded is None:
-        loaded = pipeline.load(cfg, progress=progress is True and sys.stderr.isatty())
+        with StatusProgress("load", mode=progress, delay_s=DELAY_S) as status:
+            status(f"loading {cfg.model.name}")
+            loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
     ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]

@@ -87,6 +87,9 @@ class ItemProgress:
         self.start_done = done
         self.weight_total, self.weight_done, self.session_weight = weight_total, weight_done, 0.0
         self._running: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.t0 = time.monotonic()
         self.last_line = self.t0
         self.bar: Any = None
@@ -105,12 +108,27 @@ class ItemProgress:
                                 transient=False)
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total, completed=self.done)
+        elif self.mode == "lines":  # the heartbeat of an item that runs long (see update)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="tracer-progress", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self.bar is not None:
             self.bar.__exit__(*exc)
             self.bar = None
+
+    def _watch(self) -> None:
+        """Without a terminal: the running item's line again every :attr:`interval_s` (only for an
+        item announced with :meth:`update`; :meth:`advance` ends it)."""
+        while not self._stop.wait(0.2):
+            if self._running is not None:
+                self.tick(self._running)
 
     def eta_s(self) -> float | None:
         """Seconds left, from the mean time of the items (or of a unit of weight) finished in this
@@ -139,14 +157,16 @@ class ItemProgress:
                 f" · ETA {_clock(self.eta_s())}")
 
     def _print(self, text: str) -> None:
-        print(text, file=self.stream or sys.stderr, flush=True)
-        self.last_line = time.monotonic()
+        with self._lock:
+            print(text, file=self.stream or sys.stderr, flush=True)
+            self.last_line = time.monotonic()
 
     def advance(self, description: str = "", n: int = 1, weight: float | None = None, timed: bool = True) -> None:
         """``n`` items finished; ``description`` says which (and how it went); ``weight``: their
         weight, when the ETA weighs items (``weight_total``); ``timed=False``: they took no time in
         this session (kept from an earlier one), so the ETA does not learn from them."""
         self.done += n
+        self._running = None  # the item announced by update() is over: no more heartbeat for it
         if not timed:
             self.start_done += n
         if weight is not None:
@@ -255,6 +275,12 @@ class StatusProgress:
                 self.status.update(self._text(now))
             elif self.mode == "lines" and self.delay_s <= 0:
                 self._line(now)
+
+    @property
+    def loader(self) -> Any:
+        """What to give a loader as its ``progress``: this status (its messages and relayed bars
+        land here), or False when the status is off (nothing shown, bars included)."""
+        return self if self.mode != "off" else False
 
     def report(self, detail: str) -> None:
         """Progress inside the current phase (``Loading weights 45/272``): shown with its message."""
