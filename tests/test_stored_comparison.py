@@ -7,7 +7,6 @@ and a NaN-payload divergence lost its explanation.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tracer.diff.compare import compare_records
@@ -31,7 +30,6 @@ def _stored(tmp_path, c, a, b):
     return stored_comparison(path)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 item 1: the stored comparison drops skipped")
 def test_a_skipped_point_read_back_is_not_comparable(tmp_path):
     x = torch.arange(16, dtype=torch.float32).reshape(2, 8)
     a = _run("A", [("emb", "embedding", x), ("l0", "layer", x + 1)])
@@ -44,7 +42,6 @@ def test_a_skipped_point_read_back_is_not_comparable(tmp_path):
     assert back.check("any") == live.check("any") and back.check("any")[0] is True
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 item 1: the stored comparison drops n_nan_payload")
 def test_a_nan_payload_divergence_keeps_its_explanation(tmp_path):
     x = torch.zeros(2, 4, dtype=torch.float32)
     xa, xb = x.clone(), x.clone()

@@ -461,12 +461,9 @@ def sweep_cmd(
         if plot is not None:
             print(f"divergence map: {plot}")
     else:
-        df_rows = [{"length": r.length, "block_size": r.block_size, "split_at": r.split_at,
-                    "first_divergent": result.point_name(r.first_divergent),
-                    "last_layer_fraction": r.last_layer_fraction, "logits_max_abs_diff": r.logits_max_abs_diff,
-                    "argmax_flips": r.argmax_flips} for r in result.rows]
+        df_rows = result.summary_rows()
         if fmt == "json":
-            print(json.dumps({"params": result.params, "points": result.points, "rows": df_rows}, indent=1, default=str))
+            print(json.dumps(result.summary(), indent=1, default=str))
         else:
             import csv
 

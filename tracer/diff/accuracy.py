@@ -35,6 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer import schema
+from tracer.execute.kinds import PointKind
+from tracer.execute.records import RunRecord
+
 #: mantissa bits and minimum normal exponent per storage dtype
 _FORMAT = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (23, -126), torch.float64: (52, -1022)}
 #: unit roundoff of the accumulator a GEMM of this storage dtype uses
@@ -59,7 +63,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class RunError:
+class RunError(schema.Record):
     """One run's error against the exact result.
 
     Attributes:
@@ -83,9 +87,8 @@ class RunError:
     def defect(self) -> bool:
         return self.max_excess_ulp > DEFECT_ULP
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"max_ulp": self.max_ulp, "mean_ulp": self.mean_ulp, "correctly_rounded": self.correctly_rounded,
-                "max_excess_ulp": self.max_excess_ulp, "worst": self.worst, "n": self.n, "defect": self.defect}
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["defect"] = self.defect
 
 
 def run_error(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor | None = None) -> RunError:
@@ -114,7 +117,7 @@ def run_error(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor | None =
 
 
 @dataclass(frozen=True)
-class OpReplay:
+class OpReplay(schema.Record):
     """The float64 replay of one op.
 
     Attributes:
@@ -129,10 +132,6 @@ class OpReplay:
     errors: dict[str, RunError] = field(default_factory=dict)
     reason: str | None = None
     text: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "op": self.op, "reason": self.reason, "text": self.text,
-                "errors": {k: v.to_dict() for k, v in self.errors.items()}}
 
 
 def _f(x: float) -> str:
@@ -189,7 +188,7 @@ def exact_op(module: nn.Module, kind: str, x: torch.Tensor) -> tuple[str, torch.
     """
     x64 = x.detach().to("cpu", torch.float64)
     cls = type(module).__name__
-    if kind == "linear" and isinstance(module, nn.Linear):
+    if kind == PointKind.LINEAR and isinstance(module, nn.Linear):
         if module.weight.numel() > MAX_WEIGHT:
             raise ValueError(f"weight of {module.weight.numel():,} elements is over {MAX_WEIGHT:,} (float64 copy too large)")
         w = module.weight.detach().to("cpu", torch.float64)
@@ -200,7 +199,7 @@ def exact_op(module: nn.Module, kind: str, x: torch.Tensor) -> tuple[str, torch.
             y, s = y + b, s + b.abs()
         gamma = module.in_features * _ACC_U.get(module.weight.dtype, 2.0 ** -24)
         return "Linear", y, gamma * s
-    if kind == "norm" and isinstance(module, nn.LayerNorm):
+    if kind == PointKind.NORM and isinstance(module, nn.LayerNorm):
         mu = x64.mean(-1, keepdim=True)
         y = (x64 - mu) / torch.sqrt(((x64 - mu) ** 2).mean(-1, keepdim=True) + module.eps)
         if module.weight is not None:
@@ -208,7 +207,7 @@ def exact_op(module: nn.Module, kind: str, x: torch.Tensor) -> tuple[str, torch.
         if module.bias is not None:
             y = y + module.bias.detach().to("cpu", torch.float64)
         return "LayerNorm", y, None
-    if kind == "norm" and "rmsnorm" in cls.lower():
+    if kind == PointKind.NORM and "rmsnorm" in cls.lower():
         w = getattr(module, "weight", None)
         width = w.numel() if w is not None else x64.shape[-1]
         xs = x64.reshape(*x64.shape[:-1], -1, width) if x64.shape[-1] != width else x64
@@ -217,7 +216,7 @@ def exact_op(module: nn.Module, kind: str, x: torch.Tensor) -> tuple[str, torch.
             w64 = w.detach().to("cpu", torch.float64)
             y = y * ((1.0 + w64) if cls.lower().startswith("gemma") else w64)
         return "RMSNorm", y.reshape(x64.shape), None
-    if kind == "activation":
+    if kind == PointKind.ACTIVATION:
         with torch.no_grad():
             y = module(x64)
         if y.dtype != torch.float64:
@@ -288,7 +287,7 @@ def _input(point: Any, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     deps = [d for d in point.consumes.points if not d.endswith(".kv_cache")]
     if len(deps) == 1 and deps[0] in tensors:
         return tensors[deps[0]]
-    if len(deps) == 2 and point.kind == "norm" and all(d in tensors for d in deps):
+    if len(deps) == 2 and point.kind == PointKind.NORM and all(d in tensors for d in deps):
         return tensors[deps[0]] + tensors[deps[1]]  # the residual add, in the model dtype, as the model does
     raise ValueError(f"its input is not a captured point (consumes {', '.join(deps) or 'nothing'})")
 
@@ -325,7 +324,7 @@ def replay_point(model: nn.Module, point: Any, runs: dict[str, dict[str, torch.T
     Returns:
         an :class:`OpReplay`; ``op`` None and ``reason`` set when the op is not replayable.
     """
-    if point.kind == "attention_core":
+    if point.kind == PointKind.ATTENTION_CORE:
         return _replay_core(point, runs, extras or {})
     try:
         module = model.get_submodule(point.name)
@@ -345,7 +344,7 @@ def replay_point(model: nn.Module, point: Any, runs: dict[str, dict[str, torch.T
     return OpReplay(point.name, op, errors=errors, text=verdict_text(errors, op or "op"))
 
 
-def replay_origins(model: nn.Module, comparison: Any, run_a: Any, run_b: Any, *, every: bool = False) -> dict[str, OpReplay]:
+def replay_origins(model: nn.Module, comparison: Any, run_a: RunRecord, run_b: RunRecord, *, every: bool = False) -> dict[str, OpReplay]:
     """Float64 replay of every origin op (``every``: of every differing op) of ``comparison``.
 
     Args:
@@ -359,7 +358,7 @@ def replay_origins(model: nn.Module, comparison: Any, run_a: Any, run_b: Any, *,
     """
     out: dict[str, OpReplay] = {}
     for p in comparison.points:
-        if not (p.origin or (every and p.diverged)) or p.kind == "kv_cache":
+        if not (p.origin or (every and p.diverged)) or p.kind == PointKind.KV_CACHE:
             continue
         names = [p.name, *p.consumes.points]
         runs = {}

@@ -23,6 +23,7 @@ from tracer.diff.positions import PositionStats
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison, PointResult, SkipRecord, check_fail_on, skip_record
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind, point_kind
 from tracer.execute.records import RunRecord
 from tracer.load.contract import contract_differences
 from tracer.store.stream import RowBlocks, stored_pairs
@@ -64,7 +65,7 @@ def check_alignable(name_a: str, ids_a: list[int], window_a, name_b: str, ids_b:
 
 def _prefix_rows(kind: str, calls: list, window_start: int) -> int | None:
     """Rows of a ``kv_cache`` tensor that lie before the compared window (None for other kinds)."""
-    if kind != "kv_cache" or not calls:
+    if kind != PointKind.KV_CACHE or not calls:
         return None
     first = int(calls[-1]["positions"][0])
     return max(0, window_start - first)
@@ -80,7 +81,7 @@ def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
     from tracer.diff.metrics import bits_equal, has_nonfinite
 
     shape = tuple(ta.shape)
-    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     n_nan = n_inf = 0
     device = torch.device("cpu")
     for _r0, xa, xb in ta.blocks:
@@ -117,7 +118,7 @@ def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, t
                 pos.finish()
             return index, acc
         blocks = ta.reread()  # the hint was wrong: compare the point in full, read again
-    acc = LogitsAccumulator(shape[1]) if kind == "logits" and len(shape) == 2 else None
+    acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     index = None
     for r0, xa, xb in blocks:
         if index is None:
@@ -171,6 +172,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     skips = list(skipped)
     logits_acc = None
     for name, kind, op, ta, tb, ca, cb in pairs:
+        kind = point_kind(kind, name)
         if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
             skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
             continue
@@ -181,13 +183,13 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
             )
         if isinstance(ta, RowBlocks):  # streamed in row blocks: the same numbers, bounded memory
             index, acc = _stream_pair(batch, per_position, name, kind, ta, _prefix_rows(kind, ca, positions[0]))
-            if kind == "logits":
+            if kind == PointKind.LOGITS:
                 logits_acc, logits_pair, logits_name, logits_calls = acc, (index, None, None), name, (ca, cb)
             else:
                 queued.append((index, name, kind, op, ca, cb, _prefix_rows(kind, ca, positions[0])))
             continue
         per_position.add(name, kind, ta, tb)
-        if kind == "logits":  # element-wise statistics in the batch; per-position ones below
+        if kind == PointKind.LOGITS:  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
             logits_calls = (ca, cb)
@@ -313,7 +315,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         autos = [r.meta["store_auto"] for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)]
         kinds = {n: k for a in autos if isinstance(a.get("kinds"), dict) for n, k in a["kinds"].items()}
         dropped = [n for a in autos for n in a.get("dropped") or [] if isinstance(n, str)]
-        skipped += [SkipRecord(n, str(kinds.get(n, "layer")), "not stored (--store auto kept statistics only; "
+        skipped += [SkipRecord(n, point_kind(kinds.get(n, "layer"), n), "not stored (--store auto kept statistics only; "
                                "'tracer report' shows the run-time comparison)")
                     for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,10 @@ from tracer.diff.result import Comparison
 from tracer.store.enginedump import read_dump
 from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+
+if TYPE_CHECKING:  # h5py is loaded only when a trace is read
+    from tracer.store.trace import TraceReader
 
 #: run meta key marking a run written by ``tracer import``
 IMPORTED = "engine_dump"
@@ -32,7 +36,7 @@ def is_dump(ref: str) -> bool:
     return p.is_dir() or (p.is_file() and p.suffix in (".safetensors", ".npz"))
 
 
-def ref_layout(reader: Any, run: str) -> RefLayout:
+def ref_layout(reader: TraceReader, run: str) -> RefLayout:
     """The :class:`~tracer.execute.enginemap.RefLayout` of run ``run`` of an open trace.
 
     Raises:
@@ -44,14 +48,14 @@ def ref_layout(reader: Any, run: str) -> RefLayout:
         raise TracerError(f"trace {reader.path} holds no tensors for run {run} (written with --store stats/none); "
                           "re-run the reference with --store tensors")
     names = {n: (i["kind"], i["op"], tuple(i["shape"][1:]), i["dtype"]) for n, (i, _ds) in caps.items()}
-    layers = [n for n, v in names.items() if v[0] == "layer"]
+    layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
     model = reader.header.get("model", {})
     return RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
                      n_layers=len(layers), token_ids=list(rec.token_ids), window=tuple(rec.window),
                      family=model.get("family", "?") if isinstance(model, dict) else "?")
 
 
-def _resolve_run(reader: Any, run: str | None) -> str:
+def _resolve_run(reader: TraceReader, run: str | None) -> str:
     if run is None:
         if not reader.runs:
             raise TracerError(f"trace {reader.path} holds no runs")
@@ -59,7 +63,7 @@ def _resolve_run(reader: Any, run: str | None) -> str:
     return run
 
 
-def map_engine_dump(dump: str, reader: Any, run: str, engine_map: str | None = None) -> MappedDump:
+def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | None = None) -> MappedDump:
     """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``.
 
     Raises:
@@ -71,7 +75,7 @@ def map_engine_dump(dump: str, reader: Any, run: str, engine_map: str | None = N
     return map_dump(raw, layout, emap)
 
 
-def _imported(reader: Any, run: str) -> MappedDump | None:
+def _imported(reader: TraceReader, run: str) -> MappedDump | None:
     """The :class:`MappedDump` stored by ``tracer import`` as run ``run``, or None for an ordinary run."""
     rec = reader.run(run, load_tensors=False)
     info = rec.meta.get(IMPORTED)
@@ -163,7 +167,7 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
             f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
 
 
-def _mapped(dump: str, reader: Any, run: str, engine_map: str | None) -> MappedDump:
+def _mapped(dump: str, reader: TraceReader, run: str, engine_map: str | None) -> MappedDump:
     if is_dump(dump):
         return map_engine_dump(dump, reader, run, engine_map)
     from tracer.store.trace import TraceReader

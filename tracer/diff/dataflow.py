@@ -62,6 +62,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tracer import schema
+from tracer.execute.kinds import PointKind
+
 ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 ATTN_NORMS = ("input_layernorm", "ln_1", "attention_norm", "input_norm")
@@ -70,7 +73,7 @@ MLP_NORMS = ("pre_feedforward_layernorm", "post_attention_layernorm", "ln_2", "f
 
 
 @dataclass(frozen=True)
-class Consumes:
+class Consumes(schema.Record):
     """What one capture point consumes.
 
     Attributes:
@@ -85,9 +88,6 @@ class Consumes:
     points: tuple[str, ...]
     prefix: tuple[str, ...] = ()
     rule: str = "structure"
-
-    def to_dict(self) -> dict:
-        return {"points": list(self.points), "prefix": list(self.prefix), "rule": self.rule}
 
 
 def _first(present: set[str], *cands: str) -> str | None:
@@ -184,8 +184,8 @@ def dataflow(points: list[tuple[str, str]]) -> dict[str, Consumes]:
 def _dataflow(points: tuple[tuple[str, str], ...]) -> dict[str, Consumes]:
     names = [n for n, _ in points]
     kinds = dict(points)
-    layers = [n for n, k in points if k == "layer"]
-    embedding = next((n for n, k in points if k == "embedding"), None)
+    layers = [n for n, k in points if k == PointKind.LAYER]
+    embedding = next((n for n, k in points if k == PointKind.EMBEDDING), None)
     layer_of: dict[str, str] = {}
     for n in names:
         owner = max((lay for lay in layers if n == lay or n.startswith(lay + ".")), key=len, default=None)
@@ -208,7 +208,7 @@ def _dataflow(points: tuple[tuple[str, str], ...]) -> dict[str, Consumes]:
             resolved = tuple(dict.fromkeys(
                 (prev_x if d == "X" else f"{lay}.{d}" if d else lay) for d in deps if not (d == "X" and prev_x is None)))
             prefix: tuple[str, ...] = ()
-            if kinds.get(n) == "kv_cache":
+            if kinds.get(n) == PointKind.KV_CACHE:
                 prefix = (prev_kv,) if prev_kv else ()
                 layer_kv = n
             out[n] = Consumes(points=tuple(r for r in resolved if r != n), prefix=prefix, rule=rule)
@@ -218,12 +218,12 @@ def _dataflow(points: tuple[tuple[str, str], ...]) -> dict[str, Consumes]:
     for n, k in points:
         if n in out:
             continue
-        if k == "embedding":
+        if k == PointKind.EMBEDDING:
             out[n] = Consumes(points=())
-        elif k == "final_norm":
+        elif k == PointKind.FINAL_NORM:
             out[n] = Consumes(points=(layers[-1],) if layers else ())
-        elif k == "logits":
-            norm = next((m for m, kk in points if kk == "final_norm"), None)
+        elif k == PointKind.LOGITS:
+            norm = next((m for m, kk in points if kk == PointKind.FINAL_NORM), None)
             out[n] = Consumes(points=(norm,) if norm else ((layers[-1],) if layers else ()))
         else:  # outside any layer and of unknown kind: everything before it
             idx = names.index(n)

@@ -4,7 +4,7 @@ Inputs are two torch tensors of the same shape and the same floating dtype (bflo
 float32 or float64), compared element by element in the **storage dtype** (bit patterns) and in
 float64 (differences). Work happens on the tensors' device, in flat chunks of
 :data:`CHUNK_ELEMENTS` elements, so a ``(1000, 151936)`` bf16 logits tensor never materialises
-whole in float64. Nothing here imports the rest of tracer.
+whole in float64. Nothing here imports the rest of tracer but its dtype table and the result schema.
 
 Conventions, applied by every function:
 
@@ -33,12 +33,12 @@ Conventions, applied by every function:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from tracer import schema
 from tracer.dtypes import FLOATS, INT_VIEW
 
 #: dtype → the signed integer dtype of the same width, used to read bit patterns
@@ -55,7 +55,7 @@ CHUNK_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
-class TensorDiff:
+class TensorDiff(schema.Record):
     """Element-wise comparison of two same-shape, same-dtype tensors A (reference) and B.
 
     Attributes:
@@ -118,15 +118,9 @@ class TensorDiff:
         """True when either side holds a NaN."""
         return self.n_nan_a > 0 or self.n_nan_b > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (floats may be ``inf``/``nan``; tuples become lists)."""
-        d = asdict(self)
-        d["ulp_hist"] = list(self.ulp_hist)
-        return d
-
 
 @dataclass(frozen=True)
-class ArgmaxFlip:
+class ArgmaxFlip(schema.Record):
     """One position whose top-1 token differs between the runs.
 
     Attributes:
@@ -141,13 +135,9 @@ class ArgmaxFlip:
     margin_a: float
     margin_b: float
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict."""
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class LogitsDiff:
+class LogitsDiff(schema.Record):
     """Comparison of two logits tensors of shape ``(T, V)``.
 
     Attributes:
@@ -170,19 +160,6 @@ class LogitsDiff:
     top5_overlap: float
     top10_overlap: float
     rank_of_a_top_in_b_max: int
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (nested records become dicts, tuples lists)."""
-        return {
-            "tensor": self.tensor.to_dict(),
-            "n_positions": self.n_positions,
-            "argmax_flips": [f.to_dict() for f in self.argmax_flips],
-            "kl_mean": self.kl_mean,
-            "kl_max": self.kl_max,
-            "top5_overlap": self.top5_overlap,
-            "top10_overlap": self.top10_overlap,
-            "rank_of_a_top_in_b_max": self.rank_of_a_top_in_b_max,
-        }
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

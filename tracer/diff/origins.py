@@ -12,11 +12,12 @@ from dataclasses import replace
 from tracer.diff.dataflow import dataflow
 from tracer.diff.metrics import amplification
 from tracer.diff.result import Comparison, PointResult
+from tracer.execute.kinds import PointKind
 
 
 def _growth(points: list[PointResult]) -> list[float | None]:
     """Layer-to-layer amplification of each point (see ``PointResult.growth``)."""
-    layers = [p.name for p in points if p.kind == "layer"]
+    layers = [p.name for p in points if p.kind == PointKind.LAYER]
     by_name = {p.name: p for p in points}
     out: list[float | None] = []
     for p in points:

@@ -9,9 +9,11 @@ Computed while comparing (:func:`tracer.diff.compare.compare_pairs` feeds every 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import torch
+
+from tracer.execute.kinds import PointKind
 
 #: at most this many position columns are kept; longer windows are binned
 MAX_COLUMNS = 2048
@@ -50,6 +52,23 @@ def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
         mx[s:s + step] = d.amax(dim=1).to(torch.float64)
         nd[s:s + step] = differ.sum(dim=1)
     return mx, nd
+
+
+class PerPosition(TypedDict):
+    """:meth:`PositionStats.result`: per capture point (C of them) and compared position (T / bin columns).
+
+    Keys: ``start``, ``stop`` (the compared absolute positions), ``bin`` (positions per column),
+    ``names``, ``kinds`` (the C points), ``max_abs_diff`` (C × columns, float64, ``inf`` for a
+    NaN/inf mismatch) and ``n_diff`` (C × columns, differing elements).
+    """
+
+    start: int
+    stop: int
+    bin: int
+    names: list[str]
+    kinds: list[PointKind]
+    max_abs_diff: list[list[float]]
+    n_diff: list[list[int]]
 
 
 #: pairs smaller than this (elements) are reduced together, concatenated by feature size and
@@ -144,16 +163,15 @@ class PositionStats:
             for (index, _, _), m, n in zip(items, mx.split(rows), nd.split(rows)):
                 self._store(index, m, n)
 
-    def result(self) -> dict[str, Any] | None:
-        """``{"start", "stop", "bin", "names", "kinds", "max_abs_diff": [[float]] (C, T/bin),
-        "n_diff": [[int]] (C, T/bin)}`` (one host transfer), or None when no pair had positions."""
+    def result(self) -> PerPosition | None:
+        """The :class:`PerPosition` table (one host transfer), or None when no pair had positions."""
         self._flush()
         if not self.names:
             return None
         mx = torch.stack(self.max).cpu()
         nd = torch.stack(self.n).cpu()
-        return {"start": self.start, "stop": self.stop, "bin": self.bin, "names": list(self.names),
-                "kinds": list(self.kinds), "max_abs_diff": mx.tolist(), "n_diff": nd.tolist()}
+        return PerPosition(start=self.start, stop=self.stop, bin=self.bin, names=list(self.names),
+                           kinds=list(self.kinds), max_abs_diff=mx.tolist(), n_diff=nd.tolist())
 
 
 class RowStats:

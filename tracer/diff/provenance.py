@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from tracer.execute import kernels as _k
+from tracer.execute.kinds import PointKind
 
 CLASSES = ("shape-driven kernel switch", "kernel switch", "same kernel, different bits", "born in an earlier pass",
            "origin", "inherited")
@@ -70,7 +71,7 @@ def classify(p: Any, positions: tuple[int, int]) -> dict[str, Any] | None:
     out = {"kernels_a": _k.summarize(ka), "kernels_b": _k.summarize(kb), "compared_by": "none"}
     if not p.origin:
         return dict(out, **{"class": "inherited"})
-    if p.kind == "kv_cache" and p.n_diff_prefix and p.diff.n_diff == p.n_diff_prefix:
+    if p.kind == PointKind.KV_CACHE and p.n_diff_prefix and p.diff.n_diff == p.n_diff_prefix:
         return dict(out, **{"class": "born in an earlier pass"})
     if ka is None or kb is None:
         return dict(out, **{"class": "origin"})

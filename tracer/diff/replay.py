@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tracer import schema
 from tracer.errors import TracerError
 
 
 @dataclass(frozen=True)
-class Replay:
+class Replay(schema.Record):
     """Greedy continuations of both runs from their own KV caches (``--decode T``).
 
     Attributes:
@@ -32,9 +33,8 @@ class Replay:
             return f"replay: the {n} greedy tokens after the prompt are identical in both runs"
         return f"replay: the greedy continuations differ from generated token {self.first_diff} of {n}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"steps": len(self.tokens_a), "first_diff": self.first_diff, "tokens_a": list(self.tokens_a),
-                "tokens_b": list(self.tokens_b), "text_a": self.text_a, "text_b": self.text_b}
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["steps"] = len(self.tokens_a)
 
 
 def replay_diff(tokens_a: list[int], tokens_b: list[int], text_a: str | None = None,

@@ -10,13 +10,19 @@ the origin analysis :mod:`tracer.diff.origins`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tracer import schema
+from tracer.diff.accuracy import OpReplay
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff
+from tracer.diff.positions import PerPosition
 from tracer.diff.provenance import class_text, classify, kernel_rows
+from tracer.diff.replay import Replay
+from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind, point_kind
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -25,8 +31,11 @@ NAN_PAYLOAD = "NaN in both runs (payload differs)"
 
 
 @dataclass(frozen=True)
-class PointResult:
+class PointResult(schema.Record):
     """The comparison at one capture point.
+
+    Its document (:meth:`to_dict`) holds the metrics' keys beside its own, the shapes under
+    ``shapes_a``/``shapes_b``, and the derived ``fraction`` (differing / total).
 
     Attributes:
         name: HF module path.
@@ -48,12 +57,12 @@ class PointResult:
     """
 
     name: str
-    kind: str
+    kind: PointKind
     op: str
-    diff: TensorDiff
+    diff: TensorDiff = schema.field(flatten=True)
     amplification: float | None = None
-    calls_a: list[dict[str, Any]] = field(default_factory=list)
-    calls_b: list[dict[str, Any]] = field(default_factory=list)
+    calls_a: list[dict[str, Any]] = schema.field(key="shapes_a", default_factory=list)
+    calls_b: list[dict[str, Any]] = schema.field(key="shapes_b", default_factory=list)
     growth: float | None = None
     consumes: Consumes = Consumes(points=())
     origin: bool = False
@@ -65,24 +74,12 @@ class PointResult:
     def diverged(self) -> bool:
         return self.diff.n_diff > 0
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {"name": self.name, "kind": self.kind, "op": self.op}
-        d.update(self.diff.to_dict())
-        d["fraction"] = self.diff.n_diff / self.diff.n_total if self.diff.n_total else 0.0
-        d["amplification"] = self.amplification
-        d["growth"] = self.growth
-        d["origin"] = self.origin
-        d["consumes"] = self.consumes.to_dict()
-        d["differing_inputs"] = list(self.differing_inputs)
-        d["n_diff_prefix"] = self.n_diff_prefix
-        d["n_outside_tol"] = self.n_outside_tol
-        d["shapes_a"] = self.calls_a
-        d["shapes_b"] = self.calls_b
-        return d
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["fraction"] = self.diff.n_diff / self.diff.n_total if self.diff.n_total else 0.0
 
 
 @dataclass(frozen=True)
-class SkipRecord:
+class SkipRecord(schema.Record):
     """A capture point that could not be compared, kept in the result (never dropped).
 
     Attributes:
@@ -93,27 +90,36 @@ class SkipRecord:
     """
 
     name: str
-    kind: str
+    kind: PointKind
     reason: str
     fails: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "reason": self.reason, "fails": self.fails}
 
 
 def skip_record(name: str, kind: str, run: str, missing: bool) -> SkipRecord:
     """The :class:`SkipRecord` of a point missing (or empty) in ``run``: failing, except a KV cache
-    left empty by a run that recomputes without one."""
+    left empty by a run that recomputes without one.
+
+    Raises:
+        TracerError: a kind tracer does not know.
+    """
+    kind = point_kind(kind, name)
     if missing:
         return SkipRecord(name, kind, f"missing in run {run}")
-    if kind == "kv_cache":
+    if kind == PointKind.KV_CACHE:
         return SkipRecord(name, kind, f"no KV cache in run {run} (it keeps none)", fails=False)
     return SkipRecord(name, kind, f"empty in run {run}")
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(schema.Record):
     """Run A versus run B of one scenario: the amplification table as data.
+
+    Its document (:meth:`to_dict`, the JSON of ``tracer run --format json``, stored in traces
+    under ``/comparisons/<name>``) keeps the layout users know: the points under ``layers``, the
+    run names under ``runs``, the logits' fields with the logits, tolerances under ``tolerance``,
+    flips at absolute positions; plus the derived ``origins``, ``first_divergent``, ``identical``,
+    ``verdict``, ``check`` and, per layer, its kernels and origin class. :meth:`from_dict` reads
+    it back, as every field is in it (:mod:`tracer.schema`).
 
     Attributes:
         scenario, model: names, for the report.
@@ -128,29 +134,39 @@ class Comparison:
             when nothing before the logits differs).
         per_position: max |A − B| and differing count per capture point and compared position
             (:meth:`tracer.diff.positions.PositionStats.result`; the position heat map's data), or None.
+        logits_calls: the shapes the LM head saw in each run.
+        logits_origin, logits_n_outside_tol: the logits as an origin; their elements outside the tolerance.
+        atol, rtol: the tolerance the comparison was made with (None: none).
+        replay: the decode replay (``--decode``), or None.
+        noise: the noise-or-defect verdict (``--verdict``), or None.
+        fail_on: the ``--fail-on`` rule :meth:`check` judges by by default.
+        op_replay: capture name → the float64 replay of that origin op (``--op-replay``), or None.
+        skipped: the points that could not be compared (missing or empty in one run).
     """
 
     scenario: str
     model: str
     positions: tuple[int, int]
-    run_a: str
-    run_b: str
-    points: tuple[PointResult, ...]
-    logits_name: str | None
-    logits: LogitsDiff | None
-    logits_calls: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], [])
+    run_a: str = schema.field(key=("runs", 0))
+    run_b: str = schema.field(key=("runs", 1))
+    points: tuple[PointResult, ...] = schema.field(key="layers")
+    logits_name: str | None = schema.field(key=("logits", "name"), default=None)
+    logits: LogitsDiff | None = schema.field(rename={"n_positions": "positions", "argmax_flips": "flips"},
+                                             inline=("tensor",), default=None)
+    logits_calls: tuple[list[dict[str, Any]], list[dict[str, Any]]] = schema.field(key=("logits", "calls"),
+                                                                                  default=([], []))
     trace: str | None = None
-    facts: dict[str, Any] = field(default_factory=dict)
-    logits_origin: bool = False
-    logits_n_outside_tol: int | None = None
-    atol: float | None = None
-    rtol: float | None = None
-    replay: Any = None
-    noise: Any = None
-    fail_on: str | None = None
-    logits_amplification: float | None = None
-    per_position: dict[str, Any] | None = None
-    op_replay: Any = None  # capture name -> tracer.diff.accuracy.OpReplay (origins replayed in float64)
+    facts: dict[str, Any] = schema.field(default_factory=dict)
+    logits_origin: bool = schema.field(key=("logits", "origin"), default=False)
+    logits_n_outside_tol: int | None = schema.field(key=("logits", "n_outside_tol"), default=None)
+    atol: float | None = schema.field(key=("tolerance", "atol"), default=None)
+    rtol: float | None = schema.field(key=("tolerance", "rtol"), default=None)
+    replay: Replay | None = None
+    noise: NoiseVerdict | None = schema.field(key="noise_verdict", default=None)
+    fail_on: str | None = schema.field(key=("check", "fail_on"), default=None)
+    logits_amplification: float | None = schema.field(key=("logits", "amplification"), default=None)
+    per_position: PerPosition | None = None
+    op_replay: dict[str, OpReplay] | None = None
     skipped: tuple[SkipRecord, ...] = ()
 
     @property
@@ -163,13 +179,16 @@ class Comparison:
         """The origin points in execution order (the logits are an origin via :attr:`logits_origin`)."""
         return tuple(p for p in self.points if p.origin)
 
+    def origin_points(self) -> tuple[PointResult, ...]:
+        """:attr:`origins`, and the logits as a point (op ``LM head``) when they are an origin."""
+        if not (self.logits_origin and self.logits is not None):
+            return self.origins
+        return self.origins + (PointResult(self.logits_name or "logits", PointKind.LOGITS, "LM head", self.logits.tensor,
+                                           calls_a=self.logits_calls[0], calls_b=self.logits_calls[1]),)
+
     def origin_lines(self) -> list[str]:
         """One line per origin: op type, shapes in both runs, how much differs (see :func:`origin_line`)."""
-        lines = [origin_line(p, self) for p in self.origins]
-        if self.logits_origin and self.logits is not None:
-            lines.append(origin_line(PointResult(self.logits_name or "logits", "logits", "LM head", self.logits.tensor,
-                                                 calls_a=self.logits_calls[0], calls_b=self.logits_calls[1]), self))
-        return lines
+        return [origin_line(p, self) for p in self.origin_points()]
 
     def check(self, fail_on: str | None = "default") -> tuple[bool, str]:
         """Judge the comparison by a ``--fail-on`` rule.
@@ -260,49 +279,30 @@ class Comparison:
         what = f": {NAN_PAYLOAD}" if first is not None and first.nan_payload_only else ""
         return f"diverges from {self.first_divergent}{what}{tail if self.logits is not None else ''}"
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON document of ``tracer run --format json``."""
-        logits = None
-        if self.logits is not None:
-            lt = self.logits
-            logits = {
-                "name": self.logits_name,
-                **lt.tensor.to_dict(),
-                "argmax_flips": len(lt.argmax_flips),
-                "positions": lt.n_positions,
-                "flips": [
-                    {**f.to_dict(), "position": self.positions[0] + f.position} for f in lt.argmax_flips
-                ],
-                **{k: v for k, v in lt.to_dict().items() if k not in ("tensor", "argmax_flips", "n_positions")},
-            }
-        if logits is not None:
-            logits["origin"] = self.logits_origin
-            logits["n_outside_tol"] = self.logits_n_outside_tol
-        origins = [origin_record(p, self) for p in self.origins]
-        if self.logits_origin and self.logits is not None:
-            origins.append({"name": self.logits_name, "op": "LM head", "text": self.origin_lines()[-1]})
-        return {
-            "scenario": self.scenario,
-            "model": self.model,
-            "positions": list(self.positions),
-            "runs": [self.run_a, self.run_b],
-            "origins": origins,
-            "layers": [dict(p.to_dict(), kernels_a=kernel_rows(p.calls_a, self.positions),
-                            kernels_b=kernel_rows(p.calls_b, self.positions),
-                            **{"class": (classify(p, self.positions) or {}).get("class")}) for p in self.points],
-            "logits": logits,
-            "first_divergent": self.first_divergent,
-            "skipped": [s.to_dict() for s in self.skipped],
-            "identical": self.identical,
-            "verdict": self.verdict(),
-            "tolerance": {"atol": self.atol, "rtol": self.rtol},
-            "check": dict(zip(("failed", "reason"), self.check()), fail_on=self.fail_on),
-            "replay": self.replay.to_dict() if self.replay is not None else None,
-            "noise_verdict": self.noise.to_dict() if self.noise is not None else None,
-            "trace": self.trace,
-            "facts": self.facts,
-            "per_position": self.per_position,
-        }
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        """The derived keys of the document, and the logits' flips at absolute positions."""
+        for rec, p in zip(doc["layers"], self.points):
+            rec.update(kernels_a=kernel_rows(p.calls_a, self.positions), kernels_b=kernel_rows(p.calls_b, self.positions),
+                       **{"class": (classify(p, self.positions) or {}).get("class")})
+        if doc.get("logits") is not None:
+            doc["logits"]["argmax_flips"] = len(self.logits.argmax_flips)
+            doc["logits"]["flips"] = [{**f, "position": self.positions[0] + f["position"]} for f in doc["logits"]["flips"]]
+        origins = [origin_record(p, self) for p in self.origin_points()]
+        failed, reason = self.check()
+        doc["check"].update(failed=failed, reason=reason)
+        doc.update(origins=origins, first_divergent=self.first_divergent, identical=self.identical,
+                   verdict=self.verdict())
+
+    @classmethod
+    def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """The flips back at positions within the window."""
+        lg = doc.get("logits")
+        if not isinstance(lg, dict) or not isinstance(lg.get("flips"), list):
+            return doc
+        start = int((doc.get("positions") or [0])[0])
+        flips = [{**f, "position": f["position"] - start} if isinstance(f, dict) and isinstance(f.get("position"), int)
+                 else f for f in lg["flips"]]
+        return {**doc, "logits": {**lg, "flips": flips}}
 
 
 def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:
@@ -345,15 +345,15 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     if call is None:
         return {}
     ins, outs = call.get("in") or [], call.get("out") or []
-    if p.kind == "kv_cache":
+    if p.kind == PointKind.KV_CACHE:
         return {"positions": list(call["positions"])}
-    if p.kind == "attention_core" and ins:
+    if p.kind == PointKind.ATTENTION_CORE and ins:
         return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
-    if p.kind in ("linear",) and ins and outs:
+    if p.kind in (PointKind.LINEAR,) and ins and outs:
         return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
-    if p.kind == "logits" and ins and outs:
+    if p.kind == PointKind.LOGITS and ins and outs:
         return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
-    src = ins[0] if p.kind in ("attention_core", "mlp_hidden") and ins else (outs[0] if outs else None)
+    src = ins[0] if p.kind in (PointKind.ATTENTION_CORE, PointKind.MLP_HIDDEN) and ins else (outs[0] if outs else None)
     if not src:
         return {}
     return {"rows": _prod(src[:-1]), "width": int(src[-1])}
@@ -398,7 +398,7 @@ def _shape_text(p: PointResult, c: Comparison) -> str:
     if "queries" in a and "queries" in b:
         return (f"queries {each(ea, 'queries')} vs {each(eb, 'queries')}, keys {each(ea, 'keys')} vs "
                 f"{each(eb, 'keys')}, width {a['width']}")
-    if p.kind == "kv_cache":
+    if p.kind == PointKind.KV_CACHE:
         first, stop = (a.get("positions") or [0, 0])
         text = f"positions {first}..{stop - 1}"
         if p.n_diff_prefix:
@@ -420,7 +420,7 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     earlier forward pass, not traced op by op) and, for a decoder layer origin at layers
     granularity, the hint to re-run with ``--granularity sublayers``.
     """
-    op = "KVCache" if p.kind == "kv_cache" else p.op
+    op = "KVCache" if p.kind == PointKind.KV_CACHE else p.op
     shapes = _shape_text(p, c)
     head = f"{p.name} ({op}{', ' + shapes if shapes else ''})"
     d = p.diff
@@ -429,15 +429,15 @@ def origin_line(p: PointResult, c: Comparison) -> str:
     if d.nan_payload_only:
         body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}: {NAN_PAYLOAD}"
     tail = ""
-    if p.kind == "kv_cache" and p.n_diff_prefix:
+    if p.kind == PointKind.KV_CACHE and p.n_diff_prefix:
         inside = d.n_diff - p.n_diff_prefix
         tail = (f"; {p.n_diff_prefix:,} of them before the compared window: born in the forward pass that "
                 f"computed those positions (not traced op by op)" + (f", {inside:,} inside it" if inside else ""))
-    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != "kv_cache"]
-    if p.kind == "layer" and not subs:
+    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != PointKind.KV_CACHE]
+    if p.kind == PointKind.LAYER and not subs:
         tail = f"; origin within {p.name} (use --granularity sublayers to find the op)"
-    if p.kind == "kv_cache" and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
-                                     and q.kind not in ("kv_cache",)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
+    if p.kind == PointKind.KV_CACHE and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
+                                     and q.kind not in (PointKind.KV_CACHE,)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
         tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"
     info = classify(p, c.positions)
     if info is not None and (info["kernels_a"] != "-" or info["kernels_b"] != "-"):

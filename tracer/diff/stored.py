@@ -2,77 +2,20 @@
 
 ``tracer run`` and ``tracer audit`` store every comparison's :meth:`Comparison.to_dict` in the
 trace (``/comparisons/<name>``); :func:`comparison_from_dict` turns that document back into the
-result object, so reports and figures are drawn from the stored numbers without re-reading any
-tensor (and from ``--store stats`` traces, which hold no tensors).
+result object (:meth:`Comparison.from_dict`: every field is in the document, :mod:`tracer.schema`),
+so reports and figures are drawn from the stored numbers without re-reading any tensor (and from
+``--store stats`` traces, which hold no tensors). Documents written before a field existed give
+that field its default.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 import os
+from dataclasses import replace
 from typing import Any
 
-from tracer.diff.replay import Replay
-from tracer.diff.result import Comparison, PointResult
-from tracer.diff.dataflow import Consumes
+from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.diff.metrics import ArgmaxFlip, LogitsDiff, TensorDiff
-
-_TENSOR_FIELDS = ("n_total", "n_diff", "max_abs_diff", "mean_abs_diff", "max_ulp", "ulp_hist", "rel_error", "cosine",
-                  "sqnr_db", "frac_rel_lt_1e3", "frac_rel_lt_5e3", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b",
-                  "max_ulp_mag")
-
-
-def _num(x: Any) -> Any:
-    """Undo the strict-JSON encoding of non-finite floats (``"inf"``, ``"-inf"``, ``"nan"``; None → nan)."""
-    if x is None:
-        return math.nan
-    if isinstance(x, str):
-        return float(x)
-    return x
-
-
-def _tensor(d: dict[str, Any]) -> TensorDiff:
-    kw = {k: _num(d[k]) for k in _TENSOR_FIELDS if k in d}
-    kw["ulp_hist"] = tuple(int(v) for v in d.get("ulp_hist", ()))
-    for k in ("n_total", "n_diff", "max_ulp", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b"):
-        kw[k] = int(kw[k])
-    return TensorDiff(**kw)
-
-
-def _point(d: dict[str, Any]) -> PointResult:
-    cons = d.get("consumes") or {}
-    return PointResult(
-        name=d["name"], kind=d["kind"], op=d.get("op", ""), diff=_tensor(d),
-        amplification=d.get("amplification"), growth=d.get("growth"),
-        calls_a=list(d.get("shapes_a") or []), calls_b=list(d.get("shapes_b") or []),
-        consumes=Consumes(points=tuple(cons.get("points", ())), prefix=tuple(cons.get("prefix", ())),
-                          rule=cons.get("rule", "structure")),
-        origin=bool(d.get("origin")), differing_inputs=tuple(d.get("differing_inputs", ())),
-        n_diff_prefix=d.get("n_diff_prefix"), n_outside_tol=d.get("n_outside_tol"))
-
-
-def _logits(d: dict[str, Any], start: int) -> LogitsDiff:
-    flips = tuple(ArgmaxFlip(position=int(f["position"]) - start, token_a=int(f["token_a"]), token_b=int(f["token_b"]),
-                             margin_a=_num(f["margin_a"]), margin_b=_num(f["margin_b"])) for f in d.get("flips", ()))
-    return LogitsDiff(tensor=_tensor(d), n_positions=int(d["positions"]), argmax_flips=flips,
-                      kl_mean=_num(d.get("kl_mean")), kl_max=_num(d.get("kl_max")),
-                      top5_overlap=_num(d.get("top5_overlap")), top10_overlap=_num(d.get("top10_overlap")),
-                      rank_of_a_top_in_b_max=int(d.get("rank_of_a_top_in_b_max") or 0))
-
-
-def _noise(d: dict[str, Any] | None) -> Any:
-    if not d:
-        return None
-    from tracer.diff.verdict import Level, NoiseVerdict
-
-    levels = tuple(Level(dtype=lv["dtype"], eps=_num(lv["eps"]), logits_max_abs=_num(lv["logits_max_abs"]),
-                         layer_max_abs=_num(lv["layer_max_abs"]), identical=bool(lv["identical"]),
-                         exponents=None if lv.get("exponents") is None else {k: (None if v is None else _num(v))
-                                                                             for k, v in lv["exponents"].items()},
-                         judgement=lv.get("judgement")) for lv in d.get("levels", ()))
-    return NoiseVerdict(verdict=d["verdict"], reason=d["reason"], layer=d.get("layer"), levels=levels)
 
 
 def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
@@ -82,26 +25,9 @@ def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
         TracerError: ``doc`` is not a comparison document (a key is missing or malformed).
     """
     try:
-        start, stop = (int(x) for x in doc["positions"])
-        lg = doc.get("logits")
-        replay = doc.get("replay")
-        runs = doc.get("runs") or ["A", "B"]
-        tol = doc.get("tolerance") or {}
-        return Comparison(
-            scenario=doc["scenario"], model=doc["model"], positions=(start, stop), run_a=runs[0], run_b=runs[1],
-            points=tuple(_point(p) for p in doc["layers"]),
-            logits_name=lg["name"] if lg else None, logits=_logits(lg, start) if lg else None,
-            trace=doc.get("trace"), facts=dict(doc.get("facts") or {}),
-            logits_origin=bool(lg.get("origin")) if lg else False,
-            logits_n_outside_tol=lg.get("n_outside_tol") if lg else None,
-            atol=tol.get("atol"), rtol=tol.get("rtol"),
-            replay=Replay(tokens_a=tuple(replay["tokens_a"]), tokens_b=tuple(replay["tokens_b"]),
-                          first_diff=replay.get("first_diff"), text_a=replay.get("text_a"),
-                          text_b=replay.get("text_b")) if replay else None,
-            noise=_noise(doc.get("noise_verdict")), fail_on=(doc.get("check") or {}).get("fail_on"),
-            per_position=doc.get("per_position"))
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise TracerError(f"not a stored comparison document ({type(e).__name__}: {e}); "
+        return Comparison.from_dict(doc)
+    except TracerError as e:
+        raise TracerError(f"not a stored comparison document ({e}); "
                           "was the trace written by this version of tracer?") from None
 
 

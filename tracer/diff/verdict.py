@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tracer import schema
 from tracer.errors import TracerError
 
 NOISE_MIN_EXPONENT = 0.5
@@ -59,7 +60,7 @@ def higher_dtypes(base: str, device: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class Level:
+class Level(schema.Record):
     """The divergence of one re-run.
 
     Attributes:
@@ -80,14 +81,9 @@ class Level:
     exponents: dict[str, float | None] | None = None
     judgement: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "eps": self.eps, "logits_max_abs": self.logits_max_abs,
-                "layer_max_abs": self.layer_max_abs, "identical": self.identical,
-                "exponents": self.exponents, "judgement": self.judgement}
-
 
 @dataclass(frozen=True)
-class NoiseVerdict:
+class NoiseVerdict(schema.Record):
     """Result of :func:`tracer.pipeline.precision_ladder`.
 
     Attributes:
@@ -116,10 +112,8 @@ class NoiseVerdict:
         out.append(f"noise verdict: {self.verdict}: {self.reason}")
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "reason": self.reason, "layer": self.layer,
-                "levels": [lv.to_dict() for lv in self.levels],
-                "rule": {"noise_min_exponent": NOISE_MIN_EXPONENT, "defect_max_exponent": DEFECT_MAX_EXPONENT}}
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["rule"] = {"noise_min_exponent": NOISE_MIN_EXPONENT, "defect_max_exponent": DEFECT_MAX_EXPONENT}
 
 
 def measure(c: Any, layer: str | None) -> tuple[float, float]:

@@ -22,6 +22,7 @@ import torch
 
 from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 _LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
 _RULE_KEYS = {"hf", "element", "sum", "split", "shard", "rows"}
@@ -191,7 +192,7 @@ def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
     """Resolve a rule's ``hf`` value to an HF capture name (None for ``-`` or out of range)."""
     if target == "-":
         return None
-    specials = {"@embedding": "embedding", "@final_norm": "final_norm", "@logits": "logits"}
+    specials = {"@embedding": PointKind.EMBEDDING, "@final_norm": PointKind.FINAL_NORM, "@logits": PointKind.LOGITS}
     if target in specials:
         return ref.special(specials[target])
     if target == "@last_layer":
@@ -515,7 +516,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
         if missing:
             partial.add(name)
             present = [p for p in range(lo, hi) if p in slot]
-            if present and ref.names[name][0] == "logits":
+            if present and ref.names[name][0] == PointKind.LOGITS:
                 partial_rows[name] = (present, torch.stack([slot[p][0][slot[p][1]] for p in present]))
                 continue  # compared at those positions on their own (compare_dump)
             notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
@@ -534,7 +535,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     if extra:
         notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
                      f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
-    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and n not in partial and k != "kv_cache"]
+    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and n not in partial and k != PointKind.KV_CACHE]
     if only_ref:
         notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
                      f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from dataclasses import replace as _replace
 from typing import Any, Callable
 
+from tracer import schema
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.plan.cost import scenario_cost
@@ -23,8 +24,13 @@ from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invarian
 
 
 @dataclass(frozen=True)
-class AuditRow:
+class AuditRow(schema.Record):
     """The outcome of one check.
+
+    Its document holds the check's keys beside its own (the label under ``check``, its
+    mitigations under ``applicable_mitigations``), ``max_logit_diff`` under ``max_abs_logit_diff``,
+    and the derived ``invariant``, ``holds_bitwise``, ``last_layer_differing``/``_total`` and
+    ``seed_status``.
 
     Attributes:
         status: ``passed`` (bit-identical), ``failed`` (diverged) or ``skipped`` (``reason`` says why).
@@ -34,33 +40,36 @@ class AuditRow:
             it could not run, as a string).
     """
 
-    check: Check
+    check: Check = schema.field(flatten=True, rename={"label": "check", "mitigations": "applicable_mitigations"})
     status: str
     reason: str | None = None
     last_layer: tuple[int, int] | None = None
-    max_logit_diff: float | None = None
+    max_logit_diff: float | None = schema.field(key="max_abs_logit_diff", default=None)
     argmax_flips: int | None = None
     first_divergent: str | None = None
-    mitigations: dict[str, bool | str] = field(default_factory=dict)
+    mitigations: dict[str, bool | str] = schema.field(default_factory=dict)
 
     @property
     def holds(self) -> bool | None:
         return None if self.status == "skipped" else self.status == "passed"
 
-    def to_dict(self) -> dict[str, Any]:
-        c = self.check
-        return {"key": c.key, "level": c.level, "scenario": c.scenario, "check": c.label,
-                "invariant": invariant(c), "status": self.status, "holds_bitwise": self.holds,
-                "reason": self.reason, "last_layer_differing": None if self.last_layer is None else self.last_layer[0],
-                "last_layer_total": None if self.last_layer is None else self.last_layer[1],
-                "max_abs_logit_diff": self.max_logit_diff, "argmax_flips": self.argmax_flips,
-                "first_divergent": self.first_divergent, "mitigations": dict(self.mitigations),
-                "seed_status": SEED_STATUS[c.level]}
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        last = self.last_layer or (None, None)
+        doc.update(invariant=invariant(self.check), holds_bitwise=self.holds, last_layer_differing=last[0],
+                   last_layer_total=last[1], seed_status=SEED_STATUS[self.check.level])
+
+    @classmethod
+    def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """A document written before ``last_layer`` was stored has it as its two derived keys."""
+        if "last_layer" in doc or doc.get("last_layer_total") is None:
+            return doc
+        return {**doc, "last_layer": [doc.get("last_layer_differing"), doc["last_layer_total"]]}
 
 
 @dataclass(frozen=True)
-class Audit:
-    """The hierarchy table as data: one row per check; ``total == passed + failed + skipped``."""
+class Audit(schema.Record):
+    """The hierarchy table as data: one row per check; ``total == passed + failed + skipped``
+    (the document's derived ``summary``, :meth:`counts`)."""
 
     model: str
     facts: dict[str, Any]
@@ -73,9 +82,8 @@ class Audit:
         assert out["total"] == out["passed"] + out["failed"] + out["skipped"]
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "facts": self.facts, "rows": [r.to_dict() for r in self.rows],
-                "summary": self.counts(), "trace": self.trace}
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["summary"] = self.counts()
 
 
 def _row(check: Check, comparison: Any) -> AuditRow:

@@ -30,18 +30,20 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from tracer import schema
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "c_auto", "d", "e_write", "e_read")
 
 
 @dataclass
-class BenchResult:
+class BenchResult(schema.Record):
     """Timings (seconds) per mode and derived ratios; see the module docstring."""
 
     config: dict[str, Any]
@@ -77,14 +79,12 @@ class BenchResult:
             r["b_over_fastest_peer"] = self.median("b") / min(self.median(m) for m in peers)
         return r
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON document of ``tracer bench --json``: the fields, medians, min, max and ratios."""
-        d = asdict(self)
-        d["median_s"] = {m: self.median(m) for m in self.times}
-        d["min_s"] = {m: min(v) for m, v in self.times.items()}
-        d["max_s"] = {m: max(v) for m, v in self.times.items()}
-        d["ratios"] = self.ratios()
-        return d
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        """The JSON document of ``tracer bench --json``: the fields, and the derived medians, min, max and ratios."""
+        doc["median_s"] = {m: self.median(m) for m in self.times}
+        doc["min_s"] = {m: min(v) for m, v in self.times.items()}
+        doc["max_s"] = {m: max(v) for m, v in self.times.items()}
+        doc["ratios"] = self.ratios()
 
 
 def _sync(device: str) -> None:

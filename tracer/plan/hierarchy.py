@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracer import schema
 from tracer.errors import TracerError
 
 #: the seed's status of each level ("The Illusion of Determinism", hierarchy table)
@@ -28,7 +29,7 @@ STATUSES = ("passed", "failed", "skipped")
 
 
 @dataclass(frozen=True)
-class Check:
+class Check(schema.Record):
     """One row of the audit: a scenario with the options that make this variant.
 
     Attributes:

@@ -133,7 +133,7 @@ def render_audit(a: Any, fmt: str = "table", console: Any = None) -> str | None:
             w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["key"], lineterminator="\n")
             w.writeheader()
             for r in rows:
-                w.writerow({k: json.dumps(v) if isinstance(v, dict) else ("" if v is None else v) for k, v in r.items()})
+                w.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v) for k, v in r.items()})
             return buf.getvalue()
         case "markdown":
             lines = [f"**{_title(a)}**", "", "| " + " | ".join(h for _, h in _COLUMNS) + " |",

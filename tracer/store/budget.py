@@ -13,9 +13,10 @@ This module is pure: names and byte counts in, names out (no tensors, no files).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tracer import schema
 from tracer.errors import TracerError
 
 #: default ``--max-trace-size``: full tensors kept by ``--store auto``, both runs together
@@ -65,7 +66,7 @@ def format_size(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class Kept:
+class Kept(schema.Record):
     """What ``--store auto`` wrote in full.
 
     Attributes:
@@ -75,12 +76,12 @@ class Kept:
         budget: the ``--max-trace-size`` in bytes.
     """
 
-    names: tuple[str, ...]
+    names: tuple[str, ...] = schema.field(key="kept")
     dropped: tuple[str, ...]
     kept_bytes: int
     total_bytes: int
     budget: int
-    reasons: dict[str, str] = field(default_factory=dict)
+    reasons: dict[str, str] = schema.field(default_factory=dict)
 
     def summary(self) -> str:
         """One line for the report, e.g. ``--store auto kept full tensors of 9 of 62 points (...)``."""
@@ -92,10 +93,6 @@ class Kept:
         return (f"--store auto kept full tensors of {len(self.names)} of {n} points ({format_size(self.kept_bytes)} of "
                 f"{format_size(self.total_bytes)}, --max-trace-size {format_size(self.budget)}): "
                 f"{shown or 'none'}; the other {len(self.dropped)} are statistics only (stored comparison)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kept": list(self.names), "dropped": list(self.dropped), "kept_bytes": self.kept_bytes,
-                "total_bytes": self.total_bytes, "budget": self.budget, "reasons": dict(self.reasons)}
 
 
 def choose(points: list[tuple[str, int]], budget: int, *, origins: tuple[str, ...] = (),

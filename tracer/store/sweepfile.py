@@ -8,42 +8,29 @@ resumes where it stopped. :class:`SweepResult` is the file's content as data.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
 import re
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tracer import schema
 from tracer.errors import TracerError
 
 FORMAT = "tracer-sweep"
 FORMAT_VERSION = 1
 READ_VERSIONS = (1,)
-#: per-row 1-D datasets of ``/sweep`` (name → numpy dtype)
-ROW_FIELDS = {
-    "length": np.int64,            # N, prompt tokens
-    "block_size": np.int64,        # KV block size in tokens
-    "split_at": np.int64,          # P, first compared position
-    "n_positions": np.int64,       # N - P compared positions
-    "first_divergent": np.int64,   # index into the `points` attribute; -1 = bit-identical
-    "last_layer_fraction": np.float64,  # differing fraction of the last decoder layer output
-    "logits_max_abs_diff": np.float64,  # max |logit_A - logit_B| over the compared positions
-    "argmax_flips": np.int64,      # compared positions whose top-1 token differs
-    "wall_s": np.float64,          # seconds this point took (not part of the result)
-}
-#: per-row 2-D datasets of ``/sweep``, one column per capture point (logits last)
-MATRIX_FIELDS = {"n_diff": np.int64, "n_total": np.int64, "max_abs_diff": np.float64}
-
-
 # ---------------------------------------------------------------- parsing the axes
 
 
 @dataclass(frozen=True)
-class SweepRow:
+class SweepRow(schema.Record):
     """The summary of one sweep point (one prompt length at one block size).
 
     Attributes:
@@ -69,15 +56,31 @@ class SweepRow:
     last_layer_fraction: float
     logits_max_abs_diff: float
     argmax_flips: int
-    wall_s: float = field(default=0.0, compare=False)
+    wall_s: float = schema.field(default=0.0, compare=False)
 
     @property
     def diverged(self) -> bool:
         return self.first_divergent >= 0
 
 
+def _columns() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The datasets of ``/sweep``, derived from :class:`SweepRow`'s fields: a scalar field is a 1-D
+    dataset (int → int64, float → float64), a per-point tuple a 2-D one (one column per capture
+    point, logits last)."""
+    rows, matrix = {}, {}
+    for f in schema.fields_of(SweepRow):
+        item = (typing.get_args(f.type) or (f.type,))[0]
+        (matrix if typing.get_origin(f.type) is tuple else rows)[f.name] = np.int64 if item is int else np.float64
+    return rows, matrix
+
+
+#: the per-row 1-D datasets of ``/sweep`` (name → numpy dtype: SweepRow's scalars) and the per-row
+#: 2-D datasets, one column per capture point (SweepRow's tuples)
+ROW_FIELDS, MATRIX_FIELDS = _columns()
+
+
 @dataclass
-class SweepResult:
+class SweepResult(schema.Record):
     """A sweep: its parameters, capture point names, and one :class:`SweepRow` per finished point.
 
     Attributes:
@@ -103,6 +106,19 @@ class SweepResult:
 
     def point_name(self, index: int) -> str | None:
         return self.points[index] if 0 <= index < len(self.points) else None
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One dict per row (``tracer sweep --format json/csv``): the row's scalar result fields
+        (those compared; not the timing), ``first_divergent`` as the point's name."""
+        out = []
+        for r in self.rows:
+            d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.compare and not isinstance(getattr(r, f.name), tuple)}
+            out.append({**d, "first_divergent": self.point_name(r.first_divergent)})
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The document of ``tracer sweep --format json``: :meth:`to_dict` with :meth:`summary_rows` as its rows."""
+        return {**self.to_dict(), "rows": self.summary_rows()}
 
     def rows_at(self, block_size: int | None = None) -> list[SweepRow]:
         """Rows at ``block_size`` (all when None), sorted by block size, then length."""
@@ -302,18 +318,7 @@ def _result_from_file(f: Any, path: str) -> SweepResult:
     g = f["sweep"]
     n = int(g.attrs["n_done"])
     cols = {name: (g[name][:n] if name in g else np.zeros((0,))) for name in (*ROW_FIELDS, *MATRIX_FIELDS)}
-    rows = []
-    for i in range(n):
-        rows.append(SweepRow(
-            length=int(cols["length"][i]), block_size=int(cols["block_size"][i]),
-            split_at=int(cols["split_at"][i]), n_positions=int(cols["n_positions"][i]),
-            first_divergent=int(cols["first_divergent"][i]),
-            n_diff=tuple(int(x) for x in cols["n_diff"][i]), n_total=tuple(int(x) for x in cols["n_total"][i]),
-            max_abs_diff=tuple(float(x) for x in cols["max_abs_diff"][i]),
-            last_layer_fraction=float(cols["last_layer_fraction"][i]),
-            logits_max_abs_diff=float(cols["logits_max_abs_diff"][i]),
-            argmax_flips=int(cols["argmax_flips"][i]), wall_s=float(cols["wall_s"][i]),
-        ))
+    rows = [SweepRow.from_dict({name: col[i].tolist() for name, col in cols.items()}) for i in range(n)]
     return SweepResult(params=json.loads(g.attrs["params"]), points=json.loads(g.attrs["points"]),
                        kinds=json.loads(g.attrs["kinds"]), rows=rows, path=path,
                        complete=bool(f.attrs.get("complete", False)))
