@@ -119,19 +119,11 @@ def default_output(model: str, root: str = "traces") -> Any:
 
 
 def row_record(row: AuditRow) -> dict[str, Any]:
-    """The part of a row that a resumed audit reads back (JSON: floats round-trip exactly)."""
-    return {"status": row.status, "reason": row.reason, "last_layer": list(row.last_layer) if row.last_layer else None,
-            "max_logit_diff": row.max_logit_diff, "argmax_flips": row.argmax_flips,
-            "first_divergent": row.first_divergent, "mitigations": dict(row.mitigations)}
+    """A row as it is kept on disk: its schema document (:meth:`AuditRow.to_dict`), JSON-safe
+    (read back bit for bit by :meth:`AuditRow.from_dict`)."""
+    from tracer.store.trace import json_safe
 
-
-def row_from_record(check: Check, rec: dict[str, Any]) -> AuditRow:
-    """The :class:`AuditRow` of :func:`row_record` ``rec`` for ``check``."""
-    last = rec.get("last_layer")
-    return AuditRow(check=check, status=rec["status"], reason=rec.get("reason"),
-                    last_layer=tuple(last) if last else None, max_logit_diff=rec.get("max_logit_diff"),
-                    argmax_flips=rec.get("argmax_flips"), first_divergent=rec.get("first_divergent"),
-                    mitigations=dict(rec.get("mitigations") or {}))
+    return json_safe(row.to_dict())
 
 
 def result_line(row: AuditRow) -> str:
@@ -215,7 +207,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
             bar.note(line)
         for i, c in enumerate(todo):
             if c.key in done:
-                row = row_from_record(c, done[c.key])
+                row = AuditRow.from_dict(done[c.key])
                 result = f"{result_line(row)} [kept from an earlier run]"
             else:
                 if on_check is not None:
@@ -234,7 +226,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
             on_check("done", len(todo), len(todo))
         if state is not None and state.reused is None:
             bar.note(f"audit: writing {out}")
-            state.merge([c.key for c in todo], [{**row_record(r), "key": r.check.key} for r in rows])
+            state.merge([c.key for c in todo], [row_record(r) for r in rows])
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
              "levels": selected}
@@ -405,4 +397,4 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
 
 
 __all__ = ["Audit", "AuditRow", "audit", "checks", "parse_levels", "skip_reason", "SEED_STATUS", "STATUSES",
-           "DEFAULT_LENGTH", "default_output", "row_record", "row_from_record"]
+           "DEFAULT_LENGTH", "default_output", "row_record"]
