@@ -446,16 +446,19 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
 
 
 def to_pandas(obj: Any) -> Any:
-    """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison) or per
-    sweep point (a SweepResult).
+    """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison; a
+    ``rollout-vs-train`` run's RL summary in ``frame.attrs["rl"]``), per sweep point (a SweepResult), or
+    per response token (the RL metrics ``result.comparison.rl``).
 
     Raises:
         TracerError: pandas is not installed.
     """
-    from tracer.report.frames import comparison_frame, sweep_frame
+    from tracer.report.frames import comparison_frame, rl_frame, sweep_frame
 
     if hasattr(obj, "rows") and hasattr(obj, "params"):
         return sweep_frame(obj)
+    if hasattr(obj, "dlogp") and hasattr(obj, "steps"):  # an RLComparison
+        return rl_frame(obj)
     return comparison_frame(getattr(obj, "comparison", obj))
 
 

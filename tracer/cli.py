@@ -55,7 +55,7 @@ ChatOpt = Annotated[bool, typer.Option("--chat", help="Apply the tokenizer's cha
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing --output file.")]
 GranularityOpt = Annotated[str, typer.Option("--granularity", help="layers (residual stream) or sublayers (norms, attention, MLP, every Linear).")]
 KvCacheOpt = Annotated[bool, typer.Option("--kv-cache/--no-kv-cache", help="Capture each layer's KV cache over all N positions (origin analysis of cached-prefix divergence); --no-kv-cache for long prompts, where it is most of the bytes.")]
-ScenarioOpt = Annotated[str, typer.Option("--scenario", "-s", help="Scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, disaggregated.")]
+ScenarioOpt = Annotated[str, typer.Option("--scenario", "-s", help="Scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, disaggregated, rollout-vs-train (RL: a rollout sampling from a KV cache vs the trainer's teacher-forced recompute).")]
 BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16).")]
 SplitAtOpt = Annotated[Optional[int], typer.Option("--split-at", help="Cached prefix length P (1..N-1), overriding --block-size.")]
 MitigationOpt = Annotated[Optional[str], typer.Option("--mitigation", help="aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic (torch deterministic algorithms, TF32 off).")]
@@ -81,6 +81,24 @@ KvFormatOpt = Annotated[Optional[str], typer.Option("--kv-format", help="kv-quan
 AttnAOpt = Annotated[Optional[str], typer.Option("--attn-a", help="attention: run A's implementation (default eager).")]
 AttnBOpt = Annotated[Optional[str], typer.Option("--attn-b", help="attention: run B's implementation (default sdpa; flash_attention_2 where installed).")]
 DevicesOpt = Annotated[Optional[str], typer.Option("--devices", help="device/disaggregated: X,Y (default cpu,cuda).")]
+# rollout-vs-train (RL): help text from tracer.config's one declaration
+def _rl_opt(name: str, *flags: str):
+    from tracer.config import _HELP
+
+    return typer.Option(*flags, help=_HELP[name][0].upper() + _HELP[name][1:] + ".")
+
+
+RolloutsOpt = Annotated[Optional[int], _rl_opt("rollouts", "--rollouts")]
+SampleOpt = Annotated[Optional[bool], _rl_opt("sample", "--sample")]
+TemperatureOpt = Annotated[Optional[float], _rl_opt("temperature", "--temperature")]
+SeedOpt = Annotated[Optional[int], _rl_opt("seed", "--seed")]
+TrainBatchingOpt = Annotated[Optional[str], _rl_opt("train_batching", "--train-batching")]
+TrainAttnOpt = Annotated[Optional[str], _rl_opt("train_attn", "--train-attn")]
+LmHeadFp32Opt = Annotated[Optional[bool], _rl_opt("lm_head_fp32", "--lm-head-fp32")]
+TrainDtypeOpt = Annotated[Optional[str], _rl_opt("train_dtype", "--train-dtype")]
+IsCapOpt = Annotated[Optional[float], _rl_opt("is_cap", "--is-cap")]
+MaskThresholdOpt = Annotated[Optional[float], _rl_opt("mask_threshold", "--mask-threshold")]
+MitigationsOpt = Annotated[Optional[bool], _rl_opt("mitigations", "--mitigations")]
 
 #: parameters of the commands that are not run options (output format, table layout, CLI-only flags)
 _NOT_OPTIONS = ("fmt", "wide", "columns", "all_rows", "report", "no_store", "levels", "no_mitigations", "lengths",
@@ -113,9 +131,8 @@ def _fail(message: str) -> None:
 
 
 def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows: bool = False) -> None:
+    from tracer.report.console import stdout_console
     from tracer.report.tables import DEFAULT_COLUMNS, render
-
-    from tracer.report.tables import stdout_console
 
     # styled in a terminal; piped: $COLUMNS or 120 wide, every asked-for column kept
     console = stdout_console(explicit_columns=columns is not None and columns != DEFAULT_COLUMNS)
@@ -181,6 +198,10 @@ def run_cmd(
     tp: TpOpt = None, reduce: ReduceOpt = None, reduce_dtype: ReduceDtypeOpt = None, kv_format: KvFormatOpt = None,
     attn_a: AttnAOpt = None, attn_b: AttnBOpt = None, devices: DevicesOpt = None,
     tp_mode: TpModeOpt = None, tp_partials: TpPartialsOpt = None, tp_vocab_parallel: TpVocabOpt = None,
+    rollouts: RolloutsOpt = None, sample: SampleOpt = None, temperature: TemperatureOpt = None, seed: SeedOpt = None,
+    train_batching: TrainBatchingOpt = None, train_attn: TrainAttnOpt = None, lm_head_fp32: LmHeadFp32Opt = None,
+    train_dtype: TrainDtypeOpt = None, is_cap: IsCapOpt = None, mask_threshold: MaskThresholdOpt = None,
+    mitigations: MitigationsOpt = None,
 ) -> None:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     given = dict(locals())  # the parameters, before any other local exists
@@ -261,7 +282,7 @@ def audit_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    from tracer.report.tables import stdout_console
+    from tracer.report.console import stdout_console
 
     text = render_audit(result, fmt, stdout_console())
     if text is not None:

@@ -266,8 +266,8 @@ _HELP = {
     "verdict": "re-run at float32 (and float64 on CPU): rounding noise, defect suspected or inconclusive",
     "batch_size": "batch: rows in the batch, the prompt included (default 4)",
     "padding": "batch: none, left or right",
-    "batch_row": "batch: row of the traced prompt (default batch_size // 2)",
-    "new_tokens": "generate-cache: greedy tokens to generate (default 8)",
+    "batch_row": "batch, rollout-vs-train: row of the traced prompt (default batch_size // 2, rollouts // 2)",
+    "new_tokens": "generate-cache: greedy tokens to generate (default 8); rollout-vs-train: response tokens (default 16)",
     "block_sizes": "block-size: two KV block sizes b1,b2 (default 16,64)",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "tensor-parallel: shards k (default 2)",
@@ -280,6 +280,21 @@ _HELP = {
     "tp_mode": "tensor-parallel: simulated (one process) or distributed (K processes, torch.distributed)",
     "tp_partials": "tensor-parallel, distributed: also store every rank's row-parallel partials",
     "tp_vocab_parallel": "tensor-parallel, distributed: shard the embedding and LM head by vocabulary",
+    "rollouts": "rollout-vs-train: K sequences per RL step, the traced prompt among them (default 4)",
+    "sample": "rollout-vs-train: sample the response (seeded) instead of greedy decoding",
+    "temperature": "rollout-vs-train, with --sample: sampling temperature; logprobs are log_softmax(logits / T) (default 1)",
+    "seed": "rollout-vs-train, with --sample: seed of the sampling generator (default 0)",
+    "train_batching": "rollout-vs-train: the trainer's layout, padded (right-padded rows) or packed (one row, "
+                      "position ids restarting per sequence) (default padded)",
+    "train_attn": "rollout-vs-train: the trainer's attention implementation: eager, sdpa, flash_attention_2 "
+                  "(default: as loaded)",
+    "lm_head_fp32": "rollout-vs-train: the trainer computes its LM head in float32",
+    "train_dtype": "rollout-vs-train: the trainer's dtype, float32 or float64 (default: the model's)",
+    "is_cap": "rollout-vs-train: TIS cap C; the share of tokens with ratio > C is reported as clipped (default 2)",
+    "mask_threshold": "rollout-vs-train: MIS/IcePop threshold b; tokens with ratio outside [1/b, b] count as "
+                      "masked (default 2)",
+    "mitigations": "rollout-vs-train: re-run with each knob changed (same attention, fp32 LM head, no padding, "
+                   "batch of one, deterministic) and report the |dlogp| each leaves",
 }
 
 

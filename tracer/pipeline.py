@@ -195,6 +195,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.compare import compare_records
     from tracer.diff.facts import run_facts
     from tracer.diff.replay import replay_diff
+    from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
     from tracer.load.contract import numeric_contract
@@ -204,7 +205,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     model, info = loaded.model, loaded.info
     if points is None:
         points = capture_points(loaded, capture)
-    window = (0, len(token_ids)) if capture.positions == "all" else scen.window
+    window = (0, max(len(token_ids), scen.window[1])) if capture.positions == "all" else scen.window
+    rl = is_rl(scen)
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
@@ -212,9 +214,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}" + (f", then greedy-decoding {decode} tokens" if decode else ""))
         keep = (online or on_gpu or budget is not None) and not plan.devices
+        extra = {"rollout": records[0]} if rl and plan is scen.plan_b else {}  # the trainer recomputes run A's tokens
         rec, part = execute_plan(loaded, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
-                                 kernels=capture.kernels, sdpa_inputs=op_replay)
+                                 kernels=capture.kernels, sdpa_inputs=op_replay, **extra)
         rec.name = name
         if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
             partials = _replace(part, name=f"{name}.partials")
@@ -236,8 +239,15 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     rec_a, rec_b = records
     header = header or {"model": info.to_dict(), "scenario": scen.to_dict(), "numeric_contract": numeric_contract(model)}
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
-    comparison = compare_records(rec_a, rec_b, scenario=scen.name, model=info.name, trace=trace,
-                                 facts=run_facts(header, rec_a, rec_b), atol=atol, rtol=rtol)
+    cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
+    facts = run_facts(header, rec_a, rec_b)
+    if notes:
+        facts["notes"] = list(facts.get("notes", [])) + list(notes)
+    comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
+                                 facts=facts, atol=atol, rtol=rtol)
+    del cmp_a, cmp_b
+    if rl:  # what RL stacks log, from both runs' logprobs and logits
+        comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))
     if decode:
         comparison = _replace(comparison, replay=replay_diff(
             rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
@@ -445,6 +455,13 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         if writer is not None:
             say(f"writing {out}")
     comparison = _replace(outcome.comparison, fail_on=ch.fail_on)
+    if comparison.rl is not None and scen.params.get("mitigations"):  # which knob closes the gap
+        from tracer.diff.rl import mitigation_table
+        from tracer.plan.rollout import mitigation_variants
+
+        table = mitigation_table(mitigation_variants(scen), comparison, lambda s: run_scenario(
+            prep.loaded, ids, s, CaptureConfig("layers", kv_cache=False)).comparison, say)
+        comparison = _replace(comparison, rl=_replace(comparison.rl, mitigations=table))
     if ch.verdict:
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison, say=say))

@@ -301,7 +301,8 @@ def _replay_core(point: Any, runs: dict[str, dict[str, torch.Tensor]], extras: d
             if calls is None:
                 raise ValueError("its SDPA inputs were not recorded (tracer.run(op_replay=True) records them)")
             if kv_name is None or kv_name not in tensors:
-                raise ValueError("the layer's kv_cache point was not captured (drop --no-kv-cache)")
+                raise ValueError(f"the layer's kv_cache point was not captured in run {run} (drop --no-kv-cache; "
+                                 "a run that keeps no KV cache, as a trainer's forward, has none)")
             y = tensors[point.name]
             exact, bound = exact_attention(calls, tensors[kv_name], int(y.shape[-1]), y.dtype)
             errors[run] = run_error(y, exact.reshape(y.shape), bound.reshape(y.shape))

@@ -20,6 +20,7 @@ from tracer.diff.metrics import LogitsDiff, TensorDiff
 from tracer.diff.positions import PerPosition
 from tracer.diff.provenance import class_text, classify, kernel_rows
 from tracer.diff.replay import Replay
+from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind, point_kind
@@ -142,6 +143,7 @@ class Comparison(schema.Record):
         fail_on: the ``--fail-on`` rule :meth:`check` judges by by default.
         op_replay: capture name → the float64 replay of that origin op (``--op-replay``), or None.
         skipped: the points that could not be compared (missing or empty in one run).
+        rl: ``rollout-vs-train``: the RL metrics (:class:`tracer.diff.rl.RLComparison`), else None.
     """
 
     scenario: str
@@ -168,6 +170,7 @@ class Comparison(schema.Record):
     per_position: PerPosition | None = None
     op_replay: dict[str, OpReplay] | None = None
     skipped: tuple[SkipRecord, ...] = ()
+    rl: RLComparison | None = None
 
     @property
     def not_compared(self) -> tuple[SkipRecord, ...]:

@@ -15,7 +15,16 @@ executor                runs
                         :func:`~tracer.execute.tp_dist.execute_joined`)
 ``vllm``                ``plan.engine == "vllm"``: vLLM in-process, eager
                         (:func:`tracer.execute.vllm_engine.execute`)
+``hf-rollout``          an RL rollout plan (``plan.rl.role == "rollout"``) on ``hf``: K prompts
+                        sampled token by token from a KV cache (:mod:`tracer.execute.rollout`)
+``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
+                        teacher-forced forward over run A's sequences; it also receives
+                        ``rollout=`` (run A's record)
 ======================  =================================================================
+
+An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``):
+a vLLM rollout is one more entry, ``vllm-rollout``, reading ``plan.rl`` the way
+:mod:`tracer.execute.rollout` does. Until an engine has one, its RL plans are refused in one line.
 
 Adding an engine means one module with an ``execute`` function of the signature below, one entry
 in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
@@ -39,21 +48,32 @@ EXECUTORS: dict[str, tuple[str, str]] = {
     "hf": ("tracer.execute.runner", "execute_loaded"),
     "tp-distributed": ("tracer.execute.tp_dist", "execute_loaded"),
     "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
+    "hf-rollout": ("tracer.execute.rollout", "execute_rollout"),
+    "hf-train": ("tracer.execute.rollout", "execute_train"),
 }
 
 
 def executor_name(plan: Any) -> str:
-    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan, else
-    the plan's engine (``hf``, ``vllm``).
+    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan,
+    ``<engine>-<role>`` for an RL plan (``plan.rl``: ``hf-rollout``, ``hf-train``), else the plan's
+    engine (``hf``, ``vllm``).
 
     Raises:
-        TracerError: an engine tracer does not know (listing the known ones).
+        TracerError: an engine tracer does not know (listing the known ones), or an RL plan on an
+            engine without an executor for its role.
     """
     if plan.tp is not None and plan.tp.mode == "distributed":
         return "tp-distributed"
     engine = getattr(plan, "engine", "hf") or "hf"
     if engine not in ENGINES:
         raise TracerError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
+    rl = getattr(plan, "rl", None)
+    if rl is not None:
+        name = f"{engine}-{rl.role}"
+        if name not in EXECUTORS:
+            raise TracerError(f"engine {engine!r} has no {rl.role} executor for the rollout-vs-train scenario yet "
+                              f"(no {name!r} in tracer.execute.engines.EXECUTORS); run its plans with engine 'hf'")
+        return name
     return engine
 
 
@@ -86,7 +106,8 @@ def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any]
         plan: the :class:`~tracer.plan.scenarios.RunPlan`.
         points: capture points under HF names (:func:`tracer.execute.points.discover_points`).
         window: the compared positions ``(start, stop)``.
-        options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``.
+        options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``; for a
+            trainer plan of an RL step also ``rollout`` (run A's record).
 
     Returns:
         ``(run, partials)``: the :class:`~tracer.execute.records.RunRecord` and, for

@@ -22,186 +22,12 @@ RunPlan("B", ((0, n),), batch=Batch(size=4, row=2, lengths=(n,) * 4)), window=(0
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 from tracer.errors import TracerError
-
-MITIGATIONS = ("aligned", "deterministic")
-PADDINGS = ("none", "left", "right")
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The traced prompt as one row of a batch.
-
-    Attributes:
-        size: rows in the batch (the traced prompt included).
-        row: index of the traced prompt's row.
-        padding: ``none`` (all rows have the prompt's length N), ``left`` or ``right`` (rows of
-            different lengths padded to the longest, with an attention mask that excludes padding).
-        lengths: the length of every row; ``lengths[row]`` is N. The other rows hold the prompt
-            rotated by a row-dependent offset (valid tokens, different content), cut to length.
-    """
-
-    size: int
-    row: int
-    padding: str
-    lengths: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or len(self.lengths) != self.size:
-            raise TracerError(f"batch of {self.size} rows needs {self.size} lengths, got {len(self.lengths)}; "
-                              "use --batch-size 1 or more")
-        if not 0 <= self.row < self.size:
-            raise TracerError(f"--batch-row {self.row} is outside 0..{self.size - 1}; choose a row of the batch")
-        if self.padding not in PADDINGS:
-            raise TracerError(f"unknown --padding '{self.padding}'; use one of: {', '.join(PADDINGS)}")
-        if self.padding == "none" and len(set(self.lengths)) > 1:
-            raise TracerError("rows of different lengths need --padding left or right")
-
-    @property
-    def width(self) -> int:
-        """Columns of the padded batch (the longest row)."""
-        return max(self.lengths)
-
-
-#: how run B of ``tensor-parallel`` is sharded: in one process (``simulated``, :mod:`tracer.plan.tp`) or
-#: over K processes with torch.distributed (``distributed``, :mod:`tracer.execute.tp_dist`)
-TP_MODES = ("simulated", "distributed")
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """Tensor parallelism of a run plan.
-
-    Attributes:
-        k: shards (simulated) or ranks (distributed). reduce: ``ring`` | ``tree``. dtype:
-        ``activation`` | ``float32`` (the dtype the simulated all-reduce adds in; both simulated
-        only). mode: ``simulated`` (:mod:`tracer.plan.tp`: row-parallel layers as K partial GEMMs in
-        one process) or ``distributed`` (:mod:`tracer.execute.tp_dist`: K processes, real collectives).
-        partials: distributed only: also capture every rank's row-parallel partials before the
-        all_reduce. vocab_parallel: distributed only: shard the embedding and LM head by vocabulary.
-    """
-
-    k: int
-    reduce: str = "ring"
-    dtype: str = "activation"
-    mode: str = "simulated"
-    partials: bool = False
-    vocab_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """How one run computes the prompt.
-
-    Attributes:
-        name: the run's label (``A`` or ``B``).
-        chunks: successive forward passes over absolute token positions ``[start, stop)``, sharing
-            one KV cache; they must tile ``[0, N)`` in order. A chunk of length ``M`` runs every
-            projection as a GEMM with M = ``M`` rows (batch 1).
-        description: one line for people (``cache miss: all 250 tokens in one pass``).
-        batch: run the prompt as one row of this batch (None = batch of 1).
-        kv_transform: a :mod:`tracer.plan.quant` format name; the positions each chunk added to the KV
-            cache are quantize-dequantized before the next forward pass reads them.
-        tp: simulate tensor parallelism of the row-parallel layers (None = unsharded).
-        attn: attention implementation for this run (None = as loaded).
-        compile: run a ``torch.compile``-d model.
-        devices: the device of each chunk (None = the model's); the model and the KV cache move.
-        generate: greedy-decode this many tokens after the prompt (0 = prefill only).
-        recompute: with ``generate``, recompute the whole sequence every step instead of using
-            the KV cache.
-        deterministic: run under torch's deterministic algorithms, TF32 off and
-            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
-        engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
-            the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
-    """
-
-    name: str
-    chunks: tuple[tuple[int, int], ...]
-    description: str = ""
-    batch: Batch | None = None
-    kv_transform: str | None = None
-    tp: TPSpec | None = None
-    attn: str | None = None
-    compile: bool = False
-    devices: tuple[str, ...] | None = None
-    generate: int = 0
-    recompute: bool = False
-    deterministic: bool = False
-    engine: str = "hf"
-
-    def __post_init__(self) -> None:
-        pos = 0
-        for start, stop in self.chunks:
-            if start != pos or stop <= start:
-                raise TracerError(
-                    f"run plan {self.name}: chunks {list(self.chunks)} must tile [0, N) in order without gaps"
-                )
-            pos = stop
-        if self.devices is not None and len(self.devices) != len(self.chunks):
-            raise TracerError(f"run plan {self.name}: {len(self.devices)} devices for {len(self.chunks)} chunks; "
-                              "give one device per chunk")
-        if self.batch is not None and self.batch.padding != "none" and len(self.chunks) > 1:
-            raise TracerError(f"run plan {self.name}: a padded batch runs as one chunk; use --padding none")
-        if self.generate and self.batch is not None:
-            raise TracerError(f"run plan {self.name}: generation runs at batch 1; drop the batch")
-
-    @property
-    def n_tokens(self) -> int:
-        return self.chunks[-1][1] if self.chunks else 0
-
-    def gemm_m(self) -> list[int]:
-        """The GEMM M dimension of each forward pass (rows x tokens, padding included)."""
-        if self.batch is not None:
-            if self.batch.padding != "none":
-                return [self.batch.size * self.batch.width]
-            return [self.batch.size * (stop - start) for start, stop in self.chunks]
-        ms = [stop - start for start, stop in self.chunks]
-        n = self.n_tokens
-        ms += [n + t if self.recompute else 1 for t in range(1, self.generate)]
-        return ms
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["chunks"] = [list(c) for c in self.chunks]
-        d["gemm_m"] = self.gemm_m()
-        return d
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Two run plans of one prompt and the positions compared between them.
-
-    Attributes:
-        name: catalogue name (``prefix-cache``).
-        level: level of the seed's determinism hierarchy (0-7).
-        invariant: what a correct engine would keep invariant (``cache hit vs miss``).
-        plan_a, plan_b: the two runs.
-        window: ``(start, stop)``: the compared absolute positions.
-        params: the scenario's parameters (block size, split point, mitigation), recorded in the
-            trace header.
-    """
-
-    name: str
-    level: int
-    invariant: str
-    plan_a: RunPlan
-    plan_b: RunPlan
-    window: tuple[int, int]
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "level": self.level,
-            "invariant": self.invariant,
-            "plan_a": self.plan_a.to_dict(),
-            "plan_b": self.plan_b.to_dict(),
-            "window": list(self.window),
-            "params": dict(self.params),
-        }
+from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
+from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
 
 
 def default_split(n_tokens: int, block_size: int) -> int:
@@ -513,6 +339,46 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
         (p, n), devices=[x, y], split_at=p)
 
 
+def rollout_vs_train(n_tokens: int, *, rollouts: int = 4, new_tokens: int = 16, sample: bool = False,
+                     temperature: float | None = None, seed: int | None = None, batch_row: int | None = None,
+                     train_batching: str = "padded", train_attn: str | None = None, lm_head_fp32: bool = False,
+                     train_dtype: str | None = None, is_cap: float = DEFAULT_IS_CAP,
+                     mask_threshold: float = DEFAULT_MASK_THRESHOLD, mitigations: bool = False) -> Scenario:
+    """Level 2, RL: a rollout sampling the response from a KV cache versus the trainer recomputing it
+    teacher-forced (:mod:`tracer.plan.rollout`).
+
+    Run A: ``rollouts`` prompts (lengths :func:`batch_lengths` ``left``; the traced prompt at
+    ``batch_row``, default ``rollouts // 2``) prefilled as one left-padded batch, then
+    ``new_tokens`` tokens each, one decode step at a time (GEMM M = K), greedy or ``sample``-d at
+    ``temperature`` with ``seed``. Run B: one teacher-forced forward over prompt + response of the
+    K sequences, ``train_batching`` ``padded`` or ``packed``, attention ``train_attn`` (None: as
+    loaded), ``lm_head_fp32``, ``train_dtype``. Compared: positions N-1 .. N+T-2 (whose logits
+    give the T response tokens). ``is_cap`` (TIS cap C) and ``mask_threshold`` (MIS/IcePop band
+    [1/β, β]) set what the RL metrics count as clipped and masked; ``mitigations`` re-runs the
+    scenario with each knob of :data:`tracer.plan.rollout.KNOBS` changed.
+
+    Raises:
+        TracerError: bad counts, thresholds, batching or dtype; ``temperature``/``seed`` without ``sample``.
+    """
+    check_rl_options(rollouts=rollouts, new_tokens=new_tokens, sample=sample, temperature=temperature, seed=seed,
+                     train_batching=train_batching, train_dtype=train_dtype, is_cap=is_cap,
+                     mask_threshold=mask_threshold)
+    n, t = n_tokens, new_tokens
+    row = rollouts // 2 if batch_row is None else batch_row
+    lengths = batch_lengths(n, rollouts, row, "left") if 0 <= row < rollouts else (n,) * rollouts
+    a, b = rl_specs(n_tokens=n, lengths=lengths, row=row, new_tokens=t, sample=sample,
+                    temperature=1.0 if temperature is None else temperature, seed=0 if seed is None else seed,
+                    train_batching=train_batching, lm_head_fp32=lm_head_fp32, train_dtype=train_dtype)
+    return _window_scenario(
+        "rollout-vs-train", 2, "rollout vs trainer (RL logprobs)",
+        RunPlan("A", ((0, n),), a.describe(), rl=a),
+        RunPlan("B", ((0, n + t),), b.describe(train_attn), attn=train_attn, rl=b),
+        (n - 1, n - 1 + t), rollouts=rollouts, new_tokens=t, batch_row=row, lengths=list(lengths),
+        sample=bool(sample), temperature=a.temperature, seed=a.seed, train_batching=train_batching,
+        train_attn=train_attn, lm_head_fp32=bool(lm_head_fp32), train_dtype=train_dtype, is_cap=float(is_cap),
+        mask_threshold=float(mask_threshold), mitigations=bool(mitigations))
+
+
 def with_mitigation(scen: Scenario, mitigation: str | None) -> Scenario:
     """``scen`` with a mitigation applied to both plans (``deterministic``); ``aligned`` is
     prefix-cache's own (see :func:`prefix_cache`).
@@ -545,6 +411,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "compile": compile_scenario,
     "device": device,
     "disaggregated": disaggregated,
+    "rollout-vs-train": rollout_vs_train,
 }
 
 
@@ -554,7 +421,9 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
     ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
     ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
-    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``); each
+    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``, and ``rollout-vs-train``'s ``rollouts``,
+    ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
+    ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``); each
     builder takes the ones it uses, None means its default, and the rest are ignored.
 
     Raises:
@@ -620,3 +489,7 @@ def preview(name: str, n_tokens: int | None, params: dict[str, Any]) -> Scenario
     if n_tokens is not None:
         return build(name, n_tokens, **params)
     return build(name, 100_000, **{k: v for k, v in params.items() if k != "split_at"})
+
+__all__ = ["MITIGATIONS", "PADDINGS", "TP_MODES", "Batch", "TPSpec", "RunPlan", "Scenario", "SCENARIOS", "build",
+           "make_scenario", "check_resources", "preview", "default_split", "check_split", "check_mitigation",
+           "batch_lengths", "with_mitigation"]

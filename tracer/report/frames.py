@@ -42,7 +42,27 @@ def comparison_frame(comparison: Any):
         rec.setdefault("op", ops[i])
         rec.setdefault("origin", False)
         rec["shapes_a"], rec["shapes_b"] = (_shape_text(s) for s in shapes[i])
-    return pd.DataFrame.from_records(recs).set_index("index")
+    frame = pd.DataFrame.from_records(recs).set_index("index")
+    if getattr(comparison, "rl", None) is not None:  # rollout-vs-train: the RL summary rides along
+        frame.attrs["rl"] = rl_frame(comparison.rl).attrs["rl"]
+    return frame
+
+
+def rl_frame(rl: Any):
+    """The RL metrics per response token: one row per token of every sequence (K × T), columns
+    ``sequence, step, token, logp_a, logp_b, dlogp, ratio, vocab_kl, traced``
+    (:func:`tracer.report.rl.token_records`); the summary (:func:`tracer.report.rl.summary_dict`) and
+    the knob rows in ``frame.attrs["rl"]``.
+
+    Raises:
+        TracerError: pandas is not installed.
+    """
+    pd = pandas()
+    from tracer.report.rl import summary_dict, token_records
+
+    frame = pd.DataFrame.from_records(token_records(rl))
+    frame.attrs["rl"] = {**summary_dict(rl), "mitigations": [m.to_dict() for m in rl.mitigations]}
+    return frame
 
 
 def _shape_text(shape: dict) -> str:

@@ -222,6 +222,18 @@ def comparison_figures(c: Any) -> list[tuple[str, str, str]]:
         return []
 
 
+def _rl_html(rl: Any) -> str:
+    """The RL section: summary, |Δlogp| histogram, the traced sequence's tokens, the mitigations."""
+    from tracer.report import rl as rl_report
+
+    parts = [kv_table(rl_report.summary_pairs(rl)), f'<p class="note">{esc(rl_report.hist_line(rl))}</p>',
+             table_html("rl-steps", *rl_report.step_rows(rl))]
+    if rl.mitigations:
+        parts.append(table_html("rl-mitigations", *rl_report.mitigation_rows(rl)))
+        parts += [f'<p class="note">{esc(x)}</p>' for x in rl_report.mitigation_notes(rl)]
+    return "".join(parts)
+
+
 def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bool = True) -> str:
     """The HTML report of one comparison (see the module docstring).
 
@@ -245,6 +257,8 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
     classes = [("diff" if r["n_diff"] else "") + (" origin" if r["origin"] else "") for r in all_rows]
     sections = [("summary", headline_html(headline(c))),
                 ("origin", _origins_html(c))]
+    if c.rl is not None:  # rollout-vs-train: the RL metrics first
+        sections.insert(0, ("RL metrics: rollout vs trainer", _rl_html(c.rl)))
     if figures:
         figs = comparison_figures(c)
         sections.append(("figures", "".join(figure_html(svg, cap, fid) for fid, cap, svg in figs)

@@ -114,8 +114,11 @@ def next_steps(c: Any) -> list[str]:
     if c.noise is None:
         steps.append("`--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is rounding "
                      "noise or a defect")
-    if c.replay is None and c.logits is not None:
+    if c.replay is None and c.logits is not None and c.rl is None:  # an RL run compares its own response
         steps.append("`--decode 16`: greedy-decodes from both runs and shows where the generated text first differs")
+    if c.rl is not None and not c.rl.mitigations:
+        steps.append("`--mitigations`: re-runs with each knob changed (same attention, fp32 LM head, no padding, "
+                     "batch of one, deterministic) and reports the |Δlogp| each leaves")
     return steps
 
 

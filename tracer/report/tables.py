@@ -22,6 +22,7 @@ from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
+from tracer.report.layout import fit_columns, name_cell, table_width
 from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
 from tracer.diff.provenance import classify, merged_kernels
@@ -262,8 +263,6 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
         ``(table, lines)``: the rich Table (no title, no caption) and the text lines to print after
         it: kernels, left-out columns, rows left out, the plans, the ULP note.
     """
-    from tracer.report.layout import fit_columns, name_cell
-
     columns = with_kernels(c, columns)
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
@@ -365,6 +364,12 @@ def print_report(c: Comparison, console: Console | None = None,
     Styled in a terminal, plain text when piped (rich decides from the stream).
     """
     console = console or Console()
+    if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
+        from tracer.report import rl as rl_report
+
+        for line in rl_report.summary_lines(c.rl):
+            console.print(Text(printable(line)), soft_wrap=True)
+        console.print()
     head = headline(c)
     width = max(len(k) for k, _ in head)
     for key, text in head:
@@ -376,7 +381,8 @@ def print_report(c: Comparison, console: Console | None = None,
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
     t, under = fit_table(c, columns, keep, console.width)
     console.print(Text(printable(_title(c))), soft_wrap=True)
-    console.print(t, width=max(console.width, _measure(console, t)), crop=False)  # too narrow even so: never cut
+    console.print(t, width=max(console.width, table_width([col.width or 0 for col in t.columns])),
+                  crop=False)  # too narrow even so: wider, never cut
     for line in under:
         console.print(Text(printable(line)), soft_wrap=True)
     for line in logits_lines(c):
@@ -388,33 +394,16 @@ def print_report(c: Comparison, console: Console | None = None,
     if c.noise is not None:
         for line in c.noise.lines():
             console.print(printable(line), soft_wrap=True, markup=False)
+    if c.rl is not None:
+        from tracer.report.rl import print_rl
+
+        print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
         console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
-
-
-def _measure(console: Console, t: Table) -> int:
-    """The width ``t`` takes: every column's fixed width plus the box (as :func:`fit_table` chose them)."""
-    from tracer.report.layout import table_width
-
-    return table_width([col.width or 0 for col in t.columns])
-
-
-def stdout_console(explicit_columns: bool = False) -> Console:
-    """The console reports print to: styled at the terminal's width in a terminal; piped, plain text
-    :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 120), or wide enough for every
-    column when the columns were asked for explicitly (``--wide``, ``--columns``): nothing asked for
-    is left out of a file."""
-    import sys
-
-    from tracer.report.layout import piped_width
-
-    if sys.stdout.isatty():
-        return Console()
-    return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
@@ -424,10 +413,12 @@ CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "position
 
 def csv_meta(c: Comparison) -> dict[str, Any]:
     """The run metadata of :data:`CSV_META` for ``c``."""
+    from tracer.report.rl import csv_meta as rl_meta
+
     f = c.facts
     return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
             "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
-            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace}
+            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace, **rl_meta(c.rl)}
 
 
 def to_csv(c: Comparison) -> str:
@@ -449,6 +440,10 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     """A markdown report: origins, the table (every column by default), logits, replay, verdict."""
     columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
+    if c.rl is not None:
+        from tracer.report.rl import markdown_lines
+
+        lines += markdown_lines(c.rl)
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",

@@ -1,0 +1,203 @@
+"""Rendering the RL metrics of ``rollout-vs-train`` (:class:`tracer.diff.rl.RLComparison`).
+
+Pure functions of the result: the summary lines printed before everything else (mean and max
+|Δlogp|, the KL estimators, the share a TIS cap or an MIS/IcePop mask would touch, PPL, flips),
+the per-token table of the traced sequence, the ``--mitigations`` table (rich tables that fit
+80 columns), their markdown and HTML forms, the CSV columns and the per-token DataFrame rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from rich.table import Table
+
+from tracer.diff.rl import HIST_LABELS
+
+
+def _g(x: float | None, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e4 or abs(x) < 1e-3:
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+def _pct(x: float) -> str:
+    return "0%" if x == 0 else f"{100 * x:.3g}%"
+
+
+def summary_pairs(rl: Any) -> list[tuple[str, str]]:
+    """The RL summary as ``(label, text)`` pairs, in print order (each text fits 80 columns with its label)."""
+    how = f"sampled at τ={rl.tau:g}" if rl.sample else "greedy"
+    lo = 1.0 / rl.mask_threshold
+    out = [
+        ("RL step", f"{rl.rollouts} sequence{'s' if rl.rollouts != 1 else ''} × {rl.new_tokens} response tokens, "
+                    f"{how}; Δlogp = logp_train − logp_rollout"),
+        ("|Δlogp|", f"mean {_g(rl.mean_abs_dlogp)} · max {_g(rl.max_abs_dlogp)} · p99 {_g(rl.p99_abs_dlogp)} · "
+                    f"{rl.n_equal} of {rl.n_tokens} tokens bit-identical"),
+        ("KL", f"k1 {_g(rl.k1_kl)} · k3 {_g(rl.k3_kl)} · full vocabulary mean {_g(rl.vocab_kl_mean)}, "
+               f"max {_g(rl.vocab_kl_max)} nats"),
+        ("clipped", f"TIS ratio > {rl.is_cap:g}: {_pct(rl.tis_clipped)} of tokens, {_pct(rl.seq_tis_clipped)} of "
+                    "sequences"),
+        ("masked", f"MIS/IcePop outside [{lo:.3g}, {rl.mask_threshold:g}]: {_pct(rl.mis_masked)} of tokens, "
+                   f"{_pct(rl.seq_mis_masked)} of sequences"),
+        ("ratios", f"token {_g(rl.token_ratio_min, 6)} .. {_g(rl.token_ratio_max, 6)} · sequence "
+                   f"{_g(rl.seq_ratio_min, 6)} .. {_g(rl.seq_ratio_max, 6)}"),
+        ("PPL", f"train {_g(rl.train_ppl, 6)} · rollout {_g(rl.rollout_ppl, 6)} · ratio {_g(rl.ppl_ratio, 6)}"),
+        ("flips", "-" if rl.argmax_flips is None else
+         f"{rl.argmax_flips} of {rl.n_tokens} positions change argmax between the runs"),
+    ]
+    first = rl.first_divergent_step
+    row_text = ("the traced sequence's logits are bit-identical at every response position" if first is None
+                else f"the traced sequence (row {rl.row}) first differs at response token {first} (position "
+                     f"{rl.steps[first].position})")
+    out.append(("per token", row_text))
+    return out
+
+
+def summary_lines(rl: Any) -> list[str]:
+    """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width."""
+    pairs = summary_pairs(rl)
+    w = max(len(k) for k, _ in pairs)
+    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
+
+
+def hist_line(rl: Any) -> str:
+    """``|Δlogp| histogram (tokens): 0 12 · ≤1e-8 0 · ...`` (empty bins after the last filled one left out)."""
+    last = max((i for i, n in enumerate(rl.hist) if n), default=0)
+    cells = [f"{lab} {n}" for lab, n in zip(HIST_LABELS[:last + 1], rl.hist[:last + 1])]
+    return "|Δlogp| histogram (tokens): " + " · ".join(cells)
+
+
+def _short(name: str | None, width: int = 22) -> str:
+    """A capture point's name in at most ``width`` characters: ``model.`` dropped, then cut from the left."""
+    if not name:
+        return "-"
+    name = name[len("model."):] if name.startswith("model.") else name
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+#: the per-token table's columns: (heading, cell of a TokenStep)
+STEP_COLUMNS = (
+    ("tok", lambda s: str(s.step)),
+    ("id", lambda s: str(s.token)),
+    ("logp A", lambda s: f"{s.logp_a:.4g}"),
+    ("Δlogp", lambda s: _g(s.dlogp)),
+    ("KL", lambda s: _g(s.kl)),
+    ("flip", lambda s: "-" if s.flip is None else ("yes" if s.flip else "")),
+    ("first differing", lambda s: _short(s.first_point, 24)),
+    ("last |Δ|", lambda s: _g(s.last_layer_max_abs)),
+)
+
+
+def steps_table(rl: Any) -> Table:
+    """The traced sequence's response tokens, one row each (fits 80 columns): token index and id,
+    the rollout's logprob, Δlogp, full-vocabulary KL, argmax flip, the first capture point that differs
+    at the token's position and the last decoder layer's max |Δ| there."""
+    first = rl.steps[0].position if rl.steps else 0
+    t = Table(title=f"the traced sequence (row {rl.row}), positions {first}..{first + len(rl.steps) - 1}: "
+                    "the gap token by token", title_justify="left",
+              show_edge=False, pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
+    for head, _ in STEP_COLUMNS:
+        t.add_column(head, justify="left" if head == "first differing" else "right", no_wrap=True)
+    for s in rl.steps:
+        t.add_row(*(cell(s) for _, cell in STEP_COLUMNS))
+    return t
+
+
+MITIGATION_COLUMNS = (
+    ("knob", lambda m: m.knob + ("" if m.ran else " *")),
+    ("mean|Δlogp|", lambda m: _g(m.mean_abs_dlogp)),
+    ("max|Δlogp|", lambda m: _g(m.max_abs_dlogp)),
+    ("k3 KL", lambda m: _g(m.k3_kl)),
+    ("identical", lambda m: "yes" if m.identical else "no"),
+    ("first differing", lambda m: _short(m.first_divergent, 20)),
+)
+
+
+def mitigations_table(rl: Any, base: Any = None) -> Table:
+    """The ``--mitigations`` table: one row per knob (``*``: changes nothing here; the base run's numbers;
+    ``identical``: both runs bit-identical at every compared point and logprob). Fits 80 columns."""
+    t = Table(title="which knob closes the gap (--mitigations)", title_justify="left", show_edge=False,
+              pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
+    for head, _ in MITIGATION_COLUMNS:
+        t.add_column(head, justify="left" if head in ("knob", "first differing") else "right", no_wrap=True)
+    for m in rl.mitigations:
+        t.add_row(*(cell(m) for _, cell in MITIGATION_COLUMNS))
+    return t
+
+
+def mitigation_notes(rl: Any) -> list[str]:
+    """What each knob changes, one line each."""
+    return [f"{m.knob}: {m.what}" for m in rl.mitigations]
+
+
+def markdown_lines(rl: Any) -> list[str]:
+    """The summary, the per-token table and the mitigations as markdown."""
+    lines = ["**RL metrics (rollout vs trainer)**", "", *(f"- {k}: {v}" for k, v in summary_pairs(rl)),
+             f"- {hist_line(rl)}", ""]
+    lines += ["| " + " | ".join(h for h, _ in STEP_COLUMNS) + " |", "|" + "---:|" * len(STEP_COLUMNS)]
+    lines += ["| " + " | ".join(cell(s) for _, cell in STEP_COLUMNS) + " |" for s in rl.steps]
+    if rl.mitigations:
+        lines += ["", "| " + " | ".join(h for h, _ in MITIGATION_COLUMNS) + " |", "|" + "---:|" * len(MITIGATION_COLUMNS)]
+        lines += ["| " + " | ".join(cell(m) for _, cell in MITIGATION_COLUMNS) + " |" for m in rl.mitigations]
+        lines += ["", *(f"- {x}" for x in mitigation_notes(rl))]
+    return lines + [""]
+
+
+def step_rows(rl: Any) -> tuple[list[str], list[list[str]]]:
+    """The per-token table as ``(headings, rows of cells)`` (the HTML report's table)."""
+    return [h for h, _ in STEP_COLUMNS], [[cell(s) for _, cell in STEP_COLUMNS] for s in rl.steps]
+
+
+def mitigation_rows(rl: Any) -> tuple[list[str], list[list[str]]]:
+    """The ``--mitigations`` table as ``(headings, rows of cells)``."""
+    return [h for h, _ in MITIGATION_COLUMNS], [[cell(m) for _, cell in MITIGATION_COLUMNS] for m in rl.mitigations]
+
+
+def summary_dict(rl: Any) -> dict[str, Any]:
+    """Every scalar field of the :class:`~tracer.diff.rl.RLComparison` (its summary: the per-token
+    tuples and the knob rows left out), by name."""
+    scalar = (int, float, bool, str, type(None))
+    return {f.name: getattr(rl, f.name) for f in dataclasses.fields(rl) if isinstance(getattr(rl, f.name), scalar)}
+
+
+def csv_meta(rl: Any) -> dict[str, Any]:
+    """``rl_<field>`` → value of :func:`summary_dict` (the CSV columns); empty when ``rl`` is None."""
+    return {} if rl is None else {f"rl_{k}": v for k, v in summary_dict(rl).items()}
+
+
+def token_records(rl: Any) -> list[dict[str, Any]]:
+    """One dict per response token of every sequence (K × T): ``sequence, step, token, logp_a, logp_b,
+    dlogp, ratio, vocab_kl, traced`` (the DataFrame of ``tracer.to_pandas(result.comparison.rl)``)."""
+    out = []
+    for j, (toks, la, lb, d) in enumerate(zip(rl.tokens, rl.logp_a, rl.logp_b, rl.dlogp)):
+        for i, tok in enumerate(toks):
+            out.append({"sequence": j, "step": i, "token": tok, "logp_a": la[i], "logp_b": lb[i], "dlogp": d[i],
+                        "ratio": math.exp(d[i]) if d[i] < 709 else math.inf,
+                        "vocab_kl": None if rl.vocab_kl is None else rl.vocab_kl[j][i], "traced": j == rl.row})
+    return out
+
+
+__all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
+           "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records"]
+
+
+def print_rl(rl: Any, console: Any) -> None:
+    """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table, to ``console``
+    (the terminal report of :func:`tracer.report.tables.print_report`)."""
+    console.print()
+    console.print(steps_table(rl))
+    console.print(hist_line(rl), soft_wrap=True, markup=False, highlight=False)
+    if rl.mitigations:
+        console.print()
+        console.print(mitigations_table(rl))
+        for line in mitigation_notes(rl):
+            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
