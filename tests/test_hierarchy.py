@@ -10,8 +10,20 @@ from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.load.hf_cache import output_cache
 from tracer.plan.quant import fp8_e4m3
-from tracer.execute.runner import batch_inputs, execute, execute_scenario, forward_chunks
+from tracer.execute.runner import batch_inputs, execute, forward_chunks
 from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario, build
+
+
+def execute_scenario(model, token_ids, scen, points, names=None):
+    """Both plans of ``scen`` (A, then B) executed in this process, records named ``names`` (the
+    plans' names by default), the scenario in each run's ``meta``: what the pipeline does per plan."""
+    records = []
+    for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
+        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level})
+        rec.name = name
+        records.append(rec)
+    return records[0], records[1]
+
 
 IDS = [(7 * i + 3) % 500 for i in range(40)]
 N = len(IDS)

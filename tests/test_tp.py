@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tracer.errors import TracerError
-from tracer.plan.tp import all_reduce, partials, row_parallel_modules, simulate_tp
+from tracer.execute.tp_sim import row_parallel_modules, simulate_tp
+from tracer.plan.tp import all_reduce, partials
 
 
 def test_tp1_is_bit_identical_to_the_unsharded_product():

@@ -160,3 +160,21 @@ def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
         assert r.header["tensor_parallel"]["launcher"] == "torchrun"
     same = _cli(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env, tmp_path)
     assert json.loads(same.stdout)["identical"] is True
+
+
+def test_per_head_norms_come_back_in_the_unsharded_layout(tmp_path):
+    """Qwen3's q_norm/k_norm outputs are (T, heads, head_dim): each rank holds its heads, and run B's
+    capture is them concatenated along the heads, equal to the unsharded norm of the same input."""
+    lm = tracer.load_model("tiny-qwen3", dtype="float32", device="cpu", progress=False)
+    res = tracer.run("tiny-qwen3", loaded=lm, scenario="tensor-parallel", tp=2, tp_mode="distributed",
+                     granularity="sublayers", length=24, device="cpu", progress=False, store="tensors",
+                     output=tmp_path / "q.h5")
+    rec_a, rec_b = res.runs
+    attn = lm.model.model.layers[0].self_attn
+    x = rec_a.captures["model.layers.0.input_layernorm"].tensor  # (24, hidden): the same in both runs
+    with torch.no_grad():
+        for proj, norm, heads in (("q_proj", "q_norm", 4), ("k_proj", "k_norm", 2)):
+            want = getattr(attn, norm)(getattr(attn, proj)(x).view(24, heads, 16))  # (T, heads, head_dim)
+            got = rec_b.captures[f"model.layers.0.self_attn.{norm}"].tensor
+            assert got.shape == want.shape == rec_a.captures[f"model.layers.0.self_attn.{norm}"].tensor.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

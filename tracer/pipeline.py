@@ -110,16 +110,20 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
 def trace_header(loaded: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
-    model, its numeric contract (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and
-    devices, casting after load, attention per layer kind), granularity, dtype, attention, N,
+    model, its family descriptor (``hooks/*.toml``: file, module paths, roles), its numeric contract
+    (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and devices, casting after load,
+    attention per layer kind), granularity, dtype, attention, N,
     store mode, whether KV-cache points were captured and, for one scenario (``scen`` not None),
     the scenario, its block size and split points; ``extra`` is merged in last."""
+    from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.store.trace import collect_environment
 
     info = loaded.info
+    family = family_for(loaded.model)
     facts: dict[str, Any] = {
-        "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model),
+        "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model, family.sliding.spec),
+        "family": family.to_dict(),
         "granularity": capture.granularity, "dtype": info.dtype,
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
         "kv_cache": bool(capture.kv_cache)}
@@ -198,6 +202,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
+    from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
     from tracer.store.trace import json_safe
@@ -237,7 +242,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
-    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(), "numeric_contract": numeric_contract(model)}
+    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(),
+                        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)}
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
     cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
     facts = run_facts(header, rec_a, rec_b)

@@ -142,7 +142,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                   scenario: str, model: str, positions: tuple[int, int], run_a: str = "A",
                   run_b: str = "B", trace: str | None = None,
                   facts: dict[str, Any] | None = None, atol: float | None = None,
-                  rtol: float | None = None, skipped: Iterable[SkipRecord] = ()) -> Comparison:
+                  rtol: float | None = None, skipped: Iterable[SkipRecord] = (),
+                  roles: dict[str, str] | None = None) -> Comparison:
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
@@ -152,6 +153,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run
     only, and every point in ``skipped`` (missing in one run), is kept as a :class:`SkipRecord`.
+    ``roles``: capture name → its role in the block (``CaptureRecord.role``), for the dataflow.
 
     Raises:
         TracerError: a capture point whose tensors have different shapes or dtypes in the two
@@ -227,7 +229,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
                    if logits is not None and first_max is not None else None,
                    per_position=per_position.result(), skipped=tuple(skips))
-    return classify_origins(c)
+    return classify_origins(c, roles)
 
 
 def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
@@ -243,7 +245,8 @@ def compare_records(a: RunRecord, b: RunRecord, *, scenario: str, model: str,
                          positions=a.window, run_a=a.name, run_b=b.name, trace=trace, facts=facts,
                          atol=atol, rtol=rtol,
                          skipped=missing_points({n: r.kind for n, r in a.captures.items()},
-                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name))
+                                                {n: r.kind for n, r in b.captures.items()}, a.name, b.name),
+                         roles={n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
@@ -338,6 +341,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                 model=header.get("model", {}).get("name", "?") if isinstance(header.get("model"), dict) else str(header.get("model", "?")),
                 positions=tuple(ra.window), run_a=label_a, run_b=label_b, trace=str(path_a) if same else f"{path_a} + {path_b}",
                 facts=facts, atol=atol, rtol=rtol, skipped=skipped,
+                roles={n: str(i.get("role") or "") for n, (i, _) in caps_a.items()},
             )
         finally:
             pairs.close()

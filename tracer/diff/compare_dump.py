@@ -146,7 +146,8 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
             facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
         return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
                              positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
-                             facts=facts, atol=atol, rtol=rtol)
+                             facts=facts, atol=atol, rtol=rtol,
+                             roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
 
 
 def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
@@ -205,8 +206,8 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
     header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}
     lo, hi = mapped.positions
-    captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"])
-                for n, t in mapped.tensors.items()}
+    captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"],
+                                 role=str(caps_info[n].get("role") or "")) for n, t in mapped.tensors.items()}
     notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
                                   "in the imported trace; compare the dump itself to see them"
                                   for n, (ps, _t, _s) in mapped.partial_logits.items()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tracer.execute.family import layout_facts
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts
 
@@ -20,8 +21,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
         (``generate-cache``), ``kv_block_format`` (``kv-quant``), ``sliding_layers`` /
         ``sliding_window`` (a model with sliding-window attention layers, from the header's
-        ``numeric_contract``: decoder-layer indices and the window in tokens) and ``notes`` (a
-        line each).
+        ``numeric_contract``: decoder-layer indices and the window in tokens; with them
+        ``layers_path``/``attention_path`` from its family descriptor) and ``notes`` (a line each).
     """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
     facts: dict[str, Any] = {
@@ -38,6 +39,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
         **attention_facts(header.get("numeric_contract") or {}),
     }
+    if facts.get("sliding_layers"):  # which rows belong to a layer and its attention (for the marks)
+        facts.update(layout_facts(header))
     scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
     notes = []
     gen_a, gen_b = a.meta.get("generated"), b.meta.get("generated")

@@ -32,7 +32,7 @@ def _growth(points: list[PointResult]) -> list[float | None]:
     return out
 
 
-def classify_origins(c: Comparison) -> Comparison:
+def classify_origins(c: Comparison, roles: dict[str, str] | None = None) -> Comparison:
     """Mark every differing capture point as origin or propagated, and fill ``growth``.
 
     A differing point is an **origin** when every capture point it consumes
@@ -41,15 +41,17 @@ def classify_origins(c: Comparison) -> Comparison:
     A ``kv_cache`` point is judged per part: its rows inside the compared window against its
     K/V producers, its rows before the window (computed by an earlier forward pass) against the
     previous layer's cache rows there. The logits are an origin when they differ while the final
-    norm (their input) did not.
+    norm (their input) did not. ``roles`` (capture name → role, :mod:`tracer.execute.family`)
+    gives each point's place in the block; points without one get their layer's inferred roles.
 
     Returns:
         a new :class:`Comparison` with ``origin``, ``differing_inputs``, ``consumes`` and
         ``growth`` set on its points and ``logits_origin`` set.
     """
-    names = [(p.name, p.kind) for p in c.points]
+    roles = roles or {}
+    names = [(p.name, p.kind, roles.get(p.name, "")) for p in c.points]
     if c.logits_name is not None:
-        names.append((c.logits_name, "logits"))
+        names.append((c.logits_name, "logits", "logits"))
     flow = dataflow(names)
     by_name = {p.name: p for p in c.points}
 

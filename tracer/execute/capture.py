@@ -282,7 +282,7 @@ class Capture:
             else:
                 tensor = torch.empty(0)
             out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor,
-                                        calls=self._calls[p.name], op=p.op)
+                                        calls=self._calls[p.name], op=p.op, role=p.role)
         return out
 
 
@@ -342,7 +342,8 @@ class Captured:
         model: an HF causal LM.
         points: ``layers`` or ``sublayers`` (see :func:`discover_points`, without KV-cache points),
             or a list of module paths of ``model`` (a path that is also a discovered point keeps
-            its kind and op, any other module is captured at its output).
+            its kind, op and role, any other module is captured at its output; a model no family
+            descriptor fits takes paths only).
 
     Raises:
         TracerError: unknown granularity, or a module path that is not in the model.
@@ -352,7 +353,10 @@ class Captured:
         if isinstance(points, str):
             pts = discover_points(model, points, kv_cache=False)
         else:
-            known = {p.name: p for p in discover_points(model, "sublayers", kv_cache=False)}
+            try:  # a path that is a discovered point keeps its kind, op and role
+                known = {p.name: p for p in discover_points(model, "sublayers", kv_cache=False)}
+            except TracerError:  # no family descriptor fits: the named modules are captured as they are
+                known = {}
             pts = []
             for name in points:
                 if name in known:

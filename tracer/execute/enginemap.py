@@ -118,8 +118,9 @@ def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
 
 
 def load_engine_map(family: str, override: str | Path | None = None, engine: str | None = None) -> dict[str, Any]:
-    """The engine map for ``family`` (``hooks/engine-*.toml``), with ``override`` (a TOML file of
-    the same schema) merged over it key by key.
+    """The engine map for ``family`` (``hooks/engine-*.toml`` on the family-descriptor search path,
+    :func:`tracer.execute.family.engine_map_files`), with ``override`` (a TOML file of the same
+    schema) merged over it key by key.
 
     A map whose ``[engine]`` table has no ``engine`` key is generic: it describes the module tree
     that SGLang and vLLM share for these families (what a dump of either holds). A map with
@@ -134,20 +135,10 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
     Raises:
         TracerError: no map for the family and no override; an unreadable or malformed map.
     """
-    from tracer.load.recipes import data_dir
+    from tracer.execute.family import engine_map_files
 
     merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "sources": []}
-    generic, specific = None, None
-    for p in sorted(data_dir("hooks").glob("engine-*.toml")):
-        data = _read_toml(p)
-        head = data.get("engine", {})
-        if family not in head.get("families", ()):
-            continue
-        if "engine" not in head and generic is None:
-            generic = (p, data)
-        elif engine is not None and head.get("engine") == engine and specific is None:
-            specific = (p, data)
-    layers = [x for x in (generic, specific) if x is not None]
+    layers = [(p, _read_toml(p)) for p in engine_map_files(family, engine)]
     if override is not None:
         layers.append((Path(override), _read_toml(Path(override))))
     if not layers:

@@ -1,35 +1,24 @@
-"""Capture points: which modules of an HF decoder model tracer records, found from the model.
+"""Capture points: which modules of an HF decoder model tracer records, found from its family.
 
 A *capture point* is a module of ``model.named_modules()`` (named by its HF path, as nnsight
-does) whose output (or input) tracer keeps. :func:`discover_points` finds them for standard
-HF decoder models (Llama, Qwen2/3, Mistral, Gemma, Phi-3, GPT-2, ...), optionally steered by a
-TOML hook map in ``hooks/``; :mod:`tracer.execute.capture` attaches the hooks.
+does) whose output (or input) tracer keeps. :func:`discover_points` finds them from the model's
+family descriptor (``hooks/*.toml``, :mod:`tracer.execute.family`): every point carries the
+**role** it plays in the block (``q_proj``, ``mlp_norm``, ...), so downstream code (the dataflow
+of the origin analysis, tensor-parallel sharding, reports) reads roles, not module names.
+:mod:`tracer.execute.capture` attaches the hooks.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
 from tracer.errors import TracerError
-from tracer.load.recipe_check import check_hook_map
-from tracer.load.recipes import data_dir
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - python 3.10
-    import tomli as tomllib
-
+from tracer.execute.family import VIRTUAL_ROLES, Family, family_for
 
 GRANULARITIES = ("layers", "sublayers")
-
-_FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm")
-
-_LAYER_LIST_NAMES = ("layers", "h", "blocks", "block", "decoder_layers")
 
 
 @dataclass(frozen=True)
@@ -49,6 +38,9 @@ class CapturePoint:
         full: keep every position of the prompt instead of the compared window (for tensors
             the compared positions depend on, such as keys/values).
         layer_index: for ``which == "cache"``: the decoder layer's index in the KV cache.
+        role: what the point is in the block (:data:`tracer.execute.family.ROLES`, a virtual role
+            ``attention_core``/``kv_cache``/``mlp_hidden``, or ``embedding``/``layer``/
+            ``final_norm``/``logits``); ``""`` for a module without one (an extra Linear).
     """
 
     name: str
@@ -58,128 +50,7 @@ class CapturePoint:
     which: str = "output"
     full: bool = False
     layer_index: int = -1
-
-
-@lru_cache(maxsize=None)
-def _hook_maps() -> tuple[dict[str, Any], ...]:
-    maps = []
-    for path in sorted(data_dir("hooks").glob("*.toml")):
-        if path.name.startswith("engine-"):  # engine-dump name maps (tracer.execute.enginemap), not hook maps
-            continue
-        try:
-            with open(path, "rb") as f:
-                data = check_hook_map(tomllib.load(f), path)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise TracerError(f"hook map {path} cannot be read: {exc}; fix or delete the file") from None
-        data["_path"] = str(path)
-        maps.append(data)
-    return tuple(maps)
-
-
-def hook_map_for(model_type: str) -> dict[str, Any] | None:
-    """The hook map (from ``hooks/*.toml``) whose ``families`` lists ``model_type``, or None."""
-    for m in _hook_maps():
-        if model_type in m.get("families", ()):
-            return m
-    return None
-
-
-def _find_layer_list(model: nn.Module, modules: dict[str, nn.Module], n_layers: int | None) -> tuple[str, nn.ModuleList]:
-    candidates = [
-        (name, m)
-        for name, m in modules.items()
-        if isinstance(m, nn.ModuleList) and len(m) > 0 and (n_layers is None or len(m) == n_layers)
-    ]
-    named = [c for c in candidates if c[0].rsplit(".", 1)[-1] in _LAYER_LIST_NAMES]
-    pick = named or candidates
-    if not pick:
-        raise TracerError(
-            f"could not find the decoder layers of {type(model).__name__}; "
-            "add a hook map for this family in hooks/ (see hooks/README.md)"
-        )
-    return min(pick, key=lambda c: c[0].count("."))
-
-
-def _layer_paths(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, Any]:
-    """Module paths of the embedding, decoder layers, final norm and LM head (``modules``: the
-    model's ``named_modules()``, walked once by the caller)."""
-    cfg = getattr(model, "config", None)
-    model_type = getattr(cfg, "model_type", "")
-    hmap = hook_map_for(model_type) or {}
-    names = {id(m): name for name, m in modules.items()}
-
-    def must_exist(path: str, what: str) -> str:
-        if path not in modules:
-            raise TracerError(
-                f"hook map {hmap.get('_path', '?')} names {what} '{path}', which "
-                f"{type(model).__name__} does not have; fix the map"
-            )
-        return path
-
-    def path_of(getter: str, error: str) -> str:
-        """The module path of ``model.<getter>()`` (the embedding or the LM head)."""
-        module = getattr(model, getter)() if hasattr(model, getter) else None
-        if module is None or id(module) not in names:
-            raise TracerError(f"{type(model).__name__} {error}")
-        return names[id(module)]
-
-    if "embedding" in hmap:
-        embedding = must_exist(hmap["embedding"], "embedding")
-    else:
-        embedding = path_of("get_input_embeddings", "has no input embedding module; add a hook map in hooks/")
-
-    n_layers = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "num_layers")
-                     if getattr(cfg, k, None) is not None), None)
-    if "layers" in hmap:
-        layers_path = must_exist(hmap["layers"], "layers")
-        layer_list = modules[layers_path]
-    else:
-        layers_path, layer_list = _find_layer_list(model, modules, n_layers)
-    layers = [f"{layers_path}.{i}" for i in range(len(layer_list))]
-
-    if "final_norm" in hmap:
-        final_norm = must_exist(hmap["final_norm"], "final_norm")
-    else:
-        parent = layers_path.rsplit(".", 1)[0] if "." in layers_path else ""
-        final_norm = None
-        for cand in _FINAL_NORM_NAMES:
-            path = f"{parent}.{cand}" if parent else cand
-            if path in modules:
-                final_norm = path
-                break
-        if final_norm is None:
-            raise TracerError(
-                f"could not find the final norm of {type(model).__name__} next to {layers_path}; "
-                "name it in a hook map in hooks/"
-            )
-
-    if "logits" in hmap:
-        logits = must_exist(hmap["logits"], "logits")
-    else:
-        logits = path_of("get_output_embeddings", "has no LM head (get_output_embeddings() is None); "
-                                                  "tracer needs a causal LM (…ForCausalLM)")
-    return {"embedding": embedding, "layers": layers, "final_norm": final_norm, "logits": logits,
-            "map": hmap}
-
-
-def _sublayer_kind(module: nn.Module, rel: str, hmap: dict[str, Any]) -> str | None:
-    """Kind of a module inside a decoder layer, or None if it is not a capture point."""
-    explicit = hmap.get("sublayers", {})
-    if rel in explicit:
-        return explicit[rel]
-    cls = type(module).__name__
-    last = rel.rsplit(".", 1)[-1]
-    if isinstance(module, nn.Linear) or cls in ("Conv1D",):
-        return "linear"
-    if "norm" in cls.lower() or "norm" in last.lower():
-        return "norm"
-    if last in ("self_attn", "attn", "attention", "self_attention"):
-        return "attention"
-    if last in ("mlp", "feed_forward", "ffn"):
-        return "mlp"
-    if last in ("act_fn", "act", "activation_fn"):
-        return "activation"
-    return None
+    role: str = ""
 
 
 def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: bool = True) -> list[CapturePoint]:
@@ -209,69 +80,65 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
     modules = dict(model.named_modules())  # one walk of the module tree (it costs ~1 ms per 400 modules)
-    paths = _layer_paths(model, modules)
+    fam = family_for(model, modules)
 
     def point(path: str, kind: str, **kw: Any) -> CapturePoint:
         return CapturePoint(name=kw.pop("name", path), module=path, kind=kind,
                             op=kw.pop("op", type(modules[path]).__name__), **kw)
 
-    points = [point(paths["embedding"], "embedding")]
-    for index, layer_path in enumerate(paths["layers"]):
-        kv = _kv_point(modules[layer_path], layer_path, index) if kv_cache else None
+    points = [point(fam.embedding, "embedding", role="embedding")]
+    for index in range(len(modules[fam.layers])):
+        layer_path = f"{fam.layers}.{index}"
+        kv = _kv_point(fam, modules, layer_path, index) if kv_cache else None
         if granularity == "sublayers":
-            subs = _sublayer_points(modules[layer_path], layer_path, paths["map"], point)
+            subs = _sublayer_points(fam, modules[layer_path], layer_path, point)
             at = next((i for i, p in enumerate(subs) if p.kind == "attention_core"), len(subs))
             points.extend(subs[:at] + ([kv] if kv else []) + subs[at:])
         elif kv is not None:
             points.append(kv)
-        points.append(point(layer_path, "layer"))
-    points.append(point(paths["final_norm"], "final_norm"))
-    points.append(point(paths["logits"], "logits"))
+        points.append(point(layer_path, "layer", role="layer"))
+    points.append(point(fam.final_norm, "final_norm", role="final_norm"))
+    points.append(point(fam.logits, "logits", role="logits"))
     return points
 
-_ATTN_NAMES = ("self_attn", "attn", "attention", "self_attention")
 
-
-def _kv_point(layer: nn.Module, layer_path: str, index: int) -> CapturePoint | None:
-    """The ``kv_cache`` point of one decoder layer (None if it has no attention submodule)."""
-    attn = next((n for n, _ in layer.named_children() if n in _ATTN_NAMES), None)
-    if attn is None:
+def _kv_point(fam: Family, modules: dict[str, nn.Module], layer_path: str, index: int) -> CapturePoint | None:
+    """The ``kv_cache`` point of one decoder layer (None if the family names no attention module)."""
+    attn = fam.path_of("attention")
+    if attn is None or f"{layer_path}.{attn}" not in modules:
         return None
-    return CapturePoint(name=f"{layer_path}.{attn}.kv_cache", module=f"{layer_path}.{attn}", kind="kv_cache",
-                        op="KVCache", which="cache", full=True, layer_index=index)
+    suffix, kind = VIRTUAL_ROLES["kv_cache"]
+    return CapturePoint(name=f"{layer_path}.{attn}.{suffix}", module=f"{layer_path}.{attn}", kind=kind,
+                        op="KVCache", which="cache", full=True, layer_index=index, role="kv_cache")
 
 
-def _sublayer_points(layer: nn.Module, layer_path: str, hmap: dict[str, Any], point) -> list[CapturePoint]:
-    order = _execution_order(layer, layer_path, hmap)
-    rels = {rel for rel, _ in order}
+def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
+                     point: Callable[..., CapturePoint]) -> list[CapturePoint]:
+    """The points inside one decoder layer, in definition order (:meth:`Capture.records` returns
+    them in the order the hooks fired: Llama defines ``self_attn`` before ``input_layernorm`` but
+    runs the norm first): every module with a role or a ``[sublayers]`` kind, every other
+    ``nn.Linear``, the attention core right before the output projection, and the input of a
+    gated MLP's down projection (act(gate) * up, which no other point captures)."""
+    rels = {rel for rel, _ in layer.named_modules() if rel}
+    gated = any(fam.path_of(r) in rels for r in ("gate_proj", "gate_up_proj"))
+    attn = fam.path_of("attention")
     out: list[CapturePoint] = []
-    for rel, kind in order:
+    for rel, module in layer.named_modules():
+        if not rel:
+            continue
+        kind = fam.kind_of(rel) or ("linear" if isinstance(module, nn.Linear) else None)
+        if kind is None:
+            continue
+        role = fam.role_of(rel) or ""
         path = f"{layer_path}.{rel}"
-        parent, _, last = rel.rpartition(".")
-        if kind == "linear" and last in ("o_proj", "out_proj", "c_proj", "dense") and (
-            rel.split(".")[0] in _ATTN_NAMES
-        ):
-            out.append(point(path, "attention_core", which="input", name=f"{layer_path}.{parent}.core",
-                             op=f"{type(layer.get_submodule(parent)).__name__} core"))
-        if kind == "linear" and last == "down_proj" and (
-            f"{parent}.gate_proj" in rels or f"{parent}.gate_up_proj" in rels
-        ):  # a gated MLP: down_proj consumes act(gate) * up, which no other point captures
-            out.append(point(path, "mlp_hidden", which="input", name=f"{path}.input"))
-        out.append(point(path, kind))
+        if role == "o_proj":  # the attention core: the output projection's input, <attention>.core
+            owner = attn if attn is not None and attn in rels else rel.rpartition(".")[0]
+            suffix, vkind = VIRTUAL_ROLES["attention_core"]
+            holder = layer.get_submodule(owner) if owner else layer
+            out.append(point(path, vkind, which="input", name=".".join(filter(None, (layer_path, owner, suffix))),
+                             op=f"{type(holder).__name__} core", role="attention_core"))
+        if role == "down_proj" and gated:
+            suffix, vkind = VIRTUAL_ROLES["mlp_hidden"]
+            out.append(point(path, vkind, which="input", name=f"{path}.{suffix}", role="mlp_hidden"))
+        out.append(point(path, kind, role=role))
     return out
-
-
-def _execution_order(layer: nn.Module, layer_path: str, hmap: dict[str, Any]) -> list[tuple[str, str]]:
-    """Sublayer modules of one decoder layer, in definition order.
-
-    Definition order is not always execution order (Llama defines ``self_attn`` before
-    ``input_layernorm`` but runs the norm first); :meth:`Capture.records` therefore returns
-    records in the order the hooks actually fired.
-    """
-    found = []
-    for rel, m in layer.named_modules():
-        if rel:
-            kind = _sublayer_kind(m, rel, hmap)
-            if kind is not None:
-                found.append((rel, kind))
-    return found

@@ -21,7 +21,7 @@ from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.load.devices import model_device
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
-from tracer.plan.scenarios import Batch, RunPlan, Scenario
+from tracer.plan.scenarios import Batch, RunPlan
 from tracer.execute.kernels import KernelRecorder
 from tracer.execute.sdpa_inputs import SdpaRecorder
 
@@ -135,7 +135,7 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
     """Everything a plan changes about the model, undone on exit: attention implementation,
     simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
-    from tracer.plan.tp import simulate_tp
+    from tracer.execute.tp_sim import simulate_tp
 
     home = model_device(model)
     with contextlib.ExitStack() as stack:
@@ -351,24 +351,3 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: RunPlan, points: lis
     """The ``hf`` executor of :mod:`tracer.execute.engines`: :func:`execute` on ``loaded.model``
     (``options`` as there); no partials."""
     return execute(loaded.model, token_ids, plan, points, window, **options), None
-
-
-def execute_scenario(model: nn.Module, token_ids: list[int], scen: Scenario, points: list[CapturePoint],
-                     names: tuple[str, str] | None = None,
-                     say: Callable[[str], None] | None = None, kernels: bool = False) -> tuple[RunRecord, RunRecord]:
-    """Execute both plans of ``scen`` (A, then B) and return their records, named ``names`` (default
-    the plans' names: ``A``, ``B``). The scenario is recorded in each run's ``meta["scenario"]``.
-
-    Raises:
-        TracerError: a plan that does not cover the prompt, or a plan feature unavailable here
-            (attention implementation, torch.compile, device).
-    """
-    records = []
-    for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
-        if say is not None:
-            say(f"run {name}: {plan.description}")
-        rec = execute(model, token_ids, plan, points, scen.window, meta={"scenario": scen.name, "level": scen.level},
-                      kernels=kernels)
-        rec.name = name
-        records.append(rec)
-    return records[0], records[1]

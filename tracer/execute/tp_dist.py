@@ -3,8 +3,10 @@
 Level 4 of the hierarchy with ``tp_mode="distributed"`` (``--tp-mode distributed``): run A
 executes in the calling process on the unsharded model (TP-1); run B executes on K worker
 processes that tracer starts itself (``torch.multiprocessing`` spawn, a ``TCPStore`` rendezvous
-on a free localhost port opened by the parent, so there is no port race), or, under
-``torchrun``, on the ranks torchrun started (:func:`torchrun_rank`).
+served by the parent on a socket bound to 127.0.0.1 only, port picked by the OS, so there is no
+port race and nothing listens beyond this machine, :func:`open_store`; gloo's and NCCL's own
+sockets on the loopback interface too), or, under ``torchrun``, on the ranks torchrun started
+(:func:`torchrun_rank`).
 
 Sharding is tracer's own, Megatron-style (:mod:`tracer.execute.tp_shard`: column-parallel
 q/k/v/gate/up, row-parallel o/down with an all_reduce, optionally vocab-parallel), applied in every
@@ -30,7 +32,9 @@ first have to be saved).
 
 A worker that dies (a crash, a signal, a collective timeout) makes the parent kill every other
 worker, delete the scratch folder and raise one :class:`TracerError`; workers also die with the
-parent (``PR_SET_PDEATHSIG`` on Linux, and a watchdog thread).
+parent (``PR_SET_PDEATHSIG`` on Linux and a watchdog thread, armed before the rank imports torch
+or receives its job: :mod:`tracer.execute.tp_launch`). A scratch folder a killed parent left
+(``tracer-tp-<PID>.*.tmp``) is removed by the next distributed run.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ import contextlib
 import datetime as _dt
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -50,18 +56,24 @@ from tracer.errors import TracerError
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.execute.runner import model_device
-from tracer.execute.tp_ranks import Job, run_rank, watch, worker
-from tracer.execute.tp_shard import COLUMN_PARALLEL, SHARDED_KINDS, backend_for, check_shardable, check_world
+from tracer.execute.tp_launch import rank_main
+from tracer.execute.tp_ranks import Job, run_rank, watch
+from tracer.load.recipe_check import clean_stale_temp_dirs
+from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
+from tracer.execute.tp_shard import backend_for, check_shardable, check_world
 
 
 #: seconds a collective (and the rendezvous) may wait before the worker gives up
 DEFAULT_TIMEOUT_S = 600
 
 
-def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str) -> torch.Tensor:
+def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str, role: str = "") -> torch.Tensor:
     """The unsharded layout of a sharded capture: the ranks' tensors concatenated in rank order
-    along the feature dimension (a ``kv_cache`` point: keys of all ranks, then values)."""
+    along the feature dimension (a ``kv_cache`` point: keys of all ranks, then values; a per-head
+    norm's ``(T, heads, head_dim)``: along the heads)."""
     ts = [r.tensor for r in recs]
+    if role in HEAD_SHARDED_ROLES and ts[0].dim() >= 3:
+        return torch.cat(ts, dim=-2)
     if kind != "kv_cache":
         return torch.cat(ts, dim=-1)
     kshape = rec0.calls[0]["out"][0]  # (B, kv_heads_local, S, head_dim_k)
@@ -70,8 +82,8 @@ def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str)
 
 
 def _sharded(point: CapturePoint) -> bool:
-    last = point.module.rsplit(".", 1)[-1]
-    return point.kind in SHARDED_KINDS or (point.kind == "linear" and last in COLUMN_PARALLEL)
+    """Whether a rank holds only a feature slice of this point's tensor (its role is sharded)."""
+    return point.role in SHARDED_ROLES
 
 
 def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: Any, token_ids: list[int],
@@ -91,7 +103,7 @@ def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: 
             continue
         p = by_name.get(cname)
         if p is not None and _sharded(p) and k > 1 and rec.tensor.numel():
-            tensor = _merge(cname, rec, [per_rank[r]["captures"][cname] for r in range(k)], p.kind)
+            tensor = _merge(cname, rec, [per_rank[r]["captures"][cname] for r in range(k)], p.kind, p.role)
             rec = replace(rec, tensor=tensor)
         captures[cname] = rec
     meta = dict(per_rank[0]["meta"])
@@ -141,7 +153,6 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
         TracerError: bad K, missing backend, an unshardable model (all before anything is
             spawned); a rank that failed or died (every rank stopped, nothing returned).
     """
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     tp = plan.tp
@@ -151,20 +162,25 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
     check_shardable(model, k, vocab_parallel=tp.vocab_parallel)
     limit = timeout_s()
     threads = max(1, torch.get_num_threads() // k)
-    # the parent serves the rendezvous on a port the OS picks (no race for a "free" port)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=_dt.timedelta(seconds=limit))
-    scratch = tempfile.mkdtemp(prefix="tracer-tp-")
+    store = open_store(limit)
+    scratch = scratch_dir()
     job = Job(model=model, token_ids=list(token_ids), plan=plan, points=list(points), window=tuple(window),
-               decode=decode, meta=dict(meta or {}), backend=backend, world=k, port=store.port, scratch=scratch,
-               threads=threads, timeout_s=limit, parent_pid=os.getpid())
+              decode=decode, meta=dict(meta or {}), backend=backend, world=k, port=store.port, scratch=scratch,
+              threads=threads, timeout_s=limit, socket_ifname=loopback_ifname())
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, job), daemon=True, name=f"tracer-tp-rank{r}") for r in range(k)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(k)]  # (reader for the rank, writer for the job)
+    procs = [ctx.Process(target=rank_main, args=(r, pipes[r][0], os.getpid()), daemon=True, name=f"tracer-tp-rank{r}")
+             for r in range(k)]
     try:
         if say is not None:
             say(f"run {plan.name}: starting {k} {backend} rank(s)")
-        for p in procs:
+        for p, (reader, _) in zip(procs, pipes):
             p.start()
+            reader.close()
+        for _, writer in pipes:  # each rank has armed its parent-death signal before it reads this
+            with contextlib.suppress(OSError):  # a rank that died already: watch() names it
+                writer.send(job)
+            writer.close()
         watch(procs, scratch, limit)
         per_rank = [torch.load(os.path.join(scratch, f"rank{r}.pt"), weights_only=False) for r in range(k)]
     finally:
@@ -174,6 +190,9 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
         for p in procs:
             if p.pid is not None:
                 p.join(timeout=10)
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
         shutil.rmtree(scratch, ignore_errors=True)
         del store
     run, partials = _assemble(points, per_rank, plan, token_ids, tuple(window), plan.name)
@@ -182,9 +201,54 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
     return run, partials
 
 
+def open_store(timeout: float) -> Any:
+    """The parent's rendezvous: a ``TCPStore`` served on a socket tracer binds to 127.0.0.1 itself
+    (a store given a port binds every interface; this one is reachable from this machine only), on
+    a port the OS picks (no race for a "free" port).
+
+    Raises:
+        TracerError: this torch cannot serve a store on a given socket.
+    """
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=_dt.timedelta(seconds=timeout), master_listen_fd=sock.fileno())
+    except (TypeError, RuntimeError, ValueError) as e:
+        sock.close()
+        raise TracerError(f"torch {torch.__version__} cannot serve the rendezvous on a loopback socket "
+                          f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
+                          "use torch >= 2.4, or --tp-mode simulated") from None
+    sock.detach()  # the store owns the listening socket now (it closes it)
+    return store
+
+
+#: prefix of the scratch folders of distributed runs (``tracer-tp-<PID>.<random>.tmp`` in the temp dir)
+SCRATCH_PREFIX = "tracer-tp-"
+
+
+def scratch_dir() -> str:
+    """A new scratch folder for the ranks' results, named after this process; the folders of
+    earlier runs whose process is gone (a ``kill -9``) are removed first."""
+    clean_stale_temp_dirs(Path(tempfile.gettempdir()), SCRATCH_PREFIX)
+    return tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}.", suffix=".tmp")
+
+
+def loopback_ifname() -> str | None:
+    """The loopback interface's name (``lo``) when this machine has one, else None."""
+    with contextlib.suppress(OSError, AttributeError):
+        names = [name for _, name in socket.if_nameindex()]
+        return next((n for n in names if n == "lo" or n.startswith("lo0")), None)
+    return None
+
+
 def header_facts(plan: Any, device: str) -> dict[str, Any]:
     """What the trace header records about a distributed TP plan: world size, backend, NCCL
-    version and the NCCL_ALGO/NCCL_PROTO settings (None when unset), sharding, collective."""
+    version and the NCCL_ALGO/NCCL_PROTO settings (None when unset), sharding, collective, the
+    rendezvous (where its store listens) and the interface the collectives' sockets use."""
     tp = plan.tp
     backend = backend_for(device)
     nccl = None
@@ -196,6 +260,9 @@ def header_facts(plan: Any, device: str) -> dict[str, Any]:
     if plan.deterministic and backend == "nccl":
         env.setdefault("NCCL_ALGO", "Ring")
         env.setdefault("NCCL_PROTO", "Simple")
+    joined = torchrun_rank() is not None
+    ifname = None if joined else loopback_ifname()
+    sockets = "GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"
     return {
         "mode": "distributed", "world_size": tp.k, "backend": backend, "nccl_version": nccl,
         "NCCL_ALGO": env.get("NCCL_ALGO"), "NCCL_PROTO": env.get("NCCL_PROTO"),
@@ -206,7 +273,10 @@ def header_facts(plan: Any, device: str) -> dict[str, Any]:
         "threads_per_rank": (torch.get_num_threads() if torchrun_rank() is not None
                              else max(1, torch.get_num_threads() // tp.k)) if backend == "gloo" else None,
         "partials": bool(tp.partials),
-        "launcher": "torchrun" if torchrun_rank() is not None else "tracer (torch.multiprocessing spawn)",
+        "launcher": "torchrun" if joined else "tracer (torch.multiprocessing spawn)",
+        "rendezvous": (f"torchrun's store at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}" if joined
+                       else "TCPStore served by the parent on 127.0.0.1 only (loopback; an OS-picked port)"),
+        "socket_ifname": env.get(sockets, ifname),
     }
 
 

@@ -1,8 +1,8 @@
 """The rank processes of a distributed tensor-parallel run B: what each rank does, and how the
 parent watches them.
 
-Each rank (:func:`worker`, a ``torch.multiprocessing`` spawn child) joins the group through the
-parent's ``TCPStore``, shards its copy of the model (:mod:`tracer.execute.tp_shard`), executes the
+Each rank (:func:`worker`, a ``torch.multiprocessing`` spawn child started through
+:func:`tracer.execute.tp_launch.rank_main`) joins the group through the parent's ``TCPStore``, shards its copy of the model (:mod:`tracer.execute.tp_shard`), executes the
 plan with capture and saves its captures into the scratch folder; the parent (:func:`watch`)
 waits for every rank and, on the first failure, kills the others and raises one
 :class:`~tracer.errors.TracerError` naming the rank that failed first-hand.
@@ -14,7 +14,6 @@ import contextlib
 import datetime as _dt
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.family import family_for
 from tracer.execute.points import CapturePoint
 from tracer.execute.runner import execute
 from tracer.execute.tp_shard import Reducer, shard_model
@@ -34,7 +34,11 @@ FAULT_ENV = "TRACER_TP_FAULT_RANK"
 
 @dataclass
 class Job:
-    """Everything a worker needs (pickled into the spawned process; tensors via shared memory)."""
+    """Everything a worker needs (sent to the spawned rank over a pipe; tensors via shared memory).
+
+    ``port`` is the parent's rendezvous store (on 127.0.0.1); ``socket_ifname`` the network
+    interface gloo and NCCL bind their sockets to (the loopback, ``lo``) unless the user set
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``; None leaves the libraries' default."""
 
     model: nn.Module
     token_ids: list[int]
@@ -49,25 +53,7 @@ class Job:
     scratch: str
     threads: int
     timeout_s: float
-    parent_pid: int
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Kill this process when the parent goes away (no orphans even after a SIGKILL of the parent)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True, name="tracer-tp-watchdog").start()
+    socket_ifname: str | None = None
 
 
 def _quiet() -> None:
@@ -85,7 +71,7 @@ def _fault_hook(model: nn.Module, rank: int) -> None:
     middle decoder layer of run B (the other ranks are then inside or before a collective)."""
     if os.environ.get(FAULT_ENV, "") != str(rank):
         return
-    layers = [m for n, m in model.named_modules() if n.count(".") == 2 and n.split(".")[1] == "layers"]
+    layers = list(model.get_submodule(family_for(model).layers))
     target = layers[len(layers) // 2] if layers else model
 
     def die(*_: Any) -> None:
@@ -113,12 +99,15 @@ def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: 
 
 
 def worker(rank: int, job: Job) -> None:
-    """One rank of run B: join the group, shard, execute the plan with capture, save the captures."""
+    """One rank of run B (started by :func:`tracer.execute.tp_launch.rank_main`, which tied its life
+    to the parent's): join the group, shard, execute the plan with capture, save the captures."""
     import torch.distributed as dist
 
-    _die_with_parent(job.parent_pid)
     _quiet()
     torch.set_num_threads(job.threads)
+    if job.socket_ifname:  # the collectives' own sockets on the loopback too
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", job.socket_ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", job.socket_ifname)
     if job.backend == "nccl" and job.plan.deterministic:
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("NCCL_PROTO", "Simple")

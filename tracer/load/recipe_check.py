@@ -7,7 +7,7 @@ up on ``sys.path`` and its ``file`` joined to that folder. Names are therefore r
 never a dotted path, so nothing is imported to find it), a file to one plain file name, and the
 file found must stay inside the package folder. A recipe with ``assemble`` (a package that ships
 its GGUF in chunk packages) imports that one package and calls the public function it names, one
-identifier. Hook maps may only name module paths.
+identifier. Hook maps (family descriptors) may only name module paths, roles and config fields.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 MODEL_TYPE = re.compile(r"[a-z0-9_]+")
-#: keys of a hook map and what each holds
+#: keys of a hook map (family descriptor, ``hooks/README.md``) and what each holds
 HOOK_KEYS = {"families": "list", "embedding": "path", "layers": "path", "final_norm": "path", "logits": "path",
-             "sublayers": "table"}
+             "sublayers": "table", "roles": "roles", "optional": "names", "sliding": "sliding"}
+#: keys of a descriptor's ``[sliding]`` table: config field names, and the layer kinds that slide
+SLIDING_KEYS = {"types": "name", "window": "name", "values": "names"}
+ROLE = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def _bad(path: Any, what: str) -> TracerError:
@@ -102,6 +105,20 @@ def check_hook_map(data: dict[str, Any], path: Any) -> dict[str, Any]:
                 isinstance(k, str) and MODULE_PATH.fullmatch(k) and isinstance(v, str) and MODEL_TYPE.fullmatch(v)
                 for k, v in value.items())):
             raise bad(f"[{key}] must map module paths to kinds such as norm")
+        if kind == "roles" and not (isinstance(value, dict) and all(
+                isinstance(k, str) and ROLE.fullmatch(k) and isinstance(v, str) and MODULE_PATH.fullmatch(v)
+                for k, v in value.items())):
+            raise bad("[roles] must map role names such as q_proj to module paths such as self_attn.q_proj")
+        if kind == "names" and not (isinstance(value, list) and all(isinstance(x, str) and ROLE.fullmatch(x) for x in value)):
+            raise bad(f"{key} must be a list of role names such as q_norm")
+        if kind == "sliding":
+            if not isinstance(value, dict) or set(value) - set(SLIDING_KEYS):
+                raise bad(f"[sliding] takes {', '.join(SLIDING_KEYS)}")
+            for k, v in value.items():
+                ok = (isinstance(v, str) and IDENTIFIER.fullmatch(v)) if SLIDING_KEYS[k] == "name" else (
+                    isinstance(v, list) and all(isinstance(x, str) and MODEL_TYPE.fullmatch(x) for x in v))
+                if not ok:
+                    raise bad(f"[sliding] {k} must be {'a config field name' if SLIDING_KEYS[k] == 'name' else 'a list of layer kinds'}")
     return data
 
 

@@ -18,14 +18,12 @@ The additions run in the activation dtype (what NCCL does for a bf16 all-reduce)
 (then cast back once). The bias, if any, is added by rank 0's GEMM. With k = 1 the result is
 bit-identical to the unsharded layer.
 
-:func:`simulate_tp` swaps the ``forward`` of those modules for the duration of a ``with`` block and
-restores it on exit, whatever happened inside.
+:func:`tracer.execute.tp_sim.simulate_tp` swaps the ``forward`` of those modules (found by their
+role in the model's family descriptor) for the duration of a ``with`` block and restores it on
+exit, whatever happened inside; this module holds the arithmetic.
 """
 
 from __future__ import annotations
-
-import contextlib
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -34,8 +32,6 @@ from tracer.errors import TracerError
 
 REDUCES = ("ring", "tree")
 REDUCE_DTYPES = ("activation", "float32")
-#: last path component of the row-parallel Linear layers (attention output, MLP down projection)
-ROW_PARALLEL = ("o_proj", "down_proj", "out_proj", "dense_4h_to_h", "fc2", "w2")
 
 
 def check_tp(k: int, reduce: str, reduce_dtype: str) -> None:
@@ -104,41 +100,3 @@ def all_reduce(parts: list[torch.Tensor], reduce: str = "ring", dtype: str = "ac
     else:
         raise TracerError(f"unknown --reduce '{reduce}'; use one of: {', '.join(REDUCES)}")
     return total.to(out_dtype)
-
-
-def row_parallel_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """``(path, module)`` of every row-parallel ``nn.Linear`` (see :data:`ROW_PARALLEL`)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in ROW_PARALLEL]
-
-
-@contextlib.contextmanager
-def simulate_tp(model: nn.Module, k: int, reduce: str = "ring", dtype: str = "activation") -> Iterator[list[str]]:
-    """Within the block, every row-parallel Linear computes as k shards plus an all-reduce.
-
-    Yields the module paths that were swapped. Forward hooks still fire (only ``forward`` is
-    replaced, on the instance). Restored on exit, even on exceptions.
-
-    Raises:
-        TracerError: bad parameters, no row-parallel layer found, K not divisible by k.
-    """
-    check_tp(k, reduce, dtype)
-    mods = row_parallel_modules(model)
-    if not mods:
-        raise TracerError(f"{type(model).__name__} has no row-parallel Linear named {'/'.join(ROW_PARALLEL)}; "
-                          "the tensor-parallel simulation does not apply to this model")
-    for name, m in mods:
-        if m.in_features % k:
-            raise TracerError(f"--tp {k} does not divide K = {m.in_features} of {name}; choose a divisor of {m.in_features}")
-    swapped: list[nn.Linear] = []
-    try:
-        for _, m in mods:
-            def fwd(x: torch.Tensor, _m: nn.Linear = m) -> torch.Tensor:
-                return all_reduce(partials(x, _m.weight, _m.bias, k), reduce, dtype)
-
-            m.forward = fwd  # instance attribute shadows the class method
-            swapped.append(m)
-        yield [name for name, _ in mods]
-    finally:
-        for m in swapped:
-            del m.forward

@@ -188,16 +188,19 @@ def _plans(c: Comparison) -> str:
     return f"{a}\n{b}" + (f"\n{_sliding_note(c)}" if f.get("sliding_layers") else "")
 
 
-#: a decoder layer's row or one inside its attention: ``model.layers.7``, ``model.layers.7.self_attn.k_norm``
-_LAYER_OF = re.compile(r"\.layers\.(\d+)(\.self_attn(\.|$)|$)")
-
-
 def sliding_mark(c: Comparison, name: str) -> str:
     """``" (sliding)"`` for a decoder layer's row, or a row of its attention, when that layer uses
-    sliding-window attention (``facts["sliding_layers"]``, from the header's numeric contract);
+    sliding-window attention (``facts["sliding_layers"]``, from the header's numeric contract; the
+    layer list and attention paths from its family descriptor, ``facts["layers_path"]`` and
+    ``facts["attention_path"]``, e.g. ``model.layers.7``, ``model.layers.7.self_attn.k_norm``);
     ``""`` otherwise."""
-    m = _LAYER_OF.search(name)
-    return " (sliding)" if m and int(m.group(1)) in set(c.facts.get("sliding_layers") or ()) else ""
+    layers, attention = c.facts.get("layers_path"), c.facts.get("attention_path")
+    sliding = set(c.facts.get("sliding_layers") or ())
+    if not sliding or not isinstance(layers, str):
+        return ""
+    inner = rf"(\.{re.escape(attention)}(\.|$)|$)" if isinstance(attention, str) else "$"
+    m = re.match(rf"{re.escape(layers)}\.(\d+){inner}", name)
+    return " (sliding)" if m and int(m.group(1)) in sliding else ""
 
 
 def _sliding_note(c: Comparison) -> str:

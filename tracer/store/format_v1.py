@@ -211,6 +211,7 @@ def _capture_info(ds: h5py.Dataset, entry: dict[str, Any] | None = None) -> dict
         "calls": json.loads(attrs["calls"]),
         "dtype": attr_text(attrs["dtype"]),
         "shape": list(ds.shape),
+        **({"role": attr_text(attrs["role"])} if "role" in attrs else {}),
     }
 
 
@@ -229,8 +230,10 @@ def write_capture(group: h5py.Group, record: CaptureRecord, *, compression: str 
         TracerError: invalid name, unsupported dtype, or calls not JSON-able.
     """
     calls = _check_capture(record)
-    return write_tensor(group, record.name, record.tensor, compression=compression,
-                        attrs={"kind": str(record.kind), "op": str(record.op), "calls": calls})
+    attrs = {"kind": str(record.kind), "op": str(record.op), "calls": calls}
+    if getattr(record, "role", ""):
+        attrs["role"] = str(record.role)
+    return write_tensor(group, record.name, record.tensor, compression=compression, attrs=attrs)
 
 
 def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = None) -> h5py.Group:

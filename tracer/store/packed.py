@@ -70,8 +70,11 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
                               "str/int/float/bool/list/dict values") from None
         offset = totals.get(dtype, 0)
         totals[dtype] = offset + record.tensor.numel()
-        entries.append({"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
-                        "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0})
+        entry = {"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
+                 "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0}
+        if getattr(record, "role", ""):
+            entry["role"] = str(record.role)
+        entries.append(entry)
     if len({e["name"] for e in entries}) != len(entries):
         raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
     return entries, totals
@@ -305,7 +308,7 @@ def _open_run(g: h5py.Group, entries: list[dict[str, Any]], fd: int | None) -> d
 
 def _point_info(p: StoredPoint, entry: dict[str, Any]) -> dict[str, Any]:
     return {"kind": entry["kind"], "op": entry["op"], "calls": entry["calls"], "dtype": entry["dtype"],
-            "shape": list(entry["shape"])}
+            "shape": list(entry["shape"]), **({"role": entry["role"]} if "role" in entry else {})}
 
 
 FORMAT_V2 = register(TraceFormat(

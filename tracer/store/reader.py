@@ -173,7 +173,8 @@ class TraceReader:
         return list(self._points[run])
 
     def capture_info(self, run: str, capture: str) -> dict[str, Any]:
-        """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data."""
+        """``{"kind", "op", "calls", "dtype", "shape"}`` of one capture, without reading its data, and
+        ``"role"`` when the trace stores one (:attr:`~tracer.execute.records.CaptureRecord.role`)."""
         return self._info(run, capture, self._capture_ds(run, capture))
 
     def captures(self, run: str) -> dict[str, tuple[dict[str, Any], Any]]:
@@ -216,7 +217,8 @@ class TraceReader:
                 tensor = read_tensor(handle)
             else:
                 tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]], device="meta")
-            captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"])
+            captures[cap] = CaptureRecord(name=cap, kind=info["kind"], tensor=tensor, calls=info["calls"], op=info["op"],
+                                          role=info.get("role", ""))
         start, stop = (int(x) for x in g.attrs["window"])
         ids_ds = g["token_ids"]
         ids = np.asarray(ids_ds[()])

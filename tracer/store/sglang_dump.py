@@ -40,25 +40,58 @@ def _shard(t: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return t[..., rank * (w // tp):(rank + 1) * (w // tp)]
 
 
-def _layer_tensors(get: Any, layer: str, prev: torch.Tensor, first: bool) -> list[tuple[str, Any, str]]:
-    """``(engine module, value or tuple, parallel style)`` of one decoder layer, in execution order."""
-    attn = get(f"{layer}.self_attn")
+def _layer_tensors(get: Any, layer: str, hf: dict[str, str], prev: torch.Tensor, first: bool) -> list[tuple[str, Any, str]]:
+    """``(engine module, value or tuple, parallel style)`` of one decoder layer, in execution order.
+
+    ``layer`` is SGLang's layer path (``model.layers.3``); ``hf`` maps each role of the block
+    (:data:`tracer.execute.family.ROLES`, and ``attention_core``/``mlp_hidden``) to the HF capture
+    name of that layer in the stored run. The names on the left are SGLang's Llama module names.
+    """
+    attn = get(hf["attention"])
     mid = prev + attn  # HF: hidden_states = residual + hidden_states (the residual before the MLP)
-    mlp = get(f"{layer}.mlp")
-    ln_in = get(f"{layer}.input_layernorm")
+    mlp = get(hf["mlp"])
+    ln_in = get(hf["attn_norm"])
     return [
         (f"{layer}.input_layernorm", ln_in if first else (ln_in, prev), "replicated"),
-        (f"{layer}.self_attn.qkv_proj", [get(f"{layer}.self_attn.{x}_proj") for x in "qkv"], "fused"),
-        (f"{layer}.self_attn.attn", get(f"{layer}.self_attn.core"), "column"),
-        (f"{layer}.self_attn.o_proj", get(f"{layer}.self_attn.o_proj"), "replicated"),
+        (f"{layer}.self_attn.qkv_proj", [get(hf[f"{x}_proj"]) for x in "qkv"], "fused"),
+        (f"{layer}.self_attn.attn", get(hf["attention_core"]), "column"),
+        (f"{layer}.self_attn.o_proj", get(hf["o_proj"]), "replicated"),
         (f"{layer}.self_attn", attn, "replicated"),
-        (f"{layer}.post_attention_layernorm", (get(f"{layer}.post_attention_layernorm"), mid), "replicated"),
-        (f"{layer}.mlp.gate_up_proj", [get(f"{layer}.mlp.gate_proj"), get(f"{layer}.mlp.up_proj")], "fused"),
-        (f"{layer}.mlp.act_fn", get(f"{layer}.mlp.down_proj.input"), "column"),
-        (f"{layer}.mlp.down_proj", get(f"{layer}.mlp.down_proj"), "replicated"),
+        (f"{layer}.post_attention_layernorm", (get(hf["mlp_norm"]), mid), "replicated"),
+        (f"{layer}.mlp.gate_up_proj", [get(hf["gate_proj"]), get(hf["up_proj"])], "fused"),
+        (f"{layer}.mlp.act_fn", get(hf["mlp_hidden"]), "column"),
+        (f"{layer}.mlp.down_proj", get(hf["down_proj"]), "replicated"),
         (f"{layer}.mlp", mlp, "replicated"),
         (layer, (mlp, mid), "replicated"),
     ]
+
+
+#: the roles a Llama-style layer needs for SGLang's layout (its fused q/k/v and gate/up are split)
+_ROLES = ("attn_norm", "attention", "q_proj", "k_proj", "v_proj", "attention_core", "o_proj", "mlp_norm",
+          "mlp", "gate_proj", "up_proj", "mlp_hidden", "down_proj")
+
+
+def _layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, str]:
+    """Role → HF capture name of one decoder layer of a stored run: the roles stored with the
+    captures, or for a trace without them the roles inferred from the names.
+
+    Raises:
+        TracerError: a role SGLang's Llama layout needs that the run lacks.
+    """
+    from tracer.execute.family import infer_roles
+
+    members = [n for n in names if n.startswith(layer + ".")]
+    stored = {n: r.capture_info(run, n).get("role", "") for n in members}
+    if not any(stored.values()):
+        guessed = infer_roles([n[len(layer) + 1:] for n in members])
+        stored = {n: guessed.get(n[len(layer) + 1:], "") for n in members}
+    out = {role: n for n, role in stored.items() if role}
+    out["layer"] = layer
+    missing = [role for role in _ROLES if role not in out]
+    if missing:
+        raise TracerError(f"run {run} has no {missing[0]} point in {layer}; SGLang's dump layout needs a Llama-style "
+                          "layer captured with --granularity sublayers")
+    return out
 
 
 def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chunk: int | None = None,
@@ -115,7 +148,8 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         items: list[tuple[str, Any, str]] = [("model.embed_tokens", get(emb), "replicated")]
         prev = get(emb)
         for i, layer in enumerate(layers):
-            items += _layer_tensors(get, layer, prev, first=(i == 0))
+            hf = _layer_roles(r, run, names, layer)
+            items += _layer_tensors(get, f"model.layers.{i}", hf, prev, first=(i == 0))
             prev = get(layer)
         items += [("model.norm", (get(norm), prev), "replicated"), ("model", get(norm), "replicated")]
         lo, hi = rec.window

@@ -249,8 +249,8 @@ def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path:
     if ds.dtype != _DTYPES[dtype]:
         raise _corrupt(path, f"{what} is stored as {ds.dtype}, which does not hold {dtype} values")
     kind, op = attr_text(ds.attrs["kind"]), attr_text(ds.attrs["op"])
-    if kind is None or op is None:
-        raise _corrupt(path, f"{what} has a non-string kind or op")
+    if kind is None or op is None or ("role" in ds.attrs and attr_text(ds.attrs["role"]) is None):
+        raise _corrupt(path, f"{what} has a non-string kind, op or role")
     calls = load_json(ds.attrs["calls"], path, f"calls of {what}", list)
     if not all(isinstance(c, dict) for c in calls):
         raise _corrupt(path, f"calls of {what} are not JSON objects")
@@ -281,7 +281,8 @@ def _entry_ok(e: Any) -> bool:
         if not isinstance(v, kind) or isinstance(v, bool):
             return False
     return (all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["shape"])
-            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and all(isinstance(c, dict) for c in e["calls"]))
+            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and all(isinstance(c, dict) for c in e["calls"])
+            and isinstance(e.get("role", ""), str))
 
 
 def check_index(g: h5py.Group, members: dict[str, Any], run: str, path: Any, file_size: int, checked: bool,

@@ -43,11 +43,14 @@ def compact_name(name: str, kind: str | None = None) -> str:
     """``model.layers.3.self_attn.kv_cache`` → ``L3 KV``, ``model.layers.3`` → ``L3``,
     ``model.layers.3.mlp.down_proj`` → ``L3 mlp.down_proj`` (dense axis labels); others as :func:`short_name`."""
     parts = short_name(name).split(".")
-    if len(parts) >= 2 and parts[0] in ("layers", "h", "blocks") and parts[1].isdigit():
-        rest = ".".join(parts[2:])
+    # the first numbered component is the decoder layer's index (the layer list's child), whatever
+    # the family calls the list (model.layers.3, transformer.h.3)
+    at = next((i for i, p in enumerate(parts) if i and p.isdigit()), None)
+    if at is not None:
+        rest = ".".join(parts[at + 1:])
         if kind == "kv_cache" or rest.endswith("kv_cache"):
-            return f"L{parts[1]} KV"
-        return f"L{parts[1]}" + (f" {rest}" if rest else "")
+            return f"L{parts[at]} KV"
+        return f"L{parts[at]}" + (f" {rest}" if rest else "")
     return short_name(name)
 
 
