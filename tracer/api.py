@@ -308,17 +308,22 @@ def read_trace(path: str) -> Any:
 
 
 def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None, mitigations: bool = True,
-          loaded: Any = None, progress: bool = True, on_check: Callable[[str, int, int], None] | None = None,
-          **options: Any) -> Any:
+          loaded: Any = None, progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
+          on_row: Callable[[Any], None] | None = None, **options: Any) -> Any:
     """Run every selected level of the determinism hierarchy on this machine (:mod:`tracer.loops.audit`).
 
     Args:
         model: a model name or a loaded model.
         levels: ``"0,1,2"`` or a list of levels (default: all).
         mitigations: re-run diverging checks under each applicable mitigation.
+        progress: the plan (each check's cost), one line per finished check and an ETA on stderr:
+            True or ``"auto"`` (a bar in a terminal, lines otherwise), ``"lines"``, or False (nothing).
         on_check: called as ``on_check(label, done, total)`` before each check.
+        on_row: called with each finished :class:`~tracer.loops.audit.AuditRow`.
         options: model, prompt, capture and store options, and scenario options applied to every
-            check that uses them (listed below); ``store=False`` keeps everything in memory.
+            check that uses them (listed below); ``store=False`` keeps everything in memory; with
+            an ``output``, every finished check is kept and an interrupted audit with the same
+            output resumes (:mod:`tracer.loops.audit_store`).
 
     Returns:
         an :class:`~tracer.loops.audit.Audit` (the hierarchy table as data).
@@ -328,8 +333,9 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
     """
     from tracer.loops.audit import audit as _audit
 
-    cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, **_asked_store(options))
-    return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check)
+    cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, new_output=False, **_asked_store(options))
+    return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check,
+                  on_row=on_row)
 
 
 def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),

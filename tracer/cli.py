@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERNAL, TracerError
-from tracer.report.progress import ItemProgress, StatusProgress
+from tracer.report.progress import DELAY_S, StatusProgress, phase
 from tracer.report.textsafe import printable
 
 app = typer.Typer(
@@ -131,11 +131,11 @@ def _fail(message: str) -> None:
 
 
 def _emit(comparison, fmt: str, columns: tuple[str, ...] | None = None, all_rows: bool = False) -> None:
+    from tracer.report.console import stdout_console
     from tracer.report.tables import DEFAULT_COLUMNS, render
 
-    # styled in a terminal; plain and wide enough for the module paths when piped
-    wide = columns is not None and len(columns) > 8
-    console = Console() if sys.stdout.isatty() else Console(width=400 if wide else 200, no_color=True, highlight=False)
+    # styled in a terminal; piped: $COLUMNS or 120 wide, every asked-for column kept
+    console = stdout_console(explicit_columns=columns is not None and columns != DEFAULT_COLUMNS)
     text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows)
     if text is not None:
         text = printable(text, newlines=True)  # csv/markdown quote names from the trace
@@ -213,13 +213,14 @@ def run_cmd(
         cols = check_columns(columns, wide)
         _check_report(report, overwrite, output)
         opts = run_options(given)
-        long_run = verdict or decode > 0  # without a terminal, log lines only for the long forms
-        with StatusProgress("run", mode="bar" if err.is_terminal else ("lines" if long_run else "off")) as status:
+        # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
+        with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
             result = run(progress=err.is_terminal, status=status, **opts)
-        if report is not None and result.comparison is not None:
-            from tracer.report.html import comparison_html, write_report
+            if report is not None and result.comparison is not None:
+                from tracer.report.html import comparison_html, write_report
 
-            write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
+                status(f"writing the HTML report {report}")
+                write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -246,7 +247,7 @@ def audit_cmd(
     length: LengthOpt = None, chat: ChatOpt = False,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit-<timestamp>.h5).")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Trace file for all runs (default traces/<model>-audit.h5); finished checks are kept in OUTPUT.checks/ while it runs, so re-running with the same options resumes an interrupted audit.")] = None,
     overwrite: OverwriteOpt = False, no_store: NoStoreOpt = False,
     no_mitigations: Annotated[bool, typer.Option("--no-mitigations", help="Do not re-run diverging levels under the mitigations.")] = False,
     fmt: FormatOpt = "table",
@@ -270,13 +271,9 @@ def audit_cmd(
         parse_levels(levels)
         _check_report(report, overwrite, output)
         opts = run_options(given)
-        with ItemProgress("audit", None, mode="auto") as bar:
-
-            def on_check(label: str, done: int, total: int) -> None:
-                bar.update(done, total, label)
-
-            result = audit(levels=levels, mitigations=not no_mitigations, progress=err.is_terminal,
-                           on_check=on_check, **opts)
+        # the plan with each check's cost, then each result as it comes, on stderr
+        result = audit(levels=levels, mitigations=not no_mitigations,
+                       progress=True if err.is_terminal else "lines", **opts)
         if report is not None:
             from tracer.report.hierarchy import audit_html
             from tracer.report.html import write_report
@@ -285,8 +282,9 @@ def audit_cmd(
     except TracerError as e:
         _fail(str(e))
         return
-    console = Console() if sys.stdout.isatty() else Console(width=250, no_color=True, highlight=False)
-    text = render_audit(result, fmt, console)
+    from tracer.report.console import stdout_console
+
+    text = render_audit(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text)
 
@@ -322,17 +320,18 @@ def compare_cmd(
         check_fail_on(fail_on, atol, rtol)
         refs = [x for x in (trace, run_a, run_b) if x is not None]
         dump = dump_side(refs)
-        if dump is not None:
-            comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
-        elif engine_map is not None:
-            raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
-        else:
-            from tracer.diff.stored import auto_comparison
+        with phase("compare", f"comparing {' '.join(refs)}"):
+            if dump is not None:
+                comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+            elif engine_map is not None:
+                raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
+            else:
+                from tracer.diff.stored import auto_comparison
 
-            (pa, ra), (pb, rb) = resolve_refs(refs)
-            # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
-            stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
-            comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+                (pa, ra), (pb, rb) = resolve_refs(refs)
+                # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
+                stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
+                comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
     except TracerError as e:
         _fail(str(e))
@@ -356,8 +355,9 @@ def import_cmd(
     from tracer.diff.compare_dump import import_dump
 
     try:
-        mapped = import_dump(dump, split_ref(reference), output, engine_map=engine_map, overwrite=overwrite,
-                             run_name=run_name)
+        with phase("import", f"mapping {dump} onto {reference}"):
+            mapped = import_dump(dump, split_ref(reference), output, engine_map=engine_map, overwrite=overwrite,
+                                 run_name=run_name)
     except TracerError as e:
         _fail(str(e))
         return
@@ -379,7 +379,7 @@ def show_cmd(
     from tracer.store.trace import TraceReader
 
     try:
-        with TraceReader(trace) as r:
+        with phase("show", f"reading {trace}"), TraceReader(trace) as r:
             header = r.header
             runs = []
             for name in r.runs:
@@ -445,7 +445,7 @@ def sweep_cmd(
     given = dict(locals())  # the parameters, before any other local exists
     from tracer.api import sweep
     from tracer.loops.sweep import parse_int_list
-    from tracer.report.tables import sweep_summary_lines
+    from tracer.report.sweep_lines import sweep_summary_lines
 
     try:
         if fmt not in ("table", "json", "csv"):
@@ -505,8 +505,9 @@ def plot_cmd(
     from tracer.api import plot_file
 
     try:
-        path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
-                         layers=layers.split(",") if layers else None)
+        with phase("plot", f"drawing {kind or 'the figure'} from {trace}"):
+            path = plot_file(trace, kind=kind, output=output, overwrite=overwrite,
+                             layers=layers.split(",") if layers else None)
     except TracerError as e:
         _fail(str(e))
         return
@@ -525,7 +526,8 @@ def report_cmd(
     from tracer.report.pages import write_report_file
 
     try:
-        path = write_report_file(trace, output, overwrite=overwrite, device=device)
+        with phase("report", f"writing the HTML report of {trace}"):
+            path = write_report_file(trace, output, overwrite=overwrite, device=device)
     except TracerError as e:
         _fail(str(e))
         return

@@ -48,9 +48,12 @@ class Prepared:
     scenario: Any
 
 
-def load(cfg: RunConfig, *, progress: bool = False) -> Any:
+def load(cfg: RunConfig, *, progress: bool | Say = False) -> Any:
     """Load ``cfg.model`` (:func:`tracer.load.models.load_model`), with its tokenizer only when
     :func:`needs_tokenizer` says the run uses it.
+
+    ``progress``: the loader's status messages and progress bars (True), none (False), or a callable
+    that gets the messages (:func:`tracer.load.models.load_model`).
 
     Raises:
         TracerError: unknown model, missing weights, bad device or device map.
@@ -95,7 +98,8 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
 
     if loaded is None:
         say(f"loading {cfg.model.name}")
-        loaded = load(cfg, progress=progress)
+        # a status callback also gets the loader's own messages (cache builds, tokenizer conversion)
+        loaded = load(cfg, progress=say if say is not _quiet else progress)
     ids = prompt_ids(cfg, loaded)
     scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
     check_distributed(scen, loaded.info.device, verdict=cfg.checks.verdict,
@@ -213,7 +217,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     on_gpu = model_device(model).type == "cuda"
     records, host_records, partials = [], [], None
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
-        say(f"run {name}: {plan.description}")
+        say(f"run {name}: {plan.description}" + (f", then greedy-decoding {decode} tokens" if decode else ""))
         keep = (online or on_gpu or budget is not None) and not plan.devices
         extra = {"rollout": records[0]} if rl and plan is scen.plan_b else {}  # the trainer recomputes run A's tokens
         rec, part = execute_plan(loaded, token_ids, plan, points, window, keep_on_device=keep, decode=decode,
@@ -240,6 +244,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     rec_a, rec_b = records
     header = header or {"model": info.to_dict(), "scenario": scen.to_dict(),
                         "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)}
+    say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
     cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
     facts = run_facts(header, rec_a, rec_b)
     if notes:
@@ -465,13 +470,13 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         comparison = _replace(comparison, rl=_replace(comparison.rl, mitigations=table))
     if ch.verdict:
         say("verdict: re-running at higher precision")
-        comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison))
+        comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison, say=say))
     return RunResult(comparison=comparison, scenario=scen, trace=str(out) if out else None, token_ids=ids,
                      runs=outcome.records, model_info=info, fail_on=ch.fail_on, partials=outcome.partials)
 
 
 def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
-                     dtypes: tuple[str, ...] | None = None) -> Any:
+                     dtypes: tuple[str, ...] | None = None, say: Say = _quiet) -> Any:
     """Noise or defect: re-run ``scen`` with the model cast to each higher dtype and judge how the
     divergence of ``base`` scales with machine epsilon (rule: :mod:`tracer.diff.verdict`).
 
@@ -500,9 +505,11 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
     lb, yb = measure(base, worst)
     levels = []
     try:
-        for name in dtypes:
+        for i, name in enumerate(dtypes, 1):
+            say(f"verdict: re-run {i}/{len(dtypes)} at {name}")
             cast_weights(model, getattr(torch, name))
-            c = run_scenario(loaded, token_ids, scen, CaptureConfig("layers")).comparison
+            c = run_scenario(loaded, token_ids, scen, CaptureConfig("layers"),
+                             say=lambda m, i=i, name=name: say(f"verdict: re-run {i}/{len(dtypes)} at {name}: {m}")).comparison
             lg, ly = measure(c, worst)
             levels.append(Level(name, epsilon(name), lg, ly, c.identical))
     finally:

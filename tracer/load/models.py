@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -206,7 +206,7 @@ def load_model(
     gguf: str | None = None,
     seed: int = 0,
     trust_remote_code: bool = False,
-    progress: bool = True,
+    progress: bool | Callable[[str], None] = True,
     device_map: str | dict[str, Any] | None = None,
     max_memory: str | dict[Any, str] | None = None,
     tokenizer: bool = True,
@@ -225,7 +225,9 @@ def load_model(
         gguf: GGUF file for a ``gguf`` recipe (overrides the recipe's env var and package copy).
         seed: RNG seed of ``random-init`` recipes (float32 init on the CPU, then cast).
         trust_remote_code: passed to ``from_pretrained`` for HF models.
-        progress: show rich status messages (on stderr) and transformers' progress bars.
+        progress: show rich status messages (on stderr) and transformers' progress bars; or a
+            callable that receives each status message instead (the caller's own display, which
+            relays the tqdm bars: :func:`tracer.report.progress.relay_tqdm`).
         device_map: spread the model over several devices with accelerate (a model larger than
             one GPU): ``auto``/``balanced``/``balanced_low_0``/``sequential`` (accelerate's
             ``infer_auto_device_map``, bounded by ``max_memory``), or a dict / JSON object

@@ -6,7 +6,7 @@ Each context manager restores the state it found, so loading changes no global s
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def console():
@@ -51,5 +51,10 @@ def quiet_gguf_bar(progress: bool) -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
-def status(progress: bool, message: str):
+def status(progress: Any, message: str):
+    """A status for one loading step: ``progress`` a callable (the caller's display) gets the
+    message; True shows a rich status of its own; False nothing."""
+    if callable(progress):
+        progress(message)
+        return nullcontext()
     return console().status(message) if progress else nullcontext()

@@ -19,6 +19,7 @@ from typing import Any, Callable
 from tracer import schema
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
+from tracer.plan.cost import scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 
 
@@ -95,68 +96,205 @@ def _row(check: Check, comparison: Any) -> AuditRow:
                     first_divergent=comparison.first_divergent)
 
 
+#: the prompt length of an audit when none is given (the built-in prompt cut to it): long enough for
+#: every check (level 3 caches 64-token blocks, so N > 64), short enough that the default audit ends
+#: in a few minutes on a 2-core CPU; ``--length N`` costs each forward pass about N tokens more
+DEFAULT_LENGTH = 96
+
+
+def audit_length(cfg: RunConfig) -> int | None:
+    """The prompt length of the audit: ``--length``, else the whole prompt given, else :data:`DEFAULT_LENGTH`
+    tokens of the built-in prompt."""
+    p = cfg.prompt
+    given = p.prompt is not None or p.prompt_file is not None or p.token_ids is not None or p.token_ids_file is not None
+    return p.length if p.length is not None or given else DEFAULT_LENGTH
+
+
+def default_output(model: str, root: str = "traces") -> Any:
+    """``traces/<model>-audit.h5``: a fixed name, so re-running an interrupted audit resumes it."""
+    from pathlib import Path
+
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
+    return Path(root) / f"{safe}-audit.h5"
+
+
+def row_record(row: AuditRow) -> dict[str, Any]:
+    """A row as it is kept on disk: its schema document (:meth:`AuditRow.to_dict`), JSON-safe
+    (read back bit for bit by :meth:`AuditRow.from_dict`)."""
+    from tracer.store.trace import json_safe
+
+    return json_safe(row.to_dict())
+
+
+def result_line(row: AuditRow) -> str:
+    """One line per finished check: ``L2-prefix-cache: diverges from model.layers.3, 0 argmax flips; aligned: restores``."""
+    c = row.check
+    if row.status == "skipped":
+        return f"{c.key}: skipped: {row.reason}"
+    if row.status == "passed":
+        return f"{c.key}: holds bitwise ({c.label})"
+    mit = "; ".join(f"{m}: {'restores' if v is True else 'no' if v is False else 'n/a'}" for m, v in row.mitigations.items())
+    return (f"{c.key}: diverges from {row.first_divergent}, {row.argmax_flips} argmax flip(s) ({c.label})"
+            + (f"; {mit}" if mit else ""))
+
+
 def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations: bool = True, loaded: Any = None,
-          progress: bool = True, on_check: Callable[[str, int, int], None] | None = None) -> Audit:
+          progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
+          on_row: Callable[[AuditRow], None] | None = None) -> Audit:
     """Run every selected level of the hierarchy on this machine and return the table.
 
     Every check (and every mitigation re-run) is a :func:`tracer.pipeline.run_scenario` on the model
-    loaded once, so the audit gets the same GPU fast path as ``tracer run``.
+    loaded once, so the audit gets the same GPU fast path as ``tracer run``. Before the first check
+    runs, every check's cost is shown (:mod:`tracer.plan.cost`: forward passes and tokens); each
+    result is shown as it comes. With a trace, every finished check is kept at once
+    (:mod:`tracer.loops.audit_store`), so an interrupted audit re-run with the same output resumes:
+    finished checks are reused (their rows bit-identical), the others run.
 
     Args:
         cfg: model, prompt, capture and store options (``store`` ``none``: nothing written; else one
-            trace for all runs, default ``traces/<model>-audit-<timestamp>.h5``, runs named
+            trace for all runs, default ``traces/<model>-audit.h5`` (:func:`default_output`), runs named
             ``<check key>.A``/``.B`` and ``<check key>+<mitigation>.A``/``.B``, comparisons under
-            ``/comparisons/<key>``); its scenario options apply to every check that uses them (a
-            check's own options win).
+            ``/comparisons/<key>``, the rows in the header's ``audit_rows``); its scenario options apply
+            to every check that uses them (a check's own options win). Without a prompt or length the
+            prompt is :data:`DEFAULT_LENGTH` tokens of the built-in one.
         levels: ``"0,1,2"`` or a list of levels (default: all).
         mitigations: re-run diverging checks under each applicable mitigation.
         loaded: a loaded model to reuse.
+        progress: the plan, one line per check and an ETA weighed by each check's cost on stderr
+            (:class:`tracer.report.progress.ItemProgress`): True or ``"auto"``: a bar in a terminal,
+            log lines otherwise; ``"lines"``; False: nothing. Loading the model shows a status
+            (a spinner, or a ``load:`` line once it takes 2 s).
         on_check: called as ``on_check(label, done, total)`` before each check (progress bars).
+        on_row: called with each finished (or reused) :class:`AuditRow`.
 
     Raises:
-        TracerError: bad input (checked before the model loads where possible).
+        TracerError: bad input (checked before the model loads where possible); an output holding
+            another audit without ``overwrite``.
     """
     from tracer import pipeline
     from tracer.execute.tp_dist import distributed_header
-    from tracer.store.trace import default_output
+    from tracer.loops.audit_store import AuditStore
+    from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
     _check_options(options, selected)
+    store = cfg.store.mode != "none"
+    out = _output_path(cfg) if store else None
     if loaded is None:
-        loaded = pipeline.load(cfg, progress=progress)
+        with StatusProgress("load", mode=progress, delay_s=DELAY_S) as status:
+            status(f"loading {cfg.model.name}")
+            loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
-    ids = pipeline.prompt_ids(cfg, loaded)
+    ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
     plans, reasons = _plan(todo, len(ids), options, info.device)
+    budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
+                                          "audit_options": {"mitigations": bool(mitigations), "budget": budget,
+                                                            "checks": [c.key for c in todo]},
                                           **(distributed_header(plans["L4-tp-real"], info.device)
                                              if "L4-tp-real" in plans else {})})
-    store = cfg.store.mode != "none"
-    out = (cfg.store.output or default_output(info.name, "audit")) if store else None
-    writer = pipeline.open_writer(out, header, overwrite=cfg.store.overwrite) if store else None
-
-    budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
-
-    def one(key: str, scen: Any) -> Any:
-        return pipeline.run_scenario(loaded, ids, scen, cfg.capture, writer=writer, online=not store,
-                                     names=(f"{key}.A", f"{key}.B"), header=header, comparison_key=key,
-                                     budget=budget).comparison
-
+    state = AuditStore(out, header, overwrite=cfg.store.overwrite) if store else None
+    done = {} if state is None else ({r["key"]: r for r in state.reused} if state.reused is not None else state.finished())
+    costs = {k: scenario_cost(s) for k, s in plans.items()}
+    weight = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
     rows: list[AuditRow] = []
-    with writer if writer is not None else contextlib.nullcontext():
+    with ItemProgress("audit", len(todo), mode=progress, weight_total=sum(weight.values())) as bar:
+        for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations):
+            bar.note(line)
         for i, c in enumerate(todo):
-            if on_check is not None:
-                on_check(c.label, i, len(todo))
-            rows.append(_check(c, plans, reasons, one, len(ids), options, mitigations))
+            if c.key in done:
+                row = AuditRow.from_dict(done[c.key])
+                result = f"{result_line(row)} [kept from an earlier run]"
+            else:
+                if on_check is not None:
+                    on_check(c.label, i, len(todo))
+                if c.key not in reasons:
+                    bar.update(description=f"{c.key} ({costs[c.key].text()})")
+                row = _run_check(c, plans, reasons, loaded, ids, cfg, header, options, mitigations, budget, state)
+                result = result_line(row)
+            rows.append(row)
+            if bar.mode == "bar":
+                bar.note(result)  # stays above the bar; without a terminal the count line carries it
+            bar.advance(result, weight=weight[c.key], timed=c.key not in done)
+            if on_row is not None:
+                on_row(row)
         if on_check is not None:
             on_check("done", len(todo), len(todo))
+        if state is not None and state.reused is None:
+            bar.note(f"audit: writing {out}")
+            state.merge([c.key for c in todo], [row_record(r) for r in rows])
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
              "levels": selected}
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
+
+
+def _output_path(cfg: RunConfig) -> Any:
+    """The audit's trace (checked before the model loads: a name that fits, a writable folder, not a
+    folder itself); an existing file is judged later, by its content (:class:`AuditStore`)."""
+    from tracer.store.integrity import check_name_length, check_output_path
+
+    out = check_name_length(cfg.store.output if cfg.store.output is not None else default_output(cfg.model.name),
+                            "--output")
+    check_output_path(out, cfg.store.overwrite, "--output", resume=True)
+    if out.is_dir():
+        raise TracerError(f"--output {out} is a directory; give a file path ending in .h5")
+    return out
+
+
+def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
+               done: dict[str, Any], mitigations: bool) -> list[str]:
+    """What the audit will do, before it does it: one line per check with its cost, the skipped
+    checks with their reasons, and what ``--length`` costs."""
+    from tracer.plan.cost import Cost
+
+    run = [c for c in todo if c.key not in reasons]
+    total = sum((costs[c.key] for c in run if c.key not in done), Cost())
+    lines = [f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), "
+             f"N = {n} tokens; {len(done)} finished earlier" if done else
+             f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), N = {n} tokens"]
+    width = max((len(c.key) for c in todo), default=0)
+    for c in todo:
+        what = ("finished earlier" if c.key in done else
+                f"skipped: {reasons[c.key]}" if c.key in reasons else costs[c.key].text())
+        lines.append(f"  {c.key:<{width}}  {what}")
+    lines.append(f"audit: to run: {total.text()}"
+                 + ("; a diverging check is run again under each mitigation (aligned, deterministic)" if mitigations else "")
+                 + f"; the tokens grow in proportion to --length (N = {n} here), the passes do not")
+    return lines
+
+
+def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded: Any, ids: list[int], cfg: RunConfig,
+               header: dict[str, Any], options: dict[str, Any], mitigations: bool, budget: int | None,
+               state: Any) -> AuditRow:
+    """One check, its runs written to its own trace part (kept once the row is kept)."""
+    from tracer import pipeline
+
+    writer = None
+
+    def one(key: str, scen: Any) -> Any:
+        nonlocal writer
+        if state is not None and writer is None:
+            writer = pipeline.open_writer(state.part(c.key), header, overwrite=True)
+        return pipeline.run_scenario(loaded, ids, scen, cfg.capture, writer=writer, online=state is None,
+                                     names=(f"{key}.A", f"{key}.B"), header=header, comparison_key=key,
+                                     budget=budget).comparison
+
+    try:
+        row = _check(c, plans, reasons, one, len(ids), options, mitigations)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
+    if state is not None:
+        state.keep(c.key, row_record(row))
+    return row
 
 
 #: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
@@ -258,4 +396,5 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
     return _replace(row, mitigations=fixed)
 
 
-__all__ = ["Audit", "AuditRow", "audit", "checks", "parse_levels", "skip_reason", "SEED_STATUS", "STATUSES"]
+__all__ = ["Audit", "AuditRow", "audit", "checks", "parse_levels", "skip_reason", "SEED_STATUS", "STATUSES",
+           "DEFAULT_LENGTH", "default_output", "row_record"]

@@ -12,14 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
-from tracer.report.progress import ItemProgress
+from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 
 #: the largest value and the most values one --lengths / --block-sizes list may hold
 MAX_VALUE = 1 << 24
@@ -129,7 +128,8 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         on_point: called with each finished row (after it is flushed).
         progress: per-point progress on stderr (:class:`tracer.report.progress.ItemProgress`): True or
             ``"auto"``: a bar with count and ETA in a terminal, one log line per point otherwise;
-            ``"lines"``: log lines; False: nothing. Model-loading messages only with True in a terminal.
+            ``"lines"``: log lines; False: nothing. Loading the model shows a status (a spinner, or
+            a ``load:`` line once it takes 2 s).
 
     Returns:
         a :class:`SweepResult` with every row of the file (earlier sessions' rows included).
@@ -147,7 +147,9 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         raise TracerError(f"the token ids hold {len(ids)} tokens but --lengths goes up to {max(ns)}; "
                           "give a longer --token-ids-file or lower the lengths")
     if loaded is None:
-        loaded = pipeline.load(cfg, progress=progress is True and sys.stderr.isatty())
+        with StatusProgress("load", mode=progress, delay_s=DELAY_S) as status:
+            status(f"loading {cfg.model.name}")
+            loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
     all_ids = pipeline.prompt_ids(cfg, loaded, length=max(ns))
     params = {

@@ -44,11 +44,23 @@ def _summary(a: Any) -> str:
     return f"{c['total']} checks: {c['passed']} hold bitwise, {c['failed']} diverge, {c['skipped']} skipped"
 
 
+#: the audit table's columns that stay at every width, and the order the others give way in
+AUDIT_KEEP = ("level", "check", "holds", "logit", "flips", "first")
+AUDIT_DROP = ("seed", "invariant", "mitigations", "last")
+#: text columns that wrap (the others hold numbers or one word and never do)
+AUDIT_TEXT = ("check", "invariant", "first", "mitigations", "seed")
+
+
 def print_audit(a: Any, console: Any = None) -> None:
-    """The summary first (counts, then one line per diverging check), the hierarchy table as a rich
-    table, the summary line again and the trace path."""
+    """The summary first (counts, then one line per diverging check), the hierarchy table fitted to
+    the console's width (:func:`tracer.report.layout.fit_columns`: the seed's status and the
+    invariant give way first, named under the table; numbers never cut), the summary line again
+    and the trace path."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    from tracer.report.layout import fit_columns
 
     console = console or Console()
     console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
@@ -58,14 +70,25 @@ def print_audit(a: Any, console: Any = None) -> None:
             console.print(f"diverges: L{r.check.level} {r.check.label}: from {r.first_divergent}, "
                           f"{r.argmax_flips} argmax flip(s)", highlight=False, soft_wrap=True)
     console.print()
-    t = Table(title=_title(a), title_justify="left", header_style="bold", show_lines=False)
-    for key, head in _COLUMNS:
-        t.add_column(head, overflow="fold", no_wrap=key in ("level", "holds", "flips"))
-    for r in a.rows:
-        cells = _fmt_row(r)
+    rows = [_fmt_row(r) for r in a.rows]
+    heads = dict(_COLUMNS)
+    fit = fit_columns(tuple(k for k, _ in _COLUMNS), heads, {k: [c[k] for c in rows] for k in heads}, console.width,
+                      name_key="", keep=AUDIT_KEEP, drop_order=AUDIT_DROP, flexible=AUDIT_TEXT)
+    console.print(Text(_title(a)), soft_wrap=True)
+    t = Table(header_style="bold", show_lines=False)
+    for key, w in zip(fit.columns, fit.widths):
+        t.add_column(heads[key], width=w, overflow="fold")
+    for r, cells in zip(a.rows, rows):
         style = {"passed": "green", "failed": "red", "skipped": "dim"}[r.status]
-        t.add_row(*(cells[k] for k, _ in _COLUMNS), style=style)
-    console.print(t)
+        t.add_row(*(cells[k] for k in fit.columns), style=style)
+    console.print(t, width=max(console.width, fit.width), crop=False)  # too narrow even so: wider, never cut
+    if fit.dropped:
+        console.print(f"left out to fit {console.width} columns: {', '.join(heads[k] for k in fit.dropped)} "
+                      "(a wider terminal, COLUMNS=200, or --format markdown / json shows them)",
+                      highlight=False, soft_wrap=True)
+        if "seed" in fit.dropped:
+            for level in sorted({r.check.level for r in a.rows}):
+                console.print(f"  seed's status of level {level}: {SEED_STATUS[level]}", highlight=False, soft_wrap=True)
     console.print(_summary(a), highlight=False)
     if a.trace:
         console.print(f"trace: {a.trace}", style="dim", highlight=False)

@@ -269,11 +269,16 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
                      table_html("points", [COLUMNS[k][0] for k in cols], cells, classes=classes, values=vals,
                                 diff_toggle=True)
                      + "".join(f'<p class="note">{esc(x)}</p>' for x in more)))
-    plans = [f"A ({c.run_a}): {c.facts.get('plan_a', '')} (GEMM M {c.facts.get('gemm_m_a')})",
-             f"B ({c.run_b}): {c.facts.get('plan_b', '')} (GEMM M {c.facts.get('gemm_m_b')})"]
+    plans = [f"{_side('A', c.run_a)}: {c.facts.get('plan_a', '')} (GEMM M {c.facts.get('gemm_m_a')})",
+             f"{_side('B', c.run_b)}: {c.facts.get('plan_b', '')} (GEMM M {c.facts.get('gemm_m_b')})"]
     sections.append(("numeric contract", "".join(f"<p>{esc(p)}</p>" for p in plans) + contract_html(header, c.facts)
                      + (f'<p class="note">trace: {esc(c.trace)}</p>' if c.trace else "")))
     return page(_title(c), f"verdict: {c.verdict()}", c.identical, sections)
+
+
+def _side(letter: str, run: str) -> str:
+    """``A`` for a run named ``A``; ``A (L2-prefix-cache.A)`` when the run has a name of its own."""
+    return letter if run == letter else f"{letter} ({run})"
 
 
 def write_report(text: str, path: str | os.PathLike, *, overwrite: bool = False) -> Path:

@@ -14,7 +14,7 @@ from typing import Any
 
 from tracer.errors import TracerError
 from tracer.report.html import esc, figure_html, figure_svg, headline_html, page, table_html
-from tracer.report.tables import sweep_summary_lines
+from tracer.report.sweep_lines import sweep_summary_lines
 
 
 def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:

@@ -1,25 +1,38 @@
-"""Progress of long commands on stderr, in a terminal and without one.
+"""Progress of long commands on stderr, in a terminal and without one: nothing silent for long.
 
 - :class:`ItemProgress`: a known number of items (sweep points, audit checks): in a terminal a
   rich bar with the count, elapsed time and ETA; otherwise one log line per item (and one at least
   every :data:`LOG_INTERVAL_S` seconds while an item runs long), e.g.
-  ``sweep: 3/10 (30%) N=40 b=16 diverges · elapsed 12s · ETA 28s``.
+  ``sweep: 3/10 (30%) N=40 b=16 diverges · elapsed 12s · ETA 28s``. Items may carry weights (an
+  audit check's cost) so that the ETA weighs what is left; :meth:`ItemProgress.note` prints a
+  result line that stays (above the bar in a terminal).
 - :class:`StatusProgress`: a stream of status messages (``run A: ...``, ``repetition 2/6``): a
-  rich status line with the elapsed time in a terminal, one log line per message otherwise; a
-  message with ``k/n`` in it gets an ETA.
+  rich status line with the elapsed time in a terminal; otherwise a log line for every phase that
+  is still running after :data:`DELAY_S` seconds, and again every :data:`LOG_INTERVAL_S` seconds
+  while it runs (a background thread), so a fast phase prints nothing and a slow one is never
+  silent; a message with ``k/n`` in it gets an ETA.
+- :func:`relay_tqdm`: while a status is shown, the tqdm bars of transformers and huggingface_hub
+  (loading weights, reading a GGUF) report into it instead of drawing their own lines over it.
+- :func:`phase`: one status for one slow call of a command (``compare: reading t.h5``).
 
-Both write nothing when ``mode`` is ``off``. Leaf module: depends on rich only.
+Everything writes nothing when ``mode`` is ``off``; ``auto`` follows ``$TRACER_PROGRESS``
+(``bar``, ``lines`` or ``off``) when set. Leaf module: depends on rich (and tqdm, when present) only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
+import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 #: without a terminal, a line at least this often while one item runs (seconds)
 LOG_INTERVAL_S = 10.0
+#: without a terminal, a status message is printed once its phase has run this long (seconds)
+DELAY_S = 2.0
 MODES = ("auto", "bar", "lines", "off")
 
 
@@ -42,6 +55,8 @@ def resolve_mode(mode: str | bool, stream: TextIO | None = None) -> str:
         mode = "off"
     if mode not in MODES:
         raise ValueError(f"progress mode {mode!r}; use one of {MODES}")
+    if mode == "auto" and os.environ.get("TRACER_PROGRESS", "") in ("bar", "lines", "off"):
+        mode = os.environ["TRACER_PROGRESS"]
     if mode == "auto":
         s = stream or sys.stderr
         return "bar" if getattr(s, "isatty", lambda: False)() else "lines"
@@ -57,15 +72,24 @@ class ItemProgress:
         mode: ``auto``/``bar``/``lines``/``off`` (see :func:`resolve_mode`).
         stream: where lines go (default stderr).
         interval_s: without a terminal, the longest silence while an item runs.
+        weight_total: the summed weight of all items (e.g. each audit check's cost); with it the
+            ETA is the time per unit of weight finished in this session times the weight left
+            (:meth:`advance` says each item's weight). ``weight_done``: the weight finished before.
     """
 
     def __init__(self, label: str, total: int | None, *, done: int = 0, mode: str | bool = "auto",
-                 stream: TextIO | None = None, interval_s: float = LOG_INTERVAL_S) -> None:
+                 stream: TextIO | None = None, interval_s: float = LOG_INTERVAL_S,
+                 weight_total: float | None = None, weight_done: float = 0.0) -> None:
         self.label, self.total, self.done = label, total, done
         self.stream = stream
         self.mode = resolve_mode(mode, stream)
         self.interval_s = interval_s
         self.start_done = done
+        self.weight_total, self.weight_done, self.session_weight = weight_total, weight_done, 0.0
+        self._running: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.t0 = time.monotonic()
         self.last_line = self.t0
         self.bar: Any = None
@@ -84,19 +108,45 @@ class ItemProgress:
                                 transient=False)
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total, completed=self.done)
+        elif self.mode == "lines":  # the heartbeat of an item that runs long (see update)
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="tracer-progress", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self.bar is not None:
             self.bar.__exit__(*exc)
             self.bar = None
 
+    def _watch(self) -> None:
+        """Without a terminal: the running item's line again every :attr:`interval_s` (only for an
+        item announced with :meth:`update`; :meth:`advance` ends it)."""
+        while not self._stop.wait(0.2):
+            if self._running is not None:
+                self.tick(self._running)
+
     def eta_s(self) -> float | None:
-        """Seconds left, from the mean time of the items finished in this session (None: unknown)."""
+        """Seconds left, from the mean time of the items (or of a unit of weight) finished in this
+        session (None: unknown)."""
+        elapsed = time.monotonic() - self.t0
+        if self.weight_total is not None and self.session_weight > 0:
+            return elapsed / self.session_weight * max(0.0, self.weight_total - self.weight_done)
         n = self.done - self.start_done
         if not n or self.total is None:
             return None
-        return (time.monotonic() - self.t0) / n * max(0, self.total - self.done)
+        return elapsed / n * max(0, self.total - self.done)
+
+    def note(self, text: str) -> None:
+        """A line that stays: above the bar in a terminal, on its own line otherwise (nothing when off)."""
+        if self.mode == "bar" and self.bar is not None:
+            self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        elif self.mode != "off":
+            self._print(text)
 
     def line(self, description: str = "", running: bool = False) -> str:
         """The log line for the current state."""
@@ -107,12 +157,22 @@ class ItemProgress:
                 f" · ETA {_clock(self.eta_s())}")
 
     def _print(self, text: str) -> None:
-        print(text, file=self.stream or sys.stderr, flush=True)
-        self.last_line = time.monotonic()
+        with self._lock:
+            print(text, file=self.stream or sys.stderr, flush=True)
+            self.last_line = time.monotonic()
 
-    def advance(self, description: str = "", n: int = 1) -> None:
-        """``n`` items finished; ``description`` says which (and how it went)."""
+    def advance(self, description: str = "", n: int = 1, weight: float | None = None, timed: bool = True) -> None:
+        """``n`` items finished; ``description`` says which (and how it went); ``weight``: their
+        weight, when the ETA weighs items (``weight_total``); ``timed=False``: they took no time in
+        this session (kept from an earlier one), so the ETA does not learn from them."""
         self.done += n
+        self._running = None  # the item announced by update() is over: no more heartbeat for it
+        if not timed:
+            self.start_done += n
+        if weight is not None:
+            self.weight_done += weight
+            if timed:
+                self.session_weight += weight
         if self.mode == "bar" and self.bar is not None:
             self.bar.update(self.task, advance=n, description=description)
         elif self.mode == "lines":
@@ -120,8 +180,9 @@ class ItemProgress:
 
     def update(self, done: int | None = None, total: int | None = None, description: str = "") -> None:
         """The item now running (``description``), with the count so far: a line when ``done`` moved
-        (or, without a terminal, after :attr:`interval_s` of silence)."""
-        moved = done is not None and done != self.done
+        or another item starts (or, without a terminal, after :attr:`interval_s` of silence)."""
+        moved = (done is not None and done != self.done) or description != self._running
+        self._running = description
         if total is not None:
             self.total = total
         if done is not None:
@@ -138,17 +199,36 @@ class ItemProgress:
 
 
 class StatusProgress:
-    """A callable ``status(message)``: a rich status line in a terminal, one log line per message
-    otherwise (``label: message · elapsed 12s``, plus an ETA when the message holds ``k/n``)."""
+    """A callable ``status(message)``: a rich status line in a terminal; otherwise a log line
+    (``label: message · elapsed 12s``, plus an ETA when the message holds ``k/n``) for each phase
+    (at once, or once it has run ``delay_s`` seconds), and again every
+    :data:`LOG_INTERVAL_S` seconds while it runs. While it is open, tqdm bars report into it
+    (:func:`relay_tqdm`).
+
+    Args:
+        label: the command, first word of every line.
+        mode: ``auto``/``bar``/``lines``/``off`` (see :func:`resolve_mode`).
+        stream: where lines go (default stderr).
+        delay_s: without a terminal, how long a phase runs before its line is printed (0, the
+            default: at once; :data:`DELAY_S` keeps fast phases silent).
+        interval_s: without a terminal, the longest silence while a phase runs.
+    """
 
     _COUNT = re.compile(r"(\d+)/(\d+)")
 
-    def __init__(self, label: str, *, mode: str | bool = "auto", stream: TextIO | None = None) -> None:
+    def __init__(self, label: str, *, mode: str | bool = "auto", stream: TextIO | None = None,
+                 delay_s: float = 0.0, interval_s: float = LOG_INTERVAL_S) -> None:
         self.label = label
         self.stream = stream
         self.mode = resolve_mode(mode, stream)
+        self.delay_s, self.interval_s = delay_s, interval_s
         self.t0 = time.monotonic()
         self.status: Any = None
+        self.message, self.detail, self.since, self.printed_at = "", "", self.t0, None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._relay: Any = None
 
     def __enter__(self) -> StatusProgress:
         self.t0 = time.monotonic()
@@ -157,21 +237,132 @@ class StatusProgress:
 
             self.status = Console(file=self.stream or sys.stderr, stderr=self.stream is None).status(self.label)
             self.status.__enter__()
+        elif self.mode == "lines":
+            self._thread = threading.Thread(target=self._watch, name="tracer-progress", daemon=True)
+            self._thread.start()
+        if self.mode != "off":
+            self._relay = relay_tqdm(self.report)
+            self._relay.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._relay is not None:
+            self._relay.__exit__(*exc)
+            self._relay = None
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
         if self.status is not None:
             self.status.__exit__(*exc)
             self.status = None
 
-    def __call__(self, message: str) -> None:
-        elapsed = time.monotonic() - self.t0
+    def _text(self, now: float, elapsed: str = "") -> str:
         eta = ""
-        m = self._COUNT.search(message)
+        m = self._COUNT.search(self.message)
         if m and int(m.group(1)) > 1 and int(m.group(2)) >= int(m.group(1)):
             k, n = int(m.group(1)), int(m.group(2))
-            eta = f" · ETA {_clock(elapsed / (k - 1) * (n - k + 1))}"
-        if self.mode == "bar" and self.status is not None:
-            self.status.update(f"{message} · {_clock(elapsed)}{eta}")
-        elif self.mode == "lines":
-            print(f"{self.label}: {message} · elapsed {_clock(elapsed)}{eta}", file=self.stream or sys.stderr, flush=True)
+            eta = f" · ETA {_clock((now - self.t0) / (k - 1) * (n - k + 1))}"
+        detail = f" · {self.detail}" if self.detail else ""
+        return f"{self.message}{detail} · {elapsed}{_clock(now - self.t0)}{eta}"
+
+    def __call__(self, message: str) -> None:
+        """A new phase: ``message`` says what runs now."""
+        now = time.monotonic()
+        with self._lock:
+            self.message, self.detail, self.since, self.printed_at = message, "", now, None
+            if self.mode == "bar" and self.status is not None:
+                self.status.update(self._text(now))
+            elif self.mode == "lines" and self.delay_s <= 0:
+                self._line(now)
+
+    @property
+    def loader(self) -> Any:
+        """What to give a loader as its ``progress``: this status (its messages and relayed bars
+        land here), or False when the status is off (nothing shown, bars included)."""
+        return self if self.mode != "off" else False
+
+    def report(self, detail: str) -> None:
+        """Progress inside the current phase (``Loading weights 45/272``): shown with its message."""
+        with self._lock:
+            self.detail = detail
+            if self.mode == "bar" and self.status is not None:
+                self.status.update(self._text(time.monotonic()))
+
+    def _line(self, now: float) -> None:
+        print(f"{self.label}: {self._text(now, 'elapsed ')}", file=self.stream or sys.stderr, flush=True)
+        self.printed_at = now
+
+    def tick(self, now: float) -> bool:
+        """Without a terminal: print the current phase's line if it is due at ``now`` (once the phase
+        ran :attr:`delay_s`, then every :attr:`interval_s`); True if a line was printed."""
+        with self._lock:
+            if not self.message or self.mode != "lines":
+                return False
+            due = (now - self.since >= self.delay_s) if self.printed_at is None else \
+                (now - self.printed_at >= self.interval_s)
+            if due:
+                self._line(now)
+            return due
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            self.tick(time.monotonic())
+
+
+@contextlib.contextmanager
+def phase(label: str, message: str, *, mode: str | bool = "auto", stream: TextIO | None = None) -> Iterator[StatusProgress]:
+    """One :class:`StatusProgress` around one slow step of a command (reading, comparing, drawing)::
+
+        with phase("compare", f"comparing {a} with {b}"):
+            comparison = compare_runs(...)
+    """
+    with StatusProgress(label, mode=mode, stream=stream, delay_s=DELAY_S) as status:
+        status(message)
+        yield status
+
+
+class _Discard:
+    """A text stream that keeps nothing (where relayed tqdm bars draw)."""
+
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        return None
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def relay_tqdm(report: Callable[[str], None]) -> Iterator[None]:
+    """While open, every tqdm bar (transformers' weight loading, huggingface_hub's downloads, the
+    GGUF reader) draws nothing itself and calls ``report("<desc> <n>/<total>")`` instead, so one
+    display shows it; the class is restored afterwards. Without tqdm installed: nothing to do."""
+    try:
+        import tqdm.std as tstd
+    except ImportError:
+        yield
+        return
+    cls = tstd.tqdm
+    init, display = cls.__init__, cls.display
+
+    def relayed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) >= 5:  # tqdm(iterable, desc, total, leave, file, ...)
+            args = (*args[:4], _Discard(), *args[5:])
+        else:
+            kwargs["file"] = _Discard()
+        init(self, *args, **kwargs)
+
+    def relayed_display(self: Any, msg: Any = None, pos: Any = None) -> bool:
+        total = f"/{self.total:g}" if self.total else ""
+        desc = (self.desc or "").rstrip(": ") or "working"
+        report(f"{desc} {self.n:g}{total}")
+        return True
+
+    cls.__init__, cls.display = relayed_init, relayed_display
+    try:
+        yield
+    finally:
+        cls.__init__, cls.display = init, display

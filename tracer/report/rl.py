@@ -188,3 +188,16 @@ def token_records(rl: Any) -> list[dict[str, Any]]:
 
 __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
            "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records"]
+
+
+def print_rl(rl: Any, console: Any) -> None:
+    """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table, to ``console``
+    (the terminal report of :func:`tracer.report.tables.print_report`)."""
+    console.print()
+    console.print(steps_table(rl))
+    console.print(hist_line(rl), soft_wrap=True, markup=False, highlight=False)
+    if rl.mitigations:
+        console.print()
+        console.print(mitigations_table(rl))
+        for line in mitigation_notes(rl):
+            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)

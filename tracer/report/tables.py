@@ -20,9 +20,9 @@ from rich.text import Text
 
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.store.sweepfile import compress_ranges
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
+from tracer.report.layout import fit_columns, name_cell, table_width
 from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
 from tracer.diff.provenance import classify, merged_kernels
@@ -232,36 +232,79 @@ def with_kernels(c: Comparison, columns: tuple[str, ...]) -> tuple[str, ...]:
     return columns
 
 
-def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None) -> Table:
-    """The amplification table as a rich Table (``columns``: keys of :data:`COLUMNS`; ``keep``:
-    indices into :func:`rows` to show, all when None; the caption says how many were left out). The
-    ``kernels`` column is added when the runs recorded kernels (:func:`with_kernels`)."""
+def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
+    """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
+    base = r["name"].split(" ")[0]
+    mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
+    return printable(r["name"]) + sliding_mark(c, base), mark
+
+
+def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
+    lines = []
+    if n_shown < n_all:
+        lines.append(f"{n_shown} of {n_all} rows: the first point, the origin, rows where the differing count "
+                     f"changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)")
+    lines += _plans(c).splitlines()
+    if "ulp" in columns:
+        lines.append(ULP_NOTE)
+    return lines
+
+
+def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
+              width: int | None = None) -> tuple[Table, list[str]]:
+    """The amplification table fitted to ``width`` characters, and the lines that go under it.
+
+    ``columns``: keys of :data:`COLUMNS` (the ``kernels`` column is added when the runs recorded
+    kernels, :func:`with_kernels`); ``keep``: indices into :func:`rows` to show (all when None);
+    ``width``: the characters available (None: no limit). Columns the width cannot hold are left
+    out in the order of :data:`tracer.report.layout.DROP_ORDER` (never the name, differing / total,
+    max abs diff, ULP or flips), and a line under the table names them; no number is ever cut
+    (:func:`tracer.report.layout.fit_columns`). Kernels that do not fit as a column get a section
+    of their own under the table, one line per row.
+
+    Returns:
+        ``(table, lines)``: the rich Table (no title, no caption) and the text lines to print after
+        it: kernels, left-out columns, rows left out, the plans, the ULP note.
+    """
     columns = with_kernels(c, columns)
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
-    caption = _plans(c) + ("\n" + ULP_NOTE if "ulp" in columns else "")
-    if len(shown) < len(all_rows):
-        caption = (f"{len(shown)} of {len(all_rows)} rows: the first point, the origin, rows where the differing "
-                   f"count changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)\n" + caption)
-    # text from the trace is data: no markup, control characters escaped
-    t = Table(title=Text(printable(_title(c))), caption=Text(printable(caption, newlines=True)),
-              title_justify="left", caption_justify="left", header_style="bold")
-    for key in columns:
-        t.add_column(COLUMNS[key][0], justify="left" if key == "point" else "right", no_wrap=True)
-    first = c.first_divergent
-    for r in shown:
-        base = r["name"].split(" ")[0]
-        style = None
-        if r["n_diff"]:
-            style = "bold red" if r["origin"] else "red"
-        mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == first else "")
-        cells = [Text(printable(r["name"]) + sliding_mark(c, base) + mark) if key == "point" else COLUMNS[key][1](r)
-                 for key in columns]
-        t.add_row(*cells, style=style)
-    for sk in c.skipped:  # never dropped: a point that could not be compared is a row too
-        cells = [Text(f"{printable(sk.name)}  ◀ not compared: {printable(sk.reason)}") if key == "point" else "-"
-                 for key in columns]
-        t.add_row(*cells, style="bold red" if sk.fails else "dim")
+    names = [_point_marker(c, r) for r in shown]
+    skipped = [(printable(sk.name), f"  ◀ not compared: {printable(sk.reason)}", sk) for sk in c.skipped]
+    cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
+    cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
+    headers = {k: COLUMNS[k][0] for k in columns}
+    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30)
+    wid = dict(zip(fit.columns, fit.widths))
+    t = Table(header_style="bold")
+    for key in fit.columns:
+        # fixed widths, each at least the widest cell: cells never wrap, headers wrap at spaces
+        t.add_column(headers[key], justify="left" if key == "point" else "right", width=wid[key], overflow="fold")
+    for i, (r, (name, mark)) in enumerate(zip(shown, names)):
+        style = ("bold red" if r["origin"] else "red") if r["n_diff"] else None
+        t.add_row(*[Text(name_cell(name, mark, wid["point"])) if k == "point" else cells[k][i] for k in fit.columns],
+                  style=style)
+    for name, mark, sk in skipped:  # never dropped: a point that could not be compared is a row too
+        t.add_row(*[Text(name_cell(name, mark, wid["point"]), overflow="fold") if k == "point" else "-"
+                    for k in fit.columns], style="bold red" if sk.fails else "dim")
+    lines: list[str] = []
+    if "kernels" in fit.dropped:
+        lines.append("kernels (A vs B), not enough width for a column:")
+        lines += [f"  {name}: {r['kernels']}" for r, (name, _) in zip(shown, names) if r["kernels"]]
+    others = [COLUMNS[k][0] for k in fit.dropped if k != "kernels"]
+    if others:
+        lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
+                     "or --format csv / json shows them)")
+    return t, lines + _caption(c, fit.columns, len(shown), len(all_rows))
+
+
+def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
+          width: int | None = None) -> Table:
+    """The amplification table as one rich Table: the title, the rows (:func:`fit_table`, fitted
+    to ``width`` when given) and the lines under it as the caption."""
+    t, lines = fit_table(c, columns, keep, width)
+    t.title, t.caption = Text(printable(_title(c))), Text(printable("\n".join(lines), newlines=True))
+    t.title_justify = t.caption_justify = "left"
     return t
 
 
@@ -300,19 +343,25 @@ def origin_block(c: Comparison) -> list[str]:
     return [head, *(f"  {line}" for line in lines)]
 
 
-def _row_budget(console: Console, n_headline: int) -> int | None:
-    """Rows of the table that fit the terminal below the headline (None when not a terminal)."""
+#: the most rows the table shows by default (``--all-rows``: every row), sublayers included
+MAX_ROWS = 15
+
+
+def _row_budget(console: Console, n_headline: int) -> int:
+    """Rows of the table by default: :data:`MAX_ROWS`, fewer when a terminal is too short for them below
+    the headline."""
     if not console.is_terminal:
-        return None
-    return max(8, console.size.height - n_headline - 14)
+        return MAX_ROWS
+    return min(MAX_ROWS, max(8, console.size.height - n_headline - 14))
 
 
 def print_report(c: Comparison, console: Console | None = None,
                  columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
-    point, growth, logits, what to try next), then the table of the rows that matter
-    (:func:`tracer.report.summary.rows_that_matter`, as many as fit a terminal; every row with
-    ``all_rows``), logits statistics, flips, replay, noise verdict and the verdict to ``console``
+    point, growth, logits, what to try next), then the title line, the table of the rows that matter
+    (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, fewer in a short
+    terminal; every row with ``all_rows``) fitted to the console's width (:func:`fit_table`), the
+    lines under it, logits statistics, flips, replay, noise verdict and the verdict to ``console``
     (stdout by default).
 
     Styled in a terminal, plain text when piped (rich decides from the stream).
@@ -333,7 +382,12 @@ def print_report(c: Comparison, console: Console | None = None,
         console.print(line, soft_wrap=True)
     console.print()
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
-    console.print(table(c, columns, keep))
+    t, under = fit_table(c, columns, keep, console.width)
+    console.print(Text(printable(_title(c))), soft_wrap=True)
+    console.print(t, width=max(console.width, table_width([col.width or 0 for col in t.columns])),
+                  crop=False)  # too narrow even so: wider, never cut
+    for line in under:
+        console.print(Text(printable(line)), soft_wrap=True)
     for line in logits_lines(c):
         console.print(line, soft_wrap=True, markup=False)
     for line in flips_lines(c):
@@ -344,27 +398,15 @@ def print_report(c: Comparison, console: Console | None = None,
         for line in c.noise.lines():
             console.print(printable(line), soft_wrap=True, markup=False)
     if c.rl is not None:
-        _print_rl(c.rl, console)
+        from tracer.report.rl import print_rl
+
+        print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
     console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
     if c.trace:
         console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
-
-
-def _print_rl(rl: Any, console: Console) -> None:
-    """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table."""
-    from tracer.report import rl as rl_report
-
-    console.print()
-    console.print(rl_report.steps_table(rl))
-    console.print(rl_report.hist_line(rl), soft_wrap=True, markup=False, highlight=False)
-    if rl.mitigations:
-        console.print()
-        console.print(rl_report.mitigations_table(rl))
-        for line in rl_report.mitigation_notes(rl):
-            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
@@ -454,33 +496,3 @@ def render(c: Comparison, fmt: str = "table", console: Console | None = None,
         case "markdown":
             return to_markdown(c)
     raise AssertionError(fmt)
-
-
-def sweep_summary_lines(result: Any) -> list[str]:
-    """A few lines for people: per block size, which lengths diverge, from where, how much."""
-    lines = []
-    for b in result.params.get("block_sizes", []):
-        rows = [r for r in result.rows if r.block_size == b]
-        if not rows:
-            lines.append(f"block size {b}: no finished points")
-            continue
-        div = [r for r in rows if r.diverged]
-        flips = [r for r in rows if r.argmax_flips]
-        lines.append(f"block size {b}: {len(div)} of {len(rows)} lengths diverge, "
-                     f"{len(flips)} with argmax flips")
-        if div:
-            lines.append(f"  diverging lengths: {compress_ranges([r.length for r in div])}")
-            counts: dict[str, int] = {}
-            for r in div:
-                name = result.point_name(r.first_divergent) or "?"
-                counts[name] = counts.get(name, 0) + 1
-            common = sorted(counts.items(), key=lambda kv: (-kv[1], result.points.index(kv[0]) if kv[0] in result.points else 0))
-            lines.append("  first divergent at: " + ", ".join(f"{n} ({c})" for n, c in common[:6])
-                         + (f", ... ({len(common)} points)" if len(common) > 6 else ""))
-            worst = max(div, key=lambda r: r.logits_max_abs_diff)
-            lines.append(f"  max |logit diff| {worst.logits_max_abs_diff:.4g} at N={worst.length}; "
-                         f"last-layer differing fraction up to {max(r.last_layer_fraction for r in div):.3g}")
-        if flips:
-            lines.append(f"  argmax flips at: {compress_ranges([r.length for r in flips])}")
-    return lines
-

@@ -211,14 +211,16 @@ _PARTIAL = re.compile(r"\.partial-(\d+)$")
 
 
 def clean_stale_partials(path: str | os.PathLike) -> list[Path]:
-    """Delete ``<path>.partial-<PID>`` files left by writers that no longer run; return them.
+    """Delete the ``*.partial-<PID>`` files in ``path``'s folder left by writers that no longer run
+    (of any trace name: a default name carries a timestamp, so the next run never has the dead one's
+    name); return them.
 
     Only regular files whose PID is gone are deleted (a live writer's file is kept).
     """
     p = Path(path)
     removed = []
     try:
-        siblings = list(p.parent.glob(f"{_glob_escape(p.name)}.partial-*"))
+        siblings = list(p.parent.glob("*.partial-*"))
     except OSError:
         return removed
     for s in siblings:
@@ -232,10 +234,6 @@ def clean_stale_partials(path: str | os.PathLike) -> list[Path]:
         except OSError:
             pass
     return removed
-
-
-def _glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def partial_pid(path: str | os.PathLike) -> int | None:

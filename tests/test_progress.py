@@ -1,0 +1,97 @@
+"""Nothing silent: a status line for every phase that runs long (and none for a fast one), a heartbeat
+while it runs, tqdm bars relayed into tracer's one display, weighed ETAs, TRACER_PROGRESS."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+
+from tracer.report.progress import ItemProgress, StatusProgress, phase, relay_tqdm, resolve_mode
+
+
+def test_a_slow_phase_prints_a_line_and_a_fast_one_none():
+    out = io.StringIO()
+    status = StatusProgress("run", mode="lines", stream=out, delay_s=2.0, interval_s=10.0)  # not entered: no thread
+    status("loading the model")
+    t0 = status.since
+    assert not status.tick(t0 + 1.9)  # a phase shorter than 2 s prints nothing ...
+    status("run A: cache miss")
+    t1 = status.since
+    assert not status.tick(t1 + 1.0)
+    assert status.tick(t1 + 2.0)  # ... a longer one its line after 2 s,
+    assert not status.tick(t1 + 5.0)
+    assert status.tick(t1 + 12.0) and not status.tick(t1 + 13.0)  # and again every 10 s while it runs
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and all(x.startswith("run: run A: cache miss · elapsed ") for x in lines)
+    assert "loading the model" not in out.getvalue()
+    out = io.StringIO()
+    with StatusProgress("run", mode="lines", stream=out, delay_s=30.0) as status:  # the real thread
+        status("comparing")  # the command ends long before: silent
+    assert out.getvalue() == ""
+
+
+def test_tqdm_bars_report_into_the_status_and_draw_nothing(capsys):
+    tqdm = pytest.importorskip("tqdm")
+    seen = []
+    with relay_tqdm(seen.append):
+        for _ in tqdm.tqdm(range(5), desc="Loading weights"):
+            pass
+        bar = tqdm.tqdm(total=3, desc="Converting")  # a subclass-style use, updated by hand
+        bar.update(3)
+        bar.close()
+    assert capsys.readouterr().err == ""  # nothing drawn on stderr
+    assert "Loading weights 5/5" in seen and "Converting 3/3" in seen
+    list(tqdm.tqdm(range(2), desc="after", file=io.StringIO()))  # the class is restored afterwards
+    assert tqdm.tqdm.display is not None and "after" not in " ".join(seen)
+
+
+def test_relayed_detail_is_in_the_status_line():
+    out = io.StringIO()
+    with StatusProgress("run", mode="lines", stream=out, delay_s=0.0) as status:
+        status("building the cache")
+        status.report("Converting and de-quantizing GGUF tensors... 12/272")
+        status._line(time.monotonic())  # what the heartbeat prints
+    assert "building the cache · Converting and de-quantizing GGUF tensors... 12/272 · elapsed" in out.getvalue()
+
+
+def test_phase_and_mode_from_the_environment(monkeypatch):
+    out = io.StringIO()
+    with phase("compare", "comparing t.h5", mode="lines", stream=out) as status:
+        assert status.delay_s > 0  # a phase is silent unless it takes long
+    assert out.getvalue() == ""
+    monkeypatch.setenv("TRACER_PROGRESS", "off")
+    assert resolve_mode("auto", io.StringIO()) == "off" and resolve_mode("lines") == "lines"
+    monkeypatch.setenv("TRACER_PROGRESS", "lines")
+    assert resolve_mode("auto", io.StringIO()) == "lines"
+
+
+def test_weighed_eta_and_notes():
+    out = io.StringIO()
+    with ItemProgress("audit", 3, mode="lines", stream=out, weight_total=10.0) as bar:
+        bar.note("audit: 3 checks")
+        bar.advance("kept", weight=5.0, timed=False)  # from an earlier session: teaches the ETA nothing
+        assert bar.eta_s() is None
+        time.sleep(0.2)
+        bar.advance("one", weight=1.0)
+        eta = bar.eta_s()  # 4 units of weight left, at the pace of the 1 unit timed
+        assert eta is not None and 3.5 * 0.2 <= eta <= 4 * (time.monotonic() - bar.t0) + 0.05
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "audit: 3 checks"
+    assert re.match(r"audit: 1/3 \(33%\) kept · elapsed \d+s · ETA \?$", lines[1])
+    assert re.match(r"audit: 2/3 \(67%\) one · elapsed \d+s · ETA \d+s$", lines[2])
+
+
+def test_an_item_that_runs_long_is_not_silent():
+    out = io.StringIO()
+    bar = ItemProgress("audit", 2, mode="lines", stream=out, interval_s=10.0)  # not entered: no thread
+    bar.update(description="L6-compile (2 forward passes, 192 tokens + torch.compile)")
+    bar.last_line -= 11  # 11 s without a line
+    bar.tick(bar._running)
+    bar.advance("L6-compile: diverges")
+    assert bar._running is None  # finished: the heartbeat stops for it
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and lines[0].split(" · elapsed")[0] == lines[1].split(" · elapsed")[0]  # the heartbeat
+    assert all("running L6-compile" in x for x in lines[:2]) and "running" not in lines[2]

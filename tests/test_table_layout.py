@@ -1,0 +1,191 @@
+"""The amplification table at 80, 120 and 200 columns: every kept number whole, columns dropped by
+priority (histogram and kernels first), long names shortened from the left, at most 15 rows.
+
+Expected cells come from the planted tensors (torch on the raw data), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+from tracer.diff.compare import compare_records
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.report.layout import fit_columns, name_cell, piped_width, shorten_left, table_width
+from tracer.report.tables import render
+
+WINDOW = (4, 8)  # 4 compared positions
+WIDTH = 25_000   # features per position: totals of 100,000 elements
+N_LAYERS = 12
+KERNELS_A = {"ops": [{"name": "aten::addmm", "count": 1}], "device": []}
+KERNELS_B = {"ops": [{"name": "aten::mm", "count": 2}, {"name": "aten::add", "count": 2}], "device": []}
+
+
+def _bump(t: torch.Tensor, n: int, ulps: int) -> torch.Tensor:
+    """``t`` with its first ``n`` elements moved ``ulps`` bf16 ULPs up (they hold 1.0: 1 ULP = 2**-7)."""
+    t = t.clone()
+    flat = t.view(-1).view(torch.int16)
+    flat[:n] += ulps
+    return t
+
+
+def _planted(kernels: bool = False, layers: int = N_LAYERS):
+    """Per layer ``i`` an ``o_proj`` (long name) and the layer output; from layer 3 on, ``10 * 2**(i-3)``
+    elements differ by ``i - 1`` ULPs (capped at the tensor size); the logits flip at one position.
+    Returns the comparison and, per row name, the expected (n_diff, n_total, max |Δ|, max ULP)."""
+    g = torch.Generator().manual_seed(0)
+    names, kinds, ta, tb, expect = [], [], [], [], {}
+
+    def add(name, kind, a, b):
+        names.append(name), kinds.append(kind), ta.append(a), tb.append(b)
+        differ = a.view(torch.int16) != b.view(torch.int16)
+        mad = float((a.double() - b.double()).abs().max())
+        # ULPs of the larger magnitude, for the planted 1.0 + k * 2**-7 values: |Δ| / 2**-7
+        expect[name] = (int(differ.sum()), a.numel(), mad, round(mad / 2 ** -7))
+
+    emb = torch.ones(4, WIDTH, dtype=torch.bfloat16)
+    add("model.embed_tokens", "embedding", emb, emb.clone())
+    for i in range(layers):
+        base = torch.ones(4, WIDTH, dtype=torch.bfloat16)
+        n = 0 if i < 3 else min(10 * 2 ** (i - 3), base.numel())
+        for name, kind in ((f"model.layers.{i}.self_attn.o_proj", "linear"), (f"model.layers.{i}", "layer")):
+            add(name, kind, base, _bump(base, n, i - 1) if n else base.clone())
+    add("model.norm", "final_norm", torch.ones(4, WIDTH, dtype=torch.bfloat16), torch.ones(4, WIDTH, dtype=torch.bfloat16))
+    logits_a = torch.randn(4, 50_000, generator=g).to(torch.bfloat16)
+    logits_b = logits_a.clone()
+    logits_b[2, 7] = logits_a[2].max() + 1  # position 6: argmax flips
+    names.append("lm_head"), kinds.append("logits"), ta.append(logits_a), tb.append(logits_b)
+
+    def run(name, tensors, kern):
+        calls = [{"positions": [0, 8], "in": [[1, 8, 64]], "out": [[1, 8, 64]], **({"kernels": kern} if kernels else {})}]
+        caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=list(calls), op="X")
+                for n, k, t in zip(names, kinds, tensors)}
+        return RunRecord(name=name, token_ids=list(range(1, 9)), plan={"chunks": [[0, 8]]}, window=WINDOW, captures=caps)
+
+    c = compare_records(run("A", ta, KERNELS_A), run("B", tb, KERNELS_B), scenario="prefix-cache", model="planted")
+    flips = int((logits_a.float().argmax(-1) != logits_b.float().argmax(-1)).sum())
+    differ = int((logits_a.view(torch.int16) != logits_b.view(torch.int16)).sum())
+    mad = float((logits_a.double() - logits_b.double()).abs().max())
+    return c, expect, (differ, logits_a.numel(), mad, flips)
+
+
+def _render(c, width, **kw) -> str:
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=width, no_color=True, highlight=False), **kw)
+    return out.getvalue()
+
+
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+
+
+def _names(shown: str, name: str) -> bool:
+    """The name cell shows ``name``: whole, or shortened from the left (``…`` + a suffix of 20+ characters)."""
+    return shown == name or (shown.startswith("…") and len(shown) > 20 and name.endswith(shown[1:]))
+
+
+def _g(x: float) -> str:  # three significant digits, as printed for values in [1e-3, 1e4)
+    return "0" if x == 0 else f"{x:.3g}"
+
+
+@pytest.fixture(scope="module")
+def planted():
+    return _planted()
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_every_kept_number_is_whole(planted, width):
+    c, expect, (l_diff, l_total, l_mad, l_flips) = planted
+    text = _render(c, width, all_rows=True)
+    lines = _table_lines(text)
+    assert lines and all(len(line) <= width for line in lines), max(len(x) for x in lines)
+    body = [line for line in lines if line.startswith("│")]
+    for name, (n_diff, n_total, mad, ulp) in expect.items():
+        cells = f"{n_diff:,} / {n_total:,}"
+        rows = [line for line in body if _names(line.split("│")[1].strip().split("  ◀")[0], name)]
+        assert len(rows) == 1, (name, width)
+        for cell in (cells, _g(mad), str(ulp)):
+            assert f" {cell} " in rows[0], (name, cell, rows[0])
+    logits = [line for line in body if "lm_head (logits)" in line]
+    assert len(logits) == 1 and f" {l_diff:,} / {l_total:,} " in logits[0] and f" {_g(l_mad)} " in logits[0]
+    assert logits[0].rstrip(" │").endswith(f" {l_flips}")  # flips: the last column, at every width
+    for line in body:  # no cell cut short with an ellipsis except names shortened from the left
+        cells = [x.strip() for x in line.split("│")[2:-1]]
+        assert not any("…" in x for x in cells), line
+
+
+def test_priority_histogram_first_then_growth_and_rel(planted):
+    c, _, _ = planted
+    wide, mid, narrow = (_render(c, w, all_rows=True) for w in (200, 120, 80))
+    assert "ULP histogram" in wide and "left out to fit" not in wide
+    if "histogram" not in "\n".join(_table_lines(mid)):  # whatever is left out is named, the histogram first
+        assert "left out to fit 120 columns: ULP histogram" in mid
+    assert "rel err" in "\n".join(_table_lines(mid))  # kept at 120
+    head80 = "\n".join(_table_lines(narrow))
+    assert "histogram" not in head80 and "left out to fit 80 columns: ULP histogram" in narrow
+    for kept in ("capture point", "differing / total", "flips"):
+        assert kept in head80 or kept.split()[0] in head80
+    # a full histogram cell, from the planted bumps: layer 11 moves 10 * 2**8 elements by 10 ULPs
+    assert f" 9-16:{10 * 2 ** 8} " in wide
+
+
+def test_origin_marker_is_never_cut_and_names_shorten_from_the_left():
+    assert shorten_left("model.layers.3.self_attn.kv_cache", 28) == "…layers.3.self_attn.kv_cache"
+    assert shorten_left("model.layers.3", 28) == "model.layers.3"
+    cell = name_cell("model.layers.3.self_attn.kv_cache", "  ◀ origin", 30)
+    assert cell.splitlines() == ["…layers.3.self_attn.kv_cache", "◀ origin"]
+    assert name_cell("model.layers.3", "  ◀ origin", 30) == "model.layers.3  ◀ origin"
+    c, _, _ = _planted(layers=4)
+    for width in (80, 120):
+        text = _render(c, width, all_rows=True)
+        assert "◀ origin" in text and "◀ origi\n" not in text
+
+
+def test_kernels_get_a_section_when_there_is_no_room():
+    c, _, _ = _planted(kernels=True, layers=4)
+    narrow = _render(c, 80, all_rows=True)
+    assert "kernels (A vs B)" not in "\n".join(_table_lines(narrow))
+    assert "kernels (A vs B), not enough width for a column:" in narrow
+    section = narrow.split("kernels (A vs B), not enough width for a column:")[1]
+    line = next(x for x in section.splitlines() if x.startswith("  model.layers.3.self_attn.o_proj: "))
+    text = line.split(": ", 1)[1]
+    assert "addmm" in text and "mm" in text.split(" vs ")[1]  # both runs' ops, as planted
+    wide = _render(c, 400, all_rows=True)
+    assert "kernels (A vs B)" in "\n".join(_table_lines(wide)) and "not enough width" not in wide
+    row = next(x for x in _table_lines(wide) if "model.layers.3.self_attn.o_proj" in x)
+    assert f" {text} " in row  # the section holds the same, whole text the column would
+
+
+def test_at_most_fifteen_rows_by_default():
+    c, _, _ = _planted(layers=40)  # 82 points of which 40 decoder layers
+    text = _render(c, 120)
+    body = [line for line in _table_lines(text) if line.startswith("│") and line.split("│")[1].strip()]
+    assert len(body) <= 15
+    m = re.search(r"(\d+) of (\d+) rows", text)
+    assert m and int(m.group(1)) == len(body) <= 15 and int(m.group(2)) == 40 * 2 + 3
+
+
+def test_fit_columns_keeps_the_core_and_drops_in_order():
+    headers = {"point": "capture point", "diff": "differing / total", "max_abs": "max abs diff",
+               "ulp": "max ULP*", "hist": "ULP histogram", "rel": "rel err", "flips": "flips"}
+    cells = {"point": ["model.layers.12.self_attn.kv_cache"], "diff": ["401,460 / 491,520"], "max_abs": ["0.0312"],
+             "ulp": ["503"], "hist": ["1:120764 2:70156 3-4:81252 5-8:58913 9-16:31259 >16:39116"],
+             "rel": ["0.0149"], "flips": ["0"]}
+    cols = tuple(headers)
+    fit = fit_columns(cols, headers, cells, 200)
+    assert fit.columns == cols and not fit.dropped and fit.width <= 200
+    fit = fit_columns(cols, headers, cells, 80)
+    assert fit.dropped[0] == "hist" and set(fit.columns) >= {"point", "diff", "max_abs", "ulp", "flips"}
+    assert fit.width <= 80 and fit.width == table_width(list(fit.widths))
+    widths = dict(zip(fit.columns, fit.widths))
+    assert widths["diff"] >= len("401,460 / 491,520") and widths["max_abs"] >= len("0.0312")
+    fit = fit_columns(cols, headers, cells, 20)  # too narrow even for the core: shown anyway, nothing cut
+    assert set(fit.columns) == {"point", "diff", "max_abs", "ulp", "flips"} and fit.width > 20
+
+
+def test_piped_width():
+    assert piped_width({}) == 120 and piped_width({"COLUMNS": "90"}) == 90 and piped_width({"COLUMNS": "x"}) == 120

@@ -1,0 +1,158 @@
+"""Fitting a terminal table to a width: which columns stay, how wide each is, how names are shortened.
+
+Pure functions of strings and widths (no rich, no comparison): :mod:`tracer.report.tables` and
+:mod:`tracer.report.hierarchy` give them the cells they would print and draw what comes back.
+
+The rules (issue 25, item 1):
+
+- a number is never truncated: a numeric column is at least as wide as its widest cell;
+- columns give way in a fixed order (:data:`DROP_ORDER`; the histogram and the kernels first);
+  the columns of :data:`KEEP` (name, differing / total, max abs diff, ULP, flips) stay;
+- headers wrap at spaces before a column is dropped;
+- a name too long for its column is shortened from the left at a dot
+  (``…layers.3.self_attn.kv_cache``); a marker (``◀ origin``) is never cut: it moves to a line of
+  its own under the name when both do not fit side by side.
+
+A rich table with a box and one space of padding on each side of a cell is
+``sum(widths) + 3 * columns + 1`` characters wide (:func:`table_width`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: the columns of the amplification table that stay at every width
+KEEP = ("point", "diff", "max_abs", "ulp", "flips")
+#: the order the other columns are dropped in when the table does not fit (first: first dropped)
+DROP_ORDER = ("kernels", "hist", "nan_inf", "sqnr", "rel5", "rel1", "cos", "ampl", "mean_abs", "ulp_line",
+              "tol", "fraction", "growth", "rel")
+#: the name column's narrowest width: ``…layers.3.self_attn.kv_cache`` (28 characters) stays readable
+NAME_MIN = 28
+#: the width of piped output when ``COLUMNS`` does not say
+PIPED_WIDTH = 120
+ELLIPSIS = "…"
+
+
+def piped_width(environ: dict[str, str] | None = None) -> int:
+    """The width of output that is not a terminal: ``$COLUMNS`` when it is a positive integer,
+    else :data:`PIPED_WIDTH` (120)."""
+    value = (os.environ if environ is None else environ).get("COLUMNS", "")
+    return int(value) if value.strip().isdigit() and int(value) > 0 else PIPED_WIDTH
+
+
+def table_width(widths: list[int] | tuple[int, ...]) -> int:
+    """Characters a rich box table with these column widths takes (padding 1 each side, borders)."""
+    return sum(widths) + 3 * len(widths) + 1
+
+
+def header_min(header: str) -> int:
+    """The narrowest a header gets when it wraps at spaces: its longest word."""
+    return max((len(w) for w in header.split()), default=0)
+
+
+def shorten_left(name: str, width: int) -> str:
+    """``name`` in at most ``width`` characters, cut from the left at a dot when one fits:
+    ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``.
+
+    A name that fits is returned unchanged; without a dot that fits the cut is at the character.
+    """
+    if len(name) <= width:
+        return name
+    if width <= 1:
+        return ELLIPSIS[:width]
+    cut = len(name) - (width - 1)
+    tail = name[cut:]
+    dot = tail.find(".")
+    # at a component boundary already, or cut after the next dot when that leaves a readable tail
+    if name[cut - 1] != "." and 0 <= dot < len(tail) - 1 and len(tail) - dot - 1 >= 8:
+        tail = tail[dot + 1:]
+    return ELLIPSIS + tail
+
+
+def name_cell(name: str, marker: str, width: int) -> str:
+    """The name column's text: ``name + marker`` on one line when it fits ``width``, else the name
+    shortened from the left (:func:`shorten_left`) and, when even that leaves no room, the marker on
+    a second line (the marker itself is never cut)."""
+    if len(name) + len(marker) <= width:
+        return name + marker
+    if marker and width - len(marker) >= min(len(name), NAME_MIN):
+        return shorten_left(name, width - len(marker)) + marker
+    return shorten_left(name, width) + (("\n" + marker.strip()) if marker else "")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The layout chosen for one width.
+
+    Attributes:
+        columns: the column keys shown, in the requested order.
+        widths: the width of each shown column (same order).
+        dropped: the requested columns left out, in the order they were dropped.
+        width: the table's total width (:func:`table_width`).
+    """
+
+    columns: tuple[str, ...]
+    widths: tuple[int, ...]
+    dropped: tuple[str, ...]
+    width: int
+
+
+def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[str, list[str]], width: int, *,
+                name_key: str = "point", name_min: int = NAME_MIN, keep: tuple[str, ...] = KEEP,
+                drop_order: tuple[str, ...] = DROP_ORDER, flexible: tuple[str, ...] = ()) -> Fit:
+    """Choose the columns and their widths so that the table fits ``width`` characters.
+
+    Args:
+        columns: the requested column keys in display order.
+        headers: key → header text. cells: key → every cell of that column (each line of a
+            multi-line cell counts separately).
+        width: the characters available.
+        name_key: the column whose text may be shortened (down to ``name_min``).
+        keep: columns never dropped. drop_order: the others, first dropped first (a requested
+            column missing from it is dropped last).
+        flexible: text columns that may wrap down to their longest word (their cells are text,
+            not numbers).
+
+    Every other column is at least as wide as its widest cell. When even the kept columns at
+    their narrowest do not fit, they are shown anyway (the table is then wider than ``width``;
+    nothing is truncated).
+
+    Returns:
+        a :class:`Fit`.
+    """
+    def widest(key: str) -> int:
+        return max((len(line) for c in cells.get(key, []) for line in c.split("\n")), default=0)
+
+    def longest_word(key: str) -> int:
+        return max((len(w) for c in cells.get(key, []) for w in c.split()), default=0)
+
+    natural = {k: max(widest(k), len(headers[k])) for k in columns}
+    lowest = {}
+    for k in columns:
+        if k == name_key:
+            lowest[k] = max(min(natural[k], name_min), header_min(headers[k]))
+        elif k in flexible:
+            lowest[k] = max(header_min(headers[k]), min(longest_word(k), 24), 1)
+        else:
+            lowest[k] = max(widest(k), header_min(headers[k]))
+    order = [k for k in drop_order if k in columns and k not in keep]
+    order += [k for k in columns if k not in keep and k not in order]
+    shown, dropped = list(columns), []
+    while table_width([lowest[k] for k in shown]) > width and order:
+        k = order.pop(0)
+        shown.remove(k)
+        dropped.append(k)
+    widths = {k: lowest[k] for k in shown}
+    room = width - table_width(list(widths.values()))
+    # spare room: the name first, then the flexible text columns, then headers unwrapped
+    grow = ([name_key] if name_key in widths else []) + [k for k in shown if k in flexible] + \
+        [k for k in shown if k != name_key and k not in flexible]
+    for k in grow:
+        if room <= 0:
+            break
+        extra = min(room, natural[k] - widths[k])
+        widths[k] += extra
+        room -= extra
+    out = tuple(widths[k] for k in shown)
+    return Fit(columns=tuple(shown), widths=out, dropped=tuple(dropped), width=table_width(list(out)))
