@@ -35,7 +35,7 @@ def _pct(x: float) -> str:
 
 def summary_pairs(rl: Any) -> list[tuple[str, str]]:
     """The RL summary as ``(label, text)`` pairs, in print order (each text fits 80 columns with its label)."""
-    how = f"sampled at τ={rl.tau:g}" if rl.sample else "greedy"
+    how = getattr(rl, "tokens_from", None) or (f"sampled at τ={rl.tau:g}" if rl.sample else "greedy")
     lo = 1.0 / rl.mask_threshold
     out = [
         ("RL step", f"{rl.rollouts} sequence{'s' if rl.rollouts != 1 else ''} × {rl.new_tokens} response tokens, "

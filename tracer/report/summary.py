@@ -99,6 +99,10 @@ def next_steps(c: Any) -> list[str]:
                      "`tracer sweep MODEL --lengths 17:512` maps them")
         steps.append("the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit MODEL`")
         return steps
+    if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
+        subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+        return [] if subs else ["dump with the dumper's non-intrusive mode `all` (DUMPER_NON_INTRUSIVE_MODE=all): "
+                                "every module's output, so the op inside the layer is named"]
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
     if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:
