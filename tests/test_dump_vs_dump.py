@@ -4,6 +4,7 @@ written here from the tiny model's real activations in the exact file formats, m
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -122,6 +123,8 @@ def test_identical_dumps_are_bit_identical(refs, tmp_path):
     assert (c.run_a, c.run_b) == ("SGLang dumper", "Megatron-LM dump")
     assert len(c.points) > 40 and c.rl is not None and c.rl.identical and c.rl.max_abs_dlogp == 0
     assert [s.position for s in c.rl.steps] == list(range(N - 1, N + T - 1))
+    frame = tracer.to_pandas(c)
+    assert frame.attrs["rl"]["n_tokens"] == T and len(tracer.to_pandas(c.rl)) == T
     c2 = compare_dumps(b, str(write_megatron_dump(refs["all"], "B", tmp_path / "c", tp=1, cp=2, spec="te")),
                        (refs["all"], "B"))
     assert c2.identical and c2.rl.identical  # two trainer layouts; the TE dump's identity norms are left out
@@ -220,12 +223,19 @@ def test_bad_inputs_are_one_line_errors(refs, tmp_path):
 def test_cli_compares_two_dumps_rl_summary_first(refs, tmp_path, cli_env):
     a = _rollout(refs["all"], "A", tmp_path / "a")
     b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2, sp=True))
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b, "--reference", f"{refs['all']}:B"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b, "--reference", f"{refs['all']}:B",
+                        "--report", "dumps.html"], capture_output=True, text=True, env=cli_env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.index("|Δlogp|:") < out.index("verdict:") < out.index("SGLang dumper vs Megatron-LM dump")
     assert "diverges from" in out and "the traced sequence (row 0)" in out
+    html = (tmp_path / "dumps.html").read_text()
+    assert "RL metrics" in html and "rl-steps" in html and "Megatron-LM dump" in html
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b, "-r", f"{refs['all']}:B", "--format", "json"],
+                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    doc = json.loads(r.stdout)
+    assert doc["runs"] == ["SGLang dumper", "Megatron-LM dump"] and doc["rl"]["n_tokens"] == T
+    assert doc["facts"]["reference"] == f"{refs['all']}:B" and doc["first_divergent"]
     same = _rollout(refs["all"], "B", tmp_path / "same")
     r = subprocess.run([sys.executable, "-m", "tracer", "compare", same, b, "-r", f"{refs['all']}:B", "--fail-on", "any"],
                        capture_output=True, text=True, env=cli_env, cwd=tmp_path)

@@ -304,6 +304,8 @@ def compare_cmd(
     device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
     engine_map: Annotated[Optional[str], typer.Option("--map", help="Engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the built-in one; for a DUMP argument.")] = None,
     reference: Annotated[Optional[str], typer.Option("--reference", "-r", help="Compare two engine dumps DUMP_A DUMP_B (e.g. a rollout engine's against a trainer's), both mapped onto this HF run TRACE[:RUN]: its names, shapes and token ids (prompt + response); its values are not compared.")] = None,
+    report: ReportOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --report file.")] = False,
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
     for traces made on two machines (a file without :RUN uses the other side's run name, else its first run),
@@ -322,6 +324,10 @@ def compare_cmd(
         check_fail_on(fail_on, atol, rtol)
         refs = [x for x in (trace, run_a, run_b) if x is not None]
         from tracer.diff.compare_dumps import compare_dumps, dumps_args
+        from tracer.report.html import check_report_path
+
+        if report is not None:
+            check_report_path(report, overwrite)  # before any work: an existing file is never clobbered
 
         pair = dumps_args(refs, reference)
         dump = dump_side(refs) if pair is None else None
@@ -341,6 +347,10 @@ def compare_cmd(
                 stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
                 comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
+        if report is not None:
+            from tracer.report.html import comparison_html, write_report
+
+            write_report(comparison_html(comparison), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
