@@ -79,6 +79,9 @@ def logits_text(c: Any) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
         skip = next((s for s in c.skipped if s.kind == "logits"), None)  # missing in a run, or not stored
+        part = next((n for n in c.facts.get("notes", []) if " (logits) at position(s) " in n), None)
+        if skip is None and part is not None:  # an engine dump's next-token logits: a few positions only
+            return "at a few positions only (" + part.split(" (logits) at position(s) ")[1].split(" only")[0] + "): see the notes"
         return "not captured" if skip is None else f"not compared: {skip.reason}"
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)

@@ -22,8 +22,10 @@ registers it on a Megatron model chunk (``miles/utils/dumper_utils.py``, ``Dumpe
 - the token fields of the root's forward call: ``input_ids`` ``[1, s]`` and ``position_ids``
   (``tokens="position_ids"``), or THD packing's ``cu_seqlens_q``/``cu_seqlens_kv``/``qkv_format``
   (``tokens="thd"``), or neither (``tokens="bshd"``: positions 0..s-1);
-- context parallelism: the sequence cut into ``2 × cp`` chunks, CP rank r holding chunks r and
-  2·cp − 1 − r (Megatron's load-balanced split), its own ``input_ids`` and activations;
+- the sequence padded (pad id 0, rows of zeros) to a multiple of ``2 × cp`` (× ``tp`` under SP), as
+  Miles pads packed sequences; context parallelism: the sequence cut into ``2 × cp`` chunks, CP rank
+  r holding chunks r and 2·cp − 1 − r (Megatron's load-balanced split), its own ``input_ids`` and
+  activations;
 - pipeline parallelism: the layers split evenly over ``pp`` stages, numbered from 0 on every stage,
   the modules inside a layer tagged with the global ``layer_id`` (the dumper's layer context);
 - ``spec="te"``: Transformer Engine's spec, where the norms are fused into ``linear_qkv`` /
