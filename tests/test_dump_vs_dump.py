@@ -188,6 +188,25 @@ def test_rl_metrics_equal_an_independent_float64_computation(refs, tmp_path):
     assert rl.vocab_kl_max == pytest.approx(float(kl.max()), rel=1e-6, abs=1e-12)
 
 
+def test_parallel_info_and_parts():
+    """The meta's parallel info (Megatron's wins over SGLang's error flags), DP x CP parts as steps, zigzag positions."""
+    from tracer.store.dump_parallel import infer_positions, part_steps, rank_of
+
+    meta = {"sglang_parallel_info": {"distributed_error": True},
+            "megatron_parallel_info": {"tp_rank": 1, "tp_size": 2, "cp_rank": 1, "cp_size": 2, "sp_size": 2, "pp_size": 1}}
+    r = rank_of(meta)
+    assert (r.framework, r.tp_rank, r.tp_size, r.cp_rank, r.cp_size, r.sp) == ("megatron", 1, 2, 1, 2, True)
+    with pytest.raises(TracerError, match="both"):
+        rank_of({**meta, "sglang_parallel_info": {"tp_rank": 0, "tp_size": 2}})
+    assert part_steps([(0, 0, 0), (1, 0, 0)]) == {(0, 0, 0): 0, (1, 0, 0): 1}
+    assert part_steps([(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]) == {(0, 0, 0): 0, (0, 1, 0): 1, (1, 0, 0): 2, (1, 1, 0): 3}
+    # THD, two sequences of 8 and 4 tokens, CP 2: rank 1 holds chunks 1 and 2 of each (chunk = L / 4)
+    slot = {"input_ids": torch.zeros(6, dtype=torch.long), "cu_seqlens_q": torch.tensor([0, 8, 12])}
+    assert infer_positions(slot, r, "t").tolist() == [2, 3, 4, 5, 1, 2]
+    with pytest.raises(TracerError, match="inconsistent"):
+        infer_positions({"input_ids": torch.zeros(5, dtype=torch.long), "cu_seqlens_q": torch.tensor([0, 8, 12])}, r, "t")
+
+
 # -- refusals and the command -----------------------------------------------------------------------------------
 
 
@@ -243,6 +262,9 @@ def test_cli_compares_two_dumps_rl_summary_first(refs, tmp_path, cli_env):
     r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, "-r", f"{refs['all']}:B"],
                        capture_output=True, text=True, env=cli_env, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "give DUMP_A DUMP_B" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b], capture_output=True, text=True, env=cli_env,
+                       cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "add --reference REF.h5:RUN" in r.stderr
 
 
 def test_hf_reference_against_a_megatron_dump(refs, tmp_path):

@@ -210,9 +210,13 @@ def dumps_args(refs: list[str], reference: Any) -> tuple[str, str] | None:
     """For ``tracer compare DUMP_A DUMP_B --reference REF``: ``(DUMP_A, DUMP_B)``; None without ``reference``.
 
     Raises:
-        TracerError: ``--reference`` with other than two arguments.
+        TracerError: ``--reference`` with other than two arguments; two dumps without ``--reference``.
     """
     if reference is None:
+        if len(refs) == 2 and all(is_dump(r) for r in refs):
+            raise TracerError("two engine dumps are compared on the names and token ids of an HF reference run: "
+                              "add --reference REF.h5:RUN (a trace of the same sequence, e.g. tracer run ... "
+                              "--scenario rollout-vs-train --positions all --granularity sublayers -o REF.h5)")
         return None
     if len(refs) != 2:
         raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
