@@ -395,11 +395,19 @@ def test_renderings_carry_the_rl_metrics(result):
     rows = list(csv.DictReader(io.StringIO(to_csv(c))))
     assert "rl_k3_kl" in rows[0] and "rl_tis_clipped" in rows[0]
     assert all(float(r["rl_mean_abs_dlogp"]) == c.rl.mean_abs_dlogp for r in rows)
-    assert "RL metrics" in to_markdown(c) and "rl-steps" in comparison_html(c, figures=False)
+    for m in c.rl.mitigations:  # the knob table in the CSV too
+        assert float(rows[0][f"rl_knob_{m.knob.replace('-', '_')}_mean_abs_dlogp"]) == m.mean_abs_dlogp
+    html = comparison_html(c, figures=False)
+    assert "RL metrics" in to_markdown(c) and "rl-steps" in html and "rl-mitigations" in html
+    assert c.origins[0].name in html  # and where the gap is born
     frame = tracer.to_pandas(result)
-    assert frame.attrs["rl"]["k3_kl"] == c.rl.k3_kl
+    assert frame.attrs["rl"]["k3_kl"] == c.rl.k3_kl and len(frame.attrs["rl"]["mitigations"]) == len(KNOBS)
     tokens = tracer.to_pandas(c.rl)
     assert len(tokens) == 12 and set(tokens["sequence"]) == {0, 1, 2} and tokens["traced"].sum() == 4
+    traced = tokens[tokens["traced"]]  # the per-token picture rides on the traced sequence's rows
+    assert list(traced["position"]) == [s.position for s in c.rl.steps]
+    assert list(traced["first_point"]) == [s.first_point for s in c.rl.steps]
+    assert tokens[~tokens["traced"]]["first_point"].isna().all()
     buf = io.StringIO()
     print_report(c, Console(file=buf, width=80, no_color=True))
     lines = buf.getvalue().splitlines()

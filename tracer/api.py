@@ -248,11 +248,14 @@ def _record(x: Any, name: str, side: int) -> Any:
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  device: str | None = None) -> Any:
+                  device: str | None = None, reference: str | None = None) -> Any:
     """Compare two runs of a stored trace (default: its first two), or an HF reference run with an
     engine dump: ``compare_trace("REF.h5:A", DUMP)`` where DUMP is an SGLang dumper folder, a
     ``PassN.pt`` folder, a ``.safetensors``/``.npz`` file or a trace written by :func:`import_dump`
-    (``engine_map``: a TOML map merged over the built-in one; :func:`tracer.diff.compare_dump.compare_dump`).
+    (``engine_map``: a TOML map merged over the built-in one; :func:`tracer.diff.compare_dump.compare_dump`),
+    or two engine dumps against each other: ``compare_trace(DUMP_A, DUMP_B, reference="REF.h5:RUN")``
+    (a rollout engine's dump against a trainer's, both mapped onto the reference run's HF names and
+    token ids; the RL metrics in ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`).
 
     Raises:
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device.
@@ -260,6 +263,14 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_trace as _ct
 
+    if reference is not None:
+        from tracer.diff.compare_dumps import compare_dumps
+        from tracer.diff.refs import split_ref
+
+        if run_a is None or run_b is not None:
+            raise TracerError("reference= compares two engine dumps: compare_trace(DUMP_A, DUMP_B, reference='REF.h5:RUN')")
+        return compare_dumps(str(path), str(run_a), split_ref(str(reference)), engine_map=engine_map, atol=atol,
+                             rtol=rtol, device=device)
     dump = dump_side([str(path), str(run_a)]) if run_a is not None and run_b is None else None
     if dump is not None:
         return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
@@ -292,6 +303,14 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
 def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
     """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
     from tracer.store.sglang_dump import write_sglang_dump as _w
+
+    return _w(trace, run, out, **kwargs)
+
+
+def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
+    """Write a stored HF run as a synthetic Megatron-LM trainer dump, as Miles' dumper writes one
+    (:func:`tracer.store.megatron_dump.write_megatron_dump`: TP, SP, CP, PP, Transformer Engine spec)."""
+    from tracer.store.megatron_dump import write_megatron_dump as _w
 
     return _w(trace, run, out, **kwargs)
 

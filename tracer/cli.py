@@ -303,14 +303,18 @@ def compare_cmd(
     all_rows: AllRowsOpt = False,
     device: Annotated[Optional[str], typer.Option("--device", help="Where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).")] = None,
     engine_map: Annotated[Optional[str], typer.Option("--map", help="Engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the built-in one; for a DUMP argument.")] = None,
+    reference: Annotated[Optional[str], typer.Option("--reference", "-r", help="Compare two engine dumps DUMP_A DUMP_B (e.g. a rollout engine's against a trainer's), both mapped onto this HF run TRACE[:RUN]: its names, shapes and token ids (prompt + response); its values are not compared.")] = None,
+    report: ReportOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --report file.")] = False,
 ) -> None:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
     for traces made on two machines (a file without :RUN uses the other side's run name, else its first run),
     or TRACE[:RUN] DUMP: an HF reference run against an engine dump (SGLang dumper folder, PassN.pt
-    folder, .safetensors/.npz, or a trace written by 'tracer import')."""
+    folder, .safetensors/.npz, or a trace written by 'tracer import'), or DUMP_A DUMP_B --reference
+    TRACE[:RUN]: two engine dumps (SGLang, Megatron-LM as Miles writes it) against each other."""
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_runs
-    from tracer.diff.refs import resolve_refs
+    from tracer.diff.refs import resolve_refs, split_ref
     from tracer.diff.result import check_fail_on
     from tracer.report.tables import check_columns, check_format
 
@@ -319,9 +323,19 @@ def compare_cmd(
         cols = check_columns(columns, wide)
         check_fail_on(fail_on, atol, rtol)
         refs = [x for x in (trace, run_a, run_b) if x is not None]
-        dump = dump_side(refs)
+        from tracer.diff.compare_dumps import compare_dumps, dumps_args
+        from tracer.report.html import check_report_path
+
+        if report is not None:
+            check_report_path(report, overwrite)  # before any work: an existing file is never clobbered
+
+        pair = dumps_args(refs, reference)
+        dump = dump_side(refs) if pair is None else None
         with phase("compare", f"comparing {' '.join(refs)}"):
-            if dump is not None:
+            if pair is not None:
+                comparison = compare_dumps(pair[0], pair[1], split_ref(reference), engine_map=engine_map, atol=atol,
+                                           rtol=rtol, device=device)
+            elif dump is not None:
                 comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
             elif engine_map is not None:
                 raise TracerError("--map applies to an engine dump; give TRACE[:RUN] DUMP")
@@ -333,6 +347,10 @@ def compare_cmd(
                 stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
                 comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
         comparison = replace(comparison, fail_on=fail_on)
+        if report is not None:
+            from tracer.report.html import comparison_html, write_report
+
+            write_report(comparison_html(comparison), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return

@@ -50,9 +50,11 @@ def ref_layout(reader: TraceReader, run: str) -> RefLayout:
     names = {n: (i["kind"], i["op"], tuple(i["shape"][1:]), i["dtype"]) for n, (i, _ds) in caps.items()}
     layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
     model = reader.header.get("model", {})
+    kv = model.get("n_kv_heads") if isinstance(model, dict) else None
     return RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
                      n_layers=len(layers), token_ids=list(rec.token_ids), window=tuple(rec.window),
-                     family=model.get("family", "?") if isinstance(model, dict) else "?")
+                     family=model.get("family", "?") if isinstance(model, dict) else "?",
+                     kv_heads=int(kv) if isinstance(kv, int) else None)
 
 
 def _resolve_run(reader: TraceReader, run: str | None) -> str:
@@ -71,7 +73,7 @@ def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | 
     """
     layout = ref_layout(reader, run)
     raw = read_dump(dump)
-    emap = load_engine_map(layout.family, engine_map)
+    emap = load_engine_map(layout.family, engine_map, engine=raw.facts.get("framework"))
     return map_dump(raw, layout, emap)
 
 

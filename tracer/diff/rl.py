@@ -126,6 +126,8 @@ class RLComparison(schema.Record):
         vocab_kl: K × T full-vocabulary KL (None without logits).
         mitigations: one :class:`KnobResult` per knob (``--mitigations``), else empty.
         notes: one line each (cross-dtype comparison, ...).
+        tokens_from: where the tokens come from when not from this run's rollout (two engine
+            dumps: the sequence's own tokens; None: greedy or sampled by the rollout, per ``sample``).
     """
 
     rollouts: int
@@ -167,6 +169,7 @@ class RLComparison(schema.Record):
     vocab_kl: tuple[tuple[float, ...], ...] | None = None
     mitigations: tuple[KnobResult, ...] = ()
     notes: tuple[str, ...] = ()
+    tokens_from: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -278,6 +281,42 @@ def rl_metrics(tokens: Any, logp_a: Any, logp_b: Any, *, tau: float, sample: boo
         logp_a=tuple(tuple(float(x) for x in rw) for rw in la), logp_b=tuple(tuple(float(x) for x in rw) for rw in lb),
         dlogp=tuple(tuple(float(x) for x in rw) for rw in d),
         vocab_kl=None if kl is None else tuple(tuple(float(x) for x in rw) for rw in kl))
+
+
+def rl_from_logits(positions: list[int], tokens: list[int], logits_a: torch.Tensor, logits_b: torch.Tensor, *,
+                   tau: float = 1.0, is_cap: float = 2.0, mask_threshold: float = 2.0,
+                   per_position: dict[str, Any] | None = None, notes: tuple[str, ...] = ()) -> RLComparison:
+    """The RL metrics of one sequence from two runs' logits at its response positions (two engine
+    dumps: a rollout engine's and a trainer's): each side's logprob of the next token
+    ``log_softmax(float32(logits) / τ)[y]`` (:func:`tracer.execute.rollout.token_logprobs`), then
+    :func:`rl_metrics` with K = 1, and the per-token columns from the layer comparison.
+
+    Args:
+        positions: T consecutive positions p (the logits that predict token p + 1).
+        tokens: the T tokens y_p at p + 1 (the sequence's own: sampled by the rollout, teacher-forced
+            in the trainer).
+        logits_a, logits_b: ``(T, vocab)`` logits of the rollout (A) and the trainer (B), any float dtypes.
+        tau, is_cap, mask_threshold: τ of the logprobs, TIS cap C and MIS/IcePop β.
+        per_position: the comparison's per-position statistics (first differing point per position).
+        notes: lines carried into the result.
+
+    Raises:
+        TracerError: positions that are not consecutive, shapes that disagree.
+    """
+    from tracer.execute.rollout import token_logprobs
+
+    if not positions or list(positions) != list(range(positions[0], positions[0] + len(positions))):
+        raise TracerError(f"RL metrics need consecutive response positions; got {positions[:6]}")
+    if logits_a.shape != logits_b.shape or logits_a.shape[0] != len(tokens) or len(tokens) != len(positions):
+        raise TracerError(f"RL metrics need (T, vocab) logits of both runs for T tokens; got {tuple(logits_a.shape)}, "
+                          f"{tuple(logits_b.shape)} for {len(tokens)} tokens")
+    y = torch.tensor(tokens, dtype=torch.long)
+    la, lb = token_logprobs(logits_a, y, tau), token_logprobs(logits_b, y, tau)
+    m = rl_metrics([tokens], [la.tolist()], [lb.tolist()], tau=tau, sample=False, row=0, is_cap=is_cap,
+                   mask_threshold=mask_threshold, logits_a=logits_a[None], logits_b=logits_b[None],
+                   window_start=positions[0])
+    return replace(m, steps=_per_position_columns(m.steps, per_position), notes=tuple(notes),
+                   tokens_from=f"dumped tokens, τ={tau:g}")
 
 
 def _per_position_columns(steps: tuple[TokenStep, ...], per_position: dict[str, Any] | None) -> tuple[TokenStep, ...]:
@@ -401,5 +440,5 @@ def mitigation_table(variants: list[tuple[str, str, Any]], base: Any, run: Any,
     return tuple(rows)
 
 
-__all__ = ["RLComparison", "TokenStep", "KnobResult", "HIST_LABELS", "rl_metrics", "rl_comparison", "vocab_kl",
+__all__ = ["RLComparison", "TokenStep", "KnobResult", "HIST_LABELS", "rl_metrics", "rl_comparison", "rl_from_logits", "vocab_kl",
            "widened", "widened_note", "comparable", "is_rl", "knob_result", "mitigation_table"]

@@ -11,10 +11,11 @@ dropped silently. The map format is documented in ``hooks/engine-llama.toml``.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,13 @@ import torch
 from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.execute.enginetokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
 
 _LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
-_RULE_KEYS = {"hf", "element", "sum", "split", "shard", "rows"}
+_RULE_KEYS = {"hf", "element", "sum", "split", "shard", "rows", "tokens", "identity"}
+#: values of a rule's ``tokens``: the leading dims of the engine's tensor (``t``: one token dim,
+#: SGLang/vLLM; ``sb``: Megatron's ``[s, b, ...]``; ``bs``: ``[b, s, ...]``)
+_TOKEN_LAYOUTS = ("t", "sb", "bs")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class RefLayout:
         token_ids: the reference prompt, N ints.
         window: ``(start, stop)``: the positions the reference run kept.
         family: ``config.model_type`` of the reference model (``llama``).
+        kv_heads: the model's key/value heads (query groups), None when the trace does not record
+            them; a fused QKV split by groups (Megatron's ``linear_qkv``) needs it.
     """
 
     names: dict[str, tuple[str, str, tuple[int, ...], str]]
@@ -48,6 +55,7 @@ class RefLayout:
     token_ids: list[int]
     window: tuple[int, int]
     family: str
+    kv_heads: int | None = None
 
     def special(self, kind: str) -> str | None:
         return next((n for n, (k, *_rest) in self.names.items() if k == kind), None)
@@ -112,8 +120,11 @@ def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
     for r in rules:
         if not isinstance(r, dict) or "hf" not in r or set(r) - _RULE_KEYS:
             raise TracerError(f"{where}: rule for {key!r} must be a table with 'hf' and only {sorted(_RULE_KEYS)}")
-        if r.get("split") not in (None, "qkv", "halves") or r.get("shard") not in (None, "columns", "replicated"):
-            raise TracerError(f"{where}: rule for {key!r} has an unknown split/shard; use split qkv|halves, shard columns|replicated")
+        if r.get("split") not in (None, "qkv", "qkv_groups", "halves") or r.get("shard") not in (None, "columns", "replicated"):
+            raise TracerError(f"{where}: rule for {key!r} has an unknown split/shard; use split qkv|qkv_groups|halves, "
+                              "shard columns|replicated")
+        if r.get("tokens", "t") not in _TOKEN_LAYOUTS or r.get("identity") not in (None, "skip"):
+            raise TracerError(f"{where}: rule for {key!r} has an unknown tokens/identity; use tokens t|sb|bs, identity skip")
     return rules
 
 
@@ -130,14 +141,16 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
 
     Returns:
         ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns],
-        "capture": {...}, "sources": [paths]}``.
+        "capture": {...}, "settings": {...}, "sources": [paths]}``; ``settings`` holds the
+        ``[engine]`` table's other keys, later maps winning: ``tokens`` (the default of the rules'
+        ``tokens``) and ``kv_heads`` (the model's query groups, for ``split = "qkv_groups"``).
 
     Raises:
         TracerError: no map for the family and no override; an unreadable or malformed map.
     """
     from tracer.execute.family import engine_map_files
 
-    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "sources": []}
+    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "settings": {}, "sources": []}
     layers = [(p, _read_toml(p)) for p in engine_map_files(family, engine)]
     if override is not None:
         layers.append((Path(override), _read_toml(Path(override))))
@@ -148,7 +161,11 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
         for section in ("layer", "model"):
             for key, rules in data.get(section, {}).items():
                 merged[section][key] = _check_rules(rules, key, str(path))
-        merged["ignore"] += list(data.get("engine", {}).get("ignore", data.get("ignore", [])))
+        head = data.get("engine", {}) if isinstance(data.get("engine"), dict) else {}
+        merged["ignore"] += list(head.get("ignore", data.get("ignore", [])))
+        merged["settings"].update({k: v for k, v in head.items() if k not in ("families", "ignore", "engine")})
+        if merged["settings"].get("tokens", "t") not in _TOKEN_LAYOUTS:
+            raise TracerError(f"{path}: [engine] tokens must be one of {', '.join(_TOKEN_LAYOUTS)}")
         merged["capture"].update(data.get("capture", {}))
         merged["sources"].append(str(path))
     return merged
@@ -168,12 +185,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def locate(module: str) -> tuple[int | None, str]:
-    """``model.layers.3.mlp`` → ``(3, "mlp")``; ``model.embed_tokens`` → ``(None, "embed_tokens")``."""
+    """``model.layers.3.mlp`` → ``(3, "mlp")``; ``model.embed_tokens`` → ``(None, "embed_tokens")``;
+    wrappers' prefixes (``model.``, ``transformer.``, Megatron's DDP/Float16Module ``module.``) are dropped."""
     m = _LAYER_RE.match(module)
     if m:
         return int(m.group(1)), m.group(2) or ""
     rel = module
-    for prefix in ("model.", "transformer."):
+    for prefix in ("module.", "model.", "transformer."):
         while rel.startswith(prefix) and rel != prefix.rstrip("."):
             rel = rel[len(prefix):]
     return None, rel
@@ -235,6 +253,11 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     dim = _tp_dim(first.dims)
     if dim is None and rule.get("shard") == "columns":
         dim = ts[0].dim() - 1
+    if dim is None and first.sp and size > 1:
+        # Megatron sequence parallelism: outside the TP regions each rank holds its slice of the sequence, [s/tp, b, ...]
+        whole = torch.cat(ts, dim=0)
+        note = f"{size} sequence-parallel shards along the sequence"
+        return ([whole] if split is None else _split(whole, rule, whole.dim() - 1, 1, what)), note
     if size == 1 or dim is None:
         if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
             raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
@@ -254,6 +277,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _split(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
+    if rule.get("split") == "qkv_groups":
+        return _split_groups(t, rule, dim, tp, what)
     sizes = [s // tp for s in rule["_sizes"]]
     if sum(sizes) != t.shape[dim] or any(s * tp != full for s, full in zip(sizes, rule["_sizes"])):
         raise TracerError(f"{what}: width {t.shape[dim]} on each of {tp} ranks does not split into "
@@ -261,81 +286,22 @@ def _split(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) 
     return list(torch.split(t, sizes, dim=dim))
 
 
-# ---------------------------------------------------------------- tokens
-
-
-def _segments(ids: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int, int | None]]:
-    """``(row0, row1, pos0)`` runs of consecutive positions (one per request in a batch)."""
-    if positions is None:
-        return [(0, len(ids), None)]
-    if len(positions) != len(ids):
-        raise TracerError(f"a step has {len(ids)} input_ids but {len(positions)} positions; the dump is inconsistent")
-    cuts = [0] + [i for i in range(1, len(ids)) if int(positions[i]) != int(positions[i - 1]) + 1] + [len(ids)]
-    return [(a, b, int(positions[a])) for a, b in zip(cuts, cuts[1:])]
-
-
-def _find(ref: list[int], seg: list[int], after: int | None) -> int | None:
-    """Start of ``seg`` in ``ref``: right after the previous step if it fits, else the last occurrence."""
-    n = len(seg)
-    if n == 0:
-        return None
-    if after is not None and ref[after:after + n] == seg:
-        return after
-    hits = [i for i in range(len(ref) - n + 1) if ref[i:i + n] == seg]
-    return hits[-1] if hits else None
-
-
-def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[int, int, int]]], list[str]]:
-    """Which rows of each step hold which absolute positions of the reference prompt.
-
-    Steps are taken in order (chunked prefill: consecutive steps continue each other); within a
-    step, runs of consecutive ``positions`` are requests of a batch, kept when their token ids
-    equal the reference's at those positions; without ``positions`` a step's ids are located
-    in the reference prompt (right after the previous step when they fit there, else the last
-    occurrence: a cache hit computes a suffix).
-
-    Returns:
-        ``({step: [(row0, row1, pos0), ...]}, notes)``.
-
-    Raises:
-        TracerError: a step without ``input_ids``, or no request whose token ids match the reference.
-    """
-    plan: dict[int, list[tuple[int, int, int]]] = {}
-    notes: list[str] = []
-    steps = sorted({e.step for e in raw.entries})
-    # steps without positions are located together (chunked prefill: one contiguous run of the
-    # prompt), so a chunk whose ids recur in the prompt is not placed on another occurrence
-    loose = [raw.tokens[s]["input_ids"].tolist() for s in steps
-             if s in raw.tokens and raw.tokens[s].get("input_ids") is not None and raw.tokens[s].get("positions") is None]
-    after = _find(ref_ids, [t for ids in loose for t in ids], None) if len(loose) > 1 else None
-    for step in steps:
-        tok = raw.tokens.get(step)
-        if tok is None or tok.get("input_ids") is None:
-            raise TracerError(f"{raw.path}: step {step} has activations but no input_ids; dump the token ids "
-                              "(SGLang dumper core field input_ids, or input_ids in a tensors file)")
-        ids = tok["input_ids"].tolist()
-        for a, b, pos in _segments(tok["input_ids"], tok.get("positions")):
-            seg = ids[a:b]
-            if pos is not None and ref_ids[pos:pos + len(seg)] == seg:
-                start = pos
-            elif pos is None:
-                start = _find(ref_ids, seg, after)
-            else:
-                start = None
-            if start is None and pos is not None and pos + len(seg) > len(ref_ids):
-                notes.append(f"step {step} rows {a}..{b - 1} (positions {pos}..{pos + len(seg) - 1}): beyond the "
-                             f"reference's {len(ref_ids)} tokens (decode steps?); not compared")
-                continue
-            if start is None:
-                where = f"positions {pos}..{pos + len(seg) - 1}" if pos is not None else f"{len(seg)} tokens"
-                notes.append(f"step {step} rows {a}..{b - 1} ({where}, first id {seg[0]}): token ids not in the reference prompt; not compared (another request)")
-                continue
-            plan.setdefault(step, []).append((a, b, start))
-            after = start + len(seg)
-    if not plan:
-        raise TracerError(f"{raw.path}: token ids do not match the reference prompt in any step "
-                          f"({'; '.join(n.split(':')[0] for n in notes[:3])}); compare a dump of the same prompt")
-    return plan, notes
+def _split_groups(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
+    """One TP rank's Megatron ``linear_qkv`` output, ``[..., groups/tp × (q + k + v) / groups]`` with
+    each query group's ``[q heads of the group | k head | v head]`` side by side, → its q, k, v
+    parts (``[..., groups/tp × width / groups]`` each, heads in order)."""
+    groups, widths = rule["_groups"], rule["_sizes"]
+    per = [w // groups for w in widths]
+    if groups % tp or any(p * groups != w for p, w in zip(per, widths)):
+        raise TracerError(f"{what}: {groups} query groups do not split q/k/v widths {widths} over {tp} TP ranks; "
+                          "check the model's KV heads ([engine] kv_heads in a --map file)")
+    g = groups // tp
+    x = t.movedim(dim, -1)
+    if x.shape[-1] != g * sum(per):
+        raise TracerError(f"{what}: width {x.shape[-1]} on each of {tp} ranks is not {g} query groups of {sum(per)} "
+                          f"(q, k, v widths {widths} over {groups} groups); check the map's split or the model")
+    x = x.reshape(*x.shape[:-1], g, sum(per))
+    return [p.reshape(*p.shape[:-2], g * w).movedim(-1, dim) for p, w in zip(torch.split(x, per, dim=-1), per)]
 
 
 # ---------------------------------------------------------------- mapping
@@ -347,6 +313,9 @@ def _group(raw: RawDump) -> dict[tuple[str, int], dict[int | None, dict[int, Dum
     for e in raw.entries:
         slot = groups.setdefault((e.module, e.step), {}).setdefault(e.element, {})
         old = slot.get(e.tp_rank)
+        if old is not None and old.pp_rank != e.pp_rank:  # a wrapper's output on every PP stage: the last stage's is the model's
+            slot[e.tp_rank] = e if e.pp_rank > old.pp_rank else old
+            continue
         if old is not None and not (old.tensor.shape == e.tensor.shape and torch.equal(old.tensor, e.tensor)):
             raise TracerError(f"{e.name} is dumped twice in step {e.step} on TP rank {e.tp_rank} with different "
                               f"values ({old.file}, {e.file}); dump one forward pass per step")
@@ -372,12 +341,18 @@ def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str
         if shards is None:
             return None
         picked.append(shards)
-    used = [next(iter(s.values())).name for s in picked]
+    used = [(lambda e: e.name + (f" [PP stage {e.pp_rank}]" if e.pp_rank else ""))(next(iter(s.values()))) for s in picked]
     if rule.get("split"):
         dims = [ref.names[n][2] for n in hf if n is not None and n in ref.names]
         if len(dims) != len(hf):
             return None  # the reference did not capture the split parts (e.g. --granularity layers)
         rule = dict(rule, _sizes=[d[-1] if d else 1 for d in dims])
+        if rule["split"] == "qkv_groups":
+            if not ref.kv_heads:
+                raise TracerError(f"{what} is Megatron's fused QKV (query groups side by side) but the reference trace does not "
+                                  "record the model's KV heads; re-trace it with this tracer or give kv_heads = G in the "
+                                  "[engine] table of a --map file")
+            rule["_groups"] = ref.kv_heads
     outs, note = [], ""
     for shards in picked:
         parts, note = _unshard(shards, rule, what)
@@ -420,10 +395,15 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             tensor whose rows do not match its step's token count, token ids that match nowhere.
     """
     plan, notes = align_steps(raw, ref.token_ids)
+    settings = emap.get("settings", {})
+    if settings.get("kv_heads"):
+        ref = replace(ref, kv_heads=int(settings["kv_heads"]))
     rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
     mapping: dict[str, str] = {}
     ignored: set[str] = set()
     uncaptured: set[str] = set()
+    identities: set[str] = set()
+    conflicts: dict[str, list[int]] = {}
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -445,6 +425,9 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             if rule.get("split") and not all(h in ref.names for h in hf):
                 uncaptured.update(h for h in hf if h is not None)  # e.g. a reference traced at layers granularity
                 continue
+            if rule.get("identity") == "skip" and _is_identity(elements, raw, module, step):
+                identities.add(module)
+                continue
             got = _rule_parts(elements, rule, hf, ref, f"{module} (step {step})")
             if got is None:
                 continue
@@ -452,28 +435,56 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             for i, (name, t) in enumerate(zip(hf, parts)):
                 if name is None:
                     continue
-                _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, notes, module)
+                if rule.get("rows") != "last":
+                    t = token_rows(t, rule.get("tokens", settings.get("tokens", "t")), raw.tokens[step], f"{module} (step {step})")
+                _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, conflicts, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
+    notes += [f"{name} at position(s) {ranges(sorted(ps))}: a later engine tensor mapped there differs from the first; "
+              "the first is compared" for name, ps in conflicts.items()]
+    if identities:
+        notes.append(f"identity modules (each output equals its input bit for bit: Megatron's IdentityOp where Transformer "
+                     f"Engine fuses the norm into the next linear), not mapped: {', '.join(sorted(identities)[:4])}"
+                     f"{f' ... ({len(identities)} in all)' if len(identities) > 4 else ''}")
     return _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
 
 
+def _is_identity(elements: dict[int | None, dict[int, DumpEntry]], raw: RawDump, module: str, step: int) -> bool:
+    """Every rank's output of ``module`` in ``step`` has the bits of its first input (the dump's
+    ``inputs.0``, kept as a digest); False when the dump holds no inputs."""
+    entries = [e for shards in elements.values() for e in shards.values()]
+    return bool(entries) and all(raw.input_digests.get((module, step, e.tp_rank)) == tensor_digest(e.tensor) for e in entries)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A fingerprint of a tensor's bits, shape and dtype (blake2b, 16 bytes, hex): the reader keeps
+    one per module input so that an identity module's output can be recognised without the input."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
-           raw: RawDump, step: int, rule: dict[str, Any], name: str, notes: list[str], module: str) -> None:
-    """Record which row of ``t`` holds each absolute position (first source wins; a differing second is noted)."""
+           raw: RawDump, step: int, rule: dict[str, Any], name: str, conflicts: dict[str, list[int]], module: str) -> None:
+    """Record which row of ``t`` holds each absolute position (first source wins; the positions where
+    a second differs are collected in ``conflicts``). A request cut short by :func:`align_steps`
+    has no last row of its own (``rows = "last"``: its logits are another token's)."""
     n_tokens = len(raw.tokens[step]["input_ids"])
     last = rule.get("rows") == "last"
     if not last and t.shape[0] != n_tokens:
         raise TracerError(f"{module} in step {step} has {t.shape[0]} rows but the step has {n_tokens} tokens; "
                           "the dump's activations and input_ids disagree")
-    all_segs = _segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"))
+    all_segs = segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"))
     for a, b, pos in segs:
-        pairs = [(pos + (b - a) - 1, all_segs.index(next(s for s in all_segs if s[0] == a)))] if last else \
-            [(pos + k, a + k) for k in range(b - a)]
+        full = next(s for s in all_segs if s[0] == a)
+        if last and full[1] != b:
+            continue
+        pairs = [(pos + (b - a) - 1, all_segs.index(full))] if last else [(pos + k, a + k) for k in range(b - a)]
         for p, r in pairs:
             if p in slot:
                 old, row = slot[p]
                 if not torch.equal(old[row], t[r].to(old.dtype)):
-                    notes.append(f"{name} at position {p}: {module} (step {step}) differs from the first engine tensor mapped there; the first is compared")
+                    conflicts.setdefault(name, []).append(p)
                 continue
             slot[p] = (t, r)
 
@@ -485,17 +496,17 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     dumped = sorted({p for slot in rows.values() for p in slot})
     inside = [p for p in dumped if w0 <= p < w1]
     if not inside:
-        raise TracerError(f"{raw.path}: the dump covers positions {_ranges(dumped)} but the reference kept {w0}..{w1 - 1}; "
+        raise TracerError(f"{raw.path}: the dump covers positions {ranges(dumped)} but the reference kept {w0}..{w1 - 1}; "
                           "no position is on both sides (trace the reference with --positions all)")
     lo = inside[-1]
     while lo - 1 in set(inside):
         lo -= 1
     hi = inside[-1] + 1
     if w0 < lo or hi < w1:
-        notes.append(f"positions only in the reference: {_ranges([p for p in range(w0, w1) if not lo <= p < hi])} (not dumped by the engine)")
+        notes.append(f"positions only in the reference: {ranges([p for p in range(w0, w1) if not lo <= p < hi])} (not dumped by the engine)")
     outside = [p for p in dumped if not lo <= p < hi]
     if outside:
-        notes.append(f"positions only in the dump: {_ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
+        notes.append(f"positions only in the dump: {ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
     tensors: dict[str, torch.Tensor] = {}
     partial: set[str] = set()
     partial_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
@@ -508,14 +519,16 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
             partial.add(name)
             present = [p for p in range(lo, hi) if p in slot]
             if present and ref.names[name][0] == PointKind.LOGITS:
-                partial_rows[name] = (present, torch.stack([slot[p][0][slot[p][1]] for p in present]))
+                partial_rows[name] = (present, _vocab(torch.stack([slot[p][0][slot[p][1]] for p in present]), name, ref, notes))
                 continue  # compared at those positions on their own (compare_dump)
             notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
-                         f"(missing {_ranges(missing)}); not compared")
+                         f"(missing {ranges(missing)}); not compared")
             mapping.pop(name, None)
             continue
         feat = ref.names[name][2]
         stacked = torch.stack([slot[p][0][slot[p][1]] for p in range(lo, hi)])
+        if ref.names[name][0] == PointKind.LOGITS:
+            stacked = _vocab(stacked, name, ref, notes)
         if tuple(stacked.shape[1:]) != feat:
             if stacked[0].numel() != math.prod(feat):
                 raise TracerError(f"{name}: the engine's rows have shape {tuple(stacked.shape[1:])} but the reference's "
@@ -543,13 +556,12 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
 
 
-def _ranges(ps: list[int]) -> str:
-    """``[0, 1, 2, 7]`` → ``"0..2, 7"``."""
-    out, start = [], None
-    for i, p in enumerate(ps):
-        if start is None:
-            start = p
-        if i + 1 == len(ps) or ps[i + 1] != p + 1:
-            out.append(f"{start}..{p}" if p != start else f"{p}")
-            start = None
-    return ", ".join(out) or "none"
+def _vocab(rows: torch.Tensor, name: str, ref: RefLayout, notes: list[str]) -> torch.Tensor:
+    """Logits rows ``(k, V')`` cut to the reference's vocabulary V when the engine padded it (V' > V:
+    Megatron pads the vocabulary to a multiple of ``make_vocab_size_divisible_by`` × TP), with a note."""
+    feat = ref.names[name][2]
+    if rows.dim() != 2 or len(feat) != 1 or rows.shape[1] <= feat[0]:
+        return rows
+    notes.append(f"{name}: the dump's {rows.shape[1]} logits columns cut to the reference's vocabulary of {feat[0]} "
+                 "(the engine pads its vocabulary; the padding columns are not tokens)")
+    return rows[:, :feat[0]]

@@ -80,8 +80,11 @@ class DumpEntry:
         tp_rank, tp_size: tensor-parallel rank and size of the rank that dumped it.
         pp_rank: pipeline stage.
         dims: the dump's dims string (``"t h(tp)"``) or None.
-        tensor: ``(T, *feature)`` rows for the T tokens of the step (any dtype the engine used).
+        tensor: ``(T, *feature)`` rows for the T tokens of the step (any dtype the engine used);
+            Megatron: ``(s, b, *feature)`` (the map's ``tokens`` says the layout).
         file: the file it came from (for error messages).
+        sp: written under Megatron sequence parallelism (a tensor outside the TP regions holds
+            this TP rank's slice of the sequence).
     """
 
     name: str
@@ -94,6 +97,7 @@ class DumpEntry:
     dims: str | None
     tensor: torch.Tensor
     file: str
+    sp: bool = False
 
 
 @dataclass
@@ -105,9 +109,14 @@ class RawDump:
         layout: ``sglang-dumper``, ``passes`` or ``tensors``.
         engine: a display name (``SGLang dumper``, ``SGLang/vLLM per-pass dump``, ``named tensors``).
         entries: the activations (token bookkeeping removed).
-        tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``.
-        facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``.
-        ignored_inputs: names of module inputs that were read but are not activations tracer maps.
+        tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``,
+            plus ``"shape": (b, s)`` when the ids were dumped as a ``[b, s]`` batch (Megatron).
+        facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``, ``framework`` (``sglang``/``megatron``).
+        ignored_inputs: names of module inputs (and gradients, parameters) that were read but are
+            not activations tracer maps.
+        input_digests: ``(module, step, tp_rank)`` → :func:`tracer.store.dump_parallel.digest` of
+            the module's first input (``inputs.0``), to recognise identity modules (Megatron's
+            ``IdentityOp`` norms when Transformer Engine fuses the norm into the next linear).
     """
 
     path: str
@@ -117,3 +126,4 @@ class RawDump:
     tokens: dict[int, dict[str, Any]]
     facts: dict[str, Any] = field(default_factory=dict)
     ignored_inputs: list[str] = field(default_factory=list)
+    input_digests: dict[tuple[str, int, int], str] = field(default_factory=dict)

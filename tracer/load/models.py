@@ -56,6 +56,9 @@ class ModelInfo:
         n_layers, hidden_size, vocab_size: from the (text) config.
         device_map: with ``load_model(device_map=...)``: module path → device (``cuda:0``,
             ``cpu``, ``disk``) as accelerate dispatched it; None for a model on one device.
+        n_heads, n_kv_heads, head_dim: attention heads, key/value heads (query groups) and the
+            head width, from the config (None where it does not say); an engine dump whose fused
+            QKV interleaves query groups (Megatron) is split with them.
     """
 
     name: str
@@ -70,6 +73,9 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int
     device_map: dict[str, str] | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of all fields."""
@@ -109,10 +115,15 @@ def _text_config(config: Any) -> Any:
 def _info(name: str, source: str, model: PreTrainedModel, dtype: torch.dtype, device: str, attn: str,
           weights_hash: str | None, path: str | None) -> ModelInfo:
     cfg = _text_config(model.config)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (int(cfg.hidden_size) // int(heads) if heads else None)
     return ModelInfo(
         name=name, source=source, family=str(model.config.model_type), dtype=dtype_name(dtype),
         device=device, attn_implementation=attn, weights_hash=weights_hash, path=path,
         n_layers=int(cfg.num_hidden_layers), hidden_size=int(cfg.hidden_size), vocab_size=int(cfg.vocab_size),
+        n_heads=None if heads is None else int(heads), n_kv_heads=None if kv is None else int(kv),
+        head_dim=None if head_dim is None else int(head_dim),
     )
 
 

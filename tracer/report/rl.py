@@ -35,7 +35,7 @@ def _pct(x: float) -> str:
 
 def summary_pairs(rl: Any) -> list[tuple[str, str]]:
     """The RL summary as ``(label, text)`` pairs, in print order (each text fits 80 columns with its label)."""
-    how = f"sampled at τ={rl.tau:g}" if rl.sample else "greedy"
+    how = getattr(rl, "tokens_from", None) or (f"sampled at τ={rl.tau:g}" if rl.sample else "greedy")
     lo = 1.0 / rl.mask_threshold
     out = [
         ("RL step", f"{rl.rollouts} sequence{'s' if rl.rollouts != 1 else ''} × {rl.new_tokens} response tokens, "
@@ -170,24 +170,41 @@ def summary_dict(rl: Any) -> dict[str, Any]:
 
 
 def csv_meta(rl: Any) -> dict[str, Any]:
-    """``rl_<field>`` → value of :func:`summary_dict` (the CSV columns); empty when ``rl`` is None."""
-    return {} if rl is None else {f"rl_{k}": v for k, v in summary_dict(rl).items()}
+    """``rl_<field>`` → value of :func:`summary_dict`, and per ``--mitigations`` knob
+    ``rl_knob_<knob>_<mean_abs_dlogp|max_abs_dlogp|k3_kl|identical|ran>`` (the CSV columns); empty when
+    ``rl`` is None."""
+    if rl is None:
+        return {}
+    out = {f"rl_{k}": v for k, v in summary_dict(rl).items()}
+    for m in rl.mitigations:
+        out.update({f"rl_knob_{m.knob.replace('-', '_')}_{k}": getattr(m, k)
+                    for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "identical", "ran")})
+    return out
+
+
+#: the per-token picture's columns (:class:`~tracer.diff.rl.TokenStep`), set on the traced sequence's rows
+PICTURE = ("position", "flip", "logits_differ", "logits_max_abs", "first_point", "last_layer_max_abs")
 
 
 def token_records(rl: Any) -> list[dict[str, Any]]:
     """One dict per response token of every sequence (K × T): ``sequence, step, token, logp_a, logp_b,
-    dlogp, ratio, vocab_kl, traced`` (the DataFrame of ``tracer.to_pandas(result.comparison.rl)``)."""
+    dlogp, ratio, vocab_kl, traced`` and the per-token picture :data:`PICTURE` (position, argmax flip,
+    differing logits, the first capture point that differs there, the last layer's max |Δ|), which
+    the traced sequence's rows carry and the others leave None (the DataFrame of
+    ``tracer.to_pandas(result.comparison.rl)``)."""
     out = []
     for j, (toks, la, lb, d) in enumerate(zip(rl.tokens, rl.logp_a, rl.logp_b, rl.dlogp)):
         for i, tok in enumerate(toks):
+            step = rl.steps[i] if j == rl.row and i < len(rl.steps) else None
             out.append({"sequence": j, "step": i, "token": tok, "logp_a": la[i], "logp_b": lb[i], "dlogp": d[i],
                         "ratio": math.exp(d[i]) if d[i] < 709 else math.inf,
-                        "vocab_kl": None if rl.vocab_kl is None else rl.vocab_kl[j][i], "traced": j == rl.row})
+                        "vocab_kl": None if rl.vocab_kl is None else rl.vocab_kl[j][i], "traced": j == rl.row,
+                        **{k: None if step is None else getattr(step, k) for k in PICTURE}})
     return out
 
 
 __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
-           "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records"]
+           "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records", "PICTURE"]
 
 
 def print_rl(rl: Any, console: Any) -> None:

@@ -79,6 +79,9 @@ def logits_text(c: Any) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
         skip = next((s for s in c.skipped if s.kind == "logits"), None)  # missing in a run, or not stored
+        part = next((n for n in c.facts.get("notes", []) if " (logits) at position(s) " in n), None)
+        if skip is None and part is not None:  # an engine dump's next-token logits: a few positions only
+            return "at a few positions only (" + part.split(" (logits) at position(s) ")[1].split(" only")[0] + "): see the notes"
         return "not captured" if skip is None else f"not compared: {skip.reason}"
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)
@@ -99,6 +102,10 @@ def next_steps(c: Any) -> list[str]:
                      "`tracer sweep MODEL --lengths 17:512` maps them")
         steps.append("the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit MODEL`")
         return steps
+    if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
+        subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+        return [] if subs else ["dump with the dumper's non-intrusive mode `all` (DUMPER_NON_INTRUSIVE_MODE=all): "
+                                "every module's output, so the op inside the layer is named"]
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
     if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:

@@ -8,7 +8,10 @@ Three layouts are recognised (sources followed: ``traces/README.md``, section "E
   ``world_rank``/``world_size``, ``sglang_parallel_info`` (``tp_rank``, ``tp_size``, ...), an optional
   ``dims`` string (``"t h(tp)"``) and ``tokenizer_path``. Token ids are the core fields ``input_ids``
   and ``positions`` of each step. Non-intrusive names are ``non_intrusive__<module>.output[.<i>]``
-  and ``non_intrusive__<module>.inputs.<i>``.
+  and ``non_intrusive__<module>.inputs.<i>``. The same dumper run in a Megatron-LM trainer (Miles,
+  slime) writes ``megatron_parallel_info`` (TP, PP, CP, DP, SP ranks) and Megatron's token fields
+  (``input_ids`` ``[b, s]``, ``position_ids`` or ``cu_seqlens_q``/``qkv_format``); its layout is read
+  by :mod:`tracer.store.dump_parallel` and its names mapped by ``hooks/engine-megatron.toml``.
 - **Per-pass folders** (SGLang ``--debug-tensor-dump-output-folder``,
   ``python/sglang/srt/debug_utils/tensor_dump_forward_hook.py``; the vLLM proposal has the same
   shape): one sub-folder per rank, ``TP{t}_PP{p}_Rank{r}_pid{pid}/Pass{NNNNN}.pt``, each a dict of
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,8 @@ import torch
 from tracer.errors import TracerError
 from tracer.execute.enginemap import pass_entries
 from tracer.execute.records import DumpEntry, RawDump  # re-exported: the dump's plain data
+from tracer.store.dump_parallel import (MEGATRON_FIELDS, Rank, check_supported, digest, has_layer, infer_positions,
+                                        layer_offsets, part_steps, rank_of, renumber)
 
 #: names of SGLang's dumper core fields (token bookkeeping, not activations)
 CORE_FIELDS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "rids")
@@ -81,16 +87,6 @@ def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
     return name, None, False
 
 
-def _tp_of(meta: dict) -> tuple[int, int, int]:
-    for key in ("sglang_parallel_info", "megatron_parallel_info"):
-        info = meta.get(key)
-        if isinstance(info, dict) and "tp_rank" in info:
-            return int(info["tp_rank"]), int(info.get("tp_size", 1)), int(info.get("pp_rank", 0))
-    if "tp_rank" in meta:
-        return int(meta["tp_rank"]), int(meta.get("tp_size", 1)), int(meta.get("pp_rank", 0))
-    return 0, 1, 0
-
-
 def _tags_of(stem: str, path: Path) -> dict[str, str]:
     tags = {}
     for part in stem.split("___"):
@@ -114,50 +110,127 @@ def _add_token(tokens: dict, step: int, key: str, value: Any, file: str) -> None
     slot[key] = value
 
 
+def _load_dumper_file(path: Path) -> tuple[dict, Any]:
+    """``(meta, value)`` of one dumper file, checked against its file name.
+
+    Raises:
+        TracerError: a file without ``value``/``meta``, a meta without ``step``/``name``, pickled objects.
+    """
+    tags = _tags_of(path.stem, path)
+    data = safe_load(path)
+    if not isinstance(data, dict) or "value" not in data or not isinstance(data.get("meta"), dict):
+        raise TracerError(f"{path} holds no {{'value', 'meta'}} dict (missing meta); an SGLang dumper "
+                          "file is torch.save({'value': tensor, 'meta': {...}})")
+    meta = data["meta"]
+    for key in ("name", "step"):
+        if key not in meta:
+            raise TracerError(f"{path}: meta has no '{key}' (missing meta); the SGLang dumper writes "
+                              "step, rank, dump_index and name into every file's meta")
+    if str(meta["name"]) != tags.get("name", str(meta["name"])):
+        raise TracerError(f"{path}: meta name {meta['name']!r} differs from the file name's {tags['name']!r}")
+    return meta, data["value"]
+
+
+def _add_core(tokens: dict, key: Any, name: str, value: Any, file: str) -> None:
+    """One token-bookkeeping field of a step (SGLang's or Megatron's core fields; others are dropped)."""
+    if name in ("input_ids", "positions", "position_ids"):
+        if name == "input_ids" and isinstance(value, torch.Tensor) and value.dim() == 2:
+            tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})["shape"] = tuple(value.shape)
+        _add_token(tokens, key, "positions" if name == "position_ids" else name, value, file)
+    elif name == "cu_seqlens_q" and isinstance(value, torch.Tensor):
+        slot = tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})
+        old, new = slot.get("cu_seqlens_q"), value.reshape(-1).to(torch.long)
+        if old is not None and not torch.equal(old, new):
+            raise TracerError(f"{file}: cu_seqlens_q differs from the one in {slot['file']} for the same step and CP rank; "
+                              "dump one forward pass per step")
+        slot["cu_seqlens_q"] = new
+    elif name == "qkv_format":
+        tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})["qkv_format"] = str(value)
+
+
 def read_sglang_dumper(folder: Path) -> RawDump:
-    """Read an SGLang dumper folder (``k=v___k=v.pt`` files of ``{"value", "meta"}``).
+    """Read an SGLang dumper folder (``k=v___k=v.pt`` files of ``{"value", "meta"}``), written by an
+    SGLang server or by a Megatron-LM trainer (``megatron_parallel_info``; :mod:`tracer.store.dump_parallel`).
+
+    Each (step, DP rank, CP rank) keeps its own token ids and is numbered as a step of its own
+    when the dump has more than one; a PP stage's layers are renumbered to the global layer ids.
 
     Raises:
         TracerError: a file without ``value``/``meta``, a meta without ``step``/``name``, pickled
-            objects, a non-tensor activation.
+            objects, a non-tensor activation, virtual pipeline stages, inconsistent token bookkeeping.
     """
     files = sorted(p for p in folder.iterdir() if p.suffix == ".pt")
-    entries, tokens, ignored, facts = [], {}, [], {}
+    found: list[tuple[tuple[int, int, int], Rank, Any, DumpEntry]] = []
+    tokens: dict = {}
+    ranks: dict[tuple[int, int, int], Rank] = {}
+    ignored, facts, digests = [], {}, {}
     for path in files:
-        tags = _tags_of(path.stem, path)
-        data = safe_load(path)
-        if not isinstance(data, dict) or "value" not in data or not isinstance(data.get("meta"), dict):
-            raise TracerError(f"{path} holds no {{'value', 'meta'}} dict (missing meta); an SGLang dumper "
-                              "file is torch.save({'value': tensor, 'meta': {...}})")
-        meta = data["meta"]
-        for key in ("name", "step"):
-            if key not in meta:
-                raise TracerError(f"{path}: meta has no '{key}' (missing meta); the SGLang dumper writes "
-                                  "step, rank, dump_index and name into every file's meta")
-        if str(meta["name"]) != tags.get("name", str(meta["name"])):
-            raise TracerError(f"{path}: meta name {meta['name']!r} differs from the file name's {tags['name']!r}")
-        name, step, value = str(meta["name"]), int(meta["step"]), data["value"]
+        meta, value = _load_dumper_file(path)
+        name, step = str(meta["name"]), int(meta["step"])
+        rank = rank_of(meta)
+        check_supported(rank, str(path))
+        key = (step, rank.dp_rank, rank.cp_rank)
+        ranks.setdefault(key, rank)
         if "tokenizer_path" in meta:
             facts["tokenizer_path"] = meta["tokenizer_path"]
-        if name in CORE_FIELDS:
-            if name in ("input_ids", "positions"):
-                _add_token(tokens, step, name, value, str(path))
+        if name in CORE_FIELDS or name in MEGATRON_FIELDS:
+            _add_core(tokens, key, name, value, str(path))
+            continue
+        if name.startswith(("grad__", "param__")):  # gradients and parameters (Miles' fwd_bwd phase): not activations
+            ignored.append(name)
             continue
         module, element, is_input = parse_output_name(name)
         if is_input:
             ignored.append(name)
+            if name.endswith(".inputs.0") and isinstance(value, torch.Tensor):
+                digests[(module, key, rank.tp_rank, rank.pp_rank)] = digest(value)
             continue
         if not isinstance(value, torch.Tensor):
             raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
         if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
             module, element = (f"{module}.{element}" if module else element), None
-        tp_rank, tp_size, pp_rank = _tp_of(meta)
-        entries.append(DumpEntry(name=name, module=module, element=element, step=step, tp_rank=tp_rank,
-                                 tp_size=tp_size, pp_rank=pp_rank, dims=meta.get("dims"), tensor=value, file=str(path)))
-    # execution order: the dumper numbers its files per rank (dump_index) within a step
-    entries.sort(key=lambda e: (e.step, e.tp_rank, _index_of(e.file)))
-    return RawDump(path=str(folder), layout="sglang-dumper", engine="SGLang dumper", entries=entries,
-                   tokens=tokens, facts=facts, ignored_inputs=sorted(set(ignored)))
+        found.append((key, rank, meta.get("layer_id"), DumpEntry(
+            name=name, module=module, element=element, step=step, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
+            pp_rank=rank.pp_rank, dims=meta.get("dims"), tensor=value, file=str(path), sp=rank.sp)))
+    return _assemble_dumper(folder, found, tokens, ranks, ignored, facts, digests)
+
+
+def _assemble_dumper(folder: Path, found: list, tokens: dict, ranks: dict, ignored: list, facts: dict,
+                     digests: dict) -> RawDump:
+    """Number the steps (one per step, DP rank and CP rank), renumber PP stages' layers, infer
+    Megatron's positions; execution order within a step: the dumper's ``dump_index`` per rank."""
+    pp_size = max((r.pp_size for r in ranks.values()), default=1)
+    offsets = layer_offsets(((r.pp_rank, e.module, lid) for _k, r, lid, e in found if lid is not None), pp_size, str(folder))
+    if pp_size > 1:
+        bare = sorted({r.pp_rank for _k, r, _l, e in found if has_layer(e.module)} - set(offsets))
+        if bare:
+            raise TracerError(f"{folder}: PP stage {bare[0]} dumped layers without layer_id tags, so their global "
+                              "numbers are unknown; dump with the dumper's non-intrusive hooks (they tag layer_id)")
+    steps = part_steps(list(ranks) + list(tokens))
+    entries = [replace(e, step=steps[k], module=renumber(e.module, offsets.get(r.pp_rank, 0))) for k, r, _l, e in found]
+    entries.sort(key=lambda e: (e.step, e.pp_rank, e.tp_rank, _index_of(e.file)))
+    out_tokens = {}
+    for key, slot in tokens.items():
+        if slot.get("input_ids") is None:
+            continue
+        if slot.get("positions") is None and (slot.get("cu_seqlens_q") is not None or slot.get("shape") is not None):
+            rank = ranks.get(key, Rank())
+            slot["positions"] = infer_positions(slot, rank, f"{folder} step {key[0]} (CP rank {rank.cp_rank})")
+        out_tokens[steps[key]] = slot
+    frameworks = {r.framework for r in ranks.values()} - {""}
+    facts["framework"] = "megatron" if "megatron" in frameworks else "sglang"
+    if len({(dp, cp) for _s, dp, cp in steps}) > 1:
+        facts["parts"] = {v: f"step {s}, DP rank {dp}, CP rank {cp}" for (s, dp, cp), v in sorted(steps.items())}
+    for what in ("cp_size", "pp_size", "dp_size"):
+        n = max((getattr(r, what) for r in ranks.values()), default=1)
+        if n > 1:
+            facts[what] = n
+    if any(r.sp for r in ranks.values()):
+        facts["sequence_parallel"] = True
+    input_digests = {(renumber(m, offsets.get(pp, 0)), steps[k], tp): d for (m, k, tp, pp), d in digests.items()}
+    engine = "Megatron-LM dump" if facts["framework"] == "megatron" else "SGLang dumper"
+    return RawDump(path=str(folder), layout="sglang-dumper", engine=engine, entries=entries, tokens=out_tokens,
+                   facts=facts, ignored_inputs=sorted(set(ignored)), input_digests=input_digests)
 
 
 def _index_of(file: str) -> int:

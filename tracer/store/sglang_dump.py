@@ -71,7 +71,7 @@ _ROLES = ("attn_norm", "attention", "q_proj", "k_proj", "v_proj", "attention_cor
           "mlp", "gate_proj", "up_proj", "mlp_hidden", "down_proj")
 
 
-def _layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, str]:
+def layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, str]:
     """Role → HF capture name of one decoder layer of a stored run: the roles stored with the
     captures, or for a trace without them the roles inferred from the names.
 
@@ -96,7 +96,8 @@ def _layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, st
 
 def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chunk: int | None = None,
                       exp_name: str = "dump_synthetic", tokenizer_path: str | None = None,
-                      perturb: dict[str, float] | None = None, layout: str = "sglang-dumper") -> Path:
+                      perturb: dict[str, float] | None = None, layout: str = "sglang-dumper",
+                      steps: list[int] | None = None, logits: str = "last") -> Path:
     """Write run ``run`` of ``trace`` (captured with ``granularity="sublayers"``) as an SGLang dumper folder.
 
     Args:
@@ -105,6 +106,12 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         tp: number of tensor-parallel ranks to shard column-parallel outputs over.
         chunk: split the window into chunked-prefill steps of at most this many tokens (one
             dumper step each); None: one step.
+        steps: the number of tokens of each step, in order (instead of ``chunk``): e.g. a rollout's
+            ``[prefill, 1, 1, ...]``, the prefill then one decode step per generated token. They
+            must add up to the window.
+        logits: ``last``: next-token logits after the last step only (a prefill); ``every-step``:
+            after every step, at its last token (a rollout's prefill and decode steps: the logits
+            the engine samples each token from).
         layout: ``sglang-dumper`` (the dumper's ``k=v___k=v.pt`` files) or ``passes`` (SGLang's
             ``--debug-tensor-dump-output-folder`` layout: ``TP{r}_PP0_Rank{r}_pid0/Pass{NNNNN}.pt``
             dicts of leaf modules).
@@ -122,6 +129,8 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
 
     if layout not in ("sglang-dumper", "passes"):
         raise TracerError(f"unknown dump layout {layout!r}; use sglang-dumper or passes")
+    if logits not in ("last", "every-step"):
+        raise TracerError(f"unknown logits mode {logits!r}; use last or every-step")
     folder = Path(out) / exp_name
     if folder.exists() and any(folder.iterdir()):
         raise TracerError(f"{folder} exists and is not empty; choose another --out")
@@ -144,22 +153,27 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         layers = [n for n in names if r.capture_info(run, n)["kind"] == "layer"]
         emb = [n for n in names if r.capture_info(run, n)["kind"] == "embedding"][0]
         norm = [n for n in names if r.capture_info(run, n)["kind"] == "final_norm"][0]
-        logits = [n for n in names if r.capture_info(run, n)["kind"] == "logits"][0]
         items: list[tuple[str, Any, str]] = [("model.embed_tokens", get(emb), "replicated")]
         prev = get(emb)
         for i, layer in enumerate(layers):
-            hf = _layer_roles(r, run, names, layer)
+            hf = layer_roles(r, run, names, layer)
             items += _layer_tensors(get, f"model.layers.{i}", hf, prev, first=(i == 0))
             prev = get(layer)
         items += [("model.norm", (get(norm), prev), "replicated"), ("model", get(norm), "replicated")]
         lo, hi = rec.window
         ids = torch.tensor(rec.token_ids[lo:hi], dtype=torch.long)
-        last_logits = get(logits)[-1:]
+        all_logits = get([n for n in names if r.capture_info(run, n)["kind"] == "logits"][0])
+    if steps is not None:
+        if sum(steps) != hi - lo or any(n < 1 for n in steps):
+            raise TracerError(f"steps {steps} do not add up to the run's {hi - lo} kept tokens; give positive sizes that do")
+        cuts = [sum(steps[:i]) for i in range(len(steps) + 1)]
+        bounds = list(zip(cuts, cuts[1:]))
+    else:
+        bounds = [(a, min(a + (chunk or hi - lo), hi - lo)) for a in range(0, hi - lo, chunk or hi - lo)]
     folder.mkdir(parents=True, exist_ok=True)
-    steps = [(a, min(a + (chunk or hi - lo), hi - lo)) for a in range(0, hi - lo, chunk or hi - lo)]
-    for step, (a, b) in enumerate(steps):
+    for step, (a, b) in enumerate(bounds):
         for rank in range(tp):
-            logits_rows = last_logits if b == hi - lo else None
+            logits_rows = all_logits[b - 1:b] if logits == "every-step" or b == hi - lo else None
             if layout == "passes":
                 _write_pass(folder, step, rank, tp, items, ids, lo, a, b, logits_rows)
             else:
