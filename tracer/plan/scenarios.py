@@ -465,17 +465,19 @@ def check_resources(scen: Any) -> Any:
     Raises:
         TracerError: naming the missing device or implementation.
     """
-    from tracer.load import devices
+    from tracer.load.preflight import check_attn
 
     for plan in (scen.plan_a, scen.plan_b):
         for dev in plan.devices or ():
+            from tracer.load import devices
+
             try:
                 devices.resolve_device(dev)
             except TracerError as e:
                 raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
                                   "pass --devices with two devices it has, e.g. cpu,cpu") from None
         if plan.attn is not None:
-            devices.check_attn(plan.attn)
+            check_attn(plan.attn)
     return scen
 
 
