@@ -256,9 +256,11 @@ def sweep_cmd(opts: dict[str, Any], fmt: str, plot: str | None, report: str | No
 def plot_cmd(opts: dict[str, Any]) -> None:
     """Draw a figure from a stored trace or sweep file (no model needed)."""
     from tracer.report.progress import phase
+    from tracer.report.terminal import print_path
 
     with phase("plot", f"drawing {opts['kind'] or 'the figure'} from {opts['path']}"):
-        print(api.plot_file(**opts))
+        path = api.plot_file(**opts)
+    print_path(path)
 
 
 @_command("report", api.report_file)
@@ -266,9 +268,11 @@ def report_cmd(opts: dict[str, Any]) -> None:
     """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit matrix or
     sweep map) from a stored trace or sweep file: no model needed, nothing recomputed."""
     from tracer.report.progress import phase
+    from tracer.report.terminal import print_path
 
     with phase("report", f"writing the HTML report of {opts['path']}"):
-        print(api.report_file(**opts))
+        path = api.report_file(**opts)
+    print_path(path)
 
 
 @_command("models", api.models)
@@ -301,8 +305,7 @@ def main() -> None:
     ``TRACER_DEBUG=1``), 130 interrupted.
     """
     from tracer.load.offline import ensure_offline
-    from tracer.report.terminal import err, print_error
-    from tracer.report.textsafe import printable
+    from tracer.report.terminal import err, print_error, print_internal_error
 
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
     try:
@@ -316,9 +319,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
         if os.environ.get("TRACER_DEBUG") == "1":
             raise SystemExit(_debug_exit()) from None
-        first = (str(e).splitlines() or [""])[0][:200]
-        err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
-                  "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+        print_internal_error(e)
         sys.exit(EXIT_INTERNAL)
 
 

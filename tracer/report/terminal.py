@@ -29,6 +29,13 @@ def print_error(message: str) -> None:
     err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), highlight=False, soft_wrap=True)
 
 
+def print_internal_error(e: BaseException) -> None:
+    """A tracer bug in one line on stderr (``TRACER_DEBUG=1`` prints the traceback instead)."""
+    first = (str(e).splitlines() or [""])[0][:200]
+    err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
+              "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+
+
 def check_outputs(*, report: str | None = None, plot: str | None = None, output: str | None = None,
                   overwrite: bool = False) -> None:
     """Refuse a ``--report``/``--plot`` path that cannot be written, before anything runs.
@@ -143,6 +150,11 @@ def print_import(mapped: Any, output: str, run_name: str) -> None:
           f"-> {output} (run {run_name})")
     for line in mapped.notes:
         print(f"  {line}")
+
+
+def print_path(path: Any) -> None:
+    """``tracer plot``, ``tracer report``: the file written, alone on stdout (scripts read it)."""
+    print(path)
 
 
 def print_models(models: list[dict[str, str]]) -> None:
