@@ -1,5 +1,9 @@
 """How long a mistyped ``tracer run`` takes to say what is wrong (issue 25, item 5: under 2 s).
 
+Not among the cases, because they need the tokenized prompt (so the tokenizer, and with it the
+model): a ``--split-at``/``--block-size`` beyond a text prompt's length, an empty prompt after
+tokenizing, token ids outside the vocabulary; with ``--length N`` the first two are caught early.
+
     python benchmarks/input_errors.py [--reps 5]
 
 Runs every case of :data:`CASES` as a whole process (``python -m tracer run ...``) in a scratch
@@ -50,6 +54,16 @@ CASES: list[tuple[list[str], str]] = [
     (["--compression", "zip"], "--compression"),
     (["--max-trace-size", "lots"], "--max-trace-size"),
     (["--gguf", "nope.gguf"], "--gguf"),
+    (["--decode", "-1"], "--decode"),
+    (["--max-memory", "0=1GiB"], "--max-memory applies only with --device-map"),
+    (["--device-map", "bogus"], "--device-map"),
+    (["--scenario", "device", "--devices", "cpu,tpu"], "tpu"),
+    (["--scenario", "kv-quant", "--kv-format", "fp3"], "unknown --kv-format"),
+    (["--scenario", "tensor-parallel", "--tp-mode", "dist"], "unknown --tp-mode"),
+    (["--scenario", "tensor-parallel", "--reduce", "sideways"], "unknown --reduce"),
+    (["--scenario", "tensor-parallel", "--tp-mode", "distributed", "--verdict"], "--verdict"),
+    (["--scenario", "batch", "--padding", "middle"], "unknown --padding"),
+    (["--scenario", "repeat", "--mitigation", "aligned"], "prefix-cache only"),
 ]
 
 

@@ -439,6 +439,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     _check_dispatch(cfg, dispatched)
     if loaded is None:
         canonical(m.dtype)
+        preflight.check_device_map(m.device_map, m.max_memory, m.device)
         if m.device_map is None:
             preflight.check_device(m.device)
         preflight.check_attn(m.attn)
@@ -456,6 +457,11 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
 
 def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: bool) -> None:
     m, ch = cfg.model, cfg.checks
+    distributed = planned is not None and any(p.tp is not None and p.tp.mode == "distributed"
+                                              for p in (planned.plan_a, planned.plan_b))
+    if distributed and ch.verdict:
+        raise TracerError("--verdict re-runs the scenario in this process; it does not combine with "
+                          "--tp-mode distributed (use --tp-mode simulated)")
     if loaded is None and m.device_map is None and m.device not in (None, "cpu"):
         from tracer.load.devices import resolve_device
 
@@ -467,8 +473,7 @@ def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: boo
 
         higher_dtypes(canonical(m.dtype) if loaded is None else loaded.info.dtype,
                       resolve_device(m.device) if loaded is None else loaded.info.device)
-    if planned is not None and any(p.tp is not None and p.tp.mode == "distributed"
-                                   for p in (planned.plan_a, planned.plan_b)):
+    if distributed:
         from tracer.execute.tp_dist import check_distributed
 
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,

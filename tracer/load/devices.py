@@ -16,7 +16,7 @@ import torch
 
 from tracer import dtypes
 from tracer.errors import TracerError
-from tracer.load.preflight import ATTN_IMPLEMENTATIONS, attn_choices, check_attn  # noqa: F401 - re-exported
+from tracer.load.preflight import AUTO_MAPS, ATTN_IMPLEMENTATIONS, attn_choices, check_attn  # noqa: F401 - re-exported
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -104,7 +104,7 @@ def model_device(model: Any) -> torch.device:
             return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     return emb.weight.device
 
-_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+_AUTO_MAPS = AUTO_MAPS
 
 
 def parse_device_map(device_map: str | dict[str, Any]) -> str | dict[str, str]:

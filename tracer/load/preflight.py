@@ -135,3 +135,40 @@ def check_attn(name: str) -> str:
         hint = "" if name != "flash_attention_2" else " (flash_attention_2 needs 'pip install flash-attn')"
         raise TracerError(f"unknown attention implementation {name!r}{hint}; valid: {', '.join(choices)}")
     return name
+
+
+#: the device maps accelerate computes itself (``--device-map auto``)
+AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def check_device_map(device_map: object, max_memory: object, device: str | None) -> None:
+    """Refuse a ``--device-map``/``--max-memory`` that cannot be right whatever the machine: both
+    ``--device`` and a map, a budget without an automatic map, a map that is neither a known name nor
+    a JSON object, a budget entry that is not DEVICE=SIZE (devices and sizes are checked at load).
+
+    Raises:
+        TracerError: one line naming the fix.
+    """
+    import json
+
+    if device_map is None:
+        if max_memory is not None:
+            raise TracerError("--max-memory applies only with --device-map auto|balanced|sequential; add --device-map auto")
+        return
+    if device is not None:
+        raise TracerError("give either --device or --device-map, not both (the map names the devices)")
+    if isinstance(device_map, str) and device_map.strip() not in AUTO_MAPS:
+        try:
+            device_map = json.loads(device_map)
+        except ValueError:
+            raise TracerError(f"--device-map {device_map!r} is neither {', '.join(AUTO_MAPS)} nor a JSON object "
+                              '{"module.path": "cuda:0" | "cpu" | "disk"}') from None
+        if not isinstance(device_map, dict) or not device_map:
+            raise TracerError('--device-map must be auto, balanced, sequential or a JSON object {"module.path": "cuda:0"}')
+    for part in filter(None, (p.strip() for p in max_memory.split(","))) if isinstance(max_memory, str) else ():
+        key, sep, value = part.partition("=")
+        key = key.strip().removeprefix("cuda:")
+        if not sep or not value.strip() or not (key.isdigit() or key in ("cpu", "disk")):
+            raise TracerError(f"--max-memory entry {part!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB")
+        if not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B|B)?", value.strip(), flags=re.IGNORECASE):
+            raise TracerError(f"--max-memory size {value.strip()!r} is not a size like 600MiB or 20GiB")
