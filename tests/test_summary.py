@@ -183,7 +183,10 @@ def test_audit_skip_reasons_name_only_audit_options():
     from tracer.loops.audit import AUDIT_FLAGS as AUDIT_OPTIONS, skip_hint
     from tracer.plan.scenarios import build
 
-    assert set(AUDIT_OPTIONS) == {o for o in _run_options("audit") if o.startswith("-")} - {"--help"}
+    cmd = typer.main.get_command(__import__("tracer.cli", fromlist=["app"]).app).commands["audit"]
+    run_options = __import__("tracer.config", fromlist=["x"]).COMMAND_OPTIONS["audit"]
+    assert set(AUDIT_OPTIONS) == {o for p in cmd.params if p.name in run_options and p.name != "model"
+                                  for o in (*p.opts, *p.secondary_opts)}
     with pytest.raises(Exception) as e:
         build("prefix-cache", 10)  # 10 tokens: no full 16-token block to cache
     raw = str(e.value)

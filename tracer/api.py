@@ -12,7 +12,8 @@
 
 Every option of :func:`run`, :func:`audit` and :func:`sweep` is declared once in
 :data:`tracer.config.OPTIONS`; their signatures are built from it (``inspect.signature`` and tab
-completion show every keyword). Importing this module loads neither torch nor transformers.
+completion show every keyword), and the ``tracer`` command's options from these functions
+(:mod:`tracer.cli`). Importing this module loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -20,19 +21,13 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from tracer.config import OPTIONS, RunConfig, validate
+from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, validate
 from tracer.errors import TracerError
 
-#: the flat options of each command (audit and sweep take no per-run scenario choice of their own)
+#: the run options each command takes (:data:`tracer.config.COMMAND_OPTIONS`)
+RUN_OPTIONS, AUDIT_OPTIONS, SWEEP_OPTIONS, BENCH_OPTIONS, COMPARE_OPTIONS = (
+    COMMAND_OPTIONS[k] for k in ("run", "audit", "sweep", "bench", "compare"))
 _MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
-_PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "length")
-RUN_OPTIONS = tuple(OPTIONS)
-#: the audit's checks fix padding, reduce order and dtype, KV formats and devices themselves
-AUDIT_OPTIONS = (*_MODEL, *_PROMPT, "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
-                 "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b")
-SWEEP_OPTIONS = (*(k for k in _MODEL if k not in ("device_map", "max_memory")), *(k for k in _PROMPT if k != "length"),
-                 "scenario", "mitigation", "granularity", "kv_cache", "store", "output", "overwrite",
-                 *(k for k, o in OPTIONS.items() if o.group == "scenario_options"))
 
 
 def _quiet(msg: str) -> None:
@@ -48,7 +43,9 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
     """The validated config and the loaded model to reuse (``model`` may itself be a LoadedModel)."""
     lm = model if _is_loaded(model) else loaded
     if lm is not None:
-        clash = _loaded_clash(lm.info, options)
+        from tracer.load.devices import loaded_clash
+
+        clash = loaded_clash(lm.info, options)
         if clash:
             raise TracerError(f"{clash} does not match the already loaded model; load it with "
                               "tracer.load_model(..., dtype=..., device=...) instead")
@@ -56,29 +53,6 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
     name = lm.info.name if lm is not None else model
     cfg = RunConfig.from_options(allowed=allowed, model=name, check_scenario=check_scenario, **options)
     return validate(cfg, lm, new_output=new_output, one_length=one_length), lm
-
-
-def _loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
-    """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
-    from tracer.load.devices import dtype_name, resolve_device, resolve_dtype
-
-    for key in ("gguf", "device_map", "max_memory"):
-        if options.get(key) is not None:
-            return f"{key}={options[key]!r}"
-    if options.get("dtype") is not None and dtype_name(resolve_dtype(options["dtype"])) != info.dtype:
-        return f"dtype={options['dtype']!r} (the model is {info.dtype})"
-    if options.get("device") is not None and not _same_device(resolve_device(options["device"]), info.device):
-        return f"device={options['device']!r} (the model is on {info.device})"
-    if options.get("attn") is not None and options["attn"] != info.attn_implementation:
-        return f"attn={options['attn']!r} (the model uses {info.attn_implementation})"
-    return None
-
-
-def _same_device(a: str, b: str) -> bool:
-    import torch
-
-    da, db = torch.device(a), torch.device(b)
-    return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
 def _asked_store(options: dict[str, Any]) -> dict[str, Any]:
@@ -174,7 +148,9 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
     """
     from tracer.execute.capture import Captured
 
-    return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
+    cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
+    cap.model_name = model.info.name if _is_loaded(model) else getattr(getattr(model, "config", None), "name_or_path", None)
+    return cap
 
 
 def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = None,
@@ -199,96 +175,99 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_records, compare_runs
 
-    if _is_ref(a) and _is_ref(b):
+    from tracer.diff.refs import as_record, is_ref, stored_ref
+
+    if is_ref(a) and is_ref(b):
         dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None
         if dump is not None:  # an HF reference run against an engine dump
             return compare_dump(dump[0], dump[1], atol=atol, rtol=rtol, device=device)
-        return compare_runs(_ref(a, 0), _ref(b, 1), atol=atol, rtol=rtol, device=device)
-    rec_a, rec_b = _record(a, "A", 0), _record(b, "B", 1)
-    return compare_records(rec_a, rec_b, scenario="capture", model="model", atol=atol, rtol=rtol)
-
-
-def _is_ref(x: Any) -> bool:
-    return isinstance(x, (str, tuple)) or hasattr(x, "__fspath__")
-
-
-def _ref(x: Any, side: int) -> tuple[str, str | None]:
-    from tracer.diff.refs import split_ref
-
-    if isinstance(x, tuple):
-        return str(x[0]), x[1]
-    path, run = split_ref(str(x))
-    if run is None:
-        from tracer.store.trace import TraceReader
-
-        with TraceReader(path) as r:
-            if len(r.runs) <= side:
-                raise TracerError(f"{path} holds {len(r.runs)} run(s); name the run as {path}:RUN")
-            run = r.runs[side]
-    return path, run
-
-
-def _record(x: Any, name: str, side: int) -> Any:
-    """A RunRecord of a capture, a run record, or a stored run (read whole)."""
-    from tracer.execute.capture import Captured
-    from tracer.execute.records import RunRecord
-
-    if isinstance(x, Captured):
-        return x.run_record(name)
-    if isinstance(x, RunRecord):
-        return x
-    if _is_ref(x):
-        from tracer.store.trace import TraceReader
-
-        path, run = _ref(x, side)
-        with TraceReader(path) as r:
-            return r.run(run)
-    raise TracerError(f"cannot compare a {type(x).__name__}; give a tracer.capture(...), a RunRecord or 'file.h5:RUN'")
+        return compare_runs(stored_ref(a, 0), stored_ref(b, 1), atol=atol, rtol=rtol, device=device)
+    rec_a, rec_b = as_record(a, "A", 0), as_record(b, "B", 1)
+    model = getattr(a, "model_name", None) or getattr(b, "model_name", None) or "model"
+    facts = {"n_tokens": max(len(rec_a.token_ids), len(rec_b.token_ids)), "plan_a": rec_a.plan.get("description"),
+             "plan_b": rec_b.plan.get("description")}
+    return compare_records(rec_a, rec_b, scenario="capture", model=model, atol=atol, rtol=rtol, facts=facts)
 
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  device: str | None = None, reference: str | None = None) -> Any:
-    """Compare two runs of a stored trace (default: its first two), or an HF reference run with an
-    engine dump: ``compare_trace("REF.h5:A", DUMP)`` where DUMP is an SGLang dumper folder, a
-    ``PassN.pt`` folder, a ``.safetensors``/``.npz`` file or a trace written by :func:`import_dump`
-    (``engine_map``: a TOML map merged over the built-in one; :func:`tracer.diff.compare_dump.compare_dump`),
-    or two engine dumps against each other: ``compare_trace(DUMP_A, DUMP_B, reference="REF.h5:RUN")``
-    (a rollout engine's dump against a trainer's, both mapped onto the reference run's HF names and
-    token ids; the RL metrics in ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`).
+                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Any:
+    """Compare two stored runs (no model needed): ``path`` alone (its first two runs), ``path run_a
+    [run_b]`` (runs of one trace), ``path[:RUN] TRACE2[:RUN]`` (a run of each of two traces, e.g.
+    from two machines; a file without :RUN uses the other side's run name, else its first run),
+    ``path[:RUN] DUMP``: an HF reference run against an engine dump, or ``DUMP_A DUMP_B`` with
+    ``reference``: two engine dumps against each other (a rollout engine's dump against a
+    trainer's, both mapped onto the reference run's HF names and token ids; the RL metrics in
+    ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`). A ``--store
+    auto`` trace that dropped tensors gives the comparison it stored at run time (unless a
+    tolerance is asked).
+
+    Args:
+        path: an HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN; or, with
+            --reference, the first engine dump (the rollout's).
+        run_a: the first run (default: the first in the file), or a second trace FILE2[:RUN], or an
+            engine dump (SGLang dumper folder, PassN.pt folder, .safetensors/.npz, or a trace
+            written by 'tracer import'); with --reference, the second engine dump (the trainer's).
+        run_b: the second run (default: the second).
+        engine_map: engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the
+            built-in one; for a DUMP argument.
+        device: where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).
+        reference: REF.h5[:RUN], an HF reference run whose names, shapes and token ids both engine
+            dumps are mapped onto (two dumps against each other: DUMP_A DUMP_B --reference REF.h5:RUN).
+
+    Returns:
+        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
 
     Raises:
-        TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device.
+        TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
+            tolerances or ``fail_on``.
     """
-    from tracer.diff.compare_dump import compare_dump, dump_side
-    from tracer.diff.compare import compare_trace as _ct
+    from dataclasses import replace
 
+    from tracer.diff.compare import compare_runs
+    from tracer.diff.compare_dump import compare_dump, dump_side
+    from tracer.diff.refs import resolve_refs, split_ref
+    from tracer.diff.result import check_fail_on
+
+    check_fail_on(fail_on, atol, rtol)
     if reference is not None:
         from tracer.diff.compare_dumps import compare_dumps
-        from tracer.diff.refs import split_ref
 
         if run_a is None or run_b is not None:
-            raise TracerError("reference= compares two engine dumps: compare_trace(DUMP_A, DUMP_B, reference='REF.h5:RUN')")
-        return compare_dumps(str(path), str(run_a), split_ref(str(reference)), engine_map=engine_map, atol=atol,
-                             rtol=rtol, device=device)
-    dump = dump_side([str(path), str(run_a)]) if run_a is not None and run_b is None else None
+            raise TracerError("--reference compares two engine dumps: tracer compare DUMP_A DUMP_B --reference REF.h5:RUN")
+        comparison = compare_dumps(str(path), str(run_a), split_ref(str(reference)), engine_map=engine_map, atol=atol,
+                                   rtol=rtol, device=device)
+        return replace(comparison, fail_on=fail_on)
+    refs = [str(x) for x in (path, run_a, run_b) if x is not None]
+    dump = dump_side(refs)
     if dump is not None:
-        return compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
-    if engine_map is not None:
-        raise TracerError("engine_map applies to an engine dump: compare_trace('REF.h5:RUN', DUMP, engine_map=...)")
-    if atol is None and rtol is None:  # a --store auto trace without some tensors: its run-time comparison
+        comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+    elif engine_map is not None:
+        raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
+    else:
         from tracer.diff.stored import auto_comparison
 
-        stored = auto_comparison(path, run_a, run_b)
-        if stored is not None:
-            return stored
-    return _ct(path, run_a, run_b, atol=atol, rtol=rtol, device=device)
+        (pa, ra), (pb, rb) = resolve_refs(refs)
+        # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
+        stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
+        comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+    return replace(comparison, fail_on=fail_on)
 
 
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
                 overwrite: bool = False, run_name: str = "engine") -> Any:
-    """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
-    (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.execute.enginemap.MappedDump`).
+    """Map an engine dump onto an HF reference run's capture points and write it as a one-run trace
+    (compare it with ``tracer compare REF.h5:RUN OUTPUT``; :func:`tracer.diff.compare_dump.import_dump`;
+    returns its :class:`~tracer.execute.enginemap.MappedDump`).
+
+    Args:
+        dump: an engine dump: SGLang dumper folder, PassN.pt folder (per-rank sub-folders), or
+            .safetensors/.npz of named tensors.
+        reference: the HF reference run TRACE[:RUN] whose names, shapes and token ids the dump is mapped onto.
+        output: the trace to write (one run, HF capture names).
+        engine_map: engine dump map (TOML) merged over the built-in one.
+        overwrite: replace an existing output file.
+        run_name: name of the imported run.
 
     Raises:
         TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
@@ -333,16 +312,19 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
 
     Args:
         model: a model name or a loaded model.
-        levels: ``"0,1,2"`` or a list of levels (default: all).
-        mitigations: re-run diverging checks under each applicable mitigation.
+        levels: levels to run, e.g. 0,1,2 or a list (default: all, 0-7).
+        mitigations: re-run diverging levels under each applicable mitigation.
+        output: trace file for all runs (default traces/<model>-audit.h5); finished checks are kept
+            in OUTPUT.checks/ while it runs, so re-running with the same options resumes an
+            interrupted audit.
+        kernels: record which kernels each capture point ran in every run (stored in the trace and
+            in each stored comparison).
         progress: the plan (each check's cost), one line per finished check and an ETA on stderr:
             True or ``"auto"`` (a bar in a terminal, lines otherwise), ``"lines"``, or False (nothing).
         on_check: called as ``on_check(label, done, total)`` before each check.
         on_row: called with each finished :class:`~tracer.loops.audit.AuditRow`.
         options: model, prompt, capture and store options, and scenario options applied to every
-            check that uses them (listed below); ``store=False`` keeps everything in memory; with
-            an ``output``, every finished check is kept and an interrupted audit with the same
-            output resumes (:mod:`tracer.loops.audit_store`).
+            check that uses them (listed below); ``store=False`` keeps everything in memory.
 
     Returns:
         an :class:`~tracer.loops.audit.Audit` (the hierarchy table as data).
@@ -357,19 +339,24 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
                   on_row=on_row)
 
 
-def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
-          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
-          on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
+def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512",
+          block_sizes: str | list[int] | None = None, keep_tensors: bool = False, loaded: Any = None,
+          progress: bool | str = True, on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
     """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
 
     Args:
         model: a model name or a loaded model.
-        lengths: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"`` or a list of ints.
-        block_sizes: KV block sizes, same syntax, or a list.
-        keep_tensors: also store both runs' captured tensors of every point (large).
+        lengths: prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma
+            lists (64,128) or both; or a list of ints.
+        block_sizes: several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as
+            lengths) or a list; excludes block_size (default: 16).
+        keep_tensors: also store every point's captured tensors (large).
+        output: the sweep file (default traces/sweep-<model>-<scenario>.h5); an unfinished one with
+            the same parameters is resumed.
+        overwrite: start over, replacing an existing output.
+        scenario: the scenario run at every point (default prefix-cache).
         on_point: called with each finished :class:`~tracer.loops.sweep.SweepRow`.
-        options: listed below; ``store=False`` keeps everything in memory, ``output`` is the sweep
-            file (an unfinished one with the same parameters is resumed).
+        options: listed below; ``store=False`` keeps everything in memory.
 
     Returns:
         a :class:`~tracer.loops.sweep.SweepResult`.
@@ -377,8 +364,9 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", b
     Raises:
         TracerError: bad axes, a prompt too short, a file of other parameters, every bad run option.
     """
-    from tracer.loops.sweep import sweep as _sweep
+    from tracer.loops.sweep import block_axis, sweep as _sweep
 
+    block_sizes = block_axis(block_sizes, options.pop("block_size", None))
     cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **_asked_store(options))
     return _sweep(cfg, lengths=lengths, block_sizes=block_sizes, keep_tensors=keep_tensors, loaded=lm,
                   progress=progress, on_point=on_point)
@@ -402,66 +390,104 @@ def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
     Raises:
         TracerError: unknown kind for this object, matplotlib missing.
     """
-    from tracer.report.plot import figure_for
+    from tracer.report.plot import figure_of
 
-    if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__"):
-        from tracer.store.sweepfile import is_sweep_file, read_sweep as _rs
-
-        if is_sweep_file(obj):
-            return figure_for(kind or "sweep", sweep=_rs(str(obj)), **kwargs)
-        return figure_for(kind or "amplification", trace=str(obj), **kwargs)
-    if hasattr(obj, "rows") and hasattr(obj, "params"):  # a SweepResult
-        return figure_for(kind or "sweep", sweep=obj, **kwargs)
-    if hasattr(obj, "comparison"):  # a RunResult
-        return obj.plot(kind or "amplification", **kwargs)
-    return figure_for(kind or "amplification", comparison=obj, trace=obj.trace, run_names=(obj.run_a, obj.run_b),
-                      **kwargs)
+    return figure_of(obj, kind, **kwargs)
 
 
-def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
-              overwrite: bool = False, layers: list[str] | None = None, run_a: str | None = None,
-              run_b: str | None = None) -> Any:
-    """``tracer plot``: draw ``kind`` from a trace or sweep file and save it.
+def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwrite: bool = False,
+              layers: str | list[str] | None = None, run_a: str | None = None, run_b: str | None = None) -> Any:
+    """Draw a figure from a stored trace or sweep file and save it (no model needed; returns its path).
 
-    Default kind: ``sweep`` for a sweep file, ``amplification`` for a trace. Default output:
-    ``<input stem>-<kind>.png`` beside the input.
+    Args:
+        path: a trace (tracer run) or a sweep file (tracer sweep).
+        kind: the figure: amplification, heatmap, ulp (traces) or sweep (sweep files); default:
+            amplification or sweep.
+        output: figure file: .png, .svg or .pdf (default: beside the input, <name>-<kind>.png).
+        overwrite: replace an existing output.
+        layers: with kind ulp: capture points to show, comma-separated names or indices (default:
+            first divergent, middle, last, logits).
+        run_a, run_b: the runs to draw, recomputed from their tensors (default: the trace's stored
+            comparison of its first two runs).
 
     Raises:
         TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
     """
-    from tracer.diff.compare import compare_trace
-    from tracer.diff.stored import stored_comparison
-    from tracer.report.plot import (KINDS, check_figure_path, figure_for, heatmap_figure, position_diffs_trace,
-                                    save_figure, sweep_figure)
-    from tracer.store.sweepfile import is_sweep_file, read_sweep
+    from tracer.report.plot import plot_file as _pf
 
-    from pathlib import Path
+    return _pf(path, kind=kind, output=output, overwrite=overwrite, layers=layers, run_a=run_a, run_b=run_b)
 
-    from tracer.files import check_input_file
 
-    src = Path(path)
-    if not src.exists():
-        raise TracerError(f"file {src} not found; pass a trace or sweep file")
-    check_input_file(src, "input file")  # a FIFO or device would block the read
-    if kind is not None and kind not in KINDS:
-        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
-    is_sweep = is_sweep_file(src)
-    kind = kind or ("sweep" if is_sweep else "amplification")
-    if is_sweep != (kind == "sweep"):
-        raise TracerError(f"--kind {kind} needs a {'sweep file' if kind == 'sweep' else 'trace'}, "
-                          f"but {src} is a {'sweep file' if is_sweep else 'trace'}; "
-                          f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
-    out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
-    if is_sweep:
-        return save_figure(sweep_figure(read_sweep(src)), out, overwrite=overwrite)
-    stored = stored_comparison(src) if run_a is None and run_b is None else None
-    if stored is not None and (kind != "heatmap" or stored.per_position):  # drawn from the stored numbers
-        fig = figure_for(kind, comparison=stored, layers=layers)
-    elif kind == "heatmap":  # a trace written before comparisons were stored with it: from its tensors
-        fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
-    else:
-        fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
-    return save_figure(fig, out, overwrite=overwrite)
+def report_file(path: Any, *, output: Any = None, overwrite: bool = False, device: str | None = None) -> Any:
+    """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit
+    matrix or sweep map) from a stored trace or sweep file: no model needed, nothing recomputed.
+    Returns the report's path.
+
+    Args:
+        path: a trace (tracer run / audit) or a sweep file (tracer sweep).
+        output: the .html file (default: beside the input, <name>.html).
+        overwrite: replace an existing output.
+        device: only for traces without a stored comparison: where to compare (cpu, cuda).
+
+    Raises:
+        TracerError: missing or corrupt file, an existing output without ``overwrite``.
+    """
+    from tracer.report.pages import write_report_file
+
+    return write_report_file(path, output, overwrite=overwrite, device=device)
+
+
+def trace_info(path: Any) -> dict[str, Any]:
+    """A trace's header (the numeric contract), its runs and stored comparisons, as data (``tracer show``).
+
+    Args:
+        path: an HDF5 trace written by 'tracer run'.
+
+    Raises:
+        TracerError: missing, incomplete or corrupt file.
+    """
+    from tracer.store.trace import describe
+
+    return describe(path)
+
+
+def models() -> list[dict[str, str]]:
+    """The built-in models: ``[{"name", "kind", "description"}]`` (``tracer models``)."""
+    from tracer.load.recipes import list_models
+
+    return list_models()
+
+
+def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
+          gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int = 16,
+          reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
+          progress: Callable[[str], None] | None = None) -> Any:
+    """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
+    side with peers doing the same comparison (:mod:`tracer.loops.bench`).
+
+    Args:
+        length: prompt length N in tokens.
+        reps: measured repetitions of each mode.
+        warmup: unmeasured repetitions first.
+        outdir: folder for the trace and raw I/O files (default: a temp dir).
+        peers: also measure the peers in the same loop: HF output_hidden_states, forward hooks +
+            .cpu(), nnsight .save() (if installed), each checked to count the same differing
+            elements per layer as tracer.
+        progress: called with one line per repetition.
+
+    Returns:
+        a :class:`~tracer.loops.bench.BenchResult`.
+
+    Raises:
+        TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not tracer's.
+    """
+    from tracer.loops.bench import bench as _bench
+
+    if reps < 1 or warmup < 0:
+        raise TracerError("--reps must be ≥ 1 and --warmup ≥ 0")
+    return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
+                  kv_cache=kv_cache, block_size=block_size, reps=reps, warmup=warmup, outdir=outdir, peers=peers,
+                  progress=progress)
 
 
 def to_pandas(obj: Any) -> Any:
@@ -504,4 +530,5 @@ audit = _signature(audit, tuple(k for k in AUDIT_OPTIONS if k != "model"))
 sweep = _signature(sweep, tuple(k for k in SWEEP_OPTIONS if k != "model"))
 
 __all__ = ["load_model", "run", "capture", "compare", "compare_trace", "import_dump", "write_sglang_dump",
-           "read_trace", "audit", "sweep", "read_sweep", "plot", "plot_file", "render", "to_pandas"]
+           "read_trace", "audit", "sweep", "read_sweep", "plot", "plot_file", "report_file", "trace_info", "models",
+           "bench", "render", "to_pandas"]

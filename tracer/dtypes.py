@@ -9,54 +9,95 @@ Loading, the trace store, the metrics and the plots all read this table.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
-import torch
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class FloatType:
-    """One floating-point dtype.
+    """One floating-point dtype. The table is read without importing torch or numpy (a command-line
+    dtype is checked before either loads); the torch and numpy dtypes resolve on first use.
 
     Attributes:
         name: canonical name (``bfloat16``), as in traces and on the command line.
+        bits: width in bits.
+        mantissa_bits: explicit mantissa bits p (bf16: 7).
+        emin: exponent of the smallest normal number (bf16: -126).
         torch: the ``torch.dtype``.
         int_view: signed integer dtype of the same width (bit patterns, ULP distances).
         stored: numpy dtype of the on-disk dataset (``uint16`` for the 16-bit floats).
-        mantissa_bits: explicit mantissa bits p (bf16: 7).
-        emin: exponent of the smallest normal number (bf16: -126).
     """
 
     name: str
-    torch: torch.dtype
-    int_view: torch.dtype
-    stored: type
+    bits: int
     mantissa_bits: int
     emin: int
+
+    @cached_property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.name)
+
+    @cached_property
+    def int_view(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, f"int{self.bits}")
+
+    @cached_property
+    def stored(self) -> type:
+        import numpy as np
+
+        return np.uint16 if self.raw16 else getattr(np, self.name)
 
     @property
     def raw16(self) -> bool:
         """Stored as 16-bit patterns (numpy has no bfloat16)."""
-        return self.stored is np.uint16
+        return self.bits == 16
 
 
 FLOATS: dict[str, FloatType] = {f.name: f for f in (
-    FloatType("bfloat16", torch.bfloat16, torch.int16, np.uint16, 7, -126),
-    FloatType("float16", torch.float16, torch.int16, np.uint16, 10, -14),
-    FloatType("float32", torch.float32, torch.int32, np.float32, 23, -126),
-    FloatType("float64", torch.float64, torch.int64, np.float64, 52, -1022),
+    FloatType("bfloat16", 16, 7, -126),
+    FloatType("float16", 16, 10, -14),
+    FloatType("float32", 32, 23, -126),
+    FloatType("float64", 64, 52, -1022),
 )}
-#: ``torch.dtype`` → its entry
-BY_TORCH: dict[torch.dtype, FloatType] = {f.torch: f for f in FLOATS.values()}
-#: canonical name → ``torch.dtype``
-DTYPES: dict[str, torch.dtype] = {n: f.torch for n, f in FLOATS.items()}
-#: ``torch.dtype`` → signed integer dtype of the same width
-INT_VIEW: dict[torch.dtype, torch.dtype] = {f.torch: f.int_view for f in FLOATS.values()}
 ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
            "float": "float32", "fp64": "float64", "double": "float64"}
 SUPPORTED = "bfloat16, float16, float32 or float64"
+
+
+def __getattr__(name: str) -> Any:
+    """The torch-keyed views of the table, built on first use: ``BY_TORCH`` (``torch.dtype`` → its
+    entry), ``DTYPES`` (canonical name → ``torch.dtype``), ``INT_VIEW`` (``torch.dtype`` → signed
+    integer dtype of the same width)."""
+    views = {"BY_TORCH": lambda: {f.torch: f for f in FLOATS.values()},
+             "DTYPES": lambda: {n: f.torch for n, f in FLOATS.items()},
+             "INT_VIEW": lambda: {f.torch: f.int_view for f in FLOATS.values()}}
+    if name not in views:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = views[name]()
+    globals()[name] = value
+    return value
+
+
+def canonical(name: str) -> str:
+    """``"bf16"``/``"BFloat16"``/``"torch.bfloat16"`` → ``"bfloat16"`` (no torch import).
+
+    Raises:
+        TracerError: unknown name, listing the valid ones.
+    """
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = ALIASES.get(key, key)
+    if key not in FLOATS:
+        raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}")
+    return key
 
 
 def resolve(name: str | torch.dtype) -> torch.dtype:
@@ -65,15 +106,13 @@ def resolve(name: str | torch.dtype) -> torch.dtype:
     Raises:
         TracerError: unknown name, listing the valid ones.
     """
+    import torch
+
     if isinstance(name, torch.dtype):
-        if name in BY_TORCH:
+        if any(name == f.torch for f in FLOATS.values()):
             return name
         name = str(name)
-    key = str(name).strip().lower().removeprefix("torch.")
-    key = ALIASES.get(key, key)
-    if key not in FLOATS:
-        raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}")
-    return FLOATS[key].torch
+    return FLOATS[canonical(name)].torch
 
 
 def name_of(dtype: torch.dtype) -> str:

@@ -431,6 +431,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     Raises:
         TracerError: every bad input found while loading, tokenizing, planning or running.
     """
+    from tracer.load.prompts import prompt_file_note
     from tracer.store.trace import default_output
 
     from tracer.execute.engines import execute_plan
@@ -461,6 +462,9 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
         if writer is not None:
             say(f"writing {out}")
     comparison = _replace(outcome.comparison, fail_on=ch.fail_on)
+    note = prompt_file_note(cfg.prompt.prompt)
+    if note is not None:  # --prompt prompt.txt traces the name: said under the table and in the JSON
+        comparison = _replace(comparison, facts={**comparison.facts, "notes": [*comparison.facts.get("notes", []), note]})
     if comparison.rl is not None and scen.params.get("mitigations"):  # which knob closes the gap
         from tracer.diff.rl import mitigation_table
         from tracer.plan.rollout import mitigation_variants

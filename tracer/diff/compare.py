@@ -15,7 +15,7 @@ import torch
 
 from tracer.diff.batch import DiffBatch
 from tracer.diff.facts import run_facts
-from tracer.store.environment import version_differences
+from tracer.store.environment import isa_differences, version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
@@ -331,6 +331,10 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
             facts["versions_differ"] = version_differences(header, hb)
             facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
+            facts["isa_differs"] = isa_differences(header, hb)
+            if facts["isa_differs"]:
+                facts["notes"].append("likely cause: the instruction sets differ (" + "; ".join(facts["isa_differs"])
+                                      + "); the kernels dispatch on them, so the two machines may compute other bits")
             facts["contract_differs"] = contract_differences(header, hb)
             if facts["contract_differs"]:
                 facts["notes"].append("warning: the numeric contract differs: " + "; ".join(facts["contract_differs"]))

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tracer.errors import TracerError
 
 
@@ -51,3 +53,49 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
         raise TracerError("give at most two run names: TRACE RUN_A RUN_B or TRACE:RUN_A TRACE2:RUN_B")
     runs += [None] * (2 - len(runs))
     return (first[0], runs[0]), (first[0], runs[1])
+
+
+def is_ref(x: Any) -> bool:
+    """``x`` names a stored run: ``"file.h5[:RUN]"``, a path, or ``(file, run)``."""
+    return isinstance(x, (str, tuple)) or hasattr(x, "__fspath__")
+
+
+def stored_ref(x: Any, side: int) -> tuple[str, str]:
+    """``(file, run)`` of a reference; a file without a run: its first run (``side`` 0) or second (1).
+
+    Raises:
+        TracerError: the file holds too few runs.
+    """
+    if isinstance(x, tuple):
+        return str(x[0]), x[1]
+    path, run = split_ref(str(x))
+    if run is None:
+        from tracer.store.trace import TraceReader
+
+        with TraceReader(path) as r:
+            if len(r.runs) <= side:
+                raise TracerError(f"{path} holds {len(r.runs)} run(s); name the run as {path}:RUN")
+            run = r.runs[side]
+    return path, run
+
+
+def as_record(x: Any, name: str, side: int) -> Any:
+    """A RunRecord of a capture, a run record, or a stored run (read whole).
+
+    Raises:
+        TracerError: anything else.
+    """
+    from tracer.execute.capture import Captured
+    from tracer.execute.records import RunRecord
+
+    if isinstance(x, Captured):
+        return x.run_record(name)
+    if isinstance(x, RunRecord):
+        return x
+    if is_ref(x):
+        from tracer.store.trace import TraceReader
+
+        path, run = stored_ref(x, side)
+        with TraceReader(path) as r:
+            return r.run(run)
+    raise TracerError(f"cannot compare a {type(x).__name__}; give a tracer.capture(...), a RunRecord or 'file.h5:RUN'")

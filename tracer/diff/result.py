@@ -24,9 +24,8 @@ from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind, point_kind
+from tracer.plan.checks import FAIL_ON, check_fail_on  # noqa: F401 - re-exported
 
-#: the rules of ``--fail-on`` (None: report only)
-FAIL_ON = ("any", "flip", "tolerance")
 #: how a difference of NaN payloads alone (NaN at the same elements in both runs) is reported
 NAN_PAYLOAD = "NaN in both runs (payload differs)"
 
@@ -307,20 +306,6 @@ class Comparison(schema.Record):
                  else f for f in lg["flips"]]
         return {**doc, "logits": {**lg, "flips": flips}}
 
-
-def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:
-    """Validate ``--fail-on`` and the tolerances (before any model is loaded).
-
-    Raises:
-        TracerError: unknown rule, negative/NaN tolerance, or ``tolerance`` without atol/rtol.
-    """
-    if fail_on is not None and fail_on not in FAIL_ON:
-        raise TracerError(f"unknown --fail-on '{fail_on}'; use one of: {', '.join(FAIL_ON)}")
-    for opt, v in (("--atol", atol), ("--rtol", rtol)):
-        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-            raise TracerError(f"{opt} {v} is not a finite number >= 0; give e.g. {opt} 1e-3")
-    if fail_on == "tolerance" and atol is None and rtol is None:
-        raise TracerError("--fail-on tolerance needs --atol and/or --rtol (e.g. --atol 1e-2)")
 
 def _window_call(calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any] | None:
     """The (last) forward call that computed positions of the compared window."""

@@ -10,6 +10,9 @@ import enum
 
 from tracer.errors import TracerError
 
+#: what ``tracer.capture`` and ``--granularity`` capture: the residual stream, or every sublayer too
+GRANULARITIES = ("layers", "sublayers")
+
 
 class PointKind(enum.StrEnum):
     """The kind of a capture point (``CaptureRecord.kind``, ``PointResult.kind``)."""

@@ -16,9 +16,9 @@ from typing import Any, Callable
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import GRANULARITIES  # noqa: F401 - re-exported
 from tracer.execute.family import VIRTUAL_ROLES, Family, family_for
 
-GRANULARITIES = ("layers", "sublayers")
 
 
 @dataclass(frozen=True)

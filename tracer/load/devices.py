@@ -6,7 +6,6 @@ The option checks here are cheap and run before any model loads (the CLI and
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,12 +16,7 @@ import torch
 
 from tracer import dtypes
 from tracer.errors import TracerError
-
-#: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
-
-
-#: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+from tracer.load.preflight import AUTO_MAPS, ATTN_IMPLEMENTATIONS, attn_choices, check_attn  # noqa: F401 - re-exported
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -71,27 +65,6 @@ def resolve_device(name: str | None) -> str:
     raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps")
 
 
-def _attn_choices() -> tuple[str, ...]:
-    if importlib.util.find_spec("flash_attn") is not None:
-        return (*ATTN_IMPLEMENTATIONS, "flash_attention_2")
-    return ATTN_IMPLEMENTATIONS
-
-
-def check_attn(name: str) -> str:
-    """Validate an attention implementation name; returns it.
-
-    ``sdpa`` and ``eager`` always; ``flash_attention_2`` only when ``flash_attn`` is importable.
-
-    Raises:
-        TracerError: unknown or unavailable implementation, listing the valid ones.
-    """
-    choices = _attn_choices()
-    if name not in choices:
-        hint = "" if name != "flash_attention_2" else " (flash_attention_2 needs 'pip install flash-attn')"
-        raise TracerError(f"unknown attention implementation {name!r}{hint}; valid: {', '.join(choices)}")
-    return name
-
-
 def dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
     """``dtype=`` for transformers ≥ 4.56, ``torch_dtype=`` before."""
     import transformers
@@ -131,7 +104,7 @@ def model_device(model: Any) -> torch.device:
             return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     return emb.weight.device
 
-_AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+_AUTO_MAPS = AUTO_MAPS
 
 
 def parse_device_map(device_map: str | dict[str, Any]) -> str | dict[str, str]:
@@ -220,3 +193,23 @@ def dispatch(model: Any, device_map: str | dict[str, str], max_memory: dict[Any,
         raise TracerError(f"--device-map could not be applied ({msg[:160]}); the map must place every "
                           "module of the model, e.g. --device-map auto") from None
     return dict(device_map)
+
+
+def loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
+    """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
+    for key in ("gguf", "device_map", "max_memory"):
+        if options.get(key) is not None:
+            return f"{key}={options[key]!r}"
+    if options.get("dtype") is not None and dtype_name(resolve_dtype(options["dtype"])) != info.dtype:
+        return f"dtype={options['dtype']!r} (the model is {info.dtype})"
+    if options.get("device") is not None and not same_device(resolve_device(options["device"]), info.device):
+        return f"device={options['device']!r} (the model is on {info.device})"
+    if options.get("attn") is not None and options["attn"] != info.attn_implementation:
+        return f"attn={options['attn']!r} (the model uses {info.attn_implementation})"
+    return None
+
+
+def same_device(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one device (``cuda`` = ``cuda:0``)."""
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)

@@ -45,6 +45,16 @@ def check_prompt_sources(prompt: str | None = None, prompt_file: str | None = No
         raise TracerError("give only one of --prompt, --prompt-file, --token-ids-file (or token_ids)")
 
 
+def prompt_file_note(prompt: str | None) -> str | None:
+    """A note when ``--prompt`` names an existing file (the name itself is then the text traced), else None."""
+    import os
+
+    if not prompt or "\n" in prompt or len(prompt) > 4096 or not os.path.isfile(prompt):
+        return None
+    return (f"--prompt {prompt!r} is the name of an existing file: the text traced is that name; "
+            f"to trace the file's content, use --prompt-file {prompt}")
+
+
 def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
                 token_ids_file: str | None = None, token_ids: Any = None) -> tuple[str | None, list[int] | None]:
     """Resolve the prompt options into ``(text, None)`` or ``(None, token_ids)``.

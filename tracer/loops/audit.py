@@ -17,7 +17,7 @@ from dataclasses import replace as _replace
 from typing import Any, Callable
 
 from tracer import schema
-from tracer.config import RunConfig, applicable_options
+from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.plan.cost import scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
@@ -297,11 +297,10 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
     return row
 
 
-#: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
-AUDIT_FLAGS = ("--levels", "-l", "--prompt", "-p", "--prompt-file", "--token-ids-file", "--length", "-n", "--chat",
-                 "--dtype", "--device", "--attn", "--gguf", "--granularity", "--kv-cache", "--kernels", "--output", "-o", "--overwrite",
-                 "--no-store", "--no-mitigations", "--format", "-f", "--report", "--batch-size", "--batch-row",
-                 "--new-tokens", "--block-sizes", "--chunk-size", "--tp")
+#: the run options' flags of ``tracer audit`` (:data:`tracer.config.COMMAND_OPTIONS`): a skip reason's
+#: advice may name only these
+AUDIT_FLAGS = tuple(f for k in COMMAND_OPTIONS["audit"] if k != "model" for flag in OPTIONS[k].flags
+                    for f in flag.split("/"))
 
 
 def skip_hint(message: str) -> str:

@@ -142,10 +142,11 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
                 peer.skipped = str(e)
             else:
                 check_counts(peer.name, got, tracer_counts)
-                result.peers[peer.name] = {"status": "checked", "covers": peer.covers, "points": len(got)}
+                result.peers[peer.name] = {"status": "checked", "label": peer.label, "covers": peer.covers,
+                                           "points": len(got)}
                 modes[peer.name] = peer.run
         if peer.skipped is not None:
-            result.peers[peer.name] = {"status": "skipped", "reason": peer.skipped}
+            result.peers[peer.name] = {"status": "skipped", "label": peer.label, "reason": peer.skipped}
     return modes
 
 
@@ -242,67 +243,13 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     return result
 
 
-def table(result: BenchResult):
-    """A rich Table of medians, min–max, the target ratios and the peers (checked or skipped, and why)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from tracer.loops.peers import LABELS
-
-    c = result.config
-    kv = "" if c.get("kv_cache", True) else ", no KV cache"
-    t = Table(title=f"tracer bench · {c['model']} · {c['dtype']} · {c['device']} · N={c['length']} · "
-                    f"{c['granularity']} ({c['n_points']} points{kv}) · {c['reps']} reps",
-              title_justify="left")
-    t.add_column("mode")
-    t.add_column("median s", justify="right")
-    t.add_column("min–max s", justify="right")
-    names = {"a": "(a) floor: two plans, no hooks", "b": "(b) tracer, online compare (no file)",
-             "c": "(c) tracer + HDF5 trace (--store tensors)", "c_auto": "(c) tracer, --store auto (default)",
-             "d": "(d) compare from trace",
-             "e_write": "(e) raw write, same bytes", "e_read": "(e) raw read, same bytes",
-             **{k: f"peer: {v}" for k, v in LABELS.items()}}
-    for m, v in result.times.items():
-        t.add_row(names.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
-    for m, info in result.peers.items():
-        if info["status"] == "skipped":
-            t.add_row(names.get(m, m), "skipped", escape(info["reason"]))
-    r = result.ratios()
-    t.add_section()
-
-    def mark(ok: bool) -> str:
-        return "✓" if ok else "✗"
-
-    t.add_row("(b)/(a)", f"{r['b_over_a']:.3f}", f"{mark(r['b_over_a'] <= 1.05)} target ≤ 1.05, and ≤ every peer's ratio")
-    for m, info in result.peers.items():
-        if f"{m}_over_a" in r:
-            t.add_row(f"({m})/(a)", f"{r[f'{m}_over_a']:.3f}",
-                      escape(f"per-layer differing counts = tracer's ✓ ({info['points']} points: {info['covers']})"))
-    if "b_over_fastest_peer" in r:
-        t.add_row("(b) ÷ fastest peer", f"{r['b_over_fastest_peer']:.3f}", f"{mark(r['b_over_fastest_peer'] <= 1)} target ≤ 1")
-    kv = " (this run captures KV-cache points: the target is for runs without)" if c.get("kv_cache", True) else ""
-    t.add_row("(c)/(a)", f"{r['c_over_a']:.3f}", f"{mark(r['c_over_a'] <= 1.15)} target ≤ 1.15{kv}")
-    if "c_auto_over_a" in r:
-        t.add_row("(c auto)/(a)", f"{r['c_auto_over_a']:.3f}", f"{mark(r['c_auto_over_a'] <= 1.15)} target ≤ 1.15")
-    small = result.trace_bytes < 64 << 20  # fixed costs, not bandwidth, below this
-    why = " (not I/O-bound: the trace is under 64 MiB)" if small else ""
-    t.add_row("(c) write bytes/s ÷ (e) write", f"{r['c_write_bw_over_raw']:.3f}",
-              ("" if small else f"{mark(r['c_write_bw_over_raw'] >= 0.7)} ") + "target ≥ 0.7 (bytes over all of (c), "
-              "forward included: a lower bound)" + why)
-    t.add_row("(d) read bytes/s ÷ (e) read", f"{r['d_read_bw_over_raw']:.3f}",
-              ("" if small else f"{mark(r['d_read_bw_over_raw'] >= 0.7)} ") + "target ≥ 0.7 ((e) reads the file just "
-              "written)" + why)
-    t.add_row("trace size", f"{result.trace_bytes / 2**20:.2f} MiB", "")
-    if "differing_fraction" in c:
-        t.add_row("captured elements that differ", f"{c['differing_fraction']:.1%}", "float64 work scales with it")
-    t.add_row("peak host memory", f"{result.peak_host_mb:.0f} MiB", "")
-    if result.peak_device_mb is not None:
-        t.add_row("peak device memory", f"{result.peak_device_mb:.0f} MiB", "")
-    if c.get("reps", 3) < 3 or c.get("warmup", 1) < 1:
-        t.caption = "fewer than 3 repetitions or no warm-up: the ratios are not reliable (first-call costs land in one mode)"
-    return t
-
-
 def to_json(result: BenchResult) -> str:
     """:meth:`BenchResult.to_dict` as indented JSON."""
     return json.dumps(result.to_dict(), indent=2)
+
+
+def table(result: BenchResult):
+    """The result as a rich Table (:func:`tracer.report.bench.table`)."""
+    from tracer.report.bench import table as _table
+
+    return _table(result)

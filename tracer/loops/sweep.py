@@ -197,6 +197,17 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             sf.close()
 
 
+def block_axis(block_sizes: str | list[int] | None, block_size: int | None = None) -> str | list[int]:
+    """The block-size axis: ``block_sizes``, or the one ``block_size``, or ``[16]``.
+
+    Raises:
+        TracerError: both given.
+    """
+    if block_size is not None and block_sizes is not None:
+        raise TracerError("give --block-size or --block-sizes, not both")
+    return block_sizes if block_sizes is not None else [16 if block_size is None else block_size]
+
+
 def _axes(lengths: str | list[int], block_sizes: str | list[int]) -> tuple[list[int], list[int]]:
     """The length and block-size axes, checked: non-empty, positive blocks, lengths above every block."""
     ns = parse_int_list(lengths, "--lengths") if isinstance(lengths, str) else [int(x) for x in lengths]

@@ -1,17 +1,21 @@
-"""Value checks of user input, before any model loads: ranges, empty lists, input files.
+"""Value checks of user input, before any model loads: ranges, empty lists, input files, and
+which options a catalogue scenario takes.
 
-Plan-layer helpers (target: ``tracer/plan/checks.py``), small pure functions that the run
-config (and the commands until it exists) call. Each raises one :class:`TracerError` line naming
+Small pure functions that the run config (:func:`tracer.config.validate`) calls. Each raises one :class:`TracerError` line naming
 the option, the bad value and what to give instead; each returns the checked value.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 from tracer.errors import TracerError
 from tracer.files import MAX_TOKENS
 
+#: the rules of ``--fail-on`` (None: report only)
+FAIL_ON = ("any", "flip", "tolerance")
 #: the largest KV block size, chunk size, batch size, decode count
 MAX_COUNT = 1 << 20
 #: the most tensor-parallel shards simulated (no model has more KV heads)
@@ -86,3 +90,66 @@ def check_compression(compression: str | None) -> str | None:
     if compression in (None, "none", "lzf", "gzip"):
         return None if compression in (None, "none") else compression
     raise TracerError(f"unknown --compression {compression!r}; use one of none, lzf, gzip")
+
+
+def scenario_option_names() -> tuple[str, ...]:
+    """The scenario-specific options: every keyword of a catalogue builder but the shared ones."""
+    from tracer.plan.scenarios import SCENARIOS
+
+    shared = {"n_tokens", "block_size", "split_at", "mitigation"}
+    names: list[str] = []
+    for fn in SCENARIOS.values():
+        names += [p for p in inspect.signature(fn).parameters if p not in shared and p not in names]
+    return tuple(names)
+
+
+def applicable_options(scenario: str) -> tuple[str, ...]:
+    """The scenario options (and ``block_size``/``split_at``) the catalogue scenario ``scenario`` uses."""
+    from tracer.plan.scenarios import SCENARIOS
+
+    return tuple(p for p in inspect.signature(SCENARIOS[scenario]).parameters if p not in ("n_tokens", "mitigation"))
+
+
+def check_applicable(scen: Any) -> None:
+    """Refuse options that the chosen catalogue scenario does not use (``scen``: a
+    :class:`tracer.config.ScenarioConfig`).
+
+    Raises:
+        TracerError: unknown scenario name, or an option set that the scenario ignores.
+    """
+    from tracer.plan.scenarios import SCENARIOS
+
+    if not isinstance(scen.name, str):  # a Scenario or a builder of the user's: they take no options
+        given = scen.params()
+        given.pop("mitigation", None)
+        if given:
+            raise TracerError(f"option(s) {', '.join(sorted(given))} apply to catalogue scenarios only; "
+                              "build them into your own Scenario")
+        return
+    if scen.name not in SCENARIOS:
+        import difflib
+
+        close = difflib.get_close_matches(str(scen.name), list(SCENARIOS), n=1)
+        raise TracerError(f"unknown scenario '{scen.name}'" + (f" (did you mean {close[0]}?)" if close else "")
+                          + f"; use one of: {', '.join(SCENARIOS)}")
+    uses = applicable_options(scen.name)
+    extra = sorted(k for k in scen.params() if k != "mitigation" and k not in uses)
+    if extra:
+        flags = ", ".join("--" + k.replace("_", "-") for k in extra)
+        valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"
+        raise TracerError(f"{flags} does not apply to scenario {scen.name}; its options: {valid}")
+
+
+def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:
+    """Validate ``--fail-on`` and the tolerances (before any model is loaded).
+
+    Raises:
+        TracerError: unknown rule, negative/NaN tolerance, or ``tolerance`` without atol/rtol.
+    """
+    if fail_on is not None and fail_on not in FAIL_ON:
+        raise TracerError(f"unknown --fail-on '{fail_on}'; use one of: {', '.join(FAIL_ON)}")
+    for opt, v in (("--atol", atol), ("--rtol", rtol)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+            raise TracerError(f"{opt} {v} is not a finite number >= 0; give e.g. {opt} 1e-3")
+    if fail_on == "tolerance" and atol is None and rtol is None:
+        raise TracerError("--fail-on tolerance needs --atol and/or --rtol (e.g. --atol 1e-2)")

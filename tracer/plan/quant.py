@@ -28,11 +28,12 @@ Formats:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:  # torch is imported where a tensor is quantized: a --kv-format is checked without it
+    import torch
 
 E4M3_MAX = 448.0
 E4M3_EMAX = 8  # largest unbiased exponent of a finite E4M3 value (448 = 1.75 * 2^8)
@@ -67,6 +68,8 @@ class BlockFormat:
 
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     """``x`` as float32 ``(..., n_blocks, block)`` (zero-padded) and the original last size."""
+    import torch
+
     x = x.float()
     d = x.shape[-1]
     pad = (-d) % block
@@ -81,12 +84,16 @@ def _unblock(b: torch.Tensor, d: int) -> torch.Tensor:
 
 def fp8_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round ``x`` to FP8 E4M3 (nearest even, saturating at ±448); float32 result, same shape."""
+    import torch
+
     x = x.float()
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round ``x`` to FP4 E2M1 (nearest, ties to even mantissa, saturating at ±6); float32 result."""
+    import torch
+
     x = x.float()
     grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
     mids = (grid[1:] + grid[:-1]) / 2  # (7,): 0.25 0.75 1.25 1.75 2.5 3.5 5
@@ -101,6 +108,8 @@ def e2m1(x: torch.Tensor) -> torch.Tensor:
 def mx_scale_exponent(amax: torch.Tensor, emax_elem: int = E4M3_EMAX) -> torch.Tensor:
     """E8M0 shared exponent of blocks with absolute maxima ``amax``: floor(log2 amax) - emax_elem,
     clamped to -127..127 (a zero block gives -127). int32 tensor of ``amax``'s shape."""
+    import torch
+
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     e = torch.floor(torch.log2(safe)).to(torch.int32) - emax_elem
     e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN_EXP))
@@ -109,6 +118,8 @@ def mx_scale_exponent(amax: torch.Tensor, emax_elem: int = E4M3_EMAX) -> torch.T
 
 def mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """MXFP8 (E4M3 elements, E8M0 scale per ``block`` elements) quantize-dequantize; float32."""
+    import torch
+
     b, d = _blocks(x, block)
     amax = b.abs().amax(dim=-1, keepdim=True)
     scale = torch.exp2(mx_scale_exponent(amax).float())  # exact powers of two
@@ -118,6 +129,8 @@ def mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 def nvfp4(x: torch.Tensor, block: int = 16, tensor_scale: bool = False) -> torch.Tensor:
     """NVFP4 (E2M1 elements, E4M3 scale per ``block`` elements, optional FP32 tensor scale); float32."""
+    import torch
+
     b, d = _blocks(x, block)
     amax = b.abs().amax(dim=-1, keepdim=True)
     g = torch.ones((), dtype=torch.float32, device=b.device)

@@ -465,17 +465,21 @@ def check_resources(scen: Any) -> Any:
     Raises:
         TracerError: naming the missing device or implementation.
     """
-    from tracer.load import devices
+    from tracer.load.preflight import check_attn, check_device
 
     for plan in (scen.plan_a, scen.plan_b):
         for dev in plan.devices or ():
             try:
-                devices.resolve_device(dev)
+                check_device(dev)  # the name, and CUDA where it cannot exist, without torch
+                if dev.strip().lower() != "cpu":
+                    from tracer.load import devices
+
+                    devices.resolve_device(dev)
             except TracerError as e:
                 raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
                                   "pass --devices with two devices it has, e.g. cpu,cpu") from None
         if plan.attn is not None:
-            devices.check_attn(plan.attn)
+            check_attn(plan.attn)
     return scen
 
 

@@ -25,10 +25,12 @@ exit, whatever happened inside; this module holds the arithmetic.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:  # torch is imported where partials are computed: --tp and --reduce are checked without it
+    import torch
 
 REDUCES = ("ring", "tree")
 REDUCE_DTYPES = ("activation", "float32")
@@ -54,6 +56,8 @@ def partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     Raises:
         TracerError: K not divisible by k.
     """
+    import torch
+
     kdim = weight.shape[1]
     if kdim % k:
         raise TracerError(f"--tp {k} does not divide the contraction dimension K = {kdim}; choose a divisor of {kdim}")
@@ -61,11 +65,13 @@ def partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k
     out = []
     for r in range(k):
         sl = slice(r * step, (r + 1) * step)
-        out.append(nn.functional.linear(x[..., sl], weight[:, sl], bias if r == 0 else None))
+        out.append(torch.nn.functional.linear(x[..., sl], weight[:, sl], bias if r == 0 else None))
     return out
 
 
 def _seq_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    import torch
+
     acc = parts[0]
     for p in parts[1:]:
         acc = acc + p
@@ -77,6 +83,8 @@ def all_reduce(parts: list[torch.Tensor], reduce: str = "ring", dtype: str = "ac
 
     Returns a tensor of the partials' dtype. See the module docstring for the orders.
     """
+    import torch
+
     out_dtype = parts[0].dtype
     ps = [p.float() for p in parts] if dtype == "float32" else list(parts)
     k = len(ps)

@@ -243,7 +243,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
         figures: embed the figures (needs matplotlib; without it the page says so).
     """
     from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
-    from tracer.report.summary import headline
+    from tracer.report.summary import headline, verdict_line
 
     all_rows = rows(c)
     cols = [k for k in WIDE_COLUMNS if k != "hist"] + ["hist"]
@@ -255,7 +255,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
              for r in all_rows]
     vals = [[None if k == "point" else r.get(raw.get(k, ""), None) for k in cols] for r in all_rows]
     classes = [("diff" if r["n_diff"] else "") + (" origin" if r["origin"] else "") for r in all_rows]
-    sections = [("summary", headline_html(headline(c))),
+    sections = [("summary", headline_html(headline(c, "report"))),
                 ("origin", _origins_html(c))]
     if c.rl is not None:  # rollout-vs-train: the RL metrics first
         sections.insert(0, ("RL metrics: rollout vs trainer", _rl_html(c.rl)))
@@ -273,7 +273,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
              f"{_side('B', c.run_b)}: {c.facts.get('plan_b', '')} (GEMM M {c.facts.get('gemm_m_b')})"]
     sections.append(("numeric contract", "".join(f"<p>{esc(p)}</p>" for p in plans) + contract_html(header, c.facts)
                      + (f'<p class="note">trace: {esc(c.trace)}</p>' if c.trace else "")))
-    return page(_title(c), f"verdict: {c.verdict()}", c.identical, sections)
+    return page(_title(c), f"verdict: {verdict_line(c)}", c.identical, sections)
 
 
 def _side(letter: str, run: str) -> str:

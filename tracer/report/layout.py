@@ -1,6 +1,7 @@
 """Fitting a terminal table to a width: which columns stay, how wide each is, how names are shortened.
 
-Pure functions of strings and widths (no rich, no comparison): :mod:`tracer.report.tables` and
+The columns' headers and the check of ``--columns``/``--format``, and pure functions of strings
+and widths (no rich, no comparison): :mod:`tracer.report.tables` and
 :mod:`tracer.report.hierarchy` give them the cells they would print and draw what comes back.
 
 The rules (issue 25, item 1):
@@ -21,6 +22,51 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from tracer.errors import TracerError
+
+#: the report formats of a comparison (and an audit)
+FORMATS = ("table", "json", "csv", "markdown")
+#: the amplification table's columns: key → header (cells: :data:`tracer.report.tables.COLUMNS`)
+COLUMN_HEADERS = {
+    "point": "capture point", "diff": "differing / total", "fraction": "fraction", "max_abs": "max abs diff",
+    "mean_abs": "mean abs diff", "ulp": "max ULP*", "ulp_line": "max ULP (line)", "hist": "ULP histogram",
+    "rel": "rel err", "cos": "cosine", "sqnr": "SQNR dB", "rel1": "<1‰", "rel5": "<5‰", "growth": "×prev layer",
+    "ampl": "×first", "nan_inf": "NaN/Inf A|B", "tol": "outside tol", "flips": "flips", "kernels": "kernels (A vs B)",
+}
+DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
+WIDE_COLUMNS = tuple(k for k in COLUMN_HEADERS if k != "kernels")  # kernels: added when recorded (with_kernels)
+
+
+def check_format(fmt: str) -> str:
+    """Validate an output format name.
+
+    Raises:
+        TracerError: unknown format.
+    """
+    if fmt not in FORMATS:
+        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(FORMATS)}")
+    return fmt
+
+
+def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[str, ...]:
+    """The table columns: ``--columns a,b`` (keys of :data:`COLUMN_HEADERS`), ``--wide`` (all), or the default.
+
+    Raises:
+        TracerError: an unknown column key (the message lists the known ones), an empty list,
+            or ``--wide`` together with ``--columns``.
+    """
+    if columns is None:
+        return WIDE_COLUMNS if wide else DEFAULT_COLUMNS
+    if wide:
+        raise TracerError("--wide shows every column and --columns picks some; give one of them")
+    keys = [k.strip() for k in (columns.split(",") if isinstance(columns, str) else columns) if k.strip()]
+    if not keys:
+        raise TracerError(f"--columns is empty; give some of: {', '.join(COLUMN_HEADERS)}")
+    bad = [k for k in keys if k not in COLUMN_HEADERS]
+    if bad:
+        raise TracerError(f"unknown column '{bad[0]}' in --columns; use some of: {', '.join(COLUMN_HEADERS)}")
+    return ("point",) + tuple(k for k in keys if k != "point")
 
 #: the columns of the amplification table that stay at every width
 KEEP = ("point", "diff", "max_abs", "ulp", "flips")

@@ -42,7 +42,7 @@ def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) ->
     sections = [("matrix", table_html("audit", cols, cells, values=vals, classes=classes, diff_toggle=True))]
     for name, c in comps.items():
         if not c.identical:
-            sections.append((f"{name}", headline_html(headline(c))))
+            sections.append((f"{name}", headline_html(headline(c, "report"))))
     sections.append(("numeric contract", contract_html(header, {})))
     model = header.get("model", {})
     title = f"tracer report · {model.get('name', '?') if isinstance(model, dict) else model}"

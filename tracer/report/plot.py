@@ -101,8 +101,70 @@ def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, 
     raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
 
 
+def figure_of(obj: Any, kind: str | None = None, **kwargs: Any):
+    """:func:`tracer.api.plot`: a figure of a RunResult, Comparison, SweepResult, or a trace/sweep file path.
+
+    Raises:
+        TracerError: unknown kind for this object, matplotlib missing.
+    """
+    if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__"):
+        from tracer.store.sweepfile import is_sweep_file, read_sweep as _rs
+
+        if is_sweep_file(obj):
+            return figure_for(kind or "sweep", sweep=_rs(str(obj)), **kwargs)
+        return figure_for(kind or "amplification", trace=str(obj), **kwargs)
+    if hasattr(obj, "rows") and hasattr(obj, "params"):  # a SweepResult
+        return figure_for(kind or "sweep", sweep=obj, **kwargs)
+    if hasattr(obj, "comparison"):  # a RunResult
+        return obj.plot(kind or "amplification", **kwargs)
+    return figure_for(kind or "amplification", comparison=obj, trace=obj.trace, run_names=(obj.run_a, obj.run_b),
+                      **kwargs)
+
+
+def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwrite: bool = False,
+              layers: str | Sequence[str | int] | None = None, run_a: str | None = None, run_b: str | None = None) -> Path:
+    """``tracer plot``: draw ``kind`` from a trace or sweep file and save it (see :func:`tracer.api.plot_file`).
+
+    Default kind: ``sweep`` for a sweep file, ``amplification`` for a trace. Default output:
+    ``<input stem>-<kind>.png`` beside the input. A trace's figure is drawn from its stored
+    comparison when it has one (nothing recomputed).
+
+    Raises:
+        TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
+    """
+    from tracer.diff.compare import compare_trace
+    from tracer.diff.stored import stored_comparison
+    from tracer.files import check_input_file
+    from tracer.store.sweepfile import is_sweep_file, read_sweep
+
+    layers = layers.split(",") if isinstance(layers, str) else layers  # the command line's a,b,c
+    src = Path(path)
+    if not src.exists():
+        raise TracerError(f"file {src} not found; pass a trace or sweep file")
+    check_input_file(src, "input file")  # a FIFO or device would block the read
+    if kind is not None and kind not in KINDS:
+        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
+    is_sweep = is_sweep_file(src)
+    kind = kind or ("sweep" if is_sweep else "amplification")
+    if is_sweep != (kind == "sweep"):
+        raise TracerError(f"--kind {kind} needs a {'sweep file' if kind == 'sweep' else 'trace'}, "
+                          f"but {src} is a {'sweep file' if is_sweep else 'trace'}; "
+                          f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
+    out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
+    if is_sweep:
+        return save_figure(sweep_figure(read_sweep(src)), out, overwrite=overwrite)
+    stored = stored_comparison(src) if run_a is None and run_b is None else None
+    if stored is not None and (kind != "heatmap" or stored.per_position):  # drawn from the stored numbers
+        fig = figure_for(kind, comparison=stored, layers=layers)
+    elif kind == "heatmap":  # a trace written before comparisons were stored with it: from its tensors
+        fig = heatmap_figure(position_diffs_trace(src, run_a, run_b))
+    else:
+        fig = figure_for(kind, comparison=compare_trace(str(src), run_a, run_b), layers=layers)
+    return save_figure(fig, out, overwrite=overwrite)
+
+
 __all__ = ["KINDS", "SUFFIXES", "LABEL_ABS", "LABEL_FRAC", "LABEL_KV", "LABEL_ZERO", "PositionDiffs",
            "amplification_data", "amplification_figure", "check_figure_path", "compact_name", "figure_for",
-           "heatmap_figure", "position_diffs_comparison", "position_diffs_records", "position_diffs_trace",
+           "figure_of", "heatmap_figure", "plot_file", "position_diffs_comparison", "position_diffs_records", "position_diffs_trace",
            "position_max_abs_diff", "save_figure", "select_points", "short_name", "sweep_data", "sweep_figure",
            "thin_labels", "ulp_figure"]

@@ -94,50 +94,83 @@ def logits_text(c: Any) -> str:
     return text
 
 
-def next_steps(c: Any) -> list[str]:
-    """What to try next, naming options ``tracer run`` has (and ``tracer sweep``/``audit`` for identical runs)."""
+def noise_text(noise: Any) -> str:
+    """``--verdict``'s answer with its evidence, in one line: ``rounding noise (the error shrinks with
+    ε: logits max|Δ| bfloat16 0.25 → float32 1.2e-06)``."""
+    trend = {"rounding noise": "the error shrinks with ε", "defect suspected": "the error does not shrink with ε"}
+    chain = " → ".join(f"{lv.dtype} {_g(lv.logits_max_abs)}" for lv in noise.levels)
+    return f"{noise.verdict} ({trend.get(noise.verdict, 'between the thresholds')}: logits max|Δ| {chain})"
+
+
+def verdict_line(c: Any) -> str:
+    """The answer first: with ``--verdict``, whether the divergence is rounding noise, then
+    :meth:`~tracer.diff.result.Comparison.verdict` (where it diverges); the headline's first line
+    and the report's last."""
+    return c.verdict() if c.noise is None else f"{noise_text(c.noise)}; {c.verdict()}"
+
+
+def _rerun(c: Any, command: str) -> str:
+    """How a suggestion names ``tracer run``'s options: the bare option from ``tracer run`` itself,
+    else the whole command line that re-runs this comparison's model and scenario."""
+    if command == "run":
+        return ""
+    from tracer.plan.scenarios import SCENARIOS
+
+    model = c.model if c.model and c.model != "model" else "MODEL"
+    scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
+    return f"tracer run {model}{scen} "
+
+
+def next_steps(c: Any, command: str = "run") -> list[str]:
+    """What to try next. Each suggestion names options of the command that prints it (``command``:
+    ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
+    ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
+    model = c.model if c.model and c.model != "model" else "MODEL"
     if c.identical:
         steps.append("other prompt lengths can diverge where this one does not: "
-                     "`tracer sweep MODEL --lengths 17:512` maps them")
-        steps.append("the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit MODEL`")
+                     f"`tracer sweep {model} --lengths 17:512` maps them")
+        steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}`")
         return steps
     if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
         subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
         return [] if subs else ["dump with the dumper's non-intrusive mode `all` (DUMPER_NON_INTRUSIVE_MODE=all): "
                                 "every module's output, so the op inside the layer is named"]
+    run = _rerun(c, command)
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
     if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:
-        steps.append("`--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
+        steps.append(f"`{run}--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
                      "op by op and names the op")
     subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
     if not subs:
-        steps.append("`--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, MLP, "
-                     "every Linear) with its GEMM shapes")
+        steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
+                     "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
-        steps.append("`--mitigation aligned`: the cache-miss run also splits at P (vLLM #34046); "
+        steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P (vLLM #34046); "
                      "checks whether aligning the split restores bitwise equality")
     if c.noise is None:
-        steps.append("`--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is rounding "
-                     "noise or a defect")
+        steps.append(f"`{run}--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is "
+                     "rounding noise or a defect")
     if c.replay is None and c.logits is not None and c.rl is None:  # an RL run compares its own response
-        steps.append("`--decode 16`: greedy-decodes from both runs and shows where the generated text first differs")
+        steps.append(f"`{run}--decode 16`: greedy-decodes from both runs and shows where the generated text first "
+                     "differs")
     if c.rl is not None and not c.rl.mitigations:
-        steps.append("`--mitigations`: re-runs with each knob changed (same attention, fp32 LM head, no padding, "
-                     "batch of one, deterministic) and reports the |Δlogp| each leaves")
+        steps.append(f"`{run}--mitigations`: re-runs with each knob changed (same attention, fp32 LM head, no "
+                     "padding, batch of one, deterministic) and reports the |Δlogp| each leaves")
     return steps
 
 
-def headline(c: Any) -> list[tuple[str, str]]:
+def headline(c: Any, command: str = "run") -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
-    Labels: ``verdict``, ``origin`` (one pair per origin; shapes, and kernels when recorded),
-    ``first divergent``, ``growth``, ``logits``, ``versions`` (two traces: every version that
-    differs), ``noise`` / ``decode`` when present, ``next``
-    (one pair per suggestion).
+    Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
+    ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
+    ``growth``, ``logits``, ``versions`` (two traces: every version that differs), ``isa`` (two
+    traces of CPUs or GPUs whose instruction sets differ), ``decode`` when present, ``next`` (one
+    pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
-    out: list[tuple[str, str]] = [("verdict", c.verdict())]
+    out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
     for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), c.origin_lines()):
         out.append(("origin", line))
         k = _kernels(p) if p is not None else ""
@@ -152,13 +185,11 @@ def headline(c: Any) -> list[tuple[str, str]]:
     out.append(("logits", logits_text(c)))
     if "versions_differ" in c.facts:  # runs from two traces
         out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
-    if c.noise is not None:
-        lines = c.noise.lines()
-        if lines:
-            out.append(("noise", lines[0]))
+    if c.facts.get("isa_differs"):
+        out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if c.replay is not None:
         out.append(("decode", c.replay.line()))
-    out.extend(("next", s) for s in next_steps(c))
+    out.extend(("next", s) for s in next_steps(c, command))
     return out
 
 

@@ -35,3 +35,4 @@ def sweep_summary_lines(result: Any) -> list[str]:
             lines.append(f"  argmax flips at: {compress_ranges([r.length for r in flips])}")
     return lines
 
+

@@ -22,25 +22,12 @@ from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.store.trace import json_safe
 from tracer.diff.metrics import ULP_BINS
-from tracer.report.layout import fit_columns, name_cell, table_width
-from tracer.report.summary import headline, rows_that_matter
+from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, WIDE_COLUMNS,  # noqa: F401
+                                  check_columns, check_format, fit_columns, name_cell, table_width)
+from tracer.report.summary import headline, rows_that_matter, verdict_line
 from tracer.execute.kernels import summarize
 from tracer.diff.provenance import classify, merged_kernels
 from tracer.report.textsafe import printable
-
-FORMATS = ("table", "json", "csv", "markdown")
-
-
-def check_format(fmt: str) -> str:
-    """Validate an output format name.
-
-    Raises:
-        TracerError: unknown format.
-    """
-    if fmt not in FORMATS:
-        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(FORMATS)}")
-    return fmt
-
 
 def _num(x: float | None, digits: int = 3) -> str:
     if x is None:
@@ -121,50 +108,29 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.4g}%"
 
 
-#: table columns: key → (header, formatter of a row); the first is always shown
-COLUMNS: dict[str, tuple[str, Any]] = {
-    "point": ("capture point", None),
-    "diff": ("differing / total", lambda r: f"{r['n_diff']:,} / {r['n_total']:,}"),
-    "fraction": ("fraction", lambda r: _frac(r["n_diff"], r["n_total"])),
-    "max_abs": ("max abs diff", lambda r: _num(r["max_abs_diff"])),
-    "mean_abs": ("mean abs diff", lambda r: _num(r["mean_abs_diff"])),
-    "ulp": ("max ULP*", lambda r: _num(r["max_ulp_mag"])),
-    "ulp_line": ("max ULP (line)", lambda r: str(r["max_ulp"])),
-    "hist": ("ULP histogram", _hist),
-    "rel": ("rel err", lambda r: _num(r["rel_error"])),
-    "cos": ("cosine", lambda r: "1" if r["cosine"] == 1.0 else f"{r['cosine']:.9f}"),
-    "sqnr": ("SQNR dB", lambda r: _num(r["sqnr_db"])),
-    "rel1": ("<1‰", lambda r: _pct(r["frac_rel_lt_1e3"])),
-    "rel5": ("<5‰", lambda r: _pct(r["frac_rel_lt_5e3"])),
-    "growth": ("×prev layer", lambda r: _num(r["growth"])),
-    "ampl": ("×first", lambda r: _num(r["amplification"])),
-    "nan_inf": ("NaN/Inf A|B", lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}"),
-    "tol": ("outside tol", lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}"),
-    "flips": ("flips", lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"])),
-    "kernels": ("kernels (A vs B)", lambda r: r["kernels"] or "-"),
-}
-DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
-WIDE_COLUMNS = tuple(k for k in COLUMNS if k != "kernels")  # kernels: added when recorded (with_kernels)
-
-
-def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[str, ...]:
-    """The table columns: ``--columns a,b`` (keys of :data:`COLUMNS`), ``--wide`` (all), or the default.
-
-    Raises:
-        TracerError: an unknown column key (the message lists the known ones), an empty list,
-            or ``--wide`` together with ``--columns``.
-    """
-    if columns is None:
-        return WIDE_COLUMNS if wide else DEFAULT_COLUMNS
-    if wide:
-        raise TracerError("--wide shows every column and --columns picks some; give one of them")
-    keys = [k.strip() for k in (columns.split(",") if isinstance(columns, str) else columns) if k.strip()]
-    if not keys:
-        raise TracerError(f"--columns is empty; give some of: {', '.join(COLUMNS)}")
-    bad = [k for k in keys if k not in COLUMNS]
-    if bad:
-        raise TracerError(f"unknown column '{bad[0]}' in --columns; use some of: {', '.join(COLUMNS)}")
-    return ("point",) + tuple(k for k in keys if k != "point")
+#: table columns: key → (header, formatter of a row); the headers, the defaults and the check of
+#: ``--columns`` are :mod:`tracer.report.layout`'s (read without loading a comparison)
+COLUMNS: dict[str, tuple[str, Any]] = {k: (COLUMN_HEADERS[k], fn) for k, fn in {
+    "point": None,
+    "diff": lambda r: f"{r['n_diff']:,} / {r['n_total']:,}",
+    "fraction": lambda r: _frac(r["n_diff"], r["n_total"]),
+    "max_abs": lambda r: _num(r["max_abs_diff"]),
+    "mean_abs": lambda r: _num(r["mean_abs_diff"]),
+    "ulp": lambda r: _num(r["max_ulp_mag"]),
+    "ulp_line": lambda r: str(r["max_ulp"]),
+    "hist": _hist,
+    "rel": lambda r: _num(r["rel_error"]),
+    "cos": lambda r: "1" if r["cosine"] == 1.0 else f"{r['cosine']:.9f}",
+    "sqnr": lambda r: _num(r["sqnr_db"]),
+    "rel1": lambda r: _pct(r["frac_rel_lt_1e3"]),
+    "rel5": lambda r: _pct(r["frac_rel_lt_5e3"]),
+    "growth": lambda r: _num(r["growth"]),
+    "ampl": lambda r: _num(r["amplification"]),
+    "nan_inf": lambda r: f"{r['n_nan_a']}/{r['n_inf_a']} | {r['n_nan_b']}/{r['n_inf_b']}",
+    "tol": lambda r: "-" if r["n_outside_tol"] is None else f"{r['n_outside_tol']:,}",
+    "flips": lambda r: "-" if r["argmax_flips"] is None else str(r["argmax_flips"]),
+    "kernels": lambda r: r["kernels"] or "-",
+}.items()}
 
 
 def _title(c: Comparison) -> str:
@@ -177,14 +143,15 @@ def _title(c: Comparison) -> str:
         if f.get("device_name"):
             dev += f" ({f['device_name']})"
         bits.append(dev)
-    bits.append(f"positions {c.positions[0]}..{c.positions[1] - 1} of {f.get('n_tokens', '?')}")
+    of = f" of {f['n_tokens']}" if f.get("n_tokens") else ""
+    bits.append(f"positions {c.positions[0]}..{c.positions[1] - 1}{of}")
     return " · ".join(bits)
 
 
 def _plans(c: Comparison) -> str:
     f = c.facts
-    a = f"A: {f.get('plan_a', '')} (GEMM M {f.get('gemm_m_a')})"
-    b = f"B: {f.get('plan_b', '')} (GEMM M {f.get('gemm_m_b')})"
+    a, b = (f"{run}: {f.get(f'plan_{k}', '')}" + (f" (GEMM M {f[f'gemm_m_{k}']})" if f.get(f"gemm_m_{k}") else "")
+            for run, k in (("A", "a"), ("B", "b")))
     return f"{a}\n{b}" + (f"\n{_sliding_note(c)}" if f.get("sliding_layers") else "")
 
 
@@ -356,7 +323,7 @@ def _row_budget(console: Console, n_headline: int) -> int:
 
 
 def print_report(c: Comparison, console: Console | None = None,
-                 columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> None:
+                 columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
     point, growth, logits, what to try next), then the title line, the table of the rows that matter
     (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, fewer in a short
@@ -373,7 +340,7 @@ def print_report(c: Comparison, console: Console | None = None,
         for line in rl_report.summary_lines(c.rl):
             console.print(Text(printable(line)), soft_wrap=True)
         console.print()
-    head = headline(c)
+    head = headline(c, command)
     width = max(len(k) for k, _ in head)
     for key, text in head:
         style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
@@ -404,7 +371,7 @@ def print_report(c: Comparison, console: Console | None = None,
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
     style = "bold green" if c.identical else "bold red"
-    console.print(Text(f"verdict: {printable(c.verdict())}", style=style))
+    console.print(Text(f"verdict: {printable(verdict_line(c))}", style=style), soft_wrap=True)
     if c.trace:
         console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
 
@@ -464,7 +431,7 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines.extend(f"- {line}" for line in logits_lines(c) + flips_lines(c) + replay_lines(c) + list(c.facts.get("notes", [])))
     if c.noise is not None:
         lines.extend(f"- {line}" for line in c.noise.lines())
-    lines.append(f"\n**verdict:** {c.verdict()}")
+    lines.append(f"\n**verdict:** {verdict_line(c)}")
     return "\n".join(lines) + "\n"
 
 
@@ -479,15 +446,16 @@ def to_json(c: Comparison) -> str:
 
 
 def render(c: Comparison, fmt: str = "table", console: Console | None = None,
-           columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False) -> str | None:
+           columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> str | None:
     """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text.
 
     ``columns`` selects the terminal table's columns and ``all_rows`` prints every row (default:
-    the rows that matter); JSON, CSV and markdown carry everything.
+    the rows that matter); ``command``: the ``tracer`` command that prints it (its "next:" suggestions
+    name options it has). JSON, CSV and markdown carry everything.
     """
     match check_format(fmt):
         case "table":
-            print_report(c, console, columns, all_rows)
+            print_report(c, console, columns, all_rows, command)
             return None
         case "json":
             return to_json(c)

@@ -22,9 +22,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import h5py
-import numpy as np
-
 from tracer.errors import TracerError
 from tracer.files import file_kind, pid_alive
 
@@ -55,6 +52,9 @@ def set_text(obj: Any, name: str, text: str) -> None:
     protects with its own checksum; variable-length ones live in the global heap, which has none
     (zeroed bytes there make HDF5 loop forever).
     """
+    import h5py
+    import numpy as np
+
     data = text.encode("utf-8", "surrogatepass")
     obj.attrs.create(name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
 
@@ -62,6 +62,8 @@ def set_text(obj: Any, name: str, text: str) -> None:
 def attr_text(value: Any) -> str | None:
     """A text attribute's value as ``str`` (fixed-length bytes decoded, variable-length as is);
     None when it is not text or not valid UTF-8."""
+    import numpy as np
+
     if isinstance(value, (bytes, np.bytes_)):
         try:
             return bytes(value).decode("utf-8")
@@ -81,6 +83,8 @@ def crc32_bytes(buf: Any, crc: int = 0) -> int:
     Computed with ISA-L (``isal``, ~11 GiB/s on the development machine's CPU) when it is
     installed, else with zlib (~1.6 GiB/s there); both give the same values.
     """
+    import numpy as np  # imported here: a path check (check_output) must not load numpy
+
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             buf = np.ascontiguousarray(buf)
@@ -99,6 +103,8 @@ def attr_bytes(value: Any) -> bytes:
         return b"s" + value.encode("utf-8", "surrogatepass")
     if isinstance(value, bytes):
         return b"b" + value
+    import numpy as np
+
     arr = np.asarray(value)
     if arr.dtype.kind in "OUS":
         return b"o" + json.dumps(arr.tolist(), default=str).encode()
@@ -208,6 +214,22 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
 
 
 _PARTIAL = re.compile(r"\.partial-(\d+)$")
+
+
+def check_output(output: str | Path | None, overwrite: bool) -> None:
+    """Refuse an existing output file (before anything is loaded or run).
+
+    Raises:
+        TracerError: the file exists and ``overwrite`` is False, or it is a directory.
+    """
+    if output is None:
+        return
+    p = check_name_length(output, "--output")
+    check_output_path(p, overwrite, "--output")  # devices, FIFOs, long names, read-only folders
+    if p.is_dir():
+        raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
+    if p.exists() and not overwrite:
+        raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
 
 
 def clean_stale_partials(path: str | os.PathLike) -> list[Path]:

@@ -36,7 +36,7 @@ from tracer.errors import TracerError
 from tracer.store.environment import VERSION_KEYS, collect_environment, version_differences
 from tracer.store.format_v1 import numpy_to_tensor, tensor_to_numpy, write_capture, write_run, write_tensor
 from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION
-from tracer.store.integrity import check_name_length, check_output_path
+from tracer.store.integrity import check_name_length, check_output, check_output_path  # noqa: F401
 from tracer.store.packed import StoredPoint, write_run_packed
 from tracer.store.reader import READ_VERSIONS, TraceReader, read_row_blocks, read_tensor, stored_crc
 from tracer.store.writer import TraceWriter
@@ -64,25 +64,25 @@ def default_output(model: str, scenario: str, root: str | Path = "traces") -> Pa
     return path
 
 
-def check_output(output: str | Path | None, overwrite: bool) -> None:
-    """Refuse an existing output file (before anything is loaded or run).
+def describe(path: str | Path) -> dict[str, Any]:
+    """What ``tracer show`` prints, as data: ``{"header", "runs", "comparisons", "checksummed"}``;
+    each run ``{"name", "n_tokens", "window", "plan", "captures", "meta"}`` (no tensor is read).
 
     Raises:
-        TracerError: the file exists and ``overwrite`` is False, or it is a directory.
+        TracerError: missing, incomplete or corrupt file.
     """
-    if output is None:
-        return
-    p = check_name_length(output, "--output")
-    check_output_path(p, overwrite, "--output")  # devices, FIFOs, long names, read-only folders
-    if p.is_dir():
-        raise TracerError(f"--output {p} is a directory; give a file path ending in .h5")
-    if p.exists() and not overwrite:
-        raise TracerError(f"trace {p} exists; pass --overwrite to replace it or choose another --output")
+    with TraceReader(path) as r:
+        runs = []
+        for name in r.runs:
+            rec = r.run(name, load_tensors=False)
+            runs.append({"name": name, "n_tokens": len(rec.token_ids), "window": list(rec.window),
+                         "plan": rec.plan, "captures": len(r.capture_names(name)), "meta": rec.meta})
+        return {"header": r.header, "runs": runs, "comparisons": r.comparisons(), "checksummed": r.checksummed}
 
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "COMPRESSIONS", "collect_environment", "VERSION_KEYS",
     "version_differences", "TraceWriter", "TraceReader", "write_tensor", "read_tensor", "read_row_blocks", "stored_crc",
     "write_capture", "write_run", "write_run_packed", "tensor_to_numpy", "numpy_to_tensor", "StoredPoint",
-    "json_safe", "default_output", "check_output",
+    "json_safe", "default_output", "check_output", "describe",
 ]

@@ -1,0 +1,137 @@
+"""Headlines that say the answer (issue 25, item 4): `--verdict`'s answer on the first line and in the
+closing line; every "next:" suggestion valid for the command that prints it."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import typer
+from rich.console import Console
+
+from tracer.cli import app
+from tracer.diff.verdict import Level, NoiseVerdict
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.report.summary import next_steps
+from tracer.store.trace import TraceWriter
+
+CLI = typer.main.get_command(app).commands
+
+
+def _flags(command: str) -> set[str]:
+    return {o for p in CLI[command].params for o in (*p.opts, *p.secondary_opts)}
+
+
+def check_suggestion(text: str, command: str) -> None:
+    """Every backticked command line of ``text``: ``tracer X ...`` uses X's options; a bare option
+    (``--verdict``) must be one of ``command``'s; ``report`` (a file, no command) has no bare options."""
+    for code in re.findall(r"`([^`]+)`", text):
+        words = code.split()
+        if words[0] == "tracer":
+            assert words[1] in CLI, code
+            own = words[1]
+        else:
+            assert command != "report", f"a report cannot take options: {code!r}"
+            own = command
+        for flag in re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", code):
+            assert flag in _flags(own), f"{command} suggests {code!r}, but 'tracer {own}' has no {flag}"
+
+
+def _comparison(**kw):
+    """A stand-in with the fields next_steps reads (a pure function of them): every branch reachable."""
+    point = SimpleNamespace(kind="layer", n_diff_prefix=0)
+    base = dict(identical=False, model="smollm2-135m", scenario="prefix-cache", positions=(16, 24), origins=[point],
+                points=[point], facts={}, noise=None, replay=None, logits=object(), rl=None)
+    return SimpleNamespace(**{**base, **kw})
+
+
+CASES = [
+    _comparison(),
+    _comparison(identical=True),
+    _comparison(origins=[SimpleNamespace(kind="kv_cache", n_diff_prefix=3)]),
+    _comparison(scenario="batch", model="model"),
+    _comparison(scenario="rollout-vs-train", rl=SimpleNamespace(mitigations=())),
+    _comparison(noise=object(), replay=object(), points=[SimpleNamespace(kind="linear", n_diff_prefix=0)]),
+]
+
+
+@pytest.mark.parametrize("command", ["run", "compare", "report"])
+def test_every_suggestion_is_valid_for_the_command_that_prints_it(command):
+    seen = set()
+    for c in CASES:
+        for s in next_steps(c, command):
+            check_suggestion(s, command)
+            seen |= set(re.findall(r"--[a-z][a-z-]*", s))
+    # every kind of suggestion was checked: the bare-option ones and the other commands
+    assert {"--positions", "--granularity", "--mitigation", "--verdict", "--decode", "--mitigations"} <= seen
+
+
+def test_compare_names_tracer_run_with_the_model_and_scenario():
+    steps = next_steps(_comparison(scenario="batch"), "compare")
+    assert any(s.startswith("`tracer run smollm2-135m --scenario batch --granularity sublayers`") for s in steps)
+    assert not any(s.startswith("`--") for s in steps)
+
+
+def test_tracer_compare_prints_only_suggestions_it_accepts(tmp_path, cli_env):
+    """End to end: a diverging trace compared on the command line (the bug: compare suggested
+    --positions all, --granularity sublayers, --mitigation aligned, --verdict, --decode 16)."""
+    g = torch.Generator().manual_seed(0)
+    runs = []
+    for name in ("A", "B"):
+        caps = {}
+        for i, cap in enumerate(("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm")):
+            x = torch.randn(4, 8, generator=g) if name == "A" else runs[0].captures[cap].tensor.clone()
+            if name == "B" and i >= 2:
+                x = torch.nextafter(x, torch.full_like(x, 10.0))
+            caps[cap] = CaptureRecord(cap, "embedding" if i == 0 else "final_norm" if i == 3 else "layer", x)
+        caps["lm_head"] = CaptureRecord("lm_head", "logits", torch.randn(4, 16, generator=torch.Generator().manual_seed(1)))
+        runs.append(RunRecord(name, [1, 2, 3, 4, 5, 6], {"description": name}, (2, 6), caps, meta={}))
+    with TraceWriter(tmp_path / "t.h5", header={"model": {"name": "tiny-llama"}, "scenario": {"name": "prefix-cache"}}) as w:
+        for r in runs:
+            w.add_run(r)
+    out = subprocess.run([sys.executable, "-m", "tracer", "compare", str(tmp_path / "t.h5")], capture_output=True,
+                         text=True, env=cli_env, cwd=tmp_path).stdout
+    nexts = [line.partition("next:")[2] for line in out.splitlines() if line.startswith("next:")]
+    assert len(nexts) >= 3, out
+    for s in nexts:
+        check_suggestion(s, "compare")
+    assert any("`tracer run " in s and "--verdict" in s for s in nexts)
+
+
+def _noise(verdict, logits):
+    levels = tuple(Level(d, e, x, x, x == 0) for d, e, x in zip(("bfloat16", "float32", "float64"),
+                                                                 (2 ** -7, 2 ** -23, 2 ** -52), logits))
+    return NoiseVerdict(verdict, "the numbers", "model.layers.29", levels)
+
+
+@pytest.mark.parametrize("verdict, logits, words", [
+    ("rounding noise", (0.25, 1.2e-6, 3e-15), "rounding noise (the error shrinks with ε: logits max|Δ| bfloat16 0.25 → "
+                                              "float32 1.2e-06 → float64 3e-15)"),
+    ("defect suspected", (0.25, 0.24, 0.2), "defect suspected (the error does not shrink with ε: logits max|Δ| "
+                                            "bfloat16 0.25 → float32 0.24 → float64 0.2)"),
+])
+def test_verdict_says_the_answer_first_and_last(verdict, logits, words):
+    from dataclasses import replace
+
+    from tracer.diff.compare import compare_records
+    from tracer.report.tables import render
+
+    g = torch.Generator().manual_seed(3)
+    ta = [torch.randn(4, 8, generator=g) for _ in range(3)]
+    tb = [ta[0].clone(), torch.nextafter(ta[1], torch.full_like(ta[1], 9.0)), ta[2].clone()]
+    names = [("model.embed_tokens", "embedding"), ("model.layers.0", "layer"), ("lm_head", "logits")]
+    run = lambda n, ts: RunRecord(n, list(range(8)), {"chunks": [[0, 8]]}, (4, 8),  # noqa: E731
+                                  {nm: CaptureRecord(nm, k, t) for (nm, k), t in zip(names, ts)})
+    c = replace(compare_records(run("A", ta), run("B", tb), scenario="prefix-cache", model="m"),
+                noise=_noise(verdict, logits))
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=120, no_color=True))
+    lines = out.getvalue().splitlines()
+    verdicts = [x.partition("verdict:")[2].strip() for x in lines if x.startswith("verdict:")]
+    assert lines[0].startswith("verdict:") and len(verdicts) == 2  # the headline's first line and the closing one
+    assert verdicts == [f"{words}; {c.verdict()}"] * 2

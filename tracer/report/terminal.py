@@ -1,0 +1,231 @@
+"""What each ``tracer`` command prints and saves once its one API call has returned.
+
+The command line (:mod:`tracer.cli`) parses, calls :mod:`tracer.api` once and hands the result
+here: the report on stdout (styled in a terminal, plain when piped), notes and the ``--fail-on``
+reason on stderr, and the files asked for (``--report`` HTML, ``--plot`` figures). The output
+paths are checked before the API call (:func:`check_outputs`), so nothing runs for a file that
+cannot be written.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from tracer.errors import EXIT_DIVERGED, TracerError
+from tracer.report.textsafe import printable
+
+err = Console(stderr=True)
+
+
+def print_error(message: str) -> None:
+    """``error: MESSAGE`` on stderr: one line, no markup, control characters escaped (it may quote file names)."""
+    err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), highlight=False, soft_wrap=True)
+
+
+def print_internal_error(e: BaseException) -> None:
+    """A tracer bug in one line on stderr (``TRACER_DEBUG=1`` prints the traceback instead)."""
+    first = (str(e).splitlines() or [""])[0][:200]
+    err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
+              "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+
+
+def check_outputs(*, report: str | None = None, plot: str | None = None, output: str | None = None,
+                  overwrite: bool = False) -> None:
+    """Refuse a ``--report``/``--plot`` path that cannot be written, before anything runs.
+
+    Raises:
+        TracerError: the report is the trace's ``--output`` too, a bad suffix, an existing file
+            without ``overwrite``, an unwritable folder.
+    """
+    if report is not None:
+        from tracer.report.html import check_report_path
+
+        if output is not None and os.path.abspath(report) == os.path.abspath(output):
+            raise TracerError(f"--report {report} is the trace's --output too; give the report another name "
+                              "(e.g. .html beside the .h5)")
+        check_report_path(report, overwrite)
+    if plot is not None:
+        from tracer.report.plot import check_figure_path
+
+        check_figure_path(plot, overwrite)
+
+
+def check_table(fmt: str, columns: str | None = None, wide: bool = False) -> tuple[str, ...]:
+    """The table columns of a comparison report (checked with its format before anything runs).
+
+    Raises:
+        TracerError: unknown format or column.
+    """
+    from tracer.report.layout import check_columns, check_format
+
+    check_format(fmt)
+    return check_columns(columns, wide)
+
+
+def print_comparison(comparison: Any, fmt: str = "table", columns: tuple[str, ...] | None = None,
+                     all_rows: bool = False, command: str = "run") -> None:
+    """Render a comparison on stdout: styled in a terminal; piped, ``$COLUMNS`` or 120 wide with every
+    asked-for column kept; its suggestions valid for the ``tracer`` ``command`` that prints it."""
+    from tracer.report.console import stdout_console
+    from tracer.report.layout import DEFAULT_COLUMNS
+    from tracer.report.tables import render
+
+    console = stdout_console(explicit_columns=columns is not None and columns != DEFAULT_COLUMNS)
+    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows, command)
+    if text is not None:
+        text = printable(text, newlines=True)  # csv/markdown quote names from the trace
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def fail_on_exit(comparison: Any) -> int:
+    """The exit code of the comparison's own ``--fail-on`` rule (the JSON's ``check``): 0, or
+    :data:`~tracer.errors.EXIT_DIVERGED` with the reason on stderr."""
+    failed, reason = comparison.check()
+    if not failed:
+        return 0
+    err.print(f"fail-on {comparison.fail_on}: {printable(reason)}", highlight=False, soft_wrap=True, markup=False)
+    return EXIT_DIVERGED
+
+
+def write_run_report(result: Any, report: str | None, overwrite: bool = False, say: Any = None) -> None:
+    """``tracer run --report``: the HTML report of the run's comparison (with its trace's header)."""
+    if report is None or result.comparison is None:
+        return
+    from tracer.report.html import comparison_html, write_report
+
+    header = None
+    if result.trace:
+        from tracer.store.trace import TraceReader
+
+        with TraceReader(result.trace) as r:
+            header = r.header
+    if say is not None:
+        say(f"writing the HTML report {report}")
+    write_report(comparison_html(result.comparison, header), report, overwrite=overwrite)
+
+
+def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, report: str | None = None,
+              mitigation: str | None = None) -> int:
+    """``tracer run``: the comparison (:func:`print_comparison`), where the report went, whether a
+    mitigation restored bitwise equality; returns the exit code (:func:`fail_on_exit`)."""
+    c = result.comparison
+    if c is None:  # a rank > 0 under torchrun: rank 0 reports
+        return 0
+    print_comparison(c, fmt, columns, all_rows)
+    if report is not None:
+        err.print(f"report: {report}", highlight=False)
+    if mitigation is not None and fmt == "table":
+        ok = c.identical
+        Console().print(f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
+                        f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
+                        style="green" if ok else "red")
+    return fail_on_exit(c)
+
+
+def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: bool = False) -> None:
+    """``tracer audit``: the hierarchy table (or JSON/CSV/markdown) on stdout, and the ``--report`` HTML."""
+    from tracer.report.console import stdout_console
+    from tracer.report.hierarchy import audit_html, render_audit
+
+    if report is not None:
+        from tracer.report.html import write_report
+
+        write_report(audit_html(result), report, overwrite=overwrite)
+    text = render_audit(result, fmt, stdout_console())
+    if text is not None:
+        sys.stdout.write(text)
+
+
+def print_import(mapped: Any, output: str, run_name: str) -> None:
+    """``tracer import``: what was mapped, where it went, and the mapping's notes."""
+    lo, hi = mapped.positions
+    print(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, positions {lo}..{hi - 1} "
+          f"-> {output} (run {run_name})")
+    for line in mapped.notes:
+        print(f"  {line}")
+
+
+def print_path(path: Any) -> None:
+    """``tracer plot``, ``tracer report``: the file written, alone on stdout (scripts read it)."""
+    print(path)
+
+
+def print_models(models: list[dict[str, str]]) -> None:
+    """``tracer models``: the built-in recipes as a table."""
+    from rich.table import Table
+
+    t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
+              title_justify="left")
+    t.add_column("name", style="bold")
+    t.add_column("kind")
+    t.add_column("description")
+    for m in models:
+        t.add_row(m["name"], m["kind"], m.get("description", ""))
+    Console().print(t)
+
+
+def print_bench(result: Any, as_json: bool) -> None:
+    """``tracer bench``: the table of medians and ratios, or the result as JSON."""
+    from tracer.report.bench import table
+
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        Console().print(table(result))
+
+
+#: the formats ``tracer sweep`` prints
+SWEEP_FORMATS = ("table", "json", "csv")
+
+
+def check_sweep_format(fmt: str) -> str:
+    """``--format`` of ``tracer sweep``.
+
+    Raises:
+        TracerError: a format other than :data:`SWEEP_FORMATS`.
+    """
+    if fmt not in SWEEP_FORMATS:
+        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(SWEEP_FORMATS)}")
+    return fmt
+
+
+def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report: str | None = None,
+                overwrite: bool = False) -> None:
+    """``tracer sweep``: write the ``plot`` figure and the ``report`` HTML, then print the summary
+    lines with the file names (``table``), the summary as JSON, or one CSV row per point.
+
+    Raises:
+        TracerError: a figure or report that cannot be written.
+    """
+    if plot is not None:
+        from tracer.report.plot import save_figure, sweep_figure
+
+        save_figure(sweep_figure(result), plot, overwrite=overwrite)
+    if report is not None:
+        from tracer.report.html import write_report
+        from tracer.report.pages import sweep_html
+
+        write_report(sweep_html(result), report, overwrite=overwrite)
+    if fmt == "table":
+        from tracer.report.sweep_lines import sweep_summary_lines
+
+        for line in sweep_summary_lines(result):
+            print(line)
+        if result.path:
+            print(f"sweep file: {result.path}")
+        if plot is not None:
+            print(f"divergence map: {plot}")
+    elif fmt == "json":
+        print(json.dumps(result.summary(), indent=1, default=str))
+    else:
+        rows = result.summary_rows()
+        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else ["length"], lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
