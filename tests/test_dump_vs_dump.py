@@ -259,10 +259,11 @@ def test_cli_compares_two_dumps_rl_summary_first(refs, tmp_path, cli_env):
     r = subprocess.run([sys.executable, "-m", "tracer", "compare", same, b, "-r", f"{refs['all']}:B", "--fail-on", "any"],
                        capture_output=True, text=True, env=cli_env, cwd=tmp_path)
     assert r.returncode == 0 and "bit-identical" in r.stdout, r.stdout + r.stderr
+    quiet = {**cli_env, "TRACER_PROGRESS": "off"}  # no 'compare: ... elapsed' line on a loaded machine
     r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, "-r", f"{refs['all']}:B"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+                       capture_output=True, text=True, env=quiet, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "give DUMP_A DUMP_B" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b], capture_output=True, text=True, env=cli_env,
+    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b], capture_output=True, text=True, env=quiet,
                        cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "add --reference REF.h5:RUN" in r.stderr
 

@@ -224,21 +224,21 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     """
     from dataclasses import replace
 
+    refs = [str(x) for x in (path, run_a, run_b) if x is not None]
+    if reference is not None and len(refs) != 2:  # before anything heavy is imported
+        raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
     from tracer.diff.compare import compare_runs
     from tracer.diff.compare_dump import compare_dump, dump_side
+    from tracer.diff.compare_dumps import compare_dumps, dumps_args
     from tracer.diff.refs import resolve_refs, split_ref
     from tracer.diff.result import check_fail_on
 
     check_fail_on(fail_on, atol, rtol)
-    if reference is not None:
-        from tracer.diff.compare_dumps import compare_dumps
-
-        if run_a is None or run_b is not None:
-            raise TracerError("--reference compares two engine dumps: tracer compare DUMP_A DUMP_B --reference REF.h5:RUN")
-        comparison = compare_dumps(str(path), str(run_a), split_ref(str(reference)), engine_map=engine_map, atol=atol,
+    pair = dumps_args(refs, reference)
+    if pair is not None:
+        comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
                                    rtol=rtol, device=device)
         return replace(comparison, fail_on=fail_on)
-    refs = [str(x) for x in (path, run_a, run_b) if x is not None]
     dump = dump_side(refs)
     if dump is not None:
         comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)

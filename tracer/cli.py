@@ -53,7 +53,7 @@ RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
     "plot": (str, None, ("--plot",), "also write the divergence map to this .png/.svg/.pdf."),
     "as_json": (bool, False, ("--json",), "print the result as JSON."),
     "no_store": (bool, False, ("--no-store",), "compare in memory; write no file (same as --store none)."),
-    "overwrite": (bool, False, ("--overwrite",), "replace an existing --report file."),
+    "overwrite_report": (bool, False, ("--overwrite",), "replace an existing --report file."),
 }
 #: command-line spellings other than ``--name`` of the API functions' own parameters
 FLAGS = {"engine_map": ("--map",), "run_name": ("--run",), "reference": ("--reference", "-r"),
@@ -202,9 +202,9 @@ def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool
     print_audit(api.audit(progress=_progress(), **opts), fmt, report, opts["overwrite"])
 
 
-@_command("compare", api.compare_trace, ("fmt", "wide", "columns", "all_rows", "report", "overwrite"))
+@_command("compare", api.compare_trace, ("fmt", "wide", "columns", "all_rows", "report", "overwrite_report"))
 def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all_rows: bool,
-                report: str | None, overwrite: bool) -> int:
+                report: str | None, overwrite_report: bool) -> int:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
     for traces made on two machines (a file without :RUN uses the other side's run name, else its first run),
     or TRACE[:RUN] DUMP: an HF reference run against an engine dump (SGLang dumper folder, PassN.pt
@@ -214,14 +214,14 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison
 
     cols = check_table(fmt, columns, wide)
-    check_outputs(report=report, output=None, overwrite=overwrite)  # before any work: nothing is clobbered
+    check_outputs(report=report, output=None, overwrite=overwrite_report)  # before any work: nothing is clobbered
     refs = " ".join(str(opts[k]) for k in ("path", "run_a", "run_b") if opts[k] is not None)
     with phase("compare", f"comparing {refs}"):
         comparison = api.compare_trace(**opts)
     if report is not None:
         from tracer.report.html import comparison_html, write_report
 
-        write_report(comparison_html(comparison), report, overwrite=overwrite)
+        write_report(comparison_html(comparison), report, overwrite=overwrite_report)
     print_comparison(comparison, fmt, cols, all_rows, "compare")
     return fail_on_exit(comparison)
 
