@@ -28,10 +28,10 @@ _MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory"
 _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "length")
 RUN_OPTIONS = tuple(OPTIONS)
 #: the audit's checks fix padding, reduce order and dtype, KV formats and devices themselves
-AUDIT_OPTIONS = (*_MODEL, *_PROMPT, "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
+AUDIT_OPTIONS = (*_MODEL, *_PROMPT, "engine", "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
                  "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b")
 SWEEP_OPTIONS = (*(k for k in _MODEL if k not in ("device_map", "max_memory")), *(k for k in _PROMPT if k != "length"),
-                 "scenario", "mitigation", "granularity", "kv_cache", "store", "output", "overwrite",
+                 "scenario", "mitigation", "engine", "granularity", "kv_cache", "store", "output", "overwrite",
                  *(k for k, o in OPTIONS.items() if o.group == "scenario_options"))
 
 

@@ -88,6 +88,8 @@ def _rl_opt(name: str, *flags: str):
     return typer.Option(*flags, help=_HELP[name][0].upper() + _HELP[name][1:] + ".")
 
 
+EngineOpt = Annotated[Optional[str], _rl_opt("engine", "--engine")]
+EnginesOpt = Annotated[Optional[str], _rl_opt("engines", "--engines")]
 RolloutsOpt = Annotated[Optional[int], _rl_opt("rollouts", "--rollouts")]
 SampleOpt = Annotated[Optional[bool], _rl_opt("sample", "--sample")]
 TemperatureOpt = Annotated[Optional[float], _rl_opt("temperature", "--temperature")]
@@ -176,7 +178,7 @@ def run_cmd(
     prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
     length: LengthOpt = None, chat: ChatOpt = False,
     scenario: ScenarioOpt = "prefix-cache", block_size: BlockSizeOpt = None, split_at: SplitAtOpt = None,
-    mitigation: MitigationOpt = None,
+    mitigation: MitigationOpt = None, engine: EngineOpt = None, engines: EnginesOpt = None,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,
     device_map: DeviceMapOpt = None, max_memory: MaxMemoryOpt = None,
@@ -243,6 +245,7 @@ def run_cmd(
 def audit_cmd(
     model: ModelArg = "smollm2-135m",
     levels: Annotated[Optional[str], typer.Option("--levels", "-l", help="Levels to run, e.g. 0,1,2 (default: all, 0-7).")] = None,
+    engine: EngineOpt = None,
     prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
     length: LengthOpt = None, chat: ChatOpt = False,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
@@ -426,7 +429,7 @@ def sweep_cmd(
     block_size: BlockSizeOpt = None,
     block_sizes_axis: Annotated[Optional[str], typer.Option("--block-sizes", help="Several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as --lengths).")] = None,
     scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario run at every point (default prefix-cache).")] = "prefix-cache",
-    mitigation: MitigationOpt = None,
+    mitigation: MitigationOpt = None, engine: EngineOpt = None, engines: EnginesOpt = None,
     prompt: PromptOpt = None, prompt_file: PromptFileOpt = None, token_ids_file: TokenIdsOpt = None,
     dtype: DtypeOpt = "bfloat16", device: DeviceOpt = None, attn: AttnOpt = "sdpa", gguf: GgufOpt = None,
     granularity: GranularityOpt = "layers", kv_cache: KvCacheOpt = True,

@@ -63,7 +63,8 @@ class ScenarioConfig:
     """Which pair of run plans: a catalogue name (or a Scenario / ``f(n_tokens)``) and its options.
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
-    scenario's own default applies (block size 16).
+    scenario's own default applies (block size 16; 32 with ``engine`` vllm). ``engine``: who
+    executes both plans (None = ``hf``; :mod:`tracer.plan.engines`).
     """
 
     name: Any = "prefix-cache"
@@ -71,11 +72,12 @@ class ScenarioConfig:
     split_at: int | None = None
     mitigation: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    engine: str | None = None
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`tracer.plan.scenarios.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
-        for k in ("block_size", "split_at", "mitigation"):
+        for k in ("block_size", "split_at", "mitigation", "engine"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -248,6 +250,9 @@ _HELP = {
     "block_size": "KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16)",
     "split_at": "cached prefix length P (1..N-1), overriding block_size",
     "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P) or deterministic",
+    "engine": "who executes both runs: hf (Hugging Face transformers, default) or vllm (vLLM in-process, eager; "
+              "pip install 'tracer[vllm]')",
+    "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default)",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window (positions P..N-1 both runs computed last) or all (0..N-1)",
     "kv_cache": "capture each layer's KV cache over all N positions",
@@ -316,7 +321,7 @@ def scenario_option_names() -> tuple[str, ...]:
     """The scenario-specific options: every keyword of a catalogue builder but the shared ones."""
     from tracer.plan.scenarios import SCENARIOS
 
-    shared = {"n_tokens", "block_size", "split_at", "mitigation"}
+    shared = {"n_tokens", "block_size", "split_at", "mitigation", "engine"}
     names: list[str] = []
     for fn in SCENARIOS.values():
         names += [p for p in inspect.signature(fn).parameters if p not in shared and p not in names]
@@ -341,6 +346,7 @@ def check_applicable(scen: ScenarioConfig) -> None:
     if not isinstance(scen.name, str):  # a Scenario or a builder of the user's: they take no options
         given = scen.params()
         given.pop("mitigation", None)
+        given.pop("engine", None)
         if given:
             raise TracerError(f"option(s) {', '.join(sorted(given))} apply to catalogue scenarios only; "
                               "build them into your own Scenario")
@@ -348,7 +354,7 @@ def check_applicable(scen: ScenarioConfig) -> None:
     if scen.name not in SCENARIOS:
         raise TracerError(f"unknown scenario '{scen.name}'; use one of: {', '.join(SCENARIOS)}")
     uses = applicable_options(scen.name)
-    extra = sorted(k for k in scen.params() if k != "mitigation" and k not in uses)
+    extra = sorted(k for k in scen.params() if k not in ("mitigation", "engine") and k not in uses)
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"
@@ -377,6 +383,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.store.trace import check_output
 
     from tracer.plan.checks import check_block_size, check_compression, check_length, check_scenario_values
+    from tracer.plan.engines import check_engine
 
     m, s, c, st, ch = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks
     check_length(cfg.prompt.length)
@@ -402,6 +409,10 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if c.positions not in POSITIONS:
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
+    check_engine(s.engine, installed=False)
+    if ch.verdict and (s.engine not in (None, "hf") or s.name == "engine"):
+        raise TracerError("--verdict re-runs the HF model at float32 and float64; vLLM loads its own weights and is "
+                          "not re-run: drop --verdict, or use --engine hf")
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
@@ -430,6 +441,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         from tracer.execute.tp_dist import check_distributed
 
         planned = check_resources(preview(s.name, _known_length(cfg.prompt) if one_length else None, s.params()))
+        for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
+            check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)
     return cfg

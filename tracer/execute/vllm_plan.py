@@ -60,7 +60,14 @@ class VllmSettings:
 
 
 def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
-    mode = options.get("chunks", "auto")
+    """How the plan's chunks are realised: ``one-step`` (one chunk), else ``prefix-cache`` or
+    ``chunked`` from ``options["chunks"]``, the plan's ``engine_settings`` (set by
+    :func:`tracer.plan.engines.with_engine`), or the scenario (``chunked-prefill``: chunked).
+
+    Raises:
+        TracerError: an unknown mode.
+    """
+    mode = options.get("chunks") or dict(getattr(plan, "engine_settings", ()) or ()).get("chunks", "auto")
     if mode not in CHUNK_MODES:
         raise TracerError(f"unknown vLLM chunk mode {mode!r}; use one of: {', '.join(CHUNK_MODES)}")
     if len(plan.chunks) == 1:
@@ -86,9 +93,23 @@ def refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
 
 
 def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
-    base = options.get("settings") or VllmSettings()
-    if not isinstance(base, VllmSettings):
-        base = VllmSettings(**dict(base))
+    """The :class:`VllmSettings` a plan runs with: the plan's ``engine_settings`` (KV block size), then
+    ``options["settings"]`` (a VllmSettings or a dict of its fields) over them; chunked mode sets
+    the token budget to the chunk size.
+
+    Raises:
+        TracerError: chunks that a token budget cannot produce, a batch over the budget, an unknown setting.
+    """
+    from dataclasses import fields
+
+    known = {f.name for f in fields(VllmSettings)}
+    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items() if k != "chunks"}
+    given = options.get("settings") or {}
+    given = {f.name: getattr(given, f.name) for f in fields(VllmSettings)} if isinstance(given, VllmSettings) else dict(given)
+    unknown = sorted(k for k in {**planned, **given} if k not in known)
+    if unknown:
+        raise TracerError(f"unknown vLLM setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    base = VllmSettings(**{**planned, **given})
     if mode == "chunked":
         sizes = [e - s for s, e in plan.chunks]
         if any(x != sizes[0] for x in sizes[:-1]) or sizes[-1] > sizes[0]:
