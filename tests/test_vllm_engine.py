@@ -63,7 +63,7 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
         assert torch.equal(_bits(got), _bits(want)), x
     # the fused GEMM's shapes are recorded as vLLM saw them: K 576 -> N 960 (q + k + v), M = the step's tokens
     call = rec.captures["model.layers.0.self_attn.k_proj"].calls[0]
-    assert call["in"] == [[N, 576]] and call["out"] == [N, 960] and call["positions"] == [0, N]
+    assert call["in"] == [[N, 576]] and call["out"] == [[N, 960]] and call["positions"] == [0, N]
     assert "fused qkv_proj, part 2 of 3" in rec.meta["vllm"]["mapping"]["model.layers.0.self_attn.k_proj"]
     # what has no vLLM counterpart is named with a reason, never an empty capture
     assert "model.layers.0.mlp.act_fn" not in rec.captures

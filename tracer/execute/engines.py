@@ -20,11 +20,12 @@ executor                runs
 ``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
                         teacher-forced forward over run A's sequences; it also receives
                         ``rollout=`` (run A's record)
+``vllm-rollout``        an RL rollout plan on ``vllm``: the K prompts sampled by vLLM, each
+                        token's logprob as vLLM reports it (:mod:`tracer.execute.vllm_rollout`)
 ======================  =================================================================
 
-An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``):
-a vLLM rollout is one more entry, ``vllm-rollout``, reading ``plan.rl`` the way
-:mod:`tracer.execute.rollout` does. Until an engine has one, its RL plans are refused in one line.
+An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``,
+``vllm-rollout``). An engine without an executor for a role has its RL plans refused in one line.
 
 Adding an engine means one module with an ``execute`` function of the signature below, one entry
 in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
@@ -48,6 +49,7 @@ EXECUTORS: dict[str, tuple[str, str]] = {
     "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
     "hf-rollout": ("tracer.execute.rollout", "execute_rollout"),
     "hf-train": ("tracer.execute.rollout", "execute_train"),
+    "vllm-rollout": ("tracer.execute.vllm_rollout", "execute_rollout"),
 }
 
 

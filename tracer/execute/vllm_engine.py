@@ -112,6 +112,7 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     return dict(dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
+                logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
                 max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),
                 gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
@@ -178,16 +179,17 @@ class VllmEngine:
         if self.settings.enable_prefix_caching and not self.llm.reset_prefix_cache():
             raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
 
-    def start(self, prompts: list[list[int]], max_tokens: int = 1) -> list[tuple[str, str]]:
-        """Add one request per prompt (greedy, ``max_tokens``), not yet scheduled; returns
-        ``(external id, vLLM's internal id)`` per request."""
+    def start(self, prompts: list[list[int]], max_tokens: int = 1, params: list[Any] | None = None) -> list[tuple[str, str]]:
+        """Add one request per prompt (greedy, ``max_tokens``; or ``params``, one ``SamplingParams``
+        per prompt), not yet scheduled; returns ``(external id, vLLM's internal id)`` per request."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out = []
-        for p in prompts:
+        for j, p in enumerate(prompts):
             ext = f"tracer-{next(self._ids)}"
+            sp = params[j] if params is not None else greedy
             internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
             out.append((ext, str(internal)))
         return out

@@ -34,6 +34,8 @@ class VllmSettings:
         enforce_eager: must be True (no CUDA graphs).
         compilation_mode: must be 0 (no torch.compile).
         seed: vLLM's seed (greedy sampling does not use it).
+        logprobs_mode: what vLLM reports as a token's logprob: ``raw_logprobs`` (log_softmax of
+            the float32 logits) or ``processed_logprobs`` (after the temperature: a sampled rollout).
     """
 
     block_size: int = 32
@@ -45,6 +47,7 @@ class VllmSettings:
     enforce_eager: bool = True
     compilation_mode: int = 0
     seed: int = 0
+    logprobs_mode: str = "raw_logprobs"
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -126,7 +129,7 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     return base
 
 
-def _batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
+def batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
     """The batch's rows as :func:`tracer.execute.runner.batch_inputs` builds them, without padding."""
     n, out = len(token_ids), []
     for j, length in enumerate(batch.lengths):
@@ -147,7 +150,7 @@ def waves(token_ids: list[int], plan: Any, mode: str, block_size: int) -> list[t
         TracerError: a prefix-cache boundary that is not a multiple of the KV block size.
     """
     if plan.batch is not None:
-        rows = _batch_rows(token_ids, plan.batch)
+        rows = batch_rows(token_ids, plan.batch)
         return [(rows, [j == plan.batch.row for j in range(len(rows))])]
     if mode != "prefix-cache":
         return [([list(token_ids)], [True])]
