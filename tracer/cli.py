@@ -563,7 +563,8 @@ def bench_cmd(
     gguf: GgufOpt = None,
     granularity: Annotated[str, typer.Option("--granularity", help="layers or sublayers.")] = "layers",
     kv_cache: KvCacheOpt = True,
-    block_size: Annotated[int, typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N.")] = 16,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", "-b", help="KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16; 32 with --engine vllm).")] = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="hf (default) or vllm: the capture overhead inside vLLM as a ratio to vLLM's bare generate (prefix-cache in vLLM, one process, interleaved).")] = None,
     reps: Annotated[int, typer.Option("--reps", help="Measured repetitions of each mode.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Unmeasured repetitions first.")] = 1,
     outdir: Annotated[Optional[str], typer.Option("--outdir", help="Folder for the trace and raw I/O files (default: a temp dir).")] = None,
@@ -578,11 +579,42 @@ def bench_cmd(
 
     if reps < 1 or warmup < 0:
         _fail("--reps must be ≥ 1 and --warmup ≥ 0")
+    if engine not in (None, "hf"):
+        _bench_engine(engine, model, length, dtype, device, gguf, granularity, kv_cache, block_size, reps, warmup,
+                      outdir, as_json)
+        return
     try:
         with StatusProgress("bench", mode="auto") as status:
             result = bench(model, length=length, dtype=dtype, device=device, gguf=gguf,
-                           granularity=granularity, kv_cache=kv_cache, block_size=block_size, reps=reps,
+                           granularity=granularity, kv_cache=kv_cache, block_size=block_size or 16, reps=reps,
                            warmup=warmup, outdir=outdir, peers=peers, progress=status)
+    except TracerError as e:
+        _fail(str(e))
+        return
+    if as_json:
+        print(to_json(result))
+    else:
+        Console().print(table(result))
+
+
+def _bench_engine(engine: str, model: str, length: int, dtype: str, device: str | None, gguf: str | None,
+                  granularity: str, kv_cache: bool, block_size: int | None, reps: int, warmup: int,
+                  outdir: str | None, as_json: bool) -> None:
+    """``tracer bench --engine vllm`` (:mod:`tracer.loops.bench_vllm`)."""
+    try:
+        from tracer.plan.engines import check_engine
+
+        check_engine(engine)
+        if engine != "vllm":
+            raise TracerError(f"tracer bench has no mode for engine {engine!r}; use --engine hf or vllm")
+        if device is not None or outdir is not None:
+            raise TracerError("--device and --outdir do not apply to --engine vllm (vLLM runs on its own device and "
+                              "the bench writes no file)")
+        from tracer.loops.bench_vllm import bench_vllm, table, to_json
+
+        with StatusProgress("bench", mode="auto") as status:
+            result = bench_vllm(model, length=length, dtype=dtype, gguf=gguf, granularity=granularity, kv_cache=kv_cache,
+                                block_size=block_size or 32, reps=reps, warmup=warmup, progress=status)
     except TracerError as e:
         _fail(str(e))
         return

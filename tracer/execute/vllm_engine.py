@@ -314,6 +314,24 @@ def plan_facts(loaded: Any, plan: Any) -> dict[str, Any]:
     return engine_for(loaded, settings_of(plan, mode, {})).facts()
 
 
+def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] | None = None) -> None:
+    """``plan``'s requests through vLLM's own ``LLM.generate`` with no hooks (greedy, one token; the
+    prefix cache reset first): the floor ``tracer bench --engine vllm`` measures capture against.
+
+    Raises:
+        TracerError: as :func:`execute_loaded` for a plan vLLM cannot realise.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    mode = chunk_mode(plan, {}, dict(meta or {}))
+    eng = engine_for(loaded, settings_of(plan, mode, {}))
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    eng.reset_prefix_cache()
+    for prompts, _traced in waves(token_ids, plan, mode, eng.kwargs["block_size"]):
+        eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+
+
 # ---------------------------------------------------------------- the reference layout
 
 
@@ -434,5 +452,5 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                      captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]}), None
 
 
-__all__ = ["VllmSettings", "VllmEngine", "engine_for", "plan_facts", "op_facts", "weights_folder", "ref_layout", "execute_loaded",
+__all__ = ["VllmSettings", "VllmEngine", "engine_for", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
            "MAX_ENGINES", "CHUNK_MODES"]
