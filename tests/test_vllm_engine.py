@@ -314,3 +314,27 @@ def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_state
     assert torch.equal(_bits(a.captures["model.layers.5"].tensor), _bits(torch.cat(rows)))  # positions N-1 .. N+T-2
     assert a.meta["engine"]["engine"] == "vllm" and b.meta["engine"]["engine"] == "hf"
     assert r.comparison.rl is not None and len(r.comparison.rl.dlogp[0]) == t
+
+
+def test_capture_of_a_users_own_llm_gives_hf_names(loaded, engine):
+    """tracer.capture(llm) on the LLM object itself: the first request's prompt and decode positions,
+    under HF names; the embedding equals HF's own (same gather), the layer rows equal what
+    tracer's executor captures for the same prompt, and the logits are where vLLM sampled."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.reset_prefix_cache()
+    with tracer.capture(engine.llm, "layers", reference=loaded) as cap:
+        out = engine.llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=3, temperature=0.0),
+                                  use_tqdm=False)
+    gen = list(out[0].outputs[0].token_ids)
+    assert cap.positions == (0, N + 2) and cap.token_ids == IDS + gen[:2]  # the last token is sampled, never computed
+    with torch.no_grad():
+        emb = loaded.model.model.embed_tokens(torch.tensor([IDS + gen[:2]]))[0]
+    assert torch.equal(_bits(cap["model.embed_tokens"].tensor), _bits(emb))
+    rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), discover_points(loaded.model, "layers"), (0, N))
+    assert torch.equal(_bits(cap["model.layers.11"].tensor[:N]), _bits(rec.captures["model.layers.11"].tensor))
+    ps, logits = cap.logits["lm_head"]
+    assert ps == [N - 1, N, N + 1] and [int(x) for x in logits.float().argmax(-1)] == gen
+    with pytest.raises(KeyError, match="only where it samples"):
+        cap["lm_head"]

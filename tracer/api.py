@@ -155,8 +155,14 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> Any:
+def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+            reference: Any = None) -> Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
+
+    ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
+    the block is traced at every position it computes, under HF capture names
+    (:class:`tracer.execute.vllm_captured.VllmCaptured`, filled when the block ends; ``reference``:
+    a loaded HF model of the same weights, else loaded from the LLM's folder).
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
     decoder layer's output, final norm, logits), ``"sublayers"`` or a list of module paths
@@ -172,6 +178,12 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
     Raises:
         TracerError: unknown granularity or module path.
     """
+    if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
+        from tracer.execute.vllm_captured import VllmCaptured
+
+        return VllmCaptured(model, points, reference=reference)
+    if reference is not None:
+        raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
     from tracer.execute.capture import Captured
 
     return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)

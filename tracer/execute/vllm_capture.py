@@ -109,6 +109,7 @@ class VllmCapture:
         self.window = (int(window[0]), int(window[1]))
         self.kv_points = dict(kv_points)
         self.ours: set[str] = set()
+        self.follow_first = False  # True: the first request seen becomes the traced one (tracer.capture(llm))
         self.steps: list[dict[str, Any]] = []  # what each forward pass computed (JSON-able)
         self.entries: list[DumpEntry] = []
         self.tokens: dict[int, dict[str, Any]] = {}
@@ -166,6 +167,8 @@ class VllmCapture:
                               "cannot be split into requests (tracer was written against vllm 0.32)")
         qsl = [int(x) for x in qsl.tolist()]
         req_ids = list(self.runner.input_batch.req_ids)[:len(qsl) - 1]
+        if self.follow_first and not self.ours and req_ids:
+            self.ours.add(req_ids[0])
         pos_cpu, ids_cpu = pos.to("cpu").long(), ids.to("cpu").long()
         step = len(self.steps)
         kv_rows, win_rows, logit_rows, traced = [], [], [], []
