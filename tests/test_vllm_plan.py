@@ -190,3 +190,28 @@ def test_logits_where_vllm_samples_are_compared_at_those_positions_only():
     assert [(f["position"], f["token_a"], f["token_b"]) for f in flips] == [(9, int(top[0]), int(top[1]))]
     assert c.logits.tensor.n_diff == int((logits_a[3] != row_b).sum()) == 2
     assert c.logits_origin and "in 1 position" in c.verdict()
+
+
+def test_points_an_engine_does_not_compute_are_named_not_failed_and_grouped():
+    """HF computes mlp.act_fn, vLLM does not (SiluAndMul is act(gate)·up): with the engine's reason
+    the points are skipped without failing the comparison, and the table shows them as one row."""
+    import torch
+
+    from tracer.diff.compare import compare_records
+    from tracer.diff.engine import engine_skips
+    from tracer.execute.records import CaptureRecord, RunRecord
+    from tracer.report.tables import skip_rows
+
+    h = torch.ones(2, 4, dtype=torch.bfloat16)
+    rec = lambda name, kind: CaptureRecord(name=name, kind=kind, tensor=h.clone(), calls=[], op="x")  # noqa: E731
+    names = [f"model.layers.{i}.mlp.act_fn" for i in range(4)]
+    a = RunRecord("A", [1, 2], {}, (0, 2), {"model.layers.0": rec("model.layers.0", "layer"),
+                                            **{n: rec(n, "activation") for n in names}}, meta={"engine": {"engine": "hf"}})
+    b = RunRecord("B", [1, 2], {}, (0, 2), {"model.layers.0": rec("model.layers.0", "layer")},
+                  meta={"engine": {"engine": "vllm"}, "not_captured": {n: "no vLLM module computes it" for n in names}})
+    c = compare_records(a, b, scenario="engine", model="m")
+    assert not c.identical and len(c.not_compared) == 4  # missing in B: fails until the engine says why
+    c = engine_skips(c, a, b)
+    assert c.identical and not c.not_compared and len(c.skipped) == 4
+    assert c.skipped[0].reason == "not computed by vllm (run B): no vLLM module computes it"
+    assert [name for name, _sk in skip_rows(c.skipped)] == ["model.layers.{0..3}.mlp.act_fn (4 points)"]

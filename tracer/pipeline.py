@@ -201,7 +201,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.execute.capture import host_copies
-    from tracer.diff.engine import sampled_logits
+    from tracer.diff.engine import engine_skips, sampled_logits
     from tracer.execute.engines import execute_plan, hf_contract
     from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
@@ -255,7 +255,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=facts, atol=atol, rtol=rtol)
     if on_engines:  # vLLM computes logits only where it samples: compared at the positions both runs have
-        comparison = sampled_logits(comparison, cmp_a, cmp_b, {n: r.role for n, r in cmp_a.captures.items() if r.role})
+        comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
     if rl:  # what RL stacks log, from both runs' logprobs and logits
         comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))

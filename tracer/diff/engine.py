@@ -86,6 +86,23 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     return out
 
 
+def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
+    """``c`` with every point missing in a run whose engine does not compute it (the run's
+    ``meta["not_captured"]``: vLLM has no module for HF's ``mlp.act_fn``, ...) skipped with that
+    reason and not failing: the points both engines compute decide whether the runs agree."""
+    from tracer.diff.result import SkipRecord
+
+    why = {run.name: run.meta.get("not_captured") or {} for run in (a, b)}
+    engines = {run.name: (run.meta.get("engine") or {}).get("engine", "?") for run in (a, b)}
+    out = []
+    for sk in c.skipped:
+        run = sk.reason[len("missing in run "):] if sk.reason.startswith("missing in run ") else None
+        reason = why.get(run, {}).get(sk.name) if run is not None else None
+        out.append(SkipRecord(sk.name, sk.kind, f"not computed by {engines[run]} (run {run}): {reason}", fails=False)
+                   if reason and sk.kind != "logits" else sk)
+    return replace(c, skipped=tuple(out))
+
+
 def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
     """Logits name → {absolute position: ``(vocab,)`` row} of a run: a full ``logits`` capture over
     its window, or the positions an engine computed (``extras["partial_logits"]``)."""
@@ -98,7 +115,7 @@ def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
     return out
 
 
-def sampled_logits(c: Any, a: RunRecord, b: RunRecord, roles: dict[str, str] | None = None) -> Any:
+def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     """``c`` with the logits compared at the positions both runs computed them, when at least one
     run has logits at some compared positions only (vLLM: each request's last scheduled token).
     Flips keep their absolute positions; ``facts["logits_positions"]`` and a note say which
@@ -135,7 +152,7 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord, roles: dict[str, str] | N
     skipped = tuple(s for s in c.skipped if s.name != name)  # compared after all, at the shared positions
     out = replace(c, logits=d, logits_name=name, facts={**facts, "notes": notes, "logits_positions": common}, skipped=skipped,
                   logits_amplification=amplification(first, d.tensor.max_abs_diff) if first is not None else None)
-    return classify_origins(out, roles)
+    return classify_origins(out, {n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
 
 
-__all__ = ["engine_facts", "sampled_logits", "scheduler_line", "CONTRACT"]
+__all__ = ["engine_facts", "engine_skips", "sampled_logits", "scheduler_line", "CONTRACT"]
