@@ -350,7 +350,7 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
                   on_row=on_row)
 
 
-def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
+def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] | None = None,
           keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
           on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
     """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
@@ -358,7 +358,7 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", b
     Args:
         model: a model name or a loaded model.
         lengths: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"`` or a list of ints.
-        block_sizes: KV block sizes, same syntax, or a list.
+        block_sizes: KV block sizes, same syntax, or a list (None: 16; 32 with ``engine="vllm"``).
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished :class:`~tracer.loops.sweep.SweepRow`.
         options: listed below; ``store=False`` keeps everything in memory, ``output`` is the sweep

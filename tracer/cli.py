@@ -455,7 +455,8 @@ def sweep_cmd(
             raise TracerError(f"unknown format '{fmt}'; use one of: table, json, csv")
         if block_size is not None and block_sizes_axis is not None:
             raise TracerError("give --block-size or --block-sizes, not both")
-        bs = parse_int_list(block_sizes_axis, "--block-sizes") if block_sizes_axis is not None else [16 if block_size is None else block_size]
+        bs = (parse_int_list(block_sizes_axis, "--block-sizes") if block_sizes_axis is not None
+              else None if block_size is None else [block_size])  # None: 16, or the engine's default
         if plot is not None:
             from tracer.report.plot import check_figure_path
 
