@@ -105,7 +105,6 @@ def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
     ("prefix-cache", {"split_at": 50}, "not a multiple of the block size 32"),
     ("prefix-cache", {"split_at": 32, "mitigation": "aligned"}, "splits the 68-token suffix again"),
     ("rollout-vs-train", {"mitigations": True}, "use it with --engine hf"),
-    ("rollout-vs-train", {"lm_head_fp32": True}, "--lm-head-fp32 changes the rollout's LM head"),
 ])
 def test_what_vllm_cannot_realise_is_refused_at_plan_time(name, params, match):
     with pytest.raises(TracerError, match=match) as e:

@@ -138,10 +138,9 @@ def with_engine(scen: Scenario, engine: str | None) -> Scenario:
     p = scen.params
     if scen.name == "rollout-vs-train":
         spec = scen.plan_a.rl
-        if p.get("mitigations") or spec.lm_head_fp32:
-            raise TracerError(f"{'--mitigations' if p.get('mitigations') else '--lm-head-fp32'} changes the rollout's LM "
-                              "head dtype (and its deterministic mode), which the vLLM rollout does not expose; "
-                              "use it with --engine hf")
+        if p.get("mitigations"):
+            raise TracerError("--mitigations changes the rollout's LM head dtype and deterministic mode, which the vLLM "
+                              "rollout does not expose; use it with --engine hf")
         how = f"sampled at τ={spec.temperature:g}, seeds {spec.seed}..{spec.seed + spec.rollouts - 1}" if spec.sample \
             else "greedy"
         a = replace(scen.plan_a, engine=engine, engine_settings=(("block_size", int(p.get("block_size") or 32)),),
