@@ -45,8 +45,6 @@ PACKAGES = {"vllm": ("vllm", "tracer[vllm]")}
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {"block_size": 32, "block_sizes": (32, 64)}}
 #: the catalogue scenarios each non-HF engine can run (both plans, or run A for ``rollout-vs-train``)
 RUNS_IN = {"vllm": ("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train")}
-#: the chunk realisations of a vLLM plan (``engine_settings["chunks"]``)
-VLLM_CHUNKS = ("prefix-cache", "chunked")
 
 
 def check_engine(engine: str | None, option: str = "--engine", installed: bool = True) -> str:
@@ -195,5 +193,5 @@ def _describe(plan: RunPlan, settings: dict[str, Any]) -> str:
     return f"in vLLM (KV block {bs}): one request, all {plan.n_tokens} tokens in one step (prefix cache empty)"
 
 
-__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "RUNS_IN", "VLLM_CHUNKS", "check_engine", "parse_engines",
+__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "RUNS_IN", "check_engine", "parse_engines",
            "engine_defaults", "engine_scenario", "with_engine"]
