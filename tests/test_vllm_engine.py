@@ -63,7 +63,7 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
         assert torch.equal(_bits(got), _bits(want)), x
     # the fused GEMM's shapes are recorded as vLLM saw them: K 576 -> N 960 (q + k + v), M = the step's tokens
     call = rec.captures["model.layers.0.self_attn.k_proj"].calls[0]
-    assert call["in"] == [[N, 576]] and call["out"] == [N, 960] and call["positions"] == [0, N]
+    assert call["in"] == [[N, 576]] and call["out"] == [[N, 960]] and call["positions"] == [0, N]
     assert "fused qkv_proj, part 2 of 3" in rec.meta["vllm"]["mapping"]["model.layers.0.self_attn.k_proj"]
     # what has no vLLM counterpart is named with a reason, never an empty capture
     assert "model.layers.0.mlp.act_fn" not in rec.captures
@@ -221,3 +221,120 @@ def test_kv_cache_point_is_what_vllms_paged_cache_holds(loaded, engine):
     assert kv.shape == (N, 2 * kv_heads * hd)
     assert torch.equal(_bits(kv[:, :kv_heads * hd]), _bits(keys.reshape(N, -1)))
     assert torch.equal(_bits(kv[:, kv_heads * hd:]), _bits(values.reshape(N, -1)))
+
+
+# ---------------------------------------------------------------- through tracer.run: --engine vllm, --scenario engine, the rollout
+
+
+def _vllm_generate(engine, prompts, reset=True, **sampling):
+    """vLLM's own account, outside tracer: ``LLM.generate`` on token ids (prefix cache reset first)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if reset:
+        engine.reset_prefix_cache()
+    return engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**sampling),
+                               use_tqdm=False)
+
+
+def test_run_engine_vllm_reports_the_cached_length_and_chunks_vllm_used(loaded, engine):
+    """tracer.run(engine="vllm"): both plans in vLLM; the report's cached length and the steps the
+    prompt took equal vLLM's own num_cached_tokens and the positions a hook of the test's own saw."""
+    seen: list[list[int]] = []
+    handle = engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["positions"].tolist()),
+                                                    with_kwargs=True)
+    try:
+        r = tracer.run(loaded, token_ids=IDS, engine="vllm", progress=False)  # prefix-cache: block 32, P = 32
+        ours = seen[:]
+        _vllm_generate(engine, [IDS[:32]], max_tokens=1, temperature=0.0)
+        own = _vllm_generate(engine, [IDS], reset=False, max_tokens=1, temperature=0.0)[0].num_cached_tokens
+    finally:
+        handle.remove()
+    c = r.comparison
+    assert own == 32 and c.facts["cached_tokens_b"] == own and c.positions == (own, N)
+    assert ours == [list(range(N)), list(range(32)), list(range(32, N))]  # A: one step; B: the prefix, then the suffix
+    assert c.facts["engine_a"]["block_size"] == c.facts["engine_b"]["block_size"] == 32
+    assert c.facts["logits_positions"] == [N - 1] and c.logits.n_positions == 1
+    doc = r.to_dict()
+    assert doc["facts"]["engine_b"]["engine"] == "vllm" and any("num_cached_tokens [0, 32]" in n for n in doc["facts"]["notes"])
+
+
+def test_chunked_prefill_inside_vllm_is_split_by_the_token_budget(loaded):
+    r = tracer.run(loaded, token_ids=IDS, engine="vllm", scenario="chunked-prefill", chunk_size=32, progress=False)
+    runs = dict(zip("AB", r.runs))
+    assert runs["A"].meta["vllm"]["chunks"] == [[0, N]]
+    assert runs["B"].meta["vllm"]["chunks"] == [[0, 32], [32, N]]  # the scheduler's own steps, hooks at each
+    assert runs["B"].meta["engine"]["max_num_batched_tokens"] == 32
+    assert r.comparison.facts["engine_differences"] == {"chunked-prefill budget": ["4096", "32"]}
+
+
+def test_engine_scenario_compares_every_vllm_layer_with_the_same_hf_module(loaded, engine, tmp_path):
+    """--scenario engine: run A is HF (its layers equal HF's own output_hidden_states), run B vLLM;
+    the embedding is the same gather in both, the logits are compared where vLLM sampled, and
+    vLLM's argmax there is the token vLLM itself generates."""
+    r = tracer.run(loaded, token_ids=IDS, scenario="engine", store="tensors", output=str(tmp_path / "e.h5"), progress=False)
+    a, b = r.runs
+    with torch.no_grad():
+        hs = loaded.model(input_ids=torch.tensor([IDS]), output_hidden_states=True).hidden_states
+    for k in (0, 7, 28):  # hidden_states[k + 1] is layer k's output (the last entry is the final norm's)
+        assert torch.equal(_bits(a.captures[f"model.layers.{k}"].tensor), _bits(hs[k + 1][0]))
+    c = r.comparison
+    emb = next(p for p in c.points if p.name == "model.embed_tokens")
+    assert emb.diff.n_diff == 0 and c.facts["logits_positions"] == [N - 1]
+    assert "attention backend" in c.facts["engine_differences"] and c.facts["engine_b"]["engine"] == "vllm"
+    token = _vllm_generate(engine, [IDS], max_tokens=1, temperature=0.0)[0].outputs[0].token_ids[0]
+    assert int(b.extras["partial_logits"]["lm_head"][1][0].float().argmax()) == token
+    assert not c.identical and c.first_divergent is not None
+
+
+def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_states(loaded, engine, tmp_path):
+    """rollout-vs-train --engine vllm, one rollout: the tokens are what vLLM's own generate returns,
+    each logprob is log_softmax (float64) of the logits vLLM sampled from, and the hidden states at
+    the response positions are layer 5's (hidden + residual) rows of the prefill's last token and
+    of each decode step, as a plain hook of the test's own sees them."""
+    from tracer.execute.rollout import token_logprobs
+
+    t = 4
+    rows: list[torch.Tensor] = []
+    h = engine.model.model.layers[5].register_forward_hook(lambda m, a, out: rows.append((out[0] + out[1])[-1:].clone()))
+    try:
+        r = tracer.run(loaded, token_ids=IDS, scenario="rollout-vs-train", engine="vllm", rollouts=1, new_tokens=t,
+                       store="tensors", output=str(tmp_path / "rl.h5"), progress=False)
+    finally:
+        h.remove()
+    a, b = r.runs
+    ro = a.meta["rollout"]
+    own = _vllm_generate(engine, [IDS], max_tokens=t, min_tokens=t, ignore_eos=True, temperature=0.0)[0]
+    assert ro["tokens"] == [list(own.outputs[0].token_ids)] and a.token_ids == IDS + ro["tokens"][0]
+    logits = a.extras["rl_logits"]  # (1, T, vocab) as vLLM computed them
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ro["tokens"])[..., None])[..., 0]
+    # float32 rounding of a 49,152-term log-sum-exp: a few 1e-6 from float64; bit for bit in float32
+    assert torch.allclose(torch.tensor(ro["logprobs"], dtype=torch.float64), lp, atol=1e-5, rtol=0)
+    assert torch.equal(token_logprobs(logits, torch.tensor(ro["tokens"]), 1.0), torch.tensor(ro["logprobs"]))
+    assert torch.equal(_bits(a.captures["model.layers.5"].tensor), _bits(torch.cat(rows)))  # positions N-1 .. N+T-2
+    assert a.meta["engine"]["engine"] == "vllm" and b.meta["engine"]["engine"] == "hf"
+    assert r.comparison.rl is not None and len(r.comparison.rl.dlogp[0]) == t
+
+
+def test_capture_of_a_users_own_llm_gives_hf_names(loaded, engine):
+    """tracer.capture(llm) on the LLM object itself: the first request's prompt and decode positions,
+    under HF names; the embedding equals HF's own (same gather), the layer rows equal what
+    tracer's executor captures for the same prompt, and the logits are where vLLM sampled."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.reset_prefix_cache()
+    with tracer.capture(engine.llm, "layers", reference=loaded) as cap:
+        out = engine.llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=3, temperature=0.0),
+                                  use_tqdm=False)
+    gen = list(out[0].outputs[0].token_ids)
+    assert cap.positions == (0, N + 2) and cap.token_ids == IDS + gen[:2]  # the last token is sampled, never computed
+    with torch.no_grad():
+        emb = loaded.model.model.embed_tokens(torch.tensor([IDS + gen[:2]]))[0]
+    assert torch.equal(_bits(cap["model.embed_tokens"].tensor), _bits(emb))
+    rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), discover_points(loaded.model, "layers"), (0, N))
+    assert torch.equal(_bits(cap["model.layers.11"].tensor[:N]), _bits(rec.captures["model.layers.11"].tensor))
+    ps, logits = cap.logits["lm_head"]
+    assert ps == [N - 1, N, N + 1] and [int(x) for x in logits.float().argmax(-1)] == gen
+    with pytest.raises(KeyError, match="only where it samples"):
+        cap["lm_head"]

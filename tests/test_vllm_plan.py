@@ -71,3 +71,148 @@ def test_compilation_graphs_and_unsupported_plan_features_are_refused():
         refuse_unsupported(tp, False, False)
     with pytest.raises(TracerError, match="--kernels"):
         refuse_unsupported(S.repeat(N).plan_a, True, False)
+
+
+# ---------------------------------------------------------------- --engine and --scenario engine (tracer/plan/engines.py)
+
+
+def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
+    from tracer.execute.engines import executor_name
+
+    pc = S.build("prefix-cache", N, engine="vllm")
+    assert pc.params["block_size"] == 32 and pc.window == (96, N)  # vLLM's CPU block size: the cached prefix is 96
+    assert (pc.plan_a.engine, pc.plan_b.engine) == ("vllm", "vllm")
+    assert dict(pc.plan_b.engine_settings) == {"block_size": 32, "chunks": "prefix-cache"}
+    assert executor_name(pc.plan_a) == executor_name(pc.plan_b) == "vllm"
+    aligned = S.build("prefix-cache", N, engine="vllm", mitigation="aligned")  # the miss, chunked at P by the budget
+    assert dict(aligned.plan_a.engine_settings)["chunks"] == "chunked" and aligned.plan_a.chunks == ((0, 96), (96, N))
+    assert settings_of(aligned.plan_a, chunk_mode(aligned.plan_a, {}, {}), {}).max_num_batched_tokens == 96
+    bs = S.build("block-size", N, engine="vllm")
+    assert [dict(p.engine_settings)["block_size"] for p in (bs.plan_a, bs.plan_b)] == [32, 64]
+    assert [settings_of(p, "prefix-cache", {}).block_size for p in (bs.plan_a, bs.plan_b)] == [32, 64]
+    cp = S.build("chunked-prefill", N, engine="vllm", chunk_size=32)
+    assert chunk_mode(cp.plan_b, {}, {}) == "chunked"
+    rl = S.build("rollout-vs-train", N, engine="vllm")
+    assert (rl.plan_a.engine, rl.plan_b.engine) == ("vllm", "hf")
+    assert (executor_name(rl.plan_a), executor_name(rl.plan_b)) == ("vllm-rollout", "hf-train")
+    assert S.build("prefix-cache", N) == S.build("prefix-cache", N, engine="hf")  # hf: today's plans, unchanged
+
+
+@pytest.mark.parametrize("name, params, match", [
+    ("attention", {}, "does not run in vllm"),
+    ("kv-quant", {}, "does not run in vllm"),
+    ("prefix-cache", {"mitigation": "deterministic"}, "batch-invariant mode"),
+    ("prefix-cache", {"split_at": 50}, "not a multiple of the block size 32"),
+    ("prefix-cache", {"split_at": 32, "mitigation": "aligned"}, "splits the 68-token suffix again"),
+    ("rollout-vs-train", {"mitigations": True}, "use it with --engine hf"),
+])
+def test_what_vllm_cannot_realise_is_refused_at_plan_time(name, params, match):
+    with pytest.raises(TracerError, match=match) as e:
+        S.build(name, N, engine="vllm", **params)
+    assert "\n" not in str(e.value)
+
+
+def test_engine_scenario_is_level_six_on_two_engines():
+    scen = S.build("engine", N)
+    assert scen.level == 6 and scen.window == (0, N) and scen.params["engines"] == ["hf", "vllm"]
+    assert (scen.plan_a.engine, scen.plan_b.engine) == ("hf", "vllm") and scen.plan_a.chunks == scen.plan_b.chunks
+    assert S.build("engine", N, engines="vllm,hf").plan_a.engine == "vllm"
+    for bad, match in (("hf", "two engines"), ("hf,sglang", "unknown engine 'sglang'")):
+        with pytest.raises(TracerError, match=match):
+            S.build("engine", N, engines=bad)
+    with pytest.raises(TracerError, match="--engines A,B"):
+        S.build("engine", N, engine="vllm")
+
+
+def test_engine_option_is_declared_once_for_cli_and_api(monkeypatch):
+    import importlib.util
+    import inspect
+
+    import tracer
+    from tracer.config import OPTIONS, RunConfig, validate
+
+    assert OPTIONS["engine"].group == "scenario" and OPTIONS["engines"].group == "scenario_options"
+    for fn in (tracer.run, tracer.audit, tracer.sweep):
+        assert "engine" in inspect.signature(fn).parameters
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    for opts, flag in (({"engine": "vllm"}, "--engine"), ({"scenario": "engine"}, "--engines")):
+        with pytest.raises(TracerError, match=rf"{flag} vllm needs the package 'vllm', which is not installed"):
+            validate(RunConfig.from_options(store="none", **opts))
+    with pytest.raises(TracerError, match="unknown engine 'trt'"):
+        validate(RunConfig.from_options(store="none", engine="trt"))
+    with pytest.raises(TracerError, match="--engines does not apply to scenario prefix-cache"):
+        RunConfig.from_options(engines="hf,vllm")
+
+
+def test_engine_contracts_side_by_side_name_what_differs():
+    from tracer.diff.engine import engine_facts
+
+    hf = {"engine": "hf", "version": "5.19.0", "attention_backend": "sdpa", "norm": "LlamaRMSNorm", "gemm": "torch F.linear",
+          "activation_dtype": "bfloat16", "logits_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
+    vl = {**hf, "engine": "vllm", "version": "0.32.0", "attention_backend": "CPU_ATTN",
+          "gemm": {"self_attn.qkv_proj": "oneDNN onednn_mm", "lm_head": "oneDNN onednn_mm"}, "block_size": 32}
+    meta_b = {"engine": vl, "cached_tokens": 96, "vllm": {"requests": [{"traced": True, "num_cached_tokens": 0},
+              {"traced": True, "num_cached_tokens": 96}], "steps": [{"requests": 1}], "chunks": [[96, 100]],
+              "chunks_as": "prefix-cache"}}
+    f = engine_facts("A", {"engine": hf}, "B", meta_b)
+    assert f["engine_differences"] == {"attention backend": ["sdpa", "CPU_ATTN"], "GEMM": ["torch F.linear", "oneDNN onednn_mm"]}
+    assert f["cached_tokens_b"] == 96 and "cached_tokens_a" not in f
+    assert any("num_cached_tokens [0, 96]" in line and "[[96, 100]]" in line for line in f["notes"])
+    assert engine_facts("A", {}, "B", meta_b) == {}  # an HF-only comparison gains nothing
+
+
+def test_logits_where_vllm_samples_are_compared_at_those_positions_only():
+    """Run A holds logits at the whole window 6..9, run B (vLLM) only at 9, where it sampled; B's
+    row is A's with the top-2 swapped. Expected from the planted rows themselves: one position
+    compared, one flip at absolute position 9, every logit of that row differing where planted."""
+    import torch
+
+    from tracer.diff.compare import compare_records
+    from tracer.diff.engine import sampled_logits
+    from tracer.execute.records import CaptureRecord, RunRecord
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+    logits_a = torch.randn(4, 16, generator=g).to(torch.bfloat16)
+    row_b = logits_a[3].clone()
+    top = torch.topk(row_b.float(), 2).indices
+    row_b[top[0]], row_b[top[1]] = logits_a[3, top[1]], logits_a[3, top[0]]
+    ids, window = list(range(10)), (6, 10)
+    cap = lambda name, kind, t: {name: CaptureRecord(name=name, kind=kind, tensor=t, calls=[], op="x")}  # noqa: E731
+    a = RunRecord("A", ids, {}, window, {**cap("model.layers.0", "layer", hidden), **cap("lm_head", "logits", logits_a)})
+    b = RunRecord("B", ids, {}, window, cap("model.layers.0", "layer", hidden.clone()),
+                  extras={"partial_logits": {"lm_head": ([9], row_b[None])}})
+    c = compare_records(a, b, scenario="engine", model="m")
+    assert c.logits is None and [s.name for s in c.skipped] == ["lm_head"]
+    c = sampled_logits(c, a, b)
+    assert c.logits.n_positions == 1 and c.facts["logits_positions"] == [9] and not c.skipped
+    flips = c.to_dict()["logits"]["flips"]
+    assert [(f["position"], f["token_a"], f["token_b"]) for f in flips] == [(9, int(top[0]), int(top[1]))]
+    assert c.logits.tensor.n_diff == int((logits_a[3] != row_b).sum()) == 2
+    assert c.logits_origin and "in 1 position" in c.verdict()
+
+
+def test_points_an_engine_does_not_compute_are_named_not_failed_and_grouped():
+    """HF computes mlp.act_fn, vLLM does not (SiluAndMul is act(gate)·up): with the engine's reason
+    the points are skipped without failing the comparison, and the table shows them as one row."""
+    import torch
+
+    from tracer.diff.compare import compare_records
+    from tracer.diff.engine import engine_skips
+    from tracer.execute.records import CaptureRecord, RunRecord
+    from tracer.report.tables import skip_rows
+
+    h = torch.ones(2, 4, dtype=torch.bfloat16)
+    rec = lambda name, kind: CaptureRecord(name=name, kind=kind, tensor=h.clone(), calls=[], op="x")  # noqa: E731
+    names = [f"model.layers.{i}.mlp.act_fn" for i in range(4)]
+    a = RunRecord("A", [1, 2], {}, (0, 2), {"model.layers.0": rec("model.layers.0", "layer"),
+                                            **{n: rec(n, "activation") for n in names}}, meta={"engine": {"engine": "hf"}})
+    b = RunRecord("B", [1, 2], {}, (0, 2), {"model.layers.0": rec("model.layers.0", "layer")},
+                  meta={"engine": {"engine": "vllm"}, "not_captured": {n: "no vLLM module computes it" for n in names}})
+    c = compare_records(a, b, scenario="engine", model="m")
+    assert not c.identical and len(c.not_compared) == 4  # missing in B: fails until the engine says why
+    c = engine_skips(c, a, b)
+    assert c.identical and not c.not_compared and len(c.skipped) == 4
+    assert c.skipped[0].reason == "not computed by vllm (run B): no vLLM module computes it"
+    assert [name for name, _sk in skip_rows(c.skipped)] == ["model.layers.{0..3}.mlp.act_fn (4 points)"]

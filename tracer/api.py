@@ -129,8 +129,14 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> Any:
+def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+            reference: Any = None) -> Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
+
+    ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
+    the block is traced at every position it computes, under HF capture names
+    (:class:`tracer.execute.vllm_captured.VllmCaptured`, filled when the block ends; ``reference``:
+    a loaded HF model of the same weights, else loaded from the LLM's folder).
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
     decoder layer's output, final norm, logits), ``"sublayers"`` or a list of module paths
@@ -146,6 +152,12 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
     Raises:
         TracerError: unknown granularity or module path.
     """
+    if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
+        from tracer.execute.vllm_captured import VllmCaptured
+
+        return VllmCaptured(model, points, reference=reference)
+    if reference is not None:
+        raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
     from tracer.execute.capture import Captured
 
     cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
@@ -349,7 +361,7 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512",
         lengths: prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma
             lists (64,128) or both; or a list of ints.
         block_sizes: several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as
-            lengths) or a list; excludes block_size (default: 16).
+            lengths) or a list; excludes block_size (default: 16; 32 with engine='vllm').
         keep_tensors: also store every point's captured tensors (large).
         output: the sweep file (default traces/sweep-<model>-<scenario>.h5); an unfinished one with
             the same parameters is resumed.
@@ -459,14 +471,16 @@ def models() -> list[dict[str, str]]:
 
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
-          gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int = 16,
-          reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
+          gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
+          engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
           progress: Callable[[str], None] | None = None) -> Any:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
 
     Args:
         length: prompt length N in tokens.
+        engine: hf (default) or vllm: the capture overhead inside vLLM as a ratio to vLLM's bare
+            generate (prefix-cache in vLLM, one process, interleaved; :mod:`tracer.loops.bench_vllm`).
         reps: measured repetitions of each mode.
         warmup: unmeasured repetitions first.
         outdir: folder for the trace and raw I/O files (default: a temp dir).
@@ -476,17 +490,30 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         progress: called with one line per repetition.
 
     Returns:
-        a :class:`~tracer.loops.bench.BenchResult`.
+        a :class:`~tracer.loops.bench.BenchResult`, or with ``engine="vllm"`` a
+        :class:`~tracer.loops.bench_vllm.VllmBenchResult`.
 
     Raises:
-        TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not tracer's.
+        TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not
+            tracer's; ``engine="vllm"`` without vLLM installed, or with ``device``/``outdir``.
     """
-    from tracer.loops.bench import bench as _bench
-
     if reps < 1 or warmup < 0:
         raise TracerError("--reps must be ≥ 1 and --warmup ≥ 0")
+    if engine not in (None, "hf"):
+        from tracer.plan.engines import check_engine
+
+        check_engine(engine)
+        if device is not None or outdir is not None:
+            raise TracerError("--device and --outdir do not apply to --engine vllm (vLLM runs on its own device and "
+                              "the bench writes no file)")
+        from tracer.loops.bench_vllm import bench_vllm
+
+        return bench_vllm(model, length=length, dtype=dtype, gguf=gguf, granularity=granularity, kv_cache=kv_cache,
+                          block_size=block_size or 32, reps=reps, warmup=warmup, progress=progress)
+    from tracer.loops.bench import bench as _bench
+
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
-                  kv_cache=kv_cache, block_size=block_size, reps=reps, warmup=warmup, outdir=outdir, peers=peers,
+                  kv_cache=kv_cache, block_size=block_size or 16, reps=reps, warmup=warmup, outdir=outdir, peers=peers,
                   progress=progress)
 
 

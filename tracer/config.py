@@ -66,7 +66,8 @@ class ScenarioConfig:
     """Which pair of run plans: a catalogue name (or a Scenario / ``f(n_tokens)``) and its options.
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
-    scenario's own default applies (block size 16).
+    scenario's own default applies (block size 16; 32 with ``engine`` vllm). ``engine``: who
+    executes both plans (None = ``hf``; :mod:`tracer.plan.engines`).
     """
 
     name: Any = "prefix-cache"
@@ -74,11 +75,12 @@ class ScenarioConfig:
     split_at: int | None = None
     mitigation: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
+    engine: str | None = None
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`tracer.plan.scenarios.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
-        for k in ("block_size", "split_at", "mitigation"):
+        for k in ("block_size", "split_at", "mitigation", "engine"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -268,6 +270,9 @@ _HELP = {
     "split_at": "cached prefix length P (1..N-1), overriding block_size",
     "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic "
                   "(torch deterministic algorithms, TF32 off)",
+    "engine": "who executes both runs: hf (Hugging Face transformers, default) or vllm (vLLM in-process, eager; "
+              "pip install 'tracer[vllm]')",
+    "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default)",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
                  "(locates a divergence born in the cached-prefix pass)",
@@ -375,11 +380,11 @@ _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "leng
 #: KV block size (its own ``block_sizes``, not the block-size scenario's pair).
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "run": tuple(OPTIONS),
-    "audit": (*_MODEL, *_PROMPT, "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
+    "audit": (*_MODEL, *_PROMPT, "engine", "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
               "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
-    "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "granularity", "kv_cache", "store",
+    "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k != "block_sizes")),
-    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size"),
+    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),
     "compare": ("atol", "rtol", "fail_on"),
 }
 
@@ -402,6 +407,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.load.prompts import read_prompt
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
+    from tracer.plan.engines import check_engine
     from tracer.plan.scenarios import check_mitigation, check_resources, preview
     from tracer.store.integrity import check_output
 
@@ -431,6 +437,10 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if c.positions not in POSITIONS:
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
+    check_engine(s.engine, installed=False)
+    if ch.verdict and (s.engine not in (None, "hf") or s.name == "engine"):
+        raise TracerError("--verdict re-runs the HF model at float32 and float64; vLLM loads its own weights and is "
+                          "not re-run: drop --verdict, or use --engine hf")
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
@@ -450,6 +460,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
+        for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
+            check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
     return cfg

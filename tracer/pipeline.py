@@ -201,7 +201,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.execute.capture import host_copies
-    from tracer.execute.engines import execute_plan
+    from tracer.diff.engine import engine_skips, sampled_logits
+    from tracer.execute.engines import execute_plan, hf_contract
     from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
@@ -211,7 +212,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     if points is None:
         points = capture_points(loaded, capture)
     window = (0, max(len(token_ids), scen.window[1])) if capture.positions == "all" else scen.window
-    rl = is_rl(scen)
+    rl, on_engines = is_rl(scen), uses_engines(scen)
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
@@ -224,6 +225,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
                                  kernels=capture.kernels, sdpa_inputs=op_replay, **extra)
         rec.name = name
+        if on_engines and "engine" not in rec.meta:  # the HF side of an engine comparison: its contract too
+            rec.meta["engine"] = hf_contract(loaded)
         if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
             partials = _replace(part, name=f"{name}.partials")
         if keep and plan.tp is not None and plan.tp.mode == "distributed":  # compared beside run A
@@ -251,6 +254,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         facts["notes"] = list(facts.get("notes", [])) + list(notes)
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=facts, atol=atol, rtol=rtol)
+    if on_engines:  # vLLM computes logits only where it samples: compared at the positions both runs have
+        comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
     if rl:  # what RL stacks log, from both runs' logprobs and logits
         comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))
@@ -311,6 +316,21 @@ def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, s
         return comparison, host
     facts = {**comparison.facts, "notes": list(comparison.facts.get("notes", [])) + [kept.summary()]}
     return _replace(comparison, facts=facts), host
+
+
+def uses_engines(scen: Any) -> bool:
+    """Whether a plan of ``scen`` runs on an engine other than HF (``RunPlan.engine``)."""
+    return any((getattr(p, "engine", "hf") or "hf") != "hf" for p in (scen.plan_a, scen.plan_b))
+
+
+def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
+    """The trace header's ``engines``: each run's engine contract, known before it runs
+    (:func:`tracer.execute.engines.plan_contract`), when a plan runs on an engine other than HF; else {}."""
+    if not uses_engines(scen):
+        return {}
+    from tracer.execute.engines import plan_contract
+
+    return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
 
 
 def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
@@ -451,7 +471,8 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
     if out is None and st.mode != "none" and default_trace:
         out = default_output(info.name, scen.name)
     header = trace_header(prep.loaded, scen, len(ids), cfg.capture, st.mode,
-                          extra={"options": cfg.to_dict(), **distributed_header(scen, info.device)})
+                          extra={"options": cfg.to_dict(), **distributed_header(scen, info.device),
+                                 **engines_header(prep.loaded, scen)})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"
     budget = st.budget() if st.mode == "auto" and writer is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tracer.diff.engine import engine_facts
 from tracer.execute.family import layout_facts
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts
@@ -22,7 +23,9 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         (``generate-cache``), ``kv_block_format`` (``kv-quant``), ``sliding_layers`` /
         ``sliding_window`` (a model with sliding-window attention layers, from the header's
         ``numeric_contract``: decoder-layer indices and the window in tokens; with them
-        ``layers_path``/``attention_path`` from its family descriptor) and ``notes`` (a line each).
+        ``layers_path``/``attention_path`` from its family descriptor), runs on engines' contracts
+        (:func:`tracer.diff.engine.engine_facts`: ``engine_a``/``engine_b``, ``engine_differences``)
+        and ``notes`` (a line each).
     """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
     facts: dict[str, Any] = {
@@ -54,6 +57,9 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
     if fmt is not None:
         facts["kv_block_format"] = fmt
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
+    engines = engine_facts(a.name, a.meta, b.name, b.meta)  # runs on engines: contracts side by side
+    notes += engines.pop("notes", [])
+    facts.update(engines)
     auto = a.meta.get("store_auto") or {}
     if auto.get("dropped"):  # a stored run of --store auto: the table covers the kept points only
         logits = auto.get("logits") in auto["dropped"]

@@ -274,7 +274,8 @@ class Comparison(schema.Record):
             return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
                     f"{self.positions[0]}..{self.positions[1] - 1}")
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
-        tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {self.n_positions} positions"
+        n_logits = self.logits.n_positions if self.logits is not None else self.n_positions  # vLLM: where it samples
+        tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {n_logits} position{'s' if n_logits != 1 else ''}"
         first = next((p.diff for p in self.points if p.name == self.first_divergent), None)
         if first is None and self.logits is not None and self.first_divergent == self.logits_name:
             first = self.logits.tensor

@@ -20,11 +20,12 @@ executor                runs
 ``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
                         teacher-forced forward over run A's sequences; it also receives
                         ``rollout=`` (run A's record)
+``vllm-rollout``        an RL rollout plan on ``vllm``: the K prompts sampled by vLLM, each
+                        token's logprob as vLLM reports it (:mod:`tracer.execute.vllm_rollout`)
 ======================  =================================================================
 
-An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``):
-a vLLM rollout is one more entry, ``vllm-rollout``, reading ``plan.rl`` the way
-:mod:`tracer.execute.rollout` does. Until an engine has one, its RL plans are refused in one line.
+An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``,
+``vllm-rollout``). An engine without an executor for a role has its RL plans refused in one line.
 
 Adding an engine means one module with an ``execute`` function of the signature below, one entry
 in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
@@ -38,9 +39,7 @@ import importlib
 from typing import Any, Callable
 
 from tracer.errors import TracerError
-
-#: the engines a run plan can name (``RunPlan.engine``, ``--engine``); ``hf`` is the reference
-ENGINES = ("hf", "vllm")
+from tracer.plan.engines import ENGINES
 
 #: executor name → ``(module, function)``; the function is called as
 #: ``fn(loaded, token_ids, plan, points, window, **options)`` and returns ``(run, partials)``
@@ -50,6 +49,7 @@ EXECUTORS: dict[str, tuple[str, str]] = {
     "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
     "hf-rollout": ("tracer.execute.rollout", "execute_rollout"),
     "hf-train": ("tracer.execute.rollout", "execute_train"),
+    "vllm-rollout": ("tracer.execute.vllm_rollout", "execute_rollout"),
 }
 
 
@@ -119,4 +119,45 @@ def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any]
     return executor(plan)(loaded, token_ids, plan, points, window, **options)
 
 
-__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan"]
+def hf_contract(loaded: Any) -> dict[str, Any]:
+    """The HF reference's numeric contract in the keys an engine's facts use
+    (:meth:`tracer.execute.vllm_engine.VllmEngine.facts`): transformers version, attention
+    implementation, norm, activation, GEMM, activation / logits / KV-cache dtypes."""
+    import transformers
+
+    model, info = loaded.model, loaded.info
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    norm = next((type(m).__name__ for _n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")), None)
+    head = model.get_output_embeddings()
+    logits = str(getattr(getattr(head, "weight", None), "dtype", info.dtype)).replace("torch.", "")
+    return {"engine": "hf", "version": transformers.__version__, "device": info.device, "dtype": info.dtype,
+            "attention_backend": info.attn_implementation,
+            "norm": (f"{norm} (PyTorch ops); the residual added in {info.dtype} first, the rounded sum normalized "
+                     "in float32" if norm else "?"),
+            "activation": f"{getattr(cfg, 'hidden_act', '?')} then * up (PyTorch ops)",
+            "gemm": "torch F.linear", "activation_dtype": info.dtype, "logits_dtype": logits,
+            "kv_cache_dtype": info.dtype, "block_size": "none (a contiguous KV cache)",
+            "max_num_batched_tokens": "none (each forward call computes what it is given)",
+            "compilation_mode": 0, "cudagraph_mode": "NONE"}
+
+
+def plan_contract(loaded: Any, plan: Any) -> dict[str, Any]:
+    """The numeric contract of the engine ``plan`` runs on, before it runs (the trace header's
+    ``engines``): :func:`hf_contract`, or the engine module's ``plan_facts(loaded, plan)`` (vLLM:
+    the LLM for the plan's settings is built now, and reused by the run).
+
+    Raises:
+        TracerError: the engine's package is missing, or it cannot start.
+    """
+    engine = getattr(plan, "engine", "hf") or "hf"
+    if engine == "hf":
+        return hf_contract(loaded)
+    module = EXECUTORS[engine][0]
+    try:
+        return importlib.import_module(module).plan_facts(loaded, plan)
+    except ModuleNotFoundError as e:
+        raise TracerError(f"engine {engine!r} needs the package {(e.name or '').split('.')[0]!r}, which is not "
+                          f"installed; install it (pip install 'tracer[{engine}]') or use --engine hf") from None
+
+
+__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan", "hf_contract", "plan_contract"]

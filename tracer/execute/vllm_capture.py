@@ -89,6 +89,8 @@ class VllmCapture:
         token_ids: the traced prompt, N ints.
         window: the compared positions ``(start, stop)``; activation rows outside it are not kept.
         kv_points: decoder layer index → the HF name of its ``kv_cache`` point (empty: none).
+        kv_positions: the positions 0..kv_positions-1 a ``kv_cache`` point holds (default N; a
+            rollout's last sampled token is never computed, so its cache holds N - 1).
 
     Set :attr:`ours` (vLLM's internal request ids of the traced prompt's requests) as requests are
     added; rows of other requests (a batch's other rows) are never kept.
@@ -98,13 +100,16 @@ class VllmCapture:
     """
 
     def __init__(self, model: nn.Module, runner: Any, emap: dict[str, Any], ref: RefLayout,
-                 token_ids: list[int], window: tuple[int, int], kv_points: dict[int, str]) -> None:
+                 token_ids: list[int], window: tuple[int, int], kv_points: dict[int, str],
+                 kv_positions: int | None = None) -> None:
         self.model, self.runner, self.emap, self.ref = model, runner, emap, ref
         self.token_ids = list(token_ids)
         self.n = len(token_ids)
+        self.kv_n = self.n if kv_positions is None else int(kv_positions)  # positions 0..kv_n-1 the KV points hold
         self.window = (int(window[0]), int(window[1]))
         self.kv_points = dict(kv_points)
         self.ours: set[str] = set()
+        self.follow_first = False  # True: the first request seen becomes the traced one (tracer.capture(llm))
         self.steps: list[dict[str, Any]] = []  # what each forward pass computed (JSON-able)
         self.entries: list[DumpEntry] = []
         self.tokens: dict[int, dict[str, Any]] = {}
@@ -162,6 +167,8 @@ class VllmCapture:
                               "cannot be split into requests (tracer was written against vllm 0.32)")
         qsl = [int(x) for x in qsl.tolist()]
         req_ids = list(self.runner.input_batch.req_ids)[:len(qsl) - 1]
+        if self.follow_first and not self.ours and req_ids:
+            self.ours.add(req_ids[0])
         pos_cpu, ids_cpu = pos.to("cpu").long(), ids.to("cpu").long()
         step = len(self.steps)
         kv_rows, win_rows, logit_rows, traced = [], [], [], []
@@ -300,7 +307,7 @@ class VllmCapture:
         its mapping line): positions of the traced prompt it computed, and the flattened shapes the
         module saw (all requests of the step: GEMM M = the step's tokens)."""
         source = mapping_line.split(" (")[0].split(" + ")[0].split("#")[0]
-        return [{"positions": c["positions"], "in": c["in"], "out": c["out"][0] if c["out"] else []}
+        return [{"positions": c["positions"], "in": c["in"], "out": c["out"]}  # shapes as HF capture records them
                 for c in self.shapes.get(source, []) if c["positions"]]
 
     def _kv_record(self, point: CapturePoint | None) -> tuple[CaptureRecord | None, str]:
@@ -315,10 +322,10 @@ class VllmCapture:
         for pos, k, v in parts:
             for i, p in enumerate(pos.tolist()):
                 rows.setdefault(int(p), (k[i], v[i]))  # the first computation of a position is the cached one
-        missing = [p for p in range(self.n) if p not in rows]
+        missing = [p for p in range(self.kv_n) if p not in rows]
         if missing:
             return None, (f"positions {missing[0]}..{missing[-1]} came from vLLM's prefix cache, filled before this "
                           "run (reset the prefix cache first)")
-        kv = torch.stack([torch.cat(rows[p]) for p in range(self.n)])  # (N, kv_heads*head_dim*2): keys, values
-        call = {"positions": [0, self.n], "in": [], "out": [list(kv.shape)]}
+        kv = torch.stack([torch.cat(rows[p]) for p in range(self.kv_n)])  # (N, kv_heads*head_dim*2): keys, values
+        call = {"positions": [0, self.kv_n], "in": [], "out": [list(kv.shape)]}
         return CaptureRecord(name=point.name, kind="kv_cache", tensor=kv, calls=[call], op=point.op, role=point.role), ""

@@ -35,6 +35,7 @@ across steps that should be one) is refused. Captures: :mod:`tracer.execute.vllm
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from tracer.errors import TracerError
 
@@ -110,6 +112,7 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     return dict(dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
+                logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
                 max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),
                 gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_memory_bytes=kv_bytes,
@@ -157,14 +160,15 @@ class VllmEngine:
                 "dtype": str(cfg.model_config.dtype).replace("torch.", ""), "weights": str(self.folder),
                 "attention_backend": backend, "attention_impl": type(impl).__name__ if impl is not None else None,
                 "attention_isa": str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
-                "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else f"auto (= {self.kwargs['dtype']})",
+                "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], "kv_cache_dtype_setting": kv_dtype,
                 "block_size": int(cfg.cache_config.block_size), "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
                 "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
                 "chunked_prefill": bool(cfg.scheduler_config.enable_chunked_prefill),
                 "max_model_len": int(cfg.model_config.max_model_len), "enforce_eager": bool(cfg.model_config.enforce_eager),
                 "compilation_mode": int(cfg.compilation_config.mode or 0),
                 "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
-                "in_process": True, "torch_threads": {"before_build": self.threads[0], "after_build": self.threads[1]}}
+                "in_process": True, "torch_threads": {"before_build": self.threads[0], "after_build": self.threads[1]},
+                **op_facts(self.model, self.kwargs["dtype"])}
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache (no request may be running).
@@ -175,16 +179,17 @@ class VllmEngine:
         if self.settings.enable_prefix_caching and not self.llm.reset_prefix_cache():
             raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
 
-    def start(self, prompts: list[list[int]], max_tokens: int = 1) -> list[tuple[str, str]]:
-        """Add one request per prompt (greedy, ``max_tokens``), not yet scheduled; returns
-        ``(external id, vLLM's internal id)`` per request."""
+    def start(self, prompts: list[list[int]], max_tokens: int = 1, params: list[Any] | None = None) -> list[tuple[str, str]]:
+        """Add one request per prompt (greedy, ``max_tokens``; or ``params``, one ``SamplingParams``
+        per prompt), not yet scheduled; returns ``(external id, vLLM's internal id)`` per request."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out = []
-        for p in prompts:
+        for j, p in enumerate(prompts):
             ext = f"tracer-{next(self._ids)}"
+            sp = params[j] if params is not None else greedy
             internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
             out.append((ext, str(internal)))
         return out
@@ -198,6 +203,65 @@ class VllmEngine:
                 if getattr(o, "finished", False):
                     done[str(o.request_id)] = o
         return done
+
+
+def _custom_op(module: Any) -> str:
+    """``Class.method`` a vLLM CustomOp dispatched to (``forward_native`` where the platform method is
+    the base class's fallback to PyTorch ops)."""
+    fn = getattr(module, "_forward_method", None)
+    if fn is None:
+        return type(module).__name__
+    owner, name = getattr(fn, "__qualname__", "").split(".")[0], getattr(fn, "__name__", "?")
+    if owner == "CustomOp" and name != "forward_native":
+        name = "forward_native (PyTorch ops)"
+    return f"{type(module).__name__}.{name}"
+
+
+def _gemm(linear: Any) -> str:
+    """The GEMM a vLLM Linear runs: the CPU dispatch (``cpu_linear``: oneDNN, sgl-kernel, zentorch,
+    torch) or, elsewhere, its quant method."""
+    fn = getattr(linear, "cpu_linear", None)
+    if fn is None:
+        return f"{type(getattr(linear, 'quant_method', None)).__name__} (the device's GEMM library)"
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for key, text in (("onednn_mm", "oneDNN onednn_mm"), ("weight_packed_linear_cpu", "sgl-kernel weight_packed_linear"),
+                      ("zentorch_linear_unary", "zentorch linear")):
+        if key in names:
+            return text
+    return "torch F.linear"
+
+
+def op_facts(model: nn.Module, dtype: str) -> dict[str, Any]:
+    """What vLLM's first decoder layer and LM head compute with: the norm (and which ``vllm.ir``
+    provider its fused residual add + RMSNorm dispatches to), the activation, the rotary embedding,
+    each Linear's GEMM, and the activation and logits dtypes (the logits processor returns the model
+    dtype; the sampler casts to float32 afterwards)."""
+    layer = model.model.layers[0]
+    out: dict[str, Any] = {"activation_dtype": dtype, "logits_dtype": dtype,
+                           "sampler": "logits_processor output cast to float32, then log_softmax / argmax / sampling"}
+    norm = getattr(layer, "post_attention_layernorm", None)
+    if norm is not None:
+        text = _custom_op(norm)
+        with contextlib.suppress(Exception):  # the provider vllm.ir picks for these arguments
+            from vllm import ir
+
+            w = norm.weight.data
+            x = torch.zeros((1, w.shape[0]), dtype=w.dtype, device=w.device)
+            provider = ir.ops.fused_add_rms_norm.dispatch(x, x.clone(), w, norm.variance_epsilon).provider
+            text += (f"; residual add + RMSNorm fused (vllm.ir fused_add_rms_norm, provider {provider}: the residual "
+                     "is added in float32 and the float32 sum is normalized)")
+        out["norm"] = text
+    for key, path in (("activation", "mlp.act_fn"), ("rotary", "self_attn.rotary_emb")):
+        with contextlib.suppress(AttributeError):
+            out[key] = _custom_op(layer.get_submodule(path))
+    gemms = {}
+    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        with contextlib.suppress(AttributeError):
+            gemms[path] = _gemm(layer.get_submodule(path))
+    with contextlib.suppress(AttributeError):
+        gemms["lm_head"] = _gemm(model.lm_head)
+    out["gemm"] = gemms
+    return out
 
 
 _ENGINES: "OrderedDict[tuple, VllmEngine]" = OrderedDict()
@@ -238,6 +302,34 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
     _ENGINES[key] = engine
     return engine
+
+
+def plan_facts(loaded: Any, plan: Any) -> dict[str, Any]:
+    """The facts (:meth:`VllmEngine.facts`) of the engine ``plan`` will run on, built now if needed.
+
+    Raises:
+        TracerError: as :func:`engine_for`.
+    """
+    mode = chunk_mode(plan, {}, {})
+    return engine_for(loaded, settings_of(plan, mode, {})).facts()
+
+
+def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] | None = None) -> None:
+    """``plan``'s requests through vLLM's own ``LLM.generate`` with no hooks (greedy, one token; the
+    prefix cache reset first): the floor ``tracer bench --engine vllm`` measures capture against.
+
+    Raises:
+        TracerError: as :func:`execute_loaded` for a plan vLLM cannot realise.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    mode = chunk_mode(plan, {}, dict(meta or {}))
+    eng = engine_for(loaded, settings_of(plan, mode, {}))
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    eng.reset_prefix_cache()
+    for prompts, _traced in waves(token_ids, plan, mode, eng.kwargs["block_size"]):
+        eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
 
 
 # ---------------------------------------------------------------- the reference layout
@@ -360,5 +452,5 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                      captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]}), None
 
 
-__all__ = ["VllmSettings", "VllmEngine", "engine_for", "weights_folder", "ref_layout", "execute_loaded",
+__all__ = ["VllmSettings", "VllmEngine", "engine_for", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
            "MAX_ENGINES", "CHUNK_MODES"]

@@ -34,6 +34,8 @@ class VllmSettings:
         enforce_eager: must be True (no CUDA graphs).
         compilation_mode: must be 0 (no torch.compile).
         seed: vLLM's seed (greedy sampling does not use it).
+        logprobs_mode: what vLLM reports as a token's logprob: ``raw_logprobs`` (log_softmax of
+            the float32 logits) or ``processed_logprobs`` (after the temperature: a sampled rollout).
     """
 
     block_size: int = 32
@@ -45,6 +47,7 @@ class VllmSettings:
     enforce_eager: bool = True
     compilation_mode: int = 0
     seed: int = 0
+    logprobs_mode: str = "raw_logprobs"
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -60,7 +63,14 @@ class VllmSettings:
 
 
 def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
-    mode = options.get("chunks", "auto")
+    """How the plan's chunks are realised: ``one-step`` (one chunk), else ``prefix-cache`` or
+    ``chunked`` from ``options["chunks"]``, the plan's ``engine_settings`` (set by
+    :func:`tracer.plan.engines.with_engine`), or the scenario (``chunked-prefill``: chunked).
+
+    Raises:
+        TracerError: an unknown mode.
+    """
+    mode = options.get("chunks") or dict(getattr(plan, "engine_settings", ()) or ()).get("chunks", "auto")
     if mode not in CHUNK_MODES:
         raise TracerError(f"unknown vLLM chunk mode {mode!r}; use one of: {', '.join(CHUNK_MODES)}")
     if len(plan.chunks) == 1:
@@ -86,9 +96,23 @@ def refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
 
 
 def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
-    base = options.get("settings") or VllmSettings()
-    if not isinstance(base, VllmSettings):
-        base = VllmSettings(**dict(base))
+    """The :class:`VllmSettings` a plan runs with: the plan's ``engine_settings`` (KV block size), then
+    ``options["settings"]`` (a VllmSettings or a dict of its fields) over them; chunked mode sets
+    the token budget to the chunk size.
+
+    Raises:
+        TracerError: chunks that a token budget cannot produce, a batch over the budget, an unknown setting.
+    """
+    from dataclasses import fields
+
+    known = {f.name for f in fields(VllmSettings)}
+    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items() if k != "chunks"}
+    given = options.get("settings") or {}
+    given = {f.name: getattr(given, f.name) for f in fields(VllmSettings)} if isinstance(given, VllmSettings) else dict(given)
+    unknown = sorted(k for k in {**planned, **given} if k not in known)
+    if unknown:
+        raise TracerError(f"unknown vLLM setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    base = VllmSettings(**{**planned, **given})
     if mode == "chunked":
         sizes = [e - s for s, e in plan.chunks]
         if any(x != sizes[0] for x in sizes[:-1]) or sizes[-1] > sizes[0]:
@@ -105,7 +129,7 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     return base
 
 
-def _batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
+def batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
     """The batch's rows as :func:`tracer.execute.runner.batch_inputs` builds them, without padding."""
     n, out = len(token_ids), []
     for j, length in enumerate(batch.lengths):
@@ -126,7 +150,7 @@ def waves(token_ids: list[int], plan: Any, mode: str, block_size: int) -> list[t
         TracerError: a prefix-cache boundary that is not a multiple of the KV block size.
     """
     if plan.batch is not None:
-        rows = _batch_rows(token_ids, plan.batch)
+        rows = batch_rows(token_ids, plan.batch)
         return [(rows, [j == plan.batch.row for j in range(len(rows))])]
     if mode != "prefix-cache":
         return [([list(token_ids)], [True])]

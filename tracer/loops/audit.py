@@ -179,6 +179,8 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
     _check_options(options, selected)
+    if cfg.scenario.engine not in (None, "hf"):  # every check runs on it (the engine check names its own)
+        options["engine"] = cfg.scenario.engine
     store = cfg.store.mode != "none"
     out = _output_path(cfg) if store else None
     if loaded is None:
@@ -194,6 +196,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
                                           "audit_options": {"mitigations": bool(mitigations), "budget": budget,
+                                                            "engine": cfg.scenario.engine or "hf",
                                                             "checks": [c.key for c in todo]},
                                           **(distributed_header(plans["L4-tp-real"], info.device)
                                              if "L4-tp-real" in plans else {})})
@@ -229,7 +232,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
             state.merge([c.key for c in todo], [row_record(r) for r in rows])
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
-             "levels": selected}
+             "levels": selected, "engine": cfg.scenario.engine or "hf"}
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
 
 
@@ -333,6 +336,8 @@ def skip_reason(check: Check, device: str = "cpu") -> str | None:
             return str(e)
     if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attention is not installed (pip install flash-attn)"
+    if check.needs == "vllm" and importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (pip install 'tracer[vllm]'; README: 'with vLLM')"
     return None
 
 
@@ -369,7 +374,7 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
 
 
 def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:
-    uses = applicable_options(c.scenario)
+    uses = applicable_options(c.scenario) + (("engine",) if c.scenario != "engine" else ())
     return {**{k: v for k, v in options.items() if k in uses}, **c.options}
 
 

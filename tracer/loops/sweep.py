@@ -105,7 +105,7 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
 # ---------------------------------------------------------------- the sweep file
 
 
-def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
+def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] | None = None,
           keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
           on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``cfg``'s scenario for every prompt length × block size; one summary row per point.
@@ -123,7 +123,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         lengths: prompt lengths N: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"``,
             or a list of ints. Every N must exceed every block size (a cache hit needs one full block).
         block_sizes: KV block sizes, same syntax (``"16,32,64"``) or a list; applied to scenarios
-            that take a block size.
+            that take a block size (None: 16, or the engine's own default, 32 for vLLM).
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
         progress: per-point progress on stderr (:class:`tracer.report.progress.ItemProgress`): True or
@@ -139,6 +139,10 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     """
     from tracer import pipeline
 
+    if block_sizes is None:
+        from tracer.plan.engines import ENGINE_DEFAULTS
+
+        block_sizes = [ENGINE_DEFAULTS.get(cfg.scenario.engine or "hf", {}).get("block_size", 16)]
     ns, bs = _axes(lengths, block_sizes)
     scenario = cfg.scenario.name
     out = _sweep_path(cfg, scenario)
@@ -161,6 +165,8 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     extra = {k: v for k, v in cfg.scenario.options}
     if extra:
         params["options"] = extra
+    if cfg.scenario.engine not in (None, "hf"):  # a vLLM sweep never resumes an HF one (or the reverse)
+        params["engine"] = cfg.scenario.engine
     header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
     sf = SweepFile(out, params, header, overwrite=cfg.store.overwrite) if out is not None else None
     uses_block = "block_size" in applicable_options(scenario)
@@ -228,8 +234,9 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
         return None
     from tracer.store.integrity import check_name_length, check_output_path
 
-    out = check_name_length(cfg.store.output if cfg.store.output is not None else default_output(cfg.model.name, scenario),
-                            "--output")
+    engine = "" if cfg.scenario.engine in (None, "hf") else f"-{cfg.scenario.engine}"
+    out = check_name_length(cfg.store.output if cfg.store.output is not None
+                            else default_output(cfg.model.name, scenario + engine), "--output")
     check_output_path(out, cfg.store.overwrite, "--output", resume=True)  # before is_sweep_file opens it
     if out.is_dir():
         raise TracerError(f"--output {out} is a directory; give a file path ending in .h5")

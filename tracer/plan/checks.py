@@ -96,7 +96,7 @@ def scenario_option_names() -> tuple[str, ...]:
     """The scenario-specific options: every keyword of a catalogue builder but the shared ones."""
     from tracer.plan.scenarios import SCENARIOS
 
-    shared = {"n_tokens", "block_size", "split_at", "mitigation"}
+    shared = {"n_tokens", "block_size", "split_at", "mitigation", "engine"}
     names: list[str] = []
     for fn in SCENARIOS.values():
         names += [p for p in inspect.signature(fn).parameters if p not in shared and p not in names]
@@ -122,6 +122,7 @@ def check_applicable(scen: Any) -> None:
     if not isinstance(scen.name, str):  # a Scenario or a builder of the user's: they take no options
         given = scen.params()
         given.pop("mitigation", None)
+        given.pop("engine", None)
         if given:
             raise TracerError(f"option(s) {', '.join(sorted(given))} apply to catalogue scenarios only; "
                               "build them into your own Scenario")
@@ -133,7 +134,7 @@ def check_applicable(scen: Any) -> None:
         raise TracerError(f"unknown scenario '{scen.name}'" + (f" (did you mean {close[0]}?)" if close else "")
                           + f"; use one of: {', '.join(SCENARIOS)}")
     uses = applicable_options(scen.name)
-    extra = sorted(k for k in scen.params() if k != "mitigation" and k not in uses)
+    extra = sorted(k for k in scen.params() if k not in ("mitigation", "engine") and k not in uses)
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"

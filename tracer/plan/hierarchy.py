@@ -37,7 +37,7 @@ class Check(schema.Record):
         level, scenario, label: hierarchy level, catalogue name, one line for the table.
         options: scenario options fixed by this check (they win over the user's).
         needs: ``"cuda"``, ``"ranks"`` (K processes of a torch.distributed group: always on the CPU
-            with gloo, one GPU per rank with NCCL), ``"flash"`` or None.
+            with gloo, one GPU per rank with NCCL), ``"flash"``, ``"vllm"`` (the package) or None.
         mitigations: mitigations that apply when the check diverges.
     """
 
@@ -78,6 +78,8 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L6-attention-flash", 6, "attention", "attention sdpa vs flash_attention_2",
               {"attn_a": "sdpa", "attn_b": "flash_attention_2"}, needs="flash"),
         Check("L6-compile", 6, "compile", "eager vs torch.compile"),
+        Check("L6-engine", 6, "engine", "HF transformers vs vLLM (same weights and token ids)", needs="vllm",
+              mitigations=()),
         Check("L7-device", 7, "device", "CPU vs GPU", {"devices": "cpu,cuda"}, needs="cuda"),
         Check("L7-disaggregated", 7, "disaggregated", "prefix on CPU, moved to GPU, vs all on GPU",
               {"devices": "cpu,cuda"}, needs="cuda"),

@@ -106,6 +106,8 @@ class RunPlan:
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
         engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
             the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
+        engine_settings: ``(key, value)`` pairs for the engine (vLLM: ``block_size``, ``chunks``
+            ``prefix-cache`` | ``chunked``; :func:`tracer.plan.engines.with_engine` sets them).
         rl: the plan's side of an RL step (:class:`tracer.plan.rollout.RLSpec`: the rollout sampling
             token by token, or the trainer's teacher-forced forward), None otherwise.
     """
@@ -124,6 +126,7 @@ class RunPlan:
     deterministic: bool = False
     engine: str = "hf"
     rl: RLSpec | None = None
+    engine_settings: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         pos = 0

@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tracer.errors import TracerError
+from tracer.plan.engines import engine_defaults, engine_scenario, with_engine
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
 from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
 
@@ -412,6 +413,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "device": device,
     "disaggregated": disaggregated,
     "rollout-vs-train": rollout_vs_train,
+    "engine": engine_scenario,
 }
 
 
@@ -423,8 +425,10 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
     ``attn_a``, ``attn_b``, ``devices``, ``mitigation``, and ``rollout-vs-train``'s ``rollouts``,
     ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
-    ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``); each
-    builder takes the ones it uses, None means its default, and the rest are ignored.
+    ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``, ``engine``'s ``engines``) and
+    ``engine`` (who executes both plans, :func:`tracer.plan.engines.with_engine`; its defaults,
+    e.g. vLLM's KV block size 32, fill unset options); each builder takes the ones it uses, None
+    means its default.
 
     Raises:
         TracerError: unknown scenario name (listing the known ones), an option the scenario does
@@ -434,6 +438,8 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
         raise TracerError(f"unknown scenario '{name}'; use one of: {', '.join(SCENARIOS)}")
     fn = SCENARIOS[name]
     accepted = inspect.signature(fn).parameters
+    engine = params.pop("engine", None)
+    params = engine_defaults(engine, accepted, params)
     mitigation = params.get("mitigation")
     check_mitigation(mitigation)
     extra = sorted(k for k, v in params.items() if v is not None and k != "mitigation" and k not in accepted)
@@ -442,7 +448,7 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
         raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
     kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
     scen = fn(n_tokens, **kwargs)
-    return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
+    return with_engine(scen if "mitigation" in accepted else with_mitigation(scen, mitigation), engine)
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
@@ -456,7 +462,7 @@ def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
     if not isinstance(scen, Scenario):
         raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return scen
+    return with_engine(scen, options.get("engine"))
 
 
 def check_resources(scen: Any) -> Any:

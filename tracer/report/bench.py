@@ -63,3 +63,31 @@ def table(result: Any):
     if c.get("reps", 3) < 3 or c.get("warmup", 1) < 1:
         t.caption = "fewer than 3 repetitions or no warm-up: the ratios are not reliable (first-call costs land in one mode)"
     return t
+
+
+#: the modes of ``tracer bench --engine vllm`` (:data:`tracer.loops.bench_vllm.MODES`)
+VLLM_LABELS = {"bare": "vLLM generate, no hooks (floor)", "capture": "tracer's vLLM executor: hooks + mapping",
+               "tracer": "tracer run --engine vllm --store none (capture + compare)"}
+
+
+def vllm_table(result: Any):
+    """``tracer bench --engine vllm``: each mode's median and min–max, and the ratios to the bare floor."""
+    from rich.table import Table
+
+    c = result.config
+    t = Table(title=f"tracer bench --engine vllm · {c['model']} · {c['dtype']} · vLLM {c['vllm']} on {c['device']} "
+                    f"({c['attention_backend']}) · N={c['length']} · {c['scenario']} · {c['granularity']} "
+                    f"({c['n_points']} points{'' if c['kv_cache'] else ', no KV cache'}) · {c['reps']} reps",
+              title_justify="left")
+    t.add_column("mode")
+    t.add_column("median s", justify="right")
+    t.add_column("min–max s", justify="right")
+    for m, v in result.times.items():
+        t.add_row(VLLM_LABELS.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
+    t.add_section()
+    for k, v in result.ratios().items():
+        t.add_row(f"{k.replace('_over_', ' ÷ ')}", f"{v:.3f}", "medians, measured interleaved in this process")
+    t.caption = (f"plans: A {c['plans'][0]}; B {c['plans'][1]} · verdict of the checked run: {c['verdict']}"
+                 + (" · fewer than 3 repetitions or no warm-up: the ratios are not reliable"
+                    if c["reps"] < 3 or c["warmup"] < 1 else ""))
+    return t

@@ -237,7 +237,7 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
     names = [_point_marker(c, r) for r in shown]
-    skipped = [(printable(sk.name), f"  ◀ not compared: {printable(sk.reason)}", sk) for sk in c.skipped]
+    skipped = [(printable(name), f"  ◀ not compared: {printable(sk.reason)}", sk) for name, sk in skip_rows(c.skipped)]
     cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
     cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
     headers = {k: COLUMNS[k][0] for k in columns}
@@ -263,6 +263,25 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
         lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
                      "or --format csv / json shows them)")
     return t, lines + _caption(c, fit.columns, len(shown), len(all_rows))
+
+
+def skip_rows(skipped: Any) -> list[tuple[str, Any]]:
+    """The table rows of the skipped points: ``(name, record)``; three or more non-failing points that
+    differ only in the layer index and share a reason (HF's ``mlp.act_fn`` of every layer, which vLLM
+    does not compute) are one row, ``model.layers.{0..29}.mlp.act_fn (30 points)``; failing ones
+    are always a row each."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for sk in skipped:
+        key = (re.sub(r"\.\d+\.", ".*.", sk.name, count=1), sk.reason if not sk.fails else sk.name)
+        groups.setdefault(key, []).append(sk)
+    out = []
+    for (pattern, _reason), sks in groups.items():
+        if len(sks) < 3 or sks[0].fails or "*" not in pattern:
+            out += [(sk.name, sk) for sk in sks]
+            continue
+        idx = [int(re.search(r"\.(\d+)\.", sk.name).group(1)) for sk in sks]
+        out.append((pattern.replace("*", f"{{{min(idx)}..{max(idx)}}}") + f" ({len(sks)} points)", sks[0]))
+    return out
 
 
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,

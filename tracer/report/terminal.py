@@ -173,12 +173,12 @@ def print_models(models: list[dict[str, str]]) -> None:
 
 def print_bench(result: Any, as_json: bool) -> None:
     """``tracer bench``: the table of medians and ratios, or the result as JSON."""
-    from tracer.report.bench import table
+    from tracer.report.bench import table, vllm_table
 
     if as_json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2, default=str))
     else:
-        Console().print(table(result))
+        Console().print(vllm_table(result) if type(result).__name__ == "VllmBenchResult" else table(result))
 
 
 #: the formats ``tracer sweep`` prints
