@@ -156,5 +156,7 @@ def test_every_other_command_line_names_real_options():
 
 def test_ci_runs_the_readme_test_command():
     test_command = blocks()[1][2][0]
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == test_command and "--durations=15" in test_command
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    pytest_lines = [line for line in ci if "pytest" in line and not line.lstrip().startswith("#")]
+    # the README's test command, verbatim, is the first test run of CI (the vLLM environment's follows it)
+    assert pytest_lines and pytest_lines[0] == test_command and "--durations=15" in test_command
