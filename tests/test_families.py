@@ -6,7 +6,8 @@ The model is a tiny random-init Llama whose every module tracer looks at is rena
 Its config claims a model type no built-in descriptor lists. One descriptor, written here into a
 temp folder named by ``$TRACER_HOOKS_PATH``, is all tracer gets. Oracles: HF's own
 ``output_hidden_states`` for the layer captures, the raw bits of the captured tensors for which
-points differ, and a perturbation planted in one known module of run B.
+points differ, and a perturbation planted in one known module of run B. Last, a real HF family no
+built-in descriptor fits (GPT-NeoX), saved as a folder and run through ``tracer run`` with one TOML file.
 """
 
 from __future__ import annotations
@@ -264,3 +265,69 @@ def test_notebook_capture_of_named_modules_needs_no_descriptor(renamed, monkeypa
     with tracer.capture(renamed, ["backbone.blocks.0"]) as cap, torch.no_grad():
         out = renamed(ids, output_hidden_states=True)
     assert torch.equal(cap["backbone.blocks.0"].tensor, out.hidden_states[1][0])
+
+
+NEOX_DESCRIPTOR = """
+families = ["gpt_neox"]
+embedding = "gpt_neox.embed_in"
+layers = "gpt_neox.layers"
+final_norm = "gpt_neox.final_layer_norm"
+logits = "lm_head"
+
+[roles]
+attn_norm = "input_layernorm"
+attention = "attention"
+qkv_proj = "attention.query_key_value"
+o_proj = "attention.dense"
+mlp_norm = "post_attention_layernorm"
+mlp = "mlp"
+up_proj = "mlp.dense_h_to_4h"
+act = "mlp.act"
+down_proj = "mlp.dense_4h_to_h"
+"""
+
+
+def test_a_new_family_written_as_one_toml_file_runs_through_the_cli(tmp_path, cli_env):
+    """GPT-NeoX (``embed_in``, ``query_key_value``, ``dense_h_to_4h``, ``final_layer_norm``): no built-in
+    descriptor fits. Saved as an HF folder, ``tracer run DIR`` refuses it in one line (exit 2); with one
+    TOML file in ``$TRACER_HOOKS_PATH`` it runs, and run A's captures are HF's own hidden states."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gpt_neox", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, vocab_size=512, use_parallel_residual=False)
+    torch.manual_seed(0)
+    folder = tmp_path / "neox"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    args = [sys.executable, "-m", "tracer", "run", str(folder), "--device", "cpu", "--dtype", "float32", "--length",
+            str(N), "--granularity", "sublayers", "--positions", "all", "--store", "tensors", "-o", "t.h5"]
+    cli_env.pop(F.HOOKS_PATH_ENV, None)
+    refused = subprocess.run(args, capture_output=True, text=True, env=cli_env, cwd=tmp_path, timeout=300)
+    err = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+    assert refused.returncode == 2 and len(err) == 1 and "'gpt_neox'" in err[0] and F.HOOKS_PATH_ENV in err[0]
+    assert not (tmp_path / "t.h5").exists()
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "neox.toml").write_text(NEOX_DESCRIPTOR)  # the one file the new family takes
+    proc = subprocess.run(args, capture_output=True, text=True, env={**cli_env, F.HOOKS_PATH_ENV: str(hooks)},
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "bit-identical" in proc.stdout and "gpt_neox.final_layer_norm" in proc.stdout
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    with tracer.read_trace(tmp_path / "t.h5") as r:
+        assert r.header["family"]["descriptor"] == str(hooks / "neox.toml")
+        assert r.capture_info("A", "gpt_neox.layers.1.attention.query_key_value")["role"] == "qkv_proj"
+        assert r.capture_info("A", "gpt_neox.layers.0.mlp.dense_4h_to_h")["role"] == "down_proj"
+        ids = r.run("A", load_tensors=False).token_ids
+        with torch.no_grad():
+            out = hf(torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states  # (embedding, layer 0, final_layer_norm(layer 1))
+        assert torch.equal(r.tensor("A", "gpt_neox.embed_in"), hs[0][0])
+        assert torch.equal(r.tensor("A", "gpt_neox.layers.0"), hs[1][0])
+        assert torch.equal(r.tensor("A", "gpt_neox.final_layer_norm"), hs[2][0])
+        assert torch.equal(r.tensor("A", "lm_head"), out.logits[0])
