@@ -148,3 +148,44 @@ def test_public_api_has_real_signatures(name, must):
     params = inspect.signature(getattr(tracer, name)).parameters
     assert all(m in params for m in must)
     assert not any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+KIND_VALUES = frozenset({"embedding", "layer", "final_norm", "logits", "linear", "norm", "attention", "attention_core",
+                         "mlp", "mlp_hidden", "activation", "kv_cache", "module"})
+
+
+def bare_kinds(source: str) -> list[str]:
+    """Bare-string capture-point kinds in ``source``: a comparison of an expression naming a kind
+    (``p.kind``, ``info["kind"]``, ``kinds[i]``, ``k`` in a loop over ``kinds``) with a string that is
+    a kind's value, and ``kind="..."`` arguments. ``tracer.execute.kinds.PointKind`` says it instead."""
+    tree = ast.parse(source)
+    loop_vars = {t.id for node in ast.walk(tree) if isinstance(node, ast.comprehension | ast.For)
+                 and "kind" in ast.unparse(node.iter) for t in ast.walk(node.target) if isinstance(t, ast.Name)}
+
+    def kindish(n: ast.AST) -> bool:
+        text = ast.unparse(n)
+        return "kind" in text.lower() or (isinstance(n, ast.Name) and n.id in loop_vars)
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(kindish(s) for s in sides):
+                out += [f"line {node.lineno}: {ast.unparse(node)}" for s in sides if not kindish(s)
+                        for c in ast.walk(s) if isinstance(c, ast.Constant) and c.value in KIND_VALUES]
+        elif isinstance(node, ast.keyword) and node.arg and "kind" in node.arg and isinstance(node.value, ast.Constant) \
+                and node.value.value in KIND_VALUES:
+            out.append(f"line {node.lineno}: {node.arg}={node.value.value!r}")
+    return out
+
+
+def test_the_kind_detector_finds_bare_strings():
+    for src in ('x = [p for p in points if p.kind == "layer"]', 'ok = info["kind"] in ("logits", "norm")',
+                'y = [i for i, k in enumerate(kinds) if k != "kv_cache"]', 'CapturePoint(name=n, kind="module")'):
+        assert bare_kinds(src), src
+    assert not bare_kinds('x = [p for p in points if p.kind == PointKind.LAYER]; recipe.kind == "gguf"')
+
+
+def test_point_kinds_are_compared_as_point_kinds():
+    found = {str(p.relative_to(PKG.parent)): bare_kinds(p.read_text()) for p in PKG.rglob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}

@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from tracer.config import CaptureConfig, RunConfig
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 Say = Callable[[str], None]
 
@@ -500,7 +501,7 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
 
     info, model = loaded.info, loaded.model
     dtypes = dtypes or higher_dtypes(info.dtype, info.device)
-    layers = [p for p in base.points if p.kind == "layer"]
+    layers = [p for p in base.points if p.kind == PointKind.LAYER]
     worst = max(layers, key=lambda p: p.diff.max_abs_diff).name if layers else None
     lb, yb = measure(base, worst)
     levels = []

@@ -318,7 +318,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         autos = [r.meta["store_auto"] for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)]
         kinds = {n: k for a in autos if isinstance(a.get("kinds"), dict) for n, k in a["kinds"].items()}
         dropped = [n for a in autos for n in a.get("dropped") or [] if isinstance(n, str)]
-        skipped += [SkipRecord(n, point_kind(kinds.get(n, "layer"), n), "not stored (--store auto kept statistics only; "
+        skipped += [SkipRecord(n, point_kind(kinds.get(n, PointKind.LAYER), n), "not stored (--store auto kept statistics only; "
                                "'tracer report' shows the run-time comparison)")
                     for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))

@@ -38,6 +38,7 @@ import torch
 
 from tracer import schema
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
 
 #: upper edges of the |Δlogp| histogram bins after the first (exactly 0): ≤1e-8, (1e-8, 1e-7], ..., (0.1, 1], > 1
@@ -287,7 +288,7 @@ def _per_position_columns(steps: tuple[TokenStep, ...], per_position: dict[str, 
     names, kinds = per_position["names"], per_position["kinds"]
     nd, mx = per_position["n_diff"], per_position["max_abs_diff"]
     start = per_position["start"]
-    layers = [i for i, kd in enumerate(kinds) if kd == "layer"]
+    layers = [i for i, kd in enumerate(kinds) if kd == PointKind.LAYER]
     out = []
     for s in steps:
         col = s.position - start

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.execute.runner import model_device
@@ -75,7 +76,7 @@ def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str,
     ts = [r.tensor for r in recs]
     if role in HEAD_SHARDED_ROLES and ts[0].dim() >= 3:
         return torch.cat(ts, dim=-2)
-    if kind != "kv_cache":
+    if kind != PointKind.KV_CACHE:
         return torch.cat(ts, dim=-1)
     kshape = rec0.calls[0]["out"][0]  # (B, kv_heads_local, S, head_dim_k)
     kw = kshape[1] * kshape[3]
@@ -99,7 +100,7 @@ def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: 
             base = cname.removesuffix(".tp_partial")
             for r in range(k):
                 pr = per_rank[r]["captures"][cname]
-                partial_caps[f"{base}.partial.rank{r}"] = replace(pr, name=f"{base}.partial.rank{r}", kind="linear",
+                partial_caps[f"{base}.partial.rank{r}"] = replace(pr, name=f"{base}.partial.rank{r}", kind=PointKind.LINEAR,
                                                                   op=f"Linear partial, rank {r} of {k}")
             continue
         p = by_name.get(cname)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.enginemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
 from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
@@ -271,7 +272,7 @@ class VllmCapture:
         for name, (kind, op, _feat, _dtype) in self.ref.names.items():
             point = by_name.get(name)
             op = point.op if point is not None else op
-            if kind == "kv_cache":
+            if kind == PointKind.KV_CACHE:
                 rec, why = self._kv_record(point)
                 if rec is None:
                     not_captured[name] = why
@@ -321,4 +322,4 @@ class VllmCapture:
                           "run (reset the prefix cache first)")
         kv = torch.stack([torch.cat(rows[p]) for p in range(self.n)])  # (N, kv_heads*head_dim*2): keys, values
         call = {"positions": [0, self.n], "in": [], "out": [list(kv.shape)]}
-        return CaptureRecord(name=point.name, kind="kv_cache", tensor=kv, calls=[call], op=point.op, role=point.role), ""
+        return CaptureRecord(name=point.name, kind=PointKind.KV_CACHE, tensor=kv, calls=[call], op=point.op, role=point.role), ""

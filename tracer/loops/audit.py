@@ -19,6 +19,7 @@ from typing import Any, Callable
 from tracer import schema
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.plan.cost import scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 
@@ -87,7 +88,7 @@ class Audit(schema.Record):
 
 
 def _row(check: Check, comparison: Any) -> AuditRow:
-    layers = [p for p in comparison.points if p.kind == "layer"]
+    layers = [p for p in comparison.points if p.kind == PointKind.LAYER]
     last = (layers[-1].diff.n_diff, layers[-1].diff.n_total) if layers else None
     lg = comparison.logits
     return AuditRow(check=check, status="passed" if comparison.identical else "failed",

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 #: the peers, in the order the bench runs and reports them
 PEERS = ("peer_hf", "peer_hooks", "peer_nnsight")
@@ -116,8 +117,8 @@ def _simple(scen: Any, who: str) -> None:
 
 
 def _points(points: list[Any]) -> tuple[list[Any], Any]:
-    layers = [p for p in points if p.kind == "layer"]
-    norm = next((p for p in points if p.kind == "final_norm"), None)
+    layers = [p for p in points if p.kind == PointKind.LAYER]
+    norm = next((p for p in points if p.kind == PointKind.FINAL_NORM), None)
     if not layers or norm is None:
         raise TracerError("the capture points have no decoder layers or no final norm")
     return layers, norm

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 
 #: the largest value and the most values one --lengths / --block-sizes list may hold
@@ -82,12 +83,12 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
     mad = [float(p.diff.max_abs_diff) for p in c.points]
     if c.logits is not None:
         names.append(c.logits_name)
-        kinds.append("logits")
+        kinds.append(PointKind.LOGITS)
         n_diff.append(c.logits.tensor.n_diff)
         n_total.append(c.logits.tensor.n_total)
         mad.append(float(c.logits.tensor.max_abs_diff))
     first = next((i for i, n in enumerate(n_diff) if n), -1)
-    layer_idx = [i for i, k in enumerate(kinds) if k == "layer"]
+    layer_idx = [i for i, k in enumerate(kinds) if k == PointKind.LAYER]
     last = layer_idx[-1] if layer_idx else None
     frac = (n_diff[last] / n_total[last]) if last is not None and n_total[last] else 0.0
     row = SweepRow(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.html import esc, figure_html, figure_svg, headline_html, page, table_html
 from tracer.report.sweep_lines import sweep_summary_lines
 
@@ -28,7 +29,7 @@ def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) ->
             "argmax flips"]
     cells, vals, classes = [], [], []
     for name, c in comps.items():
-        layers = [p for p in c.points if p.kind == "layer"]
+        layers = [p for p in c.points if p.kind == PointKind.LAYER]
         last = layers[-1].diff if layers else None
         lg = c.logits
         cells.append([name, c.scenario, "yes" if c.identical else "no", c.first_divergent or "-",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tracer.execute.kinds import LAYER_KINDS, PointKind
+
 #: a row is kept when its differing count moves by this factor from the previous row of its kind ...
 NOTABLE_COUNT = 2.0
 #: ... or its max |Δ| by this one (bf16 max |Δ| moves in powers of two: ×2 is one step of rounding)
@@ -39,7 +41,7 @@ def _share(n: int, total: int) -> str:
 
 def last_layer(c: Any) -> Any:
     """The last decoder-layer point (kind ``layer``) in execution order, or None."""
-    layers = [p for p in c.points if p.kind == "layer"]
+    layers = [p for p in c.points if p.kind == PointKind.LAYER]
     return layers[-1] if layers else None
 
 
@@ -78,7 +80,7 @@ def growth_text(c: Any) -> str:
 def logits_text(c: Any) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
-        skip = next((s for s in c.skipped if s.kind == "logits"), None)  # missing in a run, or not stored
+        skip = next((s for s in c.skipped if s.kind == PointKind.LOGITS), None)  # missing in a run, or not stored
         return "not captured" if skip is None else f"not compared: {skip.reason}"
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)
@@ -101,10 +103,10 @@ def next_steps(c: Any) -> list[str]:
         return steps
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
-    if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:
+    if any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt:
         steps.append("`--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
                      "op by op and names the op")
-    subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+    subs = any(p.kind not in LAYER_KINDS for p in c.points)
     if not subs:
         steps.append("`--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, MLP, "
                      "every Linear) with its GEMM shapes")
@@ -189,7 +191,7 @@ def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
     first = c.first_divergent
     last = last_layer(c)
     for i, p in enumerate(pts):
-        if p.origin or p.name == first or (last is not None and p.name == last.name) or p.kind == "final_norm":
+        if p.origin or p.name == first or (last is not None and p.name == last.name) or p.kind == PointKind.FINAL_NORM:
             must.add(i)
     if c.logits is not None:
         must.add(n - 1)

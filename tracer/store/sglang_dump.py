@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 _COLUMN = ("qkv_proj", "gate_up_proj", "act_fn", "attn")
 
@@ -141,10 +142,10 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
                 cache[name] = t
             return cache[name]
 
-        layers = [n for n in names if r.capture_info(run, n)["kind"] == "layer"]
-        emb = [n for n in names if r.capture_info(run, n)["kind"] == "embedding"][0]
-        norm = [n for n in names if r.capture_info(run, n)["kind"] == "final_norm"][0]
-        logits = [n for n in names if r.capture_info(run, n)["kind"] == "logits"][0]
+        layers = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.LAYER]
+        emb = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.EMBEDDING][0]
+        norm = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.FINAL_NORM][0]
+        logits = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.LOGITS][0]
         items: list[tuple[str, Any, str]] = [("model.embed_tokens", get(emb), "replicated")]
         prev = get(emb)
         for i, layer in enumerate(layers):

@@ -15,6 +15,7 @@ import torch
 
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
 
 _ELEMENTS_PER_CHUNK = 1 << 21
@@ -89,7 +90,7 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
                 continue  # not a window capture
             ta, tb = ta[positions[0]:], tb[positions[0]:]  # kept for all N positions (the KV cache): its window rows
         mx, nd = position_max_abs_diff(ta, tb)
-        if kind == "logits":
+        if kind == PointKind.LOGITS:
             logits = (name, kind, mx, nd)
             continue
         names.append(name), kinds.append(kind), vals.append(mx), nds.append(nd)
@@ -108,7 +109,7 @@ def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
     pp = getattr(comparison, "per_position", None)
     if not pp:
         return None
-    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == "logits")  # logits last, stable
+    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == PointKind.LOGITS)  # logits last, stable
     vals = np.asarray([[np.inf if isinstance(v, str) else v for v in pp["max_abs_diff"][i]] for i in order],
                       dtype=np.float64)
     return PositionDiffs(names=[pp["names"][i] for i in order], kinds=[pp["kinds"][i] for i in order],
