@@ -18,10 +18,32 @@ completion show every keyword). Importing this module loads neither torch nor tr
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from tracer.config import OPTIONS, RunConfig, validate
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer stays light
+    from pathlib import Path
+
+    import pandas
+    from matplotlib.figure import Figure
+    from torch import nn
+
+    from tracer.diff.result import Comparison
+    from tracer.diff.rl import RLComparison
+    from tracer.execute.capture import Captured
+    from tracer.execute.enginemap import MappedDump
+    from tracer.execute.records import RunRecord
+    from tracer.load.models import LoadedModel, ModelInfo
+    from tracer.loops.audit import Audit, AuditRow
+    from tracer.pipeline import RunResult
+    from tracer.store.sweepfile import SweepResult, SweepRow
+    from tracer.store.trace import TraceReader
+
+#: a stored run: ``"file.h5:RUN"``, ``"file.h5"`` (a run picked by position), ``("file.h5", "RUN")`` or a path
+RunRef = Union[str, "tuple[str, str | None]", os.PathLike]
 
 #: the flat options of each command (audit and sweep take no per-run scenario choice of their own)
 _MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
@@ -39,12 +61,12 @@ def _quiet(msg: str) -> None:
     return None
 
 
-def _is_loaded(obj: Any) -> bool:
+def _is_loaded(obj: object) -> bool:
     return hasattr(obj, "model") and hasattr(obj, "info") and hasattr(obj, "tokenizer")
 
 
-def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: bool = True,
-            new_output: bool = True, one_length: bool = True, **options: Any) -> tuple[RunConfig, Any]:
+def _config(model: str | LoadedModel, loaded: LoadedModel | None, allowed: tuple[str, ...], check_scenario: bool = True,
+            new_output: bool = True, one_length: bool = True, **options: Any) -> tuple[RunConfig, LoadedModel | None]:
     """The validated config and the loaded model to reuse (``model`` may itself be a LoadedModel)."""
     lm = model if _is_loaded(model) else loaded
     if lm is not None:
@@ -58,7 +80,7 @@ def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: b
     return validate(cfg, lm, new_output=new_output, one_length=one_length), lm
 
 
-def _loaded_clash(info: Any, options: dict[str, Any]) -> str | None:
+def _loaded_clash(info: ModelInfo, options: dict[str, Any]) -> str | None:
     """The first model option that contradicts a loaded model (``dtype="float32"`` on a bf16 model), or None."""
     from tracer.load.devices import dtype_name, resolve_device, resolve_dtype
 
@@ -110,8 +132,9 @@ def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., 
 
 
 def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str | None = None,
-               attn: str = "sdpa", gguf: str | None = None, device_map: Any = None, max_memory: Any = None,
-               progress: bool = False, tokenizer: bool = True) -> Any:
+               attn: str = "sdpa", gguf: str | None = None, device_map: str | dict[str, Any] | None = None,
+               max_memory: str | dict[Any, str] | None = None, progress: bool = False,
+               tokenizer: bool = True) -> LoadedModel:
     """Load a model by name (:func:`tracer.load.models.load_model`): a built-in recipe, a GGUF file
     (``*.gguf``), an HF id in the local cache, or a local folder. Returns a
     :class:`~tracer.load.models.LoadedModel`; its ``tokenizer`` is None for a model saved without one
@@ -127,8 +150,8 @@ def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: s
                  device_map=device_map, max_memory=max_memory, tokenizer=tokenizer)
 
 
-def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = True,
-        status: Callable[[str], None] | None = None, **options: Any) -> Any:
+def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None = None, progress: bool = True,
+        status: Callable[[str], None] | None = None, **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -155,7 +178,8 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> Any:
+def capture(model: nn.Module | LoadedModel, points: str | list[str] = "layers", *,
+            keep_on_device: bool = False) -> Captured:
     """A context manager that captures every forward pass of ``model`` run inside it.
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
@@ -177,8 +201,8 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
     return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
 
 
-def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = None,
-            device: str | None = None) -> Any:
+def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, *, atol: float | None = None,
+            rtol: float | None = None, device: str | None = None) -> Comparison:
     """Compare two captures, two runs, or two stored runs, layer by layer.
 
     Args:
@@ -208,11 +232,11 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
     return compare_records(rec_a, rec_b, scenario="capture", model="model", atol=atol, rtol=rtol)
 
 
-def _is_ref(x: Any) -> bool:
+def _is_ref(x: object) -> bool:
     return isinstance(x, (str, tuple)) or hasattr(x, "__fspath__")
 
 
-def _ref(x: Any, side: int) -> tuple[str, str | None]:
+def _ref(x: RunRef, side: int) -> tuple[str, str | None]:
     from tracer.diff.refs import split_ref
 
     if isinstance(x, tuple):
@@ -228,7 +252,7 @@ def _ref(x: Any, side: int) -> tuple[str, str | None]:
     return path, run
 
 
-def _record(x: Any, name: str, side: int) -> Any:
+def _record(x: Captured | RunRecord | RunRef, name: str, side: int) -> RunRecord:
     """A RunRecord of a capture, a run record, or a stored run (read whole)."""
     from tracer.execute.capture import Captured
     from tracer.execute.records import RunRecord
@@ -248,7 +272,7 @@ def _record(x: Any, name: str, side: int) -> Any:
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  device: str | None = None) -> Any:
+                  device: str | None = None) -> Comparison:
     """Compare two runs of a stored trace (default: its first two), or an HF reference run with an
     engine dump: ``compare_trace("REF.h5:A", DUMP)`` where DUMP is an SGLang dumper folder, a
     ``PassN.pt`` folder, a ``.safetensors``/``.npz`` file or a trace written by :func:`import_dump`
@@ -275,7 +299,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 
 
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
-                overwrite: bool = False, run_name: str = "engine") -> Any:
+                overwrite: bool = False, run_name: str = "engine") -> MappedDump:
     """Map an engine dump onto reference run ``TRACE[:RUN]`` and write it as a one-run trace
     (:func:`tracer.diff.compare_dump.import_dump`; returns its :class:`~tracer.execute.enginemap.MappedDump`).
 
@@ -289,14 +313,14 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
                 run_name=run_name)
 
 
-def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
+def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
     """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
     from tracer.store.sglang_dump import write_sglang_dump as _w
 
     return _w(trace, run, out, **kwargs)
 
 
-def read_trace(path: str) -> Any:
+def read_trace(path: str) -> TraceReader:
     """Open a stored trace (:class:`tracer.store.trace.TraceReader`; use it as a context manager).
 
     Raises:
@@ -307,9 +331,10 @@ def read_trace(path: str) -> Any:
     return TraceReader(path)
 
 
-def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None, mitigations: bool = True,
-          loaded: Any = None, progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
-          on_row: Callable[[Any], None] | None = None, **options: Any) -> Any:
+def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] | None = None,
+          mitigations: bool = True, loaded: LoadedModel | None = None, progress: bool | str = True,
+          on_check: Callable[[str, int, int], None] | None = None, on_row: Callable[[AuditRow], None] | None = None,
+          **options: Any) -> Audit:
     """Run every selected level of the determinism hierarchy on this machine (:mod:`tracer.loops.audit`).
 
     Args:
@@ -338,9 +363,10 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
                   on_row=on_row)
 
 
-def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
-          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
-          on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
+def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int] = "17:512",
+          block_sizes: str | list[int] = (16,), keep_tensors: bool = False, loaded: LoadedModel | None = None,
+          progress: bool | str = True, on_point: Callable[[SweepRow], None] | None = None,
+          **options: Any) -> SweepResult:
     """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
 
     Args:
@@ -365,7 +391,7 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512", b
                   progress=progress, on_point=on_point)
 
 
-def read_sweep(path: str) -> Any:
+def read_sweep(path: str) -> SweepResult:
     """Read a sweep file (:func:`tracer.loops.sweep.read_sweep`).
 
     Raises:
@@ -376,7 +402,8 @@ def read_sweep(path: str) -> Any:
     return _rs(path)
 
 
-def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
+def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: str | None = None,
+         **kwargs: Any) -> Figure:
     """A matplotlib Figure of a result: a RunResult or Comparison (``amplification``, ``heatmap``,
     ``ulp``), a SweepResult (``sweep``), or a trace/sweep file path (its default figure).
 
@@ -399,9 +426,9 @@ def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
                       **kwargs)
 
 
-def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
+def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str | os.PathLike | None = None,
               overwrite: bool = False, layers: list[str] | None = None, run_a: str | None = None,
-              run_b: str | None = None) -> Any:
+              run_b: str | None = None) -> Path:
     """``tracer plot``: draw ``kind`` from a trace or sweep file and save it.
 
     Default kind: ``sweep`` for a sweep file, ``amplification`` for a trace. Default output:
@@ -445,7 +472,7 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None,
     return save_figure(fig, out, overwrite=overwrite)
 
 
-def to_pandas(obj: Any) -> Any:
+def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> pandas.DataFrame:
     """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison; a
     ``rollout-vs-train`` run's RL summary in ``frame.attrs["rl"]``), per sweep point (a SweepResult), or
     per response token (the RL metrics ``result.comparison.rl``).
@@ -462,7 +489,8 @@ def to_pandas(obj: Any) -> Any:
     return comparison_frame(getattr(obj, "comparison", obj))
 
 
-def render(obj: Any, fmt: str = "markdown", columns: tuple[str, ...] | None = None) -> str | None:
+def render(obj: RunResult | Comparison | Audit, fmt: str = "markdown",
+           columns: tuple[str, ...] | None = None) -> str | None:
     """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``.
     ``obj`` is a RunResult, a Comparison or an Audit.
 

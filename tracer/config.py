@@ -22,9 +22,12 @@ from __future__ import annotations
 import inspect
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import Scenario
 
 #: what a run keeps: full tensors of the points around the origin within a byte budget (auto), every
 #: tensor in the trace, statistics only (online comparison), or nothing
@@ -42,8 +45,8 @@ class ModelConfig:
     device: str | None = None
     attn: str = "sdpa"
     gguf: str | None = None
-    device_map: Any = None
-    max_memory: Any = None
+    device_map: str | dict[str, Any] | None = None
+    max_memory: str | dict[Any, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class ScenarioConfig:
     scenario's own default applies (block size 16).
     """
 
-    name: Any = "prefix-cache"
+    name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
     block_size: int | None = None
     split_at: int | None = None
     mitigation: str | None = None

@@ -31,15 +31,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import Scenario
 
 #: upper edges of the |Δlogp| histogram bins after the first (exactly 0): ≤1e-8, (1e-8, 1e-7], ..., (0.1, 1], > 1
 HIST_EDGES = tuple(10.0 ** e for e in range(-8, 1))
@@ -217,7 +221,7 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.to(torch.float64) != b.to(torch.float64)
 
 
-def rl_metrics(tokens: Any, logp_a: Any, logp_b: Any, *, tau: float, sample: bool, row: int, is_cap: float,
+def rl_metrics(tokens: ArrayLike, logp_a: ArrayLike, logp_b: ArrayLike, *, tau: float, sample: bool, row: int, is_cap: float,
                mask_threshold: float, logits_a: torch.Tensor | None = None,
                logits_b: torch.Tensor | None = None, window_start: int = 0) -> RLComparison:
     """The RL metrics of one step from the two runs' logprobs (and logits) of the sampled tokens.
@@ -333,7 +337,7 @@ def widened_note(a: RunRecord, b: RunRecord, names: list[str]) -> str | None:
             "value differences and their ULPs are ULPs of the wider dtype")
 
 
-def is_rl(scen: Any) -> bool:
+def is_rl(scen: Scenario) -> bool:
     """Whether ``scen`` is an RL step (its run B is a trainer plan: ``plan_b.rl``)."""
     rl = getattr(scen.plan_b, "rl", None)
     return rl is not None and rl.role == "train"
@@ -385,8 +389,8 @@ def knob_result(knob: str, what: str, comparison: Any) -> KnobResult:
                       first_divergent=comparison.first_divergent)
 
 
-def mitigation_table(variants: list[tuple[str, str, Any]], base: Any, run: Any,
-                     say: Any = None) -> tuple[KnobResult, ...]:
+def mitigation_table(variants: list[tuple[str, str, Scenario | None]], base: Any, run: Callable[[Scenario], Any],
+                     say: Callable[[str], None] | None = None) -> tuple[KnobResult, ...]:
     """One :class:`KnobResult` per knob: ``run(scenario)`` (→ a comparison with ``rl``) for each
     changed scenario of ``variants`` (:func:`tracer.plan.rollout.mitigation_variants`); a knob
     that changes nothing gets the ``base`` comparison's numbers with ``ran`` False. ``say`` gets

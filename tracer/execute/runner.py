@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from tracer.execute.records import RunRecord
 from tracer.plan.scenarios import Batch, RunPlan
 from tracer.execute.kernels import KernelRecorder
 from tracer.execute.sdpa_inputs import SdpaRecorder
+
+if TYPE_CHECKING:
+    from tracer.load.models import LoadedModel
 
 
 def _sync(device: torch.device) -> None:
@@ -345,7 +348,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                      extras={"sdpa": sdpa.calls} if sdpa is not None else {})
 
 
-def execute_loaded(loaded: Any, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
+def execute_loaded(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
                    window: tuple[int, int], *, say: Callable[[str], None] | None = None,
                    **options: Any) -> tuple[RunRecord, None]:
     """The ``hf`` executor of :mod:`tracer.execute.engines`: :func:`execute` on ``loaded.model``

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from tracer.execute.family import family_for
 from tracer.execute.points import CapturePoint
 from tracer.execute.runner import execute
 from tracer.execute.tp_shard import Reducer, shard_model
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import RunPlan
 
 
 #: environment variable: the rank that kills itself in the middle of run B (fault-injection for tests)
@@ -42,7 +45,7 @@ class Job:
 
     model: nn.Module
     token_ids: list[int]
-    plan: Any
+    plan: RunPlan
     points: list[CapturePoint]
     window: tuple[int, int]
     decode: int
@@ -80,7 +83,7 @@ def _fault_hook(model: nn.Module, rank: int) -> None:
     target.register_forward_pre_hook(die)
 
 
-def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: int, plan: Any,
+def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: int, plan: RunPlan,
               points: list[CapturePoint], token_ids: list[int], window: tuple[int, int], decode: int,
               meta: dict[str, Any]) -> dict[str, Any]:
     """One rank's part of run B, the group already joined: shard ``model`` (in place), run the plan

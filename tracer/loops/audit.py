@@ -14,7 +14,7 @@ import contextlib
 import re
 from dataclasses import dataclass
 from dataclasses import replace as _replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer import schema
 from tracer.config import RunConfig, applicable_options
@@ -22,6 +22,10 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.plan.cost import scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison
+    from tracer.load.models import LoadedModel, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class Audit(schema.Record):
         doc["summary"] = self.counts()
 
 
-def _row(check: Check, comparison: Any) -> AuditRow:
+def _row(check: Check, comparison: Comparison) -> AuditRow:
     layers = [p for p in comparison.points if p.kind == PointKind.LAYER]
     last = (layers[-1].diff.n_diff, layers[-1].diff.n_total) if layers else None
     lg = comparison.logits
@@ -139,7 +143,7 @@ def result_line(row: AuditRow) -> str:
             + (f"; {mit}" if mit else ""))
 
 
-def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations: bool = True, loaded: Any = None,
+def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations: bool = True, loaded: LoadedModel | None = None,
           progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
           on_row: Callable[[AuditRow], None] | None = None) -> Audit:
     """Run every selected level of the hierarchy on this machine and return the table.
@@ -247,7 +251,7 @@ def _output_path(cfg: RunConfig) -> Any:
     return out
 
 
-def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
+def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
                done: dict[str, Any], mitigations: bool) -> list[str]:
     """What the audit will do, before it does it: one line per check with its cost, the skipped
     checks with their reasons, and what ``--length`` costs."""
@@ -269,7 +273,7 @@ def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reas
     return lines
 
 
-def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded: Any, ids: list[int], cfg: RunConfig,
+def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded: LoadedModel, ids: list[int], cfg: RunConfig,
                header: dict[str, Any], options: dict[str, Any], mitigations: bool, budget: int | None,
                state: Any) -> AuditRow:
     """One check, its runs written to its own trace part (kept once the row is kept)."""

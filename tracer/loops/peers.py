@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+
+if TYPE_CHECKING:
+    from tracer.execute.points import CapturePoint
+    from tracer.load.models import LoadedModel
+    from tracer.plan.scenarios import Scenario
 
 #: the peers, in the order the bench runs and reports them
 PEERS = ("peer_hf", "peer_hooks", "peer_nnsight")
@@ -109,7 +114,7 @@ def _tensor(x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-def _simple(scen: Any, who: str) -> None:
+def _simple(scen: Scenario, who: str) -> None:
     for plan in (scen.plan_a, scen.plan_b):
         if plan.batch is not None or plan.generate or plan.devices is not None:
             raise TracerError(f"{who} runs plans of batch 1 without generation or device moves; "
@@ -124,7 +129,7 @@ def _points(points: list[Any]) -> tuple[list[Any], Any]:
     return layers, norm
 
 
-def peer_hf(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_hf(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The ``output_hidden_states=True`` peer (see the module docstring)."""
     from tracer import pipeline
 
@@ -148,7 +153,7 @@ def peer_hf(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> 
                 "state is the final norm's output)", run)
 
 
-def peer_hooks(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_hooks(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The naive forward-hook peer (see the module docstring)."""
     from tracer import pipeline
 
@@ -184,7 +189,7 @@ def nnsight_missing() -> str | None:
     return None
 
 
-def peer_nnsight(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_nnsight(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The nnsight ``.save()`` peer (see the module docstring); skipped when nnsight is missing or
     cannot wrap the model."""
     from tracer import pipeline
@@ -239,7 +244,7 @@ def _envoy(root: Any, path: str) -> Any:
     return e
 
 
-def make_peers(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> list[Peer]:
+def make_peers(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> list[Peer]:
     """Every peer of :data:`PEERS` for this model and scenario (``points``: the run's capture points)."""
     return [peer_hf(loaded, token_ids, scen, points), peer_hooks(loaded, token_ids, scen, points),
             peer_nnsight(loaded, token_ids, scen, points)]

@@ -14,12 +14,17 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison
+    from tracer.load.models import LoadedModel
+    from tracer.plan.scenarios import Scenario
 
 #: the largest value and the most values one --lengths / --block-sizes list may hold
 MAX_VALUE = 1 << 24
@@ -74,7 +79,7 @@ def plan_points(lengths: list[int], block_sizes: list[int]) -> list[tuple[int, i
     return [(n, b) for b in block_sizes for n in lengths]
 
 
-def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
+def row_from_comparison(c: Comparison, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
     """Summarise a :class:`~tracer.diff.result.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
     names = [p.name for p in c.points]
     kinds = [p.kind for p in c.points]
@@ -107,7 +112,7 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
 
 
 def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] = (16,),
-          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
+          keep_tensors: bool = False, loaded: LoadedModel | None = None, progress: bool | str = True,
           on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``cfg``'s scenario for every prompt length × block size; one summary row per point.
 
@@ -228,7 +233,7 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     return out
 
 
-def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Any:
+def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Scenario:
     from tracer.plan.scenarios import check_resources, make_scenario
 
     params = cfg.scenario.params()
@@ -237,7 +242,7 @@ def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Any:
     return check_resources(make_scenario(cfg.scenario.name, n, params))
 
 
-def _run_point(pipeline: Any, cfg: RunConfig, loaded: Any, ids: list[int], scen: Any, tmp: Path | None) -> Any:
+def _run_point(pipeline: Any, cfg: RunConfig, loaded: LoadedModel, ids: list[int], scen: Scenario, tmp: Path | None) -> Any:
     """One point: compared online, or stored in the temporary trace ``tmp`` (``keep_tensors``)."""
     if tmp is None:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture).comparison

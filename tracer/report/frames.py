@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:
+    from pandas import DataFrame
+
+    from tracer.diff.result import Comparison
+    from tracer.diff.rl import RLComparison
+    from tracer.store.sweepfile import SweepResult
 
 
 def pandas():
@@ -20,7 +27,7 @@ def pandas():
     return pd
 
 
-def comparison_frame(comparison: Any):
+def comparison_frame(comparison: Comparison) -> DataFrame:
     """One row per capture point in execution order, the logits last: the report's columns
     (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
     ``index``, ``op`` and ``shapes_a``/``shapes_b``: the shapes the op saw in each run for the
@@ -48,7 +55,7 @@ def comparison_frame(comparison: Any):
     return frame
 
 
-def rl_frame(rl: Any):
+def rl_frame(rl: RLComparison) -> DataFrame:
     """The RL metrics per response token: one row per token of every sequence (K × T), columns
     ``sequence, step, token, logp_a, logp_b, dlogp, ratio, vocab_kl, traced``
     (:func:`tracer.report.rl.token_records`); the summary (:func:`tracer.report.rl.summary_dict`) and
@@ -70,7 +77,7 @@ def _shape_text(shape: dict) -> str:
     return " ".join(f"{k} {v}" for k, v in shape.items())
 
 
-def sweep_frame(result: Any):
+def sweep_frame(result: SweepResult) -> DataFrame:
     """One DataFrame row per finished point: the scalar fields plus ``first_divergent_name``.
 
     Raises:

@@ -15,9 +15,12 @@ table (:mod:`tracer.report.tables`) and the HTML report (:mod:`tracer.report.htm
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracer.execute.kinds import LAYER_KINDS, PointKind
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison, PointResult
 
 #: a row is kept when its differing count moves by this factor from the previous row of its kind ...
 NOTABLE_COUNT = 2.0
@@ -39,17 +42,17 @@ def _share(n: int, total: int) -> str:
     return "-" if not total else f"{100 * n / total:.3g}%"
 
 
-def last_layer(c: Any) -> Any:
+def last_layer(c: Comparison) -> PointResult | None:
     """The last decoder-layer point (kind ``layer``) in execution order, or None."""
     layers = [p for p in c.points if p.kind == PointKind.LAYER]
     return layers[-1] if layers else None
 
 
-def _first_point(c: Any) -> Any:
+def _first_point(c: Comparison) -> PointResult | None:
     return next((p for p in c.points if p.diverged), None)
 
 
-def _kernels(p: Any) -> str:
+def _kernels(p: PointResult) -> str:
     """Kernel names recorded for a point's calls (``calls[*]['kernels']``), when a capture recorded them."""
     ka = sorted({k for cl in p.calls_a for k in cl.get("kernels", ()) or ()})
     kb = sorted({k for cl in p.calls_b for k in cl.get("kernels", ()) or ()})
@@ -58,7 +61,7 @@ def _kernels(p: Any) -> str:
     return f"kernels A: {', '.join(ka) or '-'}; B: {', '.join(kb) or '-'}"
 
 
-def growth_text(c: Any) -> str:
+def growth_text(c: Comparison) -> str:
     """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)`` or a why-not."""
     first, last = _first_point(c), last_layer(c)
     if first is None:
@@ -77,7 +80,7 @@ def growth_text(c: Any) -> str:
             f"to {last.name} (max |Δ| {_g(b)}, {_share(last.diff.n_diff, last.diff.n_total)} differ)")
 
 
-def logits_text(c: Any) -> str:
+def logits_text(c: Comparison) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
         skip = next((s for s in c.skipped if s.kind == PointKind.LOGITS), None)  # missing in a run, or not stored
@@ -93,7 +96,7 @@ def logits_text(c: Any) -> str:
     return text
 
 
-def next_steps(c: Any) -> list[str]:
+def next_steps(c: Comparison) -> list[str]:
     """What to try next, naming options ``tracer run`` has (and ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
     if c.identical:
@@ -124,7 +127,7 @@ def next_steps(c: Any) -> list[str]:
     return steps
 
 
-def headline(c: Any) -> list[tuple[str, str]]:
+def headline(c: Comparison) -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
     Labels: ``verdict``, ``origin`` (one pair per origin; shapes, and kernels when recorded),
@@ -157,7 +160,7 @@ def headline(c: Any) -> list[tuple[str, str]]:
     return out
 
 
-def headline_text(c: Any) -> list[str]:
+def headline_text(c: Comparison) -> list[str]:
     """:func:`headline` as plain lines (``label: text``), labels padded to one width."""
     pairs = headline(c)
     w = max(len(k) for k, _ in pairs)
@@ -175,7 +178,7 @@ def _notable(prev: Any, cur: Any) -> bool:
     return False
 
 
-def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
+def rows_that_matter(c: Comparison, limit: int | None = None) -> list[int]:
     """Indices into :func:`tracer.report.tables.rows` (points in execution order, logits last) worth printing.
 
     Always: the first point, the origins, the first divergent point, the last layer, the final
