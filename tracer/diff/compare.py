@@ -148,7 +148,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
     ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
-    :class:`~tracer.diff.metrics.DiffBatch`, which holds at most one chunk's worth of pending
+    :class:`~tracer.diff.batch.DiffBatch`, which holds at most one chunk's worth of pending
     tensors (only the logits pair is kept until the end, for its per-position statistics).
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run

@@ -104,7 +104,7 @@ def fp32_lm_head(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def run_dtype(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Cast the weights to ``name`` for the block and back (:func:`~tracer.load.models.cast_weights`).
+    """Cast the weights to ``name`` for the block and back (:func:`~tracer.load.devices.cast_weights`).
 
     Raises:
         TracerError: a cast that is not exact both ways (only widening: bf16/fp16 → float32 → float64).

@@ -43,7 +43,7 @@ def check_block_size(block_size: int | None, option: str = "--block-size") -> in
 
 
 def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
-    """Ranges of the scenario options the user set (see ``tracer.cli.scenario_options``):
+    """Ranges of the scenario options the user set (the ``scenario_options`` group of :data:`tracer.config.OPTIONS`):
     ``batch_size`` >= 2 (the traced prompt plus at least one other row), ``batch_row``,
     ``new_tokens``, ``chunk_size`` >= 1 (``batch_row`` >= 0), ``tp`` 1..:data:`MAX_TP`,
     ``block_sizes`` two sizes >= 1.
