@@ -252,3 +252,19 @@ def test_the_public_api_says_what_it_returns():
     for name in api.__all__:
         ret = typing.get_type_hints(getattr(tracer, name), globalns=ns).get("return")
         assert ret is not None and ret is not typing.Any, name
+
+
+def test_the_core_record_types_are_exported_and_import_on_first_use():
+    code = ("import sys, tracer; light = not any(m in sys.modules for m in ('torch', 'numpy', 'h5py')); "
+            "types = {n: getattr(tracer, n) for n in tracer.RECORD_TYPES}; "
+            "print(light, all(t.__name__ == n and t.__module__ == tracer.RECORD_TYPES[n] for n, t in types.items()), "
+            "set(tracer.RECORD_TYPES) <= set(tracer.__all__) <= set(dir(tracer)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout.split()
+    assert out == ["True", "True", "True"]
+    from tracer import schema
+
+    import tracer
+
+    records = {c.__name__ for c in schema.Record.__subclasses__()}
+    assert {"Comparison", "PointResult", "RLComparison", "Audit", "SweepResult", "BenchResult"} <= records & set(tracer.RECORD_TYPES)
