@@ -98,37 +98,3 @@ def test_compare_trace_on_an_explicit_device_and_a_missing_one(tmp_path):
     else:
         on_gpu = compare_trace(str(path), device="cuda")
         assert [p.diff.n_diff for p in on_gpu.points] == [p.diff.n_diff for p in on_cpu.points]
-
-
-def test_prefetched_keeps_order_propagates_errors_and_stops_early():
-    import threading
-
-    from tracer.store.stream import prefetched as _prefetched
-
-    loaded = []
-
-    def load(i):
-        loaded.append(i)
-        if i == 7:
-            raise ValueError("planted read error")
-        return i * i
-
-    assert list(_prefetched(list(range(5)), load)) == [0, 1, 4, 9, 16]
-    with pytest.raises(ValueError, match="planted"):
-        list(_prefetched(list(range(10)), load))
-    loaded.clear()
-    gen = _prefetched(list(range(100)), load, depth=2)
-    assert next(gen) == 0
-    gen.close()  # a consumer that stops early: no thread left, at most depth + 1 items loaded
-    assert len(loaded) <= 3
-    assert not [t for t in threading.enumerate() if t.name.startswith("tracer-read")]
-
-
-def test_prefetched_depth_zero_loads_in_turn_on_the_calling_thread():
-    import threading
-
-    from tracer.store.stream import prefetched as _prefetched
-
-    threads = []
-    out = list(_prefetched([1, 2, 3], lambda i: threads.append(threading.current_thread()) or i + 1, depth=0))
-    assert out == [2, 3, 4] and set(threads) == {threading.current_thread()}

@@ -249,6 +249,22 @@ def test_a_new_field_round_trips_with_no_other_edit():
     x = replace(Gen(3).record(Wider), n_subnormal=5, worst_at=(2, 7))
     assert x.to_dict()["n_subnormal"] == 5 and x.to_dict()["worst_at"] == [2, 7]
     round_trip(x)
+    # and in the CSV rows, beside every other field of the metrics (n_nan_payload included)
+    import csv
+    import io
+
+    from tracer.report.tables import to_csv
+
+    def wider(d, i):
+        return Wider(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}, n_subnormal=i)
+
+    c = COMPARISONS["planted"]
+    c = replace(c, points=tuple(replace(p, diff=wider(p.diff, i)) for i, p in enumerate(c.points)),
+                logits=replace(c.logits, tensor=wider(c.logits.tensor, 99)))
+    rows = list(csv.DictReader(io.StringIO(to_csv(c))))
+    assert [r["n_subnormal"] for r in rows] == [str(i) for i in range(len(c.points))] + ["99"]
+    assert [r["n_nan_payload"] for r in rows[:-1]] == [str(p.diff.n_nan_payload) for p in c.points]
+    assert {f.name for f in dataclasses.fields(Wider)} - {"ulp_hist"} <= set(rows[0])
 
 
 # ---------------------------------------------------------------- real comparisons

@@ -66,17 +66,6 @@ def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
-def check_nonempty(spec: str | None, option: str, example: str) -> str | None:
-    """A list option given as text must name something: ``--levels ""`` is an error, not "all".
-
-    Raises:
-        TracerError: an empty or blank value.
-    """
-    if spec is not None and not spec.replace(",", "").strip():
-        raise TracerError(f"{option} is empty; give e.g. {option} {example}, or leave it out for the default")
-    return spec
-
-
 def check_compression(compression: str | None) -> str | None:
     """``--compression``: none, lzf or gzip (None and "none" both mean off).
 

@@ -160,13 +160,6 @@ def headline(c: Comparison) -> list[tuple[str, str]]:
     return out
 
 
-def headline_text(c: Comparison) -> list[str]:
-    """:func:`headline` as plain lines (``label: text``), labels padded to one width."""
-    pairs = headline(c)
-    w = max(len(k) for k, _ in pairs)
-    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
-
-
 def _notable(prev: Any, cur: Any) -> bool:
     """The differing count moves by :data:`NOTABLE_COUNT` or max |Δ| by :data:`NOTABLE_MAX` or more,
     or either goes between 0 and non-zero."""

@@ -8,6 +8,7 @@ in execution order with ``all_rows``), a logits row with the argmax flips, and a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -21,7 +22,7 @@ from rich.text import Text
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.store.trace import json_safe
-from tracer.diff.metrics import ULP_BINS
+from tracer.diff.metrics import ULP_BINS, TensorDiff
 from tracer.report.layout import fit_columns, name_cell, table_width
 from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
@@ -63,17 +64,21 @@ def _frac(n: int, total: int) -> str:
     return f"{100 * f:.3g}%"
 
 
-def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
-    r = {"name": name, "kind": kind, "n_diff": d.n_diff, "n_total": d.n_total,
-         "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
-         "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff,
-         "max_ulp": d.max_ulp, "max_ulp_mag": d.max_ulp_mag,
-         **{f"ulp_{b}": n for b, n in zip(ULP_KEYS, d.ulp_hist)},
-         "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
-         "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
-         "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
-         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False,
-         "kernels": None, "class": None}
+def _row(name: str, kind: str, d: TensorDiff, **extra: Any) -> dict[str, Any]:
+    """One row: ``name``, ``kind``, then every field of ``d`` in declaration order (a field added to
+    :class:`~tracer.diff.metrics.TensorDiff` lands in CSV and DataFrames with no edit here; ``ulp_hist``
+    spread over ``ulp_0 .. ulp_gt16``, ``fraction`` after ``n_diff``), then the point's own keys."""
+    r: dict[str, Any] = {"name": name, "kind": kind}
+    for f in dataclasses.fields(d):
+        value = getattr(d, f.name)
+        if f.name == "ulp_hist":
+            r.update({f"ulp_{b}": n for b, n in zip(ULP_KEYS, value)})
+            continue
+        r[f.name] = value
+        if f.name == "n_diff":
+            r["fraction"] = d.n_diff / d.n_total if d.n_total else 0.0
+    r.update(amplification=None, growth=None, n_outside_tol=None, argmax_flips=None, origin=False, kernels=None)
+    r["class"] = None
     r.update(extra)
     return r
 
@@ -85,11 +90,12 @@ ULP_KEYS = ("0", "1", "2", "3_4", "5_8", "9_16", "gt16")
 def rows(c: Comparison) -> list[dict[str, Any]]:
     """The table's rows as plain dicts (shared by every format), logits last.
 
-    Keys: ``name, kind, n_diff, n_total, fraction, max_abs_diff, mean_abs_diff,
-    max_ulp`` (integer-line ULP distance), ``max_ulp_mag`` (ULPs of the larger magnitude),
-    ``ulp_0 .. ulp_gt16`` (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3,
-    frac_rel_lt_5e3, n_nan_a, n_nan_b, n_inf_a, n_inf_b, amplification`` (vs the first divergent
-    point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
+    Keys: ``name, kind``, every :class:`~tracer.diff.metrics.TensorDiff` field (``n_total, n_diff,
+    fraction, max_abs_diff, mean_abs_diff, max_ulp`` (integer-line ULP distance), ``ulp_0 .. ulp_gt16``
+    (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3, frac_rel_lt_5e3, n_nan_a,
+    n_nan_b, n_inf_a, n_inf_b, max_ulp_mag`` (ULPs of the larger magnitude), ``n_nan_payload``), then
+    ``amplification`` (vs the first divergent point), ``growth`` (vs the same point one layer
+    earlier), ``n_outside_tol, argmax_flips, origin, kernels, class``.
     """
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
                 n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
@@ -332,15 +338,6 @@ def replay_lines(c: Comparison) -> list[str]:
         for run, toks, text in ((c.run_a, rp.tokens_a, rp.text_a), (c.run_b, rp.tokens_b, rp.text_b)):
             lines.append(f"  {run}: {text!r}" if text is not None else f"  {run}: {list(toks)}")
     return lines
-
-
-def origin_block(c: Comparison) -> list[str]:
-    """The origin lines, for the top of the report."""
-    lines = c.origin_lines()
-    if not lines:
-        return []
-    head = f"origin of divergence ({len(lines)} op{'s' if len(lines) != 1 else ''} where it is born; everything else propagates):"
-    return [head, *(f"  {line}" for line in lines)]
 
 
 #: the most rows the table shows by default (``--all-rows``: every row), sublayers included

@@ -212,35 +212,4 @@ def stored_pairs(names: list[str], caps_a: dict, caps_b: dict, dev: torch.device
     return StoredPairs(names, caps_a, caps_b, dev)
 
 
-def prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
-    """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread
-    (``depth=0``: in turn, on the calling thread)."""
-    import collections
-    from concurrent.futures import ThreadPoolExecutor
-
-    if depth <= 0:
-        for item in items:
-            yield load(item)
-        return
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read") as pool:
-        queue: collections.deque = collections.deque()
-        it = iter(items)
-        for item in it:
-            queue.append(pool.submit(load, item))
-            if len(queue) >= depth:
-                break
-        try:
-            while queue:
-                value = queue.popleft().result()
-                nxt = next(it, _END)
-                if nxt is not _END:
-                    queue.append(pool.submit(load, nxt))
-                yield value
-                del value
-        finally:
-            for fut in queue:
-                fut.cancel()
-
-
 _END = object()
