@@ -15,9 +15,8 @@ import torch
 
 from tracer.diff.batch import DiffBatch
 from tracer.diff.facts import run_facts
-from tracer.store.environment import version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
-from tracer.diff.metrics import amplification
+from tracer.diff.metrics import amplification, bits_equal, has_nonfinite
 from tracer.diff.origins import classify_origins
 from tracer.diff.positions import PositionStats
 from tracer.diff.replay import replay_diff
@@ -26,7 +25,10 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind, point_kind
 from tracer.execute.records import RunRecord
 from tracer.load.contract import contract_differences
+from tracer.load.devices import resolve_device
+from tracer.store.environment import version_differences
 from tracer.store.stream import RowBlocks, stored_pairs
+from tracer.store.trace import TraceReader
 
 
 def _pairs_from_records(a: RunRecord, b: RunRecord) -> Iterator[tuple[str, str, str, torch.Tensor, torch.Tensor, list, list]]:
@@ -78,8 +80,6 @@ def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
     bits show some); when every block agrees, record it with :meth:`DiffBatch.add_equal` and return
     ``(index, logits accumulator, device)``; else read its remaining blocks (their CRC-32 checks)
     and return None."""
-    from tracer.diff.metrics import bits_equal, has_nonfinite
-
     shape = tuple(ta.shape)
     acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     n_nan = n_inf = 0
@@ -285,9 +285,6 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
     """
-    from tracer.load.devices import resolve_device
-    from tracer.store.trace import TraceReader
-
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
     same = str(path_a) == str(path_b)
     with TraceReader(path_a) as reader_a, TraceReader(path_b) as reader_b:

@@ -38,6 +38,7 @@ import torch
 from numpy.typing import ArrayLike
 
 from tracer import schema
+from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
@@ -215,8 +216,6 @@ def vocab_kl(logits_a: torch.Tensor, logits_b: torch.Tensor, tau: float) -> torc
 def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Element-wise: bits differ (same dtype), or values differ (different dtypes, compared in float64)."""
     if a.dtype == b.dtype:
-        from tracer.dtypes import INT_VIEW
-
         return a.view(INT_VIEW[a.dtype]) != b.view(INT_VIEW[a.dtype])
     return a.to(torch.float64) != b.to(torch.float64)
 

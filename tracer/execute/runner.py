@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
-from tracer.execute.capture import Capture
-from tracer.execute.points import CapturePoint
-from tracer.load.hf_cache import cache_kwarg, output_cache
-from tracer.load.devices import model_device
 from tracer.errors import TracerError
-from tracer.execute.records import RunRecord
-from tracer.plan.scenarios import Batch, RunPlan
+from tracer.execute.capture import Capture
 from tracer.execute.kernels import KernelRecorder
+from tracer.execute.points import CapturePoint
+from tracer.execute.records import RunRecord
 from tracer.execute.sdpa_inputs import SdpaRecorder
+from tracer.execute.tp_sim import simulate_tp
+from tracer.load.devices import model_device
+from tracer.load.hf_cache import cache_kwarg, output_cache
+from tracer.plan.quant import quantize_dequantize
+from tracer.plan.scenarios import Batch, RunPlan
 
 if TYPE_CHECKING:
     from tracer.load.models import LoadedModel
@@ -45,8 +47,6 @@ def _kv_layers(cache: Any) -> list[Any]:
 def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
     """Quantize-dequantize (:mod:`tracer.plan.quant` format ``fmt``) the cached keys and values of
     sequence columns ``[start, stop)``, in place. Cache layers hold ``(batch, kv_heads, seq, head_dim)``."""
-    from tracer.plan.quant import quantize_dequantize
-
     for layer in _kv_layers(cache):
         layer.keys[:, :, start:stop] = quantize_dequantize(layer.keys[:, :, start:stop], fmt)
         layer.values[:, :, start:stop] = quantize_dequantize(layer.values[:, :, start:stop], fmt)
@@ -138,8 +138,6 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
     """Everything a plan changes about the model, undone on exit: attention implementation,
     simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
-    from tracer.execute.tp_sim import simulate_tp
-
     home = model_device(model)
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: model.to(home) if model_device(model) != home else None)

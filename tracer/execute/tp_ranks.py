@@ -15,10 +15,12 @@ import datetime as _dt
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tracer.errors import TracerError
@@ -60,8 +62,6 @@ class Job:
 
 
 def _quiet() -> None:
-    import warnings
-
     warnings.filterwarnings("ignore")
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
@@ -104,8 +104,6 @@ def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: 
 def worker(rank: int, job: Job) -> None:
     """One rank of run B (started by :func:`tracer.execute.tp_launch.rank_main`, which tied its life
     to the parent's): join the group, shard, execute the plan with capture, save the captures."""
-    import torch.distributed as dist
-
     _quiet()
     torch.set_num_threads(job.threads)
     if job.socket_ifname:  # the collectives' own sockets on the loopback too

@@ -36,7 +36,12 @@ from typing import Any, Callable
 
 import torch
 
-from tracer import schema
+from tracer import pipeline, schema
+from tracer.config import RunConfig, validate
+from tracer.diff.compare import compare_trace
+from tracer.errors import TracerError
+from tracer.loops.peers import LABELS, check_counts, make_peers
+from tracer.store.integrity import check_output_path
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "c_auto", "d", "e_write", "e_read")
@@ -129,9 +134,6 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
     Raises:
         TracerError: a peer whose counts differ from tracer's (:func:`tracer.loops.peers.check_counts`).
     """
-    from tracer.errors import TracerError
-    from tracer.loops.peers import check_counts, make_peers
-
     modes = {}
     for peer in make_peers(lm, ids, scen, points):
         if peer.run is not None:
@@ -164,18 +166,10 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         TracerError: bad model/options (as :func:`tracer.api.run`); a peer whose per-layer
             differing counts are not tracer's (in any repetition).
     """
-    from tracer import pipeline
-    from tracer.config import RunConfig, validate
-    from tracer.diff.compare import compare_trace
-    from tracer.errors import TracerError
-    from tracer.loops.peers import check_counts
-
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
     if outdir is not None:
-        from tracer.store.integrity import check_output_path
-
         check_output_path(Path(outdir) / "bench.h5", True, "--outdir")  # name length, writable folder
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, device=device, gguf=gguf,
                                           block_size=block_size, granularity=granularity, kv_cache=kv_cache,
@@ -246,8 +240,6 @@ def table(result: BenchResult):
     """A rich Table of medians, min–max, the target ratios and the peers (checked or skipped, and why)."""
     from rich.markup import escape
     from rich.table import Table
-
-    from tracer.loops.peers import LABELS
 
     c = result.config
     kv = "" if c.get("kv_cache", True) else ", no KV cache"

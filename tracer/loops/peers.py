@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tracer import pipeline
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 
@@ -131,8 +132,6 @@ def _points(points: list[Any]) -> tuple[list[Any], Any]:
 
 def peer_hf(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The ``output_hidden_states=True`` peer (see the module docstring)."""
-    from tracer import pipeline
-
     layers, norm = _points(points)
     names = [p.name for p in layers[:-1]] + [norm.name]
     win = _Window(names, scen.window)
@@ -155,8 +154,6 @@ def peer_hf(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: l
 
 def peer_hooks(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The naive forward-hook peer (see the module docstring)."""
-    from tracer import pipeline
-
     layers, _ = _points(points)
     win = _Window([p.name for p in layers], scen.window)
     kept: list[torch.Tensor] = []
@@ -192,8 +189,6 @@ def nnsight_missing() -> str | None:
 def peer_nnsight(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The nnsight ``.save()`` peer (see the module docstring); skipped when nnsight is missing or
     cannot wrap the model."""
-    from tracer import pipeline
-
     layers, _ = _points(points)
     covers = f"all {len(layers)} decoder layers"
     why = nnsight_missing()

@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from tracer import pipeline
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.plan.scenarios import check_resources, make_scenario
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.store.integrity import check_name_length, check_output_path
 
 if TYPE_CHECKING:
     from tracer.diff.result import Comparison
@@ -143,8 +146,6 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     Raises:
         TracerError: bad axes, prompt too short, a file of other parameters, every bad run option.
     """
-    from tracer import pipeline
-
     ns, bs = _axes(lengths, block_sizes)
     scenario = cfg.scenario.name
     out = _sweep_path(cfg, scenario)
@@ -221,7 +222,6 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     """The sweep file (None: in memory), refused when it is a folder or another kind of file."""
     if cfg.store.mode == "none":
         return None
-    from tracer.store.integrity import check_name_length, check_output_path
 
     out = check_name_length(cfg.store.output if cfg.store.output is not None else default_output(cfg.model.name, scenario),
                             "--output")
@@ -234,8 +234,6 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
 
 
 def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Scenario:
-    from tracer.plan.scenarios import check_resources, make_scenario
-
     params = cfg.scenario.params()
     if block_size is not None:
         params["block_size"] = block_size

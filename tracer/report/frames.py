@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tracer.diff.result import call_shapes
 from tracer.errors import TracerError
+from tracer.report.rl import summary_dict, token_records
+from tracer.report.tables import rows
 
 if TYPE_CHECKING:
     from pandas import DataFrame
@@ -37,8 +40,6 @@ def comparison_frame(comparison: Comparison) -> DataFrame:
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.diff.result import call_shapes
-    from tracer.report.tables import rows
 
     recs = rows(comparison)
     ops = [p.op for p in comparison.points] + ([""] if comparison.logits is not None else [])
@@ -65,7 +66,6 @@ def rl_frame(rl: RLComparison) -> DataFrame:
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.report.rl import summary_dict, token_records
 
     frame = pd.DataFrame.from_records(token_records(rl))
     frame.attrs["rl"] = {**summary_dict(rl), "mitigations": [m.to_dict() for m in rl.mitigations]}

@@ -22,7 +22,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from tracer.diff.result import origin_record
 from tracer.errors import TracerError
+from tracer.report import rl as rl_report
+from tracer.report.summary import headline
+from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -188,8 +192,6 @@ def contract_html(header: dict[str, Any] | None, facts: dict[str, Any]) -> str:
 
 
 def _origins_html(c: Comparison) -> str:
-    from tracer.diff.result import origin_record
-
     if not c.origins and not c.logits_origin:
         return '<p class="note">no origin: every capture point is bit-identical</p>'
     parts = []
@@ -230,8 +232,6 @@ def comparison_figures(c: Comparison) -> list[tuple[str, str, str]]:
 
 def _rl_html(rl: RLComparison) -> str:
     """The RL section: summary, |Δlogp| histogram, the traced sequence's tokens, the mitigations."""
-    from tracer.report import rl as rl_report
-
     parts = [kv_table(rl_report.summary_pairs(rl)), f'<p class="note">{esc(rl_report.hist_line(rl))}</p>',
              table_html("rl-steps", *rl_report.step_rows(rl))]
     if rl.mitigations:
@@ -248,9 +248,6 @@ def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figu
         header: the trace header (numeric contract), when there is a trace.
         figures: embed the figures (needs matplotlib; without it the page says so).
     """
-    from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
-    from tracer.report.summary import headline
-
     all_rows = rows(c)
     cols = [k for k in WIDE_COLUMNS if k != "hist"] + ["hist"]
     raw = {"diff": "n_diff", "fraction": "fraction", "max_abs": "max_abs_diff", "mean_abs": "mean_abs_diff",

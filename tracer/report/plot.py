@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from tracer.errors import TracerError
-from tracer.report.figures.amplification import LABEL_ABS, LABEL_FRAC, LABEL_KV, amplification_data, amplification_figure
+from tracer.report.figures.amplification import (LABEL_ABS, LABEL_FRAC, LABEL_KV, amplification_data,
+                                                 amplification_figure)
 from tracer.report.figures.common import LABEL_ZERO, compact_name, short_name, thin_labels
 from tracer.report.figures.heatmap import (PositionDiffs, heatmap_figure, position_diffs_comparison,
                                            position_diffs_records, position_diffs_trace, position_max_abs_diff)
 from tracer.report.figures.sweep import sweep_data, sweep_figure
 from tracer.report.figures.ulp import select_points, ulp_figure
+from tracer.store.integrity import check_name_length, check_output_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -46,8 +48,6 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
-    from tracer.store.integrity import check_name_length, check_output_path
-
     p = check_name_length(path, "figure file")
     if p.suffix.lower() not in SUFFIXES:
         raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")

@@ -19,15 +19,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tracer.diff.metrics import ULP_BINS, TensorDiff
+from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.store.trace import json_safe
-from tracer.diff.metrics import ULP_BINS, TensorDiff
-from tracer.report.layout import fit_columns, name_cell, table_width
-from tracer.report.summary import headline, rows_that_matter
 from tracer.execute.kernels import summarize
-from tracer.diff.provenance import classify, merged_kernels
+from tracer.report import rl as rl_report
+from tracer.report.layout import fit_columns, name_cell, table_width
+from tracer.report.rl import markdown_lines, print_rl
+from tracer.report.rl import csv_meta as rl_meta
+from tracer.report.summary import headline, rows_that_matter
 from tracer.report.textsafe import printable
+from tracer.store.trace import json_safe
 
 FORMATS = ("table", "json", "csv", "markdown")
 
@@ -365,7 +368,6 @@ def print_report(c: Comparison, console: Console | None = None,
     """
     console = console or Console()
     if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
-        from tracer.report import rl as rl_report
 
         for line in rl_report.summary_lines(c.rl):
             console.print(Text(printable(line)), soft_wrap=True)
@@ -395,8 +397,6 @@ def print_report(c: Comparison, console: Console | None = None,
         for line in c.noise.lines():
             console.print(printable(line), soft_wrap=True, markup=False)
     if c.rl is not None:
-        from tracer.report.rl import print_rl
-
         print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
@@ -413,8 +413,6 @@ CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "position
 
 def csv_meta(c: Comparison) -> dict[str, Any]:
     """The run metadata of :data:`CSV_META` for ``c``."""
-    from tracer.report.rl import csv_meta as rl_meta
-
     f = c.facts
     return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
             "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
@@ -441,8 +439,6 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.rl is not None:
-        from tracer.report.rl import markdown_lines
-
         lines += markdown_lines(c.rl)
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.family import infer_roles
 from tracer.execute.kinds import PointKind
+from tracer.store.trace import TraceReader
 
 _COLUMN = ("qkv_proj", "gate_up_proj", "act_fn", "attn")
 
@@ -79,8 +81,6 @@ def _layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, st
     Raises:
         TracerError: a role SGLang's Llama layout needs that the run lacks.
     """
-    from tracer.execute.family import infer_roles
-
     members = [n for n in names if n.startswith(layer + ".")]
     stored = {n: r.capture_info(run, n).get("role", "") for n in members}
     if not any(stored.values()):
@@ -119,8 +119,6 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         TracerError: the run lacks sublayer captures, ``out/exp_name`` is not empty, a width that
             ``tp`` does not divide.
     """
-    from tracer.store.trace import TraceReader
-
     if layout not in ("sglang-dumper", "passes"):
         raise TracerError(f"unknown dump layout {layout!r}; use sglang-dumper or passes")
     folder = Path(out) / exp_name

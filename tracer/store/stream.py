@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from tracer.dtypes import DTYPES
+from tracer.store.trace import read_row_blocks, stored_crc
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,6 @@ class _ReadAhead:
     have come. :meth:`close` stops the thread."""
 
     def __init__(self, gen: Iterator[Any], depth: int) -> None:
-        import queue
-        import threading
-
         self.gen, self.depth, self.stop = gen, depth, False
         self.done = False
         if depth > 0:
@@ -141,9 +143,6 @@ class StoredPairs:
     Host memory: the ring of buffers, whatever the trace size."""
 
     def __init__(self, names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> None:
-        from tracer.dtypes import DTYPES
-        from tracer.store.trace import stored_crc
-
         self.dev = dev
         self.items = []
         biggest = 1
@@ -169,8 +168,6 @@ class StoredPairs:
 
     @staticmethod
     def _read(ia: dict, ha: Any, hb: Any, buf_a: Callable | None, buf_b: Callable | None) -> Iterator[tuple]:
-        from tracer.store.trace import read_row_blocks
-
         shape = tuple(ia["shape"])
         rows = shape[0] if shape else 1
         row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))

@@ -13,10 +13,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from tracer.diff.compare import check_alignable
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
+from tracer.store.trace import TraceReader
 
 _ELEMENTS_PER_CHUNK = 1 << 21
 #: the heat map labels every row up to this many (the default run's 63 points, sublayers of small
@@ -123,8 +125,6 @@ def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
     Raises:
         TracerError: the runs processed different prompts or windows.
     """
-    from tracer.diff.compare import check_alignable
-
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     pairs = ((n, r.kind, r.tensor, b.captures[n].tensor) for n, r in a.captures.items() if n in b.captures)
     return _position_diffs(pairs, tuple(a.window))
@@ -136,9 +136,6 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
     Raises:
         TracerError: missing/corrupt trace, unknown runs, runs of different prompts.
     """
-    from tracer.diff.compare import check_alignable
-    from tracer.store.trace import TraceReader
-
     with TraceReader(path) as r:
         names = r.runs
         if run_a is None or run_b is None:

@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tracer.diff.metrics import ULP_BINS
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import _figure, _title, short_name
@@ -60,8 +61,6 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     Raises:
         TracerError: unknown ``layers`` entries (see :func:`select_points`).
     """
-    from tracer.diff.metrics import ULP_BINS
-
     chosen = select_points(comparison, layers)
     fig, ax = _figure(figsize=figsize or (8.0, 4.2 + 0.2 * len(chosen)), layout="constrained")
     x = np.arange(len(ULP_BINS))
