@@ -68,18 +68,19 @@ def _frac(n: int, total: int) -> str:
 
 
 def _row(name: str, kind: str, d: TensorDiff, **extra: Any) -> dict[str, Any]:
-    """One row: ``name``, ``kind``, then every field of ``d`` in declaration order (a field added to
-    :class:`~tracer.diff.metrics.TensorDiff` lands in CSV and DataFrames with no edit here; ``ulp_hist``
-    spread over ``ulp_0 .. ulp_gt16``, ``fraction`` after ``n_diff``), then the point's own keys."""
-    r: dict[str, Any] = {"name": name, "kind": kind}
+    """One row: ``name``, ``kind``, ``n_diff``, ``n_total``, ``fraction``, then every other field of ``d``
+    in declaration order (a field added to :class:`~tracer.diff.metrics.TensorDiff` lands in CSV and
+    DataFrames with no edit here; ``ulp_hist`` spread over ``ulp_0 .. ulp_gt16``), then the point's own keys."""
+    r: dict[str, Any] = {"name": name, "kind": kind, "n_diff": d.n_diff, "n_total": d.n_total,
+                         "fraction": d.n_diff / d.n_total if d.n_total else 0.0}
     for f in dataclasses.fields(d):
+        if f.name in r:
+            continue
         value = getattr(d, f.name)
         if f.name == "ulp_hist":
             r.update({f"ulp_{b}": n for b, n in zip(ULP_KEYS, value)})
             continue
         r[f.name] = value
-        if f.name == "n_diff":
-            r["fraction"] = d.n_diff / d.n_total if d.n_total else 0.0
     r.update(amplification=None, growth=None, n_outside_tol=None, argmax_flips=None, origin=False, kernels=None)
     r["class"] = None
     r.update(extra)
@@ -93,7 +94,7 @@ ULP_KEYS = ("0", "1", "2", "3_4", "5_8", "9_16", "gt16")
 def rows(c: Comparison) -> list[dict[str, Any]]:
     """The table's rows as plain dicts (shared by every format), logits last.
 
-    Keys: ``name, kind``, every :class:`~tracer.diff.metrics.TensorDiff` field (``n_total, n_diff,
+    Keys: ``name, kind``, every :class:`~tracer.diff.metrics.TensorDiff` field (``n_diff, n_total,
     fraction, max_abs_diff, mean_abs_diff, max_ulp`` (integer-line ULP distance), ``ulp_0 .. ulp_gt16``
     (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3, frac_rel_lt_5e3, n_nan_a,
     n_nan_b, n_inf_a, n_inf_b, max_ulp_mag`` (ULPs of the larger magnitude), ``n_nan_payload``), then
