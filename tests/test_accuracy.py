@@ -92,7 +92,7 @@ def test_planted_large_error_is_a_defect():
 
 
 def test_rmsnorm_and_activation_of_a_real_model_are_within_rounding():
-    from tests.conftest import make_model
+    from tests.helpers import make_model
 
     model = make_model("llama", torch.bfloat16)
     torch.manual_seed(1)
@@ -128,7 +128,7 @@ IDS = [(13 * i + 7) % 500 for i in range(40)]
 
 
 def _core_runs(dtype):
-    from tests.conftest import make_model
+    from tests.helpers import make_model
     from tracer.execute.points import discover_points
     from tracer.diff.compare import compare_records
     from tracer.execute.runner import execute

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FAMILIES, make_model
+from tests.helpers import FAMILIES, make_model
 from tracer.execute.capture import Capture
 from tracer.execute.points import discover_points
 from tracer.errors import TracerError

@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import run_record as _run
 from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter
-
-
-def _run(name, tensors, ids=(1, 2, 3, 4), window=(2, 4)):
-    caps = {}
-    for cname, kind, t in tensors:
-        caps[cname] = CaptureRecord(name=cname, kind=kind, tensor=t, calls=[], op="X")
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 4]]}, window=window, captures=caps)
 
 
 def _pair():

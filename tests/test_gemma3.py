@@ -15,14 +15,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import tracer
+from tests.helpers import tracer_cli
 from tracer.execute.points import discover_points
 from tracer.execute.runner import execute
 from tracer.load import models as M
@@ -126,8 +125,7 @@ def test_gemma3_planted_perturbation_is_the_origin(gemma, ids):
 
 
 def _tracer(args, env, cwd):
-    proc = subprocess.run([sys.executable, "-m", "tracer", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=900)
+    proc = tracer_cli(args, env, cwd, check=False, timeout=900)
     assert proc.returncode == 0, proc.stderr
     assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr
     return proc.stdout

@@ -19,47 +19,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import H, T, V, cli_batch, cli_env, make_runs, tracer_cli, write_trace
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
+import tracer
 from tracer import read_trace
 from tracer.store.trace import TraceWriter, read_row_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-T, H, V = 4, 8, 16  # window positions, hidden size, vocabulary
-NAMES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm")
-
-
-def make_runs(diverge_at: str | None = "model.layers.1", empty_in_b: str | None = None,
-              drop_in_b: str | None = None, kv_empty_in_b: bool = False) -> list[RunRecord]:
-    """Runs A and B of 6 tokens, window [2, 6); B differs by one ULP from ``diverge_at`` on."""
-    g = torch.Generator().manual_seed(0)
-    runs = []
-    for name in ("A", "B"):
-        caps: dict[str, CaptureRecord] = {}
-        diverged = False
-        for cap in NAMES:
-            x = torch.randn(T, H, generator=g) if name == "A" else runs[0].captures[cap].tensor.clone()
-            diverged = diverged or cap == diverge_at
-            if name == "B" and diverged:
-                x = torch.nextafter(x, torch.full_like(x, 10.0))
-            if name == "B" and cap == empty_in_b:
-                x = torch.empty(0, H)
-            if not (name == "B" and cap == drop_in_b):
-                caps[cap] = CaptureRecord(cap, "embedding" if "embed" in cap else "layer", x)
-        kv = torch.empty(0) if (name == "B" and kv_empty_in_b) else torch.ones(6, 4)
-        caps["model.layers.0.self_attn.kv_cache"] = CaptureRecord("model.layers.0.self_attn.kv_cache", "kv_cache", kv)
-        logits = torch.randn(T, V, generator=torch.Generator().manual_seed(1))
-        caps["lm_head"] = CaptureRecord("lm_head", "logits", logits)
-        runs.append(RunRecord(name, [1, 2, 3, 4, 5, 6], {"description": name}, (2, 6), caps, meta={}))
-    return runs
-
-
-def write(path: Path, runs: list[RunRecord], header: dict | None = None, version: int = 2) -> Path:
-    with TraceWriter(path, header=header or {"model": {"name": "planted"}}, format_version=version) as w:
-        for r in runs:
-            w.add_run(r)
-    return path
 
 
 def strip_checksums(path: Path) -> None:
@@ -72,44 +40,6 @@ def strip_checksums(path: Path) -> None:
                 del obj.attrs["crc32"]
 
 
-DRIVER = """
-import contextlib, io, json, sys
-sys.path.insert(0, {root!r})
-import tracer.load.models
-def refuse(*a, **k):
-    raise RuntimeError("a model was loaded")
-tracer.load.models.load_model = refuse
-from tracer.cli import main
-for args in json.loads(sys.argv[1]):
-    sys.argv = ["tracer", *args]
-    err = io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code
-    print(json.dumps([code, err.getvalue()]), flush=True)
-"""
-
-
-def cli_batch(cases: list[list[str]], tmp_path, timeout: float = 120) -> list[tuple[int, str]]:
-    """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process (in which
-    loading a model raises, so a case that would load one fails)."""
-    env = dict(os.environ, COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-c", DRIVER.format(root=str(ROOT)), json.dumps(cases)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    out = [tuple(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert len(out) == len(cases), proc.stderr[-3000:]
-    return out
-
-
-def tracer_cli(args, tmp_path, env_extra=None, timeout=60, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "tracer", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout, **kw)
-
-
 # ---------------------------------------------------------------- points missing or empty on one side
 
 
@@ -118,7 +48,7 @@ def test_point_missing_or_empty_in_one_run_is_reported_and_fails(tmp_path, how):
     # the only difference sits at layers.1, and run B has nothing there: without the report the
     # comparison would read "bit-identical"
     runs = make_runs(diverge_at=None, **({"empty_in_b": "model.layers.1"} if how == "empty" else {"drop_in_b": "model.layers.1"}))
-    c = compare_trace(str(write(tmp_path / "t.h5", runs)), device="cpu")
+    c = compare_trace(str(write_trace(tmp_path / "t.h5", runs)), device="cpu")
     assert [s.name for s in c.not_compared] == ["model.layers.1"]
     assert c.not_compared[0].reason == ("empty in run B" if how == "empty" else "missing in run B")
     assert not c.identical and c.check("any")[0]
@@ -134,14 +64,14 @@ def test_point_missing_or_empty_in_one_run_is_reported_and_fails(tmp_path, how):
 
 
 def test_kv_cache_of_a_recomputing_run_is_reported_but_does_not_fail(tmp_path):
-    c = compare_trace(str(write(tmp_path / "t.h5", make_runs(diverge_at=None, kv_empty_in_b=True))), device="cpu")
+    c = compare_trace(str(write_trace(tmp_path / "t.h5", make_runs(diverge_at=None, kv_empty_in_b=True))), device="cpu")
     assert [s.name for s in c.skipped] == ["model.layers.0.self_attn.kv_cache"] and not c.not_compared
     assert c.identical and not c.check("any")[0]
 
 
 def test_cli_fail_on_any_fails_when_a_point_is_missing(tmp_path):
-    write(tmp_path / "t.h5", make_runs(diverge_at=None, drop_in_b="model.layers.1"))
-    proc = tracer_cli(["compare", "t.h5", "--fail-on", "any"], tmp_path)
+    write_trace(tmp_path / "t.h5", make_runs(diverge_at=None, drop_in_b="model.layers.1"))
+    proc = tracer_cli(["compare", "t.h5", "--fail-on", "any"], cli_env(), tmp_path, check=False, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "not compared" in proc.stdout and "model.layers.1" in proc.stderr
 
@@ -170,7 +100,7 @@ def _point_offset(path: Path, run: str, name: str, version: int) -> int:
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("name", ["lm_head", "model.layers.0"])
 def test_a_flipped_data_byte_is_a_checksum_error_not_a_divergence(tmp_path, version, name):
-    path = write(tmp_path / "t.h5", make_runs(diverge_at=None), version=version)
+    path = write_trace(tmp_path / "t.h5", make_runs(diverge_at=None), version=version)
     _flip_byte(path, _point_offset(path, "A", name, version) + 5)
     with pytest.raises(TracerError, match=rf"^trace corrupt: {name} in run A fails its checksum") as e:
         compare_trace(str(path), device="cpu")
@@ -191,7 +121,7 @@ def test_a_flipped_byte_in_a_streamed_point_fails_the_comparison(tmp_path, monke
     import tracer.store.stream as stream
 
     monkeypatch.setattr(stream, "BLOCK_BYTES", 64)  # every point of more than 64 bytes takes several blocks
-    path = write(tmp_path / "t.h5", make_runs(diverge_at=None))
+    path = write_trace(tmp_path / "t.h5", make_runs(diverge_at=None))
     assert compare_trace(str(path), device="cpu").identical
     _flip_byte(path, _point_offset(path, "B", "model.layers.1", 2) + T * H * 4 - 3)  # in the last block
     with pytest.raises(TracerError, match=r"^trace corrupt: model.layers.1 in run B fails its checksum"):
@@ -199,7 +129,7 @@ def test_a_flipped_byte_in_a_streamed_point_fails_the_comparison(tmp_path, monke
 
 
 def test_a_changed_json_attribute_is_a_checksum_error(tmp_path):
-    path = write(tmp_path / "t.h5", make_runs(), version=1)
+    path = write_trace(tmp_path / "t.h5", make_runs(), version=1)
     with h5py.File(path, "r+") as f:  # a rewritten attribute (same type, other content)
         ds = f["runs/B/captures/model.layers.0"]
         ds.attrs.create("op", np.array(b"Evil", dtype=h5py.string_dtype("utf-8", 4)))
@@ -209,7 +139,7 @@ def test_a_changed_json_attribute_is_a_checksum_error(tmp_path):
 
 @pytest.mark.parametrize("field", ["op", "offset", "crc32", "shape"])
 def test_a_changed_index_entry_is_a_checksum_error_naming_the_point(tmp_path, field):
-    path = write(tmp_path / "t.h5", make_runs())
+    path = write_trace(tmp_path / "t.h5", make_runs())
     with h5py.File(path, "r+") as f:  # one entry of the index rewritten (same length: a bit flip)
         g = f["runs/B"]
         text = g.attrs["index"].decode()
@@ -226,7 +156,7 @@ def test_a_changed_index_entry_is_a_checksum_error_naming_the_point(tmp_path, fi
 def test_a_flipped_bit_anywhere_in_the_file_is_caught_or_harmless(tmp_path):
     """Every byte of a small version-2 trace flipped in turn (one bit): the comparison is the
     original one or a one-line error; never another answer."""
-    path = write(tmp_path / "t.h5", make_runs())
+    path = write_trace(tmp_path / "t.h5", make_runs())
     good = compare_trace(str(path), device="cpu").to_dict()
     data = path.read_bytes()
     bad = tmp_path / "bad.h5"
@@ -242,7 +172,7 @@ def test_a_flipped_bit_anywhere_in_the_file_is_caught_or_harmless(tmp_path):
 
 
 def test_truncated_trace_is_refused(tmp_path):
-    path = write(tmp_path / "t.h5", make_runs())
+    path = write_trace(tmp_path / "t.h5", make_runs())
     data = path.read_bytes()
     for keep in (len(data) // 2, len(data) - 100, 2000):
         (tmp_path / "cut.h5").write_bytes(data[:keep])
@@ -271,6 +201,14 @@ def test_old_trace_without_checksums_still_reads(tmp_path):
     with read_trace(path) as rd:
         assert not rd.checksummed and rd.runs == ["A", "B"]
     assert compare_trace(str(path), device="cpu").first_divergent == "model.layers.1"
+
+
+def test_removing_the_checksums_attribute_is_caught(tmp_path):
+    path = write_trace(tmp_path / "t.h5", make_runs())
+    with h5py.File(path, "r+") as f:
+        del f.attrs["checksums"]  # not re-sealed: the root's crc32 still covers it
+    with pytest.raises(TracerError, match="'checksums' is missing"):
+        tracer.read_trace(str(path)).__enter__()
 
 
 # ---------------------------------------------------------------- validation against the spec
@@ -394,7 +332,7 @@ def _del(path: Path, name: str) -> None:
 @pytest.mark.parametrize("version,case", [(v, c) for v in (1, 2) for c in CASES]
                          + [(1, c) for c in CASES_V1] + [(2, c) for c in CASES_V2])
 def test_invalid_trace_is_a_one_line_error(tmp_path, version, case):
-    path = write(tmp_path / "t.h5", make_runs(), version=version)
+    path = write_trace(tmp_path / "t.h5", make_runs(), version=version)
     strip_checksums(path)  # the validator alone must catch it (a checksum would catch it first)
     {**CASES, **(CASES_V1 if version == 1 else CASES_V2)}[case](path)
     with pytest.raises(TracerError) as info:
@@ -404,7 +342,7 @@ def test_invalid_trace_is_a_one_line_error(tmp_path, version, case):
 
 @pytest.mark.parametrize("case", ["no dtype", "overlapping points", "data longer than its points"])
 def test_index_damage_is_caught_by_the_checksums_too(tmp_path, case):
-    path = write(tmp_path / "t.h5", make_runs())
+    path = write_trace(tmp_path / "t.h5", make_runs())
     CASES_V2[case](path)
     with pytest.raises(TracerError, match="trace corrupt") as info:
         compare_trace(str(path), device="cpu")
@@ -415,7 +353,7 @@ def test_external_storage_and_links_are_refused(tmp_path):
     outside = tmp_path / "secret.bin"
     outside.write_bytes(np.arange(T * H, dtype=np.float32).tobytes())
     for case in ("external storage", "external link", "soft link", "soft-link loop"):
-        path = write(tmp_path / f"{case}.h5", make_runs(), version=1)
+        path = write_trace(tmp_path / f"{case}.h5", make_runs(), version=1)
         with h5py.File(path, "r+") as f:
             name = "runs/A/captures/model.norm"
             attrs = dict(f[name].attrs)
@@ -438,7 +376,7 @@ def test_external_storage_and_links_are_refused_in_version_2(tmp_path):
     outside = tmp_path / "secret.bin"
     outside.write_bytes(np.arange(1000, dtype=np.float32).tobytes())
     for case in ("external storage", "external link", "soft link", "same object twice"):
-        path = write(tmp_path / f"{case}.h5", make_runs())
+        path = write_trace(tmp_path / f"{case}.h5", make_runs())
         with h5py.File(path, "r+") as f:
             name = "runs/A/data/float32"
             n, attrs = f[name].shape[0], dict(f[name].attrs)
@@ -474,7 +412,7 @@ def test_partial_file_of_a_killed_writer_says_incomplete_and_is_cleaned_later(tm
     assert partial.exists() and not (tmp_path / "k.h5").exists()
     with pytest.raises(TracerError, match="is incomplete"):
         read_trace(partial)
-    write(tmp_path / "k.h5", make_runs())  # the next writer of that name removes the dead PID's file
+    write_trace(tmp_path / "k.h5", make_runs())  # the next writer of that name removes the dead PID's file
     assert not partial.exists() and (tmp_path / "k.h5").exists()
 
 
@@ -527,8 +465,8 @@ def test_overwrite_replaces_only_regular_files(tmp_path):
 
 def test_show_escapes_control_characters_and_markup(tmp_path):
     header = {"model": {"name": "m"}, "hostname": "\x1b]0;owned\x07\x1b[2J[/bogus][bold]x"}
-    write(tmp_path / "t.h5", make_runs(), header=header)
-    proc = tracer_cli(["show", "t.h5"], tmp_path)
+    write_trace(tmp_path / "t.h5", make_runs(), header=header)
+    proc = tracer_cli(["show", "t.h5"], cli_env(), tmp_path, check=False, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout
     assert "\\x1b]0;owned\\x07\\x1b[2J[/bogus][bold]x" in proc.stdout
@@ -541,7 +479,7 @@ def test_internal_error_exits_3_with_one_line(tmp_path):
             "c.compare_runs = boom\n"
             "sys.argv = ['tracer', 'compare', 'x.h5']\n"
             "from tracer.cli import main; main()\n")
-    write(tmp_path / "x.h5", make_runs())
+    write_trace(tmp_path / "x.h5", make_runs())
     env = dict(os.environ)
     env.pop("TRACER_DEBUG", None)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
@@ -571,7 +509,7 @@ def test_no_socket_is_opened_for_an_unknown_model(tmp_path):
 def test_compare_trace_takes_keywords(tmp_path):
     import tracer
 
-    c = tracer.compare_trace(str(write(tmp_path / "t.h5", make_runs())), device="cpu", atol=1.0)
+    c = tracer.compare_trace(str(write_trace(tmp_path / "t.h5", make_runs())), device="cpu", atol=1.0)
     assert c.first_divergent == "model.layers.1" and c.atol == 1.0
 
 
@@ -593,10 +531,10 @@ def _nan_runs(payload_differs: bool) -> list[RunRecord]:
 
 
 def test_nan_payload_difference_and_all_nan_logits(tmp_path):
-    c = compare_trace(str(write(tmp_path / "p.h5", _nan_runs(True))), device="cpu")
+    c = compare_trace(str(write_trace(tmp_path / "p.h5", _nan_runs(True))), device="cpu")
     assert c.first_divergent == "model.norm" and "NaN in both runs (payload differs)" in c.verdict()
     assert any("NaN in both runs (payload differs)" in line for line in c.origin_lines())
-    c = compare_trace(str(write(tmp_path / "n.h5", _nan_runs(False))), device="cpu")
+    c = compare_trace(str(write_trace(tmp_path / "n.h5", _nan_runs(False))), device="cpu")
     assert c.first_divergent is None and "bit-identical" not in c.verdict() and c.verdict().startswith("NaN")
     assert c.check("any")[0]
 
@@ -623,7 +561,7 @@ BAD_VALUES = [
 
 
 def test_bad_values_fail_before_the_model_loads(tmp_path):
-    write(tmp_path / "t.h5", make_runs())
+    write_trace(tmp_path / "t.h5", make_runs())
     (tmp_path / "ro").mkdir(mode=0o555)
     results = cli_batch([args for args, _ in BAD_VALUES], tmp_path)
     for (args, message), (code, err) in zip(BAD_VALUES, results):

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import run_record as _run
 from tracer.diff.compare import compare_records
 from tracer.report.html import comparison_html, write_report
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.summary import headline
 
 CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), shutil.which("google-chrome"))
@@ -59,11 +59,6 @@ def render(path, tmp_path, width=1200, height=2000, screenshot=None):
     if screenshot is not None:
         subprocess.run(base + [f"--screenshot={screenshot}", path.as_uri()], capture_output=True, timeout=120)
     return json.loads(_html.unescape(m.group(1))), proc.stderr
-
-
-def _run(name, tensors, ids=(1, 2, 3, 4), window=(2, 4)):
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=[], op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 4]]}, window=window, captures=caps)
 
 
 @pytest.fixture

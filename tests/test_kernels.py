@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import make_model
+from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.execute.kernels import parse_kernel, summarize
 from tracer.execute.runner import execute

@@ -14,6 +14,7 @@ import importlib.util
 import pytest
 import torch
 
+import tracer
 from tracer.load import models as M
 from tracer.load import devices as D
 from tracer.load import gguf as G
@@ -285,6 +286,11 @@ def test_directory_without_config(tmp_path):
 def test_gguf_argument_rejected_for_other_models():
     with pytest.raises(TracerError, match=r"--gguf applies only to GGUF recipes \(gemma3-270m, smollm2-135m\)"):
         M.load_model("tiny-llama", gguf="/x.gguf", device="cpu", progress=False)
+
+
+def test_empty_gguf_option_is_refused():
+    with pytest.raises(TracerError, match="--gguf is empty"):
+        tracer.load_model("smollm2-135m", gguf="")
 
 
 def test_bad_options_fail_before_loading():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_model
+from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.dataflow import dataflow

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -12,19 +11,14 @@ import pytest
 import torch
 
 import tracer
-
+from tests.helpers import run_record as _run
+from tests.helpers import tracer_cli
 from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
                          position_diffs_trace, sweep_figure, ulp_figure)
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter
 from tracer.loops.sweep import SweepResult, SweepRow
-
-
-def _run(name, tensors, ids=(1, 2, 3, 4), window=(2, 4)):
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=[], op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 4]]}, window=window, captures=caps)
 
 
 @pytest.fixture
@@ -178,24 +172,22 @@ def test_plot_cli(pair, tmp_path, cli_env):
         w.add_run(a)
         w.add_run(b)
 
-    def tracer(*args):
-        return subprocess.run([sys.executable, "-m", "tracer", *args], env=cli_env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+    cli = dict(env=cli_env, cwd=tmp_path, check=False, timeout=300)  # exit codes are checked here
 
     out = tmp_path / "amp.svg"
-    proc = tracer("plot", str(path), "-o", str(out))
+    proc = tracer_cli(["plot", str(path), "-o", str(out)], **cli)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text().lstrip().startswith("<?xml")
     before = out.read_bytes()
-    proc = tracer("plot", str(path), "--kind", "heatmap", "-o", str(out))
+    proc = tracer_cli(["plot", str(path), "--kind", "heatmap", "-o", str(out)], **cli)
     assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
     assert out.read_bytes() == before
-    assert tracer("plot", str(path), "--kind", "heatmap", "-o", str(out), "--overwrite").returncode == 0
-    proc = tracer("plot", str(path), "-o", str(tmp_path / "x.jpg"))
+    assert tracer_cli(["plot", str(path), "--kind", "heatmap", "-o", str(out), "--overwrite"], **cli).returncode == 0
+    proc = tracer_cli(["plot", str(path), "-o", str(tmp_path / "x.jpg")], **cli)
     assert proc.returncode == 2 and ".png" in proc.stderr
-    proc = tracer("plot", str(path), "--kind", "sweep")
+    proc = tracer_cli(["plot", str(path), "--kind", "sweep"], **cli)
     assert proc.returncode == 2 and "sweep file" in proc.stderr
-    proc = tracer("plot", str(path), "--kind", "ulp")
+    proc = tracer_cli(["plot", str(path), "--kind", "ulp"], **cli)
     assert proc.returncode == 0 and (tmp_path / "t-ulp.png").exists()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import make_model
+from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.provenance import classify

@@ -69,3 +69,11 @@ def test_a_gguf_of_another_architecture_is_refused_before_caching(tmp_path, monk
     with pytest.raises(TracerError, match=r"holds a qwen3 model, but smollm2-135m is llama"):
         load_model("smollm2-135m", gguf=str(path), device="cpu", progress=False)
     assert not cache.exists() or list(cache.iterdir()) == []  # nothing of it was cached
+
+
+def test_gguf_recipe_declares_its_architecture():
+    from tracer.load.recipes import recipes
+
+    table = recipes()
+    assert table["smollm2-135m"].data["model_type"] == "llama"
+    assert table["gemma3-270m"].data["model_type"] == "gemma3_text"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 
@@ -10,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import run_record
 from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.diff.batch import count_outside_tolerance, tensor_diff
 from tracer.diff.metrics import ulp_of
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.tables import check_columns, render, rows, to_csv, to_markdown
 
 
@@ -57,9 +58,7 @@ def test_count_outside_tolerance_matches_numpy():
         assert count_outside_tolerance(torch.from_numpy(a), torch.from_numpy(b), atol, rtol) == want
 
 
-def _rec(name, caps, window=(2, 6)):
-    return RunRecord(name=name, token_ids=list(range(6)), plan={"chunks": [[0, 6]]}, window=window,
-                     captures={n: CaptureRecord(n, k, t, calls=[], op="X") for n, k, t in caps})
+_rec = functools.partial(run_record, ids=tuple(range(6)), window=(2, 6))
 
 
 def _pair():

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_model
+from tests.helpers import make_model
 from tracer.diff.compare import compare_records
 from tracer.diff.rl import HIST_LABELS, RLComparison, rl_comparison
 from tracer.errors import TracerError

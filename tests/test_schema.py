@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import importlib
 import json
 import math
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 import tracer
+from tests.helpers import run_record
 from tracer import schema
 from tracer.store.trace import json_safe
 
@@ -270,11 +272,7 @@ def test_a_new_field_round_trips_with_no_other_edit():
 # ---------------------------------------------------------------- real comparisons
 
 
-def _run(name, tensors, ids=(1, 2, 3, 4, 5, 6), window=(2, 6), calls=None):
-    from tracer.execute.records import CaptureRecord, RunRecord
-
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=(calls or {}).get(n, []), op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 2], [2, 6]]}, window=window, captures=caps)
+_run = functools.partial(run_record, ids=(1, 2, 3, 4, 5, 6), window=(2, 6), chunks=[[0, 2], [2, 6]])
 
 
 def _nan(bits: int) -> float:
@@ -531,7 +529,7 @@ def test_no_second_hand_written_list_of_a_results_fields():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_kind_a_model_has_is_a_point_kind(family):
-    from conftest import make_model
+    from tests.helpers import make_model
     from tracer.execute.points import discover_points
     from tracer.execute.kinds import PointKind
 

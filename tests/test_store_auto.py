@@ -131,3 +131,11 @@ def test_cli_refuses_bad_store_options(cli_env, tmp_path, args, message):
     assert p.returncode == 2, p.stderr
     assert message in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "t.h5").exists()
+
+
+def test_huge_and_fractional_sizes_are_one_line_errors():
+    for text in ("9" * 400, 10**30, "99999999999999999999TiB"):
+        with pytest.raises(TracerError, match="more than"):
+            parse_size(text)
+    with pytest.raises(TracerError, match="under 1 byte"):
+        parse_size("0.5")

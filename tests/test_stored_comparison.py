@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from tests.helpers import run_record as _run
 from tracer.diff.compare import compare_records
 from tracer.diff.stored import stored_comparison
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter, json_safe
-
-
-def _run(name, tensors, ids=(1, 2, 3, 4), window=(2, 4)):
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=[], op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 4]]}, window=window, captures=caps)
 
 
 def _stored(tmp_path, c, a, b):

@@ -7,8 +7,10 @@ from the code under test.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -18,16 +20,14 @@ import torch
 import typer
 from rich.console import Console
 
+from tests.helpers import run_record
 from tracer.diff.compare import compare_records
 from tracer.report.progress import ItemProgress, StatusProgress
-from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.tables import render, to_csv
 from tracer.report.summary import headline, rows_that_matter
 
 
-def _run(name, tensors, ids=tuple(range(1, 9)), window=(4, 8)):
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=[], op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 8]]}, window=window, captures=caps)
+_run = functools.partial(run_record, ids=tuple(range(1, 9)), window=(4, 8))
 
 
 def _bump(t, idx, ulps=1):
@@ -244,3 +244,13 @@ def test_compare_across_traces_names_every_differing_version(tmp_path, tiny_load
     assert c.facts["versions_differ"] == [f"torch {old['torch']} (A) vs 9.9.9+cu999 (B)",
                                           f"transformers {old['transformers']} (A) vs 0.0.1 (B)"]
     assert dict(headline(c))["versions"] == "; ".join(c.facts["versions_differ"])
+
+
+def test_inf_difference_renders(tmp_path):
+    from tests.helpers import make_runs
+
+    a, b = make_runs(diverge_at="model.layers.0")
+    b.captures["model.layers.1"].tensor[0, 0] = -math.inf  # an overflow in one layer
+    c = compare_records(a, b, scenario="s", model="m")
+    rows = rows_that_matter(c, limit=3)  # the table's row choice: no math domain error
+    assert 0 in rows

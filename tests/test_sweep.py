@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import tracer_cli
 from tracer.errors import TracerError
 from tracer import sweep
 from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep
@@ -127,22 +126,21 @@ def test_in_memory_and_token_ids_prefixes(loaded):
 
 
 def test_sweep_cli(tmp_path, cli_env):
-    def tracer(*args):
-        return subprocess.run([sys.executable, "-m", "tracer", *args], env=cli_env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
+    cli = dict(env=cli_env, cwd=tmp_path, check=False)  # exit codes are checked here
 
-    proc = tracer("sweep", "tiny-llama", "--lengths", "17:19", "--block-size", "16", "--device", "cpu",
-                  "-o", "s.h5", "--plot", "s.png")
+    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--block-size", "16", "--device", "cpu",
+                       "-o", "s.h5", "--plot", "s.png"], **cli)
     assert proc.returncode == 0, proc.stderr
     assert "block size 16:" in proc.stdout and (tmp_path / "s.png").exists()
-    proc = tracer("plot", "s.h5", "-o", "map.svg")
+    proc = tracer_cli(["plot", "s.h5", "-o", "map.svg"], **cli)
     assert proc.returncode == 0, proc.stderr
-    proc = tracer("sweep", "tiny-llama", "--lengths", "17:19", "--device", "cpu", "-o", "s.h5", "--format", "csv")
+    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--device", "cpu", "-o", "s.h5", "--format", "csv"],
+                      **cli)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("length,block_size")  # resumed: nothing left
     assert len(proc.stdout.splitlines()) == 4
     for bad, msg in ((["--lengths", "9:3"], "start <= stop"), (["--block-size", "8", "--block-sizes", "8,16"], "not both"),
                      (["--lengths", "17:20", "-o", "s.h5"], "other parameters")):
-        proc = tracer("sweep", "tiny-llama", "--device", "cpu", *bad)
+        proc = tracer_cli(["sweep", "tiny-llama", "--device", "cpu", *bad], **cli)
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tracer
+from tests.helpers import tracer_cli
 from tracer.errors import TracerError
 
 CPU = dict(device="cpu", store="none", progress=False)
@@ -91,16 +92,11 @@ def test_bad_input_is_refused_before_anything_is_spawned(tiny32, monkeypatch):
         tracer.run("tiny-llama", loaded=tiny32, scenario="tensor-parallel", tp=2, tp_mode="distributed", length=8, **CPU)
 
 
-def _cli(args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "tracer", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
 def test_cli_tp2_end_to_end(cli_env, tmp_path):
     out = tmp_path / "tp2.h5"
-    p = _cli(["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
-              "--tp-mode", "distributed", "--tp-partials", "--tp-vocab-parallel", "--length", "24", "-o", str(out),
-              "--format", "json"], cli_env, tmp_path)
+    p = tracer_cli(["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
+                    "--tp-mode", "distributed", "--tp-partials", "--tp-vocab-parallel", "--length", "24", "-o", str(out),
+                    "--format", "json"], cli_env, tmp_path, check=False, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["scenario"] == "tensor-parallel" and doc["logits"]["n_total"] == 24 * 512
@@ -133,8 +129,9 @@ def test_a_rank_that_dies_stops_the_run_without_trace_or_orphans(cli_env, tmp_pa
     marker = f"tracer-test-{uuid.uuid4().hex}"
     env = dict(cli_env, TRACER_TP_FAULT_RANK="1", TRACER_TEST_MARKER=marker)
     out = tmp_path / "dead.h5"
-    p = _cli(["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
-              "--tp-mode", "distributed", "--length", "24", "-o", str(out)], env, tmp_path)
+    p = tracer_cli(["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
+                    "--tp-mode", "distributed", "--length", "24", "-o", str(out)], env, tmp_path, check=False,
+                   timeout=300)
     assert p.returncode == 2
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]  # (transformers may warn too)
     assert len(errors) == 1 and "rank 1 of 2" in errors[0] and "SIGKILL" in errors[0], p.stderr
@@ -150,7 +147,8 @@ def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
     env = dict(cli_env, OMP_NUM_THREADS="2")  # spawned: 2 // 2 = 1 thread per rank; torchrun: 1 per rank
     args = ["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
             "--tp-mode", "distributed", "--length", "24", "--format", "json"]
-    assert _cli(args + ["-o", str(tmp_path / "spawn.h5")], env, tmp_path).returncode == 0
+    assert tracer_cli(args + ["-o", str(tmp_path / "spawn.h5")], env, tmp_path, check=False,
+                      timeout=300).returncode == 0
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          "-m", "tracer", *args, "-o", str(tmp_path / "torchrun.h5")], env=env, cwd=tmp_path,
                         capture_output=True, text=True, timeout=300)
@@ -158,7 +156,8 @@ def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
     assert tr.stdout.count('"scenario"') == 1  # only rank 0 reports
     with tracer.read_trace(tmp_path / "torchrun.h5") as r:
         assert r.header["tensor_parallel"]["launcher"] == "torchrun"
-    same = _cli(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env, tmp_path)
+    same = tracer_cli(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env,
+                      tmp_path, check=False, timeout=300)
     assert json.loads(same.stdout)["identical"] is True
 
 
