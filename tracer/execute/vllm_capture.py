@@ -15,7 +15,7 @@ the other (``query_start_loc`` of the step's attention metadata, in the model ru
   add + RMSNorm's ``(normed, residual)``, a decoder layer's ``(hidden, residual)``);
 - the attention layer's inputs ``(query, key, value)`` give the ``kv_cache`` points: the post-RoPE
   keys and the values vLLM writes into its paged KV cache (``kv_cache_dtype`` ``auto``: stored
-  without conversion; ``tests/test_vllm_engine.py`` reads them back from the paged cache), for
+  without conversion; ``tests/execute/test_vllm_engine.py`` reads them back from the paged cache), for
   every prompt position the run's requests computed.
 
 :meth:`VllmCapture.records` builds a :class:`~tracer.execute.records.RawDump` of the kept rows,

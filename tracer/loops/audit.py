@@ -296,7 +296,7 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
     return row
 
 
-#: the options of ``tracer audit`` (a skip reason may name only these; tests/test_summary.py checks the CLI)
+#: the options of ``tracer audit`` (a skip reason may name only these; tests/report/test_summary.py checks the CLI)
 AUDIT_FLAGS = ("--levels", "-l", "--prompt", "-p", "--prompt-file", "--token-ids-file", "--length", "-n", "--chat",
                  "--dtype", "--device", "--attn", "--gguf", "--granularity", "--kv-cache", "--kernels", "--output", "-o", "--overwrite",
                  "--no-store", "--no-mitigations", "--format", "-f", "--report", "--batch-size", "--batch-row",

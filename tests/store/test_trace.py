@@ -245,7 +245,7 @@ def test_version_2_has_few_objects_whatever_the_number_of_points(tmp_path):
 
 def test_readme_snippet_runs_as_written(tmp_path):
     """The python block of traces/README.md, run verbatim on a trace, yields the stored bits."""
-    readme = (Path(__file__).resolve().parent.parent / "traces" / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "traces" / "README.md").read_text()
     section = readme.split("## Reading a bf16 tensor without tracer", 1)[1]
     code = section.split("```python", 1)[1].split("```", 1)[0]
     rng = np.random.default_rng(12)

@@ -146,7 +146,7 @@ def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_ru
     partials = sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name)
     assert left == [p for p in left if p.startswith(f"tracer-tp-{proc.pid}.")]  # only the killed run's
     # the next run: its scratch folder replaces the dead one's, its writer removes the dead partial
-    code = (f"import sys, tempfile; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+    code = (f"import sys, tempfile; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
             "from tracer.execute.tp_dist import scratch_dir\n"
             "from tracer.store.trace import TraceWriter\n"
             "import shutil, json\n"

@@ -39,7 +39,7 @@ pytestmark = needs_gemma
 N_LAYERS, HIDDEN, VOCAB, WINDOW = 18, 640, 262_144, 512
 GLOBAL_LAYERS = [5, 11, 17]
 SLIDING_LAYERS = [i for i in range(N_LAYERS) if i not in GLOBAL_LAYERS]
-IDS_FILE = Path(__file__).resolve().parent.parent / "scripts" / "gemma3-default-prompt-ids.json"
+IDS_FILE = Path(__file__).resolve().parents[2] / "scripts" / "gemma3-default-prompt-ids.json"
 N = 20  # block size 16: the cached prefix is P = 16, the suffix 4 tokens
 
 

@@ -27,7 +27,7 @@ import tracer
 from tracer import read_trace
 from tracer.store.trace import TraceWriter, read_row_blocks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def strip_checksums(path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from tracer.errors import TracerError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_recipe_in_a_subprocess(tmp_path: Path, package: str, module: str, assemble: str) -> subprocess.CompletedProcess:
@@ -59,7 +59,7 @@ def test_the_known_assemble_hook_is_allowed():
 
 def test_a_gguf_of_another_architecture_is_refused_before_caching(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
-    from test_gguf_files import tiny_qwen3, write_gguf
+    from tests.load.test_gguf import tiny_qwen3, write_gguf
 
     from tracer.load.models import load_model
 
