@@ -1,11 +1,12 @@
 """The pipeline's shape: no import cycle inside ``tracer/`` (function-local imports counted), no
-function over 120 lines, importing ``tracer`` loads no heavy library, and the public API shows
-real signatures."""
+function over 120 lines, importing ``tracer`` loads no heavy library, the public API shows real
+signatures, kinds are PointKinds, annotations resolve, and the tests mirror the package."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -268,3 +269,54 @@ def test_the_core_record_types_are_exported_and_import_on_first_use():
 
     records = {c.__name__ for c in schema.Record.__subclasses__()}
     assert {"Comparison", "PointResult", "RLComparison", "Audit", "SweepResult", "BenchResult"} <= records & set(tracer.RECORD_TYPES)
+
+
+TESTS = Path(__file__).resolve().parent
+STAGE_FOLDERS = ("load", "plan", "execute", "store", "diff", "report", "loops")
+#: top-level test files: the top-level modules of tracer (api, cli, config, pipeline, schema) and what
+#: spans the package (its architecture, the docs and README, the notebooks)
+TOP_LEVEL = ("test_architecture.py", "test_docs.py", "test_notebooks.py")
+#: words that say when or why a test was written, not what it covers
+NOT_A_SUBJECT = re.compile(r"(^|_)(issue\d*|fixes|breaker|misc|more|new|extra|regressions?)(_|$)")
+
+
+def misplaced_tests(root: Path) -> list[str]:
+    """Test files that do not mirror the package: ``tests/<stage>/test_<module>[_aspect].py`` for a
+    module (or subpackage) of ``tracer/<stage>/``, ``tests/test_<module>[_aspect].py`` for a top-level
+    module of tracer, or one of :data:`TOP_LEVEL`; each folder a package (``__init__.py``)."""
+    bad = []
+    top_modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) == 1:
+            if rel.name in ("__init__.py", "conftest.py", "helpers.py") or rel.name in TOP_LEVEL:
+                continue
+            ok = rel.name.startswith("test_") and any(rel.stem == f"test_{m}" or rel.stem.startswith(f"test_{m}_")
+                                                      for m in top_modules)
+        elif len(rel.parts) == 2 and rel.parts[0] in STAGE_FOLDERS:
+            if rel.name == "__init__.py":
+                continue
+            stage = PKG / rel.parts[0]
+            modules = {p.stem for p in stage.glob("*.py")} | {p.name for p in stage.iterdir() if (p / "__init__.py").exists()}
+            ok = (root / rel.parts[0] / "__init__.py").exists() and any(
+                rel.stem == f"test_{m}" or rel.stem.startswith(f"test_{m}_") for m in modules - {"__init__"})
+        else:
+            ok = False
+        if not ok or NOT_A_SUBJECT.search(rel.stem.removeprefix("test_")):
+            bad.append(str(rel))
+    return bad
+
+
+def test_the_layout_check_finds_misplaced_tests(tmp_path):
+    for name in ("test_breaker_fixes.py", "store/test_trace.py", "diff/test_nothing_here.py", "deep/er/test_x.py",
+                 "test_cli.py", "test_cli_issue3.py", "test_api_errors.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    assert misplaced_tests(tmp_path) == ["deep/er/test_x.py", "diff/test_nothing_here.py", "store/test_trace.py",
+                                        "test_breaker_fixes.py", "test_cli_issue3.py"]
+
+
+def test_tests_mirror_the_package():
+    """``tests/<stage>/test_<module>.py``: a test lives beside the tests of the module it covers."""
+    assert misplaced_tests(TESTS) == []
