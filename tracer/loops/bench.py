@@ -40,7 +40,7 @@ from tracer import pipeline, schema
 from tracer.config import RunConfig, validate
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
-from tracer.loops.peers import LABELS, check_counts, make_peers
+from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
 from tracer.store.integrity import check_output_path
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
@@ -135,7 +135,7 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
         TracerError: a peer whose counts differ from tracer's (:func:`tracer.loops.peers.check_counts`).
     """
     modes = {}
-    for peer in make_peers(lm, ids, scen, points):
+    for peer in peer_mod.make_peers(lm, ids, scen, points):
         if peer.run is not None:
             say(f"checking {peer.name}")
             try:
@@ -143,7 +143,7 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
             except TracerError as e:  # the peer cannot run this scenario or model: say why
                 peer.skipped = str(e)
             else:
-                check_counts(peer.name, got, tracer_counts)
+                peer_mod.check_counts(peer.name, got, tracer_counts)
                 result.peers[peer.name] = {"status": "checked", "covers": peer.covers, "points": len(got)}
                 modes[peer.name] = peer.run
         if peer.skipped is not None:
@@ -218,7 +218,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
             say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
             t = {m: _timed(fn, dev) for m, fn in modes.items()}
             for name in peer_modes:  # every repetition: the peers did the same work as tracer's (b)
-                check_counts(name, last[name], last["b"])
+                peer_mod.check_counts(name, last[name], last["b"])
             nbytes = trace.stat().st_size
             t["e_write"] = _timed(lambda: _raw_write(raw, nbytes), "cpu")
             t["e_read"] = _timed(lambda: _raw_read(raw), "cpu")
@@ -253,7 +253,7 @@ def table(result: BenchResult):
              "c": "(c) tracer + HDF5 trace (--store tensors)", "c_auto": "(c) tracer, --store auto (default)",
              "d": "(d) compare from trace",
              "e_write": "(e) raw write, same bytes", "e_read": "(e) raw read, same bytes",
-             **{k: f"peer: {v}" for k, v in LABELS.items()}}
+             **{k: f"peer: {v}" for k, v in peer_mod.LABELS.items()}}
     for m, v in result.times.items():
         t.add_row(names.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
     for m, info in result.peers.items():
