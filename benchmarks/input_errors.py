@@ -8,7 +8,7 @@ tokenizing, token ids outside the vocabulary; with ``--length N`` the first two 
 
 Runs every case of :data:`CASES` as a whole process (``python -m tracer run ...``) in a scratch
 folder, ``--reps`` times, and prints per case the median wall time, the exit code and the first
-line of stderr. ``tests/test_preflight.py`` checks the same cases for exit code 2, a one-line
+line of stderr. ``tests/load/test_preflight.py`` checks the same cases for exit code 2, a one-line
 error and no torch/transformers import; the times are measured here, not in a test.
 """
 

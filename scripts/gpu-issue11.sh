@@ -26,8 +26,8 @@ if [ "$phase" = 1 ]; then
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python3 -c "import nnsight; print('nnsight', nnsight.__version__)"; } > "$out/versions.txt" 2>&1
   log "CUDA tests of the store, the streaming compare and the metrics"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_store.py tests/test_compare.py tests/test_stream_compare.py \
-    tests/test_store_modes.py tests/test_store_auto.py tests/test_metrics.py tests/test_positions.py > "$out/tests.txt" 2>&1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/store/test_trace.py tests/diff/test_compare.py tests/diff/test_compare_stream.py \
+    tests/test_pipeline.py tests/store/test_budget.py tests/diff/test_metrics.py tests/diff/test_positions.py > "$out/tests.txt" 2>&1
   tail -3 "$out/tests.txt"
   bench qwen3-0.6b-shape 1024 7 --no-kv-cache
   bench qwen3-0.6b-shape 4096 7 --no-kv-cache

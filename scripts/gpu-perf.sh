@@ -11,7 +11,7 @@ python3 -c "import torch, transformers, sys; print('python', sys.version.split()
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$out/versions.txt" 2>/dev/null
 for s in $steps; do case $s in
   tests) log "CUDA tests"
-    python3 -m pytest -q -p no:cacheprovider tests/test_metrics.py tests/test_store.py tests/test_compare.py tests/test_store_modes.py tests/test_device_map.py > "$out/tests.txt" 2>&1 ;;
+    python3 -m pytest -q -p no:cacheprovider tests/diff/test_metrics.py tests/store/test_trace.py tests/diff/test_compare.py tests/test_pipeline.py tests/load/test_devices.py > "$out/tests.txt" 2>&1 ;;
   b4k) for kv in --kv-cache --no-kv-cache; do log "bench 4096 $kv"
     timeout 240 $t bench qwen3-0.6b-shape --device cuda --length 4096 --reps 5 $kv --outdir /tmp/bench --json > "$out/bench-4096$kv.json" 2>"$out/bench-4096$kv.err"; done ;;
   b32kkv) log "bench 32768 --kv-cache"

@@ -27,7 +27,7 @@ from tracer.load.models import load_model
 from tracer.load.prompts import DEFAULT_PROMPT, tokenize
 from tracer.plan import scenarios as S
 from tracer.plan.scenarios import RunPlan
-from tracer.report.summary import headline_text
+from tracer.report.summary import headline
 
 
 def summary(c) -> str:
@@ -46,8 +46,8 @@ def hf_vs_vllm(loaded, ids: list[int], n: int) -> None:
         vr, _ = ve.execute_loaded(loaded, ids, scen.plan_a, pts, scen.window, meta={"scenario": "engine"})
         c = compare_records(hf, vr, scenario="engine", model=loaded.info.name)
         print(f"== HF vs vLLM, {gran}, N={n}: {summary(c)}")
-        for line in headline_text(c):
-            print("  ", line)
+        for label, text in headline(c):
+            print("  ", f"{label}: {text}")
         shown = c.points if gran == "layers" else [p for p in c.points if p.name.startswith("model.layers.0.") or p.name == "model.embed_tokens"]
         for p in shown:
             print(f"   {p.name:45s} {p.diff.n_diff:6d}/{p.diff.n_total:<6d} max |Δ| {p.diff.max_abs_diff:.3g}")

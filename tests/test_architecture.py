@@ -1,11 +1,12 @@
 """The pipeline's shape: no import cycle inside ``tracer/`` (function-local imports counted), no
-function over 120 lines, importing ``tracer`` loads no heavy library, and the public API shows
-real signatures."""
+function over 120 lines, importing ``tracer`` loads no heavy library, the public API shows real
+signatures, kinds are PointKinds, annotations resolve, and the tests mirror the package."""
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,174 @@ def test_public_api_has_real_signatures(name, must):
     params = inspect.signature(getattr(tracer, name)).parameters
     assert all(m in params for m in must)
     assert not any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+KIND_VALUES = frozenset({"embedding", "layer", "final_norm", "logits", "linear", "norm", "attention", "attention_core",
+                         "mlp", "mlp_hidden", "activation", "kv_cache", "module"})
+
+
+def bare_kinds(source: str) -> list[str]:
+    """Bare-string capture-point kinds in ``source``: a comparison of an expression naming a kind
+    (``p.kind``, ``info["kind"]``, ``kinds[i]``, ``k`` in a loop over ``kinds``) with a string that is
+    a kind's value, and ``kind="..."`` arguments. ``tracer.execute.kinds.PointKind`` says it instead."""
+    tree = ast.parse(source)
+    loop_vars = {t.id for node in ast.walk(tree) if isinstance(node, ast.comprehension | ast.For)
+                 and "kind" in ast.unparse(node.iter) for t in ast.walk(node.target) if isinstance(t, ast.Name)}
+
+    def kindish(n: ast.AST) -> bool:
+        text = ast.unparse(n)
+        return "kind" in text.lower() or (isinstance(n, ast.Name) and n.id in loop_vars)
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(kindish(s) for s in sides):
+                out += [f"line {node.lineno}: {ast.unparse(node)}" for s in sides if not kindish(s)
+                        for c in ast.walk(s) if isinstance(c, ast.Constant) and c.value in KIND_VALUES]
+        elif isinstance(node, ast.keyword) and node.arg and "kind" in node.arg and isinstance(node.value, ast.Constant) \
+                and node.value.value in KIND_VALUES:
+            out.append(f"line {node.lineno}: {node.arg}={node.value.value!r}")
+    return out
+
+
+def test_the_kind_detector_finds_bare_strings():
+    for src in ('x = [p for p in points if p.kind == "layer"]', 'ok = info["kind"] in ("logits", "norm")',
+                'y = [i for i, k in enumerate(kinds) if k != "kv_cache"]', 'CapturePoint(name=n, kind="module")'):
+        assert bare_kinds(src), src
+    assert not bare_kinds('x = [p for p in points if p.kind == PointKind.LAYER]; recipe.kind == "gguf"')
+
+
+def test_point_kinds_are_compared_as_point_kinds():
+    found = {str(p.relative_to(PKG.parent)): bare_kinds(p.read_text()) for p in PKG.rglob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def _namespaces():
+    """Each module of tracer (an optional engine's that cannot import here left out) with its
+    globals plus what its ``if TYPE_CHECKING:`` block imports."""
+    import importlib
+    import pkgutil
+
+    import tracer
+
+    for m in pkgutil.walk_packages(tracer.__path__, "tracer."):
+        if m.name.endswith("__main__"):
+            continue
+        try:
+            mod = importlib.import_module(m.name)
+        except ModuleNotFoundError as e:  # vllm is not installed here
+            if (e.name or "tracer").startswith("tracer"):
+                raise
+            continue
+        if not getattr(mod, "__file__", None):
+            continue
+        ns = dict(vars(mod))
+        for node in ast.parse(Path(mod.__file__).read_text()).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                exec(compile(ast.Module(node.body, []), mod.__file__, "exec"), ns)
+        yield mod, ns
+
+
+def test_every_annotation_names_a_real_type():
+    """Annotations are strings (``from __future__ import annotations``) that no run evaluates: each
+    must resolve against its module and its ``TYPE_CHECKING`` imports, or it documents nothing."""
+    import typing
+
+    bad = []
+    for mod, ns in _namespaces():
+        for name, obj in vars(mod).items():
+            if getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            if inspect.isfunction(obj):
+                items = [(name, obj, ns)]
+            elif inspect.isclass(obj):  # a class's bases resolve in their own modules
+                items = [(name, obj, None)] + [(f"{name}.{k}", v, ns) for k, v in vars(obj).items()
+                                              if inspect.isfunction(v)]
+            else:
+                continue
+            for label, x, g in items:
+                try:
+                    typing.get_type_hints(x, globalns=g, localns=ns)
+                except Exception as e:  # noqa: BLE001 - every failure is reported
+                    bad.append(f"{mod.__name__}.{label}: {e}")
+    assert bad == []
+
+
+def test_the_public_api_says_what_it_returns():
+    import typing
+
+    import tracer
+    import tracer.api as api
+
+    ns = dict(next(ns for mod, ns in _namespaces() if mod is api))
+    for name in api.__all__:
+        ret = typing.get_type_hints(getattr(tracer, name), globalns=ns).get("return")
+        assert ret is not None and ret is not typing.Any, name
+
+
+def test_the_core_record_types_are_exported_and_import_on_first_use():
+    code = ("import sys, tracer; light = not any(m in sys.modules for m in ('torch', 'numpy', 'h5py')); "
+            "types = {n: getattr(tracer, n) for n in tracer.RECORD_TYPES}; "
+            "print(light, all(t.__name__ == n and t.__module__ == tracer.RECORD_TYPES[n] for n, t in types.items()), "
+            "set(tracer.RECORD_TYPES) <= set(tracer.__all__) <= set(dir(tracer)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent).stdout.split()
+    assert out == ["True", "True", "True"]
+    from tracer import schema
+
+    import tracer
+
+    records = {c.__name__ for c in schema.Record.__subclasses__()}
+    assert {"Comparison", "PointResult", "RLComparison", "Audit", "SweepResult", "BenchResult"} <= records & set(tracer.RECORD_TYPES)
+
+
+TESTS = Path(__file__).resolve().parent
+STAGE_FOLDERS = ("load", "plan", "execute", "store", "diff", "report", "loops")
+#: top-level test files: the top-level modules of tracer (api, cli, config, pipeline, schema) and what
+#: spans the package (its architecture, the docs and README, the notebooks)
+TOP_LEVEL = ("test_architecture.py", "test_docs.py", "test_notebooks.py", "test_readme.py")
+#: words that say when or why a test was written, not what it covers
+NOT_A_SUBJECT = re.compile(r"(^|_)(issue\d*|fixes|breaker|misc|more|new|extra|regressions?)(_|$)")
+
+
+def misplaced_tests(root: Path) -> list[str]:
+    """Test files that do not mirror the package: ``tests/<stage>/test_<module>[_aspect].py`` for a
+    module (or subpackage) of ``tracer/<stage>/``, ``tests/test_<module>[_aspect].py`` for a top-level
+    module of tracer, or one of :data:`TOP_LEVEL`; each folder a package (``__init__.py``)."""
+    bad = []
+    top_modules = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if len(rel.parts) == 1:
+            if rel.name in ("__init__.py", "conftest.py", "helpers.py") or rel.name in TOP_LEVEL:
+                continue
+            ok = rel.name.startswith("test_") and any(rel.stem == f"test_{m}" or rel.stem.startswith(f"test_{m}_")
+                                                      for m in top_modules)
+        elif len(rel.parts) == 2 and rel.parts[0] in STAGE_FOLDERS:
+            if rel.name == "__init__.py":
+                continue
+            stage = PKG / rel.parts[0]
+            modules = {p.stem for p in stage.glob("*.py")} | {p.name for p in stage.iterdir() if (p / "__init__.py").exists()}
+            ok = (root / rel.parts[0] / "__init__.py").exists() and any(
+                rel.stem == f"test_{m}" or rel.stem.startswith(f"test_{m}_") for m in modules - {"__init__"})
+        else:
+            ok = False
+        if not ok or NOT_A_SUBJECT.search(rel.stem.removeprefix("test_")):
+            bad.append(str(rel))
+    return bad
+
+
+def test_the_layout_check_finds_misplaced_tests(tmp_path):
+    for name in ("test_breaker_fixes.py", "store/test_trace.py", "diff/test_nothing_here.py", "deep/er/test_x.py",
+                 "test_cli.py", "test_cli_issue3.py", "test_api_errors.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "__init__.py").write_text("")
+    assert misplaced_tests(tmp_path) == ["deep/er/test_x.py", "diff/test_nothing_here.py", "store/test_trace.py",
+                                        "test_breaker_fixes.py", "test_cli_issue3.py"]
+
+
+def test_tests_mirror_the_package():
+    """``tests/<stage>/test_<module>.py``: a test lives beside the tests of the module it covers."""
+    assert misplaced_tests(TESTS) == []

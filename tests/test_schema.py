@@ -3,9 +3,10 @@
 Every result dataclass is a :class:`tracer.schema.Record`: its document is derived from its fields,
 so ``from_dict(to_dict(x))`` gives ``x`` back for every type, through JSON text as stored in a
 trace, with the verdict and ``check()`` unchanged. Cases: generated from the fields' annotations
-(a new field is covered with no edit here) and real comparisons with skipped points, NaN payloads,
-replays, op replays, tolerances, flips, empty tensors and inf. And no second hand-written list of a
-result's fields may appear in the package.
+(a new field is covered with no edit here), real comparisons with skipped points, NaN payloads,
+replays, op replays, tolerances, flips, empty tensors and inf, and real results of every loop on
+tiny-llama (engine-dump comparisons, an RL comparison, an audit, a sweep, a benchmark). And no
+second hand-written list of a result's fields may appear in the package.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import importlib
 import json
 import math
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 import tracer
+from tests.helpers import run_record
 from tracer import schema
 from tracer.store.trace import json_safe
 
@@ -53,7 +56,7 @@ RECORDS = _all_records()
 #: the result types issue 22 names (a type, not a field list): each must be a Record
 RESULT_TYPES = ("Comparison", "PointResult", "SkipRecord", "TensorDiff", "LogitsDiff", "ArgmaxFlip", "NoiseVerdict",
                 "Level", "Replay", "OpReplay", "RunError", "Consumes", "Audit", "AuditRow", "Check", "SweepResult",
-                "SweepRow", "BenchResult", "Kept")
+                "SweepRow", "BenchResult", "Kept", "RLComparison", "TokenStep", "KnobResult")
 
 
 def test_every_result_type_is_a_record():
@@ -248,16 +251,28 @@ def test_a_new_field_round_trips_with_no_other_edit():
     x = replace(Gen(3).record(Wider), n_subnormal=5, worst_at=(2, 7))
     assert x.to_dict()["n_subnormal"] == 5 and x.to_dict()["worst_at"] == [2, 7]
     round_trip(x)
+    # and in the CSV rows, beside every other field of the metrics (n_nan_payload included)
+    import csv
+    import io
+
+    from tracer.report.tables import to_csv
+
+    def wider(d, i):
+        return Wider(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}, n_subnormal=i)
+
+    c = COMPARISONS["planted"]
+    c = replace(c, points=tuple(replace(p, diff=wider(p.diff, i)) for i, p in enumerate(c.points)),
+                logits=replace(c.logits, tensor=wider(c.logits.tensor, 99)))
+    rows = list(csv.DictReader(io.StringIO(to_csv(c))))
+    assert [r["n_subnormal"] for r in rows] == [str(i) for i in range(len(c.points))] + ["99"]
+    assert [r["n_nan_payload"] for r in rows[:-1]] == [str(p.diff.n_nan_payload) for p in c.points]
+    assert {f.name for f in dataclasses.fields(Wider)} - {"ulp_hist"} <= set(rows[0])
 
 
 # ---------------------------------------------------------------- real comparisons
 
 
-def _run(name, tensors, ids=(1, 2, 3, 4, 5, 6), window=(2, 6), calls=None):
-    from tracer.execute.records import CaptureRecord, RunRecord
-
-    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=(calls or {}).get(n, []), op="X") for n, k, t in tensors}
-    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": [[0, 2], [2, 6]]}, window=window, captures=caps)
+_run = functools.partial(run_record, ids=(1, 2, 3, 4, 5, 6), window=(2, 6), chunks=[[0, 2], [2, 6]])
 
 
 def _nan(bits: int) -> float:
@@ -349,6 +364,69 @@ def test_real_comparisons_round_trip(name):
     round_trip(COMPARISONS[name])
     for p in COMPARISONS[name].points:
         round_trip(p)
+
+
+# ---------------------------------------------------------------- real results of every loop, on tiny-llama
+
+
+@pytest.fixture(scope="module")
+def real_results(tmp_path_factory):
+    """One real result of each kind the issue names besides hand-made comparisons: an engine-dump
+    comparison (a planted difference in the dump), an RL comparison with its mitigations, an audit,
+    a sweep and a benchmark, all from tiny-llama on the CPU (about 10 s)."""
+    import tracer
+    from tracer.diff.compare_dump import compare_dump
+    from tracer.loops.bench import bench
+    from tracer.store.sglang_dump import write_sglang_dump
+
+    d = tmp_path_factory.mktemp("real")
+    lm = tracer.load_model("tiny-llama", dtype="bfloat16", device="cpu", progress=False)
+    tracer.run(lm, length=40, split_at=32, granularity="sublayers", output=str(d / "ref.h5"), progress=False)
+    dump = write_sglang_dump(str(d / "ref.h5"), "B", d / "dump", tp=2, chunk=5)
+    out = {"engine dump, identical": compare_dump((str(d / "ref.h5"), "B"), str(dump))}
+    handle = lm.model.model.layers[1].mlp.register_forward_hook(lambda m, a, y: y + 0.25)  # the 'engine' differs
+    try:
+        tracer.run(lm, length=40, split_at=32, granularity="sublayers", output=str(d / "bad.h5"), progress=False)
+    finally:
+        handle.remove()
+    dump = write_sglang_dump(str(d / "bad.h5"), "B", d / "bad", tp=2)
+    out["engine dump, planted"] = compare_dump((str(d / "ref.h5"), "B"), str(dump), atol=1e-3, rtol=0.0)
+    out["rl"] = tracer.run(lm, scenario="rollout-vs-train", length=12, new_tokens=3, rollouts=2, mitigations=True,
+                           progress=False, store="none").comparison
+    out["audit"] = tracer.audit(lm, levels="0,1,3", length=48, progress=False)
+    out["sweep"] = tracer.sweep(lm, lengths="17:18", block_sizes=[8], progress=False, output=str(d / "sweep.h5"))
+    out["bench"] = bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(d / "bench"))
+    return out
+
+
+def test_the_real_results_are_what_they_say(real_results):
+    ident, planted = real_results["engine dump, identical"], real_results["engine dump, planted"]
+    assert ident.identical and ident.facts["engine"] == planted.facts["engine"] == planted.run_b
+    assert [p.name for p in planted.origins] == ["model.layers.1.mlp"] and (planted.atol, planted.rtol) == (1e-3, 0.0)
+    rl = real_results["rl"].rl
+    assert rl is not None and rl.steps and rl.mitigations and any(m.ran for m in rl.mitigations)
+    assert {r.status for r in real_results["audit"].rows} >= {"passed", "skipped"}  # L3 block size: N=48 < 64
+    assert len(real_results["sweep"].rows) == 2 and real_results["sweep"].complete
+    assert real_results["bench"].times and real_results["bench"].trace_bytes > 0
+
+
+@pytest.mark.parametrize("name", ["engine dump, identical", "engine dump, planted", "rl", "audit", "sweep", "bench"])
+def test_real_results_of_every_kind_round_trip(real_results, name):
+    x = real_results[name]
+    round_trip(x)
+    if name == "rl":
+        for part in (x.rl, *x.rl.steps, *x.rl.mitigations):
+            round_trip(part)
+    if name == "audit":
+        for row in x.rows:
+            round_trip(row)
+            round_trip(row.check)
+    if name == "sweep":
+        from tracer.loops.sweep import read_sweep
+
+        assert read_sweep(x.path) == x  # the sweep file read back: the same result
+        for row in x.rows:
+            round_trip(row)
 
 
 def test_skipped_only_is_not_comparable_after_the_round_trip():
@@ -451,7 +529,7 @@ def test_no_second_hand_written_list_of_a_results_fields():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_every_kind_a_model_has_is_a_point_kind(family):
-    from conftest import make_model
+    from tests.helpers import make_model
     from tracer.execute.points import discover_points
     from tracer.execute.kinds import PointKind
 

@@ -19,10 +19,34 @@ completion show every keyword), and the ``tracer`` command's options from these 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+import os
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, validate
 from tracer.errors import TracerError
+
+if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer stays light
+    from pathlib import Path
+
+    import pandas
+    from matplotlib.figure import Figure
+    from torch import nn
+
+    from tracer.diff.result import Comparison
+    from tracer.diff.rl import RLComparison
+    from tracer.execute.capture import Captured
+    from tracer.execute.enginemap import MappedDump
+    from tracer.execute.records import RunRecord
+    from tracer.load.models import LoadedModel, ModelInfo
+    from tracer.loops.audit import Audit, AuditRow
+    from tracer.loops.bench import BenchResult
+    from tracer.loops.bench_vllm import VllmBenchResult
+    from tracer.pipeline import RunResult
+    from tracer.store.sweepfile import SweepResult, SweepRow
+    from tracer.store.trace import TraceReader
+
+#: a stored run: ``"file.h5:RUN"``, ``"file.h5"`` (a run picked by position), ``("file.h5", "RUN")`` or a path
+RunRef = Union[str, "tuple[str, str | None]", os.PathLike]
 
 #: the run options each command takes (:data:`tracer.config.COMMAND_OPTIONS`)
 RUN_OPTIONS, AUDIT_OPTIONS, SWEEP_OPTIONS, BENCH_OPTIONS, COMPARE_OPTIONS = (
@@ -34,12 +58,12 @@ def _quiet(msg: str) -> None:
     return None
 
 
-def _is_loaded(obj: Any) -> bool:
+def _is_loaded(obj: object) -> bool:
     return hasattr(obj, "model") and hasattr(obj, "info") and hasattr(obj, "tokenizer")
 
 
-def _config(model: Any, loaded: Any, allowed: tuple[str, ...], check_scenario: bool = True,
-            new_output: bool = True, one_length: bool = True, **options: Any) -> tuple[RunConfig, Any]:
+def _config(model: str | LoadedModel, loaded: LoadedModel | None, allowed: tuple[str, ...], check_scenario: bool = True,
+            new_output: bool = True, one_length: bool = True, **options: Any) -> tuple[RunConfig, LoadedModel | None]:
     """The validated config and the loaded model to reuse (``model`` may itself be a LoadedModel)."""
     lm = model if _is_loaded(model) else loaded
     if lm is not None:
@@ -84,8 +108,9 @@ def _signature(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[..., 
 
 
 def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: str | None = None,
-               attn: str = "sdpa", gguf: str | None = None, device_map: Any = None, max_memory: Any = None,
-               progress: bool = False, tokenizer: bool = True) -> Any:
+               attn: str = "sdpa", gguf: str | None = None, device_map: str | dict[str, Any] | None = None,
+               max_memory: str | dict[Any, str] | None = None, progress: bool = False,
+               tokenizer: bool = True) -> LoadedModel:
     """Load a model by name (:func:`tracer.load.models.load_model`): a built-in recipe, a GGUF file
     (``*.gguf``), an HF id in the local cache, or a local folder. Returns a
     :class:`~tracer.load.models.LoadedModel`; its ``tokenizer`` is None for a model saved without one
@@ -101,8 +126,8 @@ def load_model(name: str = "smollm2-135m", *, dtype: str = "bfloat16", device: s
                  device_map=device_map, max_memory=max_memory, tokenizer=tokenizer)
 
 
-def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = True,
-        status: Callable[[str], None] | None = None, **options: Any) -> Any:
+def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None = None, progress: bool = True,
+        status: Callable[[str], None] | None = None, **options: Any) -> RunResult:
     """Run a scenario on a model and compare its two runs layer by layer.
 
     Args:
@@ -129,8 +154,8 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
-            reference: Any = None) -> Any:
+def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+            reference: str | None = None) -> Captured | Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
 
     ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
@@ -165,8 +190,8 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
     return cap
 
 
-def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = None,
-            device: str | None = None) -> Any:
+def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, *, atol: float | None = None,
+            rtol: float | None = None, device: str | None = None) -> Comparison:
     """Compare two captures, two runs, or two stored runs, layer by layer.
 
     Args:
@@ -203,7 +228,7 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Any:
+                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Comparison:
     """Compare two stored runs (no model needed): ``path`` alone (its first two runs), ``path run_a
     [run_b]`` (runs of one trace), ``path[:RUN] TRACE2[:RUN]`` (a run of each of two traces, e.g.
     from two machines; a file without :RUN uses the other side's run name, else its first run),
@@ -267,7 +292,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
 
 
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
-                overwrite: bool = False, run_name: str = "engine") -> Any:
+                overwrite: bool = False, run_name: str = "engine") -> MappedDump:
     """Map an engine dump onto an HF reference run's capture points and write it as a one-run trace
     (compare it with ``tracer compare REF.h5:RUN OUTPUT``; :func:`tracer.diff.compare_dump.import_dump`;
     returns its :class:`~tracer.execute.enginemap.MappedDump`).
@@ -291,14 +316,14 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
                 run_name=run_name)
 
 
-def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
+def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
     """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
     from tracer.store.sglang_dump import write_sglang_dump as _w
 
     return _w(trace, run, out, **kwargs)
 
 
-def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
+def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
     """Write a stored HF run as a synthetic Megatron-LM trainer dump, as Miles' dumper writes one
     (:func:`tracer.store.megatron_dump.write_megatron_dump`: TP, SP, CP, PP, Transformer Engine spec)."""
     from tracer.store.megatron_dump import write_megatron_dump as _w
@@ -306,7 +331,7 @@ def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Any:
     return _w(trace, run, out, **kwargs)
 
 
-def read_trace(path: str) -> Any:
+def read_trace(path: str) -> TraceReader:
     """Open a stored trace (:class:`tracer.store.trace.TraceReader`; use it as a context manager).
 
     Raises:
@@ -317,9 +342,10 @@ def read_trace(path: str) -> Any:
     return TraceReader(path)
 
 
-def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None, mitigations: bool = True,
-          loaded: Any = None, progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
-          on_row: Callable[[Any], None] | None = None, **options: Any) -> Any:
+def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] | None = None,
+          mitigations: bool = True, loaded: LoadedModel | None = None, progress: bool | str = True,
+          on_check: Callable[[str, int, int], None] | None = None, on_row: Callable[[AuditRow], None] | None = None,
+          **options: Any) -> Audit:
     """Run every selected level of the determinism hierarchy on this machine (:mod:`tracer.loops.audit`).
 
     Args:
@@ -351,9 +377,10 @@ def audit(model: Any = "smollm2-135m", *, levels: str | list[int] | None = None,
                   on_row=on_row)
 
 
-def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512",
-          block_sizes: str | list[int] | None = None, keep_tensors: bool = False, loaded: Any = None,
-          progress: bool | str = True, on_point: Callable[[Any], None] | None = None, **options: Any) -> Any:
+def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int] = "17:512",
+          block_sizes: str | list[int] | None = None, keep_tensors: bool = False, loaded: LoadedModel | None = None,
+          progress: bool | str = True, on_point: Callable[[SweepRow], None] | None = None,
+          **options: Any) -> SweepResult:
     """Run a scenario for every prompt length × KV block size (:mod:`tracer.loops.sweep`).
 
     Args:
@@ -384,7 +411,7 @@ def sweep(model: Any = "smollm2-135m", *, lengths: str | list[int] = "17:512",
                   progress=progress, on_point=on_point)
 
 
-def read_sweep(path: str) -> Any:
+def read_sweep(path: str) -> SweepResult:
     """Read a sweep file (:func:`tracer.loops.sweep.read_sweep`).
 
     Raises:
@@ -395,7 +422,8 @@ def read_sweep(path: str) -> Any:
     return _rs(path)
 
 
-def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
+def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: str | None = None,
+         **kwargs: Any) -> Figure:
     """A matplotlib Figure of a result: a RunResult or Comparison (``amplification``, ``heatmap``,
     ``ulp``), a SweepResult (``sweep``), or a trace/sweep file path (its default figure).
 
@@ -407,8 +435,9 @@ def plot(obj: Any, kind: str | None = None, **kwargs: Any) -> Any:
     return figure_of(obj, kind, **kwargs)
 
 
-def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwrite: bool = False,
-              layers: str | list[str] | None = None, run_a: str | None = None, run_b: str | None = None) -> Any:
+def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str | os.PathLike | None = None,
+              overwrite: bool = False, layers: str | list[str] | None = None, run_a: str | None = None,
+              run_b: str | None = None) -> Path:
     """Draw a figure from a stored trace or sweep file and save it (no model needed; returns its path).
 
     Args:
@@ -430,7 +459,8 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwri
     return _pf(path, kind=kind, output=output, overwrite=overwrite, layers=layers, run_a=run_a, run_b=run_b)
 
 
-def report_file(path: Any, *, output: Any = None, overwrite: bool = False, device: str | None = None) -> Any:
+def report_file(path: str | os.PathLike, *, output: str | os.PathLike | None = None, overwrite: bool = False,
+                device: str | None = None) -> Path:
     """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit
     matrix or sweep map) from a stored trace or sweep file: no model needed, nothing recomputed.
     Returns the report's path.
@@ -449,7 +479,7 @@ def report_file(path: Any, *, output: Any = None, overwrite: bool = False, devic
     return write_report_file(path, output, overwrite=overwrite, device=device)
 
 
-def trace_info(path: Any) -> dict[str, Any]:
+def trace_info(path: str | os.PathLike) -> dict[str, Any]:
     """A trace's header (the numeric contract), its runs and stored comparisons, as data (``tracer show``).
 
     Args:
@@ -473,7 +503,7 @@ def models() -> list[dict[str, str]]:
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
           engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
-          progress: Callable[[str], None] | None = None) -> Any:
+          progress: Callable[[str], None] | None = None) -> BenchResult | VllmBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
 
@@ -517,7 +547,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
                   progress=progress)
 
 
-def to_pandas(obj: Any) -> Any:
+def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> pandas.DataFrame:
     """A pandas DataFrame of a result: one row per capture point (a RunResult or Comparison; a
     ``rollout-vs-train`` run's RL summary in ``frame.attrs["rl"]``), per sweep point (a SweepResult), or
     per response token (the RL metrics ``result.comparison.rl``).
@@ -534,7 +564,8 @@ def to_pandas(obj: Any) -> Any:
     return comparison_frame(getattr(obj, "comparison", obj))
 
 
-def render(obj: Any, fmt: str = "markdown", columns: tuple[str, ...] | None = None) -> str | None:
+def render(obj: RunResult | Comparison | Audit, fmt: str = "markdown",
+           columns: tuple[str, ...] | None = None) -> str | None:
     """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``.
     ``obj`` is a RunResult, a Comparison or an Audit.
 

@@ -17,7 +17,6 @@ import inspect
 import os
 import re
 import sys
-import typing
 from typing import Annotated, Any, Callable, Optional
 
 import typer
@@ -105,11 +104,22 @@ def _flags(name: str, kind: type, default: Any) -> tuple[str, ...]:
     return flags
 
 
+def _hint(fn: Callable[..., Any], annotation: Any) -> Any:
+    """A parameter's annotation evaluated in ``fn``'s module; a type named only for type checkers
+    (``LoadedModel``, a ``TYPE_CHECKING`` import) reads as ``str``: the command line passes text."""
+    if not isinstance(annotation, str):
+        return str if annotation is inspect.Parameter.empty else annotation
+    try:
+        return eval(annotation, fn.__globals__)  # noqa: S307 - our own annotations
+    except (NameError, TypeError):
+        return str
+
+
 def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """The command-line parameters of API function ``fn`` (and of the ``render`` options), as typer
     reads them: ``Annotated[type, typer.Option(flags, help=...)]`` with the API's default."""
     doc = _doc_args(fn)
-    hints = typing.get_type_hints(fn)
+    hints = {p.name: _hint(fn, p.annotation) for p in inspect.signature(fn).parameters.values()}
     out = []
     for p in inspect.signature(fn).parameters.values():
         if p.name in IN_PROCESS or p.kind == p.VAR_KEYWORD:

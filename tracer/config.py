@@ -24,10 +24,13 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import Scenario
 
 #: what a run keeps: full tensors of the points around the origin within a byte budget (auto), every
 #: tensor in the trace, statistics only (online comparison), or nothing
@@ -45,8 +48,8 @@ class ModelConfig:
     device: str | None = None
     attn: str = "sdpa"
     gguf: str | None = None
-    device_map: Any = None
-    max_memory: Any = None
+    device_map: str | dict[str, Any] | None = None
+    max_memory: str | dict[Any, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ScenarioConfig:
     executes both plans (None = ``hf``; :mod:`tracer.plan.engines`).
     """
 
-    name: Any = "prefix-cache"
+    name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
     block_size: int | None = None
     split_at: int | None = None
     mitigation: str | None = None
@@ -357,7 +360,7 @@ def _declare() -> dict[str, Option]:
     renames = {("model", "name"): "model", ("scenario", "name"): "scenario", ("store", "mode"): "store"}
     out: dict[str, Option] = {}
     for group, cls in _GROUPS.items():
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, localns={"Scenario": object})  # a Python-only type: not a CLI type
         for f in fields(cls):
             if f.name == "options":
                 continue

@@ -21,10 +21,19 @@ import contextlib
 from dataclasses import dataclass, field
 from dataclasses import replace as _replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.config import CaptureConfig, RunConfig
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison
+    from tracer.execute.points import CapturePoint
+    from tracer.execute.records import RunRecord
+    from tracer.load.models import LoadedModel, ModelInfo
+    from tracer.plan.scenarios import Scenario
+    from tracer.store.trace import TraceWriter
 
 Say = Callable[[str], None]
 
@@ -43,12 +52,12 @@ class Prepared:
         scenario: the :class:`~tracer.plan.scenarios.Scenario` planned for N tokens.
     """
 
-    loaded: Any
+    loaded: LoadedModel
     token_ids: list[int]
-    scenario: Any
+    scenario: Scenario
 
 
-def load(cfg: RunConfig, *, progress: bool | Say = False) -> Any:
+def load(cfg: RunConfig, *, progress: bool | Say = False) -> LoadedModel:
     """Load ``cfg.model`` (:func:`tracer.load.models.load_model`), with its tokenizer only when
     :func:`needs_tokenizer` says the run uses it.
 
@@ -73,7 +82,7 @@ def needs_tokenizer(cfg: RunConfig) -> bool:
     return (p.token_ids is None and p.token_ids_file is None) or p.chat or cfg.checks.decode > 0
 
 
-def prompt_ids(cfg: RunConfig, loaded: Any, length: int | None = None) -> list[int]:
+def prompt_ids(cfg: RunConfig, loaded: LoadedModel, length: int | None = None) -> list[int]:
     """The prompt's token ids (``length`` overrides ``cfg.prompt.length``).
 
     Raises:
@@ -87,7 +96,7 @@ def prompt_ids(cfg: RunConfig, loaded: Any, length: int | None = None) -> list[i
                     length=p.length if length is None else length)
 
 
-def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say = _quiet) -> Prepared:
+def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = False, say: Say = _quiet) -> Prepared:
     """Load (unless ``loaded`` is given), tokenize, and plan the scenario for the prompt's N.
 
     Raises:
@@ -107,7 +116,7 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
     return Prepared(loaded, ids, scen)
 
 
-def trace_header(loaded: Any, scen: Any, n_tokens: int, capture: CaptureConfig, store: str,
+def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: CaptureConfig, store: str,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
     model, its family descriptor (``hooks/*.toml``: file, module paths, roles), its numeric contract
@@ -153,13 +162,13 @@ class Outcome:
             the all-reduce, as a run of its own (else None).
     """
 
-    comparison: Any
-    records: tuple[Any, Any]
-    partials: Any = None
+    comparison: Comparison
+    records: tuple[RunRecord, RunRecord]
+    partials: RunRecord | None = None
 
 
-def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureConfig = CaptureConfig(), *,
-                 writer: Any = None, online: bool = True, names: tuple[str, str] | None = None,
+def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capture: CaptureConfig = CaptureConfig(), *,
+                 writer: TraceWriter | None = None, online: bool = True, names: tuple[str, str] | None = None,
                  header: dict[str, Any] | None = None, comparison_key: str | None = None,
                  decode: int = 0, atol: float | None = None, rtol: float | None = None, op_replay: bool = False,
                  trace: str | None = None, points: list[Any] | None = None, budget: int | None = None,
@@ -333,14 +342,14 @@ def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
     return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
 
 
-def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:
+def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:
     """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.points.discover_points`)."""
     from tracer.execute.points import discover_points
 
     return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
 
 
-def run_bare(loaded: Any, token_ids: list[int], scen: Any, *, extra: dict[str, Any] | None = None,
+def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, *, extra: dict[str, Any] | None = None,
              on_output: Callable[[int, int, int, Any], None] | None = None,
              wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
     """Both plans of ``scen`` with no hooks and no comparison: the floor ``tracer bench`` measures
@@ -368,7 +377,7 @@ def run_bare(loaded: Any, token_ids: list[int], scen: Any, *, extra: dict[str, A
                                on_output=each, compiled=fn is not loaded.model)
 
 
-def without_tensors(rec: Any) -> Any:
+def without_tensors(rec: RunRecord) -> RunRecord:
     """The run record with its captures dropped (plans, token ids and meta only)."""
     return _replace(rec, captures={})
 
@@ -389,14 +398,14 @@ class RunResult:
             row-parallel partials. Under ``torchrun``, ranks other than 0 get ``comparison=None``.
     """
 
-    comparison: Any
-    scenario: Any
+    comparison: Comparison | None
+    scenario: Scenario
     trace: str | None
     token_ids: list[int]
-    runs: tuple[Any, Any] = field(repr=False, default=(None, None))
-    model_info: Any = None
+    runs: tuple[RunRecord | None, RunRecord | None] = field(repr=False, default=(None, None))
+    model_info: ModelInfo | None = None
     fail_on: str | None = None
-    partials: Any = field(repr=False, default=None)
+    partials: RunRecord | None = field(repr=False, default=None)
 
     def check(self) -> tuple[bool, str]:
         """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
@@ -436,7 +445,7 @@ class RunResult:
         return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"
 
 
-def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say = _quiet,
+def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = False, say: Say = _quiet,
         default_trace: bool = True) -> RunResult:
     """Run one scenario end to end: prepare, execute both plans, compare, store, decode, verdict.
 
@@ -500,7 +509,7 @@ def run(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: Say 
                      runs=outcome.records, model_info=info, fail_on=ch.fail_on, partials=outcome.partials)
 
 
-def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
+def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, base: Comparison,
                      dtypes: tuple[str, ...] | None = None, say: Say = _quiet) -> Any:
     """Noise or defect: re-run ``scen`` with the model cast to each higher dtype and judge how the
     divergence of ``base`` scales with machine epsilon (rule: :mod:`tracer.diff.verdict`).
@@ -525,7 +534,7 @@ def precision_ladder(loaded: Any, token_ids: list[int], scen: Any, base: Any,
 
     info, model = loaded.info, loaded.model
     dtypes = dtypes or higher_dtypes(info.dtype, info.device)
-    layers = [p for p in base.points if p.kind == "layer"]
+    layers = [p for p in base.points if p.kind == PointKind.LAYER]
     worst = max(layers, key=lambda p: p.diff.max_abs_diff).name if layers else None
     lb, yb = measure(base, worst)
     levels = []

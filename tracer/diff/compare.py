@@ -17,7 +17,7 @@ from tracer.diff.batch import DiffBatch
 from tracer.diff.facts import run_facts
 from tracer.store.environment import isa_differences, version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
-from tracer.diff.metrics import amplification
+from tracer.diff.metrics import amplification, bits_equal, has_nonfinite
 from tracer.diff.origins import classify_origins
 from tracer.diff.positions import PositionStats
 from tracer.diff.replay import replay_diff
@@ -26,7 +26,10 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind, point_kind
 from tracer.execute.records import RunRecord
 from tracer.load.contract import contract_differences
+from tracer.load.devices import resolve_device
+from tracer.store.environment import version_differences
 from tracer.store.stream import RowBlocks, stored_pairs
+from tracer.store.trace import TraceReader
 
 
 def _pairs_from_records(a: RunRecord, b: RunRecord) -> Iterator[tuple[str, str, str, torch.Tensor, torch.Tensor, list, list]]:
@@ -78,8 +81,6 @@ def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
     bits show some); when every block agrees, record it with :meth:`DiffBatch.add_equal` and return
     ``(index, logits accumulator, device)``; else read its remaining blocks (their CRC-32 checks)
     and return None."""
-    from tracer.diff.metrics import bits_equal, has_nonfinite
-
     shape = tuple(ta.shape)
     acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     n_nan = n_inf = 0
@@ -148,7 +149,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
     ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
-    :class:`~tracer.diff.metrics.DiffBatch`, which holds at most one chunk's worth of pending
+    :class:`~tracer.diff.batch.DiffBatch`, which holds at most one chunk's worth of pending
     tensors (only the logits pair is kept until the end, for its per-position statistics).
     Afterwards every differing point is classified origin/propagated (:func:`classify_origins`). ``atol``/``rtol`` (either may be None = 0 when the other is
     given) count the elements outside ``atol + rtol * |a|`` per point. A pair empty in one run
@@ -285,9 +286,6 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
     """
-    from tracer.load.devices import resolve_device
-    from tracer.store.trace import TraceReader
-
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
     same = str(path_a) == str(path_b)
     with TraceReader(path_a) as reader_a, TraceReader(path_b) as reader_b:
@@ -318,7 +316,7 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         autos = [r.meta["store_auto"] for r in (ra, rb) if isinstance(r.meta.get("store_auto"), dict)]
         kinds = {n: k for a in autos if isinstance(a.get("kinds"), dict) for n, k in a["kinds"].items()}
         dropped = [n for a in autos for n in a.get("dropped") or [] if isinstance(n, str)]
-        skipped += [SkipRecord(n, point_kind(kinds.get(n, "layer"), n), "not stored (--store auto kept statistics only; "
+        skipped += [SkipRecord(n, point_kind(kinds.get(n, PointKind.LAYER), n), "not stored (--store auto kept statistics only; "
                                "'tracer report' shows the run-time comparison)")
                     for n in dict.fromkeys(dropped) if n not in caps_a or n not in caps_b]
         dev = torch.device(resolve_device(device))

@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from tracer.diff.compare import compare_pairs
+from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
-from tracer.store.enginedump import read_dump
-from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
 from tracer.errors import TracerError
+from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
 from tracer.execute.kinds import PointKind
-
-if TYPE_CHECKING:  # h5py is loaded only when a trace is read
-    from tracer.store.trace import TraceReader
+from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.load.devices import resolve_device
+from tracer.store.enginedump import read_dump
+from tracer.store.trace import TraceReader, TraceWriter, read_tensor
 
 #: run meta key marking a run written by ``tracer import``
 IMPORTED = "engine_dump"
@@ -99,9 +98,6 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
     Raises:
         TracerError: a bad reference or dump (one line).
     """
-    from tracer.load.devices import resolve_device
-    from tracer.store.trace import TraceReader
-
     path_a, run_a = ref
     dev = torch.device(resolve_device(device))
     with TraceReader(path_a) as reader:
@@ -120,7 +116,6 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
                 t_b = mapped.tensors.get(name)
                 if t_b is None:
                     continue
-                from tracer.store.trace import read_tensor
 
                 t_a = read_tensor(ds, rows=slice(lo - w0, hi - w0))
                 yield name, info["kind"], info["op"], t_a.to(dev), t_b.to(dev), info["calls"], []
@@ -142,8 +137,6 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
                       *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
         }
         for name, (ps, rows_b, src) in mapped.partial_logits.items():
-            from tracer.store.trace import read_tensor
-
             rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
             facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
         return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
@@ -159,8 +152,6 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
     Raises:
         TracerError: the rows differ in dtype (the engine computed logits in another dtype).
     """
-    from tracer.diff.logits import logits_diff
-
     if a.dtype != b.dtype:
         raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")
     d = logits_diff(a, b)
@@ -173,7 +164,6 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
 def _mapped(dump: str, reader: TraceReader, run: str, engine_map: str | None) -> MappedDump:
     if is_dump(dump):
         return map_engine_dump(dump, reader, run, engine_map)
-    from tracer.store.trace import TraceReader
 
     path, drun = split_ref(dump)
     with TraceReader(path) as r2:
@@ -196,9 +186,6 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     Raises:
         TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
     """
-    from tracer.execute.records import CaptureRecord, RunRecord
-    from tracer.store.trace import TraceReader, TraceWriter
-
     path, run = reference
     with TraceReader(path) as reader:
         run = _resolve_run(reader, run)
@@ -233,8 +220,6 @@ def dump_side(refs: list[str]) -> tuple[tuple[str, str | None], str] | None:
         return split_ref(refs[0]), second
     path, _run = split_ref(second)
     if Path(path).is_file() and path.endswith((".h5", ".hdf5")):
-        from tracer.store.trace import TraceReader
-
         try:
             with TraceReader(path) as r:
                 if "engine_dump" in r.header:

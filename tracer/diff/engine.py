@@ -2,7 +2,7 @@
 where an engine computes them only at some positions (vLLM: where it samples).
 
 Each run of a non-HF plan (and the HF run beside it) carries ``meta["engine"]``: the engine's
-numeric contract (:func:`tracer.execute.engines.engine_facts`: version, attention backend, norm,
+numeric contract (:func:`tracer.execute.engines.plan_contract`: version, attention backend, norm,
 activation, GEMM, activation / logits / KV-cache dtypes, KV block size, chunked-prefill budget,
 compilation and graphs off); a vLLM run also carries ``meta["vllm"]``, what its scheduler did
 (each request's ``num_cached_tokens``, the steps that computed the prompt). :func:`engine_facts`
@@ -20,6 +20,7 @@ import torch
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
 
 #: the contract keys compared between two engines, with the label a difference is named by
@@ -99,7 +100,7 @@ def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
         run = sk.reason[len("missing in run "):] if sk.reason.startswith("missing in run ") else None
         reason = why.get(run, {}).get(sk.name) if run is not None else None
         out.append(SkipRecord(sk.name, sk.kind, f"not computed by {engines[run]} (run {run}): {reason}", fails=False)
-                   if reason and sk.kind != "logits" else sk)
+                   if reason and sk.kind != PointKind.LOGITS else sk)
     return replace(c, skipped=tuple(out))
 
 
@@ -108,7 +109,7 @@ def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
     its window, or the positions an engine computed (``extras["partial_logits"]``)."""
     out: dict[str, dict[int, torch.Tensor]] = {}
     for name, c in rec.captures.items():
-        if c.kind == "logits" and c.tensor.dim() == 2:
+        if c.kind == PointKind.LOGITS and c.tensor.dim() == 2:
             out[name] = {rec.window[0] + i: c.tensor[i] for i in range(c.tensor.shape[0])}
     for name, (ps, t) in (rec.extras.get("partial_logits") or {}).items():
         out.setdefault(name, {}).update({int(p): t[i] for i, p in enumerate(ps)})

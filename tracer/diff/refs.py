@@ -6,20 +6,17 @@
 from __future__ import annotations
 
 from typing import Any
+from pathlib import Path
 
 from tracer.errors import TracerError
 
 
 def _is_file_ref(ref: str) -> bool:
-    from pathlib import Path
-
     return Path(ref).is_file() or (":" in ref and Path(ref.rsplit(":", 1)[0]).is_file())
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
     """``FILE`` → ``(FILE, None)``; ``FILE:RUN`` → ``(FILE, RUN)`` (a path that exists as a file wins)."""
-    from pathlib import Path
-
     if Path(ref).exists() or ":" not in ref:
         return ref, None
     path, run = ref.rsplit(":", 1)

@@ -31,14 +31,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from tracer import schema
+from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import Scenario
 
 #: upper edges of the |Δlogp| histogram bins after the first (exactly 0): ≤1e-8, (1e-8, 1e-7], ..., (0.1, 1], > 1
 HIST_EDGES = tuple(10.0 ** e for e in range(-8, 1))
@@ -213,13 +219,11 @@ def vocab_kl(logits_a: torch.Tensor, logits_b: torch.Tensor, tau: float) -> torc
 def _differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Element-wise: bits differ (same dtype), or values differ (different dtypes, compared in float64)."""
     if a.dtype == b.dtype:
-        from tracer.dtypes import INT_VIEW
-
         return a.view(INT_VIEW[a.dtype]) != b.view(INT_VIEW[a.dtype])
     return a.to(torch.float64) != b.to(torch.float64)
 
 
-def rl_metrics(tokens: Any, logp_a: Any, logp_b: Any, *, tau: float, sample: bool, row: int, is_cap: float,
+def rl_metrics(tokens: ArrayLike, logp_a: ArrayLike, logp_b: ArrayLike, *, tau: float, sample: bool, row: int, is_cap: float,
                mask_threshold: float, logits_a: torch.Tensor | None = None,
                logits_b: torch.Tensor | None = None, window_start: int = 0) -> RLComparison:
     """The RL metrics of one step from the two runs' logprobs (and logits) of the sampled tokens.
@@ -326,7 +330,7 @@ def _per_position_columns(steps: tuple[TokenStep, ...], per_position: dict[str, 
     names, kinds = per_position["names"], per_position["kinds"]
     nd, mx = per_position["n_diff"], per_position["max_abs_diff"]
     start = per_position["start"]
-    layers = [i for i, kd in enumerate(kinds) if kd == "layer"]
+    layers = [i for i, kd in enumerate(kinds) if kd == PointKind.LAYER]
     out = []
     for s in steps:
         col = s.position - start
@@ -371,7 +375,7 @@ def widened_note(a: RunRecord, b: RunRecord, names: list[str]) -> str | None:
             "value differences and their ULPs are ULPs of the wider dtype")
 
 
-def is_rl(scen: Any) -> bool:
+def is_rl(scen: Scenario) -> bool:
     """Whether ``scen`` is an RL step (its run B is a trainer plan: ``plan_b.rl``)."""
     rl = getattr(scen.plan_b, "rl", None)
     return rl is not None and rl.role == "train"
@@ -423,8 +427,8 @@ def knob_result(knob: str, what: str, comparison: Any) -> KnobResult:
                       first_divergent=comparison.first_divergent)
 
 
-def mitigation_table(variants: list[tuple[str, str, Any]], base: Any, run: Any,
-                     say: Any = None) -> tuple[KnobResult, ...]:
+def mitigation_table(variants: list[tuple[str, str, Scenario | None]], base: Any, run: Callable[[Scenario], Any],
+                     say: Callable[[str], None] | None = None) -> tuple[KnobResult, ...]:
     """One :class:`KnobResult` per knob: ``run(scenario)`` (→ a comparison with ``rl``) for each
     changed scenario of ``variants`` (:func:`tracer.plan.rollout.mitigation_variants`); a knob
     that changes nothing gets the ``base`` comparison's numbers with ``ran`` False. ``say`` gets

@@ -16,6 +16,7 @@ from typing import Any
 
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
+from tracer.store.trace import TraceReader
 
 
 def comparison_from_dict(doc: dict[str, Any]) -> Comparison:
@@ -37,8 +38,6 @@ def stored_comparison(path: str | os.PathLike, name: str | None = None) -> Compa
     Raises:
         TracerError: unreadable trace, or an unknown ``name`` (the message lists the stored ones).
     """
-    from tracer.store.trace import TraceReader
-
     with TraceReader(path) as r:
         stored = r.comparisons()
     if not stored:
@@ -58,8 +57,6 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
     Raises:
         TracerError: unreadable trace.
     """
-    from tracer.store.trace import TraceReader
-
     with TraceReader(path) as r:
         runs = r.runs
         a = run_a or (runs[0] if runs else None)

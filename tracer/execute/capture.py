@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 
@@ -367,7 +368,7 @@ class Captured:
                 except AttributeError:
                     raise TracerError(f"module '{name}' is not in the model; give paths of model.named_modules(), "
                                       "e.g. model.layers.0.mlp") from None
-                pts.append(CapturePoint(name=name, module=name, kind="module", op=type(mod).__name__))
+                pts.append(CapturePoint(name=name, module=name, kind=PointKind.MODULE, op=type(mod).__name__))
         self._capture = Capture(model, pts, None, keep_on_device=keep_on_device)
         self._records: dict[str, CaptureRecord] | None = None
 

@@ -36,10 +36,15 @@ package (vLLM) is needed only by runs that use it.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
 from tracer.plan.engines import ENGINES
+
+if TYPE_CHECKING:
+    from tracer.execute.points import CapturePoint
+    from tracer.load.models import LoadedModel
+    from tracer.plan.scenarios import RunPlan
 
 #: executor name → ``(module, function)``; the function is called as
 #: ``fn(loaded, token_ids, plan, points, window, **options)`` and returns ``(run, partials)``
@@ -53,7 +58,7 @@ EXECUTORS: dict[str, tuple[str, str]] = {
 }
 
 
-def executor_name(plan: Any) -> str:
+def executor_name(plan: RunPlan) -> str:
     """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan,
     ``<engine>-<role>`` for an RL plan (``plan.rl``: ``hf-rollout``, ``hf-train``), else the plan's
     engine (``hf``, ``vllm``).
@@ -77,7 +82,7 @@ def executor_name(plan: Any) -> str:
     return engine
 
 
-def executor(plan: Any) -> Callable[..., tuple[Any, Any]]:
+def executor(plan: RunPlan) -> Callable[..., tuple[Any, Any]]:
     """The execute function of :func:`executor_name` (its module imported now).
 
     Raises:
@@ -95,7 +100,7 @@ def executor(plan: Any) -> Callable[..., tuple[Any, Any]]:
                           f"install it (pip install 'tracer[{name}]') or use --engine hf") from None
 
 
-def execute_plan(loaded: Any, token_ids: list[int], plan: Any, points: list[Any], window: tuple[int, int],
+def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint], window: tuple[int, int],
                  **options: Any) -> tuple[Any, Any]:
     """Execute ``plan`` on ``loaded`` with the engine it names.
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.files import read_text_file
 from tracer.load.recipe_check import check_hook_map
 from tracer.load.recipes import data_dir
@@ -39,27 +40,27 @@ else:  # pragma: no cover - python 3.10
 HOOKS_PATH_ENV = "TRACER_HOOKS_PATH"
 
 #: role inside a decoder layer → the capture kind of its point
-ROLES: dict[str, str] = {
-    "attention": "attention",          # the attention block (its output: after o_proj)
-    "attn_norm": "norm",               # the norm that feeds the attention (pre-norm)
-    "q_proj": "linear", "k_proj": "linear", "v_proj": "linear",
-    "qkv_proj": "linear",              # fused q/k/v (Phi-3 qkv_proj, GPT-2 c_attn)
-    "q_norm": "norm", "k_norm": "norm",  # per-head norms of the queries / keys (Qwen3, Gemma 3)
-    "o_proj": "linear",                # the attention output projection (consumes the core)
-    "attn_post_norm": "norm",          # a norm of the attention output before the residual add (Gemma 2/3, OLMo 2)
-    "mlp_norm": "norm",                # the norm that feeds the MLP: residual + attention, normed
-    "mlp": "mlp",                      # the MLP block
-    "gate_proj": "linear", "up_proj": "linear",
-    "gate_up_proj": "linear",          # fused gate/up (Phi-3)
-    "act": "activation",               # the activation function module
-    "down_proj": "linear",             # the MLP output projection
-    "mlp_post_norm": "norm",           # a norm of the MLP output before the residual add (Gemma 2/3, OLMo 2)
+ROLES: dict[str, PointKind] = {
+    "attention": PointKind.ATTENTION,                    # the attention block (its output: after o_proj)
+    "attn_norm": PointKind.NORM,                         # the norm that feeds the attention (pre-norm)
+    "q_proj": PointKind.LINEAR, "k_proj": PointKind.LINEAR, "v_proj": PointKind.LINEAR,
+    "qkv_proj": PointKind.LINEAR,                        # fused q/k/v (Phi-3 qkv_proj, GPT-2 c_attn)
+    "q_norm": PointKind.NORM, "k_norm": PointKind.NORM,  # per-head norms of the queries / keys (Qwen3, Gemma 3)
+    "o_proj": PointKind.LINEAR,                          # the attention output projection (consumes the core)
+    "attn_post_norm": PointKind.NORM,  # the attention output's norm before the residual add (Gemma 2/3, OLMo 2)
+    "mlp_norm": PointKind.NORM,                          # the norm that feeds the MLP: residual + attention, normed
+    "mlp": PointKind.MLP,                                # the MLP block
+    "gate_proj": PointKind.LINEAR, "up_proj": PointKind.LINEAR,
+    "gate_up_proj": PointKind.LINEAR,                    # fused gate/up (Phi-3)
+    "act": PointKind.ACTIVATION,                         # the activation function module
+    "down_proj": PointKind.LINEAR,                       # the MLP output projection
+    "mlp_post_norm": PointKind.NORM,  # the MLP output's norm before the residual add (Gemma 2/3, OLMo 2)
 }
 #: roles of the points tracer adds itself (no module of their own): name suffix and kind
-VIRTUAL_ROLES: dict[str, tuple[str, str]] = {
-    "attention_core": ("core", "attention_core"),    # <attention>.core: the input of o_proj
-    "kv_cache": ("kv_cache", "kv_cache"),            # <attention>.kv_cache: the layer's keys and values
-    "mlp_hidden": ("input", "mlp_hidden"),           # <down_proj>.input: act(gate) * up of a gated MLP
+VIRTUAL_ROLES: dict[str, tuple[str, PointKind]] = {
+    "attention_core": ("core", PointKind.ATTENTION_CORE),  # <attention>.core: the input of o_proj
+    "kv_cache": ("kv_cache", PointKind.KV_CACHE),          # <attention>.kv_cache: the layer's keys and values
+    "mlp_hidden": ("input", PointKind.MLP_HIDDEN),         # <down_proj>.input: act(gate) * up of a gated MLP
 }
 
 #: what each role consumes: a list of groups; each group is a list of alternatives in order of
@@ -141,7 +142,7 @@ class Family:
     logits: str
     roles: Mapping[str, str] = field(default_factory=dict)
     optional: frozenset[str] = frozenset()
-    sublayers: Mapping[str, str] = field(default_factory=dict)
+    sublayers: Mapping[str, PointKind] = field(default_factory=dict)
     sliding: Sliding = Sliding()
 
     def path_of(self, role: str) -> str | None:
@@ -156,7 +157,7 @@ class Family:
     def _by_path(self) -> dict[str, str]:
         return {p: r for r, p in self.roles.items()}
 
-    def kind_of(self, rel: str) -> str | None:
+    def kind_of(self, rel: str) -> PointKind | None:
         """The capture kind of a module inside a decoder layer: its role's kind, else the
         ``[sublayers]`` entry, else None."""
         role = self.role_of(rel)
@@ -202,6 +203,7 @@ def parse_family(data: dict[str, Any], path: str | Path) -> Family:
     for rel, kind in sublayers.items():
         if kind not in kinds:
             raise _bad(path, f"[sublayers] {rel!r} has kind {kind!r}; kinds: {', '.join(sorted(kinds))}")
+        sublayers[rel] = PointKind(kind)
     sl = data.get("sliding", {})
     sliding = Sliding(types=sl.get("types", "layer_types"), values=tuple(sl.get("values", ("sliding_attention",))),
                       window=sl.get("window", "sliding_window"))

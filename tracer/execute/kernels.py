@@ -35,6 +35,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 #: aten ops that move no numbers (views, allocation, metadata): never reported as kernels
 _TRIVIAL = frozenset(f"aten::{n}" for n in (
@@ -86,8 +87,6 @@ class KernelRecorder:
         self.ranges: dict[str, dict[str, Any]] = {}  # label -> {"device": Counter, "ops": Counter, "own_*"}
 
     def __enter__(self) -> "KernelRecorder":
-        from torch.profiler import ProfilerActivity, profile
-
         acts = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(ProfilerActivity.CUDA)
@@ -220,7 +219,7 @@ def _event_tree(prof: Any) -> list[_Node]:
     (``torch.autograd.profiler._parse_kineto_results``), but without building a FunctionEvent
     per event, which costs seconds per run on a model with thousands of ops.
     """
-    from torch._C._autograd import DeviceType
+    from torch._C._autograd import DeviceType  # private: imported only when a profile is parsed
 
     events = prof.profiler.kineto_results.events()
     cpu_type = DeviceType.CPU

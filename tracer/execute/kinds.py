@@ -32,6 +32,12 @@ class PointKind(enum.StrEnum):
     MODULE = "module"  # any other module (tracer.capture(points=[...]))
 
 
+#: the kinds of ``--granularity layers`` (the residual stream, the KV caches, the logits); a point of
+#: any other kind is inside a decoder layer (``--granularity sublayers``)
+LAYER_KINDS = frozenset({PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS,
+                         PointKind.KV_CACHE})
+
+
 def point_kind(kind: str, name: str) -> PointKind:
     """``kind`` as a :class:`PointKind`.
 

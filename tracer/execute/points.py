@@ -18,6 +18,7 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.execute.kinds import GRANULARITIES  # noqa: F401 - re-exported
 from tracer.execute.family import VIRTUAL_ROLES, Family, family_for
+from tracer.execute.kinds import PointKind
 
 
 
@@ -92,7 +93,7 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
         kv = _kv_point(fam, modules, layer_path, index) if kv_cache else None
         if granularity == "sublayers":
             subs = _sublayer_points(fam, modules[layer_path], layer_path, point)
-            at = next((i for i, p in enumerate(subs) if p.kind == "attention_core"), len(subs))
+            at = next((i for i, p in enumerate(subs) if p.kind == PointKind.ATTENTION_CORE), len(subs))
             points.extend(subs[:at] + ([kv] if kv else []) + subs[at:])
         elif kv is not None:
             points.append(kv)
@@ -126,7 +127,7 @@ def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
     for rel, module in layer.named_modules():
         if not rel:
             continue
-        kind = fam.kind_of(rel) or ("linear" if isinstance(module, nn.Linear) else None)
+        kind = fam.kind_of(rel) or (PointKind.LINEAR if isinstance(module, nn.Linear) else None)
         if kind is None:
             continue
         role = fam.role_of(rel) or ""

@@ -35,15 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracer.dtypes import resolve
 from tracer.errors import TracerError
 from tracer.execute.capture import Capture
-from tracer.execute.points import CapturePoint
 from tracer.execute.kernels import KernelRecorder
+from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
 from tracer.execute.runner import batch_inputs, plan_context
 from tracer.execute.sdpa_inputs import SdpaRecorder
-from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.load.devices import cast_weights, model_device
+from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.plan.plans import Batch, RunPlan
 
 
@@ -104,7 +105,7 @@ def fp32_lm_head(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def run_dtype(model: nn.Module, name: str | None) -> Iterator[None]:
-    """Cast the weights to ``name`` for the block and back (:func:`~tracer.load.models.cast_weights`).
+    """Cast the weights to ``name`` for the block and back (:func:`~tracer.load.devices.cast_weights`).
 
     Raises:
         TracerError: a cast that is not exact both ways (only widening: bf16/fp16 → float32 → float64).
@@ -112,7 +113,6 @@ def run_dtype(model: nn.Module, name: str | None) -> Iterator[None]:
     if name is None:
         yield
         return
-    from tracer.dtypes import resolve
 
     target, home = resolve(name), next(model.parameters()).dtype
     if target == home:

@@ -10,20 +10,25 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from tracer.execute.capture import Capture
-from tracer.execute.points import CapturePoint
-from tracer.load.hf_cache import cache_kwarg, output_cache
-from tracer.load.devices import model_device
 from tracer.errors import TracerError
-from tracer.execute.records import RunRecord
-from tracer.plan.scenarios import Batch, RunPlan
+from tracer.execute.capture import Capture
 from tracer.execute.kernels import KernelRecorder
+from tracer.execute.points import CapturePoint
+from tracer.execute.records import RunRecord
 from tracer.execute.sdpa_inputs import SdpaRecorder
+from tracer.execute.tp_sim import simulate_tp
+from tracer.load.devices import model_device
+from tracer.load.hf_cache import cache_kwarg, output_cache
+from tracer.plan.quant import quantize_dequantize
+from tracer.plan.scenarios import Batch, RunPlan
+
+if TYPE_CHECKING:
+    from tracer.load.models import LoadedModel
 
 
 def _sync(device: torch.device) -> None:
@@ -42,8 +47,6 @@ def _kv_layers(cache: Any) -> list[Any]:
 def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
     """Quantize-dequantize (:mod:`tracer.plan.quant` format ``fmt``) the cached keys and values of
     sequence columns ``[start, stop)``, in place. Cache layers hold ``(batch, kv_heads, seq, head_dim)``."""
-    from tracer.plan.quant import quantize_dequantize
-
     for layer in _kv_layers(cache):
         layer.keys[:, :, start:stop] = quantize_dequantize(layer.keys[:, :, start:stop], fmt)
         layer.values[:, :, start:stop] = quantize_dequantize(layer.values[:, :, start:stop], fmt)
@@ -135,8 +138,6 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
     """Everything a plan changes about the model, undone on exit: attention implementation,
     simulated TP, deterministic mode, device. Yields the callable to run (``torch.compile``-d
     when ``plan.compile``)."""
-    from tracer.execute.tp_sim import simulate_tp
-
     home = model_device(model)
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: model.to(home) if model_device(model) != home else None)
@@ -345,7 +346,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                      extras={"sdpa": sdpa.calls} if sdpa is not None else {})
 
 
-def execute_loaded(loaded: Any, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
+def execute_loaded(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
                    window: tuple[int, int], *, say: Callable[[str], None] | None = None,
                    **options: Any) -> tuple[RunRecord, None]:
     """The ``hf`` executor of :mod:`tracer.execute.engines`: :func:`execute` on ``loaded.model``

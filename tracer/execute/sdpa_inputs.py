@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracer.execute.kinds import PointKind
+
 
 class SdpaRecorder:
     """Context manager: record the SDPA inputs of every attention core during one run.
@@ -41,7 +43,7 @@ class SdpaRecorder:
 
     def __init__(self, model: nn.Module, points: list[Any], capture: Any) -> None:
         self.model, self.capture = model, capture
-        self.cores = {p.module.rsplit(".", 1)[0]: p.name for p in points if p.kind == "attention_core"}
+        self.cores = {p.module.rsplit(".", 1)[0]: p.name for p in points if p.kind == PointKind.ATTENTION_CORE}
         self.calls: dict[str, list[dict[str, Any]]] = {name: [] for name in self.cores.values()}
         self._stack: list[str] = []
         self._handles: list[Any] = []

@@ -41,6 +41,7 @@ or receives its job: :mod:`tracer.execute.tp_launch`). A scratch folder a killed
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as _dt
 import os
 import shutil
@@ -51,17 +52,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.execute.runner import model_device
 from tracer.execute.tp_launch import rank_main
 from tracer.execute.tp_ranks import Job, run_rank, watch
-from tracer.load.recipe_check import clean_stale_temp_dirs
-from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
 from tracer.execute.tp_shard import backend_for, check_shardable, check_world
+from tracer.load.devices import resolve_device
+from tracer.load.recipe_check import clean_stale_temp_dirs
 
 
 #: seconds a collective (and the rendezvous) may wait before the worker gives up
@@ -75,7 +80,7 @@ def _merge(name: str, rec0: CaptureRecord, recs: list[CaptureRecord], kind: str,
     ts = [r.tensor for r in recs]
     if role in HEAD_SHARDED_ROLES and ts[0].dim() >= 3:
         return torch.cat(ts, dim=-2)
-    if kind != "kv_cache":
+    if kind != PointKind.KV_CACHE:
         return torch.cat(ts, dim=-1)
     kshape = rec0.calls[0]["out"][0]  # (B, kv_heads_local, S, head_dim_k)
     kw = kshape[1] * kshape[3]
@@ -99,7 +104,7 @@ def _assemble(points: list[CapturePoint], per_rank: list[dict[str, Any]], plan: 
             base = cname.removesuffix(".tp_partial")
             for r in range(k):
                 pr = per_rank[r]["captures"][cname]
-                partial_caps[f"{base}.partial.rank{r}"] = replace(pr, name=f"{base}.partial.rank{r}", kind="linear",
+                partial_caps[f"{base}.partial.rank{r}"] = replace(pr, name=f"{base}.partial.rank{r}", kind=PointKind.LINEAR,
                                                                   op=f"Linear partial, rank {r} of {k}")
             continue
         p = by_name.get(cname)
@@ -154,8 +159,6 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
         TracerError: bad K, missing backend, an unshardable model (all before anything is
             spawned); a rank that failed or died (every rank stopped, nothing returned).
     """
-    import torch.multiprocessing as mp
-
     tp = plan.tp
     k = tp.k
     device = str(model_device(model))
@@ -210,8 +213,6 @@ def open_store(timeout: float) -> Any:
     Raises:
         TracerError: this torch cannot serve a store on a given socket.
     """
-    import torch.distributed as dist
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", 0))
@@ -303,10 +304,6 @@ def execute_joined(model: nn.Module, token_ids: list[int], plan: Any, points: li
     Raises:
         TracerError: ``--tp`` differs from the world size, a missing backend, an unshardable model.
     """
-    import copy
-
-    import torch.distributed as dist
-
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if plan.tp.k != world:
@@ -372,8 +369,6 @@ def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, d
     Raises:
         TracerError: one line naming the problem and what to do.
     """
-    from tracer.load.devices import resolve_device
-
     for plan in distributed_plans(scen):
         if verdict:
             raise TracerError("--verdict re-runs the scenario in this process; it does not combine with "

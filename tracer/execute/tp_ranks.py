@@ -15,10 +15,12 @@ import datetime as _dt
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tracer.errors import TracerError
@@ -26,6 +28,9 @@ from tracer.execute.family import family_for
 from tracer.execute.points import CapturePoint
 from tracer.execute.runner import execute
 from tracer.execute.tp_shard import Reducer, shard_model
+
+if TYPE_CHECKING:
+    from tracer.plan.scenarios import RunPlan
 
 
 #: environment variable: the rank that kills itself in the middle of run B (fault-injection for tests)
@@ -42,7 +47,7 @@ class Job:
 
     model: nn.Module
     token_ids: list[int]
-    plan: Any
+    plan: RunPlan
     points: list[CapturePoint]
     window: tuple[int, int]
     decode: int
@@ -57,8 +62,6 @@ class Job:
 
 
 def _quiet() -> None:
-    import warnings
-
     warnings.filterwarnings("ignore")
     with contextlib.suppress(Exception):
         from transformers.utils import logging as hf_logging
@@ -80,7 +83,7 @@ def _fault_hook(model: nn.Module, rank: int) -> None:
     target.register_forward_pre_hook(die)
 
 
-def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: int, plan: Any,
+def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: int, plan: RunPlan,
               points: list[CapturePoint], token_ids: list[int], window: tuple[int, int], decode: int,
               meta: dict[str, Any]) -> dict[str, Any]:
     """One rank's part of run B, the group already joined: shard ``model`` (in place), run the plan
@@ -101,8 +104,6 @@ def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: 
 def worker(rank: int, job: Job) -> None:
     """One rank of run B (started by :func:`tracer.execute.tp_launch.rank_main`, which tied its life
     to the parent's): join the group, shard, execute the plan with capture, save the captures."""
-    import torch.distributed as dist
-
     _quiet()
     torch.set_num_threads(job.threads)
     if job.socket_ifname:  # the collectives' own sockets on the loopback too

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tracer.errors import TracerError
@@ -35,8 +36,6 @@ def backend_for(device: str) -> str:
         TracerError: torch.distributed, or the backend, is not available in this torch build;
             or the device is neither CPU nor CUDA.
     """
-    import torch.distributed as dist
-
     kind = torch.device(device).type
     if not dist.is_available():
         raise TracerError("this torch build has no torch.distributed; --tp-mode distributed needs it "
@@ -137,8 +136,6 @@ class Reducer:
         self.world, self.deterministic = world, deterministic
 
     def __call__(self, part: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         if self.world == 1:
             return part
         if not self.deterministic:
@@ -195,8 +192,6 @@ def shard_model(model: nn.Module, rank: int, k: int, reducer: Reducer, *, vocab_
 
 def _shard_vocab(model: nn.Module, rank: int, k: int) -> None:
     """Vocab-parallel embedding (masked lookup + all_reduce) and LM head (V/K logits + all_gather)."""
-    import torch.distributed as dist
-
     emb = model.get_input_embeddings()
     if type(emb) is nn.Embedding:  # a subclass (scaled embeddings) keeps its own forward: left replicated
         vocab = emb.num_embeddings

@@ -15,7 +15,7 @@ the other (``query_start_loc`` of the step's attention metadata, in the model ru
   add + RMSNorm's ``(normed, residual)``, a decoder layer's ``(hidden, residual)``);
 - the attention layer's inputs ``(query, key, value)`` give the ``kv_cache`` points: the post-RoPE
   keys and the values vLLM writes into its paged KV cache (``kv_cache_dtype`` ``auto``: stored
-  without conversion; ``tests/test_vllm_engine.py`` reads them back from the paged cache), for
+  without conversion; ``tests/execute/test_vllm_engine.py`` reads them back from the paged cache), for
   every prompt position the run's requests computed.
 
 :meth:`VllmCapture.records` builds a :class:`~tracer.execute.records.RawDump` of the kept rows,
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.enginemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
 from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
@@ -278,7 +279,7 @@ class VllmCapture:
         for name, (kind, op, _feat, _dtype) in self.ref.names.items():
             point = by_name.get(name)
             op = point.op if point is not None else op
-            if kind == "kv_cache":
+            if kind == PointKind.KV_CACHE:
                 rec, why = self._kv_record(point)
                 if rec is None:
                     not_captured[name] = why
@@ -328,4 +329,4 @@ class VllmCapture:
                           "run (reset the prefix cache first)")
         kv = torch.stack([torch.cat(rows[p]) for p in range(self.kv_n)])  # (N, kv_heads*head_dim*2): keys, values
         call = {"positions": [0, self.kv_n], "in": [], "out": [list(kv.shape)]}
-        return CaptureRecord(name=point.name, kind="kv_cache", tensor=kv, calls=[call], op=point.op, role=point.role), ""
+        return CaptureRecord(name=point.name, kind=PointKind.KV_CACHE, tensor=kv, calls=[call], op=point.op, role=point.role), ""

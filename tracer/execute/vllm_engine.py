@@ -60,6 +60,7 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
                       "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
 
 from tracer.execute.capture import Capture  # noqa: E402
+from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.execute.enginemap import RefLayout, load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
@@ -357,11 +358,11 @@ def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], wi
                 model(input_ids=torch.tensor([token_ids[:1]], device=model_device(model)), use_cache=False)
         names = {}
         for n, r in cap.records().items():
-            if r.kind == "kv_cache":
+            if r.kind == PointKind.KV_CACHE:
                 names[n] = (r.kind, r.op, (), name_of(model.dtype))
             elif r.tensor.numel():
                 names[n] = (r.kind, r.op, tuple(r.tensor.shape[1:]), name_of(r.tensor.dtype))
-        layers = [n for n, v in names.items() if v[0] == "layer"]
+        layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
         _LAYOUTS[key] = RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
                                   n_layers=len(layers), token_ids=[], window=(0, 1), family=loaded.info.family)
     return replace(_LAYOUTS[key], token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
@@ -416,7 +417,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
     emap = load_engine_map(loaded.info.family, engine="vllm")
     ref = ref_layout(loaded, points, token_ids, window)
-    kv_points = {p.layer_index: p.name for p in points if p.kind == "kv_cache"}
+    kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     requests: list[dict[str, Any]] = []
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
@@ -438,7 +439,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     steps = [s for s in cap.steps if s["traced"]]
     logits = {n: {"positions": ps, "dtype": str(t.dtype).replace("torch.", "")} for n, (ps, t) in info["partial_logits"].items()}
     logits.update({n: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
-                   for n, c in captures.items() if c.kind == "logits"})
+                   for n, c in captures.items() if c.kind == PointKind.LOGITS})
     record_meta = {
         "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in steps],
         "engine": eng.facts(), "cached_tokens": main["num_cached_tokens"],

@@ -26,6 +26,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.execute.enginemap import load_engine_map
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
 from tracer.execute.vllm_capture import VllmCapture
@@ -115,7 +116,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
                           f"{eng.kwargs['max_model_len']}; use fewer --new-tokens or a shorter prompt")
     placeholder = list(token_ids) + [0] * t  # the response is known once vLLM has sampled it
     ref = ref_layout(loaded, points, placeholder, window)
-    kv_points = {p.layer_index: p.name for p in points if p.kind == "kv_cache"}
+    kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     emap = load_engine_map(loaded.info.family, engine="vllm")
     cap = VllmCapture(eng.model, eng.runner, emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1)
     logits = _Logits(eng.model, eng.runner, emap.get("capture", {}).get("logits", "logits_processor"))

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import tempfile
+import weakref
 from typing import Any
 
 import torch
@@ -181,8 +182,6 @@ def dispatch(model: Any, device_map: str | dict[str, str], max_memory: dict[Any,
         raise TracerError("--device-map puts the whole model on disk; keep at least the embedding on a GPU or the CPU")
     offload_dir = None
     if "disk" in device_map.values():
-        import weakref
-
         offload_dir = tempfile.mkdtemp(prefix="tracer-offload-")
         weakref.finalize(model, shutil.rmtree, offload_dir, True)  # the offloaded weights go with the model
     try:

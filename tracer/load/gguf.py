@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -194,8 +195,6 @@ def _read_gguf_config(gguf_path: Path) -> Any:
     Raises:
         TracerError: an architecture or metadata transformers cannot read.
     """
-    import struct
-
     from transformers import AutoConfig
 
     try:

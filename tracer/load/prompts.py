@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tracer.errors import TracerError
+from tracer.files import read_text_file, read_token_ids
 
 DEFAULT_PROMPT = """\
 Serving engines reuse work to answer requests faster. When two requests share a prefix, such as \
@@ -65,7 +66,6 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
     check_prompt_sources(prompt, prompt_file, token_ids_file, token_ids)
     if token_ids is not None:
         return None, [int(i) for i in token_ids]
-    from tracer.files import read_text_file, read_token_ids
 
     if prompt_file is not None:  # regular UTF-8 files only: a FIFO or device would block
         return read_text_file(prompt_file, "--prompt-file"), None

@@ -5,6 +5,7 @@ Each context manager restores the state it found, so loading changes no global s
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
@@ -36,7 +37,6 @@ def quiet_gguf_bar(progress: bool) -> Iterator[None]:
     if progress:
         yield
         return
-    import functools
 
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
 

@@ -7,6 +7,7 @@ become paths or imports). :func:`data_dir` finds the folder in a checkout or an 
 
 from __future__ import annotations
 
+import importlib.resources
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,6 @@ def data_dir(kind: str) -> Path:
         return root / kind
     package = _DATA_PACKAGES[kind]
     try:
-        import importlib.resources
-
         return Path(str(importlib.resources.files(package)))
     except (ModuleNotFoundError, TypeError) as exc:
         raise TracerError(

@@ -11,16 +11,30 @@ restores. The result renders as the hierarchy table, beside the seed's own statu
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
 from dataclasses import dataclass
 from dataclasses import replace as _replace
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
-from tracer import schema
+from tracer import pipeline, schema
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
 from tracer.errors import TracerError
-from tracer.plan.cost import scenario_cost
+from tracer.execute.kinds import PointKind
+from tracer.execute.tp_dist import distributed_header
+from tracer.execute.tp_shard import backend_for, check_world
+from tracer.loops.audit_store import AuditStore
+from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
+from tracer.plan.scenarios import build
+from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.store.integrity import check_name_length, check_output_path
+from tracer.store.trace import json_safe
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison
+    from tracer.load.models import LoadedModel, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -86,8 +100,8 @@ class Audit(schema.Record):
         doc["summary"] = self.counts()
 
 
-def _row(check: Check, comparison: Any) -> AuditRow:
-    layers = [p for p in comparison.points if p.kind == "layer"]
+def _row(check: Check, comparison: Comparison) -> AuditRow:
+    layers = [p for p in comparison.points if p.kind == PointKind.LAYER]
     last = (layers[-1].diff.n_diff, layers[-1].diff.n_total) if layers else None
     lg = comparison.logits
     return AuditRow(check=check, status="passed" if comparison.identical else "failed",
@@ -112,8 +126,6 @@ def audit_length(cfg: RunConfig) -> int | None:
 
 def default_output(model: str, root: str = "traces") -> Any:
     """``traces/<model>-audit.h5``: a fixed name, so re-running an interrupted audit resumes it."""
-    from pathlib import Path
-
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
     return Path(root) / f"{safe}-audit.h5"
 
@@ -121,8 +133,6 @@ def default_output(model: str, root: str = "traces") -> Any:
 def row_record(row: AuditRow) -> dict[str, Any]:
     """A row as it is kept on disk: its schema document (:meth:`AuditRow.to_dict`), JSON-safe
     (read back bit for bit by :meth:`AuditRow.from_dict`)."""
-    from tracer.store.trace import json_safe
-
     return json_safe(row.to_dict())
 
 
@@ -138,7 +148,7 @@ def result_line(row: AuditRow) -> str:
             + (f"; {mit}" if mit else ""))
 
 
-def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations: bool = True, loaded: Any = None,
+def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations: bool = True, loaded: LoadedModel | None = None,
           progress: bool | str = True, on_check: Callable[[str, int, int], None] | None = None,
           on_row: Callable[[AuditRow], None] | None = None) -> Audit:
     """Run every selected level of the hierarchy on this machine and return the table.
@@ -171,11 +181,6 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
         TracerError: bad input (checked before the model loads where possible); an output holding
             another audit without ``overwrite``.
     """
-    from tracer import pipeline
-    from tracer.execute.tp_dist import distributed_header
-    from tracer.loops.audit_store import AuditStore
-    from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
-
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
     _check_options(options, selected)
@@ -239,8 +244,6 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
 def _output_path(cfg: RunConfig) -> Any:
     """The audit's trace (checked before the model loads: a name that fits, a writable folder, not a
     folder itself); an existing file is judged later, by its content (:class:`AuditStore`)."""
-    from tracer.store.integrity import check_name_length, check_output_path
-
     out = check_name_length(cfg.store.output if cfg.store.output is not None else default_output(cfg.model.name),
                             "--output")
     check_output_path(out, cfg.store.overwrite, "--output", resume=True)
@@ -249,12 +252,10 @@ def _output_path(cfg: RunConfig) -> Any:
     return out
 
 
-def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
+def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
                done: dict[str, Any], mitigations: bool) -> list[str]:
     """What the audit will do, before it does it: one line per check with its cost, the skipped
     checks with their reasons, and what ``--length`` costs."""
-    from tracer.plan.cost import Cost
-
     run = [c for c in todo if c.key not in reasons]
     total = sum((costs[c.key] for c in run if c.key not in done), Cost())
     lines = [f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), "
@@ -271,12 +272,10 @@ def plan_lines(info: Any, n: int, todo: list[Check], costs: dict[str, Any], reas
     return lines
 
 
-def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded: Any, ids: list[int], cfg: RunConfig,
+def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded: LoadedModel, ids: list[int], cfg: RunConfig,
                header: dict[str, Any], options: dict[str, Any], mitigations: bool, budget: int | None,
                state: Any) -> AuditRow:
     """One check, its runs written to its own trace part (kept once the row is kept)."""
-    from tracer import pipeline
-
     writer = None
 
     def one(key: str, scen: Any) -> Any:
@@ -320,16 +319,12 @@ def skip_hint(message: str) -> str:
 
 def skip_reason(check: Check, device: str = "cpu") -> str | None:
     """Why this machine cannot run ``check`` with the model on ``device`` (None if it can)."""
-    import importlib.util
-
     import torch
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if check.needs == "cuda" and n_gpu == 0:
         return "no CUDA GPU on this machine"
     if check.needs == "ranks":
-        from tracer.execute.tp_shard import check_world
-
         try:
             check_world(int(check.options.get("tp", 2)), device)
         except TracerError as e:
@@ -353,9 +348,6 @@ def _check_options(options: dict[str, Any], selected: list[int]) -> None:
 def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tuple[dict[str, Any], dict[str, str]]:
     """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
     skip reason of every other check; a real-TP check's label names its backend (in place in ``todo``)."""
-    from tracer.execute.tp_shard import backend_for
-    from tracer.plan.scenarios import build
-
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for j, c in enumerate(todo):
@@ -381,8 +373,6 @@ def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:
 def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callable[[str, Any], Any], n: int,
            options: dict[str, Any], mitigations: bool) -> AuditRow:
     """One row: run the check (unless skipped), then each applicable mitigation if it diverged."""
-    from tracer.plan.scenarios import build
-
     if c.key in reasons:
         return AuditRow(check=c, status="skipped", reason=reasons[c.key])
     try:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.errors import TracerError
+from tracer.store.trace import TraceReader, TraceWriter, json_safe
 
 SUFFIX = ".checks"
 #: the header keys that hold the audit's own state (not part of the fingerprint)
@@ -36,8 +37,6 @@ STATE_KEYS = ("audit_rows", "audit_fingerprint")
 
 def fingerprint(header: dict[str, Any]) -> str:
     """SHA-256 (hex) of ``header`` as canonical JSON (sorted keys), the state keys left out."""
-    from tracer.store.trace import json_safe
-
     doc = {k: v for k, v in header.items() if k not in STATE_KEYS}
     return hashlib.sha256(json.dumps(json_safe(doc), sort_keys=True, default=str).encode()).hexdigest()
 
@@ -97,8 +96,6 @@ class AuditStore:
 
     def _complete_rows(self) -> list[dict[str, Any]]:
         """The rows of ``out`` when it is a complete audit of this fingerprint; else an error."""
-        from tracer.store.trace import TraceReader
-
         try:
             with TraceReader(self.out) as r:
                 old = r.header
@@ -153,8 +150,6 @@ class AuditStore:
         Raises:
             TracerError: a part cannot be read (damaged: remove it and re-run), ``out`` cannot be written.
         """
-        from tracer.store.trace import TraceReader, TraceWriter
-
         header = {**self.header, "audit_rows": rows, "audit_fingerprint": self.fingerprint}
         with TraceWriter(self.out, header=header, overwrite=self.overwrite or self.out.exists()) as w:
             for key in keys:

@@ -36,7 +36,12 @@ from typing import Any, Callable
 
 import torch
 
-from tracer import schema
+from tracer import pipeline, schema
+from tracer.config import RunConfig, validate
+from tracer.diff.compare import compare_trace
+from tracer.errors import TracerError
+from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
+from tracer.store.integrity import check_output_path
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "c_auto", "d", "e_write", "e_read")
@@ -129,11 +134,8 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
     Raises:
         TracerError: a peer whose counts differ from tracer's (:func:`tracer.loops.peers.check_counts`).
     """
-    from tracer.errors import TracerError
-    from tracer.loops.peers import check_counts, make_peers
-
     modes = {}
-    for peer in make_peers(lm, ids, scen, points):
+    for peer in peer_mod.make_peers(lm, ids, scen, points):
         if peer.run is not None:
             say(f"checking {peer.name}")
             try:
@@ -141,7 +143,7 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
             except TracerError as e:  # the peer cannot run this scenario or model: say why
                 peer.skipped = str(e)
             else:
-                check_counts(peer.name, got, tracer_counts)
+                peer_mod.check_counts(peer.name, got, tracer_counts)
                 result.peers[peer.name] = {"status": "checked", "label": peer.label, "covers": peer.covers,
                                            "points": len(got)}
                 modes[peer.name] = peer.run
@@ -165,18 +167,10 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         TracerError: bad model/options (as :func:`tracer.api.run`); a peer whose per-layer
             differing counts are not tracer's (in any repetition).
     """
-    from tracer import pipeline
-    from tracer.config import RunConfig, validate
-    from tracer.diff.compare import compare_trace
-    from tracer.errors import TracerError
-    from tracer.loops.peers import check_counts
-
     say = progress or (lambda m: None)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
     if outdir is not None:
-        from tracer.store.integrity import check_output_path
-
         check_output_path(Path(outdir) / "bench.h5", True, "--outdir")  # name length, writable folder
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, device=device, gguf=gguf,
                                           block_size=block_size, granularity=granularity, kv_cache=kv_cache,
@@ -225,7 +219,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
             say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
             t = {m: _timed(fn, dev) for m, fn in modes.items()}
             for name in peer_modes:  # every repetition: the peers did the same work as tracer's (b)
-                check_counts(name, last[name], last["b"])
+                peer_mod.check_counts(name, last[name], last["b"])
             nbytes = trace.stat().st_size
             t["e_write"] = _timed(lambda: _raw_write(raw, nbytes), "cpu")
             t["e_read"] = _timed(lambda: _raw_read(raw), "cpu")

@@ -39,14 +39,16 @@ class VllmBenchResult(schema.Record):
 
     def ratios(self) -> dict[str, float]:
         """``capture_over_bare`` and ``tracer_over_bare``: medians over the bare floor's."""
+        if not self.times.get("bare"):
+            return {}
         bare = self.median("bare")
-        return {f"{m}_over_bare": self.median(m) / bare for m in MODES if m != "bare"}
+        return {f"{m}_over_bare": self.median(m) / bare for m in MODES if m != "bare" and self.times.get(m)}
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
         """The JSON document: the fields, and the medians, min, max and ratios."""
-        doc["median_s"] = {m: self.median(m) for m in self.times}
-        doc["min_s"] = {m: min(v) for m, v in self.times.items()}
-        doc["max_s"] = {m: max(v) for m, v in self.times.items()}
+        doc["median_s"] = {m: self.median(m) for m, v in self.times.items() if v}
+        doc["min_s"] = {m: min(v) for m, v in self.times.items() if v}
+        doc["max_s"] = {m: max(v) for m, v in self.times.items() if v}
         doc["ratios"] = self.ratios()
 
 

@@ -26,11 +26,18 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tracer import pipeline
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+
+if TYPE_CHECKING:
+    from tracer.execute.points import CapturePoint
+    from tracer.load.models import LoadedModel
+    from tracer.plan.scenarios import Scenario
 
 #: the peers, in the order the bench runs and reports them
 PEERS = ("peer_hf", "peer_hooks", "peer_nnsight")
@@ -108,7 +115,7 @@ def _tensor(x: Any) -> torch.Tensor:
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-def _simple(scen: Any, who: str) -> None:
+def _simple(scen: Scenario, who: str) -> None:
     for plan in (scen.plan_a, scen.plan_b):
         if plan.batch is not None or plan.generate or plan.devices is not None:
             raise TracerError(f"{who} runs plans of batch 1 without generation or device moves; "
@@ -116,17 +123,15 @@ def _simple(scen: Any, who: str) -> None:
 
 
 def _points(points: list[Any]) -> tuple[list[Any], Any]:
-    layers = [p for p in points if p.kind == "layer"]
-    norm = next((p for p in points if p.kind == "final_norm"), None)
+    layers = [p for p in points if p.kind == PointKind.LAYER]
+    norm = next((p for p in points if p.kind == PointKind.FINAL_NORM), None)
     if not layers or norm is None:
         raise TracerError("the capture points have no decoder layers or no final norm")
     return layers, norm
 
 
-def peer_hf(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_hf(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The ``output_hidden_states=True`` peer (see the module docstring)."""
-    from tracer import pipeline
-
     layers, norm = _points(points)
     names = [p.name for p in layers[:-1]] + [norm.name]
     win = _Window(names, scen.window)
@@ -147,10 +152,8 @@ def peer_hf(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> 
                 "state is the final norm's output)", run)
 
 
-def peer_hooks(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_hooks(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The naive forward-hook peer (see the module docstring)."""
-    from tracer import pipeline
-
     layers, _ = _points(points)
     win = _Window([p.name for p in layers], scen.window)
     kept: list[torch.Tensor] = []
@@ -183,11 +186,9 @@ def nnsight_missing() -> str | None:
     return None
 
 
-def peer_nnsight(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> Peer:
+def peer_nnsight(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> Peer:
     """The nnsight ``.save()`` peer (see the module docstring); skipped when nnsight is missing or
     cannot wrap the model."""
-    from tracer import pipeline
-
     layers, _ = _points(points)
     covers = f"all {len(layers)} decoder layers"
     why = nnsight_missing()
@@ -238,7 +239,7 @@ def _envoy(root: Any, path: str) -> Any:
     return e
 
 
-def make_peers(loaded: Any, token_ids: list[int], scen: Any, points: list[Any]) -> list[Peer]:
+def make_peers(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: list[CapturePoint]) -> list[Peer]:
     """Every peer of :data:`PEERS` for this model and scenario (``points``: the run's capture points)."""
     return [peer_hf(loaded, token_ids, scen, points), peer_hooks(loaded, token_ids, scen, points),
             peer_nnsight(loaded, token_ids, scen, points)]

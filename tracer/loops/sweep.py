@@ -14,11 +14,20 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from tracer import pipeline
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+from tracer.plan.scenarios import check_resources, make_scenario
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.store.integrity import check_name_length, check_output_path
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison
+    from tracer.load.models import LoadedModel
+    from tracer.plan.scenarios import Scenario
 
 #: the largest value and the most values one --lengths / --block-sizes list may hold
 MAX_VALUE = 1 << 24
@@ -73,7 +82,7 @@ def plan_points(lengths: list[int], block_sizes: list[int]) -> list[tuple[int, i
     return [(n, b) for b in block_sizes for n in lengths]
 
 
-def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
+def row_from_comparison(c: Comparison, *, length: int, block_size: int, wall_s: float) -> tuple[SweepRow, list[str], list[str]]:
     """Summarise a :class:`~tracer.diff.result.Comparison` into a :class:`SweepRow` (+ point names, kinds)."""
     names = [p.name for p in c.points]
     kinds = [p.kind for p in c.points]
@@ -82,12 +91,12 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
     mad = [float(p.diff.max_abs_diff) for p in c.points]
     if c.logits is not None:
         names.append(c.logits_name)
-        kinds.append("logits")
+        kinds.append(PointKind.LOGITS)
         n_diff.append(c.logits.tensor.n_diff)
         n_total.append(c.logits.tensor.n_total)
         mad.append(float(c.logits.tensor.max_abs_diff))
     first = next((i for i, n in enumerate(n_diff) if n), -1)
-    layer_idx = [i for i, k in enumerate(kinds) if k == "layer"]
+    layer_idx = [i for i, k in enumerate(kinds) if k == PointKind.LAYER]
     last = layer_idx[-1] if layer_idx else None
     frac = (n_diff[last] / n_total[last]) if last is not None and n_total[last] else 0.0
     row = SweepRow(
@@ -106,7 +115,7 @@ def row_from_comparison(c: Any, *, length: int, block_size: int, wall_s: float) 
 
 
 def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: str | list[int] | None = None,
-          keep_tensors: bool = False, loaded: Any = None, progress: bool | str = True,
+          keep_tensors: bool = False, loaded: LoadedModel | None = None, progress: bool | str = True,
           on_point: Callable[[SweepRow], None] | None = None) -> SweepResult:
     """Run ``cfg``'s scenario for every prompt length × block size; one summary row per point.
 
@@ -137,7 +146,6 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     Raises:
         TracerError: bad axes, prompt too short, a file of other parameters, every bad run option.
     """
-    from tracer import pipeline
 
     if block_sizes is None:
         from tracer.plan.engines import ENGINE_DEFAULTS
@@ -232,7 +240,6 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     """The sweep file (None: in memory), refused when it is a folder or another kind of file."""
     if cfg.store.mode == "none":
         return None
-    from tracer.store.integrity import check_name_length, check_output_path
 
     engine = "" if cfg.scenario.engine in (None, "hf") else f"-{cfg.scenario.engine}"
     out = check_name_length(cfg.store.output if cfg.store.output is not None
@@ -245,16 +252,14 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     return out
 
 
-def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Any:
-    from tracer.plan.scenarios import check_resources, make_scenario
-
+def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Scenario:
     params = cfg.scenario.params()
     if block_size is not None:
         params["block_size"] = block_size
     return check_resources(make_scenario(cfg.scenario.name, n, params))
 
 
-def _run_point(pipeline: Any, cfg: RunConfig, loaded: Any, ids: list[int], scen: Any, tmp: Path | None) -> Any:
+def _run_point(pipeline: Any, cfg: RunConfig, loaded: LoadedModel, ids: list[int], scen: Scenario, tmp: Path | None) -> Any:
     """One point: compared online, or stored in the temporary trace ``tmp`` (``keep_tensors``)."""
     if tmp is None:
         return pipeline.run_scenario(loaded, ids, scen, cfg.capture).comparison

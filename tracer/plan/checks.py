@@ -47,7 +47,7 @@ def check_block_size(block_size: int | None, option: str = "--block-size") -> in
 
 
 def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
-    """Ranges of the scenario options the user set (see ``tracer.cli.scenario_options``):
+    """Ranges of the scenario options the user set (the ``scenario_options`` group of :data:`tracer.config.OPTIONS`):
     ``batch_size`` >= 2 (the traced prompt plus at least one other row), ``batch_row``,
     ``new_tokens``, ``chunk_size`` >= 1 (``batch_row`` >= 0), ``tp`` 1..:data:`MAX_TP`,
     ``block_sizes`` two sizes >= 1.
@@ -68,17 +68,6 @@ def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
         for b in sizes:
             check_block_size(b, "--block-sizes")
     return options
-
-
-def check_nonempty(spec: str | None, option: str, example: str) -> str | None:
-    """A list option given as text must name something: ``--levels ""`` is an error, not "all".
-
-    Raises:
-        TracerError: an empty or blank value.
-    """
-    if spec is not None and not spec.replace(",", "").strip():
-        raise TracerError(f"{option} is empty; give e.g. {option} {example}, or leave it out for the default")
-    return spec
 
 
 def check_compression(compression: str | None) -> str | None:

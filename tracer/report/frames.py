@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tracer.diff.result import call_shapes
 from tracer.errors import TracerError
+from tracer.report.rl import summary_dict, token_records
+from tracer.report.tables import rows
+
+if TYPE_CHECKING:
+    from pandas import DataFrame
+
+    from tracer.diff.result import Comparison
+    from tracer.diff.rl import RLComparison
+    from tracer.store.sweepfile import SweepResult
 
 
 def pandas():
@@ -20,7 +30,7 @@ def pandas():
     return pd
 
 
-def comparison_frame(comparison: Any):
+def comparison_frame(comparison: Comparison) -> DataFrame:
     """One row per capture point in execution order, the logits last: the report's columns
     (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
     ``index``, ``op`` and ``shapes_a``/``shapes_b``: the shapes the op saw in each run for the
@@ -30,8 +40,6 @@ def comparison_frame(comparison: Any):
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.diff.result import call_shapes
-    from tracer.report.tables import rows
 
     recs = rows(comparison)
     ops = [p.op for p in comparison.points] + ([""] if comparison.logits is not None else [])
@@ -48,7 +56,7 @@ def comparison_frame(comparison: Any):
     return frame
 
 
-def rl_frame(rl: Any):
+def rl_frame(rl: RLComparison) -> DataFrame:
     """The RL metrics per response token: one row per token of every sequence (K × T), columns
     ``sequence, step, token, logp_a, logp_b, dlogp, ratio, vocab_kl, traced``
     (:func:`tracer.report.rl.token_records`); the summary (:func:`tracer.report.rl.summary_dict`) and
@@ -58,7 +66,6 @@ def rl_frame(rl: Any):
         TracerError: pandas is not installed.
     """
     pd = pandas()
-    from tracer.report.rl import summary_dict, token_records
 
     frame = pd.DataFrame.from_records(token_records(rl))
     frame.attrs["rl"] = {**summary_dict(rl), "mitigations": [m.to_dict() for m in rl.mitigations]}
@@ -70,7 +77,7 @@ def _shape_text(shape: dict) -> str:
     return " ".join(f"{k} {v}" for k, v in shape.items())
 
 
-def sweep_frame(result: Any):
+def sweep_frame(result: SweepResult) -> DataFrame:
     """One DataFrame row per finished point: the scalar fields plus ``first_divergent_name``.
 
     Raises:

@@ -11,6 +11,8 @@ import json
 from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
+from tracer.report.html import esc, headline_html, kv_table, page, table_html
+from tracer.report.layout import fit_columns
 from tracer.report.tables import _num, check_format
 from tracer.store.trace import json_safe
 
@@ -60,8 +62,6 @@ def print_audit(a: Any, console: Any = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from tracer.report.layout import fit_columns
-
     console = console or Console()
     console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
                   highlight=False)
@@ -97,8 +97,6 @@ def print_audit(a: Any, console: Any = None) -> None:
 def audit_html(a: Any) -> str:
     """The audit as a single-file HTML page: the counts, the hierarchy matrix (sortable,
     filterable; rows coloured by status) and the facts (see :mod:`tracer.report.html`)."""
-    from tracer.report.html import esc, headline_html, kv_table, page, table_html
-
     counts = a.counts()
     failed = [r for r in a.rows if r.status == "failed"]
     head = [("checks", _summary(a))]

@@ -5,8 +5,8 @@ no network, no external assets), readable on a phone and printable.
   numeric contract (trace header), the origin with its shapes, the figures, the full table
   (sortable, filterable), logits, flips, decode replay and noise verdict.
 - :func:`page`, :func:`table_html`, :func:`headline_html`, :func:`figure_html`: the building blocks
-  the audit matrix (:func:`tracer.loops.audit.audit_html`) and the sweep map
-  (:func:`tracer.loops.sweep.sweep_html`) use.
+  the audit matrix (:func:`tracer.report.hierarchy.audit_html`) and the sweep map
+  (:func:`tracer.report.pages.sweep_html`) use.
 - :func:`write_report`: writes a page atomically, never clobbering without ``overwrite``.
 
 Everything here renders data already computed; nothing reads a trace or recomputes a metric.
@@ -20,9 +20,19 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from tracer.diff.result import origin_record
 from tracer.errors import TracerError
+from tracer.report import rl as rl_report
+from tracer.report.summary import headline, verdict_line
+from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from tracer.diff.result import Comparison
+    from tracer.diff.rl import RLComparison
 
 CSS = """
 :root{--fg:#1b1f24;--muted:#57606a;--bad:#b42318;--ok:#1a7f37;--bg:#fff;--line:#d0d7de;--band:#f6f8fa}
@@ -84,7 +94,7 @@ def esc(x: Any) -> str:
     return html.escape("" if x is None else str(x), quote=True)
 
 
-def figure_svg(fig: Any) -> str:
+def figure_svg(fig: Figure) -> str:
     """A matplotlib Figure as an inline ``<svg>`` element (text kept as text, no external references,
     sized by CSS: the width/height attributes are dropped, the viewBox kept)."""
     import matplotlib
@@ -181,9 +191,7 @@ def contract_html(header: dict[str, Any] | None, facts: dict[str, Any]) -> str:
     return kv_table(first + rest)
 
 
-def _origins_html(c: Any) -> str:
-    from tracer.diff.result import origin_record
-
+def _origins_html(c: Comparison) -> str:
     if not c.origins and not c.logits_origin:
         return '<p class="note">no origin: every capture point is bit-identical</p>'
     parts = []
@@ -200,7 +208,7 @@ def _origins_html(c: Any) -> str:
     return "".join(parts)
 
 
-def comparison_figures(c: Any) -> list[tuple[str, str, str]]:
+def comparison_figures(c: Comparison) -> list[tuple[str, str, str]]:
     """``(id, caption, svg)`` of the figures drawn from ``c`` (amplification, the position heat map
     when ``c`` carries per-position data, ULP histogram); empty,
     with no error, when matplotlib is not installed (the page then says so)."""
@@ -222,10 +230,8 @@ def comparison_figures(c: Any) -> list[tuple[str, str, str]]:
         return []
 
 
-def _rl_html(rl: Any) -> str:
+def _rl_html(rl: RLComparison) -> str:
     """The RL section: summary, |Δlogp| histogram, the traced sequence's tokens, the mitigations."""
-    from tracer.report import rl as rl_report
-
     parts = [kv_table(rl_report.summary_pairs(rl)), f'<p class="note">{esc(rl_report.hist_line(rl))}</p>',
              table_html("rl-steps", *rl_report.step_rows(rl))]
     if rl.mitigations:
@@ -234,7 +240,7 @@ def _rl_html(rl: Any) -> str:
     return "".join(parts)
 
 
-def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bool = True) -> str:
+def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figures: bool = True) -> str:
     """The HTML report of one comparison (see the module docstring).
 
     Args:
@@ -242,9 +248,6 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
         header: the trace header (numeric contract), when there is a trace.
         figures: embed the figures (needs matplotlib; without it the page says so).
     """
-    from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
-    from tracer.report.summary import headline, verdict_line
-
     all_rows = rows(c)
     cols = [k for k in WIDE_COLUMNS if k != "hist"] + ["hist"]
     raw = {"diff": "n_diff", "fraction": "fraction", "max_abs": "max_abs_diff", "mean_abs": "mean_abs_diff",

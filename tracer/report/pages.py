@@ -12,23 +12,26 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tracer.diff.compare import compare_runs
+from tracer.diff.stored import comparison_from_dict
 from tracer.errors import TracerError
-from tracer.report.html import esc, figure_html, figure_svg, headline_html, page, table_html
+from tracer.execute.kinds import PointKind
+from tracer.report.html import (check_report_path, comparison_html, contract_html, esc, figure_html, figure_svg,
+                                headline_html, page, table_html, write_report)
+from tracer.report.summary import headline
 from tracer.report.sweep_lines import sweep_summary_lines
+from tracer.store.sweepfile import is_sweep_file, read_sweep
+from tracer.store.trace import TraceReader
 
 
 def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
     """An audit trace: one row per stored comparison (the hierarchy matrix), from the stored documents."""
-    from tracer.report.html import contract_html, headline_html, page, table_html
-    from tracer.diff.stored import comparison_from_dict
-    from tracer.report.summary import headline
-
     comps = {name: comparison_from_dict(doc) for name, doc in stored.items()}
     cols = ["check", "scenario", "holds bitwise?", "first divergent", "last layer differing", "max |logit diff|",
             "argmax flips"]
     cells, vals, classes = [], [], []
     for name, c in comps.items():
-        layers = [p for p in c.points if p.kind == "layer"]
+        layers = [p for p in c.points if p.kind == PointKind.LAYER]
         last = layers[-1].diff if layers else None
         lg = c.logits
         cells.append([name, c.scenario, "yes" if c.identical else "no", c.first_divergent or "-",
@@ -55,11 +58,6 @@ def report_html(path: str | os.PathLike, *, device: str | None = None) -> str:
     Raises:
         TracerError: missing or unreadable file, or a trace with neither a stored comparison nor tensors.
     """
-    from tracer.report.html import comparison_html
-    from tracer.store.trace import TraceReader
-    from tracer.diff.stored import comparison_from_dict
-    from tracer.store.sweepfile import is_sweep_file, read_sweep
-
     src = Path(path)
     if not src.is_file():
         raise TracerError(f"file {src} not found; pass a trace (tracer run/audit) or a sweep file (tracer sweep)")
@@ -72,7 +70,6 @@ def report_html(path: str | os.PathLike, *, device: str | None = None) -> str:
         return _stored_matrix(stored, header)
     if stored:
         return comparison_html(comparison_from_dict(next(iter(stored.values()))), header)
-    from tracer.diff.compare import compare_runs
 
     return comparison_html(compare_runs((str(src), None), (str(src), None), device=device), header)
 
@@ -85,8 +82,6 @@ def write_report_file(path: str | os.PathLike, output: str | os.PathLike | None 
     Raises:
         TracerError: see :func:`report_html` and :func:`tracer.report.html.write_report`.
     """
-    from tracer.report.html import check_report_path, write_report
-
     out = Path(output) if output is not None else Path(path).with_suffix(".html")
     check_report_path(out, overwrite)
     return write_report(report_html(path, device=device), out, overwrite=overwrite)

@@ -18,15 +18,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tracer.errors import TracerError
-from tracer.report.figures.amplification import LABEL_ABS, LABEL_FRAC, LABEL_KV, amplification_data, amplification_figure
+from tracer.report.figures.amplification import (LABEL_ABS, LABEL_FRAC, LABEL_KV, amplification_data,
+                                                 amplification_figure)
 from tracer.report.figures.common import LABEL_ZERO, compact_name, short_name, thin_labels
 from tracer.report.figures.heatmap import (PositionDiffs, heatmap_figure, position_diffs_comparison,
                                            position_diffs_records, position_diffs_trace, position_max_abs_diff)
 from tracer.report.figures.sweep import sweep_data, sweep_figure
 from tracer.report.figures.ulp import select_points, ulp_figure
+from tracer.store.integrity import check_name_length, check_output_path
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from tracer.diff.result import Comparison
+    from tracer.store.sweepfile import SweepResult
 
 KINDS = ("amplification", "heatmap", "ulp", "sweep")
 SUFFIXES = (".png", ".svg", ".pdf")
@@ -40,8 +48,6 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
     """
-    from tracer.store.integrity import check_name_length, check_output_path
-
     p = check_name_length(path, "figure file")
     if p.suffix.lower() not in SUFFIXES:
         raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")
@@ -52,7 +58,7 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     return check_output_path(p, overwrite, "figure file")  # FIFOs, devices, file/p.png, read-only folders
 
 
-def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, dpi: int = 110) -> Path:
+def save_figure(fig: Figure, path: str | os.PathLike, *, overwrite: bool = False, dpi: int = 110) -> Path:
     """Write ``fig`` to ``path`` (format from the suffix) via a temporary sibling, then rename.
 
     Raises:
@@ -70,9 +76,9 @@ def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, d
     return p
 
 
-def figure_for(kind: str, *, comparison: Any = None, runs: tuple | None = None, trace: str | None = None,
+def figure_for(kind: str, *, comparison: Comparison | None = None, runs: tuple | None = None, trace: str | None = None,
                run_names: tuple[str | None, str | None] = (None, None), layers: Sequence[str | int] | None = None,
-               sweep: Any = None):
+               sweep: SweepResult | None = None) -> Figure:
     """Dispatch ``kind`` to a figure from whatever is at hand (``tracer.report.plot`` and ``RunResult.plot``).
 
     Raises:

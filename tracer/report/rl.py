@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from tracer.diff.rl import HIST_LABELS
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from tracer.diff.rl import RLComparison
 
 
 def _g(x: float | None, digits: int = 3) -> str:
@@ -33,7 +38,7 @@ def _pct(x: float) -> str:
     return "0%" if x == 0 else f"{100 * x:.3g}%"
 
 
-def summary_pairs(rl: Any) -> list[tuple[str, str]]:
+def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
     """The RL summary as ``(label, text)`` pairs, in print order (each text fits 80 columns with its label)."""
     how = getattr(rl, "tokens_from", None) or (f"sampled at τ={rl.tau:g}" if rl.sample else "greedy")
     lo = 1.0 / rl.mask_threshold
@@ -62,14 +67,14 @@ def summary_pairs(rl: Any) -> list[tuple[str, str]]:
     return out
 
 
-def summary_lines(rl: Any) -> list[str]:
+def summary_lines(rl: RLComparison) -> list[str]:
     """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width."""
     pairs = summary_pairs(rl)
     w = max(len(k) for k, _ in pairs)
     return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
 
 
-def hist_line(rl: Any) -> str:
+def hist_line(rl: RLComparison) -> str:
     """``|Δlogp| histogram (tokens): 0 12 · ≤1e-8 0 · ...`` (empty bins after the last filled one left out)."""
     last = max((i for i, n in enumerate(rl.hist) if n), default=0)
     cells = [f"{lab} {n}" for lab, n in zip(HIST_LABELS[:last + 1], rl.hist[:last + 1])]
@@ -97,7 +102,7 @@ STEP_COLUMNS = (
 )
 
 
-def steps_table(rl: Any) -> Table:
+def steps_table(rl: RLComparison) -> Table:
     """The traced sequence's response tokens, one row each (fits 80 columns): token index and id,
     the rollout's logprob, Δlogp, full-vocabulary KL, argmax flip, the first capture point that differs
     at the token's position and the last decoder layer's max |Δ| there."""
@@ -122,7 +127,7 @@ MITIGATION_COLUMNS = (
 )
 
 
-def mitigations_table(rl: Any, base: Any = None) -> Table:
+def mitigations_table(rl: RLComparison) -> Table:
     """The ``--mitigations`` table: one row per knob (``*``: changes nothing here; the base run's numbers;
     ``identical``: both runs bit-identical at every compared point and logprob). Fits 80 columns."""
     t = Table(title="which knob closes the gap (--mitigations)", title_justify="left", show_edge=False,
@@ -134,12 +139,12 @@ def mitigations_table(rl: Any, base: Any = None) -> Table:
     return t
 
 
-def mitigation_notes(rl: Any) -> list[str]:
+def mitigation_notes(rl: RLComparison) -> list[str]:
     """What each knob changes, one line each."""
     return [f"{m.knob}: {m.what}" for m in rl.mitigations]
 
 
-def markdown_lines(rl: Any) -> list[str]:
+def markdown_lines(rl: RLComparison) -> list[str]:
     """The summary, the per-token table and the mitigations as markdown."""
     lines = ["**RL metrics (rollout vs trainer)**", "", *(f"- {k}: {v}" for k, v in summary_pairs(rl)),
              f"- {hist_line(rl)}", ""]
@@ -152,33 +157,33 @@ def markdown_lines(rl: Any) -> list[str]:
     return lines + [""]
 
 
-def step_rows(rl: Any) -> tuple[list[str], list[list[str]]]:
+def step_rows(rl: RLComparison) -> tuple[list[str], list[list[str]]]:
     """The per-token table as ``(headings, rows of cells)`` (the HTML report's table)."""
     return [h for h, _ in STEP_COLUMNS], [[cell(s) for _, cell in STEP_COLUMNS] for s in rl.steps]
 
 
-def mitigation_rows(rl: Any) -> tuple[list[str], list[list[str]]]:
+def mitigation_rows(rl: RLComparison) -> tuple[list[str], list[list[str]]]:
     """The ``--mitigations`` table as ``(headings, rows of cells)``."""
     return [h for h, _ in MITIGATION_COLUMNS], [[cell(m) for _, cell in MITIGATION_COLUMNS] for m in rl.mitigations]
 
 
-def summary_dict(rl: Any) -> dict[str, Any]:
+def summary_dict(rl: RLComparison) -> dict[str, Any]:
     """Every scalar field of the :class:`~tracer.diff.rl.RLComparison` (its summary: the per-token
     tuples and the knob rows left out), by name."""
     scalar = (int, float, bool, str, type(None))
     return {f.name: getattr(rl, f.name) for f in dataclasses.fields(rl) if isinstance(getattr(rl, f.name), scalar)}
 
 
-def csv_meta(rl: Any) -> dict[str, Any]:
+def csv_meta(rl: RLComparison | None) -> dict[str, Any]:
     """``rl_<field>`` → value of :func:`summary_dict`, and per ``--mitigations`` knob
-    ``rl_knob_<knob>_<mean_abs_dlogp|max_abs_dlogp|k3_kl|identical|ran>`` (the CSV columns); empty when
-    ``rl`` is None."""
+    ``rl_knob_<knob>_<field>`` for each number and flag of its :class:`~tracer.diff.rl.KnobResult`
+    (the CSV columns); empty when ``rl`` is None."""
     if rl is None:
         return {}
     out = {f"rl_{k}": v for k, v in summary_dict(rl).items()}
-    for m in rl.mitigations:
-        out.update({f"rl_knob_{m.knob.replace('-', '_')}_{k}": getattr(m, k)
-                    for k in ("mean_abs_dlogp", "max_abs_dlogp", "k3_kl", "identical", "ran")})
+    for m in rl.mitigations:  # every field of the knob's row but its name and texts: the numbers and flags
+        out.update({f"rl_knob_{m.knob.replace('-', '_')}_{k}": v for k, v in m.to_dict().items()
+                    if isinstance(v, (bool, int, float))})
     return out
 
 
@@ -186,7 +191,7 @@ def csv_meta(rl: Any) -> dict[str, Any]:
 PICTURE = ("position", "flip", "logits_differ", "logits_max_abs", "first_point", "last_layer_max_abs")
 
 
-def token_records(rl: Any) -> list[dict[str, Any]]:
+def token_records(rl: RLComparison) -> list[dict[str, Any]]:
     """One dict per response token of every sequence (K × T): ``sequence, step, token, logp_a, logp_b,
     dlogp, ratio, vocab_kl, traced`` and the per-token picture :data:`PICTURE` (position, argmax flip,
     differing logits, the first capture point that differs there, the last layer's max |Δ|), which
@@ -207,7 +212,7 @@ __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitiga
            "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records", "PICTURE"]
 
 
-def print_rl(rl: Any, console: Any) -> None:
+def print_rl(rl: RLComparison, console: Console) -> None:
     """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table, to ``console``
     (the terminal report of :func:`tracer.report.tables.print_report`)."""
     console.print()

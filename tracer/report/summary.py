@@ -15,7 +15,12 @@ table (:mod:`tracer.report.tables`) and the HTML report (:mod:`tracer.report.htm
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from tracer.execute.kinds import LAYER_KINDS, PointKind
+
+if TYPE_CHECKING:
+    from tracer.diff.result import Comparison, PointResult
 
 #: a row is kept when its differing count moves by this factor from the previous row of its kind ...
 NOTABLE_COUNT = 2.0
@@ -37,17 +42,17 @@ def _share(n: int, total: int) -> str:
     return "-" if not total else f"{100 * n / total:.3g}%"
 
 
-def last_layer(c: Any) -> Any:
+def last_layer(c: Comparison) -> PointResult | None:
     """The last decoder-layer point (kind ``layer``) in execution order, or None."""
-    layers = [p for p in c.points if p.kind == "layer"]
+    layers = [p for p in c.points if p.kind == PointKind.LAYER]
     return layers[-1] if layers else None
 
 
-def _first_point(c: Any) -> Any:
+def _first_point(c: Comparison) -> PointResult | None:
     return next((p for p in c.points if p.diverged), None)
 
 
-def _kernels(p: Any) -> str:
+def _kernels(p: PointResult) -> str:
     """Kernel names recorded for a point's calls (``calls[*]['kernels']``), when a capture recorded them."""
     ka = sorted({k for cl in p.calls_a for k in cl.get("kernels", ()) or ()})
     kb = sorted({k for cl in p.calls_b for k in cl.get("kernels", ()) or ()})
@@ -56,7 +61,7 @@ def _kernels(p: Any) -> str:
     return f"kernels A: {', '.join(ka) or '-'}; B: {', '.join(kb) or '-'}"
 
 
-def growth_text(c: Any) -> str:
+def growth_text(c: Comparison) -> str:
     """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)`` or a why-not."""
     first, last = _first_point(c), last_layer(c)
     if first is None:
@@ -75,10 +80,10 @@ def growth_text(c: Any) -> str:
             f"to {last.name} (max |Δ| {_g(b)}, {_share(last.diff.n_diff, last.diff.n_total)} differ)")
 
 
-def logits_text(c: Any) -> str:
+def logits_text(c: Comparison) -> str:
     """``81.7% of 491,520 differ · 0 argmax flips in 10 positions · KL mean 0.00184, max 0.00222 nats``."""
     if c.logits is None:
-        skip = next((s for s in c.skipped if s.kind == "logits"), None)  # missing in a run, or not stored
+        skip = next((s for s in c.skipped if s.kind == PointKind.LOGITS), None)  # missing in a run, or not stored
         part = next((n for n in c.facts.get("notes", []) if " (logits) at position(s) " in n), None)
         if skip is None and part is not None:  # an engine dump's next-token logits: a few positions only
             return "at a few positions only (" + part.split(" (logits) at position(s) ")[1].split(" only")[0] + "): see the notes"
@@ -102,7 +107,7 @@ def noise_text(noise: Any) -> str:
     return f"{noise.verdict} ({trend.get(noise.verdict, 'between the thresholds')}: logits max|Δ| {chain})"
 
 
-def verdict_line(c: Any) -> str:
+def verdict_line(c: Comparison) -> str:
     """The answer first: with ``--verdict``, whether the divergence is rounding noise, then
     :meth:`~tracer.diff.result.Comparison.verdict` (where it diverges); the headline's first line
     and the report's last."""
@@ -121,7 +126,7 @@ def _rerun(c: Any, command: str) -> str:
     return f"tracer run {model}{scen} "
 
 
-def next_steps(c: Any, command: str = "run") -> list[str]:
+def next_steps(c: Comparison, command: str = "run") -> list[str]:
     """What to try next. Each suggestion names options of the command that prints it (``command``:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
     ``tracer sweep``/``audit`` for identical runs)."""
@@ -133,16 +138,16 @@ def next_steps(c: Any, command: str = "run") -> list[str]:
         steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}`")
         return steps
     if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
-        subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+        subs = any(p.kind not in LAYER_KINDS for p in c.points)
         return [] if subs else ["dump with the dumper's non-intrusive mode `all` (DUMPER_NON_INTRUSIVE_MODE=all): "
                                 "every module's output, so the op inside the layer is named"]
     run = _rerun(c, command)
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
-    if any(p.kind == "kv_cache" and p.n_diff_prefix for p in origins) and not whole_prompt:
+    if any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt:
         steps.append(f"`{run}--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
                      "op by op and names the op")
-    subs = any(p.kind not in ("layer", "kv_cache", "embedding", "final_norm", "logits") for p in c.points)
+    subs = any(p.kind not in LAYER_KINDS for p in c.points)
     if not subs:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
@@ -161,7 +166,7 @@ def next_steps(c: Any, command: str = "run") -> list[str]:
     return steps
 
 
-def headline(c: Any, command: str = "run") -> list[tuple[str, str]]:
+def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
@@ -193,13 +198,6 @@ def headline(c: Any, command: str = "run") -> list[tuple[str, str]]:
     return out
 
 
-def headline_text(c: Any) -> list[str]:
-    """:func:`headline` as plain lines (``label: text``), labels padded to one width."""
-    pairs = headline(c)
-    w = max(len(k) for k, _ in pairs)
-    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
-
-
 def _notable(prev: Any, cur: Any) -> bool:
     """The differing count moves by :data:`NOTABLE_COUNT` or max |Δ| by :data:`NOTABLE_MAX` or more,
     or either goes between 0 and non-zero."""
@@ -211,7 +209,7 @@ def _notable(prev: Any, cur: Any) -> bool:
     return False
 
 
-def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
+def rows_that_matter(c: Comparison, limit: int | None = None) -> list[int]:
     """Indices into :func:`tracer.report.tables.rows` (points in execution order, logits last) worth printing.
 
     Always: the first point, the origins, the first divergent point, the last layer, the final
@@ -227,7 +225,7 @@ def rows_that_matter(c: Any, limit: int | None = None) -> list[int]:
     first = c.first_divergent
     last = last_layer(c)
     for i, p in enumerate(pts):
-        if p.origin or p.name == first or (last is not None and p.name == last.name) or p.kind == "final_norm":
+        if p.origin or p.name == first or (last is not None and p.name == last.name) or p.kind == PointKind.FINAL_NORM:
             must.add(i)
     if c.logits is not None:
         must.add(n - 1)

@@ -8,6 +8,7 @@ in execution order with ``all_rows``), a logits row with the argmax flips, and a
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -18,16 +19,20 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from tracer.diff.metrics import ULP_BINS, TensorDiff
+from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.store.trace import json_safe
-from tracer.diff.metrics import ULP_BINS
+from tracer.execute.kernels import summarize
+from tracer.report import rl as rl_report
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, WIDE_COLUMNS,  # noqa: F401
                                   check_columns, check_format, fit_columns, name_cell, table_width)
+from tracer.report.rl import markdown_lines, print_rl
+from tracer.report.rl import csv_meta as rl_meta
 from tracer.report.summary import headline, rows_that_matter, verdict_line
-from tracer.execute.kernels import summarize
-from tracer.diff.provenance import classify, merged_kernels
 from tracer.report.textsafe import printable
+from tracer.store.trace import json_safe
+
 
 def _num(x: float | None, digits: int = 3) -> str:
     if x is None:
@@ -50,17 +55,22 @@ def _frac(n: int, total: int) -> str:
     return f"{100 * f:.3g}%"
 
 
-def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
-    r = {"name": name, "kind": kind, "n_diff": d.n_diff, "n_total": d.n_total,
-         "fraction": d.n_diff / d.n_total if d.n_total else 0.0,
-         "max_abs_diff": d.max_abs_diff, "mean_abs_diff": d.mean_abs_diff,
-         "max_ulp": d.max_ulp, "max_ulp_mag": d.max_ulp_mag,
-         **{f"ulp_{b}": n for b, n in zip(ULP_KEYS, d.ulp_hist)},
-         "rel_error": d.rel_error, "cosine": d.cosine, "sqnr_db": d.sqnr_db,
-         "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
-         "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
-         "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False,
-         "kernels": None, "class": None}
+def _row(name: str, kind: str, d: TensorDiff, **extra: Any) -> dict[str, Any]:
+    """One row: ``name``, ``kind``, ``n_diff``, ``n_total``, ``fraction``, then every other field of ``d``
+    in declaration order (a field added to :class:`~tracer.diff.metrics.TensorDiff` lands in CSV and
+    DataFrames with no edit here; ``ulp_hist`` spread over ``ulp_0 .. ulp_gt16``), then the point's own keys."""
+    r: dict[str, Any] = {"name": name, "kind": kind, "n_diff": d.n_diff, "n_total": d.n_total,
+                         "fraction": d.n_diff / d.n_total if d.n_total else 0.0}
+    for f in dataclasses.fields(d):
+        if f.name in r:
+            continue
+        value = getattr(d, f.name)
+        if f.name == "ulp_hist":
+            r.update({f"ulp_{b}": n for b, n in zip(ULP_KEYS, value)})
+            continue
+        r[f.name] = value
+    r.update(amplification=None, growth=None, n_outside_tol=None, argmax_flips=None, origin=False, kernels=None)
+    r["class"] = None
     r.update(extra)
     return r
 
@@ -72,11 +82,12 @@ ULP_KEYS = ("0", "1", "2", "3_4", "5_8", "9_16", "gt16")
 def rows(c: Comparison) -> list[dict[str, Any]]:
     """The table's rows as plain dicts (shared by every format), logits last.
 
-    Keys: ``name, kind, n_diff, n_total, fraction, max_abs_diff, mean_abs_diff,
-    max_ulp`` (integer-line ULP distance), ``max_ulp_mag`` (ULPs of the larger magnitude),
-    ``ulp_0 .. ulp_gt16`` (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3,
-    frac_rel_lt_5e3, n_nan_a, n_nan_b, n_inf_a, n_inf_b, amplification`` (vs the first divergent
-    point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
+    Keys: ``name, kind``, every :class:`~tracer.diff.metrics.TensorDiff` field (``n_diff, n_total,
+    fraction, max_abs_diff, mean_abs_diff, max_ulp`` (integer-line ULP distance), ``ulp_0 .. ulp_gt16``
+    (histogram counts), ``rel_error, cosine, sqnr_db, frac_rel_lt_1e3, frac_rel_lt_5e3, n_nan_a,
+    n_nan_b, n_inf_a, n_inf_b, max_ulp_mag`` (ULPs of the larger magnitude), ``n_nan_payload``), then
+    ``amplification`` (vs the first divergent point), ``growth`` (vs the same point one layer
+    earlier), ``n_outside_tol, argmax_flips, origin, kernels, class``.
     """
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
                 n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
@@ -320,15 +331,6 @@ def replay_lines(c: Comparison) -> list[str]:
     return lines
 
 
-def origin_block(c: Comparison) -> list[str]:
-    """The origin lines, for the top of the report."""
-    lines = c.origin_lines()
-    if not lines:
-        return []
-    head = f"origin of divergence ({len(lines)} op{'s' if len(lines) != 1 else ''} where it is born; everything else propagates):"
-    return [head, *(f"  {line}" for line in lines)]
-
-
 #: the most rows the table shows by default (``--all-rows``: every row), sublayers included
 MAX_ROWS = 15
 
@@ -354,7 +356,6 @@ def print_report(c: Comparison, console: Console | None = None,
     """
     console = console or Console()
     if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
-        from tracer.report import rl as rl_report
 
         for line in rl_report.summary_lines(c.rl):
             console.print(Text(printable(line)), soft_wrap=True)
@@ -384,8 +385,6 @@ def print_report(c: Comparison, console: Console | None = None,
         for line in c.noise.lines():
             console.print(printable(line), soft_wrap=True, markup=False)
     if c.rl is not None:
-        from tracer.report.rl import print_rl
-
         print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
         console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
@@ -402,8 +401,6 @@ CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "position
 
 def csv_meta(c: Comparison) -> dict[str, Any]:
     """The run metadata of :data:`CSV_META` for ``c``."""
-    from tracer.report.rl import csv_meta as rl_meta
-
     f = c.facts
     return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
             "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
@@ -430,8 +427,6 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     columns = with_kernels(c, columns)
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.rl is not None:
-        from tracer.report.rl import markdown_lines
-
         lines += markdown_lines(c.rl)
     if c.origin_lines():
         lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]

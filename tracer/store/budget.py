@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from tracer import schema
@@ -47,7 +48,6 @@ def parse_size(text: Any, what: str = "--max-trace-size") -> int:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise TracerError(f"{what} {shown} is not a size; give bytes or e.g. 300MB, 2GiB")
-        from decimal import Decimal
 
         n = int(Decimal(m.group(1)) * _UNITS[unit])  # exact for any number of digits
     if n <= 0:

@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import resource
 import stat
 import zlib
 from pathlib import Path
@@ -346,8 +347,6 @@ def check_space(path: str | os.PathLike, need: int, what: str) -> None:
     Raises:
         TracerError: too little space or too low a limit; the message says which.
     """
-    import resource
-
     p = Path(path)
     try:
         size = p.stat().st_size if p.exists() else 0

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 _PREFIX = "module.module."
 
@@ -146,8 +147,9 @@ def write_megatron_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, s
             return cache[name]
 
         kind = {n: r.capture_info(run, n)["kind"] for n in names}
-        layers = [n for n in names if kind[n] == "layer"]
-        first = {k: next(n for n in names if kind[n] == k) for k in ("embedding", "final_norm", "logits")}
+        layers = [n for n in names if kind[n] == PointKind.LAYER]
+        first = {k: next(n for n in names if kind[n] == k) for k in (PointKind.EMBEDDING, PointKind.FINAL_NORM,
+                                                                       PointKind.LOGITS)}
         per_layer, prev = [], get(first["embedding"])
         for layer in layers:
             hf = layer_roles(r, run, names, layer)

@@ -29,6 +29,9 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
+from tracer.execute.family import infer_roles
+from tracer.execute.kinds import PointKind
+from tracer.store.trace import TraceReader
 
 _COLUMN = ("qkv_proj", "gate_up_proj", "act_fn", "attn")
 
@@ -78,8 +81,6 @@ def layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, str
     Raises:
         TracerError: a role SGLang's Llama layout needs that the run lacks.
     """
-    from tracer.execute.family import infer_roles
-
     members = [n for n in names if n.startswith(layer + ".")]
     stored = {n: r.capture_info(run, n).get("role", "") for n in members}
     if not any(stored.values()):
@@ -125,8 +126,6 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         TracerError: the run lacks sublayer captures, ``out/exp_name`` is not empty, a width that
             ``tp`` does not divide.
     """
-    from tracer.store.trace import TraceReader
-
     if layout not in ("sglang-dumper", "passes"):
         raise TracerError(f"unknown dump layout {layout!r}; use sglang-dumper or passes")
     if logits not in ("last", "every-step"):
@@ -150,9 +149,9 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
                 cache[name] = t
             return cache[name]
 
-        layers = [n for n in names if r.capture_info(run, n)["kind"] == "layer"]
-        emb = [n for n in names if r.capture_info(run, n)["kind"] == "embedding"][0]
-        norm = [n for n in names if r.capture_info(run, n)["kind"] == "final_norm"][0]
+        layers = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.LAYER]
+        emb = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.EMBEDDING][0]
+        norm = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.FINAL_NORM][0]
         items: list[tuple[str, Any, str]] = [("model.embed_tokens", get(emb), "replicated")]
         prev = get(emb)
         for i, layer in enumerate(layers):
@@ -162,7 +161,7 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
         items += [("model.norm", (get(norm), prev), "replicated"), ("model", get(norm), "replicated")]
         lo, hi = rec.window
         ids = torch.tensor(rec.token_ids[lo:hi], dtype=torch.long)
-        all_logits = get([n for n in names if r.capture_info(run, n)["kind"] == "logits"][0])
+        all_logits = get([n for n in names if r.capture_info(run, n)["kind"] == PointKind.LOGITS][0])
     if steps is not None:
         if sum(steps) != hi - lo or any(n < 1 for n in steps):
             raise TracerError(f"steps {steps} do not add up to the run's {hi - lo} kept tokens; give positive sizes that do")

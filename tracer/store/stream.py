@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
+import queue
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from tracer.dtypes import DTYPES
+from tracer.store import trace as store  # looked up at call time: a test substitutes stored_crc
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,6 @@ class _ReadAhead:
     have come. :meth:`close` stops the thread."""
 
     def __init__(self, gen: Iterator[Any], depth: int) -> None:
-        import queue
-        import threading
-
         self.gen, self.depth, self.stop = gen, depth, False
         self.done = False
         if depth > 0:
@@ -141,17 +143,14 @@ class StoredPairs:
     Host memory: the ring of buffers, whatever the trace size."""
 
     def __init__(self, names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> None:
-        from tracer.dtypes import DTYPES
-        from tracer.store.trace import stored_crc
-
         self.dev = dev
         self.items = []
         biggest = 1
         for name in names:
             (ia, ha), (ib, hb) = caps_a[name], caps_b[name]
             same = list(ia["shape"]) == list(ib["shape"]) and ia["dtype"] == ib["dtype"]
-            crc_a = stored_crc(ha) if same else None
-            hint = crc_a is not None and crc_a == stored_crc(hb)
+            crc_a = store.stored_crc(ha) if same else None
+            hint = crc_a is not None and crc_a == store.stored_crc(hb)
             self.items.append((name, ia, ib, ha, hb, same, DTYPES[ia["dtype"]], DTYPES[ib["dtype"]], hint))
             if same:
                 biggest = max(biggest, int(ha.nbytes), int(hb.nbytes))
@@ -169,14 +168,12 @@ class StoredPairs:
 
     @staticmethod
     def _read(ia: dict, ha: Any, hb: Any, buf_a: Callable | None, buf_b: Callable | None) -> Iterator[tuple]:
-        from tracer.store.trace import read_row_blocks
-
         shape = tuple(ia["shape"])
         rows = shape[0] if shape else 1
         row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))
         per_block = max(1, BLOCK_BYTES // row_bytes)
-        ga = read_row_blocks(ha, per_block, buf_a)
-        gb = read_row_blocks(hb, per_block, buf_b)
+        ga = store.read_row_blocks(ha, per_block, buf_a)
+        gb = store.read_row_blocks(hb, per_block, buf_b)
         for (r0, xa), (_, xb) in zip(ga, gb):
             yield r0, xa, xb
         for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
@@ -210,37 +207,6 @@ def stored_pairs(names: list[str], caps_a: dict, caps_b: dict, dev: torch.device
     """The :class:`StoredPairs` of points ``names`` of two stored runs (``caps_x``: name → (info, dataset)),
     moved to ``dev`` block by block; close it when done."""
     return StoredPairs(names, caps_a, caps_b, dev)
-
-
-def prefetched(items: list, load: Callable[[Any], Any], depth: int = 2) -> Iterator[Any]:
-    """``load(item)`` for each item in order, loading up to ``depth`` items ahead on one thread
-    (``depth=0``: in turn, on the calling thread)."""
-    import collections
-    from concurrent.futures import ThreadPoolExecutor
-
-    if depth <= 0:
-        for item in items:
-            yield load(item)
-        return
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read") as pool:
-        queue: collections.deque = collections.deque()
-        it = iter(items)
-        for item in it:
-            queue.append(pool.submit(load, item))
-            if len(queue) >= depth:
-                break
-        try:
-            while queue:
-                value = queue.popleft().result()
-                nxt = next(it, _END)
-                if nxt is not _END:
-                    queue.append(pool.submit(load, nxt))
-                yield value
-                del value
-        finally:
-            for fut in queue:
-                fut.cancel()
 
 
 _END = object()

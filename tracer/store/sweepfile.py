@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import re
+import stat
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from tracer import schema
+from tracer import __version__, schema
 from tracer.errors import TracerError
+from tracer.files import check_input_file
+from tracer.store.integrity import check_space
 
 FORMAT = "tracer-sweep"
 FORMAT_VERSION = 1
@@ -200,7 +203,6 @@ class SweepFile:
                 self.f = h5py.File(self.path, "w")
             except OSError as e:
                 raise TracerError(f"cannot create {self.path} ({e.strerror or e}); choose another --output") from None
-            from tracer import __version__
 
             self.f.attrs["format"] = FORMAT
             self.f.attrs["format_version"] = np.int64(FORMAT_VERSION)
@@ -238,8 +240,6 @@ class SweepFile:
             TracerError: the point's capture points differ from the earlier points', or the disk
                 has no room for it.
         """
-        from tracer.store.integrity import check_space
-
         # writes happen in place: a failing one would break HDF5 and the file, so check first
         check_space(self.path, (runs_from.stat().st_size if runs_from is not None else 0) + (1 << 20),
                     f"sweep file {self.path}")
@@ -330,8 +330,6 @@ def read_sweep(path: str | Path) -> SweepResult:
     Raises:
         TracerError: missing file, not a sweep file, unknown format version.
     """
-    from tracer.files import check_input_file
-
     p = check_input_file(path, "sweep file")  # a FIFO or device would block the read
     f = _open_sweep(p, "r")
     try:
@@ -343,7 +341,6 @@ def read_sweep(path: str | Path) -> SweepResult:
 def is_sweep_file(path: str | Path) -> bool:
     """True if ``path`` is an HDF5 file with ``format = "tracer-sweep"``."""
     import h5py
-    import stat
 
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or device: it would block

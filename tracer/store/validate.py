@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.store.formats import format_for
 from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
 
@@ -262,13 +263,13 @@ def _check_shape(shape: tuple[int, ...], kind: str, what: str, rows: tuple[int, 
     """A capture's shape against its kind: window rows, KV cache positions, logits width."""
     window_rows, seq_rows = rows
     size = int(np.prod(shape, dtype=np.float64)) if shape else 1
-    if size and kind == "kv_cache" and (len(shape) != 2 or shape[0] > seq_rows):
+    if size and kind == PointKind.KV_CACHE and (len(shape) != 2 or shape[0] > seq_rows):
         raise _corrupt(path, f"{what} has shape {shape}; a KV cache is (positions <= {seq_rows}, features)")
     rows_given = len(shape) >= 1 and shape[0] > 0  # (0, ...) = not captured in this run
     if kind in WINDOW_KINDS and (size or rows_given):
         if len(shape) == 0 or shape[0] != window_rows:
             raise _corrupt(path, f"{what} has shape {shape}; its window holds {window_rows} positions")
-        if kind == "logits" and (len(shape) < 2 or shape[-1] == 0):
+        if kind == PointKind.LOGITS and (len(shape) < 2 or shape[-1] == 0):
             raise _corrupt(path, f"logits {what} have shape {shape}, not (positions, vocab)")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from tracer.execute.kinds import LAYER_KINDS, PointKind
 from tracer.report.figures.common import LABEL_ZERO, _figure, _tick_labels, _title
 
 #: labels of the amplification figure's two lines (tests and notebooks find them by label)
@@ -35,13 +36,13 @@ def amplification_data(comparison: Any) -> dict[str, Any]:
         d = comparison.logits.tensor
         logits_index = len(names)
         names.append(comparison.logits_name or "logits")
-        kinds.append("logits")
+        kinds.append(PointKind.LOGITS)
         mad.append(float(d.max_abs_diff))
         frac.append(d.n_diff / d.n_total if d.n_total else 0.0)
         origin.append(bool(getattr(comparison, "logits_origin", False)))
     mad_a = np.asarray(mad, dtype=np.float64)
-    kv = np.asarray([i for i, k in enumerate(kinds) if k == "kv_cache"], dtype=np.int64)
-    rest = np.asarray([i for i, k in enumerate(kinds) if k != "kv_cache"], dtype=np.int64)
+    kv = np.asarray([i for i, k in enumerate(kinds) if k == PointKind.KV_CACHE], dtype=np.int64)
+    rest = np.asarray([i for i, k in enumerate(kinds) if k != PointKind.KV_CACHE], dtype=np.int64)
     return {"names": names, "kinds": kinds, "max_abs_diff": mad_a,
             "fraction": np.asarray(frac, dtype=np.float64), "origin": np.asarray(origin, dtype=bool),
             "zero": mad_a == 0, "logits_index": logits_index, "series": {"points": rest, "kv_cache": kv}}
@@ -71,7 +72,7 @@ def _panel(ax: Any, data: dict[str, Any], idx: np.ndarray, label: str, color: st
     ax.grid(True, which="major", axis="y", alpha=0.3)
     kinds = [data["kinds"][i] for i in idx]
     _tick_labels(ax, [data["names"][i] for i in idx], kinds=kinds, keep=[int(i) for i in org],
-                 compact=bool(kinds) and all(k == "kv_cache" for k in kinds))
+                 compact=bool(kinds) and all(k == PointKind.KV_CACHE for k in kinds))
 
 
 def amplification_figure(comparison: Any, *, title: str | None = None, figsize: tuple[float, float] | None = None):
@@ -110,8 +111,8 @@ def amplification_figure(comparison: Any, *, title: str | None = None, figsize: 
         ax.axvline(xl, color="gray", ls=":", lw=1)
         ax.annotate("logits", (xl, 1.0), xycoords=("data", "axes fraction"), ha="right", va="top", fontsize=8,
                     color="gray", rotation=90)
-    ax.set_title("residual stream" + (" and sublayers" if any(k not in ("embedding", "layer", "final_norm", "logits", "kv_cache")
-                                                           for k in data["kinds"]) else "") + " · logits", fontsize=9)
+    subs = any(k not in LAYER_KINDS for k in data["kinds"])
+    ax.set_title("residual stream" + (" and sublayers" if subs else "") + " · logits", fontsize=9)
     if kv.size:
         _panel(axes[1], data, kv, LABEL_KV, "tab:purple", zero_y)
         axes[1].set_ylabel("max |A − B| (log)")

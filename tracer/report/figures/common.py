@@ -9,6 +9,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 
 #: the label of the explicit zero markers (bit-identical points) in the line figures
 LABEL_ZERO = "bit-identical (|diff| = 0)"
@@ -48,7 +49,7 @@ def compact_name(name: str, kind: str | None = None) -> str:
     at = next((i for i, p in enumerate(parts) if i and p.isdigit()), None)
     if at is not None:
         rest = ".".join(parts[at + 1:])
-        if kind == "kv_cache" or rest.endswith("kv_cache"):
+        if kind == PointKind.KV_CACHE or rest.endswith("kv_cache"):
             return f"L{parts[at]} KV"
         return f"L{parts[at]}" + (f" {rest}" if rest else "")
     return short_name(name)

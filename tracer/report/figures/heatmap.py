@@ -13,9 +13,12 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from tracer.diff.compare import check_alignable
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
+from tracer.store.trace import TraceReader
 
 _ELEMENTS_PER_CHUNK = 1 << 21
 #: the heat map labels every row up to this many (the default run's 63 points, sublayers of small
@@ -89,7 +92,7 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
                 continue  # not a window capture
             ta, tb = ta[positions[0]:], tb[positions[0]:]  # kept for all N positions (the KV cache): its window rows
         mx, nd = position_max_abs_diff(ta, tb)
-        if kind == "logits":
+        if kind == PointKind.LOGITS:
             logits = (name, kind, mx, nd)
             continue
         names.append(name), kinds.append(kind), vals.append(mx), nds.append(nd)
@@ -108,7 +111,7 @@ def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
     pp = getattr(comparison, "per_position", None)
     if not pp:
         return None
-    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == "logits")  # logits last, stable
+    order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == PointKind.LOGITS)  # logits last, stable
     vals = np.asarray([[np.inf if isinstance(v, str) else v for v in pp["max_abs_diff"][i]] for i in order],
                       dtype=np.float64)
     return PositionDiffs(names=[pp["names"][i] for i in order], kinds=[pp["kinds"][i] for i in order],
@@ -122,8 +125,6 @@ def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
     Raises:
         TracerError: the runs processed different prompts or windows.
     """
-    from tracer.diff.compare import check_alignable
-
     check_alignable(a.name, a.token_ids, a.window, b.name, b.token_ids, b.window)
     pairs = ((n, r.kind, r.tensor, b.captures[n].tensor) for n, r in a.captures.items() if n in b.captures)
     return _position_diffs(pairs, tuple(a.window))
@@ -135,9 +136,6 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
     Raises:
         TracerError: missing/corrupt trace, unknown runs, runs of different prompts.
     """
-    from tracer.diff.compare import check_alignable
-    from tracer.store.trace import TraceReader
-
     with TraceReader(path) as r:
         names = r.runs
         if run_a is None or run_b is None:

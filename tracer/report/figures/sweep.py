@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import LABEL_ZERO, _figure, _log_norm, _plt, compact_name
 
 
@@ -143,7 +144,7 @@ def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float,
         ax2.set_yticklabels([compact_name(nm, kinds[i] if i < len(kinds) else None) for i, nm in enumerate(d["names"])],
                             fontsize=max(4.5, min(8.0, 400 / max(1, c))))
         for i, k in enumerate(kinds[:c]):
-            if k == "kv_cache":
+            if k == PointKind.KV_CACHE:
                 ax2.get_yticklabels()[i].set_color("tab:purple")
         if norm is not None:
             fig.colorbar(mesh, ax=ax2, label="max |A − B| (log)", location="right")

@@ -6,7 +6,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from tracer.diff.metrics import ULP_BINS
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.report.figures.common import _figure, _title, short_name
 
 
@@ -40,7 +42,7 @@ def select_points(comparison: Any, layers: Sequence[str | int] | None = None) ->
         return chosen
     picks: list[int] = []
     first = next((i for i, row in enumerate(table) if row[1].n_diff), None)
-    layer_idx = [i for i, row in enumerate(table) if row[2] == "layer"]
+    layer_idx = [i for i, row in enumerate(table) if row[2] == PointKind.LAYER]
     after = [i for i in layer_idx if first is None or i >= first] or layer_idx  # middle of the divergent stretch
     for i in (first, after[len(after) // 2] if after else None, layer_idx[-1] if layer_idx else None,
               len(table) - 1 if comparison.logits is not None else None):
@@ -59,8 +61,6 @@ def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, ti
     Raises:
         TracerError: unknown ``layers`` entries (see :func:`select_points`).
     """
-    from tracer.diff.metrics import ULP_BINS
-
     chosen = select_points(comparison, layers)
     fig, ax = _figure(figsize=figsize or (8.0, 4.2 + 0.2 * len(chosen)), layout="constrained")
     x = np.arange(len(ULP_BINS))

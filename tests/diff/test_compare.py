@@ -1,0 +1,93 @@
+"""compare_records / compare_trace on hand-made runs with planted differences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_record as _run
+from tracer.diff.compare import compare_records, compare_trace
+from tracer.errors import TracerError
+from tracer.store.trace import TraceWriter
+
+
+def _pair():
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    l0 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    l1 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.9]], dtype=torch.bfloat16)
+    a = _run("A", [("emb", "embedding", emb), ("l0", "layer", l0), ("l1", "layer", l1), ("head", "logits", logits)])
+    # B: l0 differs by 1 ULP at one element, l1 by a large amount at two, logits flip at position 1
+    l0b = l0.clone()
+    l0b.view(torch.int16)[1, 3] += 1
+    l1b = l1.clone()
+    l1b[0, 0] += 4.0
+    l1b[1, 7] -= 2.0
+    lb = logits.clone()
+    lb[1, 3] = 5.5
+    b = _run("B", [("emb", "embedding", emb.clone()), ("l0", "layer", l0b), ("l1", "layer", l1b), ("head", "logits", lb)])
+    return a, b, (l0, l0b, l1, l1b)
+
+
+def test_planted_differences():
+    a, b, (l0, l0b, l1, l1b) = _pair()
+    c = compare_records(a, b, scenario="s", model="m")
+    rows = {p.name: p for p in c.points}
+    assert rows["emb"].diff.n_diff == 0
+    assert rows["l0"].diff.n_diff == 1 and rows["l0"].diff.max_ulp == 1
+    assert rows["l0"].diff.max_abs_diff == pytest.approx(float((l0.double() - l0b.double()).abs().max()))
+    assert rows["l1"].diff.n_diff == 2
+    # amplification: relative to the first divergent row (l0)
+    expect = float((l1.double() - l1b.double()).abs().max()) / float((l0.double() - l0b.double()).abs().max())
+    assert rows["l1"].amplification == pytest.approx(expect)
+    assert rows["emb"].amplification is None
+    assert c.first_divergent == "l0"
+    flips = c.logits.argmax_flips
+    assert [(f.position, f.token_a, f.token_b) for f in flips] == [(1, 0, 3)]
+    d = c.to_dict()
+    assert d["logits"]["flips"][0]["position"] == 3  # absolute: window start 2 + 1
+    assert "diverges from l0, 1 argmax flip in 2 positions" == c.verdict()
+
+
+def test_identical_runs():
+    a, _, _ = _pair()
+    c = compare_records(a, a, scenario="s", model="m")
+    assert c.identical and c.first_divergent is None and c.verdict().startswith("bit-identical")
+
+
+def test_different_prompts_refused():
+    a, b, _ = _pair()
+    b.token_ids[0] = 9
+    with pytest.raises(TracerError, match="different token ids"):
+        compare_records(a, b, scenario="s", model="m")
+
+
+def test_stored_comparison_equals_in_memory(tmp_path):
+    a, b, _ = _pair()
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+    stored = compare_trace(str(path))
+    mem = compare_records(a, b, scenario="s", model="m")
+    assert [p.diff for p in stored.points] == [p.diff for p in mem.points]
+    assert stored.logits == mem.logits
+    assert stored.scenario == "s" and stored.model == "m"
+
+
+def test_compare_trace_on_an_explicit_device_and_a_missing_one(tmp_path):
+    a, b, _ = _pair()
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "x"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+    on_cpu = compare_trace(str(path), device="cpu")
+    assert on_cpu.first_divergent == "l0"
+    assert [p.diff for p in on_cpu.points] == [p.diff for p in compare_trace(str(path)).points]
+    if not torch.cuda.is_available():
+        with pytest.raises(TracerError, match="CUDA was requested"):
+            compare_trace(str(path), device="cuda")
+    else:
+        on_gpu = compare_trace(str(path), device="cuda")
+        assert [p.diff.n_diff for p in on_gpu.points] == [p.diff.n_diff for p in on_cpu.points]

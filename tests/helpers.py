@@ -1,0 +1,176 @@
+"""What the tests share: one way to run the ``tracer`` command, one way to build runs by hand, and the
+small random-init models (built straight from HF configs, independent of :mod:`tracer.load.models`).
+
+- :func:`tracer_cli` runs ``python -m tracer ARGS`` in a subprocess; :func:`bad_cli` checks a bad
+  input's contract (exit 2, one line, no traceback); :func:`cli_batch` runs many argument lists
+  in one process in which loading a model raises (bad input must be refused before any load).
+- :func:`run_record` builds a :class:`~tracer.execute.records.RunRecord` from ``(name, kind,
+  tensor)`` triples; :func:`make_runs` two planted runs A/B; :func:`write_trace` stores runs.
+- :func:`make_model` a random-init causal LM of a family in :data:`FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.execute.records import CaptureRecord, RunRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ---------------------------------------------------------------- the tracer command
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a CLI subprocess: this checkout first on ``PYTHONPATH``, the shared model
+    cache, 200 columns (tables are not cut), then ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TRACER_CACHE_DIR", str(Path.home() / ".cache" / "tracer"))
+    env["COLUMNS"] = "200"
+    env.update(extra or {})
+    return env
+
+
+def tracer_cli(args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, *,
+               check: bool = True, timeout: float = 600, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``python -m tracer ARGS`` in ``cwd`` with ``env`` (default :func:`cli_env`); stdout and stderr
+    captured as text. ``check``: raise AssertionError (with stderr) unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "tracer", *args], env=cli_env() if env is None else env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tracer {args} exited {proc.returncode}: {proc.stderr}")
+    return proc
+
+
+def bad_cli(args: list[str], env: dict[str, str], cwd: str | Path, needle: str) -> subprocess.CompletedProcess:
+    """``tracer ARGS`` must refuse: exit 2, no traceback, one line on stderr holding ``needle``."""
+    # the error is the only line: progress lines (a slow phase before the error) are off here
+    proc = tracer_cli(args, {**env, "TRACER_PROGRESS": "off"}, cwd, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert needle in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    return proc
+
+
+_BATCH_DRIVER = """
+import contextlib, io, json, sys
+sys.path.insert(0, {root!r})
+import tracer.load.models
+def refuse(*a, **k):
+    raise RuntimeError("a model was loaded")
+tracer.load.models.load_model = refuse
+from tracer.cli import main
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["tracer", *args]
+    err = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([code, err.getvalue()]), flush=True)
+"""
+
+
+def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> list[tuple[int, str]]:
+    """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process (in which
+    loading a model raises, so a case that would load one fails)."""
+    env = dict(os.environ, COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-c", _BATCH_DRIVER.format(root=str(ROOT)), json.dumps(cases)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    out = [tuple(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert len(out) == len(cases), proc.stderr[-3000:]
+    return out
+
+
+# ---------------------------------------------------------------- runs built by hand
+
+
+def run_record(name: str, tensors: list[tuple[str, str, torch.Tensor]], ids: tuple[int, ...] = (1, 2, 3, 4),
+               window: tuple[int, int] = (2, 4), *, calls: dict[str, list] | None = None,
+               chunks: list[list[int]] | None = None) -> RunRecord:
+    """A run of prompt ``ids`` that kept ``window``: one capture per ``(name, kind, tensor)`` (op
+    ``X``; ``calls``: capture name → its calls), plan chunks ``chunks`` (default one pass)."""
+    caps = {n: CaptureRecord(name=n, kind=k, tensor=t, calls=(calls or {}).get(n, []), op="X") for n, k, t in tensors}
+    return RunRecord(name=name, token_ids=list(ids), plan={"chunks": chunks or [[0, len(ids)]]}, window=window,
+                     captures=caps)
+
+
+T, H, V = 4, 8, 16  # make_runs: window positions, hidden size, vocabulary
+NAMES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm")
+
+
+def make_runs(diverge_at: str | None = "model.layers.1", empty_in_b: str | None = None,
+              drop_in_b: str | None = None, kv_empty_in_b: bool = False) -> list[RunRecord]:
+    """Runs A and B of 6 tokens, window [2, 6); B differs by one ULP from ``diverge_at`` on."""
+    g = torch.Generator().manual_seed(0)
+    runs = []
+    for name in ("A", "B"):
+        caps: dict[str, CaptureRecord] = {}
+        diverged = False
+        for cap in NAMES:
+            x = torch.randn(T, H, generator=g) if name == "A" else runs[0].captures[cap].tensor.clone()
+            diverged = diverged or cap == diverge_at
+            if name == "B" and diverged:
+                x = torch.nextafter(x, torch.full_like(x, 10.0))
+            if name == "B" and cap == empty_in_b:
+                x = torch.empty(0, H)
+            if not (name == "B" and cap == drop_in_b):
+                caps[cap] = CaptureRecord(cap, "embedding" if "embed" in cap else "layer", x)
+        kv = torch.empty(0) if (name == "B" and kv_empty_in_b) else torch.ones(6, 4)
+        caps["model.layers.0.self_attn.kv_cache"] = CaptureRecord("model.layers.0.self_attn.kv_cache", "kv_cache", kv)
+        logits = torch.randn(T, V, generator=torch.Generator().manual_seed(1))
+        caps["lm_head"] = CaptureRecord("lm_head", "logits", logits)
+        runs.append(RunRecord(name, [1, 2, 3, 4, 5, 6], {"description": name}, (2, 6), caps, meta={}))
+    return runs
+
+
+def write_trace(path: Path, runs: list[RunRecord], header: dict | None = None, version: int = 2) -> Path:
+    """``runs`` stored in a trace at ``path`` (format ``version``)."""
+    from tracer.store.trace import TraceWriter
+
+    with TraceWriter(path, header=header or {"model": {"name": "planted"}}, format_version=version) as w:
+        for r in runs:
+            w.add_run(r)
+    return path
+
+
+# ---------------------------------------------------------------- tiny random-init models
+
+FAMILIES = {
+    "llama": dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512),
+    "qwen2": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512),
+    "qwen3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "mistral": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=512, sliding_window=None),
+    "gemma": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "phi3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, pad_token_id=0),
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512, bos_token_id=0, eos_token_id=0),
+}
+
+
+def make_model(model_type: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str = "sdpa"):
+    """A random-init causal LM of the given HF family, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model(model_type, **FAMILIES[model_type])
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(dtype).eval()
+    model.requires_grad_(False)
+    return model

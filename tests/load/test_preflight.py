@@ -1,0 +1,84 @@
+"""Errors before anything heavy loads (issue 25, item 5): every input error of `tracer run` is one
+line, exit 2, and found before torch or transformers is imported (the time it takes is measured
+by benchmarks/input_errors.py, not here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("input_errors", ROOT / "benchmarks" / "input_errors.py")
+input_errors = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(input_errors)
+
+DRIVER = """
+import sys
+sys.argv = ["tracer", "run", *{args!r}]
+from tracer.cli import main
+code = 0
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+sys.stderr.write("HEAVY=" + ",".join(heavy) + "\\n")
+sys.exit(code)
+"""
+
+
+@pytest.fixture(scope="module")
+def folder():
+    return input_errors.scratch()
+
+
+def _cuda_build() -> bool:
+    from importlib.metadata import version
+
+    return "+cpu" not in version("torch")
+
+
+@pytest.mark.parametrize("argv, about", input_errors.CASES, ids=[" ".join(a) for a, _ in input_errors.CASES])
+def test_input_error_is_one_line_before_torch_loads(argv, about, folder, cli_env):
+    if argv == ["--device", "cuda"] and _cuda_build():
+        pytest.skip("a CUDA build of torch: --device cuda is not an input error here")
+    proc = subprocess.run([sys.executable, "-c", DRIVER.format(args=argv)], capture_output=True, text=True,
+                          cwd=folder, env={**cli_env, "TRACER_PROGRESS": "off"}, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert lines[-1] == "HEAVY=", f"{argv}: imported {lines[-1]} before the error"
+    assert len(lines) == 2 and lines[0].startswith("error: ") and about in lines[0], proc.stderr
+
+
+def test_a_typo_of_a_recipe_gets_no_download_hint(folder, cli_env):
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "smollm2-135"], capture_output=True, text=True,
+                          cwd=folder, env=cli_env, timeout=120)
+    assert proc.returncode == 2 and "did you mean smollm2-135m?" in proc.stderr and "hf download" not in proc.stderr
+
+
+def test_did_you_mean_for_options_scenarios_and_api_names(folder, cli_env):
+    import tracer
+    from tracer.errors import TracerError
+
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "--prompt-fil", "x"], capture_output=True,
+                          text=True, cwd=folder, env=cli_env, timeout=120)
+    assert proc.returncode == 2 and "--prompt-file" in proc.stderr  # click's own suggestion
+    with pytest.raises(TracerError, match=r"unknown option\(s\) granularty \(did you mean granularity\?\)"):
+        tracer.run("tiny-llama", granularty="layers")
+    with pytest.raises(TracerError, match=r"unknown scenario 'prefix_cache' \(did you mean prefix-cache\?\)"):
+        tracer.run("tiny-llama", scenario="prefix_cache")
+
+
+def test_prompt_naming_a_file_gets_a_note(folder):
+    import tracer
+
+    res = tracer.run("tiny-llama", prompt=str(folder / "exists.txt"), length=20, device="cpu", progress=False)
+    note = [n for n in res.comparison.facts.get("notes", []) if "--prompt-file" in n]
+    assert note == [f"--prompt {str(folder / 'exists.txt')!r} is the name of an existing file: the text traced is "
+                    f"that name; to trace the file's content, use --prompt-file {folder / 'exists.txt'}"]
+    res = tracer.run("tiny-llama", prompt="hello world", length=20, device="cpu", progress=False)
+    assert not any("--prompt-file" in n for n in res.comparison.facts.get("notes", []))

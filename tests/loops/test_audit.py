@@ -1,0 +1,101 @@
+"""`tracer audit` end to end through the CLI on tiny-llama, and comparing traces of two files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import bad_cli, tracer_cli
+from tracer.loops.audit import checks, parse_levels
+from tracer.errors import TracerError
+from tracer.store.trace import TraceReader
+
+
+def test_audit_end_to_end(tmp_path, cli_env):
+    out = tmp_path / "audit.h5"
+    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--length", "48",
+                   "--levels", "0,1,3,4,5,7", "--format", "json", "-o", str(out)], cli_env, tmp_path)
+    doc = json.loads(proc.stdout)
+    rows = {r["key"]: r for r in doc["rows"]}
+    assert {r["level"] for r in doc["rows"]} == {0, 1, 3, 4, 5, 7}
+    s = doc["summary"]
+    assert s["total"] == len(doc["rows"]) == s["passed"] + s["failed"] + s["skipped"]
+    assert rows["L0-repeat"]["holds_bitwise"] is True and rows["L0-repeat"]["status"] == "passed"
+    # level 4 for real: 2 gloo ranks on the CPU (the row names the mode and the backend)
+    real = rows["L4-tp-real"]
+    assert real["status"] in ("passed", "failed") and real["check"].endswith("torch.distributed (gloo)")
+    assert real["last_layer_total"] == 48 * 64 and "simulated" in rows["L4-tp-sim-ring"]["check"]
+    if real["status"] == "failed":  # the deterministic collective is tried and reported like other mitigations
+        assert isinstance(real["mitigations"]["deterministic"], bool)
+    assert rows["L3-block-size"]["status"] == "skipped" and "KV block" in rows["L3-block-size"]["reason"]  # N=48 < 64
+    if not torch.cuda.is_available():
+        assert rows["L7-device"]["status"] == "skipped" and "no CUDA GPU" in rows["L7-device"]["reason"]
+    for key in ("L5-kv-fp8", "L5-kv-mxfp8", "L5-kv-nvfp4"):  # quantizing the KV cache must change something
+        assert rows[key]["status"] == "failed" and rows[key]["max_abs_logit_diff"] > 0
+        assert "deterministic" in rows[key]["mitigations"]
+    for r in doc["rows"]:
+        assert r["seed_status"]
+        if r["status"] != "skipped":
+            assert r["last_layer_total"] > 0 and r["argmax_flips"] is not None
+    with TraceReader(out) as reader:
+        assert {"L0-repeat.A", "L0-repeat.B", "L5-kv-fp8.A", "L5-kv-fp8+deterministic.B", "L4-tp-real.B"} <= set(reader.runs)
+        assert reader.header["audit"]["L5-kv-mxfp8"]["params"]["kv_block_format"]["block_size"] == 32
+        assert (reader.header["tensor_parallel"]["backend"], reader.header["tensor_parallel"]["world_size"]) == ("gloo", 2)
+        assert reader.header["audit"]["L5-kv-nvfp4"]["params"]["kv_block_format"]["scale"] == "e4m3"
+    # a stored audit run pair compares again from the file
+    again = json.loads(tracer_cli(["compare", str(out), "L5-kv-fp8.A", "L5-kv-fp8.B", "-f", "json"], cli_env, tmp_path).stdout)
+    assert again["scenario"] == "kv-quant" and again["logits"]["n_diff"] > 0
+
+
+def test_audit_table_and_markdown(tmp_path, cli_env):
+    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "0,2",
+                   "--no-store", "--format", "markdown"], cli_env, tmp_path)
+    assert "| level |" in proc.stdout and "cache miss vs hit at N-1" in proc.stdout
+    assert "largely solved" in proc.stdout
+    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "7", "--no-store"],
+                  cli_env, tmp_path)
+    assert "hold bitwise" in proc.stdout
+    if not torch.cuda.is_available():
+        assert "skipped" in proc.stdout and "no CUDA GPU" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["audit", "tiny-llama", "--levels", "0,9"], "levels are 0-7"),
+    (["audit", "tiny-llama", "--levels", "x"], "comma-separated"),
+    (["audit", "tiny-llama", "--format", "yaml"], "unknown format"),
+    (["run", "tiny-llama", "--scenario", "kv-quant", "--kv-format", "int3"], "kv-format"),
+    (["run", "tiny-llama", "--scenario", "tensor-parallel", "--reduce", "butterfly"], "reduce"),
+    (["run", "tiny-llama", "--scenario", "batch", "--padding", "middle"], "padding"),
+    (["run", "tiny-llama", "--scenario", "block-size", "--block-sizes", "16,x"], "block-sizes"),
+    (["run", "tiny-llama", "--scenario", "attention", "--attn-b", "magic"], "attention"),
+])
+def test_bad_audit_and_scenario_input(tmp_path, cli_env, args, needle):
+    bad_cli(args, cli_env, tmp_path, needle)
+
+
+def test_device_scenario_without_gpu(tmp_path, cli_env):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    bad_cli(["run", "tiny-llama", "--scenario", "device"], cli_env, tmp_path, "--devices")
+
+
+def test_compare_two_trace_files(tmp_path, cli_env):
+    for name in ("one.h5", "two.h5"):
+        tracer_cli(["run", "tiny-llama", "--scenario", "repeat", "--length", "30", "--device", "cpu", "-o",
+                str(tmp_path / name)], cli_env, tmp_path)
+    doc = json.loads(tracer_cli(["compare", str(tmp_path / "one.h5"), str(tmp_path / "two.h5:B"), "-f", "json"],
+                            cli_env, tmp_path).stdout)
+    # a file without :RUN takes the other side's run name
+    assert doc["runs"] == [f"{tmp_path / 'one.h5'}:B", f"{tmp_path / 'two.h5'}:B"]
+    assert doc["identical"] is True  # same machine, same plan
+    bad_cli(["compare", str(tmp_path / "one.h5:Z"), str(tmp_path / "two.h5")], cli_env, tmp_path, "Z")
+
+
+def test_parse_levels_and_checks():
+    assert parse_levels(None) == list(range(8)) and parse_levels("2, 0") == [0, 2]
+    with pytest.raises(TracerError):
+        parse_levels("8")
+    keys = [c.key for c in checks(100)]
+    assert len(keys) == len(set(keys)) and {c.level for c in checks(100)} == set(range(8))

@@ -1,0 +1,163 @@
+"""Sweeps: axis parsing, the sweep file, resuming after an interruption, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import tracer_cli
+from tracer.errors import TracerError
+from tracer import sweep
+from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep
+
+
+@pytest.mark.parametrize("spec,expect", [
+    ("17:20", [17, 18, 19, 20]),            # stop inclusive
+    ("16:64:16", [16, 32, 48, 64]),
+    ("16:70:16", [16, 32, 48, 64]),
+    ("100,200", [100, 200]),
+    ("17:19,18,40", [17, 18, 19, 40]),      # duplicates dropped, order kept
+    (" 5 ", [5]),
+])
+def test_parse_int_list(spec, expect):
+    assert parse_int_list(spec) == expect
+
+
+@pytest.mark.parametrize("spec,match", [("20:17", "start <= stop"), ("1:5:0", "step >= 1"), ("a:b", "not an int"),
+                                        ("1:2:3:4", "too many"), ("", "empty"), ("0:3", "positive")])
+def test_parse_int_list_errors(spec, match):
+    with pytest.raises(TracerError, match=match):
+        parse_int_list(spec)
+
+
+def test_compress_ranges():
+    assert compress_ranges([40, 17, 18, 19, 33, 41]) == "17-19, 33, 40-41"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from tracer.load.models import load_model
+
+    return load_model("tiny-llama", dtype="bfloat16", device="cpu", progress=False)
+
+
+KW = dict(lengths="17:22", block_sizes=[8, 16], progress=False)
+
+
+def _datasets(path):
+    with h5py.File(path, "r") as f:
+        g = f["sweep"]
+        n = int(g.attrs["n_done"])
+        data = {k: g[k][:n] for k in (*ROW_FIELDS, *MATRIX_FIELDS) if k != "wall_s"}
+        return data, {k: g.attrs[k] for k in ("params", "points", "kinds")}, bool(f.attrs["complete"])
+
+
+def test_resume_equals_uninterrupted(tmp_path, loaded):
+    full = sweep("tiny-llama", loaded=loaded, output=tmp_path / "full.h5", **KW)
+    assert full.complete and len(full.rows) == 12
+    assert [(r.length, r.block_size) for r in full.rows][:3] == [(17, 8), (18, 8), (19, 8)]
+
+    seen = []
+
+    def stop_after_five(row):
+        seen.append(row)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    part_path = tmp_path / "part.h5"
+    with pytest.raises(KeyboardInterrupt):
+        sweep("tiny-llama", loaded=loaded, output=part_path, on_point=stop_after_five, **KW)
+    part = read_sweep(part_path)
+    assert len(part.rows) == 5 and not part.complete
+
+    again = []
+    resumed = sweep("tiny-llama", loaded=loaded, output=part_path, on_point=again.append, **KW)
+    assert len(again) == 7  # only the unfinished points ran
+    assert resumed.complete and resumed.rows == full.rows and resumed.points == full.points
+
+    d_full, a_full, c_full = _datasets(tmp_path / "full.h5")
+    d_part, a_part, c_part = _datasets(part_path)
+    assert a_full == a_part and c_full and c_part
+    for k in d_full:
+        assert np.array_equal(d_full[k], d_part[k]), k
+
+    # every stored number equals an independent run of that point
+    import tracer
+
+    r = full.rows[4]
+    res = tracer.run("tiny-llama", loaded=loaded, length=r.length, block_size=r.block_size, store=False, progress=False)
+    assert r.n_diff == tuple([p.diff.n_diff for p in res.comparison.points] + [res.comparison.logits.tensor.n_diff])
+    assert r.split_at == res.comparison.positions[0]
+    assert r.argmax_flips == len(res.comparison.logits.argmax_flips)
+
+
+def test_other_parameters_on_same_output_refused(tmp_path, loaded):
+    out = tmp_path / "s.h5"
+    sweep("tiny-llama", loaded=loaded, output=out, lengths="17:18", block_sizes=[16], progress=False)
+    before = out.read_bytes()
+    with pytest.raises(TracerError, match="other parameters.*lengths.*--overwrite"):
+        sweep("tiny-llama", loaded=loaded, output=out, lengths="17:19", block_sizes=[16], progress=False)
+    assert out.read_bytes() == before
+    res = sweep("tiny-llama", loaded=loaded, output=out, lengths="17:19", block_sizes=[16], progress=False, overwrite=True)
+    assert [r.length for r in res.rows] == [17, 18, 19]
+
+
+def test_bad_input(tmp_path, loaded):
+    with pytest.raises(TracerError, match="start the lengths at 17"):
+        sweep("tiny-llama", loaded=loaded, lengths="10:20", block_sizes=[16], store=False, progress=False)
+    with pytest.raises(TracerError, match="hold 3 tokens"):
+        sweep("tiny-llama", loaded=loaded, lengths="17:20", token_ids=[1, 2, 3], store=False, progress=False)
+    trace = tmp_path / "x.h5"
+    with h5py.File(trace, "w") as f:
+        f.attrs["format"] = "tracer-trace"
+    with pytest.raises(TracerError, match="not a sweep file"):
+        sweep("tiny-llama", loaded=loaded, lengths="17", output=trace, progress=False)
+
+
+def test_in_memory_and_token_ids_prefixes(loaded):
+    ids = list(range(3, 40))
+    res = sweep("tiny-llama", loaded=loaded, lengths=[17, 30], block_sizes=[16], token_ids=ids, store=False, progress=False)
+    assert res.path is None and [r.length for r in res.rows] == [17, 30]
+    assert [r.split_at for r in res.rows] == [16, 16]
+
+
+def test_sweep_cli(tmp_path, cli_env):
+    cli = dict(env=cli_env, cwd=tmp_path, check=False)  # exit codes are checked here
+
+    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--block-size", "16", "--device", "cpu",
+                       "-o", "s.h5", "--plot", "s.png"], **cli)
+    assert proc.returncode == 0, proc.stderr
+    assert "block size 16:" in proc.stdout and (tmp_path / "s.png").exists()
+    proc = tracer_cli(["plot", "s.h5", "-o", "map.svg"], **cli)
+    assert proc.returncode == 0, proc.stderr
+    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--device", "cpu", "-o", "s.h5", "--format", "csv"],
+                      **cli)
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("length,block_size")  # resumed: nothing left
+    assert len(proc.stdout.splitlines()) == 4
+    for bad, msg in ((["--lengths", "9:3"], "start <= stop"), (["--block-size", "8", "--block-sizes", "8,16"], "not both"),
+                     (["--lengths", "17:20", "-o", "s.h5"], "other parameters")):
+        proc = tracer_cli(["sweep", "tiny-llama", "--device", "cpu", *bad], **cli)
+        assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_keep_tensors(tmp_path, loaded):
+    import tracer
+
+    out = tmp_path / "k.h5"
+    sweep("tiny-llama", loaded=loaded, output=out, lengths="17,30", block_sizes=[8], keep_tensors=True, progress=False)
+    ref = tracer.run("tiny-llama", loaded=loaded, length=30, block_size=8, output=tmp_path / "ref.h5", progress=False)
+    with h5py.File(out, "r") as f:
+        assert sorted(f["tensors"]) == ["N17_b8", "N30_b8"]
+        g = f["tensors/N30_b8"]
+        assert sorted(g) == ["A", "B"]
+        for run in ref.runs:  # laid out as a trace's runs (format version 2: index + data/<dtype>)
+            index = {e["name"]: e for e in json.loads(g[run.name].attrs["index"])}
+            for name, rec in run.captures.items():
+                e = index[name]
+                raw = g[run.name]["data"][e["dtype"]][e["offset"]:e["offset"] + rec.tensor.numel()]
+                assert torch.equal(torch.from_numpy(raw.view(np.int16)), rec.tensor.reshape(-1).view(torch.int16))
+    assert not list(tmp_path.glob(".k.point-*"))  # temporary traces removed

@@ -1,0 +1,163 @@
+"""The report's metric columns against independent numpy computations."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import run_record
+from tracer.diff.compare import compare_records
+from tracer.errors import TracerError
+from tracer.diff.batch import count_outside_tolerance, tensor_diff
+from tracer.diff.metrics import ulp_of
+from tracer.report.tables import check_columns, render, rows, to_csv, to_markdown
+
+
+def _bf16_spacing(x: np.ndarray) -> np.ndarray:
+    """Spacing of bfloat16 at |x|: float32's spacing times 2**16 (bf16 keeps 7 of float32's 23
+    mantissa bits, same exponent range, so normals and subnormals scale alike)."""
+    return np.spacing(np.abs(x).astype(np.float32)).astype(np.float64) * 2.0**16
+
+
+def test_ulp_of_matches_numpy_spacing():
+    xs = np.array([0.0, 1.0, 1.5, 2.0, 3.0, 1e-5, -1e-5, 1e-38, 1e-40, 6.0e-39, 1e38], dtype=np.float32)
+    got32 = ulp_of(torch.from_numpy(xs), torch.float32).numpy()
+    assert np.array_equal(got32, np.spacing(np.abs(xs)).astype(np.float64))
+    got64 = ulp_of(torch.from_numpy(xs.astype(np.float64)), torch.float64).numpy()
+    assert np.array_equal(got64, np.spacing(np.abs(xs.astype(np.float64))))
+    bf = torch.from_numpy(xs).to(torch.bfloat16)
+    got16 = ulp_of(bf, torch.bfloat16).numpy()
+    assert np.array_equal(got16, _bf16_spacing(bf.float().numpy()))
+
+
+def test_max_ulp_mag_across_zero_and_subnormals():
+    a = torch.tensor([-1e-5, 1.0, 2**-130, 0.0, 1.0], dtype=torch.bfloat16)
+    b = torch.tensor([1e-5, 1.0, -(2**-130), 0.0, 1.0078125], dtype=torch.bfloat16)
+    d = tensor_diff(a, b)
+    a64, b64 = a.double().numpy(), b.double().numpy()
+    want = np.abs(a64 - b64) / _bf16_spacing(np.maximum(np.abs(a64), np.abs(b64)))
+    assert d.max_ulp_mag == pytest.approx(float(want.max()))
+    # -1e-5 vs +1e-5: |a-b| = 2|a| = 2 * 168 ulps of the magnitude, whatever the bit-line distance
+    assert want[0] == pytest.approx(2 * abs(a64[0]) / _bf16_spacing(np.array([a64[0]]))[0])
+    assert d.max_ulp > 20000  # the integer line distance crosses every pattern near zero
+
+
+def test_count_outside_tolerance_matches_numpy():
+    g = np.random.default_rng(0)
+    a = g.standard_normal(1000).astype(np.float32)
+    b = a + g.standard_normal(1000).astype(np.float32) * 1e-3
+    b[7] = np.nan
+    for atol, rtol in ((0.0, 0.0), (1e-3, 0.0), (0.0, 1e-2), (5e-4, 5e-3)):
+        want = int(np.sum(~(np.abs(a.astype(np.float64) - b) <= atol + rtol * np.abs(a.astype(np.float64)))))
+        assert count_outside_tolerance(torch.from_numpy(a), torch.from_numpy(b), atol, rtol) == want
+
+
+_rec = functools.partial(run_record, ids=tuple(range(6)), window=(2, 6))
+
+
+def _pair():
+    g = torch.Generator().manual_seed(1)
+    t = {n: torch.randn(4, 16, generator=g).to(torch.bfloat16) for n in ("emb", "l0", "l1", "norm")}
+    logits = torch.randn(4, 32, generator=g).to(torch.bfloat16)
+    ta = [("emb", "embedding", t["emb"]), ("m.layers.0", "layer", t["l0"]), ("m.layers.1", "layer", t["l1"]),
+          ("norm", "final_norm", t["norm"]), ("head", "logits", logits)]
+    tb = []
+    for n, k, x in ta:
+        y = x.clone()
+        if n == "m.layers.0":
+            y[1, 2] = -y[1, 2]
+        if n in ("m.layers.1", "norm", "head"):
+            y = (y.float() + torch.randn(y.shape, generator=g) * 0.05).to(torch.bfloat16)
+        if n == "m.layers.1":
+            y[0, 0] = float("nan")
+        tb.append((n, k, y))
+    return _rec("A", ta), _rec("B", tb)
+
+
+def _np_metrics(a: torch.Tensor, b: torch.Tensor) -> dict:
+    x, y = a.double().numpy().ravel(), b.double().numpy().ravel()
+    fin = np.isfinite(x) & np.isfinite(y)
+    xf, yf = x[fin], y[fin]
+    dd = xf - yf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.abs(x - y) / np.abs(x)
+    eq = a.view(torch.int16).numpy().ravel() == b.view(torch.int16).numpy().ravel()
+    return {
+        "rel_error": np.linalg.norm(dd) / np.linalg.norm(xf),
+        "cosine": float(xf @ yf / (np.linalg.norm(xf) * np.linalg.norm(yf))),
+        "sqnr_db": 10 * np.log10(np.sum(xf**2) / np.sum(dd**2)),
+        "frac_rel_lt_1e3": float(np.mean(eq | (rel < 1e-3))),
+        "frac_rel_lt_5e3": float(np.mean(eq | (rel < 5e-3))),
+        "max_abs_diff": float(np.max(np.where(eq, 0, np.nan_to_num(np.abs(x - y), nan=np.inf)))),
+        "n_nan_b": int(np.isnan(y).sum()),
+    }
+
+
+def test_report_rows_against_numpy():
+    a, b = _pair()
+    c = compare_records(a, b, scenario="s", model="m", atol=0.01, rtol=0.0)
+    r = {row["name"]: row for row in rows(c)}
+    for name in ("m.layers.0", "m.layers.1", "norm"):
+        want = _np_metrics(a.captures[name].tensor, b.captures[name].tensor)
+        for key, w in want.items():
+            assert r[name][key] == pytest.approx(w, rel=1e-9), (name, key)
+    # the sign flip of one element in layer 0: cosine/SQNR from numpy above; histogram: one element > 16
+    assert r["m.layers.0"]["ulp_gt16"] == 1 and r["m.layers.0"]["ulp_0"] == 63
+    # growth: layer 1's max abs diff over layer 0's (same point, previous layer); inf with a NaN
+    assert r["m.layers.1"]["growth"] == float("inf") and r["m.layers.0"]["growth"] is None
+    # tolerance counts against numpy
+    for name in ("m.layers.1", "norm"):
+        x, y = a.captures[name].tensor.double().numpy(), b.captures[name].tensor.double().numpy()
+        assert r[name]["n_outside_tol"] == int(np.sum(~(np.abs(x - y) <= 0.01)))
+    # logits: KL(A||B) per position, top-5 overlap, rank of A's top token in B, against numpy
+    la, lb = a.captures["head"].tensor.double().numpy(), b.captures["head"].tensor.double().numpy()
+    pa = np.exp(la - la.max(1, keepdims=True))
+    pa /= pa.sum(1, keepdims=True)
+    pb = np.exp(lb - lb.max(1, keepdims=True))
+    pb /= pb.sum(1, keepdims=True)
+    kl = np.sum(pa * (np.log(pa) - np.log(pb)), axis=1)
+    assert c.logits.kl_mean == pytest.approx(kl.mean(), rel=1e-9) and c.logits.kl_max == pytest.approx(kl.max(), rel=1e-9)
+    top5 = np.mean([len(set(np.argsort(-la[i])[:5]) & set(np.argsort(-lb[i])[:5])) / 5 for i in range(4)])
+    assert c.logits.top5_overlap == pytest.approx(top5)
+    ranks = [int(np.sum(lb[i] > lb[i, np.argmax(la[i])])) for i in range(4)]
+    assert c.logits.rank_of_a_top_in_b_max == max(ranks)
+
+
+def test_every_format_carries_every_metric():
+    a, b = _pair()
+    c = compare_records(a, b, scenario="s", model="m")
+    doc = json.loads(json.dumps(c.to_dict(), default=str))
+    keys = {"max_ulp", "max_ulp_mag", "ulp_hist", "rel_error", "cosine", "sqnr_db", "frac_rel_lt_1e3",
+            "frac_rel_lt_5e3", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b", "growth", "origin"}
+    assert keys <= set(doc["layers"][0])
+    header = next(csv.reader(io.StringIO(to_csv(c))))
+    assert {"max_ulp_mag", "ulp_gt16", "sqnr_db", "cosine", "frac_rel_lt_5e3", "growth", "origin"} <= set(header)
+    md = to_markdown(c)
+    assert "SQNR dB" in md and "<5‰" in md and "origin" in md
+
+
+def test_columns_option():
+    assert check_columns(None) == ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "flips")
+    assert check_columns("sqnr,cos") == ("point", "sqnr", "cos")
+    assert len(check_columns(None, wide=True)) > 10
+    with pytest.raises(TracerError, match="unknown column 'bogus'"):
+        check_columns("diff,bogus")
+
+
+def test_table_marks_origin_rows():
+    from rich.console import Console
+
+    a, b = _pair()
+    c = compare_records(a, b, scenario="s", model="m")
+    con = Console(width=200, record=True, no_color=True)
+    render(c, "table", con)
+    out = con.export_text()
+    assert "origin:" in out  # the headline block names the origin above the table
+    assert "m.layers.0  ◀ origin" in out
+    assert out.index("origin:") < out.index("capture point")
