@@ -207,7 +207,7 @@ class Gen:
 
         if kw["logits"] is None:  # the logits' fields describe the logits: none without them
             kw.update(logits_name=None, logits_calls=([], []), logits_origin=False, logits_n_outside_tol=None,
-                      logits_amplification=None)
+                      logits_amplification=None, logits_cross_dtype=None)
         if kw["fail_on"] == "tolerance" and kw["atol"] is None and kw["rtol"] is None:
             kw["atol"] = 0.0
         return Comparison(**kw)

@@ -152,20 +152,27 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
 
 def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
     """One line comparing logits the engine dumped at a few positions only: ``(k, vocab)`` rows of
-    the reference (``a``) and the engine (``b``), same dtype.
-
-    Raises:
-        TracerError: the rows differ in dtype (the engine computed logits in another dtype).
-    """
+    the reference (``a``) and the engine (``b``). Rows of different dtypes (an engine's float32
+    logits against a bf16 reference) are compared as :mod:`tracer.diff.crossdtype` says, and the
+    line says so (values compared in the wider dtype, ULPs in the coarser, representability)."""
+    from tracer.diff.batch import tensor_diff
+    from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
     from tracer.diff.logits import logits_diff
 
-    if a.dtype != b.dtype:
-        raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")
-    d = logits_diff(a, b)
+    how = ""
+    if pair_dtypes(a.dtype, b.dtype) is not None:
+        cross = CrossAccumulator(a.dtype, b.dtype)
+        a, b, ra, rb = cross.views(a, b)
+        merged, info = cross.merge(tensor_diff(a, b), tensor_diff(ra, rb))
+        d = logits_diff(a, b, tensor=merged)
+        how = f" ({info.text('HF', 'the engine')}; max {merged.max_ulp_mag:.3g} ULP of {info.ulps_in})"
+    else:
+        d = logits_diff(a, b)
     flips = ", ".join(f"position {positions[f.position]}: top-1 {f.token_a} in HF, {f.token_b} in the engine"
                       for f in d.argmax_flips) or "no argmax flip"
     return (f"{name} (logits) at position(s) {', '.join(map(str, positions))} only ← {src}: {d.tensor.n_diff} / "
-            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
+            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; "
+            f"{flips}{how}")
 
 
 def _mapped(dump: str, reader: TraceReader, run: str, engine_map: str | None) -> MappedDump:

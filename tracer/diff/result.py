@@ -15,6 +15,7 @@ from typing import Any
 
 from tracer import schema
 from tracer.diff.accuracy import OpReplay
+from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff
 from tracer.diff.positions import PerPosition
@@ -55,6 +56,9 @@ class PointResult(schema.Record):
         n_diff_prefix: for ``kv_cache`` points: differing elements at positions before the
             compared window (computed by an earlier forward pass); None for other points.
         n_outside_tol: elements outside ``atol + rtol * |a|`` (None when no tolerance was given).
+        cross_dtype: when the runs hold this point in different dtypes, how it was compared
+            (:class:`~tracer.diff.crossdtype.CrossDtype`: values in the wider dtype, the ULP
+            fields of ``diff`` in the coarser one); None when the dtypes are equal.
     """
 
     name: str
@@ -70,6 +74,7 @@ class PointResult(schema.Record):
     differing_inputs: tuple[str, ...] = ()
     n_diff_prefix: int | None = None
     n_outside_tol: int | None = None
+    cross_dtype: CrossDtype | None = None
 
     @property
     def diverged(self) -> bool:
@@ -144,6 +149,8 @@ class Comparison(schema.Record):
         op_replay: capture name → the float64 replay of that origin op (``--op-replay``), or None.
         skipped: the points that could not be compared (missing or empty in one run).
         rl: ``rollout-vs-train``: the RL metrics (:class:`tracer.diff.rl.RLComparison`), else None.
+        logits_cross_dtype: the logits' :class:`~tracer.diff.crossdtype.CrossDtype` when the runs'
+            logits dtypes differ (an engine's float32 logits vs a bf16 reference), else None.
     """
 
     scenario: str
@@ -171,6 +178,15 @@ class Comparison(schema.Record):
     op_replay: dict[str, OpReplay] | None = None
     skipped: tuple[SkipRecord, ...] = ()
     rl: RLComparison | None = None
+    logits_cross_dtype: CrossDtype | None = schema.field(key=("logits", "cross_dtype"), default=None)
+
+    @property
+    def cross_dtypes(self) -> dict[str, CrossDtype]:
+        """Capture point (logits included) → how it was compared, for every point whose runs' dtypes differ."""
+        out = {p.name: p.cross_dtype for p in self.points if p.cross_dtype is not None}
+        if self.logits_cross_dtype is not None and self.logits_name:
+            out[self.logits_name] = self.logits_cross_dtype
+        return out
 
     @property
     def not_compared(self) -> tuple[SkipRecord, ...]:
@@ -271,6 +287,12 @@ class Comparison(schema.Record):
         if self.identical and nan is not None:
             return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
                     "but the values are not numbers)")
+        cross = self.cross_dtypes
+        if self.identical and cross:
+            one = next(iter(cross.values()))
+            return (f"identical values: all {n_points} capture points agree at positions {self.positions[0]}.."
+                    f"{self.positions[1] - 1}, bit for bit except at {len(cross)} point(s) whose dtypes differ, "
+                    f"where the values are equal ({one.text(self.run_a, self.run_b)})")
         if self.identical:
             return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
                     f"{self.positions[0]}..{self.positions[1] - 1}")
@@ -280,6 +302,8 @@ class Comparison(schema.Record):
         if first is None and self.logits is not None and self.first_divergent == self.logits_name:
             first = self.logits.tensor
         what = f": {NAN_PAYLOAD}" if first is not None and first.nan_payload_only else ""
+        if self.first_divergent in cross:
+            what += f" ({cross[self.first_divergent].text(self.run_a, self.run_b)})"
         return f"diverges from {self.first_divergent}{what}{tail if self.logits is not None else ''}"
 
     def schema_extras(self, doc: dict[str, Any]) -> None:

@@ -73,7 +73,7 @@ def _row(name: str, kind: str, d: Any, **extra: Any) -> dict[str, Any]:
          "frac_rel_lt_1e3": d.frac_rel_lt_1e3, "frac_rel_lt_5e3": d.frac_rel_lt_5e3,
          "n_nan_a": d.n_nan_a, "n_nan_b": d.n_nan_b, "n_inf_a": d.n_inf_a, "n_inf_b": d.n_inf_b,
          "amplification": None, "growth": None, "n_outside_tol": None, "argmax_flips": None, "origin": False,
-         "kernels": None, "class": None}
+         "kernels": None, "class": None, "cross_dtype": None}
     r.update(extra)
     return r
 
@@ -91,12 +91,14 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
     frac_rel_lt_5e3, n_nan_a, n_nan_b, n_inf_a, n_inf_b, amplification`` (vs the first divergent
     point), ``growth`` (vs the same point one layer earlier), ``n_outside_tol, argmax_flips, origin``.
     """
+    cross = {n: x.text(c.run_a, c.run_b) for n, x in c.cross_dtypes.items()}
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
+                cross_dtype=cross.get(p.name),
                 n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
                 **{"class": (classify(p, c.positions) or {}).get("class")}) for p in c.points]
     if c.logits is not None:
         out.append(_row(f"{c.logits_name} (logits)", "logits", c.logits.tensor, origin=c.logits_origin,
-                        amplification=c.logits_amplification,
+                        amplification=c.logits_amplification, cross_dtype=cross.get(c.logits_name),
                         n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips),
                         kernels=_kernels_cell(c.logits_calls[0], c.logits_calls[1], c.positions)))
     return out
@@ -236,7 +238,13 @@ def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
     """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
     base = r["name"].split(" ")[0]
     mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
-    return printable(r["name"]) + sliding_mark(c, base), mark
+    return printable(r["name"]) + sliding_mark(c, base) + dtype_mark(c, base), mark
+
+
+def dtype_mark(c: Comparison, name: str) -> str:
+    """``" [in float32; B is float32, A bfloat16]"`` for a row whose runs' dtypes differ, else ``""``."""
+    x = c.cross_dtypes.get(name)
+    return "" if x is None else f" [in {x.compared_in}; {c.run_a} is {x.dtype_a}, {c.run_b} {x.dtype_b}; ULP* in {x.ulps_in}]"
 
 
 def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
@@ -452,7 +460,8 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
-        cells = [(r["name"] + sliding_mark(c, r["name"]) + (" **◀ origin**" if r["origin"] else ""))
+        cells = [(r["name"] + sliding_mark(c, r["name"]) + dtype_mark(c, r["name"].split(" ")[0])
+                  + (" **◀ origin**" if r["origin"] else ""))
                  if k == "point" else COLUMNS[k][1](r) for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     for sk in c.skipped:
