@@ -10,11 +10,13 @@ over the positions both sides hold; the report names the engine and lists every 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from tracer.diff.capture_contract import ContractMismatch, check_rank_sum, check_scaled
 from tracer.diff.compare import compare_pairs
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
@@ -112,15 +114,20 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
             raise TracerError(f"the dump covers positions {lo}..{hi - 1} but run {run_a} kept {w0}..{w1 - 1}; "
                               "compare with the run it was imported against")
         caps = reader.captures(run_a)
+        contract: list = []
+        world = mapped.facts.get("tp_size")
 
         def pairs():
+            from tracer.store.trace import read_tensor
+
             for name, (info, ds) in caps.items():
                 t_b = mapped.tensors.get(name)
                 if t_b is None:
                     continue
-                from tracer.store.trace import read_tensor
-
                 t_a = read_tensor(ds, rows=slice(lo - w0, hi - w0))
+                odd = contract_of(name, t_a, t_b, mapped, world if isinstance(world, int) else None)
+                if odd is not None:
+                    contract.append(odd)
                 yield name, info["kind"], info["op"], t_a.to(dev), t_b.to(dev), info["calls"], []
 
         header = reader.header
@@ -144,10 +151,33 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
 
             rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
             facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
-        return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
-                             positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
-                             facts=facts, atol=atol, rtol=rtol,
-                             roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
+        c = compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
+                          positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
+                          facts=facts, atol=atol, rtol=rtol,
+                          roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
+        return replace(c, contract=tuple(contract)) if contract else c
+
+
+def contract_of(name: str, t_a: torch.Tensor, t_b: torch.Tensor, mapped: MappedDump,
+                world: int | None) -> ContractMismatch | None:
+    """The capture-contract difference at one mapped point (:mod:`tracer.diff.capture_contract`),
+    or None: its TP ranks held partial sums its dims do not mark (their sum matches the reference),
+    or one side is k× the other at nearly every element.
+
+    Raises:
+        TracerError: the point's replicated TP ranks differ and their sum does not match the
+            reference either (inconsistent shards).
+    """
+    if name in mapped.unmarked_partials:
+        k = world or 2
+        odd = check_rank_sum(name, t_a, t_b, k)
+        if odd is None:
+            raise TracerError(f"inconsistent shards: {name} is replicated (no TP dim in its dims or map) but the "
+                              f"{k} ranks hold different values, and their sum is not the reference either "
+                              f"({mapped.unmarked_partials[name].split('; ')[-1].rstrip(')')}); "
+                              "give its dims, e.g. \"t h[tp]\"")
+        return odd
+    return check_scaled(name, t_a, t_b, world)
 
 
 def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
@@ -209,6 +239,14 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         run = _resolve_run(reader, run)
         layout = ref_layout(reader, run)
         mapped = map_engine_dump(dump, reader, run, engine_map)
+        lo, hi = mapped.positions
+        w0 = layout.window[0]
+        for name in mapped.unmarked_partials:  # never stored as if it were the full sum
+            from tracer.store.trace import read_tensor
+
+            ref_rows = read_tensor(reader.captures(run)[name][1], rows=slice(lo - w0, hi - w0))
+            odd = contract_of(name, ref_rows, mapped.tensors[name], mapped, mapped.facts.get("tp_size"))
+            raise TracerError(f"{odd.text}; not imported")
         header = dict(reader.header)
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
     header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}

@@ -15,6 +15,7 @@ from typing import Any
 
 from tracer import schema
 from tracer.diff.accuracy import OpReplay
+from tracer.diff.capture_contract import ContractMismatch
 from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff
@@ -151,6 +152,8 @@ class Comparison(schema.Record):
         rl: ``rollout-vs-train``: the RL metrics (:class:`tracer.diff.rl.RLComparison`), else None.
         logits_cross_dtype: the logits' :class:`~tracer.diff.crossdtype.CrossDtype` when the runs'
             logits dtypes differ (an engine's float32 logits vs a bf16 reference), else None.
+        contract: points whose two sides hold different quantities (an engine dump's partial vs
+            full sums: :mod:`tracer.diff.capture_contract`); the verdict names them first.
     """
 
     scenario: str
@@ -179,6 +182,7 @@ class Comparison(schema.Record):
     skipped: tuple[SkipRecord, ...] = ()
     rl: RLComparison | None = None
     logits_cross_dtype: CrossDtype | None = schema.field(key=("logits", "cross_dtype"), default=None)
+    contract: tuple[ContractMismatch, ...] = ()
 
     @property
     def cross_dtypes(self) -> dict[str, CrossDtype]:
@@ -287,6 +291,15 @@ class Comparison(schema.Record):
         if self.identical and nan is not None:
             return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
                     "but the values are not numbers)")
+        flips = len(self.logits.argmax_flips) if self.logits is not None else 0
+        tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {self.n_positions} positions"
+        if self.contract:  # another quantity on one side: said before anything is called numerics
+            odd = {m.name for m in self.contract}
+            rest = next((p.name for p in self.points if p.diverged and p.name not in odd), None)
+            more = f" (and {len(self.contract) - 1} more point(s))" if len(self.contract) > 1 else ""
+            return (f"{self.contract[0].text}{more}: not a numeric divergence; "
+                    + (f"numerics diverge from {rest}" if rest else "every other compared point agrees")
+                    + (tail if self.logits is not None else ""))
         cross = self.cross_dtypes
         if self.identical and cross:
             one = next(iter(cross.values()))
@@ -296,8 +309,6 @@ class Comparison(schema.Record):
         if self.identical:
             return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
                     f"{self.positions[0]}..{self.positions[1] - 1}")
-        flips = len(self.logits.argmax_flips) if self.logits is not None else 0
-        tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {self.n_positions} positions"
         first = next((p.diff for p in self.points if p.name == self.first_divergent), None)
         if first is None and self.logits is not None and self.first_divergent == self.logits_name:
             first = self.logits.tensor

@@ -69,6 +69,10 @@ class MappedDump:
         partial_logits: HF logits name → ``(positions, (len(positions), vocab) rows, mapping line)``
             for logits the engine dumped at some compared positions only (SGLang: next-token
             logits, the last position of each request).
+        unmarked_partials: HF name → note, for points whose TP ranks held different values although
+            neither the dims nor the map say they are partial sums: their tensor is the ranks'
+            float64 sum, which the comparison checks against the reference (a capture-contract
+            difference when it matches, inconsistent shards when it does not).
     """
 
     engine: str
@@ -79,6 +83,7 @@ class MappedDump:
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     partial_logits: dict[str, tuple[list[int], torch.Tensor, str]] = field(default_factory=dict)
+    unmarked_partials: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- entries
@@ -200,22 +205,40 @@ def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
 # ---------------------------------------------------------------- shards
 
 
-def _tp_dim(dims: str | None) -> int | None:
-    """The dim marked ``(tp)`` / ``[tp]`` in a dims string (``"t h(tp)"`` → 1), or None."""
-    if not dims:
-        return None
-    tokens = dims.split()
-    for i, tok in enumerate(tokens):
-        if re.search(r"[\[(][^\])]*\btp\b", tok):
-            return i
-    return None
+#: the start of the note of a replicated point whose TP ranks hold different values: taken as partial
+#: sums (float64 sum); :func:`tracer.diff.compare_dump.compare_dump` checks the sum against the reference
+UNMARKED_PARTIAL = "ranks differ although no dims mark them partial"
+
+
+def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool]:
+    """``(dim, partial, replicated)`` of the TP axis in the entry's ``dims`` (:mod:`tracer.execute.dims`):
+    the dim it shards (None: no TP axis), whether the ranks hold partial sums, whether ``# tp:replicated``
+    declares equal copies.
+
+    Raises:
+        TracerError: a dims string that does not parse, or names another number of dimensions.
+    """
+    from tracer.execute.dims import check_rank, parse_dims
+
+    if first.dims is None or first.dims == "":
+        return None, False, False
+    spec = parse_dims(first.dims, first.file)
+    check_rank(spec, ndim, first.dims, first.file)
+    dim, partial = spec.tp() or (None, False)
+    return dim, partial, "tp" in spec.replicated_axes
 
 
 def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> tuple[list[torch.Tensor], str]:
     """Join one (module, element, step)'s TP shards; returns the parts (one, or the split parts) and a note.
 
+    ``h[tp]`` / ``h(tp)`` (or a column-parallel rule): concatenated along that dim; ``h[tp:partial]``
+    / ``h(tp,partial)``: the ranks' partial sums added in float64 (kept in float64: the comparison
+    then says how it compares with the reference's dtype); no TP axis: the ranks must hold equal
+    copies, else their float64 sum is kept with a note starting with :data:`UNMARKED_PARTIAL` (the
+    comparison decides whether they were partial sums).
+
     Raises:
-        TracerError: missing ranks, shapes/dtypes that differ, replicated shards that are not equal.
+        TracerError: missing ranks, shapes/dtypes that differ, a bad dims string.
     """
     first = next(iter(shards.values()))
     size = first.tp_size
@@ -228,17 +251,21 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
         shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
         raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
     split = rule.get("split")
-    if first.dims and re.search(r"[\[(][^\])]*\btp\b[^\])]*\bpartial\b", first.dims):
-        # "h(tp,partial)": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
-        total = torch.stack([t.float() for t in ts]).sum(0).to(ts[0].dtype)
-        return [total], f"{size} TP partial sums added (float32, rounded once)"
-    dim = _tp_dim(first.dims)
-    if dim is None and rule.get("shard") == "columns":
+    dim, partial, replicated = _tp_of_dims(first, ts[0].dim())
+    if partial:
+        # "h[tp:partial]": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
+        total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
+        return [total], f"{size} TP partial sums added (float64, kept in float64)"
+    if dim is None and rule.get("shard") == "columns" and not replicated:
         dim = ts[0].dim() - 1
     if size == 1 or dim is None:
         if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
-            raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
-                              f"{size} ranks hold different values ({first.file}); give its dims, e.g. \"t h(tp)\"")
+            if replicated:
+                raise TracerError(f"inconsistent shards: {what} is declared '# tp:replicated' but the {size} ranks "
+                                  f"hold different values ({first.file})")
+            total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
+            return [total], (f"{UNMARKED_PARTIAL}: the {size} ranks' float64 sum is compared "
+                             f"(replicated by its map, no TP axis in its dims; {first.file})")
         if split is not None:  # one rank (or replicated copies) of a fused output: split it all the same
             return _split(ts[0], rule, ts[0].dim() - 1 if dim is None else dim, 1, what), ""
         return [ts[0]], ""
@@ -424,6 +451,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     mapping: dict[str, str] = {}
     ignored: set[str] = set()
     uncaptured: set[str] = set()
+    unmarked: dict[str, str] = {}
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -452,9 +480,13 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             for i, (name, t) in enumerate(zip(hf, parts)):
                 if name is None:
                     continue
+                if UNMARKED_PARTIAL in note:
+                    unmarked.setdefault(name, note)
                 _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, notes, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
-    return _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+    mapped = _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+    mapped.unmarked_partials.update({n: v for n, v in unmarked.items() if n in mapped.tensors})
+    return mapped
 
 
 def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],

@@ -242,7 +242,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
         header: the trace header (numeric contract), when there is a trace.
         figures: embed the figures (needs matplotlib; without it the page says so).
     """
-    from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, dtype_mark, flips_lines, logits_lines,
+    from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, point_mark, flips_lines, logits_lines,
                                       replay_lines, rows)
     from tracer.report.summary import headline
 
@@ -252,7 +252,7 @@ def comparison_html(c: Any, header: dict[str, Any] | None = None, *, figures: bo
            "ulp": "max_ulp_mag", "ulp_line": "max_ulp", "rel": "rel_error", "cos": "cosine", "sqnr": "sqnr_db",
            "rel1": "frac_rel_lt_1e3", "rel5": "frac_rel_lt_5e3", "growth": "growth", "ampl": "amplification",
            "tol": "n_outside_tol", "flips": "argmax_flips"}
-    cells = [[r["name"] + dtype_mark(c, r["name"].split(" ")[0]) + (" ◀ origin" if r["origin"] else "")
+    cells = [[r["name"] + point_mark(c, r["name"].split(" ")[0]) + (" ◀ origin" if r["origin"] else "")
               if k == "point" else COLUMNS[k][1](r) for k in cols]
              for r in all_rows]
     vals = [[None if k == "point" else r.get(raw.get(k, ""), None) for k in cols] for r in all_rows]

@@ -238,13 +238,20 @@ def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
     """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
     base = r["name"].split(" ")[0]
     mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
-    return printable(r["name"]) + sliding_mark(c, base) + dtype_mark(c, base), mark
+    return printable(r["name"]) + sliding_mark(c, base) + point_mark(c, base), mark
 
 
-def dtype_mark(c: Comparison, name: str) -> str:
-    """``" [in float32; B is float32, A bfloat16]"`` for a row whose runs' dtypes differ, else ``""``."""
+def point_mark(c: Comparison, name: str) -> str:
+    """What a row's numbers mean when it is not a plain same-dtype comparison: ``" [in float32; A is
+    bfloat16, B float32; ULP* in bfloat16]"`` (the runs' dtypes differ), ``" [capture contract ×8]"``
+    (the sides hold different quantities); ``""`` otherwise."""
     x = c.cross_dtypes.get(name)
-    return "" if x is None else f" [in {x.compared_in}; {c.run_a} is {x.dtype_a}, {c.run_b} {x.dtype_b}; ULP* in {x.ulps_in}]"
+    odd = next((m for m in c.contract if m.name == name), None)
+    mark = "" if x is None else f" [in {x.compared_in}; {c.run_a} is {x.dtype_a}, {c.run_b} {x.dtype_b}; ULP* in {x.ulps_in}]"
+    if odd is not None:
+        k = odd.factor if odd.how == "rank sum" or odd.factor >= 1 else 1 / odd.factor
+        mark += f" [capture contract: {'partial sums of ' if odd.how == 'rank sum' else '×'}{k:g}{' ranks' if odd.how == 'rank sum' else ''}]"
+    return mark
 
 
 def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
@@ -460,7 +467,7 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
-        cells = [(r["name"] + sliding_mark(c, r["name"]) + dtype_mark(c, r["name"].split(" ")[0])
+        cells = [(r["name"] + sliding_mark(c, r["name"]) + point_mark(c, r["name"].split(" ")[0])
                   + (" **◀ origin**" if r["origin"] else ""))
                  if k == "point" else COLUMNS[k][1](r) for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
