@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,13 +159,20 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise TracerError(f"cannot read engine map {path} ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TracerError(f"engine map {path} is not valid TOML ({e})") from None
+    """An engine map through the input gate (a regular UTF-8 file of bounded size, valid TOML).
+
+    Raises:
+        TracerError: a FIFO, device, procfs file, a file too large, not UTF-8 or not TOML (one line).
+    """
+    from tracer.files import read_toml
+
+    data = read_toml(path, "engine map")
+    for section in ("layer", "model", "engine", "capture"):
+        if not isinstance(data.get(section, {}), dict):
+            raise TracerError(f"engine map {path}: [{section}] must be a table")
+    if not isinstance(data.get("engine", {}).get("ignore", data.get("ignore", [])), list):
+        raise TracerError(f"engine map {path}: ignore must be a list of name patterns")
+    return data
 
 
 # ---------------------------------------------------------------- names

@@ -26,7 +26,6 @@ reads and groups; mapping onto HF names, unsharding and token alignment are in
 
 from __future__ import annotations
 
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -45,20 +44,17 @@ _NON_INTRUSIVE = "non_intrusive__"
 
 
 def safe_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, refusing anything that needs unpickling code.
+    """``torch.load(path, weights_only=True)`` on the CPU through the input gate, within the budget
+    (:func:`tracer.store.dumpfiles.load_pt`: a regular file; declared sizes, shapes and strides
+    checked before anything is allocated).
 
     Raises:
-        TracerError: unreadable file, or one holding pickled objects (naming the file).
+        TracerError: not a regular file, over the budget, unreadable, or holding pickled objects
+            (naming the file).
     """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TracerError(f"{path} holds objects that only an unsafe unpickler can load ({first[:120]}); "
-                          "tracer reads tensors and plain dicts/lists only (torch.load weights_only=True)") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TracerError(f"cannot read {path} as a torch.save file ({first[:120]})") from None
+    from tracer.store.dumpfiles import load_pt
+
+    return load_pt(path)
 
 
 def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
@@ -214,26 +210,12 @@ def read_named_tensors(path: Path) -> RawDump:
     """Read a ``.safetensors`` or ``.npz`` file of named tensors (token ids under ``input_ids``).
 
     Raises:
-        TracerError: unreadable file, pickled arrays in an npz, no ``input_ids``.
+        TracerError: not a regular file, over the input budget, unreadable, pickled arrays in an
+            npz, no ``input_ids``.
     """
-    if path.suffix == ".npz":
-        import numpy as np
+    from tracer.store.dumpfiles import load_npz, load_safetensors
 
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                tensors = {k: torch.from_numpy(z[k].copy()) for k in z.files}
-        except ValueError as e:
-            raise TracerError(f"{path} holds pickled objects ({str(e).splitlines()[0][:100]}); "
-                              "save plain numeric arrays (np.savez)") from None
-        except OSError as e:
-            raise TracerError(f"cannot read {path} as an npz file ({e})") from None
-    else:
-        try:
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise TracerError(f"cannot read {path} as a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    tensors = load_npz(path) if path.suffix == ".npz" else load_safetensors(path)
     tokens: dict = {}
     entries = []
     for name, value in tensors.items():
@@ -264,7 +246,10 @@ def read_dump(path: str | Path) -> RawDump:
     if not p.exists():
         raise TracerError(f"engine dump {p} does not exist; give an SGLang dumper folder, a PassN.pt folder, "
                           "or a .safetensors/.npz file")
-    if p.is_file():
+    if not p.is_dir():
+        from tracer.files import check_input_file
+
+        check_input_file(p, "engine dump")  # a FIFO or device is refused here, before anything reads it
         if p.suffix in (".safetensors", ".npz"):
             return read_named_tensors(p)
         raise TracerError(f"{p} is a file but not .safetensors/.npz; give the dump's folder for .pt dumps")
