@@ -594,17 +594,25 @@ def main() -> None:
 
     Exit codes: 0 identical / within tolerance / report only, 1 diverged (failed ``--fail-on``),
     2 bad input or corrupt file, 3 internal error (one line; the traceback with
-    ``TRACER_DEBUG=1``), 130 interrupted.
+    ``TRACER_DEBUG=1``), 130 interrupted, 143 terminated (SIGTERM; 129 SIGHUP), after the same clean-up.
     """
     from tracer.load.offline import ensure_offline
 
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
+    from tracer.errors import raise_on_termination, terminated_by
+
+    raise_on_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own
         err.print(f"error: {printable(e)}", highlight=False, markup=False)
         sys.exit(EXIT_ERROR)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        if terminated_by() is not None:  # typer turns the interrupt into exit 130; the signal decides
+            err.print("terminated", highlight=False)
+            sys.exit(128 + terminated_by())
+        if isinstance(e, SystemExit):
+            raise
         err.print("interrupted")
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"

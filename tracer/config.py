@@ -426,6 +426,12 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
                       devices.resolve_device(m.device) if loaded is None else loaded.info.device)
     if st.mode != "none" and new_output:
         check_output(st.output, st.overwrite)
+    if st.output is not None:  # never write over a file this run reads
+        from tracer.store.integrity import check_not_an_input
+
+        check_not_an_input(st.output, {"--prompt-file": pr.prompt_file, "--token-ids-file": pr.token_ids_file,
+                                       "--gguf": m.gguf, "model file": m.name if isinstance(m.name, str)
+                                       and os.path.isfile(m.name) else None})
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         from tracer.execute.tp_dist import check_distributed
 

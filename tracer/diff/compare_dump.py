@@ -232,9 +232,11 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
     """
     from tracer.execute.records import CaptureRecord, RunRecord
+    from tracer.store.integrity import check_not_an_input
     from tracer.store.trace import TraceReader, TraceWriter
 
     path, run = reference
+    check_not_an_input(output, {"-r reference": path, "DUMP": dump}, "-o")  # --overwrite must not replace them
     with TraceReader(path) as reader:
         run = _resolve_run(reader, run)
         layout = ref_layout(reader, run)

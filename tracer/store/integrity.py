@@ -207,24 +207,56 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
     return p
 
 
-_PARTIAL = re.compile(r"\.partial-(\d+)$")
+def check_not_an_input(output: str | os.PathLike, inputs: dict[str, Any], what: str = "--output") -> None:
+    """Refuse an output path that names a file the same command reads (``import -o`` onto its ``-r``
+    reference, ``-o`` onto ``--prompt-file``): writing it would destroy the input, ``--overwrite``
+    or not.
+
+    Args:
+        inputs: option → path (None entries are skipped).
+
+    Raises:
+        TracerError: ``output`` is (or resolves to, or is a hard link of) one of ``inputs``.
+    """
+    out = Path(output)
+    for option, src in inputs.items():
+        if src is None or str(src) == "":
+            continue
+        same = os.path.realpath(out) == os.path.realpath(src)
+        if not same and out.exists() and os.path.exists(src):
+            try:
+                same = os.path.samefile(out, src)
+            except OSError:
+                same = False
+        if same:
+            raise TracerError(f"{what} {output} is the {option} input {src} of this command; writing it would "
+                              f"destroy the input: choose another {what}")
+
+
+_PARTIAL = re.compile(r"\.partial-(\d+)(?:-\d+)?$")
+
+
+#: a sweep's hidden per-point trace (``--keep-tensors``): ``.<sweep stem>.point-<PID>.h5``
+_POINT = re.compile(r"^\..+\.point-(\d+)\.h5$")
 
 
 def clean_stale_partials(path: str | os.PathLike) -> list[Path]:
     """Delete the ``*.partial-<PID>`` files in ``path``'s folder left by writers that no longer run
-    (of any trace name: a default name carries a timestamp, so the next run never has the dead one's
-    name); return them.
+    (of any trace name, hidden ones included: a default name carries a timestamp, so the next run
+    never has the dead one's name), and the hidden per-point traces of sweeps
+    (``.<name>.point-<PID>.h5``) whose process is gone; return them.
 
-    Only regular files whose PID is gone are deleted (a live writer's file is kept).
+    Only regular files whose PID is gone are deleted (a live writer's file is kept). A trace that
+    tracer told the user to keep is never named like this (``<stem>.new-<PID>.h5``).
     """
     p = Path(path)
     removed = []
     try:
-        siblings = list(p.parent.glob("*.partial-*"))
+        siblings = list(p.parent.glob("*.partial-*")) + list(p.parent.glob(".*.point-*.h5"))
     except OSError:
         return removed
     for s in siblings:
-        m = _PARTIAL.search(s.name)
+        m = _PARTIAL.search(s.name) or _POINT.match(s.name)
         if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
             continue
         try:

@@ -190,6 +190,9 @@ class SweepFile:
         self.path = Path(path)
         if self.path.is_dir():
             raise TracerError(f"--output {self.path} is a directory; give a file path ending in .h5")
+        from tracer.store.integrity import clean_stale_partials
+
+        clean_stale_partials(self.path)  # hidden point traces and partials of sweeps killed earlier
         if self.path.exists() and overwrite:
             self.path.unlink()
         if self.path.exists():

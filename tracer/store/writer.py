@@ -52,6 +52,20 @@ def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
     return out
 
 
+#: partial files of writers open in this process (two writers of one path in one process get two names)
+_OPEN_PARTIALS: set[Path] = set()
+
+
+def _partial_name(path: Path) -> Path:
+    """``<path>.partial-<PID>``, or ``<path>.partial-<PID>-<k>`` while a writer of this process has that one open."""
+    for k in range(1 << 16):
+        p = path.with_name(f"{path.name}.partial-{os.getpid()}{f'-{k}' if k else ''}")
+        if p not in _OPEN_PARTIALS:
+            _OPEN_PARTIALS.add(p)
+            return p
+    raise TracerError(f"too many writers of {path} in this process")  # pragma: no cover
+
+
 class TraceWriter:
     """Writes a trace atomically: a temporary sibling file, renamed onto ``path`` when complete.
 
@@ -106,7 +120,7 @@ class TraceWriter:
         except OSError as e:
             raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
         clean_stale_partials(self.path)
-        self.partial_path = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        self.partial_path = _partial_name(self.path)
         self._guard: GuardedFile | None = None
         self._file: h5py.File | None = None
         try:
@@ -238,25 +252,48 @@ class TraceWriter:
         except BaseException:
             self.abort()
             raise
+        _OPEN_PARTIALS.discard(self.partial_path)
         if self.overwrite:
             os.replace(self.partial_path, self.path)
             return
         try:
             os.link(self.partial_path, self.path)  # atomic, and refuses to clobber
         except FileExistsError:
-            raise TracerError(
-                f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
-                "move it yourself or pass --overwrite"
-            ) from None
+            self._keep_elsewhere()
         except OSError:  # no hard links on this filesystem: check, then rename
             if self.path.exists():
-                raise TracerError(
-                    f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
-                    "move it yourself or pass --overwrite"
-                ) from None
+                self._keep_elsewhere()
             os.replace(self.partial_path, self.path)
             return
         self.partial_path.unlink()
+
+    def _keep_elsewhere(self) -> None:
+        """``path`` appeared while this writer wrote (another writer won): keep the complete new trace
+        under a name of its own, ``<stem>.new-<PID>[-<k>]<suffix>``, which no stale-partial clean-up
+        touches (only ``*.partial-<PID>`` files are), and say where it is.
+
+        Raises:
+            TracerError: always: the trace was not written to ``path``; the message names the kept file.
+        """
+        stem, suffix = self.path.stem, self.path.suffix or ".h5"
+        for k in range(1000):
+            kept = self.path.with_name(f"{stem}.new-{os.getpid()}{f'-{k}' if k else ''}{suffix}")
+            try:
+                os.link(self.partial_path, kept)  # never clobbers
+            except FileExistsError:
+                continue
+            except OSError:
+                if kept.exists():
+                    continue
+                os.replace(self.partial_path, kept)
+                break
+            self.partial_path.unlink()
+            break
+        else:  # pragma: no cover - 1000 kept traces of one PID
+            raise TracerError(f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                              "move it now (a later run removes *.partial-PID files of finished processes)")
+        raise TracerError(f"trace {self.path} appeared while writing (another writer); the new trace was kept as "
+                          f"{kept}; compare or move it, or pass --overwrite")
 
     def abort(self) -> None:
         """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
@@ -274,6 +311,7 @@ class TraceWriter:
         if guard is not None:
             guard.close()
         self.partial_path.unlink(missing_ok=True)
+        _OPEN_PARTIALS.discard(self.partial_path)
 
     def __enter__(self) -> TraceWriter:
         return self
