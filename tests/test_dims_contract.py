@@ -166,3 +166,38 @@ def test_replicated_ranks_that_differ_otherwise_are_still_inconsistent(ref, tmp_
     with pytest.raises(TracerError) as e:
         compare_dump((ref, "B"), str(dump))
     assert "inconsistent shards" in str(e.value) and "different values" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- dump meta that used to exit 3 or pass silently
+
+
+def test_meta_step_that_is_not_a_number_is_one_line(ref, tmp_path):
+    dump = write_sglang_dump(ref, "B", tmp_path / "d", tp=2)
+
+    def f(data, rank):
+        data["meta"]["step"] = "x"
+    _edit(dump, DOWN, f)
+    with pytest.raises(TracerError, match="meta step = 'x' is not an integer"):
+        compare_dump((ref, "B"), str(dump))
+
+
+def test_empty_input_ids_is_one_line(ref, tmp_path):
+    dump = write_sglang_dump(ref, "B", tmp_path / "d", tp=2)
+    for path in dump.glob("*name=input_ids*"):
+        data = torch.load(path, weights_only=True)
+        data["value"] = torch.zeros(0, dtype=torch.long)
+        torch.save(data, path)
+    with pytest.raises(TracerError, match="input_ids of step 0 is empty"):
+        compare_dump((ref, "B"), str(dump))
+
+
+def test_a_rank_whose_tp_size_differs_is_inconsistent(ref, tmp_path):
+    """A rank whose meta says tp_size 3 among 2 ranks was accepted silently."""
+    dump = write_sglang_dump(ref, "B", tmp_path / "d", tp=2)
+
+    def f(data, rank):
+        if rank == 1:
+            data["meta"]["sglang_parallel_info"]["tp_size"] = 3
+    _edit(dump, DOWN, f)
+    with pytest.raises(TracerError, match=r"disagree on tp_size \(\[2, 3\]"):
+        compare_dump((ref, "B"), str(dump))

@@ -274,12 +274,14 @@ def check_gguf_file(path: str | os.PathLike, option: str = "--gguf") -> str:
     import struct
 
     if len(head) < 24:
-        raise TracerError(f"{option} {p} is truncated ({size} bytes, shorter than a GGUF header); download it again")
+        raise TracerError(f"{option} {p} is not a readable GGUF file ({size} bytes, shorter than a GGUF header); "
+                          "it is truncated or damaged: download it again")
     version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
     # every tensor info takes at least 24 bytes and every key/value 12 (GGUF v2/v3 layouts)
     if version not in (2, 3) or n_tensors * 24 + n_kv * 12 > size:
         raise TracerError(f"{option} {p} is not a readable GGUF file (version {version}, {n_tensors:,} tensors and "
-                          f"{n_kv:,} metadata entries declared in {size:,} bytes); it is damaged: download it again")
+                          f"{n_kv:,} metadata entries declared in {size:,} bytes); it is truncated or damaged: "
+                          "download it again")
     return str(p)
 
 

@@ -7,6 +7,7 @@ row blocks by :mod:`tracer.store.stream`). The result types are in :mod:`tracer.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import Any, Iterable, Iterator
@@ -347,7 +348,9 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
 
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
     same = str(path_a) == str(path_b)
-    with TraceReader(path_a) as reader_a, TraceReader(path_b) as reader_b:
+    with contextlib.ExitStack() as stack:
+        reader_a = stack.enter_context(TraceReader(path_a))
+        reader_b = reader_a if same else stack.enter_context(TraceReader(path_b))  # one file: read and validated once
         names_a, names_b = reader_a.runs, reader_b.runs
         if same and (run_a is None or run_b is None):
             if len(names_a) < 2:

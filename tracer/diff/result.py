@@ -81,6 +81,12 @@ class PointResult(schema.Record):
     def diverged(self) -> bool:
         return self.diff.n_diff > 0
 
+    def schema_check(self) -> str | None:
+        from tracer.store.fields import calls_problem
+
+        problem = calls_problem(self.calls_a) or calls_problem(self.calls_b)
+        return f"shapes of {self.name}: {problem}" if problem else None
+
     def schema_extras(self, doc: dict[str, Any]) -> None:
         doc["fraction"] = self.diff.n_diff / self.diff.n_total if self.diff.n_total else 0.0
 
@@ -331,6 +337,20 @@ class Comparison(schema.Record):
         doc.update(origins=origins, first_divergent=self.first_divergent, identical=self.identical,
                    verdict=self.verdict())
 
+    def schema_check(self) -> str | None:
+        from tracer.store.fields import calls_problem, check_facts
+
+        if not 0 <= self.positions[0] <= self.positions[1]:
+            return f"positions {list(self.positions)} are not [first, last + 1]"
+        problem = calls_problem(self.logits_calls[0]) or calls_problem(self.logits_calls[1])
+        if problem:
+            return f"logits calls: {problem}"
+        try:
+            check_facts(self.facts, TracerError)
+        except TracerError as e:
+            return str(e)
+        return None
+
     @classmethod
     def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
         """The flips back at positions within the window."""
@@ -383,6 +403,8 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     if call is None:
         return {}
     ins, outs = call.get("in") or [], call.get("out") or []
+    ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
+    ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
     if p.kind == PointKind.KV_CACHE:
         return {"positions": list(call["positions"])}
     if p.kind == PointKind.ATTENTION_CORE and ins:

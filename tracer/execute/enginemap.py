@@ -252,6 +252,10 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     if ranks != list(range(size)):
         raise TracerError(f"inconsistent shards: {what} has TP ranks {ranks} of tp_size {size} ({first.file}); "
                           "dump every rank of the TP group")
+    sizes = sorted({e.tp_size for e in shards.values()})
+    if len(sizes) > 1:
+        raise TracerError(f"inconsistent shards: the TP ranks of {what} disagree on tp_size ({sizes}; {first.file}); "
+                          "dump every rank of one TP group")
     ts = [shards[r].tensor for r in ranks]
     if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
         shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))

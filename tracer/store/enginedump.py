@@ -77,13 +77,32 @@ def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
     return name, None, False
 
 
-def _tp_of(meta: dict) -> tuple[int, int, int]:
+def meta_int(meta: dict, key: str, where: Any, default: int | None = None, lo: int = 0) -> int:
+    """An integer field of a dump file's meta (``step``, ``tp_rank``, ...): an int (or a string of
+    digits, as tags in file names are) of at least ``lo``.
+
+    Raises:
+        TracerError: missing without a default, or not such a number (naming the file and key).
+    """
+    v = meta.get(key, default)
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        v = int(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**40:
+        raise TracerError(f"{where}: meta {key} = {str(v)[:40]!r} is not an integer >= {lo}; "
+                          "the dumper writes ints there")
+    return v
+
+
+def _tp_of(meta: dict, where: Any = "") -> tuple[int, int, int]:
     for key in ("sglang_parallel_info", "megatron_parallel_info"):
         info = meta.get(key)
         if isinstance(info, dict) and "tp_rank" in info:
-            return int(info["tp_rank"]), int(info.get("tp_size", 1)), int(info.get("pp_rank", 0))
+            return (meta_int(info, "tp_rank", where), meta_int(info, "tp_size", where, 1, 1),
+                    meta_int(info, "pp_rank", where, 0))
     if "tp_rank" in meta:
-        return int(meta["tp_rank"]), int(meta.get("tp_size", 1)), int(meta.get("pp_rank", 0))
+        return meta_int(meta, "tp_rank", where), meta_int(meta, "tp_size", where, 1, 1), meta_int(meta, "pp_rank", where, 0)
     return 0, 1, 0
 
 
@@ -101,7 +120,12 @@ def _tags_of(stem: str, path: Path) -> dict[str, str]:
 def _add_token(tokens: dict, step: int, key: str, value: Any, file: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TracerError(f"{file}: {key} is a {type(value).__name__}, not a tensor of token ids")
+    if value.is_floating_point() or value.is_complex() or value.numel() == 0:
+        raise TracerError(f"{file}: {key} of step {step} is {'empty' if value.numel() == 0 else str(value.dtype)}; "
+                          "the dumper writes the step's token ids (an integer tensor) there")
     value = value.reshape(-1).to(torch.long)
+    if key == "input_ids" and bool((value < 0).any()) or key == "positions" and bool((value < 0).any()):
+        raise TracerError(f"{file}: {key} of step {step} holds a negative value; the dump is damaged")
     slot = tokens.setdefault(step, {"input_ids": None, "positions": None, "file": file})
     old = slot.get(key)
     if old is not None and not torch.equal(old, value):
@@ -132,7 +156,7 @@ def read_sglang_dumper(folder: Path) -> RawDump:
                                   "step, rank, dump_index and name into every file's meta")
         if str(meta["name"]) != tags.get("name", str(meta["name"])):
             raise TracerError(f"{path}: meta name {meta['name']!r} differs from the file name's {tags['name']!r}")
-        name, step, value = str(meta["name"]), int(meta["step"]), data["value"]
+        name, step, value = str(meta["name"]), meta_int(meta, "step", path), data["value"]
         if "tokenizer_path" in meta:
             facts["tokenizer_path"] = meta["tokenizer_path"]
         if name in CORE_FIELDS:
@@ -147,7 +171,9 @@ def read_sglang_dumper(folder: Path) -> RawDump:
             raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
         if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
             module, element = (f"{module}.{element}" if module else element), None
-        tp_rank, tp_size, pp_rank = _tp_of(meta)
+        tp_rank, tp_size, pp_rank = _tp_of(meta, path)
+        if tp_rank >= tp_size:
+            raise TracerError(f"{path}: meta says TP rank {tp_rank} of tp_size {tp_size}; the dump is inconsistent")
         entries.append(DumpEntry(name=name, module=module, element=element, step=step, tp_rank=tp_rank,
                                  tp_size=tp_size, pp_rank=pp_rank, dims=meta.get("dims"), tensor=value, file=str(path)))
     # execution order: the dumper numbers its files per rank (dump_index) within a step
