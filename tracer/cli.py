@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from dataclasses import replace
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -216,19 +216,12 @@ def run_cmd(
         # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
         with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
             result = run(progress=err.is_terminal, status=status, **opts)
-            if report is not None and result.comparison is not None:
-                from tracer.report.html import comparison_html, write_report
-
-                status(f"writing the HTML report {report}")
-                write_report(comparison_html(result.comparison, _trace_header(result.trace)), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
     if result.comparison is None:  # a rank > 0 under torchrun: rank 0 reports
         return
     _emit(result.comparison, fmt, cols, all_rows)
-    if report is not None:
-        err.print(f"report: {report}", highlight=False)
     if mitigation is not None and fmt == "table":
         ok = result.comparison.identical
         Console().print(
@@ -236,7 +229,22 @@ def run_cmd(
             f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
             style="green" if ok else "red",
         )
+    if report is not None:  # after the result is printed: a failing write still shows it, then one line
+        from tracer.report.html import comparison_html, write_report
+
+        _write_after(lambda: write_report(comparison_html(result.comparison, _trace_header(result.trace)), report,
+                                          overwrite=overwrite), f"report: {report}")
     _exit_on(result.comparison, fail_on)
+
+
+def _write_after(write: Any, done: str) -> None:
+    """Write an output once the result has been printed; a failure (full disk, a folder made
+    read-only meanwhile) is the usual one-line error and exit 2, after the result."""
+    try:
+        write()
+    except TracerError as e:
+        _fail(str(e))
+    err.print(done, highlight=False)
 
 
 @app.command("audit")
@@ -274,11 +282,6 @@ def audit_cmd(
         # the plan with each check's cost, then each result as it comes, on stderr
         result = audit(levels=levels, mitigations=not no_mitigations,
                        progress=True if err.is_terminal else "lines", **opts)
-        if report is not None:
-            from tracer.report.hierarchy import audit_html
-            from tracer.report.html import write_report
-
-            write_report(audit_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
@@ -287,6 +290,11 @@ def audit_cmd(
     text = render_audit(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text)
+    if report is not None:  # after the result is printed (see _write_after)
+        from tracer.report.hierarchy import audit_html
+        from tracer.report.html import write_report
+
+        _write_after(lambda: write_report(audit_html(result), report, overwrite=overwrite), f"report: {report}")
 
 
 @app.command("compare")
@@ -445,7 +453,6 @@ def sweep_cmd(
     given = dict(locals())  # the parameters, before any other local exists
     from tracer.api import sweep
     from tracer.loops.sweep import parse_int_list
-    from tracer.report.sweep_lines import sweep_summary_lines
 
     try:
         if fmt not in ("table", "json", "csv"):
@@ -462,25 +469,29 @@ def sweep_cmd(
         opts.pop("block_size", None)  # the block-size axis, not a run option
         result = sweep(lengths=lengths, block_sizes=bs, keep_tensors=keep_tensors,
                        progress=True if err.is_terminal else "lines", **opts)
-        if plot is not None:
-            from tracer.report.plot import save_figure, sweep_figure
-
-            save_figure(sweep_figure(result), plot, overwrite=overwrite)
-        if report is not None:
-            from tracer.report.html import write_report
-            from tracer.report.pages import sweep_html
-
-            write_report(sweep_html(result), report, overwrite=overwrite)
     except TracerError as e:
         _fail(str(e))
         return
+    _print_sweep(result, fmt)
+    if plot is not None:  # after the result is printed (see _write_after)
+        from tracer.report.plot import save_figure, sweep_figure
+
+        _write_after(lambda: save_figure(sweep_figure(result), plot, overwrite=overwrite), f"divergence map: {plot}")
+    if report is not None:
+        from tracer.report.html import write_report
+        from tracer.report.pages import sweep_html
+
+        _write_after(lambda: write_report(sweep_html(result), report, overwrite=overwrite), f"report: {report}")
+
+
+def _print_sweep(result: Any, fmt: str) -> None:
+    from tracer.report.sweep_lines import sweep_summary_lines
+
     if fmt == "table":
         for line in sweep_summary_lines(result):
             print(line)
         if result.path:
             print(f"sweep file: {result.path}")
-        if plot is not None:
-            print(f"divergence map: {plot}")
     else:
         df_rows = result.summary_rows()
         if fmt == "json":

@@ -289,12 +289,16 @@ def write_report(text: str, path: str | os.PathLike, *, overwrite: bool = False)
     Raises:
         TracerError: ``path`` is a directory, does not end in .html/.htm, or exists without ``overwrite``.
     """
+    from tracer.store.integrity import write_error_message
+
     p = check_report_path(path, overwrite)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, p)
+    except OSError as e:  # a full disk, ulimit -f, a folder that turned read-only: one line
+        raise TracerError(write_error_message(p, e).replace("--output", "--report")) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -307,11 +311,13 @@ def check_report_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     Raises:
         TracerError: see :func:`write_report`.
     """
-    p = Path(path)
+    from tracer.store.integrity import check_name_length, check_output_path
+
+    p = check_name_length(path, "report file")
     if p.suffix.lower() not in (".html", ".htm"):
         raise TracerError(f"report file {p} must end in .html")
     if p.is_dir():
         raise TracerError(f"report file {p} is a directory; give a file name ending in .html")
     if p.exists() and not overwrite:
         raise TracerError(f"{p} exists; pass --overwrite to replace it or choose another file")
-    return p
+    return check_output_path(p, overwrite, "report file")  # FIFOs, devices, read-only folders, /proc

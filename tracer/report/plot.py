@@ -58,12 +58,16 @@ def save_figure(fig: Any, path: str | os.PathLike, *, overwrite: bool = False, d
     Raises:
         TracerError: see :func:`check_figure_path`.
     """
+    from tracer.store.integrity import write_error_message
+
     p = check_figure_path(path, overwrite)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.stem}.partial-{os.getpid()}{p.suffix}")
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(tmp, dpi=dpi, format=p.suffix.lower().lstrip("."))
         os.replace(tmp, p)
+    except OSError as e:  # a full disk, ulimit -f, a folder that turned read-only: one line
+        raise TracerError(write_error_message(p, e).replace("--output", "-o")) from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -197,10 +197,15 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
             raise TracerError(f"{what} {p} is {file_kind(st.st_mode)}; only a regular file is ever replaced, choose a file name")
         if not overwrite and not resume:
             raise TracerError(f"{what} {p} exists; pass --overwrite or choose another --output")
+    from tracer.files import _pseudo_devices
+
     for parent in (p.absolute().parent, *p.absolute().parents):
         if parent.exists():
             if not parent.is_dir():
                 raise TracerError(f"{what} {p}: {parent} is a file, not a folder; choose another path")
+            if os.stat(parent).st_dev in _pseudo_devices():
+                raise TracerError(f"{what} {p}: {parent} is in a kernel pseudo-filesystem (procfs/sysfs), where "
+                                  "files cannot be written; choose a folder on a disk")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise TracerError(f"{what} {p}: the folder {parent} is not writable; choose another path")
             break

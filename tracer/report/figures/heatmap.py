@@ -15,7 +15,7 @@ import torch
 
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
-from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
+from tracer.report.figures.common import literal_text, _figure, _log_norm, _plt, _tick_labels, thin_labels
 
 _ELEMENTS_PER_CHUNK = 1 << 21
 #: the heat map labels every row up to this many (the default run's 63 points, sublayers of small
@@ -152,6 +152,7 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
         return _position_diffs(pairs, tuple(ra.window))
 
 
+@literal_text
 def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: tuple[float, float] | None = None):
     """Capture points (rows, execution order) × compared positions (columns): max |A − B|.
 
