@@ -403,6 +403,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
+    _check_bounds(cfg)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     pr = cfg.prompt
@@ -439,6 +440,44 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)
     return cfg
+
+
+def _check_bounds(cfg: RunConfig) -> None:
+    """Bounds and combinations that ran forever, crashed later or were silently ignored (issue 24):
+    ``--decode`` within the longest prompt, text options not empty and valid UTF-8, ``--split-at``
+    with ``--block-size`` (the block size would be ignored), ``--op-replay`` without sublayers (no
+    op to replay), a ``--device-map`` JSON nested deeper than a map. The model's positions are
+    checked once it is loaded (:func:`tracer.plan.checks.check_positions`).
+
+    Raises:
+        TracerError: one line naming the option and the fix.
+    """
+    from tracer.files import MAX_TOKENS, _depth_ok
+    from tracer.plan.checks import check_int
+
+    s, ch, pr = cfg.scenario, cfg.checks, cfg.prompt
+    check_int(ch.decode, "--decode", 0, MAX_TOKENS)
+    texts = {"--prompt": pr.prompt, "--model": cfg.model.name if isinstance(cfg.model.name, str) else None,
+             **{"--" + k.replace("_", "-"): v for k, v in s.options if isinstance(v, str)}}
+    for option, text in texts.items():
+        if text is None:
+            continue
+        if option != "--prompt" and not text.strip():
+            raise TracerError(f"{option} is empty; give a value (see --help) or leave it out for the default")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TracerError(f"{option} holds bytes that are not UTF-8 (at character {e.start}); give UTF-8 text"
+                              + (" or a --prompt-file" if option == "--prompt" else "")) from None
+    if s.split_at is not None and s.block_size is not None and s.name == "prefix-cache":
+        raise TracerError(f"--split-at {s.split_at} sets the cached prefix itself; --block-size {s.block_size} would "
+                          "only choose it (the last block boundary), so it would be ignored: give one of them")
+    if ch.op_replay and cfg.capture.granularity != "sublayers":
+        raise TracerError("--op-replay replays the origin ops (Linear, norm, attention core) from their captured "
+                          "inputs, which only --granularity sublayers captures; add --granularity sublayers")
+    dm = cfg.model.device_map
+    if isinstance(dm, str) and not _depth_ok(dm, 2):
+        raise TracerError('--device-map nests deeper than a map {"module.path": "cuda:0"}; give a flat JSON object')
 
 
 def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:

@@ -346,7 +346,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
     from tracer.load.devices import resolve_device
     from tracer.store.trace import TraceReader
 
+    from tracer.store.formats import check_name
+
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
+    for run in (run_a, run_b):  # '' names no run (it used to mean "the default" silently)
+        if run is not None:
+            check_name(run, "run")
     same = str(path_a) == str(path_b)
     with contextlib.ExitStack() as stack:
         reader_a = stack.enter_context(TraceReader(path_a))

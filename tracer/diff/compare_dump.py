@@ -235,7 +235,10 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     from tracer.store.integrity import check_not_an_input
     from tracer.store.trace import TraceReader, TraceWriter
 
+    from tracer.store.formats import check_name
+
     path, run = reference
+    check_name(run_name, "--run")
     check_not_an_input(output, {"-r reference": path, "DUMP": dump}, "-o")  # --overwrite must not replace them
     with TraceReader(path) as reader:
         run = _resolve_run(reader, run)

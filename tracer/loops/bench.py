@@ -149,6 +149,10 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
     return modes
 
 
+#: the most repetitions (and warm-up repetitions) ``bench`` runs
+MAX_REPS = 1000
+
+
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
           device: str | None = None, granularity: str = "layers", block_size: int = 16,
           reps: int = 5, warmup: int = 1, outdir: str | None = None, gguf: str | None = None,
@@ -170,7 +174,11 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     from tracer.errors import TracerError
     from tracer.loops.peers import check_counts
 
+    from tracer.plan.checks import check_int
+
     say = progress or (lambda m: None)
+    check_int(reps, "--reps", 1, MAX_REPS)  # 10**30 repetitions ran for ever
+    check_int(warmup, "--warmup", 0, MAX_REPS)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
     if outdir is not None:

@@ -85,9 +85,11 @@ def write_report_file(path: str | os.PathLike, output: str | os.PathLike | None 
     Raises:
         TracerError: see :func:`report_html` and :func:`tracer.report.html.write_report`.
     """
+    from tracer.files import check_input_file
     from tracer.report.html import check_report_path, write_report
 
-    out = Path(output) if output is not None else Path(path).with_suffix(".html")
+    path = check_input_file(path, "input file")  # '' or a FIFO: one line, before anything else
+    out = Path(output) if output is not None else path.with_suffix(".html")
     check_report_path(out, overwrite)
     return write_report(report_html(path, device=device), out, overwrite=overwrite)
 
