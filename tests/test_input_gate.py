@@ -220,3 +220,24 @@ def test_empty_path_is_one_line():
 
     with pytest.raises(TracerError, match="is empty; give a file path"):
         check_input_file("", "trace file")
+
+
+def test_a_lying_safetensors_header_is_one_line(tmp_path):
+    """What held before issue 24, kept: a safetensors header whose offsets exceed the file."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from tracer.errors import TracerError
+    from tracer.store.enginedump import read_dump
+
+    save_file({"input_ids": torch.arange(4), "model.embed_tokens": torch.zeros(4, 8)}, tmp_path / "t.safetensors")
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = _json.loads(raw[8:8 + n])
+    header["model.embed_tokens"]["data_offsets"][1] += 10**9
+    text = _json.dumps(header).encode().ljust(n)[:n] if len(_json.dumps(header)) <= n else _json.dumps(header).encode()
+    (tmp_path / "t.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(TracerError) as e:
+        read_dump(tmp_path / "t.safetensors")
+    assert "t.safetensors" in str(e.value) and "\n" not in str(e.value)

@@ -8,6 +8,7 @@ any failure deletes the partial file.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime as _dt
 import json
@@ -54,6 +55,17 @@ def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
 
 #: partial files of writers open in this process (two writers of one path in one process get two names)
 _OPEN_PARTIALS: set[Path] = set()
+
+
+@atexit.register
+def _remove_open_partials() -> None:
+    """At interpreter exit (an interrupt or termination that struck between a writer's creation and its
+    ``with`` block, or a writer never closed), remove the partial files of this process's writers."""
+    for p in list(_OPEN_PARTIALS):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _partial_name(path: Path) -> Path:
@@ -128,9 +140,11 @@ class TraceWriter:
             # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
             self._guard = GuardedFile(self.partial_path)
             self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
-        except OSError as e:
+        except BaseException as e:  # an interrupt here too: the partial never outlives this call
             self.abort()
-            raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+            if isinstance(e, OSError):
+                raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+            raise
         try:
             f = self._file
             set_text(f, "format", FORMAT)
