@@ -201,3 +201,11 @@ def test_a_rank_whose_tp_size_differs_is_inconsistent(ref, tmp_path):
     _edit(dump, DOWN, f)
     with pytest.raises(TracerError, match=r"disagree on tp_size \(\[2, 3\]"):
         compare_dump((ref, "B"), str(dump))
+
+
+def test_dims_beyond_tp_are_named_in_the_mapping(ref, tmp_path):
+    """'# dp:=moe_dp' (SGLang's declaration part) is read and said, never dropped silently."""
+    dump = write_sglang_dump(ref, "B", tmp_path / "d", tp=2)
+    _edit(dump, DOWN, _set_dims("t h # dp:=moe_dp"))
+    c = compare_dump((ref, "B"), str(dump))
+    assert c.identical and "dims also say dp:=moe_dp: tracer joins TP ranks only" in c.facts["mapping"][DOWN]

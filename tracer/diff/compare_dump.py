@@ -174,8 +174,7 @@ def contract_of(name: str, t_a: torch.Tensor, t_b: torch.Tensor, mapped: MappedD
         if odd is None:
             raise TracerError(f"inconsistent shards: {name} is replicated (no TP dim in its dims or map) but the "
                               f"{k} ranks hold different values, and their sum is not the reference either "
-                              f"({mapped.unmarked_partials[name].split('; ')[-1].rstrip(')')}); "
-                              "give its dims, e.g. \"t h[tp]\"")
+                              f"({mapped.mapping.get(name, name)}); give its dims, e.g. \"t h[tp]\"")
         return odd
     return check_scaled(name, t_a, t_b, world)
 

@@ -216,10 +216,11 @@ def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
 UNMARKED_PARTIAL = "ranks differ although no dims mark them partial"
 
 
-def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool]:
-    """``(dim, partial, replicated)`` of the TP axis in the entry's ``dims`` (:mod:`tracer.execute.dims`):
-    the dim it shards (None: no TP axis), whether the ranks hold partial sums, whether ``# tp:replicated``
-    declares equal copies.
+def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool, str]:
+    """``(dim, partial, replicated, note)`` of the TP axis in the entry's ``dims``
+    (:mod:`tracer.execute.dims`): the dim it shards (None: no TP axis), whether the ranks hold partial
+    sums, whether ``# tp:replicated`` declares equal copies, and a note naming what the dims say
+    beyond TP (other parallel axes, a ``dp:=`` group), which tracer does not unshard ("" if none).
 
     Raises:
         TracerError: a dims string that does not parse, or names another number of dimensions.
@@ -227,11 +228,13 @@ def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool]:
     from tracer.execute.dims import check_rank, parse_dims
 
     if first.dims is None or first.dims == "":
-        return None, False, False
+        return None, False, False, ""
     spec = parse_dims(first.dims, first.file)
     check_rank(spec, ndim, first.dims, first.file)
     dim, partial = spec.tp() or (None, False)
-    return dim, partial, "tp" in spec.replicated_axes
+    beyond = spec.other_axes() + ([f"dp:={spec.dp_group_alias}"] if spec.dp_group_alias else [])
+    note = f"dims also say {', '.join(beyond)}: tracer joins TP ranks only" if beyond else ""
+    return dim, partial, "tp" in spec.replicated_axes, note
 
 
 def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> tuple[list[torch.Tensor], str]:
@@ -260,22 +263,31 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
         shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
         raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
+    dim, partial, replicated, beyond = _tp_of_dims(first, ts[0].dim())
+    parts, note = _join(ts, rule, dim, partial, replicated, size, what, first.file)
+    return parts, "; ".join(x for x in (note, beyond) if x)
+
+
+def _join(ts: list[torch.Tensor], rule: dict[str, Any], dim: int | None, partial: bool, replicated: bool, size: int,
+          what: str, file: str) -> tuple[list[torch.Tensor], str]:
+    """:func:`_unshard`'s joining of checked shards ``ts`` (rank order)."""
     split = rule.get("split")
-    dim, partial, replicated = _tp_of_dims(first, ts[0].dim())
     if partial:
         # "h[tp:partial]": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
         total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
-        return [total], f"{size} TP partial sums added (float64, kept in float64)"
+        parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
+        return parts, f"{size} TP partial sums added (float64, kept in float64)"
     if dim is None and rule.get("shard") == "columns" and not replicated:
         dim = ts[0].dim() - 1
     if size == 1 or dim is None:
         if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
             if replicated:
                 raise TracerError(f"inconsistent shards: {what} is declared '# tp:replicated' but the {size} ranks "
-                                  f"hold different values ({first.file})")
+                                  f"hold different values ({file})")
             total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
-            return [total], (f"{UNMARKED_PARTIAL}: the {size} ranks' float64 sum is compared "
-                             f"(replicated by its map, no TP axis in its dims; {first.file})")
+            parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
+            return parts, (f"{UNMARKED_PARTIAL}: the {size} ranks' float64 sum is compared "
+                           f"(replicated by its map, no TP axis in its dims; {file})")
         if split is not None:  # one rank (or replicated copies) of a fused output: split it all the same
             return _split(ts[0], rule, ts[0].dim() - 1 if dim is None else dim, 1, what), ""
         return [ts[0]], ""

@@ -107,8 +107,8 @@ _CONTRACT = {"parameter_dtypes": dict_of(is_int), "buffers": dict_of(lambda b: i
              "cast_after_load": lambda x: isinstance(x, dict) and opt(lambda d: isinstance(d, bool))(x.get("detected")),
              "attention": dict_of(lambda a: isinstance(a, dict) and list_of(is_int)(a.get("layers", []))
                                   and opt(is_int)(a.get("sliding_window")) and opt(is_str)(a.get("implementation")))}
-_HEADER = {"model": lambda m: isinstance(m, dict), "scenario": lambda s: isinstance(s, (dict, str)),
-           "numeric_contract": lambda c: isinstance(c, dict), "tensor_parallel": lambda x: isinstance(x, dict),
+_HEADER = {"model": lambda m: isinstance(m, (dict, str)), "scenario": lambda s: isinstance(s, (dict, str)),
+           "numeric_contract": opt(lambda c: isinstance(c, dict)), "tensor_parallel": lambda x: isinstance(x, dict),
            "engine_dump": lambda x: isinstance(x, dict) and all(is_str(x.get(k)) for k in ("engine", "path")),
            "audit": lambda x: isinstance(x, dict), "sweep": lambda x: isinstance(x, dict),
            "store": opt(is_str), "hostname": opt(is_str), "device_name": opt(is_str), "layers_path": opt(is_str),
