@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-N_RAW = int(os.environ.get("TRACER_SWEEP_FUZZ_CASES", "200"))
-N_RESEALED = int(os.environ.get("TRACER_SWEEP_RESEAL_CASES", "120"))
+N_RAW = int(os.environ.get("TRACER_SWEEP_FUZZ_CASES", "180"))
+N_RESEALED = int(os.environ.get("TRACER_SWEEP_RESEAL_CASES", "100"))
 SEED = 24
 CASE_TIMEOUT_S = 20.0
 POINTS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]

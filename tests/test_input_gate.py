@@ -23,23 +23,38 @@ ROOT = Path(__file__).resolve().parent.parent
 CAP = 2_500_000_000  # bytes of address space for the bomb cases (tracer + torch need ~0.7 GB)
 
 
-def capped(code: str, cap: int = CAP, timeout: float = 120) -> str:
-    """Run ``code`` (which prints a TracerError's message) in a fresh interpreter under RLIMIT_AS;
-    return what it printed. A MemoryError, any other exception or a hang fails."""
-    prog = ("import resource, sys\n"
+def capped_cases(cases: dict[str, str], cap: int = CAP, timeout: float = 240) -> dict[str, str]:
+    """Run every ``case -> expression`` in ONE fresh interpreter under RLIMIT_AS; return each case's
+    TracerError message (or ``"EXC <type>: ..."`` / ``"NO ERROR"``). A MemoryError or any other
+    exception of one case is recorded, not fatal; a hang fails every case (the timeout)."""
+    import json
+
+    prog = ("import resource, sys, json\n"
             f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))\n"
             f"sys.path.insert(0, {str(ROOT)!r})\n"
             "from tracer.errors import TracerError\n"
-            "try:\n" + "".join(f"    {line}\n" for line in code.strip().splitlines()) +
-            "    print('NO ERROR')\n"
-            "except TracerError as e:\n"
-            "    print(e)\n")
+            "from tracer.store.enginedump import read_dump\n"
+            "from tracer.execute.enginemap import load_engine_map\n"
+            f"cases = {json.dumps(cases)}\n"
+            "out = {}\n"
+            "for name, expr in cases.items():\n"
+            "    try:\n"
+            "        eval(expr)\n"
+            "        out[name] = 'NO ERROR'\n"
+            "    except TracerError as e:\n"
+            "        out[name] = str(e)\n"
+            "    except BaseException as e:\n"
+            "        out[name] = f'EXC {type(e).__name__}: {e}'[:300]\n"
+            "print(json.dumps(out))\n")
     r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=timeout,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
-    out = r.stdout.strip()
-    assert "\n" not in out and out != "NO ERROR", out
-    return out
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _one_line(msg: str) -> str:
+    assert "\n" not in msg and msg != "NO ERROR" and not msg.startswith("EXC "), msg
+    return msg
 
 
 # ---------------------------------------------------------------- bombs (under a memory cap)
@@ -75,39 +90,64 @@ def _npy_header(shape: tuple[int, ...], descr: str = "<f2") -> bytes:
     return buf.getvalue()
 
 
-def test_npz_decompression_bomb_is_refused_before_inflating(tmp_path):
-    """A few-MB .npz declaring ~1.5e9 float16 zeros (3 GB): it used to inflate them all, then fail
-    with "holds pickled objects"."""
-    blocks = 178
-    n = blocks * (16 << 20) // 2
-    path = tmp_path / "bomb.npz"
-    _zip_member(path, "x.npy", _npy_header((n,)), blocks)
-    assert path.stat().st_size < 8 << 20
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({str(path)!r})")
-    assert "bomb.npz" in msg and ("decompression bomb" in msg or "input budget" in msg), msg
-
-
-def test_npy_header_of_a_trillion_elements_is_refused(tmp_path):
-    """An npy header of (10**12,) over a few bytes of data: it used to die with a MemoryError (exit 3)."""
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> dict[str, tuple[Path | str, str]]:
+    """Every hostile input of this file, read in one capped interpreter: case -> (path, message)."""
     import zipfile
 
-    path = tmp_path / "huge.npz"
-    with zipfile.ZipFile(path, "w") as z:
+    d = tmp_path_factory.mktemp("hostile")
+    paths: dict[str, Path | str] = {}
+    blocks = 178  # ~1.5e9 float16 zeros (3 GB) declared by a few-MB .npz
+    paths["npz_bomb"] = d / "bomb.npz"
+    _zip_member(paths["npz_bomb"], "x.npy", _npy_header((blocks * (16 << 20) // 2,)), blocks)
+    paths["npy_trillion"] = d / "huge.npz"
+    with zipfile.ZipFile(paths["npy_trillion"], "w") as z:
         z.writestr("input_ids.npy", _npy_header((3,), "<i8") + np.arange(3, dtype="<i8").tobytes())
         z.writestr("x.npy", _npy_header((10**12,)) + bytes(64))
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({str(path)!r})")
-    assert "huge.npz" in msg and "'x.npy'" in msg, msg
+    paths["stride_0"] = d / "stride0"
+    paths["stride_0"].mkdir()
+    torch.save({"model.forward_batch_info.input_ids": torch.arange(3),
+                "model.embed_tokens": torch.zeros(1).expand(3_000_000_000)}, paths["stride_0"] / "Pass00000.pt")
+    paths["fifo_member"] = d / "dumper"
+    paths["fifo_member"].mkdir()
+    torch.save({"value": torch.arange(3), "meta": {"name": "input_ids", "step": 0}},
+               paths["fifo_member"] / "step=0___rank=0___dump_index=1___name=input_ids.pt")
+    os.mkfifo(paths["fifo_member"] / "step=0___rank=0___dump_index=2___name=non_intrusive__model.embed_tokens.output.pt")
+    paths["fifo_pass"] = d / "passes"
+    paths["fifo_pass"].mkdir()
+    os.mkfifo(paths["fifo_pass"] / "Pass00000.pt")
+    paths["fifo_dump"] = d / "x.npz"
+    os.mkfifo(paths["fifo_dump"])
+    paths["dev_dump"] = "/dev/zero"
+    maps = {"map_dev": "/dev/zero", "map_fifo": d / "m.toml", "map_latin1": d / "latin1.toml", "map_deep": d / "deep.toml"}
+    os.mkfifo(maps["map_fifo"])
+    maps["map_latin1"].write_bytes('[layer]\n"caf\xe9" = { hf = "mlp" }\n'.encode("latin-1"))
+    maps["map_deep"].write_text("x = " + "[" * 100000 + "]" * 100000 + "\n")
+    cases = {k: f"read_dump({str(p)!r})" for k, p in paths.items()}
+    cases.update({k: f"load_engine_map('llama', {str(p)!r})" for k, p in maps.items()})
+    got = capped_cases(cases)
+    return {k: ({**paths, **maps}[k], got[k]) for k in cases}
 
 
-def test_stride_0_tensor_in_a_pt_is_refused_before_materialising(tmp_path):
+def test_npz_decompression_bomb_is_refused_before_inflating(hostile):
+    """A few-MB .npz declaring ~1.5e9 float16 zeros (3 GB): it used to inflate them all, then fail
+    with "holds pickled objects"."""
+    path, msg = hostile["npz_bomb"]
+    assert Path(path).stat().st_size < 8 << 20
+    assert "bomb.npz" in _one_line(msg) and ("decompression bomb" in msg or "input budget" in msg), msg
+
+
+def test_npy_header_of_a_trillion_elements_is_refused(hostile):
+    """An npy header of (10**12,) over a few bytes of data: it used to die with a MemoryError (exit 3)."""
+    _, msg = hostile["npy_trillion"]
+    assert "huge.npz" in _one_line(msg) and "'x.npy'" in msg, msg
+
+
+def test_stride_0_tensor_in_a_pt_is_refused_before_materialising(hostile):
     """A few-hundred-byte .pt of ``torch.zeros(1).expand(3_000_000_000)``: it used to allocate 12 GB."""
-    dump = tmp_path / "d"
-    dump.mkdir()
-    torch.save({"model.forward_batch_info.input_ids": torch.arange(3), "model.embed_tokens": torch.zeros(1).expand(3_000_000_000)},
-               dump / "Pass00000.pt")
-    assert (dump / "Pass00000.pt").stat().st_size < 4096
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({str(dump)!r})")
-    assert "Pass00000.pt" in msg and "stride 0" in msg and "input budget" in msg, msg
+    path, msg = hostile["stride_0"]
+    assert (Path(path) / "Pass00000.pt").stat().st_size < 4096
+    assert "Pass00000.pt" in _one_line(msg) and "stride 0" in msg and "input budget" in msg, msg
 
 
 def test_small_stride_0_tensor_is_materialised_within_the_budget(tmp_path):
@@ -144,52 +184,29 @@ def test_npz_round_trip_and_byte_order(tmp_path):
 # ---------------------------------------------------------------- files that block or are not files
 
 
-def _fifo(path: Path) -> Path:
-    os.mkfifo(path)
-    return path
+def test_fifo_named_like_a_dumper_file_is_refused_without_blocking(hostile):
+    _, msg = hostile["fifo_member"]
+    assert "FIFO" in _one_line(msg) and "name=non_intrusive__model.embed_tokens.output.pt" in msg
 
 
-def test_fifo_named_like_a_dumper_file_is_refused_without_blocking(tmp_path):
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    torch.save({"value": torch.arange(3), "meta": {"name": "input_ids", "step": 0}},
-               dump / "step=0___rank=0___dump_index=1___name=input_ids.pt")
-    _fifo(dump / "step=0___rank=0___dump_index=2___name=non_intrusive__model.embed_tokens.output.pt")
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({str(dump)!r})", timeout=60)
-    assert "FIFO" in msg and "name=non_intrusive__model.embed_tokens.output.pt" in msg
+def test_fifo_pass_file_is_refused_without_blocking(hostile):
+    _, msg = hostile["fifo_pass"]
+    assert "Pass00000.pt" in _one_line(msg) and "FIFO" in msg
 
 
-def test_fifo_pass_file_is_refused_without_blocking(tmp_path):
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    _fifo(dump / "Pass00000.pt")
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({str(dump)!r})", timeout=60)
-    assert "Pass00000.pt" in msg and "FIFO" in msg
+@pytest.mark.parametrize("case", ["fifo_dump", "dev_dump"])
+def test_engine_dump_that_is_a_fifo_or_device_is_refused(hostile, case):
+    """`tracer import FIFO` or `tracer import /dev/zero` gave exit 3."""
+    _, msg = hostile[case]
+    assert ("FIFO" in _one_line(msg) or "character device" in msg) and "regular file" in msg
 
 
-@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
-def test_engine_dump_that_is_a_fifo_or_device_is_refused(tmp_path, target):
-    path = str(_fifo(tmp_path / "x.npz")) if target == "fifo" else target
-    msg = capped(f"from tracer.store.enginedump import read_dump\nread_dump({path!r})", timeout=60)
-    assert ("FIFO" in msg or "character device" in msg) and "regular file" in msg
-
-
-@pytest.mark.parametrize("what", ["dev", "fifo", "latin1", "deep"])
-def test_engine_map_is_read_through_the_gate(tmp_path, what):
+@pytest.mark.parametrize("case, expect", [("map_dev", "character device"), ("map_fifo", "FIFO"),
+                                          ("map_latin1", "not UTF-8"), ("map_deep", "deep.toml")])
+def test_engine_map_is_read_through_the_gate(hostile, case, expect):
     """--map /dev/zero grew to 24 GB; a FIFO hung; a non-UTF-8 map gave exit 3."""
-    if what == "dev":
-        path = "/dev/zero"
-    elif what == "fifo":
-        path = str(_fifo(tmp_path / "m.toml"))
-    elif what == "latin1":
-        path = str(tmp_path / "m.toml")
-        Path(path).write_bytes('[layer]\n"caf\xe9" = { hf = "mlp" }\n'.encode("latin-1"))
-    else:
-        path = str(tmp_path / "m.toml")
-        Path(path).write_text("x = " + "[" * 100000 + "]" * 100000 + "\n")
-    msg = capped(f"from tracer.execute.enginemap import load_engine_map\nload_engine_map('llama', {path!r})", timeout=60)
-    expect = {"dev": "character device", "fifo": "FIFO", "latin1": "not UTF-8", "deep": "m.toml"}[what]
-    assert expect in msg, msg
+    _, msg = hostile[case]
+    assert expect in _one_line(msg), msg
 
 
 def test_procfs_prompt_file_is_refused():

@@ -19,18 +19,28 @@ def _tracer(args, cli_env, cwd, **kw):
                           timeout=300, **kw)
 
 
-@pytest.mark.parametrize("args", [
-    ["run", "tiny-llama", "--length", "24", "--report", "/proc/self/x.html"],
-    ["audit", "tiny-llama", "--length", "24", "--levels", "0", "--report", "/proc/self/x.html"],
-    ["sweep", "tiny-llama", "--lengths", "17:18", "--plot", "/proc/self/x.png"],
-    ["bench", "tiny-llama", "--length", "24", "--outdir", "/proc/self/bench"],
-])
-def test_outputs_in_procfs_are_refused_before_the_model_loads(tmp_path, cli_env, args):
+def test_report_in_procfs_is_refused_before_the_model_loads(tmp_path, cli_env):
     """/proc/self/x.html gave exit 3 after the run (the report is written last)."""
-    p = _tracer(args, cli_env, tmp_path)
+    p = _tracer(["run", "tiny-llama", "--length", "24", "--report", "/proc/self/x.html"], cli_env, tmp_path)
     assert p.returncode == 2 and "kernel pseudo-filesystem" in p.stderr, p.stderr
     assert "load" not in p.stderr.split("error:")[0], p.stderr  # nothing was loaded before the refusal
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_figure_report_and_outdir_paths_are_checked_by_the_same_gate(monkeypatch):
+    """audit/sweep --report, sweep --plot and bench --outdir: refused before anything loads (the
+    model loader is replaced by one that fails the test)."""
+    from tracer import pipeline
+    from tracer.loops.bench import bench
+    from tracer.report.html import check_report_path
+    from tracer.report.plot import check_figure_path
+
+    monkeypatch.setattr(pipeline, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    for check, path in ((check_report_path, "/proc/self/x.html"), (check_figure_path, "/proc/self/x.png")):
+        with pytest.raises(TracerError, match="kernel pseudo-filesystem"):
+            check(path)
+    with pytest.raises(TracerError, match="kernel pseudo-filesystem"):
+        bench("tiny-llama", outdir="/proc/self/bench")
 
 
 def test_plot_output_in_procfs_is_refused_before_reading(tmp_path):
