@@ -169,6 +169,8 @@ class Gen:
 
     def record(self, cls):
         kw = {f.name: self.value(f.type, cls.__name__, f.name) for f in schema.fields_of(cls)}
+        for base in cls.__mro__:  # values the record's schema_check constrains (subclasses too)
+            kw = getattr(self, f"_kw_{base.__name__}", lambda k: k)(kw)
         fix = getattr(self, f"_fix_{cls.__name__}", None)
         return fix(kw) if fix else cls(**kw)
 
@@ -210,10 +212,30 @@ class Gen:
 
         if kw["logits"] is None:  # the logits' fields describe the logits: none without them
             kw.update(logits_name=None, logits_calls=([], []), logits_origin=False, logits_n_outside_tol=None,
-                      logits_amplification=None)
+                      logits_amplification=None, logits_cross_dtype=None)
         if kw["fail_on"] == "tolerance" and kw["atol"] is None and kw["rtol"] is None:
             kw["atol"] = 0.0
         return Comparison(**kw)
+
+    def _kw_TensorDiff(self, kw):  # counts a comparison can give (TensorDiff.schema_check)
+        from tracer.diff.metrics import ULP_BINS
+
+        total = self.r.randrange(0, 10**6)
+        hist = [self.r.randrange(0, total + 1) if total else 0 for _ in ULP_BINS[1:]]
+        while sum(hist) > total:
+            hist[self.r.randrange(len(hist))] //= 2
+        kw.update(n_total=total, n_diff=sum(hist), ulp_hist=(total - sum(hist), *hist),
+                  max_ulp=self.r.randrange(0, 2**40), max_abs_diff=math.inf if math.isnan(kw["max_abs_diff"])
+                  else abs(kw["max_abs_diff"]), mean_abs_diff=math.inf if math.isnan(kw["mean_abs_diff"]) else abs(kw["mean_abs_diff"]),
+                  **{k: self.r.randrange(0, total + 1) for k in ("n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b", "n_nan_payload")})
+        return kw
+
+    def _kw_LogitsDiff(self, kw):  # flips inside the compared positions (LogitsDiff.schema_check)
+        from dataclasses import replace
+
+        n = self.r.randrange(1, 50)
+        kw.update(n_positions=n, argmax_flips=tuple(replace(f, position=self.r.randrange(n)) for f in kw["argmax_flips"]))
+        return kw
 
     def _AuditRow_status(self):
         from tracer.plan.hierarchy import STATUSES

@@ -188,7 +188,7 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
             no_store: bool) -> int:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
     from tracer.report.progress import DELAY_S, StatusProgress
-    from tracer.report.terminal import check_outputs, check_table, err, print_run, write_run_report
+    from tracer.report.terminal import check_outputs, check_table, err, print_run, write_after, write_run_report
 
     cols = check_table(fmt, columns, wide)
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
@@ -196,12 +196,14 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
     # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
     with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
         result = api.run(progress=err.is_terminal, status=status, **opts)
-        write_run_report(result, report, opts["overwrite"], status)
-    return print_run(result, fmt, cols, all_rows, report, opts["mitigation"])
+    code = print_run(result, fmt, cols, all_rows, opts["mitigation"])
+    if report is not None and result.comparison is not None:  # after the result: a failing write still shows it
+        code = write_after(lambda: write_run_report(result, report, opts["overwrite"]), f"report: {report}") or code
+    return code
 
 
 @_command("audit", api.audit, ("fmt", "report", "no_store"))
-def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool) -> None:
+def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool) -> int:
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
     from tracer.report.terminal import check_outputs, check_table, print_audit
 
@@ -209,7 +211,7 @@ def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
     # the plan with each check's cost, then each result as it comes, on stderr
-    print_audit(api.audit(progress=_progress(), **opts), fmt, report, opts["overwrite"])
+    return print_audit(api.audit(progress=_progress(), **opts), fmt, report, opts["overwrite"])
 
 
 @_command("compare", api.compare_trace, ("fmt", "wide", "columns", "all_rows", "report", "overwrite_report"))
@@ -260,14 +262,14 @@ def show_cmd(opts: dict[str, Any], as_json: bool) -> None:
 
 
 @_command("sweep", api.sweep, ("fmt", "plot", "report", "no_store"))
-def sweep_cmd(opts: dict[str, Any], fmt: str, plot: str | None, report: str | None, no_store: bool) -> None:
+def sweep_cmd(opts: dict[str, Any], fmt: str, plot: str | None, report: str | None, no_store: bool) -> int:
     """Run a scenario for every prompt length (x block size): which lengths diverge, from which layer, how much."""
     from tracer.report.terminal import check_outputs, check_sweep_format, print_sweep
 
     check_sweep_format(fmt)
     check_outputs(report=report, plot=plot, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
-    print_sweep(api.sweep(progress=_progress(), **opts), fmt, plot, report, opts["overwrite"])
+    return print_sweep(api.sweep(progress=_progress(), **opts), fmt, plot, report, opts["overwrite"])
 
 
 @_command("plot", api.plot_file)
@@ -320,18 +322,26 @@ def main() -> None:
 
     Exit codes: 0 identical / within tolerance / report only, 1 diverged (failed ``--fail-on``),
     2 bad input or corrupt file, 3 internal error (one line; the traceback with
-    ``TRACER_DEBUG=1``), 130 interrupted.
+    ``TRACER_DEBUG=1``), 130 interrupted, 143 terminated (SIGTERM; 129 SIGHUP), after the same clean-up.
     """
     from tracer.load.offline import ensure_offline
     from tracer.report.terminal import err, print_error, print_internal_error
 
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
+    from tracer.errors import raise_on_termination, terminated_by
+
+    raise_on_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks
     try:
         app()
     except TracerError as e:  # pragma: no cover - commands catch their own
         print_error(str(e))
         sys.exit(EXIT_ERROR)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as e:
+        if terminated_by() is not None:  # typer turns the interrupt into exit 130; the signal decides
+            err.print("terminated", highlight=False)
+            sys.exit(128 + terminated_by())
+        if isinstance(e, SystemExit):
+            raise
         err.print("interrupted")
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"

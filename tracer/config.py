@@ -445,6 +445,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError("--verdict re-runs the HF model at float32 and float64; vLLM loads its own weights and is "
                           "not re-run: drop --verdict, or use --engine hf")
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
+    _check_bounds(cfg)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)  # one source; files readable, ids valid
@@ -460,6 +461,12 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
             preflight.check_model(m.name, m.gguf)
     if st.mode != "none" and new_output:
         check_output(st.output, st.overwrite)
+    if st.output is not None:  # never write over a file this run reads
+        from tracer.store.integrity import check_not_an_input
+
+        check_not_an_input(st.output, {"--prompt-file": pr.prompt_file, "--token-ids-file": pr.token_ids_file,
+                                       "--gguf": m.gguf, "model file": m.name if isinstance(m.name, str)
+                                       and os.path.isfile(m.name) else None})
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
@@ -493,6 +500,44 @@ def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: boo
 
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)
+
+
+def _check_bounds(cfg: RunConfig) -> None:
+    """Bounds and combinations that ran forever, crashed later or were silently ignored (issue 24):
+    ``--decode`` within the longest prompt, text options not empty and valid UTF-8, ``--split-at``
+    with ``--block-size`` (the block size would be ignored), ``--op-replay`` without sublayers (no
+    op to replay), a ``--device-map`` JSON nested deeper than a map. The model's positions are
+    checked once it is loaded (:func:`tracer.plan.checks.check_positions`).
+
+    Raises:
+        TracerError: one line naming the option and the fix.
+    """
+    from tracer.files import MAX_TOKENS, _depth_ok
+    from tracer.plan.checks import check_int
+
+    s, ch, pr = cfg.scenario, cfg.checks, cfg.prompt
+    check_int(ch.decode, "--decode", 0, MAX_TOKENS)
+    texts = {"--prompt": pr.prompt, "--model": cfg.model.name if isinstance(cfg.model.name, str) else None,
+             **{"--" + k.replace("_", "-"): v for k, v in s.options if isinstance(v, str)}}
+    for option, text in texts.items():
+        if text is None:
+            continue
+        if option != "--prompt" and not text.strip():
+            raise TracerError(f"{option} is empty; give a value (see --help) or leave it out for the default")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TracerError(f"{option} holds bytes that are not UTF-8 (at character {e.start}); give UTF-8 text"
+                              + (" or a --prompt-file" if option == "--prompt" else "")) from None
+    if s.split_at is not None and s.block_size is not None and s.name == "prefix-cache":
+        raise TracerError(f"--split-at {s.split_at} sets the cached prefix itself; --block-size {s.block_size} would "
+                          "only choose it (the last block boundary), so it would be ignored: give one of them")
+    if ch.op_replay and cfg.capture.granularity != "sublayers":
+        raise TracerError("--op-replay replays the origin ops (Linear, norm, attention core) from their captured "
+                          "inputs, which only --granularity sublayers captures; add --granularity sublayers")
+    dm = cfg.model.device_map
+    if isinstance(dm, str) and not _depth_ok(dm, 2):
+        raise TracerError('--device-map nests deeper than a map {"module.path": "cuda:0"}; give a flat JSON object')
 
 
 def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:

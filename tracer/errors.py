@@ -25,3 +25,37 @@ class TracerError(Exception):
         if "\n" in message:
             raise ValueError("TracerError messages are one line")
         super().__init__(message)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread so that every ``finally`` runs (partial files,
+    scratch folders and worker processes are cleaned up as on Ctrl-C); the command exits 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_RECEIVED: list[int] = []
+
+
+def terminated_by() -> int | None:
+    """The signal :func:`raise_on_termination` turned into :class:`Terminated`, if one came."""
+    return _RECEIVED[0] if _RECEIVED else None
+
+
+def raise_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into :class:`Terminated` in this (main) thread: a terminated command
+    cleans up on the same path as an interrupted one, instead of dying with its partial files."""
+    import signal
+
+    def handler(signum: int, _frame: object) -> None:
+        _RECEIVED.append(signum)
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, OSError):  # not the main thread, or not settable here
+                pass

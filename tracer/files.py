@@ -1,7 +1,13 @@
-"""Files the user names as input: regular files only, bounded, decoded strictly.
+"""Files the user names as input: the one gate. Regular files only, bounded, decoded strictly.
 
-Bottom-layer helpers (next to :mod:`tracer.errors`; every layer may use them). Refusing FIFOs,
-devices and sockets before opening them is what keeps a read from blocking forever.
+Bottom-layer helpers (next to :mod:`tracer.errors`; every layer may use them). Every file tracer
+reads because a user named it (traces, sweep files, engine maps, dump members, prompt and token-id
+files, GGUF files, recipes) passes :func:`check_input_file` first: a regular file (FIFOs, devices,
+sockets and folders refused before anything opens them, so no read blocks forever), not a kernel
+pseudo-file under ``/proc`` or ``/sys`` (they report size 0 and may block: ``/proc/kmsg``), and
+at most a bounded number of bytes where the whole file is read into memory. Anything decoded
+from a file is bounded by :func:`input_budget` before it is allocated (the callers check declared
+sizes, shapes and strides against it: :mod:`tracer.store.dumpfiles`).
 """
 
 from __future__ import annotations
@@ -33,24 +39,113 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def check_input_file(path: str | os.PathLike, what: str) -> Path:
-    """``path`` as a Path after checking it names an existing regular file (symlinks followed).
+def _pseudo_devices() -> set[int]:
+    """``st_dev`` of the kernel's pseudo-filesystems (procfs, sysfs) on this machine."""
+    out = set()
+    for root in ("/proc", "/sys"):
+        try:
+            out.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return out
 
-    Refusing FIFOs, devices and sockets up front is what keeps a read from blocking forever.
+
+def check_input_file(path: str | os.PathLike, what: str, max_bytes: int | None = None) -> Path:
+    """``path`` as a Path after checking it names an existing regular file (symlinks followed) that
+    is not a kernel pseudo-file and, when ``max_bytes`` is given, holds at most that many bytes.
+
+    Refusing FIFOs, devices, sockets and procfs/sysfs files up front is what keeps a read from
+    blocking forever.
 
     Raises:
-        TracerError: missing, unreadable, or not a regular file (folder, FIFO, device, socket).
+        TracerError: missing, unreadable, not a regular file (folder, FIFO, device, socket), a
+            procfs/sysfs file, or larger than ``max_bytes``.
     """
     p = Path(path)
+    if str(path) == "":
+        raise TracerError(f"{what} is empty; give a file path")
     try:
         st = os.stat(p)
     except FileNotFoundError:
         raise TracerError(f"{what} {p} not found; check the path") from None
-    except OSError as e:
-        raise TracerError(f"cannot read {what} {p} ({e.strerror}); check the path and its permissions") from None
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise TracerError(f"cannot read {what} {p} ({why}); check the path and its permissions") from None
     if not stat.S_ISREG(st.st_mode):
         raise TracerError(f"{what} {p} is {file_kind(st.st_mode)}; pass a regular file")
+    if st.st_dev in _pseudo_devices():
+        raise TracerError(f"{what} {p} is a kernel pseudo-file (procfs/sysfs), whose reads may block or never end; "
+                          "copy what you need into a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise TracerError(f"{what} {p} is {st.st_size:,} bytes; the limit is {max_bytes:,} bytes")
     return p
+
+
+#: environment variable that sets :func:`input_budget` (bytes)
+BUDGET_ENV = "TRACER_INPUT_BUDGET"
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _address_space_left() -> int | None:
+    """Bytes of address space this process may still map under ``RLIMIT_AS`` (None: unlimited)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm", "rb") as f:
+            used = int(f.read(4096).split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        return max(0, soft - used)
+    except (OSError, ValueError, IndexError, ImportError):
+        return None
+
+
+def input_budget() -> int:
+    """Bytes that decoding one user-named input may allocate: ``$TRACER_INPUT_BUDGET`` when set, else
+    half of what is available (the smaller of the machine's available memory and the address space
+    ``RLIMIT_AS`` leaves this process), at least 64 MiB. Declared sizes (archive members, npy
+    headers, tensor shapes and strides) are checked against it before anything is allocated.
+
+    Raises:
+        TracerError: ``$TRACER_INPUT_BUDGET`` is not a positive integer number of bytes.
+    """
+    raw = os.environ.get(BUDGET_ENV)
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise TracerError(f"{BUDGET_ENV}={raw!r} must be a positive integer number of bytes, e.g. 8000000000")
+        return value
+    limits = [x for x in (_mem_available(), _address_space_left()) if x is not None]
+    return max(64 << 20, min(limits) // 2) if limits else 8 << 30
+
+
+def check_budget(nbytes: int, what: str, budget: int | None = None) -> None:
+    """Refuse to allocate ``nbytes`` for ``what`` beyond :func:`input_budget`.
+
+    Raises:
+        TracerError: ``nbytes`` exceeds the budget (one line: what, how much, the budget, the knob).
+    """
+    limit = input_budget() if budget is None else budget
+    if nbytes > limit:
+        raise TracerError(f"{what} declares {nbytes:,} bytes, over the input budget of {limit:,} bytes (half the "
+                          f"memory available to this process; {BUDGET_ENV} sets it); refused before allocating")
 
 
 def read_text_file(path: str | os.PathLike, option: str) -> str:
@@ -60,20 +155,64 @@ def read_text_file(path: str | os.PathLike, option: str) -> str:
     Raises:
         TracerError: missing, not a regular file, too large, unreadable or not UTF-8.
     """
-    if not os.path.exists(path):
+    if str(path) and not os.path.exists(path):
         raise TracerError(f"cannot read {option} {path}: No such file or directory; check the path")
-    p = check_input_file(path, option)
+    p = check_input_file(path, option, MAX_INPUT_BYTES)
     try:
-        size = p.stat().st_size
-        if size > MAX_INPUT_BYTES:
-            raise TracerError(f"{option} {p} is {size} bytes; the limit is {MAX_INPUT_BYTES} bytes")
-        data = p.read_bytes()
+        data = read_bounded(p, MAX_INPUT_BYTES)
     except OSError as e:
         raise TracerError(f"cannot read {option} {p}: {e.strerror}; check the path") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise TracerError(f"{option} {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+
+
+def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a file already through :func:`check_input_file`, read without blocking
+    (``O_NONBLOCK``: a file swapped for a FIFO after the check gives EAGAIN, not a hang) and at most
+    ``limit`` of them (a file that grew since the check is refused).
+
+    Raises:
+        OSError: unreadable; TracerError: longer than ``limit``.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TracerError(f"{path} is {file_kind(os.fstat(fd).st_mode)}; pass a regular file")
+        chunks, n = [], 0
+        while True:
+            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+            if n > limit:
+                raise TracerError(f"{path} holds more than {limit:,} bytes; the limit is {limit:,} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_toml(path: str | os.PathLike, what: str) -> dict:
+    """A TOML document from a regular UTF-8 file of at most :data:`MAX_INPUT_BYTES` (engine maps,
+    recipes, family descriptors).
+
+    Raises:
+        TracerError: not a regular file, too large, not UTF-8, not valid TOML (one line).
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # pragma: no cover - Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    text = read_text_file(path, what)
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TracerError(f"{what} {path} is not valid TOML ({str(e).splitlines()[0][:160]})") from None
+    except RecursionError:
+        raise TracerError(f"{what} {path} nests too deeply to be an engine map or recipe") from None
 
 
 def _depth_ok(text: str, limit: int) -> bool:
@@ -125,12 +264,24 @@ def check_gguf_file(path: str | os.PathLike, option: str = "--gguf") -> str:
     """
     p = check_input_file(path, option)
     try:
+        size = p.stat().st_size
         with open(p, "rb") as f:
-            head = f.read(4)
+            head = f.read(24)
     except OSError as e:
         raise TracerError(f"cannot read {option} {p}: {e.strerror}; check the path") from None
-    if head != GGUF_MAGIC:
+    if head[:4] != GGUF_MAGIC:
         raise TracerError(f"{option} {p} is not a GGUF file (it does not start with 'GGUF'); pass the model's .gguf file")
+    import struct
+
+    if len(head) < 24:
+        raise TracerError(f"{option} {p} is not a readable GGUF file ({size} bytes, shorter than a GGUF header); "
+                          "it is truncated or damaged: download it again")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", head[4:24])
+    # every tensor info takes at least 24 bytes and every key/value 12 (GGUF v2/v3 layouts)
+    if version not in (2, 3) or n_tensors * 24 + n_kv * 12 > size:
+        raise TracerError(f"{option} {p} is not a readable GGUF file (version {version}, {n_tensors:,} tensors and "
+                          f"{n_kv:,} metadata entries declared in {size:,} bytes); it is truncated or damaged: "
+                          "download it again")
     return str(p)
 
 

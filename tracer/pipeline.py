@@ -92,8 +92,35 @@ def prompt_ids(cfg: RunConfig, loaded: LoadedModel, length: int | None = None) -
 
     p = cfg.prompt
     text, ids = read_prompt(p.prompt, p.prompt_file, p.token_ids_file, p.token_ids)
-    return tokenize(loaded.tokenizer, text, ids, chat=p.chat, vocab_size=loaded.info.vocab_size,
-                    length=p.length if length is None else length)
+    ids = tokenize(loaded.tokenizer, text, ids, chat=p.chat, vocab_size=loaded.info.vocab_size,
+                   length=p.length if length is None else length)
+    _check_positions(cfg, loaded, len(ids))
+    return ids
+
+
+def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
+    """The positions the scenario needs for this N against the model's (:func:`tracer.plan.checks.check_positions`);
+    a note on stderr when only RoPE scaling makes them legitimate.
+
+    Raises:
+        TracerError: more positions than the model has.
+    """
+    import sys
+
+    from tracer.plan.checks import check_positions, positions_needed
+    from tracer.plan.scenarios import preview
+
+    config = getattr(loaded.model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    limit = next((getattr(text, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
+                  if isinstance(getattr(text, k, None), int)), None)
+    scen = preview(cfg.scenario.name, n, cfg.scenario.params()) if isinstance(cfg.scenario.name, str) else None
+    need = positions_needed(scen, n, cfg.checks.decode) if scen is not None else n + cfg.checks.decode
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default")
+    note = check_positions(need, limit, scaled, loaded.info.name)
+    if note is not None:
+        sys.stderr.write(note + "\n")
 
 
 def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = False, say: Say = _quiet) -> Prepared:

@@ -18,7 +18,8 @@ or a path into the document such as ``("runs", 0)`` or ``("logits", "name")``), 
 (a nested record's keys merged into this document), ``rename``/``inline`` (how a nested record is
 laid out inside this one). Values derived from the fields (a verdict, a count) are added by
 :meth:`Record.schema_extras` and never read back; :meth:`Record.schema_prepare` undoes a view
-(e.g. absolute positions) before the fields are decoded. Keys a decoder does not know are
+(e.g. absolute positions) before the fields are decoded, and :meth:`Record.schema_check` refuses
+values of the right type but an impossible range after. Keys a decoder does not know are
 ignored, so documents written by later versions stay readable; a missing key takes the field's
 default (documents of earlier versions), or is an error when the field has none.
 """
@@ -101,6 +102,12 @@ class Record:
     def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
         """``doc`` with any view undone before its fields are decoded (a new dict; ``doc`` is not changed)."""
         return doc
+
+    def schema_check(self) -> str | None:
+        """After :meth:`from_dict` built the record: what is wrong with its values beyond their types
+        (a range, a count that cannot be, a list of the wrong length), or None. A document may have
+        been edited with every checksum recomputed; what this says becomes a one-line TracerError."""
+        return None
 
 
 @functools.cache
@@ -257,7 +264,11 @@ def decode(cls: type, doc: Any, where: str = "") -> Any:
         if isinstance(raw, dict) and (f.layout.rename or f.layout.inline):
             raw = _unview(raw, f.layout)
         kw[f.name] = decode_value(raw, f.type, at)
-    return cls(**kw)
+    obj = cls(**kw)
+    problem = obj.schema_check()
+    if problem is not None:
+        raise TracerError(f"{where}: {problem}")
+    return obj
 
 
 def _get(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:

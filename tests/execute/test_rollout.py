@@ -319,9 +319,11 @@ def test_fp32_lm_head_and_train_dtype(llama16):
     assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     from tracer.diff.rl import comparable
 
-    wa, wb, notes = comparable(a, b)
+    wa, wb, _ = comparable(a, b)
     c = compare_records(wa, wb, scenario=s.name, model="tiny")
-    assert c.logits is not None and notes and "wider dtype" in notes[0]
+    assert c.logits is not None and c.logits_cross_dtype is not None
+    assert (c.logits_cross_dtype.compared_in, c.logits_cross_dtype.ulps_in) == ("float32", "bfloat16")
+    assert any("values compared in float32" in n and "ULPs in bfloat16" in n for n in c.facts["notes"])
     assert a.captures["lm_head"].tensor.dtype == torch.bfloat16  # the records themselves keep their dtypes
     with pytest.raises(TracerError, match="not wider"):
         _run(model, build("rollout-vs-train", N, rollouts=1, new_tokens=2, train_dtype="float16"))

@@ -157,3 +157,30 @@ def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_ru
     assert [p.name for p in scratch_root.iterdir() if p.name.startswith("tracer-tp-")] == []
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
     print(json.dumps({"orphans_lived_s": round(lived, 2), "scratch_left": left, "partials_left": partials}))
+
+
+def test_sigterm_of_the_parent_removes_ranks_scratch_folder_and_partial(cli_env, tmp_path):
+    """Every exit path cleans up: SIGTERM of the parent while its ranks run is handled like Ctrl-C
+    (exit 143): the ranks are stopped, the scratch folder and the trace partial removed at once."""
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    env = dict(cli_env, TMPDIR=str(scratch_root))
+    out = tmp_path / "tp.h5"
+    proc = _tracer(TP2 + ["-o", str(out)], env, tmp_path)
+    deadline = time.monotonic() + 240
+    ranks: list[int] = []
+    while proc.poll() is None and time.monotonic() < deadline:
+        ranks = children(proc.pid)
+        if len(ranks) == 2:
+            break
+        time.sleep(0.01)
+    assert len(ranks) == 2, proc.communicate()[1]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = time.monotonic()
+    while any(alive(r) for r in ranks) and time.monotonic() - stopped < 10:
+        time.sleep(0.05)
+    assert not any(alive(r) for r in ranks)
+    assert [p.name for p in scratch_root.iterdir() if p.name.startswith("tracer-tp-")] == []
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []

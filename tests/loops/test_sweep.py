@@ -51,7 +51,7 @@ KW = dict(lengths="17:22", block_sizes=[8, 16], progress=False)
 def _datasets(path):
     with h5py.File(path, "r") as f:
         g = f["sweep"]
-        n = int(g.attrs["n_done"])
+        n = int(json.loads(g.attrs["index"])["n_done"])  # the commit record (format 2)
         data = {k: g[k][:n] for k in (*ROW_FIELDS, *MATRIX_FIELDS) if k != "wall_s"}
         return data, {k: g.attrs[k] for k in ("params", "points", "kinds")}, bool(f.attrs["complete"])
 

@@ -35,8 +35,13 @@ def outcome(path: str):
             tensors = {(n, cap): r.tensor(n, cap).view(-1).float().sum().item() for n, _ in runs for cap in r.capture_names(n)}
         c = tracer.compare_trace(path, device="cpu")
         points = [(p.name, p.diff.n_diff, p.diff.max_abs_diff) for p in c.points]
+        from tracer.diff.stored import stored_comparison
+        from tracer.report.tables import to_markdown
+
+        stored = stored_comparison(path)
+        rendered = (to_markdown(c), to_markdown(stored) if stored is not None else None)
         return "ok", repr((shown, sorted(tensors.items()), c.verdict(), c.identical, points,
-                           [s.to_dict() for s in c.skipped], c.check("any")))
+                           [s.to_dict() for s in c.skipped], c.check("any"), rendered))
     except TracerError as e:
         return "error", str(e)
     except Exception as e:  # noqa: BLE001 - the fuzz reports it as a failure
@@ -137,5 +142,76 @@ def test_mutations_give_the_original_result_or_one_line_error(small_trace, tmp_p
                 shutil.copy(case, tmp_path / f"bad-{i}.h5")
         assert not bad, f"{len(bad)} of {N_CASES} mutations gave a wrong answer, traceback, hang or crash: {bad[:5]}"
         assert counts["error"] > N_CASES // 4  # most mutations hit data or metadata and are caught
+    finally:
+        worker.close()
+
+
+# ---------------------------------------------------------------- re-sealed mode (issue 24 item 8)
+
+N_RESEALED = int(os.environ.get("TRACER_RESEAL_CASES", "120"))
+_WILD = ["x", 5, -1, 0, None, True, [], {}, [1, "a"], {"a": 1}, 2**70, 1.5, -(2**40), [[[[]]]], "\x1b[31m", [0, 10**30]]
+
+
+def _paths(doc, prefix=()):
+    """Every (path, value) inside a JSON document, containers included."""
+    yield prefix, doc
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, prefix + (i,))
+
+
+def _reseal(path: Path, rng: random.Random) -> str:
+    """Replace one value somewhere in one JSON attribute (header, a run's plan/meta/index, a stored
+    comparison) and recompute every checksum that covers it."""
+    import json
+
+    import h5py
+
+    from tracer.store.integrity import crc32_bytes, seal, set_text
+
+    with h5py.File(path, "r+") as f:
+        targets = [("header", "json")] + [(f"runs/{r}", k) for r in f["runs"] for k in ("plan", "meta", "index")]
+        targets += [(f"comparisons/{c}", "json") for c in f.get("comparisons", {})]
+        group, key = rng.choice(targets)
+        g = f[group]
+        doc = json.loads(g.attrs[key])
+        paths = [p for p, _ in _paths(doc) if p]
+        where = rng.choice(paths)
+        node = doc
+        for step in where[:-1]:
+            node = node[step]
+        node[where[-1]] = rng.choice(_WILD)
+        if key == "index":
+            texts = [json.dumps(e) for e in doc]
+            set_text(g, "index", "[" + ", ".join(texts) + "]")
+            set_text(g, "index_crc32", json.dumps([[len(t.encode()), crc32_bytes(t.encode())] for t in texts]))
+        else:
+            set_text(g, key, json.dumps(doc))
+        seal(g)
+    return f"{group}.{key}{list(where)}"
+
+
+def test_resealed_json_edits_give_an_answer_or_one_line_error(small_trace, tmp_path):
+    """Edits with every CRC recomputed (as the public spec allows) may change the answer, but never
+    give a traceback, a hang or a crash (on main before issue 24: exit 3 at 15+ places)."""
+    worker = Worker()
+    try:
+        rng = random.Random(SEED + 24)
+        bad, counts = [], {"ok": 0, "error": 0}
+        case = tmp_path / "case.h5"
+        for i in range(N_RESEALED):
+            shutil.copy(small_trace, case)
+            what = _reseal(case, rng)
+            status, detail = worker.ask(str(case), CASE_TIMEOUT_S)
+            if status == "ok" or (status == "error" and detail and "\n" not in detail):
+                counts[status] += 1
+            else:
+                bad.append((i, what, status, detail[:300]))
+                shutil.copy(case, tmp_path / f"bad-{i}.h5")
+        assert not bad, f"{len(bad)} of {N_RESEALED} re-sealed edits gave a traceback, hang or crash: {bad[:5]}"
+        assert counts["error"] > N_RESEALED // 4, counts  # most edits are refused by the validation
     finally:
         worker.close()

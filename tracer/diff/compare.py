@@ -7,6 +7,7 @@ row blocks by :mod:`tracer.store.stream`). The result types are in :mod:`tracer.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import replace
 from typing import Any, Iterable, Iterator
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from tracer.diff.batch import DiffBatch
+from tracer.diff.crossdtype import CrossAccumulator, CrossDtype, pair_dtypes, summary_line
 from tracer.diff.facts import run_facts
 from tracer.store.environment import isa_differences, version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_diff
@@ -27,8 +29,8 @@ from tracer.execute.kinds import PointKind, point_kind
 from tracer.execute.records import RunRecord
 from tracer.load.contract import contract_differences
 from tracer.load.devices import resolve_device
-from tracer.store.environment import version_differences
 from tracer.store.stream import RowBlocks, stored_pairs
+from tracer.store.formats import check_name
 from tracer.store.trace import TraceReader
 
 
@@ -102,14 +104,18 @@ def _equal_pair(batch: DiffBatch, kind: str, ta: RowBlocks, split: int | None
 
 
 def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, ta: RowBlocks,
-                 split_rows: int | None) -> tuple[int, LogitsAccumulator | None]:
+                 split_rows: int | None, cross: CrossAccumulator | None = None
+                 ) -> tuple[int, LogitsAccumulator | None, int | None]:
     """Feed a pair given in row blocks to the batch, the per-position statistics and (logits) a
-    :class:`LogitsAccumulator`; returns its batch index and the accumulator."""
+    :class:`LogitsAccumulator`; returns its batch index, the accumulator and (a cross-dtype pair,
+    ``cross``) the batch index of the pair rounded to the coarser dtype."""
     shape = tuple(ta.shape)
     row = math.prod(shape[1:]) if shape else 1
     split = split_rows * row if split_rows else None
-    pos = stats.rows(name, kind, shape, ta.dtype)
+    pos = stats.rows(name, kind, shape, cross.wide if cross is not None else ta.dtype)
     blocks = ta.blocks
+    if cross is not None:
+        return _stream_cross(batch, pos, kind, shape, blocks, split, cross)
     if ta.equal_hint:
         equal = _equal_pair(batch, kind, ta, split)
         if equal is not None:
@@ -117,7 +123,7 @@ def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, t
             if pos is not None:
                 pos.equal(device)
                 pos.finish()
-            return index, acc
+            return index, acc, None
         blocks = ta.reread()  # the hint was wrong: compare the point in full, read again
     acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
     index = None
@@ -136,7 +142,34 @@ def _stream_pair(batch: DiffBatch, stats: PositionStats, name: str, kind: str, t
     batch.close(index)
     if pos is not None:
         pos.finish()
-    return index, acc
+    return index, acc, None
+
+
+def _stream_cross(batch: DiffBatch, pos: Any, kind: str, shape: tuple[int, ...], blocks: Any, split: int | None,
+                  cross: CrossAccumulator) -> tuple[int, LogitsAccumulator | None, int]:
+    """:func:`_stream_pair` of a pair whose runs hold different dtypes: each block compared in the
+    wider dtype (and the per-position and logits statistics from it), and rounded to the coarser."""
+    acc = LogitsAccumulator(shape[1]) if kind == PointKind.LOGITS and len(shape) == 2 else None
+    index = rounded = None
+    for r0, xa, xb in blocks:
+        wa, wb, na, nb = cross.views(xa, xb)
+        if index is None:
+            index, rounded = batch.add(wa, wb, split=split, more=True), batch.add(na, nb, split=split, more=True)
+        else:
+            batch.extend(index, wa, wb)
+            batch.extend(rounded, na, nb)
+        if pos is not None:
+            pos.add(r0, wa, wb)
+        if acc is not None:
+            acc.add(wa, wb)
+    if index is None:
+        empty_w, empty_n = torch.empty(shape, dtype=cross.wide), torch.empty(shape, dtype=cross.narrow)
+        index, rounded = batch.add(empty_w, empty_w, split=split), batch.add(empty_n, empty_n, split=split)
+    batch.close(index)
+    batch.close(rounded)
+    if pos is not None:
+        pos.finish()
+    return index, acc, rounded
 
 
 def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tensor, list, list]], *,
@@ -148,6 +181,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     """Compare an ordered stream of ``(name, kind, op, tensor_a, tensor_b, calls_a, calls_b)``.
 
     Tensors of one pair must have equal shapes ``(T, *feature)``; the logits pair ``(T, vocab)``;
+    two different floating dtypes are compared in the wider one with ULPs in the coarser
+    (:mod:`tracer.diff.crossdtype`: the point's ``cross_dtype`` and a header note say so);
     ``kv_cache`` pairs ``(S, features)`` over all cached positions. The pairs go through one
     :class:`~tracer.diff.batch.DiffBatch`, which holds at most one chunk's worth of pending
     tensors (only the logits pair is kept until the end, for its per-position statistics).
@@ -157,8 +192,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     ``roles``: capture name → its role in the block (``CaptureRecord.role``), for the dataflow.
 
     Raises:
-        TracerError: a capture point whose tensors have different shapes or dtypes in the two
-            runs, or a bad tolerance.
+        TracerError: a capture point whose tensors have different shapes (or a non-floating
+            dtype that differs) in the two runs, or a bad tolerance.
     """
     check_fail_on(None, atol, rtol)
     tol = None if atol is None and rtol is None else (float(atol or 0.0), float(rtol or 0.0))
@@ -172,6 +207,7 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     batch = DiffBatch(tolerance=tol)
     per_position = PositionStats(positions)
     queued: list[tuple[int, str, str, str, list, list, int | None]] = []
+    crosses: dict[str, tuple[CrossAccumulator, int]] = {}  # name -> (accumulator, index of the rounded pair)
     skips = list(skipped)
     logits_acc = None
     for name, kind, op, ta, tb, ca, cb in pairs:
@@ -179,29 +215,38 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
         if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
             skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
             continue
-        if tuple(ta.shape) != tuple(tb.shape) or ta.dtype != tb.dtype:
+        cross = CrossAccumulator(ta.dtype, tb.dtype) if pair_dtypes(ta.dtype, tb.dtype) else None
+        if tuple(ta.shape) != tuple(tb.shape) or (ta.dtype != tb.dtype and cross is None):
             raise TracerError(
                 f"capture point {name} has {tuple(ta.shape)} {ta.dtype} in run {run_a} but {tuple(tb.shape)} "
-                f"{tb.dtype} in run {run_b}; the runs used different models or dtypes"
+                f"{tb.dtype} in run {run_b}; the runs used different models"
             )
         if isinstance(ta, RowBlocks):  # streamed in row blocks: the same numbers, bounded memory
-            index, acc = _stream_pair(batch, per_position, name, kind, ta, _prefix_rows(kind, ca, positions[0]))
+            index, acc, rounded = _stream_pair(batch, per_position, name, kind, ta,
+                                               _prefix_rows(kind, ca, positions[0]), cross)
+            if cross is not None:
+                crosses[name] = (cross, rounded)
             if kind == PointKind.LOGITS:
                 logits_acc, logits_pair, logits_name, logits_calls = acc, (index, None, None), name, (ca, cb)
             else:
                 queued.append((index, name, kind, op, ca, cb, _prefix_rows(kind, ca, positions[0])))
             continue
+        rows = _prefix_rows(kind, ca, positions[0])
+        split = rows * (ta[0].numel() if ta.dim() else 1) if rows else None
+        if cross is not None:  # compared in the wider dtype, ULPs in the coarser (tracer.diff.crossdtype)
+            ta, tb, na, nb = cross.views(ta, tb)
+            crosses[name] = (cross, batch.add(na, nb, split=None if kind == PointKind.LOGITS else split))
+            del na, nb
         per_position.add(name, kind, ta, tb)
         if kind == PointKind.LOGITS:  # element-wise statistics in the batch; per-position ones below
             logits_pair = (batch.add(ta, tb), ta, tb)
             logits_name = name
             logits_calls = (ca, cb)
             continue
-        rows = _prefix_rows(kind, ca, positions[0])
-        split = rows * (ta[0].numel() if ta.dim() else 1) if rows else None
         queued.append((batch.add(ta, tb, split=split), name, kind, op, ca, cb, rows))
         del ta, tb
     diffs = batch.results()
+    cross_info: dict[str, CrossDtype] = {}
     if logits_acc is not None:
         logits = logits_acc.result(diffs[logits_pair[0]])
         logits_tol = batch.outside_tolerance(logits_pair[0]) if tol is not None else None
@@ -212,20 +257,33 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
         logits = logits_diff(rows_a, rows_b, tensor=diffs[index])
         logits_tol = batch.outside_tolerance(index) if tol is not None else None
         del logits_pair, ta, tb, rows_a, rows_b
+    if logits is not None and logits_name in crosses:
+        cross, rounded = crosses[logits_name]
+        merged, cross_info[logits_name] = cross.merge(logits.tensor, diffs[rounded])
+        logits = replace(logits, tensor=merged)
     points: list[PointResult] = []
     first_max: float | None = None
     for index, name, kind, op, ca, cb, rows in queued:
         d = diffs[index]
+        if name in crosses:
+            cross, rounded = crosses[name]
+            d, cross_info[name] = cross.merge(d, diffs[rounded])
         n_prefix = None if rows is None else (batch.n_diff_before(index) if rows else 0)
         if first_max is None and d.n_diff > 0:
             first_max = d.max_abs_diff
         amp = None if first_max is None else amplification(first_max, d.max_abs_diff)
         n_tol = batch.outside_tolerance(index) if tol is not None else None
         points.append(PointResult(name=name, kind=kind, op=op, diff=d, amplification=amp,
-                                  calls_a=ca, calls_b=cb, n_diff_prefix=n_prefix, n_outside_tol=n_tol))
+                                  calls_a=ca, calls_b=cb, n_diff_prefix=n_prefix, n_outside_tol=n_tol,
+                                  cross_dtype=cross_info.get(name)))
+    facts = dict(facts or {})
+    line = summary_line(cross_info, run_a, run_b)
+    if line is not None:  # said in the header (and, per point, in the table and the verdict)
+        facts["notes"] = list(facts.get("notes", [])) + [line]
     c = Comparison(scenario=scenario, model=model, positions=tuple(positions), run_a=run_a,
                    run_b=run_b, points=tuple(points), logits_name=logits_name, logits=logits,
-                   logits_calls=logits_calls, trace=trace, facts=dict(facts or {}),
+                   logits_calls=logits_calls, trace=trace, facts=facts,
+                   logits_cross_dtype=cross_info.get(logits_name) if logits_name else None,
                    logits_n_outside_tol=logits_tol, atol=atol, rtol=rtol,
                    logits_amplification=amplification(first_max, logits.tensor.max_abs_diff)
                    if logits is not None and first_max is not None else None,
@@ -287,8 +345,13 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             windows, an unavailable device.
     """
     (path_a, run_a), (path_b, run_b) = ref_a, ref_b
+    for run in (run_a, run_b):  # '' names no run (it used to mean "the default" silently)
+        if run is not None:
+            check_name(run, "run")
     same = str(path_a) == str(path_b)
-    with TraceReader(path_a) as reader_a, TraceReader(path_b) as reader_b:
+    with contextlib.ExitStack() as stack:
+        reader_a = stack.enter_context(TraceReader(path_a))
+        reader_b = reader_a if same else stack.enter_context(TraceReader(path_b))  # one file: read and validated once
         names_a, names_b = reader_a.runs, reader_b.runs
         if same and (run_a is None or run_b is None):
             if len(names_a) < 2:

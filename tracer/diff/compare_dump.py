@@ -10,9 +10,12 @@ over the positions both sides hold; the report names the engine and lists every 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+
 import torch
 
+from tracer.diff.capture_contract import ContractMismatch, check_rank_sum, check_scaled
 from tracer.diff.compare import compare_pairs
 from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
@@ -23,6 +26,8 @@ from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.devices import resolve_device
 from tracer.store.enginedump import read_dump
+from tracer.store.formats import check_name
+from tracer.store.integrity import check_not_an_input
 from tracer.store.trace import TraceReader, TraceWriter, read_tensor
 
 #: run meta key marking a run written by ``tracer import``
@@ -110,14 +115,21 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
             raise TracerError(f"the dump covers positions {lo}..{hi - 1} but run {run_a} kept {w0}..{w1 - 1}; "
                               "compare with the run it was imported against")
         caps = reader.captures(run_a)
+        contract: list = []
+        world = mapped.facts.get("tp_size")
 
         def pairs():
+            from tracer.store.trace import read_tensor
+
             for name, (info, ds) in caps.items():
                 t_b = mapped.tensors.get(name)
                 if t_b is None:
                     continue
 
                 t_a = read_tensor(ds, rows=slice(lo - w0, hi - w0))
+                odd = contract_of(name, t_a, t_b, mapped, world if isinstance(world, int) else None)
+                if odd is not None:
+                    contract.append(odd)
                 yield name, info["kind"], info["op"], t_a.to(dev), t_b.to(dev), info["calls"], []
 
         header = reader.header
@@ -139,26 +151,56 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
         for name, (ps, rows_b, src) in mapped.partial_logits.items():
             rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
             facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
-        return compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
-                             positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
-                             facts=facts, atol=atol, rtol=rtol,
-                             roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
+        c = compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
+                          positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
+                          facts=facts, atol=atol, rtol=rtol,
+                          roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
+        return replace(c, contract=tuple(contract)) if contract else c
+
+
+def contract_of(name: str, t_a: torch.Tensor, t_b: torch.Tensor, mapped: MappedDump,
+                world: int | None) -> ContractMismatch | None:
+    """The capture-contract difference at one mapped point (:mod:`tracer.diff.capture_contract`),
+    or None: its TP ranks held partial sums its dims do not mark (their sum matches the reference),
+    or one side is k× the other at nearly every element.
+
+    Raises:
+        TracerError: the point's replicated TP ranks differ and their sum does not match the
+            reference either (inconsistent shards).
+    """
+    if name in mapped.unmarked_partials:
+        k = world or 2
+        odd = check_rank_sum(name, t_a, t_b, k)
+        if odd is None:
+            raise TracerError(f"inconsistent shards: {name} is replicated (no TP dim in its dims or map) but the "
+                              f"{k} ranks hold different values, and their sum is not the reference either "
+                              f"({mapped.mapping.get(name, name)}); give its dims, e.g. \"t h[tp]\"")
+        return odd
+    return check_scaled(name, t_a, t_b, world)
 
 
 def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: torch.Tensor, src: str) -> str:
     """One line comparing logits the engine dumped at a few positions only: ``(k, vocab)`` rows of
-    the reference (``a``) and the engine (``b``), same dtype.
+    the reference (``a``) and the engine (``b``). Rows of different dtypes (an engine's float32
+    logits against a bf16 reference) are compared as :mod:`tracer.diff.crossdtype` says, and the
+    line says so (values compared in the wider dtype, ULPs in the coarser, representability)."""
+    from tracer.diff.batch import tensor_diff
+    from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
 
-    Raises:
-        TracerError: the rows differ in dtype (the engine computed logits in another dtype).
-    """
-    if a.dtype != b.dtype:
-        raise TracerError(f"{name}: the engine's logits are {b.dtype}, the reference's {a.dtype}; compare runs of one dtype")
-    d = logits_diff(a, b)
+    how = ""
+    if pair_dtypes(a.dtype, b.dtype) is not None:
+        cross = CrossAccumulator(a.dtype, b.dtype)
+        a, b, ra, rb = cross.views(a, b)
+        merged, info = cross.merge(tensor_diff(a, b), tensor_diff(ra, rb))
+        d = logits_diff(a, b, tensor=merged)
+        how = f" ({info.text('HF', 'the engine')}; max {merged.max_ulp_mag:.3g} ULP of {info.ulps_in})"
+    else:
+        d = logits_diff(a, b)
     flips = ", ".join(f"position {positions[f.position]}: top-1 {f.token_a} in HF, {f.token_b} in the engine"
                       for f in d.argmax_flips) or "no argmax flip"
     return (f"{name} (logits) at position(s) {', '.join(map(str, positions))} only ← {src}: {d.tensor.n_diff} / "
-            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; {flips}")
+            f"{d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, KL(HF‖engine) max {d.kl_max:.3g}; "
+            f"{flips}{how}")
 
 
 def _mapped(dump: str, reader: TraceReader, run: str, engine_map: str | None) -> MappedDump:
@@ -187,10 +229,20 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
     """
     path, run = reference
+    check_name(run_name, "--run")
+    check_not_an_input(output, {"-r reference": path, "DUMP": dump}, "-o")  # --overwrite must not replace them
     with TraceReader(path) as reader:
         run = _resolve_run(reader, run)
         layout = ref_layout(reader, run)
         mapped = map_engine_dump(dump, reader, run, engine_map)
+        lo, hi = mapped.positions
+        w0 = layout.window[0]
+        for name in mapped.unmarked_partials:  # never stored as if it were the full sum
+            from tracer.store.trace import read_tensor
+
+            ref_rows = read_tensor(reader.captures(run)[name][1], rows=slice(lo - w0, hi - w0))
+            odd = contract_of(name, ref_rows, mapped.tensors[name], mapped, mapped.facts.get("tp_size"))
+            raise TracerError(f"{odd.text}; not imported")
         header = dict(reader.header)
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
     header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}

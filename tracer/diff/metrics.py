@@ -108,6 +108,16 @@ class TensorDiff(schema.Record):
         """True when every element is bitwise equal."""
         return self.n_diff == 0
 
+    def schema_check(self) -> str | None:
+        counts = (self.n_total, self.n_diff, self.n_nan_a, self.n_nan_b, self.n_inf_a, self.n_inf_b, self.n_nan_payload)
+        if any(c < 0 for c in counts) or self.n_diff > self.n_total:
+            return "counts out of range (0 <= n_diff <= n_total, counts >= 0)"
+        if len(self.ulp_hist) != len(ULP_BINS) or any(c < 0 for c in self.ulp_hist) or sum(self.ulp_hist) != self.n_total:
+            return f"ulp_hist is not {len(ULP_BINS)} counts >= 0 summing to n_total"
+        if self.max_ulp < 0 or not (self.max_abs_diff >= 0) or not (self.mean_abs_diff >= 0):
+            return "a negative (or NaN) difference"
+        return None
+
     @property
     def nan_payload_only(self) -> bool:
         """True when every differing element is NaN in both runs (only the NaN payload differs)."""
@@ -160,6 +170,11 @@ class LogitsDiff(schema.Record):
     top5_overlap: float
     top10_overlap: float
     rank_of_a_top_in_b_max: int
+
+    def schema_check(self) -> str | None:
+        if self.n_positions < 0 or any(not 0 <= f.position < self.n_positions for f in self.argmax_flips):
+            return "an argmax flip outside the compared positions"
+        return None
 
 
 def _check_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

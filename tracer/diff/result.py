@@ -15,6 +15,8 @@ from typing import Any
 
 from tracer import schema
 from tracer.diff.accuracy import OpReplay
+from tracer.diff.capture_contract import ContractMismatch
+from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff
 from tracer.diff.positions import PerPosition
@@ -54,6 +56,9 @@ class PointResult(schema.Record):
         n_diff_prefix: for ``kv_cache`` points: differing elements at positions before the
             compared window (computed by an earlier forward pass); None for other points.
         n_outside_tol: elements outside ``atol + rtol * |a|`` (None when no tolerance was given).
+        cross_dtype: when the runs hold this point in different dtypes, how it was compared
+            (:class:`~tracer.diff.crossdtype.CrossDtype`: values in the wider dtype, the ULP
+            fields of ``diff`` in the coarser one); None when the dtypes are equal.
     """
 
     name: str
@@ -69,10 +74,17 @@ class PointResult(schema.Record):
     differing_inputs: tuple[str, ...] = ()
     n_diff_prefix: int | None = None
     n_outside_tol: int | None = None
+    cross_dtype: CrossDtype | None = None
 
     @property
     def diverged(self) -> bool:
         return self.diff.n_diff > 0
+
+    def schema_check(self) -> str | None:
+        from tracer.store.fields import calls_problem
+
+        problem = calls_problem(self.calls_a) or calls_problem(self.calls_b)
+        return f"shapes of {self.name}: {problem}" if problem else None
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
         doc["fraction"] = self.diff.n_diff / self.diff.n_total if self.diff.n_total else 0.0
@@ -143,6 +155,10 @@ class Comparison(schema.Record):
         op_replay: capture name → the float64 replay of that origin op (``--op-replay``), or None.
         skipped: the points that could not be compared (missing or empty in one run).
         rl: ``rollout-vs-train``: the RL metrics (:class:`tracer.diff.rl.RLComparison`), else None.
+        logits_cross_dtype: the logits' :class:`~tracer.diff.crossdtype.CrossDtype` when the runs'
+            logits dtypes differ (an engine's float32 logits vs a bf16 reference), else None.
+        contract: points whose two sides hold different quantities (an engine dump's partial vs
+            full sums: :mod:`tracer.diff.capture_contract`); the verdict names them first.
     """
 
     scenario: str
@@ -170,6 +186,16 @@ class Comparison(schema.Record):
     op_replay: dict[str, OpReplay] | None = None
     skipped: tuple[SkipRecord, ...] = ()
     rl: RLComparison | None = None
+    logits_cross_dtype: CrossDtype | None = schema.field(key=("logits", "cross_dtype"), default=None)
+    contract: tuple[ContractMismatch, ...] = ()
+
+    @property
+    def cross_dtypes(self) -> dict[str, CrossDtype]:
+        """Capture point (logits included) → how it was compared, for every point whose runs' dtypes differ."""
+        out = {p.name: p.cross_dtype for p in self.points if p.cross_dtype is not None}
+        if self.logits_cross_dtype is not None and self.logits_name:
+            out[self.logits_name] = self.logits_cross_dtype
+        return out
 
     @property
     def not_compared(self) -> tuple[SkipRecord, ...]:
@@ -270,16 +296,31 @@ class Comparison(schema.Record):
         if self.identical and nan is not None:
             return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
                     "but the values are not numbers)")
-        if self.identical:
-            return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
-                    f"{self.positions[0]}..{self.positions[1] - 1}")
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
         n_logits = self.logits.n_positions if self.logits is not None else self.n_positions  # vLLM: where it samples
         tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {n_logits} position{'s' if n_logits != 1 else ''}"
+        if self.contract:  # another quantity on one side: said before anything is called numerics
+            odd = {m.name for m in self.contract}
+            rest = next((p.name for p in self.points if p.diverged and p.name not in odd), None)
+            more = f" (and {len(self.contract) - 1} more point(s))" if len(self.contract) > 1 else ""
+            return (f"{self.contract[0].text}{more}: not a numeric divergence; "
+                    + (f"numerics diverge from {rest}" if rest else "every other compared point agrees")
+                    + (tail if self.logits is not None else ""))
+        cross = self.cross_dtypes
+        if self.identical and cross:
+            one = next(iter(cross.values()))
+            return (f"identical values: all {n_points} capture points agree at positions {self.positions[0]}.."
+                    f"{self.positions[1] - 1}, bit for bit except at {len(cross)} point(s) whose dtypes differ, "
+                    f"where the values are equal ({one.text(self.run_a, self.run_b)})")
+        if self.identical:
+            return (f"bit-identical: all {n_points} capture points agree bit for bit at positions "
+                    f"{self.positions[0]}..{self.positions[1] - 1}")
         first = next((p.diff for p in self.points if p.name == self.first_divergent), None)
         if first is None and self.logits is not None and self.first_divergent == self.logits_name:
             first = self.logits.tensor
         what = f": {NAN_PAYLOAD}" if first is not None and first.nan_payload_only else ""
+        if self.first_divergent in cross:
+            what += f" ({cross[self.first_divergent].text(self.run_a, self.run_b)})"
         return f"diverges from {self.first_divergent}{what}{tail if self.logits is not None else ''}"
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
@@ -295,6 +336,20 @@ class Comparison(schema.Record):
         doc["check"].update(failed=failed, reason=reason)
         doc.update(origins=origins, first_divergent=self.first_divergent, identical=self.identical,
                    verdict=self.verdict())
+
+    def schema_check(self) -> str | None:
+        from tracer.store.fields import calls_problem, check_facts
+
+        if not 0 <= self.positions[0] <= self.positions[1]:
+            return f"positions {list(self.positions)} are not [first, last + 1]"
+        problem = calls_problem(self.logits_calls[0]) or calls_problem(self.logits_calls[1])
+        if problem:
+            return f"logits calls: {problem}"
+        try:
+            check_facts(self.facts, TracerError)
+        except TracerError as e:
+            return str(e)
+        return None
 
     @classmethod
     def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
@@ -334,6 +389,8 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     if call is None:
         return {}
     ins, outs = call.get("in") or [], call.get("out") or []
+    ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
+    ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
     if p.kind == PointKind.KV_CACHE:
         return {"positions": list(call["positions"])}
     if p.kind == PointKind.ATTENTION_CORE and ins:

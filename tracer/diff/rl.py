@@ -343,38 +343,6 @@ def _per_position_columns(steps: tuple[TokenStep, ...], per_position: dict[str, 
     return tuple(out)
 
 
-def widened(a: RunRecord, b: RunRecord) -> tuple[RunRecord, RunRecord, list[str]]:
-    """The two runs with every capture point whose dtypes differ cast to the wider dtype on both sides
-    (exact: bf16/fp16 → float32 → float64), for the layer comparison of an fp32 LM head or another
-    trainer dtype.
-
-    Returns:
-        ``(run A, run B, names)``: copies of the records (the originals keep their dtypes for the
-        trace) and the names of the widened points.
-    """
-    caps_a, caps_b, names = dict(a.captures), dict(b.captures), []
-    for name, ca in a.captures.items():
-        cb = b.captures.get(name)
-        if cb is None or ca.tensor.dtype == cb.tensor.dtype or not ca.tensor.numel() or not cb.tensor.numel():
-            continue
-        wide = max((ca.tensor.dtype, cb.tensor.dtype), key=lambda dt: torch.finfo(dt).bits)
-        caps_a[name] = replace(ca, tensor=ca.tensor.to(wide))
-        caps_b[name] = replace(cb, tensor=cb.tensor.to(wide))
-        names.append(name)
-    return replace(a, captures=caps_a), replace(b, captures=caps_b), names
-
-
-def widened_note(a: RunRecord, b: RunRecord, names: list[str]) -> str | None:
-    """One line naming the points :func:`widened` cast (None when none)."""
-    if not names:
-        return None
-    da, db = a.captures[names[0]].tensor.dtype, b.captures[names[0]].tensor.dtype
-    show = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"values compared in the wider dtype at {len(names)} point(s) where the runs' dtypes differ "
-            f"(A {str(da).split('.')[-1]}, B {str(db).split('.')[-1]}): {show}; their differing counts are "
-            "value differences and their ULPs are ULPs of the wider dtype")
-
-
 def is_rl(scen: Scenario) -> bool:
     """Whether ``scen`` is an RL step (its run B is a trainer plan: ``plan_b.rl``)."""
     rl = getattr(scen.plan_b, "rl", None)
@@ -382,11 +350,11 @@ def is_rl(scen: Scenario) -> bool:
 
 
 def comparable(a: RunRecord, b: RunRecord) -> tuple[RunRecord, RunRecord, tuple[str, ...]]:
-    """The records to hand to :func:`tracer.diff.compare.compare_records` (:func:`widened`) and the notes
-    that say so."""
-    wa, wb, names = widened(a, b)
-    note = widened_note(a, b, names)
-    return wa, wb, (note,) if note else ()
+    """The records to hand to :func:`tracer.diff.compare.compare_records` and extra notes: the records
+    as they are (an fp32 LM head or another trainer dtype is compared by
+    :func:`tracer.diff.compare.compare_pairs` itself: values in the wider dtype, ULPs in the coarser,
+    :mod:`tracer.diff.crossdtype`, and its header note says so), no notes."""
+    return a, b, ()
 
 
 def rl_comparison(a: RunRecord, b: RunRecord, params: dict[str, Any], comparison: Any = None,
@@ -445,4 +413,4 @@ def mitigation_table(variants: list[tuple[str, str, Scenario | None]], base: Any
 
 
 __all__ = ["RLComparison", "TokenStep", "KnobResult", "HIST_LABELS", "rl_metrics", "rl_comparison", "rl_from_logits", "vocab_kl",
-           "widened", "widened_note", "comparable", "is_rl", "knob_result", "mitigation_table"]
+           "comparable", "is_rl", "knob_result", "mitigation_table"]

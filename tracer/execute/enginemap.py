@@ -14,7 +14,6 @@ import fnmatch
 import hashlib
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +76,10 @@ class MappedDump:
         partial_logits: HF logits name → ``(positions, (len(positions), vocab) rows, mapping line)``
             for logits the engine dumped at some compared positions only (SGLang: next-token
             logits, the last position of each request).
+        unmarked_partials: HF name → note, for points whose TP ranks held different values although
+            neither the dims nor the map say they are partial sums: their tensor is the ranks'
+            float64 sum, which the comparison checks against the reference (a capture-contract
+            difference when it matches, inconsistent shards when it does not).
     """
 
     engine: str
@@ -87,6 +90,7 @@ class MappedDump:
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     partial_logits: dict[str, tuple[list[int], torch.Tensor, str]] = field(default_factory=dict)
+    unmarked_partials: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- entries
@@ -172,13 +176,20 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as e:
-        raise TracerError(f"cannot read engine map {path} ({e.strerror})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TracerError(f"engine map {path} is not valid TOML ({e})") from None
+    """An engine map through the input gate (a regular UTF-8 file of bounded size, valid TOML).
+
+    Raises:
+        TracerError: a FIFO, device, procfs file, a file too large, not UTF-8 or not TOML (one line).
+    """
+    from tracer.files import read_toml
+
+    data = read_toml(path, "engine map")
+    for section in ("layer", "model", "engine", "capture"):
+        if not isinstance(data.get(section, {}), dict):
+            raise TracerError(f"engine map {path}: [{section}] must be a table")
+    if not isinstance(data.get("engine", {}).get("ignore", data.get("ignore", [])), list):
+        raise TracerError(f"engine map {path}: ignore must be a list of name patterns")
+    return data
 
 
 # ---------------------------------------------------------------- names
@@ -218,22 +229,43 @@ def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
 # ---------------------------------------------------------------- shards
 
 
-def _tp_dim(dims: str | None) -> int | None:
-    """The dim marked ``(tp)`` / ``[tp]`` in a dims string (``"t h(tp)"`` → 1), or None."""
-    if not dims:
-        return None
-    tokens = dims.split()
-    for i, tok in enumerate(tokens):
-        if re.search(r"[\[(][^\])]*\btp\b", tok):
-            return i
-    return None
+#: the start of the note of a replicated point whose TP ranks hold different values: taken as partial
+#: sums (float64 sum); :func:`tracer.diff.compare_dump.compare_dump` checks the sum against the reference
+UNMARKED_PARTIAL = "ranks differ although no dims mark them partial"
+
+
+def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool, str]:
+    """``(dim, partial, replicated, note)`` of the TP axis in the entry's ``dims``
+    (:mod:`tracer.execute.dims`): the dim it shards (None: no TP axis), whether the ranks hold partial
+    sums, whether ``# tp:replicated`` declares equal copies, and a note naming what the dims say
+    beyond TP (other parallel axes, a ``dp:=`` group), which tracer does not unshard ("" if none).
+
+    Raises:
+        TracerError: a dims string that does not parse, or names another number of dimensions.
+    """
+    from tracer.execute.dims import check_rank, parse_dims
+
+    if first.dims is None or first.dims == "":
+        return None, False, False, ""
+    spec = parse_dims(first.dims, first.file)
+    check_rank(spec, ndim, first.dims, first.file)
+    dim, partial = spec.tp() or (None, False)
+    beyond = spec.other_axes() + ([f"dp:={spec.dp_group_alias}"] if spec.dp_group_alias else [])
+    note = f"dims also say {', '.join(beyond)}: tracer joins TP ranks only" if beyond else ""
+    return dim, partial, "tp" in spec.replicated_axes, note
 
 
 def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> tuple[list[torch.Tensor], str]:
     """Join one (module, element, step)'s TP shards; returns the parts (one, or the split parts) and a note.
 
+    ``h[tp]`` / ``h(tp)`` (or a column-parallel rule): concatenated along that dim; ``h[tp:partial]``
+    / ``h(tp,partial)``: the ranks' partial sums added in float64 (kept in float64: the comparison
+    then says how it compares with the reference's dtype); no TP axis: the ranks must hold equal
+    copies, else their float64 sum is kept with a note starting with :data:`UNMARKED_PARTIAL` (the
+    comparison decides whether they were partial sums).
+
     Raises:
-        TracerError: missing ranks, shapes/dtypes that differ, replicated shards that are not equal.
+        TracerError: missing ranks, shapes/dtypes that differ, a bad dims string.
     """
     first = next(iter(shards.values()))
     size = first.tp_size
@@ -241,27 +273,45 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     if ranks != list(range(size)):
         raise TracerError(f"inconsistent shards: {what} has TP ranks {ranks} of tp_size {size} ({first.file}); "
                           "dump every rank of the TP group")
+    sizes = sorted({e.tp_size for e in shards.values()})
+    if len(sizes) > 1:
+        raise TracerError(f"inconsistent shards: the TP ranks of {what} disagree on tp_size ({sizes}; {first.file}); "
+                          "dump every rank of one TP group")
     ts = [shards[r].tensor for r in ranks]
     if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
         shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
         raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
+    dim, partial, replicated, beyond = _tp_of_dims(first, ts[0].dim())
+    parts, note = _join(ts, rule, dim, partial, replicated, size, what, first.file, first.sp)
+    return parts, "; ".join(x for x in (note, beyond) if x)
+
+
+def _join(ts: list[torch.Tensor], rule: dict[str, Any], dim: int | None, partial: bool, replicated: bool, size: int,
+          what: str, file: str, sp: bool = False) -> tuple[list[torch.Tensor], str]:
+    """:func:`_unshard`'s joining of checked shards ``ts`` (rank order); ``sp``: Megatron's sequence
+    parallelism (outside the TP regions each rank holds a slice of the sequence)."""
     split = rule.get("split")
-    if first.dims and re.search(r"[\[(][^\])]*\btp\b[^\])]*\bpartial\b", first.dims):
-        # "h(tp,partial)": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
-        total = torch.stack([t.float() for t in ts]).sum(0).to(ts[0].dtype)
-        return [total], f"{size} TP partial sums added (float32, rounded once)"
-    dim = _tp_dim(first.dims)
-    if dim is None and rule.get("shard") == "columns":
+    if partial:
+        # "h[tp:partial]": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
+        total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
+        parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
+        return parts, f"{size} TP partial sums added (float64, kept in float64)"
+    if dim is None and rule.get("shard") == "columns" and not replicated:
         dim = ts[0].dim() - 1
-    if dim is None and first.sp and size > 1:
+    if dim is None and sp and size > 1:
         # Megatron sequence parallelism: outside the TP regions each rank holds its slice of the sequence, [s/tp, b, ...]
         whole = torch.cat(ts, dim=0)
         note = f"{size} sequence-parallel shards along the sequence"
         return ([whole] if split is None else _split(whole, rule, whole.dim() - 1, 1, what)), note
     if size == 1 or dim is None:
         if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
-            raise TracerError(f"inconsistent shards: {what} is replicated (no TP dim in its dims or map) but the "
-                              f"{size} ranks hold different values ({first.file}); give its dims, e.g. \"t h(tp)\"")
+            if replicated:
+                raise TracerError(f"inconsistent shards: {what} is declared '# tp:replicated' but the {size} ranks "
+                                  f"hold different values ({file})")
+            total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
+            parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
+            return parts, (f"{UNMARKED_PARTIAL}: the {size} ranks' float64 sum is compared "
+                           f"(replicated by its map, no TP axis in its dims; {file})")
         if split is not None:  # one rank (or replicated copies) of a fused output: split it all the same
             return _split(ts[0], rule, ts[0].dim() - 1 if dim is None else dim, 1, what), ""
         return [ts[0]], ""
@@ -404,6 +454,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     uncaptured: set[str] = set()
     identities: set[str] = set()
     conflicts: dict[str, list[int]] = {}
+    unmarked: dict[str, str] = {}
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -437,6 +488,8 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                     continue
                 if rule.get("rows") != "last":
                     t = token_rows(t, rule.get("tokens", settings.get("tokens", "t")), raw.tokens[step], f"{module} (step {step})")
+                if UNMARKED_PARTIAL in note:
+                    unmarked.setdefault(name, note)
                 _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, conflicts, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
     notes += [f"{name} at position(s) {ranges(sorted(ps))}: a later engine tensor mapped there differs from the first; "
@@ -445,7 +498,9 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
         notes.append(f"identity modules (each output equals its input bit for bit: Megatron's IdentityOp where Transformer "
                      f"Engine fuses the norm into the next linear), not mapped: {', '.join(sorted(identities)[:4])}"
                      f"{f' ... ({len(identities)} in all)' if len(identities) > 4 else ''}")
-    return _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+    mapped = _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+    mapped.unmarked_partials.update({n: v for n, v in unmarked.items() if n in mapped.tensors})
+    return mapped
 
 
 def _is_identity(elements: dict[int | None, dict[int, DumpEntry]], raw: RawDump, module: str, step: int) -> bool:

@@ -206,7 +206,7 @@ def _read_gguf_config(gguf_path: Path) -> Any:
                               "download it again") from None
         raise TracerError(f"{gguf_path}: transformers cannot read this GGUF ({first}); "
                           "use a GGUF of an architecture transformers supports") from None
-    except (struct.error, EOFError, IndexError, OverflowError, MemoryError) as exc:  # a truncated/damaged file
+    except (struct.error, EOFError, IndexError, OverflowError, MemoryError, OSError) as exc:  # a truncated/damaged file
         raise TracerError(f"{gguf_path}: not a readable GGUF file ({type(exc).__name__}: {str(exc)[:120]}); "
                           "it is truncated or damaged: download it again") from None
 

@@ -16,11 +16,6 @@ from typing import Any
 from tracer.errors import TracerError
 from tracer.load.recipe_check import check_recipe_data
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
 #: data folder in a checkout → the package it becomes in an installed wheel (see pyproject)
 
 
@@ -74,10 +69,9 @@ def data_dir(kind: str) -> Path:
 
 
 def _read_recipe(path: Path) -> Recipe:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise TracerError(f"recipe {path} cannot be read: {exc}; fix or delete the file") from None
+    from tracer.files import read_toml
+
+    data = read_toml(path, "recipe")  # the input gate: a regular UTF-8 file of bounded size, valid TOML
     kind = data.get("kind")
     if kind not in RECIPE_KINDS:
         raise TracerError(f"recipe {path} has kind={kind!r}; valid kinds: {', '.join(RECIPE_KINDS)}")

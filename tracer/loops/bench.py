@@ -41,6 +41,7 @@ from tracer.config import RunConfig, validate
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
+from tracer.plan.checks import check_int
 from tracer.store.integrity import check_output_path
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
@@ -152,6 +153,10 @@ def _peer_modes(lm: Any, ids: list[int], scen: Any, points: list[Any], tracer_co
     return modes
 
 
+#: the most repetitions (and warm-up repetitions) ``bench`` runs
+MAX_REPS = 1000
+
+
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
           device: str | None = None, granularity: str = "layers", block_size: int = 16,
           reps: int = 5, warmup: int = 1, outdir: str | None = None, gguf: str | None = None,
@@ -168,6 +173,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
             differing counts are not tracer's (in any repetition).
     """
     say = progress or (lambda m: None)
+    check_int(reps, "--reps", 1, MAX_REPS)  # 10**30 repetitions ran for ever
+    check_int(warmup, "--warmup", 0, MAX_REPS)
     if outdir is not None and Path(outdir).exists() and not Path(outdir).is_dir():
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
     if outdir is not None:

@@ -143,3 +143,34 @@ def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -
             raise TracerError(f"{opt} {v} is not a finite number >= 0; give e.g. {opt} 1e-3")
     if fail_on == "tolerance" and atol is None and rtol is None:
         raise TracerError("--fail-on tolerance needs --atol and/or --rtol (e.g. --atol 1e-2)")
+def positions_needed(scen: Any, n_tokens: int, decode: int = 0) -> int:
+    """The positions a scenario of an N-token prompt uses: the prompt, what a plan generates
+    (``generate-cache``), the longest RL sequence (``rollout-vs-train``: prompt + response), and the
+    decode replay's ``decode`` tokens after the prompt."""
+    need = max(n_tokens, int(scen.window[1]))
+    for plan in (scen.plan_a, scen.plan_b):
+        need = max(need, n_tokens + int(plan.generate or 0))
+        rl = getattr(plan, "rl", None)
+        if rl is not None:
+            need = max(need, max(rl.lengths) + int(rl.new_tokens))
+    return need + int(decode)
+
+
+def check_positions(need: int, max_positions: int | None, scaled: bool, model: str) -> str | None:
+    """Refuse a run that needs more positions than the model has (``max_position_embeddings``): it ran
+    without a word (``--length 16384`` on a 4,096-position model) or for ever (``--new-tokens 100000``).
+
+    Returns:
+        None within the model's positions; a one-line note when beyond them but the config declares
+        RoPE scaling (``scaled``: the model is meant to run longer than its nominal positions).
+
+    Raises:
+        TracerError: beyond the model's positions without RoPE scaling.
+    """
+    if max_positions is None or need <= max_positions:
+        return None
+    what = (f"this run needs {need:,} positions (prompt, generated and decoded tokens) but {model} has "
+            f"{max_positions:,} (max_position_embeddings)")
+    if scaled:
+        return f"note: {what}; its config declares RoPE scaling, so it runs, beyond the positions it was trained on"
+    raise TracerError(f"{what}; give a shorter --length, fewer --new-tokens / --decode tokens, or another model")

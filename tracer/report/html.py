@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from tracer.diff.result import origin_record
 from tracer.errors import TracerError
 from tracer.report import rl as rl_report
+from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
 from tracer.report.summary import headline, verdict_line
-from tracer.report.tables import COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, replay_lines, rows
+from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
+                                  rows)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -254,7 +256,8 @@ def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figu
            "ulp": "max_ulp_mag", "ulp_line": "max_ulp", "rel": "rel_error", "cos": "cosine", "sqnr": "sqnr_db",
            "rel1": "frac_rel_lt_1e3", "rel5": "frac_rel_lt_5e3", "growth": "growth", "ampl": "amplification",
            "tol": "n_outside_tol", "flips": "argmax_flips"}
-    cells = [[r["name"] + (" ◀ origin" if r["origin"] else "") if k == "point" else COLUMNS[k][1](r) for k in cols]
+    cells = [[r["name"] + point_mark(c, r["name"].split(" ")[0]) + (" ◀ origin" if r["origin"] else "")
+              if k == "point" else COLUMNS[k][1](r) for k in cols]
              for r in all_rows]
     vals = [[None if k == "point" else r.get(raw.get(k, ""), None) for k in cols] for r in all_rows]
     classes = [("diff" if r["n_diff"] else "") + (" origin" if r["origin"] else "") for r in all_rows]
@@ -290,29 +293,18 @@ def write_report(text: str, path: str | os.PathLike, *, overwrite: bool = False)
     Raises:
         TracerError: ``path`` is a directory, does not end in .html/.htm, or exists without ``overwrite``.
     """
+    from tracer.store.integrity import write_error_message
+
     p = check_report_path(path, overwrite)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, p)
+    except OSError as e:  # a full disk, ulimit -f, a folder that turned read-only: one line
+        raise TracerError(write_error_message(p, e).replace("--output", "--report")) from None
     finally:
         if tmp.exists():
             tmp.unlink()
     return p
 
-
-def check_report_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Validate an HTML report path before anything runs.
-
-    Raises:
-        TracerError: see :func:`write_report`.
-    """
-    p = Path(path)
-    if p.suffix.lower() not in (".html", ".htm"):
-        raise TracerError(f"report file {p} must end in .html")
-    if p.is_dir():
-        raise TracerError(f"report file {p} is a directory; give a file name ending in .html")
-    if p.exists() and not overwrite:
-        raise TracerError(f"{p} exists; pass --overwrite to replace it or choose another file")
-    return p

@@ -16,6 +16,7 @@ from tracer.diff.compare import compare_runs
 from tracer.diff.stored import comparison_from_dict
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.files import check_input_file
 from tracer.report.html import (check_report_path, comparison_html, contract_html, esc, figure_html, figure_svg,
                                 headline_html, page, table_html, write_report)
 from tracer.report.summary import headline
@@ -82,7 +83,8 @@ def write_report_file(path: str | os.PathLike, output: str | os.PathLike | None 
     Raises:
         TracerError: see :func:`report_html` and :func:`tracer.report.html.write_report`.
     """
-    out = Path(output) if output is not None else Path(path).with_suffix(".html")
+    path = check_input_file(path, "input file")  # '' or a FIFO: one line, before anything else
+    out = Path(output) if output is not None else path.with_suffix(".html")
     check_report_path(out, overwrite)
     return write_report(report_html(path, device=device), out, overwrite=overwrite)
 

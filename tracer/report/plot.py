@@ -28,7 +28,7 @@ from tracer.report.figures.heatmap import (PositionDiffs, heatmap_figure, positi
                                            position_diffs_records, position_diffs_trace, position_max_abs_diff)
 from tracer.report.figures.sweep import sweep_data, sweep_figure
 from tracer.report.figures.ulp import select_points, ulp_figure
-from tracer.store.integrity import check_name_length, check_output_path
+from tracer.report.outputs import SUFFIXES, check_figure_path
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -37,25 +37,8 @@ if TYPE_CHECKING:
     from tracer.store.sweepfile import SweepResult
 
 KINDS = ("amplification", "heatmap", "ulp", "sweep")
-SUFFIXES = (".png", ".svg", ".pdf")
 
 # ---------------------------------------------------------------- files
-
-
-def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Validate a figure output path before anything is computed.
-
-    Raises:
-        TracerError: unsupported suffix, a directory, or an existing file without ``overwrite``.
-    """
-    p = check_name_length(path, "figure file")
-    if p.suffix.lower() not in SUFFIXES:
-        raise TracerError(f"figure file {p} must end in {', '.join(SUFFIXES)}")
-    if p.is_dir():
-        raise TracerError(f"figure file {p} is a directory; give a file name ending in .png or .svg")
-    if p.exists() and not overwrite:
-        raise TracerError(f"{p} exists; pass --overwrite to replace it or choose another -o")
-    return check_output_path(p, overwrite, "figure file")  # FIFOs, devices, file/p.png, read-only folders
 
 
 def save_figure(fig: Figure, path: str | os.PathLike, *, overwrite: bool = False, dpi: int = 110) -> Path:
@@ -64,12 +47,16 @@ def save_figure(fig: Figure, path: str | os.PathLike, *, overwrite: bool = False
     Raises:
         TracerError: see :func:`check_figure_path`.
     """
+    from tracer.store.integrity import write_error_message
+
     p = check_figure_path(path, overwrite)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.stem}.partial-{os.getpid()}{p.suffix}")
     try:
+        p.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(tmp, dpi=dpi, format=p.suffix.lower().lstrip("."))
         os.replace(tmp, p)
+    except OSError as e:  # a full disk, ulimit -f, a folder that turned read-only: one line
+        raise TracerError(write_error_message(p, e).replace("--output", "-o")) from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -10,6 +10,8 @@ from tracer.store.sweepfile import compress_ranges
 def sweep_summary_lines(result: Any) -> list[str]:
     """A few lines for people: per block size, which lengths diverge, from where, how much."""
     lines = []
+    if not getattr(result, "verified", True):
+        lines.append("note: a format-1 sweep file (written before checksums): read unverified, its values range-checked only")
     for b in result.params.get("block_sizes", []):
         rows = [r for r in result.rows if r.block_size == b]
         if not rows:

@@ -71,6 +71,7 @@ def _row(name: str, kind: str, d: TensorDiff, **extra: Any) -> dict[str, Any]:
         r[f.name] = value
     r.update(amplification=None, growth=None, n_outside_tol=None, argmax_flips=None, origin=False, kernels=None)
     r["class"] = None
+    r["cross_dtype"] = None
     r.update(extra)
     return r
 
@@ -89,12 +90,14 @@ def rows(c: Comparison) -> list[dict[str, Any]]:
     ``amplification`` (vs the first divergent point), ``growth`` (vs the same point one layer
     earlier), ``n_outside_tol, argmax_flips, origin, kernels, class``.
     """
+    cross = {n: x.text(c.run_a, c.run_b) for n, x in c.cross_dtypes.items()}
     out = [_row(p.name, p.kind, p.diff, origin=p.origin, amplification=p.amplification, growth=p.growth,
+                cross_dtype=cross.get(p.name),
                 n_outside_tol=p.n_outside_tol, kernels=_kernels_cell(p.calls_a, p.calls_b, c.positions),
                 **{"class": (classify(p, c.positions) or {}).get("class")}) for p in c.points]
     if c.logits is not None:
         out.append(_row(f"{c.logits_name} (logits)", "logits", c.logits.tensor, origin=c.logits_origin,
-                        amplification=c.logits_amplification,
+                        amplification=c.logits_amplification, cross_dtype=cross.get(c.logits_name),
                         n_outside_tol=c.logits_n_outside_tol, argmax_flips=len(c.logits.argmax_flips),
                         kernels=_kernels_cell(c.logits_calls[0], c.logits_calls[1], c.positions)))
     return out
@@ -214,7 +217,20 @@ def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
     """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
     base = r["name"].split(" ")[0]
     mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
-    return printable(r["name"]) + sliding_mark(c, base), mark
+    return printable(r["name"]) + sliding_mark(c, base) + point_mark(c, base), mark
+
+
+def point_mark(c: Comparison, name: str) -> str:
+    """What a row's numbers mean when it is not a plain same-dtype comparison: ``" [in float32; A is
+    bfloat16, B float32; ULP* in bfloat16]"`` (the runs' dtypes differ), ``" [capture contract ×8]"``
+    (the sides hold different quantities); ``""`` otherwise."""
+    x = c.cross_dtypes.get(name)
+    odd = next((m for m in c.contract if m.name == name), None)
+    mark = "" if x is None else f" [in {x.compared_in}; {c.run_a} is {x.dtype_a}, {c.run_b} {x.dtype_b}; ULP* in {x.ulps_in}]"
+    if odd is not None:
+        k = odd.factor if odd.how == "rank sum" or odd.factor >= 1 else 1 / odd.factor
+        mark += f" [capture contract: {'partial sums of ' if odd.how == 'rank sum' else '×'}{k:g}{' ranks' if odd.how == 'rank sum' else ''}]"
+    return mark
 
 
 def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
@@ -433,7 +449,8 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
-        cells = [(r["name"] + sliding_mark(c, r["name"]) + (" **◀ origin**" if r["origin"] else ""))
+        cells = [(r["name"] + sliding_mark(c, r["name"]) + point_mark(c, r["name"].split(" ")[0])
+                  + (" **◀ origin**" if r["origin"] else ""))
                  if k == "point" else COLUMNS[k][1](r) for k in columns]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in cells) + " |")
     for sk in c.skipped:

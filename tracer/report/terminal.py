@@ -13,12 +13,12 @@ import csv
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.text import Text
 
-from tracer.errors import EXIT_DIVERGED, TracerError
+from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
 from tracer.report.textsafe import printable
 
 err = Console(stderr=True)
@@ -45,14 +45,14 @@ def check_outputs(*, report: str | None = None, plot: str | None = None, output:
             without ``overwrite``, an unwritable folder.
     """
     if report is not None:
-        from tracer.report.html import check_report_path
+        from tracer.report.outputs import check_report_path
 
         if output is not None and os.path.abspath(report) == os.path.abspath(output):
             raise TracerError(f"--report {report} is the trace's --output too; give the report another name "
                               "(e.g. .html beside the .h5)")
         check_report_path(report, overwrite)
     if plot is not None:
-        from tracer.report.plot import check_figure_path
+        from tracer.report.outputs import check_figure_path
 
         check_figure_path(plot, overwrite)
 
@@ -94,6 +94,19 @@ def fail_on_exit(comparison: Any) -> int:
     return EXIT_DIVERGED
 
 
+def write_after(write: Callable[[], Any], done: str) -> int:
+    """Write an output once the result has been printed: ``done`` on stderr, or, when the write
+    fails (full disk, a folder made read-only meanwhile), the usual one-line error; returns the
+    exit code (0, or :data:`~tracer.errors.EXIT_ERROR`)."""
+    try:
+        write()
+    except TracerError as e:
+        print_error(str(e))
+        return EXIT_ERROR
+    err.print(done, highlight=False)
+    return 0
+
+
 def write_run_report(result: Any, report: str | None, overwrite: bool = False, say: Any = None) -> None:
     """``tracer run --report``: the HTML report of the run's comparison (with its trace's header)."""
     if report is None or result.comparison is None:
@@ -111,16 +124,13 @@ def write_run_report(result: Any, report: str | None, overwrite: bool = False, s
     write_report(comparison_html(result.comparison, header), report, overwrite=overwrite)
 
 
-def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, report: str | None = None,
-              mitigation: str | None = None) -> int:
-    """``tracer run``: the comparison (:func:`print_comparison`), where the report went, whether a
-    mitigation restored bitwise equality; returns the exit code (:func:`fail_on_exit`)."""
+def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, mitigation: str | None = None) -> int:
+    """``tracer run``: the comparison (:func:`print_comparison`) and whether a mitigation restored
+    bitwise equality; returns the exit code (:func:`fail_on_exit`)."""
     c = result.comparison
     if c is None:  # a rank > 0 under torchrun: rank 0 reports
         return 0
     print_comparison(c, fmt, columns, all_rows)
-    if report is not None:
-        err.print(f"report: {report}", highlight=False)
     if mitigation is not None and fmt == "table":
         ok = c.identical
         Console().print(f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
@@ -129,18 +139,20 @@ def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, r
     return fail_on_exit(c)
 
 
-def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: bool = False) -> None:
-    """``tracer audit``: the hierarchy table (or JSON/CSV/markdown) on stdout, and the ``--report`` HTML."""
+def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: bool = False) -> int:
+    """``tracer audit``: the hierarchy table (or JSON/CSV/markdown) on stdout, then the ``--report``
+    HTML (:func:`write_after`); returns the exit code."""
     from tracer.report.console import stdout_console
     from tracer.report.hierarchy import audit_html, render_audit
 
-    if report is not None:
-        from tracer.report.html import write_report
-
-        write_report(audit_html(result), report, overwrite=overwrite)
     text = render_audit(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text)
+    if report is not None:  # after the result is printed: a failing write still shows it
+        from tracer.report.html import write_report
+
+        return write_after(lambda: write_report(audit_html(result), report, overwrite=overwrite), f"report: {report}")
+    return 0
 
 
 def print_import(mapped: Any, output: str, run_name: str) -> None:
@@ -197,22 +209,10 @@ def check_sweep_format(fmt: str) -> str:
 
 
 def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report: str | None = None,
-                overwrite: bool = False) -> None:
-    """``tracer sweep``: write the ``plot`` figure and the ``report`` HTML, then print the summary
-    lines with the file names (``table``), the summary as JSON, or one CSV row per point.
-
-    Raises:
-        TracerError: a figure or report that cannot be written.
-    """
-    if plot is not None:
-        from tracer.report.plot import save_figure, sweep_figure
-
-        save_figure(sweep_figure(result), plot, overwrite=overwrite)
-    if report is not None:
-        from tracer.report.html import write_report
-        from tracer.report.pages import sweep_html
-
-        write_report(sweep_html(result), report, overwrite=overwrite)
+                overwrite: bool = False) -> int:
+    """``tracer sweep``: print the summary lines with the sweep file's name (``table``), the summary
+    as JSON, or one CSV row per point; then write the ``plot`` figure and the ``report`` HTML
+    (:func:`write_after`: their names on stderr). Returns the exit code."""
     if fmt == "table":
         from tracer.report.sweep_lines import sweep_summary_lines
 
@@ -220,8 +220,6 @@ def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report
             print(line)
         if result.path:
             print(f"sweep file: {result.path}")
-        if plot is not None:
-            print(f"divergence map: {plot}")
     elif fmt == "json":
         print(json.dumps(result.summary(), indent=1, default=str))
     else:
@@ -229,3 +227,16 @@ def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report
         w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else ["length"], lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
+    code = 0
+    if plot is not None:
+        from tracer.report.plot import save_figure, sweep_figure
+
+        code = write_after(lambda: save_figure(sweep_figure(result), plot, overwrite=overwrite),
+                           f"divergence map: {plot}")
+    if report is not None:
+        from tracer.report.html import write_report
+        from tracer.report.pages import sweep_html
+
+        code = write_after(lambda: write_report(sweep_html(result), report, overwrite=overwrite),
+                           f"report: {report}") or code
+    return code

@@ -49,7 +49,11 @@ def parse_size(text: Any, what: str = "--max-trace-size") -> int:
         if m is None or unit not in _UNITS:
             raise TracerError(f"{what} {shown} is not a size; give bytes or e.g. 300MB, 2GiB")
 
-        n = int(Decimal(m.group(1)) * _UNITS[unit])  # exact for any number of digits
+        exact = Decimal(m.group(1)) * _UNITS[unit]
+        if exact >= 1 and exact != exact.to_integral_value():
+            raise TracerError(f"{what} {shown} is not a whole number of bytes; give a unit (e.g. 1.5G, 300MB) or "
+                              "whole bytes")
+        n = int(exact)  # exact for any number of digits
     if n <= 0:
         raise TracerError(f"{what} {shown} is under 1 byte; give at least 1 (use --store stats to keep no tensors)")
     if n > MAX_SIZE:

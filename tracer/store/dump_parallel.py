@@ -65,28 +65,54 @@ class Rank:
     vpp_size: int | None = None
 
 
-def _int(info: dict, key: str, default: int) -> int:
-    v = info.get(key)
-    return default if v is None else int(v)
+def meta_int(meta: dict, key: str, where: Any, default: int | None = None, lo: int = 0) -> int:
+    """An integer field of a dump file's meta (``step``, ``tp_rank``, ...): an int (or a string of
+    digits, as tags in file names are) of at least ``lo``.
+
+    Raises:
+        TracerError: missing without a default, or not such a number (naming the file and key).
+    """
+    v = meta.get(key)
+    v = default if v is None else v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        v = int(v)
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < 2**40:
+        raise TracerError(f"{where}: meta {key} = {str(v)[:40]!r} is not an integer >= {lo}; "
+                          "the dumper writes ints there")
+    return v
 
 
-def rank_of(meta: dict[str, Any]) -> Rank:
+def rank_of(meta: dict[str, Any], where: Any = "") -> Rank:
     """The :class:`Rank` of a dumper file's meta (its ``*_parallel_info``, else plain ``tp_rank`` keys).
 
     Raises:
-        TracerError: both frameworks' parallel info carry ranks (a dump mixing two processes' meta).
+        TracerError: both frameworks' parallel info carry ranks (a dump mixing two processes' meta); a
+            rank or size that is not an integer, or a rank not below its size.
     """
     found = [(k.split("_")[0], meta[k]) for k in PARALLEL_INFO_KEYS if isinstance(meta.get(k), dict) and "tp_rank" in meta[k]]
     if len(found) > 1:
         raise TracerError(f"a file's meta carries both {PARALLEL_INFO_KEYS[0]} and {PARALLEL_INFO_KEYS[1]} with ranks; "
                           "dump one framework per folder")
     if not found:
-        return Rank(tp_rank=_int(meta, "tp_rank", 0), tp_size=_int(meta, "tp_size", 1), pp_rank=_int(meta, "pp_rank", 0))
-    framework, info = found[0]
-    return Rank(framework=framework, tp_rank=_int(info, "tp_rank", 0), tp_size=_int(info, "tp_size", 1),
-                pp_rank=_int(info, "pp_rank", 0), pp_size=_int(info, "pp_size", 1), cp_rank=_int(info, "cp_rank", 0),
-                cp_size=_int(info, "cp_size", 1), dp_rank=_int(info, "dp_rank", 0), dp_size=_int(info, "dp_size", 1),
-                sp=_int(info, "sp_size", 1) > 1, vpp_size=None if info.get("vpp_size") is None else int(info["vpp_size"]))
+        rank = Rank(tp_rank=meta_int(meta, "tp_rank", where, 0), tp_size=meta_int(meta, "tp_size", where, 1, 1),
+                    pp_rank=meta_int(meta, "pp_rank", where, 0))
+    else:
+        framework, info = found[0]
+        vpp = info.get("vpp_size")
+        rank = Rank(framework=framework,
+                    tp_rank=meta_int(info, "tp_rank", where, 0), tp_size=meta_int(info, "tp_size", where, 1, 1),
+                    pp_rank=meta_int(info, "pp_rank", where, 0), pp_size=meta_int(info, "pp_size", where, 1, 1),
+                    cp_rank=meta_int(info, "cp_rank", where, 0), cp_size=meta_int(info, "cp_size", where, 1, 1),
+                    dp_rank=meta_int(info, "dp_rank", where, 0), dp_size=meta_int(info, "dp_size", where, 1, 1),
+                    sp=meta_int(info, "sp_size", where, 1, 1) > 1,
+                    vpp_size=None if vpp is None else meta_int(info, "vpp_size", where, 1, 1))
+    for what in ("tp", "pp", "cp", "dp"):
+        r, n = getattr(rank, f"{what}_rank"), getattr(rank, f"{what}_size")
+        if r >= n:
+            raise TracerError(f"{where}: meta says {what.upper()} rank {r} of {what}_size {n}; the dump is inconsistent")
+    return rank
 
 
 def check_supported(rank: Rank, file: str) -> None:

@@ -29,7 +29,6 @@ reads and groups; mapping onto HF names, unsharding and token alignment are in
 
 from __future__ import annotations
 
-import pickle
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +40,7 @@ from tracer.errors import TracerError
 from tracer.execute.enginemap import pass_entries
 from tracer.execute.records import DumpEntry, RawDump  # re-exported: the dump's plain data
 from tracer.store.dump_parallel import (MEGATRON_FIELDS, Rank, check_supported, digest, has_layer, infer_positions,
-                                        layer_offsets, part_steps, rank_of, renumber)
+                                        layer_offsets, meta_int, part_steps, rank_of, renumber)
 
 #: names of SGLang's dumper core fields (token bookkeeping, not activations)
 CORE_FIELDS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "rids")
@@ -51,20 +50,17 @@ _NON_INTRUSIVE = "non_intrusive__"
 
 
 def safe_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, refusing anything that needs unpickling code.
+    """``torch.load(path, weights_only=True)`` on the CPU through the input gate, within the budget
+    (:func:`tracer.store.dumpfiles.load_pt`: a regular file; declared sizes, shapes and strides
+    checked before anything is allocated).
 
     Raises:
-        TracerError: unreadable file, or one holding pickled objects (naming the file).
+        TracerError: not a regular file, over the budget, unreadable, or holding pickled objects
+            (naming the file).
     """
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TracerError(f"{path} holds objects that only an unsafe unpickler can load ({first[:120]}); "
-                          "tracer reads tensors and plain dicts/lists only (torch.load weights_only=True)") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TracerError(f"cannot read {path} as a torch.save file ({first[:120]})") from None
+    from tracer.store.dumpfiles import load_pt
+
+    return load_pt(path)
 
 
 def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
@@ -98,14 +94,27 @@ def _tags_of(stem: str, path: Path) -> dict[str, str]:
     return tags
 
 
-def _add_token(tokens: dict, step: int, key: str, value: Any, file: str) -> None:
+def _add_token(tokens: dict, step: int | tuple[int, int, int], key: str, value: Any, file: str) -> None:
+    """Record a step's ``input_ids``/``positions`` (``step``: the step, or ``(step, dp_rank, cp_rank)``).
+
+    Raises:
+        TracerError: not an integer tensor, empty, negative, or another rank's differs.
+    """
+    where = step[0] if isinstance(step, tuple) else step
+    if isinstance(step, tuple) and step[1:] != (0, 0):
+        where = f"{step[0]} (DP rank {step[1]}, CP rank {step[2]})"
     if not isinstance(value, torch.Tensor):
         raise TracerError(f"{file}: {key} is a {type(value).__name__}, not a tensor of token ids")
+    if value.is_floating_point() or value.is_complex() or value.numel() == 0:
+        raise TracerError(f"{file}: {key} of step {where} is {'empty' if value.numel() == 0 else str(value.dtype)}; "
+                          "the dumper writes the step's token ids (an integer tensor) there")
     value = value.reshape(-1).to(torch.long)
+    if key == "input_ids" and bool((value < 0).any()) or key == "positions" and bool((value < 0).any()):
+        raise TracerError(f"{file}: {key} of step {where} holds a negative value; the dump is damaged")
     slot = tokens.setdefault(step, {"input_ids": None, "positions": None, "file": file})
     old = slot.get(key)
     if old is not None and not torch.equal(old, value):
-        raise TracerError(f"{file}: {key} of step {step} differs from the one in {slot['file']} "
+        raise TracerError(f"{file}: {key} of step {where} differs from the one in {slot['file']} "
                           "(ranks disagree on the batch); dump one request's run")
     slot[key] = value
 
@@ -166,8 +175,8 @@ def read_sglang_dumper(folder: Path) -> RawDump:
     ignored, facts, digests = [], {}, {}
     for path in files:
         meta, value = _load_dumper_file(path)
-        name, step = str(meta["name"]), int(meta["step"])
-        rank = rank_of(meta)
+        name, step = str(meta["name"]), meta_int(meta, "step", path)
+        rank = rank_of(meta, path)
         check_supported(rank, str(path))
         key = (step, rank.dp_rank, rank.cp_rank)
         ranks.setdefault(key, rank)
@@ -287,26 +296,12 @@ def read_named_tensors(path: Path) -> RawDump:
     """Read a ``.safetensors`` or ``.npz`` file of named tensors (token ids under ``input_ids``).
 
     Raises:
-        TracerError: unreadable file, pickled arrays in an npz, no ``input_ids``.
+        TracerError: not a regular file, over the input budget, unreadable, pickled arrays in an
+            npz, no ``input_ids``.
     """
-    if path.suffix == ".npz":
-        import numpy as np
+    from tracer.store.dumpfiles import load_npz, load_safetensors
 
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                tensors = {k: torch.from_numpy(z[k].copy()) for k in z.files}
-        except ValueError as e:
-            raise TracerError(f"{path} holds pickled objects ({str(e).splitlines()[0][:100]}); "
-                              "save plain numeric arrays (np.savez)") from None
-        except OSError as e:
-            raise TracerError(f"cannot read {path} as an npz file ({e})") from None
-    else:
-        try:
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(path))
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            raise TracerError(f"cannot read {path} as a safetensors file ({str(e).splitlines()[0][:120]})") from None
+    tensors = load_npz(path) if path.suffix == ".npz" else load_safetensors(path)
     tokens: dict = {}
     entries = []
     for name, value in tensors.items():
@@ -337,7 +332,10 @@ def read_dump(path: str | Path) -> RawDump:
     if not p.exists():
         raise TracerError(f"engine dump {p} does not exist; give an SGLang dumper folder, a PassN.pt folder, "
                           "or a .safetensors/.npz file")
-    if p.is_file():
+    if not p.is_dir():
+        from tracer.files import check_input_file
+
+        check_input_file(p, "engine dump")  # a FIFO or device is refused here, before anything reads it
         if p.suffix in (".safetensors", ".npz"):
             return read_named_tensors(p)
         raise TracerError(f"{p} is a file but not .safetensors/.npz; give the dump's folder for .pt dumps")

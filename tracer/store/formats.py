@@ -126,10 +126,14 @@ def check_name(name: Any, what: str) -> None:
     """Refuse a run, capture or comparison name that is not a valid HDF5 link name for a trace.
 
     Raises:
-        TracerError: not a non-empty string, contains ``/``, or is ``.``.
+        TracerError: not a non-empty UTF-8 string, contains ``/``, or is ``.``.
     """
     if not isinstance(name, str) or not name or "/" in name or name == ".":
         raise TracerError(f"{what} {name!r} is not a valid trace name; use a non-empty name without '/'")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise TracerError(f"{what} {name!r} holds bytes that are not UTF-8; use a UTF-8 name") from None
 
 
 def write_run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group], None],

@@ -204,17 +204,52 @@ def check_output_path(path: str | os.PathLike, overwrite: bool, what: str = "out
             raise TracerError(f"{what} {p} is {file_kind(st.st_mode)}; only a regular file is ever replaced, choose a file name")
         if not overwrite and not resume:
             raise TracerError(f"{what} {p} exists; pass --overwrite or choose another --output")
+    from tracer.files import _pseudo_devices
+
     for parent in (p.absolute().parent, *p.absolute().parents):
         if parent.exists():
             if not parent.is_dir():
                 raise TracerError(f"{what} {p}: {parent} is a file, not a folder; choose another path")
+            if os.stat(parent).st_dev in _pseudo_devices():
+                raise TracerError(f"{what} {p}: {parent} is in a kernel pseudo-filesystem (procfs/sysfs), where "
+                                  "files cannot be written; choose a folder on a disk")
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise TracerError(f"{what} {p}: the folder {parent} is not writable; choose another path")
             break
     return p
 
 
-_PARTIAL = re.compile(r"\.partial-(\d+)$")
+def check_not_an_input(output: str | os.PathLike, inputs: dict[str, Any], what: str = "--output") -> None:
+    """Refuse an output path that names a file the same command reads (``import -o`` onto its ``-r``
+    reference, ``-o`` onto ``--prompt-file``): writing it would destroy the input, ``--overwrite``
+    or not.
+
+    Args:
+        inputs: option → path (None entries are skipped).
+
+    Raises:
+        TracerError: ``output`` is (or resolves to, or is a hard link of) one of ``inputs``.
+    """
+    out = Path(output)
+    for option, src in inputs.items():
+        if src is None or str(src) == "":
+            continue
+        same = os.path.realpath(out) == os.path.realpath(src)
+        if not same and out.exists() and os.path.exists(src):
+            try:
+                same = os.path.samefile(out, src)
+            except OSError:
+                same = False
+        if same:
+            raise TracerError(f"{what} {output} is the {option} input {src} of this command; writing it would "
+                              f"destroy the input: choose another {what}")
+
+
+_PARTIAL = re.compile(r"\.partial-(\d+)(?:-\d+)?$")
+
+
+#: a sweep's hidden per-point trace (``--keep-tensors``): ``.<sweep stem>.point-<PID>.h5``
+_POINT = re.compile(r"^\..+\.point-(\d+)\.h5$")
 
 
 def check_output(output: str | Path | None, overwrite: bool) -> None:
@@ -235,19 +270,21 @@ def check_output(output: str | Path | None, overwrite: bool) -> None:
 
 def clean_stale_partials(path: str | os.PathLike) -> list[Path]:
     """Delete the ``*.partial-<PID>`` files in ``path``'s folder left by writers that no longer run
-    (of any trace name: a default name carries a timestamp, so the next run never has the dead one's
-    name); return them.
+    (of any trace name, hidden ones included: a default name carries a timestamp, so the next run
+    never has the dead one's name), and the hidden per-point traces of sweeps
+    (``.<name>.point-<PID>.h5``) whose process is gone; return them.
 
-    Only regular files whose PID is gone are deleted (a live writer's file is kept).
+    Only regular files whose PID is gone are deleted (a live writer's file is kept). A trace that
+    tracer told the user to keep is never named like this (``<stem>.new-<PID>.h5``).
     """
     p = Path(path)
     removed = []
     try:
-        siblings = list(p.parent.glob("*.partial-*"))
+        siblings = list(p.parent.glob("*.partial-*")) + list(p.parent.glob(".*.point-*.h5"))
     except OSError:
         return removed
     for s in siblings:
-        m = _PARTIAL.search(s.name)
+        m = _PARTIAL.search(s.name) or _POINT.match(s.name)
         if m is None or int(m.group(1)) == os.getpid() or pid_alive(int(m.group(1))):
             continue
         try:

@@ -302,8 +302,9 @@ def _open_run(g: h5py.Group, entries: list[dict[str, Any]], fd: int | None) -> d
     """Capture name → :class:`StoredPoint` of a validated version-2 run (``entries``: its index)."""
     data = g["data"]
     run = g.name.rsplit("/", 1)[-1]
+    blobs = {dt: data[dt] for dt in {e["dtype"] for e in entries}}  # one h5py object per dtype, not per point
     return {e["name"]: StoredPoint(run, e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["crc32"],
-                                   data[e["dtype"]], fd) for e in entries}
+                                   blobs[e["dtype"]], fd) for e in entries}
 
 
 def _point_info(p: StoredPoint, entry: dict[str, Any]) -> dict[str, Any]:

@@ -138,8 +138,8 @@ class StoredPairs:
     """The pairs of :func:`~tracer.diff.compare.compare_pairs` for points of two stored runs: every point as
     :class:`RowBlocks`, read front to back in row blocks of about :data:`BLOCK_BYTES` into reused
     buffers, :data:`READ_AHEAD` blocks ahead on one thread (reads release the GIL), each point's
-    CRC-32 checked after its last block. A point whose shape or dtype differ between the runs (or
-    that is empty in one) is given by its shapes alone: :func:`~tracer.diff.compare.compare_pairs` reports it unread.
+    CRC-32 checked after its last block (the two runs' blocks may differ in dtype). A point whose
+    shape differs between the runs (or that is empty in one) is given by its shapes alone: :func:`~tracer.diff.compare.compare_pairs` reports it unread.
     Host memory: the ring of buffers, whatever the trace size."""
 
     def __init__(self, names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> None:
@@ -148,8 +148,8 @@ class StoredPairs:
         biggest = 1
         for name in names:
             (ia, ha), (ib, hb) = caps_a[name], caps_b[name]
-            same = list(ia["shape"]) == list(ib["shape"]) and ia["dtype"] == ib["dtype"]
-            crc_a = store.stored_crc(ha) if same else None
+            same = list(ia["shape"]) == list(ib["shape"])  # dtypes may differ: compared in the wider one
+            crc_a = store.stored_crc(ha) if same and ia["dtype"] == ib["dtype"] else None
             hint = crc_a is not None and crc_a == store.stored_crc(hb)
             self.items.append((name, ia, ib, ha, hb, same, DTYPES[ia["dtype"]], DTYPES[ib["dtype"]], hint))
             if same:

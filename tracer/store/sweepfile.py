@@ -24,11 +24,11 @@ import numpy as np
 from tracer import __version__, schema
 from tracer.errors import TracerError
 from tracer.files import check_input_file
-from tracer.store.integrity import check_space
+from tracer.store.integrity import check_space, crc32_bytes, seal, set_text
 
 FORMAT = "tracer-sweep"
-FORMAT_VERSION = 1
-READ_VERSIONS = (1,)
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 # ---------------------------------------------------------------- parsing the axes
 
 
@@ -94,6 +94,8 @@ class SweepResult(schema.Record):
         rows: finished points in the order they ran (block size outer, length inner).
         path: the sweep file, or None.
         complete: every planned point has a row.
+        verified: read from a checksummed file (format 2); False for a format-1 file, read
+            unverified (its values range-checked only).
     """
 
     params: dict[str, Any]
@@ -102,6 +104,7 @@ class SweepResult(schema.Record):
     rows: list[SweepRow]
     path: str | None = None
     complete: bool = False
+    verified: bool = True
 
     def diverging_lengths(self, block_size: int | None = None) -> list[int]:
         """Prompt lengths whose runs differ anywhere (at ``block_size``, default: any)."""
@@ -170,65 +173,92 @@ def _describe_diff(old: dict, new: dict) -> str:
 class SweepFile:
     """An open sweep file: created, or reopened to resume; appends one row per finished point.
 
+    The file is the version-2 layout of ``traces/README.md`` ("Sweep files"): fixed-length texts,
+    every attribute sealed, and per dataset the CRC-32 of its committed rows in ``/sweep``'s
+    ``index``, carried from row to row (a row's CRC extends the previous one), written with the
+    seal after the row's data: the commit marker.
+
     Raises:
         TracerError: the path is a directory, an existing file is not a sweep (or a version
-            this tracer does not read), or it holds a sweep with other parameters.
+            this tracer does not resume), it fails validation, or it holds a sweep with other
+            parameters.
     """
 
     def __init__(self, path: str | Path, params: dict[str, Any], header: dict[str, Any], *,
                  overwrite: bool = False) -> None:
         import h5py
 
+        from tracer.store.integrity import seal, set_text
+
         self.path = Path(path)
         if self.path.is_dir():
             raise TracerError(f"--output {self.path} is a directory; give a file path ending in .h5")
+        from tracer.store.integrity import clean_stale_partials
+
+        clean_stale_partials(self.path)  # hidden point traces and partials of sweeps killed earlier
         if self.path.exists() and overwrite:
             self.path.unlink()
         if self.path.exists():
-            self.f = _open_sweep(self.path, "a")
-            g = self.f["sweep"]
-            old = json.loads(g.attrs["params"])
-            if old != params:
+            self.f, data = _open_sweep(self.path, "a")
+            if data.version != FORMAT_VERSION:
+                self.f.close()
+                raise TracerError(f"{self.path} is a sweep of format version {data.version} (no checksums), which "
+                                  "this tracer reads but does not resume; pass --overwrite or choose another --output")
+            if data.params != params:
                 self.f.close()
                 raise TracerError(
-                    f"{self.path} holds a sweep with other parameters ({_describe_diff(old, params)}); "
+                    f"{self.path} holds a sweep with other parameters ({_describe_diff(data.params, params)}); "
                     "re-run with the same options to resume it, choose another --output, or pass --overwrite to start over")
-            n = int(g.attrs["n_done"])
+            g = self.f["sweep"]
             for name in (*ROW_FIELDS, *MATRIX_FIELDS):  # drop a half-written row of a killed run
-                if name in g and g[name].shape[0] != n:
-                    g[name].resize(n, axis=0)
+                if name in g and g[name].shape[0] != data.n_done:
+                    g[name].resize(data.n_done, axis=0)
+            self.index = data.index
         else:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.f = h5py.File(self.path, "w")
+                self.f = h5py.File(self.path, "w", libver=("v108", "v110"))
             except OSError as e:
                 raise TracerError(f"cannot create {self.path} ({e.strerror or e}); choose another --output") from None
 
-            self.f.attrs["format"] = FORMAT
+            for key, text in (("format", FORMAT), ("created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")),
+                              ("tool_version", __version__), ("checksums", "crc32")):
+                set_text(self.f, key, text)
             self.f.attrs["format_version"] = np.int64(FORMAT_VERSION)
-            self.f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-            self.f.attrs["tool_version"] = __version__
+            seal(self.f)
             self.f.attrs["complete"] = False
-            self.f.create_group("header").attrs["json"] = json.dumps(header, default=str)
+            head = self.f.create_group("header")
+            set_text(head, "json", json.dumps(header, default=str))
+            seal(head)
             g = self.f.create_group("sweep")
-            g.attrs["params"] = json.dumps(params)
-            g.attrs["points"] = json.dumps([])
-            g.attrs["kinds"] = json.dumps([])
-            g.attrs["n_done"] = np.int64(0)
-            self.f.flush()
+            set_text(g, "params", json.dumps(params))
+            set_text(g, "points", "[]")
+            set_text(g, "kinds", "[]")
+            self.index = {"n_done": 0, "columns": 0, "crc32": {}}
+            self._commit(g)
         self.params = params
+
+    def _commit(self, g: Any) -> None:
+        """Write the index and the seal of ``/sweep``, and flush: the row counts from here on."""
+        from tracer.store.integrity import seal, set_text
+
+        set_text(g, "index", json.dumps(self.index, sort_keys=True))
+        seal(g)
+        self.f.flush()
 
     @property
     def group(self):
         return self.f["sweep"]
 
     def result(self) -> SweepResult:
-        return _result_from_file(self.f, str(self.path))
+        from tracer.store.sweepcheck import check_sweep
+
+        return _result(check_sweep(self.f, str(self.path), ROW_FIELDS, MATRIX_FIELDS), str(self.path))
 
     def done(self) -> set[tuple[int, int]]:
         """The ``(length, block_size)`` pairs already stored."""
         g = self.group
-        n = int(g.attrs["n_done"])
+        n = int(self.index["n_done"])
         if n == 0:
             return set()
         return set(zip((int(x) for x in g["length"][:n]), (int(x) for x in g["block_size"][:n])))
@@ -244,24 +274,31 @@ class SweepFile:
         check_space(self.path, (runs_from.stat().st_size if runs_from is not None else 0) + (1 << 20),
                     f"sweep file {self.path}")
         g = self.group
-        n = int(g.attrs["n_done"])
-        points = json.loads(g.attrs["points"])
+        n = int(self.index["n_done"])
         if n == 0:
-            g.attrs["points"] = json.dumps(names)
-            g.attrs["kinds"] = json.dumps(kinds)
+            set_text(g, "points", json.dumps(names))
+            set_text(g, "kinds", json.dumps([str(k) for k in kinds]))
             c = len(names)
             for name, dt in ROW_FIELDS.items():
-                g.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,))
+                if name in g:  # left by a run killed before its first commit
+                    del g[name]
+                seal(g.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(256,)))
             for name, dt in MATRIX_FIELDS.items():
-                g.create_dataset(name, shape=(0, c), maxshape=(None, c), dtype=dt, chunks=(64, c))
-        elif points != names:
+                if name in g:
+                    del g[name]
+                seal(g.create_dataset(name, shape=(0, c), maxshape=(None, c), dtype=dt, chunks=(64, max(1, c))))
+            self.index = {"n_done": 0, "columns": c, "crc32": {}}
+        elif json.loads(g.attrs["points"]) != names:
             raise TracerError(f"N={row.length} captured {len(names)} points but earlier points captured "
-                              f"{len(points)} (another model, granularity or tracer version?); pass --overwrite to start the sweep over")
-        values = {f: getattr(row, f) for f in (*ROW_FIELDS, *MATRIX_FIELDS)}
-        for name in (*ROW_FIELDS, *MATRIX_FIELDS):
+                              f"{self.index['columns']} (another model, granularity or tracer version?); pass --overwrite "
+                              "to start the sweep over")
+        crcs = dict(self.index["crc32"])
+        for name, dt in {**ROW_FIELDS, **MATRIX_FIELDS}.items():
+            value = np.asarray(getattr(row, name), dtype=dt)
             ds = g[name]
             ds.resize(n + 1, axis=0)
-            ds[n] = values[name]
+            ds[n] = value
+            crcs[name] = crc32_bytes(value.astype(np.dtype(dt).newbyteorder("<")).reshape(-1), crcs.get(name, 0))
         if runs_from is not None:
             import h5py
 
@@ -271,8 +308,8 @@ class SweepFile:
                 del tensors[key]
             with h5py.File(runs_from, "r") as src:
                 src.copy(src["runs"], tensors, name=key)
-        g.attrs["n_done"] = np.int64(n + 1)  # the row counts only once this is written
-        self.f.flush()
+        self.index = {"n_done": n + 1, "columns": self.index["columns"], "crc32": crcs}
+        self._commit(g)  # the row counts only once this is written
 
     def finish(self, complete: bool) -> None:
         if complete:
@@ -284,8 +321,15 @@ class SweepFile:
             self.f.close()
 
 
-def _open_sweep(path: Path, mode: str):
+def _open_sweep(path: Path, mode: str) -> tuple[Any, Any]:
+    """The open file and its validated content (:func:`tracer.store.sweepcheck.check_sweep`).
+
+    Raises:
+        TracerError: unopenable, not a sweep file, an unknown version, or invalid.
+    """
     import h5py
+
+    from tracer.store.sweepcheck import check_sweep
 
     try:
         f = h5py.File(path, mode)
@@ -299,54 +343,54 @@ def _open_sweep(path: Path, mode: str):
         if f is None:
             raise TracerError(f"cannot open {path}: another sweep is writing it, or it is not HDF5 (truncated or "
                               "corrupt?); wait for that sweep, choose another --output, or pass --overwrite") from None
-    if f.attrs.get("format") != FORMAT:
-        f.close()
-        raise TracerError(f"{path} is not a tracer sweep file (no format={FORMAT!r} attribute); "
-                          "choose another --output")
     try:
-        version = int(f.attrs.get("format_version"))
-    except (TypeError, ValueError):
-        version = None
-    if version not in READ_VERSIONS:
+        return f, check_sweep(f, str(path), ROW_FIELDS, MATRIX_FIELDS)
+    except TracerError:
         f.close()
-        raise TracerError(f"{path} has sweep format_version {version}; this tracer reads "
-                          f"{', '.join(map(str, READ_VERSIONS))}; use a matching tracer")
-    return f
+        raise
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:  # HDF5 on a damaged file
+        f.close()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+        raise TracerError(f"sweep corrupt: {path}: HDF5 cannot read it ({first}); the file is damaged, "
+                          "re-run the sweep with --overwrite") from None
 
 
-def _result_from_file(f: Any, path: str) -> SweepResult:
-    g = f["sweep"]
-    n = int(g.attrs["n_done"])
-    cols = {name: (g[name][:n] if name in g else np.zeros((0,))) for name in (*ROW_FIELDS, *MATRIX_FIELDS)}
-    rows = [SweepRow.from_dict({name: col[i].tolist() for name, col in cols.items()}) for i in range(n)]
-    return SweepResult(params=json.loads(g.attrs["params"]), points=json.loads(g.attrs["points"]),
-                       kinds=json.loads(g.attrs["kinds"]), rows=rows, path=path,
-                       complete=bool(f.attrs.get("complete", False)))
+def _result(data: Any, path: str) -> SweepResult:
+    """A :class:`SweepResult` of validated file content."""
+    cols = data.columns
+    rows = [SweepRow.from_dict({name: col[i].tolist() for name, col in cols.items()}) for i in range(data.n_done)]
+    return SweepResult(params=data.params, points=data.points, kinds=data.kinds, rows=rows, path=path,
+                       complete=data.complete, verified=data.version >= 2)
 
 
 def read_sweep(path: str | Path) -> SweepResult:
-    """Read a sweep file (finished or not) into a :class:`SweepResult`.
+    """Read a sweep file (finished or not) into a :class:`SweepResult`, validated against the spec
+    first (checksums, types, ranges; :mod:`tracer.store.sweepcheck`).
 
     Raises:
-        TracerError: missing file, not a sweep file, unknown format version.
+        TracerError: missing file, not a sweep file, unknown format version, or a damaged file.
     """
     p = check_input_file(path, "sweep file")  # a FIFO or device would block the read
-    f = _open_sweep(p, "r")
+    f, data = _open_sweep(p, "r")
     try:
-        return _result_from_file(f, str(p))
+        return _result(data, str(p))
     finally:
         f.close()
 
 
 def is_sweep_file(path: str | Path) -> bool:
-    """True if ``path`` is an HDF5 file with ``format = "tracer-sweep"``."""
+    """True if ``path`` is a regular HDF5 file with ``format = "tracer-sweep"`` (not validated)."""
     import h5py
+
+    from tracer.store.sweepcheck import is_variable_string
 
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # never open a FIFO or device: it would block
             return False
         with h5py.File(path, "r") as f:
-            return f.attrs.get("format") == FORMAT
+            if is_variable_string(f, "format") and "checksums" in f.attrs:
+                return False
+            raw = f.attrs.get("format")
+            return (raw.decode("utf-8", "replace") if isinstance(raw, (bytes, np.bytes_)) else raw) == FORMAT
     except Exception:  # noqa: BLE001 - any unreadable file is "not a sweep file"
         return False
-

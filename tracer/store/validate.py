@@ -11,6 +11,7 @@ attributes that fail their checksums. Every refusal is one :class:`TracerError` 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.store.fields import BIG, calls_problem, check_header, check_run_json, shape
 from tracer.store.formats import format_for
 from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
 
@@ -142,7 +144,7 @@ def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, An
     if checked:
         verify_attrs(root["header"], "the header", ("json",))
         verify_attrs(root["runs"], "the run list", ("order",))
-    load_json(root["header"].attrs.get("json"), path, "/header json", dict)
+    check_header(load_json(root["header"].attrs.get("json"), path, "/header json", dict), lambda m: _corrupt(path, m))
     order = _names(load_json(root["runs"].attrs.get("order"), path, "/runs order", list), path, "/runs order")
     runs = _members(root["runs"], path, "/runs", seen)
     if set(runs) != set(order):
@@ -188,7 +190,8 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
         if key not in g.attrs:
             raise _corrupt(path, f"run {run} has no {key} attribute")
     plan = load_json(g.attrs["plan"], path, f"plan of run {run}", dict)
-    load_json(g.attrs["meta"], path, f"meta of run {run}", dict)
+    meta = load_json(g.attrs["meta"], path, f"meta of run {run}", dict)
+    check_run_json(plan, meta, run, lambda m: _corrupt(path, m))
     members = _members(g, path, f"/runs/{run}", seen)
     ids = members.get("token_ids")
     if not isinstance(ids, h5py.Dataset) or ids.dtype != np.int64 or ids.ndim != 1 or ids.size == 0:
@@ -253,8 +256,11 @@ def _validate_capture(ds: Any, name: str, run: str, rows: tuple[int, int], path:
     if kind is None or op is None or ("role" in ds.attrs and attr_text(ds.attrs["role"]) is None):
         raise _corrupt(path, f"{what} has a non-string kind, op or role")
     calls = load_json(ds.attrs["calls"], path, f"calls of {what}", list)
-    if not all(isinstance(c, dict) for c in calls):
-        raise _corrupt(path, f"calls of {what} are not JSON objects")
+    problem = calls_problem(calls)
+    if problem:
+        raise _corrupt(path, f"calls of {what}: {problem}")
+    if len(ds.shape) > 16:
+        raise _corrupt(path, f"{what} has {len(ds.shape)} dimensions")
     _check_storage(ds, path, what, file_size)
     _check_shape(tuple(ds.shape), kind, what, rows, path)
 
@@ -269,7 +275,7 @@ def _check_shape(shape: tuple[int, ...], kind: str, what: str, rows: tuple[int, 
     if kind in WINDOW_KINDS and (size or rows_given):
         if len(shape) == 0 or shape[0] != window_rows:
             raise _corrupt(path, f"{what} has shape {shape}; its window holds {window_rows} positions")
-        if kind == PointKind.LOGITS and (len(shape) < 2 or shape[-1] == 0):
+        if kind == PointKind.LOGITS and (len(shape) != 2 or shape[-1] == 0):
             raise _corrupt(path, f"logits {what} have shape {shape}, not (positions, vocab)")
 
 
@@ -281,8 +287,8 @@ def _entry_ok(e: Any) -> bool:
         v = e.get(key)
         if not isinstance(v, kind) or isinstance(v, bool):
             return False
-    return (all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in e["shape"])
-            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and all(isinstance(c, dict) for c in e["calls"])
+    return (shape(e["shape"]) and math.prod(e["shape"]) < BIG and e["offset"] < BIG
+            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and calls_problem(e["calls"]) is None
             and isinstance(e.get("role", ""), str))
 
 

@@ -8,6 +8,7 @@ any failure deletes the partial file.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime as _dt
 import json
@@ -50,6 +51,31 @@ def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
         elif isinstance(v, float):
             out[key] = float(v)
     return out
+
+
+#: partial files of writers open in this process (two writers of one path in one process get two names)
+_OPEN_PARTIALS: set[Path] = set()
+
+
+@atexit.register
+def _remove_open_partials() -> None:
+    """At interpreter exit (an interrupt or termination that struck between a writer's creation and its
+    ``with`` block, or a writer never closed), remove the partial files of this process's writers."""
+    for p in list(_OPEN_PARTIALS):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _partial_name(path: Path) -> Path:
+    """``<path>.partial-<PID>``, or ``<path>.partial-<PID>-<k>`` while a writer of this process has that one open."""
+    for k in range(1 << 16):
+        p = path.with_name(f"{path.name}.partial-{os.getpid()}{f'-{k}' if k else ''}")
+        if p not in _OPEN_PARTIALS:
+            _OPEN_PARTIALS.add(p)
+            return p
+    raise TracerError(f"too many writers of {path} in this process")  # pragma: no cover
 
 
 class TraceWriter:
@@ -106,7 +132,7 @@ class TraceWriter:
         except OSError as e:
             raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
         clean_stale_partials(self.path)
-        self.partial_path = self.path.with_name(f"{self.path.name}.partial-{os.getpid()}")
+        self.partial_path = _partial_name(self.path)
         self._guard: GuardedFile | None = None
         self._file: h5py.File | None = None
         try:
@@ -114,9 +140,11 @@ class TraceWriter:
             # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
             self._guard = GuardedFile(self.partial_path)
             self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
-        except OSError as e:
+        except BaseException as e:  # an interrupt here too: the partial never outlives this call
             self.abort()
-            raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+            if isinstance(e, OSError):
+                raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+            raise
         try:
             f = self._file
             set_text(f, "format", FORMAT)
@@ -238,25 +266,48 @@ class TraceWriter:
         except BaseException:
             self.abort()
             raise
+        _OPEN_PARTIALS.discard(self.partial_path)
         if self.overwrite:
             os.replace(self.partial_path, self.path)
             return
         try:
             os.link(self.partial_path, self.path)  # atomic, and refuses to clobber
         except FileExistsError:
-            raise TracerError(
-                f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
-                "move it yourself or pass --overwrite"
-            ) from None
+            self._keep_elsewhere()
         except OSError:  # no hard links on this filesystem: check, then rename
             if self.path.exists():
-                raise TracerError(
-                    f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
-                    "move it yourself or pass --overwrite"
-                ) from None
+                self._keep_elsewhere()
             os.replace(self.partial_path, self.path)
             return
         self.partial_path.unlink()
+
+    def _keep_elsewhere(self) -> None:
+        """``path`` appeared while this writer wrote (another writer won): keep the complete new trace
+        under a name of its own, ``<stem>.new-<PID>[-<k>]<suffix>``, which no stale-partial clean-up
+        touches (only ``*.partial-<PID>`` files are), and say where it is.
+
+        Raises:
+            TracerError: always: the trace was not written to ``path``; the message names the kept file.
+        """
+        stem, suffix = self.path.stem, self.path.suffix or ".h5"
+        for k in range(1000):
+            kept = self.path.with_name(f"{stem}.new-{os.getpid()}{f'-{k}' if k else ''}{suffix}")
+            try:
+                os.link(self.partial_path, kept)  # never clobbers
+            except FileExistsError:
+                continue
+            except OSError:
+                if kept.exists():
+                    continue
+                os.replace(self.partial_path, kept)
+                break
+            self.partial_path.unlink()
+            break
+        else:  # pragma: no cover - 1000 kept traces of one PID
+            raise TracerError(f"trace {self.path} appeared while writing; the new trace is at {self.partial_path}; "
+                              "move it now (a later run removes *.partial-PID files of finished processes)")
+        raise TracerError(f"trace {self.path} appeared while writing (another writer); the new trace was kept as "
+                          f"{kept}; compare or move it, or pass --overwrite")
 
     def abort(self) -> None:
         """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
@@ -274,6 +325,7 @@ class TraceWriter:
         if guard is not None:
             guard.close()
         self.partial_path.unlink(missing_ok=True)
+        _OPEN_PARTIALS.discard(self.partial_path)
 
     def __enter__(self) -> TraceWriter:
         return self

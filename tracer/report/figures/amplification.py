@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from tracer.execute.kinds import LAYER_KINDS, PointKind
-from tracer.report.figures.common import LABEL_ZERO, _figure, _tick_labels, _title
+from tracer.report.figures.common import literal_text, LABEL_ZERO, _figure, _tick_labels, _title
 
 #: labels of the amplification figure's two lines (tests and notebooks find them by label)
 LABEL_ABS, LABEL_FRAC = "max |diff|", "differing fraction"
@@ -75,6 +75,7 @@ def _panel(ax: Any, data: dict[str, Any], idx: np.ndarray, label: str, color: st
                  compact=bool(kinds) and all(k == PointKind.KV_CACHE for k in kinds))
 
 
+@literal_text
 def amplification_figure(comparison: Any, *, title: str | None = None, figsize: tuple[float, float] | None = None):
     """Max |diff| (log y) per capture point in execution order, the KV caches as a separate panel.
 

@@ -32,6 +32,23 @@ def _plt():
     return plt
 
 
+def literal_text(fn: Any) -> Any:
+    """Build the figure with matplotlib's mathtext off (``text.parse_math``): every title, label and
+    legend shows its string as given. A model folder named ``m$\\foo$`` or a capture name with ``$``
+    would otherwise be parsed as TeX and fail the figure after the run."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _plt()
+        import matplotlib
+
+        with matplotlib.rc_context({"text.parse_math": False}):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _figure(nrows: int = 1, ncols: int = 1, **kw: Any):
     """A new figure and axes, detached from pyplot's registry (so Jupyter shows it once, when returned)."""
     plt = _plt()

@@ -17,7 +17,7 @@ from tracer.diff.compare import check_alignable
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.report.figures.common import _figure, _log_norm, _plt, _tick_labels, thin_labels
+from tracer.report.figures.common import literal_text, _figure, _log_norm, _plt, _tick_labels, thin_labels
 from tracer.store.trace import TraceReader
 
 _ELEMENTS_PER_CHUNK = 1 << 21
@@ -150,6 +150,7 @@ def position_diffs_trace(path: str | os.PathLike, run_a: str | None = None, run_
         return _position_diffs(pairs, tuple(ra.window))
 
 
+@literal_text
 def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: tuple[float, float] | None = None):
     """Capture points (rows, execution order) × compared positions (columns): max |A − B|.
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.report.figures.common import LABEL_ZERO, _figure, _log_norm, _plt, compact_name
+from tracer.report.figures.common import literal_text, LABEL_ZERO, _figure, _log_norm, _plt, compact_name
 
 
 def sweep_data(result: Any, block_size: int | None = None) -> dict[str, Any]:
@@ -79,6 +79,7 @@ def _hide_unmeasured(ax: Any, lengths: np.ndarray) -> tuple[float, float]:
     return lo, hi
 
 
+@literal_text
 def sweep_figure(result: Any, *, title: str | None = None, figsize: tuple[float, float] | None = None):
     """The divergence map of a sweep.
 

@@ -9,7 +9,7 @@ import numpy as np
 from tracer.diff.metrics import ULP_BINS
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.report.figures.common import _figure, _title, short_name
+from tracer.report.figures.common import literal_text, _figure, _title, short_name
 
 
 def select_points(comparison: Any, layers: Sequence[str | int] | None = None) -> list[tuple[str, Any]]:
@@ -51,6 +51,7 @@ def select_points(comparison: Any, layers: Sequence[str | int] | None = None) ->
     return [table[i][:2] for i in sorted(picks)]
 
 
+@literal_text
 def ulp_figure(comparison: Any, layers: Sequence[str | int] | None = None, *, title: str | None = None,
                figsize: tuple[float, float] | None = None):
     """Grouped bars: elements per ULP-distance bin (0, 1, 2, 3-4, 5-8, 9-16, >16), one group per point.

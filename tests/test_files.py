@@ -1,0 +1,260 @@
+"""Issue 24 item 3: every file input through one gate (regular files only, bounded), and no bomb in a
+dump allocates before its declared size is checked.
+
+Bomb cases run in a subprocess under ``RLIMIT_AS`` (2.5 GB of address space), so a regression
+fails the test (MemoryError, exit 3) instead of taking the shared machine to its last page. Every
+case also runs under a timeout, so a regression that blocks on a FIFO fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CAP = 2_500_000_000  # bytes of address space for the bomb cases (tracer + torch need ~0.7 GB)
+
+
+def capped_cases(cases: dict[str, str], cap: int = CAP, timeout: float = 240) -> dict[str, str]:
+    """Run every ``case -> expression`` in ONE fresh interpreter under RLIMIT_AS; return each case's
+    TracerError message (or ``"EXC <type>: ..."`` / ``"NO ERROR"``). A MemoryError or any other
+    exception of one case is recorded, not fatal; a hang fails every case (the timeout)."""
+    import json
+
+    prog = ("import resource, sys, json\n"
+            f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "from tracer.errors import TracerError\n"
+            "from tracer.store.enginedump import read_dump\n"
+            "from tracer.execute.enginemap import load_engine_map\n"
+            f"cases = {json.dumps(cases)}\n"
+            "out = {}\n"
+            "for name, expr in cases.items():\n"
+            "    try:\n"
+            "        eval(expr)\n"
+            "        out[name] = 'NO ERROR'\n"
+            "    except TracerError as e:\n"
+            "        out[name] = str(e)\n"
+            "    except BaseException as e:\n"
+            "        out[name] = f'EXC {type(e).__name__}: {e}'[:300]\n"
+            "print(json.dumps(out))\n")
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _one_line(msg: str) -> str:
+    assert "\n" not in msg and msg != "NO ERROR" and not msg.startswith("EXC "), msg
+    return msg
+
+
+# ---------------------------------------------------------------- bombs (under a memory cap)
+
+
+def _zip_member(path: Path, name: str, payload_head: bytes, zero_blocks: int, block: int = 16 << 20) -> int:
+    """Write a zip whose one deflated member is ``payload_head`` followed by ``zero_blocks`` × ``block``
+    zero bytes, built from one compressed block repeated (a few MB on disk); returns the member's
+    declared (uncompressed) size. The CRC is left 0: a reader that inflated it would fail only at
+    the end, after allocating everything."""
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    head = c.compress(payload_head) + c.flush(zlib.Z_FULL_FLUSH)
+    zeros = bytes(block)
+    blk = c.compress(zeros) + c.flush(zlib.Z_FULL_FLUSH)
+    tail = c.flush()
+    data = head + blk * zero_blocks + tail
+    usize = len(payload_head) + zero_blocks * block
+    fname = name.encode()
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 8, 0, 0, 0, len(data), usize, len(fname), 0) + fname
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, 8, 0, 0, 0, len(data), usize, len(fname),
+                          0, 0, 0, 0, 0, 0) + fname
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(local) + len(data), 0)
+    path.write_bytes(local + data + central + end)
+    return usize
+
+
+def _npy_header(shape: tuple[int, ...], descr: str = "<f2") -> bytes:
+    from numpy.lib import format as npf
+    import io
+
+    buf = io.BytesIO()
+    npf.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> dict[str, tuple[Path | str, str]]:
+    """Every hostile input of this file, read in one capped interpreter: case -> (path, message)."""
+    import zipfile
+
+    d = tmp_path_factory.mktemp("hostile")
+    paths: dict[str, Path | str] = {}
+    blocks = 178  # ~1.5e9 float16 zeros (3 GB) declared by a few-MB .npz
+    paths["npz_bomb"] = d / "bomb.npz"
+    _zip_member(paths["npz_bomb"], "x.npy", _npy_header((blocks * (16 << 20) // 2,)), blocks)
+    paths["npy_trillion"] = d / "huge.npz"
+    with zipfile.ZipFile(paths["npy_trillion"], "w") as z:
+        z.writestr("input_ids.npy", _npy_header((3,), "<i8") + np.arange(3, dtype="<i8").tobytes())
+        z.writestr("x.npy", _npy_header((10**12,)) + bytes(64))
+    paths["stride_0"] = d / "stride0"
+    paths["stride_0"].mkdir()
+    torch.save({"model.forward_batch_info.input_ids": torch.arange(3),
+                "model.embed_tokens": torch.zeros(1).expand(3_000_000_000)}, paths["stride_0"] / "Pass00000.pt")
+    paths["fifo_member"] = d / "dumper"
+    paths["fifo_member"].mkdir()
+    torch.save({"value": torch.arange(3), "meta": {"name": "input_ids", "step": 0}},
+               paths["fifo_member"] / "step=0___rank=0___dump_index=1___name=input_ids.pt")
+    os.mkfifo(paths["fifo_member"] / "step=0___rank=0___dump_index=2___name=non_intrusive__model.embed_tokens.output.pt")
+    paths["fifo_pass"] = d / "passes"
+    paths["fifo_pass"].mkdir()
+    os.mkfifo(paths["fifo_pass"] / "Pass00000.pt")
+    paths["fifo_dump"] = d / "x.npz"
+    os.mkfifo(paths["fifo_dump"])
+    paths["dev_dump"] = "/dev/zero"
+    maps = {"map_dev": "/dev/zero", "map_fifo": d / "m.toml", "map_latin1": d / "latin1.toml", "map_deep": d / "deep.toml"}
+    os.mkfifo(maps["map_fifo"])
+    maps["map_latin1"].write_bytes('[layer]\n"caf\xe9" = { hf = "mlp" }\n'.encode("latin-1"))
+    maps["map_deep"].write_text("x = " + "[" * 100000 + "]" * 100000 + "\n")
+    cases = {k: f"read_dump({str(p)!r})" for k, p in paths.items()}
+    cases.update({k: f"load_engine_map('llama', {str(p)!r})" for k, p in maps.items()})
+    got = capped_cases(cases)
+    return {k: ({**paths, **maps}[k], got[k]) for k in cases}
+
+
+def test_npz_decompression_bomb_is_refused_before_inflating(hostile):
+    """A few-MB .npz declaring ~1.5e9 float16 zeros (3 GB): it used to inflate them all, then fail
+    with "holds pickled objects"."""
+    path, msg = hostile["npz_bomb"]
+    assert Path(path).stat().st_size < 8 << 20
+    assert "bomb.npz" in _one_line(msg) and ("decompression bomb" in msg or "input budget" in msg), msg
+
+
+def test_npy_header_of_a_trillion_elements_is_refused(hostile):
+    """An npy header of (10**12,) over a few bytes of data: it used to die with a MemoryError (exit 3)."""
+    _, msg = hostile["npy_trillion"]
+    assert "huge.npz" in _one_line(msg) and "'x.npy'" in msg, msg
+
+
+def test_stride_0_tensor_in_a_pt_is_refused_before_materialising(hostile):
+    """A few-hundred-byte .pt of ``torch.zeros(1).expand(3_000_000_000)``: it used to allocate 12 GB."""
+    path, msg = hostile["stride_0"]
+    assert (Path(path) / "Pass00000.pt").stat().st_size < 4096
+    assert "Pass00000.pt" in _one_line(msg) and "stride 0" in msg and "input budget" in msg, msg
+
+
+def test_small_stride_0_tensor_is_materialised_within_the_budget(tmp_path):
+    from tracer.store.dumpfiles import load_pt
+
+    torch.save({"x": torch.arange(4.0).reshape(4, 1).expand(4, 3)}, tmp_path / "a.pt")
+    x = load_pt(tmp_path / "a.pt")["x"]
+    assert x.is_contiguous() and torch.equal(x, torch.arange(4.0).reshape(4, 1).repeat(1, 3))
+
+
+def test_budget_env_bounds_every_decoded_tensor(tmp_path, monkeypatch):
+    from tracer.errors import TracerError
+    from tracer.store.dumpfiles import load_npz
+
+    np.savez_compressed(tmp_path / "x.npz", a=np.zeros(1000, dtype=np.float32))  # ~300 bytes on disk, 4000 decoded
+    assert (tmp_path / "x.npz").stat().st_size < 1000
+    monkeypatch.setenv("TRACER_INPUT_BUDGET", "1000")
+    with pytest.raises(TracerError, match="over the input budget of 1,000 bytes"):
+        load_npz(tmp_path / "x.npz")
+    monkeypatch.setenv("TRACER_INPUT_BUDGET", "100000")
+    assert load_npz(tmp_path / "x.npz")["a"].shape == (1000,)
+
+
+def test_npz_round_trip_and_byte_order(tmp_path):
+    from tracer.store.dumpfiles import load_npz
+
+    a = np.arange(12, dtype=">f4").reshape(3, 4)
+    np.savez_compressed(tmp_path / "x.npz", a=a, b=np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3)))
+    got = load_npz(tmp_path / "x.npz")
+    assert torch.equal(got["a"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(got["b"], torch.arange(6).reshape(2, 3))
+
+
+# ---------------------------------------------------------------- files that block or are not files
+
+
+def test_fifo_named_like_a_dumper_file_is_refused_without_blocking(hostile):
+    _, msg = hostile["fifo_member"]
+    assert "FIFO" in _one_line(msg) and "name=non_intrusive__model.embed_tokens.output.pt" in msg
+
+
+def test_fifo_pass_file_is_refused_without_blocking(hostile):
+    _, msg = hostile["fifo_pass"]
+    assert "Pass00000.pt" in _one_line(msg) and "FIFO" in msg
+
+
+@pytest.mark.parametrize("case", ["fifo_dump", "dev_dump"])
+def test_engine_dump_that_is_a_fifo_or_device_is_refused(hostile, case):
+    """`tracer import FIFO` or `tracer import /dev/zero` gave exit 3."""
+    _, msg = hostile[case]
+    assert ("FIFO" in _one_line(msg) or "character device" in msg) and "regular file" in msg
+
+
+@pytest.mark.parametrize("case, expect", [("map_dev", "character device"), ("map_fifo", "FIFO"),
+                                          ("map_latin1", "not UTF-8"), ("map_deep", "deep.toml")])
+def test_engine_map_is_read_through_the_gate(hostile, case, expect):
+    """--map /dev/zero grew to 24 GB; a FIFO hung; a non-UTF-8 map gave exit 3."""
+    _, msg = hostile[case]
+    assert expect in _one_line(msg), msg
+
+
+def test_procfs_prompt_file_is_refused():
+    """``--prompt-file /proc/kmsg`` blocked forever: kernel pseudo-files are refused by their filesystem."""
+    from tracer.errors import TracerError
+    from tracer.files import read_text_file
+
+    for path in ("/proc/kmsg", "/proc/self/status"):
+        if not os.path.exists(path):
+            continue
+        with pytest.raises(TracerError, match="kernel pseudo-file"):
+            read_text_file(path, "--prompt-file")
+
+
+def test_gguf_header_declaring_2_62_tensors_is_one_line(tmp_path):
+    from tracer.errors import TracerError
+    from tracer.files import check_gguf_file
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**62, 1) + bytes(64))
+    with pytest.raises(TracerError, match=r"4,611,686,018,427,387,904 tensors .* truncated or damaged"):
+        check_gguf_file(path)
+
+
+def test_empty_path_is_one_line():
+    from tracer.errors import TracerError
+    from tracer.files import check_input_file
+
+    with pytest.raises(TracerError, match="is empty; give a file path"):
+        check_input_file("", "trace file")
+
+
+def test_a_lying_safetensors_header_is_one_line(tmp_path):
+    """What held before issue 24, kept: a safetensors header whose offsets exceed the file."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from tracer.errors import TracerError
+    from tracer.store.enginedump import read_dump
+
+    save_file({"input_ids": torch.arange(4), "model.embed_tokens": torch.zeros(4, 8)}, tmp_path / "t.safetensors")
+    raw = (tmp_path / "t.safetensors").read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = _json.loads(raw[8:8 + n])
+    header["model.embed_tokens"]["data_offsets"][1] += 10**9
+    text = _json.dumps(header).encode().ljust(n)[:n] if len(_json.dumps(header)) <= n else _json.dumps(header).encode()
+    (tmp_path / "t.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(TracerError) as e:
+        read_dump(tmp_path / "t.safetensors")
+    assert "t.safetensors" in str(e.value) and "\n" not in str(e.value)
