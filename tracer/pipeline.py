@@ -203,8 +203,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
     from tracer.execute.family import family_for
+    from tracer.execute.runner import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
+    from tracer.store.handoff import store_auto
     from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
@@ -237,8 +239,9 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
             captures, wait = host_copies(rec.captures)
             host_rec = _replace(rec, captures=captures)
         host_records.append(host_rec)
-        if writer is not None and budget is None:
-            writer.add_run(without_tensors(rec) if online else host_rec, ready=wait)
+        if writer is not None and budget is None:  # the writer's thread waits for the copies and the run's time
+            writer.add_run(without_tensors(rec) if online else host_rec,
+                           ready=lambda wait=wait, rec=rec: (wait and wait(), settle_wall(rec)))
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
@@ -252,6 +255,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=facts, atol=atol, rtol=rtol)
     del cmp_a, cmp_b
+    for rec in records:  # the comparison waited for both runs: their CUDA-event times are ready
+        settle_wall(rec)
     if rl:  # what RL stacks log, from both runs' logprobs and logits
         comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))
     if decode:
@@ -264,7 +269,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         say("replaying the origin ops in float64")
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
-        comparison, host_records = _store_auto(records, comparison, budget, writer, say)
+        comparison, host_records = store_auto(records, comparison, budget, writer, say)
         if writer is not None and partials is not None:
             writer.add_run(partials)  # asked for with --tp-partials: written whole, outside the budget
     if writer is not None and comparison_key is not None:
@@ -273,44 +278,6 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     # writer waited for them) replace the device tensors
     kept = tuple(without_tensors(r) for r in records) if online and budget is None else tuple(host_records)
     return Outcome(comparison, kept, partials)
-
-
-def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, say: Say) -> tuple[Any, list[Any]]:
-    """``--store auto`` after the comparison: choose the points kept in full
-    (:func:`tracer.store.budget.choose`), copy only those to the host, hand both runs to the writer
-    (when there is one), and name the choice in the comparison's notes.
-
-    Returns:
-        ``(comparison with the note, host records holding the kept tensors)``.
-    """
-    from tracer.execute.capture import host_copies
-    from tracer.store.budget import choose
-
-    rec_a, rec_b = records
-    sizes = [(n, c.tensor.nbytes + (rec_b.captures[n].tensor.nbytes if n in rec_b.captures else 0))
-             for n, c in rec_a.captures.items()]
-    sizes += [(n, c.tensor.nbytes) for n, c in rec_b.captures.items() if n not in rec_a.captures]
-    origins = tuple(p.name for p in comparison.origins)
-    if comparison.logits_origin and comparison.logits_name:
-        origins += (comparison.logits_name,)
-    kept = choose(sizes, budget, origins=origins, logits=comparison.logits_name)
-    say(kept.summary())
-    dropped = set(kept.dropped)
-    kinds = {n: c.kind for r in records for n, c in r.captures.items() if n in dropped}
-    record = {**kept.to_dict(), "logits": comparison.logits_name, "kinds": kinds}  # each stored run's meta
-    host = []
-    for rec in records:
-        captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
-        host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": record})
-        host.append(host_rec)
-        if writer is not None:
-            writer.add_run(host_rec, ready=wait)
-        else:
-            wait()
-    if not kept.dropped:  # the whole trace fitted: nothing to say
-        return comparison, host
-    facts = {**comparison.facts, "notes": list(comparison.facts.get("notes", [])) + [kept.summary()]}
-    return _replace(comparison, facts=facts), host
 
 
 def capture_points(loaded: Any, capture: CaptureConfig) -> list[Any]:

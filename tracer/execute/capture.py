@@ -17,8 +17,15 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
+
+#: kinds whose module output is a fresh tensor nothing modifies afterwards (the residual stream and
+#: the logits: what HF's ``output_hidden_states`` keeps references to), captured by reference
+REFERENCE_KINDS = frozenset({PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS})
+#: most bytes of module outputs one run keeps alive by reference (beyond it, windows are copied)
+REFERENCE_BYTES = 512 << 20
 
 
 def _first_tensor(x: Any) -> torch.Tensor | None:
@@ -62,14 +69,26 @@ class Capture:
     shapes the module saw. Memory is therefore proportional to the
     compared window, not to the prompt (except for points with ``full=True``).
 
+    **By reference** (``reference``; default: on a CUDA device with ``keep_on_device``): the
+    window of a module output of a :data:`REFERENCE_KINDS` point is kept as a view of the output
+    itself, no copy kernel (a forward is launch-bound below N ≈ 8k on a large GPU: every launch
+    counts). Those outputs are fresh tensors that nothing modifies afterwards, as HF's own
+    ``output_hidden_states`` relies on; every other point (sublayer outputs and inputs, which
+    in-place ops may overwrite, and KV-cache views) is copied. A view keeps the whole output
+    alive, so at most :data:`REFERENCE_BYTES` of outputs per run are held this way; beyond that,
+    windows are copied.
+
     Raises:
         TracerError: a module output whose sequence dimension does not match the call.
     """
 
     def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int] | None,
-                 *, keep_on_device: bool = False) -> None:
+                 *, keep_on_device: bool = False, reference: bool | None = None) -> None:
         self.model = model
         self.keep_on_device = keep_on_device
+        #: None: decided per tensor (CUDA and keep_on_device)
+        self.reference = reference
+        self._held: dict[int, int] = {}  # data_ptr of an output's storage kept alive by reference -> bytes
         self.points = list(points)
         #: window None: every forward of the model inside the block is a call of its own (positions
         #: continue from the KV cache it is given, else from 0) and every position is kept
@@ -202,7 +221,11 @@ class Capture:
         lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
         if lo >= hi:
             return None
-        piece = t[row, col + lo - start : col + hi - start].detach()
+        piece = t.select(0, row).narrow(0, col + lo - start, hi - lo)  # (indexing with a tuple costs ~5x more host time)
+        if piece.requires_grad:
+            piece = piece.detach()
+        if self.keep_on_device and self._by_reference(p, t):
+            return piece
         if self.keep_on_device or piece.device.type == "cpu":
             return piece.clone()
         # GPU: copy into pinned host memory without blocking the host, so the GPU never waits
@@ -212,6 +235,20 @@ class Capture:
         host.copy_(piece, non_blocking=True)
         self._pending_sync.add(piece.device)
         return host
+
+    def _by_reference(self, p: CapturePoint, t: torch.Tensor) -> bool:
+        """Whether the window of ``t`` (point ``p``'s output) is kept as a view (see the class docstring)."""
+        ref = self.reference if self.reference is not None else t.device.type == "cuda"
+        if not ref or p.kind not in REFERENCE_KINDS or p.which == "input" or p.full:
+            return False
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._held:
+            return True
+        if sum(self._held.values()) + storage.nbytes() > REFERENCE_BYTES:
+            return False
+        self._held[key] = storage.nbytes()
+        return True
 
     def add_cache(self, cache: Any, row: int = 0, col: int = 0) -> None:
         """Record the ``kv_cache`` points from the run's final KV cache.

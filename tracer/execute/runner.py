@@ -297,7 +297,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
         in the model's dtype (``kv_cache`` points: all positions), with wall time and GEMM M
-        per chunk in ``meta``.
+        per chunk in ``meta``. With ``keep_on_device`` on a GPU the wall time is measured with
+        CUDA events and ``meta["wall_s"]`` is None until :func:`settle_wall`.
 
     Raises:
         TracerError: the plan does not cover the prompt, or ``decode < 0``.
@@ -309,7 +310,14 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {n}")
     device = model_device(model)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
-    _sync(device)
+    # on a GPU with the captures kept there, the run's time comes from CUDA events, so the host
+    # never waits for the GPU between the runs (the next run's launches overlap this one's tail)
+    events = keep_on_device and device.type == "cuda" and not plan.devices and not kernels
+    if events:
+        start_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+    else:
+        _sync(device)
     t0 = time.perf_counter()
     generated = None
     tokens = None
@@ -325,8 +333,13 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                                   col=b.width - n if b is not None and b.padding == "left" else 0)
                 if plan.generate:
                     generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)
-            _sync(model_device(model))
-            wall = time.perf_counter() - t0
+            if events:
+                end_event = torch.cuda.Event(enable_timing=True)
+                end_event.record()
+                wall = None  # settle_wall() reads the events
+            else:
+                _sync(model_device(model))
+                wall = time.perf_counter() - t0
             if decode:  # replay: greedy continuation of the final KV cache, not captured
                 tokens = greedy(model, ids, out, decode)
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
@@ -340,9 +353,23 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if recorder is not None:
         recorder.attach(captures)
         info["kernels"] = "recorded"
+    extras: dict[str, Any] = {"sdpa": sdpa.calls} if sdpa is not None else {}
+    if events:
+        extras["wall_events"] = (start_event, end_event)
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
-                     window=(int(window[0]), int(window[1])), captures=captures, meta=info,
-                     extras={"sdpa": sdpa.calls} if sdpa is not None else {})
+                     window=(int(window[0]), int(window[1])), captures=captures, meta=info, extras=extras)
+
+
+def settle_wall(rec: RunRecord) -> RunRecord:
+    """Fill ``rec.meta["wall_s"]`` of a run timed by CUDA events (:func:`execute` with
+    ``keep_on_device`` on a GPU), waiting for the run's last kernel; a no-op for other runs.
+    Returns ``rec``."""
+    events = rec.extras.get("wall_events")
+    if events is not None:  # idempotent: the writer's thread and the caller may both settle it
+        start, end = events
+        end.synchronize()
+        rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
+    return rec
 
 
 def execute_loaded(loaded: Any, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
