@@ -340,6 +340,15 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
     """
     streams: dict[torch.device, Any] = {}
     out: dict[str, CaptureRecord] = {}
+    # one pinned buffer per device and dtype, the points end to end in order: the trace's layout
+    # (tracer.store.packed), so the writer stores each dtype with one write
+    totals: dict[tuple[torch.device, torch.dtype], int] = {}
+    for rec in captures.values():
+        t = rec.tensor
+        if t.device.type == "cuda":
+            totals[(t.device, t.dtype)] = totals.get((t.device, t.dtype), 0) + t.numel()
+    buffers = {key: torch.empty(n, dtype=key[1], pin_memory=True) for key, n in totals.items()}
+    filled = dict.fromkeys(totals, 0)
     for name, rec in captures.items():
         t = rec.tensor
         if t.device.type != "cuda":
@@ -348,7 +357,9 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
         if t.device not in streams:
             streams[t.device] = torch.cuda.Stream(t.device)
             streams[t.device].wait_stream(torch.cuda.current_stream(t.device))
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        key = (t.device, t.dtype)
+        host = buffers[key][filled[key]:filled[key] + t.numel()].view(t.shape)
+        filled[key] += t.numel()
         with torch.cuda.stream(streams[t.device]):
             host.copy_(t, non_blocking=True)
         t.record_stream(streams[t.device])  # the caching allocator must not reuse t before the copy
