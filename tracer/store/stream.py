@@ -58,19 +58,34 @@ READ_AHEAD = 2
 
 class _Ring:
     """``count`` reusable byte buffers of ``nbytes`` each (pinned for a GPU), handed out in turn
-    (allocated on first use)."""
+    (allocated on first use). On a GPU a buffer's host-to-device copy runs asynchronously: the
+    copy's CUDA event is recorded against the buffer (:meth:`copied`), and the buffer is handed
+    out again only once that copy has finished."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.count, self.nbytes, self.pin = count, nbytes, pin
         self.bufs: list = []
         self.i = 0
+        self.events: dict[int, Any] = {}  # buffer address -> the CUDA event of its last copy
 
     def next(self):
         if len(self.bufs) < self.count:
             self.bufs.append(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy())
             return self.bufs[-1]
         self.i = (self.i + 1) % self.count
-        return self.bufs[self.i]
+        buf = self.bufs[self.i]
+        event = self.events.pop(buf.ctypes.data, None)
+        if event is not None:
+            event.synchronize()  # the device still reads this buffer: wait for that copy (releases the GIL)
+        return buf
+
+    def copied(self, address: int, event: Any) -> bool:
+        """Record ``event`` as the copy out of the buffer at ``address``; False when no buffer of
+        this ring starts there (a block read into a fresh buffer)."""
+        if not any(b.ctypes.data == address for b in self.bufs):
+            return False
+        self.events[address] = event
+        return True
 
 
 class _Raised:
@@ -158,6 +173,7 @@ class StoredPairs:
         size = min(BLOCK_BYTES, biggest)
         pin = dev.type == "cuda"
         self.rings = (_Ring(READ_AHEAD + 2, size, pin), _Ring(READ_AHEAD + 2, size, pin))
+        self.copy_stream: Any = None
         self.ahead = _ReadAhead(self._produce(), READ_AHEAD)
 
     def _produce(self) -> Iterator[tuple]:
@@ -190,7 +206,28 @@ class StoredPairs:
         for r0, xa, xb in self.ahead:
             if r0 is None:
                 return
-            yield r0, xa.to(self.dev), xb.to(self.dev)  # a blocking copy: the buffer is reused later
+            yield r0, self._to_device(xa, 0), self._to_device(xb, 1)
+
+    def _to_device(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """``x`` (a ring buffer's block) on the compute device. On a GPU the copy runs on a side
+        stream without blocking the host, so the next block's read, this copy and the comparison
+        of the block before overlap; the comparison's stream waits for the copy, and the ring
+        hands the buffer out again only after it (:class:`_Ring`)."""
+        if self.dev.type != "cuda" or not x.is_pinned():
+            return x.to(self.dev)  # a blocking copy: the buffer may be reused afterwards
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.dev)
+        compute = torch.cuda.current_stream(self.dev)
+        with torch.cuda.stream(self.copy_stream):
+            out = torch.empty(x.shape, dtype=x.dtype, device=self.dev)
+            out.copy_(x, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        compute.wait_event(event)
+        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+        if not self.rings[side].copied(x.data_ptr(), event):
+            event.synchronize()  # not a ring buffer: nothing tracks it, so wait here
+        return out
 
     def __iter__(self) -> Iterator[tuple]:
         for name, ia, ib, ha, hb, same, da, db, hint in self.items:
