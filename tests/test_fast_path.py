@@ -162,3 +162,128 @@ def test_cuda_captures_by_reference_equal_copies(lm_cuda):
             got[reference] = cap.records()
         for name, rec in got[False].items():
             assert torch.equal(got[None][name].tensor.view(torch.int16), rec.tensor.view(torch.int16)), name
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+
+def test_cuda_graphs_off_a_gpu_is_a_one_line_error(lm, cli_env, tmp_path):
+    import subprocess
+    import sys
+
+    from tracer.errors import TracerError
+
+    for args, says in ((["--cuda-graphs"], "drop --cuda-graphs"), (["--scenario", "cuda-graph"], "choose another scenario")):
+        proc = subprocess.run([sys.executable, "-m", "tracer", "run", "tiny-qwen3", "--device", "cpu", "--no-store", *args],
+                              capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert "need a CUDA GPU" in proc.stderr and says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    with pytest.raises(TracerError, match="need a CUDA GPU; the model runs on cpu"):
+        tracer.capture(lm, cuda_graphs=True)
+
+
+def test_plans_that_cannot_be_recorded_are_refused():
+    from tracer.errors import TracerError
+    from tracer.execute.graphs import check_graph_plan
+    from tracer.plan.plans import with_cuda_graphs
+    from tracer.plan.scenarios import build
+
+    for name, opts, why in (("kv-quant", {}, "a KV-cache format"), ("batch", {}, "a batch"),
+                            ("compile", {}, "torch.compile"), ("generate-cache", {}, "token-by-token generation")):
+        scen = with_cuda_graphs(build(name, 64, **opts))
+        with pytest.raises(TracerError, match=f"cannot be recorded in CUDA graphs: it uses {why}"):
+            for plan in (scen.plan_a, scen.plan_b):
+                check_graph_plan(plan)
+    plain = with_cuda_graphs(build("prefix-cache", 64))
+    assert plain.plan_a.cuda_graph and plain.plan_b.cuda_graph and plain.params["cuda_graphs"]
+    check_graph_plan(plain.plan_b)
+    with pytest.raises(TracerError, match="kernels"):
+        check_graph_plan(plain.plan_b, kernels=True)
+    with pytest.raises(TracerError, match="already compares eager"):
+        with_cuda_graphs(build("cuda-graph", 64))
+
+
+def _hidden_in_graph(model, ids):
+    """An independent oracle: HF's own output_hidden_states inside a CUDA graph (references to the
+    graph's static tensors), after a replay."""
+    static = ids.clone()
+    with torch.inference_mode():
+        model(input_ids=static, output_hidden_states=True)  # warm-up
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(input_ids=static, output_hidden_states=True)
+    g.replay()
+    torch.cuda.synchronize()
+    return [h[0].clone() for h in out.hidden_states], out.logits[0].clone()
+
+
+@CUDA
+def test_capture_inside_a_cuda_graph_refreshes_at_every_replay(lm_cuda):
+    """tracer.capture(cuda_graphs=True) around the recording of a graph: after each replay the
+    captures hold that replay's tensors, equal bit for bit to HF's hidden states of the same input
+    in a graph of their own."""
+    model = lm_cuda.model
+    static = torch.tensor([[(7 * i + 3) % 500 for i in range(40)]], device="cuda")
+    with torch.inference_mode():
+        model(input_ids=static)  # warm-up
+        with tracer.capture(lm_cuda, cuda_graphs=True) as cap:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = model(input_ids=static)
+    layers = [n for n, r in cap.records().items() if r.kind == "layer"]
+    for ids in ([(7 * i + 3) % 500 for i in range(40)], [(11 * i + 5) % 500 for i in range(40)]):
+        static.copy_(torch.tensor([ids], device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        hs, logits = _hidden_in_graph(model, static)
+        for i, name in enumerate(layers[:-1]):
+            assert torch.equal(cap[name].tensor.view(torch.int16), hs[i + 1].view(torch.int16)), name
+        assert torch.equal(cap["lm_head"].tensor.view(torch.int16), logits.view(torch.int16))
+        assert torch.equal(cap["lm_head"].tensor.view(torch.int16), out.logits[0].view(torch.int16))
+        assert cap.token_ids == ids
+
+
+@CUDA
+def test_a_graph_recorded_before_the_block_is_an_error_not_an_empty_capture(lm_cuda):
+    from tracer.errors import TracerError
+
+    model = lm_cuda.model
+    static = torch.tensor([list(range(16))], device="cuda")
+    with torch.inference_mode():
+        model(input_ids=static)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            model(input_ids=static)
+        with pytest.raises(TracerError, match="no capture point fired"):
+            with tracer.capture(lm_cuda, cuda_graphs=True):
+                g.replay()
+
+
+@CUDA
+def test_runs_under_cuda_graphs_capture_what_eager_runs_capture(lm_cuda):
+    """--cuda-graphs on prefix-cache (run B: two graphs sharing the KV cache): the same comparison
+    as eager, point for point; the cuda-graph scenario compares eager with replay."""
+    kw = dict(loaded=lm_cuda, prompt=PROMPT, store="none", progress=False)
+    eager = tracer.run(**kw)
+    graphs = tracer.run(**kw, cuda_graphs=True)
+    assert [(p.name, p.diff.n_diff, p.diff.n_total) for p in graphs.comparison.points] == \
+           [(p.name, p.diff.n_diff, p.diff.n_total) for p in eager.comparison.points]
+    assert not graphs.comparison.skipped and graphs.scenario.plan_b.cuda_graph
+    replay = tracer.run(loaded=lm_cuda, prompt=PROMPT, scenario="cuda-graph", store="tensors", progress=False)
+    a, b = replay.runs
+    assert set(a.captures) == set(b.captures) and all(c.tensor.numel() for c in b.captures.values())
+
+
+@CUDA
+def test_a_hook_that_cannot_be_recorded_is_a_one_line_error(lm_cuda):
+    from tracer.errors import TracerError
+
+    model = lm_cuda.model
+    handle = model.get_submodule("model.layers.0").register_forward_hook(lambda m, a, o: float(o[0].sum()))
+    try:
+        with pytest.raises(TracerError, match="cannot be recorded in a CUDA graph") as e:
+            tracer.run(loaded=lm_cuda, prompt=PROMPT, store="none", progress=False, cuda_graphs=True)
+        assert "\n" not in str(e.value)
+    finally:
+        handle.remove()
+    assert tracer.run(loaded=lm_cuda, prompt=PROMPT, store="none", progress=False).comparison.points

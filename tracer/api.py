@@ -155,7 +155,8 @@ def run(model: Any = "smollm2-135m", *, loaded: Any = None, progress: bool = Tru
     return _run(cfg, lm, progress=progress, say=status or _quiet)
 
 
-def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> Any:
+def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+            cuda_graphs: bool = False) -> Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
@@ -169,12 +170,24 @@ def capture(model: Any, points: str | list[str] = "layers", *, keep_on_device: b
         with tracer.capture(lm) as cap:
             lm.model(ids)
 
+    ``cuda_graphs=True``: the model runs as CUDA-graph replays recorded inside the block; the
+    capture copies are recorded into the graph, so every replay refreshes the captures (on the
+    GPU, the latest replay's values)::
+
+        with tracer.capture(lm, cuda_graphs=True) as cap:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = lm.model(static_ids)
+        g.replay()  # cap["model.layers.3"].tensor now holds this replay's output
+
     Raises:
-        TracerError: unknown granularity or module path.
+        TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
+            capture point fired in the block.
     """
     from tracer.execute.capture import Captured
 
-    return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
+    return Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device,
+                    cuda_graphs=cuda_graphs)
 
 
 def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = None,

@@ -192,6 +192,7 @@ def run_cmd(
     all_rows: AllRowsOpt = False, report: ReportOpt = None,
     positions: PositionsOpt = "window",
     kernels: Annotated[bool, typer.Option("--kernels", help="Record which kernels each capture point ran in each run (torch.profiler): kernels column, origin class, JSON kernels_a/kernels_b.")] = False,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs", help="Record both runs' forward passes in CUDA graphs and replay them, the capture copies recorded into the graphs (CUDA GPU only; scenario cuda-graph compares eager with replay).")] = False,
     op_replay: Annotated[bool, typer.Option("--op-replay", help="Replay each origin op in float64 on the CPU from the captured inputs: each run's error in ULPs against the exact result (with --granularity sublayers).")] = False,
     batch_size: BatchSizeOpt = None, padding: PaddingOpt = None, batch_row: BatchRowOpt = None,
     new_tokens: NewTokensOpt = None, block_sizes: BlockSizesOpt = None, chunk_size: ChunkSizeOpt = None,

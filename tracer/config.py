@@ -84,12 +84,15 @@ class ScenarioConfig:
 @dataclass(frozen=True)
 class CaptureConfig:
     """What the hooks keep: ``layers``/``sublayers``, the compared ``window`` or ``all`` positions, KV caches,
-    and (``kernels``) which kernels each capture point ran (``torch.profiler``, :mod:`tracer.execute.kernels`)."""
+    (``kernels``) which kernels each capture point ran (``torch.profiler``, :mod:`tracer.execute.kernels`),
+    and (``cuda_graphs``) whether both runs' forward passes are recorded in CUDA graphs and replayed,
+    the capture copies recorded with them (:mod:`tracer.execute.graphs`)."""
 
     granularity: str = "layers"
     positions: str = "window"
     kv_cache: bool = True
     kernels: bool = False
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,7 @@ _HELP = {
     "positions": "window (positions P..N-1 both runs computed last) or all (0..N-1)",
     "kv_cache": "capture each layer's KV cache over all N positions",
     "kernels": "record which kernels each capture point ran in each run (torch.profiler)",
+    "cuda_graphs": "run both plans as CUDA-graph replays, the capture copies recorded into the graphs (CUDA GPU only)",
     "op_replay": "replay each origin op in float64 on the CPU: each run's error in ULPs against the exact result",
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
              "tensors (every captured tensor), stats (comparison only) or none (no file)",
@@ -432,7 +436,28 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         planned = check_resources(preview(s.name, _known_length(cfg.prompt) if one_length else None, s.params()))
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)
+        if c.cuda_graphs or s.name == "cuda-graph":
+            _check_graphs(cfg, planned, loaded, dispatched)
     return cfg
+
+
+def _check_graphs(cfg: RunConfig, planned: Any, loaded: Any, dispatched: bool) -> None:
+    """``--cuda-graphs`` / the ``cuda-graph`` scenario: a CUDA device, plans that can be recorded."""
+    from tracer.execute.graphs import check_graph_device, check_graph_plan
+    from tracer.load import devices
+    from tracer.plan.plans import with_cuda_graphs
+
+    what = "--cuda-graphs" if cfg.capture.cuda_graphs else "scenario cuda-graph"
+    if dispatched:
+        raise TracerError(f"{what} records the forward passes on one GPU; it does not combine with --device-map")
+    check_graph_device(loaded.info.device if loaded is not None else devices.resolve_device(cfg.model.device), what,
+                       "drop --cuda-graphs or run on --device cuda" if cfg.capture.cuda_graphs else
+                       "choose another scenario or run on --device cuda")
+    if cfg.capture.cuda_graphs:
+        planned = with_cuda_graphs(planned)
+    for plan in (planned.plan_a, planned.plan_b):
+        if plan.cuda_graph:
+            check_graph_plan(plan, kernels=cfg.capture.kernels, sdpa_inputs=cfg.checks.op_replay)
 
 
 def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:

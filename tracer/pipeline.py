@@ -102,6 +102,10 @@ def prepare(cfg: RunConfig, loaded: Any = None, *, progress: bool = False, say: 
         loaded = load(cfg, progress=say if say is not _quiet else progress)
     ids = prompt_ids(cfg, loaded)
     scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
+    if cfg.capture.cuda_graphs:  # both plans recorded in CUDA graphs and replayed
+        from tracer.plan.plans import with_cuda_graphs
+
+        scen = with_cuda_graphs(scen)
     check_distributed(scen, loaded.info.device, verdict=cfg.checks.verdict,
                       dispatched=loaded.info.device_map is not None, model=loaded.model)
     return Prepared(loaded, ids, scen)

@@ -94,7 +94,9 @@ class Capture:
         #: continue from the KV cache it is given, else from 0) and every position is kept
         self.auto = window is None
         self.window = (0, 1 << 62) if window is None else (int(window[0]), int(window[1]))
-        self.token_ids: list[int] = []  # auto: row 0's input ids of every call, in call order
+        # auto: row 0's input ids of every call, in call order (a call recorded in a CUDA graph: a
+        # device tensor, read when asked for, so it holds the latest replay's)
+        self._ids: list[list[int] | torch.Tensor] = []
         self._handles: list[Any] = []
         self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
@@ -103,6 +105,11 @@ class Capture:
         self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
         self._seq_axis: dict[str, int] = {}  # 4-D outputs: 2 where heads come first (B, H, S, D)
         self._n_tokens = 0  # the end of the last declared call: N after a run
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Auto mode: row 0's input ids of every call, in call order."""
+        return [int(i) for part in self._ids for i in (part.tolist() if isinstance(part, torch.Tensor) else part)]
 
     def __enter__(self) -> "Capture":
         by_module: dict[str, list[CapturePoint]] = {}
@@ -159,10 +166,17 @@ class Capture:
         if not isinstance(seq, torch.Tensor) or seq.dim() < 2:
             return
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 / before
-        start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         n = int(seq.shape[1])
-        if isinstance(ids, torch.Tensor):
-            self.token_ids += [int(i) for i in ids[0].tolist()]
+        if seq.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # recording a CUDA graph: nothing may be read back to the host; positions continue in
+            # call order and the ids are kept on the device (a node of the graph: every replay's)
+            start = self._n_tokens
+            if isinstance(ids, torch.Tensor):
+                self._ids.append(ids[0].clone())
+        else:
+            start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            if isinstance(ids, torch.Tensor):
+                self._ids.append([int(i) for i in ids[0].tolist()])
         self._call = (start, start + n, 0, 0)
         self._n_tokens = max(self._n_tokens, start + n)
 
@@ -241,6 +255,8 @@ class Capture:
         ref = self.reference if self.reference is not None else t.device.type == "cuda"
         if not ref or p.kind not in REFERENCE_KINDS or p.which == "input" or p.full:
             return False
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in self._held:
@@ -392,12 +408,29 @@ class Captured:
             or a list of module paths of ``model`` (a path that is also a discovered point keeps
             its kind, op and role, any other module is captured at its output; a model no family
             descriptor fits takes paths only).
+        cuda_graphs: the model runs as CUDA-graph replays, recorded (``torch.cuda.graph``, or a
+            static-cache ``torch.compile(mode="reduce-overhead")`` model's first calls) inside the
+            ``with`` block: the hooks fire while the graph is recorded and their copies become
+            nodes of the graph, so every replay refreshes the captures (:mod:`tracer.execute.graphs`).
+            The tensors stay on the GPU and hold the latest replay's values (clone them to keep
+            one); positions continue in call order. A block in which no capture point fired is an
+            error (replays of a graph recorded before the block run no hooks).
 
     Raises:
-        TracerError: unknown granularity, or a module path that is not in the model.
+        TracerError: unknown granularity, a module path that is not in the model, ``cuda_graphs``
+            for a model not on a CUDA GPU, or (at the end of the block) ``cuda_graphs`` and
+            nothing captured.
     """
 
-    def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> None:
+    def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            from tracer.execute.graphs import check_graph_device
+            from tracer.load.devices import model_device
+
+            check_graph_device(model_device(model), "cuda_graphs=True", "move the model to a CUDA GPU or drop cuda_graphs")
+            keep_on_device = True
         if isinstance(points, str):
             pts = discover_points(model, points, kv_cache=False)
         else:
@@ -427,6 +460,10 @@ class Captured:
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
         self._records = self._capture.records()
+        if self.cuda_graphs and exc[0] is None and not self._capture._fired:
+            raise TracerError("no capture point fired inside the block: with cuda_graphs=True, record the CUDA graph "
+                              "(torch.cuda.graph, or a reduce-overhead compiled model's first calls) inside the "
+                              "'with' block; replays of a graph recorded before it run no hooks")
 
     def records(self) -> dict[str, CaptureRecord]:
         """Capture name → record, in execution order."""

@@ -193,8 +193,25 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     """
     fn = model if fn is None else fn
     compiled = fn is not model if compiled is None else compiled
-    cache, out = None, None
     n = ids.shape[1]
+    if plan.cuda_graph:  # every chunk recorded in a CUDA graph (the hooks' copies too), then replayed
+        from tracer.execute.graphs import check_graph_device, graph_forward
+
+        check_graph_device(model_device(model), f"run plan {plan.name} (CUDA-graph replay)")
+        dev = model_device(model)
+        ids = ids.to(dev)
+
+        def chunk_kwargs(start: int, stop: int, cache: Any) -> dict[str, Any]:
+            kw: dict[str, Any] = {"input_ids": ids[:, start:stop], "use_cache": not plan.recompute, **(extra or {})}
+            if cache is not None:
+                kw[cache_kwarg(model)] = cache
+            return kw
+
+        out = graph_forward(model, ids, plan, capture, fn, chunk_kwargs)
+        if on_output is not None:
+            on_output(plan.chunks[-1][0], plan.chunks[-1][1], out)
+        return out
+    cache, out = None, None
     for i, (start, stop) in enumerate(plan.chunks):
         if plan.devices is not None and plan.devices[i] is not None:
             dev = torch.device(plan.devices[i])
@@ -309,6 +326,12 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if plan.n_tokens != n:
         raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {n}")
     device = model_device(model)
+    if plan.cuda_graph:
+        from tracer.execute.graphs import check_graph_device, check_graph_plan
+
+        check_graph_device(device, f"run plan {plan.name} (CUDA-graph replay)")
+        check_graph_plan(plan, kernels=kernels, sdpa_inputs=sdpa_inputs)
+        keep_on_device = True  # the capture copies are nodes of the graph: they land on the GPU
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
     # on a GPU with the captures kept there, the run's time comes from CUDA events, so the host
     # never waits for the GPU between the runs (the next run's launches overlap this one's tail)

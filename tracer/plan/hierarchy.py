@@ -78,6 +78,7 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L6-attention-flash", 6, "attention", "attention sdpa vs flash_attention_2",
               {"attn_a": "sdpa", "attn_b": "flash_attention_2"}, needs="flash"),
         Check("L6-compile", 6, "compile", "eager vs torch.compile"),
+        Check("L6-cuda-graph", 6, "cuda-graph", "eager vs CUDA-graph replay", needs="cuda"),
         Check("L7-device", 7, "device", "CPU vs GPU", {"devices": "cpu,cuda"}, needs="cuda"),
         Check("L7-disaggregated", 7, "disaggregated", "prefix on CPU, moved to GPU, vs all on GPU",
               {"devices": "cpu,cuda"}, needs="cuda"),
