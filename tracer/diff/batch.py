@@ -56,6 +56,12 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
 
 
 
+def _defer(device: torch.device) -> bool:
+    """Whether the float64 pass's per-block results stay on ``device`` until :meth:`DiffBatch.results`
+    (one transfer for the whole batch; on a GPU) instead of being folded chunk by chunk (the CPU)."""
+    return device.type != "cpu"
+
+
 def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
     """``acc[s] = op(acc[s], op-reduce of values[segs == s])`` for every segment ``s``, in a fixed order.
 
@@ -372,7 +378,7 @@ class DiffBatch:
             del ca, cb
             stats = element_stats(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), (hot.size, block),
                                   self.tolerance)
-        if device.type == "cpu":
+        if not _defer(device):
             self._fold_p2(segs[hot], *(t.numpy() for t in stats))
         else:  # stays on the device until results(): one transfer for the whole batch
             self._p2.append((segs[hot],) + stats)
