@@ -317,3 +317,27 @@ def test_float64_results_kept_for_one_transfer_equal_those_folded_per_chunk(monk
         got[defer] = [(d.to_dict(), batch.outside_tolerance(i), batch.n_diff_before(i))
                       for i, d in enumerate(batch.results())]
     assert _same(got[True], got[False])
+
+
+def test_streamed_compare_reading_both_runs_at_once_equals_in_turn(tmp_path, monkeypatch):
+    """With spare cores run B's blocks are read beside run A's: the same comparison, and a damaged
+    point still fails its checksum."""
+    from tracer.store import stream
+
+    g = torch.Generator().manual_seed(2)
+    caps = {f"model.layers.{i}": torch.randn(12, 40, generator=g).bfloat16() for i in range(3)}
+    runs = []
+    for name in ("A", "B"):
+        c = {k: v.clone() for k, v in caps.items()}
+        if name == "B":
+            c["model.layers.1"].view(torch.int16)[::2] += 1
+        runs.append(RunRecord(name, list(range(12)), {}, (0, 12), {k: CaptureRecord(k, "layer", v) for k, v in c.items()}))
+    with TraceWriter(tmp_path / "t.h5", header={}) as w:
+        for r in runs:
+            w.add_run(r)
+    monkeypatch.setattr(stream, "BLOCK_BYTES", 200)  # several blocks per point
+    got = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(integrity, "crc_threads", lambda threads=threads: threads)
+        got[threads] = compare_trace(str(tmp_path / "t.h5"), device="cpu").to_dict()
+    assert _same(got[1]["layers"], got[4]["layers"]) and got[4]["layers"][1]["n_diff"] > 0

@@ -187,14 +187,26 @@ class StoredPairs:
     def _read(ia: dict, ha: Any, hb: Any, buf_a: Callable | None, buf_b: Callable | None) -> Iterator[tuple]:
         from tracer.store.trace import read_row_blocks
 
+        from tracer.store.integrity import crc_threads
+
         shape = tuple(ia["shape"])
         rows = shape[0] if shape else 1
         row_bytes = max(1, int(max(ha.nbytes, hb.nbytes)) // max(1, rows))
         per_block = max(1, BLOCK_BYTES // row_bytes)
         ga = read_row_blocks(ha, per_block, buf_a)
         gb = read_row_blocks(hb, per_block, buf_b)
-        for (r0, xa), (_, xb) in zip(ga, gb):
-            yield r0, xa, xb
+        if crc_threads() > 1:  # spare cores: run B's block is read (and checksummed) beside run A's
+            side = _side_reader()
+            while True:
+                fb = side.submit(next, gb, _END)
+                a = next(ga, _END)
+                b = fb.result()
+                if a is _END or b is _END:
+                    break
+                yield a[0], a[1], b[1]
+        else:
+            for (r0, xa), (_, xb) in zip(ga, gb):
+                yield r0, xa, xb
         for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
             pass
 
@@ -241,6 +253,18 @@ class StoredPairs:
 
     def close(self) -> None:
         self.ahead.close()
+
+
+_SIDE: list = []
+
+
+def _side_reader():
+    """The one thread reading run B's blocks beside run A's (reads and CRC-32s release the GIL)."""
+    if not _SIDE:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _SIDE.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read-b"))
+    return _SIDE[0]
 
 
 def stored_pairs(names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> StoredPairs:
