@@ -341,3 +341,47 @@ def test_streamed_compare_reading_both_runs_at_once_equals_in_turn(tmp_path, mon
         monkeypatch.setattr(integrity, "crc_threads", lambda threads=threads: threads)
         got[threads] = compare_trace(str(tmp_path / "t.h5"), device="cpu").to_dict()
     assert _same(got[1]["layers"], got[4]["layers"]) and got[4]["layers"][1]["n_diff"] > 0
+
+
+@pytest.mark.parametrize("budget", ["1GiB", "40KB"])
+def test_store_auto_writing_run_a_early_gives_the_trace_of_writing_it_late(tmp_path, lm, monkeypatch, budget):
+    """--store auto hands run A to the writer before run B runs when the whole trace will fit
+    (its write overlaps run B); the trace equals the one written after the comparison: the same
+    runs, meta (store_auto included) and tensors. When the budget drops points, run A is taken
+    back and written with the kept points only."""
+    from tracer.store import handoff
+
+    kw = dict(loaded=lm, scenario="kv-quant", length=64, store="auto", max_trace_size=budget, progress=False)
+    handed = []
+    real = handoff.early_run_a
+    monkeypatch.setattr(handoff, "early_run_a", lambda *a: handed.append(real(*a)) or handed[-1])
+    tracer.run(**kw, output=tmp_path / "early.h5")
+    assert (handed[0] is not None) == (budget == "1GiB")  # 40KB: run A alone is over half the budget
+    monkeypatch.setattr(handoff, "early_run_a", lambda *a, **k: None)
+    tracer.run(**kw, output=tmp_path / "late.h5")
+    docs = []
+    for name in ("early.h5", "late.h5"):
+        with TraceReader(tmp_path / name) as r:
+            runs = [r.run(n) for n in r.runs]
+            docs.append([(x.name, {k: v for k, v in x.meta.items() if k != "wall_s"}, isinstance(x.meta["wall_s"], float),
+                          {n: c.tensor.view(torch.int16).tolist() for n, c in x.captures.items()}) for x in runs])
+    assert docs[0] == docs[1]
+    dropped = docs[0][0][1]["store_auto"]["dropped"]
+    assert bool(dropped) == (budget == "40KB")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_writer_takes_a_run_back_and_completes_a_meta(tmp_path, background):
+    caps = {"l0": CaptureRecord("l0", "layer", torch.arange(12.0).view(3, 4))}
+    a = RunRecord("A", [1, 2, 3], {}, (0, 3), caps, meta={"x": 1})
+    with TraceWriter(tmp_path / "t.h5", header={}, background=background) as w:
+        w.add_run(a)
+        w.remove_run("A")
+        w.add_run(RunRecord("A", [1, 2, 3], {}, (0, 3), {}, meta={"x": 2}))
+        w.add_run(RunRecord("B", [1, 2, 3], {}, (0, 3), caps, meta={"x": 3}))
+        w.set_meta("B", {"x": 4, "store_auto": {"kept": ["l0"]}})
+    with TraceReader(tmp_path / "t.h5") as r:
+        assert r.runs == ["A", "B"]
+        assert r.run("A").meta == {"x": 2} and r.run("A").captures == {}
+        b = r.run("B")
+        assert b.meta == {"x": 4, "store_auto": {"kept": ["l0"]}} and torch.equal(b.captures["l0"].tensor, caps["l0"].tensor)

@@ -210,7 +210,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.execute.runner import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
-    from tracer.store.handoff import store_auto
+    from tracer.store.handoff import early_run_a, store_auto
     from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
@@ -221,7 +221,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
-    records, host_records, partials = [], [], None
+    records, host_records, partials, early = [], [], None, None
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}" + (f", then greedy-decoding {decode} tokens" if decode else ""))
         keep = (online or on_gpu or budget is not None) and not plan.devices
@@ -246,6 +246,8 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         if writer is not None and budget is None:  # the writer's thread waits for the copies and the run's time
             writer.add_run(without_tensors(rec) if online else host_rec,
                            ready=lambda wait=wait, rec=rec: (wait and wait(), settle_wall(rec)))
+        elif budget is not None and plan is scen.plan_a and not partials:  # --store auto: write A now if all fits
+            early = early_run_a(rec, budget, writer, settle_wall)
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
@@ -273,7 +275,7 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         say("replaying the origin ops in float64")
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
-        comparison, host_records = store_auto(records, comparison, budget, writer, say)
+        comparison, host_records = store_auto(records, comparison, budget, writer, say, early)
         if writer is not None and partials is not None:
             writer.add_run(partials)  # asked for with --tp-partials: written whole, outside the budget
     if writer is not None and comparison_key is not None:

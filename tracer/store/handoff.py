@@ -1,9 +1,11 @@
-"""Handing a run's captures to the trace writer after the comparison: ``--store auto``.
+"""Handing the runs' captures to the trace writer under ``--store auto``.
 
 Store-layer module, called by :func:`tracer.pipeline.run_scenario`: the comparison has seen every
-capture point on the model's device; this chooses the points kept in full
+capture point on the model's device; :func:`store_auto` chooses the points kept in full
 (:func:`tracer.store.budget.choose`), copies only those to pinned host memory on a side stream
-(:func:`tracer.execute.capture.host_copies`) and gives the writer both runs.
+(:func:`tracer.execute.capture.host_copies`) and gives the writer both runs. When the whole trace
+will fit the budget anyway, :func:`early_run_a` hands run A to the writer before run B executes
+(as ``--store tensors`` does), so its write overlaps run B; the choice is then only confirmed.
 """
 
 from __future__ import annotations
@@ -15,11 +17,38 @@ from tracer.execute.capture import host_copies
 from tracer.store.budget import choose
 
 
+def early_run_a(rec_a: Any, budget: int, writer: Any, settle: Callable[[Any], Any]) -> Any | None:
+    """Right after run A: when both runs will fit ``budget`` whole (run B captures run A's points:
+    twice run A's bytes), copy run A to the host on a side stream and hand it to ``writer`` now;
+    :func:`store_auto` confirms the choice after the comparison (or takes the run back).
+
+    Args:
+        settle: fills the run's time (``tracer.execute.runner.settle_wall``), on the writer's thread.
+
+    Returns:
+        run A's host record (its own ``meta`` dict), or None when it was not handed over.
+    """
+    if writer is None or 2 * sum(c.tensor.nbytes for c in rec_a.captures.values()) > budget:
+        return None
+    captures, wait = host_copies(rec_a.captures)
+    host = _replace(rec_a, captures=captures, meta=dict(rec_a.meta))
+
+    def ready() -> None:
+        wait()
+        settle(rec_a)
+        host.meta["wall_s"] = rec_a.meta.get("wall_s")
+
+    writer.add_run(host, ready=ready)
+    return host
+
+
 def store_auto(records: list[Any], comparison: Any, budget: int, writer: Any,
-               say: Callable[[str], None]) -> tuple[Any, list[Any]]:
+               say: Callable[[str], None], early: Any = None) -> tuple[Any, list[Any]]:
     """``--store auto`` after the comparison: choose the points kept in full
     (:func:`tracer.store.budget.choose`), copy only those to the host, hand both runs to the writer
-    (when there is one), and name the choice in the comparison's notes.
+    (when there is one), and name the choice in the comparison's notes. ``early``: run A's host
+    record, already with the writer (:func:`early_run_a`): its meta is completed when the whole
+    trace was kept, else the run is taken back and written again with the kept points only.
 
     Returns:
         ``(comparison with the note, host records holding the kept tensors)``.
@@ -38,6 +67,13 @@ def store_auto(records: list[Any], comparison: Any, budget: int, writer: Any,
     record = {**kept.to_dict(), "logits": comparison.logits_name, "kinds": kinds}  # each stored run's meta
     host = []
     for rec in records:
+        if early is not None and rec is records[0]:
+            if not kept.dropped:  # kept whole, as foreseen: run A's data is written, its meta completed
+                early.meta.update(wall_s=rec.meta.get("wall_s"), store_auto=record)  # the run's time: settled by now
+                writer.set_meta(early.name, early.meta)
+                host.append(early)
+                continue
+            writer.remove_run(early.name)  # run B held more than run A: written again, within the budget
         captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
         host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": record})
         host.append(host_rec)

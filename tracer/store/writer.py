@@ -203,6 +203,51 @@ class TraceWriter:
         set_text(self._runs, "order", json.dumps(self._run_names))
         seal(self._runs)
 
+    def set_meta(self, run: str, meta: dict) -> None:
+        """Replace the ``meta`` of run ``run`` (added earlier), e.g. with facts known only after the
+        comparison; on the writing thread, after the run's own write.
+
+        Raises:
+            TracerError: meta not JSON-able, or the writer is closed (a run not written: at close).
+        """
+        self._require_open()
+        text = json_dumps(meta, f"meta of run {run}")
+        self._after(self._set_meta, run, text)
+
+    def _set_meta(self, run: str, text: str) -> None:
+        g = self._runs[run]
+        set_text(g, "meta", text)
+        seal(g)
+        self._check_io()
+
+    def remove_run(self, run: str) -> None:
+        """Take run ``run`` (added earlier) out of the trace again; on the writing thread, in order.
+
+        Raises:
+            TracerError: the writer is closed.
+        """
+        self._require_open()
+        self._after(self._remove_run, run)
+
+    def _remove_run(self, run: str) -> None:
+        if run in self._runs:
+            del self._runs[run]
+        self._run_names = [n for n in self._run_names if n != run]
+        set_text(self._runs, "order", json.dumps(self._run_names))
+        seal(self._runs)
+        self._check_io()
+
+    def _after(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` after everything queued so far (on the writing thread when there is one)."""
+        def guarded() -> None:
+            if self._failed is None:
+                fn(*args)
+
+        if self._pool is not None:
+            self._futures.append(self._pool.submit(guarded))
+        else:
+            guarded()
+
     def _drain(self) -> None:
         """Wait for the background writes (if any); re-raise the first error; stop the thread."""
         if self._pool is None:
