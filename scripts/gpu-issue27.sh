@@ -52,11 +52,12 @@ if [ "$what" = again ]; then
   log "phases"
   timeout 120 python3 scripts/gpu-phases.py qwen3-0.6b-shape 1024 4096 > "$out/phases.jsonl" 2>>"$out/phases.err"
   cat "$out/phases.jsonl" | tee -a "$out/log.txt"
-  for div in 0.5 1.0; do
-    log "compare from a 1.5 GB trace, metrics on cuda, diverge $div (run B read beside run A)"
-    timeout 120 python3 scripts/store-speed.py --dir /tmp/i27/store --device cuda --skip-write --skip-v1-compare \
-      --reps 3 --diverge "$div" --json "$out/store-cuda-$div.json" > /dev/null 2>>"$out/store.err"
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('  trace', d['trace_bytes'], 'raw read', round(d['read_s']['raw_read'],3), 's, compare', round(d['read_s']['compare_v2'],3), 's, ratio', round(d['compare_v2_over_raw_read'],3))" "$out/store-cuda-$div.json" | tee -a "$out/log.txt"
+  for run in cuda:0.5 cuda:1.0 cpu:1.0; do
+    dev=${run%%:*}; div=${run##*:}
+    log "compare from a 1.5 GB trace, metrics on $dev, diverge $div (run B read beside run A)"
+    timeout 120 python3 scripts/store-speed.py --dir /tmp/i27/store --device "$dev" --skip-write --skip-v1-compare \
+      --reps 3 --diverge "$div" --json "$out/s-$dev-$div.json" > /dev/null 2>>"$out/store.err"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('  trace', d['trace_bytes'], 'raw read', round(d['read_s']['raw_read'],3), 's, compare', round(d['read_s']['compare_v2'],3), 's, ratio', round(d['compare_v2_over_raw_read'],3), ', peak RSS', d['compare_peak_rss_MiB'], 'MiB')" "$out/s-$dev-$div.json" | tee -a "$out/log.txt"
   done
 fi
 if has bench; then
