@@ -16,6 +16,8 @@
 set -uo pipefail
 what=${1:-all}; out=${2:?OUTDIR}
 mkdir -p "$out" /tmp/i27
+errs=$out  # stderr of each step; the second call keeps them off $OUT (8 files come back)
+[ "$what" = again ] && errs=/tmp/i27
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$out/log.txt"; }
 has() { [ "$what" = all ] || [ "$what" = "$1" ]; }
@@ -36,7 +38,7 @@ bench() {  # N reps extra...
   local n=$1 r=$2; shift 2
   log "bench qwen3-0.6b-shape N=$n $*"
   timeout 200 python3 -m tracer bench qwen3-0.6b-shape --device cuda --length "$n" --reps "$r" --no-kv-cache "$@" \
-    --outdir "${BENCH_DIR:-/tmp/i27/bench}" --json > "$out/bench-$n$tag.json" 2>>"$out/bench.err"
+    --outdir "${BENCH_DIR:-/tmp/i27/bench}" --json > "$out/bench-$n$tag.json" 2>>"$errs/bench.err"
   python3 - "$out/bench-$n$tag.json" <<'EOF' | tee -a "$out/log.txt"
 import json, sys
 d = json.load(open(sys.argv[1])); r = d["ratios"]; m = d["median_s"]
@@ -50,15 +52,16 @@ if [ "$what" = again ]; then
   bench 4096 9
   bench 32768 3 --no-peers
   log "phases"
-  timeout 120 python3 scripts/gpu-phases.py qwen3-0.6b-shape 1024 4096 > "$out/phases.jsonl" 2>>"$out/phases.err"
+  timeout 120 python3 scripts/gpu-phases.py qwen3-0.6b-shape 1024 4096 > "$out/phases.jsonl" 2>>"$errs/phases.err"
   cat "$out/phases.jsonl" | tee -a "$out/log.txt"
   for run in cuda:0.5 cuda:1.0 cpu:1.0; do
     dev=${run%%:*}; div=${run##*:}
     log "compare from a 1.5 GB trace, metrics on $dev, diverge $div (run B read beside run A)"
     timeout 120 python3 scripts/store-speed.py --dir /tmp/i27/store --device "$dev" --skip-write --skip-v1-compare \
-      --reps 3 --diverge "$div" --json "$out/s-$dev-$div.json" > /dev/null 2>>"$out/store.err"
-    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('  trace', d['trace_bytes'], 'raw read', round(d['read_s']['raw_read'],3), 's, compare', round(d['read_s']['compare_v2'],3), 's, ratio', round(d['compare_v2_over_raw_read'],3), ', peak RSS', d['compare_peak_rss_MiB'], 'MiB')" "$out/s-$dev-$div.json" | tee -a "$out/log.txt"
+      --reps 3 --diverge "$div" --json "$errs/s-$dev-$div.json" > /dev/null 2>>"$errs/store.err"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('  trace', d['trace_bytes'], 'raw read', round(d['read_s']['raw_read'],3), 's, compare', round(d['read_s']['compare_v2'],3), 's, ratio', round(d['compare_v2_over_raw_read'],3), ', peak RSS', d['compare_peak_rss_MiB'], 'MiB')" "$errs/s-$dev-$div.json" | tee -a "$out/log.txt"
   done
+  python3 -c "import json,glob; print(json.dumps({f: json.load(open(f)) for f in sorted(glob.glob('$errs/s-*.json'))}, indent=1))" > "$out/store.json"
 fi
 if has bench; then
   bench 1024 9
@@ -85,4 +88,5 @@ if has hostcost; then
   timeout 150 python3 scripts/gpu-hostcost.py qwen3-0.6b-shape 1024 > "$out/hostcost.txt" 2>&1
   head -1 "$out/hostcost.txt" | tee -a "$out/log.txt"
 fi
+for f in "$errs"/*.err; do [ -s "$f" ] && [ "$errs" != "$out" ] && { echo "--- tail of $f"; tail -3 "$f"; } >> "$out/log.txt"; done
 log done
