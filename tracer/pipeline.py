@@ -204,13 +204,12 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
     from tracer.diff.facts import run_facts
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
-    from tracer.execute.capture import host_copies
     from tracer.execute.engines import execute_plan
     from tracer.execute.family import family_for
     from tracer.execute.runner import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
-    from tracer.store.handoff import early_run_a, store_auto
+    from tracer.store.handoff import hand_over, store_auto
     from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
@@ -238,16 +237,10 @@ def run_scenario(loaded: Any, token_ids: list[int], scen: Any, capture: CaptureC
         if decode:
             rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"]) if loaded.tokenizer else None
         records.append(rec)
-        host_rec, wait = rec, None
-        if not online and keep and budget is None:
-            captures, wait = host_copies(rec.captures)
-            host_rec = _replace(rec, captures=captures)
+        host_rec, handed = hand_over(rec, writer, online=online, keep=keep, budget=budget,
+                                     first=plan is scen.plan_a and partials is None)
         host_records.append(host_rec)
-        if writer is not None and budget is None:  # the writer's thread waits for the copies and the run's time
-            writer.add_run(without_tensors(rec) if online else host_rec,
-                           ready=lambda wait=wait, rec=rec: (wait and wait(), settle_wall(rec)))
-        elif budget is not None and plan is scen.plan_a and not partials:  # --store auto: write A now if all fits
-            early = early_run_a(rec, budget, writer, settle_wall)
+        early = early or handed
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records

@@ -17,6 +17,33 @@ from tracer.execute.capture import host_copies
 from tracer.store.budget import choose
 
 
+def hand_over(rec: Any, writer: Any, *, online: bool, keep: bool, budget: int | None,
+              first: bool) -> tuple[Any, Any]:
+    """A run just executed, handed to the trace writer (when there is one) without waiting.
+
+    ``--store tensors`` (not ``online``, captures kept on the device): pinned host copies on a
+    side stream, written once they land; ``stats``: the run without tensors; ``--store auto``
+    (``budget``): run A (``first``) early when the whole trace will fit (:func:`early_run_a`),
+    else nothing before the comparison (:func:`store_auto`). The writer's thread waits for the
+    copies and fills the run's time (:func:`tracer.execute.runner.settle_wall`).
+
+    Returns:
+        ``(the run's host record, run A's host record when handed over early, else None)``.
+    """
+    from tracer.execute.runner import settle_wall
+
+    host_rec, wait = rec, None
+    if not online and keep and budget is None:
+        captures, wait = host_copies(rec.captures)
+        host_rec = _replace(rec, captures=captures)
+    if writer is not None and budget is None:
+        writer.add_run(_replace(rec, captures={}) if online else host_rec,
+                       ready=lambda: (wait and wait(), settle_wall(rec)))
+    elif budget is not None and first:
+        return host_rec, early_run_a(rec, budget, writer, settle_wall)
+    return host_rec, None
+
+
 def early_run_a(rec_a: Any, budget: int, writer: Any, settle: Callable[[Any], Any]) -> Any | None:
     """Right after run A: when both runs will fit ``budget`` whole (run B captures run A's points:
     twice run A's bytes), copy run A to the host on a side stream and hand it to ``writer`` now;
