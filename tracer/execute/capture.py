@@ -235,7 +235,7 @@ class Capture:
         lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
         if lo >= hi:
             return None
-        piece = t.select(0, row).narrow(0, col + lo - start, hi - lo)  # (indexing with a tuple costs ~5x more host time)
+        piece = t.select(0, row).narrow(0, col + lo - start, hi - lo)  # (T, *feature): the window of batch row `row`
         if piece.requires_grad:
             piece = piece.detach()
         if self.keep_on_device and self._by_reference(p, t):
