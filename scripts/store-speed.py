@@ -1,7 +1,7 @@
 """Trace store speed (issue 11): write v1 vs v2 vs raw, ``compare`` vs raw sequential read, peak RSS.
 
     PYTHONPATH=. python scripts/store-speed.py --dir /tmp/store-speed [--points 16 --rows 4096 --cols 4096
-        --vocab 32768 --reps 3 --diverge 0.5] [--json OUT.json]
+        --vocab 32768 --reps 3 --diverge 0.5 --device cpu|cuda] [--json OUT.json]
 
 Builds two synthetic runs (bf16 ``(rows, cols)`` decoder-layer outputs and a bf16 ``(rows, vocab)``
 logits point; run B differs by one ULP in every 10th row from point ``diverge * points`` on, as a
@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--diverge", type=float, default=0.5, help="share of points before the divergence (1: identical runs)")
     ap.add_argument("--skip-write", action="store_true")
     ap.add_argument("--skip-v1-compare", action="store_true")
+    ap.add_argument("--device", default="cpu", help="where compare computes the metrics (cpu, cuda)")
     ap.add_argument("--json")
     a = ap.parse_args()
     d = Path(a.dir)
@@ -104,12 +105,14 @@ def main() -> None:
     runs = make_runs(a.points, a.rows, a.cols, a.vocab, a.diverge)
     nbytes = sum(c.tensor.numel() * c.tensor.element_size() for r in runs for c in r.captures.values())
     out: dict = {"tensor_bytes": nbytes, "points_per_run": a.points + 1, "torch_threads": torch.get_num_threads(),
-                 "cpu_count": os.cpu_count()}
+                 "cpu_count": os.cpu_count(), "device": a.device}
     paths = {"v1": d / "v1.h5", "v2": d / "v2.h5", "raw": d / "raw.bin"}
     writes: dict[str, list[float]] = {k: [] for k in paths}
-    order = ["raw", "v1", "v2"]
+    if a.skip_v1_compare:
+        del writes["v1"]
+    order = ["raw", "v2"] if a.skip_v1_compare else ["raw", "v1", "v2"]  # no v1 file when it is not compared
     for rep in range(a.reps if not a.skip_write else 1):
-        for k in order[rep % 3:] + order[:rep % 3]:  # each writer first, second and last in turn
+        for k in order[rep % len(order):] + order[:rep % len(order)]:  # each writer first, second and last in turn
             paths[k].unlink(missing_ok=True)  # outside the timing: freeing the old file's pages costs too
             os.sync()  # ... and so does the kernel's write-back of the previous writer's dirty pages
             writes[k].append(timed(write_raw, paths[k], runs) if k == "raw" else
@@ -126,20 +129,20 @@ def main() -> None:
     for _ in range(a.reps):
         reads["raw_read"].append(timed(read_raw, paths["v2"], buf))
         t = time.perf_counter()
-        verdict = compare_trace(str(paths["v2"]), device="cpu").verdict()
+        verdict = compare_trace(str(paths["v2"]), device=a.device).verdict()
         reads["compare_v2"].append(time.perf_counter() - t)
         if not a.skip_v1_compare:
-            reads["compare_v1"].append(timed(compare_trace, str(paths["v1"]), None, None))
+            reads["compare_v1"].append(timed(lambda: compare_trace(str(paths["v1"]), device=a.device)))
     out["read_s"] = {k: statistics.median(v) for k, v in reads.items() if v}
     size = out["trace_bytes"]
     out["read_GiB_s"] = {k: size / 2**30 / v for k, v in out["read_s"].items()}
     out["compare_v2_over_raw_read"] = out["read_s"]["raw_read"] / out["read_s"]["compare_v2"]
     out["verdict"] = verdict
     code = ("import json, resource, sys; sys.path.insert(0, %r); from tracer.diff.compare import compare_trace\n"
-            "c = compare_trace(%r, device='cpu')\n"
+            "c = compare_trace(%r, device=%r)\n"
             "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]\n"
             "print(json.dumps(int(hwm.split()[1]) / 1024))\n"
-            % (str(Path(__file__).resolve().parent.parent), str(paths["v2"])))
+            % (str(Path(__file__).resolve().parent.parent), str(paths["v2"]), a.device))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     out["compare_peak_rss_MiB"] = float(proc.stdout.strip().splitlines()[-1])
     out["this_process_peak_rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

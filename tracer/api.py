@@ -155,7 +155,7 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
 
 
 def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
-            reference: str | None = None) -> Captured | Any:
+            reference: str | None = None, cuda_graphs: bool = False) -> Captured | Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
 
     ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
@@ -174,8 +174,19 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
         with tracer.capture(lm) as cap:
             lm.model(ids)
 
+    ``cuda_graphs=True``: the model runs as CUDA-graph replays recorded inside the block; the
+    capture copies are recorded into the graph, so every replay refreshes the captures (on the
+    GPU, the latest replay's values)::
+
+        with tracer.capture(lm, cuda_graphs=True) as cap:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = lm.model(static_ids)
+        g.replay()  # cap["model.layers.3"].tensor now holds this replay's output
+
     Raises:
-        TracerError: unknown granularity or module path.
+        TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
+            capture point fired in the block.
     """
     if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
         from tracer.execute.vllm_captured import VllmCaptured
@@ -185,7 +196,8 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
         raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
     from tracer.execute.capture import Captured
 
-    cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device)
+    cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device,
+                   cuda_graphs=cuda_graphs)
     cap.model_name = model.info.name if _is_loaded(model) else getattr(getattr(model, "config", None), "name_or_path", None)
     return cap
 

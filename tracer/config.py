@@ -92,12 +92,15 @@ class ScenarioConfig:
 @dataclass(frozen=True)
 class CaptureConfig:
     """What the hooks keep: ``layers``/``sublayers``, the compared ``window`` or ``all`` positions, KV caches,
-    and (``kernels``) which kernels each capture point ran (``torch.profiler``, :mod:`tracer.execute.kernels`)."""
+    (``kernels``) which kernels each capture point ran (``torch.profiler``, :mod:`tracer.execute.kernels`),
+    and (``cuda_graphs``) whether both runs' forward passes are recorded in CUDA graphs and replayed,
+    the capture copies recorded with them (:mod:`tracer.execute.graphs`)."""
 
     granularity: str = "layers"
     positions: str = "window"
     kv_cache: bool = True
     kernels: bool = False
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,6 +286,7 @@ _HELP = {
                 "--no-kv-cache for long prompts, where it is most of the bytes",
     "kernels": "record which kernels each capture point ran in each run (torch.profiler): kernels column, origin "
                "class, JSON kernels_a/kernels_b",
+    "cuda_graphs": "run both plans as CUDA-graph replays, the capture copies recorded into the graphs (CUDA GPU only)",
     "op_replay": "replay each origin op in float64 on the CPU from the captured inputs: each run's error in ULPs "
                  "against the exact result (with --granularity sublayers)",
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
@@ -474,6 +478,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
+    if planned is not None and (c.cuda_graphs or s.name == "cuda-graph"):
+        _check_graphs(cfg, planned, loaded, dispatched)
     return cfg
 
 
@@ -538,6 +544,25 @@ def _check_bounds(cfg: RunConfig) -> None:
     dm = cfg.model.device_map
     if isinstance(dm, str) and not _depth_ok(dm, 2):
         raise TracerError('--device-map nests deeper than a map {"module.path": "cuda:0"}; give a flat JSON object')
+
+
+def _check_graphs(cfg: RunConfig, planned: Any, loaded: Any, dispatched: bool) -> None:
+    """``--cuda-graphs`` / the ``cuda-graph`` scenario: a CUDA device, plans that can be recorded."""
+    from tracer.execute.graphs import check_graph_device, check_graph_plan
+    from tracer.load import devices
+    from tracer.plan.plans import with_cuda_graphs
+
+    what = "--cuda-graphs" if cfg.capture.cuda_graphs else "scenario cuda-graph"
+    if dispatched:
+        raise TracerError(f"{what} records the forward passes on one GPU; it does not combine with --device-map")
+    check_graph_device(loaded.info.device if loaded is not None else devices.resolve_device(cfg.model.device), what,
+                       "drop --cuda-graphs or run on --device cuda" if cfg.capture.cuda_graphs else
+                       "choose another scenario or run on --device cuda")
+    if cfg.capture.cuda_graphs:
+        planned = with_cuda_graphs(planned)
+    for plan in (planned.plan_a, planned.plan_b):
+        if plan.cuda_graph:
+            check_graph_plan(plan, kernels=cfg.capture.kernels, sdpa_inputs=cfg.checks.op_replay)
 
 
 def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:

@@ -138,6 +138,10 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
         loaded = load(cfg, progress=say if say is not _quiet else progress)
     ids = prompt_ids(cfg, loaded)
     scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
+    if cfg.capture.cuda_graphs:  # both plans recorded in CUDA graphs and replayed
+        from tracer.plan.plans import with_cuda_graphs
+
+        scen = with_cuda_graphs(scen)
     check_distributed(scen, loaded.info.device, verdict=cfg.checks.verdict,
                       dispatched=loaded.info.device_map is not None, model=loaded.model)
     return Prepared(loaded, ids, scen)
@@ -236,12 +240,13 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     from tracer.diff.facts import run_facts
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
-    from tracer.execute.capture import host_copies
     from tracer.diff.engine import engine_skips, sampled_logits
     from tracer.execute.engines import execute_plan, hf_contract
     from tracer.execute.family import family_for
+    from tracer.execute.runner import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
+    from tracer.store.handoff import hand_over, store_auto
     from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
@@ -252,7 +257,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     # on a GPU the captures stay on the device and are compared there, also when the trace stores
     # tensors: the host gets pinned copies made on a side stream while the next plan runs
     on_gpu = model_device(model).type == "cuda"
-    records, host_records, partials = [], [], None
+    records, host_records, partials, early = [], [], None, None
     for plan, name in zip((scen.plan_a, scen.plan_b), names or (scen.plan_a.name, scen.plan_b.name)):
         say(f"run {name}: {plan.description}" + (f", then greedy-decoding {decode} tokens" if decode else ""))
         keep = (online or on_gpu or budget is not None) and not plan.devices
@@ -271,13 +276,10 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
         if decode:
             rec.meta["decode_text"] = loaded.tokenizer.decode(rec.meta["decode_tokens"]) if loaded.tokenizer else None
         records.append(rec)
-        host_rec, wait = rec, None
-        if not online and keep and budget is None:
-            captures, wait = host_copies(rec.captures)
-            host_rec = _replace(rec, captures=captures)
+        host_rec, handed = hand_over(rec, writer, online=online, keep=keep, budget=budget,
+                                     first=plan is scen.plan_a and partials is None)
         host_records.append(host_rec)
-        if writer is not None and budget is None:
-            writer.add_run(without_tensors(rec) if online else host_rec, ready=wait)
+        early = early or handed
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
@@ -293,6 +295,8 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     if on_engines:  # vLLM computes logits only where it samples: compared at the positions both runs have
         comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
+    for rec in records:  # the comparison waited for both runs: their CUDA-event times are ready
+        settle_wall(rec)
     if rl:  # what RL stacks log, from both runs' logprobs and logits
         comparison = _replace(comparison, rl=rl_comparison(rec_a, rec_b, scen.params, comparison))
     if decode:
@@ -305,7 +309,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
         say("replaying the origin ops in float64")
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
-        comparison, host_records = _store_auto(records, comparison, budget, writer, say)
+        comparison, host_records = store_auto(records, comparison, budget, writer, say, early)
         if writer is not None and partials is not None:
             writer.add_run(partials)  # asked for with --tp-partials: written whole, outside the budget
     if writer is not None and comparison_key is not None:
@@ -314,44 +318,6 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     # writer waited for them) replace the device tensors
     kept = tuple(without_tensors(r) for r in records) if online and budget is None else tuple(host_records)
     return Outcome(comparison, kept, partials)
-
-
-def _store_auto(records: list[Any], comparison: Any, budget: int, writer: Any, say: Say) -> tuple[Any, list[Any]]:
-    """``--store auto`` after the comparison: choose the points kept in full
-    (:func:`tracer.store.budget.choose`), copy only those to the host, hand both runs to the writer
-    (when there is one), and name the choice in the comparison's notes.
-
-    Returns:
-        ``(comparison with the note, host records holding the kept tensors)``.
-    """
-    from tracer.execute.capture import host_copies
-    from tracer.store.budget import choose
-
-    rec_a, rec_b = records
-    sizes = [(n, c.tensor.nbytes + (rec_b.captures[n].tensor.nbytes if n in rec_b.captures else 0))
-             for n, c in rec_a.captures.items()]
-    sizes += [(n, c.tensor.nbytes) for n, c in rec_b.captures.items() if n not in rec_a.captures]
-    origins = tuple(p.name for p in comparison.origins)
-    if comparison.logits_origin and comparison.logits_name:
-        origins += (comparison.logits_name,)
-    kept = choose(sizes, budget, origins=origins, logits=comparison.logits_name)
-    say(kept.summary())
-    dropped = set(kept.dropped)
-    kinds = {n: c.kind for r in records for n, c in r.captures.items() if n in dropped}
-    record = {**kept.to_dict(), "logits": comparison.logits_name, "kinds": kinds}  # each stored run's meta
-    host = []
-    for rec in records:
-        captures, wait = host_copies({n: c for n, c in rec.captures.items() if n in kept.reasons})
-        host_rec = _replace(rec, captures=captures, meta={**rec.meta, "store_auto": record})
-        host.append(host_rec)
-        if writer is not None:
-            writer.add_run(host_rec, ready=wait)
-        else:
-            wait()
-    if not kept.dropped:  # the whole trace fitted: nothing to say
-        return comparison, host
-    facts = {**comparison.facts, "notes": list(comparison.facts.get("notes", [])) + [kept.summary()]}
-    return _replace(comparison, facts=facts), host
 
 
 def uses_engines(scen: Any) -> bool:

@@ -441,6 +441,33 @@ def test_logits_planted_flips(name, chunk, monkeypatch):
     assert got.tensor.max_abs_diff == float(np.abs(a - b).max())
 
 
+@pytest.mark.parametrize("chunk", [None, 80])
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_dense_rows_equal_busy_rows(name, chunk, monkeypatch):
+    """The GPU's way (every row of a chunk gets the float64 work, one transfer) gives the CPU's
+    numbers (only rows whose bits differ or hold a NaN/inf), bit for bit: planted flips, equal
+    rows, rows with inf and NaN."""
+    from tracer.diff.logits import LogitsAccumulator
+
+    if chunk:
+        monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", chunk)  # 2 rows per chunk
+    rng = np.random.default_rng(11)
+    a, b, _, _ = planted_logits(rng, t=16, v=64)
+    b[5] = a[5]  # an equal row between differing ones
+    a[9, 3] = b[9, 3] = -np.inf  # equal bits, infinite: a busy row
+    b[13, 1] = np.nan
+    ta, tb = torch.from_numpy(a).to(DTYPES[name][0]), torch.from_numpy(b).to(DTYPES[name][0])
+    whole = tensor_diff(ta, tb)
+    got = {}
+    for dense in (False, True):
+        acc = LogitsAccumulator(ta.shape[1], dense=dense)
+        acc.add(ta[:7], tb[:7])  # rows in two blocks, as a point streamed from a trace
+        acc.add(ta[7:], tb[7:])
+        got[dense] = acc.result(whole)
+    assert json.dumps(got[True].to_dict()) == json.dumps(got[False].to_dict())  # NaN-aware, bit for bit (repr)
+    assert len(got[True].argmax_flips) >= 3 and math.isnan(got[True].kl_max)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_topk_overlap_hand_made(name):
     v = 20

@@ -142,3 +142,32 @@ def test_capture_outside_declared_call_is_ignored(tiny_llama):
 def test_unknown_granularity(tiny_llama):
     with pytest.raises(TracerError, match="granularity"):
         discover_points(tiny_llama, "neurons")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_captures_by_reference_equal_copies(family):
+    """The residual stream and the logits kept by reference (no copy kernel, the default on a GPU)
+    hold the same bits as copies made when the hooks fired: nothing modified those outputs later,
+    in either plan of a prefix-cache hit (two forward calls sharing the KV cache)."""
+    from tracer.execute.capture import REFERENCE_KINDS
+    from tracer.execute.runner import forward_chunks
+
+    model = make_model(family, torch.bfloat16)
+    points = [p for p in discover_points(model, "sublayers") if p.kind != "kv_cache"]
+    scen = prefix_cache(len(IDS), block_size=16)
+    ids = torch.tensor([IDS])
+    for plan in (scen.plan_a, scen.plan_b):
+        got = {}
+        for reference in (True, False):
+            with torch.inference_mode(), Capture(model, points, scen.window, keep_on_device=True,
+                                                 reference=reference) as cap:
+                forward_chunks(model, ids, plan, cap)
+            got[reference] = cap.records()
+        refs = 0
+        for name, rec in got[False].items():
+            by_ref = got[True][name].tensor
+            assert torch.equal(by_ref.view(torch.int16), rec.tensor.view(torch.int16)), (family, plan.name, name)
+            if rec.kind in REFERENCE_KINDS and plan is scen.plan_a:  # a view of the whole call's output
+                assert by_ref.untyped_storage().nbytes() > by_ref.nbytes, name
+            refs += rec.kind in REFERENCE_KINDS
+        assert refs >= model.config.num_hidden_layers + 2  # layers, final norm and logits were kept by reference

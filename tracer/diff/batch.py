@@ -56,6 +56,12 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
 
 
 
+def _defer(device: torch.device) -> bool:
+    """Whether the float64 pass's per-block results stay on ``device`` until :meth:`DiffBatch.results`
+    (one transfer for the whole batch; on a GPU) instead of being folded chunk by chunk (the CPU)."""
+    return device.type != "cpu"
+
+
 def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
     """``acc[s] = op(acc[s], op-reduce of values[segs == s])`` for every segment ``s``, in a fixed order.
 
@@ -372,7 +378,7 @@ class DiffBatch:
             del ca, cb
             stats = element_stats(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), (hot.size, block),
                                   self.tolerance)
-        if device.type == "cpu":
+        if not _defer(device):
             self._fold_p2(segs[hot], *(t.numpy() for t in stats))
         else:  # stays on the device until results(): one transfer for the whole batch
             self._p2.append((segs[hot],) + stats)
@@ -412,9 +418,14 @@ class DiffBatch:
         for index in sorted(self._open):
             self.close(index)
         self._flush()
-        if self._p2:  # one transfer per kind of statistic
+        if self._p2:  # one transfer for the whole batch: every statistic as 64-bit words, side by side
             segs = np.concatenate([p[0] for p in self._p2])
-            self._fold_p2(segs, *(torch.cat([p[i] for p in self._p2]).cpu().numpy() for i in range(1, 5)))
+            parts = [torch.cat([p[i] for p in self._p2]) for i in range(1, 5)]  # (k, 5) f64, (k, 2) f64, (k, c) i64, (k,) i64
+            words = torch.cat([parts[0].view(torch.int64), parts[1].view(torch.int64), parts[2],
+                               parts[3].unsqueeze(1)], 1).cpu().numpy()
+            c0, c1, c2 = parts[0].shape[1], parts[0].shape[1] + parts[1].shape[1], parts[0].shape[1] + parts[1].shape[1] + parts[2].shape[1]
+            self._fold_p2(segs, words[:, :c0].copy().view(np.float64), words[:, c0:c1].copy().view(np.float64),
+                          words[:, c1:c2].copy(), words[:, c2].copy())
             self._p2 = []
         acc = self._accumulators()
         p1, sq, sums, maxes, cnt, max_ulp = (acc[k] for k in ("p1", "sq", "sums", "maxes", "cnt", "max_ulp"))

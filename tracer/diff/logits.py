@@ -70,19 +70,32 @@ def logits_diff(a: torch.Tensor, b: torch.Tensor, *, tensor: TensorDiff | None =
     return acc.result(tensor if tensor is not None else tensor_diff(a, b))
 
 
+#: elements of one chunk of logits rows on a CUDA device (float64 temporaries of this size: 128 MiB
+#: each); a fixed number, so a comparison online and one from the trace chunk the rows alike
+CUDA_CHUNK_ELEMENTS = 1 << 24
+
+
 class LogitsAccumulator:
     """:func:`logits_diff`'s per-position statistics over rows given in blocks (a logits point
     streamed from disk), equal bit for bit to one call on the whole ``(T, V)`` pair: rows are
-    processed in the same chunks of ``max(1, metrics.CHUNK_ELEMENTS // V)`` rows, a partial chunk waiting
-    (copied) for the next block.
+    processed in the same chunks of ``max(1, E // V)`` rows (``E``: ``metrics.CHUNK_ELEMENTS``
+    on the CPU, :data:`CUDA_CHUNK_ELEMENTS` on a GPU), a partial chunk waiting (copied) for the
+    next block.
+
+    On the CPU only the rows whose bits differ (or hold a NaN/inf) get the float64 work; on a GPU
+    every row of a chunk does (equal rows give exactly what is recorded for them elsewhere: KL 0,
+    overlaps 1, rank 0, no flip), so a chunk costs a fixed number of kernel launches and one
+    host synchronisation, whatever its data.
 
     Args:
         vocab: ``V``, the width of every row block.
+        dense: every row gets the float64 work (default: on a GPU only).
     """
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, *, dense: bool | None = None) -> None:
         self.v = int(vocab)
-        self.rows = max(1, _metrics.CHUNK_ELEMENTS // self.v) if self.v else 1
+        self.dense = dense
+        self.rows = 0  # rows per chunk: set by the device of the first rows given
         self.t = 0  # rows processed
         self.flips: list[ArgmaxFlip] = []
         self.kl_sum, self.kl_max, self.ov5, self.ov10, self.worst_rank = 0.0, 0.0, 0.0, 0.0, 0
@@ -98,6 +111,9 @@ class LogitsAccumulator:
         if a.dim() != 2 or a.shape[1] != self.v:
             raise ValueError(f"logits rows must be (r, {self.v}); got shape {tuple(a.shape)}")
         a, b = a.detach(), b.detach()
+        if not self.rows:
+            per_chunk = CUDA_CHUNK_ELEMENTS if a.device.type == "cuda" else _metrics.CHUNK_ELEMENTS
+            self.rows = max(1, per_chunk // self.v) if self.v else 1
         if self._wait is not None:
             wa, wb = self._wait
             self._wait = None
@@ -119,6 +135,9 @@ class LogitsAccumulator:
         v, start, r = self.v, self.t, a.shape[0]
         self.t += r
         if v == 0:
+            return
+        if self.dense or (self.dense is None and a.device.type == "cuda"):
+            self._dense(a, b, start)
             return
         # rows whose bits are equal and finite contribute KL 0, overlaps 1, rank 0 and no flip:
         # the float64 work runs on the other rows only, its results scattered into full-length
@@ -164,6 +183,36 @@ class LogitsAccumulator:
             for i, r in enumerate(flip_rows.tolist()):
                 self.flips.append(ArgmaxFlip(position=start + where[i], token_a=int(top_a[r]), token_b=int(top_b[r]),
                                              margin_a=float(ma[i]), margin_b=float(mb[i])))
+
+    def _dense(self, a: torch.Tensor, b: torch.Tensor, start: int) -> None:
+        """:meth:`_chunk` on a GPU: the float64 statistics of every row, one transfer to the host."""
+        v, r = self.v, a.shape[0]
+        a64, b64 = a.to(torch.float64), b.to(torch.float64)  # (r, V)
+        top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
+        kl = _kl_rows(a64, b64)  # (r,); 0 on rows with equal finite bits
+        top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
+        top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)
+        o5, o10 = _overlap(top_ia, top_ib, min(5, v)), _overlap(top_ia, top_ib, min(10, v))
+        rank = (b64 > b64.gather(1, top_a.unsqueeze(1))).sum(dim=1)  # (r,)
+        del a64, b64
+        if v >= 2:
+            ma, mb = top_va[:, 0] - top_va[:, 1], top_vb[:, 0] - top_vb[:, 1]
+        else:  # no flip can exist
+            ma = mb = torch.zeros(r, dtype=torch.float64, device=a.device)
+        scalars = torch.stack([kl.sum(), kl.max(), o5.sum(), o10.sum(), rank.max().to(torch.float64)])
+        rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb])  # token ids < 2^53: exact
+        host = torch.cat([scalars, rows.reshape(-1)]).cpu().tolist()  # the chunk's one synchronisation
+        kl_sum, kl_max, ov5, ov10, worst = host[:5]
+        self.kl_sum += kl_sum
+        self.kl_max = _nan_max(self.kl_max, kl_max)
+        self.ov5 += ov5
+        self.ov10 += ov10
+        self.worst_rank = max(self.worst_rank, int(worst))
+        ta, tb, mas, mbs = (host[5 + i * r:5 + (i + 1) * r] for i in range(4))
+        for i in range(r):
+            if ta[i] != tb[i]:
+                self.flips.append(ArgmaxFlip(position=start + i, token_a=int(ta[i]), token_b=int(tb[i]),
+                                             margin_a=mas[i], margin_b=mbs[i]))
 
     def add_equal(self, rows: int) -> None:
         """The next ``rows`` rows, known to be bitwise equal in both runs and finite (checked by the

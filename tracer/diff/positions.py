@@ -19,6 +19,9 @@ from tracer.execute.kinds import PointKind
 MAX_COLUMNS = 2048
 #: elements per chunk of the pass (bounded temporary memory)
 CHUNK_ELEMENTS = 1 << 21
+#: the same on a CUDA device, where each chunk's launches, not its bytes, dominate small windows
+#: (the numbers do not depend on the chunking: per-row maxima and counts)
+CUDA_CHUNK_ELEMENTS = 1 << 25
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
              torch.float64: torch.int64}
 
@@ -38,7 +41,8 @@ def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
     t = a.shape[0] if a.dim() else 1
     a2, b2 = a.reshape(t, -1), b.reshape(t, -1)
     work = torch.float32 if a.element_size() == 2 else torch.float64
-    step = max(1, CHUNK_ELEMENTS // max(1, a2.shape[1]))
+    per_chunk = CUDA_CHUNK_ELEMENTS if a.device.type == "cuda" else CHUNK_ELEMENTS
+    step = max(1, per_chunk // max(1, a2.shape[1]))
     mx = torch.zeros(t, dtype=torch.float64, device=a.device)
     nd = torch.zeros(t, dtype=torch.int64, device=a.device)
     if a2.shape[1] == 0:
@@ -168,8 +172,9 @@ class PositionStats:
         self._flush()
         if not self.names:
             return None
-        mx = torch.stack(self.max).cpu()
-        nd = torch.stack(self.n).cpu()
+        # one transfer: the counts travel as the bits of float64 words beside the maxima
+        both = torch.stack([torch.stack(self.max), torch.stack(self.n).view(torch.float64)]).cpu()
+        mx, nd = both[0], both[1].view(torch.int64)
         return PerPosition(start=self.start, stop=self.stop, bin=self.bin, names=list(self.names),
                            kinds=list(self.kinds), max_abs_diff=mx.tolist(), n_diff=nd.tolist())
 

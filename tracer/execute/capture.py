@@ -21,6 +21,12 @@ from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 
+#: kinds whose module output is a fresh tensor nothing modifies afterwards (the residual stream and
+#: the logits: what HF's ``output_hidden_states`` keeps references to), captured by reference
+REFERENCE_KINDS = frozenset({PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS})
+#: most bytes of module outputs one run keeps alive by reference (beyond it, windows are copied)
+REFERENCE_BYTES = 512 << 20
+
 
 def _first_tensor(x: Any) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
@@ -63,20 +69,34 @@ class Capture:
     shapes the module saw. Memory is therefore proportional to the
     compared window, not to the prompt (except for points with ``full=True``).
 
+    **By reference** (``reference``; default: on a CUDA device with ``keep_on_device``): the
+    window of a module output of a :data:`REFERENCE_KINDS` point is kept as a view of the output
+    itself, no copy kernel (a forward is launch-bound below N ≈ 8k on a large GPU: every launch
+    counts). Those outputs are fresh tensors that nothing modifies afterwards, as HF's own
+    ``output_hidden_states`` relies on; every other point (sublayer outputs and inputs, which
+    in-place ops may overwrite, and KV-cache views) is copied. A view keeps the whole output
+    alive, so at most :data:`REFERENCE_BYTES` of outputs per run are held this way; beyond that,
+    windows are copied.
+
     Raises:
         TracerError: a module output whose sequence dimension does not match the call.
     """
 
     def __init__(self, model: nn.Module, points: list[CapturePoint], window: tuple[int, int] | None,
-                 *, keep_on_device: bool = False) -> None:
+                 *, keep_on_device: bool = False, reference: bool | None = None) -> None:
         self.model = model
         self.keep_on_device = keep_on_device
+        #: None: decided per tensor (CUDA and keep_on_device)
+        self.reference = reference
+        self._held: dict[int, int] = {}  # data_ptr of an output's storage kept alive by reference -> bytes
         self.points = list(points)
         #: window None: every forward of the model inside the block is a call of its own (positions
         #: continue from the KV cache it is given, else from 0) and every position is kept
         self.auto = window is None
         self.window = (0, 1 << 62) if window is None else (int(window[0]), int(window[1]))
-        self.token_ids: list[int] = []  # auto: row 0's input ids of every call, in call order
+        # auto: row 0's input ids of every call, in call order (a call recorded in a CUDA graph: a
+        # device tensor, read when asked for, so it holds the latest replay's)
+        self._ids: list[list[int] | torch.Tensor] = []
         self._handles: list[Any] = []
         self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
@@ -85,6 +105,11 @@ class Capture:
         self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
         self._seq_axis: dict[str, int] = {}  # 4-D outputs: 2 where heads come first (B, H, S, D)
         self._n_tokens = 0  # the end of the last declared call: N after a run
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Auto mode: row 0's input ids of every call, in call order."""
+        return [int(i) for part in self._ids for i in (part.tolist() if isinstance(part, torch.Tensor) else part)]
 
     def __enter__(self) -> "Capture":
         by_module: dict[str, list[CapturePoint]] = {}
@@ -141,10 +166,17 @@ class Capture:
         if not isinstance(seq, torch.Tensor) or seq.dim() < 2:
             return
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 / before
-        start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         n = int(seq.shape[1])
-        if isinstance(ids, torch.Tensor):
-            self.token_ids += [int(i) for i in ids[0].tolist()]
+        if seq.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # recording a CUDA graph: nothing may be read back to the host; positions continue in
+            # call order and the ids are kept on the device (a node of the graph: every replay's)
+            start = self._n_tokens
+            if isinstance(ids, torch.Tensor):
+                self._ids.append(ids[0].clone())
+        else:
+            start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            if isinstance(ids, torch.Tensor):
+                self._ids.append([int(i) for i in ids[0].tolist()])
         self._call = (start, start + n, 0, 0)
         self._n_tokens = max(self._n_tokens, start + n)
 
@@ -203,7 +235,11 @@ class Capture:
         lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
         if lo >= hi:
             return None
-        piece = t[row, col + lo - start : col + hi - start].detach()
+        piece = t.select(0, row).narrow(0, col + lo - start, hi - lo)  # (T, *feature): the window of batch row `row`
+        if piece.requires_grad:
+            piece = piece.detach()
+        if self.keep_on_device and self._by_reference(p, t):
+            return piece
         if self.keep_on_device or piece.device.type == "cpu":
             return piece.clone()
         # GPU: copy into pinned host memory without blocking the host, so the GPU never waits
@@ -213,6 +249,22 @@ class Capture:
         host.copy_(piece, non_blocking=True)
         self._pending_sync.add(piece.device)
         return host
+
+    def _by_reference(self, p: CapturePoint, t: torch.Tensor) -> bool:
+        """Whether the window of ``t`` (point ``p``'s output) is kept as a view (see the class docstring)."""
+        ref = self.reference if self.reference is not None else t.device.type == "cuda"
+        if not ref or p.kind not in REFERENCE_KINDS or p.which == "input" or p.full:
+            return False
+        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._held:
+            return True
+        if sum(self._held.values()) + storage.nbytes() > REFERENCE_BYTES:
+            return False
+        self._held[key] = storage.nbytes()
+        return True
 
     def add_cache(self, cache: Any, row: int = 0, col: int = 0) -> None:
         """Record the ``kv_cache`` points from the run's final KV cache.
@@ -304,6 +356,15 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
     """
     streams: dict[torch.device, Any] = {}
     out: dict[str, CaptureRecord] = {}
+    # one pinned buffer per device and dtype, the points end to end in order: the trace's layout
+    # (tracer.store.packed), so the writer stores each dtype with one write
+    totals: dict[tuple[torch.device, torch.dtype], int] = {}
+    for rec in captures.values():
+        t = rec.tensor
+        if t.device.type == "cuda":
+            totals[(t.device, t.dtype)] = totals.get((t.device, t.dtype), 0) + t.numel()
+    buffers = {key: torch.empty(n, dtype=key[1], pin_memory=True) for key, n in totals.items()}
+    filled = dict.fromkeys(totals, 0)
     for name, rec in captures.items():
         t = rec.tensor
         if t.device.type != "cuda":
@@ -312,7 +373,9 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
         if t.device not in streams:
             streams[t.device] = torch.cuda.Stream(t.device)
             streams[t.device].wait_stream(torch.cuda.current_stream(t.device))
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        key = (t.device, t.dtype)
+        host = buffers[key][filled[key]:filled[key] + t.numel()].view(t.shape)
+        filled[key] += t.numel()
         with torch.cuda.stream(streams[t.device]):
             host.copy_(t, non_blocking=True)
         t.record_stream(streams[t.device])  # the caching allocator must not reuse t before the copy
@@ -345,12 +408,29 @@ class Captured:
             or a list of module paths of ``model`` (a path that is also a discovered point keeps
             its kind, op and role, any other module is captured at its output; a model no family
             descriptor fits takes paths only).
+        cuda_graphs: the model runs as CUDA-graph replays, recorded (``torch.cuda.graph``, or a
+            static-cache ``torch.compile(mode="reduce-overhead")`` model's first calls) inside the
+            ``with`` block: the hooks fire while the graph is recorded and their copies become
+            nodes of the graph, so every replay refreshes the captures (:mod:`tracer.execute.graphs`).
+            The tensors stay on the GPU and hold the latest replay's values (clone them to keep
+            one); positions continue in call order. A block in which no capture point fired is an
+            error (replays of a graph recorded before the block run no hooks).
 
     Raises:
-        TracerError: unknown granularity, or a module path that is not in the model.
+        TracerError: unknown granularity, a module path that is not in the model, ``cuda_graphs``
+            for a model not on a CUDA GPU, or (at the end of the block) ``cuda_graphs`` and
+            nothing captured.
     """
 
-    def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False) -> None:
+    def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False,
+                 cuda_graphs: bool = False) -> None:
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            from tracer.execute.graphs import check_graph_device
+            from tracer.load.devices import model_device
+
+            check_graph_device(model_device(model), "cuda_graphs=True", "move the model to a CUDA GPU or drop cuda_graphs")
+            keep_on_device = True
         if isinstance(points, str):
             pts = discover_points(model, points, kv_cache=False)
         else:
@@ -380,6 +460,10 @@ class Captured:
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
         self._records = self._capture.records()
+        if self.cuda_graphs and exc[0] is None and not self._capture._fired:
+            raise TracerError("no capture point fired inside the block: with cuda_graphs=True, record the CUDA graph "
+                              "(torch.cuda.graph, or a reduce-overhead compiled model's first calls) inside the "
+                              "'with' block; replays of a graph recorded before it run no hooks")
 
     def records(self) -> dict[str, CaptureRecord]:
         """Capture name → record, in execution order."""

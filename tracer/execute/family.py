@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -295,16 +296,37 @@ def _fits(model: Any, fam: Family, modules: Mapping[str, Any]) -> bool:
     return True
 
 
+#: model → ((search path, model type), its descriptor): every run asks again, and the answer only
+#: changes with the search path or the model type (finding it walks the whole module tree)
+_FOUND: "weakref.WeakKeyDictionary[Any, tuple[tuple, Family]]" = weakref.WeakKeyDictionary()
+
+
 def family_for(model: Any, modules: Mapping[str, Any] | None = None) -> Family:
     """The descriptor of ``model``: the one whose ``families`` list its ``config.model_type``, else
     the first whose every path the model has (a family of known layout under another name).
+    Remembered per model until the search path (:func:`hook_dirs`) or the model type changes.
 
     Raises:
         TracerError: the listing descriptor names a path the model lacks (naming the file), or no
             descriptor fits (naming the closest one and what the model lacks there).
     """
-    modules = dict(model.named_modules()) if modules is None else modules
     model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    key = (hook_dirs(), model_type)
+    try:
+        hit = _FOUND.get(model)
+    except TypeError:  # not weakly referenceable
+        hit = None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    fam = _find_family(model, model_type, dict(model.named_modules()) if modules is None else modules)
+    try:
+        _FOUND[model] = (key, fam)
+    except TypeError:
+        pass
+    return fam
+
+
+def _find_family(model: Any, model_type: str, modules: Mapping[str, Any]) -> Family:
     fams = descriptors()
     listed = next((f for f in fams if model_type in f.model_types), None)
     if listed is not None:

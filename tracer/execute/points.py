@@ -10,6 +10,7 @@ of the origin analysis, tensor-parallel sharding, reports) reads roles, not modu
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -80,8 +81,29 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
     """
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
-    modules = dict(model.named_modules())  # one walk of the module tree (it costs ~1 ms per 400 modules)
-    fam = family_for(model, modules)
+    fam = family_for(model)
+    key = (granularity, kv_cache, fam, len(model._modules), id(next(iter(model._modules.values()), None)))
+    try:
+        hit = _DISCOVERED.get(model)
+    except TypeError:  # not weakly referenceable
+        hit = None
+    if hit is not None and hit[0] == key:
+        return list(hit[1])
+    points = _discover(model, granularity, kv_cache, fam)
+    try:
+        _DISCOVERED[model] = (key, tuple(points))
+    except TypeError:
+        pass
+    return points
+
+
+#: model → (what the points depend on, the points): every run asks again (discovering walks the
+#: whole module tree, ~1 ms per 400 modules)
+_DISCOVERED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple[CapturePoint, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def _discover(model: nn.Module, granularity: str, kv_cache: bool, fam: Any) -> list[CapturePoint]:
+    modules = dict(model.named_modules())  # one walk of the module tree
 
     def point(path: str, kind: str, **kw: Any) -> CapturePoint:
         return CapturePoint(name=kw.pop("name", path), module=path, kind=kind,

@@ -194,8 +194,25 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     """
     fn = model if fn is None else fn
     compiled = fn is not model if compiled is None else compiled
-    cache, out = None, None
     n = ids.shape[1]
+    if plan.cuda_graph:  # every chunk recorded in a CUDA graph (the hooks' copies too), then replayed
+        from tracer.execute.graphs import check_graph_device, graph_forward
+
+        check_graph_device(model_device(model), f"run plan {plan.name} (CUDA-graph replay)")
+        dev = model_device(model)
+        ids = ids.to(dev)
+
+        def chunk_kwargs(start: int, stop: int, cache: Any) -> dict[str, Any]:
+            kw: dict[str, Any] = {"input_ids": ids[:, start:stop], "use_cache": not plan.recompute, **(extra or {})}
+            if cache is not None:
+                kw[cache_kwarg(model)] = cache
+            return kw
+
+        out = graph_forward(model, ids, plan, capture, fn, chunk_kwargs)
+        if on_output is not None:
+            on_output(plan.chunks[-1][0], plan.chunks[-1][1], out)
+        return out
+    cache, out = None, None
     for i, (start, stop) in enumerate(plan.chunks):
         if plan.devices is not None and plan.devices[i] is not None:
             dev = torch.device(plan.devices[i])
@@ -298,7 +315,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     Returns:
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
         in the model's dtype (``kv_cache`` points: all positions), with wall time and GEMM M
-        per chunk in ``meta``.
+        per chunk in ``meta``. With ``keep_on_device`` on a GPU the wall time is measured with
+        CUDA events and ``meta["wall_s"]`` is None until :func:`settle_wall`.
 
     Raises:
         TracerError: the plan does not cover the prompt, or ``decode < 0``.
@@ -309,8 +327,21 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if plan.n_tokens != n:
         raise TracerError(f"run plan {plan.name} covers {plan.n_tokens} tokens but the prompt has {n}")
     device = model_device(model)
+    if plan.cuda_graph:
+        from tracer.execute.graphs import check_graph_device, check_graph_plan
+
+        check_graph_device(device, f"run plan {plan.name} (CUDA-graph replay)")
+        check_graph_plan(plan, kernels=kernels, sdpa_inputs=sdpa_inputs)
+        keep_on_device = True  # the capture copies are nodes of the graph: they land on the GPU
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
-    _sync(device)
+    # on a GPU with the captures kept there, the run's time comes from CUDA events, so the host
+    # never waits for the GPU between the runs (the next run's launches overlap this one's tail)
+    events = keep_on_device and device.type == "cuda" and not plan.devices and not kernels
+    if events:
+        start_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+    else:
+        _sync(device)
     t0 = time.perf_counter()
     generated = None
     tokens = None
@@ -326,8 +357,13 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                                   col=b.width - n if b is not None and b.padding == "left" else 0)
                 if plan.generate:
                     generated = greedy(model, ids, out, plan.generate, recompute=plan.recompute, capture=cap)
-            _sync(model_device(model))
-            wall = time.perf_counter() - t0
+            if events:
+                end_event = torch.cuda.Event(enable_timing=True)
+                end_event.record()
+                wall = None  # settle_wall() reads the events
+            else:
+                _sync(model_device(model))
+                wall = time.perf_counter() - t0
             if decode:  # replay: greedy continuation of the final KV cache, not captured
                 tokens = greedy(model, ids, out, decode)
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
@@ -341,9 +377,23 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if recorder is not None:
         recorder.attach(captures)
         info["kernels"] = "recorded"
+    extras: dict[str, Any] = {"sdpa": sdpa.calls} if sdpa is not None else {}
+    if events:
+        extras["wall_events"] = (start_event, end_event)
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
-                     window=(int(window[0]), int(window[1])), captures=captures, meta=info,
-                     extras={"sdpa": sdpa.calls} if sdpa is not None else {})
+                     window=(int(window[0]), int(window[1])), captures=captures, meta=info, extras=extras)
+
+
+def settle_wall(rec: RunRecord) -> RunRecord:
+    """Fill ``rec.meta["wall_s"]`` of a run timed by CUDA events (:func:`execute` with
+    ``keep_on_device`` on a GPU), waiting for the run's last kernel; a no-op for other runs.
+    Returns ``rec``."""
+    events = rec.extras.get("wall_events")
+    if events is not None:  # idempotent: the writer's thread and the caller may both settle it
+        start, end = events
+        end.synchronize()
+        rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
+    return rec
 
 
 def execute_loaded(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],

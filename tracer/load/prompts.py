@@ -8,6 +8,8 @@ prefix-cache split (the last block boundary below N) leaves a short suffix, as a
 
 from __future__ import annotations
 
+import weakref
+
 from typing import Any
 
 from tracer.errors import TracerError
@@ -93,16 +95,7 @@ def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, c
                           "(--token-ids-file FILE.json / token_ids=[...]) or save a tokenizer next to the weights "
                           "(tokenizer.save_pretrained(DIR))")
     if token_ids is None:
-        if chat:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise TracerError("this tokenizer has no chat template; drop --chat")
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            token_ids = [int(i) for i in ids]
-        else:
-            token_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+        token_ids = _encode(tokenizer, text, chat)
     elif chat:
         raise TracerError("--chat applies to text prompts, not to --token-ids-file")
     if not token_ids:
@@ -116,4 +109,40 @@ def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, c
     if bad:
         raise TracerError(f"token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1}); "
                           "the ids were made for another tokenizer")
+    return token_ids
+
+
+#: tokenizer → {(text, chat): ids}: a run of the same prompt tokenizes it once (the built-in
+#: prompt costs milliseconds, which a launch-bound forward pass of ~80 ms notices)
+_ENCODED: "weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], tuple[int, ...]]]" = weakref.WeakKeyDictionary()
+_ENCODED_PER_TOKENIZER = 8
+
+
+def _encode(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    """``text``'s token ids (no special tokens added), or the chat template's with the text as the
+    user's message; the last few answers per tokenizer are remembered.
+
+    Raises:
+        TracerError: ``chat`` and the tokenizer has no chat template.
+    """
+    try:
+        memo = _ENCODED.setdefault(tokenizer, {})
+    except TypeError:  # not weakly referenceable
+        memo = {}
+    hit = memo.get((text, chat))
+    if hit is not None:
+        return list(hit)
+    if chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise TracerError("this tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        token_ids = [int(i) for i in ids]
+    else:
+        token_ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if len(memo) >= _ENCODED_PER_TOKENIZER:
+        memo.pop(next(iter(memo)))
+    memo[(text, chat)] = tuple(token_ids)
     return token_ids

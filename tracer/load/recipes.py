@@ -8,6 +8,7 @@ become paths or imports). :func:`data_dir` finds the folder in a checkout or an 
 from __future__ import annotations
 
 import importlib.resources
+import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ class Recipe:
     path: Path
 
 
+@functools.lru_cache(maxsize=None)  # a fact of the install: looked up once (it stats files)
 def data_dir(kind: str) -> Path:
     """Folder holding tracer's TOML data: ``"models"`` (recipes) or ``"hooks"`` (hook maps).
 

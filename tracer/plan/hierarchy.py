@@ -80,6 +80,7 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L6-compile", 6, "compile", "eager vs torch.compile"),
         Check("L6-engine", 6, "engine", "HF transformers vs vLLM (same weights and token ids)", needs="vllm",
               mitigations=()),
+        Check("L6-cuda-graph", 6, "cuda-graph", "eager vs CUDA-graph replay", needs="cuda"),
         Check("L7-device", 7, "device", "CPU vs GPU", {"devices": "cpu,cuda"}, needs="cuda"),
         Check("L7-disaggregated", 7, "disaggregated", "prefix on CPU, moved to GPU, vs all on GPU",
               {"devices": "cpu,cuda"}, needs="cuda"),

@@ -104,6 +104,8 @@ class RunPlan:
             the KV cache.
         deterministic: run under torch's deterministic algorithms, TF32 off and
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
+        cuda_graph: record each chunk's forward pass in a CUDA graph and replay it
+            (:mod:`tracer.execute.graphs`; the capture copies are recorded into the graph).
         engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
             the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
         engine_settings: ``(key, value)`` pairs for the engine (vLLM: ``block_size``, ``chunks``
@@ -124,6 +126,7 @@ class RunPlan:
     generate: int = 0
     recompute: bool = False
     deterministic: bool = False
+    cuda_graph: bool = False
     engine: str = "hf"
     rl: RLSpec | None = None
     engine_settings: tuple[tuple[str, Any], ...] = ()
@@ -203,3 +206,21 @@ class Scenario:
 
 
 __all__ = ["MITIGATIONS", "PADDINGS", "TP_MODES", "Batch", "TPSpec", "RunPlan", "Scenario"]
+
+
+def with_cuda_graphs(scen: Scenario) -> Scenario:
+    """``scen`` with both plans' chunks recorded in CUDA graphs and replayed (``--cuda-graphs``):
+    the same comparison, under the execution mode serving engines use for decode and short prefills.
+
+    Raises:
+        TracerError: the ``cuda-graph`` scenario (it already compares eager with replay).
+    """
+    from dataclasses import replace
+
+    if scen.name == "cuda-graph":
+        raise TracerError("scenario cuda-graph already compares eager execution with CUDA-graph replay; "
+                          "drop --cuda-graphs, or choose another scenario to run under CUDA graphs")
+    a, b = (replace(p, cuda_graph=True, description=f"{p.description} (CUDA-graph replay)")
+            for p in (scen.plan_a, scen.plan_b))
+    return replace(scen, plan_a=a, plan_b=b, params={**scen.params, "cuda_graphs": True})
+

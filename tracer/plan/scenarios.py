@@ -309,6 +309,16 @@ def compile_scenario(n_tokens: int) -> Scenario:
                             RunPlan("B", ((0, n),), "torch.compile", compile=True), (0, n))
 
 
+def cuda_graph_scenario(n_tokens: int) -> Scenario:
+    """Level 6: eager execution versus the same forward pass recorded in a CUDA graph and replayed
+    (the capture copies recorded into the graph: :mod:`tracer.execute.graphs`). Needs a CUDA GPU."""
+    n = n_tokens
+    return _window_scenario("cuda-graph", 6, "execution mode (CUDA-graph replay)",
+                            RunPlan("A", ((0, n),), f"eager: all {n} tokens in one pass"),
+                            RunPlan("B", ((0, n),), "the same pass recorded in a CUDA graph, replayed",
+                                    cuda_graph=True), (0, n))
+
+
 def _two_devices(devices: tuple[str, ...] | list[str] | str) -> tuple[str, str]:
     if isinstance(devices, str):
         devices = tuple(d.strip() for d in devices.split(","))
@@ -410,6 +420,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "kv-quant": kv_quant,
     "attention": attention,
     "compile": compile_scenario,
+    "cuda-graph": cuda_graph_scenario,
     "device": device,
     "disaggregated": disaggregated,
     "rollout-vs-train": rollout_vs_train,

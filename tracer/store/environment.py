@@ -179,6 +179,32 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
     """
     matmul = torch.backends.cuda.matmul
     env: dict[str, Any] = {
+        **_static_environment(device),
+        "matmul_allow_tf32": bool(matmul.allow_tf32),
+        "matmul_allow_bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
+        "matmul_allow_fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "num_threads": torch.get_num_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
+    }
+    if extra:
+        env.update(extra)
+    json_dumps(env, "the environment header")
+    return env
+
+
+@functools.lru_cache(maxsize=16)  # process-wide facts: read once per device (platform() reads files)
+def _static_environment(device: str) -> dict[str, Any]:
+    """The part of :func:`collect_environment` a process cannot change: versions, platform, host,
+    CPU, the device's name, capability and libraries (the flags are read on every call). Callers
+    copy it (``{**_static_environment(d), ...}``)."""
+    env: dict[str, Any] = {
         "tracer_version": tool_version(),
         "python": platform.python_version(),
         "torch": str(torch.__version__),  # a str subclass (TorchVersion): h5py needs plain str
@@ -197,18 +223,6 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "cublas": None,
         "driver": None,
-        "matmul_allow_tf32": bool(matmul.allow_tf32),
-        "matmul_allow_bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
-        "matmul_allow_fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "num_threads": torch.get_num_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
         # the instruction sets the CPU kernels dispatch on: ATen's level, oneDNN's ISA, the CPU's flags
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "onednn_isa": onednn_isa(),
@@ -226,9 +240,6 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
         env["driver"] = _nvidia_driver(index)
     elif dev.type == "cpu":
         env["device_name"] = env["cpu"]
-    if extra:
-        env.update(extra)
-    json_dumps(env, "the environment header")
     return env
 
 

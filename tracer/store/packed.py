@@ -99,17 +99,40 @@ def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], t
         seal(ds)
         datasets[dtype] = ds
     seal(data)
+    pending: list = []  # consecutive points lying end to end in one host buffer: written together
+
+    def flush() -> None:
+        if pending:
+            first = pending[0]
+            total = sum(b.size for _, b in pending)
+            # the points' common buffer, from the first one's start (a view that keeps it alive)
+            whole = np.lib.stride_tricks.as_strided(first[1], shape=(total,), strides=(first[1].itemsize,))
+            off = first[0]["offset"]
+            datasets[first[0]["dtype"]].write_direct(whole, dest_sel=np.s_[off:off + whole.size])
+            pending.clear()
+
     for entry, record in zip(entries, run.captures.values()):
         bits = _host_bits(record.tensor)
         entry["crc32"] = crc32_bytes(bits)
-        if bits.size:
-            off = entry["offset"]
-            datasets[entry["dtype"]].write_direct(bits, dest_sel=np.s_[off:off + bits.size])
-        del bits
+        if not bits.size:
+            continue
+        if pending and not _follows(pending[-1], entry, bits):
+            flush()
+        pending.append((entry, bits))
+    flush()
     texts = [json.dumps(e) for e in entries]
     set_text(g, "index", "[" + ", ".join(texts) + "]")  # == json.dumps(entries)
     sums = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
     set_text(g, "index_crc32", json.dumps(sums))
+
+
+def _follows(prev: tuple[dict[str, Any], np.ndarray], entry: dict[str, Any], bits: np.ndarray) -> bool:
+    """Whether ``bits`` (point ``entry``) lies right after the previous point both in the host
+    buffer and in the dataset (:func:`tracer.execute.capture.host_copies` lays a run out so)."""
+    p_entry, p_bits = prev
+    return (entry["dtype"] == p_entry["dtype"] and entry["offset"] == p_entry["offset"] + p_bits.size
+            and bits.dtype == p_bits.dtype and bits.flags.c_contiguous and p_bits.flags.c_contiguous
+            and bits.ctypes.data == p_bits.ctypes.data + p_bits.nbytes)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from tracer.dtypes import DTYPES
 from tracer.store import trace as store  # looked up at call time: a test substitutes stored_crc
+from tracer.store.integrity import crc_threads
 
 
 @dataclass(frozen=True)
@@ -63,19 +64,34 @@ READ_AHEAD = 2
 
 class _Ring:
     """``count`` reusable byte buffers of ``nbytes`` each (pinned for a GPU), handed out in turn
-    (allocated on first use)."""
+    (allocated on first use). On a GPU a buffer's host-to-device copy runs asynchronously: the
+    copy's CUDA event is recorded against the buffer (:meth:`copied`), and the buffer is handed
+    out again only once that copy has finished."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.count, self.nbytes, self.pin = count, nbytes, pin
         self.bufs: list = []
         self.i = 0
+        self.events: dict[int, Any] = {}  # buffer address -> the CUDA event of its last copy
 
     def next(self):
         if len(self.bufs) < self.count:
             self.bufs.append(torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy())
             return self.bufs[-1]
         self.i = (self.i + 1) % self.count
-        return self.bufs[self.i]
+        buf = self.bufs[self.i]
+        event = self.events.pop(buf.ctypes.data, None)
+        if event is not None:
+            event.synchronize()  # the device still reads this buffer: wait for that copy (releases the GIL)
+        return buf
+
+    def copied(self, address: int, event: Any) -> bool:
+        """Record ``event`` as the copy out of the buffer at ``address``; False when no buffer of
+        this ring starts there (a block read into a fresh buffer)."""
+        if not any(b.ctypes.data == address for b in self.bufs):
+            return False
+        self.events[address] = event
+        return True
 
 
 class _Raised:
@@ -157,6 +173,7 @@ class StoredPairs:
         size = min(BLOCK_BYTES, biggest)
         pin = dev.type == "cuda"
         self.rings = (_Ring(READ_AHEAD + 2, size, pin), _Ring(READ_AHEAD + 2, size, pin))
+        self.copy_stream: Any = None
         self.ahead = _ReadAhead(self._produce(), READ_AHEAD)
 
     def _produce(self) -> Iterator[tuple]:
@@ -174,8 +191,18 @@ class StoredPairs:
         per_block = max(1, BLOCK_BYTES // row_bytes)
         ga = store.read_row_blocks(ha, per_block, buf_a)
         gb = store.read_row_blocks(hb, per_block, buf_b)
-        for (r0, xa), (_, xb) in zip(ga, gb):
-            yield r0, xa, xb
+        if crc_threads() > 1:  # spare cores: run B's block is read (and checksummed) beside run A's
+            side = _side_reader()
+            while True:
+                fb = side.submit(next, gb, _END)
+                a = next(ga, _END)
+                b = fb.result()
+                if a is _END or b is _END:
+                    break
+                yield a[0], a[1], b[1]
+        else:
+            for (r0, xa), (_, xb) in zip(ga, gb):
+                yield r0, xa, xb
         for _ in gb:  # run B's CRC-32 is checked when its blocks are exhausted (A's already was)
             pass
 
@@ -187,7 +214,28 @@ class StoredPairs:
         for r0, xa, xb in self.ahead:
             if r0 is None:
                 return
-            yield r0, xa.to(self.dev), xb.to(self.dev)  # a blocking copy: the buffer is reused later
+            yield r0, self._to_device(xa, 0), self._to_device(xb, 1)
+
+    def _to_device(self, x: torch.Tensor, side: int) -> torch.Tensor:
+        """``x`` (a ring buffer's block) on the compute device. On a GPU the copy runs on a side
+        stream without blocking the host, so the next block's read, this copy and the comparison
+        of the block before overlap; the comparison's stream waits for the copy, and the ring
+        hands the buffer out again only after it (:class:`_Ring`)."""
+        if self.dev.type != "cuda" or not x.is_pinned():
+            return x.to(self.dev)  # a blocking copy: the buffer may be reused afterwards
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(self.dev)
+        compute = torch.cuda.current_stream(self.dev)
+        with torch.cuda.stream(self.copy_stream):
+            out = torch.empty(x.shape, dtype=x.dtype, device=self.dev)
+            out.copy_(x, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        compute.wait_event(event)
+        out.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+        if not self.rings[side].copied(x.data_ptr(), event):
+            event.synchronize()  # not a ring buffer: nothing tracks it, so wait here
+        return out
 
     def __iter__(self) -> Iterator[tuple]:
         for name, ia, ib, ha, hb, same, da, db, hint in self.items:
@@ -201,6 +249,18 @@ class StoredPairs:
 
     def close(self) -> None:
         self.ahead.close()
+
+
+_SIDE: list = []
+
+
+def _side_reader():
+    """The one thread reading run B's blocks beside run A's (reads and CRC-32s release the GIL)."""
+    if not _SIDE:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _SIDE.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-read-b"))
+    return _SIDE[0]
 
 
 def stored_pairs(names: list[str], caps_a: dict, caps_b: dict, dev: torch.device) -> StoredPairs:

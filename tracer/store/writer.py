@@ -118,6 +118,7 @@ class TraceWriter:
         self._format = format_for(format_version)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._futures: list[concurrent.futures.Future] = []
+        self._comparisons: set[str] = set()
         self.overwrite = overwrite
         if compression not in COMPRESSIONS:
             raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
@@ -135,15 +136,34 @@ class TraceWriter:
         self.partial_path = _partial_name(self.path)
         self._guard: GuardedFile | None = None
         self._file: h5py.File | None = None
+        self._open = True  # until close() or abort()
+        self._failed: BaseException | None = None  # the set-up's error, when it ran on the thread
+        self._run_names: list[str] = []
+        if background:
+            # the file's set-up (creating it, the header and its checksums) runs on the writing
+            # thread, overlapping run A on the GPU; its errors surface at the next add or close
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
+            self._futures.append(self._pool.submit(self._create, header, header_json))
+        else:
+            self._create(header, header_json)
+
+    def _create(self, header: dict, header_json: str) -> None:
+        """Create the partial file with the root attributes, the header and the empty ``/runs``.
+
+        Raises:
+            TracerError: the file cannot be created or written (the partial file is removed).
+        """
         try:
             self.partial_path.unlink(missing_ok=True)  # our own PID's leftover from an earlier writer
             # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
             self._guard = GuardedFile(self.partial_path)
             self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
         except BaseException as e:  # an interrupt here too: the partial never outlives this call
-            self.abort()
+            self._failed = (TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output")
+                            if isinstance(e, OSError) else e)
+            self._discard()  # not abort(): this may run on the writing thread, which abort() waits for
             if isinstance(e, OSError):
-                raise TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output") from None
+                raise self._failed from None
             raise
         try:
             f = self._file
@@ -163,23 +183,20 @@ class TraceWriter:
             self._runs = f.create_group("runs", track_order=True)
             set_text(self._runs, "order", "[]")
             seal(self._runs)
-            self._run_names: list[str] = []
             self._check_io()
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            self._failed = e
+            self._discard()
             raise
-        if background:
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
 
     def _check_io(self) -> None:
         """Raise the first write error the guard recorded (disk full, ``ulimit -f``) as one line."""
         if self._guard is not None and self._guard.error is not None:
             raise TracerError(write_error_message(self.path, self._guard.error))
 
-    def _require_open(self) -> h5py.File:
-        if self._file is None:
+    def _require_open(self) -> None:
+        if not self._open:
             raise TracerError(f"trace writer for {self.path} is closed; open a new TraceWriter")
-        return self._file
 
     def add_run(self, run: RunRecord, *, ready: Callable[[], None] | None = None) -> None:
         """Write ``run`` (its token ids, plan, meta, window and every capture, in order).
@@ -203,6 +220,8 @@ class TraceWriter:
     def _write_run(self, run: RunRecord, ready: Callable[[], None] | None = None) -> None:
         if ready is not None:
             ready()
+        if self._failed is not None:  # the set-up failed: its error is raised once, by close()
+            return
         try:
             self._format.write_run(self._runs, run, compression=self.compression)
         except (OSError, RuntimeError):
@@ -212,6 +231,51 @@ class TraceWriter:
         self._run_names.append(run.name)
         set_text(self._runs, "order", json.dumps(self._run_names))
         seal(self._runs)
+
+    def set_meta(self, run: str, meta: dict) -> None:
+        """Replace the ``meta`` of run ``run`` (added earlier), e.g. with facts known only after the
+        comparison; on the writing thread, after the run's own write.
+
+        Raises:
+            TracerError: meta not JSON-able, or the writer is closed (a run not written: at close).
+        """
+        self._require_open()
+        text = json_dumps(meta, f"meta of run {run}")
+        self._after(self._set_meta, run, text)
+
+    def _set_meta(self, run: str, text: str) -> None:
+        g = self._runs[run]
+        set_text(g, "meta", text)
+        seal(g)
+        self._check_io()
+
+    def remove_run(self, run: str) -> None:
+        """Take run ``run`` (added earlier) out of the trace again; on the writing thread, in order.
+
+        Raises:
+            TracerError: the writer is closed.
+        """
+        self._require_open()
+        self._after(self._remove_run, run)
+
+    def _remove_run(self, run: str) -> None:
+        if run in self._runs:
+            del self._runs[run]
+        self._run_names = [n for n in self._run_names if n != run]
+        set_text(self._runs, "order", json.dumps(self._run_names))
+        seal(self._runs)
+        self._check_io()
+
+    def _after(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` after everything queued so far (on the writing thread when there is one)."""
+        def guarded() -> None:
+            if self._failed is None:
+                fn(*args)
+
+        if self._pool is not None:
+            self._futures.append(self._pool.submit(guarded))
+        else:
+            guarded()
 
     def _drain(self) -> None:
         """Wait for the background writes (if any); re-raise the first error; stop the thread."""
@@ -231,13 +295,21 @@ class TraceWriter:
         Raises:
             TracerError: invalid or duplicate name, data not JSON-able, or the writer is closed.
         """
-        f = self._require_open()
+        self._require_open()
         check_name(name, "comparison")
         text = json_dumps(data, f"comparison {name}")
-        comps = f.require_group("comparisons")
-        if name in comps:
+        if name in self._comparisons:
             raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
-        g = comps.create_group(name)
+        self._comparisons.add(name)
+        if self._pool is not None:  # after the runs, on the writing thread
+            self._futures.append(self._pool.submit(self._write_comparison, name, text))
+        else:
+            self._write_comparison(name, text)
+
+    def _write_comparison(self, name: str, text: str) -> None:
+        if self._failed is not None:
+            return
+        g = self._file.require_group("comparisons").create_group(name)
         set_text(g, "json", text)
         seal(g)
         self._check_io()
@@ -249,11 +321,12 @@ class TraceWriter:
             TracerError: ``path`` appeared meanwhile and ``overwrite`` is False (the complete
                 trace is left at ``partial_path``).
         """
-        if self._file is None:
+        if not self._open:
             return
         try:
             self._drain()
             self._check_io()
+            self._open = False
             f = self._file
             f.attrs["complete"] = True
             f.flush()
@@ -311,10 +384,15 @@ class TraceWriter:
 
     def abort(self) -> None:
         """Close and delete the partial file; ``path`` is left untouched (idempotent)."""
+        self._open = False
         try:
             self._drain()
         except BaseException:  # noqa: BLE001 - aborting already; the cause is the caller's
             pass
+        self._discard()
+
+    def _discard(self) -> None:
+        """Close the file (if open) and delete the partial file (idempotent; no thread is waited for)."""
         f, self._file = self._file, None
         if f is not None:
             try:
