@@ -331,8 +331,23 @@ def main() -> None:
     from tracer.errors import raise_on_termination, terminated_by
 
     raise_on_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks
+    try:  # typer >= 0.24 carries its own copy of click
+        from typer._click import exceptions as click_errors
+    except ImportError:  # pragma: no cover - older typer: click itself
+        from click import exceptions as click_errors
+
     try:
-        app()
+        code = app(standalone_mode=False)  # click's usage errors come here: one line, not a usage box
+    except click_errors.UsageError as e:
+        where = e.ctx.command_path if e.ctx is not None else "tracer"
+        print_error(f"{e.format_message()} (see '{where} --help')")
+        sys.exit(EXIT_ERROR)
+    except click_errors.Abort:  # Ctrl-C inside click (a prompt or the parser)
+        err.print("interrupted")
+        sys.exit(130)
+    except click_errors.ClickException as e:  # pragma: no cover - other click errors: one line too
+        print_error(e.format_message())
+        sys.exit(e.exit_code or EXIT_ERROR)
     except TracerError as e:  # pragma: no cover - commands catch their own
         print_error(str(e))
         sys.exit(EXIT_ERROR)
@@ -349,6 +364,7 @@ def main() -> None:
             raise SystemExit(_debug_exit()) from None
         print_internal_error(e)
         sys.exit(EXIT_INTERNAL)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 def _debug_exit() -> int:

@@ -66,8 +66,9 @@ def test_plans_shapes_window_and_executors():
     packed = build("rollout-vs-train", 40, rollouts=4, new_tokens=6, train_batching="packed")
     assert packed.plan_b.gemm_m() == [sum(a.lengths) + 4 * 6]
     assert executor_name(s.plan_a) == "hf-rollout" and executor_name(s.plan_b) == "hf-train"
-    with pytest.raises(TracerError, match="no rollout executor"):  # until vLLM has one: refused, never run as a prefill
-        executor_name(replace(s.plan_a, engine="vllm"))
+    assert executor_name(replace(s.plan_a, engine="vllm")) == "vllm-rollout"  # the rollout sampled by vLLM
+    with pytest.raises(TracerError, match="no train executor"):  # the trainer stays HF: refused, never run as a prefill
+        executor_name(replace(s.plan_b, engine="vllm"))
     assert s.to_dict()["plan_b"]["rl"]["role"] == "train"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import struct
 
 import pytest
 import torch
@@ -205,6 +206,7 @@ def test_recipe_applies_dtype_attn_eval_nograd(dtype, attn):
         "name": "tiny-llama", "source": "random-init", "family": "llama", "dtype": D.dtype_name(torch_dtype),
         "device": "cpu", "attn_implementation": attn, "weights_hash": "seed=3", "path": None,
         "n_layers": 4, "hidden_size": 64, "vocab_size": 512, "device_map": None,
+        "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,  # tiny-llama's recipe: 4 heads of 64 / 4, 2 KV heads
     }
     ids = lm.tokenizer("hello", return_tensors="pt")["input_ids"]  # (1, 5)
     assert model(ids).logits.shape == (1, 5, 512)
@@ -351,7 +353,7 @@ def test_gemma3_env_points_elsewhere(monkeypatch, tmp_path):
     with pytest.raises(TracerError, match=r"^TRACER_GEMMA3_GGUF names .*which is not a file; model gemma3-270m needs"):
         M.load_model("gemma3-270m", device="cpu", progress=False)
     fake = tmp_path / "g.gguf"
-    fake.write_bytes(b"GGUF")  # the magic: the file is taken as given (the build checks the rest)
+    fake.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # a header declaring nothing: taken as given (the build checks the rest)
     monkeypatch.setenv("TRACER_GEMMA3_GGUF", str(fake))
     assert G.find_gguf(R.recipes()["gemma3-270m"]) == fake.resolve()
 
@@ -391,7 +393,7 @@ def test_interrupted_cache_build_leaves_nothing(monkeypatch, tmp_path):
     import transformers
 
     fake = tmp_path / "fake.gguf"
-    fake.write_bytes(b"GGUF not really a gguf")  # the magic passes; the build then fails
+    fake.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + b"not really a gguf")  # the header passes; the build then fails
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRACER_CACHE_DIR", str(cache))
 

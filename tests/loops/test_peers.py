@@ -155,7 +155,7 @@ def test_bench_json_and_table_show_peers_and_skips(tmp_path, monkeypatch):
     assert {"peer_hf", "peer_hooks"} <= set(d["median_s"]) and "peer_nnsight" not in d["median_s"]
     assert d["ratios"]["peer_hooks_over_a"] == r.median("peer_hooks") / r.median("a")
     assert d["peers"]["peer_hf"]["status"] == "checked" and d["peers"]["peer_hf"]["points"] == 4
-    assert d["peers"]["peer_nnsight"] == {"status": "skipped",
+    assert d["peers"]["peer_nnsight"] == {"status": "skipped", "label": "nnsight .save() + compare",
                                           "reason": "nnsight is not installed (pip install 'tracer[peers]')"}
     console = Console(width=250, record=True)
     console.print(table(r))
