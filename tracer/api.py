@@ -22,8 +22,9 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, validate
+from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
 from tracer.errors import TracerError
+from tracer.validate import validate
 
 if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer stays light
     from pathlib import Path

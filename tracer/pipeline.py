@@ -443,7 +443,7 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     """Run one scenario end to end: prepare, execute both plans, compare, store, decode, verdict.
 
     Args:
-        cfg: a validated :class:`~tracer.config.RunConfig` (:func:`tracer.config.validate`).
+        cfg: a validated :class:`~tracer.config.RunConfig` (:func:`tracer.validate.validate`).
         loaded: a loaded model to reuse instead of loading ``cfg.model``.
         progress: show the model loading's progress bars.
         say: status callback (one short line per stage).

@@ -129,7 +129,8 @@ def test_engine_option_is_declared_once_for_cli_and_api(monkeypatch):
     import inspect
 
     import tracer
-    from tracer.config import OPTIONS, RunConfig, validate
+    from tracer.config import OPTIONS, RunConfig
+    from tracer.validate import validate
 
     assert OPTIONS["engine"].group == "scenario" and OPTIONS["engines"].group == "scenario_options"
     for fn in (tracer.run, tracer.audit, tracer.sweep):

@@ -37,12 +37,13 @@ from typing import Any, Callable
 import torch
 
 from tracer import pipeline, schema
-from tracer.config import RunConfig, validate
+from tracer.config import RunConfig
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
 from tracer.plan.checks import check_int
 from tracer.store.integrity import check_output_path
+from tracer.validate import validate
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "c_auto", "d", "e_write", "e_read")
