@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
     from tracer.loops.bench_vllm import VllmBenchResult
-    from tracer.pipeline import RunResult
+    from tracer.run_result import RunResult
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
 
@@ -143,7 +143,7 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
             a trace is written only when ``output`` is given.
 
     Returns:
-        a :class:`~tracer.pipeline.RunResult`; ``result.comparison`` is the table as data and
+        a :class:`~tracer.run_result.RunResult`; ``result.comparison`` is the table as data and
         ``result.to_dict()`` the JSON document of ``tracer run --format json``.
 
     Raises:
