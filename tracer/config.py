@@ -81,7 +81,7 @@ class ScenarioConfig:
     engine: str | None = None
 
     def params(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`tracer.plan.scenarios.build` (unset ones left out)."""
+        """Keyword arguments of :func:`tracer.plan.build.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
         for k in ("block_size", "split_at", "mitigation", "engine"):
             if getattr(self, k) is not None:

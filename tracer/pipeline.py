@@ -109,7 +109,7 @@ def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
     import sys
 
     from tracer.plan.checks import check_positions, positions_needed
-    from tracer.plan.scenarios import preview
+    from tracer.plan.build import preview
 
     config = getattr(loaded.model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
@@ -131,7 +131,7 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
     from tracer.execute.tp_dist import check_distributed
-    from tracer.plan.scenarios import check_resources, make_scenario
+    from tracer.plan.build import check_resources, make_scenario
 
     if loaded is None:
         say(f"loading {cfg.model.name}")

@@ -35,7 +35,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
     from tracer.plan.engines import check_engine
-    from tracer.plan.scenarios import check_mitigation, check_resources, preview
+    from tracer.plan.build import check_resources, preview
+    from tracer.plan.scenarios import check_mitigation
     from tracer.store.integrity import check_output
 
     m, s, c, st, ch, pr = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks, cfg.prompt
