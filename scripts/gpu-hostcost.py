@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tracer  # noqa: E402
-from tracer import pipeline  # noqa: E402
+from tracer.execute.runner import run_bare  # noqa: E402
 
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b-shape"
 lengths = [int(x) for x in sys.argv[2:]] or [1024, 4096]
@@ -43,7 +43,7 @@ for n in lengths:
     first = tracer.run(**kw, store="none")
     ids, scen = first.token_ids, first.scenario
     modes = {
-        "bare": lambda: pipeline.run_bare(lm, ids, scen),
+        "bare": lambda: run_bare(lm, ids, scen),
         "none": lambda: tracer.run(**kw, store="none"),
         "auto": lambda: tracer.run(**kw, store="auto", output="/tmp/hc-auto.h5", overwrite=True),
         "tensors": lambda: tracer.run(**kw, store="tensors", output="/tmp/hc-tensors.h5", overwrite=True),

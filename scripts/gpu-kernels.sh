@@ -45,7 +45,7 @@ import statistics, time, torch
 import tracer
 from tracer.execute.capture import discover_points
 from tracer.execute.runner import execute
-from tracer.plan.scenarios import build
+from tracer.plan.build import build
 lm = tracer.load_model("qwen3-0.6b-shape", device="cuda")
 ids = list(range(1000, 1250))
 scen = build("prefix-cache", 250, block_size=16)

@@ -27,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from tracer import pipeline  # noqa: E402
-from tracer.config import RunConfig, validate  # noqa: E402
+from tracer.config import RunConfig  # noqa: E402
 from tracer.diff.compare import compare_records  # noqa: E402
 from tracer.execute.engines import execute_plan  # noqa: E402
+from tracer.execute.runner import run_bare  # noqa: E402
+from tracer.validate import validate  # noqa: E402
 
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b-shape"
 lengths = [int(x) for x in sys.argv[2:]] or [1024, 4096]
@@ -62,8 +64,8 @@ for n in lengths:
         a, b = held["runs"]
         compare_records(a, b, scenario=scen.name, model=lm.info.name)
 
-    modes = {"bare": lambda: pipeline.run_bare(lm, ids, scen),
-             "hf": lambda: pipeline.run_bare(lm, ids, scen, extra={"output_hidden_states": True}),
+    modes = {"bare": lambda: run_bare(lm, ids, scen),
+             "hf": lambda: run_bare(lm, ids, scen, extra={"output_hidden_states": True}),
              "hooks": hooks, "compare": compare, "run": lambda: pipeline.run(cfg, lm)}
     times = {m: [] for m in modes}
     for i in range(18):

@@ -107,8 +107,8 @@ def test_no_import_cycles_function_local_imports_included():
 
 def test_stages_depend_downward():
     order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.store",
-             "tracer.diff", "tracer.report", "tracer.config", "tracer.pipeline", "tracer.loops", "tracer.api",
-             "tracer.cli"]
+             "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
+             "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
 
     def rank(mod: str) -> int:
         return max(i for i, stage in enumerate(order) if mod == stage or mod.startswith(stage + "."))

@@ -9,8 +9,9 @@ import sys
 import pytest
 
 import tracer
-from tracer.config import RunConfig, validate
+from tracer.config import RunConfig
 from tracer.errors import TracerError
+from tracer.validate import validate
 
 
 @pytest.mark.parametrize("options, words", [

@@ -34,7 +34,7 @@ def capped_cases(cases: dict[str, str], cap: int = CAP, timeout: float = 240) ->
             f"sys.path.insert(0, {str(ROOT)!r})\n"
             "from tracer.errors import TracerError\n"
             "from tracer.store.enginedump import read_dump\n"
-            "from tracer.execute.enginemap import load_engine_map\n"
+            "from tracer.execute.enginerules import load_engine_map\n"
             f"cases = {json.dumps(cases)}\n"
             "out = {}\n"
             "for name, expr in cases.items():\n"

@@ -186,7 +186,7 @@ def test_plans_that_cannot_be_recorded_are_refused():
     from tracer.errors import TracerError
     from tracer.execute.graphs import check_graph_plan
     from tracer.plan.plans import with_cuda_graphs
-    from tracer.plan.scenarios import build
+    from tracer.plan.build import build
 
     for name, opts, why in (("kv-quant", {}, "a KV-cache format"), ("batch", {}, "a batch"),
                             ("compile", {}, "torch.compile"), ("generate-cache", {}, "token-by-token generation")):

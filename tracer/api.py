@@ -13,7 +13,9 @@
 Every option of :func:`run`, :func:`audit` and :func:`sweep` is declared once in
 :data:`tracer.config.OPTIONS`; their signatures are built from it (``inspect.signature`` and tab
 completion show every keyword), and the ``tracer`` command's options from these functions
-(:mod:`tracer.cli`). Importing this module loads neither torch nor transformers.
+(:mod:`tracer.cli`). The calls on stored files (no model needed: ``compare_trace``, ``trace_info``,
+``plot_file``, ``report_file`` ...) live in :mod:`tracer.api_files` and are re-exported here.
+Importing this module loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ import inspect
 import os
 from typing import TYPE_CHECKING, Any, Callable, Union
 
-from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, validate
+from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep, read_trace, report_file, trace_info,
+                               write_megatron_dump, write_sglang_dump)
+from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
 from tracer.errors import TracerError
+from tracer.validate import validate
 
-if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer stays light
+if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported ones' too): importing tracer stays light
     from pathlib import Path
 
     import pandas
@@ -41,7 +46,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
     from tracer.loops.bench_vllm import VllmBenchResult
-    from tracer.pipeline import RunResult
+    from tracer.run_result import RunResult
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
 
@@ -142,7 +147,7 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
             a trace is written only when ``output`` is given.
 
     Returns:
-        a :class:`~tracer.pipeline.RunResult`; ``result.comparison`` is the table as data and
+        a :class:`~tracer.run_result.RunResult`; ``result.comparison`` is the table as data and
         ``result.to_dict()`` the JSON document of ``tracer run --format json``.
 
     Raises:
@@ -238,122 +243,6 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     return compare_records(rec_a, rec_b, scenario="capture", model=model, atol=atol, rtol=rtol, facts=facts)
 
 
-def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
-                  engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Comparison:
-    """Compare two stored runs (no model needed): ``path`` alone (its first two runs), ``path run_a
-    [run_b]`` (runs of one trace), ``path[:RUN] TRACE2[:RUN]`` (a run of each of two traces, e.g.
-    from two machines; a file without :RUN uses the other side's run name, else its first run),
-    ``path[:RUN] DUMP``: an HF reference run against an engine dump, or ``DUMP_A DUMP_B`` with
-    ``reference``: two engine dumps against each other (a rollout engine's dump against a
-    trainer's, both mapped onto the reference run's HF names and token ids; the RL metrics in
-    ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`). A ``--store
-    auto`` trace that dropped tensors gives the comparison it stored at run time (unless a
-    tolerance is asked).
-
-    Args:
-        path: an HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN; or, with
-            --reference, the first engine dump (the rollout's).
-        run_a: the first run (default: the first in the file), or a second trace FILE2[:RUN], or an
-            engine dump (SGLang dumper folder, PassN.pt folder, .safetensors/.npz, or a trace
-            written by 'tracer import'); with --reference, the second engine dump (the trainer's).
-        run_b: the second run (default: the second).
-        engine_map: engine dump map (TOML, schema of hooks/engine-llama.toml) merged over the
-            built-in one; for a DUMP argument.
-        device: where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).
-        reference: REF.h5[:RUN], an HF reference run whose names, shapes and token ids both engine
-            dumps are mapped onto (two dumps against each other: DUMP_A DUMP_B --reference REF.h5:RUN).
-
-    Returns:
-        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
-
-    Raises:
-        TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
-            tolerances or ``fail_on``.
-    """
-    from dataclasses import replace
-
-    refs = [str(x) for x in (path, run_a, run_b) if x is not None]
-    if reference is not None and len(refs) != 2:  # before anything heavy is imported
-        raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
-    from tracer.diff.compare import compare_runs
-    from tracer.diff.compare_dump import compare_dump, dump_side
-    from tracer.diff.compare_dumps import compare_dumps, dumps_args
-    from tracer.diff.refs import resolve_refs, split_ref
-    from tracer.diff.result import check_fail_on
-
-    check_fail_on(fail_on, atol, rtol)
-    pair = dumps_args(refs, reference)
-    if pair is not None:
-        comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
-                                   rtol=rtol, device=device)
-        return replace(comparison, fail_on=fail_on)
-    dump = dump_side(refs)
-    if dump is not None:
-        comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
-    elif engine_map is not None:
-        raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
-    else:
-        from tracer.diff.stored import auto_comparison
-
-        (pa, ra), (pb, rb) = resolve_refs(refs)
-        # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
-        stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
-        comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
-    return replace(comparison, fail_on=fail_on)
-
-
-def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
-                overwrite: bool = False, run_name: str = "engine") -> MappedDump:
-    """Map an engine dump onto an HF reference run's capture points and write it as a one-run trace
-    (compare it with ``tracer compare REF.h5:RUN OUTPUT``; :func:`tracer.diff.compare_dump.import_dump`;
-    returns its :class:`~tracer.execute.enginemap.MappedDump`).
-
-    Args:
-        dump: an engine dump: SGLang dumper folder, PassN.pt folder (per-rank sub-folders), or
-            .safetensors/.npz of named tensors.
-        reference: the HF reference run TRACE[:RUN] whose names, shapes and token ids the dump is mapped onto.
-        output: the trace to write (one run, HF capture names).
-        engine_map: engine dump map (TOML) merged over the built-in one.
-        overwrite: replace an existing output file.
-        run_name: name of the imported run.
-
-    Raises:
-        TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
-    """
-    from tracer.diff.compare_dump import import_dump as _imp
-    from tracer.diff.refs import split_ref
-
-    return _imp(str(dump), split_ref(str(reference)), str(output), engine_map=engine_map, overwrite=overwrite,
-                run_name=run_name)
-
-
-def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
-    """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
-    from tracer.store.sglang_dump import write_sglang_dump as _w
-
-    return _w(trace, run, out, **kwargs)
-
-
-def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
-    """Write a stored HF run as a synthetic Megatron-LM trainer dump, as Miles' dumper writes one
-    (:func:`tracer.store.megatron_dump.write_megatron_dump`: TP, SP, CP, PP, Transformer Engine spec)."""
-    from tracer.store.megatron_dump import write_megatron_dump as _w
-
-    return _w(trace, run, out, **kwargs)
-
-
-def read_trace(path: str) -> TraceReader:
-    """Open a stored trace (:class:`tracer.store.trace.TraceReader`; use it as a context manager).
-
-    Raises:
-        TracerError: missing, incomplete or corrupt file, unknown format version.
-    """
-    from tracer.store.trace import TraceReader
-
-    return TraceReader(path)
-
-
 def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] | None = None,
           mitigations: bool = True, loaded: LoadedModel | None = None, progress: bool | str = True,
           on_check: Callable[[str, int, int], None] | None = None, on_row: Callable[[AuditRow], None] | None = None,
@@ -423,17 +312,6 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
                   progress=progress, on_point=on_point)
 
 
-def read_sweep(path: str) -> SweepResult:
-    """Read a sweep file (:func:`tracer.loops.sweep.read_sweep`).
-
-    Raises:
-        TracerError: not a sweep file, or corrupt.
-    """
-    from tracer.loops.sweep import read_sweep as _rs
-
-    return _rs(path)
-
-
 def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: str | None = None,
          **kwargs: Any) -> Figure:
     """A matplotlib Figure of a result: a RunResult or Comparison (``amplification``, ``heatmap``,
@@ -445,64 +323,6 @@ def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: st
     from tracer.report.plot import figure_of
 
     return figure_of(obj, kind, **kwargs)
-
-
-def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str | os.PathLike | None = None,
-              overwrite: bool = False, layers: str | list[str] | None = None, run_a: str | None = None,
-              run_b: str | None = None) -> Path:
-    """Draw a figure from a stored trace or sweep file and save it (no model needed; returns its path).
-
-    Args:
-        path: a trace (tracer run) or a sweep file (tracer sweep).
-        kind: the figure: amplification, heatmap, ulp (traces) or sweep (sweep files); default:
-            amplification or sweep.
-        output: figure file: .png, .svg or .pdf (default: beside the input, <name>-<kind>.png).
-        overwrite: replace an existing output.
-        layers: with kind ulp: capture points to show, comma-separated names or indices (default:
-            first divergent, middle, last, logits).
-        run_a, run_b: the runs to draw, recomputed from their tensors (default: the trace's stored
-            comparison of its first two runs).
-
-    Raises:
-        TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
-    """
-    from tracer.report.plot import plot_file as _pf
-
-    return _pf(path, kind=kind, output=output, overwrite=overwrite, layers=layers, run_a=run_a, run_b=run_b)
-
-
-def report_file(path: str | os.PathLike, *, output: str | os.PathLike | None = None, overwrite: bool = False,
-                device: str | None = None) -> Path:
-    """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit
-    matrix or sweep map) from a stored trace or sweep file: no model needed, nothing recomputed.
-    Returns the report's path.
-
-    Args:
-        path: a trace (tracer run / audit) or a sweep file (tracer sweep).
-        output: the .html file (default: beside the input, <name>.html).
-        overwrite: replace an existing output.
-        device: only for traces without a stored comparison: where to compare (cpu, cuda).
-
-    Raises:
-        TracerError: missing or corrupt file, an existing output without ``overwrite``.
-    """
-    from tracer.report.pages import write_report_file
-
-    return write_report_file(path, output, overwrite=overwrite, device=device)
-
-
-def trace_info(path: str | os.PathLike) -> dict[str, Any]:
-    """A trace's header (the numeric contract), its runs and stored comparisons, as data (``tracer show``).
-
-    Args:
-        path: an HDF5 trace written by 'tracer run'.
-
-    Raises:
-        TracerError: missing, incomplete or corrupt file.
-    """
-    from tracer.store.trace import describe
-
-    return describe(path)
 
 
 def models() -> list[dict[str, str]]:

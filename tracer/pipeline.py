@@ -18,7 +18,7 @@ side stream while run B executes, and a background thread writes them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from dataclasses import replace as _replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any, Callable
 from tracer.config import CaptureConfig, RunConfig
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.run_result import RunResult
 
 if TYPE_CHECKING:
     from tracer.diff.result import Comparison
     from tracer.execute.points import CapturePoint
     from tracer.execute.records import RunRecord
-    from tracer.load.models import LoadedModel, ModelInfo
+    from tracer.load.models import LoadedModel
     from tracer.plan.scenarios import Scenario
     from tracer.store.trace import TraceWriter
 
@@ -108,7 +109,7 @@ def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
     import sys
 
     from tracer.plan.checks import check_positions, positions_needed
-    from tracer.plan.scenarios import preview
+    from tracer.plan.build import preview
 
     config = getattr(loaded.model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
@@ -130,7 +131,7 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
     from tracer.execute.tp_dist import check_distributed
-    from tracer.plan.scenarios import check_resources, make_scenario
+    from tracer.plan.build import check_resources, make_scenario
 
     if loaded is None:
         say(f"loading {cfg.model.name}")
@@ -241,7 +242,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.diff.engine import engine_skips, sampled_logits
-    from tracer.execute.engines import execute_plan, hf_contract
+    from tracer.execute.engines import execute_plan, hf_contract, uses_engines
     from tracer.execute.family import family_for
     from tracer.execute.runner import settle_wall
     from tracer.load.contract import numeric_contract
@@ -320,21 +321,6 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     return Outcome(comparison, kept, partials)
 
 
-def uses_engines(scen: Any) -> bool:
-    """Whether a plan of ``scen`` runs on an engine other than HF (``RunPlan.engine``)."""
-    return any((getattr(p, "engine", "hf") or "hf") != "hf" for p in (scen.plan_a, scen.plan_b))
-
-
-def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
-    """The trace header's ``engines``: each run's engine contract, known before it runs
-    (:func:`tracer.execute.engines.plan_contract`), when a plan runs on an engine other than HF; else {}."""
-    if not uses_engines(scen):
-        return {}
-    from tracer.execute.engines import plan_contract
-
-    return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
-
-
 def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:
     """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.points.discover_points`)."""
     from tracer.execute.points import discover_points
@@ -342,100 +328,9 @@ def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CaptureP
     return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
 
 
-def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, *, extra: dict[str, Any] | None = None,
-             on_output: Callable[[int, int, int, Any], None] | None = None,
-             wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
-    """Both plans of ``scen`` with no hooks and no comparison: the floor ``tracer bench`` measures
-    tracer against (mode a).
-
-    The bench's peers (:mod:`tracer.loops.peers`) run the same plans, calling the model the same
-    way (the same chunks, the same KV cache), through these arguments:
-
-    Args:
-        extra: more keyword arguments for every model call (``output_hidden_states=True``).
-        on_output: ``on_output(plan_index, start, stop, output)`` after each chunk (plan A is 0).
-        wrap: ``wrap(fn)`` returns the callable to call instead of the plan's model (nnsight).
-    """
-    import torch
-
-    from tracer.execute.runner import forward_chunks, plan_context
-    from tracer.load.devices import model_device
-
-    ids = torch.tensor([token_ids], device=model_device(loaded.model))  # (1, N)
-    with torch.inference_mode():
-        for i, plan in enumerate((scen.plan_a, scen.plan_b)):
-            with plan_context(loaded.model, plan) as fn:
-                each = None if on_output is None else (lambda s, e, out, i=i: on_output(i, s, e, out))
-                forward_chunks(loaded.model, ids, plan, None, fn if wrap is None else wrap(fn), extra=extra,
-                               on_output=each, compiled=fn is not loaded.model)
-
-
 def without_tensors(rec: RunRecord) -> RunRecord:
     """The run record with its captures dropped (plans, token ids and meta only)."""
     return _replace(rec, captures={})
-
-
-@dataclass
-class RunResult:
-    """What :func:`run` (and ``tracer.run``) returns.
-
-    Attributes:
-        comparison: the :class:`~tracer.diff.result.Comparison` (the amplification table as data).
-        scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
-        trace: path of the HDF5 trace, or None when nothing was stored.
-        token_ids: the prompt's N token ids.
-        runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
-        model_info: the :class:`~tracer.load.models.ModelInfo` of the model that ran.
-        fail_on: the rule :meth:`check` judges by.
-        partials: ``--tp-mode distributed --tp-partials``: run ``B.partials``, every rank's
-            row-parallel partials. Under ``torchrun``, ranks other than 0 get ``comparison=None``.
-    """
-
-    comparison: Comparison | None
-    scenario: Scenario
-    trace: str | None
-    token_ids: list[int]
-    runs: tuple[RunRecord | None, RunRecord | None] = field(repr=False, default=(None, None))
-    model_info: ModelInfo | None = None
-    fail_on: str | None = None
-    partials: RunRecord | None = field(repr=False, default=None)
-
-    def check(self) -> tuple[bool, str]:
-        """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
-        return self.comparison.check(self.fail_on)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The same document as ``tracer run --format json``."""
-        return self.comparison.to_dict()
-
-    def verdict(self) -> str:
-        """One line: bit-identical, or where the runs diverge and how many argmax flips."""
-        return self.comparison.verdict()
-
-    def plot(self, kind: str = "amplification", **kwargs: Any):
-        """A matplotlib Figure (see :func:`tracer.report.plot.figure_for`): ``amplification``,
-        ``heatmap`` or ``ulp``.
-
-        Raises:
-            TracerError: unknown kind, matplotlib missing.
-        """
-        from tracer.report.plot import figure_for
-
-        return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
-
-    def to_pandas(self):
-        """The comparison as a DataFrame, one row per capture point (:func:`tracer.report.frames.comparison_frame`)."""
-        from tracer.report.frames import comparison_frame
-
-        return comparison_frame(self.comparison)
-
-    def _repr_markdown_(self) -> str:  # Jupyter
-        from tracer.report.tables import to_markdown
-
-        return to_markdown(self.comparison)
-
-    def __repr__(self) -> str:
-        return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"
 
 
 def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = False, say: Say = _quiet,
@@ -443,7 +338,7 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     """Run one scenario end to end: prepare, execute both plans, compare, store, decode, verdict.
 
     Args:
-        cfg: a validated :class:`~tracer.config.RunConfig` (:func:`tracer.config.validate`).
+        cfg: a validated :class:`~tracer.config.RunConfig` (:func:`tracer.validate.validate`).
         loaded: a loaded model to reuse instead of loading ``cfg.model``.
         progress: show the model loading's progress bars.
         say: status callback (one short line per stage).
@@ -456,7 +351,7 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     from tracer.load.prompts import prompt_file_note
     from tracer.store.trace import default_output
 
-    from tracer.execute.engines import execute_plan
+    from tracer.execute.engines import engines_header, execute_plan
     from tracer.execute.tp_dist import distributed_header, distributed_plans, torchrun_rank
 
     prep = prepare(cfg, loaded, progress=progress, say=say)
@@ -545,5 +440,5 @@ def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, 
     return NoiseVerdict(verdict, reason, worst, judged)
 
 
-__all__ = ["Prepared", "Outcome", "RunResult", "load", "needs_tokenizer", "prompt_ids", "prepare", "trace_header", "open_writer",
+__all__ = ["Prepared", "Outcome", "load", "needs_tokenizer", "prompt_ids", "prepare", "trace_header", "open_writer",
            "run_scenario", "without_tensors", "run", "precision_ladder", "TracerError"]

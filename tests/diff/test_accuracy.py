@@ -132,7 +132,7 @@ def _core_runs(dtype):
     from tracer.execute.points import discover_points
     from tracer.diff.compare import compare_records
     from tracer.execute.runner import execute
-    from tracer.plan.scenarios import build
+    from tracer.plan.build import build
 
     model = make_model("llama", dtype)
     scen = build("prefix-cache", len(IDS), block_size=16)

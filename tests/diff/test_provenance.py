@@ -11,7 +11,7 @@ from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.provenance import classify
 from tracer.execute.runner import execute
-from tracer.plan.scenarios import build
+from tracer.plan.build import build
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]
 TARGET = "model.layers.1.mlp.down_proj"

@@ -9,7 +9,7 @@ from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.execute.kernels import parse_kernel, summarize
 from tracer.execute.runner import execute
-from tracer.plan.scenarios import build
+from tracer.plan.build import build
 
 # Real kernel names. The nvjet and splitKreduce names are from the H200 probe quoted in issue 12
 # (torch 2.11, cuBLASLt, Qwen3-0.6B down_proj K=3072 N=1024 at M=250/240/10/4096); the others are

@@ -21,7 +21,8 @@ from tracer.execute.points import discover_points
 from tracer.execute.engines import execute_plan, executor_name
 from tracer.execute.runner import batch_inputs
 from tracer.plan.rollout import KNOBS, mitigation_variants
-from tracer.plan.scenarios import Batch, build
+from tracer.plan.build import build
+from tracer.plan.scenarios import Batch
 
 IDS = [(7 * i + 3) % 500 for i in range(20)]
 N = len(IDS)

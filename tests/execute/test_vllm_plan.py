@@ -7,6 +7,7 @@ import pytest
 from tracer.errors import TracerError
 from tracer.execute.vllm_plan import VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves
 from tracer.plan import scenarios as S
+from tracer.plan.build import build
 
 N = 100
 IDS = list(range(1000, 1000 + N))
@@ -79,23 +80,23 @@ def test_compilation_graphs_and_unsupported_plan_features_are_refused():
 def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
     from tracer.execute.engines import executor_name
 
-    pc = S.build("prefix-cache", N, engine="vllm")
+    pc = build("prefix-cache", N, engine="vllm")
     assert pc.params["block_size"] == 32 and pc.window == (96, N)  # vLLM's CPU block size: the cached prefix is 96
     assert (pc.plan_a.engine, pc.plan_b.engine) == ("vllm", "vllm")
     assert dict(pc.plan_b.engine_settings) == {"block_size": 32, "chunks": "prefix-cache"}
     assert executor_name(pc.plan_a) == executor_name(pc.plan_b) == "vllm"
-    aligned = S.build("prefix-cache", N, engine="vllm", mitigation="aligned")  # the miss, chunked at P by the budget
+    aligned = build("prefix-cache", N, engine="vllm", mitigation="aligned")  # the miss, chunked at P by the budget
     assert dict(aligned.plan_a.engine_settings)["chunks"] == "chunked" and aligned.plan_a.chunks == ((0, 96), (96, N))
     assert settings_of(aligned.plan_a, chunk_mode(aligned.plan_a, {}, {}), {}).max_num_batched_tokens == 96
-    bs = S.build("block-size", N, engine="vllm")
+    bs = build("block-size", N, engine="vllm")
     assert [dict(p.engine_settings)["block_size"] for p in (bs.plan_a, bs.plan_b)] == [32, 64]
     assert [settings_of(p, "prefix-cache", {}).block_size for p in (bs.plan_a, bs.plan_b)] == [32, 64]
-    cp = S.build("chunked-prefill", N, engine="vllm", chunk_size=32)
+    cp = build("chunked-prefill", N, engine="vllm", chunk_size=32)
     assert chunk_mode(cp.plan_b, {}, {}) == "chunked"
-    rl = S.build("rollout-vs-train", N, engine="vllm")
+    rl = build("rollout-vs-train", N, engine="vllm")
     assert (rl.plan_a.engine, rl.plan_b.engine) == ("vllm", "hf")
     assert (executor_name(rl.plan_a), executor_name(rl.plan_b)) == ("vllm-rollout", "hf-train")
-    assert S.build("prefix-cache", N) == S.build("prefix-cache", N, engine="hf")  # hf: today's plans, unchanged
+    assert build("prefix-cache", N) == build("prefix-cache", N, engine="hf")  # hf: today's plans, unchanged
 
 
 @pytest.mark.parametrize("name, params, match", [
@@ -108,20 +109,20 @@ def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
 ])
 def test_what_vllm_cannot_realise_is_refused_at_plan_time(name, params, match):
     with pytest.raises(TracerError, match=match) as e:
-        S.build(name, N, engine="vllm", **params)
+        build(name, N, engine="vllm", **params)
     assert "\n" not in str(e.value)
 
 
 def test_engine_scenario_is_level_six_on_two_engines():
-    scen = S.build("engine", N)
+    scen = build("engine", N)
     assert scen.level == 6 and scen.window == (0, N) and scen.params["engines"] == ["hf", "vllm"]
     assert (scen.plan_a.engine, scen.plan_b.engine) == ("hf", "vllm") and scen.plan_a.chunks == scen.plan_b.chunks
-    assert S.build("engine", N, engines="vllm,hf").plan_a.engine == "vllm"
+    assert build("engine", N, engines="vllm,hf").plan_a.engine == "vllm"
     for bad, match in (("hf", "two engines"), ("hf,sglang", "unknown engine 'sglang'")):
         with pytest.raises(TracerError, match=match):
-            S.build("engine", N, engines=bad)
+            build("engine", N, engines=bad)
     with pytest.raises(TracerError, match="--engines A,B"):
-        S.build("engine", N, engine="vllm")
+        build("engine", N, engine="vllm")
 
 
 def test_engine_option_is_declared_once_for_cli_and_api(monkeypatch):
@@ -129,7 +130,8 @@ def test_engine_option_is_declared_once_for_cli_and_api(monkeypatch):
     import inspect
 
     import tracer
-    from tracer.config import OPTIONS, RunConfig, validate
+    from tracer.config import OPTIONS, RunConfig
+    from tracer.validate import validate
 
     assert OPTIONS["engine"].group == "scenario" and OPTIONS["engines"].group == "scenario_options"
     for fn in (tracer.run, tracer.audit, tracer.sweep):

@@ -13,7 +13,7 @@ import tracer
 from tracer.errors import TracerError
 from tracer.loops.audit import DEFAULT_LENGTH
 from tracer.plan.cost import plan_cost, scenario_cost
-from tracer.plan.scenarios import build
+from tracer.plan.build import build
 from tracer.store.trace import TraceReader
 
 LEVELS = "0,2,5"

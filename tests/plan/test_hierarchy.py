@@ -11,7 +11,8 @@ from tracer.errors import TracerError
 from tracer.load.hf_cache import output_cache
 from tracer.plan.quant import fp8_e4m3
 from tracer.execute.runner import batch_inputs, execute, forward_chunks
-from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario, build
+from tracer.plan.build import build
+from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario
 
 
 def execute_scenario(model, token_ids, scen, points, names=None):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tracer.errors import TracerError
-from tracer.plan.scenarios import RunPlan, build, default_split, prefix_cache
+from tracer.plan.build import build
+from tracer.plan.scenarios import RunPlan, default_split, prefix_cache
 
 
 @pytest.mark.parametrize("n,block,expected", [(31, 16, 16), (32, 16, 16), (33, 16, 32), (100, 16, 96),

@@ -21,7 +21,8 @@ from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
+from tracer.execute.enginemap import MappedDump, RefLayout, map_dump
+from tracer.execute.enginerules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.devices import resolve_device

@@ -29,7 +29,8 @@ from tracer.diff.compare import compare_pairs
 from tracer.diff.compare_dump import is_dump, ref_layout
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.execute.enginemap import MappedDump, RefLayout, load_engine_map, map_dump
+from tracer.execute.enginemap import MappedDump, RefLayout, map_dump
+from tracer.execute.enginerules import load_engine_map
 from tracer.execute.enginetokens import ranges
 from tracer.execute.kinds import PointKind
 from tracer.store.enginedump import read_dump

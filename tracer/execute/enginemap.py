@@ -5,7 +5,8 @@ recorded: a :class:`MappedDump` holds, per HF capture point, the rows of every c
 and a one-line account of where they came from (``engine name → HF name``, what was split, how
 many TP shards were concatenated along which dim, what was summed). Positions present on one side
 only, and engine tensors that map to nothing tracer captures, are listed in ``notes``; nothing is
-dropped silently. The map format is documented in ``hooks/engine-llama.toml``.
+dropped silently. The map format is documented in ``hooks/engine-llama.toml``; maps are read by
+:mod:`tracer.execute.enginerules`, TP/SP shards joined by :mod:`tracer.execute.engineshards`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,12 +24,9 @@ from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.enginetokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
+from tracer.execute.engineshards import UNMARKED_PARTIAL, _unshard
 
 _LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
-_RULE_KEYS = {"hf", "element", "sum", "split", "shard", "rows", "tokens", "identity"}
-#: values of a rule's ``tokens``: the leading dims of the engine's tensor (``t``: one token dim,
-#: SGLang/vLLM; ``sb``: Megatron's ``[s, b, ...]``; ``bs``: ``[b, s, ...]``)
-_TOKEN_LAYOUTS = ("t", "sb", "bs")
 
 
 @dataclass(frozen=True)
@@ -116,82 +113,6 @@ def pass_entries(name: str, value: Any, step: int, tp_rank: int = 0, tp_size: in
             for i, v in enumerate(values) if v is not None]
 
 
-# ---------------------------------------------------------------- the map
-
-
-def _check_rules(rules: Any, key: str, where: str) -> list[dict[str, Any]]:
-    rules = rules if isinstance(rules, list) else [rules]
-    for r in rules:
-        if not isinstance(r, dict) or "hf" not in r or set(r) - _RULE_KEYS:
-            raise TracerError(f"{where}: rule for {key!r} must be a table with 'hf' and only {sorted(_RULE_KEYS)}")
-        if r.get("split") not in (None, "qkv", "qkv_groups", "halves") or r.get("shard") not in (None, "columns", "replicated"):
-            raise TracerError(f"{where}: rule for {key!r} has an unknown split/shard; use split qkv|qkv_groups|halves, "
-                              "shard columns|replicated")
-        if r.get("tokens", "t") not in _TOKEN_LAYOUTS or r.get("identity") not in (None, "skip"):
-            raise TracerError(f"{where}: rule for {key!r} has an unknown tokens/identity; use tokens t|sb|bs, identity skip")
-    return rules
-
-
-def load_engine_map(family: str, override: str | Path | None = None, engine: str | None = None) -> dict[str, Any]:
-    """The engine map for ``family`` (``hooks/engine-*.toml`` on the family-descriptor search path,
-    :func:`tracer.execute.family.engine_map_files`), with ``override`` (a TOML file of the same
-    schema) merged over it key by key.
-
-    A map whose ``[engine]`` table has no ``engine`` key is generic: it describes the module tree
-    that SGLang and vLLM share for these families (what a dump of either holds). A map with
-    ``engine = "vllm"`` adds that engine's own rules for these families (``[layer]``/``[model]``
-    keys win over the generic ones) and its ``[capture]`` table (what the in-process capture hooks:
-    :mod:`tracer.execute.vllm_capture`); it is read only when ``engine`` names it.
-
-    Returns:
-        ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns],
-        "capture": {...}, "settings": {...}, "sources": [paths]}``; ``settings`` holds the
-        ``[engine]`` table's other keys, later maps winning: ``tokens`` (the default of the rules'
-        ``tokens``) and ``kv_heads`` (the model's query groups, for ``split = "qkv_groups"``).
-
-    Raises:
-        TracerError: no map for the family and no override; an unreadable or malformed map.
-    """
-    from tracer.execute.family import engine_map_files
-
-    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "settings": {}, "sources": []}
-    layers = [(p, _read_toml(p)) for p in engine_map_files(family, engine)]
-    if override is not None:
-        layers.append((Path(override), _read_toml(Path(override))))
-    if not layers:
-        raise TracerError(f"no engine map for model family {family!r} (hooks/engine-*.toml); "
-                          "write one in that schema and pass it with --map FILE")
-    for path, data in layers:
-        for section in ("layer", "model"):
-            for key, rules in data.get(section, {}).items():
-                merged[section][key] = _check_rules(rules, key, str(path))
-        head = data.get("engine", {}) if isinstance(data.get("engine"), dict) else {}
-        merged["ignore"] += list(head.get("ignore", data.get("ignore", [])))
-        merged["settings"].update({k: v for k, v in head.items() if k not in ("families", "ignore", "engine")})
-        if merged["settings"].get("tokens", "t") not in _TOKEN_LAYOUTS:
-            raise TracerError(f"{path}: [engine] tokens must be one of {', '.join(_TOKEN_LAYOUTS)}")
-        merged["capture"].update(data.get("capture", {}))
-        merged["sources"].append(str(path))
-    return merged
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    """An engine map through the input gate (a regular UTF-8 file of bounded size, valid TOML).
-
-    Raises:
-        TracerError: a FIFO, device, procfs file, a file too large, not UTF-8 or not TOML (one line).
-    """
-    from tracer.files import read_toml
-
-    data = read_toml(path, "engine map")
-    for section in ("layer", "model", "engine", "capture"):
-        if not isinstance(data.get(section, {}), dict):
-            raise TracerError(f"engine map {path}: [{section}] must be a table")
-    if not isinstance(data.get("engine", {}).get("ignore", data.get("ignore", [])), list):
-        raise TracerError(f"engine map {path}: ignore must be a list of name patterns")
-    return data
-
-
 # ---------------------------------------------------------------- names
 
 
@@ -224,134 +145,6 @@ def hf_name(target: str, layer: int | None, ref: RefLayout) -> str | None:
     if target == "@prev_layer":
         return f"{ref.layer_prefix}.{layer - 1}" if layer > 0 else None
     return f"{ref.layer_prefix}.{layer}.{target}"
-
-
-# ---------------------------------------------------------------- shards
-
-
-#: the start of the note of a replicated point whose TP ranks hold different values: taken as partial
-#: sums (float64 sum); :func:`tracer.diff.compare_dump.compare_dump` checks the sum against the reference
-UNMARKED_PARTIAL = "ranks differ although no dims mark them partial"
-
-
-def _tp_of_dims(first: DumpEntry, ndim: int) -> tuple[int | None, bool, bool, str]:
-    """``(dim, partial, replicated, note)`` of the TP axis in the entry's ``dims``
-    (:mod:`tracer.execute.dims`): the dim it shards (None: no TP axis), whether the ranks hold partial
-    sums, whether ``# tp:replicated`` declares equal copies, and a note naming what the dims say
-    beyond TP (other parallel axes, a ``dp:=`` group), which tracer does not unshard ("" if none).
-
-    Raises:
-        TracerError: a dims string that does not parse, or names another number of dimensions.
-    """
-    from tracer.execute.dims import check_rank, parse_dims
-
-    if first.dims is None or first.dims == "":
-        return None, False, False, ""
-    spec = parse_dims(first.dims, first.file)
-    check_rank(spec, ndim, first.dims, first.file)
-    dim, partial = spec.tp() or (None, False)
-    beyond = spec.other_axes() + ([f"dp:={spec.dp_group_alias}"] if spec.dp_group_alias else [])
-    note = f"dims also say {', '.join(beyond)}: tracer joins TP ranks only" if beyond else ""
-    return dim, partial, "tp" in spec.replicated_axes, note
-
-
-def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> tuple[list[torch.Tensor], str]:
-    """Join one (module, element, step)'s TP shards; returns the parts (one, or the split parts) and a note.
-
-    ``h[tp]`` / ``h(tp)`` (or a column-parallel rule): concatenated along that dim; ``h[tp:partial]``
-    / ``h(tp,partial)``: the ranks' partial sums added in float64 (kept in float64: the comparison
-    then says how it compares with the reference's dtype); no TP axis: the ranks must hold equal
-    copies, else their float64 sum is kept with a note starting with :data:`UNMARKED_PARTIAL` (the
-    comparison decides whether they were partial sums).
-
-    Raises:
-        TracerError: missing ranks, shapes/dtypes that differ, a bad dims string.
-    """
-    first = next(iter(shards.values()))
-    size = first.tp_size
-    ranks = sorted(shards)
-    if ranks != list(range(size)):
-        raise TracerError(f"inconsistent shards: {what} has TP ranks {ranks} of tp_size {size} ({first.file}); "
-                          "dump every rank of the TP group")
-    sizes = sorted({e.tp_size for e in shards.values()})
-    if len(sizes) > 1:
-        raise TracerError(f"inconsistent shards: the TP ranks of {what} disagree on tp_size ({sizes}; {first.file}); "
-                          "dump every rank of one TP group")
-    ts = [shards[r].tensor for r in ranks]
-    if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
-        shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in zip(ranks, ts))
-        raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
-    dim, partial, replicated, beyond = _tp_of_dims(first, ts[0].dim())
-    parts, note = _join(ts, rule, dim, partial, replicated, size, what, first.file, first.sp)
-    return parts, "; ".join(x for x in (note, beyond) if x)
-
-
-def _join(ts: list[torch.Tensor], rule: dict[str, Any], dim: int | None, partial: bool, replicated: bool, size: int,
-          what: str, file: str, sp: bool = False) -> tuple[list[torch.Tensor], str]:
-    """:func:`_unshard`'s joining of checked shards ``ts`` (rank order); ``sp``: Megatron's sequence
-    parallelism (outside the TP regions each rank holds a slice of the sequence)."""
-    split = rule.get("split")
-    if partial:
-        # "h[tp:partial]": each rank holds a partial sum (before the all-reduce); SGLang's comparator adds them
-        total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
-        parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
-        return parts, f"{size} TP partial sums added (float64, kept in float64)"
-    if dim is None and rule.get("shard") == "columns" and not replicated:
-        dim = ts[0].dim() - 1
-    if dim is None and sp and size > 1:
-        # Megatron sequence parallelism: outside the TP regions each rank holds its slice of the sequence, [s/tp, b, ...]
-        whole = torch.cat(ts, dim=0)
-        note = f"{size} sequence-parallel shards along the sequence"
-        return ([whole] if split is None else _split(whole, rule, whole.dim() - 1, 1, what)), note
-    if size == 1 or dim is None:
-        if size > 1 and any(not _same_bits(t, ts[0]) for t in ts[1:]):
-            if replicated:
-                raise TracerError(f"inconsistent shards: {what} is declared '# tp:replicated' but the {size} ranks "
-                                  f"hold different values ({file})")
-            total = torch.stack([t.to(torch.float64) for t in ts]).sum(0)
-            parts = [total] if split is None else _split(total, rule, total.dim() - 1, 1, what)
-            return parts, (f"{UNMARKED_PARTIAL}: the {size} ranks' float64 sum is compared "
-                           f"(replicated by its map, no TP axis in its dims; {file})")
-        if split is not None:  # one rank (or replicated copies) of a fused output: split it all the same
-            return _split(ts[0], rule, ts[0].dim() - 1 if dim is None else dim, 1, what), ""
-        return [ts[0]], ""
-    note = f"{size} TP shards along dim {dim}"
-    if split is None:
-        return [torch.cat(ts, dim=dim)], note
-    return [torch.cat(list(parts), dim=dim) for parts in zip(*[_split(t, rule, dim, size, what) for t in ts])], note
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality (NaN payloads included, -0.0 != 0.0)."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _split(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
-    if rule.get("split") == "qkv_groups":
-        return _split_groups(t, rule, dim, tp, what)
-    sizes = [s // tp for s in rule["_sizes"]]
-    if sum(sizes) != t.shape[dim] or any(s * tp != full for s, full in zip(sizes, rule["_sizes"])):
-        raise TracerError(f"{what}: width {t.shape[dim]} on each of {tp} ranks does not split into "
-                          f"{rule['_sizes']} (the HF widths) / {tp}; check the map's split or the model")
-    return list(torch.split(t, sizes, dim=dim))
-
-
-def _split_groups(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what: str) -> list[torch.Tensor]:
-    """One TP rank's Megatron ``linear_qkv`` output, ``[..., groups/tp × (q + k + v) / groups]`` with
-    each query group's ``[q heads of the group | k head | v head]`` side by side, → its q, k, v
-    parts (``[..., groups/tp × width / groups]`` each, heads in order)."""
-    groups, widths = rule["_groups"], rule["_sizes"]
-    per = [w // groups for w in widths]
-    if groups % tp or any(p * groups != w for p, w in zip(per, widths)):
-        raise TracerError(f"{what}: {groups} query groups do not split q/k/v widths {widths} over {tp} TP ranks; "
-                          "check the model's KV heads ([engine] kv_heads in a --map file)")
-    g = groups // tp
-    x = t.movedim(dim, -1)
-    if x.shape[-1] != g * sum(per):
-        raise TracerError(f"{what}: width {x.shape[-1]} on each of {tp} ranks is not {g} query groups of {sum(per)} "
-                          f"(q, k, v widths {widths} over {groups} groups); check the map's split or the model")
-    x = x.reshape(*x.shape[:-1], g, sum(per))
-    return [p.reshape(*p.shape[:-2], g * w).movedim(-1, dim) for p, w in zip(torch.split(x, per, dim=-1), per)]
 
 
 # ---------------------------------------------------------------- mapping

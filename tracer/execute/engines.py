@@ -165,4 +165,18 @@ def plan_contract(loaded: Any, plan: Any) -> dict[str, Any]:
                           f"installed; install it (pip install 'tracer[{engine}]') or use --engine hf") from None
 
 
-__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan", "hf_contract", "plan_contract"]
+def uses_engines(scen: Any) -> bool:
+    """Whether a plan of ``scen`` runs on an engine other than HF (``RunPlan.engine``)."""
+    return any((getattr(p, "engine", "hf") or "hf") != "hf" for p in (scen.plan_a, scen.plan_b))
+
+
+def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
+    """The trace header's ``engines``: each run's engine contract, known before it runs
+    (:func:`tracer.execute.engines.plan_contract`), when a plan runs on an engine other than HF; else {}."""
+    if not uses_engines(scen):
+        return {}
+    return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
+
+
+__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan", "hf_contract", "plan_contract",
+           "uses_engines", "engines_header"]

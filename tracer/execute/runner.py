@@ -25,7 +25,7 @@ from tracer.execute.tp_sim import simulate_tp
 from tracer.load.devices import model_device
 from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.plan.quant import quantize_dequantize
-from tracer.plan.scenarios import Batch, RunPlan
+from tracer.plan.scenarios import Batch, RunPlan, Scenario
 
 if TYPE_CHECKING:
     from tracer.load.models import LoadedModel
@@ -394,6 +394,29 @@ def settle_wall(rec: RunRecord) -> RunRecord:
         end.synchronize()
         rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
     return rec
+
+
+def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, *, extra: dict[str, Any] | None = None,
+             on_output: Callable[[int, int, int, Any], None] | None = None,
+             wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None) -> None:
+    """Both plans of ``scen`` with no hooks and no comparison: the floor ``tracer bench`` measures
+    tracer against (mode a).
+
+    The bench's peers (:mod:`tracer.loops.peers`) run the same plans, calling the model the same
+    way (the same chunks, the same KV cache), through these arguments:
+
+    Args:
+        extra: more keyword arguments for every model call (``output_hidden_states=True``).
+        on_output: ``on_output(plan_index, start, stop, output)`` after each chunk (plan A is 0).
+        wrap: ``wrap(fn)`` returns the callable to call instead of the plan's model (nnsight).
+    """
+    ids = torch.tensor([token_ids], device=model_device(loaded.model))  # (1, N)
+    with torch.inference_mode():
+        for i, plan in enumerate((scen.plan_a, scen.plan_b)):
+            with plan_context(loaded.model, plan) as fn:
+                each = None if on_output is None else (lambda s, e, out, i=i: on_output(i, s, e, out))
+                forward_chunks(loaded.model, ids, plan, None, fn if wrap is None else wrap(fn), extra=extra,
+                               on_output=each, compiled=fn is not loaded.model)
 
 
 def execute_loaded(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],

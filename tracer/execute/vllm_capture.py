@@ -84,7 +84,7 @@ class VllmCapture:
     Args:
         model: vLLM's ``nn.Module`` (``LlamaForCausalLM`` of ``vllm.model_executor.models``).
         runner: vLLM's model runner (its ``input_batch.req_ids`` orders the step's requests).
-        emap: the merged engine map (:func:`tracer.execute.enginemap.load_engine_map` with
+        emap: the merged engine map (:func:`tracer.execute.enginerules.load_engine_map` with
             ``engine="vllm"``), whose ``capture`` table names the KV and logits modules.
         ref: the HF reference layout (capture names → kind, op, feature shape, dtype).
         token_ids: the traced prompt, N ints.

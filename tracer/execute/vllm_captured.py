@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginemap import load_engine_map
+from tracer.execute.enginerules import load_engine_map
 from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.execute.vllm_capture import VllmCapture

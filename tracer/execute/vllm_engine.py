@@ -62,7 +62,8 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
 from tracer.execute.capture import Capture  # noqa: E402
 from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
-from tracer.execute.enginemap import RefLayout, load_engine_map  # noqa: E402
+from tracer.execute.enginemap import RefLayout  # noqa: E402
+from tracer.execute.enginerules import load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
 from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
 from tracer.execute.vllm_plan import (  # noqa: E402

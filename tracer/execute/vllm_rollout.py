@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginemap import load_engine_map
+from tracer.execute.enginerules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord

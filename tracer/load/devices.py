@@ -1,7 +1,7 @@
 """Dtype, device and attention-implementation resolution, and device maps (accelerate dispatch).
 
 The option checks here are cheap and run before any model loads (the CLI and
-:func:`tracer.config.validate` call them); :func:`dispatch` spreads a CPU-loaded model over devices.
+:func:`tracer.validate.validate` call them); :func:`dispatch` spreads a CPU-loaded model over devices.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tracer.execute.tp_shard import backend_for, check_world
 from tracer.loops.audit_store import AuditStore
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
-from tracer.plan.scenarios import build
+from tracer.plan.build import build
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 from tracer.store.integrity import check_name_length, check_output_path
 from tracer.store.trace import json_safe

@@ -37,12 +37,14 @@ from typing import Any, Callable
 import torch
 
 from tracer import pipeline, schema
-from tracer.config import RunConfig, validate
+from tracer.config import RunConfig
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
+from tracer.execute.runner import run_bare
 from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
 from tracer.plan.checks import check_int
 from tracer.store.integrity import check_output_path
+from tracer.validate import validate
 
 #: tracer's own modes; the peers that run add theirs (:data:`tracer.loops.peers.PEERS`)
 MODES = ("a", "b", "c", "c_auto", "d", "e_write", "e_read")
@@ -213,7 +215,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         def mode_b() -> None:
             last["b"] = _counts(pipeline.run(cfg, lm).comparison)
 
-        modes: dict[str, Callable[[], Any]] = {"a": lambda: pipeline.run_bare(lm, ids, scen), "b": mode_b}
+        modes: dict[str, Callable[[], Any]] = {"a": lambda: run_bare(lm, ids, scen), "b": mode_b}
         for name, run in peer_modes.items():
             modes[name] = lambda run=run, name=name: last.__setitem__(name, run())
         modes["c"] = lambda: pipeline.run(stored, lm)

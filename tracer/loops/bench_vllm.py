@@ -62,7 +62,8 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
         TracerError: bad options (as ``tracer run --engine vllm``), vLLM not installed or not starting.
     """
     from tracer import pipeline
-    from tracer.config import RunConfig, validate
+    from tracer.config import RunConfig
+    from tracer.validate import validate
     from tracer.execute.engines import execute_plan
     from tracer.execute.vllm_engine import run_bare
 

@@ -1,7 +1,7 @@
 """The bench's peers: tracer's online comparison (bench mode b) done the ways people do it without tracer.
 
 Each peer runs the scenario's two plans exactly as the bench's floor does
-(:func:`tracer.pipeline.run_bare`: the same chunks, the same KV-cache reuse, the same plan
+(:func:`tracer.execute.runner.run_bare`: the same chunks, the same KV-cache reuse, the same plan
 context), keeps every decoder layer's output its own way, and counts, per layer, the elements
 whose bits differ between run A and run B on the compared window (batch row 0), with plain
 torch: the number tracer reports as ``n_diff`` for its ``layer`` points.
@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from tracer import pipeline
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.execute.runner import run_bare
 
 if TYPE_CHECKING:
     from tracer.execute.points import CapturePoint
@@ -145,7 +145,7 @@ def peer_hf(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points: l
 
     def run() -> dict[str, int]:
         _simple(scen, "peer_hf")
-        pipeline.run_bare(loaded, token_ids, scen, extra={"output_hidden_states": True}, on_output=on_output)
+        run_bare(loaded, token_ids, scen, extra={"output_hidden_states": True}, on_output=on_output)
         return win.counts()
 
     return Peer("peer_hf", LABELS["peer_hf"], f"layers 0..{len(layers) - 2} and {norm.name} (HF's last hidden "
@@ -169,7 +169,7 @@ def peer_hooks(loaded: LoadedModel, token_ids: list[int], scen: Scenario, points
         _simple(scen, "peer_hooks")
         handles = [loaded.model.get_submodule(p.module).register_forward_hook(hook) for p in layers]
         try:
-            pipeline.run_bare(loaded, token_ids, scen, on_output=on_output)
+            run_bare(loaded, token_ids, scen, on_output=on_output)
         finally:
             for h in handles:
                 h.remove()
@@ -225,7 +225,7 @@ def peer_nnsight(loaded: LoadedModel, token_ids: list[int], scen: Scenario, poin
         _simple(scen, "peer_nnsight")
         if scen.plan_a.compile or scen.plan_b.compile:
             raise TracerError("peer_nnsight does not run torch.compile-d plans")
-        pipeline.run_bare(loaded, token_ids, scen, wrap=wrap, on_output=on_output)
+        run_bare(loaded, token_ids, scen, wrap=wrap, on_output=on_output)
         return win.counts()
 
     return Peer("peer_nnsight", LABELS["peer_nnsight"], covers, run)

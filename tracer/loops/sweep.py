@@ -20,7 +20,7 @@ from tracer import pipeline
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.plan.scenarios import check_resources, make_scenario
+from tracer.plan.build import check_resources, make_scenario
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 from tracer.store.integrity import check_name_length, check_output_path
 

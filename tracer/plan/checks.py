@@ -1,7 +1,7 @@
 """Value checks of user input, before any model loads: ranges, empty lists, input files, and
 which options a catalogue scenario takes.
 
-Small pure functions that the run config (:func:`tracer.config.validate`) calls. Each raises one :class:`TracerError` line naming
+Small pure functions that the run config (:func:`tracer.validate.validate`) calls. Each raises one :class:`TracerError` line naming
 the option, the bad value and what to give instead; each returns the checked value.
 """
 

@@ -17,16 +17,17 @@ A :class:`Scenario` pairs plan A with plan B and names the compared window (the 
 runs computed in their final state). User-defined scenarios are plain instances of these
 classes, e.g. ``Scenario("mine", 1, "batch size", RunPlan("A", ((0, n),)),
 RunPlan("B", ((0, n),), batch=Batch(size=4, row=2, lengths=(n,) * 4)), window=(0, n))``.
+:data:`SCENARIOS` names the builders; :func:`tracer.plan.build.build` builds one by name from a
+run's options.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import replace
 from typing import Any, Callable
 
 from tracer.errors import TracerError
-from tracer.plan.engines import engine_defaults, engine_scenario, with_engine
+from tracer.plan.engines import engine_scenario
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
 from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
 
@@ -428,89 +429,5 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
 }
 
 
-def build(name: str, n_tokens: int, **params: Any) -> Scenario:
-    """Build the named scenario for a prompt of ``n_tokens`` tokens.
-
-    ``params`` are the scenario options (``block_size``, ``split_at``, ``batch_size``, ``padding``,
-    ``batch_row``, ``new_tokens``, ``block_sizes``, ``chunk_size``, ``tp``, ``reduce``,
-    ``reduce_dtype``, ``tp_mode``, ``tp_partials``, ``tp_vocab_parallel``, ``kv_format``,
-    ``attn_a``, ``attn_b``, ``devices``, ``mitigation``, and ``rollout-vs-train``'s ``rollouts``,
-    ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
-    ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``, ``engine``'s ``engines``) and
-    ``engine`` (who executes both plans, :func:`tracer.plan.engines.with_engine`; its defaults,
-    e.g. vLLM's KV block size 32, fill unset options); each builder takes the ones it uses, None
-    means its default.
-
-    Raises:
-        TracerError: unknown scenario name (listing the known ones), an option the scenario does
-            not use, or bad parameters.
-    """
-    if name not in SCENARIOS:
-        raise TracerError(f"unknown scenario '{name}'; use one of: {', '.join(SCENARIOS)}")
-    fn = SCENARIOS[name]
-    accepted = inspect.signature(fn).parameters
-    engine = params.pop("engine", None)
-    params = engine_defaults(engine, accepted, params)
-    mitigation = params.get("mitigation")
-    check_mitigation(mitigation)
-    extra = sorted(k for k, v in params.items() if v is not None and k != "mitigation" and k not in accepted)
-    if extra:
-        valid = ", ".join(p for p in accepted if p not in ("n_tokens", "mitigation")) or "none"
-        raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
-    kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
-    scen = fn(n_tokens, **kwargs)
-    return with_engine(scen if "mitigation" in accepted else with_mitigation(scen, mitigation), engine)
-
-
-def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
-    """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
-
-    Raises:
-        TracerError: bad options, or a callable that does not return a Scenario.
-    """
-    if isinstance(scenario, str):
-        return build(scenario, n_tokens, **options)
-    scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
-    if not isinstance(scen, Scenario):
-        raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return with_engine(scen, options.get("engine"))
-
-
-def check_resources(scen: Any) -> Any:
-    """Refuse a scenario whose plans need a device or attention implementation this machine lacks.
-
-    Raises:
-        TracerError: naming the missing device or implementation.
-    """
-    from tracer.load.preflight import check_attn, check_device
-
-    for plan in (scen.plan_a, scen.plan_b):
-        for dev in plan.devices or ():
-            try:
-                check_device(dev)  # the name, and CUDA where it cannot exist, without torch
-                if dev.strip().lower() != "cpu":
-                    from tracer.load import devices
-
-                    devices.resolve_device(dev)
-            except TracerError as e:
-                raise TracerError(f"scenario {scen.name} runs on {dev}, which this machine cannot use ({e}); "
-                                  "pass --devices with two devices it has, e.g. cpu,cpu") from None
-        if plan.attn is not None:
-            check_attn(plan.attn)
-    return scen
-
-
-def preview(name: str, n_tokens: int | None, params: dict[str, Any]) -> Scenario:
-    """The scenario as far as it can be built before the prompt is tokenized (every
-    length-independent error): for N when N is known, else for a long prompt without the split point.
-
-    Raises:
-        TracerError: bad options.
-    """
-    if n_tokens is not None:
-        return build(name, n_tokens, **params)
-    return build(name, 100_000, **{k: v for k, v in params.items() if k != "split_at"})
-
-__all__ = ["MITIGATIONS", "PADDINGS", "TP_MODES", "Batch", "TPSpec", "RunPlan", "Scenario", "SCENARIOS", "build",
-           "make_scenario", "check_resources", "preview", "default_split", "check_split", "check_mitigation",
-           "batch_lengths", "with_mitigation"]
+__all__ = ["MITIGATIONS", "PADDINGS", "TP_MODES", "Batch", "TPSpec", "RunPlan", "Scenario", "SCENARIOS",
+           "default_split", "check_split", "check_mitigation", "batch_lengths", "with_mitigation"]
