@@ -432,6 +432,27 @@ def test_positions_all_and_a_stored_trace(tmp_path):
     assert stored_comparison(out).rl == r.comparison.rl
 
 
+def test_tracer_compare_of_a_stored_rl_trace_keeps_its_rl_metrics(tmp_path):
+    """``tracer compare TRACE`` recomputes the layer table from the file; the RL metrics (from every sequence's
+    logits, held in memory at run time only) come with it, and a trainer in another dtype (compared in the wider
+    dtype at run time) gives the run-time comparison instead of a dtype error."""
+    import tracer
+    from tracer.report.summary import next_steps
+
+    opts = dict(scenario="rollout-vs-train", length=12, new_tokens=3, rollouts=2, store="tensors", progress=False)
+    same, wide = tmp_path / "rl.h5", tmp_path / "rl-fp32.h5"
+    r = tracer.run("tiny-llama", output=str(same), **opts)
+    c = tracer.compare_trace(str(same))
+    assert c.rl is not None and c.rl == r.comparison.rl
+    assert [p.diff.n_diff for p in c.points] == [p.diff.n_diff for p in r.comparison.points]
+    assert tracer.compare_trace(str(same), "B", "A").rl is None  # swapped runs: no RL metrics of the wrong sign
+    assert "--decode" not in " ".join(next_steps(replace(c, rl=None), "compare"))  # the scenario refuses it
+    w = tracer.run("tiny-llama", output=str(wide), train_dtype="float32", lm_head_fp32=True, **opts)
+    cw = tracer.compare_trace(str(wide))
+    assert cw.rl == w.comparison.rl and cw.first_divergent == w.comparison.first_divergent
+    assert any("float32 in run B" in n for n in cw.facts["notes"])
+
+
 def test_smollm2_cli_prints_the_rl_summary_first_then_where_the_gap_is_born(cli_env, tmp_path):
     import subprocess
     import sys

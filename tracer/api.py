@@ -251,6 +251,10 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
         stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
         comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+        if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
+            from tracer.diff.stored import stored_rl
+
+            comparison = replace(comparison, rl=stored_rl(pa, ra, rb))
     return replace(comparison, fail_on=fail_on)
 
 

@@ -152,7 +152,8 @@ def next_steps(c: Any, command: str = "run") -> list[str]:
     if c.noise is None:
         steps.append(f"`{run}--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is "
                      "rounding noise or a defect")
-    if c.replay is None and c.logits is not None and c.rl is None:  # an RL run compares its own response
+    if c.replay is None and c.logits is not None and c.rl is None and c.scenario != "rollout-vs-train":
+        # an RL run compares its own response (the scenario refuses --decode)
         steps.append(f"`{run}--decode 16`: greedy-decodes from both runs and shows where the generated text first "
                      "differs")
     if c.rl is not None and not c.rl.mitigations:
