@@ -421,6 +421,27 @@ def test_renderings_carry_the_rl_metrics(result):
     assert all(len(x) <= 80 for x in lines[knobs:knobs + 2 + len(KNOBS)])
 
 
+def test_markdown_rl_tables_have_one_cell_per_column(result):
+    """``last |Δ|``, ``mean|Δlogp|``: a pipe inside a heading or cell is escaped, so every row of the RL tables
+    splits into as many cells as the table has columns (unescaped, the heading row had one more)."""
+    import re
+
+    from tracer.report.rl import MITIGATION_COLUMNS, STEP_COLUMNS, markdown_lines
+
+    lines = markdown_lines(result.comparison.rl)
+    tables, cur = [], []
+    for line in lines + [""]:
+        if line.startswith("|"):
+            cur.append(line)
+        elif cur:
+            tables.append(cur)
+            cur = []
+    assert [len(t) for t in tables] == [2 + len(result.comparison.rl.steps), 2 + len(KNOBS)]
+    for table, ncol in zip(tables, (len(STEP_COLUMNS), len(MITIGATION_COLUMNS))):
+        for line in table:
+            assert len(re.split(r"(?<!\\)\|", line)) - 2 == ncol, line
+
+
 def test_positions_all_and_a_stored_trace(tmp_path):
     import tracer
     from tracer.diff.stored import stored_comparison
