@@ -372,13 +372,15 @@ _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "leng
 #: the run options each command takes: the API's keywords and the ``tracer`` command's flags are both
 #: built from these (tests/test_cli_api.py checks they agree). The audit's checks fix padding, reduce
 #: order and dtype, KV formats and devices themselves; a sweep's axes are the prompt length and the
-#: KV block size (its own ``block_sizes``, not the block-size scenario's pair).
+#: KV block size (its own ``block_sizes``, not the block-size scenario's pair), and its rows hold no RL
+#: metrics (so no ``mitigations``, ``is_cap``, ``mask_threshold``: they would change nothing).
+_SWEEP_LEAVES = ("block_sizes", "mitigations", "is_cap", "mask_threshold")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "run": tuple(OPTIONS),
     "audit": (*_MODEL, *_PROMPT, "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
               "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "granularity", "kv_cache", "store",
-              "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k != "block_sizes")),
+              "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
     "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size"),
     "compare": ("atol", "rtol", "fail_on"),
 }
