@@ -401,9 +401,10 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.dtypes import canonical
     from tracer.execute.kinds import GRANULARITIES
     from tracer.load import preflight
-    from tracer.load.prompts import read_prompt
+    from tracer.load.prompts import check_prompt, read_prompt
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
+    from tracer.plan.rollout import check_rl_run
     from tracer.plan.scenarios import check_mitigation, check_resources, preview
     from tracer.store.integrity import check_output
 
@@ -436,7 +437,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
-    read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)  # one source; files readable, ids valid
+    # one source; files readable, ids valid; not empty
+    check_prompt(*read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids), chat=pr.chat)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
@@ -452,6 +454,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
+        check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
     return cfg

@@ -156,11 +156,46 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
     if train_batching not in TRAIN_BATCHINGS:
         raise TracerError(f"unknown --train-batching {train_batching!r}; use one of: {', '.join(TRAIN_BATCHINGS)}")
     if train_dtype is not None:
-        from tracer.dtypes import resolve
+        from tracer.dtypes import canonical
 
-        resolve(train_dtype)
+        canonical(train_dtype)  # the table alone: no torch import before a model loads
     _check_positive(is_cap, "--is-cap", 0.0, "2")
     _check_positive(mask_threshold, "--mask-threshold", 1.0, "2")
+
+
+#: ``--decode`` on an RL step (its executors refuse it too)
+DECODE_REFUSED = ("--decode does not apply to rollout-vs-train: the rollout's own response is compared; "
+                  "drop --decode (use --new-tokens for its length)")
+
+
+def train_dtype_error(train_dtype: str, model_dtype: str) -> str | None:
+    """Why the trainer cannot run in ``train_dtype`` on a model in ``model_dtype`` (None: it can): the
+    weights are cast for the trainer's pass and back, which is exact only when widening."""
+    from tracer.dtypes import FLOATS, canonical
+
+    t, m = canonical(train_dtype), canonical(model_dtype)
+    if t == m or FLOATS[t].bits > FLOATS[m].bits:
+        return None
+    return (f"--train-dtype {train_dtype} is not wider than the model's {m}; the weights could not be cast back bit "
+            "for bit: load the model in that dtype, or use float32/float64")
+
+
+def check_rl_run(scen: Any, model_dtype: str, decode: int) -> None:
+    """The checks of a planned RL step (``scen``: a :class:`~tracer.plan.scenarios.Scenario`) that need
+    the run's other options, before the model loads: ``--decode`` and ``--train-dtype`` against the
+    model's dtype. A scenario that is no RL step passes.
+
+    Raises:
+        TracerError: ``decode`` set, or a trainer dtype narrower than (or as wide as, but not) the model's.
+    """
+    b = getattr(scen.plan_b, "rl", None)
+    if b is None:
+        return
+    if decode:
+        raise TracerError(DECODE_REFUSED)
+    why = train_dtype_error(b.dtype, model_dtype) if b.dtype is not None else None
+    if why is not None:
+        raise TracerError(why)
 
 
 def rl_specs(*, n_tokens: int, lengths: tuple[int, ...], row: int, new_tokens: int, sample: bool,
@@ -236,4 +271,5 @@ def mitigation_variants(scen: Any) -> list[tuple[str, str, Any]]:
 
 
 __all__ = ["RLSpec", "TRAIN_BATCHINGS", "KNOBS", "DEFAULT_IS_CAP", "DEFAULT_MASK_THRESHOLD", "check_rl_options",
+           "check_rl_run", "train_dtype_error", "DECODE_REFUSED",
            "rl_specs", "mitigation_variants"]
