@@ -10,6 +10,7 @@ over the positions both sides hold; the report names the engine and lists every 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,12 +195,14 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     output`` compares it like the dump itself.
 
     Raises:
-        TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
+        TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False; ``output`` is
+            the reference trace or the dump it reads (never replaced, even with ``overwrite``).
     """
     from tracer.execute.records import CaptureRecord, RunRecord
     from tracer.store.trace import TraceReader, TraceWriter
 
     path, run = reference
+    _check_not_an_input(output, {"the reference trace": path, "the dump": dump})
     with TraceReader(path) as reader:
         run = _resolve_run(reader, run)
         layout = ref_layout(reader, run)
@@ -221,6 +224,20 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     with TraceWriter(output, header=header, overwrite=overwrite) as w:
         w.add_run(rec)
     return mapped
+
+
+def _check_not_an_input(output: str, inputs: dict[str, str]) -> None:
+    """Refuse an ``output`` that is one of the files the command reads (``what`` → path).
+
+    Raises:
+        TracerError: ``output`` names the same file as an input.
+    """
+    out = Path(output)
+    for what, src in inputs.items():
+        p = Path(src)
+        same = out.exists() and p.exists() and os.path.samefile(out, p)
+        if same or out.resolve() == p.resolve():
+            raise TracerError(f"--output {output} is {what} this command reads; give the imported trace another name")
 
 
 def dump_side(refs: list[str]) -> tuple[tuple[str, str | None], str] | None:
