@@ -44,8 +44,8 @@ RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
     "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown (sweep: table, json, csv)."),
     "wide": (bool, False, ("--wide",), "table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ "
                                        "shares, NaN/Inf, ...)."),
-    "columns": (str, None, ("--columns",), "table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr "
-                                           "(see tracer.report.tables.COLUMNS)."),
+    "columns": (str, None, ("--columns",), "table: comma-separated column names, e.g. diff,max_abs,ulp,sqnr "
+                                           "(an unknown name lists them all)."),
     "all_rows": (bool, False, ("--all-rows",), "table: every capture point (default: the headline and the rows "
                                                "that matter, sized to the terminal)."),
     "report": (str, None, ("--report",), "also write a single-file HTML report (summary, tables, figures; no "
@@ -152,7 +152,8 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = ()) ->
                 raise typer.Exit(code)
 
         callback.__signature__ = inspect.Signature(cli_parameters(fn, render))  # type: ignore[attr-defined]
-        callback.__doc__ = body.__doc__
+        # one paragraph per blank line: the command list of 'tracer --help' keeps a docstring's line breaks
+        callback.__doc__ = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or ""))
         callback.__name__ = body.__name__
         app.command(name)(callback)
         return body

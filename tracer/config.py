@@ -252,7 +252,7 @@ _HELP = {
             "$TRACER_SMOLLM2_GGUF / $TRACER_GEMMA3_GGUF)",
     "device_map": "spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON "
                   "object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device",
-    "max_memory": "with --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB",
+    "max_memory": "with --device-map auto: per-device budget, e.g. 0=20GiB,cpu=64GiB",
     "prompt": "prompt text (default: a built-in prompt of a few hundred tokens)",
     "prompt_file": "read the prompt text from a file",
     "token_ids": "the prompt as token ids: a list of ints (on the command line 1,2,3)",
@@ -280,7 +280,7 @@ _HELP = {
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
              "tensors (every captured tensor), stats (comparison only) or none (no file)",
     "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB)",
-    "output": "trace file (default traces/<model>-<scenario>-<timestamp>.h5)",
+    "output": "trace file (default: a new file in traces/ named after the model, scenario and time)",
     "overwrite": "replace an existing output file",
     "compression": "HDF5 compression of stored tensors: none, lzf, gzip",
     "atol": "absolute tolerance: count elements with |a-b| > atol + rtol*|a| per capture point",
