@@ -217,6 +217,31 @@ def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) 
     return lines
 
 
+#: skipped points of one reason that become one row of the terminal table (unless --all-rows)
+SKIP_GROUP = 3
+
+
+def _skip_rows(skipped: Any, grouped: bool) -> list[tuple[str, str, bool]]:
+    """The table rows of the points not compared: ``(name, marker, fails)``, one per point; with
+    ``grouped``, :data:`SKIP_GROUP` or more of one reason are one row named by their common pattern
+    (``model.layers.*.self_attn.kv_cache ×30``), or the first and the count of the others."""
+    import re
+
+    rows: list[tuple[str, str, bool]] = []
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for sk in skipped:
+        groups.setdefault((sk.reason, sk.fails), []).append(sk.name)
+    for (reason, fails), names in groups.items():
+        mark = f"  ◀ not compared: {printable(reason)}"
+        if not grouped or len(names) < SKIP_GROUP:
+            rows += [(printable(n), mark, fails) for n in names]
+            continue
+        patterns = {re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names}
+        name = f"{patterns.pop()} ×{len(names)}" if len(patterns) == 1 else f"{names[0]} and {len(names) - 1} more"
+        rows.append((printable(name), mark + " (--all-rows lists each)", fails))
+    return rows
+
+
 def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
               width: int | None = None) -> tuple[Table, list[str]]:
     """The amplification table fitted to ``width`` characters, and the lines that go under it.
@@ -237,7 +262,7 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
     names = [_point_marker(c, r) for r in shown]
-    skipped = [(printable(sk.name), f"  ◀ not compared: {printable(sk.reason)}", sk) for sk in c.skipped]
+    skipped = _skip_rows(c.skipped, grouped=keep is not None)
     cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
     cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
     headers = {k: COLUMNS[k][0] for k in columns}
@@ -251,9 +276,9 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
         style = ("bold red" if r["origin"] else "red") if r["n_diff"] else None
         t.add_row(*[Text(name_cell(name, mark, wid["point"])) if k == "point" else cells[k][i] for k in fit.columns],
                   style=style)
-    for name, mark, sk in skipped:  # never dropped: a point that could not be compared is a row too
+    for name, mark, fails in skipped:  # never dropped: a point that could not be compared is a row too
         t.add_row(*[Text(name_cell(name, mark, wid["point"]), overflow="fold") if k == "point" else "-"
-                    for k in fit.columns], style="bold red" if sk.fails else "dim")
+                    for k in fit.columns], style="bold red" if fails else "dim")
     lines: list[str] = []
     if "kernels" in fit.dropped:
         lines.append("kernels (A vs B), not enough width for a column:")
