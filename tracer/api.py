@@ -191,7 +191,9 @@ def compare(a: Any, b: Any, *, atol: float | None = None, rtol: float | None = N
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Any:
+                  fail_on: str | None = None, device: str | None = None, reference: str | None = None,
+                  temperature: float | None = None, is_cap: float | None = None,
+                  mask_threshold: float | None = None) -> Any:
     """Compare two stored runs (no model needed): ``path`` alone (its first two runs), ``path run_a
     [run_b]`` (runs of one trace), ``path[:RUN] TRACE2[:RUN]`` (a run of each of two traces, e.g.
     from two machines; a file without :RUN uses the other side's run name, else its first run),
@@ -214,6 +216,11 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         device: where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).
         reference: REF.h5[:RUN], an HF reference run whose names, shapes and token ids both engine
             dumps are mapped onto (two dumps against each other: DUMP_A DUMP_B --reference REF.h5:RUN).
+        temperature: with --reference: τ of the dumps' logprobs, log_softmax(logits / τ), as the rollout
+            sampled (default 1).
+        is_cap: with --reference: TIS cap C; the share of tokens with ratio > C is reported as clipped (default 2).
+        mask_threshold: with --reference: MIS/IcePop threshold b; tokens with ratio outside [1/b, b] count as
+            masked (default 2).
 
     Returns:
         the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
@@ -224,9 +231,17 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     """
     from dataclasses import replace
 
+    from tracer.plan.rollout import check_rl_thresholds
+
     refs = [str(x) for x in (path, run_a, run_b) if x is not None]
     if reference is not None and len(refs) != 2:  # before anything heavy is imported
         raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
+    rl = {k: v for k, v in (("temperature", temperature), ("is_cap", is_cap), ("mask_threshold", mask_threshold))
+          if v is not None}
+    if rl and reference is None:
+        raise TracerError(f"--{next(iter(rl)).replace('_', '-')} applies to two engine dumps (DUMP_A DUMP_B --reference "
+                          "REF.h5:RUN); a rollout-vs-train trace keeps the values it was run with")
+    check_rl_thresholds(**rl)
     from tracer.diff.compare import compare_runs
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare_dumps import compare_dumps, dumps_args
@@ -237,7 +252,8 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     pair = dumps_args(refs, reference)
     if pair is not None:
         comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
-                                   rtol=rtol, device=device)
+                                   rtol=rtol, device=device,
+                                   **{"tau" if k == "temperature" else k: float(v) for k, v in rl.items()})
         return replace(comparison, fail_on=fail_on)
     dump = dump_side(refs)
     if dump is not None:

@@ -382,7 +382,7 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
     "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size"),
-    "compare": ("atol", "rtol", "fail_on"),
+    "compare": ("atol", "rtol", "fail_on", "temperature", "is_cap", "mask_threshold"),
 }
 
 

@@ -136,6 +136,21 @@ def _check_positive(value: Any, option: str, above: float, example: str) -> floa
     return float(value)
 
 
+def check_rl_thresholds(*, temperature: float | None = None, is_cap: float | None = None,
+                        mask_threshold: float | None = None) -> None:
+    """Validate the temperature of the logprobs and the TIS/MIS thresholds (those given).
+
+    Raises:
+        TracerError: a value that is not a finite number above its floor (τ, C > 0; β > 1).
+    """
+    if temperature is not None:
+        _check_positive(temperature, "--temperature", 0.0, "0.7")
+    if is_cap is not None:
+        _check_positive(is_cap, "--is-cap", 0.0, "2")
+    if mask_threshold is not None:
+        _check_positive(mask_threshold, "--mask-threshold", 1.0, "2")
+
+
 def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperature: float | None, seed: int | None,
                      train_batching: str, train_dtype: str | None, is_cap: float, mask_threshold: float) -> None:
     """Validate the ``rollout-vs-train`` options (before any model loads).
@@ -149,8 +164,7 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
     if not sample and (temperature is not None or seed is not None):
         given = "--temperature" if temperature is not None else "--seed"
         raise TracerError(f"{given} applies to sampled rollouts; add --sample (greedy decoding has no temperature or seed)")
-    if temperature is not None:
-        _check_positive(temperature, "--temperature", 0.0, "0.7")
+    check_rl_thresholds(temperature=temperature)
     if seed is not None:
         _check_int(seed, "--seed", 0, 2**63 - 1)
     if train_batching not in TRAIN_BATCHINGS:
@@ -159,8 +173,7 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
         from tracer.dtypes import canonical
 
         canonical(train_dtype)  # the table alone: no torch import before a model loads
-    _check_positive(is_cap, "--is-cap", 0.0, "2")
-    _check_positive(mask_threshold, "--mask-threshold", 1.0, "2")
+    check_rl_thresholds(is_cap=is_cap, mask_threshold=mask_threshold)
 
 
 #: ``--decode`` on an RL step (its executors refuse it too)
@@ -271,5 +284,5 @@ def mitigation_variants(scen: Any) -> list[tuple[str, str, Any]]:
 
 
 __all__ = ["RLSpec", "TRAIN_BATCHINGS", "KNOBS", "DEFAULT_IS_CAP", "DEFAULT_MASK_THRESHOLD", "check_rl_options",
-           "check_rl_run", "train_dtype_error", "DECODE_REFUSED",
+           "check_rl_run", "check_rl_thresholds", "train_dtype_error", "DECODE_REFUSED",
            "rl_specs", "mitigation_variants"]
