@@ -127,6 +127,8 @@ def next_steps(c: Any, command: str = "run") -> list[str]:
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
     model = c.model if c.model and c.model != "model" else "MODEL"
+    if c.identical and c.facts.get("engine"):  # engine dumps: a sweep or an audit runs HF, not the engines
+        return steps
     if c.identical:
         steps.append("other prompt lengths can diverge where this one does not: "
                      f"`tracer sweep {model} --lengths 17:512` maps them")
