@@ -67,6 +67,7 @@ CASES: list[tuple[list[str], str]] = [
     (["--prompt-file", "empty.txt"], "the prompt is empty"),
     (["--prompt", ""], "the prompt is empty"),
     (["--token-ids", "5,-1"], "token id -1 is negative"),
+    (["--token-ids", "1,2,x"], "--token-ids '1,2,x' is not a list of integers"),
     (["--chat", "--token-ids", "1,2,3"], "--chat applies to text prompts"),
     (["--scenario", "rollout-vs-train", "--decode", "3"], "--decode does not apply to rollout-vs-train"),
     (["--scenario", "rollout-vs-train", "--train-dtype", "float16"], "not wider than the model's bfloat16"),

@@ -88,14 +88,19 @@ def _doc_args(fn: Callable[..., Any]) -> dict[str, str]:
     return {k: v + ("" if v.endswith(".") else ".") for k, v in clean.items()}
 
 
-def _int_list(value: str | None) -> tuple[int, ...] | None:
-    """A comma-separated list of integers (``--token-ids 1,2,3``, ``--block-sizes 16,64``)."""
+def _int_list(param: typer.CallbackParam, value: str | None) -> tuple[int, ...] | None:
+    """A comma-separated list of integers (``--token-ids 1,2,3``, ``--block-sizes 16,64``).
+
+    Raises:
+        TracerError: another value (one line and exit 2, as every input error; not click's framed box).
+    """
     if value is None:
         return None
     try:
         return tuple(int(x) for x in value.split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter(f"{value!r} is not a list of integers such as 16,64") from None
+        example = "1,2,3" if param.name == "token_ids" else "16,64"
+        raise TracerError(f"{param.opts[0]} {value!r} is not a list of integers such as {example}") from None
 
 
 def _flags(name: str, kind: type, default: Any) -> tuple[str, ...]:
