@@ -453,7 +453,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         check_output(st.output, st.overwrite)
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
-        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
+        own = {k: v for k, v in s.params().items() if k in applicable_options(s.name) or k == "mitigation"}
+        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))  # an audit's: its checks
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
