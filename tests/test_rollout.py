@@ -421,6 +421,22 @@ def test_renderings_carry_the_rl_metrics(result):
     assert all(len(x) <= 80 for x in lines[knobs:knobs + 2 + len(KNOBS)])
 
 
+def test_fail_on_judges_every_sequence_of_the_rl_step(result):
+    """The RL summary reported "flips: 1 of 32 positions" while --fail-on flip passed (exit 0): the check counted
+    the traced sequence only. Now a flip, or a differing logprob (--fail-on any), in any sequence fails."""
+    c = result.comparison
+    rl = replace(c.rl, argmax_flips=1)
+    quiet = replace(c, logits=replace(c.logits, argmax_flips=()), rl=rl)  # no flip in the traced sequence
+    failed, why = quiet.check("flip")
+    assert failed and "1 argmax flip(s) in the RL step's 12 positions (0 in the traced sequence)" in why
+    assert not replace(quiet, rl=replace(rl, argmax_flips=0)).check("flip")[0]
+    same = replace(c, points=(), logits=None, skipped=())  # the traced sequence bit-identical
+    assert same.identical and not c.rl.identical
+    failed, why = same.check("any")
+    assert failed and f"{c.rl.n_tokens - c.rl.n_equal} of the RL step's 12 logprobs differ" in why
+    assert not replace(same, rl=replace(c.rl, n_equal=c.rl.n_tokens)).check("any")[0]
+
+
 def test_markdown_rl_tables_have_one_cell_per_column(result):
     """``last |Δ|``, ``mean|Δlogp|``: a pipe inside a heading or cell is escaped, so every row of the RL tables
     splits into as many cells as the table has columns (unescaped, the heading row had one more)."""
