@@ -228,6 +228,16 @@ def test_rl_metrics_at_the_rollouts_temperature_and_thresholds(refs, tmp_path):
         tracer.compare_trace(refs["all"], is_cap=3.0)
 
 
+def test_a_trainer_dump_given_as_the_rollout_is_named(refs, tmp_path):
+    """DUMP_A is read as the rollout: a Megatron (trainer) dump there flips Δlogp's sign and the summary's 'train'
+    and 'rollout' labels; the notes say so (the rollout-first order gets no such note)."""
+    a = _rollout(refs["all"], "A", tmp_path / "a")
+    b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2))
+    swapped = compare_dumps(b, a, (refs["all"], "B"))
+    assert any(n.startswith("warning: dump A is a trainer's (Megatron-LM dump)") for n in swapped.facts["notes"])
+    assert not any(n.startswith("warning: dump A") for n in compare_dumps(a, b, (refs["all"], "B")).facts["notes"])
+
+
 def test_rl_metrics_never_score_a_token_the_dumps_do_not_hold(refs, tiny, tmp_path):
     """A reference of the same prompt with another response (sampled, not greedy): the dumps' response ids are
     not the reference's, so their positions are not compared, and the logits at N-1 must not be scored

@@ -166,6 +166,11 @@ def compare_dumps(dump_a: str, dump_b: str, reference: tuple[str, str | None], *
         da, db = ma.tensors[wide[0]].dtype, mb.tensors[wide[0]].dtype
         notes.append(f"values compared in the wider dtype at {len(wide)} point(s) where the dumps' dtypes differ "
                      f"(A {str(da).split('.')[-1]}, B {str(db).split('.')[-1]}): {', '.join(wide[:3])}")
+    trainer = [side for side, m in (("A", ma), ("B", mb)) if m.facts.get("framework") == "megatron"]
+    if "A" in trainer:  # the RL metrics read A as the rollout, B as the trainer
+        notes.append(f"warning: dump A is a trainer's ({ma.engine}){' as is dump B' if 'B' in trainer else ''}; the "
+                     "RL metrics take A as the rollout and B as the trainer (Δlogp = logp_B − logp_A): give the "
+                     "rollout engine's dump first")
     logits = layout.special(PointKind.LOGITS)
     _partial_logits_notes(ma, mb, logits, names, lo, hi, notes)
     params = {"tau": float(tau), "is_cap": float(is_cap), "mask_threshold": float(mask_threshold)}
