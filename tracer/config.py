@@ -405,7 +405,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
     from tracer.plan.rollout import check_rl_run
-    from tracer.plan.scenarios import check_mitigation, check_resources, preview
+    from tracer.plan.scenarios import SCENARIOS, check_mitigation, check_resources, preview
     from tracer.store.integrity import check_output
 
     m, s, c, st, ch, pr = cfg.model, cfg.scenario, cfg.capture, cfg.store, cfg.checks, cfg.prompt
@@ -453,8 +453,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         check_output(st.output, st.overwrite)
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
-        own = {k: v for k, v in s.params().items() if k in applicable_options(s.name) or k == "mitigation"}
-        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))  # an audit's: its checks
+        own = s.params() if s.name not in SCENARIOS else {  # an audit's options are its checks'
+            k: v for k, v in s.params().items() if k in applicable_options(s.name) or k == "mitigation"}
+        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
