@@ -1,8 +1,8 @@
 """How long a mistyped ``tracer run`` takes to say what is wrong (issue 25, item 5: under 2 s).
 
 Not among the cases, because they need the tokenized prompt (so the tokenizer, and with it the
-model): a ``--split-at``/``--block-size`` beyond a text prompt's length, an empty prompt after
-tokenizing, token ids outside the vocabulary; with ``--length N`` the first two are caught early.
+model): a ``--split-at``/``--block-size`` beyond a text prompt's length, a non-empty text that
+tokenizes to nothing, token ids beyond the vocabulary; with ``--length N`` the first is caught early.
 
     python benchmarks/input_errors.py [--reps 5]
 
@@ -64,13 +64,22 @@ CASES: list[tuple[list[str], str]] = [
     (["--scenario", "tensor-parallel", "--tp-mode", "distributed", "--verdict"], "--verdict"),
     (["--scenario", "batch", "--padding", "middle"], "unknown --padding"),
     (["--scenario", "repeat", "--mitigation", "aligned"], "prefix-cache only"),
+    (["--prompt-file", "empty.txt"], "the prompt is empty"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--token-ids", "5,-1"], "token id -1 is negative"),
+    (["--token-ids", "1,2,x"], "--token-ids '1,2,x' is not a list of integers"),
+    (["--chat", "--token-ids", "1,2,3"], "--chat applies to text prompts"),
+    (["--scenario", "rollout-vs-train", "--decode", "3"], "--decode does not apply to rollout-vs-train"),
+    (["--scenario", "rollout-vs-train", "--train-dtype", "float16"], "not wider than the model's bfloat16"),
+    (["--scenario", "rollout-vs-train", "--train-dtype", "int8"], "unknown dtype"),
 ]
 
 
 def scratch() -> Path:
-    """A folder with the files the cases name: ``exists.txt`` and a malformed ``bad.json``."""
+    """A folder with the files the cases name: ``exists.txt``, an ``empty.txt`` and a malformed ``bad.json``."""
     d = Path(tempfile.mkdtemp(prefix="tracer-input-errors-"))
     (d / "exists.txt").write_text("hello\n")
+    (d / "empty.txt").write_text("")
     (d / "bad.json").write_text("[1, 2")
     return d
 

@@ -82,3 +82,21 @@ def test_no_help_text_is_written_twice():
              and isinstance(n.func, ast.Attribute) and n.func.attr in ("Option", "Argument")]
     assert len(calls) == 3
     assert not any(isinstance(kw.value, ast.Constant) for c in calls for kw in c.keywords if kw.arg == "help")
+
+
+@pytest.mark.parametrize("name", [None, *sorted(COMMANDS)])
+def test_every_help_reads_whole_at_80_columns(name):
+    """`tracer [COMMAND] --help` in an 80-column terminal: every line within 80 characters and no word cut to
+    '…' (rich ellipsizes a word longer than the help column: an example such as 0=20GiB,1=20GiB,cpu=64GiB or a
+    default file name could not be read or pasted); a command's description is one paragraph, not broken at
+    its docstring's line ends."""
+    from typer.testing import CliRunner
+
+    args = ["--help"] if name is None else [name, "--help"]
+    out = CliRunner().invoke(app, args, env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"}, terminal_width=80).output
+    assert "Usage:" in out
+    assert "…" not in out, [line for line in out.splitlines() if "…" in line]
+    assert max(len(line) for line in out.splitlines()) <= 80
+    if name is not None:
+        doc = typer.main.get_command(app).commands[name].help
+        assert "\n" not in doc.replace("\n\n", ""), name

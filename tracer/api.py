@@ -291,7 +291,7 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
         block_sizes: several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as
             lengths) or a list; excludes block_size (default: 16; 32 with engine='vllm').
         keep_tensors: also store every point's captured tensors (large).
-        output: the sweep file (default traces/sweep-<model>-<scenario>.h5); an unfinished one with
+        output: the sweep file (default: in traces/, named after the model and scenario); an unfinished one with
             the same parameters is resumed.
         overwrite: start over, replacing an existing output.
         scenario: the scenario run at every point (default prefix-cache).

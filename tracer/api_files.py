@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer
 
 def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None, *,
                   engine_map: str | None = None, atol: float | None = None, rtol: float | None = None,
-                  fail_on: str | None = None, device: str | None = None, reference: str | None = None) -> Comparison:
+                  fail_on: str | None = None, device: str | None = None, reference: str | None = None,
+                  temperature: float | None = None, is_cap: float | None = None,
+                  mask_threshold: float | None = None) -> Comparison:
     """Compare two stored runs (no model needed): ``path`` alone (its first two runs), ``path run_a
     [run_b]`` (runs of one trace), ``path[:RUN] TRACE2[:RUN]`` (a run of each of two traces, e.g.
     from two machines; a file without :RUN uses the other side's run name, else its first run),
@@ -37,7 +39,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     trainer's, both mapped onto the reference run's HF names and token ids; the RL metrics in
     ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`). A ``--store
     auto`` trace that dropped tensors gives the comparison it stored at run time (unless a
-    tolerance is asked).
+    tolerance is asked); a ``rollout-vs-train`` trace keeps its RL metrics.
 
     Args:
         path: an HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN; or, with
@@ -51,19 +53,32 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         device: where the metrics are computed: cpu, cuda, cuda:N (default: cuda if available, else cpu).
         reference: REF.h5[:RUN], an HF reference run whose names, shapes and token ids both engine
             dumps are mapped onto (two dumps against each other: DUMP_A DUMP_B --reference REF.h5:RUN).
+        temperature: with --reference: τ of the dumps' logprobs, log_softmax(logits / τ), as the rollout
+            sampled (default 1).
+        is_cap: with --reference: TIS cap C; the share of tokens with ratio > C is reported as clipped (default 2).
+        mask_threshold: with --reference: MIS/IcePop threshold b; tokens with ratio outside [1/b, b] count as
+            masked (default 2).
 
     Returns:
         the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
 
     Raises:
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
-            tolerances or ``fail_on``.
+            tolerances or ``fail_on``, RL options without two dumps.
     """
     from dataclasses import replace
+
+    from tracer.plan.rollout import check_rl_thresholds
 
     refs = [str(x) for x in (path, run_a, run_b) if x is not None]
     if reference is not None and len(refs) != 2:  # before anything heavy is imported
         raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
+    rl = {k: v for k, v in (("temperature", temperature), ("is_cap", is_cap), ("mask_threshold", mask_threshold))
+          if v is not None}
+    if rl and reference is None:
+        raise TracerError(f"--{next(iter(rl)).replace('_', '-')} applies to two engine dumps (DUMP_A DUMP_B --reference "
+                          "REF.h5:RUN); a rollout-vs-train trace keeps the values it was run with")
+    check_rl_thresholds(**rl)
     from tracer.diff.compare import compare_runs
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare_dumps import compare_dumps, dumps_args
@@ -74,7 +89,8 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     pair = dumps_args(refs, reference)
     if pair is not None:
         comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
-                                   rtol=rtol, device=device)
+                                   rtol=rtol, device=device,
+                                   **{"tau" if k == "temperature" else k: float(v) for k, v in rl.items()})
         return replace(comparison, fail_on=fail_on)
     dump = dump_side(refs)
     if dump is not None:
@@ -82,12 +98,14 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     elif engine_map is not None:
         raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
     else:
-        from tracer.diff.stored import auto_comparison
+        from tracer.diff.stored import auto_comparison, stored_rl
 
         (pa, ra), (pb, rb) = resolve_refs(refs)
         # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
         stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
         comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+        if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
+            comparison = replace(comparison, rl=stored_rl(pa, ra, rb))
     return replace(comparison, fail_on=fail_on)
 
 

@@ -43,8 +43,8 @@ RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
     "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown (sweep: table, json, csv)."),
     "wide": (bool, False, ("--wide",), "table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ "
                                        "shares, NaN/Inf, ...)."),
-    "columns": (str, None, ("--columns",), "table: comma-separated columns, e.g. diff,max_abs,ulp,hist,sqnr "
-                                           "(see tracer.report.tables.COLUMNS)."),
+    "columns": (str, None, ("--columns",), "table: comma-separated column names, e.g. diff,max_abs,ulp,sqnr "
+                                           "(an unknown name lists them all)."),
     "all_rows": (bool, False, ("--all-rows",), "table: every capture point (default: the headline and the rows "
                                                "that matter, sized to the terminal)."),
     "report": (str, None, ("--report",), "also write a single-file HTML report (summary, tables, figures; no "
@@ -87,14 +87,19 @@ def _doc_args(fn: Callable[..., Any]) -> dict[str, str]:
     return {k: v + ("" if v.endswith(".") else ".") for k, v in clean.items()}
 
 
-def _int_list(value: str | None) -> tuple[int, ...] | None:
-    """A comma-separated list of integers (``--token-ids 1,2,3``, ``--block-sizes 16,64``)."""
+def _int_list(param: typer.CallbackParam, value: str | None) -> tuple[int, ...] | None:
+    """A comma-separated list of integers (``--token-ids 1,2,3``, ``--block-sizes 16,64``).
+
+    Raises:
+        TracerError: another value (one line and exit 2, as every input error; not click's framed box).
+    """
     if value is None:
         return None
     try:
         return tuple(int(x) for x in value.split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter(f"{value!r} is not a list of integers such as 16,64") from None
+        example = "1,2,3" if param.name == "token_ids" else "16,64"
+        raise TracerError(f"{param.opts[0]} {value!r} is not a list of integers such as {example}") from None
 
 
 def _flags(name: str, kind: type, default: Any) -> tuple[str, ...]:
@@ -162,7 +167,8 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = ()) ->
                 raise typer.Exit(code)
 
         callback.__signature__ = inspect.Signature(cli_parameters(fn, render))  # type: ignore[attr-defined]
-        callback.__doc__ = body.__doc__
+        # one paragraph per blank line: the command list of 'tracer --help' keeps a docstring's line breaks
+        callback.__doc__ = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or ""))
         callback.__name__ = body.__name__
         app.command(name)(callback)
         return body
@@ -342,7 +348,7 @@ def main() -> None:
         where = e.ctx.command_path if e.ctx is not None else "tracer"
         print_error(f"{e.format_message()} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
-    except click_errors.Abort:  # Ctrl-C inside click (a prompt or the parser)
+    except typer.Abort:  # Ctrl-C inside click (a prompt or the parser)
         err.print("interrupted")
         sys.exit(130)
     except click_errors.ClickException as e:  # pragma: no cover - other click errors: one line too

@@ -260,7 +260,7 @@ _HELP = {
             "$TRACER_SMOLLM2_GGUF / $TRACER_GEMMA3_GGUF)",
     "device_map": "spread the model over GPUs (or GPU+CPU) with accelerate: auto, balanced, sequential, or a JSON "
                   "object {\"model.layers.0\": \"cuda:0\", ...}; excludes --device",
-    "max_memory": "with --device-map auto: per-device budget, e.g. 0=20GiB,1=20GiB,cpu=64GiB",
+    "max_memory": "with --device-map auto: per-device budget, e.g. 0=20GiB,cpu=64GiB",
     "prompt": "prompt text (default: a built-in prompt of a few hundred tokens)",
     "prompt_file": "read the prompt text from a file",
     "token_ids": "the prompt as token ids: a list of ints (on the command line 1,2,3)",
@@ -292,7 +292,7 @@ _HELP = {
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
              "tensors (every captured tensor), stats (comparison only) or none (no file)",
     "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB)",
-    "output": "trace file (default traces/<model>-<scenario>-<timestamp>.h5)",
+    "output": "trace file (default: a new file in traces/ named after the model, scenario and time)",
     "overwrite": "replace an existing output file",
     "compression": "HDF5 compression of stored tensors: none, lzf, gzip",
     "atol": "absolute tolerance: count elements with |a-b| > atol + rtol*|a| per capture point",
@@ -384,15 +384,17 @@ _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "leng
 #: the run options each command takes: the API's keywords and the ``tracer`` command's flags are both
 #: built from these (tests/test_cli_api.py checks they agree). The audit's checks fix padding, reduce
 #: order and dtype, KV formats and devices themselves; a sweep's axes are the prompt length and the
-#: KV block size (its own ``block_sizes``, not the block-size scenario's pair).
+#: KV block size (its own ``block_sizes``, not the block-size scenario's pair), and its rows hold no RL
+#: metrics (so no ``mitigations``, ``is_cap``, ``mask_threshold``: they would change nothing).
+_SWEEP_LEAVES = ("block_sizes", "mitigations", "is_cap", "mask_threshold")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "run": tuple(OPTIONS),
     "audit": (*_MODEL, *_PROMPT, "engine", "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
               "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
-              "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k != "block_sizes")),
+              "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
     "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),
-    "compare": ("atol", "rtol", "fail_on"),
+    "compare": ("atol", "rtol", "fail_on", "temperature", "is_cap", "mask_threshold"),
 }
 
 

@@ -108,14 +108,15 @@ def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
     """
     import sys
 
-    from tracer.plan.checks import check_positions, positions_needed
+    from tracer.plan.checks import check_positions, own_params, positions_needed
     from tracer.plan.build import preview
 
     config = getattr(loaded.model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     limit = next((getattr(text, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
                   if isinstance(getattr(text, k, None), int)), None)
-    scen = preview(cfg.scenario.name, n, cfg.scenario.params()) if isinstance(cfg.scenario.name, str) else None
+    name = cfg.scenario.name
+    scen = preview(name, n, own_params(name, cfg.scenario.params())) if isinstance(name, str) else None
     need = positions_needed(scen, n, cfg.checks.decode) if scen is not None else n + cfg.checks.decode
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
     scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default")

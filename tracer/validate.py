@@ -31,11 +31,13 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.dtypes import canonical
     from tracer.execute.kinds import GRANULARITIES
     from tracer.load import preflight
-    from tracer.load.prompts import read_prompt
+    from tracer.load.prompts import check_prompt, read_prompt
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
     from tracer.plan.engines import check_engine
     from tracer.plan.build import check_resources, preview
+    from tracer.plan.checks import own_params
+    from tracer.plan.rollout import check_rl_run
     from tracer.plan.scenarios import check_mitigation
     from tracer.store.integrity import check_output
 
@@ -73,7 +75,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     _check_bounds(cfg)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
-    read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)  # one source; files readable, ids valid
+    # one source; files readable, ids valid; not empty
+    check_prompt(*read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids), chat=pr.chat)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
@@ -94,7 +97,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
                                        and os.path.isfile(m.name) else None})
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
-        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, s.params()))
+        own = own_params(s.name, s.params())  # an audit's options are its checks'
+        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))
+        check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP

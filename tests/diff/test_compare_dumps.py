@@ -34,7 +34,10 @@ def tiny():
 @pytest.fixture(scope="module")
 def refs(tiny, tmp_path_factory):
     """rollout-vs-train traces of the tiny model: at every position (``all``), at the response positions
-    only (``window``), and ``planted`` (every position, layer 2's down_proj output bumped by 0.25 at column 5)."""
+    only (``window``), and ``planted`` (every position, the trainer's layer 2 down_proj output bumped by 0.25 at
+    column 5; the rollout is unchanged, so the trainer recomputes the same sequence as in ``all``)."""
+    import tracer.execute.rollout as rollout
+
     d = tmp_path_factory.mktemp("refs")
     out = {"all": d / "all.h5", "window": d / "window.h5", "planted": d / "planted.h5"}
     tracer.run("tiny-llama", loaded=tiny, positions="all", output=out["all"], **OPTS)
@@ -45,11 +48,18 @@ def refs(tiny, tmp_path_factory):
         y[..., 5] += 0.25
         return y
 
-    h = tiny.model.model.layers[2].mlp.down_proj.register_forward_hook(bump)
-    try:
+    train = rollout.execute_train
+
+    def planted_train(loaded, *args, **kwargs):  # the trainer's forward only: the rollout samples the same tokens
+        h = loaded.model.model.layers[2].mlp.down_proj.register_forward_hook(bump)
+        try:
+            return train(loaded, *args, **kwargs)
+        finally:
+            h.remove()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout, "execute_train", planted_train)
         tracer.run("tiny-llama", loaded=tiny, positions="all", output=out["planted"], **OPTS)
-    finally:
-        h.remove()
     return {k: str(v) for k, v in out.items()}
 
 
@@ -136,13 +146,14 @@ def test_planted_perturbation_in_dump_b_layer_k_is_the_origin(refs, tmp_path):
     a = _rollout(refs["all"], "B", tmp_path / "a")
     b = str(write_megatron_dump(refs["planted"], "B", tmp_path / "b", tp=2))
     c = compare_dumps(a, b, (refs["all"], "B"))
+    assert c.positions == (0, N + T - 1)  # one sequence: the trainer recomputed the rollout's tokens
     assert [p.name for p in c.origins] == ["model.layers.2.mlp.down_proj"]
     assert c.first_divergent == "model.layers.2.mlp.down_proj"
     assert not any(p.diverged for p in c.points if p.name.startswith(("model.layers.0.", "model.layers.1.")))
     down = next(p for p in c.points if p.name == "model.layers.2.mlp.down_proj")
     # column 5 only, at most one element per position (a bump that rounds away in bf16 leaves one unchanged)
     assert 0 < down.diff.n_diff <= N + T - 1 and abs(down.diff.max_abs_diff - 0.25) < 0.01
-    assert c.rl.max_abs_dlogp > 0 and c.rl.steps[0].first_point == "model.layers.2.mlp.down_proj"
+    assert c.rl.n_tokens == T and c.rl.max_abs_dlogp > 0 and c.rl.steps[0].first_point == "model.layers.2.mlp.down_proj"
 
 
 # -- tokens aligned by id -------------------------------------------------------------------------------------
@@ -186,6 +197,62 @@ def test_rl_metrics_equal_an_independent_float64_computation(refs, tmp_path):
     pa = torch.softmax(r.tensor("A", "lm_head")[pos].double(), -1)
     kl = (pa * (pa.log() - torch.log_softmax(r.tensor("B", "lm_head")[pos].double(), -1))).sum(-1)
     assert rl.vocab_kl_max == pytest.approx(float(kl.max()), rel=1e-6, abs=1e-12)
+
+
+def test_rl_metrics_at_the_rollouts_temperature_and_thresholds(refs, tmp_path):
+    """A rollout sampled at τ = 0.7 is scored at τ = 0.7 (``tracer compare ... --temperature 0.7``; was τ = 1
+    only, from the command line and tracer.compare_trace), the TIS cap and MIS band as given; checked against
+    float64 log_softmax(logits / τ) of the trace's logits."""
+    a = _rollout(refs["all"], "A", tmp_path / "a")
+    b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2))
+    r = tracer.read_trace(refs["all"])
+    ids = r.run("B", load_tensors=False).token_ids
+    pos = list(range(N - 1, N + T - 1))
+    y = torch.tensor([ids[p + 1] for p in pos])
+    la = torch.log_softmax(r.tensor("A", "lm_head")[pos].double() / 0.7, -1)[range(T), y]
+    lb = torch.log_softmax(r.tensor("B", "lm_head")[pos].double() / 0.7, -1)[range(T), y]
+    d = lb - la
+    ratio = d.exp()
+    r, dev = ratio.sort().values, d.abs().sort().values  # thresholds midway between two tokens' values
+    assert r[2] - r[1] > 1e-5 and dev[2] - dev[1] > 1e-5  # 20 float32 spacings of a logprob near -6 apart
+    cap, band = float(r[1] + r[2]) / 2, math.exp(float(dev[1] + dev[2]) / 2)
+    rl = tracer.compare_trace(a, b, reference=f"{refs['all']}:B", temperature=0.7, is_cap=cap, mask_threshold=band).rl
+    assert (rl.tau, rl.is_cap, rl.mask_threshold) == (0.7, cap, band)
+    assert rl.mean_abs_dlogp == pytest.approx(float(d.abs().mean()), abs=2e-6)
+    assert list(rl.logp_a[0]) == pytest.approx(la.tolist(), abs=3e-6)
+    assert rl.tis_clipped == pytest.approx(float((ratio > cap).double().mean()), abs=1e-9)
+    assert rl.mis_masked == pytest.approx(float(((ratio > band) | (ratio < 1 / band)).double().mean()), abs=1e-9)
+    with pytest.raises(TracerError, match="--temperature 0"):
+        tracer.compare_trace(a, b, reference=f"{refs['all']}:B", temperature=0.0)
+    with pytest.raises(TracerError, match="applies to two engine dumps"):
+        tracer.compare_trace(refs["all"], is_cap=3.0)
+
+
+def test_a_trainer_dump_given_as_the_rollout_is_named(refs, tmp_path):
+    """DUMP_A is read as the rollout: a Megatron (trainer) dump there flips Δlogp's sign and the summary's 'train'
+    and 'rollout' labels; the notes say so (the rollout-first order gets no such note)."""
+    a = _rollout(refs["all"], "A", tmp_path / "a")
+    b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2))
+    swapped = compare_dumps(b, a, (refs["all"], "B"))
+    assert any(n.startswith("warning: dump A is a trainer's (Megatron-LM dump)") for n in swapped.facts["notes"])
+    assert not any(n.startswith("warning: dump A") for n in compare_dumps(a, b, (refs["all"], "B")).facts["notes"])
+
+
+def test_rl_metrics_never_score_a_token_the_dumps_do_not_hold(refs, tiny, tmp_path):
+    """A reference of the same prompt with another response (sampled, not greedy): the dumps' response ids are
+    not the reference's, so their positions are not compared, and the logits at N-1 must not be scored
+    against the reference's token at N, which the rollout never sampled."""
+    a = _rollout(refs["all"], "A", tmp_path / "a")
+    b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2))
+    other = tmp_path / "other.h5"
+    tracer.run("tiny-llama", loaded=tiny, positions="all", output=str(other), sample=True, seed=7, **OPTS)
+    ids = tracer.read_trace(refs["all"]).run("B", load_tensors=False).token_ids
+    ids_other = tracer.read_trace(str(other)).run("B", load_tensors=False).token_ids
+    assert ids_other[:N] == ids[:N] and ids_other[N] != ids[N]  # the same prompt, another first response token
+    c = compare_dumps(a, b, (str(other), "B"))
+    assert c.positions == (0, N)  # the prompt only: the responses' ids differ from the reference's
+    assert c.rl is None
+    assert any(f"token at position(s) {N} is not in both dumps" in n for n in c.facts["notes"])
 
 
 def test_parallel_info_and_parts():

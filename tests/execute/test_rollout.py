@@ -425,6 +425,43 @@ def test_renderings_carry_the_rl_metrics(result):
     assert all(len(x) <= 80 for x in lines[knobs:knobs + 2 + len(KNOBS)])
 
 
+def test_fail_on_judges_every_sequence_of_the_rl_step(result):
+    """The RL summary reported "flips: 1 of 32 positions" while --fail-on flip passed (exit 0): the check counted
+    the traced sequence only. Now a flip, or a differing logprob (--fail-on any), in any sequence fails."""
+    c = result.comparison
+    rl = replace(c.rl, argmax_flips=1)
+    quiet = replace(c, logits=replace(c.logits, argmax_flips=()), rl=rl)  # no flip in the traced sequence
+    failed, why = quiet.check("flip")
+    assert failed and "1 argmax flip(s) in the RL step's 12 positions (0 in the traced sequence)" in why
+    assert not replace(quiet, rl=replace(rl, argmax_flips=0)).check("flip")[0]
+    same = replace(c, points=(), logits=None, skipped=())  # the traced sequence bit-identical
+    assert same.identical and not c.rl.identical
+    failed, why = same.check("any")
+    assert failed and f"{c.rl.n_tokens - c.rl.n_equal} of the RL step's 12 logprobs differ" in why
+    assert not replace(same, rl=replace(c.rl, n_equal=c.rl.n_tokens)).check("any")[0]
+
+
+def test_markdown_rl_tables_have_one_cell_per_column(result):
+    """``last |Δ|``, ``mean|Δlogp|``: a pipe inside a heading or cell is escaped, so every row of the RL tables
+    splits into as many cells as the table has columns (unescaped, the heading row had one more)."""
+    import re
+
+    from tracer.report.rl import MITIGATION_COLUMNS, STEP_COLUMNS, markdown_lines
+
+    lines = markdown_lines(result.comparison.rl)
+    tables, cur = [], []
+    for line in lines + [""]:
+        if line.startswith("|"):
+            cur.append(line)
+        elif cur:
+            tables.append(cur)
+            cur = []
+    assert [len(t) for t in tables] == [2 + len(result.comparison.rl.steps), 2 + len(KNOBS)]
+    for table, ncol in zip(tables, (len(STEP_COLUMNS), len(MITIGATION_COLUMNS))):
+        for line in table:
+            assert len(re.split(r"(?<!\\)\|", line)) - 2 == ncol, line
+
+
 def test_positions_all_and_a_stored_trace(tmp_path):
     import tracer
     from tracer.diff.stored import stored_comparison
@@ -434,6 +471,27 @@ def test_positions_all_and_a_stored_trace(tmp_path):
                    store="tensors", output=str(out), progress=False)
     assert r.comparison.positions == (0, 12 + 3 - 1)
     assert stored_comparison(out).rl == r.comparison.rl
+
+
+def test_tracer_compare_of_a_stored_rl_trace_keeps_its_rl_metrics(tmp_path):
+    """``tracer compare TRACE`` recomputes the layer table from the file; the RL metrics (from every sequence's
+    logits, held in memory at run time only) come with it, and a trainer in another dtype (compared in the wider
+    dtype at run time) gives the run-time comparison instead of a dtype error."""
+    import tracer
+    from tracer.report.summary import next_steps
+
+    opts = dict(scenario="rollout-vs-train", length=12, new_tokens=3, rollouts=2, store="tensors", progress=False)
+    same, wide = tmp_path / "rl.h5", tmp_path / "rl-fp32.h5"
+    r = tracer.run("tiny-llama", output=str(same), **opts)
+    c = tracer.compare_trace(str(same))
+    assert c.rl is not None and c.rl == r.comparison.rl
+    assert [p.diff.n_diff for p in c.points] == [p.diff.n_diff for p in r.comparison.points]
+    assert tracer.compare_trace(str(same), "B", "A").rl is None  # swapped runs: no RL metrics of the wrong sign
+    assert "--decode" not in " ".join(next_steps(replace(c, rl=None), "compare"))  # the scenario refuses it
+    w = tracer.run("tiny-llama", output=str(wide), train_dtype="float32", lm_head_fp32=True, **opts)
+    cw = tracer.compare_trace(str(wide))
+    assert cw.rl == w.comparison.rl and cw.first_divergent == w.comparison.first_divergent
+    assert any("float32 in run B" in n for n in cw.facts["notes"])
 
 
 def test_smollm2_cli_prints_the_rl_summary_first_then_where_the_gap_is_born(cli_env, tmp_path):

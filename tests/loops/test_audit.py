@@ -75,6 +75,25 @@ def test_bad_audit_and_scenario_input(tmp_path, cli_env, args, needle):
     bad_cli(args, cli_env, tmp_path, needle)
 
 
+def test_audit_takes_the_scenario_options_of_its_checks():
+    """tracer.audit(attn_a=...) / tracer audit --batch-row ... (the options issue 22 gave the audit) were refused
+    before anything ran: "option(s) batch_row do not apply to scenario prefix-cache", the default scenario of a
+    command that takes none. Now they reach the checks that use them; a bad value is still refused before loading."""
+    import tracer as api
+    from tracer import config
+    from tracer.validate import validate
+
+    res = api.audit("tiny-llama", levels=[1], batch_size=2, batch_row=0, length=24, store=False, progress=False)
+    rows = {r.check.key: r for r in res.rows}
+    assert set(rows) == {"L1-batch", "L1-batch-padded"} and all(r.status != "skipped" for r in rows.values())
+    # the attention options pass the pre-load checks (level 6 itself runs torch.compile: too slow here)
+    cfg = config.RunConfig.from_options(allowed=config.COMMAND_OPTIONS["audit"], check_scenario=False,
+                                        model="tiny-llama", attn_a="eager", attn_b="sdpa", tp=2)
+    assert validate(cfg) is cfg
+    with pytest.raises(TracerError, match="unknown attention implementation 'flash'"):
+        api.audit("tiny-llama", levels=[6], attn_a="flash", store=False, progress=False)
+
+
 def test_device_scenario_without_gpu(tmp_path, cli_env):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -118,6 +118,26 @@ def test_bad_input(tmp_path, loaded):
         sweep("tiny-llama", loaded=loaded, lengths="17", output=trace, progress=False)
 
 
+def test_a_scenario_without_kv_blocks_sweeps_short_lengths_and_refuses_block_sizes(loaded):
+    """repeat and rollout-vs-train split no prompt into KV blocks: lengths below a block are theirs to run (they
+    were refused with a cache-hit message), and a block size would change nothing (each length ran once per
+    block size, rows labelled with a size the scenario ignored)."""
+    res = sweep("tiny-llama", loaded=loaded, scenario="repeat", lengths="4,6", store=False, progress=False)
+    assert [r.length for r in res.rows] == [4, 6] and not any(r.diverged for r in res.rows)
+    for kw in (dict(block_sizes=[16, 32]), dict(block_size=32)):
+        with pytest.raises(TracerError, match="do not apply to scenario repeat"):
+            sweep("tiny-llama", loaded=loaded, scenario="repeat", lengths="20", store=False, progress=False, **kw)
+    with pytest.raises(TracerError, match="at least 2 tokens"):
+        sweep("tiny-llama", loaded=loaded, scenario="repeat", lengths="1:3", store=False, progress=False)
+    res = sweep("tiny-llama", loaded=loaded, scenario="rollout-vs-train", lengths="8", new_tokens=2, rollouts=2,
+                store=False, progress=False)
+    assert [r.length for r in res.rows] == [8]
+    for rl_only in ("mitigations", "is_cap", "mask_threshold"):  # its rows hold no RL metrics: refused, not ignored
+        with pytest.raises(TracerError, match="unknown option"):
+            sweep("tiny-llama", loaded=loaded, scenario="rollout-vs-train", lengths="8", store=False, progress=False,
+                  **{rl_only: 2.0 if rl_only != "mitigations" else True})
+
+
 def test_in_memory_and_token_ids_prefixes(loaded):
     ids = list(range(3, 40))
     res = sweep("tiny-llama", loaded=loaded, lengths=[17, 30], block_sizes=[16], token_ids=ids, store=False, progress=False)

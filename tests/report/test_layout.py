@@ -169,6 +169,29 @@ def test_at_most_fifteen_rows_by_default():
     assert m and int(m.group(1)) == len(body) <= 15 and int(m.group(2)) == 40 * 2 + 3
 
 
+def test_points_not_compared_for_one_reason_are_one_row_by_default():
+    """rollout-vs-train's trainer keeps no KV cache: each layer's kv_cache point is skipped (one reason). By
+    default they are one row naming their pattern and count, within the 15 rows; --all-rows lists each."""
+    from dataclasses import replace
+
+    from tracer.diff.result import SkipRecord
+    from tracer.execute.kinds import PointKind
+
+    c, _, _ = _planted(layers=4)
+    kv = [SkipRecord(f"model.layers.{i}.self_attn.kv_cache", PointKind.KV_CACHE, "no KV cache in run B (it keeps none)",
+                     fails=False) for i in range(30)]
+    missing = [SkipRecord("model.layers.2.mlp", PointKind.LAYER, "missing in run B")]  # another reason: its own row
+    c = replace(c, skipped=tuple(kv + missing))
+    text = _render(c, 120)
+    body = [line for line in _table_lines(text) if line.startswith("│") and line.split("│")[1].strip()]
+    kv_rows = [line for line in body if "kv_cache" in line]
+    assert len(kv_rows) == 1 and "model.layers.*.self_attn.kv_cache ×30" in kv_rows[0]
+    assert "(--all-rows lists each)" in text and "no KV cache in run B" in text
+    assert sum("model.layers.2.mlp " in line for line in body) == 1 and "missing in run B" in text
+    every = _render(c, 120, all_rows=True)
+    assert all(f"model.layers.{i}.self_attn.kv_cache " in every for i in range(30)) and "×30" not in every
+
+
 def test_fit_columns_keeps_the_core_and_drops_in_order():
     headers = {"point": "capture point", "diff": "differing / total", "max_abs": "max abs diff",
                "ulp": "max ULP*", "hist": "ULP histogram", "rel": "rel err", "flips": "flips"}

@@ -191,6 +191,27 @@ def test_plot_cli(pair, tmp_path, cli_env):
     assert proc.returncode == 0 and (tmp_path / "t-ulp.png").exists()
 
 
+def test_plot_options_of_another_kind_are_refused_not_ignored(pair, tmp_path):
+    """`tracer plot T.h5 --layers 1,2` drew the amplification figure of every point, --layers unused; runs of a
+    sweep file were dropped the same way. Now each is an error, and nothing is written."""
+    from tracer.report.plot import plot_file
+
+    a, b = pair
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+    for kind in (None, "amplification", "heatmap"):
+        with pytest.raises(TracerError, match="--layers picks the points of --kind ulp"):
+            plot_file(path, kind=kind, layers="l0", output=tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+    assert plot_file(path, kind="ulp", layers="l0,l1", output=tmp_path / "u.png").exists()
+    sweep_file = tmp_path / "s.h5"
+    tracer.sweep("tiny-llama", scenario="repeat", lengths="4", output=str(sweep_file), progress=False)
+    with pytest.raises(TracerError, match="--run-a/--run-b name runs of a trace"):
+        plot_file(sweep_file, run_a="A", output=tmp_path / "y.png")
+
+
 def _kv_pair():
     """A, B with KV caches (4 positions, window 2..3): L0 + its cache identical, L1's cache 1 ULP off
     in a prefix row and a window row, L1 off, logits flipped at window row 1."""

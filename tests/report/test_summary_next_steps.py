@@ -77,6 +77,15 @@ def test_compare_names_tracer_run_with_the_model_and_scenario():
     assert not any(s.startswith("`--") for s in steps)
 
 
+def test_identical_engine_dumps_get_no_hf_sweep_or_audit_suggestion():
+    """Two engine dumps that agree: `tracer sweep MODEL` and `tracer audit MODEL` would run the HF model, not the
+    engines that were compared; nothing is suggested (an HF comparison keeps both suggestions)."""
+    dumps = _comparison(identical=True, facts={"engine": "SGLang dumper vs Megatron-LM dump"})
+    assert next_steps(dumps, "compare") == []
+    hf = " ".join(next_steps(_comparison(identical=True), "compare"))
+    assert "`tracer sweep smollm2-135m" in hf and "`tracer audit smollm2-135m`" in hf
+
+
 def test_tracer_compare_prints_only_suggestions_it_accepts(tmp_path, cli_env):
     """End to end: a diverging trace compared on the command line (the bug: compare suggested
     --positions all, --granularity sublayers, --mitigation aligned, --verdict, --decode 16)."""

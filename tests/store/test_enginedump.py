@@ -70,6 +70,25 @@ def test_round_trip_is_bit_identical_at_every_mapped_point(ref, dump, tmp_path):
     reader.close()
 
 
+def test_import_never_writes_over_the_reference_or_the_dump(ref, dump, tmp_path):
+    """`tracer import DUMP -r REF.h5:B -o REF.h5 --overwrite` replaced the reference it read with the one-run import."""
+
+    own = tmp_path / "ref.h5"
+    shutil.copy(ref, own)
+    before = own.read_bytes()
+    for output in (str(own), str(tmp_path / "." / "ref.h5")):
+        with pytest.raises(TracerError, match="is the -r reference input .* of this command"):
+            import_dump(str(dump), (str(own), "B"), output, overwrite=True)
+    assert own.read_bytes() == before
+    st = tmp_path / "named.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.arange(4)}, str(st))
+    with pytest.raises(TracerError, match="is the DUMP input .* of this command"):
+        import_dump(str(st), (str(own), "B"), str(st), overwrite=True)
+    assert st.exists()
+
+
 def test_layer_outputs_match_hf_hidden_states(tiny, ref, dump):
     """Independent oracle: HF's own output_hidden_states of the same cache-hit computation."""
     from transformers import DynamicCache

@@ -227,7 +227,8 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     output`` compares it like the dump itself.
 
     Raises:
-        TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False.
+        TracerError: bad dump or reference; ``output`` exists and ``overwrite`` is False; ``output`` is
+            the reference trace or the dump it reads (never replaced, even with ``overwrite``).
     """
     path, run = reference
     check_name(run_name, "--run")

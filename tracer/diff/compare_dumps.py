@@ -79,9 +79,20 @@ def _plan(m: MappedDump) -> str:
 def _rl(ma: MappedDump, mb: MappedDump, logits: str | None, ids: list[int], lo: int, hi: int,
         params: dict[str, float], notes: list[str]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
     """The positions, and both sides' logits there, of the RL metrics: the last run of consecutive
-    positions in ``lo..hi-1`` where both dumps hold logits and the reference knows the next token."""
+    positions in ``lo..hi-1`` where both dumps hold logits and the next token is the dumps' own.
+
+    The next token of ``p`` is read from the reference's ids; it is the token both dumps computed when
+    ``p + 1`` is a compared position (both dumps hold the reference's id there), or when it is the
+    reference's last token (the response's last token, which no engine feeds back). Any other ``p + 1``
+    lies where the dumps' ids were not the reference's, or were not dumped: a token the rollout may
+    never have sampled, left out."""
     ra, rb = _logit_rows(ma, logits), _logit_rows(mb, logits)
-    common = sorted(p for p in set(ra) & set(rb) if lo <= p < hi and p + 1 < len(ids))
+    held = sorted(p for p in set(ra) & set(rb) if lo <= p < hi and p + 1 < len(ids))
+    common = [p for p in held if p + 1 < hi or p + 1 == len(ids) - 1]
+    if len(common) < len(held):
+        unverified = [p + 1 for p in held if p not in common]
+        notes.append(f"RL metrics: the reference's token at position(s) {ranges(unverified)} is not in both dumps "
+                     "(their ids there differ from the reference's, or were not dumped); its logprob is left out")
     if not common:
         notes.append(f"RL metrics: not computed; the dumps hold logits at no common position with a known next token "
                      f"(A: {ranges(sorted(ra)) if ra else 'no logits'}; B: {ranges(sorted(rb)) if rb else 'no logits'})")
@@ -156,6 +167,11 @@ def compare_dumps(dump_a: str, dump_b: str, reference: tuple[str, str | None], *
         da, db = ma.tensors[wide[0]].dtype, mb.tensors[wide[0]].dtype
         notes.append(f"values compared in the wider dtype at {len(wide)} point(s) where the dumps' dtypes differ "
                      f"(A {str(da).split('.')[-1]}, B {str(db).split('.')[-1]}): {', '.join(wide[:3])}")
+    trainer = [side for side, m in (("A", ma), ("B", mb)) if m.facts.get("framework") == "megatron"]
+    if "A" in trainer:  # the RL metrics read A as the rollout, B as the trainer
+        notes.append(f"warning: dump A is a trainer's ({ma.engine}){' as is dump B' if 'B' in trainer else ''}; the "
+                     "RL metrics take A as the rollout and B as the trainer (Δlogp = logp_B − logp_A): give the "
+                     "rollout engine's dump first")
     logits = layout.special(PointKind.LOGITS)
     _partial_logits_notes(ma, mb, logits, names, lo, hi, notes)
     params = {"tau": float(tau), "is_cap": float(is_cap), "mask_threshold": float(mask_threshold)}

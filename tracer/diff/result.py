@@ -223,7 +223,8 @@ class Comparison(schema.Record):
 
         Args:
             fail_on: the rule (default: the comparison's own ``fail_on``). None (report only: always passes), ``any`` (fails on any bitwise
-                difference), ``flip`` (fails on an argmax flip at the logits), ``tolerance``
+                difference; of an RL step: in any of its sequences' logprobs too), ``flip`` (fails on
+                an argmax flip at the logits; of an RL step: at any of its K × T positions), ``tolerance``
                 (fails when an element of any capture point or the logits lies outside
                 ``atol + rtol * |a|``; needs the comparison made with a tolerance).
 
@@ -244,9 +245,15 @@ class Comparison(schema.Record):
             if self.not_compared:
                 s = self.not_compared[0]
                 return True, f"{len(self.not_compared)} capture point(s) not compared, first {s.name} ({s.reason})"
+            if self.identical and self.rl is not None and not self.rl.identical:  # another sequence of the RL step
+                return True, (f"the traced sequence is bit-identical, but {self.rl.n_tokens - self.rl.n_equal} of the RL "
+                              f"step's {self.rl.n_tokens} logprobs differ")
             return (not self.identical), ("bit-identical" if self.identical else f"differs from {self.first_divergent}")
         if fail_on == "flip":
             flips = len(self.logits.argmax_flips) if self.logits is not None else 0
+            if self.rl is not None and self.rl.argmax_flips:  # every sequence of an RL step, the traced one included
+                return True, (f"{self.rl.argmax_flips} argmax flip(s) in the RL step's {self.rl.n_tokens} positions "
+                              f"({flips} in the traced sequence)")
             return flips > 0, f"{flips} argmax flip{'s' if flips != 1 else ''}"
         bad = [(p.name, p.n_outside_tol) for p in self.points if p.n_outside_tol]
         if self.logits_n_outside_tol:

@@ -10,6 +10,7 @@ that field its default.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 from typing import Any
@@ -50,9 +51,11 @@ def stored_comparison(path: str | os.PathLike, name: str | None = None) -> Compa
 
 
 def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | None) -> Comparison | None:
-    """For a ``--store auto`` trace that dropped tensors, the comparison stored at run time of the
-    two runs asked for (default: its first two), with a note; None when the trace keeps every
-    point it compared, or stores no comparison of exactly these runs.
+    """The comparison stored at run time of the two runs asked for (default: its first two), with a
+    note, when the tensors in the file cannot give it: a ``--store auto`` trace that dropped tensors,
+    or runs that hold a capture point in two dtypes (``rollout-vs-train`` with ``--train-dtype`` or
+    ``--lm-head-fp32``: the run compared those points in the wider dtype). None otherwise, or when
+    the trace stores no comparison of exactly these runs.
 
     Raises:
         TracerError: unreadable trace.
@@ -64,15 +67,51 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
         if a not in runs or b not in runs:
             return None
         metas = [r.run(n, load_tensors=False).meta.get("store_auto") for n in (a, b)]
-        if not any(isinstance(m, dict) and m.get("dropped") for m in metas):
+        dropped = any(isinstance(m, dict) and m.get("dropped") for m in metas)
+        caps_a, caps_b = r.captures(a), r.captures(b)
+        mixed = [n for n, (info, _) in caps_a.items() if n in caps_b and info.get("dtype") != caps_b[n][0].get("dtype")
+                 and all(math.prod(i.get("shape") or [0]) for i in (info, caps_b[n][0]))]  # an empty point has no dtype
+        if not dropped and not mixed:
             return None
         stored = r.comparisons()
+    c = _stored_of(stored, a, b)
+    if c is None:
+        return None
+    if dropped:
+        kept = metas[0] if isinstance(metas[0], dict) else {}
+        note = (f"from the comparison made when the trace was written: --store auto kept full tensors of "
+                f"{len(kept.get('kept', []))} of {len(kept.get('kept', [])) + len(kept.get('dropped', []))} "
+                "points, so the others cannot be recomputed from the file")
+    else:
+        da, db = caps_a[mixed[0]][0].get("dtype"), caps_b[mixed[0]][0].get("dtype")
+        note = (f"from the comparison made when the trace was written: {len(mixed)} capture point(s) hold "
+                f"{da} in run {a} but {db} in run {b} (e.g. {mixed[0]}); the run compared them in the wider dtype")
+    return replace(c, facts={**c.facts, "notes": list(c.facts.get("notes", [])) + [note]})
+
+
+def stored_rl(path: str | os.PathLike, run_a: str | None, run_b: str | None) -> Any:
+    """The RL metrics (:class:`tracer.diff.rl.RLComparison`) stored with the run-time comparison of
+    runs ``run_a`` and ``run_b`` (default: the first two) of a ``rollout-vs-train`` trace; None when
+    there are none. They come from every sequence's logits, which only the run held in memory, so a
+    comparison recomputed from the file takes them from here.
+
+    Raises:
+        TracerError: unreadable trace.
+    """
+    from tracer.store.trace import TraceReader
+
+    with TraceReader(path) as r:
+        runs = r.runs
+        a = run_a or (runs[0] if runs else None)
+        b = run_b or next((n for n in runs if n != a), None)
+        stored = r.comparisons()
+    c = _stored_of(stored, a, b)
+    return None if c is None else c.rl
+
+
+def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparison | None:
+    """The stored comparison of exactly runs ``a`` then ``b`` (None when there is none)."""
     for doc in stored.values():
         if isinstance(doc, dict) and list(doc.get("runs") or []) == [a, b]:
-            c = comparison_from_dict(doc)
-            kept = metas[0] if isinstance(metas[0], dict) else {}
-            note = (f"from the comparison made when the trace was written: --store auto kept full tensors of "
-                    f"{len(kept.get('kept', []))} of {len(kept.get('kept', [])) + len(kept.get('dropped', []))} "
-                    "points, so the others cannot be recomputed from the file")
-            return replace(c, facts={**c.facts, "notes": list(c.facts.get("notes", [])) + [note]})
+            return comparison_from_dict(doc)
     return None

@@ -46,6 +46,7 @@ from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.devices import cast_weights, model_device
 from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.plan.plans import Batch, RunPlan
+from tracer.plan.rollout import DECODE_REFUSED, train_dtype_error
 
 
 def _sync(device: torch.device) -> None:
@@ -118,9 +119,9 @@ def run_dtype(model: nn.Module, name: str | None) -> Iterator[None]:
     if target == home:
         yield
         return
-    if torch.finfo(target).bits <= torch.finfo(home).bits:
-        raise TracerError(f"--train-dtype {name} is not wider than the model's {str(home).split('.')[-1]}; the weights "
-                          "could not be cast back bit for bit: load the model in that dtype, or use float32/float64")
+    why = train_dtype_error(name, str(home))
+    if why is not None:
+        raise TracerError(why)
     cast_weights(model, target)
     try:
         yield
@@ -141,8 +142,7 @@ def _check(plan: RunPlan, role: str, decode: int) -> Any:
     if spec is None or spec.role != role:
         raise TracerError(f"run plan {plan.name} is not the {role} side of an RL step; use the plan's own executor")
     if decode:
-        raise TracerError("--decode does not apply to rollout-vs-train: the rollout's own response is compared; "
-                          "drop --decode (use --new-tokens for its length)")
+        raise TracerError(DECODE_REFUSED)
     return spec
 
 

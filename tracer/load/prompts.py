@@ -78,6 +78,25 @@ def read_prompt(prompt: str | None = None, prompt_file: str | None = None,
     return DEFAULT_PROMPT, None
 
 
+def check_prompt(text: str | None, token_ids: list[int] | None, *, chat: bool) -> None:
+    """What can be said of a resolved prompt (:func:`read_prompt`) before a model loads.
+
+    Raises:
+        TracerError: an empty prompt, a negative token id, ``chat`` with token ids.
+    """
+    if text == "" or token_ids == []:
+        raise TracerError("the prompt is empty; give a --prompt with some text or a non-empty --token-ids-file")
+    if token_ids is not None:
+        if chat:
+            raise TracerError(CHAT_IDS)
+        if min(token_ids) < 0:
+            raise TracerError(f"token id {min(token_ids)} is negative; token ids are 0..vocabulary size - 1")
+
+
+#: ``--chat`` with token ids (the template applies to text)
+CHAT_IDS = "--chat applies to text prompts, not to token ids (--token-ids, --token-ids-file); drop one of them"
+
+
 def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, chat: bool,
              vocab_size: int, length: int | None = None) -> list[int]:
     """Token ids of the prompt: plain text as-is (no special tokens added), or the chat template.
@@ -97,7 +116,7 @@ def tokenize(tokenizer: Any, text: str | None, token_ids: list[int] | None, *, c
     if token_ids is None:
         token_ids = _encode(tokenizer, text, chat)
     elif chat:
-        raise TracerError("--chat applies to text prompts, not to --token-ids-file")
+        raise TracerError(CHAT_IDS)
     if not token_ids:
         raise TracerError("the prompt is empty; give a --prompt with some text or a non-empty --token-ids-file")
     if length is not None:

@@ -131,8 +131,9 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             ``overwrite``).
         lengths: prompt lengths N: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"``,
             or a list of ints. Every N must exceed every block size (a cache hit needs one full block).
-        block_sizes: KV block sizes, same syntax (``"16,32,64"``) or a list; applied to scenarios
-            that take a block size (None: 16, or the engine's own default, 32 for vLLM).
+        block_sizes: KV block sizes, same syntax (``"16,32,64"``) or a list, for the scenarios that
+            take a block size (None: 16, or the engine's own default, 32 for vLLM); a scenario that splits no prompt into KV blocks (repeat,
+            batch, rollout-vs-train, ...) refuses them, and its lengths need not exceed a block.
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
         progress: per-point progress on stderr (:class:`tracer.report.progress.ItemProgress`): True or
@@ -144,15 +145,19 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         a :class:`SweepResult` with every row of the file (earlier sessions' rows included).
 
     Raises:
-        TracerError: bad axes, prompt too short, a file of other parameters, every bad run option.
+        TracerError: bad axes, block sizes for a scenario without KV blocks, prompt too short, a file
+            of other parameters, every bad run option.
     """
-
-    if block_sizes is None:
+    scenario = cfg.scenario.name
+    uses_block = "block_size" in applicable_options(scenario)
+    if block_sizes is not None and not uses_block:
+        raise TracerError(f"--block-size/--block-sizes do not apply to scenario {scenario} (it splits no prompt into "
+                          "KV blocks); drop them")
+    if block_sizes is None and uses_block:  # the engine's own default block (vLLM: 32), else 16
         from tracer.plan.engines import ENGINE_DEFAULTS
 
-        block_sizes = [ENGINE_DEFAULTS.get(cfg.scenario.engine or "hf", {}).get("block_size", 16)]
-    ns, bs = _axes(lengths, block_sizes)
-    scenario = cfg.scenario.name
+        block_sizes = [ENGINE_DEFAULTS.get(cfg.scenario.engine or "hf", {}).get("block_size", DEFAULT_BLOCK_SIZES[0])]
+    ns, bs = _axes(lengths, DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes, cache_hit=uses_block)
     out = _sweep_path(cfg, scenario)
     ids = cfg.prompt.token_ids
     if ids is not None and len(ids) < max(ns):
@@ -177,7 +182,6 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         params["engine"] = cfg.scenario.engine
     header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
     sf = SweepFile(out, params, header, overwrite=cfg.store.overwrite) if out is not None else None
-    uses_block = "block_size" in applicable_options(scenario)
     try:
         done = sf.done() if sf is not None else set()
         rows: list[SweepRow] = []
@@ -211,26 +215,34 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             sf.close()
 
 
-def block_axis(block_sizes: str | list[int] | None, block_size: int | None = None) -> str | list[int]:
-    """The block-size axis: ``block_sizes``, or the one ``block_size``, or ``[16]``.
+#: the block-size axis when none is given (and the one recorded for scenarios without KV blocks)
+DEFAULT_BLOCK_SIZES = [16]
+
+
+def block_axis(block_sizes: str | list[int] | None, block_size: int | None = None) -> str | list[int] | None:
+    """The block-size axis: ``block_sizes``, or the one ``block_size``; None when neither is given
+    (:func:`sweep` then uses :data:`DEFAULT_BLOCK_SIZES` where the scenario has KV blocks).
 
     Raises:
         TracerError: both given.
     """
     if block_size is not None and block_sizes is not None:
         raise TracerError("give --block-size or --block-sizes, not both")
-    return block_sizes if block_sizes is not None else [16 if block_size is None else block_size]
+    return block_sizes if block_sizes is not None else (None if block_size is None else [block_size])
 
 
-def _axes(lengths: str | list[int], block_sizes: str | list[int]) -> tuple[list[int], list[int]]:
-    """The length and block-size axes, checked: non-empty, positive blocks, lengths above every block."""
+def _axes(lengths: str | list[int], block_sizes: str | list[int], cache_hit: bool = True) -> tuple[list[int], list[int]]:
+    """The length and block-size axes, checked: non-empty, positive blocks, and (``cache_hit``: a
+    scenario that reuses a cached prefix of whole blocks) lengths above every block, else at least 2."""
     ns = parse_int_list(lengths, "--lengths") if isinstance(lengths, str) else [int(x) for x in lengths]
     bs = parse_int_list(block_sizes, "--block-sizes") if isinstance(block_sizes, str) else [int(x) for x in block_sizes]
     if not ns or not bs:
         raise TracerError("a sweep needs at least one length and one block size")
     if min(bs) < 1:
         raise TracerError(f"--block-size must be a positive number of tokens, got {min(bs)}")
-    if min(ns) <= max(bs):
+    if not cache_hit and min(ns) < 2:
+        raise TracerError(f"--lengths starts at {min(ns)}; a comparison needs at least 2 tokens")
+    if cache_hit and min(ns) <= max(bs):
         raise TracerError(f"--lengths starts at {min(ns)}, but a cache hit needs more than one KV block "
                           f"({max(bs)} tokens); start the lengths at {max(bs) + 1} or more")
     return ns, bs

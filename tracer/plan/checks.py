@@ -50,7 +50,8 @@ def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
     """Ranges of the scenario options the user set (the ``scenario_options`` group of :data:`tracer.config.OPTIONS`):
     ``batch_size`` >= 2 (the traced prompt plus at least one other row), ``batch_row``,
     ``new_tokens``, ``chunk_size`` >= 1 (``batch_row`` >= 0), ``tp`` 1..:data:`MAX_TP`,
-    ``block_sizes`` two sizes >= 1.
+    ``block_sizes`` two sizes >= 1, attention implementations (``attn_a``, ``attn_b``, ``train_attn``) this
+    machine has.
 
     Raises:
         TracerError: the first value out of range.
@@ -61,6 +62,11 @@ def check_scenario_values(options: dict[str, Any]) -> dict[str, Any]:
     for key, (option, lo, hi) in ranges.items():
         if options.get(key) is not None:
             check_int(options[key], option, lo, hi)
+    for key in ("attn_a", "attn_b", "train_attn"):  # an audit's too, whose checks are planned after loading
+        if options.get(key) is not None:
+            from tracer.load.preflight import check_attn
+
+            check_attn(options[key])
     sizes = options.get("block_sizes")
     if sizes is not None:
         if len(sizes) != 2:
@@ -97,6 +103,17 @@ def applicable_options(scenario: str) -> tuple[str, ...]:
     from tracer.plan.scenarios import SCENARIOS
 
     return tuple(p for p in inspect.signature(SCENARIOS[scenario]).parameters if p not in ("n_tokens", "mitigation"))
+
+
+def own_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``params`` that catalogue scenario ``name`` takes (with ``mitigation`` and
+    ``engine``): an audit's options are its checks', and each check's scenario takes its own."""
+    from tracer.plan.scenarios import SCENARIOS
+
+    if name not in SCENARIOS:
+        return params
+    uses = applicable_options(name)
+    return {k: v for k, v in params.items() if k in uses or k in ("mitigation", "engine")}
 
 
 def check_applicable(scen: Any) -> None:

@@ -136,6 +136,21 @@ def _check_positive(value: Any, option: str, above: float, example: str) -> floa
     return float(value)
 
 
+def check_rl_thresholds(*, temperature: float | None = None, is_cap: float | None = None,
+                        mask_threshold: float | None = None) -> None:
+    """Validate the temperature of the logprobs and the TIS/MIS thresholds (those given).
+
+    Raises:
+        TracerError: a value that is not a finite number above its floor (τ, C > 0; β > 1).
+    """
+    if temperature is not None:
+        _check_positive(temperature, "--temperature", 0.0, "0.7")
+    if is_cap is not None:
+        _check_positive(is_cap, "--is-cap", 0.0, "2")
+    if mask_threshold is not None:
+        _check_positive(mask_threshold, "--mask-threshold", 1.0, "2")
+
+
 def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperature: float | None, seed: int | None,
                      train_batching: str, train_dtype: str | None, is_cap: float, mask_threshold: float) -> None:
     """Validate the ``rollout-vs-train`` options (before any model loads).
@@ -149,18 +164,51 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
     if not sample and (temperature is not None or seed is not None):
         given = "--temperature" if temperature is not None else "--seed"
         raise TracerError(f"{given} applies to sampled rollouts; add --sample (greedy decoding has no temperature or seed)")
-    if temperature is not None:
-        _check_positive(temperature, "--temperature", 0.0, "0.7")
+    check_rl_thresholds(temperature=temperature)
     if seed is not None:
         _check_int(seed, "--seed", 0, 2**63 - 1)
     if train_batching not in TRAIN_BATCHINGS:
         raise TracerError(f"unknown --train-batching {train_batching!r}; use one of: {', '.join(TRAIN_BATCHINGS)}")
     if train_dtype is not None:
-        from tracer.dtypes import resolve
+        from tracer.dtypes import canonical
 
-        resolve(train_dtype)
-    _check_positive(is_cap, "--is-cap", 0.0, "2")
-    _check_positive(mask_threshold, "--mask-threshold", 1.0, "2")
+        canonical(train_dtype)  # the table alone: no torch import before a model loads
+    check_rl_thresholds(is_cap=is_cap, mask_threshold=mask_threshold)
+
+
+#: ``--decode`` on an RL step (its executors refuse it too)
+DECODE_REFUSED = ("--decode does not apply to rollout-vs-train: the rollout's own response is compared; "
+                  "drop --decode (use --new-tokens for its length)")
+
+
+def train_dtype_error(train_dtype: str, model_dtype: str) -> str | None:
+    """Why the trainer cannot run in ``train_dtype`` on a model in ``model_dtype`` (None: it can): the
+    weights are cast for the trainer's pass and back, which is exact only when widening."""
+    from tracer.dtypes import FLOATS, canonical
+
+    t, m = canonical(train_dtype), canonical(model_dtype)
+    if t == m or FLOATS[t].bits > FLOATS[m].bits:
+        return None
+    return (f"--train-dtype {train_dtype} is not wider than the model's {m}; the weights could not be cast back bit "
+            "for bit: load the model in that dtype, or use float32/float64")
+
+
+def check_rl_run(scen: Any, model_dtype: str, decode: int) -> None:
+    """The checks of a planned RL step (``scen``: a :class:`~tracer.plan.scenarios.Scenario`) that need
+    the run's other options, before the model loads: ``--decode`` and ``--train-dtype`` against the
+    model's dtype. A scenario that is no RL step passes.
+
+    Raises:
+        TracerError: ``decode`` set, or a trainer dtype narrower than (or as wide as, but not) the model's.
+    """
+    b = getattr(scen.plan_b, "rl", None)
+    if b is None:
+        return
+    if decode:
+        raise TracerError(DECODE_REFUSED)
+    why = train_dtype_error(b.dtype, model_dtype) if b.dtype is not None else None
+    if why is not None:
+        raise TracerError(why)
 
 
 def rl_specs(*, n_tokens: int, lengths: tuple[int, ...], row: int, new_tokens: int, sample: bool,
@@ -236,4 +284,5 @@ def mitigation_variants(scen: Any) -> list[tuple[str, str, Any]]:
 
 
 __all__ = ["RLSpec", "TRAIN_BATCHINGS", "KNOBS", "DEFAULT_IS_CAP", "DEFAULT_MASK_THRESHOLD", "check_rl_options",
+           "check_rl_run", "check_rl_thresholds", "train_dtype_error", "DECODE_REFUSED",
            "rl_specs", "mitigation_variants"]

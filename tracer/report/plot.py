@@ -123,7 +123,8 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwri
     comparison when it has one (nothing recomputed).
 
     Raises:
-        TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
+        TracerError: unknown kind, a kind that does not fit the file, ``layers`` with another kind than
+            ``ulp``, runs of a sweep file, bad output path, unreadable file.
     """
     from tracer.diff.compare import compare_trace
     from tracer.diff.stored import stored_comparison
@@ -143,6 +144,11 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwri
         raise TracerError(f"--kind {kind} needs a {'sweep file' if kind == 'sweep' else 'trace'}, "
                           f"but {src} is a {'sweep file' if is_sweep else 'trace'}; "
                           f"use --kind {'sweep' if is_sweep else 'amplification, heatmap or ulp'}")
+    if layers is not None and kind != "ulp":
+        raise TracerError(f"--layers picks the points of --kind ulp; the {kind} figure draws every point: drop "
+                          "--layers or add --kind ulp")
+    if is_sweep and (run_a is not None or run_b is not None):
+        raise TracerError(f"--run-a/--run-b name runs of a trace; {src} is a sweep file, whose figure draws every point")
     out = check_figure_path(output if output is not None else src.with_name(f"{src.stem}-{kind}.png"), overwrite)
     if is_sweep:
         return save_figure(sweep_figure(read_sweep(src)), out, overwrite=overwrite)

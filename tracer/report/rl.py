@@ -144,15 +144,20 @@ def mitigation_notes(rl: RLComparison) -> list[str]:
     return [f"{m.knob}: {m.what}" for m in rl.mitigations]
 
 
+def _md_row(cells: Any) -> str:
+    """One markdown table row; a ``|`` inside a cell (``last |Δ|``) is escaped, so it is not a column border."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
 def markdown_lines(rl: RLComparison) -> list[str]:
     """The summary, the per-token table and the mitigations as markdown."""
     lines = ["**RL metrics (rollout vs trainer)**", "", *(f"- {k}: {v}" for k, v in summary_pairs(rl)),
              f"- {hist_line(rl)}", ""]
-    lines += ["| " + " | ".join(h for h, _ in STEP_COLUMNS) + " |", "|" + "---:|" * len(STEP_COLUMNS)]
-    lines += ["| " + " | ".join(cell(s) for _, cell in STEP_COLUMNS) + " |" for s in rl.steps]
+    lines += [_md_row(h for h, _ in STEP_COLUMNS), "|" + "---:|" * len(STEP_COLUMNS)]
+    lines += [_md_row(cell(s) for _, cell in STEP_COLUMNS) for s in rl.steps]
     if rl.mitigations:
-        lines += ["", "| " + " | ".join(h for h, _ in MITIGATION_COLUMNS) + " |", "|" + "---:|" * len(MITIGATION_COLUMNS)]
-        lines += ["| " + " | ".join(cell(m) for _, cell in MITIGATION_COLUMNS) + " |" for m in rl.mitigations]
+        lines += ["", _md_row(h for h, _ in MITIGATION_COLUMNS), "|" + "---:|" * len(MITIGATION_COLUMNS)]
+        lines += [_md_row(cell(m) for _, cell in MITIGATION_COLUMNS) for m in rl.mitigations]
         lines += ["", *(f"- {x}" for x in mitigation_notes(rl))]
     return lines + [""]
 

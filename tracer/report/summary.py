@@ -132,6 +132,8 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
     model = c.model if c.model and c.model != "model" else "MODEL"
+    if c.identical and c.facts.get("engine"):  # engine dumps: a sweep or an audit runs HF, not the engines
+        return steps
     if c.identical:
         steps.append("other prompt lengths can diverge where this one does not: "
                      f"`tracer sweep {model} --lengths 17:512` maps them")
@@ -157,7 +159,8 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     if c.noise is None:
         steps.append(f"`{run}--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is "
                      "rounding noise or a defect")
-    if c.replay is None and c.logits is not None and c.rl is None:  # an RL run compares its own response
+    if c.replay is None and c.logits is not None and c.rl is None and c.scenario != "rollout-vs-train":
+        # an RL run compares its own response (the scenario refuses --decode)
         steps.append(f"`{run}--decode 16`: greedy-decodes from both runs and shows where the generated text first "
                      "differs")
     if c.rl is not None and not c.rl.mitigations:

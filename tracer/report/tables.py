@@ -244,6 +244,31 @@ def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) 
     return lines
 
 
+#: skipped points of one reason that become one row of the terminal table (unless --all-rows)
+SKIP_GROUP = 3
+
+
+def skip_rows(skipped: Any, grouped: bool) -> list[tuple[str, str, bool]]:
+    """The table rows of the points not compared: ``(name, marker, fails)``, one per point; with
+    ``grouped``, :data:`SKIP_GROUP` or more of one reason are one row named by their common pattern
+    (``model.layers.*.self_attn.kv_cache ×30``), or the first and the count of the others."""
+    import re
+
+    rows: list[tuple[str, str, bool]] = []
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for sk in skipped:
+        groups.setdefault((sk.reason, sk.fails), []).append(sk.name)
+    for (reason, fails), names in groups.items():
+        mark = f"  ◀ not compared: {printable(reason)}"
+        if not grouped or len(names) < SKIP_GROUP:
+            rows += [(printable(n), mark, fails) for n in names]
+            continue
+        patterns = {re.sub(r"\.\d+(?=\.|$)", ".*", n) for n in names}
+        name = f"{patterns.pop()} ×{len(names)}" if len(patterns) == 1 else f"{names[0]} and {len(names) - 1} more"
+        rows.append((printable(name), mark + " (--all-rows lists each)", fails))
+    return rows
+
+
 def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
               width: int | None = None) -> tuple[Table, list[str]]:
     """The amplification table fitted to ``width`` characters, and the lines that go under it.
@@ -264,7 +289,7 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
     names = [_point_marker(c, r) for r in shown]
-    skipped = [(printable(name), f"  ◀ not compared: {printable(sk.reason)}", sk) for name, sk in skip_rows(c.skipped)]
+    skipped = skip_rows(c.skipped, grouped=keep is not None)
     cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
     cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
     headers = {k: COLUMNS[k][0] for k in columns}
@@ -278,9 +303,9 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
         style = ("bold red" if r["origin"] else "red") if r["n_diff"] else None
         t.add_row(*[Text(name_cell(name, mark, wid["point"])) if k == "point" else cells[k][i] for k in fit.columns],
                   style=style)
-    for name, mark, sk in skipped:  # never dropped: a point that could not be compared is a row too
+    for name, mark, fails in skipped:  # never dropped: a point that could not be compared is a row too
         t.add_row(*[Text(name_cell(name, mark, wid["point"]), overflow="fold") if k == "point" else "-"
-                    for k in fit.columns], style="bold red" if sk.fails else "dim")
+                    for k in fit.columns], style="bold red" if fails else "dim")
     lines: list[str] = []
     if "kernels" in fit.dropped:
         lines.append("kernels (A vs B), not enough width for a column:")
@@ -290,25 +315,6 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
         lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
                      "or --format csv / json shows them)")
     return t, lines + _caption(c, fit.columns, len(shown), len(all_rows))
-
-
-def skip_rows(skipped: Any) -> list[tuple[str, Any]]:
-    """The table rows of the skipped points: ``(name, record)``; three or more non-failing points that
-    differ only in the layer index and share a reason (HF's ``mlp.act_fn`` of every layer, which vLLM
-    does not compute) are one row, ``model.layers.{0..29}.mlp.act_fn (30 points)``; failing ones
-    are always a row each."""
-    groups: dict[tuple[str, str], list[Any]] = {}
-    for sk in skipped:
-        key = (re.sub(r"\.\d+\.", ".*.", sk.name, count=1), sk.reason if not sk.fails else sk.name)
-        groups.setdefault(key, []).append(sk)
-    out = []
-    for (pattern, _reason), sks in groups.items():
-        if len(sks) < 3 or sks[0].fails or "*" not in pattern:
-            out += [(sk.name, sk) for sk in sks]
-            continue
-        idx = [int(re.search(r"\.(\d+)\.", sk.name).group(1)) for sk in sks]
-        out.append((pattern.replace("*", f"{{{min(idx)}..{max(idx)}}}") + f" ({len(sks)} points)", sks[0]))
-    return out
 
 
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
