@@ -348,9 +348,8 @@ def main() -> None:
         where = e.ctx.command_path if e.ctx is not None else "tracer"
         print_error(f"{e.format_message()} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
-    except typer.Abort:  # Ctrl-C inside click (a prompt or the parser)
-        err.print("interrupted")
-        sys.exit(130)
+    except typer.Abort:  # click turns KeyboardInterrupt (and so Terminated) into Abort
+        _exit_interrupted()
     except click_errors.ClickException as e:  # pragma: no cover - other click errors: one line too
         print_error(e.format_message())
         sys.exit(e.exit_code or EXIT_ERROR)
@@ -358,19 +357,30 @@ def main() -> None:
         print_error(str(e))
         sys.exit(EXIT_ERROR)
     except (KeyboardInterrupt, SystemExit) as e:
-        if terminated_by() is not None:  # typer turns the interrupt into exit 130; the signal decides
-            err.print("terminated", highlight=False)
-            sys.exit(128 + terminated_by())
-        if isinstance(e, SystemExit):
+        if isinstance(e, SystemExit) and terminated_by() is None:
             raise
-        err.print("interrupted")
-        sys.exit(130)
+        _exit_interrupted()
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
         if os.environ.get("TRACER_DEBUG") == "1":
             raise SystemExit(_debug_exit()) from None
         print_internal_error(e)
         sys.exit(EXIT_INTERNAL)
+    if terminated_by() is not None or code == 130:  # typer returns 130 for an interrupt it caught
+        _exit_interrupted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_interrupted() -> None:
+    """Exit 128 + signum after SIGTERM/SIGHUP ("terminated"), else 130 after Ctrl-C ("interrupted")."""
+    from tracer.errors import terminated_by
+    from tracer.report.terminal import err
+
+    signum = terminated_by()
+    if signum is not None:  # the signal decides, whatever click or typer made of the interrupt
+        err.print("terminated", highlight=False)
+        sys.exit(128 + signum)
+    err.print("interrupted")
+    sys.exit(130)
 
 
 def _debug_exit() -> int:

@@ -94,7 +94,7 @@ def test_run_output_onto_its_prompt_file_is_refused(tmp_path):
     assert prompt.read_text().startswith("hello world")
 
 
-@pytest.mark.parametrize("sig, code, line", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, None)])
+@pytest.mark.parametrize("sig, code, line", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path, cli_env, sig, code, line):
     """SIGTERM of a run that writes a trace: exit 143, no partial file left, the line says so; SIGINT
     (what held before issue 24, kept as a regression test): exit 130, no partial."""
