@@ -14,9 +14,9 @@ log() { echo "== $(date +%T) $*" | tee -a "$out/log.txt"; }
 python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| transformers', transformers.__version__, '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())" | tee -a "$out/log.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$out/log.txt"
 log "tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_architecture.py tests/test_schema.py tests/plan \
+timeout 150 python3 -m pytest -q -p no:cacheprovider -x tests/test_architecture.py tests/test_schema.py tests/plan \
   > "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt" | tee -a "$out/log.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_fast_path.py tests/diff/test_metrics.py \
+timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_pipeline_fast_path.py tests/diff/test_metrics.py \
   tests/diff/test_compare_stream.py tests/store/test_trace.py tests/execute/test_capture.py tests/diff/test_compare.py \
   -k "cuda or graph" >> "$out/tests.txt" 2>&1; tail -3 "$out/tests.txt" | tee -a "$out/log.txt"
 for args in "" "--cuda-graphs" "--scenario cuda-graph"; do
@@ -27,7 +27,7 @@ for args in "" "--cuda-graphs" "--scenario cuda-graph"; do
 done
 for n in 1024 4096; do
   log "bench N=$n"
-  timeout 150 python3 -m tracer bench qwen3-0.6b-shape --device cuda --length $n --reps 5 --no-kv-cache \
+  timeout 90 python3 -m tracer bench qwen3-0.6b-shape --device cuda --length $n --reps 5 --no-kv-cache \
     --outdir /dev/shm/gv --json > "$out/bench-$n.json" 2>> "$out/bench.err"
   python3 - "$out/bench-$n.json" <<'PY' | tee -a "$out/log.txt"
 import json, sys
@@ -36,6 +36,6 @@ print(f"  (a) {m['a']*1e3:.1f} ms | " + " | ".join(f"{k} {v:.3f}" for k, v in r.
 PY
 done
 log "gpu-tp.sh QUICK=1"
-QUICK=1 timeout 150 scripts/gpu-tp.sh /tmp/gv/tp > /dev/null 2>&1; cat /tmp/gv/tp/status.txt | tee -a "$out/log.txt"
+QUICK=1 timeout 60 scripts/gpu-tp.sh /tmp/gv/tp > /dev/null 2>&1; cat /tmp/gv/tp/status.txt | tee -a "$out/log.txt"
 cp /tmp/gv/tp/summary.md "$out/tp-summary.md" 2>/dev/null || true
 log "done"
