@@ -100,3 +100,14 @@ def test_every_help_reads_whole_at_80_columns(name):
     if name is not None:
         doc = typer.main.get_command(app).commands[name].help
         assert "\n" not in doc.replace("\n\n", ""), name
+
+
+def test_scenario_help_lists_every_scenario():
+    """--scenario's help is built from SCENARIOS: a scenario added there is listed (cuda-graph and
+    engine were once missing from a hand-written list)."""
+    from tracer.config import OPTIONS
+    from tracer.plan.scenarios import SCENARIOS
+
+    listed = OPTIONS["scenario"].help
+    missing = [name for name in SCENARIOS if name not in listed.replace("(", " ").replace(",", " ").split()]
+    assert not missing, missing

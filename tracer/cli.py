@@ -213,7 +213,7 @@ def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool
     """Run every level of the determinism hierarchy this machine can run and print the hierarchy table."""
     from tracer.report.terminal import check_outputs, check_table, print_audit
 
-    check_table(fmt)
+    check_table(fmt, audit=True)
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
     # the plan with each check's cost, then each result as it comes, on stderr

@@ -28,6 +28,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
+from tracer.plan.scenarios import SCENARIOS
+
+#: a few words after a scenario's name in ``--scenario``'s help (the list itself is :data:`SCENARIOS`)
+_SCENARIO_NOTES = {
+    "prefix-cache": "cache miss vs hit; --split-at N-1 is a decode step",
+    "cuda-graph": "eager vs CUDA-graph replay, GPU only",
+    "engine": "HF vs vLLM, --engines",
+    "rollout-vs-train": "RL: a rollout sampling from a KV cache vs the trainer's teacher-forced recompute",
+}
 
 if TYPE_CHECKING:
     from tracer.plan.scenarios import Scenario
@@ -268,10 +277,9 @@ _HELP = {
                       "tokenizer takes, and a GGUF's tokenizer is then not converted",
     "chat": "apply the tokenizer's chat template to the prompt",
     "length": "use exactly N tokens: the prompt truncated, or repeated to reach N",
-    "scenario": "scenario: repeat, batch, prefix-cache (cache miss vs hit; --split-at N-1 is a decode step), "
-                "generate-cache, block-size, chunked-prefill, tensor-parallel, kv-quant, attention, compile, device, "
-                "disaggregated, rollout-vs-train (RL: a rollout sampling from a KV cache vs the trainer's "
-                "teacher-forced recompute); from Python also a Scenario or f(n_tokens) -> Scenario",
+    "scenario": "scenario: " + ", ".join(name + (f" ({_SCENARIO_NOTES[name]})" if name in _SCENARIO_NOTES else "")
+                                         for name in SCENARIOS)
+                + "; from Python also a Scenario or f(n_tokens) -> Scenario",
     "block_size": "KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16)",
     "split_at": "cached prefix length P (1..N-1), overriding block_size",
     "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic "
@@ -359,8 +367,6 @@ def _flags(key: str) -> tuple[str, ...]:
 
 
 def _declare() -> dict[str, Option]:
-    from tracer.plan.scenarios import SCENARIOS
-
     renames = {("model", "name"): "model", ("scenario", "name"): "scenario", ("store", "mode"): "store"}
     out: dict[str, Option] = {}
     for group, cls in _GROUPS.items():

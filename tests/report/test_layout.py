@@ -212,3 +212,19 @@ def test_fit_columns_keeps_the_core_and_drops_in_order():
 
 def test_piped_width():
     assert piped_width({}) == 120 and piped_width({"COLUMNS": "90"}) == 90 and piped_width({"COLUMNS": "x"}) == 120
+
+
+def test_a_new_comparison_format_is_refused_by_the_audit_until_it_has_a_branch(monkeypatch):
+    """The audit checks its own AUDIT_FORMATS: a format added to FORMATS alone (the report-format
+    row of docs/ARCHITECTURE.md) is refused by `tracer audit -f` before anything runs, instead of
+    running every check and then failing in render_audit."""
+    import pytest
+
+    from tracer.errors import TracerError
+    from tracer.report import layout
+    from tracer.report.terminal import check_table
+
+    monkeypatch.setattr(layout, "FORMATS", (*layout.FORMATS, "tsv"))
+    assert check_table("tsv") == check_table("table")
+    with pytest.raises(TracerError, match="unknown format 'tsv'; use one of: table, json, csv, markdown"):
+        check_table("tsv", audit=True)

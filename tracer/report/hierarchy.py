@@ -12,7 +12,7 @@ from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
-from tracer.report.layout import fit_columns
+from tracer.report.layout import AUDIT_FORMATS, fit_columns
 from tracer.report.tables import _num, check_format
 from tracer.store.trace import json_safe
 
@@ -119,7 +119,7 @@ def render_audit(a: Any, fmt: str = "table", console: Any = None) -> str | None:
     Raises:
         TracerError: unknown format.
     """
-    match check_format(fmt):
+    match check_format(fmt, AUDIT_FORMATS):
         case "table":
             print_audit(a, console)
             return None

@@ -25,8 +25,11 @@ from dataclasses import dataclass
 
 from tracer.errors import TracerError
 
-#: the report formats of a comparison (and an audit)
+#: the report formats of a comparison
 FORMATS = ("table", "json", "csv", "markdown")
+#: the report formats of an audit (its own list: a new comparison format is refused by the audit
+#: before it runs until ``tracer.report.hierarchy.render_audit`` has a branch for it)
+AUDIT_FORMATS = ("table", "json", "csv", "markdown")
 #: the amplification table's columns: key → header (cells: :data:`tracer.report.tables.COLUMNS`)
 COLUMN_HEADERS = {
     "point": "capture point", "diff": "differing / total", "fraction": "fraction", "max_abs": "max abs diff",
@@ -38,14 +41,14 @@ DEFAULT_COLUMNS = ("point", "diff", "max_abs", "ulp", "hist", "rel", "growth", "
 WIDE_COLUMNS = tuple(k for k in COLUMN_HEADERS if k != "kernels")  # kernels: added when recorded (with_kernels)
 
 
-def check_format(fmt: str) -> str:
-    """Validate an output format name.
+def check_format(fmt: str, formats: tuple[str, ...] = FORMATS) -> str:
+    """Validate an output format name against ``formats`` (:data:`FORMATS`, or :data:`AUDIT_FORMATS`).
 
     Raises:
         TracerError: unknown format.
     """
-    if fmt not in FORMATS:
-        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(FORMATS)}")
+    if fmt not in formats:
+        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(formats)}")
     return fmt
 
 

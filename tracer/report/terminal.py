@@ -57,15 +57,16 @@ def check_outputs(*, report: str | None = None, plot: str | None = None, output:
         check_figure_path(plot, overwrite)
 
 
-def check_table(fmt: str, columns: str | None = None, wide: bool = False) -> tuple[str, ...]:
-    """The table columns of a comparison report (checked with its format before anything runs).
+def check_table(fmt: str, columns: str | None = None, wide: bool = False, audit: bool = False) -> tuple[str, ...]:
+    """The table columns of a comparison report (checked with its format before anything runs);
+    ``audit``: the format is an audit's (:data:`tracer.report.layout.AUDIT_FORMATS`).
 
     Raises:
         TracerError: unknown format or column.
     """
-    from tracer.report.layout import check_columns, check_format
+    from tracer.report.layout import AUDIT_FORMATS, FORMATS, check_columns, check_format
 
-    check_format(fmt)
+    check_format(fmt, AUDIT_FORMATS if audit else FORMATS)
     return check_columns(columns, wide)
 
 
