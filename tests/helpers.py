@@ -3,7 +3,8 @@ small random-init models (built straight from HF configs, independent of :mod:`t
 
 - :func:`tracer_cli` runs ``python -m tracer ARGS`` in a subprocess; :func:`bad_cli` checks a bad
   input's contract (exit 2, one line, no traceback); :func:`cli_batch` runs many argument lists
-  in one process in which loading a model raises (bad input must be refused before any load).
+  in one process in which loading a model raises (bad input must be refused before any load);
+  :func:`cli_session` runs several whole commands in one process (one import of torch).
 - :func:`run_record` builds a :class:`~tracer.execute.records.RunRecord` from ``(name, kind,
   tensor)`` triples; :func:`make_runs` two planted runs A/B; :func:`write_trace` stores runs.
 - :func:`make_model` a random-init causal LM of a family in :data:`FAMILIES`.
@@ -80,6 +81,36 @@ for args in json.loads(sys.argv[1]):
             code = e.code
     print(json.dumps([code, err.getvalue()]), flush=True)
 """
+
+
+_SESSION_DRIVER = """
+import contextlib, io, json, sys
+from tracer.cli import main
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["tracer", *args]
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+    print("\\x00" + json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
+"""
+
+
+def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *,
+                timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """``tracer ARGS`` for each case, one after another in ONE process (torch and transformers are
+    imported once, not once per command): a ``CompletedProcess`` (``returncode``, ``stdout``,
+    ``stderr``) per case, in order. For commands that may load models; the exit codes are the
+    CLI's own (``main`` raises ``SystemExit``)."""
+    proc = subprocess.run([sys.executable, "-c", _SESSION_DRIVER, json.dumps(cases)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    done = [json.loads(line[1:]) for line in proc.stdout.split("\n") if line.startswith("\x00")]
+    assert len(done) == len(cases), proc.stderr[-3000:]
+    return [subprocess.CompletedProcess(["tracer", *args], code, out, err)
+            for args, (code, out, err) in zip(cases, done)]
 
 
 def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> list[tuple[int, str]]:

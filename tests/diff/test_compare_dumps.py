@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from tracer.load.models import load_model
 from tracer.store.enginedump import read_dump
 from tracer.store.megatron_dump import write_megatron_dump
 from tracer.store.sglang_dump import write_sglang_dump
+from tests.helpers import cli_session
 
 N, T = 24, 4  # prompt tokens, response tokens: the sequence is N + T ids, the logits at N-1 .. N+T-2 predict the response
 OPTS = dict(scenario="rollout-vs-train", length=N, rollouts=2, new_tokens=T, granularity="sublayers", progress=False)
@@ -309,30 +308,26 @@ def test_bad_inputs_are_one_line_errors(refs, tmp_path):
 def test_cli_compares_two_dumps_rl_summary_first(refs, tmp_path, cli_env):
     a = _rollout(refs["all"], "A", tmp_path / "a")
     b = str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2, sp=True))
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b, "--reference", f"{refs['all']}:B",
-                        "--report", "dumps.html"], capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    same = _rollout(refs["all"], "B", tmp_path / "same")
+    ref = f"{refs['all']}:B"
+    quiet = {**cli_env, "TRACER_PROGRESS": "off"}  # no 'compare: ... elapsed' line on a loaded machine
+    r, js, ok, one, no_ref = cli_session([["compare", a, b, "--reference", ref, "--report", "dumps.html"],
+                                          ["compare", a, b, "-r", ref, "--format", "json"],
+                                          ["compare", same, b, "-r", ref, "--fail-on", "any"],
+                                          ["compare", a, "-r", ref],
+                                          ["compare", a, b]], quiet, tmp_path)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert out.index("|Δlogp|:") < out.index("verdict:") < out.index("SGLang dumper vs Megatron-LM dump")
     assert "diverges from" in out and "the traced sequence (row 0)" in out
     html = (tmp_path / "dumps.html").read_text()
     assert "RL metrics" in html and "rl-steps" in html and "Megatron-LM dump" in html
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b, "-r", f"{refs['all']}:B", "--format", "json"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
-    doc = json.loads(r.stdout)
+    doc = json.loads(js.stdout)
     assert doc["runs"] == ["SGLang dumper", "Megatron-LM dump"] and doc["rl"]["n_tokens"] == T
-    assert doc["facts"]["reference"] == f"{refs['all']}:B" and doc["first_divergent"]
-    same = _rollout(refs["all"], "B", tmp_path / "same")
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", same, b, "-r", f"{refs['all']}:B", "--fail-on", "any"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
-    assert r.returncode == 0 and "bit-identical" in r.stdout, r.stdout + r.stderr
-    quiet = {**cli_env, "TRACER_PROGRESS": "off"}  # no 'compare: ... elapsed' line on a loaded machine
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, "-r", f"{refs['all']}:B"],
-                       capture_output=True, text=True, env=quiet, cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "give DUMP_A DUMP_B" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", a, b], capture_output=True, text=True, env=quiet,
-                       cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "add --reference REF.h5:RUN" in r.stderr
+    assert doc["facts"]["reference"] == ref and doc["first_divergent"]
+    assert ok.returncode == 0 and "bit-identical" in ok.stdout, ok.stdout + ok.stderr
+    assert one.returncode == 2 and one.stderr.count("\n") == 1 and "give DUMP_A DUMP_B" in one.stderr
+    assert no_ref.returncode == 2 and no_ref.stderr.count("\n") == 1 and "add --reference REF.h5:RUN" in no_ref.stderr
 
 
 def test_hf_reference_against_a_megatron_dump(refs, tmp_path):

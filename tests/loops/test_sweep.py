@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import tracer_cli
+from tests.helpers import cli_session, tracer_cli
 from tracer.errors import TracerError
 from tracer import sweep
 from tracer.loops.sweep import MATRIX_FIELDS, ROW_FIELDS, compress_ranges, parse_int_list, read_sweep
@@ -146,21 +146,20 @@ def test_in_memory_and_token_ids_prefixes(loaded):
 
 
 def test_sweep_cli(tmp_path, cli_env):
-    cli = dict(env=cli_env, cwd=tmp_path, check=False)  # exit codes are checked here
-
-    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--block-size", "16", "--device", "cpu",
-                       "-o", "s.h5", "--plot", "s.png"], **cli)
-    assert proc.returncode == 0, proc.stderr
-    assert "block size 16:" in proc.stdout and (tmp_path / "s.png").exists()
-    proc = tracer_cli(["plot", "s.h5", "-o", "map.svg"], **cli)
-    assert proc.returncode == 0, proc.stderr
-    proc = tracer_cli(["sweep", "tiny-llama", "--lengths", "17:19", "--device", "cpu", "-o", "s.h5", "--format", "csv"],
-                      **cli)
+    bads = ((["--lengths", "9:3"], "start <= stop"), (["--block-size", "8", "--block-sizes", "8,16"], "not both"),
+            (["--lengths", "17:20", "-o", "s.h5"], "other parameters"))
+    procs = cli_session([["sweep", "tiny-llama", "--lengths", "17:19", "--block-size", "16", "--device", "cpu",
+                          "-o", "s.h5", "--plot", "s.png"],
+                         ["plot", "s.h5", "-o", "map.svg"],
+                         ["sweep", "tiny-llama", "--lengths", "17:19", "--device", "cpu", "-o", "s.h5", "--format", "csv"],
+                         *(["sweep", "tiny-llama", "--device", "cpu", *bad] for bad, _ in bads)], cli_env, tmp_path)
+    assert procs[0].returncode == 0, procs[0].stderr
+    assert "block size 16:" in procs[0].stdout and (tmp_path / "s.png").exists()
+    assert procs[1].returncode == 0, procs[1].stderr
+    proc = procs[2]
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("length,block_size")  # resumed: nothing left
     assert len(proc.stdout.splitlines()) == 4
-    for bad, msg in ((["--lengths", "9:3"], "start <= stop"), (["--block-size", "8", "--block-sizes", "8,16"], "not both"),
-                     (["--lengths", "17:20", "-o", "s.h5"], "other parameters")):
-        proc = tracer_cli(["sweep", "tiny-llama", "--device", "cpu", *bad], **cli)
+    for proc, (_, msg) in zip(procs[3:], bads):
         assert proc.returncode == 2 and msg in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 

@@ -12,7 +12,7 @@ import torch
 
 import tracer
 from tests.helpers import run_record as _run
-from tests.helpers import tracer_cli
+from tests.helpers import cli_session, tracer_cli
 from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
@@ -172,23 +172,23 @@ def test_plot_cli(pair, tmp_path, cli_env):
         w.add_run(a)
         w.add_run(b)
 
-    cli = dict(env=cli_env, cwd=tmp_path, check=False, timeout=300)  # exit codes are checked here
-
     out = tmp_path / "amp.svg"
-    proc = tracer_cli(["plot", str(path), "-o", str(out)], **cli)
-    assert proc.returncode == 0, proc.stderr
+    first, refused = cli_session([["plot", str(path), "-o", str(out)],
+                                  ["plot", str(path), "--kind", "heatmap", "-o", str(out)]], cli_env, tmp_path)
+    assert first.returncode == 0, first.stderr
     assert out.read_text().lstrip().startswith("<?xml")
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr and "Traceback" not in refused.stderr
     before = out.read_bytes()
-    proc = tracer_cli(["plot", str(path), "--kind", "heatmap", "-o", str(out)], **cli)
-    assert proc.returncode == 2 and "--overwrite" in proc.stderr and "Traceback" not in proc.stderr
-    assert out.read_bytes() == before
-    assert tracer_cli(["plot", str(path), "--kind", "heatmap", "-o", str(out), "--overwrite"], **cli).returncode == 0
-    proc = tracer_cli(["plot", str(path), "-o", str(tmp_path / "x.jpg")], **cli)
-    assert proc.returncode == 2 and ".png" in proc.stderr
-    proc = tracer_cli(["plot", str(path), "--kind", "sweep"], **cli)
-    assert proc.returncode == 2 and "sweep file" in proc.stderr
-    proc = tracer_cli(["plot", str(path), "--kind", "ulp"], **cli)
-    assert proc.returncode == 0 and (tmp_path / "t-ulp.png").exists()
+    overwritten, jpg, sweep, ulp = cli_session(
+        [["plot", str(path), "--kind", "heatmap", "-o", str(out), "--overwrite"],
+         ["plot", str(path), "-o", str(tmp_path / "x.jpg")],
+         ["plot", str(path), "--kind", "sweep"],
+         ["plot", str(path), "--kind", "ulp"]], cli_env, tmp_path)
+    assert overwritten.returncode == 0, overwritten.stderr
+    assert out.read_bytes() != before  # the heatmap replaced the amplification figure
+    assert jpg.returncode == 2 and ".png" in jpg.stderr
+    assert sweep.returncode == 2 and "sweep file" in sweep.stderr
+    assert ulp.returncode == 0 and (tmp_path / "t-ulp.png").exists()
 
 
 def test_plot_options_of_another_kind_are_refused_not_ignored(pair, tmp_path):

@@ -20,7 +20,7 @@ import torch
 import typer
 from rich.console import Console
 
-from tests.helpers import run_record
+from tests.helpers import cli_session, run_record
 from tracer.diff.compare import compare_records
 from tracer.report.progress import ItemProgress, StatusProgress
 from tracer.report.tables import render, to_csv
@@ -138,16 +138,14 @@ def test_csv_rows_carry_run_metadata(chain):
 
 
 def test_cli_headline_all_rows_and_csv(tmp_path, cli_env):
-    cmd = [sys.executable, "-m", "tracer", "run", "tiny-llama", "--device", "cpu", "--length", "40", "--no-store"]
-    doc = json.loads(subprocess.run(cmd + ["--format", "json"], capture_output=True, text=True, env=cli_env,
-                                    cwd=tmp_path, check=True).stdout)
-    table = subprocess.run(cmd, capture_output=True, text=True, env=cli_env, cwd=tmp_path, check=True).stdout
+    cmd = ["run", "tiny-llama", "--device", "cpu", "--length", "40", "--no-store"]
+    procs = cli_session([cmd + ["--format", "json"], cmd, cmd + ["--all-rows"], cmd + ["--format", "csv"]],
+                        cli_env, tmp_path)
+    assert all(p.returncode == 0 for p in procs), [p.stderr for p in procs]
+    doc, table, full, csv_text = json.loads(procs[0].stdout), procs[1].stdout, procs[2].stdout, procs[3].stdout
     assert table.startswith(f"verdict:{' ' * 1}") and doc["verdict"] in table.splitlines()[0]
-    full = subprocess.run(cmd + ["--all-rows"], capture_output=True, text=True, env=cli_env, cwd=tmp_path,
-                          check=True).stdout
     assert all(f"│ {x['name']} " in full for x in doc["layers"])
-    rows = list(csv.DictReader(io.StringIO(subprocess.run(cmd + ["--format", "csv"], capture_output=True, text=True,
-                                                          env=cli_env, cwd=tmp_path, check=True).stdout)))
+    rows = list(csv.DictReader(io.StringIO(csv_text)))
     assert len(rows) == len(doc["layers"]) + 1
     assert {(r["model"], r["positions_start"], r["positions_stop"], r["verdict"]) for r in rows} == \
         {("tiny-llama", str(doc["positions"][0]), str(doc["positions"][1]), doc["verdict"])}
