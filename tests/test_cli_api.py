@@ -105,7 +105,7 @@ def test_every_help_reads_whole_at_80_columns(name):
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_help_keeps_square_brackets(name):
     """The help is rendered with rich markup on, where ``[vllm]`` is a style tag and vanished: `tracer run
-    --help` told to `pip install 'tracer'` for vLLM. Every bracketed word of a help text (OPTIONS, the API
+    --help` told to `pip install 'tracer'` for vLLM (the text said 'tracer[vllm]'). Every bracketed word of a help text (OPTIONS, the API
     docstrings, the render options) shows in the rendered --help as written (the text given to click
     escapes it: ``\\[vllm]``)."""
     import re
@@ -118,6 +118,6 @@ def test_help_keeps_square_brackets(name):
     raw = [p.help or "" for p in _cli(name).values()]  # as given to click: OPTIONS' text or the docstring's
     words = {w for text in raw for w in re.findall(r"\S*\[[a-z][^\]\s]*\]\S*", text.replace("\\[", "["))}
     if name == "run":
-        assert "'tracer[vllm]')." in words  # the case that was lost
+        assert "'.[vllm]'," in words  # the case that was lost (then written 'tracer[vllm]')
     for w in words:
         assert w.strip(".,;()'") in flat, (name, w)
