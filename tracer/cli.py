@@ -20,6 +20,7 @@ import sys
 from typing import Annotated, Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 
 from tracer import api
 from tracer.config import OPTIONS, cli_type
@@ -134,6 +135,7 @@ def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list
         parse = {"callback": _int_list} if kind is tuple else {}
         kind = str if kind is tuple else kind
         help_ = opt.help + "." if opt is not None and (p.name not in doc or p.name == "model") else doc.get(p.name, "")
+        help_ = escape(help_)  # rich markup is on for the help: '.[vllm]' must not read as a style tag
         default = ... if p.default is p.empty else p.default
         if p.name == "store":
             default = None  # the command writes a trace by default (store auto), a library call only when asked
@@ -146,7 +148,7 @@ def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list
     for name in render:
         kind, default, flags, help_ = RENDER[name]
         out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                     annotation=Annotated[Optional[kind], typer.Option(*flags, help=help_)]))
+                                     annotation=Annotated[Optional[kind], typer.Option(*flags, help=escape(help_))]))
     return out
 
 
@@ -168,7 +170,7 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = ()) ->
 
         callback.__signature__ = inspect.Signature(cli_parameters(fn, render))  # type: ignore[attr-defined]
         # one paragraph per blank line: the command list of 'tracer --help' keeps a docstring's line breaks
-        callback.__doc__ = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or ""))
+        callback.__doc__ = escape(re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or "")))
         callback.__name__ = body.__name__
         app.command(name)(callback)
         return body

@@ -285,7 +285,7 @@ _HELP = {
     "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic "
                   "(torch deterministic algorithms, TF32 off)",
     "engine": "who executes both runs: hf (Hugging Face transformers, default) or vllm (vLLM in-process, eager; "
-              "pip install 'tracer[vllm]')",
+              "in a venv of its own: pip install -c constraints-vllm.txt -e '.[vllm]', README 'With vLLM')",
     "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default)",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "

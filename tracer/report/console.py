@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from tracer.report.layout import piped_width
 
@@ -17,3 +17,19 @@ def stdout_console(explicit_columns: bool = False) -> Console:
     if sys.stdout.isatty():
         return Console()
     return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
+
+
+def print_whole(console: Console, renderable: RenderableType, width: int) -> None:
+    """Print ``renderable`` (a table fitted to ``width`` characters) at ``width`` even where the console is
+    narrower: rich caps ``print(width=...)`` at the console's width and then squeezes fixed-width columns,
+    folding headers mid-word and numbers onto a second line; a table wider than the terminal wraps
+    instead, and every number stays whole."""
+    if width <= console.width:
+        console.print(renderable)
+        return
+    saved = console._width  # noqa: SLF001 - rich has no public way back to "not set" (the terminal's width)
+    console.width = width
+    try:
+        console.print(renderable, crop=False)
+    finally:
+        console._width = saved  # noqa: SLF001

@@ -62,6 +62,8 @@ def print_audit(a: Any, console: Any = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from tracer.report.console import print_whole
+
     console = console or Console()
     console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
                   highlight=False)
@@ -81,7 +83,7 @@ def print_audit(a: Any, console: Any = None) -> None:
     for r, cells in zip(a.rows, rows):
         style = {"passed": "green", "failed": "red", "skipped": "dim"}[r.status]
         t.add_row(*(cells[k] for k in fit.columns), style=style)
-    console.print(t, width=max(console.width, fit.width), crop=False)  # too narrow even so: wider, never cut
+    print_whole(console, t, fit.width)  # too narrow even so: wider, never cut
     if fit.dropped:
         console.print(f"left out to fit {console.width} columns: {', '.join(heads[k] for k in fit.dropped)} "
                       "(a wider terminal, COLUMNS=200, or --format markdown / json shows them)",

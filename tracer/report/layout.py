@@ -78,6 +78,8 @@ DROP_ORDER = ("kernels", "hist", "nan_inf", "sqnr", "rel5", "rel1", "cos", "ampl
               "tol", "fraction", "growth", "rel")
 #: the name column's narrowest width: ``…layers.3.self_attn.kv_cache`` (28 characters) stays readable
 NAME_MIN = 28
+#: narrower still only when the kept columns do not fit otherwise (``--positions all`` at 80 columns)
+NAME_FLOOR = 16
 #: the width of piped output when ``COLUMNS`` does not say
 PIPED_WIDTH = 120
 ELLIPSIS = "…"
@@ -102,7 +104,8 @@ def header_min(header: str) -> int:
 
 def shorten_left(name: str, width: int) -> str:
     """``name`` in at most ``width`` characters, cut from the left at a dot when one fits:
-    ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``.
+    ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``; never so that a
+    layer index leads (in 27: ``…ayers.3.self_attn.kv_cache``, not ``…3.self_attn.kv_cache``).
 
     A name that fits is returned unchanged; without a dot that fits the cut is at the character.
     """
@@ -113,8 +116,10 @@ def shorten_left(name: str, width: int) -> str:
     cut = len(name) - (width - 1)
     tail = name[cut:]
     dot = tail.find(".")
-    # at a component boundary already, or cut after the next dot when that leaves a readable tail
-    if name[cut - 1] != "." and 0 <= dot < len(tail) - 1 and len(tail) - dot - 1 >= 8:
+    # at a component boundary already, or cut after the next dot when that leaves a readable tail that
+    # does not start with an index (``…3.self_attn`` could be layer 13 or 23; ``…yers.3.self_attn`` cannot)
+    if name[cut - 1] != "." and 0 <= dot < len(tail) - 1 and len(tail) - dot - 1 >= 8 \
+            and not tail[dot + 1].isdigit():
         tail = tail[dot + 1:]
     return ELLIPSIS + tail
 
@@ -163,8 +168,9 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         flexible: text columns that may wrap down to their longest word (their cells are text,
             not numbers).
 
-    Every other column is at least as wide as its widest cell. When even the kept columns at
-    their narrowest do not fit, they are shown anyway (the table is then wider than ``width``;
+    Every other column is at least as wide as its widest cell. When the kept columns do not fit
+    with the name at ``name_min``, the name narrows further (down to :data:`NAME_FLOOR`); when
+    even that does not fit, they are shown anyway (the table is then wider than ``width``;
     nothing is truncated).
 
     Returns:
@@ -192,6 +198,10 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         k = order.pop(0)
         shown.remove(k)
         dropped.append(k)
+    over = table_width([lowest[k] for k in shown]) - width
+    if over > 0 and name_key in shown:  # the kept columns alone are too wide: the name gives way, down to a floor
+        floor = min(lowest[name_key], max(NAME_FLOOR, header_min(headers[name_key])))
+        lowest[name_key] = max(floor, lowest[name_key] - over)
     widths = {k: lowest[k] for k in shown}
     room = width - table_width(list(widths.values()))
     # spare room: the name first, then the flexible text columns, then headers unwrapped

@@ -25,6 +25,7 @@ from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
+from tracer.report.console import print_whole
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, WIDE_COLUMNS,  # noqa: F401
                                   check_columns, check_format, fit_columns, name_cell, table_width)
 from tracer.report.rl import markdown_lines, print_rl
@@ -393,8 +394,7 @@ def print_report(c: Comparison, console: Console | None = None,
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
     t, under = fit_table(c, columns, keep, console.width)
     console.print(Text(printable(_title(c))), soft_wrap=True)
-    console.print(t, width=max(console.width, table_width([col.width or 0 for col in t.columns])),
-                  crop=False)  # too narrow even so: wider, never cut
+    print_whole(console, t, table_width([col.width or 0 for col in t.columns]))  # too narrow even so: wider, never cut
     for line in under:
         console.print(Text(printable(line)), soft_wrap=True)
     for line in logits_lines(c):
