@@ -288,3 +288,28 @@ def test_report_onto_the_trace_is_refused(tmp_path, cli_env):
                    cli_env, tmp_path, check=False)
     assert p.returncode == 2 and "is the trace's --output too" in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_missing_input_of_a_stored_file_command_is_refused_before_torch(tmp_path, cli_env):
+    """compare, show, report, plot and import: a path that does not exist (as given, or as PATH:RUN) is one
+    line and exit 2 before torch is imported (they took 2 to 4 s and printed a progress line first)."""
+    import subprocess
+    import sys
+
+    driver = ("import sys\nfrom tracer.cli import main\nsys.argv = ['tracer', *sys.argv[1:]]\ntry:\n    main()\n"
+              "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules)\n")
+    for args in (["compare", "nope.h5"], ["compare", "nope.h5:A", "other.h5:B"], ["show", "nope.h5"],
+                 ["report", "nope.h5"], ["plot", "nope.h5"], ["import", "nodump", "-r", "nope.h5:B", "-o", "x.h5"]):
+        proc = subprocess.run([sys.executable, "-c", driver, *args], cwd=tmp_path, env=cli_env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.stdout.split() == ["2", "False"], (args, proc.stdout, proc.stderr)
+        assert proc.stderr.strip().splitlines() == [f"error: input {args[1]} not found; check the path"], proc.stderr
+
+
+def test_a_positional_argument_given_as_an_option_is_named(tmp_path):
+    """`tracer run --model M` suggested --decode, --tp-mode, --wide; now it says MODEL is positional."""
+    from tests.helpers import cli_batch
+
+    (code, err), (code2, err2) = cli_batch([["run", "--model", "smollm2-135m"], ["show", "--path", "t.h5"]], tmp_path)
+    assert code == 2 and "No such option: --model; MODEL is positional: tracer run MODEL ..." in err, err
+    assert code2 == 2 and "--path; PATH is positional: tracer show PATH ..." in err2, err2

@@ -198,9 +198,13 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
     from tracer.report.progress import DELAY_S, StatusProgress
     from tracer.report.terminal import check_outputs, check_table, err, print_run, write_after, write_run_report
 
+    from tracer.load.prompts import prompt_file_note
+
     cols = check_table(fmt, columns, wide)
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
+    if (note := prompt_file_note(opts.get("prompt"))) is not None:  # before the run too, not only under the table
+        err.print(f"note: {note}", highlight=False, markup=False)
     # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
     with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
         result = api.run(progress=err.is_terminal, status=status, **opts)
@@ -234,6 +238,7 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison
 
     cols = check_table(fmt, columns, wide)
+    _inputs_exist(opts["path"], opts.get("reference"))
     check_outputs(report=report, output=None, overwrite=overwrite_report)  # before any work: nothing is clobbered
     refs = " ".join(str(opts[k]) for k in ("path", "run_a", "run_b") if opts[k] is not None)
     with phase("compare", f"comparing {refs}"):
@@ -253,6 +258,7 @@ def import_cmd(opts: dict[str, Any]) -> None:
     from tracer.report.progress import phase
     from tracer.report.terminal import print_import
 
+    _inputs_exist(opts["dump"], opts["reference"])
     with phase("import", f"mapping {opts['dump']} onto {opts['reference']}"):
         mapped = api.import_dump(**opts)
     print_import(mapped, opts["output"], opts["run_name"])
@@ -264,6 +270,7 @@ def show_cmd(opts: dict[str, Any], as_json: bool) -> None:
     from tracer.report.progress import phase
     from tracer.report.show import print_trace_info
 
+    _inputs_exist(opts["path"])
     with phase("show", f"reading {opts['path']}"):
         info = api.trace_info(**opts)
     print_trace_info(info, opts["path"], as_json)
@@ -286,6 +293,7 @@ def plot_cmd(opts: dict[str, Any]) -> None:
     from tracer.report.progress import phase
     from tracer.report.terminal import print_path
 
+    _inputs_exist(opts["path"])
     with phase("plot", f"drawing {opts['kind'] or 'the figure'} from {opts['path']}"):
         path = api.plot_file(**opts)
     print_path(path)
@@ -298,6 +306,7 @@ def report_cmd(opts: dict[str, Any]) -> None:
     from tracer.report.progress import phase
     from tracer.report.terminal import print_path
 
+    _inputs_exist(opts["path"])
     with phase("report", f"writing the HTML report of {opts['path']}"):
         path = api.report_file(**opts)
     print_path(path)
@@ -325,6 +334,15 @@ def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     print_bench(result, as_json)
 
 
+def _inputs_exist(*specs: Any) -> None:
+    """A missing input file of a command on stored files: one line before torch is imported."""
+    from tracer.files import check_exists
+
+    for spec in specs:
+        if spec is not None:
+            check_exists(spec, "input")
+
+
 def main() -> None:
     """Entry point of the ``tracer`` console script.
 
@@ -348,7 +366,14 @@ def main() -> None:
         code = app(standalone_mode=False)  # click's usage errors come here: one line, not a usage box
     except click_errors.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "tracer"
-        print_error(f"{e.format_message()} (see '{where} --help')")
+        message = e.format_message()
+        positional = [p.name.upper() for p in (e.ctx.command.params if e.ctx is not None else ())
+                      if p.param_type_name == "argument" and p.name]
+        if isinstance(e, click_errors.NoSuchOption) and e.option_name.lstrip("-").upper() in positional:
+            # a positional argument given as an option: say so instead of guessing options
+            message = (f"No such option: {e.option_name}; {e.option_name.lstrip('-').upper()} is positional: "
+                       f"{where} {' '.join(positional)} ...")
+        print_error(f"{message} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
     except typer.Abort:  # click turns KeyboardInterrupt (and so Terminated) into Abort
         _exit_interrupted()

@@ -81,6 +81,23 @@ def check_input_file(path: str | os.PathLike, what: str, max_bytes: int | None =
     return p
 
 
+def check_exists(spec: str | os.PathLike, what: str = "input") -> None:
+    """Refuse at once an input path that does not exist, as given or as ``PATH:RUN`` (a trace and a
+    run name): the commands on stored files call this before torch is imported, so a typo is one
+    line within a fraction of a second; the full checks (:func:`check_input_file`, the trace's
+    validation) come later, where the file is read.
+
+    Raises:
+        TracerError: empty, or neither ``spec`` nor its part before the last ``:`` exists.
+    """
+    text = os.fspath(spec)
+    if text == "":
+        raise TracerError(f"{what} is empty; give a file path")
+    if os.path.lexists(text) or (":" in text and os.path.lexists(text.rsplit(":", 1)[0])):
+        return
+    raise TracerError(f"{what} {text} not found; check the path")
+
+
 #: environment variable that sets :func:`input_budget` (bytes)
 BUDGET_ENV = "TRACER_INPUT_BUDGET"
 

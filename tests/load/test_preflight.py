@@ -82,3 +82,12 @@ def test_prompt_naming_a_file_gets_a_note(folder):
                     f"that name; to trace the file's content, use --prompt-file {folder / 'exists.txt'}"]
     res = tracer.run("tiny-llama", prompt="hello world", length=20, device="cpu", progress=False)
     assert not any("--prompt-file" in n for n in res.comparison.facts.get("notes", []))
+
+
+def test_prompt_naming_a_file_is_noted_before_the_run(folder):
+    """The CLI says it first (it used to come only under the table, after the whole run): in this
+    process loading a model raises, so the note is shown before anything loads."""
+    from tests.helpers import cli_batch
+
+    [(_, err)] = cli_batch([["run", "tiny-llama", "--device", "cpu", "--prompt", "exists.txt"]], folder)
+    assert err.startswith("note: --prompt 'exists.txt' is the name of an existing file"), err
