@@ -261,3 +261,25 @@ def test_a_table_wider_than_the_terminal_is_printed_whole(planted):
     assert len(logits) == 1 and f" {l_diff:,} / {l_total:,} " in logits[0] and logits[0].rstrip(" │").endswith(f" {l_flips}")
     for name, (n_diff, n_total, _, _) in expect.items():
         assert any(f" {n_diff:,} / {n_total:,} " in line for line in lines), name
+
+
+def test_headline_lines_hang_under_their_label_in_a_narrow_terminal(planted):
+    """In an 80-column terminal a long headline line (origin: 300+ characters on real runs) breaks
+    between words with its further lines indented under the text, not at column 0; piped it stays
+    one line per fact. The words are the same either way."""
+    from tracer.report.summary import headline
+
+    c, _, _ = planted
+    import re
+
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=80, force_terminal=True, no_color=True, highlight=False), all_rows=True)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()).split("\n\n")[0]  # bold stays on in a terminal
+    piped = _render(c, 80, all_rows=True).split("\n\n")[0]
+    head = headline(c, "run")
+    indent = max(len(k) for k, _ in head) + 2
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert len(piped.splitlines()) == len(head)
+    assert text.split() == piped.split()  # only the line breaks differ
+    for line in text.splitlines():
+        assert line[:indent].strip() == "" or line.split(":")[0] in dict(head), line

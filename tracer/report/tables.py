@@ -366,6 +366,18 @@ def _row_budget(console: Console, n_headline: int) -> int:
     return min(MAX_ROWS, max(8, console.size.height - n_headline - 14))
 
 
+def hanging(text: str, indent: int, console: Console) -> str:
+    """``text`` as printed after an ``indent``-wide label: in a terminal narrower than the line, broken
+    between words with every further line indented under the first (a terminal's own wrap would
+    start them at column 0, under the labels); piped, one line, as given (one fact per line for grep)."""
+    import textwrap
+
+    room = console.width - indent
+    if not console.is_terminal or indent + len(text) <= console.width or room < 20:
+        return text
+    return ("\n" + " " * indent).join(textwrap.wrap(text, room, break_long_words=False, break_on_hyphens=False))
+
+
 def print_report(c: Comparison, console: Console | None = None,
                  columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
@@ -388,7 +400,7 @@ def print_report(c: Comparison, console: Console | None = None,
     for key, text in head:
         style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
         line = Text(f"{key + ':':<{width + 1}} ", style="bold")
-        line.append(printable(text), style=style)
+        line.append(hanging(printable(text), width + 2, console), style=style)
         console.print(line, soft_wrap=True)
     console.print()
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
