@@ -7,6 +7,8 @@ takes ~15 s and ~2 GB to start on a CPU); prompts are 64 tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -391,3 +393,39 @@ def test_max_model_len_has_room_for_a_long_prompt_within_the_models_positions(lo
     assert 5001 <= kwargs["max_model_len"] <= positions and kwargs["max_num_batched_tokens"] >= 5000
     assert ve._settings_for(loaded, ve.VllmSettings(max_model_len=9216))["max_model_len"] == positions
     assert ve._settings_for(loaded, ve.VllmSettings())["max_model_len"] == 2048
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_vllm_starts_interrupts_the_run(loaded, monkeypatch, signame):
+    """vLLM's start swallows a KeyboardInterrupt (Ctrl-C at 13 s ran the whole run, then died in an
+    atexit hook) or turns SIGTERM into another error ('vLLM could not start: could not determine the
+    shape of object type ...'): the signal must interrupt the run as a signal, not as an error."""
+    import os
+    import signal
+
+    from tracer import errors
+
+    sig = getattr(signal, signame)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    errors.raise_on_termination()  # the CLI's handlers: SIGTERM -> Terminated
+
+    def fake_llm(**kwargs):  # what vLLM does with the interrupt: swallow it, or re-raise it as another error
+        try:
+            os.kill(os.getpid(), sig)
+            for _ in range(100):
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            if sig == signal.SIGTERM:
+                raise RuntimeError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+        return object()
+
+    monkeypatch.setattr(ve.vllm, "LLM", fake_llm)  # engine_for honours what tracer.errors.signals_seen recorded
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            ve.engine_for(loaded, ve.VllmSettings(block_size=96))
+        assert (sig == signal.SIGINT) or (isinstance(e.value, errors.Terminated) and e.value.signum == sig)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        errors._RECEIVED.clear()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored

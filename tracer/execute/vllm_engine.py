@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, interrupt, signals_seen
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: hooks fire
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -296,11 +296,17 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
             f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
     before = torch.get_num_threads()
-    try:
-        llm = vllm.LLM(model=str(folder), **kwargs)
-    except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise TracerError(f"vLLM could not start on {folder}: {first}") from None
+    with signals_seen() as seen:
+        try:
+            llm = vllm.LLM(model=str(folder), **kwargs)
+        except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
+            interrupt(seen)  # a signal that vLLM turned into another error
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise TracerError(f"vLLM could not start on {folder}: {first}") from None
+    if seen:  # vLLM's start swallowed the interrupt: honour it now
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
     _ENGINES[key] = engine
     return engine
