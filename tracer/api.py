@@ -191,11 +191,18 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
 
     Raises:
         TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
-            capture point fired in the block.
+            capture point fired in the block; for a ``vllm.LLM``: ``cuda_graphs`` or ``keep_on_device``
+            (not available there), a ``reference`` of another dtype.
     """
     if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
         from tracer.execute.vllm_captured import VllmCaptured
 
+        for bad, what in ((cuda_graphs, "cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks do not fire "
+                                        "in vLLM's CUDA graphs)"),
+                          (keep_on_device, "keep_on_device=True: a vLLM capture is copied to the host as each step "
+                                           "runs")):
+            if bad:
+                raise TracerError(f"tracer.capture(vllm.LLM, {what}; drop the option")
         return VllmCaptured(model, points, reference=reference)
     if reference is not None:
         raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
@@ -212,7 +219,8 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     """Compare two captures, two runs, or two stored runs, layer by layer.
 
     Args:
-        a, b: each a :func:`capture` result, a :class:`~tracer.execute.records.RunRecord`, or a
+        a, b: each a :func:`capture` result (of an HF model or a ``vllm.LLM``: logits compared where
+            vLLM sampled, HF points vLLM does not compute named), a :class:`~tracer.execute.records.RunRecord`, or a
             reference ``"file.h5:RUN"`` / ``("file.h5", "RUN")`` (files from different machines
             included; ``"file.h5"`` alone: its first run for ``a``, its second for ``b``); ``b``
             may be an engine dump (SGLang dumper folder, ``PassN.pt`` folder, ``.safetensors``/
@@ -240,7 +248,12 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     model = getattr(a, "model_name", None) or getattr(b, "model_name", None) or "model"
     facts = {"n_tokens": max(len(rec_a.token_ids), len(rec_b.token_ids)), "plan_a": rec_a.plan.get("description"),
              "plan_b": rec_b.plan.get("description")}
-    return compare_records(rec_a, rec_b, scenario="capture", model=model, atol=atol, rtol=rtol, facts=facts)
+    c = compare_records(rec_a, rec_b, scenario="capture", model=model, atol=atol, rtol=rtol, facts=facts)
+    if any((r.meta.get("engine") or {}).get("engine", "hf") != "hf" for r in (rec_a, rec_b)):  # a vLLM capture
+        from tracer.diff.engine import engine_skips, sampled_logits
+
+        c = engine_skips(sampled_logits(c, rec_a, rec_b), rec_a, rec_b)
+    return c
 
 
 def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] | None = None,

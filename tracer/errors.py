@@ -7,6 +7,9 @@ with :data:`EXIT_INTERNAL`.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Callable, Iterator
+
 #: Exit codes of the ``tracer`` command.
 EXIT_OK = 0  # ran; bit-identical, or report-only mode
 EXIT_DIVERGED = 1  # ran; the comparison failed the rule chosen with --fail-on
@@ -59,3 +62,47 @@ def raise_on_termination() -> None:
                 signal.signal(sig, handler)
             except (ValueError, OSError):  # not the main thread, or not settable here
                 pass
+
+
+@contextlib.contextmanager
+def signals_seen() -> Iterator[list[int]]:
+    """Record SIGINT, SIGTERM and SIGHUP inside the block (yields the list of signal numbers), each
+    still handled by the handler it had: for library code that swallows an interrupt (vLLM's start
+    swallows a KeyboardInterrupt, so Ctrl-C ran the whole run, or re-raises it as another error);
+    the caller honours what was recorded (:func:`interrupt`). Only callable handlers are wrapped (a default action still kills), and
+    only in the main thread; they are restored afterwards."""
+    import signal
+    import threading
+
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    wrapped = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        old = signal.getsignal(sig) if sig is not None else None
+        if callable(old):
+            def handler(signum: int, frame: Any, _old: Callable = old) -> None:
+                seen.append(signum)
+                _old(signum, frame)
+
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, handler)
+                wrapped[sig] = old
+    try:
+        yield seen
+    finally:
+        for sig, old in wrapped.items():
+            signal.signal(sig, old)
+
+
+def interrupt(seen: list[int]) -> None:
+    """Raise the interrupt of the first signal in ``seen`` (KeyboardInterrupt for SIGINT,
+    :class:`~tracer.errors.Terminated` for SIGTERM/SIGHUP); nothing if it is empty."""
+    import signal
+
+    if not seen:
+        return
+    if seen[0] == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Terminated(seen[0])

@@ -7,6 +7,8 @@ takes ~15 s and ~2 GB to start on a CPU); prompts are 64 tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -338,3 +340,92 @@ def test_capture_of_a_users_own_llm_gives_hf_names(loaded, engine):
     assert ps == [N - 1, N, N + 1] and [int(x) for x in logits.float().argmax(-1)] == gen
     with pytest.raises(KeyError, match="only where it samples"):
         cap["lm_head"]
+
+
+def test_capture_of_a_users_llm_refuses_what_it_cannot_honour(loaded, engine):
+    """tracer.capture(llm, ...) options that a vLLM capture cannot honour are refused in one line,
+    not ignored: CUDA-graph capture (vLLM runs eager here), captures kept on the device (copied to
+    the host), and a reference of another dtype (each layer's (hidden, residual) would be summed
+    in the reference's dtype: a float32 LLM's layer outputs silently rounded to bfloat16)."""
+    for kw, match in (({"cuda_graphs": True}, "cuda_graphs"), ({"keep_on_device": True}, "keep_on_device")):
+        with pytest.raises(TracerError, match=match) as e:
+            tracer.capture(engine.llm, reference=loaded, **kw)
+        assert "\n" not in str(e.value)
+    ref32 = load_model("smollm2-135m", dtype="float32", device="cpu", progress=False, tokenizer=False)
+    with pytest.raises(TracerError, match="float32.*bfloat16|bfloat16.*float32") as e:
+        tracer.capture(engine.llm, reference=ref32)
+    assert "\n" not in str(e.value)
+
+
+def test_compare_takes_a_vllm_capture_against_an_hf_capture(loaded, engine):
+    """tracer.compare(hf_capture, vllm_capture): both are tracer.capture(...) results. The counts are
+    what plain torch counts on the two captures; the logits are compared where vLLM sampled, and
+    HF points vLLM does not compute are named, not failed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine.reset_prefix_cache()
+    with tracer.capture(engine.llm, "layers", reference=loaded) as vcap:
+        engine.llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, temperature=0.0),
+                            use_tqdm=False)
+    with torch.inference_mode(), tracer.capture(loaded, "layers") as hcap:
+        loaded.model(input_ids=torch.tensor([IDS]), use_cache=False)
+    c = tracer.compare(hcap, vcap)
+    for p in c.points:
+        want = int((_bits(hcap[p.name].tensor) != _bits(vcap[p.name].tensor)).sum())
+        assert p.diff.n_diff == want, p.name
+    assert next(p for p in c.points if p.name == "model.embed_tokens").diff.n_diff == 0
+    assert any(p.diff.n_diff for p in c.points)  # HF and vLLM differ somewhere at N = 64 (README: layer 0)
+    assert c.logits is not None and c.facts["logits_positions"] == [N - 1]
+    hf_last = hcap["lm_head"].tensor[N - 1].float()
+    assert c.logits.tensor.n_diff == int((hf_last != vcap.logits["lm_head"][1][0].float()).sum())
+
+
+def test_max_model_len_has_room_for_a_long_prompt_within_the_models_positions(loaded):
+    """`--engine vllm --length 5000` on SmolLM2 (8,192 positions): the LLM is built with room for
+    the prompt, never more than the model's positions (no LLM is started here)."""
+    from tracer.plan.build import build
+
+    positions = loaded.model.config.max_position_embeddings
+    assert positions == 8192
+    plan = build("prefix-cache", 5000, engine="vllm").plan_a
+    kwargs = ve._settings_for(loaded, ve.settings_of(plan, "one-step", {}))
+    assert 5001 <= kwargs["max_model_len"] <= positions and kwargs["max_num_batched_tokens"] >= 5000
+    assert ve._settings_for(loaded, ve.VllmSettings(max_model_len=9216))["max_model_len"] == positions
+    assert ve._settings_for(loaded, ve.VllmSettings())["max_model_len"] == 2048
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_vllm_starts_interrupts_the_run(loaded, monkeypatch, signame):
+    """vLLM's start swallows a KeyboardInterrupt (Ctrl-C at 13 s ran the whole run, then died in an
+    atexit hook) or turns SIGTERM into another error ('vLLM could not start: could not determine the
+    shape of object type ...'): the signal must interrupt the run as a signal, not as an error."""
+    import os
+    import signal
+
+    from tracer import errors
+
+    sig = getattr(signal, signame)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    errors.raise_on_termination()  # the CLI's handlers: SIGTERM -> Terminated
+
+    def fake_llm(**kwargs):  # what vLLM does with the interrupt: swallow it, or re-raise it as another error
+        try:
+            os.kill(os.getpid(), sig)
+            for _ in range(100):
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            if sig == signal.SIGTERM:
+                raise RuntimeError("could not determine the shape of object type 'torch.storage.UntypedStorage'")
+        return object()
+
+    monkeypatch.setattr(ve.vllm, "LLM", fake_llm)  # engine_for honours what tracer.errors.signals_seen recorded
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            ve.engine_for(loaded, ve.VllmSettings(block_size=96))
+        assert (sig == signal.SIGINT) or (isinstance(e.value, errors.Terminated) and e.value.signum == sig)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+        errors._RECEIVED.clear()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored

@@ -99,6 +99,22 @@ def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
     assert build("prefix-cache", N) == build("prefix-cache", N, engine="hf")  # hf: today's plans, unchanged
 
 
+def test_a_prompt_longer_than_the_default_max_model_len_gets_room_for_it():
+    """The default max_model_len (2048) must not refuse a longer prompt that the model's positions
+    allow: `tracer run smollm2-135m --engine vllm --length 5000` has no CLI option to raise it."""
+    assert settings_of(S.prefix_cache(N, block_size=32).plan_b, "prefix-cache", {}).max_model_len is None  # default
+    for n in (2048, 2100, 5000):
+        scen = build("prefix-cache", n, engine="vllm")
+        for plan in (scen.plan_a, scen.plan_b):
+            got = settings_of(plan, chunk_mode(plan, {}, {}), {}).max_model_len
+            assert got is not None and got >= n + 1 and got % 1024 == 0, (n, got)
+    batch = build("batch", 3000, engine="vllm", batch_size=2).plan_b  # every row's request must fit too
+    assert settings_of(batch, "one-step", {}).max_model_len >= max(batch.batch.lengths) + 1
+    # an explicit value is the user's
+    assert settings_of(build("prefix-cache", 5000, engine="vllm").plan_a, "one-step",
+                       {"settings": {"max_model_len": 6000}}).max_model_len == 6000
+
+
 @pytest.mark.parametrize("name, params, match", [
     ("attention", {}, "does not run in vllm"),
     ("kv-quant", {}, "does not run in vllm"),

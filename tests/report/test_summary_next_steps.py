@@ -86,6 +86,34 @@ def test_identical_engine_dumps_get_no_hf_sweep_or_audit_suggestion():
     assert "`tracer sweep smollm2-135m" in hf and "`tracer audit smollm2-135m`" in hf
 
 
+def _engines(a: str, b: str) -> dict:
+    return {"engine_a": {"engine": a, "version": "x"}, "engine_b": {"engine": b, "version": "y"}}
+
+
+def test_runs_in_vllm_get_suggestions_that_run_vllm_again():
+    """`--engine vllm` and `--scenario engine` runs: `--verdict` is refused there (it re-runs the HF
+    model), and `tracer sweep/audit MODEL` without `--engine vllm` would run HF, not vLLM."""
+    same = _comparison(identical=True, scenario="batch", facts=_engines("vllm", "vllm"))
+    steps = " ".join(next_steps(same, "run"))
+    assert "`tracer sweep smollm2-135m --engine vllm --lengths 17:512`" in steps
+    assert "`tracer audit smollm2-135m --engine vllm`" in steps
+    for c in (_comparison(scenario="batch", facts=_engines("vllm", "vllm")),
+              _comparison(scenario="engine", facts=_engines("hf", "vllm")),
+              _comparison(scenario="rollout-vs-train", facts=_engines("vllm", "hf"), rl=SimpleNamespace(mitigations=()))):
+        for command in ("run", "compare", "report"):
+            steps = next_steps(c, command)
+            assert steps and not any("--verdict" in s for s in steps), (c.scenario, command, steps)
+            assert not any("--mitigations" in s for s in steps)  # refused with --engine vllm too
+            for s in steps:
+                check_suggestion(s, command)
+    compare = next_steps(_comparison(scenario="batch", facts=_engines("vllm", "vllm")), "compare")
+    assert compare[0].startswith("`tracer run smollm2-135m --scenario batch --engine vllm --granularity sublayers`")
+    engine = next_steps(_comparison(scenario="engine", facts=_engines("hf", "vllm")), "compare")
+    assert engine[0].startswith("`tracer run smollm2-135m --scenario engine --granularity sublayers`")
+    # two engines that agree: a sweep or an audit of one engine is not what was compared
+    assert next_steps(_comparison(identical=True, scenario="engine", facts=_engines("hf", "vllm")), "run") == []
+
+
 def test_tracer_compare_prints_only_suggestions_it_accepts(tmp_path, cli_env):
     """End to end: a diverging trace compared on the command line (the bug: compare suggested
     --positions all, --granularity sublayers, --mitigation aligned, --verdict, --decode 16)."""

@@ -85,7 +85,7 @@ def as_record(x: Any, name: str, side: int) -> Any:
     from tracer.execute.capture import Captured
     from tracer.execute.records import RunRecord
 
-    if isinstance(x, Captured):
+    if isinstance(x, Captured) or type(x).__name__ == "VllmCaptured":  # tracer.capture(model or vllm.LLM)
         return x.run_record(name)
     if isinstance(x, RunRecord):
         return x

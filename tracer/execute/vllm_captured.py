@@ -44,7 +44,7 @@ class VllmCaptured:
 
     Raises:
         TracerError: the engine core is not in this process, compilation or CUDA graphs are on, an
-            unknown point, no weights folder (each one line).
+            unknown point, no weights folder, a reference of another dtype than the LLM's (each one line).
     """
 
     def __init__(self, llm: Any, points: str | list[str] = "layers", *, reference: Any = None) -> None:
@@ -59,6 +59,10 @@ class VllmCaptured:
                 raise TracerError(f"the LLM's model {folder} is not a local HF folder; pass reference= (a loaded HF "
                                   "model of the same weights: tracer.load_model(...))")
             reference = load_model(str(folder), dtype=dtype, device="cpu", tokenizer=False)
+        ref_dtype = str(reference.model.dtype).replace("torch.", "")
+        if ref_dtype != dtype:  # the map sums (hidden, residual) in the reference's dtype: a silent rounding
+            raise TracerError(f"the reference model is {ref_dtype} but this LLM runs {dtype}; load the reference in "
+                              f"the LLM's dtype (tracer.load_model(..., dtype={dtype!r}))")
         self.reference = reference
         known = discover_points(reference.model, points if isinstance(points, str) else "sublayers", kv_cache=False)
         if not isinstance(points, str):

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, interrupt, signals_seen
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: hooks fire
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -67,7 +67,7 @@ from tracer.execute.enginerules import load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
 from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
 from tracer.execute.vllm_plan import (  # noqa: E402
-    CHUNK_MODES, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
+    CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
 
 #: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
 MAX_ENGINES = 2
@@ -107,7 +107,7 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     cfg = loaded.model.config
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     positions = int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
-    max_len = s.max_model_len or min(positions, 2048)
+    max_len = min(s.max_model_len or DEFAULT_MAX_MODEL_LEN, positions)
     heads = getattr(cfg, "num_attention_heads", 1)
     kv_heads = getattr(cfg, "num_key_value_heads", heads) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -296,11 +296,17 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
             f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
     before = torch.get_num_threads()
-    try:
-        llm = vllm.LLM(model=str(folder), **kwargs)
-    except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise TracerError(f"vLLM could not start on {folder}: {first}") from None
+    with signals_seen() as seen:
+        try:
+            llm = vllm.LLM(model=str(folder), **kwargs)
+        except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
+            interrupt(seen)  # a signal that vLLM turned into another error
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise TracerError(f"vLLM could not start on {folder}: {first}") from None
+    if seen:  # vLLM's start swallowed the interrupt: honour it now
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
     _ENGINES[key] = engine
     return engine
@@ -414,7 +420,8 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     eng = engine_for(loaded, settings_of(plan, mode, options), say)
     if len(token_ids) + max(decode, 1) > eng.kwargs["max_model_len"]:
         raise TracerError(f"the prompt's {len(token_ids)} tokens (+{max(decode, 1)} generated) exceed vLLM's max_model_len "
-                          f"{eng.kwargs['max_model_len']}; pass a larger one in the vLLM settings")
+                          f"{eng.kwargs['max_model_len']} (the model's positions, or the prompt's length rounded up to "
+                          "1024 tokens); use fewer --decode tokens or a shorter prompt")
     plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
     emap = load_engine_map(loaded.info.family, engine="vllm")
     ref = ref_layout(loaded, points, token_ids, window)

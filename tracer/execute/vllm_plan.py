@@ -16,6 +16,8 @@ from tracer.errors import TracerError
 
 #: how a plan's chunks can be realised in vLLM (``engine_options["chunks"]``)
 CHUNK_MODES = ("auto", "prefix-cache", "chunked")
+#: vLLM's ``max_model_len`` when no request of the plan needs more (at most the model's positions)
+DEFAULT_MAX_MODEL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class VllmSettings:
         max_num_batched_tokens: the scheduler's token budget per step (chunked prefill splits a
             longer prompt); None: 4096, or more for a longer ``max_model_len``.
         enable_prefix_caching: vLLM's automatic prefix caching.
-        max_model_len: longest sequence; None: the model's positions, at most 2048.
+        max_model_len: longest sequence; None: the model's positions, at most 2048
+            (:func:`settings_of` raises it for a plan whose requests are longer).
         kv_cache_memory_bytes: the KV cache's size; None: room for 4 sequences of ``max_model_len``
             (a few hundred MiB for SmolLM2-135M), instead of vLLM's share of the machine's RAM.
         gpu_memory_utilization: on the CPU backend, the share of RAM vLLM may reserve.
@@ -98,7 +101,8 @@ def refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
 def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     """The :class:`VllmSettings` a plan runs with: the plan's ``engine_settings`` (KV block size), then
     ``options["settings"]`` (a VllmSettings or a dict of its fields) over them; chunked mode sets
-    the token budget to the chunk size.
+    the token budget to the chunk size; a plan whose longest request (+ 1 sampled token) exceeds
+    :data:`DEFAULT_MAX_MODEL_LEN` gets a ``max_model_len`` with room for it (a multiple of 1024).
 
     Raises:
         TracerError: chunks that a token budget cannot produce, a batch over the budget, an unknown setting.
@@ -113,6 +117,11 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     if unknown:
         raise TracerError(f"unknown vLLM setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     base = VllmSettings(**{**planned, **given})
+    longest = max([plan.n_tokens, *(plan.batch.lengths if plan.batch is not None else ())]) + 1  # + the sampled token
+    if base.max_model_len is None and longest > DEFAULT_MAX_MODEL_LEN:
+        # room for the plan's longest request, rounded up to 1024 tokens (room for --decode); the
+        # model's positions cap it where the LLM is built
+        base = replace(base, max_model_len=-(-longest // 1024) * 1024)
     if mode == "chunked":
         sizes = [e - s for s, e in plan.chunks]
         if any(x != sizes[0] for x in sizes[:-1]) or sizes[-1] > sizes[0]:

@@ -114,16 +114,29 @@ def verdict_line(c: Comparison) -> str:
     return c.verdict() if c.noise is None else f"{noise_text(c.noise)}; {c.verdict()}"
 
 
+def _engine_flag(c: Any) -> str | None:
+    """``"--engine vllm"`` when this comparison's runs ran on an engine other than HF (the runs'
+    contracts in ``facts["engine_a"/"engine_b"]``), ``""`` for ``--scenario engine`` (its runs name
+    their engines), None for HF runs."""
+    names = {(c.facts.get(k) or {}).get("engine", "hf") for k in ("engine_a", "engine_b")
+             if isinstance(c.facts.get(k), dict)}
+    other = sorted(names - {"hf"})
+    if not other:
+        return None
+    return "" if c.scenario == "engine" else f"--engine {other[0]}"
+
+
 def _rerun(c: Any, command: str) -> str:
     """How a suggestion names ``tracer run``'s options: the bare option from ``tracer run`` itself,
-    else the whole command line that re-runs this comparison's model and scenario."""
+    else the whole command line that re-runs this comparison's model and scenario (on its engine)."""
     if command == "run":
         return ""
     from tracer.plan.scenarios import SCENARIOS
 
     model = c.model if c.model and c.model != "model" else "MODEL"
     scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
-    return f"tracer run {model}{scen} "
+    engine = _engine_flag(c)
+    return f"tracer run {model}{scen}{' ' + engine if engine else ''} "
 
 
 def next_steps(c: Comparison, command: str = "run") -> list[str]:
@@ -132,12 +145,14 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
     model = c.model if c.model and c.model != "model" else "MODEL"
-    if c.identical and c.facts.get("engine"):  # engine dumps: a sweep or an audit runs HF, not the engines
-        return steps
+    engine = _engine_flag(c)  # runs in vLLM: suggestions run vLLM again; --verdict re-runs HF only (refused)
+    if c.identical and (c.facts.get("engine") or engine == ""):  # engine dumps, HF vs vLLM: a sweep or an
+        return steps  # audit runs one engine, not the two that were compared
     if c.identical:
+        on = f" {engine}" if engine else ""
         steps.append("other prompt lengths can diverge where this one does not: "
-                     f"`tracer sweep {model} --lengths 17:512` maps them")
-        steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}`")
+                     f"`tracer sweep {model}{on} --lengths 17:512` maps them")
+        steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}{on}`")
         return steps
     if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
         subs = any(p.kind not in LAYER_KINDS for p in c.points)
@@ -156,14 +171,14 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
         steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P (vLLM #34046); "
                      "checks whether aligning the split restores bitwise equality")
-    if c.noise is None:
+    if c.noise is None and engine is None:
         steps.append(f"`{run}--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is "
                      "rounding noise or a defect")
     if c.replay is None and c.logits is not None and c.rl is None and c.scenario != "rollout-vs-train":
         # an RL run compares its own response (the scenario refuses --decode)
         steps.append(f"`{run}--decode 16`: greedy-decodes from both runs and shows where the generated text first "
                      "differs")
-    if c.rl is not None and not c.rl.mitigations:
+    if c.rl is not None and not c.rl.mitigations and engine is None:
         steps.append(f"`{run}--mitigations`: re-runs with each knob changed (same attention, fp32 LM head, no "
                      "padding, batch of one, deterministic) and reports the |Δlogp| each leaves")
     return steps
