@@ -233,8 +233,10 @@ class Gen:
     def _kw_LogitsDiff(self, kw):  # flips inside the compared positions (LogitsDiff.schema_check)
         from dataclasses import replace
 
-        n = self.r.randrange(1, 50)
-        kw.update(n_positions=n, argmax_flips=tuple(replace(f, position=self.r.randrange(n)) for f in kw["argmax_flips"]))
+        flips = kw["argmax_flips"]
+        n = self.r.randrange(max(1, len(flips)), 50)
+        at = sorted(self.r.sample(range(n), len(flips)))  # one flip per position, at most n of them
+        kw.update(n_positions=n, argmax_flips=tuple(replace(f, position=p) for f, p in zip(flips, at)))
         return kw
 
     def _AuditRow_status(self):

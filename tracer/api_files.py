@@ -98,12 +98,14 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     elif engine_map is not None:
         raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
     else:
-        from tracer.diff.stored import auto_comparison, stored_rl
+        from tracer.diff.stored import auto_comparison, explain_sampled, stored_rl
 
         (pa, ra), (pb, rb) = resolve_refs(refs)
         # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
         stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
         comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
+        if stored is None and pa != pb:  # logits an engine held only where it sampled: say so, not "missing"
+            comparison = explain_sampled(comparison, (pa, ra), (pb, rb))
         if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
             comparison = replace(comparison, rl=stored_rl(pa, ra, rb))
     return replace(comparison, fail_on=fail_on)

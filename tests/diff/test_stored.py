@@ -48,3 +48,58 @@ def test_a_nan_payload_divergence_keeps_its_explanation(tmp_path):
     back = _stored(tmp_path, live, a, b)
     assert back.points[0].diff.n_nan_payload == 1
     assert back.verdict() == live.verdict() and back.origin_lines() == live.origin_lines()
+
+
+def _sampled_runs():
+    """Runs A and B whose logits exist only at position 5 (an engine that computes them where it
+    samples, as vLLM does): in ``extras`` and the meta, not among the captures; B's row planted so
+    that its argmax differs from A's."""
+    from tests.helpers import make_runs
+
+    a, b = make_runs()
+    row_a = torch.zeros(1, 16)
+    row_a[0, 3] = 2.0
+    row_b = row_a.clone()
+    row_b[0, 9] = 3.0  # argmax 3 in A, 9 in B: one flip at position 5
+    for run, row in ((a, row_a), (b, row_b)):
+        del run.captures["lm_head"]
+        run.meta["logits"] = {"lm_head": {"positions": [5], "dtype": "float32"}}
+        run.extras["partial_logits"] = {"lm_head": ([5], row)}
+    return a, b
+
+
+def test_logits_an_engine_held_only_where_it_sampled_come_back_from_the_stored_comparison(tmp_path):
+    """A vLLM trace: the run compared the logits at the sampled position, the file holds no logits
+    rows; `tracer compare` of the trace said "logits: not captured". Now it gives the run-time
+    comparison (the planted flip at position 5 included) with a note saying why."""
+    import tracer
+    from tracer.diff.engine import sampled_logits
+
+    a, b = _sampled_runs()
+    live = sampled_logits(compare_records(a, b, scenario="s", model="m"), a, b)
+    assert live.logits is not None and len(live.logits.argmax_flips) == 1  # argmax 3 vs 9, planted above
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+        w.add_comparison("A-vs-B", json_safe(live.to_dict()))
+    back = tracer.compare_trace(str(path))
+    assert back.logits is not None and len(back.logits.argmax_flips) == 1 and back.verdict() == live.verdict()
+    assert any("lm_head (logits) exists only at position(s) 5, where the engine sampled" in n
+               for n in back.facts["notes"])
+
+
+def test_logits_missing_across_traces_say_why(tmp_path):
+    """HF's trace against a vLLM trace: the logits row is "not compared" (it still fails --fail-on any),
+    and the reason says the engine held them only where it sampled, not a bare "missing"."""
+    import tracer
+    from tests.helpers import make_runs, write_trace
+
+    hf, _ = make_runs()
+    a, _ = _sampled_runs()
+    write_trace(tmp_path / "hf.h5", [hf])
+    write_trace(tmp_path / "vl.h5", [a])
+    c = tracer.compare_trace(f"{tmp_path / 'hf.h5'}:A", f"{tmp_path / 'vl.h5'}:A")
+    [skip] = [sk for sk in c.skipped if sk.name == "lm_head"]
+    assert skip.fails and skip.reason.startswith("not stored: ") and "computed logits only at position(s) 5" in skip.reason
+    assert c.check("any")[0] is True

@@ -134,7 +134,8 @@ class ArgmaxFlip(schema.Record):
     """One position whose top-1 token differs between the runs.
 
     Attributes:
-        position: index within the compared window (the caller adds the window's start).
+        position: index within the compared window (the caller adds the window's start); where logits
+            exist at a few positions only (an engine's sampled positions), still the window index.
         token_a, token_b: the argmax token id in run A and in run B.
         margin_a, margin_b: top-1 minus top-2 logit in that run (float64 of the stored values).
     """
@@ -172,7 +173,12 @@ class LogitsDiff(schema.Record):
     rank_of_a_top_in_b_max: int
 
     def schema_check(self) -> str | None:
-        if self.n_positions < 0 or any(not 0 <= f.position < self.n_positions for f in self.argmax_flips):
+        # a flip's position is its index in the compared window; where an engine computed logits at a
+        # few positions only (vLLM: where it samples), n_positions counts those, so a flip may lie
+        # beyond n_positions: at most one flip per compared position, each at its own index
+        positions = [f.position for f in self.argmax_flips]
+        if self.n_positions < 0 or len(positions) > self.n_positions or any(p < 0 for p in positions) \
+                or len(set(positions)) != len(positions):
             return "an argmax flip outside the compared positions"
         return None
 

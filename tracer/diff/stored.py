@@ -66,18 +66,25 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
         b = run_b or next((n for n in runs if n != a), None)
         if a not in runs or b not in runs:
             return None
-        metas = [r.run(n, load_tensors=False).meta.get("store_auto") for n in (a, b)]
+        run_metas = [r.run(n, load_tensors=False).meta for n in (a, b)]
+        metas = [m.get("store_auto") for m in run_metas]
         dropped = any(isinstance(m, dict) and m.get("dropped") for m in metas)
         caps_a, caps_b = r.captures(a), r.captures(b)
         mixed = [n for n, (info, _) in caps_a.items() if n in caps_b and info.get("dtype") != caps_b[n][0].get("dtype")
                  and all(math.prod(i.get("shape") or [0]) for i in (info, caps_b[n][0]))]  # an empty point has no dtype
-        if not dropped and not mixed:
+        sampled = sampled_only(run_metas, (caps_a, caps_b))
+        if not dropped and not mixed and not sampled:
             return None
         stored = r.comparisons()
     c = _stored_of(stored, a, b)
     if c is None:
         return None
-    if dropped:
+    if sampled:
+        name, positions = sampled
+        shown = ", ".join(map(str, positions[:8])) + (", ..." if len(positions) > 8 else "")
+        note = (f"from the comparison made when the trace was written: {name} (logits) exists only at position(s) "
+                f"{shown}, where the engine sampled; the run compared them there, and the trace does not store them")
+    elif dropped:
         kept = metas[0] if isinstance(metas[0], dict) else {}
         note = (f"from the comparison made when the trace was written: --store auto kept full tensors of "
                 f"{len(kept.get('kept', []))} of {len(kept.get('kept', [])) + len(kept.get('dropped', []))} "
@@ -87,6 +94,24 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
         note = (f"from the comparison made when the trace was written: {len(mixed)} capture point(s) hold "
                 f"{da} in run {a} but {db} in run {b} (e.g. {mixed[0]}); the run compared them in the wider dtype")
     return replace(c, facts={**c.facts, "notes": list(c.facts.get("notes", [])) + [note]})
+
+
+def sampled_only(metas: list[dict[str, Any]], captures: tuple[dict[str, Any], dict[str, Any]]
+                 ) -> tuple[str, list[int]] | None:
+    """``(logits name, positions)`` when a run's meta says its logits exist at some positions only
+    (an engine that computes them where it samples: vLLM's ``meta["logits"]``) and the trace holds
+    no logits capture of that name in one of the runs; else None."""
+    for meta in metas:
+        logits = meta.get("logits") if isinstance(meta, dict) else None
+        if not isinstance(logits, dict):
+            continue
+        for name, info in logits.items():
+            ps = info.get("positions") if isinstance(info, dict) else None
+            if not isinstance(ps, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in ps):
+                continue
+            if any(name not in caps or not math.prod(caps[name][0].get("shape") or [0]) for caps in captures):
+                return str(name), ps
+    return None
 
 
 def stored_rl(path: str | os.PathLike, run_a: str | None, run_b: str | None) -> Any:
@@ -115,3 +140,29 @@ def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparis
         if isinstance(doc, dict) and list(doc.get("runs") or []) == [a, b]:
             return comparison_from_dict(doc)
     return None
+
+
+def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[str, str | None]) -> Comparison:
+    """``c`` (a comparison of runs of two traces) with the reason of a logits point skipped because
+    one side's engine computed logits only where it sampled (vLLM) said as such, instead of a bare
+    "missing in run ...": the trace does not store those rows. The point still fails ``--fail-on
+    any`` (it was not compared).
+
+    Raises:
+        TracerError: unreadable trace.
+    """
+    said: dict[str, str] = {}
+    for path, run in (ref_a, ref_b):
+        with TraceReader(path) as r:
+            name = run or (r.runs[0] if r.runs else None)
+            if name not in r.runs:
+                continue
+            found = sampled_only([r.run(name, load_tensors=False).meta], (r.captures(name),))
+        if found is not None:
+            said[found[0]] = (f"not stored: {path}:{name}'s engine computed logits only at position(s) "
+                              f"{', '.join(map(str, found[1][:8]))} (where it sampled); compare them in one run "
+                              "(--scenario engine)")
+    if not said:
+        return c
+    skipped = tuple(replace(sk, reason=said[sk.name]) if sk.name in said else sk for sk in c.skipped)
+    return replace(c, skipped=skipped)
