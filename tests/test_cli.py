@@ -313,3 +313,19 @@ def test_a_positional_argument_given_as_an_option_is_named(tmp_path):
     (code, err), (code2, err2) = cli_batch([["run", "--model", "smollm2-135m"], ["show", "--path", "t.h5"]], tmp_path)
     assert code == 2 and "No such option: --model; MODEL is positional: tracer run MODEL ..." in err, err
     assert code2 == 2 and "--path; PATH is positional: tracer show PATH ..." in err2, err2
+
+
+def test_a_signal_after_the_command_finished_exits_at_once_without_a_traceback(tmp_path, cli_env):
+    """Ctrl-C while Python shuts down after a finished command (an in-process vLLM's exit hook takes
+    seconds) printed 'Exception ignored in atexit callback ... KeyboardInterrupt' and exited 0; now it
+    ends the process at once: exit 130, one line, the slow exit hook cut short."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, os, signal, threading, time\nfrom tracer.cli import _quiet_exit_on_signals\n"
+            "atexit.register(lambda: (time.sleep(30), print('exit hook finished')))\n_quiet_exit_on_signals()\n"
+            "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\nraise SystemExit(0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 130 and "exit hook finished" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == ["interrupted while exiting (the command had finished)"]

@@ -394,7 +394,27 @@ def main() -> None:
         sys.exit(EXIT_INTERNAL)
     if terminated_by() is not None or code == 130:  # typer returns 130 for an interrupt it caught
         _exit_interrupted()
+    _quiet_exit_on_signals()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _quiet_exit_on_signals() -> None:
+    """The command is done (result printed, files written and renamed): a Ctrl-C or SIGTERM that
+    comes while Python shuts down (an in-process vLLM engine's exit hook takes seconds) ends the
+    process at once with 130 / 128 + signum and one line, instead of a traceback from that hook."""
+    import signal
+
+    def now(signum: int, _frame: object) -> None:
+        sys.stdout.flush()
+        os.write(2, b"interrupted while exiting (the command had finished)\n")
+        os._exit(130 if signum == signal.SIGINT else 128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            try:
+                signal.signal(sig, now)
+            except (ValueError, OSError):  # not the main thread
+                pass
 
 
 def _exit_interrupted() -> None:
