@@ -161,3 +161,23 @@ def test_table_marks_origin_rows():
     assert "origin:" in out  # the headline block names the origin above the table
     assert "m.layers.0  ◀ origin" in out
     assert out.index("origin:") < out.index("capture point")
+
+
+def test_an_identical_comparison_names_no_origin_in_its_caption():
+    """Bit-identical runs: the rows kept are the first point, the last layer, the final norm and the
+    logits; the caption said "the origin, rows where the differing count changes", which do not exist."""
+    import io
+
+    from rich.console import Console
+
+    from tests.helpers import make_runs
+    from tracer.diff.compare import compare_records
+    from tracer.report.tables import render
+
+    a, b = make_runs(diverge_at=None)
+    c = compare_records(a, b, scenario="s", model="m")
+    assert c.identical
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=120, height=12, no_color=True))
+    caption = [line for line in out.getvalue().splitlines() if " rows: " in line]
+    assert caption and "origin" not in caption[0] and caption[0].endswith("(--all-rows prints all)"), out.getvalue()

@@ -236,7 +236,10 @@ def point_mark(c: Comparison, name: str) -> str:
 
 def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
     lines = []
-    if n_shown < n_all:
+    if n_shown < n_all and c.first_divergent is None:  # nothing differs: no origin, no changes to show
+        lines.append(f"{n_shown} of {n_all} rows: the first point, the last layer, the final norm, the logits "
+                     "(--all-rows prints all)")
+    elif n_shown < n_all:
         lines.append(f"{n_shown} of {n_all} rows: the first point, the origin, rows where the differing count "
                      f"changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)")
     lines += _plans(c).splitlines()

@@ -136,7 +136,7 @@ def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, m
         ok = c.identical
         Console().print(f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
                         f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
-                        style="green" if ok else "red")
+                        style="green" if ok else "red", soft_wrap=True)
     return fail_on_exit(c)
 
 
