@@ -329,3 +329,59 @@ def test_a_signal_after_the_command_finished_exits_at_once_without_a_traceback(t
                           timeout=60)
     assert proc.returncode == 130 and "exit hook finished" not in proc.stdout
     assert proc.stderr.strip().splitlines() == ["interrupted while exiting (the command had finished)"]
+
+
+_IN_PROCESS = """
+import os, signal, sys
+from pathlib import Path
+import tracer.api as api
+from tracer.cli import main
+
+def call(args):
+    sys.argv = ["tracer", *args]
+    try:
+        main()
+    except SystemExit as e:
+        return e.code
+
+real = api.compare_trace
+
+def signalled(signum):
+    def compare_trace(**opts):  # a signal during the command; its partial file is removed on the way out
+        partial = Path("partial.tmp")
+        partial.write_text("x")
+        try:
+            os.kill(os.getpid(), signum)
+            return real(**opts)
+        finally:
+            partial.unlink()
+    return compare_trace
+
+print("plain", call(["compare", "t.h5"]), flush=True)
+api.compare_trace = signalled(signal.SIGTERM)
+print("terminated", call(["compare", "t.h5"]), flush=True)
+api.compare_trace = real
+print("plain", call(["compare", "t.h5"]), flush=True)
+api.compare_trace = signalled(signal.SIGINT)
+print("interrupted", call(["compare", "t.h5"]), flush=True)
+"""
+
+
+def test_commands_run_in_one_process_after_a_signal(tmp_path, cli_env):
+    """tracer.cli.main() called again in one process (as tests/helpers.cli_session does): a SIGTERM in
+    one command made every later command exit 143 'terminated', and the exit-time handlers of a finished
+    command stayed installed, so a Ctrl-C during a later command ended the process at once (its
+    partial files left behind) with 'interrupted while exiting (the command had finished)'."""
+    import subprocess
+    import sys
+
+    from tests.helpers import make_runs, write_trace
+
+    write_trace(tmp_path / "t.h5", make_runs())
+    proc = subprocess.run([sys.executable, "-c", _IN_PROCESS], cwd=tmp_path, env={**cli_env, "TRACER_PROGRESS": "off"},
+                          capture_output=True, text=True, timeout=120)
+    codes = [line for line in proc.stdout.splitlines() if line.split(" ")[0] in ("plain", "terminated", "interrupted")]
+    assert codes == ["plain 0", "terminated 143", "plain 0"], (codes, proc.stderr)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "interrupted", proc.stderr
+    assert not (tmp_path / "partial.tmp").exists()

@@ -356,6 +356,7 @@ def main() -> None:
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
     from tracer.errors import raise_on_termination, terminated_by
 
+    _restore_signals()  # main() called again in one process: the last command's exit-time handlers go
     raise_on_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks
     try:  # typer >= 0.24 carries its own copy of click
         from typer._click import exceptions as click_errors
@@ -412,9 +413,26 @@ def _quiet_exit_on_signals() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if sig is not None:
             try:
-                signal.signal(sig, now)
+                _BEFORE_EXIT.setdefault(sig, signal.signal(sig, now))
             except (ValueError, OSError):  # not the main thread
                 pass
+
+
+#: the handlers :func:`_quiet_exit_on_signals` replaced, for a later main() in the same process
+_BEFORE_EXIT: dict[int, Any] = {}
+
+
+def _restore_signals() -> None:
+    """Put back the handlers :func:`_quiet_exit_on_signals` replaced: a command run in the same process
+    after another (``main()`` called again) cleans up on Ctrl-C instead of ending the process at once."""
+    import signal
+
+    while _BEFORE_EXIT:
+        sig, old = _BEFORE_EXIT.popitem()
+        try:
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        except (ValueError, OSError):  # pragma: no cover - not the main thread
+            pass
 
 
 def _exit_interrupted() -> None:

@@ -52,6 +52,8 @@ def raise_on_termination() -> None:
     cleans up on the same path as an interrupted one, instead of dying with its partial files."""
     import signal
 
+    _RECEIVED.clear()  # a new command (tracer.cli.main called again in one process): earlier signals are done
+
     def handler(signum: int, _frame: object) -> None:
         _RECEIVED.append(signum)
         raise Terminated(signum)
