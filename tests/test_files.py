@@ -258,3 +258,18 @@ def test_a_lying_safetensors_header_is_one_line(tmp_path):
     with pytest.raises(TracerError) as e:
         read_dump(tmp_path / "t.safetensors")
     assert "t.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["bad\nname.h5", "a\rb.h5:A", "esc\x1b[2J.h5"])
+def test_a_missing_input_named_with_control_characters_is_one_line(tmp_path, name):
+    """check_exists/check_input_file put the path in the message as given: a newline in it raised
+    ValueError('TracerError messages are one line') and `tracer compare` exited 3 'internal error'."""
+    from tracer.errors import TracerError
+    from tracer.files import check_exists, check_input_file
+
+    for check in (check_exists, lambda p, w: check_input_file(p, w)):
+        with pytest.raises(TracerError) as e:
+            check(str(tmp_path / name), "input")
+        message = str(e.value)
+        assert "\n" not in message and "\r" not in message and "\x1b" not in message
+        assert message.endswith("not found; check the path")

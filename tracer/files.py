@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -50,6 +51,11 @@ def _pseudo_devices() -> set[int]:
     return out
 
 
+def shown_path(path: str | os.PathLike) -> str:
+    """``path`` for a one-line message: control characters (a newline, an escape sequence) as ``\\x0a``."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", os.fspath(path))
+
+
 def check_input_file(path: str | os.PathLike, what: str, max_bytes: int | None = None) -> Path:
     """``path`` as a Path after checking it names an existing regular file (symlinks followed) that
     is not a kernel pseudo-file and, when ``max_bytes`` is given, holds at most that many bytes.
@@ -62,22 +68,23 @@ def check_input_file(path: str | os.PathLike, what: str, max_bytes: int | None =
             procfs/sysfs file, or larger than ``max_bytes``.
     """
     p = Path(path)
+    q = shown_path(p)
     if str(path) == "":
         raise TracerError(f"{what} is empty; give a file path")
     try:
         st = os.stat(p)
     except FileNotFoundError:
-        raise TracerError(f"{what} {p} not found; check the path") from None
+        raise TracerError(f"{what} {q} not found; check the path") from None
     except (OSError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e)
-        raise TracerError(f"cannot read {what} {p} ({why}); check the path and its permissions") from None
+        raise TracerError(f"cannot read {what} {q} ({why}); check the path and its permissions") from None
     if not stat.S_ISREG(st.st_mode):
-        raise TracerError(f"{what} {p} is {file_kind(st.st_mode)}; pass a regular file")
+        raise TracerError(f"{what} {q} is {file_kind(st.st_mode)}; pass a regular file")
     if st.st_dev in _pseudo_devices():
-        raise TracerError(f"{what} {p} is a kernel pseudo-file (procfs/sysfs), whose reads may block or never end; "
+        raise TracerError(f"{what} {q} is a kernel pseudo-file (procfs/sysfs), whose reads may block or never end; "
                           "copy what you need into a regular file")
     if max_bytes is not None and st.st_size > max_bytes:
-        raise TracerError(f"{what} {p} is {st.st_size:,} bytes; the limit is {max_bytes:,} bytes")
+        raise TracerError(f"{what} {q} is {st.st_size:,} bytes; the limit is {max_bytes:,} bytes")
     return p
 
 
@@ -95,7 +102,7 @@ def check_exists(spec: str | os.PathLike, what: str = "input") -> None:
         raise TracerError(f"{what} is empty; give a file path")
     if os.path.lexists(text) or (":" in text and os.path.lexists(text.rsplit(":", 1)[0])):
         return
-    raise TracerError(f"{what} {text} not found; check the path")
+    raise TracerError(f"{what} {shown_path(text)} not found; check the path")
 
 
 #: environment variable that sets :func:`input_budget` (bytes)
