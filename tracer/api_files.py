@@ -104,7 +104,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
         stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
         comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
-        if stored is None and pa != pb:  # logits an engine held only where it sampled: say so, not "missing"
+        if stored is None:  # logits an engine held only where it sampled: say so, not "missing"
             comparison = explain_sampled(comparison, (pa, ra), (pb, rb))
         if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
             comparison = replace(comparison, rl=stored_rl(pa, ra, rb))

@@ -103,3 +103,28 @@ def test_logits_missing_across_traces_say_why(tmp_path):
     [skip] = [sk for sk in c.skipped if sk.name == "lm_head"]
     assert skip.fails and skip.reason.startswith("not stored: ") and "computed logits only at position(s) 5" in skip.reason
     assert c.check("any")[0] is True
+
+
+def test_logits_held_only_where_sampled_with_a_tolerance_say_why(tmp_path):
+    """One vLLM trace compared with --atol: the stored comparison is not used (it has no tolerance), the
+    file holds no logits rows, and the logits read "missing in run B" as if the run had not captured
+    them (the run-time comparison's argmax flip silently gone). The reason now says they are not stored
+    and that the comparison without a tolerance has them."""
+    import tracer
+    from tracer.diff.engine import sampled_logits
+
+    from tests.helpers import make_runs
+
+    hf, _ = make_runs()  # A: HF, its logits captured at every position of the window
+    _, b = _sampled_runs()  # B: logits only where it sampled
+    live = sampled_logits(compare_records(hf, b, scenario="s", model="m"), hf, b)
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+        w.add_run(hf)
+        w.add_run(b)
+        w.add_comparison("A-vs-B", json_safe(live.to_dict()))
+    assert tracer.compare_trace(str(path)).logits is not None  # without a tolerance: the stored comparison
+    c = tracer.compare_trace(str(path), atol=0.1)
+    [skip] = [sk for sk in c.skipped if sk.name == "lm_head"]
+    assert skip.fails and skip.reason.startswith("not stored: ") and "only at position(s) 5" in skip.reason, skip
+    assert "without --atol/--rtol" in skip.reason, skip.reason

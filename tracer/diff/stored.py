@@ -143,25 +143,28 @@ def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparis
 
 
 def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[str, str | None]) -> Comparison:
-    """``c`` (a comparison of runs of two traces) with the reason of a logits point skipped because
-    one side's engine computed logits only where it sampled (vLLM) said as such, instead of a bare
-    "missing in run ...": the trace does not store those rows. The point still fails ``--fail-on
-    any`` (it was not compared).
+    """``c`` (a comparison of stored runs made now: runs of two traces, or of one trace with
+    tolerances) with the reason of a logits point skipped because one side's engine computed logits
+    only where it sampled (vLLM) said as such, instead of a bare "missing in run ...": the trace does
+    not store those rows. The point still fails ``--fail-on any`` (it was not compared).
 
     Raises:
         TracerError: unreadable trace.
     """
     said: dict[str, str] = {}
-    for path, run in (ref_a, ref_b):
+    # one trace: its run-time comparison (shown when no tolerance is asked) compared them
+    advice = ("tracer compare without --atol/--rtol shows the comparison made when the trace was written"
+              if ref_a[0] == ref_b[0] else "compare them in one run (--scenario engine)")
+    for side, (path, run) in enumerate((ref_a, ref_b)):
         with TraceReader(path) as r:
-            name = run or (r.runs[0] if r.runs else None)
+            label = (c.run_a, c.run_b)[side]  # the run compare_runs chose: RUN in one trace, else PATH:RUN
+            name = run or (label if ref_a[0] == ref_b[0] else label.rsplit(":", 1)[-1])
             if name not in r.runs:
                 continue
             found = sampled_only([r.run(name, load_tensors=False).meta], (r.captures(name),))
         if found is not None:
             said[found[0]] = (f"not stored: {path}:{name}'s engine computed logits only at position(s) "
-                              f"{', '.join(map(str, found[1][:8]))} (where it sampled); compare them in one run "
-                              "(--scenario engine)")
+                              f"{', '.join(map(str, found[1][:8]))} (where it sampled); {advice}")
     if not said:
         return c
     skipped = tuple(replace(sk, reason=said[sk.name]) if sk.name in said else sk for sk in c.skipped)
