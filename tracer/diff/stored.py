@@ -168,4 +168,15 @@ def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[s
     if not said:
         return c
     skipped = tuple(replace(sk, reason=said[sk.name]) if sk.name in said else sk for sk in c.skipped)
-    return replace(c, skipped=skipped)
+    notes = list(c.facts.get("notes", []))
+    if ref_a[0] == ref_b[0]:  # with a tolerance: what the run-time comparison (no tolerance) found there
+        with TraceReader(ref_a[0]) as r:
+            then = _stored_of(r.comparisons(), c.run_a, c.run_b)
+        if then is not None and then.logits is not None:
+            d = then.logits
+            flips = ", ".join(str(f.position + then.positions[0]) for f in d.argmax_flips[:8]) or "none"
+            notes.append(f"when the trace was written (no tolerance), {then.logits_name} was compared at "
+                         f"{d.n_positions} position(s): {d.tensor.n_diff:,} of {d.tensor.n_total:,} elements "
+                         f"differed (max |Δ| {d.tensor.max_abs_diff:.3g}), {len(d.argmax_flips)} argmax flip(s) "
+                         f"at position(s) {flips}")
+    return replace(c, skipped=skipped, facts={**c.facts, "notes": notes})
