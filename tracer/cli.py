@@ -152,13 +152,21 @@ def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list
     return out
 
 
-def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = ()) -> Callable[..., Any]:
+def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = (),
+             inputs: tuple[str, ...] = ()) -> Callable[..., Any]:
     """Register ``tracer NAME`` with ``fn``'s parameters plus ``render``: the decorated body gets the
-    API's keyword arguments as one dict, the render options as keywords, and returns the exit code."""
+    API's keyword arguments as one dict, the render options as keywords, and returns the exit code.
+    ``inputs``: the parameters naming input files or folders (``PATH`` or ``PATH:RUN``), refused in one
+    line before the body runs (so before torch is imported) when they do not exist."""
     def register(body: Callable[..., int | None]) -> Callable[..., int | None]:
         def callback(**given: Any) -> None:
             view = {k: given.pop(k) for k in render}
             try:
+                if inputs:
+                    from tracer.files import check_exists
+
+                    for spec in (given[k] for k in inputs if given.get(k) is not None):
+                        check_exists(spec, "input")
                 code = body(given, **view)
             except TracerError as e:
                 from tracer.report.terminal import print_error
@@ -226,7 +234,8 @@ def audit_cmd(opts: dict[str, Any], fmt: str, report: str | None, no_store: bool
     return print_audit(api.audit(progress=_progress(), **opts), fmt, report, opts["overwrite"])
 
 
-@_command("compare", api.compare_trace, ("fmt", "wide", "columns", "all_rows", "report", "overwrite_report"))
+@_command("compare", api.compare_trace, ("fmt", "wide", "columns", "all_rows", "report", "overwrite_report"),
+          inputs=("path", "reference"))
 def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all_rows: bool,
                 report: str | None, overwrite_report: bool) -> int:
     """Compare two stored runs (no model needed): TRACE [RUN_A [RUN_B]], or TRACE[:RUN] TRACE2[:RUN]
@@ -238,7 +247,6 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison
 
     cols = check_table(fmt, columns, wide)
-    _inputs_exist(opts["path"], opts.get("reference"))
     check_outputs(report=report, output=None, overwrite=overwrite_report)  # before any work: nothing is clobbered
     refs = " ".join(str(opts[k]) for k in ("path", "run_a", "run_b") if opts[k] is not None)
     with phase("compare", f"comparing {refs}"):
@@ -251,26 +259,24 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     return fail_on_exit(comparison)
 
 
-@_command("import", api.import_dump)
+@_command("import", api.import_dump, inputs=("dump", "reference"))
 def import_cmd(opts: dict[str, Any]) -> None:
     """Map an engine dump onto an HF reference run's capture points and write it as a trace
     (compare it with 'tracer compare REF.h5:RUN OUTPUT')."""
     from tracer.report.progress import phase
     from tracer.report.terminal import print_import
 
-    _inputs_exist(opts["dump"], opts["reference"])
     with phase("import", f"mapping {opts['dump']} onto {opts['reference']}"):
         mapped = api.import_dump(**opts)
     print_import(mapped, opts["output"], opts["run_name"])
 
 
-@_command("show", api.trace_info, ("as_json",))
+@_command("show", api.trace_info, ("as_json",), inputs=("path",))
 def show_cmd(opts: dict[str, Any], as_json: bool) -> None:
     """Print a trace's header (the numeric contract) and its runs."""
     from tracer.report.progress import phase
     from tracer.report.show import print_trace_info
 
-    _inputs_exist(opts["path"])
     with phase("show", f"reading {opts['path']}"):
         info = api.trace_info(**opts)
     print_trace_info(info, opts["path"], as_json)
@@ -287,26 +293,24 @@ def sweep_cmd(opts: dict[str, Any], fmt: str, plot: str | None, report: str | No
     return print_sweep(api.sweep(progress=_progress(), **opts), fmt, plot, report, opts["overwrite"])
 
 
-@_command("plot", api.plot_file)
+@_command("plot", api.plot_file, inputs=("path",))
 def plot_cmd(opts: dict[str, Any]) -> None:
     """Draw a figure from a stored trace or sweep file (no model needed)."""
     from tracer.report.progress import phase
     from tracer.report.terminal import print_path
 
-    _inputs_exist(opts["path"])
     with phase("plot", f"drawing {opts['kind'] or 'the figure'} from {opts['path']}"):
         path = api.plot_file(**opts)
     print_path(path)
 
 
-@_command("report", api.report_file)
+@_command("report", api.report_file, inputs=("path",))
 def report_cmd(opts: dict[str, Any]) -> None:
     """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit matrix or
     sweep map) from a stored trace or sweep file: no model needed, nothing recomputed."""
     from tracer.report.progress import phase
     from tracer.report.terminal import print_path
 
-    _inputs_exist(opts["path"])
     with phase("report", f"writing the HTML report of {opts['path']}"):
         path = api.report_file(**opts)
     print_path(path)
@@ -332,15 +336,6 @@ def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     with StatusProgress("bench", mode="auto") as status:
         result = api.bench(progress=status, **opts)
     print_bench(result, as_json)
-
-
-def _inputs_exist(*specs: Any) -> None:
-    """A missing input file of a command on stored files: one line before torch is imported."""
-    from tracer.files import check_exists
-
-    for spec in specs:
-        if spec is not None:
-            check_exists(spec, "input")
 
 
 def main() -> None:

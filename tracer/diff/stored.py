@@ -61,10 +61,8 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
         TracerError: unreadable trace.
     """
     with TraceReader(path) as r:
-        runs = r.runs
-        a = run_a or (runs[0] if runs else None)
-        b = run_b or next((n for n in runs if n != a), None)
-        if a not in runs or b not in runs:
+        a, b = _pair(r, run_a, run_b)
+        if a not in r.runs or b not in r.runs:
             return None
         run_metas = [r.run(n, load_tensors=False).meta for n in (a, b)]
         metas = [m.get("store_auto") for m in run_metas]
@@ -81,9 +79,8 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
         return None
     if sampled:
         name, positions = sampled
-        shown = ", ".join(map(str, positions[:8])) + (", ..." if len(positions) > 8 else "")
         note = (f"from the comparison made when the trace was written: {name} (logits) exists only at position(s) "
-                f"{shown}, where the engine sampled; the run compared them there, and the trace does not store them")
+                f"{_positions(positions)}, where the engine sampled; the run compared them there, and the trace does not store them")
     elif dropped:
         kept = metas[0] if isinstance(metas[0], dict) else {}
         note = (f"from the comparison made when the trace was written: --store auto kept full tensors of "
@@ -123,15 +120,20 @@ def stored_rl(path: str | os.PathLike, run_a: str | None, run_b: str | None) -> 
     Raises:
         TracerError: unreadable trace.
     """
-    from tracer.store.trace import TraceReader
-
     with TraceReader(path) as r:
-        runs = r.runs
-        a = run_a or (runs[0] if runs else None)
-        b = run_b or next((n for n in runs if n != a), None)
-        stored = r.comparisons()
-    c = _stored_of(stored, a, b)
+        c = _stored_of(r.comparisons(), *_pair(r, run_a, run_b))
     return None if c is None else c.rl
+
+
+def _pair(r: TraceReader, run_a: str | None, run_b: str | None) -> tuple[str | None, str | None]:
+    """The runs a comparison of trace ``r`` takes: those asked for, by default its first two."""
+    a = run_a or (r.runs[0] if r.runs else None)
+    return a, run_b or next((n for n in r.runs if n != a), None)
+
+
+def _positions(ps: list[int]) -> str:
+    """``"5, 6, 7"``: at most 8 positions, then ``...``."""
+    return ", ".join(map(str, ps[:8])) + (", ..." if len(ps) > 8 else "")
 
 
 def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparison | None:
@@ -164,7 +166,7 @@ def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[s
             found = sampled_only([r.run(name, load_tensors=False).meta], (r.captures(name),))
         if found is not None:
             said[found[0]] = (f"not stored: {path}:{name}'s engine computed logits only at position(s) "
-                              f"{', '.join(map(str, found[1][:8]))} (where it sampled); {advice}")
+                              f"{_positions(found[1])} (where it sampled); {advice}")
     if not said:
         return c
     skipped = tuple(replace(sk, reason=said[sk.name]) if sk.name in said else sk for sk in c.skipped)

@@ -6,7 +6,6 @@ The option checks here are cheap and run before any model loads (the CLI and
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -17,7 +16,7 @@ import torch
 
 from tracer import dtypes
 from tracer.errors import TracerError
-from tracer.load.preflight import AUTO_MAPS, ATTN_IMPLEMENTATIONS, attn_choices, check_attn  # noqa: F401 - re-exported
+from tracer.load.preflight import AUTO_MAPS, ATTN_IMPLEMENTATIONS, attn_choices, check_attn, device_map_form  # noqa: F401 - re-exported
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -105,7 +104,6 @@ def model_device(model: Any) -> torch.device:
             return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     return emb.weight.device
 
-_AUTO_MAPS = AUTO_MAPS
 
 
 def parse_device_map(device_map: str | dict[str, Any]) -> str | dict[str, str]:
@@ -114,16 +112,9 @@ def parse_device_map(device_map: str | dict[str, Any]) -> str | dict[str, str]:
     Raises:
         TracerError: not a known name, bad JSON, or an unknown device in the map.
     """
-    if isinstance(device_map, str) and device_map.strip() in _AUTO_MAPS:
-        return device_map.strip()
+    device_map = device_map_form(device_map)
     if isinstance(device_map, str):
-        try:
-            device_map = json.loads(device_map)
-        except ValueError:
-            raise TracerError(f"--device-map {device_map!r} is neither {', '.join(_AUTO_MAPS)} nor a JSON object "
-                              '{"module.path": "cuda:0" | "cpu" | "disk"}') from None
-    if not isinstance(device_map, dict) or not device_map:
-        raise TracerError('--device-map must be auto, balanced, sequential or a JSON object {"module.path": "cuda:0"}')
+        return device_map
     out = {}
     for module, where in device_map.items():
         where = str(where) if not isinstance(where, int) else f"cuda:{where}"

@@ -16,6 +16,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from tracer.errors import TracerError
 
@@ -141,6 +142,29 @@ def check_attn(name: str) -> str:
 AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
+def device_map_form(device_map: object) -> str | dict[Any, Any]:
+    """A ``--device-map`` value in its form: one of :data:`AUTO_MAPS` (stripped), or a non-empty
+    JSON object (a dict given as it is, a string parsed); its devices are resolved at load
+    (:func:`tracer.load.devices.parse_device_map`).
+
+    Raises:
+        TracerError: neither a known name nor a non-empty JSON object.
+    """
+    import json
+
+    if isinstance(device_map, str) and device_map.strip() in AUTO_MAPS:
+        return device_map.strip()
+    if isinstance(device_map, str):
+        try:
+            device_map = json.loads(device_map)
+        except ValueError:
+            raise TracerError(f"--device-map {device_map!r} is neither {', '.join(AUTO_MAPS)} nor a JSON object "
+                              '{"module.path": "cuda:0" | "cpu" | "disk"}') from None
+    if not isinstance(device_map, dict) or not device_map:
+        raise TracerError('--device-map must be auto, balanced, sequential or a JSON object {"module.path": "cuda:0"}')
+    return device_map
+
+
 def check_device_map(device_map: object, max_memory: object, device: str | None) -> None:
     """Refuse a ``--device-map``/``--max-memory`` that cannot be right whatever the machine: both
     ``--device`` and a map, a budget without an automatic map, a map that is neither a known name nor
@@ -149,22 +173,13 @@ def check_device_map(device_map: object, max_memory: object, device: str | None)
     Raises:
         TracerError: one line naming the fix.
     """
-    import json
-
     if device_map is None:
         if max_memory is not None:
             raise TracerError("--max-memory applies only with --device-map auto|balanced|sequential; add --device-map auto")
         return
     if device is not None:
         raise TracerError("give either --device or --device-map, not both (the map names the devices)")
-    if isinstance(device_map, str) and device_map.strip() not in AUTO_MAPS:
-        try:
-            device_map = json.loads(device_map)
-        except ValueError:
-            raise TracerError(f"--device-map {device_map!r} is neither {', '.join(AUTO_MAPS)} nor a JSON object "
-                              '{"module.path": "cuda:0" | "cpu" | "disk"}') from None
-        if not isinstance(device_map, dict) or not device_map:
-            raise TracerError('--device-map must be auto, balanced, sequential or a JSON object {"module.path": "cuda:0"}')
+    device_map_form(device_map)
     for part in filter(None, (p.strip() for p in max_memory.split(","))) if isinstance(max_memory, str) else ():
         key, sep, value = part.partition("=")
         key = key.strip().removeprefix("cuda:")

@@ -123,7 +123,7 @@ def write_megatron_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, s
         TracerError: the run lacks sublayer captures; ``out/exp_name`` is not empty; sizes that the
             ranks do not divide; ``thd``/``bshd`` tokens for a window not starting at 0; bad options.
     """
-    from tracer.store.sglang_dump import layer_roles
+    from tracer.store.sglang_dump import capture_getter, layer_roles
     from tracer.store.trace import TraceReader
 
     if spec not in ("local", "te") or tokens not in ("position_ids", "thd", "bshd") or min(tp, cp, pp) < 1:
@@ -135,16 +135,7 @@ def write_megatron_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, s
         rec = r.run(run, load_tensors=False)
         names = r.capture_names(run)
         kv = (r.header.get("model") or {}).get("n_kv_heads")
-        cache: dict[str, torch.Tensor] = {}
-
-        def get(name: str) -> torch.Tensor:
-            if name not in cache:
-                if name not in names:
-                    raise TracerError(f"run {run} of {trace} has no capture {name}; trace it with --granularity sublayers")
-                t = r.tensor(run, name)
-                t = t.reshape(t.shape[0], -1)
-                cache[name] = t + perturb[name] if perturb and name in perturb else t
-            return cache[name]
+        get = capture_getter(r, run, trace, perturb)
 
         kind = {n: r.capture_info(run, n)["kind"] for n in names}
         layers = [n for n in names if kind[n] == PointKind.LAYER]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,6 +72,29 @@ def _layer_tensors(get: Any, layer: str, hf: dict[str, str], prev: torch.Tensor,
 #: the roles a Llama-style layer needs for SGLang's layout (its fused q/k/v and gate/up are split)
 _ROLES = ("attn_norm", "attention", "q_proj", "k_proj", "v_proj", "attention_core", "o_proj", "mlp_norm",
           "mlp", "gate_proj", "up_proj", "mlp_hidden", "down_proj")
+
+
+def capture_getter(r: Any, run: str, trace: Any, perturb: dict[str, torch.Tensor] | None = None
+                   ) -> Callable[[str], torch.Tensor]:
+    """``get(name)``: capture ``name`` of ``run`` in the open trace ``r`` as ``(rows, features)``, plus
+    ``perturb[name]`` where given (a planted difference), read once and kept.
+
+    Raises:
+        TracerError: (from ``get``) the run has no such capture.
+    """
+    names = set(r.capture_names(run))
+    cache: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in cache:
+            if name not in names:
+                raise TracerError(f"run {run} of {trace} has no capture {name}; trace it with --granularity sublayers")
+            t = r.tensor(run, name)
+            t = t.reshape(t.shape[0], -1)
+            cache[name] = t + perturb[name] if perturb and name in perturb else t
+        return cache[name]
+
+    return get
 
 
 def layer_roles(r: Any, run: str, names: list[str], layer: str) -> dict[str, str]:
@@ -136,18 +159,7 @@ def write_sglang_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, chu
     with TraceReader(trace) as r:
         rec = r.run(run, load_tensors=False)
         names = r.capture_names(run)
-        cache: dict[str, torch.Tensor] = {}
-
-        def get(name: str) -> torch.Tensor:
-            if name not in cache:
-                if name not in names:
-                    raise TracerError(f"run {run} of {trace} has no capture {name}; trace it with --granularity sublayers")
-                t = r.tensor(run, name)
-                t = t.reshape(t.shape[0], -1)
-                if perturb and name in perturb:
-                    t = t + perturb[name]
-                cache[name] = t
-            return cache[name]
+        get = capture_getter(r, run, trace, perturb)
 
         layers = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.LAYER]
         emb = [n for n in names if r.capture_info(run, n)["kind"] == PointKind.EMBEDDING][0]
