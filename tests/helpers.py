@@ -4,7 +4,8 @@ small random-init models (built straight from HF configs, independent of :mod:`t
 - :func:`tracer_cli` runs ``python -m tracer ARGS`` in a subprocess; :func:`bad_cli` checks a bad
   input's contract (exit 2, one line, no traceback); :func:`cli_batch` runs many argument lists
   in one process in which loading a model raises (bad input must be refused before any load);
-  :func:`cli_session` runs several whole commands in one process (one import of torch).
+  :func:`cli_session` runs several whole commands in one process (one import of torch);
+  :class:`Worker` answers fuzz cases in a spawned process that may hang or crash.
 - :func:`run_record` builds a :class:`~tracer.execute.records.RunRecord` from ``(name, kind,
   tensor)`` triples; :func:`make_runs` two planted runs A/B; :func:`write_trace` stores runs.
 - :func:`make_model` a random-init causal LM of a family in :data:`FAMILIES`.
@@ -122,6 +123,43 @@ def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> 
     out = [tuple(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("[")]
     assert len(out) == len(cases), proc.stderr[-3000:]
     return out
+
+
+class Worker:
+    """One spawned process answering ``(outcome kind, text)`` requests for a path, with a timeout per
+    request; ``target(conn)`` is the child's loop (a module-level function, for spawn): it receives
+    paths and sends answers until it receives None. A hang or a crash is an answer too, and the
+    child is started again."""
+
+    def __init__(self, target) -> None:
+        import multiprocessing as mp
+
+        self.ctx, self.target = mp.get_context("spawn"), target
+        self.start()
+
+    def start(self) -> None:
+        self.conn, child = self.ctx.Pipe()
+        self.proc = self.ctx.Process(target=self.target, args=(child,), daemon=True)
+        self.proc.start()
+
+    def ask(self, path: str, timeout: float):
+        self.conn.send(path)
+        if self.conn.poll(timeout):
+            try:
+                return self.conn.recv()
+            except EOFError:
+                pass
+        code = self.proc.exitcode
+        self.proc.kill()
+        self.proc.join()
+        self.start()
+        return ("hang", f"no answer in {timeout} s") if code is None else ("crash", f"exit code {code}")
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 # ---------------------------------------------------------------- runs built by hand

@@ -117,15 +117,13 @@ def test_no_socket_of_the_run_listens_beyond_the_loopback(cli_env, tmp_path):
         assert "127.0.0.1 only" in facts["rendezvous"] and facts["socket_ifname"] == "lo"
 
 
-def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_run_cleans_up(cli_env, tmp_path):
-    """The ranks' parent-death signal is armed before they import torch: after a SIGKILL of the
-    parent at the moment its ranks appear, they are gone within seconds (35-60 s before), and the
-    scratch folder and trace partial the parent left are removed by the next run."""
+def _tp2_with_ranks(cli_env, tmp_path) -> tuple[Path, Path, subprocess.Popen, list[int]]:
+    """A TP-2 run writing ``tmp_path/tp.h5`` with its scratch under ``tmp_path/tmp``, returned once its
+    two ranks exist: ``(scratch root, trace path, the parent process, the ranks' PIDs)``."""
     scratch_root = tmp_path / "tmp"
     scratch_root.mkdir()
-    env = dict(cli_env, TMPDIR=str(scratch_root))
     out = tmp_path / "tp.h5"
-    proc = _tracer(TP2 + ["-o", str(out)], env, tmp_path)
+    proc = _tracer(TP2 + ["-o", str(out)], dict(cli_env, TMPDIR=str(scratch_root)), tmp_path)
     deadline = time.monotonic() + 240
     ranks: list[int] = []
     while proc.poll() is None and time.monotonic() < deadline:
@@ -134,6 +132,15 @@ def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_ru
             break
         time.sleep(0.01)
     assert len(ranks) == 2, proc.communicate()[1]
+    return scratch_root, out, proc, ranks
+
+
+def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_run_cleans_up(cli_env, tmp_path):
+    """The ranks' parent-death signal is armed before they import torch: after a SIGKILL of the
+    parent at the moment its ranks appear, they are gone within seconds (35-60 s before), and the
+    scratch folder and trace partial the parent left are removed by the next run."""
+    scratch_root, out, proc, ranks = _tp2_with_ranks(cli_env, tmp_path)
+    env = dict(cli_env, TMPDIR=str(scratch_root))
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     proc.wait()
@@ -162,19 +169,7 @@ def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_ru
 def test_sigterm_of_the_parent_removes_ranks_scratch_folder_and_partial(cli_env, tmp_path):
     """Every exit path cleans up: SIGTERM of the parent while its ranks run is handled like Ctrl-C
     (exit 143): the ranks are stopped, the scratch folder and the trace partial removed at once."""
-    scratch_root = tmp_path / "tmp"
-    scratch_root.mkdir()
-    env = dict(cli_env, TMPDIR=str(scratch_root))
-    out = tmp_path / "tp.h5"
-    proc = _tracer(TP2 + ["-o", str(out)], env, tmp_path)
-    deadline = time.monotonic() + 240
-    ranks: list[int] = []
-    while proc.poll() is None and time.monotonic() < deadline:
-        ranks = children(proc.pid)
-        if len(ranks) == 2:
-            break
-        time.sleep(0.01)
-    assert len(ranks) == 2, proc.communicate()[1]
+    scratch_root, out, proc, ranks = _tp2_with_ranks(cli_env, tmp_path)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err

@@ -17,7 +17,6 @@ bounds each case with a timeout.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.helpers import Worker
 
 N_RAW = int(os.environ.get("TRACER_SWEEP_FUZZ_CASES", "180"))
 N_RESEALED = int(os.environ.get("TRACER_SWEEP_RESEAL_CASES", "100"))
@@ -69,38 +70,6 @@ def _worker(conn) -> None:
         if path is None:
             return
         conn.send(outcome(path))
-
-
-class Worker:
-    """One spawned process answering :func:`outcome` requests, with a timeout per request."""
-
-    def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.start()
-
-    def start(self) -> None:
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
-        self.proc.start()
-
-    def ask(self, path: str, timeout: float):
-        self.conn.send(path)
-        if self.conn.poll(timeout):
-            try:
-                return self.conn.recv()
-            except EOFError:
-                pass
-        code = self.proc.exitcode
-        self.proc.kill()
-        self.proc.join()
-        self.start()
-        return ("hang", f"no answer in {timeout} s") if code is None else ("crash", f"exit code {code}")
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 def _rows():
@@ -179,7 +148,7 @@ def _run(worker: Worker, cases, original: str, tmp_path: Path, same_or_error: bo
 
 
 def test_raw_mutations_give_the_original_result_or_one_line_error(sweep_file, tmp_path):
-    worker = Worker()
+    worker = Worker(_worker)
     try:
         status, original = worker.ask(str(sweep_file), 120)
         assert status == "ok", original
@@ -261,7 +230,7 @@ def _reseal(path: Path, rng: random.Random) -> str:
 
 
 def test_resealed_tampering_gives_an_answer_or_one_line_error(sweep_file, tmp_path):
-    worker = Worker()
+    worker = Worker(_worker)
     try:
         status, original = worker.ask(str(sweep_file), 120)
         assert status == "ok", original

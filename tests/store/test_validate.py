@@ -8,13 +8,14 @@ the parent bounds each case with a timeout. The original answer comes from the u
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import Worker
 
 N_CASES = int(os.environ.get("TRACER_FUZZ_CASES", "240"))
 SEED = 16
@@ -59,39 +60,6 @@ def _worker(conn) -> None:
         conn.send(outcome(path))
 
 
-class Worker:
-    """One spawned process answering :func:`outcome` requests, with a timeout per request."""
-
-    def __init__(self) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.proc = None
-        self.start()
-
-    def start(self) -> None:
-        self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
-        self.proc.start()
-
-    def ask(self, path: str, timeout: float):
-        self.conn.send(path)
-        if self.conn.poll(timeout):
-            try:
-                return self.conn.recv()
-            except EOFError:
-                pass
-        code = self.proc.exitcode
-        self.proc.kill()
-        self.proc.join()
-        self.start()
-        return ("hang", f"no answer in {timeout} s") if code is None else ("crash", f"exit code {code}")
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 def mutate(data: bytearray, rng: random.Random) -> tuple[bytearray, str]:
     """One mutation: a bit flip, a random byte, a zeroed block or a truncation."""
     out = bytearray(data)
@@ -121,7 +89,7 @@ def small_trace(tmp_path_factory) -> Path:
 
 
 def test_mutations_give_the_original_result_or_one_line_error(small_trace, tmp_path):
-    worker = Worker()
+    worker = Worker(_worker)
     try:
         status, original = worker.ask(str(small_trace), 120)
         assert status == "ok", original
@@ -197,7 +165,7 @@ def _reseal(path: Path, rng: random.Random) -> str:
 def test_resealed_json_edits_give_an_answer_or_one_line_error(small_trace, tmp_path):
     """Edits with every CRC recomputed (as the public spec allows) may change the answer, but never
     give a traceback, a hang or a crash (on main before issue 24: exit 3 at 15+ places)."""
-    worker = Worker()
+    worker = Worker(_worker)
     try:
         rng = random.Random(SEED + 24)
         bad, counts = [], {"ok": 0, "error": 0}
