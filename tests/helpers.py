@@ -175,6 +175,28 @@ def run_record(name: str, tensors: list[tuple[str, str, torch.Tensor]], ids: tup
                      captures=caps)
 
 
+def planted_pair() -> tuple[RunRecord, RunRecord, tuple[torch.Tensor, ...]]:
+    """Runs A/B of 2 positions, bf16: ``emb`` identical, ``l0`` 1 ULP off at (1, 3), ``l1`` off by
+    +4 at (0, 0) and -2 at (1, 7), logits ``head`` (vocabulary 4) flipping at position 1; also
+    ``(l0, l0b, l1, l1b)``."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    l0 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    l1 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.9]], dtype=torch.bfloat16)
+    a = run_record("A", [("emb", "embedding", emb), ("l0", "layer", l0), ("l1", "layer", l1), ("head", "logits", logits)])
+    # B: l0 differs by 1 ULP at one element, l1 by a large amount at two, logits flip at position 1
+    l0b = l0.clone()
+    l0b.view(torch.int16)[1, 3] += 1
+    l1b = l1.clone()
+    l1b[0, 0] += 4.0
+    l1b[1, 7] -= 2.0
+    lb = logits.clone()
+    lb[1, 3] = 5.5
+    b = run_record("B", [("emb", "embedding", emb.clone()), ("l0", "layer", l0b), ("l1", "layer", l1b), ("head", "logits", lb)])
+    return a, b, (l0, l0b, l1, l1b)
+
+
 T, H, V = 4, 8, 16  # make_runs: window positions, hidden size, vocabulary
 NAMES = ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm")
 

@@ -5,29 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import run_record as _run
+from tests.helpers import planted_pair
 from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.store.trace import TraceWriter
 
 
 def _pair():
-    g = torch.Generator().manual_seed(0)
-    emb = torch.randn(2, 8, generator=g).to(torch.bfloat16)
-    l0 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
-    l1 = torch.randn(2, 8, generator=g).to(torch.bfloat16)
-    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.9]], dtype=torch.bfloat16)
-    a = _run("A", [("emb", "embedding", emb), ("l0", "layer", l0), ("l1", "layer", l1), ("head", "logits", logits)])
-    # B: l0 differs by 1 ULP at one element, l1 by a large amount at two, logits flip at position 1
-    l0b = l0.clone()
-    l0b.view(torch.int16)[1, 3] += 1
-    l1b = l1.clone()
-    l1b[0, 0] += 4.0
-    l1b[1, 7] -= 2.0
-    lb = logits.clone()
-    lb[1, 3] = 5.5
-    b = _run("B", [("emb", "embedding", emb.clone()), ("l0", "layer", l0b), ("l1", "layer", l1b), ("head", "logits", lb)])
-    return a, b, (l0, l0b, l1, l1b)
+    return planted_pair()
 
 
 def test_planted_differences():

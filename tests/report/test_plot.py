@@ -12,7 +12,7 @@ import torch
 
 import tracer
 from tests.helpers import run_record as _run
-from tests.helpers import cli_session, tracer_cli
+from tests.helpers import cli_session, planted_pair, tracer_cli
 from tracer.diff.compare import compare_records, compare_trace
 from tracer.errors import TracerError
 from tracer.report.plot import (LABEL_ABS, LABEL_FRAC, amplification_figure, heatmap_figure, position_diffs_records,
@@ -24,19 +24,7 @@ from tracer.loops.sweep import SweepResult, SweepRow
 @pytest.fixture
 def pair():
     """Runs A/B of 2 positions: emb identical, l0 1 ULP off at (1, 3), l1 off at (0, 0) and (1, 7)."""
-    g = torch.Generator().manual_seed(0)
-    emb, l0, l1 = (torch.randn(2, 8, generator=g).to(torch.bfloat16) for _ in range(3))
-    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [5.0, 1.0, 0.0, 4.9]], dtype=torch.bfloat16)
-    l0b = l0.clone()
-    l0b.view(torch.int16)[1, 3] += 1
-    l1b = l1.clone()
-    l1b[0, 0] += 4.0
-    l1b[1, 7] -= 2.0
-    lb = logits.clone()
-    lb[1, 3] = 5.5
-    a = _run("A", [("emb", "embedding", emb), ("l0", "layer", l0), ("l1", "layer", l1), ("head", "logits", logits)])
-    b = _run("B", [("emb", "embedding", emb.clone()), ("l0", "layer", l0b), ("l1", "layer", l1b), ("head", "logits", lb)])
-    return a, b
+    return planted_pair()[:2]
 
 
 def _line(fig, label):
