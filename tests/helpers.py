@@ -63,29 +63,14 @@ def bad_cli(args: list[str], env: dict[str, str], cwd: str | Path, needle: str) 
     return proc
 
 
-_BATCH_DRIVER = """
+_DRIVER = """
 import contextlib, io, json, sys
 sys.path.insert(0, {root!r})
-import tracer.load.models
-def refuse(*a, **k):
-    raise RuntimeError("a model was loaded")
-tracer.load.models.load_model = refuse
-from tracer.cli import main
-for args in json.loads(sys.argv[1]):
-    sys.argv = ["tracer", *args]
-    err = io.StringIO()
-    code = 0
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code
-    print(json.dumps([code, err.getvalue()]), flush=True)
-"""
-
-
-_SESSION_DRIVER = """
-import contextlib, io, json, sys
+if {refuse_loads!r}:  # bad input must be refused before any load: a load is an error here
+    import tracer.load.models
+    def refuse(*a, **k):
+        raise RuntimeError("a model was loaded")
+    tracer.load.models.load_model = refuse
 from tracer.cli import main
 for args in json.loads(sys.argv[1]):
     sys.argv = ["tracer", *args]
@@ -100,13 +85,14 @@ for args in json.loads(sys.argv[1]):
 """
 
 
-def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *,
-                timeout: float = 600) -> list[subprocess.CompletedProcess]:
+def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *, timeout: float = 600,
+                refuse_loads: bool = False) -> list[subprocess.CompletedProcess]:
     """``tracer ARGS`` for each case, one after another in ONE process (torch and transformers are
     imported once, not once per command): a ``CompletedProcess`` (``returncode``, ``stdout``,
-    ``stderr``) per case, in order. For commands that may load models; the exit codes are the
-    CLI's own (``main`` raises ``SystemExit``)."""
-    proc = subprocess.run([sys.executable, "-c", _SESSION_DRIVER, json.dumps(cases)], cwd=cwd, env=env,
+    ``stderr``) per case, in order; the exit codes are the CLI's own (``main`` raises
+    ``SystemExit``). ``refuse_loads``: loading a model raises in that process."""
+    driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads)
+    proc = subprocess.run([sys.executable, "-c", driver, json.dumps(cases)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     done = [json.loads(line[1:]) for line in proc.stdout.split("\n") if line.startswith("\x00")]
     assert len(done) == len(cases), proc.stderr[-3000:]
@@ -115,14 +101,10 @@ def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *,
 
 
 def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> list[tuple[int, str]]:
-    """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process (in which
-    loading a model raises, so a case that would load one fails)."""
-    env = dict(os.environ, COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-c", _BATCH_DRIVER.format(root=str(ROOT)), json.dumps(cases)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    out = [tuple(json.loads(line)) for line in proc.stdout.splitlines() if line.startswith("[")]
-    assert len(out) == len(cases), proc.stderr[-3000:]
-    return out
+    """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process in which
+    loading a model raises, so a case that would load one fails (:func:`cli_session`)."""
+    done = cli_session(cases, dict(os.environ, COLUMNS="200"), cwd, timeout=timeout, refuse_loads=True)
+    return [(p.returncode, p.stderr) for p in done]
 
 
 class Worker:
