@@ -44,7 +44,7 @@ python3 - > "$out/kernels-cost-gpu.txt" 2>&1 <<'PY'
 import statistics, time, torch
 import tracer
 from tracer.execute.capture import discover_points
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 lm = tracer.load_model("qwen3-0.6b-shape", device="cuda")
 ids = list(range(1000, 1250))

@@ -12,7 +12,7 @@ import tracer
 from tracer.api import tokenize
 from tracer.load.prompts import DEFAULT_PROMPT
 from tracer.execute.capture import discover_points
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 
 model, n, gran, reps, device = (sys.argv[1:] + ["smollm2-135m", "250", "sublayers", "5", "cpu"][len(sys.argv) - 1:])[:5]

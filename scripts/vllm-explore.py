@@ -20,9 +20,9 @@ import time
 
 from tracer.diff.compare_dump import partial_logits_line
 from tracer.diff.compare import compare_records
-from tracer.execute import vllm_engine as ve
+from tracer.engines.vllm import engine as ve
 from tracer.execute.points import discover_points
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.load.models import load_model
 from tracer.load.prompts import DEFAULT_PROMPT, tokenize
 from tracer.plan import scenarios as S

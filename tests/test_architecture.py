@@ -106,7 +106,8 @@ def test_no_import_cycles_function_local_imports_included():
 
 
 def test_stages_depend_downward():
-    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.store",
+    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
+             "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",  # synthetic dumps, written from a trace
              "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
              "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
 
@@ -272,7 +273,7 @@ def test_the_core_record_types_are_exported_and_import_on_first_use():
 
 
 TESTS = Path(__file__).resolve().parent
-STAGE_FOLDERS = ("load", "plan", "execute", "store", "diff", "report", "loops")
+STAGE_FOLDERS = ("load", "plan", "execute", "engines", "store", "diff", "report", "loops")
 #: top-level test files: the top-level modules of tracer (api, cli, config, pipeline, schema) and what
 #: spans the package (its architecture, the docs and README, the notebooks)
 TOP_LEVEL = ("test_architecture.py", "test_docs.py", "test_notebooks.py", "test_readme.py")

@@ -138,7 +138,7 @@ def test_every_name_and_path_in_the_packages_strings_resolves():
 
 
 def test_the_checks_catch_what_they_are_for():
-    assert not resolves("tracer.tp_dist.execute_plan") and resolves("tracer.execute.tp_dist.execute_loaded")
+    assert not resolves("tracer.tp_dist.execute_plan") and resolves("tracer.engines.tp.dist.execute_loaded")
     assert not resolves("tracer.diff.result.Comparison.no_such_field") and resolves("tracer.diff.result.Comparison.points")
     assert doc_names("`pipeline.run_scenario`, `config.model_type`, `tracer.run`, `models/README.md`") == {
         "tracer.pipeline.run_scenario", "tracer.run"}

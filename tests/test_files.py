@@ -33,8 +33,8 @@ def capped_cases(cases: dict[str, str], cap: int = CAP, timeout: float = 240) ->
             f"resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))\n"
             f"sys.path.insert(0, {str(ROOT)!r})\n"
             "from tracer.errors import TracerError\n"
-            "from tracer.store.enginedump import read_dump\n"
-            "from tracer.execute.enginerules import load_engine_map\n"
+            "from tracer.engines.dumps.read import read_dump\n"
+            "from tracer.engines.dumps.rules import load_engine_map\n"
             f"cases = {json.dumps(cases)}\n"
             "out = {}\n"
             "for name, expr in cases.items():\n"
@@ -151,7 +151,7 @@ def test_stride_0_tensor_in_a_pt_is_refused_before_materialising(hostile):
 
 
 def test_small_stride_0_tensor_is_materialised_within_the_budget(tmp_path):
-    from tracer.store.dumpfiles import load_pt
+    from tracer.engines.dumps.files import load_pt
 
     torch.save({"x": torch.arange(4.0).reshape(4, 1).expand(4, 3)}, tmp_path / "a.pt")
     x = load_pt(tmp_path / "a.pt")["x"]
@@ -160,7 +160,7 @@ def test_small_stride_0_tensor_is_materialised_within_the_budget(tmp_path):
 
 def test_budget_env_bounds_every_decoded_tensor(tmp_path, monkeypatch):
     from tracer.errors import TracerError
-    from tracer.store.dumpfiles import load_npz
+    from tracer.engines.dumps.files import load_npz
 
     np.savez_compressed(tmp_path / "x.npz", a=np.zeros(1000, dtype=np.float32))  # ~300 bytes on disk, 4000 decoded
     assert (tmp_path / "x.npz").stat().st_size < 1000
@@ -172,7 +172,7 @@ def test_budget_env_bounds_every_decoded_tensor(tmp_path, monkeypatch):
 
 
 def test_npz_round_trip_and_byte_order(tmp_path):
-    from tracer.store.dumpfiles import load_npz
+    from tracer.engines.dumps.files import load_npz
 
     a = np.arange(12, dtype=">f4").reshape(3, 4)
     np.savez_compressed(tmp_path / "x.npz", a=a, b=np.asfortranarray(np.arange(6, dtype=np.int64).reshape(2, 3)))
@@ -246,7 +246,7 @@ def test_a_lying_safetensors_header_is_one_line(tmp_path):
     from safetensors.torch import save_file
 
     from tracer.errors import TracerError
-    from tracer.store.enginedump import read_dump
+    from tracer.engines.dumps.read import read_dump
 
     save_file({"input_ids": torch.arange(4), "model.embed_tokens": torch.zeros(4, 8)}, tmp_path / "t.safetensors")
     raw = (tmp_path / "t.safetensors").read_bytes()

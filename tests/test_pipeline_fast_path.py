@@ -146,7 +146,7 @@ def test_cuda_online_comparison_equals_the_stored_one_and_the_cpu_counts(tmp_pat
 def test_cuda_captures_by_reference_equal_copies(lm_cuda):
     from tracer.execute.capture import Capture
     from tracer.execute.points import discover_points
-    from tracer.execute.runner import forward_chunks
+    from tracer.engines.hf.run import forward_chunks
     from tracer.plan.scenarios import prefix_cache
 
     model = lm_cuda.model

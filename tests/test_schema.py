@@ -401,7 +401,7 @@ def real_results(tmp_path_factory):
     import tracer
     from tracer.diff.compare_dump import compare_dump
     from tracer.loops.bench import bench
-    from tracer.store.sglang_dump import write_sglang_dump
+    from tracer.engines.dumps.sglang_writer import write_sglang_dump
 
     d = tmp_path_factory.mktemp("real")
     lm = tracer.load_model("tiny-llama", dtype="bfloat16", device="cpu", progress=False)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.diff.result import Comparison
     from tracer.diff.rl import RLComparison
     from tracer.execute.capture import Captured
-    from tracer.execute.enginemap import MappedDump
+    from tracer.engines.dumps.namemap import MappedDump
     from tracer.execute.records import RunRecord
     from tracer.load.models import LoadedModel, ModelInfo
     from tracer.loops.audit import Audit, AuditRow
@@ -165,7 +165,7 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
 
     ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
     the block is traced at every position it computes, under HF capture names
-    (:class:`tracer.execute.vllm_captured.VllmCaptured`, filled when the block ends; ``reference``:
+    (:class:`tracer.engines.vllm.captured.VllmCaptured`, filled when the block ends; ``reference``:
     a loaded HF model of the same weights, else loaded from the LLM's folder).
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
@@ -195,7 +195,7 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
             (not available there), a ``reference`` of another dtype.
     """
     if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
-        from tracer.execute.vllm_captured import VllmCaptured
+        from tracer.engines.vllm.captured import VllmCaptured
 
         for bad, what in ((cuda_graphs, "cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks do not fire "
                                         "in vLLM's CUDA graphs)"),

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer
     from pathlib import Path
 
     from tracer.diff.result import Comparison
-    from tracer.execute.enginemap import MappedDump
+    from tracer.engines.dumps.namemap import MappedDump
     from tracer.store.sweepfile import SweepResult
     from tracer.store.trace import TraceReader
 
@@ -115,7 +115,7 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
                 overwrite: bool = False, run_name: str = "engine") -> MappedDump:
     """Map an engine dump onto an HF reference run's capture points and write it as a one-run trace
     (compare it with ``tracer compare REF.h5:RUN OUTPUT``; :func:`tracer.diff.compare_dump.import_dump`;
-    returns its :class:`~tracer.execute.enginemap.MappedDump`).
+    returns its :class:`~tracer.engines.dumps.namemap.MappedDump`).
 
     Args:
         dump: an engine dump: SGLang dumper folder, PassN.pt folder (per-rank sub-folders), or
@@ -137,16 +137,16 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
 
 
 def write_sglang_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
-    """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.store.sglang_dump.write_sglang_dump`)."""
-    from tracer.store.sglang_dump import write_sglang_dump as _w
+    """Write a stored HF run as a synthetic SGLang dumper folder (:func:`tracer.engines.dumps.sglang_writer.write_sglang_dump`)."""
+    from tracer.engines.dumps.sglang_writer import write_sglang_dump as _w
 
     return _w(trace, run, out, **kwargs)
 
 
 def write_megatron_dump(trace: str, run: str, out: str, **kwargs: Any) -> Path:
     """Write a stored HF run as a synthetic Megatron-LM trainer dump, as Miles' dumper writes one
-    (:func:`tracer.store.megatron_dump.write_megatron_dump`: TP, SP, CP, PP, Transformer Engine spec)."""
-    from tracer.store.megatron_dump import write_megatron_dump as _w
+    (:func:`tracer.engines.dumps.megatron_writer.write_megatron_dump`: TP, SP, CP, PP, Transformer Engine spec)."""
+    from tracer.engines.dumps.megatron_writer import write_megatron_dump as _w
 
     return _w(trace, run, out, **kwargs)
 

@@ -7,7 +7,7 @@ sockets and folders refused before anything opens them, so no read blocks foreve
 pseudo-file under ``/proc`` or ``/sys`` (they report size 0 and may block: ``/proc/kmsg``), and
 at most a bounded number of bytes where the whole file is read into memory. Anything decoded
 from a file is bounded by :func:`input_budget` before it is allocated (the callers check declared
-sizes, shapes and strides against it: :mod:`tracer.store.dumpfiles`).
+sizes, shapes and strides against it: :mod:`tracer.engines.dumps.files`).
 """
 
 from __future__ import annotations

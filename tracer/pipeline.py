@@ -131,7 +131,7 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
     Raises:
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
-    from tracer.execute.tp_dist import check_distributed
+    from tracer.engines.tp.dist import check_distributed
     from tracer.plan.build import check_resources, make_scenario
 
     if loaded is None:
@@ -243,9 +243,9 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.diff.engine import engine_skips, sampled_logits
-    from tracer.execute.engines import execute_plan, hf_contract, uses_engines
+    from tracer.engines.door import execute_plan, hf_contract, uses_engines
     from tracer.execute.family import family_for
-    from tracer.execute.runner import settle_wall
+    from tracer.engines.hf.run import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
     from tracer.store.handoff import hand_over, store_auto
@@ -352,8 +352,8 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     from tracer.load.prompts import prompt_file_note
     from tracer.store.trace import default_output
 
-    from tracer.execute.engines import engines_header, execute_plan
-    from tracer.execute.tp_dist import distributed_header, distributed_plans, torchrun_rank
+    from tracer.engines.door import engines_header, execute_plan
+    from tracer.engines.tp.dist import distributed_header, distributed_plans, torchrun_rank
 
     prep = prepare(cfg, loaded, progress=progress, say=say)
     info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids

@@ -128,7 +128,7 @@ def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: boo
         higher_dtypes(canonical(m.dtype) if loaded is None else loaded.info.dtype,
                       resolve_device(m.device) if loaded is None else loaded.info.device)
     if distributed:
-        from tracer.execute.tp_dist import check_distributed
+        from tracer.engines.tp.dist import check_distributed
 
         check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
                           dispatched=dispatched)

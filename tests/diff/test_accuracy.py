@@ -131,7 +131,7 @@ def _core_runs(dtype):
     from tests.helpers import make_model
     from tracer.execute.points import discover_points
     from tracer.diff.compare import compare_records
-    from tracer.execute.runner import execute
+    from tracer.engines.hf.run import execute
     from tracer.plan.build import build
 
     model = make_model("llama", dtype)

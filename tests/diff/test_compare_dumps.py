@@ -16,9 +16,9 @@ from tracer.diff.compare_dumps import compare_dumps
 from tracer.diff.compare_dump import compare_dump, map_engine_dump
 from tracer.errors import TracerError
 from tracer.load.models import load_model
-from tracer.store.enginedump import read_dump
-from tracer.store.megatron_dump import write_megatron_dump
-from tracer.store.sglang_dump import write_sglang_dump
+from tracer.engines.dumps.read import read_dump
+from tracer.engines.dumps.megatron_writer import write_megatron_dump
+from tracer.engines.dumps.sglang_writer import write_sglang_dump
 from tests.helpers import cli_session
 
 N, T = 24, 4  # prompt tokens, response tokens: the sequence is N + T ids, the logits at N-1 .. N+T-2 predict the response
@@ -35,7 +35,7 @@ def refs(tiny, tmp_path_factory):
     """rollout-vs-train traces of the tiny model: at every position (``all``), at the response positions
     only (``window``), and ``planted`` (every position, the trainer's layer 2 down_proj output bumped by 0.25 at
     column 5; the rollout is unchanged, so the trainer recomputes the same sequence as in ``all``)."""
-    import tracer.execute.rollout as rollout
+    import tracer.engines.hf.rollout as rollout
 
     d = tmp_path_factory.mktemp("refs")
     out = {"all": d / "all.h5", "window": d / "window.h5", "planted": d / "planted.h5"}
@@ -256,7 +256,7 @@ def test_rl_metrics_never_score_a_token_the_dumps_do_not_hold(refs, tiny, tmp_pa
 
 def test_parallel_info_and_parts():
     """The meta's parallel info (Megatron's wins over SGLang's error flags), DP x CP parts as steps, zigzag positions."""
-    from tracer.store.dump_parallel import infer_positions, part_steps, rank_of
+    from tracer.engines.dumps.parallel import infer_positions, part_steps, rank_of
 
     meta = {"sglang_parallel_info": {"distributed_error": True},
             "megatron_parallel_info": {"tp_rank": 1, "tp_size": 2, "cp_rank": 1, "cp_size": 2, "sp_size": 2, "pp_size": 1}}

@@ -15,7 +15,7 @@ import tracer
 from tracer.diff.compare import compare_pairs
 from tracer.diff.compare_dump import compare_dump
 from tracer.load.models import load_model
-from tracer.store.sglang_dump import write_sglang_dump
+from tracer.engines.dumps.sglang_writer import write_sglang_dump
 
 N, P = 24, 20
 

@@ -10,7 +10,7 @@ from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.dataflow import dataflow
 from tracer.execute.records import RunRecord
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.scenarios import prefix_cache
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]

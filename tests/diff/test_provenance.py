@@ -10,7 +10,7 @@ from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.diff.compare import compare_records
 from tracer.diff.provenance import classify
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]

@@ -10,7 +10,7 @@ from tracer.execute.capture import Capture
 from tracer.execute.points import discover_points
 from tracer.errors import TracerError
 from tracer.load.hf_cache import cache_kwarg, output_cache
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.scenarios import RunPlan, prefix_cache
 
 # families whose hidden_states[0] is exactly the input-embedding module's output
@@ -150,7 +150,7 @@ def test_captures_by_reference_equal_copies(family):
     hold the same bits as copies made when the hooks fired: nothing modified those outputs later,
     in either plan of a prefix-cache hit (two forward calls sharing the KV cache)."""
     from tracer.execute.capture import REFERENCE_KINDS
-    from tracer.execute.runner import forward_chunks
+    from tracer.engines.hf.run import forward_chunks
 
     model = make_model(family, torch.bfloat16)
     points = [p for p in discover_points(model, "sublayers") if p.kind != "kv_cache"]

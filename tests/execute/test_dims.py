@@ -13,7 +13,7 @@ from tracer.diff.compare_dump import compare_dump, import_dump
 from tracer.errors import TracerError
 from tracer.execute.dims import parse_dims
 from tracer.load.models import load_model
-from tracer.store.sglang_dump import write_sglang_dump
+from tracer.engines.dumps.sglang_writer import write_sglang_dump
 
 N, P = 24, 20
 DOWN = "model.layers.1.mlp.down_proj"

@@ -118,7 +118,7 @@ def test_without_its_descriptor_the_family_is_refused_in_one_line(renamed, monke
 
 
 def test_layer_captures_are_hfs_hidden_states(renamed, hooks):
-    from tracer.execute.runner import execute
+    from tracer.engines.hf.run import execute
     from tracer.plan.scenarios import RunPlan
 
     points = [p for p in discover_points(renamed, "layers") if p.kind != "kv_cache"]

@@ -8,7 +8,7 @@ import torch
 from tests.helpers import make_model
 from tracer.execute.points import discover_points
 from tracer.execute.kernels import parse_kernel, summarize
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 
 # Real kernel names. The nvjet and splitKreduce names are from the H200 probe quoted in issue 12

@@ -23,7 +23,7 @@ import torch
 import tracer
 from tests.helpers import tracer_cli
 from tracer.execute.points import discover_points
-from tracer.execute.runner import execute
+from tracer.engines.hf.run import execute
 from tracer.load import models as M
 from tracer.plan.scenarios import RunPlan
 from tracer.store.trace import TraceReader

@@ -10,7 +10,7 @@ from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.load.hf_cache import output_cache
 from tracer.plan.quant import fp8_e4m3
-from tracer.execute.runner import batch_inputs, execute, forward_chunks
+from tracer.engines.hf.run import batch_inputs, execute, forward_chunks
 from tracer.plan.build import build
 from tracer.plan.scenarios import SCENARIOS, Batch, RunPlan, Scenario
 

@@ -2,8 +2,8 @@
 
 ``tracer compare REF.h5:A DUMP`` and ``tracer.compare("REF.h5:A", "DUMP")`` land here when one
 side is an engine dump (a folder, a ``.safetensors``/``.npz`` file) or a run written by
-``tracer import``. The dump is read (:mod:`tracer.store.enginedump`), mapped onto the reference's HF
-capture points (:mod:`tracer.execute.enginemap`) and compared with :func:`tracer.diff.compare.compare_pairs`
+``tracer import``. The dump is read (:mod:`tracer.engines.dumps.read`), mapped onto the reference's HF
+capture points (:mod:`tracer.engines.dumps.namemap`) and compared with :func:`tracer.diff.compare.compare_pairs`
 over the positions both sides hold; the report names the engine and lists every point's mapping.
 """
 
@@ -21,12 +21,12 @@ from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.execute.enginemap import MappedDump, RefLayout, map_dump
-from tracer.execute.enginerules import load_engine_map
+from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
+from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.devices import resolve_device
-from tracer.store.enginedump import read_dump
+from tracer.engines.dumps.read import read_dump
 from tracer.store.formats import check_name
 from tracer.store.integrity import check_not_an_input
 from tracer.store.trace import TraceReader, TraceWriter, read_tensor
@@ -42,7 +42,7 @@ def is_dump(ref: str) -> bool:
 
 
 def ref_layout(reader: TraceReader, run: str) -> RefLayout:
-    """The :class:`~tracer.execute.enginemap.RefLayout` of run ``run`` of an open trace.
+    """The :class:`~tracer.engines.dumps.namemap.RefLayout` of run ``run`` of an open trace.
 
     Raises:
         TracerError: unknown run, or a run stored without tensors.
@@ -98,7 +98,7 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
     """Compare HF reference run ``ref = (trace, run)`` with an engine dump (or an imported run ``FILE:RUN``).
 
     Positions: those both sides hold (the dump's positions inside the reference's kept window;
-    see :func:`tracer.execute.enginemap.map_dump`). Capture points: those the dump maps to. Run A is the
+    see :func:`tracer.engines.dumps.namemap.map_dump`). Capture points: those the dump maps to. Run A is the
     reference, run B the engine. ``atol``/``rtol``/``device`` as in :func:`tracer.diff.compare.compare_runs`.
 
     Raises:

@@ -1,10 +1,10 @@
 """Two engine dumps against each other: a rollout engine's dump against a trainer's, located layer by layer.
 
 ``tracer compare DUMP_A DUMP_B --reference REF.h5:RUN`` and ``tracer.compare_trace(DUMP_A, DUMP_B,
-reference="REF.h5:RUN")`` land here. Each dump is read (:mod:`tracer.store.enginedump`: SGLang's
+reference="REF.h5:RUN")`` land here. Each dump is read (:mod:`tracer.engines.dumps.read`: SGLang's
 dumper folders from an SGLang server, ``sglang_parallel_info``, or from a Megatron-LM trainer,
 ``megatron_parallel_info``, as Miles and slime write them; per-pass folders; named tensors) and
-mapped onto the HF capture points of the reference run (:mod:`tracer.execute.enginemap`, with the
+mapped onto the HF capture points of the reference run (:mod:`tracer.engines.dumps.namemap`, with the
 engine's map: ``hooks/engine-llama.toml``, ``hooks/engine-megatron.toml``). The reference gives
 the layout (HF names, shapes, the model's KV heads) and the token ids of the whole sequence
 (prompt and response): each dump's rows are placed at the positions whose ids they carry, so a
@@ -29,11 +29,11 @@ from tracer.diff.compare import compare_pairs
 from tracer.diff.compare_dump import is_dump, ref_layout
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.execute.enginemap import MappedDump, RefLayout, map_dump
-from tracer.execute.enginerules import load_engine_map
-from tracer.execute.enginetokens import ranges
+from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
+from tracer.engines.dumps.rules import load_engine_map
+from tracer.engines.dumps.tokens import ranges
 from tracer.execute.kinds import PointKind
-from tracer.store.enginedump import read_dump
+from tracer.engines.dumps.read import read_dump
 
 
 def _map_side(dump: str, layout: RefLayout, engine_map: str | None) -> MappedDump:

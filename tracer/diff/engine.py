@@ -2,7 +2,7 @@
 where an engine computes them only at some positions (vLLM: where it samples).
 
 Each run of a non-HF plan (and the HF run beside it) carries ``meta["engine"]``: the engine's
-numeric contract (:func:`tracer.execute.engines.plan_contract`: version, attention backend, norm,
+numeric contract (:func:`tracer.engines.door.plan_contract`: version, attention backend, norm,
 activation, GEMM, activation / logits / KV-cache dtypes, KV block size, chunked-prefill budget,
 compilation and graphs off); a vLLM run also carries ``meta["vllm"]``, what its scheduler did
 (each request's ``num_cached_tokens``, the steps that computed the prompt). :func:`engine_facts`

@@ -114,7 +114,7 @@ class RawDump:
         facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``, ``framework`` (``sglang``/``megatron``).
         ignored_inputs: names of module inputs (and gradients, parameters) that were read but are
             not activations tracer maps.
-        input_digests: ``(module, step, tp_rank)`` → :func:`tracer.store.dump_parallel.digest` of
+        input_digests: ``(module, step, tp_rank)`` → :func:`tracer.engines.dumps.parallel.digest` of
             the module's first input (``inputs.0``), to recognise identity modules (Megatron's
             ``IdentityOp`` norms when Transformer Engine fuses the norm into the next linear).
     """

@@ -22,8 +22,8 @@ from tracer import pipeline, schema
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.execute.tp_dist import distributed_header
-from tracer.execute.tp_shard import backend_for, check_world
+from tracer.engines.tp.dist import distributed_header
+from tracer.engines.tp.shard import backend_for, check_world
 from tracer.loops.audit_store import AuditStore
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels

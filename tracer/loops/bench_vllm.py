@@ -7,7 +7,7 @@ vLLM: a miss and a hit of the same prompt), every mode interleaved (bare, captur
     bare     both plans' requests through vLLM's own ``LLM.generate``, no hooks (the floor)
     capture  both plans executed by tracer's vLLM executor: hooks on every mapped module, the
              rows of the traced prompt copied to the host and mapped onto HF names
-             (:func:`tracer.execute.vllm_engine.execute_loaded`), no comparison
+             (:func:`tracer.engines.vllm.engine.execute_loaded`), no comparison
     tracer   ``tracer run --engine vllm --store none``: capture, then the online comparison
 
 Every repetition resets the prefix cache before each plan (as tracer's runs do), so the bare
@@ -64,8 +64,8 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
     from tracer import pipeline
     from tracer.config import RunConfig
     from tracer.validate import validate
-    from tracer.execute.engines import execute_plan
-    from tracer.execute.vllm_engine import run_bare
+    from tracer.engines.door import execute_plan
+    from tracer.engines.vllm.engine import run_bare
 
     say = progress or (lambda m: None)
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, gguf=gguf, engine="vllm",

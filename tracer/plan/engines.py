@@ -6,7 +6,7 @@ plans to another engine (``RunPlan.engine``), with the per-plan engine settings 
 needs (``RunPlan.engine_settings``: vLLM's KV block size, how a plan's chunks are realised):
 
 ==================  ===================================================================================
-scenario            in vLLM (both plans run in vLLM; :mod:`tracer.execute.vllm_engine` realises them)
+scenario            in vLLM (both plans run in vLLM; :mod:`tracer.engines.vllm.engine` realises them)
 ==================  ===================================================================================
 repeat              the same request twice, the prefix cache reset before each
 batch               the prompt alone vs scheduled in one step with the other rows (vLLM has no padding)

@@ -57,7 +57,7 @@ class Batch:
 
 
 #: how run B of ``tensor-parallel`` is sharded: in one process (``simulated``, :mod:`tracer.plan.tp`) or
-#: over K processes with torch.distributed (``distributed``, :mod:`tracer.execute.tp_dist`)
+#: over K processes with torch.distributed (``distributed``, :mod:`tracer.engines.tp.dist`)
 TP_MODES = ("simulated", "distributed")
 
 
@@ -69,7 +69,7 @@ class TPSpec:
         k: shards (simulated) or ranks (distributed). reduce: ``ring`` | ``tree``. dtype:
         ``activation`` | ``float32`` (the dtype the simulated all-reduce adds in; both simulated
         only). mode: ``simulated`` (:mod:`tracer.plan.tp`: row-parallel layers as K partial GEMMs in
-        one process) or ``distributed`` (:mod:`tracer.execute.tp_dist`: K processes, real collectives).
+        one process) or ``distributed`` (:mod:`tracer.engines.tp.dist`: K processes, real collectives).
         partials: distributed only: also capture every rank's row-parallel partials before the
         all_reduce. vocab_parallel: distributed only: shard the embedding and LM head by vocabulary.
     """
@@ -106,8 +106,8 @@ class RunPlan:
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
         cuda_graph: record each chunk's forward pass in a CUDA graph and replay it
             (:mod:`tracer.execute.graphs`; the capture copies are recorded into the graph).
-        engine: which engine executes the plan (:data:`tracer.execute.engines.ENGINES`: ``hf``,
-            the reference, or ``vllm``); :mod:`tracer.execute.engines` picks the executor.
+        engine: which engine executes the plan (:data:`tracer.engines.door.ENGINES`: ``hf``,
+            the reference, or ``vllm``); :mod:`tracer.engines.door` picks the executor.
         engine_settings: ``(key, value)`` pairs for the engine (vLLM: ``block_size``, ``chunks``
             ``prefix-cache`` | ``chunked``; :func:`tracer.plan.engines.with_engine` sets them).
         rl: the plan's side of an RL step (:class:`tracer.plan.rollout.RLSpec`: the rollout sampling

@@ -18,7 +18,7 @@ response tokens). This module holds only plain data and pure functions (no torch
 plans' RL fields (:class:`RLSpec`), their checks, descriptions and GEMM M, and
 :func:`mitigation_variants`, the scenario with each knob changed (``--mitigations``). The
 scenario builder is :func:`tracer.plan.scenarios.rollout_vs_train`; the executors are in
-:mod:`tracer.execute.rollout`; the RL metrics in :mod:`tracer.diff.rl`.
+:mod:`tracer.engines.hf.rollout`; the RL metrics in :mod:`tracer.diff.rl`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class RLSpec:
         rollouts: K, the sequences of the step (the traced one included).
         row: index of the traced sequence among the K.
         lengths: the K prompt lengths; ``lengths[row]`` is N. The other prompts are the traced one
-            rotated by a row-dependent offset, as :func:`tracer.execute.runner.batch_inputs` builds them.
+            rotated by a row-dependent offset, as :func:`tracer.engines.hf.run.batch_inputs` builds them.
         new_tokens: T, response tokens per sequence (no early stop: every sequence gets T).
         sample: sample from ``softmax(logits / temperature)`` with a seeded generator (else greedy).
         temperature: τ; the logprobs of both runs are ``log_softmax(logits / τ)`` (τ = 1 when greedy).

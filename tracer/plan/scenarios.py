@@ -228,7 +228,7 @@ def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str | None = None, re
 
     ``tp_mode="simulated"``: the row-parallel layers as k K-shards reduced in one process in the
     ``reduce`` order and ``reduce_dtype`` (:mod:`tracer.plan.tp`). ``"distributed"``: run B on k processes
-    with torch.distributed (:mod:`tracer.execute.tp_dist`): column-parallel q/k/v/gate/up, row-parallel
+    with torch.distributed (:mod:`tracer.engines.tp.dist`): column-parallel q/k/v/gate/up, row-parallel
     o/down with a real all_reduce; ``tp_partials`` keeps every rank's partials, ``tp_vocab_parallel``
     shards the embedding and LM head too.
 

@@ -15,12 +15,12 @@ the other (``query_start_loc`` of the step's attention metadata, in the model ru
   add + RMSNorm's ``(normed, residual)``, a decoder layer's ``(hidden, residual)``);
 - the attention layer's inputs ``(query, key, value)`` give the ``kv_cache`` points: the post-RoPE
   keys and the values vLLM writes into its paged KV cache (``kv_cache_dtype`` ``auto``: stored
-  without conversion; ``tests/execute/test_vllm_engine.py`` reads them back from the paged cache), for
+  without conversion; ``tests/engines/test_vllm_engine.py`` reads them back from the paged cache), for
   every prompt position the run's requests computed.
 
 :meth:`VllmCapture.records` builds a :class:`~tracer.execute.records.RawDump` of the kept rows,
-one step per forward pass, as :func:`tracer.store.enginedump.read_passes` would read a per-pass
-dump of the same hooks, and maps it with :func:`tracer.execute.enginemap.map_dump` (fused q/k/v and
+one step per forward pass, as :func:`tracer.engines.dumps.read.read_passes` would read a per-pass
+dump of the same hooks, and maps it with :func:`tracer.engines.dumps.namemap.map_dump` (fused q/k/v and
 gate/up split by the HF widths, ``(hidden, residual)`` summed in the HF dtype, tokens placed at the
 positions vLLM passed to forward). Nothing is dropped silently: a capture point with no vLLM
 counterpart, or without every compared position, is listed with the reason.
@@ -36,7 +36,7 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
-from tracer.execute.enginemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
+from tracer.engines.dumps.namemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
 from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
 
 
@@ -84,7 +84,7 @@ class VllmCapture:
     Args:
         model: vLLM's ``nn.Module`` (``LlamaForCausalLM`` of ``vllm.model_executor.models``).
         runner: vLLM's model runner (its ``input_batch.req_ids`` orders the step's requests).
-        emap: the merged engine map (:func:`tracer.execute.enginerules.load_engine_map` with
+        emap: the merged engine map (:func:`tracer.engines.dumps.rules.load_engine_map` with
             ``engine="vllm"``), whose ``capture`` table names the KV and logits modules.
         ref: the HF reference layout (capture names → kind, op, feature shape, dtype).
         token_ids: the traced prompt, N ints.

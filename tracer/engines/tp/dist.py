@@ -8,10 +8,10 @@ port race and nothing listens beyond this machine, :func:`open_store`; gloo's an
 sockets on the loopback interface too), or, under ``torchrun``, on the ranks torchrun started
 (:func:`torchrun_rank`).
 
-Sharding is tracer's own, Megatron-style (:mod:`tracer.execute.tp_shard`: column-parallel
+Sharding is tracer's own, Megatron-style (:mod:`tracer.engines.tp.shard`: column-parallel
 q/k/v/gate/up, row-parallel o/down with an all_reduce, optionally vocab-parallel), applied in every
 worker to the model the parent loaded (its tensors reach the workers through shared memory, so
-run B starts from the very bits run A used); the ranks themselves are :mod:`tracer.execute.tp_ranks`.
+run B starts from the very bits run A used); the ranks themselves are :mod:`tracer.engines.tp.ranks`.
 
 With the deterministic mitigation, every all_reduce becomes an all_gather of the K partials
 summed in rank order on every rank (the same order whatever algorithm the backend would pick),
@@ -34,7 +34,7 @@ first have to be saved).
 A worker that dies (a crash, a signal, a collective timeout) makes the parent kill every other
 worker, delete the scratch folder and raise one :class:`TracerError`; workers also die with the
 parent (``PR_SET_PDEATHSIG`` on Linux and a watchdog thread, armed before the rank imports torch
-or receives its job: :mod:`tracer.execute.tp_launch`). A scratch folder a killed parent left
+or receives its job: :mod:`tracer.engines.tp.launch`). A scratch folder a killed parent left
 (``tracer-tp-<PID>.*.tmp``) is removed by the next distributed run.
 """
 
@@ -61,10 +61,10 @@ from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.execute.runner import model_device
-from tracer.execute.tp_launch import rank_main
-from tracer.execute.tp_ranks import Job, run_rank, watch
-from tracer.execute.tp_shard import backend_for, check_shardable, check_world
+from tracer.engines.hf.run import model_device
+from tracer.engines.tp.launch import rank_main
+from tracer.engines.tp.ranks import Job, run_rank, watch
+from tracer.engines.tp.shard import backend_for, check_shardable, check_world
 from tracer.load.devices import resolve_device
 from tracer.load.recipe_check import clean_stale_temp_dirs
 
@@ -147,7 +147,7 @@ def execute_distributed(model: nn.Module, token_ids: list[int], plan: Any, point
     Args:
         model: the loaded (unsharded) model, on the CPU (gloo ranks) or a GPU (NCCL ranks,
             rank r on ``cuda:r``); it is not modified (workers shard their own copies).
-        token_ids, points, window, decode, meta: as :func:`tracer.execute.runner.execute`.
+        token_ids, points, window, decode, meta: as :func:`tracer.engines.hf.run.execute`.
 
     Returns:
         ``(run, partials)``: the run as rank 0 captured it, sharded captures concatenated over
@@ -339,7 +339,7 @@ def execute_joined(model: nn.Module, token_ids: list[int], plan: Any, points: li
 
 def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint],
                    window: tuple[int, int], **kw: Any) -> tuple[RunRecord, RunRecord | None]:
-    """The ``tp-distributed`` executor of :mod:`tracer.execute.engines`: run B over K ranks
+    """The ``tp-distributed`` executor of :mod:`tracer.engines.door`: run B over K ranks
     (:func:`execute_distributed`, or :func:`execute_joined` under ``torchrun``).
 
     Raises:

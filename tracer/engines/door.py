@@ -9,19 +9,19 @@ the engine calls them internally. The pipeline (:func:`tracer.pipeline.run_scena
 ======================  =================================================================
 executor                runs
 ======================  =================================================================
-``hf``                  the HF model in this process (:func:`tracer.execute.runner.execute`)
+``hf``                  the HF model in this process (:func:`tracer.engines.hf.run.execute`)
 ``tp-distributed``      a ``--tp-mode distributed`` plan: K ranks over torch.distributed
-                        (:func:`tracer.execute.tp_dist.execute_distributed`; under ``torchrun``
-                        :func:`~tracer.execute.tp_dist.execute_joined`)
+                        (:func:`tracer.engines.tp.dist.execute_distributed`; under ``torchrun``
+                        :func:`~tracer.engines.tp.dist.execute_joined`)
 ``vllm``                ``plan.engine == "vllm"``: vLLM in-process, eager
-                        (:func:`tracer.execute.vllm_engine.execute`)
+                        (:func:`tracer.engines.vllm.engine.execute`)
 ``hf-rollout``          an RL rollout plan (``plan.rl.role == "rollout"``) on ``hf``: K prompts
-                        sampled token by token from a KV cache (:mod:`tracer.execute.rollout`)
+                        sampled token by token from a KV cache (:mod:`tracer.engines.hf.rollout`)
 ``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
                         teacher-forced forward over run A's sequences; it also receives
                         ``rollout=`` (run A's record)
 ``vllm-rollout``        an RL rollout plan on ``vllm``: the K prompts sampled by vLLM, each
-                        token's logprob as vLLM reports it (:mod:`tracer.execute.vllm_rollout`)
+                        token's logprob as vLLM reports it (:mod:`tracer.engines.vllm.rollout`)
 ======================  =================================================================
 
 An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``,
@@ -49,12 +49,12 @@ if TYPE_CHECKING:
 #: executor name → ``(module, function)``; the function is called as
 #: ``fn(loaded, token_ids, plan, points, window, **options)`` and returns ``(run, partials)``
 EXECUTORS: dict[str, tuple[str, str]] = {
-    "hf": ("tracer.execute.runner", "execute_loaded"),
-    "tp-distributed": ("tracer.execute.tp_dist", "execute_loaded"),
-    "vllm": ("tracer.execute.vllm_engine", "execute_loaded"),
-    "hf-rollout": ("tracer.execute.rollout", "execute_rollout"),
-    "hf-train": ("tracer.execute.rollout", "execute_train"),
-    "vllm-rollout": ("tracer.execute.vllm_rollout", "execute_rollout"),
+    "hf": ("tracer.engines.hf.run", "execute_loaded"),
+    "tp-distributed": ("tracer.engines.tp.dist", "execute_loaded"),
+    "vllm": ("tracer.engines.vllm.engine", "execute_loaded"),
+    "hf-rollout": ("tracer.engines.hf.rollout", "execute_rollout"),
+    "hf-train": ("tracer.engines.hf.rollout", "execute_train"),
+    "vllm-rollout": ("tracer.engines.vllm.rollout", "execute_rollout"),
 }
 
 
@@ -77,7 +77,7 @@ def executor_name(plan: RunPlan) -> str:
         name = f"{engine}-{rl.role}"
         if name not in EXECUTORS:
             raise TracerError(f"engine {engine!r} has no {rl.role} executor for the rollout-vs-train scenario yet "
-                              f"(no {name!r} in tracer.execute.engines.EXECUTORS); run its plans with engine 'hf'")
+                              f"(no {name!r} in tracer.engines.door.EXECUTORS); run its plans with engine 'hf'")
         return name
     return engine
 
@@ -127,7 +127,7 @@ def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, point
 
 def hf_contract(loaded: Any) -> dict[str, Any]:
     """The HF reference's numeric contract in the keys an engine's facts use
-    (:meth:`tracer.execute.vllm_engine.VllmEngine.facts`): transformers version, attention
+    (:meth:`tracer.engines.vllm.engine.VllmEngine.facts`): transformers version, attention
     implementation, norm, activation, GEMM, activation / logits / KV-cache dtypes."""
     import transformers
 
@@ -174,7 +174,7 @@ def uses_engines(scen: Any) -> bool:
 
 def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
     """The trace header's ``engines``: each run's engine contract, known before it runs
-    (:func:`tracer.execute.engines.plan_contract`), when a plan runs on an engine other than HF; else {}."""
+    (:func:`tracer.engines.door.plan_contract`), when a plan runs on an engine other than HF; else {}."""
     if not uses_engines(scen):
         return {}
     return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}

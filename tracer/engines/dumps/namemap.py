@@ -6,7 +6,7 @@ and a one-line account of where they came from (``engine name → HF name``, wha
 many TP shards were concatenated along which dim, what was summed). Positions present on one side
 only, and engine tensors that map to nothing tracer captures, are listed in ``notes``; nothing is
 dropped silently. The map format is documented in ``hooks/engine-llama.toml``; maps are read by
-:mod:`tracer.execute.enginerules`, TP/SP shards joined by :mod:`tracer.execute.engineshards`.
+:mod:`tracer.engines.dumps.rules`, TP/SP shards joined by :mod:`tracer.engines.dumps.shards`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.execute.enginetokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
-from tracer.execute.engineshards import UNMARKED_PARTIAL, _unshard
+from tracer.engines.dumps.tokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
+from tracer.engines.dumps.shards import UNMARKED_PARTIAL, _unshard
 
 _LAYER_RE = re.compile(r"^(?:.*\.)?(?:layers|h|blocks)\.(\d+)(?:\.(.+))?$")
 

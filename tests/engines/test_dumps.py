@@ -13,12 +13,12 @@ import torch
 
 import tracer
 from tracer.diff.compare_dump import compare_dump, import_dump
-from tracer.store.enginedump import DumpEntry, RawDump, read_dump
-from tracer.execute.enginemap import align_steps
+from tracer.engines.dumps.read import DumpEntry, RawDump, read_dump
+from tracer.engines.dumps.namemap import align_steps
 from tracer.errors import TracerError
 from tracer.load.hf_cache import cache_kwarg
 from tracer.load.models import load_model
-from tracer.store.sglang_dump import write_sglang_dump
+from tracer.engines.dumps.sglang_writer import write_sglang_dump
 
 N, P = 40, 32  # prefix-cache: run B computes positions 32..39 with the prefix cached (the engine's cache hit)
 

@@ -1,7 +1,7 @@
 """Engine maps as files: the ``hooks/engine-*.toml`` of a model family read, each rule checked, and
 an override merged over them.
 
-Used by :mod:`tracer.execute.enginemap` (which applies the rules to a dump) and the vLLM executor.
+Used by :mod:`tracer.engines.dumps.namemap` (which applies the rules to a dump) and the vLLM executor.
 A map's ``[layer]`` and ``[model]`` tables give, per engine module name, the rules that say which HF
 capture point(s) it becomes; the schema is documented in ``hooks/engine-llama.toml``.
 """
@@ -41,7 +41,7 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
     that SGLang and vLLM share for these families (what a dump of either holds). A map with
     ``engine = "vllm"`` adds that engine's own rules for these families (``[layer]``/``[model]``
     keys win over the generic ones) and its ``[capture]`` table (what the in-process capture hooks:
-    :mod:`tracer.execute.vllm_capture`); it is read only when ``engine`` names it.
+    :mod:`tracer.engines.vllm.capture`); it is read only when ``engine`` names it.
 
     Returns:
         ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns],

@@ -2,7 +2,7 @@
 
 :class:`VllmSettings` is the configuration one ``vllm.LLM`` is built with;
 :func:`waves` turns a :class:`~tracer.plan.scenarios.RunPlan` into the requests added to vLLM
-together (see :mod:`tracer.execute.vllm_engine` for the table); :func:`check_schedule` refuses a
+together (see :mod:`tracer.engines.vllm.engine` for the table); :func:`check_schedule` refuses a
 run whose scheduling (vLLM's own ``num_cached_tokens``, the steps the prompt took) is not what
 the plan says.
 """
@@ -139,7 +139,7 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
 
 
 def batch_rows(token_ids: list[int], batch: Any) -> list[list[int]]:
-    """The batch's rows as :func:`tracer.execute.runner.batch_inputs` builds them, without padding."""
+    """The batch's rows as :func:`tracer.engines.hf.run.batch_inputs` builds them, without padding."""
     n, out = len(token_ids), []
     for j, length in enumerate(batch.lengths):
         if j == batch.row:

@@ -2,7 +2,7 @@
 parent watches them.
 
 Each rank (:func:`worker`, a ``torch.multiprocessing`` spawn child started through
-:func:`tracer.execute.tp_launch.rank_main`) joins the group through the parent's ``TCPStore``, shards its copy of the model (:mod:`tracer.execute.tp_shard`), executes the
+:func:`tracer.engines.tp.launch.rank_main`) joins the group through the parent's ``TCPStore``, shards its copy of the model (:mod:`tracer.engines.tp.shard`), executes the
 plan with capture and saves its captures into the scratch folder; the parent (:func:`watch`)
 waits for every rank and, on the first failure, kills the others and raises one
 :class:`~tracer.errors.TracerError` naming the rank that failed first-hand.
@@ -26,8 +26,8 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.execute.family import family_for
 from tracer.execute.points import CapturePoint
-from tracer.execute.runner import execute
-from tracer.execute.tp_shard import Reducer, shard_model
+from tracer.engines.hf.run import execute
+from tracer.engines.tp.shard import Reducer, shard_model
 
 if TYPE_CHECKING:
     from tracer.plan.scenarios import RunPlan
@@ -102,7 +102,7 @@ def run_rank(model: nn.Module, rank: int, world: int, backend: str, local_rank: 
 
 
 def worker(rank: int, job: Job) -> None:
-    """One rank of run B (started by :func:`tracer.execute.tp_launch.rank_main`, which tied its life
+    """One rank of run B (started by :func:`tracer.engines.tp.launch.rank_main`, which tied its life
     to the parent's): join the group, shard, execute the plan with capture, save the captures."""
     _quiet()
     torch.set_num_threads(job.threads)

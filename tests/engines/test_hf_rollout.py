@@ -18,8 +18,8 @@ from tracer.diff.compare import compare_records
 from tracer.diff.rl import HIST_LABELS, RLComparison, rl_comparison
 from tracer.errors import TracerError
 from tracer.execute.points import discover_points
-from tracer.execute.engines import execute_plan, executor_name
-from tracer.execute.runner import batch_inputs
+from tracer.engines.door import execute_plan, executor_name
+from tracer.engines.hf.run import batch_inputs
 from tracer.plan.rollout import KNOBS, mitigation_variants
 from tracer.plan.build import build
 from tracer.plan.scenarios import Batch

@@ -1,11 +1,11 @@
-"""The engine seam (:mod:`tracer.execute.engines`): one place picks the executor of a run plan."""
+"""The engine seam (:mod:`tracer.engines.door`): one place picks the executor of a run plan."""
 
 from __future__ import annotations
 
 import pytest
 
 from tracer.errors import TracerError
-from tracer.execute import engines
+from tracer.engines import door as engines
 from tracer.plan.scenarios import RunPlan, TPSpec
 
 
@@ -13,13 +13,13 @@ def test_plain_plans_run_on_hf_and_never_pass_through_tp_dist():
     plan = RunPlan("A", ((0, 8),))
     assert engines.executor_name(plan) == "hf"
     fn = engines.executor(plan)
-    assert fn.__module__ == "tracer.execute.runner"
+    assert fn.__module__ == "tracer.engines.hf.run"
 
 
 def test_distributed_tp_plans_go_to_tp_dist():
     plan = RunPlan("B", ((0, 8),), tp=TPSpec(2, mode="distributed"))
     assert engines.executor_name(plan) == "tp-distributed"
-    assert engines.executor(plan).__module__ == "tracer.execute.tp_dist"
+    assert engines.executor(plan).__module__ == "tracer.engines.tp.dist"
 
 
 def test_unknown_engine_is_one_line_error_listing_the_known_ones():
@@ -44,4 +44,4 @@ def test_vllm_plans_go_to_the_vllm_executor_or_name_the_missing_package():
         with pytest.raises(TracerError, match=r"engine 'vllm' needs the package 'vllm', which is not installed"):
             engines.executor(plan)
     else:
-        assert engines.executor(plan).__module__ == "tracer.execute.vllm_engine"
+        assert engines.executor(plan).__module__ == "tracer.engines.vllm.engine"

@@ -146,7 +146,7 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
         stack.enter_context(attn_implementation(model, plan.attn))
         if plan.tp is not None and plan.tp.mode == "distributed":
             raise TracerError(f"run plan {plan.name} is sharded over processes (--tp-mode distributed); "
-                              "execute it with tracer.execute.engines.execute_plan, not in one process")
+                              "execute it with tracer.engines.door.execute_plan, not in one process")
         if plan.tp is not None:
             stack.enter_context(simulate_tp(model, plan.tp.k, plan.tp.reduce, plan.tp.dtype))
         fn = model
@@ -422,6 +422,6 @@ def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, *, extra
 def execute_loaded(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint],
                    window: tuple[int, int], *, say: Callable[[str], None] | None = None,
                    **options: Any) -> tuple[RunRecord, None]:
-    """The ``hf`` executor of :mod:`tracer.execute.engines`: :func:`execute` on ``loaded.model``
+    """The ``hf`` executor of :mod:`tracer.engines.door`: :func:`execute` on ``loaded.model``
     (``options`` as there); no partials."""
     return execute(loaded.model, token_ids, plan, points, window, **options), None

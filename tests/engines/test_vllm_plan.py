@@ -1,11 +1,11 @@
-"""How run plans become vLLM requests (tracer/execute/vllm_plan.py): no vLLM needed."""
+"""How run plans become vLLM requests (tracer/engines/vllm/plan.py): no vLLM needed."""
 
 from __future__ import annotations
 
 import pytest
 
 from tracer.errors import TracerError
-from tracer.execute.vllm_plan import VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves
+from tracer.engines.vllm.plan import VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves
 from tracer.plan import scenarios as S
 from tracer.plan.build import build
 
@@ -39,7 +39,7 @@ def test_chunked_prefill_sets_the_token_budget():
 def test_batch_rows_are_the_hf_batch_rows_without_padding():
     import torch
 
-    from tracer.execute.runner import batch_inputs
+    from tracer.engines.hf.run import batch_inputs
 
     scen = S.batch(N, batch_size=4, padding="left")
     [(rows, traced)] = waves(IDS, scen.plan_b, "one-step", 32)
@@ -78,7 +78,7 @@ def test_compilation_graphs_and_unsupported_plan_features_are_refused():
 
 
 def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
-    from tracer.execute.engines import executor_name
+    from tracer.engines.door import executor_name
 
     pc = build("prefix-cache", N, engine="vllm")
     assert pc.params["block_size"] == 32 and pc.window == (96, N)  # vLLM's CPU block size: the cached prefix is 96

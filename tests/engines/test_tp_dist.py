@@ -81,7 +81,7 @@ def test_bad_input_is_refused_before_anything_is_spawned(tiny32, monkeypatch):
                    verdict=True, length=8, **CPU)
     import torch.distributed as dist
 
-    from tracer.execute import tp_dist
+    from tracer.engines.tp import dist as tp_dist
 
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

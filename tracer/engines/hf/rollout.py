@@ -1,6 +1,6 @@
 """The HF executors of ``rollout-vs-train``: a rollout engine's sampling (run A) and a trainer's recompute (run B).
 
-Both are executors of :mod:`tracer.execute.engines` (``hf-rollout``, ``hf-train``), chosen from
+Both are executors of :mod:`tracer.engines.door` (``hf-rollout``, ``hf-train``), chosen from
 the plan's :class:`~tracer.plan.rollout.RLSpec` role, with the same signature as the other
 executors. Another engine's rollout (vLLM) is an executor of its own for the same plan.
 
@@ -41,7 +41,7 @@ from tracer.execute.capture import Capture
 from tracer.execute.kernels import KernelRecorder
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
-from tracer.execute.runner import batch_inputs, plan_context
+from tracer.engines.hf.run import batch_inputs, plan_context
 from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.devices import cast_weights, model_device
 from tracer.load.hf_cache import cache_kwarg, output_cache
@@ -169,7 +169,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: RunPlan, points: li
         token_ids: the traced prompt, N ints (the other K - 1 prompts are derived from it).
         plan: a plan whose ``rl`` is a ``rollout`` :class:`~tracer.plan.rollout.RLSpec`.
         points, window: capture points and the kept positions (N-1 .. N+T-2, or 0 .. N+T-2).
-        keep_on_device, meta, kernels, sdpa_inputs: as :func:`tracer.execute.runner.execute`.
+        keep_on_device, meta, kernels, sdpa_inputs: as :func:`tracer.engines.hf.run.execute`.
 
     Returns:
         ``(record, None)``: token ids = traced prompt + its response (N + T); ``meta["rollout"]``:

@@ -7,7 +7,7 @@
 
 The first request vLLM schedules inside the block is traced: every position it computes (its
 prompt's uncached positions, then one per decode step) is kept, hooks on vLLM's modules mapped
-onto the HF capture points of the same model (:class:`~tracer.execute.vllm_capture.VllmCapture`:
+onto the HF capture points of the same model (:class:`~tracer.engines.vllm.capture.VllmCapture`:
 fused q/k/v and gate/up split, ``(hidden, residual)`` summed, rows placed at their positions).
 The HF layout comes from ``reference`` (a :class:`~tracer.load.models.LoadedModel` of the same
 weights), else from the HF model loaded once from the LLM's own folder on the CPU.
@@ -22,11 +22,11 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginerules import load_engine_map
+from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.execute.vllm_capture import VllmCapture
-from tracer.execute.vllm_engine import VllmEngine, VllmSettings, ref_layout, vllm
+from tracer.engines.vllm.capture import VllmCapture
+from tracer.engines.vllm.engine import VllmEngine, VllmSettings, ref_layout, vllm
 
 
 class VllmCaptured:

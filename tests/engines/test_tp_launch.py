@@ -76,7 +76,7 @@ def alive(pid: int) -> bool:
 
 
 def test_the_store_listens_on_127_0_0_1_only():
-    from tracer.execute.tp_dist import open_store
+    from tracer.engines.tp.dist import open_store
 
     store = open_store(30)
     try:
@@ -154,7 +154,7 @@ def test_kill_9_of_the_parent_while_ranks_start_leaves_no_orphan_and_the_next_ru
     assert left == [p for p in left if p.startswith(f"tracer-tp-{proc.pid}.")]  # only the killed run's
     # the next run: its scratch folder replaces the dead one's, its writer removes the dead partial
     code = (f"import sys, tempfile; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
-            "from tracer.execute.tp_dist import scratch_dir\n"
+            "from tracer.engines.tp.dist import scratch_dir\n"
             "from tracer.store.trace import TraceWriter\n"
             "import shutil, json\n"
             "d = scratch_dir(); shutil.rmtree(d)\n"

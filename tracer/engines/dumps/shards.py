@@ -1,6 +1,6 @@
 """Joining one engine tensor's TP shards into the whole tensor an HF capture point holds.
 
-Used by :mod:`tracer.execute.enginemap`. The ranks' copies of one (module, element, step) are
+Used by :mod:`tracer.engines.dumps.namemap`. The ranks' copies of one (module, element, step) are
 checked (every rank of the TP group, one shape and dtype) and joined as their ``dims``
 (:mod:`tracer.execute.dims`) or the map rule say: concatenated along the TP dim (column-parallel),
 added in float64 (``tp:partial``: partial sums before the all-reduce), concatenated along the

@@ -11,7 +11,7 @@ Three layouts are recognised (sources followed: ``traces/README.md``, section "E
   and ``non_intrusive__<module>.inputs.<i>``. The same dumper run in a Megatron-LM trainer (Miles,
   slime) writes ``megatron_parallel_info`` (TP, PP, CP, DP, SP ranks) and Megatron's token fields
   (``input_ids`` ``[b, s]``, ``position_ids`` or ``cu_seqlens_q``/``qkv_format``); its layout is read
-  by :mod:`tracer.store.dump_parallel` and its names mapped by ``hooks/engine-megatron.toml``.
+  by :mod:`tracer.engines.dumps.parallel` and its names mapped by ``hooks/engine-megatron.toml``.
 - **Per-pass folders** (SGLang ``--debug-tensor-dump-output-folder``,
   ``python/sglang/srt/debug_utils/tensor_dump_forward_hook.py``; the vLLM proposal has the same
   shape): one sub-folder per rank, ``TP{t}_PP{p}_Rank{r}_pid{pid}/Pass{NNNNN}.pt``, each a dict of
@@ -24,7 +24,7 @@ Three layouts are recognised (sources followed: ``traces/README.md``, section "E
 Loading is safe: ``torch.load(..., weights_only=True)``, ``np.load(..., allow_pickle=False)``; a
 file that needs more (a pickled object) is refused with a one-line error naming it. This module
 reads and groups; mapping onto HF names, unsharding and token alignment are in
-:mod:`tracer.execute.enginemap` (the data classes live in :mod:`tracer.execute.records`).
+:mod:`tracer.engines.dumps.namemap` (the data classes live in :mod:`tracer.execute.records`).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
-from tracer.execute.enginemap import pass_entries
+from tracer.engines.dumps.namemap import pass_entries
 from tracer.execute.records import DumpEntry, RawDump  # re-exported: the dump's plain data
-from tracer.store.dump_parallel import (MEGATRON_FIELDS, Rank, check_supported, digest, has_layer, infer_positions,
+from tracer.engines.dumps.parallel import (MEGATRON_FIELDS, Rank, check_supported, digest, has_layer, infer_positions,
                                         layer_offsets, meta_int, part_steps, rank_of, renumber)
 
 #: names of SGLang's dumper core fields (token bookkeeping, not activations)
@@ -51,14 +51,14 @@ _NON_INTRUSIVE = "non_intrusive__"
 
 def safe_load(path: Path) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the input gate, within the budget
-    (:func:`tracer.store.dumpfiles.load_pt`: a regular file; declared sizes, shapes and strides
+    (:func:`tracer.engines.dumps.files.load_pt`: a regular file; declared sizes, shapes and strides
     checked before anything is allocated).
 
     Raises:
         TracerError: not a regular file, over the budget, unreadable, or holding pickled objects
             (naming the file).
     """
-    from tracer.store.dumpfiles import load_pt
+    from tracer.engines.dumps.files import load_pt
 
     return load_pt(path)
 
@@ -159,7 +159,7 @@ def _add_core(tokens: dict, key: Any, name: str, value: Any, file: str) -> None:
 
 def read_sglang_dumper(folder: Path) -> RawDump:
     """Read an SGLang dumper folder (``k=v___k=v.pt`` files of ``{"value", "meta"}``), written by an
-    SGLang server or by a Megatron-LM trainer (``megatron_parallel_info``; :mod:`tracer.store.dump_parallel`).
+    SGLang server or by a Megatron-LM trainer (``megatron_parallel_info``; :mod:`tracer.engines.dumps.parallel`).
 
     Each (step, DP rank, CP rank) keeps its own token ids and is numbered as a step of its own
     when the dump has more than one; a PP stage's layers are renumbered to the global layer ids.
@@ -299,7 +299,7 @@ def read_named_tensors(path: Path) -> RawDump:
         TracerError: not a regular file, over the input budget, unreadable, pickled arrays in an
             npz, no ``input_ids``.
     """
-    from tracer.store.dumpfiles import load_npz, load_safetensors
+    from tracer.engines.dumps.files import load_npz, load_safetensors
 
     tensors = load_npz(path) if path.suffix == ".npz" else load_safetensors(path)
     tokens: dict = {}

@@ -1,0 +1,1 @@
+"""Engine dumps: files another engine wrote (SGLang, Megatron-LM, per-pass), read and mapped onto HF names."""

@@ -1,0 +1,1 @@
+"""vLLM in-process: a ``vllm.LLM`` built from the weights HF loads, its modules captured under HF names."""
