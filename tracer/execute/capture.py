@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
@@ -50,7 +51,7 @@ def _shapes(x: Any) -> list[list[int]]:
     return []
 
 
-class Capture:
+class Capture(Hooks):
     """Context manager owning the forward hooks for one run.
 
     Usage (the runner does this)::
@@ -97,7 +98,7 @@ class Capture:
         # auto: row 0's input ids of every call, in call order (a call recorded in a CUDA graph: a
         # device tensor, read when asked for, so it holds the latest replay's)
         self._ids: list[list[int] | torch.Tensor] = []
-        self._handles: list[Any] = []
+        super().__init__()
         self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
         self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
@@ -111,7 +112,8 @@ class Capture:
         """Auto mode: row 0's input ids of every call, in call order."""
         return [int(i) for part in self._ids for i in (part.tolist() if isinstance(part, torch.Tensor) else part)]
 
-    def __enter__(self) -> "Capture":
+    def install(self) -> None:
+        """Hook every capture point's module (and, auto mode, the model's call)."""
         by_module: dict[str, list[CapturePoint]] = {}
         for p in self.points:
             if p.which == "cache":
@@ -123,26 +125,12 @@ class Capture:
                 modules[path] = self.model.get_submodule(path)
             except AttributeError:
                 raise TracerError(f"capture point {by_module[path][0].name}: module '{path}' not found in the model") from None
-        try:
-            if self.auto:
-                self._handles.append(self.model.register_forward_pre_hook(self._auto_begin, with_kwargs=True))
-            for path, pts in by_module.items():
-                handle = modules[path].register_forward_hook(self._make_hook(pts), with_kwargs=True)
-                self._handles.append(handle)
-            if self.auto:  # registered last: runs after every module hook of the call
-                self._handles.append(self.model.register_forward_hook(self._auto_end, with_kwargs=True))
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        """Remove every hook this capture registered (idempotent)."""
-        while self._handles:
-            self._handles.pop().remove()
+        if self.auto:
+            self.hook(self.model, self._auto_begin, pre=True, with_kwargs=True)
+        for path, pts in by_module.items():
+            self.hook(modules[path], self._make_hook(pts), with_kwargs=True)
+        if self.auto:  # registered last: runs after every module hook of the call
+            self.hook(self.model, self._auto_end, with_kwargs=True)
 
     @contextlib.contextmanager
     def forward_call(self, start: int, stop: int, row: int = 0, col_offset: int = 0) -> Iterator[None]:

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from tracer.execute.handles import Hooks
+
 #: aten ops that move no numbers (views, allocation, metadata): never reported as kernels
 _TRIVIAL = frozenset(f"aten::{n}" for n in (
     "as_strided", "transpose", "t", "expand", "view", "reshape", "_reshape_alias", "empty", "empty_like",
@@ -56,7 +58,7 @@ _RANGE = "tracer:"
 _SKIP = "tracer-capture"
 
 
-class KernelRecorder:
+class KernelRecorder(Hooks):
     """Context manager: profile one run and attribute kernels to capture points.
 
     Args:
@@ -79,33 +81,29 @@ class KernelRecorder:
                 mods[p.module.rsplit(".", 1)[0]] = None  # the parent runs the op whose result it is
             mods[p.module] = None
         self.modules = list(mods)
-        self._handles: list[Any] = []
+        super().__init__()
         self._open: dict[str, list[Any]] = {}
         self._skip: dict[str, list[Any]] = {}
         self._firings: dict[str, list[tuple[str, list[int]]]] = {m: [] for m in self.modules}
         self._prof: Any = None
         self.ranges: dict[str, dict[str, Any]] = {}  # label -> {"device": Counter, "ops": Counter, "own_*"}
 
-    def __enter__(self) -> "KernelRecorder":
+    def install(self) -> None:
+        """Hook every module of the points (before and after the capture's own hook), then start the profiler."""
         acts = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             acts.append(ProfilerActivity.CUDA)
-        try:
-            for path in self.modules:
-                m = self.model.get_submodule(path)
-                self._handles.append(m.register_forward_pre_hook(self._pre(path)))
-                self._handles.append(m.register_forward_hook(self._post(path), prepend=True, always_call=True))
-                self._handles.append(m.register_forward_hook(self._after_capture(path), always_call=True))
-            self._prof = profile(activities=acts)
-            with _quiet_stderr():
-                self._prof.__enter__()
-        except BaseException:
-            self._remove()
-            raise
-        return self
+        for path in self.modules:
+            m = self.model.get_submodule(path)
+            self.hook(m, self._pre(path), pre=True)
+            self.hook(m, self._post(path), prepend=True, always_call=True)
+            self.hook(m, self._after_capture(path), always_call=True)
+        self._prof = profile(activities=acts)
+        with _quiet_stderr():
+            self._prof.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        self._remove()
+        self.remove()
         for stack in list(self._open.values()) + list(self._skip.values()):
             while stack:
                 stack.pop().__exit__(None, None, None)
@@ -114,10 +112,6 @@ class KernelRecorder:
                 self._prof.__exit__(None, None, None)
             if exc[0] is None:
                 self._collect()
-
-    def _remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
 
     def _pre(self, path: str):
         def hook(module: nn.Module, args: tuple) -> None:

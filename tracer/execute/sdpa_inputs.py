@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 
 
-class SdpaRecorder:
+class SdpaRecorder(Hooks):
     """Context manager: record the SDPA inputs of every attention core during one run.
 
     Args:
@@ -46,18 +47,15 @@ class SdpaRecorder:
         self.cores = {p.module.rsplit(".", 1)[0]: p.name for p in points if p.kind == PointKind.ATTENTION_CORE}
         self.calls: dict[str, list[dict[str, Any]]] = {name: [] for name in self.cores.values()}
         self._stack: list[str] = []
-        self._handles: list[Any] = []
+        super().__init__()
         self._orig = None
 
-    def __enter__(self) -> "SdpaRecorder":
-        try:
-            for path in self.cores:
-                m = self.model.get_submodule(path)
-                self._handles.append(m.register_forward_pre_hook(lambda mod, args, p=path: self._stack.append(p)))
-                self._handles.append(m.register_forward_hook(lambda mod, args, out: self._pop(), always_call=True))
-        except BaseException:
-            self._remove()
-            raise
+    def install(self) -> None:
+        """Hook every attention core's module, then wrap ``F.scaled_dot_product_attention``."""
+        for path in self.cores:
+            m = self.model.get_submodule(path)
+            self.hook(m, lambda mod, args, p=path: self._stack.append(p), pre=True)
+            self.hook(m, lambda mod, args, out: self._pop(), always_call=True)
         self._orig = F.scaled_dot_product_attention
         orig = self._orig
 
@@ -68,21 +66,16 @@ class SdpaRecorder:
                         scale=scale, **kw)
 
         F.scaled_dot_product_attention = wrapper
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._orig is not None:
             F.scaled_dot_product_attention = self._orig
             self._orig = None
-        self._remove()
+        self.remove()
 
     def _pop(self) -> None:
         if self._stack:
             self._stack.pop()
-
-    def _remove(self) -> None:
-        while self._handles:
-            self._handles.pop().remove()
 
     def _record(self, query, key, attn_mask, dropout_p, is_causal, scale, kw) -> None:
         start, stop, row, col = self.capture._call

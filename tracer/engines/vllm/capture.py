@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.engines.dumps.namemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
@@ -78,7 +79,7 @@ def hooked_modules(model: nn.Module, emap: dict[str, Any], ref: RefLayout) -> li
     return out
 
 
-class VllmCapture:
+class VllmCapture(Hooks):
     """Context manager owning the hooks on vLLM's model for one run of one prompt.
 
     Args:
@@ -117,39 +118,25 @@ class VllmCapture:
         self.kv: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.shapes: dict[str, list[dict[str, Any]]] = {}  # module → {"step", "positions", "in", "out"}
         self.fired: set[str] = set()
-        self._handles: list[Any] = []
+        super().__init__()
         self._cur: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- hooks
 
-    def __enter__(self) -> "VllmCapture":
+    def install(self) -> None:
+        """Hook the model's call (the step's tokens), every mapped module, the logits and the KV writes."""
         cap = self.emap.get("capture", {})
         kv = cap.get("kv", {})
         logits_module = cap.get("logits", "logits_processor")
         modules = dict(self.model.named_modules())
-        try:
-            self._handles.append(self.model.register_forward_pre_hook(self._begin, with_kwargs=True))
-            for name in hooked_modules(self.model, self.emap, self.ref):
-                hook = self._logits_hook(name) if name == logits_module else self._hook(name)
-                self._handles.append(modules[name].register_forward_hook(hook))
-            if self.kv_points and kv:
-                for name in modules:
-                    layer, rel = locate(name)
-                    if layer is not None and rel == kv["module"] and layer in self.kv_points:
-                        self._handles.append(modules[name].register_forward_hook(
-                            self._kv_hook(layer, int(kv.get("keys", 1)), int(kv.get("values", 2)))))
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        """Remove every hook this capture registered (idempotent)."""
-        while self._handles:
-            self._handles.pop().remove()
+        self.hook(self.model, self._begin, pre=True, with_kwargs=True)
+        for name in hooked_modules(self.model, self.emap, self.ref):
+            self.hook(modules[name], self._logits_hook(name) if name == logits_module else self._hook(name))
+        if self.kv_points and kv:
+            for name in modules:
+                layer, rel = locate(name)
+                if layer is not None and rel == kv["module"] and layer in self.kv_points:
+                    self.hook(modules[name], self._kv_hook(layer, int(kv.get("keys", 1)), int(kv.get("values", 2))))
 
     def _begin(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Root pre-hook: the step's tokens, positions and request boundaries; the rows to keep."""

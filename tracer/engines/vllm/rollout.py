@@ -26,6 +26,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.engines.dumps.rules import load_engine_map
+from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
@@ -35,7 +36,7 @@ from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
 
 
-class _Logits:
+class _Logits(Hooks):
     """Forward hooks keeping every request's logits rows (one per request vLLM samples for, in the
     model runner's ``input_batch.req_ids`` order) of every step: internal id → list of ``(vocab,)``."""
 
@@ -43,16 +44,12 @@ class _Logits:
         self.model, self.runner, self.module = model, runner, module
         self.rows: dict[str, list[torch.Tensor]] = {}
         self._ids: list[str] = []
-        self._handles: list[Any] = []
+        super().__init__()
 
-    def __enter__(self) -> "_Logits":
-        self._handles = [self.model.register_forward_pre_hook(self._begin),
-                         self.model.get_submodule(self.module).register_forward_hook(self._hook)]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        while self._handles:
-            self._handles.pop().remove()
+    def install(self) -> None:
+        """Hook the model's call (the step's request ids) and the logits module."""
+        self.hook(self.model, self._begin, pre=True)
+        self.hook(self.model.get_submodule(self.module), self._hook)
 
     def _begin(self, module: Any, args: Any) -> None:
         self._ids = list(self.runner.input_batch.req_ids)
