@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import tracer  # noqa: E402
-from tracer.engines.hf.run import run_bare  # noqa: E402
+from tracer.engines.door import run_bare  # noqa: E402
 
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b-shape"
 lengths = [int(x) for x in sys.argv[2:]] or [1024, 4096]

@@ -30,7 +30,7 @@ from tracer import pipeline  # noqa: E402
 from tracer.config import RunConfig  # noqa: E402
 from tracer.diff.compare import compare_records  # noqa: E402
 from tracer.engines.door import execute_plan  # noqa: E402
-from tracer.engines.hf.run import run_bare  # noqa: E402
+from tracer.engines.door import run_bare  # noqa: E402
 from tracer.validate import validate  # noqa: E402
 
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b-shape"

@@ -106,13 +106,16 @@ def test_no_import_cycles_function_local_imports_included():
 
 
 def test_stages_depend_downward():
-    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
-             "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",  # synthetic dumps, written from a trace
+    """Each module ranks at the stage of its longest matching prefix: the table of engines is read by
+    every stage (ground floor); the synthetic engine dumps are written from a stored trace."""
+    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.engines.table", "tracer.load",
+             "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
+             "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",
              "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
              "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
 
     def rank(mod: str) -> int:
-        return max(i for i, stage in enumerate(order) if mod == stage or mod.startswith(stage + "."))
+        return max((len(stage), i) for i, stage in enumerate(order) if mod == stage or mod.startswith(stage + "."))[1]
 
     upward = [(m, t) for m, ts in import_graph().items() if m not in ("tracer", "tracer.__main__")
               for t in ts if rank(t) > rank(m)]
@@ -321,3 +324,136 @@ def test_the_layout_check_finds_misplaced_tests(tmp_path):
 def test_tests_mirror_the_package():
     """``tests/<stage>/test_<module>.py``: a test lives beside the tests of the module it covers."""
     assert misplaced_tests(TESTS) == []
+
+
+# ---------------------------------------------------------------- engines: one folder each, one door, one table
+
+ENGINES_DIR = PKG / "engines"
+#: names of engines that are also ordinary words of this code (HF's module names and model source; the
+#: tensor-parallel scenario and its --tp option): for them, only a literal that stands for an engine counts
+COMMON_WORDS = {"hf", "tp"}
+#: the only modules outside tracer/engines/ that may name vLLM, and why (an external source's own words)
+VLLM_CITED = {"tracer/plan/hierarchy.py": "the seed's citation of the scheduling fix, vLLM #34046",
+              "tracer/plan/rollout.py": "TRL's option vllm_importance_sampling_cap",
+              "tracer/store/fields.py": "a comment of the hand-written trace schema, which the trace-facts records replace"}
+
+
+def _engine_rows():
+    from tracer.engines.table import ENGINES
+
+    return ENGINES
+
+
+def _allowed(rel: str, name: str) -> bool:
+    """Where an engine's name may appear: its own folder, the table, the dump formats (each named after
+    the engine that writes it)."""
+    return rel.startswith((f"tracer/engines/{name}/", "tracer/engines/dumps/")) or rel == "tracer/engines/table.py"
+
+
+def engine_words(source: str, name: str) -> list[str]:
+    """Where ``source`` names engine ``name``: for a distinctive name, every identifier, string, docstring
+    or comment containing it (any case); for a :data:`COMMON_WORDS` name, a literal of it that stands for
+    an engine (compared with, defaulting or assigned to something called ``engine``)."""
+    import io
+    import tokenize
+
+    if name not in COMMON_WORDS:
+        word = re.compile(re.escape(name), re.IGNORECASE)
+        return [f"line {t.start[0]}: {t.string.strip()[:60]}" for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type in (tokenize.NAME, tokenize.STRING, tokenize.COMMENT) and word.search(t.string)]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        lits = []
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any("engine" in ast.unparse(s) for s in sides):
+                lits = [c for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)]
+        elif isinstance(node, ast.BoolOp) and any("engine" in ast.unparse(v) for v in node.values):
+            lits = [v for v in node.values if isinstance(v, ast.Constant)]
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(".get") and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == "engine":
+            lits = node.args[1:]
+        elif isinstance(node, ast.keyword) and node.arg and "engine" in node.arg:
+            lits = [node.value]
+        elif isinstance(node, ast.AnnAssign | ast.Assign):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any("engine" in ast.unparse(t) for t in targets) and node.value is not None:
+                lits = [node.value]
+        elif isinstance(node, ast.arguments):
+            args = node.posonlyargs + node.args
+            pairs = list(zip(args[len(args) - len(node.defaults):], node.defaults)) + list(zip(node.kwonlyargs, node.kw_defaults))
+            lits = [d for a, d in pairs if d is not None and "engine" in a.arg]
+        out += [f"line {c.lineno}: {ast.unparse(c)}" for c in lits if isinstance(c, ast.Constant) and c.value == name]
+    return out
+
+
+def test_the_engine_name_detector_finds_names():
+    assert engine_words('x = "hf"\nif engine == "hf": pass', "hf") == ['line 2: \'hf\'']
+    for src in ('e = plan.engine or "hf"', 'm.get("engine", "hf")', 'def f(engine="hf"): pass', 'engine: str = "hf"',
+                'run(engine="hf")'):
+        assert engine_words(src, "hf"), src
+    assert not engine_words('source = "hf"\nhf_cache = 1', "hf")
+    for src in ('import vllm', '# vLLM computes', 'x = "VllmCaptured"', 'def f():\n    """a vllm.LLM"""'):
+        assert engine_words(src, "vllm"), src
+
+
+def test_an_engine_name_stays_in_its_folder_and_the_table():
+    """An engine's name, as a string or an identifier (any case for a distinctive name), appears only
+    in its folder, the engine table and the dump formats; the reference is never re-derived
+    (``engine or "hf"``) and no class name is tested as a string."""
+    found = {}
+    for row in _engine_rows():
+        for path in sorted(PKG.rglob("*.py")):
+            rel = str(path.relative_to(PKG.parent))
+            if _allowed(rel, row.name) or (row.name == "vllm" and rel in VLLM_CITED):
+                continue
+            hits = engine_words(path.read_text(), row.name)
+            if hits:
+                found[f"{row.name} in {rel}"] = hits
+    assert found == {}
+
+
+def test_the_vllm_citations_are_the_only_ones_and_still_needed():
+    outside = {str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")
+               if not str(p.relative_to(PKG.parent)).startswith("tracer/engines/") and re.search("vllm", p.read_text(), re.I)}
+    assert outside <= set(VLLM_CITED) and len(outside) <= 3
+
+
+def test_only_the_door_imports_an_engine_folder():
+    """Nothing outside an engine's folder imports it (statically or by importlib) but the door, and an
+    engine folder its table row says it builds on."""
+    rows = {r.name: r for r in _engine_rows()}
+    bad = []
+    for mod, targets in import_graph().items():
+        for t in targets:
+            parts = t.split(".")
+            if len(parts) < 3 or parts[:2] != ["tracer", "engines"] or parts[2] not in rows:
+                continue
+            name, own = parts[2], mod.split(".")[2] if mod.startswith("tracer.engines.") else None
+            if mod == "tracer.engines.door" or own == name or (own in rows and rows[own].builds_on == name):
+                continue
+            bad.append(f"{mod} -> {t}")
+    assert bad == []
+    importers = [str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py") if "import_module(" in p.read_text()]
+    assert [p for p in importers if p.startswith("tracer/engines/")] == ["tracer/engines/door.py"]
+
+
+def test_every_engine_row_has_its_folder_and_every_folder_a_row():
+    from tracer.engines import door
+    from tracer.engines.base import Engine
+
+    rows = {r.name for r in _engine_rows()}
+    folders = {p.name for p in ENGINES_DIR.iterdir() if (p / "__init__.py").exists()} - {"dumps"}
+    assert folders == rows
+    for name in rows:
+        eng = door.engine(name)
+        assert isinstance(eng, Engine) and eng.name == name and eng.row.name == name
+
+
+def test_the_pipeline_loops_store_and_diff_reach_engines_through_the_door():
+    """Outside tracer/engines/, modules import the door, the table, or the dump formats: no engine
+    folder, no engine internals (tp's ranks, vLLM's engine) by a side door."""
+    allowed = ("tracer.engines.door", "tracer.engines.table", "tracer.engines.base", "tracer.engines.dumps")
+    bad = [f"{m} -> {t}" for m, ts in import_graph().items() if not m.startswith("tracer.engines")
+           for t in ts if t.startswith("tracer.engines") and t != "tracer.engines" and not t.startswith(allowed)]
+    assert bad == []

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep, read_trace, report_file, trace_info,
                                write_megatron_dump, write_sglang_dump)
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
+from tracer.engines.table import check_engine, default, is_reference
 from tracer.errors import TracerError
 from tracer.validate import validate
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.load.models import LoadedModel, ModelInfo
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
-    from tracer.loops.bench_vllm import VllmBenchResult
+    from tracer.loops.bench_engine import EngineBenchResult
     from tracer.run_result import RunResult
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
@@ -163,10 +164,11 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
             reference: str | None = None, cuda_graphs: bool = False) -> Captured | Any:
     """A context manager that captures every forward pass of ``model`` run inside it.
 
-    ``model`` may also be an in-process, eager ``vllm.LLM``: the first request it schedules inside
-    the block is traced at every position it computes, under HF capture names
-    (:class:`tracer.engines.vllm.captured.VllmCaptured`, filled when the block ends; ``reference``:
-    a loaded HF model of the same weights, else loaded from the LLM's folder).
+    ``model`` may also be another engine's own object (a row's ``objects`` in
+    :mod:`tracer.engines.table`, e.g. an in-process, eager LLM of a serving engine): the first request
+    it schedules inside the block is traced at every position it computes, under HF capture names
+    (:meth:`tracer.engines.base.Engine.capture`, filled when the block ends; ``reference``: a loaded
+    HF model of the same weights, else loaded from the engine's folder).
 
     ``model`` is an HF causal LM or a loaded model; ``points`` is ``"layers"`` (embedding, every
     decoder layer's output, final norm, logits), ``"sublayers"`` or a list of module paths
@@ -191,21 +193,16 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
 
     Raises:
         TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
-            capture point fired in the block; for a ``vllm.LLM``: ``cuda_graphs`` or ``keep_on_device``
-            (not available there), a ``reference`` of another dtype.
+            capture point fired in the block; for another engine's object: the options its capture does
+            not take, a ``reference`` of another dtype.
     """
-    if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
-        from tracer.engines.vllm.captured import VllmCaptured
+    from tracer.engines.door import capture_object
 
-        for bad, what in ((cuda_graphs, "cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks do not fire "
-                                        "in vLLM's CUDA graphs)"),
-                          (keep_on_device, "keep_on_device=True: a vLLM capture is copied to the host as each step "
-                                           "runs")):
-            if bad:
-                raise TracerError(f"tracer.capture(vllm.LLM, {what}; drop the option")
-        return VllmCaptured(model, points, reference=reference)
+    engine_cap = capture_object(model, points, reference=reference, cuda_graphs=cuda_graphs, keep_on_device=keep_on_device)
+    if engine_cap is not None:  # another engine's object (tracer.engines.table: objects)
+        return engine_cap
     if reference is not None:
-        raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
+        raise TracerError("reference= applies to another engine's object (the HF model its captures are named after)")
     from tracer.execute.capture import Captured
 
     cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device,
@@ -219,8 +216,8 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     """Compare two captures, two runs, or two stored runs, layer by layer.
 
     Args:
-        a, b: each a :func:`capture` result (of an HF model or a ``vllm.LLM``: logits compared where
-            vLLM sampled, HF points vLLM does not compute named), a :class:`~tracer.execute.records.RunRecord`, or a
+        a, b: each a :func:`capture` result (of an HF model or another engine's object: logits compared
+            where that engine sampled, HF points it does not compute named), a :class:`~tracer.execute.records.RunRecord`, or a
             reference ``"file.h5:RUN"`` / ``("file.h5", "RUN")`` (files from different machines
             included; ``"file.h5"`` alone: its first run for ``a``, its second for ``b``); ``b``
             may be an engine dump (SGLang dumper folder, ``PassN.pt`` folder, ``.safetensors``/
@@ -249,7 +246,7 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     facts = {"n_tokens": max(len(rec_a.token_ids), len(rec_b.token_ids)), "plan_a": rec_a.plan.get("description"),
              "plan_b": rec_b.plan.get("description")}
     c = compare_records(rec_a, rec_b, scenario="capture", model=model, atol=atol, rtol=rtol, facts=facts)
-    if any((r.meta.get("engine") or {}).get("engine", "hf") != "hf" for r in (rec_a, rec_b)):  # a vLLM capture
+    if any(not is_reference((r.meta.get("engine") or {}).get("engine")) for r in (rec_a, rec_b)):  # another engine's capture
         from tracer.diff.engine import engine_skips, sampled_logits
 
         c = engine_skips(sampled_logits(c, rec_a, rec_b), rec_a, rec_b)
@@ -302,7 +299,8 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
         lengths: prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma
             lists (64,128) or both; or a list of ints.
         block_sizes: several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as
-            lengths) or a list; excludes block_size (default: 16; 32 with engine='vllm').
+            lengths) or a list; excludes block_size (default: the engine's KV block size,
+            :func:`tracer.engines.table.default`).
         keep_tensors: also store every point's captured tensors (large).
         output: the sweep file (default: in traces/, named after the model and scenario); an unfinished one with
             the same parameters is resumed.
@@ -348,14 +346,15 @@ def models() -> list[dict[str, str]]:
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
           engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
-          progress: Callable[[str], None] | None = None) -> BenchResult | VllmBenchResult:
+          progress: Callable[[str], None] | None = None) -> BenchResult | EngineBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
 
     Args:
         length: prompt length N in tokens.
-        engine: hf (default) or vllm: the capture overhead inside vLLM as a ratio to vLLM's bare
-            generate (prefix-cache in vLLM, one process, interleaved; :mod:`tracer.loops.bench_vllm`).
+        engine: the reference (default), or another engine of :mod:`tracer.engines.table`: the capture
+            overhead inside it as a ratio to its own bare run (prefix-cache, one process, interleaved;
+            :mod:`tracer.loops.bench_engine`).
         reps: measured repetitions of each mode.
         warmup: unmeasured repetitions first.
         outdir: folder for the trace and raw I/O files (default: a temp dir).
@@ -365,30 +364,28 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         progress: called with one line per repetition.
 
     Returns:
-        a :class:`~tracer.loops.bench.BenchResult`, or with ``engine="vllm"`` a
-        :class:`~tracer.loops.bench_vllm.VllmBenchResult`.
+        a :class:`~tracer.loops.bench.BenchResult`, or with another engine an
+        :class:`~tracer.loops.bench_engine.EngineBenchResult`.
 
     Raises:
         TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not
-            tracer's; ``engine="vllm"`` without vLLM installed, or with ``device``/``outdir``.
+            tracer's; another engine not installed, or with ``device``/``outdir``.
     """
     if reps < 1 or warmup < 0:
         raise TracerError("--reps must be ≥ 1 and --warmup ≥ 0")
-    if engine not in (None, "hf"):
-        from tracer.plan.engines import check_engine
-
+    if not is_reference(engine):
         check_engine(engine)
         if device is not None or outdir is not None:
-            raise TracerError("--device and --outdir do not apply to --engine vllm (vLLM runs on its own device and "
+            raise TracerError(f"--device and --outdir do not apply to --engine {engine} (it runs on its own device and "
                               "the bench writes no file)")
-        from tracer.loops.bench_vllm import bench_vllm
+        from tracer.loops.bench_engine import bench_engine
 
-        return bench_vllm(model, length=length, dtype=dtype, gguf=gguf, granularity=granularity, kv_cache=kv_cache,
-                          block_size=block_size or 32, reps=reps, warmup=warmup, progress=progress)
+        return bench_engine(model, engine=engine, length=length, dtype=dtype, gguf=gguf, granularity=granularity,
+                            kv_cache=kv_cache, block_size=block_size, reps=reps, warmup=warmup, progress=progress)
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
-                  kv_cache=kv_cache, block_size=block_size or 16, reps=reps, warmup=warmup, outdir=outdir, peers=peers,
+                  kv_cache=kv_cache, block_size=block_size or default(None, "block_size"), reps=reps, warmup=warmup, outdir=outdir, peers=peers,
                   progress=progress)
 
 

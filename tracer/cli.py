@@ -135,7 +135,7 @@ def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list
         parse = {"callback": _int_list} if kind is tuple else {}
         kind = str if kind is tuple else kind
         help_ = opt.help + "." if opt is not None and (p.name not in doc or p.name == "model") else doc.get(p.name, "")
-        help_ = escape(help_)  # rich markup is on for the help: '.[vllm]' must not read as a style tag
+        help_ = escape(help_)  # rich markup is on for the help: an install hint's '.[extra]' must not read as a style tag
         default = ... if p.default is p.empty else p.default
         if p.name == "store":
             default = None  # the command writes a trace by default (store auto), a library call only when asked
@@ -396,7 +396,7 @@ def main() -> None:
 
 def _quiet_exit_on_signals() -> None:
     """The command is done (result printed, files written and renamed): a Ctrl-C or SIGTERM that
-    comes while Python shuts down (an in-process vLLM engine's exit hook takes seconds) ends the
+    comes while Python shuts down (an in-process engine's exit hook takes seconds) ends the
     process at once with 130 / 128 + signum and one line, instead of a traceback from that hook."""
     import signal
 

@@ -26,7 +26,9 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable
 from tracer.errors import TracerError
+from tracer.plan.hierarchy import ALIGNED_SOURCE
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
 from tracer.plan.scenarios import SCENARIOS
 
@@ -34,7 +36,7 @@ from tracer.plan.scenarios import SCENARIOS
 _SCENARIO_NOTES = {
     "prefix-cache": "cache miss vs hit; --split-at N-1 is a decode step",
     "cuda-graph": "eager vs CUDA-graph replay, GPU only",
-    "engine": "HF vs vLLM, --engines",
+    "engine": f"{' vs '.join(selectable()[:2])}, --engines",
     "rollout-vs-train": "RL: a rollout sampling from a KV cache vs the trainer's teacher-forced recompute",
 }
 
@@ -78,8 +80,8 @@ class ScenarioConfig:
     """Which pair of run plans: a catalogue name (or a Scenario / ``f(n_tokens)``) and its options.
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
-    scenario's own default applies (block size 16; 32 with ``engine`` vllm). ``engine``: who
-    executes both plans (None = ``hf``; :mod:`tracer.plan.engines`).
+    scenario's own default applies (its engine's: :func:`tracer.engines.table.default`). ``engine``:
+    who executes both plans (None: the reference; :mod:`tracer.engines.table`).
     """
 
     name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
@@ -280,13 +282,14 @@ _HELP = {
     "scenario": "scenario: " + ", ".join(name + (f" ({_SCENARIO_NOTES[name]})" if name in _SCENARIO_NOTES else "")
                                          for name in SCENARIOS)
                 + "; from Python also a Scenario or f(n_tokens) -> Scenario",
-    "block_size": "KV cache block size in tokens; the cached prefix is the largest multiple below N (default 16)",
+    "block_size": "KV cache block size in tokens; the cached prefix is the largest multiple below N (default "
+                  + ", ".join(f"{r.defaults['block_size']}" + ("" if r.name == REFERENCE else f" with --engine {r.name}")
+                              for r in ENGINES if "block_size" in r.defaults) + ")",
     "split_at": "cached prefix length P (1..N-1), overriding block_size",
-    "mitigation": "aligned (prefix-cache: the cache-miss run also splits at P, vLLM #34046) or deterministic "
+    "mitigation": f"aligned (prefix-cache: the cache-miss run also splits at P, {ALIGNED_SOURCE}) or deterministic "
                   "(torch deterministic algorithms, TF32 off)",
-    "engine": "who executes both runs: hf (Hugging Face transformers, default) or vllm (vLLM in-process, eager; "
-              "in a venv of its own: pip install -c constraints-vllm.txt -e '.[vllm]', README 'With vLLM')",
-    "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default)",
+    "engine": help_line(),
+    "engines": f"engine: run A's and run B's engine, e.g. {','.join(selectable()[:2])} (default)",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
                  "(locates a divergence born in the cached-prefix pass)",
@@ -313,7 +316,7 @@ _HELP = {
     "padding": "batch: none, left or right",
     "batch_row": "batch, rollout-vs-train: row of the traced prompt (default batch_size // 2, rollouts // 2)",
     "new_tokens": "generate-cache: greedy tokens to generate (default 8); rollout-vs-train: response tokens (default 16)",
-    "block_sizes": "block-size: two KV block sizes b1,b2 (default 16,64)",
+    "block_sizes": f"block-size: two KV block sizes b1,b2 (default {','.join(map(str, default(None, 'block_sizes')))})",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "tensor-parallel: shards k of the row-parallel layers (default 2)",
     "reduce": "tensor-parallel: all-reduce order ring or tree (default ring)",

@@ -69,7 +69,7 @@ def raise_on_termination() -> None:
 @contextlib.contextmanager
 def signals_seen() -> Iterator[list[int]]:
     """Record SIGINT, SIGTERM and SIGHUP inside the block (yields the list of signal numbers), each
-    still handled by the handler it had: for library code that swallows an interrupt (vLLM's start
+    still handled by the handler it had: for library code that swallows an interrupt (an engine's start
     swallows a KeyboardInterrupt, so Ctrl-C ran the whole run, or re-raises it as another error);
     the caller honours what was recorded (:func:`interrupt`). Only callable handlers are wrapped (a default action still kills), and
     only in the main thread; they are restored afterwards."""

@@ -131,7 +131,7 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
     Raises:
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
-    from tracer.engines.tp.dist import check_distributed
+    from tracer.engines.door import check, realise
     from tracer.plan.build import check_resources, make_scenario
 
     if loaded is None:
@@ -139,13 +139,13 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
         # a status callback also gets the loader's own messages (cache builds, tokenizer conversion)
         loaded = load(cfg, progress=say if say is not _quiet else progress)
     ids = prompt_ids(cfg, loaded)
-    scen = check_resources(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()))
+    scen = check_resources(realise(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()), cfg.scenario.engine))
     if cfg.capture.cuda_graphs:  # both plans recorded in CUDA graphs and replayed
         from tracer.plan.plans import with_cuda_graphs
 
         scen = with_cuda_graphs(scen)
-    check_distributed(scen, loaded.info.device, verdict=cfg.checks.verdict,
-                      dispatched=loaded.info.device_map is not None, model=loaded.model)
+    check(scen, loaded.info.device, verdict=cfg.checks.verdict, dispatched=loaded.info.device_map is not None,
+          model=loaded.model)
     return Prepared(loaded, ids, scen)
 
 
@@ -243,9 +243,9 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     from tracer.diff.replay import replay_diff
     from tracer.diff.rl import comparable, is_rl, rl_comparison
     from tracer.diff.engine import engine_skips, sampled_logits
-    from tracer.engines.door import execute_plan, hf_contract, uses_engines
+    from tracer.engines.door import execute_plan, facts, uses_engines
     from tracer.execute.family import family_for
-    from tracer.engines.hf.run import settle_wall
+    from tracer.execute.records import settle_wall
     from tracer.load.contract import numeric_contract
     from tracer.load.devices import model_device
     from tracer.store.handoff import hand_over, store_auto
@@ -268,8 +268,8 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
                                  meta={"scenario": scen.name, "level": scen.level}, say=say,
                                  kernels=capture.kernels, sdpa_inputs=op_replay, **extra)
         rec.name = name
-        if on_engines and "engine" not in rec.meta:  # the HF side of an engine comparison: its contract too
-            rec.meta["engine"] = hf_contract(loaded)
+        if on_engines and "engine" not in rec.meta:  # the reference side of an engine comparison: its contract too
+            rec.meta["engine"] = facts(loaded, plan)
         if part is not None:  # --tp-partials: every rank's row-parallel partials, a run of their own
             partials = _replace(part, name=f"{name}.partials")
         if keep and plan.tp is not None and plan.tp.mode == "distributed":  # compared beside run A
@@ -294,7 +294,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
         facts["notes"] = list(facts.get("notes", [])) + list(notes)
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=facts, atol=atol, rtol=rtol)
-    if on_engines:  # vLLM computes logits only where it samples: compared at the positions both runs have
+    if on_engines:  # an engine may compute logits only where it samples: compared at the positions both runs have
         comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
     for rec in records:  # the comparison waited for both runs: their CUDA-event times are ready
@@ -352,16 +352,15 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     from tracer.load.prompts import prompt_file_note
     from tracer.store.trace import default_output
 
-    from tracer.engines.door import engines_header, execute_plan
-    from tracer.engines.tp.dist import distributed_header, distributed_plans, torchrun_rank
+    from tracer.engines.door import engines_header, execute_plan, follower_plans, header as engine_header
 
     prep = prepare(cfg, loaded, progress=progress, say=say)
     info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids
     st, ch = cfg.store, cfg.checks
-    if torchrun_rank() not in (None, 0) and distributed_plans(scen):
-        # a rank > 0 under torchrun only takes part in the distributed plan; rank 0 compares and writes
+    if follower_plans(scen):
+        # a follower rank (under torchrun: rank > 0) only takes part in its plan; rank 0 compares and writes
         window = (0, len(ids)) if cfg.capture.positions == "all" else scen.window
-        for plan in distributed_plans(scen):
+        for plan in follower_plans(scen):
             execute_plan(prep.loaded, ids, plan, capture_points(prep.loaded, cfg.capture), window,
                          decode=ch.decode, meta={"scenario": scen.name, "level": scen.level})
         return RunResult(comparison=None, scenario=scen, trace=None, token_ids=ids, model_info=info)
@@ -369,7 +368,7 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     if out is None and st.mode != "none" and default_trace:
         out = default_output(info.name, scen.name)
     header = trace_header(prep.loaded, scen, len(ids), cfg.capture, st.mode,
-                          extra={"options": cfg.to_dict(), **distributed_header(scen, info.device),
+                          extra={"options": cfg.to_dict(), **engine_header(scen, info.device),
                                  **engines_header(prep.loaded, scen)})
     writer = open_writer(out, header, overwrite=st.overwrite, compression=st.compression) if out else None
     online = st.mode != "tensors"

@@ -34,7 +34,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.load.prompts import check_prompt, read_prompt
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
-    from tracer.plan.engines import check_engine
+    from tracer.engines.door import realise
+    from tracer.engines.table import REFERENCE, check_engine, is_reference
     from tracer.plan.build import check_resources, preview
     from tracer.plan.checks import own_params
     from tracer.plan.rollout import check_rl_run
@@ -68,9 +69,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
     check_engine(s.engine, installed=False)
-    if ch.verdict and (s.engine not in (None, "hf") or s.name == "engine"):
-        raise TracerError("--verdict re-runs the HF model at float32 and float64; vLLM loads its own weights and is "
-                          "not re-run: drop --verdict, or use --engine hf")
+    if ch.verdict and (not is_reference(s.engine) or s.name == "engine"):
+        raise TracerError("--verdict re-runs the HF model at float32 and float64; another engine loads its own weights "
+                          f"and is not re-run: drop --verdict, or use --engine {REFERENCE}")
     check_fail_on(ch.fail_on, ch.atol, ch.rtol)
     _check_bounds(cfg)
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
@@ -98,7 +99,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         own = own_params(s.name, s.params())  # an audit's options are its checks'
-        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))
+        planned = check_resources(realise(preview(s.name, _known_length(pr) if one_length else None, own), s.engine))
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
@@ -128,10 +129,9 @@ def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: boo
         higher_dtypes(canonical(m.dtype) if loaded is None else loaded.info.dtype,
                       resolve_device(m.device) if loaded is None else loaded.info.device)
     if distributed:
-        from tracer.engines.tp.dist import check_distributed
+        from tracer.engines.door import check
 
-        check_distributed(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict,
-                          dispatched=dispatched)
+        check(planned, m.device if loaded is None else loaded.info.device, verdict=ch.verdict, dispatched=dispatched)
 
 
 def _check_bounds(cfg: RunConfig) -> None:

@@ -294,7 +294,7 @@ def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_state
     each logprob is log_softmax (float64) of the logits vLLM sampled from, and the hidden states at
     the response positions are layer 5's (hidden + residual) rows of the prefill's last token and
     of each decode step, as a plain hook of the test's own sees them."""
-    from tracer.engines.hf.rollout import token_logprobs
+    from tracer.execute.sampling import token_logprobs
 
     t = 4
     rows: list[torch.Tensor] = []
@@ -384,11 +384,12 @@ def test_compare_takes_a_vllm_capture_against_an_hf_capture(loaded, engine):
 def test_max_model_len_has_room_for_a_long_prompt_within_the_models_positions(loaded):
     """`--engine vllm --length 5000` on SmolLM2 (8,192 positions): the LLM is built with room for
     the prompt, never more than the model's positions (no LLM is started here)."""
+    from tracer.engines.door import realise
     from tracer.plan.build import build
 
     positions = loaded.model.config.max_position_embeddings
     assert positions == 8192
-    plan = build("prefix-cache", 5000, engine="vllm").plan_a
+    plan = realise(build("prefix-cache", 5000, engine="vllm"), "vllm").plan_a
     kwargs = ve._settings_for(loaded, ve.settings_of(plan, "one-step", {}))
     assert 5001 <= kwargs["max_model_len"] <= positions and kwargs["max_num_batched_tokens"] >= 5000
     assert ve._settings_for(loaded, ve.VllmSettings(max_model_len=9216))["max_model_len"] == positions

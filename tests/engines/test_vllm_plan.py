@@ -6,11 +6,17 @@ import pytest
 
 from tracer.errors import TracerError
 from tracer.engines.vllm.plan import VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves
+from tracer.engines.door import realise
 from tracer.plan import scenarios as S
-from tracer.plan.build import build
+from tracer.plan.build import build as plan_build
 
 N = 100
 IDS = list(range(1000, 1000 + N))
+
+
+def build(name, n, **params):
+    """The catalogue scenario, realised on the engine it names (as the pipeline plans it)."""
+    return realise(plan_build(name, n, **params), params.get("engine"))
 
 
 def test_prefix_cache_hit_is_a_prefix_request_then_the_prompt():
@@ -74,7 +80,7 @@ def test_compilation_graphs_and_unsupported_plan_features_are_refused():
         refuse_unsupported(S.repeat(N).plan_a, True, False)
 
 
-# ---------------------------------------------------------------- --engine and --scenario engine (tracer/plan/engines.py)
+# ---------------------------------------------------------------- --engine and --scenario engine (tracer/engines/vllm/realise.py)
 
 
 def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
@@ -234,3 +240,18 @@ def test_points_an_engine_does_not_compute_are_named_not_failed_and_grouped():
     assert c.identical and not c.not_compared and len(c.skipped) == 4
     assert c.skipped[0].reason == "not computed by vllm (run B): no vLLM module computes it"
     assert [name for name, _mark, _fails in skip_rows(c.skipped, grouped=True)] == ["model.layers.*.mlp.act_fn ×4"]
+
+
+def test_vllm_is_imported_only_when_a_vllm_plan_runs():
+    """``import tracer``, the table, the door and realising a scenario on vLLM (its folder's package)
+    load neither vllm nor torch: the engine's package is imported when its executor is asked for."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, tracer; from tracer.engines.door import engine, realise; from tracer.plan.build import build; "
+            "s = realise(build('prefix-cache', 100, engine='vllm'), 'vllm'); engine('tp'); "
+            "print(s.plan_b.engine, 'vllm' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout.split()
+    assert out == ["vllm", "False", "False"]

@@ -1,13 +1,14 @@
 """Two runs on engines: their numeric contracts side by side, what each scheduler did, and the logits
-where an engine computes them only at some positions (vLLM: where it samples).
+where an engine computes them only at some positions (where it samples).
 
-Each run of a non-HF plan (and the HF run beside it) carries ``meta["engine"]``: the engine's
-numeric contract (:func:`tracer.engines.door.plan_contract`: version, attention backend, norm,
-activation, GEMM, activation / logits / KV-cache dtypes, KV block size, chunked-prefill budget,
-compilation and graphs off); a vLLM run also carries ``meta["vllm"]``, what its scheduler did
-(each request's ``num_cached_tokens``, the steps that computed the prompt). :func:`engine_facts`
-turns them into the comparison's facts and notes; :func:`sampled_logits` compares the logits at
-the positions both runs have.
+Each run of a plan on another engine than the reference (and the reference run beside it) carries
+``meta["engine"]``: the engine's numeric contract (:func:`tracer.engines.door.facts`: version,
+attention backend, norm, activation, GEMM, activation / logits / KV-cache dtypes, KV block size,
+chunked-prefill budget, compilation and graphs off); an engine with a scheduler also records what
+it did (each request's cached tokens, the steps that computed the prompt), which its own
+:func:`tracer.engines.door.scheduler_note` puts in words. :func:`engine_facts` turns them into the
+comparison's facts and notes; :func:`sampled_logits` compares the logits at the positions both
+runs have.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 
+from tracer.engines.door import scheduler_note
+from tracer.engines.table import is_reference, rows
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
@@ -30,7 +33,10 @@ CONTRACT = (("attention_backend", "attention backend"), ("norm", "norm implement
             ("max_num_batched_tokens", "chunked-prefill budget"), ("version", "version"))
 
 
-_PACKAGE = {"hf": "transformers", "vllm": "vLLM"}
+
+def _product(engine: Any) -> Any:
+    """The software an engine's facts name (:mod:`tracer.engines.table`: ``product``), else the name as given."""
+    return rows()[engine].product if engine in rows() else engine
 
 
 def _short(v: Any) -> str:
@@ -40,26 +46,10 @@ def _short(v: Any) -> str:
     return str(v)
 
 
-def scheduler_line(run: str, meta: dict[str, Any]) -> str | None:
-    """What vLLM's scheduler did for a run's traced prompt (None for a run without ``meta["vllm"]``)."""
-    v = meta.get("vllm")
-    if not isinstance(v, dict):
-        return None
-    traced = [r for r in v.get("requests", []) if r.get("traced")]
-    cached = [r.get("num_cached_tokens", 0) for r in traced]
-    steps = v.get("steps", [])
-    batched = max((s.get("requests", 1) for s in steps), default=1)
-    chunks = v.get("chunks", [])
-    return (f"run {run} (vLLM scheduler): {len(v.get('requests', []))} request(s), traced num_cached_tokens {cached}; "
-            f"the prompt computed in {len(chunks)} step(s) at positions {chunks}"
-            + (f", each step holding up to {batched} request(s)" if batched > 1 else "")
-            + f" ({v.get('chunks_as', '?')})")
-
-
 def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[str, Any]) -> dict[str, Any]:
     """The facts of two engine runs: ``engine_a``/``engine_b`` (each run's contract),
     ``engine_differences`` (label → ``[A's, B's]`` for every contract key that differs),
-    ``cached_tokens_a``/``_b`` (vLLM's own ``num_cached_tokens`` of the traced prompt) and
+    ``cached_tokens_a``/``_b`` (the engine's own count of the traced prompt's cached tokens) and
     ``notes`` (one line per engine, per difference, per scheduler). Empty when neither run has
     ``meta["engine"]``."""
     fa, fb = meta_a.get("engine"), meta_b.get("engine")
@@ -70,16 +60,16 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     diffs = {label: [_short(fa.get(k)), _short(fb.get(k))] for k, label in CONTRACT
              if k in fa and k in fb and fa.get(k) != fb.get(k) and (same or k != "version")}
     out["engine_differences"] = diffs
-    notes = [f"engine {run}: {_PACKAGE.get(f.get('engine'), f.get('engine'))} {f.get('version')}, attention "
+    notes = [f"engine {run}: {_product(f.get('engine'))} {f.get('version')}, attention "
              f"{f.get('attention_backend')}, "
              f"{f.get('activation_dtype')} activations, logits {f.get('logits_dtype')}, KV cache "
              f"{f.get('kv_cache_dtype')}" + (f" in blocks of {f['block_size']}" if isinstance(f.get("block_size"), int) else "")
-             + ("" if f.get("engine") == "hf" else
+             + ("" if is_reference(f.get("engine")) else
                 f", compilation mode {f.get('compilation_mode')}, CUDA graphs {f.get('cudagraph_mode')}")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
-        line = scheduler_line(run, meta)
+        line = scheduler_note(run, meta)
         if line is not None:
             notes.append(line)
             out[key] = meta.get("cached_tokens")
@@ -89,7 +79,7 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
 
 def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
     """``c`` with every point missing in a run whose engine does not compute it (the run's
-    ``meta["not_captured"]``: vLLM has no module for HF's ``mlp.act_fn``, ...) skipped with that
+    ``meta["not_captured"]``: an engine without a module for HF's ``mlp.act_fn``, ...) skipped with that
     reason and not failing: the points both engines compute decide whether the runs agree."""
     from tracer.diff.result import SkipRecord
 
@@ -118,7 +108,8 @@ def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
 
 def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     """``c`` with the logits compared at the positions both runs computed them, when at least one
-    run has logits at some compared positions only (vLLM: each request's last scheduled token).
+    run has logits at some compared positions only (an engine that samples: each request's last
+    scheduled token).
     Flips keep their absolute positions; ``facts["logits_positions"]`` and a note say which
     positions were compared. ``c`` unchanged when the logits were compared in full or no position
     is shared (then a note says so).
@@ -147,8 +138,8 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     flips = tuple(replace(f, position=common[f.position] - w0) for f in d.argmax_flips)
     d = replace(d, argmax_flips=flips)
     notes.append(f"{name} (logits) compared at position(s) {', '.join(map(str, common))} only, of the compared "
-                 f"{w0}..{w1 - 1}: where both runs computed logits (vLLM computes them only where it samples, "
-                 "each request's last scheduled token)")
+                 f"{w0}..{w1 - 1}: where both runs computed logits (an engine that samples computes them only "
+                 "there, each request's last scheduled token)")
     first = next((p.diff.max_abs_diff for p in c.points if p.diff.n_diff), None)
     skipped = tuple(s for s in c.skipped if s.name != name)  # compared after all, at the shared positions
     out = replace(c, logits=d, logits_name=name, facts={**facts, "notes": notes, "logits_positions": common}, skipped=skipped,
@@ -156,4 +147,4 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     return classify_origins(out, {n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
 
 
-__all__ = ["engine_facts", "engine_skips", "sampled_logits", "scheduler_line", "CONTRACT"]
+__all__ = ["engine_facts", "engine_skips", "sampled_logits", "CONTRACT"]

@@ -174,7 +174,7 @@ class LogitsDiff(schema.Record):
 
     def schema_check(self) -> str | None:
         # a flip's position is its index in the compared window; where an engine computed logits at a
-        # few positions only (vLLM: where it samples), n_positions counts those, so a flip may lie
+        # few positions only (where it samples), n_positions counts those, so a flip may lie
         # beyond n_positions: at most one flip per compared position, each at its own index
         positions = [f.position for f in self.argmax_flips]
         if self.n_positions < 0 or len(positions) > self.n_positions or any(p < 0 for p in positions) \

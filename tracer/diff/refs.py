@@ -82,10 +82,9 @@ def as_record(x: Any, name: str, side: int) -> Any:
     Raises:
         TracerError: anything else.
     """
-    from tracer.execute.capture import Captured
     from tracer.execute.records import RunRecord
 
-    if isinstance(x, Captured) or type(x).__name__ == "VllmCaptured":  # tracer.capture(model or vllm.LLM)
+    if callable(getattr(x, "run_record", None)):  # tracer.capture(...) of any engine hands its run record
         return x.run_record(name)
     if isinstance(x, RunRecord):
         return x

@@ -304,7 +304,7 @@ class Comparison(schema.Record):
             return (f"NaN: both runs hold NaN from {nan} on (the {n_points} capture points agree bit for bit, "
                     "but the values are not numbers)")
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
-        n_logits = self.logits.n_positions if self.logits is not None else self.n_positions  # vLLM: where it samples
+        n_logits = self.logits.n_positions if self.logits is not None else self.n_positions  # an engine that samples: there
         tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {n_logits} position{'s' if n_logits != 1 else ''}"
         if self.contract:  # another quantity on one side: said before anything is called numerics
             odd = {m.name for m in self.contract}

@@ -292,7 +292,7 @@ def rl_from_logits(positions: list[int], tokens: list[int], logits_a: torch.Tens
                    per_position: dict[str, Any] | None = None, notes: tuple[str, ...] = ()) -> RLComparison:
     """The RL metrics of one sequence from two runs' logits at its response positions (two engine
     dumps: a rollout engine's and a trainer's): each side's logprob of the next token
-    ``log_softmax(float32(logits) / τ)[y]`` (:func:`tracer.engines.hf.rollout.token_logprobs`), then
+    ``log_softmax(float32(logits) / τ)[y]`` (:func:`tracer.execute.sampling.token_logprobs`), then
     :func:`rl_metrics` with K = 1, and the per-token columns from the layer comparison.
 
     Args:
@@ -307,7 +307,7 @@ def rl_from_logits(positions: list[int], tokens: list[int], logits_a: torch.Tens
     Raises:
         TracerError: positions that are not consecutive, shapes that disagree.
     """
-    from tracer.engines.hf.rollout import token_logprobs
+    from tracer.execute.sampling import token_logprobs
 
     if not positions or list(positions) != list(range(positions[0], positions[0] + len(positions))):
         raise TracerError(f"RL metrics need consecutive response positions; got {positions[:6]}")

@@ -96,7 +96,7 @@ def auto_comparison(path: str | os.PathLike, run_a: str | None, run_b: str | Non
 def sampled_only(metas: list[dict[str, Any]], captures: tuple[dict[str, Any], dict[str, Any]]
                  ) -> tuple[str, list[int]] | None:
     """``(logits name, positions)`` when a run's meta says its logits exist at some positions only
-    (an engine that computes them where it samples: vLLM's ``meta["logits"]``) and the trace holds
+    (an engine that computes them where it samples: its ``meta["logits"]``) and the trace holds
     no logits capture of that name in one of the runs; else None."""
     for meta in metas:
         logits = meta.get("logits") if isinstance(meta, dict) else None
@@ -147,7 +147,7 @@ def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparis
 def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[str, str | None]) -> Comparison:
     """``c`` (a comparison of stored runs made now: runs of two traces, or of one trace with
     tolerances) with the reason of a logits point skipped because one side's engine computed logits
-    only where it sampled (vLLM) said as such, instead of a bare "missing in run ...": the trace does
+    only where it sampled said as such, instead of a bare "missing in run ...": the trace does
     not store those rows. The point still fails ``--fail-on any`` (it was not compared).
 
     Raises:

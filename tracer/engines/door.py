@@ -1,36 +1,17 @@
-"""The engine seam: the one place where a run plan is executed.
+"""The door to the engines: the one module the pipeline, the loops, validation and the API call to
+realise a scenario on an engine, execute a run plan, or ask an engine for its facts.
 
-An *engine* executes one :class:`~tracer.plan.scenarios.RunPlan` on the loaded model with capture
-hooks attached and hands back what its modules computed as a
-:class:`~tracer.execute.records.RunRecord` whose captures carry **HF module names**, whatever
-the engine calls them internally. The pipeline (:func:`tracer.pipeline.run_scenario`) calls
-:func:`execute_plan` and nothing else; which executor runs a plan is decided here, from the plan:
-
-======================  =================================================================
-executor                runs
-======================  =================================================================
-``hf``                  the HF model in this process (:func:`tracer.engines.hf.run.execute`)
-``tp-distributed``      a ``--tp-mode distributed`` plan: K ranks over torch.distributed
-                        (:func:`tracer.engines.tp.dist.execute_distributed`; under ``torchrun``
-                        :func:`~tracer.engines.tp.dist.execute_joined`)
-``vllm``                ``plan.engine == "vllm"``: vLLM in-process, eager
-                        (:func:`tracer.engines.vllm.engine.execute`)
-``hf-rollout``          an RL rollout plan (``plan.rl.role == "rollout"``) on ``hf``: K prompts
-                        sampled token by token from a KV cache (:mod:`tracer.engines.hf.rollout`)
-``hf-train``            an RL trainer plan (``plan.rl.role == "train"``) on ``hf``: one
-                        teacher-forced forward over run A's sequences; it also receives
-                        ``rollout=`` (run A's record)
-``vllm-rollout``        an RL rollout plan on ``vllm``: the K prompts sampled by vLLM, each
-                        token's logprob as vLLM reports it (:mod:`tracer.engines.vllm.rollout`)
-======================  =================================================================
-
-An RL plan (``plan.rl`` set) goes to the executor ``<engine>-<role>`` (``hf-rollout``, ``hf-train``,
-``vllm-rollout``). An engine without an executor for a role has its RL plans refused in one line.
-
-Adding an engine means one module with an ``execute`` function of the signature below, one entry
-in :data:`EXECUTORS`, and its name map in ``hooks/`` (``engine-<family>.toml``). Executors are
-imported only when a plan needs them, so ``import tracer`` stays light and an optional engine's
-package (vLLM) is needed only by runs that use it.
+An *engine* executes one :class:`~tracer.plan.plans.RunPlan` on the loaded model with capture hooks
+attached and hands back what its modules computed as a :class:`~tracer.execute.records.RunRecord`
+whose captures carry **HF module names**, whatever the engine calls them internally. Each engine is
+a row of :mod:`tracer.engines.table` and a folder ``tracer/engines/<name>/`` whose package exports
+``ENGINE`` (a :class:`tracer.engines.base.Engine`); this door imports the folder the first time a
+plan needs it (:func:`engine`), so ``import tracer`` stays light and an optional engine's package is
+needed only by runs that use it. Which engine runs a plan is decided here, from the plan
+(:func:`engine_of`): the row chosen by its TP mode (``--tp-mode distributed``: ``tp``), else the
+engine it names (``RunPlan.engine``; none: the reference). A plan's *executor* is the engine's
+function for the plan's role (:func:`executor_name`: the engine's name, ``tp-distributed``, and for
+an RL step ``<engine>-rollout`` / ``<engine>-train``); an engine without its role is refused in one line.
 """
 
 from __future__ import annotations
@@ -38,48 +19,90 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
+from tracer.engines.table import ENGINES, REFERENCE, is_reference, name_of, row, rows, selectable
 from tracer.errors import TracerError
-from tracer.plan.engines import ENGINES, PACKAGES
 
 if TYPE_CHECKING:
+    from tracer.engines.base import Engine
     from tracer.execute.points import CapturePoint
+    from tracer.execute.records import RunRecord
     from tracer.load.models import LoadedModel
-    from tracer.plan.scenarios import RunPlan
+    from tracer.plan.plans import RunPlan, Scenario
 
-#: executor name → ``(module, function)``; the function is called as
-#: ``fn(loaded, token_ids, plan, points, window, **options)`` and returns ``(run, partials)``
-EXECUTORS: dict[str, tuple[str, str]] = {
-    "hf": ("tracer.engines.hf.run", "execute_loaded"),
-    "tp-distributed": ("tracer.engines.tp.dist", "execute_loaded"),
-    "vllm": ("tracer.engines.vllm.engine", "execute_loaded"),
-    "hf-rollout": ("tracer.engines.hf.rollout", "execute_rollout"),
-    "hf-train": ("tracer.engines.hf.rollout", "execute_train"),
-    "vllm-rollout": ("tracer.engines.vllm.rollout", "execute_rollout"),
-}
+
+def engine(name: str | None) -> Engine:
+    """The :class:`~tracer.engines.base.Engine` of ``name`` (None: the reference): its folder's ``ENGINE``.
+
+    Raises:
+        TracerError: an engine not in the table, or a row without its folder.
+    """
+    r = row(name)
+    folder = f"{__package__}.{r.name}"
+    try:
+        found = getattr(importlib.import_module(folder), "ENGINE", None)
+    except ModuleNotFoundError as e:
+        if e.name != folder:
+            raise
+        found = None
+    if found is None:
+        raise TracerError(f"engine {r.name!r} has a row in tracer/engines/table.py but no folder "
+                          f"tracer/engines/{r.name}/ exporting ENGINE")
+    return found
+
+
+def _chosen(plan: RunPlan) -> str:
+    """The name of the engine that runs ``plan`` (:func:`engine_of`)."""
+    tp = getattr(plan, "tp", None)
+    if tp is not None:
+        by_mode = [r.name for r in ENGINES if r.chosen_by == f"--tp-mode {tp.mode}"]
+        if by_mode:
+            return by_mode[0]
+    name = name_of(getattr(plan, "engine", None))
+    if name not in selectable():
+        raise TracerError(f"unknown engine {name!r}; use one of: {', '.join(selectable())}")
+    return name
+
+
+def engine_of(plan: RunPlan) -> Engine:
+    """The engine that executes ``plan`` (module docstring).
+
+    Raises:
+        TracerError: an unknown engine.
+    """
+    return engine(_chosen(plan))
+
+
+def _role(plan: RunPlan) -> str:
+    rl = getattr(plan, "rl", None)
+    return "run" if rl is None else rl.role
 
 
 def executor_name(plan: RunPlan) -> str:
-    """Which executor runs ``plan``: ``tp-distributed`` for a ``--tp-mode distributed`` plan,
-    ``<engine>-<role>`` for an RL plan (``plan.rl``: ``hf-rollout``, ``hf-train``), else the plan's
-    engine (``hf``, ``vllm``).
+    """Which executor runs ``plan``: the engine's name for a plain run (``hf``), the engine and its TP
+    mode for one chosen by ``--tp-mode`` (``tp-distributed``), ``<engine>-<role>`` for an RL plan
+    (``hf-rollout``, ``hf-train``).
 
     Raises:
         TracerError: an engine tracer does not know (listing the known ones), or an RL plan on an
-            engine without an executor for its role.
+            engine without its role.
     """
-    if plan.tp is not None and plan.tp.mode == "distributed":
-        return "tp-distributed"
-    engine = getattr(plan, "engine", "hf") or "hf"
-    if engine not in ENGINES:
-        raise TracerError(f"unknown engine {engine!r}; use one of: {', '.join(ENGINES)}")
-    rl = getattr(plan, "rl", None)
-    if rl is not None:
-        name = f"{engine}-{rl.role}"
-        if name not in EXECUTORS:
-            raise TracerError(f"engine {engine!r} has no {rl.role} executor for the rollout-vs-train scenario yet "
-                              f"(no {name!r} in tracer.engines.door.EXECUTORS); run its plans with engine 'hf'")
-        return name
-    return engine
+    name = _chosen(plan)
+    r, role = row(name), _role(plan)
+    if r.chosen_by != "--engine":
+        return f"{name}-{r.chosen_by.split()[-1]}"
+    if role not in r.roles:
+        raise TracerError(f"engine {name!r} has no {role} executor for the rollout-vs-train scenario yet (its roles in "
+                          f"tracer/engines/table.py: {', '.join(r.roles)}); run its plans with engine {REFERENCE!r}")
+    return name if role == "run" else f"{name}-{role}"
+
+
+def _missing(name: str, e: ModuleNotFoundError) -> TracerError:
+    """The one-line error for an engine whose package (``e.name``) is not installed."""
+    missing = (e.name or "").split(".")[0]
+    r = row(name)
+    how = r.install or f"pip install -e '.[{name}]'"
+    return TracerError(f"engine {name!r} needs the package {missing!r}, which is not installed; "
+                       f"install it in {how}, or use --engine {REFERENCE}")
 
 
 def executor(plan: RunPlan) -> Callable[..., tuple[Any, Any]]:
@@ -88,28 +111,25 @@ def executor(plan: RunPlan) -> Callable[..., tuple[Any, Any]]:
     Raises:
         TracerError: unknown engine, or its package is not installed (one line naming it).
     """
-    name = executor_name(plan)
-    module, fn = EXECUTORS[name]
+    executor_name(plan)  # refuses what no executor runs
+    name = _chosen(plan)
     try:
-        return getattr(importlib.import_module(module), fn)
+        return engine(name).executor(_role(plan))
     except ModuleNotFoundError as e:
-        missing = (e.name or "").split(".")[0]
-        if missing == "tracer":
-            raise TracerError(f"engine {name!r}: this tracer has no executor module {module}") from None
-        how = PACKAGES[name][1] if name in PACKAGES else f"pip install -e '.[{name}]'"
-        raise TracerError(f"engine {name!r} needs the package {missing!r}, which is not installed; "
-                          f"install it in {how}, or use --engine hf") from None
+        if (e.name or "").split(".")[0] == "tracer":
+            raise
+        raise _missing(name, e) from None
 
 
 def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, points: list[CapturePoint], window: tuple[int, int],
-                 **options: Any) -> tuple[Any, Any]:
-    """Execute ``plan`` on ``loaded`` with the engine it names.
+                 **options: Any) -> tuple[RunRecord, RunRecord | None]:
+    """Execute ``plan`` on ``loaded`` with the engine that runs it.
 
     Args:
         loaded: the :class:`~tracer.load.models.LoadedModel` (the HF model; other engines build
             their own from the same weights, ``loaded.info``).
         token_ids: the prompt, N ints.
-        plan: the :class:`~tracer.plan.scenarios.RunPlan`.
+        plan: the :class:`~tracer.plan.plans.RunPlan`.
         points: capture points under HF names (:func:`tracer.execute.points.discover_points`).
         window: the compared positions ``(start, stop)``.
         options: ``keep_on_device``, ``decode``, ``meta``, ``say``, ``kernels``, ``sdpa_inputs``; for a
@@ -125,60 +145,131 @@ def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, point
     return executor(plan)(loaded, token_ids, plan, points, window, **options)
 
 
-def hf_contract(loaded: Any) -> dict[str, Any]:
-    """The HF reference's numeric contract in the keys an engine's facts use
-    (:meth:`tracer.engines.vllm.engine.VllmEngine.facts`): transformers version, attention
-    implementation, norm, activation, GEMM, activation / logits / KV-cache dtypes."""
-    import transformers
+def realise(scen: Scenario, name: str | None) -> Scenario:
+    """``scen`` with both plans executed by engine ``name`` (None: the reference, ``scen`` unchanged;
+    ``rollout-vs-train``: run A only); the ``engine`` scenario's plans, which name their own engines,
+    each realised by its engine.
 
-    model, info = loaded.model, loaded.info
-    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
-    norm = next((type(m).__name__ for _n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")), None)
-    head = model.get_output_embeddings()
-    logits = str(getattr(getattr(head, "weight", None), "dtype", info.dtype)).replace("torch.", "")
-    return {"engine": "hf", "version": transformers.__version__, "device": info.device, "dtype": info.dtype,
-            "attention_backend": info.attn_implementation,
-            "norm": (f"{norm} (PyTorch ops); the residual added in {info.dtype} first, the rounded sum normalized "
-                     "in float32" if norm else "?"),
-            "activation": f"{getattr(cfg, 'hidden_act', '?')} then * up (PyTorch ops)",
-            "gemm": "torch F.linear", "activation_dtype": info.dtype, "logits_dtype": logits,
-            "kv_cache_dtype": info.dtype, "block_size": "none (a contiguous KV cache)",
-            "max_num_batched_tokens": "none (each forward call computes what it is given)",
-            "compilation_mode": 0, "cudagraph_mode": "NONE"}
+    Raises:
+        TracerError: an unknown engine, a scenario outside its row's ``scenarios``, a mitigation it
+            cannot apply, or what the engine itself refuses (one line each).
+    """
+    if scen.name == "engine":
+        if not is_reference(name):
+            raise TracerError("--engine does not combine with --scenario engine, whose two runs name their own "
+                              f"engines; use --engines A,B (e.g. --engines {','.join(selectable()[:2])})")
+        for e in dict.fromkeys(p.engine for p in (scen.plan_a, scen.plan_b) if not is_reference(p.engine)):
+            scen = engine(e).realise(scen)
+        return scen
+    if is_reference(name):
+        return scen
+    r = row(name)
+    if r.scenarios is not None and scen.name not in r.scenarios:
+        raise TracerError(f"scenario {scen.name} does not run in {r.name}: it changes something {r.name} does not "
+                          f"expose here; with --engine {r.name} use one of: {', '.join(r.scenarios)}")
+    if r.deterministic and (scen.params.get("mitigation") == "deterministic" or scen.plan_a.deterministic
+                            or scen.plan_b.deterministic):
+        raise TracerError(f"--mitigation deterministic is not available in {r.name}: {r.deterministic}; use "
+                          f"--mitigation aligned (prefix-cache) or --engine {REFERENCE}")
+    return engine(r.name).realise(scen)
 
 
-def plan_contract(loaded: Any, plan: Any) -> dict[str, Any]:
-    """The numeric contract of the engine ``plan`` runs on, before it runs (the trace header's
-    ``engines``): :func:`hf_contract`, or the engine module's ``plan_facts(loaded, plan)`` (vLLM:
-    the LLM for the plan's settings is built now, and reused by the run).
+def facts(loaded: LoadedModel, plan: RunPlan) -> dict[str, Any]:
+    """The numeric contract of the engine ``plan`` runs on, before it runs
+    (:meth:`tracer.engines.base.Engine.facts`; an engine with a process of its own starts it now,
+    and the run reuses it).
 
     Raises:
         TracerError: the engine's package is missing, or it cannot start.
     """
-    engine = getattr(plan, "engine", "hf") or "hf"
-    if engine == "hf":
-        return hf_contract(loaded)
-    module = EXECUTORS[engine][0]
+    name = _chosen(plan)
     try:
-        return importlib.import_module(module).plan_facts(loaded, plan)
+        return engine(name).facts(loaded, plan)
     except ModuleNotFoundError as e:
-        how = PACKAGES[engine][1] if engine in PACKAGES else f"pip install -e '.[{engine}]'"
-        raise TracerError(f"engine {engine!r} needs the package {(e.name or '').split('.')[0]!r}, which is not "
-                          f"installed; install it in {how}, or use --engine hf") from None
+        if (e.name or "").split(".")[0] == "tracer":
+            raise
+        raise _missing(name, e) from None
 
 
-def uses_engines(scen: Any) -> bool:
-    """Whether a plan of ``scen`` runs on an engine other than HF (``RunPlan.engine``)."""
-    return any((getattr(p, "engine", "hf") or "hf") != "hf" for p in (scen.plan_a, scen.plan_b))
+def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
+    """What the scheduler of run ``run``'s engine (``meta["engine"]["engine"]``) did, in one line
+    (:meth:`tracer.engines.base.Engine.scheduler_note`); None for an engine without one, or not in the table."""
+    name = (meta.get("engine") or {}).get("engine") if isinstance(meta.get("engine"), dict) else None
+    if name not in rows():
+        return None
+    return engine(name).scheduler_note(run, meta)
 
 
-def engines_header(loaded: Any, scen: Any) -> dict[str, Any]:
+def uses_engines(scen: Scenario) -> bool:
+    """Whether a plan of ``scen`` names an engine other than the reference (``RunPlan.engine``)."""
+    return any(not is_reference(getattr(p, "engine", None)) for p in (scen.plan_a, scen.plan_b))
+
+
+def engines_header(loaded: LoadedModel, scen: Scenario) -> dict[str, Any]:
     """The trace header's ``engines``: each run's engine contract, known before it runs
-    (:func:`tracer.engines.door.plan_contract`), when a plan runs on an engine other than HF; else {}."""
+    (:func:`facts`), when a plan runs on an engine other than the reference; else {}."""
     if not uses_engines(scen):
         return {}
-    return {"engines": {p.name: plan_contract(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
+    return {"engines": {p.name: facts(loaded, p) for p in (scen.plan_a, scen.plan_b)}}
 
 
-__all__ = ["ENGINES", "EXECUTORS", "executor_name", "executor", "execute_plan", "hf_contract", "plan_contract",
-           "uses_engines", "engines_header"]
+def _by_engine(scen: Scenario) -> dict[str, list[RunPlan]]:
+    out: dict[str, list[RunPlan]] = {}
+    for plan in (scen.plan_a, scen.plan_b):
+        out.setdefault(_chosen(plan), []).append(plan)
+    return out
+
+
+def header(scen: Scenario, device: str) -> dict[str, Any]:
+    """What the trace header records about the engines of ``scen``'s plans besides their facts
+    (:meth:`tracer.engines.base.Engine.header`; ``--tp-mode distributed``: ``tensor_parallel``)."""
+    out: dict[str, Any] = {}
+    for name, plans in _by_engine(scen).items():
+        out.update(engine(name).header(plans, device))
+    return out
+
+
+def check(scen: Scenario, device: str | None, *, verdict: bool = False, dispatched: bool = False,
+          model: Any = None) -> None:
+    """Refuse a scenario whose plans this machine or this run cannot execute, before anything is
+    spawned (:meth:`tracer.engines.base.Engine.check`).
+
+    Raises:
+        TracerError: one line naming the problem and what to do.
+    """
+    for name, plans in _by_engine(scen).items():
+        engine(name).check(plans, device, verdict=verdict, dispatched=dispatched, model=model)
+
+
+def follower_plans(scen: Scenario) -> list[RunPlan]:
+    """The plans of ``scen`` this process only takes part in (a follower rank, e.g. under ``torchrun``:
+    the leader compares and writes); empty for a process that runs the scenario itself."""
+    return [p for p in (scen.plan_a, scen.plan_b) if engine_of(p).follows(p)]
+
+
+def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, **options: Any) -> None:
+    """Both plans of ``scen`` on their engine with no hooks and no comparison (the bench's floor;
+    :meth:`tracer.engines.base.Engine.run_bare`).
+
+    Raises:
+        TracerError: an engine without a bare run.
+    """
+    engine_of(scen.plan_a).run_bare(loaded, token_ids, scen, **options)
+
+
+def capture_object(obj: Any, points: Any, **options: Any) -> Any:
+    """A capture context of a user's engine object (a table row's ``objects``: its class from that
+    package, with that attribute), or None when ``obj`` is no engine's object.
+
+    Raises:
+        TracerError: an option that engine's capture does not take.
+    """
+    package = type(obj).__module__.split(".")[0]
+    for r in ENGINES:
+        if r.objects is not None and r.objects[0] == package and hasattr(obj, r.objects[1]):
+            return engine(r.name).capture(obj, points, **options)
+    return None
+
+
+__all__ = ["engine", "engine_of", "executor_name", "executor", "execute_plan", "realise", "facts", "uses_engines",
+           "engines_header", "header", "check", "follower_plans", "run_bare", "capture_object", "scheduler_note"]

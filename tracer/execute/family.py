@@ -418,7 +418,7 @@ def layout_facts(header: Mapping[str, Any]) -> dict[str, str]:
 def engine_map_files(family: str, engine: str | None = None) -> list[Path]:
     """The engine dump maps (``engine-*.toml`` on the search path, :func:`hook_dirs`) for the model
     type ``family``: the generic one (its ``[engine]`` table has no ``engine`` key: the module tree
-    SGLang and vLLM share) and, when ``engine`` is given, that engine's own (``engine = "vllm"``),
+    serving engines share) and, when ``engine`` is given, that engine's own (``engine = "<name>"``),
     in that order; the first of each kind on the search path wins.
 
     Raises:

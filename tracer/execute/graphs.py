@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from tracer.engines.table import is_reference
 from tracer.errors import TracerError
 
 
@@ -63,7 +64,7 @@ def check_graph_plan(plan: Any, *, kernels: bool = False, sdpa_inputs: bool = Fa
         why = "tensor parallelism"
     elif plan.generate or plan.rl is not None:
         why = "token-by-token generation"
-    elif plan.engine != "hf":
+    elif not is_reference(plan.engine):
         why = f"the {plan.engine} engine (which manages its own CUDA graphs)"
     elif kernels:
         why = "--kernels (torch.profiler cannot run inside a graph capture)"

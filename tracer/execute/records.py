@@ -107,7 +107,7 @@ class RawDump:
     Attributes:
         path: the folder or file.
         layout: ``sglang-dumper``, ``passes`` or ``tensors``.
-        engine: a display name (``SGLang dumper``, ``SGLang/vLLM per-pass dump``, ``named tensors``).
+        engine: a display name (``SGLang dumper``, a per-pass dump, ``named tensors``).
         entries: the activations (token bookkeeping removed).
         tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``,
             plus ``"shape": (b, s)`` when the ids were dumped as a ``[b, s]`` batch (Megatron).
@@ -127,3 +127,15 @@ class RawDump:
     facts: dict[str, Any] = field(default_factory=dict)
     ignored_inputs: list[str] = field(default_factory=list)
     input_digests: dict[tuple[str, int, int], str] = field(default_factory=dict)
+
+
+def settle_wall(rec: RunRecord) -> RunRecord:
+    """Fill ``rec.meta["wall_s"]`` of a run timed by CUDA events (an engine's run with
+    ``keep_on_device`` on a GPU: ``extras["wall_events"]``), waiting for the run's last kernel; a no-op for other runs.
+    Returns ``rec``."""
+    events = rec.extras.get("wall_events")
+    if events is not None:  # idempotent: the writer's thread and the caller may both settle it
+        start, end = events
+        end.synchronize()
+        rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
+    return rec

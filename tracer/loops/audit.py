@@ -22,8 +22,8 @@ from tracer import pipeline, schema
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.engines.tp.dist import distributed_header
-from tracer.engines.tp.shard import backend_for, check_world
+from tracer.engines import door
+from tracer.engines.table import is_reference, name_of, rows
 from tracer.loops.audit_store import AuditStore
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
@@ -184,7 +184,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
     _check_options(options, selected)
-    if cfg.scenario.engine not in (None, "hf"):  # every check runs on it (the engine check names its own)
+    if not is_reference(cfg.scenario.engine):  # every check runs on it (the engine check names its own)
         options["engine"] = cfg.scenario.engine
     store = cfg.store.mode != "none"
     out = _output_path(cfg) if store else None
@@ -201,9 +201,9 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
                                           "audit_options": {"mitigations": bool(mitigations), "budget": budget,
-                                                            "engine": cfg.scenario.engine or "hf",
+                                                            "engine": name_of(cfg.scenario.engine),
                                                             "checks": [c.key for c in todo]},
-                                          **(distributed_header(plans["L4-tp-real"], info.device)
+                                          **(door.header(plans["L4-tp-real"], info.device)
                                              if "L4-tp-real" in plans else {})})
     state = AuditStore(out, header, overwrite=cfg.store.overwrite) if store else None
     done = {} if state is None else ({r["key"]: r for r in state.reused} if state.reused is not None else state.finished())
@@ -237,7 +237,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
             state.merge([c.key for c in todo], [row_record(r) for r in rows])
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
-             "levels": selected, "engine": cfg.scenario.engine or "hf"}
+             "levels": selected, "engine": name_of(cfg.scenario.engine)}
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
 
 
@@ -324,15 +324,10 @@ def skip_reason(check: Check, device: str = "cpu") -> str | None:
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if check.needs == "cuda" and n_gpu == 0:
         return "no CUDA GPU on this machine"
-    if check.needs == "ranks":
-        try:
-            check_world(int(check.options.get("tp", 2)), device)
-        except TracerError as e:
-            return str(e)
+    if check.needs in rows():  # an engine: its package, its processes
+        return door.engine(check.needs).unavailable(check.options, device)
     if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
         return "flash-attention is not installed (pip install flash-attn)"
-    if check.needs == "vllm" and importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (it needs a venv of its own: README 'With vLLM')"
     return None
 
 
@@ -351,13 +346,15 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for j, c in enumerate(todo):
-        if c.needs == "ranks":  # the row says which mode and backend produced it
+        if c.needs in rows():  # the row says how its engine ran (real TP: the backend)
             with contextlib.suppress(TracerError):
-                todo[j] = c = _replace(c, label=f"{c.label} ({backend_for(device)})")
+                detail = door.engine(c.needs).detail(device)
+                if detail:
+                    todo[j] = c = _replace(c, label=f"{c.label} ({detail})")
         reason = skip_reason(c, device)
         if reason is None:
             try:
-                plans[c.key] = build(c.scenario, n, **_options_for(c, options))
+                plans[c.key] = _scenario(c, n, options)
             except TracerError as e:
                 reason = skip_hint(str(e))
         if reason is not None:
@@ -368,6 +365,12 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
 def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:
     uses = applicable_options(c.scenario) + (("engine",) if c.scenario != "engine" else ())
     return {**{k: v for k, v in options.items() if k in uses}, **c.options}
+
+
+def _scenario(c: Check, n: int, options: dict[str, Any], **extra: Any) -> Any:
+    """The check's scenario for N = ``n``, realised on the engine the options name."""
+    opts = _options_for(c, options)
+    return door.realise(build(c.scenario, n, **opts, **extra), opts.get("engine"))
 
 
 def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callable[[str, Any], Any], n: int,
@@ -384,7 +387,7 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
     fixed: dict[str, bool | str] = {}
     for m in c.mitigations:
         try:
-            fixed[m] = one(f"{c.key}+{m}", build(c.scenario, n, **_options_for(c, options), mitigation=m)).identical
+            fixed[m] = one(f"{c.key}+{m}", _scenario(c, n, options, mitigation=m)).identical
         except TracerError as e:
             fixed[m] = skip_hint(str(e))
     return _replace(row, mitigations=fixed)

@@ -40,7 +40,7 @@ from tracer import pipeline, schema
 from tracer.config import RunConfig
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
-from tracer.engines.hf.run import run_bare
+from tracer.engines.door import run_bare
 from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
 from tracer.plan.checks import check_int
 from tracer.store.integrity import check_output_path

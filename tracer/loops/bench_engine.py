@@ -1,17 +1,19 @@
-"""``tracer bench --engine vllm``: the cost of capturing inside vLLM, as a ratio to vLLM's bare ``generate``.
+"""``tracer bench --engine E`` (an engine other than the reference): the cost of capturing inside
+that engine, as a ratio to the engine's own bare run.
 
-One process, one loaded HF model and the vLLM engines of the scenario's plans (prefix-cache in
-vLLM: a miss and a hit of the same prompt), every mode interleaved (bare, capture, tracer, bare,
-...) after warm-up, so the ratios are measured side by side on the same machine state:
+One process, one loaded HF model and the engine's instances for the scenario's plans (prefix-cache:
+a miss and a hit of the same prompt), every mode interleaved (bare, capture, tracer, bare, ...)
+after warm-up, so the ratios are measured side by side on the same machine state:
 
-    bare     both plans' requests through vLLM's own ``LLM.generate``, no hooks (the floor)
-    capture  both plans executed by tracer's vLLM executor: hooks on every mapped module, the
+    bare     both plans through the engine's own API, no hooks (the floor:
+             :func:`tracer.engines.door.run_bare`)
+    capture  both plans executed by the engine's executor: hooks on every mapped module, the
              rows of the traced prompt copied to the host and mapped onto HF names
-             (:func:`tracer.engines.vllm.engine.execute_loaded`), no comparison
-    tracer   ``tracer run --engine vllm --store none``: capture, then the online comparison
+             (:func:`tracer.engines.door.execute_plan`), no comparison
+    tracer   ``tracer run --engine E --store none``: capture, then the online comparison
 
-Every repetition resets the prefix cache before each plan (as tracer's runs do), so the bare
-floor computes exactly what the captured runs compute.
+Every repetition starts each plan from an empty cache (as tracer's runs do), so the bare floor
+computes exactly what the captured runs compute.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ MODES = ("bare", "capture", "tracer")
 
 
 @dataclass
-class VllmBenchResult(schema.Record):
+class EngineBenchResult(schema.Record):
     """Timings (seconds) of each mode per measured repetition, and the configuration."""
 
     config: dict[str, Any]
@@ -52,23 +54,23 @@ class VllmBenchResult(schema.Record):
         doc["ratios"] = self.ratios()
 
 
-def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
-               granularity: str = "layers", kv_cache: bool = True, block_size: int = 32, reps: int = 5,
-               warmup: int = 1, gguf: str | None = None,
-               progress: Callable[[str], None] | None = None) -> VllmBenchResult:
-    """Measure the modes of the module docstring for the prefix-cache scenario in vLLM at ``length`` tokens.
+def bench_engine(model: str = "smollm2-135m", *, engine: str, length: int = 1024, dtype: str = "bfloat16",
+                 granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None, reps: int = 5,
+                 warmup: int = 1, gguf: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> EngineBenchResult:
+    """Measure the modes of the module docstring for the prefix-cache scenario on ``engine`` at
+    ``length`` tokens (``block_size``: None, the engine's default).
 
     Raises:
-        TracerError: bad options (as ``tracer run --engine vllm``), vLLM not installed or not starting.
+        TracerError: bad options (as ``tracer run --engine E``), the engine not installed or not starting.
     """
     from tracer import pipeline
     from tracer.config import RunConfig
     from tracer.validate import validate
-    from tracer.engines.door import execute_plan
-    from tracer.engines.vllm.engine import run_bare
+    from tracer.engines.door import execute_plan, run_bare
 
     say = progress or (lambda m: None)
-    cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, gguf=gguf, engine="vllm",
+    cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, gguf=gguf, engine=engine,
                                           block_size=block_size, granularity=granularity, kv_cache=kv_cache,
                                           store="none"))
     say(f"loading {model}")
@@ -79,8 +81,7 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
     plans = (scen.plan_a, scen.plan_b)
 
     def bare() -> None:
-        for plan in plans:
-            run_bare(lm, ids, plan, meta)
+        run_bare(lm, ids, scen, meta=meta)
 
     def capture() -> None:
         for plan in plans:
@@ -88,14 +89,14 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
 
     modes = {"bare": bare, "capture": capture,
              "tracer": lambda: pipeline.run_scenario(lm, ids, scen, cfg.capture, online=True)}
-    say("starting vLLM and checking the runs")
+    say(f"starting {engine} and checking the runs")
     first = pipeline.run_scenario(lm, ids, scen, cfg.capture, online=True).comparison
-    engine = first.facts.get("engine_b", {})
-    result = VllmBenchResult(config={
-        "model": model, "length": len(ids), "dtype": dtype, "granularity": granularity, "kv_cache": kv_cache,
-        "block_size": block_size, "reps": reps, "warmup": warmup, "scenario": scen.name, "n_points": len(points),
-        "verdict": first.verdict(), "vllm": engine.get("version"), "device": engine.get("device"),
-        "attention_backend": engine.get("attention_backend"), "cached_tokens": first.facts.get("cached_tokens_b"),
+    facts = first.facts.get("engine_b", {})
+    result = EngineBenchResult(config={
+        "model": model, "engine": engine, "length": len(ids), "dtype": dtype, "granularity": granularity,
+        "kv_cache": kv_cache, "block_size": scen.params.get("block_size"), "reps": reps, "warmup": warmup, "scenario": scen.name, "n_points": len(points),
+        "verdict": first.verdict(), "version": facts.get("version"), "device": facts.get("device"),
+        "attention_backend": facts.get("attention_backend"), "cached_tokens": first.facts.get("cached_tokens_b"),
         "plans": [p.description for p in plans]})
     result.times = {m: [] for m in modes}
     for i in range(warmup + reps):
@@ -108,4 +109,4 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
     return result
 
 
-__all__ = ["bench_vllm", "VllmBenchResult", "MODES"]
+__all__ = ["bench_engine", "EngineBenchResult", "MODES"]

@@ -1,7 +1,7 @@
 """The bench's peers: tracer's online comparison (bench mode b) done the ways people do it without tracer.
 
 Each peer runs the scenario's two plans exactly as the bench's floor does
-(:func:`tracer.engines.hf.run.run_bare`: the same chunks, the same KV-cache reuse, the same plan
+(:func:`tracer.engines.door.run_bare`: the same chunks, the same KV-cache reuse, the same plan
 context), keeps every decoder layer's output its own way, and counts, per layer, the elements
 whose bits differ between run A and run B on the compared window (batch row 0), with plain
 torch: the number tracer reports as ``n_diff`` for its ``layer`` points.
@@ -32,7 +32,7 @@ import torch
 
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.engines.hf.run import run_bare
+from tracer.engines.door import run_bare
 
 if TYPE_CHECKING:
     from tracer.execute.points import CapturePoint

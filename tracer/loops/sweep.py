@@ -20,6 +20,8 @@ from tracer import pipeline
 from tracer.config import RunConfig, applicable_options
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
+from tracer.engines.door import realise
+from tracer.engines.table import default, is_reference
 from tracer.plan.build import check_resources, make_scenario
 from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
 from tracer.store.integrity import check_name_length, check_output_path
@@ -132,7 +134,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         lengths: prompt lengths N: ``"17:512"`` (start:stop[:step], stop inclusive), ``"64,128"``,
             or a list of ints. Every N must exceed every block size (a cache hit needs one full block).
         block_sizes: KV block sizes, same syntax (``"16,32,64"``) or a list, for the scenarios that
-            take a block size (None: 16, or the engine's own default, 32 for vLLM); a scenario that splits no prompt into KV blocks (repeat,
+            take a block size (None: the engine's own default, :func:`tracer.engines.table.default`); a scenario that splits no prompt into KV blocks (repeat,
             batch, rollout-vs-train, ...) refuses them, and its lengths need not exceed a block.
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
@@ -153,10 +155,8 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     if block_sizes is not None and not uses_block:
         raise TracerError(f"--block-size/--block-sizes do not apply to scenario {scenario} (it splits no prompt into "
                           "KV blocks); drop them")
-    if block_sizes is None and uses_block:  # the engine's own default block (vLLM: 32), else 16
-        from tracer.plan.engines import ENGINE_DEFAULTS
-
-        block_sizes = [ENGINE_DEFAULTS.get(cfg.scenario.engine or "hf", {}).get("block_size", DEFAULT_BLOCK_SIZES[0])]
+    if block_sizes is None and uses_block:  # the engine's own default block
+        block_sizes = [default(cfg.scenario.engine, "block_size")]
     ns, bs = _axes(lengths, DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes, cache_hit=uses_block)
     out = _sweep_path(cfg, scenario)
     ids = cfg.prompt.token_ids
@@ -178,7 +178,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
     extra = {k: v for k, v in cfg.scenario.options}
     if extra:
         params["options"] = extra
-    if cfg.scenario.engine not in (None, "hf"):  # a vLLM sweep never resumes an HF one (or the reverse)
+    if not is_reference(cfg.scenario.engine):  # a sweep on one engine never resumes another's
         params["engine"] = cfg.scenario.engine
     header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
     sf = SweepFile(out, params, header, overwrite=cfg.store.overwrite) if out is not None else None
@@ -216,7 +216,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
 
 
 #: the block-size axis when none is given (and the one recorded for scenarios without KV blocks)
-DEFAULT_BLOCK_SIZES = [16]
+DEFAULT_BLOCK_SIZES = [default(None, "block_size")]
 
 
 def block_axis(block_sizes: str | list[int] | None, block_size: int | None = None) -> str | list[int] | None:
@@ -253,7 +253,7 @@ def _sweep_path(cfg: RunConfig, scenario: str) -> Path | None:
     if cfg.store.mode == "none":
         return None
 
-    engine = "" if cfg.scenario.engine in (None, "hf") else f"-{cfg.scenario.engine}"
+    engine = "" if is_reference(cfg.scenario.engine) else f"-{cfg.scenario.engine}"
     out = check_name_length(cfg.store.output if cfg.store.output is not None
                             else default_output(cfg.model.name, scenario + engine), "--output")
     check_output_path(out, cfg.store.overwrite, "--output", resume=True)  # before is_sweep_file opens it
@@ -268,7 +268,7 @@ def _point_scenario(cfg: RunConfig, n: int, block_size: int | None) -> Scenario:
     params = cfg.scenario.params()
     if block_size is not None:
         params["block_size"] = block_size
-    return check_resources(make_scenario(cfg.scenario.name, n, params))
+    return check_resources(realise(make_scenario(cfg.scenario.name, n, params), params.get("engine")))
 
 
 def _run_point(pipeline: Any, cfg: RunConfig, loaded: LoadedModel, ids: list[int], scen: Scenario, tmp: Path | None) -> Any:

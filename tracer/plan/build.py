@@ -4,7 +4,8 @@ preview before the prompt is tokenized, with its resources checked on this machi
 :func:`build` looks the name up in :data:`tracer.plan.scenarios.SCENARIOS`, refuses options the
 builder does not take, fills the engine's defaults (:func:`tracer.plan.engines.engine_defaults`)
 and applies ``--mitigation``; the builders themselves are the catalogue
-(:mod:`tracer.plan.scenarios`).
+(:mod:`tracer.plan.scenarios`). Every scenario is planned for the reference engine: another engine
+realises it through the door (:func:`tracer.engines.door.realise`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import inspect
 from typing import Any
 
 from tracer.errors import TracerError
-from tracer.plan.engines import engine_defaults, with_engine
+from tracer.plan.engines import engine_defaults
 from tracer.plan.plans import Scenario
 from tracer.plan.scenarios import SCENARIOS, check_mitigation, with_mitigation
 
@@ -27,9 +28,9 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``attn_a``, ``attn_b``, ``devices``, ``mitigation``, and ``rollout-vs-train``'s ``rollouts``,
     ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
     ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``, ``engine``'s ``engines``) and
-    ``engine`` (who executes both plans, :func:`tracer.plan.engines.with_engine`; its defaults,
-    e.g. vLLM's KV block size 32, fill unset options); each builder takes the ones it uses, None
-    means its default.
+    ``engine`` (whose defaults, e.g. its KV block size, fill unset options; the door realises the
+    scenario on it, :func:`tracer.engines.door.realise`); each builder takes the ones it uses,
+    None means its default.
 
     Raises:
         TracerError: unknown scenario name (listing the known ones), an option the scenario does
@@ -49,7 +50,7 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
         raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
     kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
     scen = fn(n_tokens, **kwargs)
-    return with_engine(scen if "mitigation" in accepted else with_mitigation(scen, mitigation), engine)
+    return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
@@ -63,7 +64,7 @@ def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
     if not isinstance(scen, Scenario):
         raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return with_engine(scen, options.get("engine"))
+    return scen
 
 
 def check_resources(scen: Any) -> Any:

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracer import schema
+from tracer.engines.table import ENGINES, REFERENCE, row, selectable
 from tracer.errors import TracerError
 
+#: where ``--mitigation aligned`` comes from: the scheduling fix the seed cites for level 2
+ALIGNED_SOURCE = "vLLM #34046"
 #: the seed's status of each level ("The Illusion of Determinism", hierarchy table)
 SEED_STATUS = {
     0: "largely solved (fixed kernel, fixed shape, no atomics)",
     1: "attempted; 11 of 28 items unresolved (SGLang #10278)",
-    2: "addressed via scheduling constraints (vLLM #34046, open)",
+    2: f"addressed via scheduling constraints ({ALIGNED_SOURCE}, open)",
     3: "inherently follows from level 2",
     4: "partially solved (deterministic all-reduce; edge cases remain)",
     5: "unsolved",
@@ -36,8 +39,9 @@ class Check(schema.Record):
         key: run-name prefix in the trace (``L1-batch-padded``).
         level, scenario, label: hierarchy level, catalogue name, one line for the table.
         options: scenario options fixed by this check (they win over the user's).
-        needs: ``"cuda"``, ``"ranks"`` (K processes of a torch.distributed group: always on the CPU
-            with gloo, one GPU per rank with NCCL), ``"flash"``, ``"vllm"`` (the package) or None.
+        needs: ``"cuda"``, ``"flash"``, an engine of :mod:`tracer.engines.table` (``tp``: K processes
+            of a torch.distributed group, always on the CPU with gloo, one GPU per rank with NCCL;
+            another engine: its package) or None.
         mitigations: mitigations that apply when the check diverges.
     """
 
@@ -48,6 +52,11 @@ class Check(schema.Record):
     options: dict[str, Any] = field(default_factory=dict)
     needs: str | None = None
     mitigations: tuple[str, ...] = ("deterministic",)
+
+
+#: the engine of the real-TP check (chosen by ``--tp-mode distributed``) and the other engine of ``engine``
+_TP = next(r.name for r in ENGINES if r.chosen_by == "--tp-mode distributed")
+_OTHER = selectable()[1]
 
 
 def checks(n_tokens: int | None = None) -> list[Check]:
@@ -70,7 +79,7 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L4-tp-sim-tree-fp32", 4, "tensor-parallel", "unsharded vs simulated TP-4, tree all-reduce in fp32",
               {"tp": 4, "reduce": "tree", "reduce_dtype": "float32"}),
         Check("L4-tp-real", 4, "tensor-parallel", "unsharded vs real TP-2 over torch.distributed",
-              {"tp": 2, "tp_mode": "distributed"}, needs="ranks"),
+              {"tp": 2, "tp_mode": "distributed"}, needs=_TP),
         Check("L5-kv-fp8", 5, "kv-quant", "KV cache model dtype vs FP8 E4M3", {"kv_format": "fp8-e4m3"}),
         Check("L5-kv-mxfp8", 5, "kv-quant", "KV cache model dtype vs MXFP8 (32, E8M0)", {"kv_format": "mxfp8"}),
         Check("L5-kv-nvfp4", 5, "kv-quant", "KV cache model dtype vs NVFP4 (16, E4M3)", {"kv_format": "nvfp4"}),
@@ -78,8 +87,8 @@ def checks(n_tokens: int | None = None) -> list[Check]:
         Check("L6-attention-flash", 6, "attention", "attention sdpa vs flash_attention_2",
               {"attn_a": "sdpa", "attn_b": "flash_attention_2"}, needs="flash"),
         Check("L6-compile", 6, "compile", "eager vs torch.compile"),
-        Check("L6-engine", 6, "engine", "HF transformers vs vLLM (same weights and token ids)", needs="vllm",
-              mitigations=()),
+        Check("L6-engine", 6, "engine", f"HF {row(REFERENCE).product} vs {row(_OTHER).product} (same weights and "
+              "token ids)", needs=_OTHER, mitigations=()),
         Check("L6-cuda-graph", 6, "cuda-graph", "eager vs CUDA-graph replay", needs="cuda"),
         Check("L7-device", 7, "device", "CPU vs GPU", {"devices": "cpu,cuda"}, needs="cuda"),
         Check("L7-disaggregated", 7, "disaggregated", "prefix on CPU, moved to GPU, vs all on GPU",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tracer.engines.table import REFERENCE
 from tracer.errors import TracerError
 from tracer.plan.rollout import RLSpec
 
@@ -106,10 +107,11 @@ class RunPlan:
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (restored afterwards).
         cuda_graph: record each chunk's forward pass in a CUDA graph and replay it
             (:mod:`tracer.execute.graphs`; the capture copies are recorded into the graph).
-        engine: which engine executes the plan (:data:`tracer.engines.door.ENGINES`: ``hf``,
-            the reference, or ``vllm``); :mod:`tracer.engines.door` picks the executor.
-        engine_settings: ``(key, value)`` pairs for the engine (vLLM: ``block_size``, ``chunks``
-            ``prefix-cache`` | ``chunked``; :func:`tracer.plan.engines.with_engine` sets them).
+        engine: which engine executes the plan (a name of :mod:`tracer.engines.table`; default the
+            reference); :mod:`tracer.engines.door` picks the executor.
+        engine_settings: ``(key, value)`` pairs for the engine (e.g. its KV block size and how its
+            chunks become requests; the engine sets them when it realises the scenario,
+            :func:`tracer.engines.door.realise`).
         rl: the plan's side of an RL step (:class:`tracer.plan.rollout.RLSpec`: the rollout sampling
             token by token, or the trainer's teacher-forced forward), None otherwise.
     """
@@ -127,7 +129,7 @@ class RunPlan:
     recompute: bool = False
     deterministic: bool = False
     cuda_graph: bool = False
-    engine: str = "hf"
+    engine: str = REFERENCE
     rl: RLSpec | None = None
     engine_settings: tuple[tuple[str, Any], ...] = ()
 

@@ -26,10 +26,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
+from tracer.engines.table import default
 from tracer.errors import TracerError
 from tracer.plan.engines import engine_scenario
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
 from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
+
+#: the reference engine's KV block size, and the block-size scenario's two sizes (:mod:`tracer.engines.table`)
+KV_BLOCK: int = default(None, "block_size")
+KV_BLOCKS: tuple[int, int] = default(None, "block_sizes")
 
 
 def default_split(n_tokens: int, block_size: int) -> int:
@@ -70,15 +75,15 @@ def check_mitigation(mitigation: str | None) -> str | None:
     return mitigation
 
 
-def prefix_cache(n_tokens: int, *, block_size: int = 16, split_at: int | None = None,
+def prefix_cache(n_tokens: int, *, block_size: int = KV_BLOCK, split_at: int | None = None,
                  mitigation: str | None = None) -> Scenario:
     """Level 2: cache miss (whole prompt in one pass) versus cache hit (prefix, then suffix).
 
     Run A computes all N tokens in one forward pass (GEMM M = N). Run B computes the cached
     prefix of P tokens in its own forward pass, as the earlier request did, then the N−P suffix
     tokens with that KV cache (GEMM M = N−P). The compared positions are P..N−1.
-    With ``mitigation="aligned"`` run A is also split at P (vLLM PR #34046's deterministic
-    prefix caching), so both runs compute the suffix with the same M.
+    With ``mitigation="aligned"`` run A is also split at P (the deterministic prefix caching of
+    :data:`tracer.plan.hierarchy.ALIGNED_SOURCE`), so both runs compute the suffix with the same M.
 
     Raises:
         TracerError: bad block size or split point (see :func:`default_split`, :func:`check_split`).
@@ -184,7 +189,7 @@ def generate_cache(n_tokens: int, *, new_tokens: int = 8) -> Scenario:
         (n - 1, n - 1 + t), new_tokens=t)
 
 
-def block_size_scenario(n_tokens: int, *, block_sizes: tuple[int, int] = (16, 64)) -> Scenario:
+def block_size_scenario(n_tokens: int, *, block_sizes: tuple[int, int] = KV_BLOCKS) -> Scenario:
     """Level 3: a cache hit with block size b1 versus b2 (cached prefix = last block boundary below N).
 
     Compared: the positions both runs compute in the suffix, max(P1, P2)..N-1.
@@ -268,7 +273,7 @@ def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str | None = None, re
         (0, n), tp=tp, reduce=reduce, reduce_dtype=reduce_dtype, tp_mode="simulated")
 
 
-def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16,
+def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = KV_BLOCK,
              split_at: int | None = None) -> Scenario:
     """Level 5: a cache hit reading a bf16 KV cache versus one quantize-dequantized as ``kv_format``.
 
@@ -337,7 +342,7 @@ def device(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cuda")) -
                             RunPlan("B", ((0, n),), f"on {y}", devices=(y,)), (0, n), devices=[x, y])
 
 
-def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cuda"), block_size: int = 16,
+def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cuda"), block_size: int = KV_BLOCK,
                   split_at: int | None = None) -> Scenario:
     """Level 7: prefix and suffix on device Y versus prefix KV computed on X, moved to Y, suffix on Y."""
     x, y = _two_devices(devices)

@@ -65,17 +65,25 @@ def table(result: Any):
     return t
 
 
-#: the modes of ``tracer bench --engine vllm`` (:data:`tracer.loops.bench_vllm.MODES`)
-VLLM_LABELS = {"bare": "vLLM generate, no hooks (floor)", "capture": "tracer's vLLM executor: hooks + mapping",
-               "tracer": "tracer run --engine vllm --store none (capture + compare)"}
+def engine_labels(engine: str) -> dict[str, str]:
+    """The modes of ``tracer bench --engine E`` (:data:`tracer.loops.bench_engine.MODES`), in words."""
+    from tracer.engines.table import row
+
+    return {"bare": f"{row(engine).product}'s own run, no hooks (floor)",
+            "capture": f"tracer's {engine} executor: hooks + mapping",
+            "tracer": f"tracer run --engine {engine} --store none (capture + compare)"}
 
 
-def vllm_table(result: Any):
-    """``tracer bench --engine vllm``: each mode's median and min–max, and the ratios to the bare floor."""
+def engine_table(result: Any):
+    """``tracer bench --engine E``: each mode's median and min–max, and the ratios to the bare floor."""
     from rich.table import Table
 
+    from tracer.engines.table import row
+
     c = result.config
-    t = Table(title=f"tracer bench --engine vllm · {c['model']} · {c['dtype']} · vLLM {c['vllm']} on {c['device']} "
+    labels = engine_labels(c["engine"])
+    t = Table(title=f"tracer bench --engine {c['engine']} · {c['model']} · {c['dtype']} · {row(c['engine']).product} "
+                    f"{c['version']} on {c['device']} "
                     f"({c['attention_backend']}) · N={c['length']} · {c['scenario']} · {c['granularity']} "
                     f"({c['n_points']} points{'' if c['kv_cache'] else ', no KV cache'}) · {c['reps']} reps",
               title_justify="left")
@@ -83,7 +91,7 @@ def vllm_table(result: Any):
     t.add_column("median s", justify="right")
     t.add_column("min–max s", justify="right")
     for m, v in result.times.items():
-        t.add_row(VLLM_LABELS.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
+        t.add_row(labels.get(m, m), f"{statistics.median(v):.4f}", f"{min(v):.4f}–{max(v):.4f}")
     t.add_section()
     for k, v in result.ratios().items():
         t.add_row(f"{k.replace('_over_', ' ÷ ')}", f"{v:.3f}", "medians, measured interleaved in this process")

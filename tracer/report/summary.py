@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from tracer.engines.table import is_reference, name_of
 from tracer.execute.kinds import LAYER_KINDS, PointKind
+from tracer.plan.hierarchy import ALIGNED_SOURCE
 
 if TYPE_CHECKING:
     from tracer.diff.result import Comparison, PointResult
@@ -115,12 +117,12 @@ def verdict_line(c: Comparison) -> str:
 
 
 def _engine_flag(c: Any) -> str | None:
-    """``"--engine vllm"`` when this comparison's runs ran on an engine other than HF (the runs'
-    contracts in ``facts["engine_a"/"engine_b"]``), ``""`` for ``--scenario engine`` (its runs name
-    their engines), None for HF runs."""
-    names = {(c.facts.get(k) or {}).get("engine", "hf") for k in ("engine_a", "engine_b")
+    """``"--engine E"`` when this comparison's runs ran on an engine other than the reference (the
+    runs' contracts in ``facts["engine_a"/"engine_b"]``), ``""`` for ``--scenario engine`` (its runs
+    name their engines), None for the reference's runs."""
+    names = {name_of((c.facts.get(k) or {}).get("engine")) for k in ("engine_a", "engine_b")
              if isinstance(c.facts.get(k), dict)}
-    other = sorted(names - {"hf"})
+    other = sorted(n for n in names if not is_reference(n))
     if not other:
         return None
     return "" if c.scenario == "engine" else f"--engine {other[0]}"
@@ -145,8 +147,8 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
     model = c.model if c.model and c.model != "model" else "MODEL"
-    engine = _engine_flag(c)  # runs in vLLM: suggestions run vLLM again; --verdict re-runs HF only (refused)
-    if c.identical and (c.facts.get("engine") or engine == ""):  # engine dumps, HF vs vLLM: a sweep or an
+    engine = _engine_flag(c)  # runs on an engine: suggestions run it again; --verdict re-runs HF only (refused)
+    if c.identical and (c.facts.get("engine") or engine == ""):  # engine dumps, two engines: a sweep or an
         return steps  # audit runs one engine, not the two that were compared
     if c.identical:
         on = f" {engine}" if engine else ""
@@ -169,7 +171,7 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
-        steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P (vLLM #34046); "
+        steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P ({ALIGNED_SOURCE}); "
                      "checks whether aligning the split restores bitwise equality")
     if c.noise is None and engine is None:
         steps.append(f"`{run}--verdict`: re-runs at float32 (and float64 on the CPU) and says whether this is "

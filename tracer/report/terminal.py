@@ -186,12 +186,12 @@ def print_models(models: list[dict[str, str]]) -> None:
 
 def print_bench(result: Any, as_json: bool) -> None:
     """``tracer bench``: the table of medians and ratios, or the result as JSON."""
-    from tracer.report.bench import table, vllm_table
+    from tracer.report.bench import engine_table, table
 
     if as_json:
         print(json.dumps(result.to_dict(), indent=2, default=str))
-    else:
-        Console().print(vllm_table(result) if type(result).__name__ == "VllmBenchResult" else table(result))
+    else:  # an engine's bench names its engine (tracer.loops.bench_engine)
+        Console().print(engine_table(result) if result.config.get("engine") else table(result))
 
 
 #: the formats ``tracer sweep`` prints

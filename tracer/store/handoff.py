@@ -25,12 +25,12 @@ def hand_over(rec: Any, writer: Any, *, online: bool, keep: bool, budget: int | 
     side stream, written once they land; ``stats``: the run without tensors; ``--store auto``
     (``budget``): run A (``first``) early when the whole trace will fit (:func:`early_run_a`),
     else nothing before the comparison (:func:`store_auto`). The writer's thread waits for the
-    copies and fills the run's time (:func:`tracer.engines.hf.run.settle_wall`).
+    copies and fills the run's time (:func:`tracer.execute.records.settle_wall`).
 
     Returns:
         ``(the run's host record, run A's host record when handed over early, else None)``.
     """
-    from tracer.engines.hf.run import settle_wall
+    from tracer.execute.records import settle_wall
 
     host_rec, wait = rec, None
     if not online and keep and budget is None:
@@ -50,7 +50,7 @@ def early_run_a(rec_a: Any, budget: int, writer: Any, settle: Callable[[Any], An
     :func:`store_auto` confirms the choice after the comparison (or takes the run back).
 
     Args:
-        settle: fills the run's time (``tracer.engines.hf.run.settle_wall``), on the writer's thread.
+        settle: fills the run's time (``tracer.execute.records.settle_wall``), on the writer's thread.
 
     Returns:
         run A's host record (its own ``meta`` dict), or None when it was not handed over.

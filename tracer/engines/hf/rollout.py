@@ -2,7 +2,7 @@
 
 Both are executors of :mod:`tracer.engines.door` (``hf-rollout``, ``hf-train``), chosen from
 the plan's :class:`~tracer.plan.rollout.RLSpec` role, with the same signature as the other
-executors. Another engine's rollout (vLLM) is an executor of its own for the same plan.
+executors. Another engine's rollout is an executor of its own (in its folder) for the same plan.
 
 **Rollout** (:func:`execute_rollout`): the K prompts as one left-padded batch ``(K, W)`` with an
 attention mask and position ids counted from each row's first real token (as HF ``generate``
@@ -41,6 +41,7 @@ from tracer.execute.capture import Capture
 from tracer.execute.kernels import KernelRecorder
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
+from tracer.execute.sampling import choose, token_logprobs
 from tracer.engines.hf.run import batch_inputs, plan_context
 from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.devices import cast_weights, model_device
@@ -52,37 +53,6 @@ from tracer.plan.rollout import DECODE_REFUSED, train_dtype_error
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, tau: float) -> torch.Tensor:
-    """``log_softmax(float32(logits) / tau)`` at ``tokens``: what an engine or trainer reports.
-
-    Args:
-        logits: ``(..., vocab)``, any float dtype.
-        tokens: ``(...)`` int64 token ids.
-        tau: temperature (> 0).
-
-    Returns:
-        ``(...)`` float32 logprobs.
-    """
-    lp = torch.log_softmax(logits.float() / tau, dim=-1)
-    return lp.gather(-1, tokens.unsqueeze(-1).to(lp.device)).squeeze(-1)
-
-
-def choose(logits: torch.Tensor, sample: bool, tau: float, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token of every row: argmax (first among ties), or a sample of ``softmax(float32(logits) / tau)``.
-
-    Args:
-        logits: ``(K, vocab)``.
-        generator: a CPU generator (sampling runs on the CPU, so a seed gives the same tokens on any device).
-
-    Returns:
-        ``(K,)`` int64 on the CPU.
-    """
-    if not sample:
-        return torch.argmax(logits, dim=-1).cpu()
-    probs = torch.softmax(logits.float().cpu() / tau, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @contextlib.contextmanager
@@ -306,4 +276,4 @@ def execute_train(loaded: Any, token_ids: list[int], plan: RunPlan, points: list
     return _record(plan, sequences[spec.row], window, cap, rec, sdpa, info, {"rl_logits": logits.detach().clone()}), None
 
 
-__all__ = ["execute_rollout", "execute_train", "train_inputs", "token_logprobs", "choose", "fp32_lm_head", "run_dtype"]
+__all__ = ["execute_rollout", "execute_train", "train_inputs", "fp32_lm_head", "run_dtype"]

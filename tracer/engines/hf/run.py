@@ -316,7 +316,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         a :class:`RunRecord` whose captures hold ``(stop - start, *feature)`` tensors on the CPU
         in the model's dtype (``kv_cache`` points: all positions), with wall time and GEMM M
         per chunk in ``meta``. With ``keep_on_device`` on a GPU the wall time is measured with
-        CUDA events and ``meta["wall_s"]`` is None until :func:`settle_wall`.
+        CUDA events and ``meta["wall_s"]`` is None until :func:`tracer.execute.records.settle_wall`.
 
     Raises:
         TracerError: the plan does not cover the prompt, or ``decode < 0``.
@@ -382,18 +382,6 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         extras["wall_events"] = (start_event, end_event)
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(),
                      window=(int(window[0]), int(window[1])), captures=captures, meta=info, extras=extras)
-
-
-def settle_wall(rec: RunRecord) -> RunRecord:
-    """Fill ``rec.meta["wall_s"]`` of a run timed by CUDA events (:func:`execute` with
-    ``keep_on_device`` on a GPU), waiting for the run's last kernel; a no-op for other runs.
-    Returns ``rec``."""
-    events = rec.extras.get("wall_events")
-    if events is not None:  # idempotent: the writer's thread and the caller may both settle it
-        start, end = events
-        end.synchronize()
-        rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
-    return rec
 
 
 def run_bare(loaded: LoadedModel, token_ids: list[int], scen: Scenario, *, extra: dict[str, Any] | None = None,

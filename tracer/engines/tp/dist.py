@@ -61,11 +61,10 @@ from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.engines.hf.run import model_device
 from tracer.engines.tp.launch import rank_main
 from tracer.engines.tp.ranks import Job, run_rank, watch
 from tracer.engines.tp.shard import backend_for, check_shardable, check_world
-from tracer.load.devices import resolve_device
+from tracer.load.devices import model_device, resolve_device
 from tracer.load.recipe_check import clean_stale_temp_dirs
 
 
@@ -355,21 +354,16 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     return execute_distributed(loaded.model, token_ids, plan, points, window, **kw)
 
 
-def distributed_plans(scen: Any) -> list[Any]:
-    """The plans of ``scen`` that run over torch.distributed (``--tp-mode distributed``)."""
-    return [p for p in (scen.plan_a, scen.plan_b) if p.tp is not None and p.tp.mode == "distributed"]
-
-
-def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, dispatched: bool = False,
+def check_distributed(plans: list[Any], device: str | None, *, verdict: bool = False, dispatched: bool = False,
                       model: Any = None) -> None:
-    """Refuse a distributed TP plan this machine or this run cannot start, before anything is spawned:
+    """Refuse distributed TP ``plans`` this machine or this run cannot start, before anything is spawned:
     K larger than the GPUs, a missing backend, ``--verdict`` or ``--device-map`` with it, and (given the
     loaded ``model``) K not dividing the heads, KV heads or sharded dimensions.
 
     Raises:
         TracerError: one line naming the problem and what to do.
     """
-    for plan in distributed_plans(scen):
+    for plan in plans:
         if verdict:
             raise TracerError("--verdict re-runs the scenario in this process; it does not combine with "
                               "--tp-mode distributed (use --tp-mode simulated)")
@@ -382,9 +376,3 @@ def check_distributed(scen: Any, device: str | None, *, verdict: bool = False, d
                               f"pass --tp {world} or start torchrun with --nproc-per-node {plan.tp.k}")
         if model is not None:
             check_shardable(model, plan.tp.k, vocab_parallel=plan.tp.vocab_parallel)
-
-
-def distributed_header(scen: Any, device: str) -> dict[str, Any]:
-    """``{"tensor_parallel": {...}}`` for the trace header when run B is distributed (else ``{}``)."""
-    plans = distributed_plans(scen)
-    return {"tensor_parallel": header_facts(plans[0], device)} if plans else {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tracer.engines.vllm.realise import BLOCK
 from tracer.errors import TracerError
 
 #: how a plan's chunks can be realised in vLLM (``engine_options["chunks"]``)
@@ -41,7 +42,7 @@ class VllmSettings:
             the float32 logits) or ``processed_logprobs`` (after the temperature: a sampled rollout).
     """
 
-    block_size: int = 32
+    block_size: int = BLOCK
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -68,7 +69,7 @@ class VllmSettings:
 def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
     """How the plan's chunks are realised: ``one-step`` (one chunk), else ``prefix-cache`` or
     ``chunked`` from ``options["chunks"]``, the plan's ``engine_settings`` (set by
-    :func:`tracer.plan.engines.with_engine`), or the scenario (``chunked-prefill``: chunked).
+    :func:`tracer.engines.vllm.realise.realise`), or the scenario (``chunked-prefill``: chunked).
 
     Raises:
         TracerError: an unknown mode.
