@@ -334,8 +334,7 @@ ENGINES_DIR = PKG / "engines"
 COMMON_WORDS = {"hf", "tp"}
 #: the only modules outside tracer/engines/ that may name vLLM, and why (an external source's own words)
 VLLM_CITED = {"tracer/plan/hierarchy.py": "the seed's citation of the scheduling fix, vLLM #34046",
-              "tracer/plan/rollout.py": "TRL's option vllm_importance_sampling_cap",
-              "tracer/store/fields.py": "a comment of the hand-written trace schema, which the trace-facts records replace"}
+              "tracer/plan/rollout.py": "TRL's option vllm_importance_sampling_cap"}
 
 
 def _engine_rows():
@@ -416,7 +415,7 @@ def test_an_engine_name_stays_in_its_folder_and_the_table():
 def test_the_vllm_citations_are_the_only_ones_and_still_needed():
     outside = {str(p.relative_to(PKG.parent)) for p in PKG.rglob("*.py")
                if not str(p.relative_to(PKG.parent)).startswith("tracer/engines/") and re.search("vllm", p.read_text(), re.I)}
-    assert outside <= set(VLLM_CITED) and len(outside) <= 3
+    assert outside == set(VLLM_CITED)
 
 
 def test_only_the_door_imports_an_engine_folder():

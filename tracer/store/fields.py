@@ -76,7 +76,7 @@ def call_ok(c: Any) -> bool:
     if "positions" in c and not span(c["positions"]):
         return False
     if ("in" in c and not _shapes(c["in"])) or ("out" in c and not _shapes(c["out"])):
-        return False  # a list of shapes, or (the spec's example, vLLM's points) one flat shape
+        return False  # a list of shapes, or (the spec's example, an engine's flattened points) one flat shape
     k = c.get("kernels")
     return k is None or (isinstance(k, dict) and all(_kernel_list(k.get(p, [])) for p in ("device", "ops")))
 
