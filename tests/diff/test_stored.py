@@ -13,6 +13,7 @@ from tests.helpers import run_record as _run
 from tracer.diff.compare import compare_records
 from tracer.diff.stored import stored_comparison
 from tracer.store.trace import TraceWriter, json_safe
+from tracer.report.origins import origin_lines
 
 
 def _stored(tmp_path, c, a, b):
@@ -47,7 +48,7 @@ def test_a_nan_payload_divergence_keeps_its_explanation(tmp_path):
     assert live.points[0].diff.n_nan_payload == 1 and "payload differs" in live.verdict()
     back = _stored(tmp_path, live, a, b)
     assert back.points[0].diff.n_nan_payload == 1
-    assert back.verdict() == live.verdict() and back.origin_lines() == live.origin_lines()
+    assert back.verdict() == live.verdict() and origin_lines(back) == origin_lines(live)
 
 
 def _sampled_runs():

@@ -66,7 +66,7 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
     # the fused GEMM's shapes are recorded as vLLM saw them: K 576 -> N 960 (q + k + v), M = the step's tokens
     call = rec.captures["model.layers.0.self_attn.k_proj"].calls[0]
     assert call["in"] == [[N, 576]] and call["out"] == [[N, 960]] and call["positions"] == [0, N]
-    assert "fused qkv_proj, part 2 of 3" in rec.meta["vllm"]["mapping"]["model.layers.0.self_attn.k_proj"]
+    assert "fused qkv_proj, part 2 of 3" in rec.meta["scheduler"]["mapping"]["model.layers.0.self_attn.k_proj"]
     # what has no vLLM counterpart is named with a reason, never an empty capture
     assert "model.layers.0.mlp.act_fn" not in rec.captures
     assert "no vLLM module" in rec.meta["not_captured"]["model.layers.0.mlp.act_fn"]
@@ -126,8 +126,8 @@ def test_cached_length_is_vllms_own(loaded, engine):
         handle.remove()
     assert own == 32
     assert rec.meta["cached_tokens"] == own
-    assert [r["num_cached_tokens"] for r in rec.meta["vllm"]["requests"]] == [0, own]
-    assert rec.meta["vllm"]["chunks"] == [[own, N]]
+    assert [r["num_cached_tokens"] for r in rec.meta["scheduler"]["requests"]] == [0, own]
+    assert rec.meta["scheduler"]["chunks"] == [[own, N]]
     assert seen[:2] == [list(range(32)), list(range(32, N))]  # the prefix request's pass, then the suffix
     assert rec.captures["model.layers.3"].tensor.shape == (N - 32, 576)
     kv = rec.captures["model.layers.3.self_attn.kv_cache"]
@@ -264,8 +264,8 @@ def test_run_engine_vllm_reports_the_cached_length_and_chunks_vllm_used(loaded, 
 def test_chunked_prefill_inside_vllm_is_split_by_the_token_budget(loaded):
     r = tracer.run(loaded, token_ids=IDS, engine="vllm", scenario="chunked-prefill", chunk_size=32, progress=False)
     runs = dict(zip("AB", r.runs))
-    assert runs["A"].meta["vllm"]["chunks"] == [[0, N]]
-    assert runs["B"].meta["vllm"]["chunks"] == [[0, 32], [32, N]]  # the scheduler's own steps, hooks at each
+    assert runs["A"].meta["scheduler"]["chunks"] == [[0, N]]
+    assert runs["B"].meta["scheduler"]["chunks"] == [[0, 32], [32, N]]  # the scheduler's own steps, hooks at each
     assert runs["B"].meta["engine"]["max_num_batched_tokens"] == 32
     assert r.comparison.facts["engine_differences"] == {"chunked-prefill budget": ["4096", "32"]}
 

@@ -39,6 +39,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.errors import TracerError
+from tracer.execute.records import EngineFacts
 from tracer.plan.engines import ENGINES, PACKAGES
 
 if TYPE_CHECKING:
@@ -126,9 +127,10 @@ def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, point
 
 
 def hf_contract(loaded: Any) -> dict[str, Any]:
-    """The HF reference's numeric contract in the keys an engine's facts use
-    (:meth:`tracer.execute.vllm_engine.VllmEngine.facts`): transformers version, attention
-    implementation, norm, activation, GEMM, activation / logits / KV-cache dtypes."""
+    """The HF reference's numeric contract, the document of a :class:`~tracer.execute.records.EngineFacts`
+    as every engine reports it: transformers version, attention implementation, norm, activation,
+    GEMM, activation / logits / KV-cache dtypes; KV block size and token budget 0 (a contiguous KV
+    cache, no per-step budget)."""
     import transformers
 
     model, info = loaded.model, loaded.info
@@ -136,15 +138,15 @@ def hf_contract(loaded: Any) -> dict[str, Any]:
     norm = next((type(m).__name__ for _n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")), None)
     head = model.get_output_embeddings()
     logits = str(getattr(getattr(head, "weight", None), "dtype", info.dtype)).replace("torch.", "")
-    return {"engine": "hf", "version": transformers.__version__, "device": info.device, "dtype": info.dtype,
-            "attention_backend": info.attn_implementation,
-            "norm": (f"{norm} (PyTorch ops); the residual added in {info.dtype} first, the rounded sum normalized "
-                     "in float32" if norm else "?"),
-            "activation": f"{getattr(cfg, 'hidden_act', '?')} then * up (PyTorch ops)",
-            "gemm": "torch F.linear", "activation_dtype": info.dtype, "logits_dtype": logits,
-            "kv_cache_dtype": info.dtype, "block_size": "none (a contiguous KV cache)",
-            "max_num_batched_tokens": "none (each forward call computes what it is given)",
-            "compilation_mode": 0, "cudagraph_mode": "NONE"}
+    return EngineFacts(
+        engine="hf", version=transformers.__version__, device=info.device, dtype=info.dtype,
+        attention_backend=info.attn_implementation,
+        norm=(f"{norm} (PyTorch ops); the residual added in {info.dtype} first, the rounded sum normalized "
+              "in float32" if norm else "?"),
+        activation=f"{getattr(cfg, 'hidden_act', '?')} then * up (PyTorch ops)",
+        gemm="torch F.linear", activation_dtype=info.dtype, logits_dtype=logits, kv_cache_dtype=info.dtype,
+        block_size=0, max_num_batched_tokens=0,  # a contiguous KV cache; each forward call computes what it is given
+        compilation_mode=0, cudagraph_mode="NONE").to_dict()
 
 
 def plan_contract(loaded: Any, plan: Any) -> dict[str, Any]:

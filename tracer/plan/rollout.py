@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tracer import schema
 from tracer.errors import TracerError
 
 #: how the trainer lays the K sequences out: right-padded rows, or one packed row
@@ -46,7 +47,7 @@ DEFAULT_MASK_THRESHOLD = 2.0
 
 
 @dataclass(frozen=True)
-class RLSpec:
+class RLSpec(schema.Record):
     """The RL part of a run plan (``RunPlan.rl``): which side of an RL step the plan is.
 
     Attributes:
@@ -67,10 +68,10 @@ class RLSpec:
     """
 
     role: str
-    rollouts: int
-    row: int
-    lengths: tuple[int, ...]
-    new_tokens: int
+    rollouts: schema.Count
+    row: schema.Count
+    lengths: tuple[schema.Count, ...]
+    new_tokens: schema.Count
     sample: bool = False
     temperature: float = 1.0
     seed: int = 0

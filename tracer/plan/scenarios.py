@@ -290,7 +290,7 @@ def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16
         RunPlan("A", chunks, f"cache hit, KV cache in the model dtype: {p} cached, {n - p}-token suffix"),
         RunPlan("B", chunks, f"cache hit, KV cache stored as {kv_format}: {p} cached, {n - p}-token suffix",
                 kv_transform=kv_format),
-        (p, n), kv_format=kv_format, kv_block_format=FORMATS[kv_format][1].to_dict(), split_at=p)
+        (p, n), kv_format=kv_format, kv_block_format=FORMATS[kv_format][1].to_dict(), block_size=block_size, split_at=p)
 
 
 def attention(n_tokens: int, *, attn_a: str = "eager", attn_b: str = "sdpa") -> Scenario:
@@ -348,7 +348,7 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
         "disaggregated", 7, "hardware (disaggregated prefill)",
         RunPlan("A", chunks, f"prefix ({p}) and suffix ({n - p}) on {y}", devices=(y, y)),
         RunPlan("B", chunks, f"prefix KV ({p}) on {x}, moved to {y}, suffix ({n - p}) on {y}", devices=(x, y)),
-        (p, n), devices=[x, y], split_at=p)
+        (p, n), devices=[x, y], block_size=block_size, split_at=p)
 
 
 def rollout_vs_train(n_tokens: int, *, rollouts: int = 4, new_tokens: int = 16, sample: bool = False,

@@ -22,9 +22,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from tracer.diff.result import origin_record
 from tracer.errors import TracerError
 from tracer.report import rl as rl_report
+from tracer.report.origins import origin_lines, origin_record
 from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
 from tracer.report.summary import headline, verdict_line
 from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
@@ -206,7 +206,7 @@ def _origins_html(c: Comparison) -> str:
                    for run, calls in ((c.run_a, p.calls_a), (c.run_b, p.calls_b))]
         parts.append(kv_table(shapes + [kv for kv in kernels if kv[1]]))
     if c.logits_origin:
-        parts.append(f"<p><code>{esc(c.origin_lines()[-1])}</code></p>")
+        parts.append(f"<p><code>{esc(origin_lines(c)[-1])}</code></p>")
     return "".join(parts)
 
 

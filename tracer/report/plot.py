@@ -108,8 +108,8 @@ def figure_of(obj: Any, kind: str | None = None, **kwargs: Any):
         return figure_for(kind or "amplification", trace=str(obj), **kwargs)
     if hasattr(obj, "rows") and hasattr(obj, "params"):  # a SweepResult
         return figure_for(kind or "sweep", sweep=obj, **kwargs)
-    if hasattr(obj, "comparison"):  # a RunResult
-        return obj.plot(kind or "amplification", **kwargs)
+    if hasattr(obj, "comparison"):  # a RunResult: the figure may read its runs' tensors
+        return figure_for(kind or "amplification", comparison=obj.comparison, runs=obj.runs, trace=obj.trace, **kwargs)
     return figure_for(kind or "amplification", comparison=obj, trace=obj.trace, run_names=(obj.run_a, obj.run_b),
                       **kwargs)
 

@@ -18,6 +18,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from tracer.execute.kinds import LAYER_KINDS, PointKind
+from tracer.report.origins import origin_lines
 
 if TYPE_CHECKING:
     from tracer.diff.result import Comparison, PointResult
@@ -194,7 +195,7 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
-    for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), c.origin_lines()):
+    for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), origin_lines(c)):
         out.append(("origin", line))
         k = _kernels(p) if p is not None else ""
         if k:
