@@ -29,6 +29,7 @@ from tracer.load.devices import resolve_device
 from tracer.store.enginedump import read_dump
 from tracer.store.formats import check_name
 from tracer.store.integrity import check_not_an_input
+from tracer.store.header import EngineDumpMeta, EngineDumpRef
 from tracer.store.trace import TraceReader, TraceWriter, read_tensor
 
 #: run meta key marking a run written by ``tracer import``
@@ -247,15 +248,15 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
             raise TracerError(f"{odd.text}; not imported")
         header = dict(reader.header)
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
-    header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}
+    header["engine_dump"] = EngineDumpRef(mapped.engine, mapped.path, f"{path}:{run}").to_dict()
     lo, hi = mapped.positions
     captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"],
                                  role=str(caps_info[n].get("role") or "")) for n, t in mapped.tensors.items()}
     notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
                                   "in the imported trace; compare the dump itself to see them"
                                   for n, (ps, _t, _s) in mapped.partial_logits.items()]
-    info = {"engine": mapped.engine, "path": mapped.path, "mapping": mapped.mapping, "notes": notes,
-            "facts": json.loads(json.dumps(mapped.facts, default=str))}
+    info = EngineDumpMeta(mapped.engine, mapped.path, mapped.mapping, tuple(notes),
+                          json.loads(json.dumps(mapped.facts, default=str))).to_dict()
     rec = RunRecord(name=run_name, token_ids=layout.token_ids, window=(lo, hi),
                     plan={"name": run_name, "description": f"{mapped.engine} {mapped.path}"},
                     captures=captures, meta={IMPORTED: info})

@@ -64,7 +64,8 @@ from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.execute.enginemap import RefLayout  # noqa: E402
 from tracer.execute.enginerules import load_engine_map  # noqa: E402
-from tracer.execute.records import EngineFacts, RunRecord, SchedulerFacts, Threads  # noqa: E402
+from tracer.execute.records import (EngineFacts, RunRecord, ScheduledRequest, SchedulerFacts,  # noqa: E402
+                                    SchedulerStep, Threads)
 from tracer.execute.vllm_capture import VllmCapture  # noqa: E402
 from tracer.execute.vllm_plan import (  # noqa: E402
     CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
@@ -439,9 +440,8 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
             done = eng.finish()
             for (ext, internal), prompt, t in zip(ids, prompts, traced):
                 out = done[ext]
-                requests.append({"request_id": ext, "internal_id": internal, "tokens": len(prompt), "traced": t,
-                                 "num_cached_tokens": int(out.num_cached_tokens or 0),
-                                 "generated": list(out.outputs[0].token_ids)})
+                requests.append(ScheduledRequest(ext, internal, len(prompt), t, int(out.num_cached_tokens or 0),
+                                                 tuple(out.outputs[0].token_ids)).to_dict())
     wall = time.perf_counter() - t0
     check_schedule(plan, mode, requests, cap.steps)
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
@@ -453,10 +453,10 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     record_meta = {
         "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in steps],
         "engine": eng.facts(), "cached_tokens": main["num_cached_tokens"],
-        "scheduler": SchedulerFacts.from_dict({
-            "chunks_as": mode, "requests": requests, "steps": steps,
-            "chunks": [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]],
-            "mapping": info["mapping"], "notes": info["notes"]}).to_dict(),
+        "scheduler": SchedulerFacts(
+            mode, tuple(ScheduledRequest.from_dict(r) for r in requests), tuple(SchedulerStep.from_dict(s) for s in steps),
+            tuple(tuple(t["positions"]) for s in steps for t in s["traced"] if t["request"] == main["internal_id"]),
+            info["mapping"], tuple(info["notes"])).to_dict(),
         "not_captured": info["not_captured"], "logits": logits, **meta}
     if decode:
         record_meta["decode_tokens"] = main["generated"][:decode]

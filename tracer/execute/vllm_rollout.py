@@ -28,7 +28,7 @@ from tracer.errors import TracerError
 from tracer.execute.enginerules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
-from tracer.execute.records import RunRecord, SchedulerFacts
+from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
 from tracer.execute.vllm_capture import VllmCapture
 from tracer.execute.vllm_engine import engine_for, ref_layout, vllm
 from tracer.execute.vllm_plan import batch_rows, settings_of
@@ -149,12 +149,12 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     record_meta = {
         "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in cap.steps], **(meta or {}),
         "engine": eng.facts(), "cached_tokens": int(done[ids[r][0]].num_cached_tokens or 0),
-        "scheduler": SchedulerFacts.from_dict({
-            "chunks_as": "rollout", "steps": steps, "mapping": info["mapping"], "notes": info["notes"],
-            "requests": [{"request_id": ext, "internal_id": internal, "tokens": len(p), "traced": j == r,
-                          "num_cached_tokens": int(done[ext].num_cached_tokens or 0)}
-                         for j, ((ext, internal), p) in enumerate(zip(ids, prompts))],
-            "chunks": [tr["positions"] for s in steps for tr in s["traced"]]}).to_dict(),
+        "scheduler": SchedulerFacts(
+            "rollout", tuple(ScheduledRequest(ext, internal, len(p), j == r, int(done[ext].num_cached_tokens or 0))
+                             for j, ((ext, internal), p) in enumerate(zip(ids, prompts))),
+            tuple(SchedulerStep.from_dict(s) for s in steps),
+            tuple(tuple(tr["positions"]) for s in steps for tr in s["traced"]), info["mapping"],
+            tuple(info["notes"])).to_dict(),
         "not_captured": info["not_captured"],
         "rollout": {"tokens": tokens, "logprobs": logprobs, "row": r, "lengths": list(spec.lengths),
                     "sequences": sequences, "tau": spec.tau, "logprobs_from": f"vLLM ({settings.logprobs_mode})"}}

@@ -90,8 +90,8 @@ def float_buffers(model: nn.Module) -> dict[str, dict[str, Any]]:
             if buf is None or not torch.is_floating_point(buf):
                 continue
             key = f"{mod_name}.{b_name}" if mod_name else b_name
-            out[key] = {"dtype": _dtype(buf.dtype), "device": str(buf.device),
-                        "persistent": b_name not in mod._non_persistent_buffers_set, "shape": list(buf.shape)}
+            out[key] = BufferFacts(_dtype(buf.dtype), str(buf.device), b_name not in mod._non_persistent_buffers_set,
+                                   tuple(buf.shape)).to_dict()
     return dict(sorted(out.items()))
 
 
@@ -170,14 +170,14 @@ def attention_kinds(model: nn.Module, sliding: tuple[str, tuple[str, ...], str] 
     default_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     impl_of = {i: _implementation(layer) or default_impl for i, layer in enumerate(_decoder_layers(model, n_layers))}
     window = getattr(config, window_field, None)
-    out: dict[str, dict[str, Any]] = {}
+    layers: dict[str, list[int]] = {}
+    impls: dict[str, set[Any]] = {}
     for i, kind in enumerate(types):
-        entry = out.setdefault(str(kind), {"implementation": impl_of.get(i, default_impl), "layers": [],
-                                           "sliding_window": int(window) if kind in sliding_kinds and window else None})
-        entry["layers"].append(i)
-        if impl_of.get(i, default_impl) != entry["implementation"]:
-            entry["implementation"] = "mixed"
-    return out
+        layers.setdefault(str(kind), []).append(i)
+        impls.setdefault(str(kind), set()).add(impl_of.get(i, default_impl))
+    return {kind: AttentionKind(next(iter(impls[kind])) if len(impls[kind]) == 1 else "mixed", tuple(ls),
+                                int(window) if kind in sliding_kinds and window else None).to_dict()
+            for kind, ls in layers.items()}
 
 
 def sliding_layers(contract: dict[str, Any]) -> list[int]:
@@ -237,9 +237,10 @@ def numeric_contract(model: nn.Module, sliding: tuple[str, tuple[str, ...], str]
     key = (_fingerprint(model), sliding)
     hit = _CONTRACTS.get(model)
     if hit is None or hit[0] != key:
-        contract = schema.build(NumericContract, {
-            "parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
-            "cast_after_load": cast_after_load(model), "attention": attention_kinds(model, sliding)}).to_dict()
+        contract = NumericContract(
+            parameter_dtypes(model), {k: BufferFacts.from_dict(v) for k, v in float_buffers(model).items()},
+            CastAfterLoad.from_dict(cast_after_load(model)),
+            {k: AttentionKind.from_dict(v) for k, v in attention_kinds(model, sliding).items()}).to_dict()
         hit = (key, json.dumps(contract))  # plain JSON data: a fresh copy is one json.loads (a deepcopy costs 5x more)
         _CONTRACTS[model] = hit
     return json.loads(hit[1])

@@ -37,49 +37,7 @@ from tracer.load.contract import NumericContract
 from tracer.load.models import ModelInfo
 from tracer.plan.plans import Scenario
 from tracer.store.budget import StoreAuto
-
-
-@dataclass(frozen=True)
-class Environment(schema.Record):
-    """What a bit-exact comparison depends on in the process that made the trace
-    (:func:`tracer.store.environment.collect_environment`): versions, platform, host, CPU and its
-    instruction sets, the device and its libraries, the TF32 / reduced-precision / deterministic
-    flags, threads and matmul precision. None where not obtainable (every key is written)."""
-
-    tracer_version: str | None = None
-    python: str | None = None
-    torch: str | None = None
-    transformers: str | None = None
-    numpy: str | None = None
-    h5py: str | None = None
-    platform: str | None = None
-    hostname: str | None = None
-    cpu: str | None = None
-    device: str | None = None
-    device_name: str | None = None
-    device_capability: str | None = None
-    device_sm_count: schema.Count | None = None
-    cuda: str | None = None
-    hip: str | None = None
-    cudnn: int | str | None = None
-    cublas: str | None = None
-    driver: str | None = None
-    cpu_capability: str | None = None
-    onednn_isa: str | None = None
-    cpu_isa_flags: tuple[str, ...] | None = None
-    cpu_isa_env: dict[str, str] | None = None
-    matmul_allow_tf32: bool | None = None
-    matmul_allow_bf16_reduced_precision_reduction: bool | None = None
-    matmul_allow_fp16_reduced_precision_reduction: bool | None = None
-    cudnn_allow_tf32: bool | None = None
-    cudnn_deterministic: bool | None = None
-    cudnn_benchmark: bool | None = None
-    deterministic_algorithms: bool | None = None
-    deterministic_algorithms_warn_only: bool | None = None
-    CUBLAS_WORKSPACE_CONFIG: str | None = None
-    num_threads: schema.Count | None = None
-    float32_matmul_precision: str | None = None
-    matmul_fp32_precision: str | None = None
+from tracer.store.environment import Environment
 
 
 @dataclass(frozen=True)
@@ -283,5 +241,5 @@ def current(kind: str, doc: Any) -> Any:
     return doc
 
 
-__all__ = ["Environment", "EngineDumpRef", "TraceHeader", "LogitsAt", "EngineDumpMeta", "RunMeta", "block_sizes",
+__all__ = ["EngineDumpRef", "TraceHeader", "LogitsAt", "EngineDumpMeta", "RunMeta", "block_sizes",
            "block_facts", "upgrade_v2", "current"]

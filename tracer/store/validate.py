@@ -26,7 +26,7 @@ import numpy as np
 from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.execute.records import Call, calls_problem
+from tracer.execute.records import calls_problem
 from tracer.plan.plans import RunPlan
 from tracer.store.formats import TraceFormat, format_for
 from tracer.store.header import RunMeta, TraceHeader
@@ -45,21 +45,27 @@ WINDOW_KINDS = ("embedding", "layer", "final_norm", "logits", "linear", "norm", 
 @dataclass(frozen=True)
 class IndexEntry(schema.Record):
     """One entry of a version-2 or -3 run's ``index`` (``traces/README.md``, "The index"): a capture
-    point's name, kind, op, role, forward calls, dtype, shape, offset into ``data/<dtype>`` (in
-    elements) and CRC-32. Checked here; the reader keeps the entries as documents."""
+    point's name, kind, op, forward calls (:class:`~tracer.execute.records.Call` documents), dtype,
+    shape, offset into ``data/<dtype>`` (in elements), CRC-32 and role (absent: none). Written by
+    :mod:`tracer.store.packed` from this record, checked here; the reader keeps the documents."""
+
+    schema_sparse = True
 
     name: str
     kind: str
     op: str
-    calls: tuple[Call, ...]
+    calls: list[dict[str, Any]]
     dtype: str
     shape: schema.Shape
     offset: schema.Count
     crc32: Annotated[int, schema.Check(lambda c: 0 <= c <= 0xFFFFFFFF, "a CRC-32")]
-    role: str = ""
+    role: str | None = None
 
     def schema_check(self) -> str | None:
-        return None if math.prod(self.shape) < schema.BIG else f"shape {list(self.shape)} holds too many elements"
+        if math.prod(self.shape) >= schema.BIG:
+            return f"shape {list(self.shape)} holds too many elements"
+        problem = calls_problem(self.calls)  # each a Call document (kept as written)
+        return f"calls: {problem}" if problem else None
 
 
 def _corrupt(path: Any, what: str) -> TracerError:

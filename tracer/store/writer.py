@@ -26,6 +26,7 @@ from tracer.store import format_v1, packed  # noqa: F401 - register format versi
 from tracer.store.environment import tool_version
 from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
 from tracer.store.header import RunMeta, TraceHeader
+from tracer.plan.plans import RunPlan
 from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
                                     seal, set_text, write_error_message)
 
@@ -231,9 +232,13 @@ class TraceWriter:
 
         Raises:
             TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,
-                plan/meta/calls not JSON-able, or the writer is closed.
+                plan/meta/calls not JSON-able or not the documents of a
+                :class:`~tracer.plan.plans.RunPlan` and a :class:`~tracer.store.header.RunMeta`
+                (what the reader checks, refused now), or the writer is closed.
         """
         self._require_open()
+        schema.decode(RunPlan, run.plan, f"plan of run {run.name}")
+        schema.decode(RunMeta, run.meta, f"meta of run {run.name}")
         if self._pool is not None:
             self._futures.append(self._pool.submit(self._write_run, run, ready))
         else:
