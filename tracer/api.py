@@ -411,21 +411,16 @@ def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> panda
 
 def render(obj: RunResult | Comparison | Audit, fmt: str = "markdown",
            columns: tuple[str, ...] | None = None) -> str | None:
-    """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``.
-    ``obj`` is a RunResult, a Comparison or an Audit.
+    """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``
+    (:data:`tracer.report.layout.FORMATS`). ``obj`` is a RunResult, a Comparison, an Audit, a
+    SweepResult or a benchmark's result (:func:`tracer.report.render.render`).
 
     Raises:
-        TracerError: unknown format or columns.
+        TracerError: unknown format or columns, not a result.
     """
-    from rich.console import Console
+    from tracer.report.render import render as _render
 
-    from tracer.report.hierarchy import render_audit
-    from tracer.report.tables import DEFAULT_COLUMNS, render as _render
-
-    if hasattr(obj, "rows") and hasattr(obj, "counts"):  # an Audit
-        return render_audit(obj, fmt, Console())
-    comparison = getattr(obj, "comparison", obj)
-    return _render(comparison, fmt, Console(), columns or DEFAULT_COLUMNS)
+    return _render(obj, fmt, columns=columns)
 
 
 run = _signature(run, tuple(k for k in RUN_OPTIONS if k != "model"))

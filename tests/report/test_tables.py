@@ -172,7 +172,7 @@ def test_an_identical_comparison_names_no_origin_in_its_caption():
 
     from tests.helpers import make_runs
     from tracer.diff.compare import compare_records
-    from tracer.report.tables import render
+    from tracer.report.render import render
 
     a, b = make_runs(diverge_at=None)
     c = compare_records(a, b, scenario="s", model="m")

@@ -499,24 +499,3 @@ def to_json(c: Comparison) -> str:
     doc = c.to_dict()
     doc["origins"] = [origin_record(p, c) for p in c.origin_points()]
     return json.dumps(json_safe(doc), indent=2, default=_json_default)
-
-
-def render(c: Comparison, fmt: str = "table", console: Console | None = None,
-           columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> str | None:
-    """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text.
-
-    ``columns`` selects the terminal table's columns and ``all_rows`` prints every row (default:
-    the rows that matter); ``command``: the ``tracer`` command that prints it (its "next:" suggestions
-    name options it has). JSON, CSV and markdown carry everything.
-    """
-    match check_format(fmt):
-        case "table":
-            print_report(c, console, columns, all_rows, command)
-            return None
-        case "json":
-            return to_json(c)
-        case "csv":
-            return to_csv(c)
-        case "markdown":
-            return to_markdown(c)
-    raise AssertionError(fmt)
