@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep, read_trace, report_file, trace_info,
                                write_megatron_dump, write_sglang_dump)
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
+from tracer.diff.refs import as_record, is_ref, stored_ref
+from tracer.diff.refs import as_record, is_ref, stored_ref
 from tracer.errors import TracerError
+from tracer.load.recipes import list_models
 from tracer.validate import validate
 
 if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported ones' too): importing tracer stays light
@@ -237,8 +240,6 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_records, compare_runs
 
-    from tracer.diff.refs import as_record, is_ref, stored_ref
-
     if is_ref(a) and is_ref(b):
         dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None
         if dump is not None:  # an HF reference run against an engine dump
@@ -340,8 +341,6 @@ def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: st
 
 def models() -> list[dict[str, str]]:
     """The built-in models: ``[{"name", "kind", "description"}]`` (``tracer models``)."""
-    from tracer.load.recipes import list_models
-
     return list_models()
 
 

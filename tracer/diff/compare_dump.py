@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from tracer.diff.batch import tensor_diff
 from tracer.diff.capture_contract import ContractMismatch, check_rank_sum, check_scaled
 from tracer.diff.compare import compare_pairs
+from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
 from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
@@ -28,8 +30,8 @@ from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.devices import resolve_device
 from tracer.store.enginedump import read_dump
 from tracer.store.formats import check_name
-from tracer.store.integrity import check_not_an_input
 from tracer.store.header import EngineDumpMeta, EngineDumpRef
+from tracer.store.integrity import check_not_an_input
 from tracer.store.trace import TraceReader, TraceWriter, read_tensor
 
 #: run meta key marking a run written by ``tracer import``
@@ -121,8 +123,6 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
         world = mapped.facts.get("tp_size")
 
         def pairs():
-            from tracer.store.trace import read_tensor
-
             for name, (info, ds) in caps.items():
                 t_b = mapped.tensors.get(name)
                 if t_b is None:
@@ -186,9 +186,6 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
     the reference (``a``) and the engine (``b``). Rows of different dtypes (an engine's float32
     logits against a bf16 reference) are compared as :mod:`tracer.diff.crossdtype` says, and the
     line says so (values compared in the wider dtype, ULPs in the coarser, representability)."""
-    from tracer.diff.batch import tensor_diff
-    from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
-
     how = ""
     if pair_dtypes(a.dtype, b.dtype) is not None:
         cross = CrossAccumulator(a.dtype, b.dtype)
@@ -241,8 +238,6 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         lo, hi = mapped.positions
         w0 = layout.window[0]
         for name in mapped.unmarked_partials:  # never stored as if it were the full sum
-            from tracer.store.trace import read_tensor
-
             ref_rows = read_tensor(reader.captures(run)[name][1], rows=slice(lo - w0, hi - w0))
             odd = contract_of(name, ref_rows, mapped.tensors[name], mapped, mapped.facts.get("tp_size"))
             raise TracerError(f"{odd.text}; not imported")

@@ -21,6 +21,7 @@ import torch
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.diff.result import SkipRecord
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import EngineFacts, RunRecord, SchedulerFacts
 
@@ -102,8 +103,6 @@ def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
     """``c`` with every point missing in a run whose engine does not compute it (the run's
     ``meta["not_captured"]``: vLLM has no module for HF's ``mlp.act_fn``, ...) skipped with that
     reason and not failing: the points both engines compute decide whether the runs agree."""
-    from tracer.diff.result import SkipRecord
-
     why = {run.name: run.meta.get("not_captured") or {} for run in (a, b)}
     engines = {run.name: (run.meta.get("engine") or {}).get("engine", "?") for run in (a, b)}
     out = []

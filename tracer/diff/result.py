@@ -9,7 +9,6 @@ it is :mod:`tracer.diff.compare`; the origin analysis :mod:`tracer.diff.origins`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 

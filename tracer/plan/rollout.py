@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tracer import schema
+from tracer.dtypes import FLOATS, canonical
 from tracer.errors import TracerError
 
 #: how the trainer lays the K sequences out: right-padded rows, or one packed row
@@ -171,8 +172,6 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
     if train_batching not in TRAIN_BATCHINGS:
         raise TracerError(f"unknown --train-batching {train_batching!r}; use one of: {', '.join(TRAIN_BATCHINGS)}")
     if train_dtype is not None:
-        from tracer.dtypes import canonical
-
         canonical(train_dtype)  # the table alone: no torch import before a model loads
     check_rl_thresholds(is_cap=is_cap, mask_threshold=mask_threshold)
 
@@ -185,8 +184,6 @@ DECODE_REFUSED = ("--decode does not apply to rollout-vs-train: the rollout's ow
 def train_dtype_error(train_dtype: str, model_dtype: str) -> str | None:
     """Why the trainer cannot run in ``train_dtype`` on a model in ``model_dtype`` (None: it can): the
     weights are cast for the trainer's pass and back, which is exact only when widening."""
-    from tracer.dtypes import FLOATS, canonical
-
     t, m = canonical(train_dtype), canonical(model_dtype)
     if t == m or FLOATS[t].bits > FLOATS[m].bits:
         return None

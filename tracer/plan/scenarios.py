@@ -29,7 +29,9 @@ from typing import Any, Callable
 from tracer.errors import TracerError
 from tracer.plan.engines import engine_scenario
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
+from tracer.plan.quant import FORMATS, check_format
 from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
+from tracer.plan.tp import check_tp
 
 
 def default_split(n_tokens: int, block_size: int) -> int:
@@ -236,8 +238,6 @@ def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str | None = None, re
         TracerError: bad k, mode, reduce order or reduce dtype; simulated-only options with
             ``distributed`` or distributed-only options with ``simulated``.
     """
-    from tracer.plan.tp import check_tp
-
     if tp_mode not in TP_MODES:
         raise TracerError(f"unknown --tp-mode '{tp_mode}'; use one of: {', '.join(TP_MODES)}")
     n = n_tokens
@@ -279,8 +279,6 @@ def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = 16
     Raises:
         TracerError: unknown format, bad split.
     """
-    from tracer.plan.quant import FORMATS, check_format
-
     check_format(kv_format)
     n = n_tokens
     p = check_split(n, split_at) if split_at is not None else default_split(n, block_size)

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
+from tracer.report.console import print_whole
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
 from tracer.report.layout import fit_columns
 from tracer.report.tables import _num
@@ -61,8 +62,6 @@ def print_audit(a: Any, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
-
-    from tracer.report.console import print_whole
 
     console = console or Console()
     console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",

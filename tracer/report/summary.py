@@ -18,6 +18,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from tracer.execute.kinds import LAYER_KINDS, PointKind
+from tracer.plan.scenarios import SCENARIOS
 from tracer.report.origins import origin_lines
 
 if TYPE_CHECKING:
@@ -132,8 +133,6 @@ def _rerun(c: Any, command: str) -> str:
     else the whole command line that re-runs this comparison's model and scenario (on its engine)."""
     if command == "run":
         return ""
-    from tracer.plan.scenarios import SCENARIOS
-
     model = c.model if c.model and c.model != "model" else "MODEL"
     scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
     engine = _engine_flag(c)

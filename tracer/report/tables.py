@@ -22,7 +22,6 @@ from rich.text import Text
 from tracer.diff.metrics import ULP_BINS, TensorDiff
 from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
-from tracer.errors import TracerError
 from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
 from tracer.report.console import print_whole

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace as _replace
 from typing import Any, Callable
 
-from tracer.execute.capture import host_copies
 from tracer import schema
+from tracer.execute.capture import host_copies
 from tracer.store.budget import StoreAuto, choose
 
 

@@ -22,11 +22,11 @@ import numpy as np
 from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
+from tracer.plan.plans import RunPlan
 from tracer.store import format_v1, packed  # noqa: F401 - register format versions 1, 2 and 3
 from tracer.store.environment import tool_version
 from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
 from tracer.store.header import RunMeta, TraceHeader
-from tracer.plan.plans import RunPlan
 from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
                                     seal, set_text, write_error_message)
 
