@@ -20,6 +20,7 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from typing import TYPE_CHECKING, Any, Callable, Union
@@ -31,6 +32,7 @@ from tracer.diff.refs import as_record, is_ref, stored_ref
 from tracer.diff.refs import as_record, is_ref, stored_ref
 from tracer.errors import TracerError
 from tracer.load.recipes import list_models
+from tracer.run_result import RunResult as _RunResult
 from tracer.validate import validate
 
 if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported ones' too): importing tracer stays light
@@ -49,7 +51,6 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
     from tracer.loops.bench_vllm import VllmBenchResult
-    from tracer.run_result import RunResult
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
 
@@ -150,8 +151,8 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
             a trace is written only when ``output`` is given.
 
     Returns:
-        a :class:`~tracer.run_result.RunResult`; ``result.comparison`` is the table as data and
-        ``result.to_dict()`` the JSON document of ``tracer run --format json``.
+        a :class:`RunResult`; ``result.comparison`` is the table as data, ``result.to_dict()`` its
+        document, ``result.plot()`` / ``result.to_pandas()`` its figure and DataFrame.
 
     Raises:
         TracerError: every bad input, checked before the model loads where possible.
@@ -159,7 +160,29 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
     from tracer.pipeline import run as _run
 
     cfg, lm = _config(model, loaded, RUN_OPTIONS, **_asked_store(options))
-    return _run(cfg, lm, progress=progress, say=status or _quiet)
+    res = _run(cfg, lm, progress=progress, say=status or _quiet)
+    return RunResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(res)})
+
+
+class RunResult(_RunResult):
+    """What :func:`run` returns: the run's result (:class:`tracer.run_result.RunResult`, data the
+    orchestration returns) with its renderings at hand in a notebook: :meth:`plot`, :meth:`to_pandas`
+    and Jupyter's markdown (:func:`render`)."""
+
+    def plot(self, kind: str = "amplification", **kwargs: Any) -> Figure:
+        """A matplotlib Figure (:func:`plot`): ``amplification``, ``heatmap`` or ``ulp``.
+
+        Raises:
+            TracerError: unknown kind, matplotlib missing.
+        """
+        return plot(self, kind, **kwargs)
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """The comparison as a DataFrame, one row per capture point (:func:`to_pandas`)."""
+        return to_pandas(self)
+
+    def _repr_markdown_(self) -> str | None:  # Jupyter
+        return render(self, "markdown")
 
 
 def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,

@@ -261,6 +261,27 @@ def test_run_engine_vllm_reports_the_cached_length_and_chunks_vllm_used(loaded, 
     assert doc["facts"]["engine_b"]["engine"] == "vllm" and any("num_cached_tokens [0, 32]" in n for n in doc["facts"]["notes"])
 
 
+def test_a_vllm_trace_of_batch_reads_back_the_block_size_vllm_used(loaded, engine, tmp_path):
+    """tracer run --engine vllm --scenario batch: the trace's header says the KV block size vLLM ran
+    with (32, what vLLM's own cache config reports), not the HF scenarios' default 16 that version 2
+    wrote; each run's engine and scheduler facts read back as their records."""
+    from tracer.execute.records import EngineFacts, SchedulerFacts
+
+    path = tmp_path / "batch.h5"
+    r = tracer.run(loaded, token_ids=IDS[:40], engine="vllm", scenario="batch", batch_size=2, store="stats",
+                   output=str(path), progress=False)
+    used = engine.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM's own account
+    with tracer.read_trace(path) as t:
+        assert t.format_version == 3
+        assert t.header["block_size"] == t.facts.block_size == used == 32 and t.header["block_sizes"] == [32, 32]
+        assert {k: EngineFacts.from_dict(v).block_size for k, v in t.header["engines"].items()} == {"A": 32, "B": 32}
+        meta = t.run("B", load_tensors=False).meta
+        sched = SchedulerFacts.from_dict(meta["scheduler"])
+        assert EngineFacts.from_dict(meta["engine"]).block_size == 32
+        assert len(sched.requests) == 2 and max(s.requests for s in sched.steps) == 2  # both rows in one step
+    assert tracer.compare_trace(str(path)).verdict() == r.comparison.verdict()
+
+
 def test_chunked_prefill_inside_vllm_is_split_by_the_token_budget(loaded):
     r = tracer.run(loaded, token_ids=IDS, engine="vllm", scenario="chunked-prefill", chunk_size=32, progress=False)
     runs = dict(zip("AB", r.runs))
