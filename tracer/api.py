@@ -157,9 +157,9 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
     Raises:
         TracerError: every bad input, checked before the model loads where possible.
     """
-    from tracer.pipeline import run as _run
-
     cfg, lm = _config(model, loaded, RUN_OPTIONS, **_asked_store(options))
+    from tracer.pipeline import run as _run  # after the checks: the pipeline imports torch
+
     res = _run(cfg, lm, progress=progress, say=status or _quiet)
     return RunResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(res)})
 
@@ -308,9 +308,9 @@ def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] 
     Raises:
         TracerError: bad input (checked before the model loads where possible).
     """
-    from tracer.loops.audit import audit as _audit
-
     cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, new_output=False, **_asked_store(options))
+    from tracer.loops.audit import audit as _audit  # after the checks: the pipeline imports torch
+
     return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check,
                   on_row=on_row)
 
@@ -341,12 +341,12 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
     Raises:
         TracerError: bad axes, a prompt too short, a file of other parameters, every bad run option.
     """
-    from tracer.loops.sweep import block_axis, sweep as _sweep
-
-    block_sizes = block_axis(block_sizes, options.pop("block_size", None))
+    block_size = options.pop("block_size", None)
     cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **_asked_store(options))
-    return _sweep(cfg, lengths=lengths, block_sizes=block_sizes, keep_tensors=keep_tensors, loaded=lm,
-                  progress=progress, on_point=on_point)
+    from tracer.loops.sweep import block_axis, sweep as _sweep  # after the checks: the pipeline imports torch
+
+    return _sweep(cfg, lengths=lengths, block_sizes=block_axis(block_sizes, block_size), keep_tensors=keep_tensors,
+                  loaded=lm, progress=progress, on_point=on_point)
 
 
 def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: str | None = None,

@@ -41,7 +41,7 @@ app = typer.Typer(
 #: how a command prints or saves its result (the API returns the result instead): name -> (type,
 #: default, flags, help); ``no_store`` is the command line's spelling of ``--store none``
 RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
-    "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown (sweep: table, json, csv)."),
+    "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown."),
     "wide": (bool, False, ("--wide",), "table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ "
                                        "shares, NaN/Inf, ...)."),
     "columns": (str, None, ("--columns",), "table: comma-separated column names, e.g. diff,max_abs,ulp,sqnr "
