@@ -71,7 +71,7 @@ def inside_vllm(loaded, ids: list[int], n: int) -> None:
             recs.append(ve.execute_loaded(loaded, ids, plan, pts, scen.window, meta={"scenario": scen.name},
                                           engine_options=o)[0])
         c = compare_records(recs[0], recs[1], scenario=scen.name, model=loaded.info.name)
-        sched = [([(r["tokens"], r["num_cached_tokens"]) for r in x.meta["vllm"]["requests"]], x.meta["vllm"]["chunks"],
+        sched = [([(r["tokens"], r["num_cached_tokens"]) for r in x.meta["scheduler"]["requests"]], x.meta["scheduler"]["chunks"],
                   x.meta["gemm_m"]) for x in recs]
         print(f"== vLLM {name}, N={n}, window {scen.window}: {summary(c)}")
         print(f"   A (tokens, cached) per request {sched[0][0]}, chunks {sched[0][1]}, tokens per step {sched[0][2]}")

@@ -108,8 +108,8 @@ def test_no_import_cycles_function_local_imports_included():
 def test_stages_depend_downward():
     """Each module ranks at the stage of its longest matching prefix: the table of engines is read by
     every stage (ground floor); the synthetic engine dumps are written from a stored trace."""
-    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.engines.table", "tracer.load",
-             "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
+    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.progress", "tracer.engines.table",
+             "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
              "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",
              "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
              "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
@@ -120,6 +120,39 @@ def test_stages_depend_downward():
     upward = [(m, t) for m, ts in import_graph().items() if m not in ("tracer", "tracer.__main__")
               for t in ts if rank(t) > rank(m)]
     assert upward == []
+
+
+#: the orchestration: what runs, stores and compares; results leave it as data, for report/ to render
+ORCHESTRATION = ("tracer.pipeline", "tracer.run_result", "tracer.loops", "tracer.diff", "tracer.store",
+                 "tracer.execute", "tracer.engines", "tracer.plan", "tracer.load")
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for t in graph[todo.pop()]:
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def test_the_orchestration_does_not_import_the_renderer():
+    """Nothing under the orchestration imports tracer/report/, directly or through another module
+    (function-local imports counted): results are data, and report/ renders them."""
+    graph = import_graph()
+    orchestration = [m for m in graph if m in ORCHESTRATION or m.startswith(tuple(f"{o}." for o in ORCHESTRATION))]
+    assert "tracer.pipeline" in orchestration and "tracer.loops.audit" in orchestration
+    bad = {m: sorted(t for t in _reachable(graph, m) if t == "tracer.report" or t.startswith("tracer.report."))
+           for m in orchestration}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_the_renderer_check_sees_an_import_of_report():
+    """The check above on a planted graph: an import of report/ through another module is found."""
+    graph = {"tracer.pipeline": {"tracer.run_result"}, "tracer.run_result": {"tracer.report.tables"},
+             "tracer.report.tables": set()}
+    assert _reachable(graph, "tracer.pipeline") == {"tracer.run_result", "tracer.report.tables"}
 
 
 def test_no_function_over_the_limit():

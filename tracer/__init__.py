@@ -30,7 +30,7 @@ from tracer.errors import TracerError
 #: the core record types, by the module that defines each: ``tracer.Comparison`` etc. import it on
 #: first use (``import tracer`` itself stays light)
 RECORD_TYPES: dict[str, str] = {
-    "RunResult": "tracer.run_result",
+    "RunResult": "tracer.api",
     "Comparison": "tracer.diff.result", "PointResult": "tracer.diff.result", "SkipRecord": "tracer.diff.result",
     "TensorDiff": "tracer.diff.metrics", "LogitsDiff": "tracer.diff.metrics", "ArgmaxFlip": "tracer.diff.metrics",
     "NoiseVerdict": "tracer.diff.verdict", "Replay": "tracer.diff.replay", "OpReplay": "tracer.diff.accuracy",

@@ -20,6 +20,7 @@ Importing this module loads neither torch nor transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from typing import TYPE_CHECKING, Any, Callable, Union
@@ -27,8 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep, read_trace, report_file, trace_info,
                                write_megatron_dump, write_sglang_dump)
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
+from tracer.diff.refs import as_record, is_ref, stored_ref
 from tracer.engines.table import check_engine, default, is_reference
 from tracer.errors import TracerError
+from tracer.load.recipes import list_models
+from tracer.run_result import RunResult as _RunResult
 from tracer.validate import validate
 
 if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported ones' too): importing tracer stays light
@@ -47,7 +51,6 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
     from tracer.loops.bench_engine import EngineBenchResult
-    from tracer.run_result import RunResult
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
 
@@ -148,16 +151,38 @@ def run(model: str | LoadedModel = "smollm2-135m", *, loaded: LoadedModel | None
             a trace is written only when ``output`` is given.
 
     Returns:
-        a :class:`~tracer.run_result.RunResult`; ``result.comparison`` is the table as data and
-        ``result.to_dict()`` the JSON document of ``tracer run --format json``.
+        a :class:`RunResult`; ``result.comparison`` is the table as data, ``result.to_dict()`` its
+        document, ``result.plot()`` / ``result.to_pandas()`` its figure and DataFrame.
 
     Raises:
         TracerError: every bad input, checked before the model loads where possible.
     """
-    from tracer.pipeline import run as _run
-
     cfg, lm = _config(model, loaded, RUN_OPTIONS, **_asked_store(options))
-    return _run(cfg, lm, progress=progress, say=status or _quiet)
+    from tracer.pipeline import run as _run  # after the checks: the pipeline imports torch
+
+    res = _run(cfg, lm, progress=progress, say=status or _quiet)
+    return RunResult(**{f.name: getattr(res, f.name) for f in dataclasses.fields(res)})
+
+
+class RunResult(_RunResult):
+    """What :func:`run` returns: the run's result (:class:`tracer.run_result.RunResult`, data the
+    orchestration returns) with its renderings at hand in a notebook: :meth:`plot`, :meth:`to_pandas`
+    and Jupyter's markdown (:func:`render`)."""
+
+    def plot(self, kind: str = "amplification", **kwargs: Any) -> Figure:
+        """A matplotlib Figure (:func:`plot`): ``amplification``, ``heatmap`` or ``ulp``.
+
+        Raises:
+            TracerError: unknown kind, matplotlib missing.
+        """
+        return plot(self, kind, **kwargs)
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """The comparison as a DataFrame, one row per capture point (:func:`to_pandas`)."""
+        return to_pandas(self)
+
+    def _repr_markdown_(self) -> str | None:  # Jupyter
+        return render(self, "markdown")
 
 
 def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "layers", *, keep_on_device: bool = False,
@@ -234,8 +259,6 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_records, compare_runs
 
-    from tracer.diff.refs import as_record, is_ref, stored_ref
-
     if is_ref(a) and is_ref(b):
         dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None
         if dump is not None:  # an HF reference run against an engine dump
@@ -281,9 +304,9 @@ def audit(model: str | LoadedModel = "smollm2-135m", *, levels: str | list[int] 
     Raises:
         TracerError: bad input (checked before the model loads where possible).
     """
-    from tracer.loops.audit import audit as _audit
-
     cfg, lm = _config(model, loaded, AUDIT_OPTIONS, check_scenario=False, new_output=False, **_asked_store(options))
+    from tracer.loops.audit import audit as _audit  # after the checks: the pipeline imports torch
+
     return _audit(cfg, levels=levels, mitigations=mitigations, loaded=lm, progress=progress, on_check=on_check,
                   on_row=on_row)
 
@@ -315,12 +338,12 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
     Raises:
         TracerError: bad axes, a prompt too short, a file of other parameters, every bad run option.
     """
-    from tracer.loops.sweep import block_axis, sweep as _sweep
-
-    block_sizes = block_axis(block_sizes, options.pop("block_size", None))
+    block_size = options.pop("block_size", None)
     cfg, lm = _config(model, loaded, SWEEP_OPTIONS, new_output=False, one_length=False, **_asked_store(options))
-    return _sweep(cfg, lengths=lengths, block_sizes=block_sizes, keep_tensors=keep_tensors, loaded=lm,
-                  progress=progress, on_point=on_point)
+    from tracer.loops.sweep import block_axis, sweep as _sweep  # after the checks: the pipeline imports torch
+
+    return _sweep(cfg, lengths=lengths, block_sizes=block_axis(block_sizes, block_size), keep_tensors=keep_tensors,
+                  loaded=lm, progress=progress, on_point=on_point)
 
 
 def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: str | None = None,
@@ -338,8 +361,6 @@ def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: st
 
 def models() -> list[dict[str, str]]:
     """The built-in models: ``[{"name", "kind", "description"}]`` (``tracer models``)."""
-    from tracer.load.recipes import list_models
-
     return list_models()
 
 
@@ -408,21 +429,16 @@ def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> panda
 
 def render(obj: RunResult | Comparison | Audit, fmt: str = "markdown",
            columns: tuple[str, ...] | None = None) -> str | None:
-    """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``.
-    ``obj`` is a RunResult, a Comparison or an Audit.
+    """Render a result as text: ``table`` (printed, returns None), ``json``, ``csv`` or ``markdown``
+    (:data:`tracer.report.layout.FORMATS`). ``obj`` is a RunResult, a Comparison, an Audit, a
+    SweepResult or a benchmark's result (:func:`tracer.report.render.render`).
 
     Raises:
-        TracerError: unknown format or columns.
+        TracerError: unknown format or columns, not a result.
     """
-    from rich.console import Console
+    from tracer.report.render import render as _render
 
-    from tracer.report.hierarchy import render_audit
-    from tracer.report.tables import DEFAULT_COLUMNS, render as _render
-
-    if hasattr(obj, "rows") and hasattr(obj, "counts"):  # an Audit
-        return render_audit(obj, fmt, Console())
-    comparison = getattr(obj, "comparison", obj)
-    return _render(comparison, fmt, Console(), columns or DEFAULT_COLUMNS)
+    return _render(obj, fmt, columns=columns)
 
 
 run = _signature(run, tuple(k for k in RUN_OPTIONS if k != "model"))

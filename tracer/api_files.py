@@ -13,9 +13,13 @@ Importing this module loads neither torch nor transformers.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from tracer.diff.refs import resolve_refs, split_ref
 from tracer.errors import TracerError
+from tracer.plan.checks import check_fail_on
+from tracer.plan.rollout import check_rl_thresholds
 
 if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer stays light
     from pathlib import Path
@@ -37,9 +41,10 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     ``path[:RUN] DUMP``: an HF reference run against an engine dump, or ``DUMP_A DUMP_B`` with
     ``reference``: two engine dumps against each other (a rollout engine's dump against a
     trainer's, both mapped onto the reference run's HF names and token ids; the RL metrics in
-    ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`). A ``--store
-    auto`` trace that dropped tensors gives the comparison it stored at run time (unless a
-    tolerance is asked); a ``rollout-vs-train`` trace keeps its RL metrics.
+    ``.rl`` where both hold logits: :func:`tracer.diff.compare_dumps.compare_dumps`). Two runs of
+    a trace give the comparison made when they ran, whatever ``--store`` kept
+    (:func:`tracer.diff.stored.compare_stored`: what the file cannot recompute comes from the
+    stored run-time comparison, and says so).
 
     Args:
         path: an HDF5 trace written by 'tracer run' or 'tracer audit', optionally FILE:RUN; or, with
@@ -66,10 +71,6 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
             tolerances or ``fail_on``, RL options without two dumps.
     """
-    from dataclasses import replace
-
-    from tracer.plan.rollout import check_rl_thresholds
-
     refs = [str(x) for x in (path, run_a, run_b) if x is not None]
     if reference is not None and len(refs) != 2:  # before anything heavy is imported
         raise TracerError(f"--reference compares two engine dumps: give DUMP_A DUMP_B (got {len(refs)} argument(s))")
@@ -79,36 +80,24 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         raise TracerError(f"--{next(iter(rl)).replace('_', '-')} applies to two engine dumps (DUMP_A DUMP_B --reference "
                           "REF.h5:RUN); a rollout-vs-train trace keeps the values it was run with")
     check_rl_thresholds(**rl)
-    from tracer.diff.compare import compare_runs
+    check_fail_on(fail_on, atol, rtol)
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare_dumps import compare_dumps, dumps_args
-    from tracer.diff.refs import resolve_refs, split_ref
-    from tracer.diff.result import check_fail_on
+    from tracer.diff.stored import compare_stored
 
-    check_fail_on(fail_on, atol, rtol)
     pair = dumps_args(refs, reference)
+    dump = dump_side(refs) if pair is None else None
     if pair is not None:
         comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
                                    rtol=rtol, device=device,
                                    **{"tau" if k == "temperature" else k: float(v) for k, v in rl.items()})
-        return replace(comparison, fail_on=fail_on)
-    dump = dump_side(refs)
-    if dump is not None:
+    elif dump is not None:
         comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
     elif engine_map is not None:
         raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
-    else:
-        from tracer.diff.stored import auto_comparison, explain_sampled, stored_rl
-
-        (pa, ra), (pb, rb) = resolve_refs(refs)
-        # a --store auto trace without some tensors: its run-time comparison of all points (no tolerances asked)
-        stored = auto_comparison(pa, ra, rb) if pa == pb and atol is None and rtol is None else None
-        comparison = stored or compare_runs((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device)
-        if stored is None:  # logits an engine held only where it sampled: say so, not "missing"
-            comparison = explain_sampled(comparison, (pa, ra), (pb, rb))
-        if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
-            comparison = replace(comparison, rl=stored_rl(pa, ra, rb))
-    return replace(comparison, fail_on=fail_on)
+    else:  # stored runs: the comparison made when they ran, whatever --store kept
+        comparison = compare_stored(*resolve_refs(refs), atol=atol, rtol=rtol, device=device)
+    return replace(comparison, fail_on=fail_on)  # the one place the rule is set
 
 
 def import_dump(dump: str, reference: str, output: str, *, engine_map: str | None = None,
@@ -130,7 +119,6 @@ def import_dump(dump: str, reference: str, output: str, *, engine_map: str | Non
         TracerError: a malformed dump, unknown names, token ids that do not match, an existing output.
     """
     from tracer.diff.compare_dump import import_dump as _imp
-    from tracer.diff.refs import split_ref
 
     return _imp(str(dump), split_ref(str(reference)), str(output), engine_map=engine_map, overwrite=overwrite,
                 run_name=run_name)

@@ -41,7 +41,7 @@ app = typer.Typer(
 #: how a command prints or saves its result (the API returns the result instead): name -> (type,
 #: default, flags, help); ``no_store`` is the command line's spelling of ``--store none``
 RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
-    "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown (sweep: table, json, csv)."),
+    "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown."),
     "wide": (bool, False, ("--wide",), "table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ "
                                        "shares, NaN/Inf, ...)."),
     "columns": (str, None, ("--columns",), "table: comma-separated column names, e.g. diff,max_abs,ulp,sqnr "
@@ -203,7 +203,7 @@ def _progress() -> bool | str:
 def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all_rows: bool, report: str | None,
             no_store: bool) -> int:
     """Run a scenario on a model and print the layer-by-layer amplification table."""
-    from tracer.report.progress import DELAY_S, StatusProgress
+    from tracer.progress import DELAY_S, StatusProgress
     from tracer.report.terminal import check_outputs, check_table, err, print_run, write_after, write_run_report
 
     from tracer.load.prompts import prompt_file_note
@@ -243,7 +243,7 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     or TRACE[:RUN] DUMP: an HF reference run against an engine dump (SGLang dumper folder, PassN.pt
     folder, .safetensors/.npz, or a trace written by 'tracer import'), or DUMP_A DUMP_B --reference
     TRACE[:RUN]: two engine dumps (SGLang, Megatron-LM as Miles writes it) against each other."""
-    from tracer.report.progress import phase
+    from tracer.progress import phase
     from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison
 
     cols = check_table(fmt, columns, wide)
@@ -263,7 +263,7 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
 def import_cmd(opts: dict[str, Any]) -> None:
     """Map an engine dump onto an HF reference run's capture points and write it as a trace
     (compare it with 'tracer compare REF.h5:RUN OUTPUT')."""
-    from tracer.report.progress import phase
+    from tracer.progress import phase
     from tracer.report.terminal import print_import
 
     with phase("import", f"mapping {opts['dump']} onto {opts['reference']}"):
@@ -274,7 +274,7 @@ def import_cmd(opts: dict[str, Any]) -> None:
 @_command("show", api.trace_info, ("as_json",), inputs=("path",))
 def show_cmd(opts: dict[str, Any], as_json: bool) -> None:
     """Print a trace's header (the numeric contract) and its runs."""
-    from tracer.report.progress import phase
+    from tracer.progress import phase
     from tracer.report.show import print_trace_info
 
     with phase("show", f"reading {opts['path']}"):
@@ -296,7 +296,7 @@ def sweep_cmd(opts: dict[str, Any], fmt: str, plot: str | None, report: str | No
 @_command("plot", api.plot_file, inputs=("path",))
 def plot_cmd(opts: dict[str, Any]) -> None:
     """Draw a figure from a stored trace or sweep file (no model needed)."""
-    from tracer.report.progress import phase
+    from tracer.progress import phase
     from tracer.report.terminal import print_path
 
     with phase("plot", f"drawing {opts['kind'] or 'the figure'} from {opts['path']}"):
@@ -308,7 +308,7 @@ def plot_cmd(opts: dict[str, Any]) -> None:
 def report_cmd(opts: dict[str, Any]) -> None:
     """Write a single-file HTML report (summary, numeric contract, origin, tables, figures; audit matrix or
     sweep map) from a stored trace or sweep file: no model needed, nothing recomputed."""
-    from tracer.report.progress import phase
+    from tracer.progress import phase
     from tracer.report.terminal import print_path
 
     with phase("report", f"writing the HTML report of {opts['path']}"):
@@ -330,7 +330,7 @@ def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     side with peers doing the same comparison: HF output_hidden_states, naive forward hooks +
     .cpu(), and nnsight .save() when installed (the 'peers' extra). The bench refuses
     to report when a peer's per-layer differing counts are not tracer's."""
-    from tracer.report.progress import StatusProgress
+    from tracer.progress import StatusProgress
     from tracer.report.terminal import print_bench
 
     with StatusProgress("bench", mode="auto") as status:

@@ -18,23 +18,41 @@ side stream while run B executes, and a background thread writes them.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from dataclasses import replace as _replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+import torch
+
+from tracer import schema
 from tracer.config import CaptureConfig, RunConfig
+from tracer.diff.accuracy import replay_origins
+from tracer.diff.compare import compare_records
+from tracer.diff.engine import engine_skips, sampled_logits
+from tracer.diff.facts import run_facts
+from tracer.diff.replay import replay_diff
+from tracer.diff.result import Comparison
+from tracer.diff.rl import comparable, is_rl, mitigation_table, rl_comparison
+from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, judge, measure
 from tracer.errors import TracerError
+from tracer.execute.family import family_for
 from tracer.execute.kinds import PointKind
+from tracer.execute.points import CapturePoint, discover_points
+from tracer.execute.records import RunRecord, settle_wall
+from tracer.load.contract import numeric_contract
+from tracer.load.devices import cast_weights, model_device
+from tracer.load.models import LoadedModel, load_model
+from tracer.load.prompts import prompt_file_note, read_prompt, tokenize
+from tracer.plan.build import check_resources, make_scenario
+from tracer.plan.checks import check_positions, own_params, positions_needed
+from tracer.plan.plans import Scenario, with_cuda_graphs
+from tracer.plan.rollout import mitigation_variants
 from tracer.run_result import RunResult
-
-if TYPE_CHECKING:
-    from tracer.diff.result import Comparison
-    from tracer.execute.points import CapturePoint
-    from tracer.execute.records import RunRecord
-    from tracer.load.models import LoadedModel
-    from tracer.plan.scenarios import Scenario
-    from tracer.store.trace import TraceWriter
+from tracer.store.handoff import hand_over, store_auto
+from tracer.store.header import TraceHeader, block_facts
+from tracer.store.trace import TraceWriter, collect_environment, default_output, json_safe
 
 Say = Callable[[str], None]
 
@@ -68,8 +86,6 @@ def load(cfg: RunConfig, *, progress: bool | Say = False) -> LoadedModel:
     Raises:
         TracerError: unknown model, missing weights, bad device or device map.
     """
-    from tracer.load.models import load_model
-
     m = cfg.model
     return load_model(m.name, dtype=m.dtype, device=m.device, attn=m.attn, gguf=m.gguf, progress=progress,
                       device_map=m.device_map, max_memory=m.max_memory, tokenizer=needs_tokenizer(cfg))
@@ -83,40 +99,41 @@ def needs_tokenizer(cfg: RunConfig) -> bool:
     return (p.token_ids is None and p.token_ids_file is None) or p.chat or cfg.checks.decode > 0
 
 
-def prompt_ids(cfg: RunConfig, loaded: LoadedModel, length: int | None = None) -> list[int]:
-    """The prompt's token ids (``length`` overrides ``cfg.prompt.length``).
+def prompt_ids(cfg: RunConfig, loaded: LoadedModel, length: int | None = None, *, scen: Scenario | None = None,
+               check: bool = True) -> list[int]:
+    """The prompt's token ids (``length`` overrides ``cfg.prompt.length``), with the positions
+    they need checked against the model's (:func:`check_prompt_positions`: for ``scen``, else for
+    the scenario ``cfg`` names) unless ``check`` is False.
 
     Raises:
-        TracerError: unreadable prompt files, ids outside the vocabulary, empty prompt.
+        TracerError: unreadable prompt files, ids outside the vocabulary, empty prompt, more
+            positions than the model has.
     """
-    from tracer.load.prompts import read_prompt, tokenize
-
     p = cfg.prompt
     text, ids = read_prompt(p.prompt, p.prompt_file, p.token_ids_file, p.token_ids)
     ids = tokenize(loaded.tokenizer, text, ids, chat=p.chat, vocab_size=loaded.info.vocab_size,
                    length=p.length if length is None else length)
-    _check_positions(cfg, loaded, len(ids))
+    if check:
+        check_prompt_positions(cfg, loaded, len(ids), scen)
     return ids
 
 
-def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
-    """The positions the scenario needs for this N against the model's (:func:`tracer.plan.checks.check_positions`);
-    a note on stderr when only RoPE scaling makes them legitimate.
+def check_prompt_positions(cfg: RunConfig, loaded: Any, n: int, scen: Scenario | None = None) -> None:
+    """The positions the scenario needs for this N against the model's
+    (:func:`tracer.plan.checks.check_positions`); a note on stderr when only RoPE scaling makes
+    them legitimate. ``scen``: the scenario planned for N (default: the one ``cfg`` names, built
+    for N: :func:`tracer.plan.build.make_scenario` gives the same object to the run that plans it).
 
     Raises:
         TracerError: more positions than the model has.
     """
-    import sys
-
-    from tracer.plan.checks import check_positions, own_params, positions_needed
-    from tracer.plan.build import preview
-
     config = getattr(loaded.model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
     limit = next((getattr(text, k) for k in ("max_position_embeddings", "n_positions", "n_ctx")
                   if isinstance(getattr(text, k, None), int)), None)
     name = cfg.scenario.name
-    scen = preview(name, n, own_params(name, cfg.scenario.params())) if isinstance(name, str) else None
+    if scen is None and isinstance(name, str):
+        scen = make_scenario(name, n, own_params(name, cfg.scenario.params()))
     need = positions_needed(scen, n, cfg.checks.decode) if scen is not None else n + cfg.checks.decode
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
     scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default")
@@ -126,23 +143,22 @@ def _check_positions(cfg: RunConfig, loaded: Any, n: int) -> None:
 
 
 def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = False, say: Say = _quiet) -> Prepared:
-    """Load (unless ``loaded`` is given), tokenize, and plan the scenario for the prompt's N.
+    """Load (unless ``loaded`` is given), tokenize, and plan the scenario for the prompt's N (once:
+    :func:`tracer.plan.build.make_scenario`; the positions it needs are checked with it).
 
     Raises:
         TracerError: every bad input the model, the prompt or the scenario reveals.
     """
     from tracer.engines.door import check, realise
-    from tracer.plan.build import check_resources, make_scenario
 
     if loaded is None:
         say(f"loading {cfg.model.name}")
         # a status callback also gets the loader's own messages (cache builds, tokenizer conversion)
         loaded = load(cfg, progress=say if say is not _quiet else progress)
-    ids = prompt_ids(cfg, loaded)
+    ids = prompt_ids(cfg, loaded, check=False)
     scen = check_resources(realise(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()), cfg.scenario.engine))
+    check_prompt_positions(cfg, loaded, len(ids), scen)
     if cfg.capture.cuda_graphs:  # both plans recorded in CUDA graphs and replayed
-        from tracer.plan.plans import with_cuda_graphs
-
         scen = with_cuda_graphs(scen)
     check(scen, loaded.info.device, verdict=cfg.checks.verdict, dispatched=loaded.info.device_map is not None,
           model=loaded.model)
@@ -150,17 +166,20 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
 
 
 def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: CaptureConfig, store: str,
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The trace header: the environment (:func:`tracer.store.trace.collect_environment`) plus the
-    model, its family descriptor (``hooks/*.toml``: file, module paths, roles), its numeric contract
+                 extra: dict[str, Any] | None = None) -> TraceHeader:
+    """The trace header (:class:`~tracer.store.header.TraceHeader`): the environment
+    (:func:`tracer.store.trace.collect_environment`) plus the model, its family descriptor
+    (``hooks/*.toml``: file, module paths, roles), its numeric contract
     (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and devices, casting after load,
-    attention per layer kind), granularity, dtype, attention, N,
-    store mode, whether KV-cache points were captured and, for one scenario (``scen`` not None),
-    the scenario, its block size and split points; ``extra`` is merged in last."""
-    from tracer.execute.family import family_for
-    from tracer.load.contract import numeric_contract
-    from tracer.store.trace import collect_environment
+    attention per layer kind), granularity, dtype, attention, N, store mode, whether KV-cache
+    points were captured and, for one scenario (``scen`` not None), the scenario, the KV block
+    size its plans ran with (:func:`tracer.store.header.block_facts`: each engine's facts in
+    ``extra["engines"]``, else the plans' and the scenario's settings) and its split points;
+    ``extra`` (header facts by their keys) is merged in last.
 
+    Raises:
+        TracerError: a fact of the wrong type, or a key of ``extra`` the header does not declare.
+    """
     info = loaded.info
     family = family_for(loaded.model)
     facts: dict[str, Any] = {
@@ -170,16 +189,14 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
         "kv_cache": bool(capture.kv_cache)}
     if scen is not None:
-        facts.update(scenario=scen.to_dict(), block_size=scen.params.get("block_size", 16),
+        facts.update(scenario=scen.to_dict(), **block_facts(scen, (extra or {}).get("engines")),
                      split_points=[scen.window[0]])
-    return collect_environment(info.device, extra={**facts, **(extra or {})})
+    return schema.build(TraceHeader, collect_environment(info.device, extra={**facts, **(extra or {})}))
 
 
-def open_writer(path: str | Path, header: dict[str, Any], *, overwrite: bool = False,
+def open_writer(path: str | Path, header: TraceHeader | dict[str, Any], *, overwrite: bool = False,
                 compression: str | None = None) -> Any:
     """A background :class:`~tracer.store.trace.TraceWriter` on ``path`` (use it as a context manager)."""
-    from tracer.store.trace import TraceWriter
-
     return TraceWriter(Path(path), header=header, overwrite=overwrite, compression=compression, background=True)
 
 
@@ -202,7 +219,7 @@ class Outcome:
 
 def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capture: CaptureConfig = CaptureConfig(), *,
                  writer: TraceWriter | None = None, online: bool = True, names: tuple[str, str] | None = None,
-                 header: dict[str, Any] | None = None, comparison_key: str | None = None,
+                 header: TraceHeader | dict[str, Any] | None = None, comparison_key: str | None = None,
                  decode: int = 0, atol: float | None = None, rtol: float | None = None, op_replay: bool = False,
                  trace: str | None = None, points: list[Any] | None = None, budget: int | None = None,
                  say: Say = _quiet) -> Outcome:
@@ -238,18 +255,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     Raises:
         TracerError: a plan the model or machine cannot execute; runs that are not alignable.
     """
-    from tracer.diff.compare import compare_records
-    from tracer.diff.facts import run_facts
-    from tracer.diff.replay import replay_diff
-    from tracer.diff.rl import comparable, is_rl, rl_comparison
-    from tracer.diff.engine import engine_skips, sampled_logits
     from tracer.engines.door import execute_plan, facts, uses_engines
-    from tracer.execute.family import family_for
-    from tracer.execute.records import settle_wall
-    from tracer.load.contract import numeric_contract
-    from tracer.load.devices import model_device
-    from tracer.store.handoff import hand_over, store_auto
-    from tracer.store.trace import json_safe
 
     model, info = loaded.model, loaded.info
     if points is None:
@@ -285,8 +291,9 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
-    header = header or {"model": info.to_dict(), "scenario": scen.to_dict(),
-                        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)}
+    header = header or schema.build(TraceHeader, {
+        "model": info.to_dict(), "scenario": scen.to_dict(),
+        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)})
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
     cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
     facts = run_facts(header, rec_a, rec_b)
@@ -306,8 +313,6 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
             rec_a.meta["decode_tokens"], rec_b.meta["decode_tokens"], rec_a.meta["decode_text"],
             rec_b.meta["decode_text"]))
     if op_replay:
-        from tracer.diff.accuracy import replay_origins
-
         say("replaying the origin ops in float64")
         comparison = _replace(comparison, op_replay=replay_origins(model, comparison, rec_a, rec_b))
     if budget is not None:  # --store auto: the comparison decides which tensors the trace keeps
@@ -324,8 +329,6 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
 
 def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:
     """The capture points of ``capture`` on the loaded model (:func:`tracer.execute.points.discover_points`)."""
-    from tracer.execute.points import discover_points
-
     return discover_points(loaded.model, capture.granularity, kv_cache=capture.kv_cache)
 
 
@@ -349,9 +352,6 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     Raises:
         TracerError: every bad input found while loading, tokenizing, planning or running.
     """
-    from tracer.load.prompts import prompt_file_note
-    from tracer.store.trace import default_output
-
     from tracer.engines.door import engines_header, execute_plan, follower_plans, header as engine_header
 
     prep = prepare(cfg, loaded, progress=progress, say=say)
@@ -379,14 +379,11 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
                                rtol=ch.rtol, trace=str(out) if out else None, budget=budget, say=say)
         if writer is not None:
             say(f"writing {out}")
-    comparison = _replace(outcome.comparison, fail_on=ch.fail_on)
+    comparison = _replace(outcome.comparison, fail_on=ch.fail_on)  # the one place the rule is held
     note = prompt_file_note(cfg.prompt.prompt)
     if note is not None:  # --prompt prompt.txt traces the name: said under the table and in the JSON
         comparison = _replace(comparison, facts={**comparison.facts, "notes": [*comparison.facts.get("notes", []), note]})
     if comparison.rl is not None and scen.params.get("mitigations"):  # which knob closes the gap
-        from tracer.diff.rl import mitigation_table
-        from tracer.plan.rollout import mitigation_variants
-
         table = mitigation_table(mitigation_variants(scen), comparison, lambda s: run_scenario(
             prep.loaded, ids, s, CaptureConfig("layers", kv_cache=False)).comparison, say)
         comparison = _replace(comparison, rl=_replace(comparison.rl, mitigations=table))
@@ -394,7 +391,7 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
         say("verdict: re-running at higher precision")
         comparison = _replace(comparison, noise=precision_ladder(prep.loaded, ids, scen, comparison, say=say))
     return RunResult(comparison=comparison, scenario=scen, trace=str(out) if out else None, token_ids=ids,
-                     runs=outcome.records, model_info=info, fail_on=ch.fail_on, partials=outcome.partials)
+                     runs=outcome.records, model_info=info, partials=outcome.partials)
 
 
 def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, base: Comparison,
@@ -415,11 +412,6 @@ def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, 
     Raises:
         TracerError: no higher precision on this device.
     """
-    import torch
-
-    from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, judge, measure
-    from tracer.load.devices import cast_weights
-
     info, model = loaded.info, loaded.model
     dtypes = dtypes or higher_dtypes(info.dtype, info.device)
     layers = [p for p in base.points if p.kind == PointKind.LAYER]
@@ -440,5 +432,6 @@ def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, 
     return NoiseVerdict(verdict, reason, worst, judged)
 
 
-__all__ = ["Prepared", "Outcome", "load", "needs_tokenizer", "prompt_ids", "prepare", "trace_header", "open_writer",
+__all__ = ["Prepared", "Outcome", "load", "needs_tokenizer", "prompt_ids", "check_prompt_positions", "prepare",
+           "trace_header", "open_writer",
            "run_scenario", "without_tensors", "run", "precision_ladder", "TracerError"]

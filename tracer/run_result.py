@@ -1,9 +1,10 @@
 """What one scenario run returns: :class:`RunResult` (:func:`tracer.pipeline.run`, ``tracer.run``).
 
 The comparison as data, the scenario, the trace path, the prompt's token ids, both runs and the
-model's facts, with the calls a notebook makes on them (``check``, ``verdict``, ``plot``,
-``to_pandas``, Jupyter's markdown); the rendering itself lives in :mod:`tracer.report`, imported
-when first asked for.
+model's facts, with what the result says of itself (``check``, ``verdict``, ``to_dict``). It is
+rendered by :mod:`tracer.report` (``tracer.render(result, "markdown")``, ``tracer.plot(result)``,
+``tracer.to_pandas(result)``), which this module does not import: the orchestration that returns
+it knows nothing of the renderer.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ class RunResult:
     """What :func:`tracer.pipeline.run` (and ``tracer.run``) returns.
 
     Attributes:
-        comparison: the :class:`~tracer.diff.result.Comparison` (the amplification table as data).
+        comparison: the :class:`~tracer.diff.result.Comparison` (the amplification table as data;
+            its ``fail_on`` is the rule :meth:`check` judges by).
         scenario: the :class:`~tracer.plan.scenarios.Scenario` that was run.
         trace: path of the HDF5 trace, or None when nothing was stored.
         token_ids: the prompt's N token ids.
         runs: the two :class:`~tracer.execute.records.RunRecord` objects (captured tensors in memory).
         model_info: the :class:`~tracer.load.models.ModelInfo` of the model that ran.
-        fail_on: the rule :meth:`check` judges by.
         partials: ``--tp-mode distributed --tp-partials``: run ``B.partials``, every rank's
             row-parallel partials. Under ``torchrun``, ranks other than 0 get ``comparison=None``.
     """
@@ -40,42 +41,24 @@ class RunResult:
     token_ids: list[int]
     runs: tuple[RunRecord | None, RunRecord | None] = field(repr=False, default=(None, None))
     model_info: ModelInfo | None = None
-    fail_on: str | None = None
     partials: RunRecord | None = field(repr=False, default=None)
 
+    @property
+    def fail_on(self) -> str | None:
+        """The ``--fail-on`` rule of the comparison (held there, :attr:`Comparison.fail_on`)."""
+        return self.comparison.fail_on if self.comparison is not None else None
+
     def check(self) -> tuple[bool, str]:
-        """``(failed, reason)`` under the ``fail_on`` rule (see :meth:`Comparison.check`)."""
-        return self.comparison.check(self.fail_on)
+        """``(failed, reason)`` under the comparison's ``fail_on`` rule (see :meth:`Comparison.check`)."""
+        return self.comparison.check()
 
     def to_dict(self) -> dict[str, Any]:
-        """The same document as ``tracer run --format json``."""
+        """The comparison's document (``tracer run --format json`` renders it with its sentences)."""
         return self.comparison.to_dict()
 
     def verdict(self) -> str:
         """One line: bit-identical, or where the runs diverge and how many argmax flips."""
         return self.comparison.verdict()
-
-    def plot(self, kind: str = "amplification", **kwargs: Any):
-        """A matplotlib Figure (see :func:`tracer.report.plot.figure_for`): ``amplification``,
-        ``heatmap`` or ``ulp``.
-
-        Raises:
-            TracerError: unknown kind, matplotlib missing.
-        """
-        from tracer.report.plot import figure_for
-
-        return figure_for(kind, comparison=self.comparison, runs=self.runs, trace=self.trace, **kwargs)
-
-    def to_pandas(self):
-        """The comparison as a DataFrame, one row per capture point (:func:`tracer.report.frames.comparison_frame`)."""
-        from tracer.report.frames import comparison_frame
-
-        return comparison_frame(self.comparison)
-
-    def _repr_markdown_(self) -> str:  # Jupyter
-        from tracer.report.tables import to_markdown
-
-        return to_markdown(self.comparison)
 
     def __repr__(self) -> str:
         return f"RunResult({self.comparison.verdict()!r}, trace={self.trace!r})"

@@ -22,6 +22,19 @@ laid out inside this one). Values derived from the fields (a verdict, a count) a
 values of the right type but an impossible range after. Keys a decoder does not know are
 ignored, so documents written by later versions stay readable; a missing key takes the field's
 default (documents of earlier versions), or is an error when the field has none.
+
+Values of the right JSON type can still be impossible (a negative count, a span whose stop is
+before its start): an annotation ``Annotated[int, Check(...)]`` says so once, beside the field
+(:data:`Count`, :data:`Span`, :data:`Shape` are the common ones), and decoding refuses such a
+value naming the field. A union decodes as the first of its members that the value fits and
+decodes without error (``list[Shape | None] | Shape``: a list of shapes, or one flat shape).
+
+Two kinds of record are documents of facts rather than results: :attr:`Record.schema_sparse`
+leaves a field that is None out of the document (a fact that is not known is not stated, as the
+trace header has always done), and a :class:`Document` also reads like its document
+(``facts["notes"]``, ``facts.get("tp_size")``, ``{**facts}``), so code written against the
+JSON keeps working on the typed record. :func:`build` decodes a document tracer writes itself,
+refusing a key the record does not declare (a fact written without its field would be dropped).
 """
 
 from __future__ import annotations
@@ -33,13 +46,38 @@ import math
 import numbers
 import types
 import typing
-from typing import Any, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Union
 
 from tracer.errors import TracerError
 
 #: the metadata key of :func:`field`'s layout in :attr:`dataclasses.Field.metadata`
 META = "tracer.schema"
 _MISSING = dataclasses.MISSING
+#: the largest count, position or dimension a document may hold (beyond any real model or prompt)
+BIG = 1 << 48
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A constraint on a value of the right JSON type, declared in its annotation:
+    ``Annotated[int, Check(lambda n: 0 <= n <= BIG, "a count")]``; decoding refuses a value
+    ``ok`` rejects with ``<where>: <value> is not <what>``."""
+
+    ok: Callable[[Any], bool]
+    what: str
+
+
+def _span_ok(s: Any) -> bool:
+    return len(s) == 2 and 0 <= s[0] <= s[1] <= BIG
+
+
+#: a count, a position or a dimension: an int in ``0..BIG``
+Count = Annotated[int, Check(lambda n: 0 <= n <= BIG, f"a count in 0..{BIG}")]
+#: ``[start, stop]`` token positions, ``0 <= start <= stop``
+Span = Annotated[tuple[int, ...], Check(_span_ok, "[start, stop] positions with 0 <= start <= stop")]
+#: a tensor's shape: at most 16 dimensions, each in ``0..BIG``
+Shape = Annotated[tuple[Count, ...], Check(lambda s: len(s) <= 16, "a shape of at most 16 dimensions")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +118,17 @@ class _Field:
 
 
 class Record:
-    """Base of tracer's result dataclasses: one schema, derived from the fields (module docstring)."""
+    """Base of tracer's result dataclasses: one schema, derived from the fields (module docstring).
+
+    Attributes:
+        schema_sparse: (class attribute) leave a field that is None, and None by default, out of
+            the document: a record of facts, where an unknown fact is not written at all.
+        schema_derived: (class attribute) the keys :meth:`schema_extras` adds, which :func:`build`
+            accepts in a document (and, as every decoder, does not read back).
+    """
+
+    schema_sparse: ClassVar[bool] = False
+    schema_derived: ClassVar[tuple[str, ...]] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The record's JSON-able document (floats may be ``inf``/``nan``; tuples become lists)."""
@@ -119,7 +167,7 @@ def fields_of(cls: type) -> tuple[_Field, ...]:
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__name__} is not a dataclass")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
         layout = f.metadata.get(META, Layout())
@@ -146,8 +194,12 @@ def encode(x: Record) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     slots: dict[str, list[str]] = {}  # a flattened field's keys, for the order of the document
     own = sorted(fields_of(type(x)), key=lambda f: len(f.path))  # stable: a companion after its owner
+    sparse = type(x).schema_sparse
     for f in own:
-        value = encode_value(getattr(x, f.name))
+        raw = getattr(x, f.name)
+        if sparse and raw is None and f.default is None:  # a fact that is not known is not written
+            continue
+        value = encode_value(raw)
         if isinstance(value, dict) and (f.layout.rename or f.layout.inline):
             value = _view(value, f.layout)
         if f.layout.flatten:
@@ -243,16 +295,33 @@ _ITEMS = object()  # the key under which list items wait in the document being b
 # ------------------------------------------------------------------------------------------ decode
 
 
-def decode(cls: type, doc: Any, where: str = "") -> Any:
+def build(cls: type, doc: dict[str, Any]) -> Any:
+    """The ``cls`` record of a document tracer builds itself (the trace header from its parts): as
+    :func:`decode`, but a key no field of ``cls`` (or of a record inside it) declares is an error,
+    never dropped.
+
+    Raises:
+        TracerError: as :func:`decode`, or a key that no field declares.
+    """
+    return decode(cls, doc, strict=True)
+
+
+def decode(cls: type, doc: Any, where: str = "", *, strict: bool = False) -> Any:
     """:meth:`Record.from_dict`: the ``cls`` record of document ``doc``.
 
     Raises:
-        TracerError: not an object, a key without default missing, or a value of the wrong type.
+        TracerError: not an object, a key without default missing, a value of the wrong type or
+            range, a record whose construction refuses the values; with ``strict``, a key that no
+            field declares.
     """
     where = where or cls.__name__
     if not isinstance(doc, dict):
         raise TracerError(f"{where}: expected an object, got {type(doc).__name__}")
     doc = cls.schema_prepare(doc)
+    if strict:
+        unknown = [k for k in doc if k not in _declared(cls)]
+        if unknown:
+            raise TracerError(f"{where}: {unknown[0]!r} is not a field of {cls.__name__}; declare it there")
     kw = {}
     for f in fields_of(cls):
         raw = doc if f.layout.flatten else _get(doc, f.path)
@@ -263,12 +332,36 @@ def decode(cls: type, doc: Any, where: str = "") -> Any:
             continue
         if isinstance(raw, dict) and (f.layout.rename or f.layout.inline):
             raw = _unview(raw, f.layout)
-        kw[f.name] = decode_value(raw, f.type, at)
-    obj = cls(**kw)
+        # a flattened record reads the whole document: the keys it does not declare are its owner's
+        kw[f.name] = decode_value(raw, f.type, at, strict and not f.layout.flatten)
+    try:
+        obj = cls(**kw)
+    except TracerError as e:  # the record's own checks (__post_init__), said at its place in the document
+        raise TracerError(f"{where}: {e}") from None
     problem = obj.schema_check()
     if problem is not None:
         raise TracerError(f"{where}: {problem}")
     return obj
+
+
+@functools.cache
+def _declared(cls: type) -> frozenset[str]:
+    """The top-level document keys the fields of ``cls`` read (a flattened record's own keys too)."""
+    keys: set[str] = set()
+    for f in fields_of(cls):
+        if f.layout.flatten:
+            keys |= _declared(_record_type(f.type))
+        else:
+            keys.add(str(f.path[0]))
+    return frozenset(keys | set(cls.schema_derived))
+
+
+def _record_type(tp: Any) -> type:
+    """The :class:`Record` class of a field annotated with one (``X`` or ``X | None``)."""
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and issubclass(t, Record):
+            return t
+    raise TypeError(f"{tp} is not a record type")
 
 
 def _get(doc: dict[str, Any], path: tuple[str | int, ...]) -> Any:
@@ -294,23 +387,37 @@ def _unview(value: dict[str, Any], layout: Layout) -> dict[str, Any]:
     return out
 
 
-def decode_value(x: Any, tp: Any, where: str) -> Any:
+def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     """``x`` (JSON data) as a value of annotation ``tp``.
 
     Raises:
-        TracerError: ``x`` does not fit ``tp``.
+        TracerError: ``x`` does not fit ``tp``, or a :class:`Check` of ``tp`` refuses it.
     """
     origin = typing.get_origin(tp)
     if tp is Any:
         return x
+    if origin is Annotated:
+        base, *extras = typing.get_args(tp)
+        value = decode_value(x, base, where, strict)
+        for c in extras:
+            if isinstance(c, Check) and not c.ok(value):
+                raise TracerError(f"{where}: {_short(x)} is not {c.what}")
+        return value
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
         if x is None and type(None) in args:
             return None
         options = [a for a in args if a is not type(None)]
-        return decode_value(x, next((a for a in options if _fits(x, a)), options[0]), where)
+        fitting = [a for a in options if _fits(x, a)] or options[:1]
+        first: TracerError | None = None
+        for a in fitting:  # the first member that the value fits and decodes as
+            try:
+                return decode_value(x, a, where, strict)
+            except TracerError as e:
+                first = first or e
+        raise first  # type: ignore[misc]
     if isinstance(tp, type) and issubclass(tp, Record):
-        return decode(tp, x, where)
+        return decode(tp, x, where, strict=strict)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(x)
@@ -320,7 +427,7 @@ def decode_value(x: Any, tp: Any, where: str) -> Any:
         return _float(x, where)
     if tp in (int, bool, str):
         if not _fits(x, tp):
-            raise TracerError(f"{where}: expected {tp.__name__}, got {x!r}")
+            raise TracerError(f"{where}: expected {tp.__name__}, got {_short(x)}")
         return tp(x)
     if origin in (tuple, list):
         if not isinstance(x, (list, tuple)):
@@ -329,21 +436,27 @@ def decode_value(x: Any, tp: Any, where: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(x):
                 raise TracerError(f"{where}: expected {len(args)} items, got {len(x)}")
-            return tuple(decode_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(x, args)))
+            return tuple(decode_value(v, a, f"{where}[{i}]", strict) for i, (v, a) in enumerate(zip(x, args)))
         item = args[0] if args else Any
         fast = _ROW.get(item)
         if fast is not None and all(type(v) is fast for v in x):  # a row of numbers (a heat map's): as is
             return origin(x)
-        return origin(decode_value(v, item, f"{where}[{i}]") for i, v in enumerate(x))
+        return origin(decode_value(v, item, f"{where}[{i}]", strict) for i, v in enumerate(x))
     if origin is dict or typing.is_typeddict(tp):
         if not isinstance(x, dict):
             raise TracerError(f"{where}: expected an object, got {type(x).__name__}")
         if origin is dict:
             value = typing.get_args(tp)[1] if typing.get_args(tp) else Any
-            return {k: decode_value(v, value, f"{where}.{k}") for k, v in x.items()}
-        hints = typing.get_type_hints(tp)
-        return {k: decode_value(v, hints.get(k, Any), f"{where}.{k}") for k, v in x.items()}
+            return {k: decode_value(v, value, f"{where}.{k}", strict) for k, v in x.items()}
+        hints = typing.get_type_hints(tp, include_extras=True)
+        return {k: decode_value(v, hints.get(k, Any), f"{where}.{k}", strict) for k, v in x.items()}
     return x
+
+
+def _short(x: Any) -> str:
+    """``repr(x)``, cut to 40 characters (a value in an error line)."""
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _ROW = {float: float, int: int, str: str}  # item annotation → the JSON type that needs no decoding
@@ -364,6 +477,10 @@ def _fits(x: Any, tp: Any) -> bool:
     origin = typing.get_origin(tp) or tp
     if tp is Any:
         return True
+    if origin is Annotated:
+        return _fits(x, typing.get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return any(_fits(x, a) for a in typing.get_args(tp))
     if tp is bool:
         return isinstance(x, bool)
     if tp is int:
@@ -379,3 +496,27 @@ def _fits(x: Any, tp: Any) -> bool:
     if origin in (tuple, list):
         return isinstance(x, (list, tuple))
     return True
+
+
+class Document(Record, Mapping):
+    """A record of facts that also reads like its document (:meth:`to_dict`): ``doc["notes"]``,
+    ``doc.get("tp_size")``, ``"versions_differ" in doc``, ``{**doc}`` give the JSON values, so code
+    written against the document works on the typed record; its attributes are the typed values.
+    Sparse (:attr:`Record.schema_sparse`): a fact that is None is not in the document."""
+
+    schema_sparse: ClassVar[bool] = True
+
+    @functools.cached_property
+    def _doc(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._doc[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._doc)
+
+    def __len__(self) -> int:
+        return len(self._doc)
+
+

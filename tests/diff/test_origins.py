@@ -12,6 +12,7 @@ from tracer.diff.dataflow import dataflow
 from tracer.execute.records import RunRecord
 from tracer.engines.hf.run import execute
 from tracer.plan.scenarios import prefix_cache
+from tracer.report.origins import origin_lines
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]
 SCEN = prefix_cache(len(IDS), block_size=16)  # N = 40, P = 32: window 32..39
@@ -73,12 +74,12 @@ def test_planted_ulp_in_up_proj_is_the_only_origin(model, granularity):
         assert differs[target] and not any(differs[n] for n in names[: names.index(target)])
         up = next(p for p in c.points if p.name == target)
         assert up.diff.n_diff == 1 and up.diff.max_ulp == 1
-        line = c.origin_lines()[0]
+        line = origin_lines(c)[0]
         # GEMM M = tokens of the call that computed the window: 40 in A (one pass), 8 in B (suffix)
         assert line.startswith(f"{target} (Linear, GEMM M×N×K 40×128×64 in A vs 8×128×64 in B): 1 element, max 1 ULP")
     else:
         assert [o.name for o in c.origins] == ["model.layers.1"]
-        assert "origin within model.layers.1 (use --granularity sublayers" in c.origin_lines()[0]
+        assert "origin within model.layers.1 (use --granularity sublayers" in origin_lines(c)[0]
     for p in c.points:
         assert p.diverged == differs[p.name], p.name
         if p.diverged and not p.origin:
@@ -125,7 +126,7 @@ def test_planted_prefix_key_makes_the_kv_cache_the_origin(model):
     assert [o.name for o in c.origins] == [kv.name] and kv.n_diff_prefix == kv.diff.n_diff
     core = by["model.layers.1.self_attn.core"]
     assert core.diverged and not core.origin and core.differing_inputs == (kv.name,)
-    assert "before the compared window" in c.origin_lines()[0]
+    assert "before the compared window" in origin_lines(c)[0]
 
     # without the KV-cache capture (e.g. a trace that lacks it) the core itself is the origin
     def drop_kv(r):
@@ -176,4 +177,4 @@ def test_all_positions_locate_the_planted_prefix_key_op(model):
         h.remove()
     c = compare_records(a, b, scenario="s", model="m")
     assert [o.name for o in c.origins] == ["model.layers.1.self_attn.k_proj"]
-    assert "GEMM M×N×K 40×32×64 in A vs 32×32×64 + 8×32×64 in B" in c.origin_lines()[0]
+    assert "GEMM M×N×K 40×32×64 in A vs 32×32×64 + 8×32×64 in B" in origin_lines(c)[0]

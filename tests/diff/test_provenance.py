@@ -12,6 +12,7 @@ from tracer.diff.compare import compare_records
 from tracer.diff.provenance import classify
 from tracer.engines.hf.run import execute
 from tracer.plan.build import build
+from tracer.report.origins import origin_lines
 
 IDS = [(11 * i + 5) % 500 for i in range(40)]
 TARGET = "model.layers.1.mlp.down_proj"
@@ -53,7 +54,7 @@ def test_shape_driven_kernel_switch(model):
     assert [o.name for o in c.origins] == [TARGET]
     info = classify(c.origins[0], c.positions)
     assert info["class"] == "shape-driven kernel switch", info
-    assert "shape-driven kernel switch" in c.origin_lines()[0]
+    assert "shape-driven kernel switch" in origin_lines(c)[0]
     doc = c.to_dict()
     row = next(r for r in doc["layers"] if r["name"] == TARGET)
     assert row["kernels_a"] and row["kernels_b"] and row["kernels_a"] != row["kernels_b"]
@@ -73,7 +74,7 @@ def test_same_kernel_different_bits(model):
     info = classify(c.origins[0], c.positions)
     assert info["class"] == "same kernel, different bits", info
     assert info["compared_by"] == "ops"  # on the CPU: aten ops are what can be compared
-    assert "same aten ops, different bits" in c.origin_lines()[0]
+    assert "same aten ops, different bits" in origin_lines(c)[0]
 
 
 def test_perturbed_input_is_inherited(model):

@@ -7,11 +7,14 @@ and a NaN-payload divergence lost its explanation.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tests.helpers import run_record as _run
 from tracer.diff.compare import compare_records
 from tracer.diff.stored import stored_comparison
+from tracer.report.origins import origin_lines
 from tracer.store.trace import TraceWriter, json_safe
 
 
@@ -47,7 +50,7 @@ def test_a_nan_payload_divergence_keeps_its_explanation(tmp_path):
     assert live.points[0].diff.n_nan_payload == 1 and "payload differs" in live.verdict()
     back = _stored(tmp_path, live, a, b)
     assert back.points[0].diff.n_nan_payload == 1
-    assert back.verdict() == live.verdict() and back.origin_lines() == live.origin_lines()
+    assert back.verdict() == live.verdict() and origin_lines(back) == origin_lines(live)
 
 
 def _sampled_runs():
@@ -133,3 +136,52 @@ def test_logits_held_only_where_sampled_with_a_tolerance_say_why(tmp_path):
     flips = int(int(hf.captures["lm_head"].tensor[3].argmax()) != 9)
     note = [n for n in c.facts["notes"] if n.startswith("when the trace was written (no tolerance)")]
     assert note and f"{flips} argmax flip(s) at position(s) {'5' if flips else 'none'}" in note[0], c.facts["notes"]
+
+
+def _written(tmp_path, live, a, b, name="t.h5"):
+    path = tmp_path / name
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+        w.add_run(a)
+        w.add_run(b)
+        w.add_comparison("A-vs-B", json_safe(live.to_dict()))
+    return path
+
+
+def test_what_only_the_run_computed_comes_back_with_the_recomputed_comparison(tmp_path):
+    """One result, live or stored: a comparison of a trace's runs recomputed from their tensors keeps
+    what only the run could compute (tracer.diff.stored.RUN_TIME_ONLY: here the noise verdict of its
+    re-runs at higher precision), from the comparison stored when the trace was written."""
+    import tracer
+    from tests.helpers import make_runs
+    from tracer.diff.stored import RUN_TIME_ONLY
+    from tracer.diff.verdict import Level, NoiseVerdict
+
+    a, b = make_runs()
+    live = compare_records(a, b, scenario="s", model="m")
+    noise = NoiseVerdict("noise", "planted for the test", "model.layers.1",
+                         (Level("float32", 2.0**-23, 0.5, 0.25, False), Level("float64", 2.0**-52, 1e-9, 1e-10, False)))
+    live = replace(live, noise=noise)
+    back = tracer.compare_trace(str(_written(tmp_path, live, a, b)))
+    assert "noise" in RUN_TIME_ONLY and back.noise == noise
+    assert [p.diff for p in back.points] == [p.diff for p in live.points] and back.verdict() == live.verdict()
+
+
+def test_a_store_auto_trace_gives_the_run_time_comparison_itself(tmp_path):
+    """--store auto kept some tensors only: the comparison read back is the one made at run time
+    (every point, not only those the file holds), and a note in it says why."""
+    import tracer
+    from tests.helpers import make_runs
+
+    a, b = make_runs()
+    live = compare_records(a, b, scenario="s", model="m")
+    keep = ["model.embed_tokens"]
+    for run in (a, b):
+        dropped = [n for n in run.captures if n not in keep]
+        run.meta["store_auto"] = {"kept": keep, "dropped": dropped, "kept_bytes": 1, "total_bytes": 2, "budget": 1,
+                                  "logits": "lm_head", "kinds": {n: run.captures[n].kind for n in dropped}}
+        run.captures = {n: c for n, c in run.captures.items() if n in keep}
+    back = tracer.compare_trace(str(_written(tmp_path, live, a, b)))
+    assert [p.name for p in back.points] == [p.name for p in live.points] and back.logits == live.logits
+    assert back.verdict() == live.verdict()
+    assert any(n.startswith("from the comparison made when the trace was written: --store auto kept full tensors of 1 of")
+               for n in back.facts["notes"])

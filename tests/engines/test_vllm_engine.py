@@ -66,7 +66,7 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
     # the fused GEMM's shapes are recorded as vLLM saw them: K 576 -> N 960 (q + k + v), M = the step's tokens
     call = rec.captures["model.layers.0.self_attn.k_proj"].calls[0]
     assert call["in"] == [[N, 576]] and call["out"] == [[N, 960]] and call["positions"] == [0, N]
-    assert "fused qkv_proj, part 2 of 3" in rec.meta["vllm"]["mapping"]["model.layers.0.self_attn.k_proj"]
+    assert "fused qkv_proj, part 2 of 3" in rec.meta["scheduler"]["mapping"]["model.layers.0.self_attn.k_proj"]
     # what has no vLLM counterpart is named with a reason, never an empty capture
     assert "model.layers.0.mlp.act_fn" not in rec.captures
     assert "no vLLM module" in rec.meta["not_captured"]["model.layers.0.mlp.act_fn"]
@@ -126,8 +126,8 @@ def test_cached_length_is_vllms_own(loaded, engine):
         handle.remove()
     assert own == 32
     assert rec.meta["cached_tokens"] == own
-    assert [r["num_cached_tokens"] for r in rec.meta["vllm"]["requests"]] == [0, own]
-    assert rec.meta["vllm"]["chunks"] == [[own, N]]
+    assert [r["num_cached_tokens"] for r in rec.meta["scheduler"]["requests"]] == [0, own]
+    assert rec.meta["scheduler"]["chunks"] == [[own, N]]
     assert seen[:2] == [list(range(32)), list(range(32, N))]  # the prefix request's pass, then the suffix
     assert rec.captures["model.layers.3"].tensor.shape == (N - 32, 576)
     kv = rec.captures["model.layers.3.self_attn.kv_cache"]
@@ -261,11 +261,32 @@ def test_run_engine_vllm_reports_the_cached_length_and_chunks_vllm_used(loaded, 
     assert doc["facts"]["engine_b"]["engine"] == "vllm" and any("num_cached_tokens [0, 32]" in n for n in doc["facts"]["notes"])
 
 
+def test_a_vllm_trace_of_batch_reads_back_the_block_size_vllm_used(loaded, engine, tmp_path):
+    """tracer run --engine vllm --scenario batch: the trace's header says the KV block size vLLM ran
+    with (32, what vLLM's own cache config reports), not the HF scenarios' default 16 that version 2
+    wrote; each run's engine and scheduler facts read back as their records."""
+    from tracer.execute.records import EngineFacts, SchedulerFacts
+
+    path = tmp_path / "batch.h5"
+    r = tracer.run(loaded, token_ids=IDS[:40], engine="vllm", scenario="batch", batch_size=2, store="stats",
+                   output=str(path), progress=False)
+    used = engine.llm.llm_engine.vllm_config.cache_config.block_size  # vLLM's own account
+    with tracer.read_trace(path) as t:
+        assert t.format_version == 3
+        assert t.header["block_size"] == t.facts.block_size == used == 32 and t.header["block_sizes"] == [32, 32]
+        assert {k: EngineFacts.from_dict(v).block_size for k, v in t.header["engines"].items()} == {"A": 32, "B": 32}
+        meta = t.run("B", load_tensors=False).meta
+        sched = SchedulerFacts.from_dict(meta["scheduler"])
+        assert EngineFacts.from_dict(meta["engine"]).block_size == 32
+        assert len(sched.requests) == 2 and max(s.requests for s in sched.steps) == 2  # both rows in one step
+    assert tracer.compare_trace(str(path)).verdict() == r.comparison.verdict()
+
+
 def test_chunked_prefill_inside_vllm_is_split_by_the_token_budget(loaded):
     r = tracer.run(loaded, token_ids=IDS, engine="vllm", scenario="chunked-prefill", chunk_size=32, progress=False)
     runs = dict(zip("AB", r.runs))
-    assert runs["A"].meta["vllm"]["chunks"] == [[0, N]]
-    assert runs["B"].meta["vllm"]["chunks"] == [[0, 32], [32, N]]  # the scheduler's own steps, hooks at each
+    assert runs["A"].meta["scheduler"]["chunks"] == [[0, N]]
+    assert runs["B"].meta["scheduler"]["chunks"] == [[0, 32], [32, N]]  # the scheduler's own steps, hooks at each
     assert runs["B"].meta["engine"]["max_num_batched_tokens"] == 32
     assert r.comparison.facts["engine_differences"] == {"chunked-prefill budget": ["4096", "32"]}
 

@@ -176,7 +176,7 @@ def test_engine_contracts_side_by_side_name_what_differs():
           "activation_dtype": "bfloat16", "logits_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
     vl = {**hf, "engine": "vllm", "version": "0.32.0", "attention_backend": "CPU_ATTN",
           "gemm": {"self_attn.qkv_proj": "oneDNN onednn_mm", "lm_head": "oneDNN onednn_mm"}, "block_size": 32}
-    meta_b = {"engine": vl, "cached_tokens": 96, "vllm": {"requests": [{"traced": True, "num_cached_tokens": 0},
+    meta_b = {"engine": vl, "cached_tokens": 96, "scheduler": {"requests": [{"traced": True, "num_cached_tokens": 0},
               {"traced": True, "num_cached_tokens": 96}], "steps": [{"requests": 1}], "chunks": [[96, 100]],
               "chunks_as": "prefix-cache"}}
     f = engine_facts("A", {"engine": hf}, "B", meta_b)

@@ -116,7 +116,7 @@ def test_report_marks_sliding_layers(tmp_path):
     lm = M.LoadedModel(model=model, tokenizer=None, info=info)  # no tokenizer: the run takes token ids
     res = run("tiny-gemma3", loaded=lm, token_ids=IDS, store="none", progress=False)
     assert res.comparison.facts["sliding_layers"] == [0, 1, 3] and res.comparison.facts["sliding_window"] == 8
-    from tracer.report.tables import render
+    from tracer.report.render import render
 
     md = render(res.comparison, "markdown")
     for i, kind in enumerate(types):

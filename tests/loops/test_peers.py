@@ -147,7 +147,8 @@ def test_bench_refuses_a_peer_doing_different_work(tmp_path, monkeypatch):
 def test_bench_json_and_table_show_peers_and_skips(tmp_path, monkeypatch):
     from rich.console import Console
 
-    from tracer.loops.bench import bench, table
+    from tracer.loops.bench import bench
+    from tracer.report.bench import table
 
     monkeypatch.setattr(peers_mod, "nnsight_missing", lambda: "nnsight is not installed (pip install 'tracer[peers]')")
     r = bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(tmp_path), kv_cache=False)

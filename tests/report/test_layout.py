@@ -16,7 +16,7 @@ from rich.console import Console
 from tracer.diff.compare import compare_records
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.report.layout import NAME_FLOOR, fit_columns, name_cell, piped_width, shorten_left, table_width
-from tracer.report.tables import render
+from tracer.report.render import render
 
 WINDOW = (4, 8)  # 4 compared positions
 WIDTH = 25_000   # features per position: totals of 100,000 elements
@@ -214,20 +214,24 @@ def test_piped_width():
     assert piped_width({}) == 120 and piped_width({"COLUMNS": "90"}) == 90 and piped_width({"COLUMNS": "x"}) == 120
 
 
-def test_a_new_comparison_format_is_refused_by_the_audit_until_it_has_a_branch(monkeypatch):
-    """The audit checks its own AUDIT_FORMATS: a format added to FORMATS alone (the report-format
-    row of docs/ARCHITECTURE.md) is refused by `tracer audit -f` before anything runs, instead of
-    running every check and then failing in render_audit."""
+def test_a_new_format_is_refused_everywhere_until_every_result_has_a_writer(monkeypatch):
+    """One list of formats for every result (the render door, tracer/report/render.py): a format
+    added to FORMATS alone (the report-format row of docs/ARCHITECTURE.md) has no writer for any
+    result kind, and every result kind has a writer for every listed format; `tracer audit -f` and
+    `tracer run -f` check the same list before anything runs."""
     import pytest
 
     from tracer.errors import TracerError
     from tracer.report import layout
+    from tracer.report.render import WRITERS
     from tracer.report.terminal import check_table
 
-    monkeypatch.setattr(layout, "FORMATS", (*layout.FORMATS, "tsv"))
-    assert check_table("tsv") == check_table("table")
+    assert all(set(writers) == set(layout.FORMATS) for writers in WRITERS.values()), WRITERS
+    assert set(WRITERS) == {"comparison", "audit", "sweep", "bench"}
     with pytest.raises(TracerError, match="unknown format 'tsv'; use one of: table, json, csv, markdown"):
         check_table("tsv", audit=True)
+    with pytest.raises(TracerError, match="unknown format 'tsv'; use one of: table, json, csv, markdown"):
+        check_table("tsv")
 
 
 def test_kept_columns_fit_80_with_a_narrower_name():

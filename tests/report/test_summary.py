@@ -22,8 +22,9 @@ from rich.console import Console
 
 from tests.helpers import cli_session, run_record
 from tracer.diff.compare import compare_records
-from tracer.report.progress import ItemProgress, StatusProgress
-from tracer.report.tables import render, to_csv
+from tracer.progress import ItemProgress, StatusProgress
+from tracer.report.render import render
+from tracer.report.tables import to_csv
 from tracer.report.summary import headline, rows_that_matter
 
 

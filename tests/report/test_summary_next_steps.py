@@ -156,7 +156,7 @@ def test_verdict_says_the_answer_first_and_last(verdict, logits, words):
     from dataclasses import replace
 
     from tracer.diff.compare import compare_records
-    from tracer.report.tables import render
+    from tracer.report.render import render
 
     g = torch.Generator().manual_seed(3)
     ta = [torch.randn(4, 8, generator=g) for _ in range(3)]

@@ -16,7 +16,8 @@ from tracer.diff.compare import compare_records
 from tracer.errors import TracerError
 from tracer.diff.batch import count_outside_tolerance, tensor_diff
 from tracer.diff.metrics import ulp_of
-from tracer.report.tables import check_columns, render, rows, to_csv, to_markdown
+from tracer.report.render import render
+from tracer.report.tables import check_columns, rows, to_csv, to_markdown
 
 
 def _bf16_spacing(x: np.ndarray) -> np.ndarray:
@@ -172,7 +173,7 @@ def test_an_identical_comparison_names_no_origin_in_its_caption():
 
     from tests.helpers import make_runs
     from tracer.diff.compare import compare_records
-    from tracer.report.tables import render
+    from tracer.report.render import render
 
     a, b = make_runs(diverge_at=None)
     c = compare_records(a, b, scenario="s", model="m")

@@ -26,6 +26,7 @@ from tracer.execute.records import CaptureRecord, RunRecord
 import tracer
 from tracer import read_trace
 from tracer.store.trace import TraceWriter, read_row_blocks
+from tracer.report.origins import origin_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -533,7 +534,7 @@ def _nan_runs(payload_differs: bool) -> list[RunRecord]:
 def test_nan_payload_difference_and_all_nan_logits(tmp_path):
     c = compare_trace(str(write_trace(tmp_path / "p.h5", _nan_runs(True))), device="cpu")
     assert c.first_divergent == "model.norm" and "NaN in both runs (payload differs)" in c.verdict()
-    assert any("NaN in both runs (payload differs)" in line for line in c.origin_lines())
+    assert any("NaN in both runs (payload differs)" in line for line in origin_lines(c))
     c = compare_trace(str(write_trace(tmp_path / "n.h5", _nan_runs(False))), device="cpu")
     assert c.first_divergent is None and "bit-identical" not in c.verdict() and c.verdict().startswith("NaN")
     assert c.check("any")[0]

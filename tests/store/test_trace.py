@@ -167,7 +167,7 @@ def _readme_run():
 
 
 def test_h5py_only_reading_per_readme(tmp_path):
-    """Format version 2 read with plain h5py + numpy + zlib as traces/README.md describes it: the
+    """Format version 3 (version 2's layout) read with plain h5py + numpy + zlib as traces/README.md describes it: the
     index, the tiling of data/<dtype>, each point's CRC-32 and its bits."""
     import zlib
 
@@ -176,7 +176,7 @@ def test_h5py_only_reading_per_readme(tmp_path):
     write_trace(path, [run])
     with h5py.File(path, "r") as f:
         # string attributes are fixed-length UTF-8 (h5py gives bytes), see traces/README.md
-        assert f.attrs["format"].decode() == FORMAT and f.attrs["format_version"] == FORMAT_VERSION == 2
+        assert f.attrs["format"].decode() == FORMAT and f.attrs["format_version"] == FORMAT_VERSION == 3
         assert f.attrs["complete"]
         g = f["runs/A"]
         assert sorted(g) == ["data", "token_ids"] and sorted(g["data"]) == ["bfloat16", "float16", "float32"]

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
+from tracer.diff.batch import tensor_diff
 from tracer.diff.capture_contract import ContractMismatch, check_rank_sum, check_scaled
 from tracer.diff.compare import compare_pairs
+from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
 from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
@@ -28,6 +30,7 @@ from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.devices import resolve_device
 from tracer.engines.dumps.read import read_dump
 from tracer.store.formats import check_name
+from tracer.store.header import EngineDumpMeta, EngineDumpRef
 from tracer.store.integrity import check_not_an_input
 from tracer.store.trace import TraceReader, TraceWriter, read_tensor
 
@@ -120,8 +123,6 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
         world = mapped.facts.get("tp_size")
 
         def pairs():
-            from tracer.store.trace import read_tensor
-
             for name, (info, ds) in caps.items():
                 t_b = mapped.tensors.get(name)
                 if t_b is None:
@@ -185,9 +186,6 @@ def partial_logits_line(name: str, positions: list[int], a: torch.Tensor, b: tor
     the reference (``a``) and the engine (``b``). Rows of different dtypes (an engine's float32
     logits against a bf16 reference) are compared as :mod:`tracer.diff.crossdtype` says, and the
     line says so (values compared in the wider dtype, ULPs in the coarser, representability)."""
-    from tracer.diff.batch import tensor_diff
-    from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
-
     how = ""
     if pair_dtypes(a.dtype, b.dtype) is not None:
         cross = CrossAccumulator(a.dtype, b.dtype)
@@ -240,22 +238,20 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
         lo, hi = mapped.positions
         w0 = layout.window[0]
         for name in mapped.unmarked_partials:  # never stored as if it were the full sum
-            from tracer.store.trace import read_tensor
-
             ref_rows = read_tensor(reader.captures(run)[name][1], rows=slice(lo - w0, hi - w0))
             odd = contract_of(name, ref_rows, mapped.tensors[name], mapped, mapped.facts.get("tp_size"))
             raise TracerError(f"{odd.text}; not imported")
         header = dict(reader.header)
         caps_info = {n: reader.capture_info(run, n) for n in mapped.tensors}
-    header["engine_dump"] = {"engine": mapped.engine, "path": mapped.path, "reference": f"{path}:{run}"}
+    header["engine_dump"] = EngineDumpRef(mapped.engine, mapped.path, f"{path}:{run}").to_dict()
     lo, hi = mapped.positions
     captures = {n: CaptureRecord(name=n, kind=caps_info[n]["kind"], tensor=t.contiguous(), op=caps_info[n]["op"],
                                  role=str(caps_info[n].get("role") or "")) for n, t in mapped.tensors.items()}
     notes = list(mapped.notes) + [f"{n}: the engine's logits at position(s) {', '.join(map(str, ps))} only are not stored "
                                   "in the imported trace; compare the dump itself to see them"
                                   for n, (ps, _t, _s) in mapped.partial_logits.items()]
-    info = {"engine": mapped.engine, "path": mapped.path, "mapping": mapped.mapping, "notes": notes,
-            "facts": json.loads(json.dumps(mapped.facts, default=str))}
+    info = EngineDumpMeta(mapped.engine, mapped.path, mapped.mapping, tuple(notes),
+                          json.loads(json.dumps(mapped.facts, default=str))).to_dict()
     rec = RunRecord(name=run_name, token_ids=layout.token_ids, window=(lo, hi),
                     plan={"name": run_name, "description": f"{mapped.engine} {mapped.path}"},
                     captures=captures, meta={IMPORTED: info})

@@ -2,13 +2,14 @@
 where an engine computes them only at some positions (where it samples).
 
 Each run of a plan on another engine than the reference (and the reference run beside it) carries
-``meta["engine"]``: the engine's numeric contract (:func:`tracer.engines.door.facts`: version,
-attention backend, norm, activation, GEMM, activation / logits / KV-cache dtypes, KV block size,
-chunked-prefill budget, compilation and graphs off); an engine with a scheduler also records what
-it did (each request's cached tokens, the steps that computed the prompt), which its own
-:func:`tracer.engines.door.scheduler_note` puts in words. :func:`engine_facts` turns them into the
-comparison's facts and notes; :func:`sampled_logits` compares the logits at the positions both
-runs have.
+``meta["engine"]``: the engine's numeric contract (:class:`~tracer.execute.records.EngineFacts`, the
+same record for every engine, :func:`tracer.engines.door.facts`: version, attention backend, norm,
+activation, GEMM, activation / logits / KV-cache dtypes, KV block size, chunked-prefill budget,
+compilation and graphs off); a run whose engine schedules requests also carries ``meta["scheduler"]``
+(:class:`~tracer.execute.records.SchedulerFacts`: each request's ``num_cached_tokens``, the steps
+that computed the prompt), which the engine's own :func:`tracer.engines.door.scheduler_note` puts in
+words. :func:`engine_facts` turns them into the comparison's facts and notes; :func:`sampled_logits`
+compares the logits at the positions both runs have.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ from tracer.engines.table import is_reference, rows
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.diff.result import SkipRecord
 from tracer.execute.kinds import PointKind
-from tracer.execute.records import RunRecord
+from tracer.execute.records import EngineFacts, RunRecord
 
-#: the contract keys compared between two engines, with the label a difference is named by
-CONTRACT = (("attention_backend", "attention backend"), ("norm", "norm implementation"),
-            ("activation", "activation"), ("gemm", "GEMM"), ("activation_dtype", "activation dtype"),
-            ("logits_dtype", "logits dtype"), ("kv_cache_dtype", "KV-cache dtype"), ("block_size", "KV block size"),
-            ("max_num_batched_tokens", "chunked-prefill budget"), ("version", "version"))
+#: the contract fields compared between two engines, the label a difference is named by, and what
+#: the field's 0 means (an engine without paged blocks or a per-step token budget), or None
+CONTRACT = (("attention_backend", "attention backend", None), ("norm", "norm implementation", None),
+            ("activation", "activation", None), ("gemm", "GEMM", None), ("activation_dtype", "activation dtype", None),
+            ("logits_dtype", "logits dtype", None), ("kv_cache_dtype", "KV-cache dtype", None),
+            ("block_size", "KV block size", "none (a contiguous KV cache)"),
+            ("max_num_batched_tokens", "chunked-prefill budget", "none (each forward call computes what it is given)"),
+            ("version", "version", None))
 
 
 
@@ -39,7 +44,9 @@ def _product(engine: Any) -> Any:
     return rows()[engine].product if engine in rows() else engine
 
 
-def _short(v: Any) -> str:
+def _short(v: Any, zero: str | None = None) -> str:
+    if v == 0 and zero is not None and not isinstance(v, bool):
+        return zero
     if isinstance(v, dict):
         vals = sorted({str(x) for x in v.values()})
         return vals[0] if len(vals) == 1 else "; ".join(f"{k}: {x}" for k, x in v.items())
@@ -47,25 +54,26 @@ def _short(v: Any) -> str:
 
 
 def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[str, Any]) -> dict[str, Any]:
-    """The facts of two engine runs: ``engine_a``/``engine_b`` (each run's contract),
-    ``engine_differences`` (label → ``[A's, B's]`` for every contract key that differs),
-    ``cached_tokens_a``/``_b`` (the engine's own count of the traced prompt's cached tokens) and
-    ``notes`` (one line per engine, per difference, per scheduler). Empty when neither run has
-    ``meta["engine"]``."""
-    fa, fb = meta_a.get("engine"), meta_b.get("engine")
-    if not isinstance(fa, dict) or not isinstance(fb, dict):
+    """The facts of two engine runs: ``engine_a``/``engine_b`` (each run's contract, an
+    :class:`~tracer.execute.records.EngineFacts` document), ``engine_differences`` (label →
+    ``[A's, B's]`` for every contract field both state and that differs), ``cached_tokens_a``/``_b``
+    (the engine's own ``num_cached_tokens`` of the traced prompt) and ``notes`` (one line per
+    engine, per difference, per scheduler). Empty when neither run has ``meta["engine"]``."""
+    if not isinstance(meta_a.get("engine"), dict) or not isinstance(meta_b.get("engine"), dict):
         return {}
-    out: dict[str, Any] = {"engine_a": fa, "engine_b": fb}
-    same = fa.get("engine") == fb.get("engine")  # versions compare within one engine only
-    diffs = {label: [_short(fa.get(k)), _short(fb.get(k))] for k, label in CONTRACT
-             if k in fa and k in fb and fa.get(k) != fb.get(k) and (same or k != "version")}
+    fa, fb = EngineFacts.from_dict(meta_a["engine"]), EngineFacts.from_dict(meta_b["engine"])
+    out: dict[str, Any] = {"engine_a": fa.to_dict(), "engine_b": fb.to_dict()}
+    same = fa.engine == fb.engine  # versions compare within one engine only
+    diffs = {}
+    for key, label, zero in CONTRACT:
+        va, vb = getattr(fa, key), getattr(fb, key)
+        if va is not None and vb is not None and va != vb and (same or key != "version"):
+            diffs[label] = [_short(va, zero), _short(vb, zero)]
     out["engine_differences"] = diffs
-    notes = [f"engine {run}: {_product(f.get('engine'))} {f.get('version')}, attention "
-             f"{f.get('attention_backend')}, "
-             f"{f.get('activation_dtype')} activations, logits {f.get('logits_dtype')}, KV cache "
-             f"{f.get('kv_cache_dtype')}" + (f" in blocks of {f['block_size']}" if isinstance(f.get("block_size"), int) else "")
-             + ("" if is_reference(f.get("engine")) else
-                f", compilation mode {f.get('compilation_mode')}, CUDA graphs {f.get('cudagraph_mode')}")
+    notes = [f"engine {run}: {_product(f.engine)} {f.version}, attention {f.attention_backend}, "
+             f"{f.activation_dtype} activations, logits {f.logits_dtype}, KV cache {f.kv_cache_dtype}"
+             + (f" in blocks of {f.block_size}" if f.block_size else "")
+             + ("" if is_reference(f.engine) else f", compilation mode {f.compilation_mode}, CUDA graphs {f.cudagraph_mode}")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
@@ -81,8 +89,6 @@ def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
     """``c`` with every point missing in a run whose engine does not compute it (the run's
     ``meta["not_captured"]``: an engine without a module for HF's ``mlp.act_fn``, ...) skipped with that
     reason and not failing: the points both engines compute decide whether the runs agree."""
-    from tracer.diff.result import SkipRecord
-
     why = {run.name: run.meta.get("not_captured") or {} for run in (a, b)}
     engines = {run.name: (run.meta.get("engine") or {}).get("engine", "?") for run in (a, b)}
     out = []

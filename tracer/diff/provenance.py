@@ -86,19 +86,6 @@ def classify(p: Any, positions: tuple[int, int]) -> dict[str, Any] | None:
     return dict(out, **{"class": "same kernel, different bits"})
 
 
-def class_text(info: dict[str, Any], run_a: str = "A", run_b: str = "B") -> str:
-    """``run A nvjet 32x64 (no split-K) vs run B nvjet 64x8 split-K + splitKreduce: shape-driven
-    kernel switch`` (the kernel part left out when no kernels were recorded)."""
-    cls = info["class"]
-    if info["compared_by"] == "ops" and cls == "same kernel, different bits":
-        cls = "same aten ops, different bits (the CPU library's GEMM tiles and thread split are not visible)"
-    if info["kernels_a"] == "-" and info["kernels_b"] == "-":
-        return cls if cls != "origin" else "kernels not recorded (--kernels names them)"
-    if info["kernels_a"] == info["kernels_b"]:
-        return f"both runs ran {info['kernels_a']}: {cls}"
-    return f"run {run_a} {info['kernels_a']} vs run {run_b} {info['kernels_b']}: {cls}"
-
-
 def kernel_rows(calls: list[dict[str, Any]], positions: tuple[int, int]) -> list[dict[str, Any]] | None:
     """The JSON ``kernels_a``/``kernels_b`` of one point: every kernel (count, parsed fields) of the
     calls that computed compared positions; None when not recorded."""

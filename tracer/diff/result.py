@@ -1,15 +1,14 @@
 """The result types of a comparison: one point's metrics, a skipped point, the whole comparison.
 
 :class:`Comparison` is the amplification table as data, and it says what it means: its verdict
-(:meth:`Comparison.verdict`), its judgement by a ``--fail-on`` rule (:meth:`Comparison.check`) and
-one line per origin (:meth:`Comparison.origin_lines`, from :func:`origin_line`: the op, the shapes
-it saw in both runs, how much differs). The engine that builds it is :mod:`tracer.diff.compare`;
-the origin analysis :mod:`tracer.diff.origins`.
+(:meth:`Comparison.verdict`) and its judgement by a ``--fail-on`` rule (:meth:`Comparison.check`);
+each origin is data (:func:`origin_facts`: the op, the shapes it saw in both runs, how much
+differs), said in a sentence by :func:`tracer.report.origins.origin_line`. The engine that builds
+it is :mod:`tracer.diff.compare`; the origin analysis :mod:`tracer.diff.origins`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +19,15 @@ from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff
 from tracer.diff.positions import PerPosition
-from tracer.diff.provenance import class_text, classify, kernel_rows
+from tracer.diff.provenance import classify, kernel_rows
 from tracer.diff.replay import Replay
 from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind, point_kind
+from tracer.execute.records import EngineFacts, calls_problem
 from tracer.plan.checks import FAIL_ON, check_fail_on  # noqa: F401 - re-exported
+from tracer.plan.quant import BlockFormat
 
 #: how a difference of NaN payloads alone (NaN at the same elements in both runs) is reported
 NAN_PAYLOAD = "NaN in both runs (payload differs)"
@@ -81,8 +82,6 @@ class PointResult(schema.Record):
         return self.diff.n_diff > 0
 
     def schema_check(self) -> str | None:
-        from tracer.store.fields import calls_problem
-
         problem = calls_problem(self.calls_a) or calls_problem(self.calls_b)
         return f"shapes of {self.name}: {problem}" if problem else None
 
@@ -122,6 +121,80 @@ def skip_record(name: str, kind: str, run: str, missing: bool) -> SkipRecord:
     return SkipRecord(name, kind, f"empty in run {run}")
 
 
+#: GEMM M of a run: one value, or one per forward pass
+GemmM = schema.Count | tuple[schema.Count, ...]
+
+
+@dataclass(frozen=True)
+class ComparisonFacts(schema.Document):
+    """The short facts shown above a comparison's table (:func:`tracer.diff.facts.run_facts` and the
+    engine-dump comparisons build them): a record that reads like its document (``facts["notes"]``),
+    with a fact that is not known left out. A comparison built with a plain dict of facts gets this
+    record made from it (:func:`tracer.schema.build`: a key not declared here is an error, never dropped).
+
+    Attributes:
+        dtype, device, device_name, attn: the model's dtype, device (and its name), attention.
+        n_tokens: N; plan_a, plan_b: the plans' descriptions; gemm_m_a, gemm_m_b: GEMM M per
+            forward pass; chunks_a, chunks_b: each plan's ``[start, stop)`` chunks.
+        sliding_layers, sliding_window: a model's sliding-window layers and window (tokens);
+            layers_path, attention_path: its decoder layers' and attention's module paths.
+        generated_a, generated_b, first_token_difference: ``generate-cache``'s tokens and the
+            first step at which they differ.
+        kv_block_format: ``kv-quant``'s format (:class:`~tracer.plan.quant.BlockFormat`).
+        engine_a, engine_b: each run's engine facts (:class:`~tracer.execute.records.EngineFacts`);
+            engine_differences: label → ``[A's, B's]``; cached_tokens_a/_b: the engine's own
+            count of the traced prompt's cached tokens.
+        logits_positions: where both runs had logits, when an engine computed them at some
+            positions only.
+        versions_differ, isa_differs, contract_differs: runs of two traces: what differs in their
+            versions, instruction sets and numeric contracts.
+        engine, engine_path, engine_path_b, reference, mapping, mapping_b, tp_size, steps,
+            step_tokens: an engine dump compared with a reference run (or two dumps): the
+            engine(s), the dump(s), the reference run, HF name → engine name(s), the dump's TP
+            size, steps and tokens per step.
+        notes: one line each, shown under the table.
+    """
+
+    dtype: str | None = None
+    device: str | None = None
+    device_name: str | None = None
+    attn: str | None = None
+    n_tokens: schema.Count | None = None
+    plan_a: str | None = None
+    plan_b: str | None = None
+    gemm_m_a: GemmM | None = None
+    gemm_m_b: GemmM | None = None
+    chunks_a: tuple[schema.Span, ...] | None = None
+    chunks_b: tuple[schema.Span, ...] | None = None
+    sliding_layers: tuple[schema.Count, ...] | None = None
+    sliding_window: schema.Count | None = None
+    layers_path: str | None = None
+    attention_path: str | None = None
+    generated_a: tuple[int, ...] | None = None
+    generated_b: tuple[int, ...] | None = None
+    first_token_difference: schema.Count | None = None
+    kv_block_format: BlockFormat | None = None
+    engine_a: EngineFacts | None = None
+    engine_b: EngineFacts | None = None
+    engine_differences: dict[str, tuple[str, str]] | None = None
+    cached_tokens_a: schema.Count | None = None
+    cached_tokens_b: schema.Count | None = None
+    logits_positions: tuple[schema.Count, ...] | None = None
+    versions_differ: tuple[str, ...] | None = None
+    isa_differs: tuple[str, ...] | None = None
+    contract_differs: tuple[str, ...] | None = None
+    engine: str | None = None
+    engine_path: str | None = None
+    engine_path_b: str | None = None
+    reference: str | None = None
+    mapping: dict[str, str] | None = None
+    mapping_b: dict[str, str] | None = None
+    tp_size: schema.Count | None = None
+    steps: tuple[int, ...] | None = None
+    step_tokens: GemmM | None = None
+    notes: tuple[str, ...] | None = None
+
+
 @dataclass(frozen=True)
 class Comparison(schema.Record):
     """Run A versus run B of one scenario: the amplification table as data.
@@ -141,7 +214,8 @@ class Comparison(schema.Record):
         logits_name: the logits capture point (HF path of the LM head), or None if not captured.
         logits: :class:`~tracer.diff.metrics.LogitsDiff` of the logits, or None.
         trace: the trace file path, if stored.
-        facts: short facts for the report header (:func:`run_facts`).
+        facts: short facts for the report header (:class:`ComparisonFacts`; a dict given here
+            becomes one).
         logits_amplification: the logits' max abs diff over the first divergent point's (None
             when nothing before the logits differs).
         per_position: max |A − B| and differing count per capture point and compared position
@@ -173,7 +247,7 @@ class Comparison(schema.Record):
     logits_calls: tuple[list[dict[str, Any]], list[dict[str, Any]]] = schema.field(key=("logits", "calls"),
                                                                                   default=([], []))
     trace: str | None = None
-    facts: dict[str, Any] = schema.field(default_factory=dict)
+    facts: ComparisonFacts = schema.field(default_factory=ComparisonFacts)
     logits_origin: bool = schema.field(key=("logits", "origin"), default=False)
     logits_n_outside_tol: int | None = schema.field(key=("logits", "n_outside_tol"), default=None)
     atol: float | None = schema.field(key=("tolerance", "atol"), default=None)
@@ -188,6 +262,10 @@ class Comparison(schema.Record):
     rl: RLComparison | None = None
     logits_cross_dtype: CrossDtype | None = schema.field(key=("logits", "cross_dtype"), default=None)
     contract: tuple[ContractMismatch, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.facts, ComparisonFacts):  # built with a plain dict of facts
+            object.__setattr__(self, "facts", schema.build(ComparisonFacts, dict(self.facts or {})))
 
     @property
     def cross_dtypes(self) -> dict[str, CrossDtype]:
@@ -214,9 +292,6 @@ class Comparison(schema.Record):
         return self.origins + (PointResult(self.logits_name or "logits", PointKind.LOGITS, "LM head", self.logits.tensor,
                                            calls_a=self.logits_calls[0], calls_b=self.logits_calls[1]),)
 
-    def origin_lines(self) -> list[str]:
-        """One line per origin: op type, shapes in both runs, how much differs (see :func:`origin_line`)."""
-        return [origin_line(p, self) for p in self.origin_points()]
 
     def check(self, fail_on: str | None = "default") -> tuple[bool, str]:
         """Judge the comparison by a ``--fail-on`` rule.
@@ -338,24 +413,18 @@ class Comparison(schema.Record):
         if doc.get("logits") is not None:
             doc["logits"]["argmax_flips"] = len(self.logits.argmax_flips)
             doc["logits"]["flips"] = [{**f, "position": self.positions[0] + f["position"]} for f in doc["logits"]["flips"]]
-        origins = [origin_record(p, self) for p in self.origin_points()]
+        origins = [origin_facts(p, self) for p in self.origin_points()]
         failed, reason = self.check()
         doc["check"].update(failed=failed, reason=reason)
         doc.update(origins=origins, first_divergent=self.first_divergent, identical=self.identical,
                    verdict=self.verdict())
 
     def schema_check(self) -> str | None:
-        from tracer.store.fields import calls_problem, check_facts
-
         if not 0 <= self.positions[0] <= self.positions[1]:
             return f"positions {list(self.positions)} are not [first, last + 1]"
         problem = calls_problem(self.logits_calls[0]) or calls_problem(self.logits_calls[1])
         if problem:
             return f"logits calls: {problem}"
-        try:
-            check_facts(self.facts, TracerError)
-        except TracerError as e:
-            return str(e)
         return None
 
     @classmethod
@@ -412,89 +481,14 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     return {"rows": _prod(src[:-1]), "width": int(src[-1])}
 
 
-def _chunk_of(chunks: list | None, pos: int) -> int | None:
-    for start, stop in chunks or []:
-        if start <= pos < stop:
-            return stop - start
-    return None
-
-
-def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
-    """The JSON record of one origin: name, op, shapes in both runs, counts, the one-line text."""
+def origin_facts(p: PointResult, c: Comparison) -> dict[str, Any]:
+    """The JSON record of one origin, as data: name, kind, op, the shapes it saw in both runs,
+    counts, its origin class, kernels and float64 replay (the document's ``origins``; the
+    sentence that says it for people is :func:`tracer.report.origins.origin_line`)."""
     return {"name": p.name, "kind": p.kind, "op": p.op,
             "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
             "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
-            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff, "text": origin_line(p, c),
+            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff,
             "class": (classify(p, c.positions) or {}).get("class"),
             "kernels_a": kernel_rows(p.calls_a, c.positions), "kernels_b": kernel_rows(p.calls_b, c.positions),
             "replay": (c.op_replay[p.name].to_dict() if c.op_replay and p.name in c.op_replay else None)}
-
-
-def _each_call(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> list[dict[str, Any]]:
-    """:func:`call_shapes` of every call that computed compared positions (several with --positions all)."""
-    hit = [cl for cl in calls if cl.get("positions") and cl["positions"][0] < positions[1] and cl["positions"][1] > positions[0]]
-    return [call_shapes(p, [cl], positions) for cl in hit] or [call_shapes(p, calls, positions)]
-
-
-def _shape_text(p: PointResult, c: Comparison) -> str:
-    a, b = call_shapes(p, p.calls_a, c.positions), call_shapes(p, p.calls_b, c.positions)
-    ea, eb = _each_call(p, p.calls_a, c.positions), _each_call(p, p.calls_b, c.positions)
-
-    def gemm(xs: list[dict[str, Any]]) -> str:
-        return " + ".join(f"{x.get('M', '?')}×{x.get('N', '?')}×{x.get('K', '?')}" for x in xs)
-
-    def each(xs: list[dict[str, Any]], key: str) -> str:
-        return "+".join(str(x.get(key, "?")) for x in xs)
-
-    if "M" in a and "M" in b:
-        return f"GEMM M×N×K {gemm(ea)} in {c.run_a} vs {gemm(eb)} in {c.run_b}"
-    if "queries" in a and "queries" in b:
-        return (f"queries {each(ea, 'queries')} vs {each(eb, 'queries')}, keys {each(ea, 'keys')} vs "
-                f"{each(eb, 'keys')}, width {a['width']}")
-    if p.kind == PointKind.KV_CACHE:
-        first, stop = (a.get("positions") or [0, 0])
-        text = f"positions {first}..{stop - 1}"
-        if p.n_diff_prefix:
-            ma = _chunk_of(c.facts.get("chunks_a"), first)
-            mb = _chunk_of(c.facts.get("chunks_b"), first)
-            if ma is not None and mb is not None:
-                text += (f"; positions {first}..{c.positions[0] - 1} computed by a forward pass of "
-                         f"{ma} tokens in {c.run_a} vs {mb} in {c.run_b}")
-        return text
-    if "rows" in a and "rows" in b:
-        return f"rows {each(ea, 'rows')} vs {each(eb, 'rows')}, width {a['width']}"
-    return ""
-
-
-def origin_line(p: PointResult, c: Comparison) -> str:
-    """``model.layers.21.post_attention_layernorm (RMSNorm, rows 250 vs 10, width 576): 8 elements, max 1 ULP``.
-
-    Adds where the difference sits for a ``kv_cache`` point (before the window: born in the
-    earlier forward pass, not traced op by op) and, for a decoder layer origin at layers
-    granularity, the hint to re-run with ``--granularity sublayers``.
-    """
-    op = "KVCache" if p.kind == PointKind.KV_CACHE else p.op
-    shapes = _shape_text(p, c)
-    head = f"{p.name} ({op}{', ' + shapes if shapes else ''})"
-    d = p.diff
-    ulp = f"max {d.max_ulp} ULP" if d.max_ulp <= 16 else f"max {d.max_ulp_mag:.3g} ULP of the larger magnitude"
-    body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}, {ulp}, max |Δ| {d.max_abs_diff:.3g}"
-    if d.nan_payload_only:
-        body = f"{d.n_diff:,} element{'s' if d.n_diff != 1 else ''}: {NAN_PAYLOAD}"
-    tail = ""
-    if p.kind == PointKind.KV_CACHE and p.n_diff_prefix:
-        inside = d.n_diff - p.n_diff_prefix
-        tail = (f"; {p.n_diff_prefix:,} of them before the compared window: born in the forward pass that "
-                f"computed those positions (not traced op by op)" + (f", {inside:,} inside it" if inside else ""))
-    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != PointKind.KV_CACHE]
-    if p.kind == PointKind.LAYER and not subs:
-        tail = f"; origin within {p.name} (use --granularity sublayers to find the op)"
-    if p.kind == PointKind.KV_CACHE and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
-                                     and q.kind not in (PointKind.KV_CACHE,)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
-        tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"
-    info = classify(p, c.positions)
-    if info is not None and (info["kernels_a"] != "-" or info["kernels_b"] != "-"):
-        tail += f"; {class_text(info, c.run_a, c.run_b)}"
-    if c.op_replay and p.name in c.op_replay:
-        tail += f"; replay in float64: {c.op_replay[p.name].text}"
-    return f"{head}: {body}{tail}"

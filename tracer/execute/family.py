@@ -26,6 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.files import read_text_file
@@ -118,6 +119,21 @@ class Sliding:
 
 
 @dataclass(frozen=True)
+class FamilyFacts(schema.Record):
+    """What a trace header records about the model's family (its ``family``): the descriptor's name
+    and file, the model types it applies to, the module paths and every role's path in a layer."""
+
+    name: str | None = None
+    descriptor: str | None = None
+    model_types: tuple[str, ...] = ()
+    embedding: str | None = None
+    layers: str | None = None
+    final_norm: str | None = None
+    logits: str | None = None
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Family:
     """One family descriptor (``hooks/<name>.toml``), validated.
 
@@ -165,10 +181,9 @@ class Family:
         return ROLES[role] if role is not None else self.sublayers.get(rel)
 
     def to_dict(self) -> dict[str, Any]:
-        """What the trace header records about the family (JSON-able)."""
-        return {"name": self.name, "descriptor": self.path, "model_types": list(self.model_types),
-                "embedding": self.embedding, "layers": self.layers, "final_norm": self.final_norm,
-                "logits": self.logits, "roles": dict(self.roles)}
+        """What the trace header records about the family: a :class:`FamilyFacts` document."""
+        return FamilyFacts(self.name, str(self.path), tuple(self.model_types), self.embedding, self.layers,
+                           self.final_norm, self.logits, dict(self.roles)).to_dict()
 
 
 def _bad(path: Any, what: str) -> TracerError:

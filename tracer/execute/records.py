@@ -2,6 +2,12 @@
 
 No torch code runs here; these are the records the hooks fill, the store writes and reads,
 and the comparison consumes. Tensors are kept in their storage dtype (bit-exact).
+
+Besides the run itself (:class:`RunRecord`, :class:`CaptureRecord`), the facts an execution
+reports as :mod:`tracer.schema` records, the same types whatever engine ran: one forward call of
+a capture point (:class:`Call`, the documents in ``CaptureRecord.calls``), the engine's numeric
+contract (:class:`EngineFacts`, a run's ``meta["engine"]`` and the trace header's ``engines``)
+and what its scheduler did (:class:`SchedulerFacts`, a run's ``meta["scheduler"]``).
 """
 
 from __future__ import annotations
@@ -10,6 +16,195 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from tracer import schema
+from tracer.errors import TracerError
+
+
+@dataclass(frozen=True)
+class KernelCount(schema.Record):
+    """One kernel or aten op that ran in a forward call, and how many times (``--kernels``)."""
+
+    name: str
+    count: schema.Count
+
+
+@dataclass(frozen=True)
+class Kernels(schema.Record):
+    """The kernels of one forward call: ``device`` kernels (CUDA names as launched, empty on the
+    CPU) and compute-level aten ``ops`` (``traces/README.md``, "kernels of a call")."""
+
+    device: tuple[KernelCount, ...] = ()
+    ops: tuple[KernelCount, ...] = ()
+
+
+#: the shapes a call saw: a list of shapes (None for an input that is not a tensor), or one flat shape
+Shapes = tuple[schema.Shape | None, ...] | schema.Shape
+
+
+@dataclass(frozen=True)
+class Call(schema.Record):
+    """One forward call of a capture point: the document ``{"positions": [start, stop], "in":
+    [shapes], "out": [shapes], "kernels": {...}}`` of ``CaptureRecord.calls`` and of a trace
+    index entry's ``calls`` (every key optional; the calls stay plain documents in memory,
+    :func:`calls_problem` checks them against this record).
+
+    Attributes:
+        positions: the absolute token positions the call computed, ``[start, stop)``.
+        inputs, out: the full input and output shapes the module saw (``in`` and ``out``).
+        kernels: ``--kernels``: what ran (:class:`Kernels`).
+    """
+
+    schema_sparse = True
+
+    positions: schema.Span | None = None
+    inputs: Shapes | None = schema.field(key="in", default=None)
+    out: Shapes | None = None
+    kernels: Kernels | None = None
+
+
+def calls_problem(calls: Any) -> str | None:
+    """None when ``calls`` is a list of :class:`Call` documents, else what is wrong (one line)."""
+    if not isinstance(calls, list):
+        return "calls is not a list"
+    try:
+        schema.decode_value(calls, list[Call], "calls")
+    except TracerError as e:
+        return str(e)
+    return None
+
+
+@dataclass(frozen=True)
+class Threads(schema.Record):
+    """torch's intra-op thread count before and after an engine was built (an engine may set its own)."""
+
+    before_build: int | None = None
+    after_build: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineFacts(schema.Record):
+    """An engine's numeric contract, the same record whatever the engine (:mod:`tracer.engines.table`): a run's
+    ``meta["engine"]`` and, known before the runs, the trace header's ``engines``. Unknown facts
+    are None and left out of the document.
+
+    Attributes:
+        engine: the engine's name (a row of :mod:`tracer.engines.table`).
+        version: its package's version.
+        device, dtype: where it ran and the weights' dtype.
+        attention_backend: the attention implementation (``sdpa``, a paged engine's ``CPU_ATTN``).
+        norm, activation, rotary: what the first decoder layer's norm, activation and rotary
+            embedding dispatch to.
+        gemm: the GEMM library, or per Linear of the first layer (and ``lm_head``) its GEMM.
+        activation_dtype, logits_dtype, kv_cache_dtype: the dtypes of the activations, the LM
+            head's output and the KV cache.
+        block_size: tokens per KV-cache block; 0: one contiguous cache per sequence (no paging).
+        max_num_batched_tokens: the scheduler's token budget per step (chunked prefill splits a
+            longer prompt); 0: none (each forward call computes what it is given).
+        compilation_mode, cudagraph_mode: compilation level (0: eager) and CUDA graphs (``NONE``).
+        weights: the weights folder the engine loaded.
+        attention_impl, attention_isa: the attention backend's implementation class and ISA.
+        kv_cache_dtype_setting: the KV-cache dtype as configured (``auto``: the model's).
+        prefix_caching, chunked_prefill, max_model_len, enforce_eager, in_process: the engine's
+            settings as it reports them.
+        torch_threads: torch's thread count before and after the engine was built.
+        sampler: what the sampler does with the logits.
+    """
+
+    schema_sparse = True
+
+    engine: str
+    version: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    attention_backend: str | None = None
+    norm: str | None = None
+    activation: str | None = None
+    gemm: str | dict[str, str] | None = None
+    activation_dtype: str | None = None
+    logits_dtype: str | None = None
+    kv_cache_dtype: str | None = None
+    block_size: schema.Count | None = None
+    max_num_batched_tokens: schema.Count | None = None
+    compilation_mode: int | None = None
+    cudagraph_mode: str | None = None
+    weights: str | None = None
+    attention_impl: str | None = None
+    attention_isa: str | None = None
+    kv_cache_dtype_setting: str | None = None
+    prefix_caching: bool | None = None
+    chunked_prefill: bool | None = None
+    max_model_len: schema.Count | None = None
+    enforce_eager: bool | None = None
+    in_process: bool | None = None
+    torch_threads: Threads | None = None
+    rotary: str | None = None
+    sampler: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledRequest(schema.Record):
+    """One request an engine's scheduler ran for a run.
+
+    Attributes:
+        request_id, internal_id: tracer's id and the engine's own.
+        tokens: the request's prompt tokens.
+        traced: whether it is (a prefix of) the traced prompt.
+        num_cached_tokens: the prompt tokens the engine found in its prefix cache (its own count).
+        generated: the token ids it generated.
+    """
+
+    schema_sparse = True
+
+    request_id: str | None = None
+    internal_id: str | None = None
+    tokens: schema.Count | None = None
+    traced: bool = False
+    num_cached_tokens: schema.Count = 0
+    generated: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TracedPositions(schema.Record):
+    """The traced prompt's positions one scheduler step computed for one request."""
+
+    request: str
+    positions: schema.Span
+
+
+@dataclass(frozen=True)
+class SchedulerStep(schema.Record):
+    """One forward pass of the engine: its index, tokens (GEMM M), requests, and the traced positions in it."""
+
+    schema_sparse = True
+
+    step: schema.Count | None = None
+    tokens: schema.Count | None = None
+    requests: schema.Count = 1
+    traced: tuple[TracedPositions, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchedulerFacts(schema.Record):
+    """What an engine's scheduler did with a run (a run's ``meta["scheduler"]``), and how the
+    engine's modules were mapped onto HF capture names.
+
+    Attributes:
+        chunks_as: how the plan's chunks were realised (``prefix-cache``: a request per chunk
+            boundary; ``chunked``: the token budget splits one request; ``one-step``; ``rollout``).
+        requests: every request, in the order added (:class:`ScheduledRequest`).
+        steps: the forward passes that computed traced positions (:class:`SchedulerStep`).
+        chunks: the traced prompt's positions computed in each step, ``[start, stop)``.
+        mapping: HF capture name → the engine module(s) it came from, and how (split, fused).
+        notes: one line each on what the mapping could not say exactly.
+    """
+
+    chunks_as: str | None = None
+    requests: tuple[ScheduledRequest, ...] = ()
+    steps: tuple[SchedulerStep, ...] = ()
+    chunks: tuple[schema.Span, ...] = ()
+    mapping: dict[str, str] = schema.field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 @dataclass
 class CaptureRecord:

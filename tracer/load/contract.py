@@ -14,16 +14,64 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from tracer import schema
 
 #: buffers that ``from_pretrained`` computes in float32 whatever the parameters' dtype
 _FLOAT32_BUFFERS = re.compile(r"(^|\.|_)inv_freq$")
 #: how a config marks sliding-window layers, as transformers writes it: ``(field of per-layer kinds,
 #: the kinds that slide, field of the window in tokens)``; a family descriptor may say otherwise
 SLIDING = ("layer_types", ("sliding_attention",), "sliding_window")
+
+
+@dataclass(frozen=True)
+class BufferFacts(schema.Record):
+    """One floating-point buffer: its dtype, device, whether ``state_dict`` saves it, its shape."""
+
+    dtype: str | None = None
+    device: str | None = None
+    persistent: bool | None = None
+    shape: schema.Shape | None = None
+
+
+@dataclass(frozen=True)
+class CastAfterLoad(schema.Record):
+    """Whether the model was cast after loading (``detected``; None: unknown), and the evidence."""
+
+    detected: bool | None = None
+    evidence: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AttentionKind(schema.Record):
+    """The attention of one layer kind: what its modules run, its decoder-layer indices, and the
+    window in tokens of a sliding kind (None: global attention)."""
+
+    implementation: str | None = None
+    layers: tuple[schema.Count, ...] = ()
+    sliding_window: schema.Count | None = None
+
+
+@dataclass(frozen=True)
+class NumericContract(schema.Record):
+    """The model's side of the numeric contract (the trace header's ``numeric_contract``).
+
+    Attributes:
+        parameter_dtypes: dtype name → number of parameter elements.
+        buffers: ``module path.buffer`` → :class:`BufferFacts`, every floating-point buffer.
+        cast_after_load: :class:`CastAfterLoad`.
+        attention: layer kind (``full_attention``, ``sliding_attention``) → :class:`AttentionKind`.
+    """
+
+    parameter_dtypes: dict[str, schema.Count] = schema.field(default_factory=dict)
+    buffers: dict[str, BufferFacts] = schema.field(default_factory=dict)
+    cast_after_load: CastAfterLoad | None = None
+    attention: dict[str, AttentionKind] = schema.field(default_factory=dict)
 
 
 def _dtype(t: torch.dtype) -> str:
@@ -42,8 +90,8 @@ def float_buffers(model: nn.Module) -> dict[str, dict[str, Any]]:
             if buf is None or not torch.is_floating_point(buf):
                 continue
             key = f"{mod_name}.{b_name}" if mod_name else b_name
-            out[key] = {"dtype": _dtype(buf.dtype), "device": str(buf.device),
-                        "persistent": b_name not in mod._non_persistent_buffers_set, "shape": list(buf.shape)}
+            out[key] = BufferFacts(_dtype(buf.dtype), str(buf.device), b_name not in mod._non_persistent_buffers_set,
+                                   tuple(buf.shape)).to_dict()
     return dict(sorted(out.items()))
 
 
@@ -122,14 +170,14 @@ def attention_kinds(model: nn.Module, sliding: tuple[str, tuple[str, ...], str] 
     default_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     impl_of = {i: _implementation(layer) or default_impl for i, layer in enumerate(_decoder_layers(model, n_layers))}
     window = getattr(config, window_field, None)
-    out: dict[str, dict[str, Any]] = {}
+    layers: dict[str, list[int]] = {}
+    impls: dict[str, set[Any]] = {}
     for i, kind in enumerate(types):
-        entry = out.setdefault(str(kind), {"implementation": impl_of.get(i, default_impl), "layers": [],
-                                           "sliding_window": int(window) if kind in sliding_kinds and window else None})
-        entry["layers"].append(i)
-        if impl_of.get(i, default_impl) != entry["implementation"]:
-            entry["implementation"] = "mixed"
-    return out
+        layers.setdefault(str(kind), []).append(i)
+        impls.setdefault(str(kind), set()).add(impl_of.get(i, default_impl))
+    return {kind: AttentionKind(next(iter(impls[kind])) if len(impls[kind]) == 1 else "mixed", tuple(ls),
+                                int(window) if kind in sliding_kinds and window else None).to_dict()
+            for kind, ls in layers.items()}
 
 
 def sliding_layers(contract: dict[str, Any]) -> list[int]:
@@ -175,8 +223,8 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 
 def numeric_contract(model: nn.Module, sliding: tuple[str, tuple[str, ...], str] = SLIDING) -> dict[str, Any]:
-    """The model's numeric contract for the trace header (JSON-able); computed once per model
-    state (a cast, a move or another attention implementation computes it again).
+    """The model's numeric contract for the trace header, a :class:`NumericContract`'s document;
+    computed once per model state (a cast, a move or another attention implementation computes it again).
 
     Args:
         sliding: how the config marks sliding-window layers (:func:`attention_kinds`).
@@ -189,8 +237,10 @@ def numeric_contract(model: nn.Module, sliding: tuple[str, tuple[str, ...], str]
     key = (_fingerprint(model), sliding)
     hit = _CONTRACTS.get(model)
     if hit is None or hit[0] != key:
-        contract = {"parameter_dtypes": parameter_dtypes(model), "buffers": float_buffers(model),
-                    "cast_after_load": cast_after_load(model), "attention": attention_kinds(model, sliding)}
+        contract = NumericContract(
+            parameter_dtypes(model), {k: BufferFacts.from_dict(v) for k, v in float_buffers(model).items()},
+            CastAfterLoad.from_dict(cast_after_load(model)),
+            {k: AttentionKind.from_dict(v) for k, v in attention_kinds(model, sliding).items()}).to_dict()
         hit = (key, json.dumps(contract))  # plain JSON data: a fresh copy is one json.loads (a deepcopy costs 5x more)
         _CONTRACTS[model] = hit
     return json.loads(hit[1])

@@ -21,12 +21,13 @@ transformers state is changed).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from tracer import schema
 from tracer.errors import TracerError
 from tracer.load.devices import (check_attn, dispatch, dtype_kwarg, dtype_name, model_device, parse_device_map,
                                  parse_max_memory, resolve_device, resolve_dtype)
@@ -41,8 +42,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """What was loaded; goes into the trace header.
+class ModelInfo(schema.Record):
+    """What was loaded; goes into the trace header (its ``model``, this record's document; a header
+    written by hand may give the name only, so every other field has a default).
 
     Attributes:
         name: the name the user asked for (recipe name, HF id or directory).
@@ -62,24 +64,20 @@ class ModelInfo:
     """
 
     name: str
-    source: str
-    family: str
-    dtype: str
-    device: str
-    attn_implementation: str
-    weights_hash: str | None
-    path: str | None
-    n_layers: int
-    hidden_size: int
-    vocab_size: int
-    device_map: dict[str, str] | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict of all fields."""
-        return asdict(self)
+    source: str | None = None
+    family: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    attn_implementation: str | None = None
+    weights_hash: str | None = None
+    path: str | None = None
+    n_layers: schema.Count | None = None
+    hidden_size: schema.Count | None = None
+    vocab_size: schema.Count | None = None
+    device_map: dict[str, str] | str | None = None
+    n_heads: schema.Count | None = None
+    n_kv_heads: schema.Count | None = None
+    head_dim: schema.Count | None = None
 
 
 @dataclass
@@ -238,7 +236,7 @@ def load_model(
         trust_remote_code: passed to ``from_pretrained`` for HF models.
         progress: show rich status messages (on stderr) and transformers' progress bars; or a
             callable that receives each status message instead (the caller's own display, which
-            relays the tqdm bars: :func:`tracer.report.progress.relay_tqdm`).
+            relays the tqdm bars: :func:`tracer.progress.relay_tqdm`).
         device_map: spread the model over several devices with accelerate (a model larger than
             one GPU): ``auto``/``balanced``/``balanced_low_0``/``sequential`` (accelerate's
             ``infer_auto_device_map``, bounded by ``max_memory``), or a dict / JSON object

@@ -28,7 +28,7 @@ from tracer.loops.audit_store import AuditStore
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 from tracer.plan.build import build
-from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.progress import DELAY_S, ItemProgress, StatusProgress
 from tracer.store.integrity import check_name_length, check_output_path
 from tracer.store.trace import json_safe
 
@@ -171,7 +171,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
         mitigations: re-run diverging checks under each applicable mitigation.
         loaded: a loaded model to reuse.
         progress: the plan, one line per check and an ETA weighed by each check's cost on stderr
-            (:class:`tracer.report.progress.ItemProgress`): True or ``"auto"``: a bar in a terminal,
+            (:class:`tracer.progress.ItemProgress`): True or ``"auto"``: a bar in a terminal,
             log lines otherwise; ``"lines"``; False: nothing. Loading the model shows a status
             (a spinner, or a ``load:`` line once it takes 2 s).
         on_check: called as ``on_check(label, done, total)`` before each check (progress bars).
@@ -198,13 +198,13 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     plans, reasons = _plan(todo, len(ids), options, info.device)
     budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
-                                   extra={"scenario": {"name": "audit", "levels": selected},
+                                   extra={"scenario": {"name": "audit", "params": {"levels": selected}},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
                                           "audit_options": {"mitigations": bool(mitigations), "budget": budget,
                                                             "engine": name_of(cfg.scenario.engine),
                                                             "checks": [c.key for c in todo]},
                                           **(door.header(plans["L4-tp-real"], info.device)
-                                             if "L4-tp-real" in plans else {})})
+                                             if "L4-tp-real" in plans else {})}).to_dict()
     state = AuditStore(out, header, overwrite=cfg.store.overwrite) if store else None
     done = {} if state is None else ({r["key"]: r for r in state.reused} if state.reused is not None else state.finished())
     costs = {k: scenario_cost(s) for k, s in plans.items()}

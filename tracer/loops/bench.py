@@ -250,9 +250,3 @@ def to_json(result: BenchResult) -> str:
     """:meth:`BenchResult.to_dict` as indented JSON."""
     return json.dumps(result.to_dict(), indent=2)
 
-
-def table(result: BenchResult):
-    """The result as a rich Table (:func:`tracer.report.bench.table`)."""
-    from tracer.report.bench import table as _table
-
-    return _table(result)

@@ -23,7 +23,7 @@ from tracer.execute.kinds import PointKind
 from tracer.engines.door import realise
 from tracer.engines.table import default, is_reference
 from tracer.plan.build import check_resources, make_scenario
-from tracer.report.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.progress import DELAY_S, ItemProgress, StatusProgress
 from tracer.store.integrity import check_name_length, check_output_path
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             batch, rollout-vs-train, ...) refuses them, and its lengths need not exceed a block.
         keep_tensors: also store both runs' captured tensors of every point (large).
         on_point: called with each finished row (after it is flushed).
-        progress: per-point progress on stderr (:class:`tracer.report.progress.ItemProgress`): True or
+        progress: per-point progress on stderr (:class:`tracer.progress.ItemProgress`): True or
             ``"auto"``: a bar with count and ETA in a terminal, one log line per point otherwise;
             ``"lines"``: log lines; False: nothing. Loading the model shows a status (a spinner, or
             a ``load:`` line once it takes 2 s).
@@ -180,7 +180,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         params["options"] = extra
     if not is_reference(cfg.scenario.engine):  # a sweep on one engine never resumes another's
         params["engine"] = cfg.scenario.engine
-    header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params})
+    header = pipeline.trace_header(loaded, None, max(ns), cfg.capture, "stats", extra={"sweep": params}).to_dict()
     sf = SweepFile(out, params, header, overwrite=cfg.store.overwrite) if out is not None else None
     try:
         done = sf.done() if sf is not None else set()

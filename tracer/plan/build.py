@@ -11,6 +11,7 @@ realises it through the door (:func:`tracer.engines.door.realise`).
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 from tracer.errors import TracerError
@@ -53,14 +54,27 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
 
 
+#: the scenarios built lately, by (name, N, options): a run's early check (:func:`tracer.validate.validate`,
+#: before the model loads), its position check and its plan share one Scenario (frozen data)
+_BUILT: dict[str, Scenario] = {}
+_KEEP = 8
+
+
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
+    A catalogue scenario is built once per (name, N, options): asked again, the same object comes back.
 
     Raises:
         TracerError: bad options, or a callable that does not return a Scenario.
     """
     if isinstance(scenario, str):
-        return build(scenario, n_tokens, **options)
+        key = json.dumps([scenario, n_tokens, options], sort_keys=True, default=repr)
+        if key not in _BUILT:
+            scen = build(scenario, n_tokens, **options)
+            while len(_BUILT) >= _KEEP:
+                _BUILT.pop(next(iter(_BUILT)))
+            _BUILT[key] = scen
+        return _BUILT[key]
     scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
     if not isinstance(scen, Scenario):
         raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
@@ -99,8 +113,8 @@ def preview(name: str, n_tokens: int | None, params: dict[str, Any]) -> Scenario
         TracerError: bad options.
     """
     if n_tokens is not None:
-        return build(name, n_tokens, **params)
-    return build(name, 100_000, **{k: v for k, v in params.items() if k != "split_at"})
+        return make_scenario(name, n_tokens, params)
+    return make_scenario(name, 100_000, {k: v for k, v in params.items() if k != "split_at"})
 
 
 __all__ = ["build", "make_scenario", "check_resources", "preview"]

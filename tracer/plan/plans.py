@@ -6,16 +6,20 @@ the determinism hierarchy is a field of the plan (``batch``, ``kv_transform``, `
 ``compile``, ``devices``, ``generate``, ``deterministic``, ``engine``, and ``rl``: a side of an
 RL step). A :class:`Scenario` pairs plan A with plan B and names the compared window. Plain
 frozen data, no torch; the catalogue that builds them is :mod:`tracer.plan.scenarios` (which
-re-exports these names).
+re-exports these names). Each is a :class:`tracer.schema.Record`: a run's ``plan`` in a trace is
+a :class:`RunPlan`'s document, the header's ``scenario`` a :class:`Scenario`'s, and reading them
+back checks them with the same rules that built them (``__post_init__``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tracer import schema
 from tracer.engines.table import REFERENCE
 from tracer.errors import TracerError
+from tracer.plan.quant import BlockFormat
 from tracer.plan.rollout import RLSpec
 
 MITIGATIONS = ("aligned", "deterministic")
@@ -23,7 +27,7 @@ PADDINGS = ("none", "left", "right")
 
 
 @dataclass(frozen=True)
-class Batch:
+class Batch(schema.Record):
     """The traced prompt as one row of a batch.
 
     Attributes:
@@ -35,10 +39,10 @@ class Batch:
             rotated by a row-dependent offset (valid tokens, different content), cut to length.
     """
 
-    size: int
-    row: int
+    size: schema.Count
+    row: schema.Count
     padding: str
-    lengths: tuple[int, ...]
+    lengths: tuple[schema.Count, ...]
 
     def __post_init__(self) -> None:
         if self.size < 1 or len(self.lengths) != self.size:
@@ -63,7 +67,7 @@ TP_MODES = ("simulated", "distributed")
 
 
 @dataclass(frozen=True)
-class TPSpec:
+class TPSpec(schema.Record):
     """Tensor parallelism of a run plan.
 
     Attributes:
@@ -75,7 +79,7 @@ class TPSpec:
         all_reduce. vocab_parallel: distributed only: shard the embedding and LM head by vocabulary.
     """
 
-    k: int
+    k: schema.Count
     reduce: str = "ring"
     dtype: str = "activation"
     mode: str = "simulated"
@@ -84,8 +88,12 @@ class TPSpec:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class RunPlan(schema.Record):
     """How one run computes the prompt.
+
+    Its document (``to_dict``, a run's ``plan`` in a trace) holds the fields and the derived
+    ``gemm_m``. A run that no plan made (a capture, an imported engine dump) stores part of one
+    (``{"description": ...}``): every field has a default so that such a document reads too.
 
     Attributes:
         name: the run's label (``A`` or ``B``).
@@ -116,8 +124,8 @@ class RunPlan:
             token by token, or the trainer's teacher-forced forward), None otherwise.
     """
 
-    name: str
-    chunks: tuple[tuple[int, int], ...]
+    name: str = ""
+    chunks: tuple[schema.Span, ...] = ()
     description: str = ""
     batch: Batch | None = None
     kv_transform: str | None = None
@@ -125,13 +133,15 @@ class RunPlan:
     attn: str | None = None
     compile: bool = False
     devices: tuple[str, ...] | None = None
-    generate: int = 0
+    generate: schema.Count = 0
     recompute: bool = False
     deterministic: bool = False
     cuda_graph: bool = False
     engine: str = REFERENCE
     rl: RLSpec | None = None
     engine_settings: tuple[tuple[str, Any], ...] = ()
+
+    schema_derived = ("gemm_m",)
 
     def __post_init__(self) -> None:
         pos = 0
@@ -166,16 +176,30 @@ class RunPlan:
         ms += [n + t if self.recompute else 1 for t in range(1, self.generate)]
         return ms
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["chunks"] = [list(c) for c in self.chunks]
-        d["gemm_m"] = self.gemm_m()
-        return d
+    @classmethod
+    def schema_prepare(cls, doc: dict[str, Any]) -> dict[str, Any]:
+        """A ``batch`` given as a number or a list (a batch size, as plans written before the
+        :class:`Batch` record and by hand say it) reads as no batch record."""
+        if isinstance(doc.get("batch"), (int, list)) and not isinstance(doc.get("batch"), bool):
+            return {**doc, "batch": None}
+        return doc
+
+    def kv_block_size(self) -> int | None:
+        """The KV-cache block size this plan's engine is set to (``engine_settings``), None when
+        the plan does not set one (the HF engine keeps one contiguous cache)."""
+        size = dict(self.engine_settings).get("block_size")
+        return int(size) if isinstance(size, int) and not isinstance(size, bool) else None
+
+    def schema_extras(self, doc: dict[str, Any]) -> None:
+        doc["gemm_m"] = self.gemm_m()
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Scenario(schema.Record):
     """Two run plans of one prompt and the positions compared between them.
+
+    A trace header written by hand may name its scenario only (``{"name": "prefix-cache"}``): the
+    other fields have defaults (empty plans) so that such a document reads too.
 
     Attributes:
         name: catalogue name (``prefix-cache``).
@@ -184,27 +208,41 @@ class Scenario:
         plan_a, plan_b: the two runs.
         window: ``(start, stop)``: the compared absolute positions.
         params: the scenario's parameters (block size, split point, mitigation), recorded in the
-            trace header.
+            trace header; a ``kv-quant`` scenario's ``kv_block_format`` is a
+            :class:`~tracer.plan.quant.BlockFormat` document.
     """
 
     name: str
-    level: int
-    invariant: str
-    plan_a: RunPlan
-    plan_b: RunPlan
-    window: tuple[int, int]
-    params: dict[str, Any] = field(default_factory=dict)
+    level: int = 0
+    invariant: str = ""
+    plan_a: RunPlan = schema.field(default_factory=lambda: RunPlan("A"))
+    plan_b: RunPlan = schema.field(default_factory=lambda: RunPlan("B"))
+    window: tuple[schema.Count, schema.Count] = (0, 0)
+    params: dict[str, Any] = schema.field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "level": self.level,
-            "invariant": self.invariant,
-            "plan_a": self.plan_a.to_dict(),
-            "plan_b": self.plan_b.to_dict(),
-            "window": list(self.window),
-            "params": dict(self.params),
-        }
+    def block_sizes(self) -> tuple[int | None, int | None]:
+        """The KV block size each plan ran with: the engine's setting (its paged KV cache's ``block_size``),
+        else the scenario's (``block_sizes`` of the block-size scenario, one per plan; the
+        ``block_size`` whose multiple the cached prefix is), else None (no paged KV cache)."""
+        pair = self.params.get("block_sizes")
+        out = []
+        for i, plan in enumerate((self.plan_a, self.plan_b)):
+            size = plan.kv_block_size()
+            if size is None and isinstance(pair, (list, tuple)) and len(pair) == 2:
+                size = pair[i]
+            if size is None:
+                size = self.params.get("block_size")
+            out.append(int(size) if isinstance(size, int) and not isinstance(size, bool) else None)
+        return out[0], out[1]
+
+    def schema_check(self) -> str | None:
+        fmt = self.params.get("kv_block_format")
+        if fmt is not None:
+            try:
+                BlockFormat.from_dict(fmt)
+            except TracerError as e:
+                return f"params.kv_block_format: {e}"
+        return None
 
 
 __all__ = ["MITIGATIONS", "PADDINGS", "TP_MODES", "Batch", "TPSpec", "RunPlan", "Scenario"]

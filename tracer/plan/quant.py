@@ -27,9 +27,10 @@ Formats:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
+from tracer import schema
 from tracer.errors import TracerError
 
 if TYPE_CHECKING:  # torch is imported where a tensor is quantized: a --kv-format is checked without it
@@ -43,7 +44,7 @@ E2M1_MAX = 6.0
 
 
 @dataclass(frozen=True)
-class BlockFormat:
+class BlockFormat(schema.Record):
     """What a KV format stores, written into the trace header.
 
     Attributes:
@@ -61,9 +62,6 @@ class BlockFormat:
     scale: str
     axis: str = "head_dim (last axis of (batch, kv_heads, seq, head_dim)), zero-padded to a whole block"
     spec: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:

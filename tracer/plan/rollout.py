@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tracer import schema
+from tracer.dtypes import FLOATS, canonical
 from tracer.errors import TracerError
 
 #: how the trainer lays the K sequences out: right-padded rows, or one packed row
@@ -46,7 +48,7 @@ DEFAULT_MASK_THRESHOLD = 2.0
 
 
 @dataclass(frozen=True)
-class RLSpec:
+class RLSpec(schema.Record):
     """The RL part of a run plan (``RunPlan.rl``): which side of an RL step the plan is.
 
     Attributes:
@@ -67,10 +69,10 @@ class RLSpec:
     """
 
     role: str
-    rollouts: int
-    row: int
-    lengths: tuple[int, ...]
-    new_tokens: int
+    rollouts: schema.Count
+    row: schema.Count
+    lengths: tuple[schema.Count, ...]
+    new_tokens: schema.Count
     sample: bool = False
     temperature: float = 1.0
     seed: int = 0
@@ -170,8 +172,6 @@ def check_rl_options(*, rollouts: int, new_tokens: int, sample: bool, temperatur
     if train_batching not in TRAIN_BATCHINGS:
         raise TracerError(f"unknown --train-batching {train_batching!r}; use one of: {', '.join(TRAIN_BATCHINGS)}")
     if train_dtype is not None:
-        from tracer.dtypes import canonical
-
         canonical(train_dtype)  # the table alone: no torch import before a model loads
     check_rl_thresholds(is_cap=is_cap, mask_threshold=mask_threshold)
 
@@ -184,8 +184,6 @@ DECODE_REFUSED = ("--decode does not apply to rollout-vs-train: the rollout's ow
 def train_dtype_error(train_dtype: str, model_dtype: str) -> str | None:
     """Why the trainer cannot run in ``train_dtype`` on a model in ``model_dtype`` (None: it can): the
     weights are cast for the trainer's pass and back, which is exact only when widening."""
-    from tracer.dtypes import FLOATS, canonical
-
     t, m = canonical(train_dtype), canonical(model_dtype)
     if t == m or FLOATS[t].bits > FLOATS[m].bits:
         return None

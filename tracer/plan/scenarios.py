@@ -30,7 +30,9 @@ from tracer.engines.table import default
 from tracer.errors import TracerError
 from tracer.plan.engines import engine_scenario
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
+from tracer.plan.quant import FORMATS, check_format
 from tracer.plan.rollout import DEFAULT_IS_CAP, DEFAULT_MASK_THRESHOLD, check_rl_options, rl_specs
+from tracer.plan.tp import check_tp
 
 #: the reference engine's KV block size, and the block-size scenario's two sizes (:mod:`tracer.engines.table`)
 KV_BLOCK: int = default(None, "block_size")
@@ -241,8 +243,6 @@ def tensor_parallel(n_tokens: int, *, tp: int = 2, reduce: str | None = None, re
         TracerError: bad k, mode, reduce order or reduce dtype; simulated-only options with
             ``distributed`` or distributed-only options with ``simulated``.
     """
-    from tracer.plan.tp import check_tp
-
     if tp_mode not in TP_MODES:
         raise TracerError(f"unknown --tp-mode '{tp_mode}'; use one of: {', '.join(TP_MODES)}")
     n = n_tokens
@@ -284,8 +284,6 @@ def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = KV
     Raises:
         TracerError: unknown format, bad split.
     """
-    from tracer.plan.quant import FORMATS, check_format
-
     check_format(kv_format)
     n = n_tokens
     p = check_split(n, split_at) if split_at is not None else default_split(n, block_size)
@@ -295,7 +293,7 @@ def kv_quant(n_tokens: int, *, kv_format: str = "fp8-e4m3", block_size: int = KV
         RunPlan("A", chunks, f"cache hit, KV cache in the model dtype: {p} cached, {n - p}-token suffix"),
         RunPlan("B", chunks, f"cache hit, KV cache stored as {kv_format}: {p} cached, {n - p}-token suffix",
                 kv_transform=kv_format),
-        (p, n), kv_format=kv_format, kv_block_format=FORMATS[kv_format][1].to_dict(), split_at=p)
+        (p, n), kv_format=kv_format, kv_block_format=FORMATS[kv_format][1].to_dict(), block_size=block_size, split_at=p)
 
 
 def attention(n_tokens: int, *, attn_a: str = "eager", attn_b: str = "sdpa") -> Scenario:
@@ -353,7 +351,7 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
         "disaggregated", 7, "hardware (disaggregated prefill)",
         RunPlan("A", chunks, f"prefix ({p}) and suffix ({n - p}) on {y}", devices=(y, y)),
         RunPlan("B", chunks, f"prefix KV ({p}) on {x}, moved to {y}, suffix ({n - p}) on {y}", devices=(x, y)),
-        (p, n), devices=[x, y], split_at=p)
+        (p, n), devices=[x, y], block_size=block_size, split_at=p)
 
 
 def rollout_vs_train(n_tokens: int, *, rollouts: int = 4, new_tokens: int = 16, sample: bool = False,

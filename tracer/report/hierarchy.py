@@ -11,9 +11,10 @@ import json
 from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
+from tracer.report.console import print_whole
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
-from tracer.report.layout import AUDIT_FORMATS, fit_columns
-from tracer.report.tables import _num, check_format
+from tracer.report.layout import fit_columns
+from tracer.report.tables import _num
 from tracer.store.trace import json_safe
 
 
@@ -61,8 +62,6 @@ def print_audit(a: Any, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
-
-    from tracer.report.console import print_whole
 
     console = console or Console()
     console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
@@ -115,32 +114,28 @@ def audit_html(a: Any) -> str:
     return page(_title(a), _summary(a), counts["failed"] == 0, sections)
 
 
-def render_audit(a: Any, fmt: str = "table", console: Any = None) -> str | None:
-    """Render an audit as ``table`` (printed; returns None), ``json``, ``csv`` or ``markdown``.
+def audit_json(a: Any) -> str:
+    """The audit's document (:meth:`Audit.to_dict`) as indented JSON."""
+    return json.dumps(json_safe(a.to_dict()), indent=2, default=str)
 
-    Raises:
-        TracerError: unknown format.
-    """
-    match check_format(fmt, AUDIT_FORMATS):
-        case "table":
-            print_audit(a, console)
-            return None
-        case "json":
-            return json.dumps(json_safe(a.to_dict()), indent=2, default=str)
-        case "csv":
-            buf = io.StringIO()
-            rows = [r.to_dict() for r in a.rows]
-            w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["key"], lineterminator="\n")
-            w.writeheader()
-            for r in rows:
-                w.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v) for k, v in r.items()})
-            return buf.getvalue()
-        case "markdown":
-            lines = [f"**{_title(a)}**", "", "| " + " | ".join(h for _, h in _COLUMNS) + " |",
-                     "|" + "---|" * len(_COLUMNS)]
-            for r in a.rows:
-                cells = _fmt_row(r)
-                lines.append("| " + " | ".join(cells[k].replace("|", "\\|") for k, _ in _COLUMNS) + " |")
-            lines += ["", _summary(a)]
-            return "\n".join(lines) + "\n"
-    raise AssertionError(fmt)
+
+def audit_csv(a: Any) -> str:
+    """One CSV row per check (nested values as JSON)."""
+    buf = io.StringIO()
+    rows = [r.to_dict() for r in a.rows]
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["key"], lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else ("" if v is None else v) for k, v in r.items()})
+    return buf.getvalue()
+
+
+def audit_markdown(a: Any) -> str:
+    """The hierarchy table as markdown, its title above and its summary below."""
+    lines = [f"**{_title(a)}**", "", "| " + " | ".join(h for _, h in _COLUMNS) + " |",
+             "|" + "---|" * len(_COLUMNS)]
+    for r in a.rows:
+        cells = _fmt_row(r)
+        lines.append("| " + " | ".join(cells[k].replace("|", "\\|") for k, _ in _COLUMNS) + " |")
+    lines += ["", _summary(a)]
+    return "\n".join(lines) + "\n"

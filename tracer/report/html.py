@@ -22,13 +22,15 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from tracer.diff.result import origin_record
 from tracer.errors import TracerError
 from tracer.report import rl as rl_report
+from tracer.report.origins import origin_lines, origin_record
 from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
 from tracer.report.summary import headline, verdict_line
+from tracer.report.plot import amplification_figure, heatmap_figure, position_diffs_comparison, ulp_figure
 from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
                                   rows)
+from tracer.store.integrity import write_error_message
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -206,7 +208,7 @@ def _origins_html(c: Comparison) -> str:
                    for run, calls in ((c.run_a, p.calls_a), (c.run_b, p.calls_b))]
         parts.append(kv_table(shapes + [kv for kv in kernels if kv[1]]))
     if c.logits_origin:
-        parts.append(f"<p><code>{esc(c.origin_lines()[-1])}</code></p>")
+        parts.append(f"<p><code>{esc(origin_lines(c)[-1])}</code></p>")
     return "".join(parts)
 
 
@@ -214,10 +216,6 @@ def comparison_figures(c: Comparison) -> list[tuple[str, str, str]]:
     """``(id, caption, svg)`` of the figures drawn from ``c`` (amplification, the position heat map
     when ``c`` carries per-position data, ULP histogram); empty,
     with no error, when matplotlib is not installed (the page then says so)."""
-    try:
-        from tracer.report.plot import amplification_figure, heatmap_figure, position_diffs_comparison, ulp_figure
-    except ImportError:  # pragma: no cover - plot imports matplotlib lazily
-        return []
     try:
         figs = [("fig-amplification", "max |A − B| per capture point in execution order (KV caches below); "
                  "hollow green circles: bit-identical", figure_svg(amplification_figure(c)))]
@@ -293,8 +291,6 @@ def write_report(text: str, path: str | os.PathLike, *, overwrite: bool = False)
     Raises:
         TracerError: ``path`` is a directory, does not end in .html/.htm, or exists without ``overwrite``.
     """
-    from tracer.store.integrity import write_error_message
-
     p = check_report_path(path, overwrite)
     tmp = p.with_name(f".{p.name}.partial-{os.getpid()}")
     try:

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 from tracer.errors import TracerError
 
-#: the report formats of a comparison
+#: the output formats of every result (comparison, audit, sweep, benchmark): one writer each per
+#: result kind in :data:`tracer.report.render.WRITERS`
 FORMATS = ("table", "json", "csv", "markdown")
-#: the report formats of an audit (its own list: a new comparison format is refused by the audit
-#: before it runs until ``tracer.report.hierarchy.render_audit`` has a branch for it)
-AUDIT_FORMATS = ("table", "json", "csv", "markdown")
 #: the amplification table's columns: key → header (cells: :data:`tracer.report.tables.COLUMNS`)
 COLUMN_HEADERS = {
     "point": "capture point", "diff": "differing / total", "fraction": "fraction", "max_abs": "max abs diff",
@@ -42,7 +40,7 @@ WIDE_COLUMNS = tuple(k for k in COLUMN_HEADERS if k != "kernels")  # kernels: ad
 
 
 def check_format(fmt: str, formats: tuple[str, ...] = FORMATS) -> str:
-    """Validate an output format name against ``formats`` (:data:`FORMATS`, or :data:`AUDIT_FORMATS`).
+    """Validate an output format name against ``formats`` (:data:`FORMATS`).
 
     Raises:
         TracerError: unknown format.

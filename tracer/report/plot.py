@@ -20,7 +20,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from tracer.diff.compare import compare_trace
+from tracer.diff.stored import stored_comparison
 from tracer.errors import TracerError
+from tracer.files import check_input_file
 from tracer.report.figures.amplification import (LABEL_ABS, LABEL_FRAC, LABEL_KV, amplification_data,
                                                  amplification_figure)
 from tracer.report.figures.common import LABEL_ZERO, compact_name, short_name, thin_labels
@@ -29,6 +32,8 @@ from tracer.report.figures.heatmap import (PositionDiffs, heatmap_figure, positi
 from tracer.report.figures.sweep import sweep_data, sweep_figure
 from tracer.report.figures.ulp import select_points, ulp_figure
 from tracer.report.outputs import SUFFIXES, check_figure_path
+from tracer.store.integrity import write_error_message
+from tracer.store.sweepfile import is_sweep_file, read_sweep
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -47,8 +52,6 @@ def save_figure(fig: Figure, path: str | os.PathLike, *, overwrite: bool = False
     Raises:
         TracerError: see :func:`check_figure_path`.
     """
-    from tracer.store.integrity import write_error_message
-
     p = check_figure_path(path, overwrite)
     tmp = p.with_name(f".{p.stem}.partial-{os.getpid()}{p.suffix}")
     try:
@@ -101,15 +104,13 @@ def figure_of(obj: Any, kind: str | None = None, **kwargs: Any):
         TracerError: unknown kind for this object, matplotlib missing.
     """
     if isinstance(obj, (str, bytes)) or hasattr(obj, "__fspath__"):
-        from tracer.store.sweepfile import is_sweep_file, read_sweep as _rs
-
         if is_sweep_file(obj):
-            return figure_for(kind or "sweep", sweep=_rs(str(obj)), **kwargs)
+            return figure_for(kind or "sweep", sweep=read_sweep(str(obj)), **kwargs)
         return figure_for(kind or "amplification", trace=str(obj), **kwargs)
     if hasattr(obj, "rows") and hasattr(obj, "params"):  # a SweepResult
         return figure_for(kind or "sweep", sweep=obj, **kwargs)
-    if hasattr(obj, "comparison"):  # a RunResult
-        return obj.plot(kind or "amplification", **kwargs)
+    if hasattr(obj, "comparison"):  # a RunResult: the figure may read its runs' tensors
+        return figure_for(kind or "amplification", comparison=obj.comparison, runs=obj.runs, trace=obj.trace, **kwargs)
     return figure_for(kind or "amplification", comparison=obj, trace=obj.trace, run_names=(obj.run_a, obj.run_b),
                       **kwargs)
 
@@ -126,11 +127,6 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwri
         TracerError: unknown kind, a kind that does not fit the file, ``layers`` with another kind than
             ``ulp``, runs of a sweep file, bad output path, unreadable file.
     """
-    from tracer.diff.compare import compare_trace
-    from tracer.diff.stored import stored_comparison
-    from tracer.files import check_input_file
-    from tracer.store.sweepfile import is_sweep_file, read_sweep
-
     layers = layers.split(",") if isinstance(layers, str) else layers  # the command line's a,b,c
     src = Path(path)
     if not src.exists():

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from tracer.engines.table import is_reference, name_of
 from tracer.execute.kinds import LAYER_KINDS, PointKind
 from tracer.plan.hierarchy import ALIGNED_SOURCE
+from tracer.plan.scenarios import SCENARIOS
+from tracer.report.origins import origin_lines
 
 if TYPE_CHECKING:
     from tracer.diff.result import Comparison, PointResult
@@ -133,8 +135,6 @@ def _rerun(c: Any, command: str) -> str:
     else the whole command line that re-runs this comparison's model and scenario (on its engine)."""
     if command == "run":
         return ""
-    from tracer.plan.scenarios import SCENARIOS
-
     model = c.model if c.model and c.model != "model" else "MODEL"
     scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
     engine = _engine_flag(c)
@@ -196,7 +196,7 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
-    for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), c.origin_lines()):
+    for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), origin_lines(c)):
         out.append(("origin", line))
         k = _kernels(p) if p is not None else ""
         if k:

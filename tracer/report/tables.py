@@ -22,12 +22,12 @@ from rich.text import Text
 from tracer.diff.metrics import ULP_BINS, TensorDiff
 from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
-from tracer.errors import TracerError
 from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
 from tracer.report.console import print_whole
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, WIDE_COLUMNS,  # noqa: F401
                                   check_columns, check_format, fit_columns, name_cell, table_width)
+from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
 from tracer.report.summary import headline, rows_that_matter, verdict_line
@@ -465,8 +465,8 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     lines = [f"**{_title(c)}**", "", *(f"- {p}" for p in _plans(c).splitlines()), ""]
     if c.rl is not None:
         lines += markdown_lines(c.rl)
-    if c.origin_lines():
-        lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in c.origin_lines()), ""]
+    if origin_lines(c):
+        lines += ["**origin of divergence:**", "", *(f"- `{x}`" for x in origin_lines(c)), ""]
     lines += ["| " + " | ".join(COLUMNS[k][0].replace("|", "\\|") for k in columns) + " |",
               "|" + "|".join("---" if k == "point" else "---:" for k in columns) + "|"]
     for r in rows(c):
@@ -494,25 +494,7 @@ def _json_default(x: Any) -> Any:
 
 
 def to_json(c: Comparison) -> str:
-    return json.dumps(json_safe(c.to_dict()), indent=2, default=_json_default)
-
-
-def render(c: Comparison, fmt: str = "table", console: Console | None = None,
-           columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> str | None:
-    """Render ``c`` in ``fmt``: ``table`` prints to ``console`` (returns None); the others return text.
-
-    ``columns`` selects the terminal table's columns and ``all_rows`` prints every row (default:
-    the rows that matter); ``command``: the ``tracer`` command that prints it (its "next:" suggestions
-    name options it has). JSON, CSV and markdown carry everything.
-    """
-    match check_format(fmt):
-        case "table":
-            print_report(c, console, columns, all_rows, command)
-            return None
-        case "json":
-            return to_json(c)
-        case "csv":
-            return to_csv(c)
-        case "markdown":
-            return to_markdown(c)
-    raise AssertionError(fmt)
+    """The comparison's document with each origin's sentence (:func:`tracer.report.origins.origin_record`), indented."""
+    doc = c.to_dict()
+    doc["origins"] = [origin_record(p, c) for p in c.origin_points()]
+    return json.dumps(json_safe(doc), indent=2, default=_json_default)

@@ -9,8 +9,6 @@ cannot be written.
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import sys
 from typing import Any, Callable
@@ -58,15 +56,16 @@ def check_outputs(*, report: str | None = None, plot: str | None = None, output:
 
 
 def check_table(fmt: str, columns: str | None = None, wide: bool = False, audit: bool = False) -> tuple[str, ...]:
-    """The table columns of a comparison report (checked with its format before anything runs);
-    ``audit``: the format is an audit's (:data:`tracer.report.layout.AUDIT_FORMATS`).
+    """The table columns of a comparison report, checked with the format (one of
+    :data:`tracer.report.layout.FORMATS`, which every result renders: :mod:`tracer.report.render`)
+    before anything runs; ``audit``: an audit's report (its table has no column options).
 
     Raises:
         TracerError: unknown format or column.
     """
-    from tracer.report.layout import AUDIT_FORMATS, FORMATS, check_columns, check_format
+    from tracer.report.layout import check_columns, check_format
 
-    check_format(fmt, AUDIT_FORMATS if audit else FORMATS)
+    check_format(fmt)
     return check_columns(columns, wide)
 
 
@@ -76,10 +75,10 @@ def print_comparison(comparison: Any, fmt: str = "table", columns: tuple[str, ..
     asked-for column kept; its suggestions valid for the ``tracer`` ``command`` that prints it."""
     from tracer.report.console import stdout_console
     from tracer.report.layout import DEFAULT_COLUMNS
-    from tracer.report.tables import render
+    from tracer.report.render import render
 
     console = stdout_console(explicit_columns=columns is not None and columns != DEFAULT_COLUMNS)
-    text = render(comparison, fmt, console, columns or DEFAULT_COLUMNS, all_rows, command)
+    text = render(comparison, fmt, console, columns=columns or DEFAULT_COLUMNS, all_rows=all_rows, command=command)
     if text is not None:
         text = printable(text, newlines=True)  # csv/markdown quote names from the trace
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -144,9 +143,10 @@ def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: boo
     """``tracer audit``: the hierarchy table (or JSON/CSV/markdown) on stdout, then the ``--report``
     HTML (:func:`write_after`); returns the exit code."""
     from tracer.report.console import stdout_console
-    from tracer.report.hierarchy import audit_html, render_audit
+    from tracer.report.hierarchy import audit_html
+    from tracer.report.render import render
 
-    text = render_audit(result, fmt, stdout_console())
+    text = render(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text)
     if report is not None:  # after the result is printed: a failing write still shows it
@@ -186,27 +186,22 @@ def print_models(models: list[dict[str, str]]) -> None:
 
 def print_bench(result: Any, as_json: bool) -> None:
     """``tracer bench``: the table of medians and ratios, or the result as JSON."""
-    from tracer.report.bench import engine_table, table
+    from tracer.report.render import render
 
-    if as_json:
-        print(json.dumps(result.to_dict(), indent=2, default=str))
-    else:  # an engine's bench names its engine (tracer.loops.bench_engine)
-        Console().print(engine_table(result) if result.config.get("engine") else table(result))
-
-
-#: the formats ``tracer sweep`` prints
-SWEEP_FORMATS = ("table", "json", "csv")
+    text = render(result, "json" if as_json else "table", Console())
+    if text is not None:
+        print(text)
 
 
 def check_sweep_format(fmt: str) -> str:
-    """``--format`` of ``tracer sweep``.
+    """``--format`` of ``tracer sweep``: one of :data:`tracer.report.layout.FORMATS`, as every command.
 
     Raises:
-        TracerError: a format other than :data:`SWEEP_FORMATS`.
+        TracerError: an unknown format.
     """
-    if fmt not in SWEEP_FORMATS:
-        raise TracerError(f"unknown format '{fmt}'; use one of: {', '.join(SWEEP_FORMATS)}")
-    return fmt
+    from tracer.report.layout import check_format
+
+    return check_format(fmt)
 
 
 def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report: str | None = None,
@@ -214,20 +209,11 @@ def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report
     """``tracer sweep``: print the summary lines with the sweep file's name (``table``), the summary
     as JSON, or one CSV row per point; then write the ``plot`` figure and the ``report`` HTML
     (:func:`write_after`: their names on stderr). Returns the exit code."""
-    if fmt == "table":
-        from tracer.report.sweep_lines import sweep_summary_lines
+    from tracer.report.render import render
 
-        for line in sweep_summary_lines(result):
-            print(line)
-        if result.path:
-            print(f"sweep file: {result.path}")
-    elif fmt == "json":
-        print(json.dumps(result.summary(), indent=1, default=str))
-    else:
-        rows = result.summary_rows()
-        w = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else ["length"], lineterminator="\n")
-        w.writeheader()
-        w.writerows(rows)
+    text = render(result, fmt, Console())
+    if text is not None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
     code = 0
     if plot is not None:
         from tracer.report.plot import save_figure, sweep_figure

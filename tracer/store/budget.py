@@ -99,6 +99,16 @@ class Kept(schema.Record):
                 f"{shown or 'none'}; the other {len(self.dropped)} are statistics only (stored comparison)")
 
 
+@dataclass(frozen=True)
+class StoreAuto(Kept):
+    """What ``--store auto`` chose, as each stored run's ``meta["store_auto"]`` records it: the
+    :class:`Kept` choice, the logits point's name and the capture kind of every dropped point
+    (a reader reports those as not stored, with their kind)."""
+
+    logits: str | None = None
+    kinds: dict[str, str] = schema.field(default_factory=dict)
+
+
 def choose(points: list[tuple[str, int]], budget: int, *, origins: tuple[str, ...] = (),
            logits: str | None = None) -> Kept:
     """The points ``--store auto`` keeps in full.

@@ -16,6 +16,7 @@ import platform
 import shutil
 import socket
 import subprocess
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,51 @@ import h5py
 import numpy as np
 import torch
 
+from tracer import schema
 from tracer.store.formats import json_dumps
+
+
+@dataclass(frozen=True)
+class Environment(schema.Record):
+    """What a bit-exact comparison depends on in the process that made the trace
+    (:func:`tracer.store.environment.collect_environment`): versions, platform, host, CPU and its
+    instruction sets, the device and its libraries, the TF32 / reduced-precision / deterministic
+    flags, threads and matmul precision. None where not obtainable (every key is written)."""
+
+    tracer_version: str | None = None
+    python: str | None = None
+    torch: str | None = None
+    transformers: str | None = None
+    numpy: str | None = None
+    h5py: str | None = None
+    platform: str | None = None
+    hostname: str | None = None
+    cpu: str | None = None
+    device: str | None = None
+    device_name: str | None = None
+    device_capability: str | None = None
+    device_sm_count: schema.Count | None = None
+    cuda: str | None = None
+    hip: str | None = None
+    cudnn: int | str | None = None
+    cublas: str | None = None
+    driver: str | None = None
+    cpu_capability: str | None = None
+    onednn_isa: str | None = None
+    cpu_isa_flags: tuple[str, ...] | None = None
+    cpu_isa_env: dict[str, str] | None = None
+    matmul_allow_tf32: bool | None = None
+    matmul_allow_bf16_reduced_precision_reduction: bool | None = None
+    matmul_allow_fp16_reduced_precision_reduction: bool | None = None
+    cudnn_allow_tf32: bool | None = None
+    cudnn_deterministic: bool | None = None
+    cudnn_benchmark: bool | None = None
+    deterministic_algorithms: bool | None = None
+    deterministic_algorithms_warn_only: bool | None = None
+    CUBLAS_WORKSPACE_CONFIG: str | None = None
+    num_threads: schema.Count | None = None
+    float32_matmul_precision: str | None = None
+    matmul_fp32_precision: str | None = None
 
 
 @functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
@@ -178,21 +223,21 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
         TracerError: ``extra`` is not JSON-serialisable.
     """
     matmul = torch.backends.cuda.matmul
-    env: dict[str, Any] = {
-        **_static_environment(device),
-        "matmul_allow_tf32": bool(matmul.allow_tf32),
-        "matmul_allow_bf16_reduced_precision_reduction": bool(matmul.allow_bf16_reduced_precision_reduction),
-        "matmul_allow_fp16_reduced_precision_reduction": bool(matmul.allow_fp16_reduced_precision_reduction),
-        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        "num_threads": torch.get_num_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "matmul_fp32_precision": getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
-    }
+    env = replace(
+        _static_environment(device),
+        matmul_allow_tf32=bool(matmul.allow_tf32),
+        matmul_allow_bf16_reduced_precision_reduction=bool(matmul.allow_bf16_reduced_precision_reduction),
+        matmul_allow_fp16_reduced_precision_reduction=bool(matmul.allow_fp16_reduced_precision_reduction),
+        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+        cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        deterministic_algorithms_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+        CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        num_threads=torch.get_num_threads(),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        matmul_fp32_precision=getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
+    ).to_dict()
     if extra:
         env.update(extra)
     json_dumps(env, "the environment header")
@@ -200,47 +245,28 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
 
 
 @functools.lru_cache(maxsize=16)  # process-wide facts: read once per device (platform() reads files)
-def _static_environment(device: str) -> dict[str, Any]:
+def _static_environment(device: str) -> Environment:
     """The part of :func:`collect_environment` a process cannot change: versions, platform, host,
-    CPU, the device's name, capability and libraries (the flags are read on every call). Callers
-    copy it (``{**_static_environment(d), ...}``)."""
-    env: dict[str, Any] = {
-        "tracer_version": tool_version(),
-        "python": platform.python_version(),
-        "torch": str(torch.__version__),  # a str subclass (TorchVersion): h5py needs plain str
-        "transformers": _dist_version("transformers"),
-        "numpy": np.__version__,
-        "h5py": h5py.__version__,
-        "platform": platform.platform(),
-        "hostname": socket.gethostname(),
-        "cpu": _cpu_model(),
-        "device": device,
-        "device_name": None,
-        "device_capability": None,
-        "device_sm_count": None,
-        "cuda": torch.version.cuda,
-        "hip": getattr(torch.version, "hip", None),
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "cublas": None,
-        "driver": None,
-        # the instruction sets the CPU kernels dispatch on: ATen's level, oneDNN's ISA, the CPU's flags
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "onednn_isa": onednn_isa(),
-        "cpu_isa_flags": cpu_isa_flags(),
-        "cpu_isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ} or None,
-    }
+    CPU, the device's name, capability and libraries (the flags are read on every call)."""
+    cpu = _cpu_model()
     dev = torch.device(device)
+    gpu: dict[str, Any] = {"device_name": cpu if dev.type == "cpu" else None}
     if dev.type == "cuda" and torch.cuda.is_available():
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        env["device_name"] = props.name
-        env["device_capability"] = f"{props.major}.{props.minor}"
-        env["device_sm_count"] = props.multi_processor_count
-        env["cublas"] = _cublas_version()
-        env["driver"] = _nvidia_driver(index)
-    elif dev.type == "cpu":
-        env["device_name"] = env["cpu"]
-    return env
+        gpu = {"device_name": props.name, "device_capability": f"{props.major}.{props.minor}",
+               "device_sm_count": props.multi_processor_count, "cublas": _cublas_version(), "driver": _nvidia_driver(index)}
+    return Environment(
+        tracer_version=tool_version(), python=platform.python_version(),
+        torch=str(torch.__version__),  # a str subclass (TorchVersion): h5py needs plain str
+        transformers=_dist_version("transformers"), numpy=np.__version__, h5py=h5py.__version__,
+        platform=platform.platform(), hostname=socket.gethostname(), cpu=cpu, device=device,
+        cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None),
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        # the instruction sets the CPU kernels dispatch on: ATen's level, oneDNN's ISA, the CPU's flags
+        cpu_capability=torch.backends.cpu.get_cpu_capability(), onednn_isa=onednn_isa(),
+        cpu_isa_flags=tuple(cpu_isa_flags()) if cpu_isa_flags() is not None else None,
+        cpu_isa_env={k: os.environ[k] for k in ISA_ENV if k in os.environ} or None, **gpu)
 
 
 #: header keys naming a version of something the numbers depend on (compared across two traces)

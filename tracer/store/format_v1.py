@@ -21,6 +21,7 @@ from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.formats import TraceFormat, check_name, json_dumps, register, write_run_group
+from tracer.store.header import upgrade_v2
 from tracer.store.integrity import DATA_KEY, attr_text, crc32_bytes, seal, set_text
 from tracer.store.validate import load_json, validate_v1_captures
 
@@ -270,5 +271,5 @@ def _open_run(g: h5py.Group, entries: Any, fd: int | None) -> dict[str, h5py.Dat
 FORMAT_V1 = register(TraceFormat(
     version=1, run_attrs=("plan", "meta", "window", "capture_order"), handle=h5py.Dataset,
     write_run=write_run, validate_run=validate_v1_captures, open_run=_open_run, info=_capture_info,
-    read=read_dataset, row_blocks=dataset_row_blocks, crc=dataset_crc,
+    read=read_dataset, row_blocks=dataset_row_blocks, crc=dataset_crc, upgrade=upgrade_v2,
 ))

@@ -2,10 +2,12 @@
 
 Store-layer module (anndata's pattern: readers and writers registered per encoding version). Each
 layout module registers a :class:`TraceFormat` when it is imported (:mod:`tracer.store.format_v1`:
-one dataset per capture point; :mod:`tracer.store.packed`: version 2, every point of a dtype in
-one dataset plus an index); :mod:`tracer.store.reader` and :mod:`tracer.store.writer` look the
-file's version up here. A new format version is a new registration, not a branch in old code. An
-unknown version is refused with a one-line error naming the versions this tracer reads.
+one dataset per capture point; :mod:`tracer.store.packed`: versions 2 and 3, every point of a dtype
+in one dataset plus an index; version 3's JSON documents are the records of
+:mod:`tracer.store.header`, and a version's :attr:`TraceFormat.upgrade` turns the documents an
+older version wrote into version 3's); :mod:`tracer.store.reader` and :mod:`tracer.store.writer`
+look the file's version up here. A new format version is a new registration, not a branch in old
+code. An unknown version is refused with a one-line error naming the versions this tracer reads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tracer.store.integrity import crc32_bytes, seal, set_text
 #: the root ``format`` attribute of every trace
 FORMAT = "tracer-trace"
 #: the format version :class:`~tracer.store.writer.TraceWriter` writes by default
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: compression filters accepted by the writer
 COMPRESSIONS = (None, "lzf", "gzip")
 
@@ -47,6 +49,9 @@ class TraceFormat:
         read_all: ``(handles) -> {name: tensor}`` or None (then :attr:`read` per point).
         row_blocks: ``(handle, rows_per_block, buffers) -> iterator of (first row, tensor)``.
         crc: ``(handle) -> stored CRC-32 of the point's data, or None``.
+        upgrade: ``(kind, document) -> document``: a JSON document this version wrote (``kind``:
+            ``header``, ``plan``, ``meta``, ``comparison``) as the current version writes it
+            (:func:`tracer.store.header.upgrade_v2`); the reader and the validation see only that.
     """
 
     version: int
@@ -60,6 +65,7 @@ class TraceFormat:
     row_blocks: Callable[..., Any]
     crc: Callable[..., int | None]
     read_all: Callable[..., Any] | None = None
+    upgrade: Callable[[str, Any], Any] = lambda kind, doc: doc
 
 
 FORMATS: dict[int, TraceFormat] = {}

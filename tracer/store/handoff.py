@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import replace as _replace
 from typing import Any, Callable
 
+from tracer import schema
 from tracer.execute.capture import host_copies
-from tracer.store.budget import choose
+from tracer.store.budget import StoreAuto, choose
 
 
 def hand_over(rec: Any, writer: Any, *, online: bool, keep: bool, budget: int | None,
@@ -91,7 +92,8 @@ def store_auto(records: list[Any], comparison: Any, budget: int, writer: Any,
     say(kept.summary())
     dropped = set(kept.dropped)
     kinds = {n: c.kind for r in records for n, c in r.captures.items() if n in dropped}
-    record = {**kept.to_dict(), "logits": comparison.logits_name, "kinds": kinds}  # each stored run's meta
+    record = schema.build(StoreAuto, {**kept.to_dict(), "logits": comparison.logits_name,
+                                      "kinds": kinds}).to_dict()  # each stored run's meta
     host = []
     for rec in records:
         if early is not None and rec is records[0]:

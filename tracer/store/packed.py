@@ -1,6 +1,7 @@
 """Format version 2: a run's capture points packed into one dataset per dtype, and an index.
 
-Store-layer module, registered as format version 2 (:mod:`tracer.store.formats`). The layout is specified in
+Store-layer module, registered as format versions 2 and 3 (:mod:`tracer.store.formats`; they differ in
+their JSON documents only: :mod:`tracer.store.header`). The layout is specified in
 ``traces/README.md`` ("The index", ``/runs/<run>/data/<dtype>``): every capture point of dtype
 ``d`` is a contiguous range of elements of ``/runs/<run>/data/<d>``, in index order, and the
 run's ``index`` attribute lists each point's name, kind, op, calls, dtype, shape, offset and the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import h5py
@@ -23,8 +24,9 @@ from tracer.dtypes import DTYPES, FLOATS
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.store.formats import TraceFormat, check_name, register, write_run_group
+from tracer.store.header import current, upgrade_v2
 from tracer.store.integrity import crc32_bytes, seal, set_text
-from tracer.store.validate import validate_v2_index
+from tracer.store.validate import IndexEntry, validate_v2_index
 
 #: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)
 STORED = {n: np.dtype(f.stored) for n, f in FLOATS.items()}
@@ -70,11 +72,9 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
                               "str/int/float/bool/list/dict values") from None
         offset = totals.get(dtype, 0)
         totals[dtype] = offset + record.tensor.numel()
-        entry = {"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
-                 "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0}
-        if getattr(record, "role", ""):
-            entry["role"] = str(record.role)
-        entries.append(entry)
+        entries.append(IndexEntry(name=name, kind=str(record.kind), op=str(record.op), calls=calls, dtype=dtype,
+                                  shape=tuple(int(x) for x in record.tensor.shape), offset=offset, crc32=0,
+                                  role=str(record.role) if getattr(record, "role", "") else None).to_dict())
     if len({e["name"] for e in entries}) != len(entries):
         raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
     return entries, totals
@@ -335,8 +335,14 @@ def _point_info(p: StoredPoint, entry: dict[str, Any]) -> dict[str, Any]:
             "shape": list(entry["shape"]), **({"role": entry["role"]} if "role" in entry else {})}
 
 
+def _crc(p: StoredPoint) -> int | None:
+    return p.crc
+
+
 FORMAT_V2 = register(TraceFormat(
     version=2, run_attrs=("plan", "meta", "window", "index"), handle=StoredPoint,
     write_run=write_run_packed, validate_run=validate_v2_index, open_run=_open_run, info=_point_info,
-    read=read_point, row_blocks=iter_row_blocks, crc=lambda p: p.crc, read_all=read_run_tensors,
+    read=read_point, row_blocks=iter_row_blocks, crc=_crc, read_all=read_run_tensors, upgrade=upgrade_v2,
 ))
+#: version 3: version 2's layout; the JSON documents are the records of :mod:`tracer.store.header`
+FORMAT_V3 = register(replace(FORMAT_V2, version=3, upgrade=current))

@@ -22,9 +22,10 @@ from tracer.dtypes import DTYPES
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.files import check_input_file
-from tracer.store import packed  # noqa: F401 - registers format version 2
+from tracer.store import packed  # noqa: F401 - registers format versions 2 and 3
 from tracer.store.format_v1 import verify_dataset
 from tracer.store.formats import FORMAT, TraceFormat, format_for, format_of, read_versions
+from tracer.store.header import TraceHeader
 from tracer.store.integrity import attr_text, partial_pid
 from tracer.store.validate import validate_trace
 
@@ -79,7 +80,8 @@ class TraceReader:
 
     Attributes:
         path: the trace file.
-        header: the environment header (dict).
+        header: the environment header, the document of a :class:`~tracer.store.header.TraceHeader`
+            as the current format version writes it (:attr:`facts` is the record).
         runs: run names in written order.
         format_version: the file's format version.
 
@@ -132,7 +134,8 @@ class TraceReader:
         indexes: dict[str, list[dict[str, Any]]] = {}
         #: True when the file carries checksums (verified on every read); False: written before them
         self.checksummed = validate_trace(f, self.path, indexes)
-        self.header: dict[str, Any] = json.loads(f["header"].attrs["json"])
+        upgrade = self._format.upgrade  # the documents as the current version writes them
+        self.header: dict[str, Any] = upgrade("header", json.loads(f["header"].attrs["json"]))
         self.runs: list[str] = json.loads(f["runs"].attrs["order"])
         self._fd = os.open(self.path, os.O_RDONLY)  # for positioned reads (version 2), which release the GIL
         for run in self.runs:
@@ -226,18 +229,24 @@ class TraceReader:
         return RunRecord(
             name=name,
             token_ids=[int(x) for x in ids],
-            plan=json.loads(g.attrs["plan"]),
+            plan=self._format.upgrade("plan", json.loads(g.attrs["plan"])),
             window=(start, stop),
             captures=captures,
-            meta=json.loads(g.attrs["meta"]),
+            meta=self._format.upgrade("meta", json.loads(g.attrs["meta"])),
         )
 
+    @property
+    def facts(self) -> TraceHeader:
+        """The header as its record (:class:`~tracer.store.header.TraceHeader`, checked on open);
+        :attr:`header` is its document."""
+        return TraceHeader.from_dict(self.header)
+
     def comparisons(self) -> dict[str, dict]:
-        """Stored comparison results, name → data (empty if none)."""
+        """Stored comparison results, name → document as the current version writes it (empty if none)."""
         comps = self._f.get("comparisons")
         if comps is None:
             return {}
-        return {name: json.loads(comps[name].attrs["json"]) for name in comps}
+        return {name: self._format.upgrade("comparison", json.loads(comps[name].attrs["json"])) for name in comps}
 
     def close(self) -> None:
         """Close the file (idempotent)."""

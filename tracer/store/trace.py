@@ -14,9 +14,12 @@ layout is specified in ``traces/README.md`` (format ``tracer-trace``, version
 bf16 and fp16 tensors are stored as their raw 16-bit patterns (uint16); fp32/fp64 natively.
 Version 1 (still read; written with ``TraceWriter(..., format_version=1)``) kept one dataset per
 capture point under ``/runs/<run>/captures/`` (:mod:`tracer.store.format_v1`). Either way the
-round trip is bit-exact and costs no per-element Python.
+round trip is bit-exact and costs no per-element Python. The JSON documents (header, plan, meta,
+index entries, comparisons) are records (:mod:`tracer.store.header`); version 3 changed three of
+their facts, and versions 1 and 2 are read as version 3 writes them.
 
 Where things live: :mod:`tracer.store.environment` (the environment header),
+:mod:`tracer.store.header` (the trace's facts as records, and the reader of versions 1 and 2),
 :mod:`tracer.store.formats` (the format versions, registered per version),
 :mod:`tracer.store.format_v1` and :mod:`tracer.store.packed` (the two layouts),
 :mod:`tracer.store.writer` (:class:`TraceWriter`), :mod:`tracer.store.reader` (:class:`TraceReader`),

@@ -5,7 +5,10 @@ structure the spec defines, reading metadata only (no tensor data), and refuses 
 reader could misread: wrong types, shapes that do not match the window, token ids of the wrong
 dtype or rank, windows outside the sequence, declared sizes the file cannot hold, external
 storage, soft or external links, objects linked twice, and (for files that carry them)
-attributes that fail their checksums. Every refusal is one :class:`TracerError` line.
+attributes that fail their checksums. The JSON documents (header, each run's plan and meta, each
+index entry) are checked by decoding them into their records (:mod:`tracer.store.header`), after
+the file's version has turned them into the current version's (:attr:`TraceFormat.upgrade`).
+Every refusal is one :class:`TracerError` line.
 """
 
 from __future__ import annotations
@@ -14,32 +17,97 @@ import json
 import math
 import os
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import h5py
 import numpy as np
 
+from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
-from tracer.store.fields import BIG, calls_problem, check_header, check_run_json, shape
-from tracer.store.formats import format_for
+from tracer.execute.records import calls_problem
+from tracer.plan.plans import RunPlan
+from tracer.store.formats import TraceFormat, format_for
+from tracer.store.header import RunMeta, TraceHeader
 from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
 
 #: the largest ratio of a compressed dataset's size to its stored bytes that is believed
 #: (gzip's best case is ~1000:1); a larger declared size is refused before anything is allocated
 MAX_COMPRESSION_RATIO = 1100
 _DTYPES = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.float32, "float64": np.float64}
-#: keys of a version-2 index entry and their JSON types
-_ENTRY_KEYS = {"name": str, "kind": str, "op": str, "calls": list, "dtype": str, "shape": list, "offset": int,
-               "crc32": int}
 _CAPTURE_ATTRS = ("dtype", "kind", "op", "calls")
 #: capture kinds whose tensors are (T, *feature) over the run's window (the spec's list)
 WINDOW_KINDS = ("embedding", "layer", "final_norm", "logits", "linear", "norm", "attention", "attention_core",
                 "mlp", "activation")
 
 
+@dataclass(frozen=True)
+class IndexEntry(schema.Record):
+    """One entry of a version-2 or -3 run's ``index`` (``traces/README.md``, "The index"): a capture
+    point's name, kind, op, forward calls (:class:`~tracer.execute.records.Call` documents), dtype,
+    shape, offset into ``data/<dtype>`` (in elements), CRC-32 and role (absent: none). Written by
+    :mod:`tracer.store.packed` from this record, checked here; the reader keeps the documents."""
+
+    schema_sparse = True
+
+    name: str
+    kind: str
+    op: str
+    calls: list[dict[str, Any]]
+    dtype: str
+    shape: schema.Shape
+    offset: schema.Count
+    crc32: Annotated[int, schema.Check(lambda c: 0 <= c <= 0xFFFFFFFF, "a CRC-32")]
+    role: str | None = None
+
+    def schema_check(self) -> str | None:
+        if math.prod(self.shape) >= schema.BIG:
+            return f"shape {list(self.shape)} holds too many elements"
+        problem = calls_problem(self.calls)  # each a Call document (kept as written)
+        return f"calls: {problem}" if problem else None
+
+
 def _corrupt(path: Any, what: str) -> TracerError:
     return TracerError(f"trace corrupt: {path}: {what}; the file is damaged or was not written by tracer, re-run it")
+
+
+def check_doc(cls: type, doc: Any, where: str, path: Any) -> Any:
+    """``doc`` decoded as a ``cls`` record (:func:`tracer.schema.decode`).
+
+    Raises:
+        TracerError: ``trace corrupt: <path>: <where>.<key>: what is wrong`` (one line).
+    """
+    try:
+        return schema.decode(cls, doc, where)
+    except TracerError as e:
+        raise _corrupt(path, str(e)) from None
+
+
+def read_header(f: h5py.File, fmt: TraceFormat, path: Any) -> dict[str, Any]:
+    """The trace's header as the current version writes it (the file's version's
+    :attr:`~tracer.store.formats.TraceFormat.upgrade`), checked against :class:`TraceHeader`.
+
+    Raises:
+        TracerError: the header is not JSON, not an object, or a fact of the wrong type or range.
+    """
+    header = fmt.upgrade("header", load_json(f["header"].attrs.get("json"), path, "/header json", dict))
+    check_doc(TraceHeader, header, "the header", path)
+    return header
+
+
+def read_run_json(g: h5py.Group, fmt: TraceFormat, run: str, path: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A run's ``plan`` and ``meta`` as the current version writes them, checked against
+    :class:`~tracer.plan.plans.RunPlan` and :class:`RunMeta`.
+
+    Raises:
+        TracerError: not JSON objects, or a fact of the wrong type or range.
+    """
+    plan = fmt.upgrade("plan", load_json(g.attrs["plan"], path, f"plan of run {run}", dict))
+    meta = fmt.upgrade("meta", load_json(g.attrs["meta"], path, f"meta of run {run}", dict))
+    check_doc(RunPlan, plan, f"plan of run {run}", path)
+    check_doc(RunMeta, meta, f"meta of run {run}", path)
+    return plan, meta
 
 
 def load_json(raw: Any, path: Any, what: str, kind: type | tuple[type, ...]) -> Any:
@@ -144,12 +212,12 @@ def validate_trace(f: h5py.File, path: Any, indexes: dict[str, list[dict[str, An
     if checked:
         verify_attrs(root["header"], "the header", ("json",))
         verify_attrs(root["runs"], "the run list", ("order",))
-    check_header(load_json(root["header"].attrs.get("json"), path, "/header json", dict), lambda m: _corrupt(path, m))
+    version = int(f.attrs["format_version"])
+    read_header(f, format_for(version, path), path)
     order = _names(load_json(root["runs"].attrs.get("order"), path, "/runs order", list), path, "/runs order")
     runs = _members(root["runs"], path, "/runs", seen)
     if set(runs) != set(order):
         raise _corrupt(path, f"/runs order lists {sorted(order)} but the file holds runs {sorted(runs)}")
-    version = int(f.attrs["format_version"])
     for name in order:
         entries = _validate_run(runs[name], name, path, file_size, checked, seen, version)
         if indexes is not None and entries is not None:
@@ -189,9 +257,7 @@ def _validate_run(g: Any, run: str, path: Any, file_size: int, checked: bool, se
     for key in required:
         if key not in g.attrs:
             raise _corrupt(path, f"run {run} has no {key} attribute")
-    plan = load_json(g.attrs["plan"], path, f"plan of run {run}", dict)
-    meta = load_json(g.attrs["meta"], path, f"meta of run {run}", dict)
-    check_run_json(plan, meta, run, lambda m: _corrupt(path, m))
+    plan, _meta = read_run_json(g, fmt, run, path)
     members = _members(g, path, f"/runs/{run}", seen)
     ids = members.get("token_ids")
     if not isinstance(ids, h5py.Dataset) or ids.dtype != np.int64 or ids.ndim != 1 or ids.size == 0:
@@ -279,17 +345,14 @@ def _check_shape(shape: tuple[int, ...], kind: str, what: str, rows: tuple[int, 
             raise _corrupt(path, f"logits {what} have shape {shape}, not (positions, vocab)")
 
 
-def _entry_ok(e: Any) -> bool:
-    """An index entry with every key of the right JSON type (bools are not ints)."""
-    if not isinstance(e, dict):
-        return False
-    for key, kind in _ENTRY_KEYS.items():
-        v = e.get(key)
-        if not isinstance(v, kind) or isinstance(v, bool):
-            return False
-    return (shape(e["shape"]) and math.prod(e["shape"]) < BIG and e["offset"] < BIG
-            and e["offset"] >= 0 and 0 <= e["crc32"] <= 0xFFFFFFFF and calls_problem(e["calls"]) is None
-            and isinstance(e.get("role", ""), str))
+def check_doc_list(cls: type, docs: list[Any], where: str, path: Any) -> None:
+    """Every document of ``docs`` decoded as a ``cls`` record (:func:`check_doc`), ``where[i]`` naming it.
+
+    Raises:
+        TracerError: ``trace corrupt: ...`` naming the first bad entry and key.
+    """
+    for i, doc in enumerate(docs):
+        check_doc(cls, doc, f"{where}, entry {i}", path)
 
 
 def check_index(g: h5py.Group, members: dict[str, Any], run: str, path: Any, file_size: int, checked: bool,
@@ -302,9 +365,7 @@ def check_index(g: h5py.Group, members: dict[str, Any], run: str, path: Any, fil
         TracerError: one line naming the first problem (``trace corrupt: ...``).
     """
     entries = load_json(g.attrs["index"], path, f"index of run {run}", list)
-    if not all(_entry_ok(e) for e in entries):
-        raise _corrupt(path, f"index of run {run} holds an entry without name, kind, op, calls, dtype, shape, "
-                             "offset or crc32 of the right type")
+    check_doc_list(IndexEntry, entries, f"index of run {run}", path)
     _names([e["name"] for e in entries], path, f"index of run {run}")
     data = members.get("data")
     if not isinstance(data, h5py.Group):

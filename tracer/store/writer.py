@@ -19,13 +19,32 @@ from typing import Any, Callable
 import h5py
 import numpy as np
 
+from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
-from tracer.store import format_v1, packed  # noqa: F401 - register format versions 1 and 2
+from tracer.plan.plans import RunPlan
+from tracer.store import format_v1, packed  # noqa: F401 - register format versions 1, 2 and 3
 from tracer.store.environment import tool_version
 from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
+from tracer.store.header import RunMeta, TraceHeader
 from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
                                     seal, set_text, write_error_message)
+
+
+def header_document(header: TraceHeader | dict[str, Any]) -> dict[str, Any]:
+    """The JSON document of a trace header: a :class:`~tracer.store.header.TraceHeader`'s, or a
+    document checked against that record (a fact of the wrong type or range is refused here, not
+    by the reader of the finished file).
+
+    Raises:
+        TracerError: not a header document, or a fact of the wrong type or range (naming it).
+    """
+    if isinstance(header, TraceHeader):
+        return header.to_dict()
+    if not isinstance(header, dict):
+        raise TracerError(f"the trace header is a {type(header).__name__}; pass a TraceHeader or a dict")
+    schema.decode(TraceHeader, header, "the trace header")
+    return header
 
 
 #: header subtrees left out of the flat attribute copies (large and nested; the ``json`` attribute has them)
@@ -91,7 +110,8 @@ class TraceWriter:
 
     Args:
         path: the trace file to create; parent folders are created.
-        header: the environment header (:func:`collect_environment`), JSON-able.
+        header: the trace header: a :class:`~tracer.store.header.TraceHeader` (written as its
+            document), or a document of one (JSON-able; checked against the record, written as given).
         overwrite: replace an existing ``path`` (only once the new trace is complete).
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"``, passed to ``create_dataset``.
         background: write runs on one background thread, so :meth:`add_run` returns at once and
@@ -99,15 +119,17 @@ class TraceWriter:
             calls; torch releases the GIL in its kernels, so the two overlap). Runs are written
             in submission order; :meth:`close` waits for them and re-raises a writer error;
             on an exception in the ``with`` block the thread is joined and the file deleted.
-        format_version: the layout to write: :data:`FORMAT_VERSION` (2, default) or 1 (one dataset
-            per capture point, as tracer wrote before; for tests and older readers).
+        format_version: the layout to write: :data:`FORMAT_VERSION` (3, default), 2 (the same
+            layout) or 1 (one dataset per capture point, as tracer wrote before); for tests and older
+            readers. The JSON documents are always version 3's, which the readers of versions 1 and
+            2 read unchanged.
 
     Raises:
         TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
             compression or format version; header not JSON-able; the file cannot be created.
     """
 
-    def __init__(self, path: str | os.PathLike, *, header: dict, overwrite: bool = False,
+    def __init__(self, path: str | os.PathLike, *, header: TraceHeader | dict[str, Any], overwrite: bool = False,
                  compression: str | None = None, background: bool = False,
                  format_version: int = FORMAT_VERSION) -> None:
         self.path = Path(path)
@@ -127,6 +149,7 @@ class TraceWriter:
         if self.path.is_dir():
             raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
         check_output_path(self.path, overwrite, "trace")
+        header = header_document(header)
         header_json = json_dumps(header, "the trace header")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -209,9 +232,13 @@ class TraceWriter:
 
         Raises:
             TracerError: duplicate or invalid run/capture name, unsupported tensor dtype,
-                plan/meta/calls not JSON-able, or the writer is closed.
+                plan/meta/calls not JSON-able or not the documents of a
+                :class:`~tracer.plan.plans.RunPlan` and a :class:`~tracer.store.header.RunMeta`
+                (what the reader checks, refused now), or the writer is closed.
         """
         self._require_open()
+        schema.decode(RunPlan, run.plan, f"plan of run {run.name}")
+        schema.decode(RunMeta, run.meta, f"meta of run {run.name}")
         if self._pool is not None:
             self._futures.append(self._pool.submit(self._write_run, run, ready))
         else:
@@ -240,6 +267,7 @@ class TraceWriter:
             TracerError: meta not JSON-able, or the writer is closed (a run not written: at close).
         """
         self._require_open()
+        schema.decode(RunMeta, meta, f"meta of run {run}")
         text = json_dumps(meta, f"meta of run {run}")
         self._after(self._set_meta, run, text)
 

@@ -38,7 +38,7 @@ from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.engines.dumps.namemap import MappedDump, RefLayout, hf_name, locate, map_dump, pass_entries
-from tracer.execute.records import CaptureRecord, DumpEntry, RawDump
+from tracer.execute.records import CaptureRecord, DumpEntry, RawDump, SchedulerStep, TracedPositions
 
 
 def _shapes(x: Any) -> list[list[int]]:
@@ -175,7 +175,8 @@ class VllmCapture(Hooks):
             win_rows.append(w)
             if int(pos_cpu[b - 1]) < self.n and self.window[0] <= int(pos_cpu[b - 1]) < self.window[1]:
                 logit_rows.append(j)  # vLLM computes logits at each request's last scheduled token
-        self.steps.append({"step": step, "tokens": len(ids_cpu), "requests": len(req_ids), "traced": traced})
+        self.steps.append(SchedulerStep(step, len(ids_cpu), len(req_ids),
+                                        tuple(TracedPositions.from_dict(t) for t in traced)).to_dict())
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
         kv_rows, win_rows = cat(kv_rows), cat(win_rows)
         self._cur = {"step": step, "kv": kv_rows, "win": win_rows, "logits": torch.tensor(logit_rows, dtype=torch.long),

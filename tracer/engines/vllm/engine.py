@@ -64,7 +64,8 @@ from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
 from tracer.engines.dumps.rules import load_engine_map  # noqa: E402
-from tracer.execute.records import RunRecord  # noqa: E402
+from tracer.execute.records import (EngineFacts, RunRecord, ScheduledRequest, SchedulerFacts,  # noqa: E402
+                                    SchedulerStep, Threads)
 from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
 from tracer.engines.vllm.plan import (  # noqa: E402
     CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
@@ -150,27 +151,29 @@ class VllmEngine:
                               "its modules from tracer's hooks; build it eager (enforce_eager=True, compilation mode 0)")
 
     def facts(self) -> dict[str, Any]:
-        """The engine's numeric contract as plain data (for the run's meta and the trace header):
-        version, attention backend and implementation, KV-cache dtype and block size, the
-        chunked-prefill budget, prefix caching, compilation and graphs (off), threads."""
+        """The engine's numeric contract, the document of a :class:`~tracer.execute.records.EngineFacts`
+        (for the run's meta and the trace header): version, attention backend and implementation,
+        KV-cache dtype and block size, the chunked-prefill budget, prefix caching, compilation and
+        graphs (off), threads."""
         cfg = self.llm.llm_engine.vllm_config
         attn = next((m for n, m in self.model.named_modules() if n.endswith("self_attn.attn")), None)
         backend = getattr(getattr(attn, "attn_backend", None), "get_name", lambda: "?")()
         impl = getattr(attn, "impl", None)
         kv_dtype = str(cfg.cache_config.cache_dtype)
-        return {"engine": "vllm", "version": vllm.__version__, "device": str(cfg.device_config.device),
-                "dtype": str(cfg.model_config.dtype).replace("torch.", ""), "weights": str(self.folder),
-                "attention_backend": backend, "attention_impl": type(impl).__name__ if impl is not None else None,
-                "attention_isa": str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
-                "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], "kv_cache_dtype_setting": kv_dtype,
-                "block_size": int(cfg.cache_config.block_size), "prefix_caching": bool(cfg.cache_config.enable_prefix_caching),
-                "max_num_batched_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
-                "chunked_prefill": bool(cfg.scheduler_config.enable_chunked_prefill),
-                "max_model_len": int(cfg.model_config.max_model_len), "enforce_eager": bool(cfg.model_config.enforce_eager),
-                "compilation_mode": int(cfg.compilation_config.mode or 0),
-                "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
-                "in_process": True, "torch_threads": {"before_build": self.threads[0], "after_build": self.threads[1]},
-                **op_facts(self.model, self.kwargs["dtype"])}
+        return EngineFacts(
+            engine="vllm", version=vllm.__version__, device=str(cfg.device_config.device),
+            dtype=str(cfg.model_config.dtype).replace("torch.", ""), weights=str(self.folder),
+            attention_backend=backend, attention_impl=type(impl).__name__ if impl is not None else None,
+            attention_isa=str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
+            kv_cache_dtype=kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], kv_cache_dtype_setting=kv_dtype,
+            block_size=int(cfg.cache_config.block_size), prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
+            max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
+            chunked_prefill=bool(cfg.scheduler_config.enable_chunked_prefill),
+            max_model_len=int(cfg.model_config.max_model_len), enforce_eager=bool(cfg.model_config.enforce_eager),
+            compilation_mode=int(cfg.compilation_config.mode or 0),
+            cudagraph_mode=str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
+            in_process=True, torch_threads=Threads(self.threads[0], self.threads[1]),
+            **op_facts(self.model, self.kwargs["dtype"])).to_dict()
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache (no request may be running).
@@ -400,7 +403,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     Returns:
         ``(run, None)``: the :class:`RunRecord` with captures under HF names (``(T, *feature)``
         over the window in vLLM's dtype; ``kv_cache`` points ``(N, keys + values)``), and in
-        ``meta``: ``engine`` (:meth:`VllmEngine.facts`), ``vllm`` (requests with vLLM's own
+        ``meta``: ``engine`` (:meth:`VllmEngine.facts`), ``scheduler`` (:class:`~tracer.execute.records.SchedulerFacts`: requests with vLLM's own
         ``num_cached_tokens``, scheduler steps, the traced positions computed in each step, the
         chunk mode, the HF ← vLLM mapping, notes), ``cached_tokens``, ``not_captured`` (HF name
         → reason) and ``logits`` (positions, dtype); ``extras["partial_logits"]``: HF logits name →
@@ -437,9 +440,8 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
             done = eng.finish()
             for (ext, internal), prompt, t in zip(ids, prompts, traced):
                 out = done[ext]
-                requests.append({"request_id": ext, "internal_id": internal, "tokens": len(prompt), "traced": t,
-                                 "num_cached_tokens": int(out.num_cached_tokens or 0),
-                                 "generated": list(out.outputs[0].token_ids)})
+                requests.append(ScheduledRequest(ext, internal, len(prompt), t, int(out.num_cached_tokens or 0),
+                                                 tuple(out.outputs[0].token_ids)).to_dict())
     wall = time.perf_counter() - t0
     check_schedule(plan, mode, requests, cap.steps)
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
@@ -451,9 +453,10 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     record_meta = {
         "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in steps],
         "engine": eng.facts(), "cached_tokens": main["num_cached_tokens"],
-        "vllm": {"chunks_as": mode, "requests": requests, "steps": steps,
-                 "chunks": [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]],
-                 "mapping": info["mapping"], "notes": info["notes"]},
+        "scheduler": SchedulerFacts(
+            mode, tuple(ScheduledRequest.from_dict(r) for r in requests), tuple(SchedulerStep.from_dict(s) for s in steps),
+            tuple(tuple(t["positions"]) for s in steps for t in s["traced"] if t["request"] == main["internal_id"]),
+            info["mapping"], tuple(info["notes"])).to_dict(),
         "not_captured": info["not_captured"], "logits": logits, **meta}
     if decode:
         record_meta["decode_tokens"] = main["generated"][:decode]

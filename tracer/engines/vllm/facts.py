@@ -1,25 +1,27 @@
-"""vLLM's facts in words: what its scheduler did for a run (``meta["vllm"]``, written by
-:func:`tracer.engines.vllm.engine.execute_loaded`). No vLLM import."""
+"""vLLM's facts in words: what its scheduler did for a run (``meta["scheduler"]``, a
+:class:`~tracer.execute.records.SchedulerFacts` written by :func:`tracer.engines.vllm.engine.execute_loaded`).
+No vLLM import."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from tracer.execute.records import SchedulerFacts
+
 
 def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
-    """What vLLM's scheduler did for a run's traced prompt (None for a run without ``meta["vllm"]``)."""
-    v = meta.get("vllm")
+    """What vLLM's scheduler did for a run's traced prompt (None for a run without ``meta["scheduler"]``)."""
+    v = meta.get("scheduler")
     if not isinstance(v, dict):
         return None
-    traced = [r for r in v.get("requests", []) if r.get("traced")]
-    cached = [r.get("num_cached_tokens", 0) for r in traced]
-    steps = v.get("steps", [])
-    batched = max((s.get("requests", 1) for s in steps), default=1)
-    chunks = v.get("chunks", [])
-    return (f"run {run} (vLLM scheduler): {len(v.get('requests', []))} request(s), traced num_cached_tokens {cached}; "
+    v = SchedulerFacts.from_dict(v)
+    cached = [r.num_cached_tokens for r in v.requests if r.traced]
+    batched = max((s.requests for s in v.steps), default=1)
+    chunks = [list(c) for c in v.chunks]
+    return (f"run {run} (vLLM scheduler): {len(v.requests)} request(s), traced num_cached_tokens {cached}; "
             f"the prompt computed in {len(chunks)} step(s) at positions {chunks}"
             + (f", each step holding up to {batched} request(s)" if batched > 1 else "")
-            + f" ({v.get('chunks_as', '?')})")
+            + f" ({v.chunks_as or '?'})")
 
 
 __all__ = ["scheduler_note"]

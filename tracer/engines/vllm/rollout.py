@@ -29,7 +29,7 @@ from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
-from tracer.execute.records import RunRecord
+from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
 from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.engine import engine_for, ref_layout, vllm
 from tracer.engines.vllm.plan import batch_rows, settings_of
@@ -89,7 +89,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
         ``(record, None)``: token ids = the traced prompt + its response (N + T); ``meta["rollout"]``
         as :func:`tracer.engines.hf.rollout.execute_rollout` writes it (``tokens``, ``logprobs`` as vLLM
         reported them, ``sequences``, ``lengths``, ``row``, ``tau``), ``meta["engine"]`` and
-        ``meta["vllm"]`` (requests, steps); ``extras["rl_logits"]``: ``(K, T, vocab)``.
+        ``meta["scheduler"]`` (:class:`~tracer.execute.records.SchedulerFacts`: requests, steps); ``extras["rl_logits"]``: ``(K, T, vocab)``.
 
     Raises:
         TracerError: not a rollout plan, an option vLLM cannot realise, vLLM returning fewer tokens
@@ -146,11 +146,12 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     record_meta = {
         "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in cap.steps], **(meta or {}),
         "engine": eng.facts(), "cached_tokens": int(done[ids[r][0]].num_cached_tokens or 0),
-        "vllm": {"chunks_as": "rollout", "steps": steps, "mapping": info["mapping"], "notes": info["notes"],
-                 "requests": [{"request_id": ext, "internal_id": internal, "tokens": len(p), "traced": j == r,
-                               "num_cached_tokens": int(done[ext].num_cached_tokens or 0)}
-                              for j, ((ext, internal), p) in enumerate(zip(ids, prompts))],
-                 "chunks": [tr["positions"] for s in steps for tr in s["traced"]]},
+        "scheduler": SchedulerFacts(
+            "rollout", tuple(ScheduledRequest(ext, internal, len(p), j == r, int(done[ext].num_cached_tokens or 0))
+                             for j, ((ext, internal), p) in enumerate(zip(ids, prompts))),
+            tuple(SchedulerStep.from_dict(s) for s in steps),
+            tuple(tuple(tr["positions"]) for s in steps for tr in s["traced"]), info["mapping"],
+            tuple(info["notes"])).to_dict(),
         "not_captured": info["not_captured"],
         "rollout": {"tokens": tokens, "logprobs": logprobs, "row": r, "lengths": list(spec.lengths),
                     "sequences": sequences, "tau": spec.tau, "logprobs_from": f"vLLM ({settings.logprobs_mode})"}}

@@ -166,3 +166,96 @@ def test_many_points_are_read_without_per_point_h5py_objects(tmp_path, monkeypat
         assert len(c.skipped) == n - 3  # B's points missing in A, each reported
         seen.append(counts["n"])
     assert seen[1] - seen[0] < 20, seen  # per point: no h5py lookup
+
+
+# ---------------------------------------------------------------- the trace's facts as records (tracer/store/header.py)
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def _raw_header(path: Path) -> dict:
+    with h5py.File(path, "r") as f:
+        return json.loads(f["header"].attrs["json"])
+
+
+@pytest.mark.parametrize("name, written, block, blocks, engines", [
+    ("v2-hf-prefix-cache", 8, 8, [8, 8], None),   # tracer run tiny-llama --scenario prefix-cache -n 24 -b 8
+    ("v2-vllm-batch", 16, 32, [32, 32], {"A": 32, "B": 32}),  # tracer run smollm2-135m --engine vllm --scenario batch
+    ("v2-hf-vs-vllm", 16, None, [None, 32], {"A": 0, "B": 32}),  # tracer run smollm2-135m --scenario engine
+])
+def test_a_version_2_trace_reads_as_version_3_writes_it(name, written, block, blocks, engines):
+    """Traces written by tracer before format version 3 (committed, made by that version: see
+    tests/store/data/README.md). Version 2 wrote the header's block size as the scenario's default
+    16, whatever vLLM used (32, in its own facts), the scheduler facts under meta["vllm"], and the HF
+    engine's block size as a sentence; read, they are what version 3 writes, checked by its records."""
+    from tracer.diff.stored import stored_comparison
+    from tracer.execute.records import EngineFacts, SchedulerFacts
+    from tracer.store.header import RunMeta
+
+    path = DATA / f"{name}.h5"
+    raw = _raw_header(path)
+    assert raw["block_size"] == written  # what version 2 wrote: the scenario's block size, else 16
+    with tracer.read_trace(path) as r:
+        assert r.format_version == 2
+        assert r.header.get("block_size") == r.facts.block_size == block and r.header["block_sizes"] == blocks
+        if engines is not None:
+            assert {k: EngineFacts.from_dict(v).block_size for k, v in r.header["engines"].items()} == engines
+            assert {k: v["block_size"] for k, v in raw["engines"].items()} == {  # the engines' own account, as written
+                k: ("none (a contiguous KV cache)" if v == 0 else v) for k, v in engines.items()}
+        for run in r.runs:
+            meta = r.run(run, load_tensors=False).meta
+            RunMeta.from_dict(meta)
+            assert "vllm" not in meta
+            if (meta.get("engine") or {}).get("engine") == "vllm":
+                sched = SchedulerFacts.from_dict(meta["scheduler"])
+                assert sched.requests and all(q.num_cached_tokens == 0 for q in sched.requests)
+                assert sched.chunks == ((0, 40),)
+    stored = stored_comparison(path)
+    if engines is not None:
+        assert stored.facts.engine_a.block_size == engines["A"] and stored.facts.engine_b.block_size == engines["B"]
+    assert tracer.compare_trace(str(path)).verdict() == stored.verdict()
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tracer.load_model("tiny-llama", dtype="float32", device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("options, block, blocks", [
+    ({"scenario": "batch", "batch_size": 2}, None, [None, None]),  # HF keeps one contiguous KV cache per row
+    ({"scenario": "prefix-cache", "block_size": 8}, 8, [8, 8]),  # the cached prefix: the largest multiple of 8
+    ({"scenario": "block-size", "block_sizes": [4, 8]}, None, [4, 8]),
+])
+def test_the_header_block_size_is_the_plans(lm, tmp_path, options, block, blocks):
+    """The header's block size comes from the plans that ran (version 2 wrote 16 whatever ran)."""
+    path = tmp_path / "t.h5"
+    tracer.run(lm, length=24, output=str(path), progress=False, store="stats", **options)
+    with tracer.read_trace(path) as r:
+        assert r.format_version == 3
+        assert r.header.get("block_size") == block and r.header["block_sizes"] == blocks
+        assert r.facts.block_sizes == tuple(blocks)
+
+
+def test_a_header_or_run_of_the_wrong_type_is_refused_when_written(tmp_path):
+    """The writer checks what the reader will check (the same records), in one line, before the file exists."""
+    from tests.helpers import make_runs, write_trace
+    from tracer.store.trace import TraceWriter
+
+    with pytest.raises(TracerError, match=r"the trace header\.numeric_contract: expected an object"):
+        TraceWriter(tmp_path / "h.h5", header={"numeric_contract": []})
+    a, b = make_runs()
+    a.meta["store_auto"] = {"dropped": 5}
+    with pytest.raises(TracerError, match=r"meta of run A\.store_auto"):
+        write_trace(tmp_path / "m.h5", [a, b])
+    assert not list(tmp_path.glob("*.h5"))
+
+
+def test_a_header_fact_no_field_declares_is_refused_when_built(lm):
+    """tracer builds the header from its record (schema.build): a fact without its field is an error, never dropped."""
+    from tracer.config import CaptureConfig
+    from tracer.pipeline import trace_header
+
+    header = trace_header(lm, None, 8, CaptureConfig(), "stats", extra={"sweep": {"lengths": [8]}})
+    assert header["sweep"] == {"lengths": [8]} and header.sweep == {"lengths": [8]}
+    with pytest.raises(TracerError, match="'gizmo' is not a field of TraceHeader"):
+        trace_header(lm, None, 8, CaptureConfig(), "stats", extra={"gizmo": 1})

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tracer.report.progress import ItemProgress, StatusProgress, phase, relay_tqdm, resolve_mode
+from tracer.progress import ItemProgress, StatusProgress, phase, relay_tqdm, resolve_mode
 
 
 def test_a_slow_phase_prints_a_line_and_a_fast_one_none():
