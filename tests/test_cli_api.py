@@ -129,6 +129,6 @@ def test_help_keeps_square_brackets(name):
     raw = [p.help or "" for p in _cli(name).values()]  # as given to click: OPTIONS' text or the docstring's
     words = {w for text in raw for w in re.findall(r"\S*\[[a-z][^\]\s]*\]\S*", text.replace("\\[", "["))}
     if name == "run":
-        assert "'.[vllm]'," in words  # the case that was lost (then written 'tracer[vllm]')
+        assert "'.[vllm]'" in words  # the case that was lost (then written 'tracer[vllm]')
     for w in words:
         assert w.strip(".,;()'") in flat, (name, w)

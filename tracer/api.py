@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.loops.audit import Audit, AuditRow
     from tracer.loops.bench import BenchResult
     from tracer.loops.bench_engine import EngineBenchResult
+    from tracer.plan.scenarios import Scenario  # RunResult's own annotations (tracer.run_result)
     from tracer.store.sweepfile import SweepResult, SweepRow
     from tracer.store.trace import TraceReader
 
@@ -322,8 +323,8 @@ def sweep(model: str | LoadedModel = "smollm2-135m", *, lengths: str | list[int]
         lengths: prompt lengths: start:stop[:step] with stop INCLUSIVE (17:512 = 17..512), comma
             lists (64,128) or both; or a list of ints.
         block_sizes: several KV block sizes as a second axis, e.g. 16,32,64 (same syntax as
-            lengths) or a list; excludes block_size (default: the engine's KV block size,
-            :func:`tracer.engines.table.default`).
+            lengths) or a list; excludes block_size (default: the engine's own KV block size, as
+            the table of engines gives it).
         keep_tensors: also store every point's captured tensors (large).
         output: the sweep file (default: in traces/, named after the model and scenario); an unfinished one with
             the same parameters is resumed.
