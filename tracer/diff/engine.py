@@ -67,8 +67,9 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
         return {}
     out: dict[str, Any] = {"engine_a": fa, "engine_b": fb}
     same = fa.get("engine") == fb.get("engine")  # versions compare within one engine only
-    diffs = {label: [_short(fa.get(k)), _short(fb.get(k))] for k, label in CONTRACT
-             if k in fa and k in fb and fa.get(k) != fb.get(k) and (same or k != "version")}
+    shown = {label: (_short(fa.get(k)), _short(fb.get(k))) for k, label in CONTRACT
+             if k in fa and k in fb and (same or k != "version")}  # compared as shown: one GEMM for every Linear is one
+    diffs = {label: [va, vb] for label, (va, vb) in shown.items() if va != vb}
     out["engine_differences"] = diffs
     notes = [f"engine {run}: {_PACKAGE.get(f.get('engine'), f.get('engine'))} {f.get('version')}, attention "
              f"{f.get('attention_backend')}, "
@@ -78,6 +79,9 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
                 f", compilation mode {f.get('compilation_mode')}, CUDA graphs {f.get('cudagraph_mode')}")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
+    agree = [f"{label} ({va})" for label, (va, vb) in shown.items() if va == vb]
+    if agree:
+        notes.append(f"same in both engines: {'; '.join(agree)}")
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
         line = scheduler_line(run, meta)
         if line is not None:

@@ -128,8 +128,11 @@ def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, point
 def hf_contract(loaded: Any) -> dict[str, Any]:
     """The HF reference's numeric contract in the keys an engine's facts use
     (:meth:`tracer.execute.vllm_engine.VllmEngine.facts`): transformers version, attention
-    implementation, norm, activation, GEMM, activation / logits / KV-cache dtypes."""
+    implementation, norm, activation, GEMM (the library torch runs it on:
+    :func:`tracer.execute.kernels.torch_gemm`), activation / logits / KV-cache dtypes."""
     import transformers
+
+    from tracer.execute.kernels import torch_gemm
 
     model, info = loaded.model, loaded.info
     cfg = getattr(model.config, "get_text_config", lambda: model.config)()
@@ -141,7 +144,7 @@ def hf_contract(loaded: Any) -> dict[str, Any]:
             "norm": (f"{norm} (PyTorch ops); the residual added in {info.dtype} first, the rounded sum normalized "
                      "in float32" if norm else "?"),
             "activation": f"{getattr(cfg, 'hidden_act', '?')} then * up (PyTorch ops)",
-            "gemm": "torch F.linear", "activation_dtype": info.dtype, "logits_dtype": logits,
+            "gemm": torch_gemm(info.device, info.dtype), "activation_dtype": info.dtype, "logits_dtype": logits,
             "kv_cache_dtype": info.dtype, "block_size": "none (a contiguous KV cache)",
             "max_num_batched_tokens": "none (each forward call computes what it is given)",
             "compilation_mode": 0, "cudagraph_mode": "NONE"}
