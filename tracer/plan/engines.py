@@ -144,8 +144,8 @@ def with_engine(scen: Scenario, engine: str | None) -> Scenario:
             else "greedy"
         a = replace(scen.plan_a, engine=engine, engine_settings=(("block_size", int(p.get("block_size") or 32)),),
                     description=f"rollout in vLLM: {spec.rollouts} request(s) of {list(spec.lengths)} tokens prefilled in "
-                                f"one step (M={sum(spec.lengths)}, no padding), then {spec.new_tokens - 1} decode steps "
-                                f"(M={spec.rollouts}), {how}; each token's logprob as vLLM reports it")
+                                f"one step (flattened, no padding), then {spec.new_tokens - 1} decode steps, {how}; "
+                                "each token's logprob as vLLM reports it")
         return replace(scen, plan_a=a, params={**p, "engine": engine})
     sizes = {"plan_a": p.get("block_size", 32), "plan_b": p.get("block_size", 32)}
     if scen.name == "block-size":

@@ -153,8 +153,8 @@ class RunPlan:
 
     def gemm_m(self) -> list[int]:
         """The GEMM M dimension of each forward pass (rows x tokens, padding included)."""
-        if self.rl is not None:
-            return self.rl.gemm_m()
+        if self.rl is not None:  # vLLM flattens the requests of a step: no padding
+            return self.rl.gemm_m(flattened=self.engine == "vllm")
         if self.batch is not None:
             if self.batch.padding != "none":
                 return [self.batch.size * self.batch.width]

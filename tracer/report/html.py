@@ -26,7 +26,7 @@ from tracer.diff.result import origin_record
 from tracer.errors import TracerError
 from tracer.report import rl as rl_report
 from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
-from tracer.report.summary import headline, verdict_line
+from tracer.report.summary import headline, plan_line, verdict_line
 from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
                                   rows)
 
@@ -275,8 +275,7 @@ def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figu
                      table_html("points", [COLUMNS[k][0] for k in cols], cells, classes=classes, values=vals,
                                 diff_toggle=True)
                      + "".join(f'<p class="note">{esc(x)}</p>' for x in more)))
-    plans = [f"{_side('A', c.run_a)}: {c.facts.get('plan_a', '')} (GEMM M {c.facts.get('gemm_m_a')})",
-             f"{_side('B', c.run_b)}: {c.facts.get('plan_b', '')} (GEMM M {c.facts.get('gemm_m_b')})"]
+    plans = [f"{_side('A', c.run_a)}: {plan_line(c, 'a')}", f"{_side('B', c.run_b)}: {plan_line(c, 'b')}"]
     sections.append(("numeric contract", "".join(f"<p>{esc(p)}</p>" for p in plans) + contract_html(header, c.facts)
                      + (f'<p class="note">trace: {esc(c.trace)}</p>' if c.trace else "")))
     return page(_title(c), f"verdict: {verdict_line(c)}", c.identical, sections)

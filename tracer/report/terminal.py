@@ -184,6 +184,29 @@ def print_models(models: list[dict[str, str]]) -> None:
     Console().print(t)
 
 
+def print_options_help(doc: dict[str, dict[str, Any]], topic: str | None, console: Console | None = None) -> None:
+    """``tracer help [TOPIC]``: without a topic, one line per topic (its title and options); with one,
+    each option's flags and whole help, fitted to the terminal (continuations under the text)."""
+    from tracer.report.console import print_fitted
+
+    console = console or Console()
+    if topic is None:
+        width = max(len(k) for k in doc) + 4
+        console.print("tracer help TOPIC explains these options in full:", highlight=False)
+        for key, entry in doc.items():
+            names = ", ".join("MODEL" if o["name"] == "model" else o["flags"][0].split("/")[0] if o["flags"] else o["name"]
+                              for o in entry["options"])
+            print_fitted(console, f"{entry['title']}: {names}" if names else entry["title"], width,
+                         label=Text(f"  {key}", style="bold"))
+        return
+    for key, entry in doc.items():
+        console.print(Text(entry["title"], style="bold"))
+        for o in entry["options"]:
+            flags = "MODEL" if o["name"] == "model" else ", ".join(o["flags"]) if o["flags"] else o["name"]
+            print_fitted(console, Text(flags, style="bold"), 4, label=Text("  "))
+            print_fitted(console, o["help"], 6, label=Text("      "))
+
+
 def print_bench(result: Any, as_json: bool) -> None:
     """``tracer bench``: the table of medians and ratios, or the result as JSON."""
     from tracer.report.bench import table, vllm_table
