@@ -234,7 +234,9 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
     if (note := prompt_file_note(opts.get("prompt"))) is not None:  # before the run too, not only under the table
-        err.print(f"note: {note}", highlight=False, markup=False)
+        from tracer.report.console import print_fitted
+
+        print_fitted(err, note, len("note: "), label="note:")
     # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
     with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
         result = api.run(progress=err.is_terminal, status=status, **opts)

@@ -8,7 +8,9 @@ The rules (issue 25, item 1):
 
 - a number is never truncated: a numeric column is at least as wide as its widest cell;
 - columns give way in a fixed order (:data:`DROP_ORDER`; the histogram and the kernels first);
-  the columns of :data:`KEEP` (name, differing / total, max abs diff, ULP, flips) stay;
+  the columns of :data:`KEEP` (name, differing / total, max abs diff, ULP, flips) stay, but for
+  :data:`SPARE` (flips: the logits line under the table counts them) in a terminal too narrow for
+  them all once the name is at its floor (60 columns);
 - headers wrap at spaces before a column is dropped;
 - a name too long for its column is shortened from the left at a dot
   (``…layers.3.self_attn.kv_cache``); a marker (``◀ origin``) is never cut: it moves to a line of
@@ -73,6 +75,8 @@ def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[
 
 #: the columns of the amplification table that stay at every width
 KEEP = ("point", "diff", "max_abs", "ulp", "flips")
+#: kept columns that give way only when nothing else makes the table fit (the logits line says the flips)
+SPARE = ("flips",)
 #: the order the other columns are dropped in when the table does not fit (first: first dropped)
 DROP_ORDER = ("kernels", "hist", "nan_inf", "sqnr", "rel5", "rel1", "cos", "ampl", "mean_abs", "ulp_line",
               "tol", "fraction", "growth", "rel")
@@ -178,7 +182,7 @@ class Fit:
 def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[str, list[str]], width: int, *,
                 name_key: str = "point", name_min: int = NAME_MIN, keep: tuple[str, ...] = KEEP,
                 drop_order: tuple[str, ...] = DROP_ORDER, flexible: tuple[str, ...] = (),
-                gaps: tuple[int, int] = BOXED) -> Fit:
+                gaps: tuple[int, int] = BOXED, spare: tuple[str, ...] = ()) -> Fit:
     """Choose the columns and their widths so that the table fits ``width`` characters.
 
     Args:
@@ -192,6 +196,8 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         flexible: text columns that may wrap down to their longest word (their cells are text,
             not numbers).
         gaps: the table's overhead (:func:`table_width`: :data:`BOXED` or :data:`BARE`).
+        spare: kept columns that give way last, once the name is at its floor and the table still
+            does not fit (a narrow terminal), in this order.
 
     Every other column is at least as wide as its widest cell. When the kept columns do not fit
     with the name at ``name_min``, the name narrows further (down to :data:`NAME_FLOOR`); when
@@ -227,6 +233,12 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
     if over > 0 and name_key in shown:  # the kept columns alone are too wide: the name gives way, down to a floor
         floor = min(lowest[name_key], max(NAME_FLOOR, header_min(headers[name_key])))
         lowest[name_key] = max(floor, lowest[name_key] - over)
+    for k in spare:  # still too wide (a narrow terminal): the spare kept columns go, one by one
+        if table_width([lowest[c] for c in shown], gaps) <= width:
+            break
+        if k in shown:
+            shown.remove(k)
+            dropped.append(k)
     widths = {k: lowest[k] for k in shown}
     room = width - table_width(list(widths.values()), gaps)
     # spare room: the name first, then the flexible text columns, then headers unwrapped

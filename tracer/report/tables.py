@@ -27,7 +27,7 @@ from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
 from tracer.report.console import print_fitted, print_whole
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME_MAX, NAME_MIN,  # noqa: F401
-                                  WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
+                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
                                   readable_width, table_width)
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
@@ -299,7 +299,7 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     headers = {k: COLUMNS[k][0] for k in columns}
     # the name column keeps every shown name's layer index when the width allows (never over NAME_MAX)
     name_min = max([NAME_MIN, *(min(readable_width(n), NAME_MAX) for n, _ in names)])
-    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30, name_min=name_min)
+    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30, name_min=name_min, spare=SPARE)
     wid = dict(zip(fit.columns, fit.widths))
     t = Table(header_style="bold")
     for key in fit.columns:

@@ -25,15 +25,20 @@ err = Console(stderr=True)
 
 
 def print_error(message: str) -> None:
-    """``error: MESSAGE`` on stderr: one line, no markup, control characters escaped (it may quote file names)."""
-    err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), highlight=False, soft_wrap=True)
+    """``error: MESSAGE`` on stderr: one line (in a terminal broken between words, continuations under
+    the message), no markup, control characters escaped (it may quote file names)."""
+    from tracer.report.console import print_fitted
+
+    print_fitted(err, printable(message), len("error: "), label=Text("error:", style="bold red"))
 
 
 def print_internal_error(e: BaseException) -> None:
     """A tracer bug in one line on stderr (``TRACER_DEBUG=1`` prints the traceback instead)."""
+    from tracer.report.console import print_fitted
+
     first = (str(e).splitlines() or [""])[0][:200]
-    err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
-              "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+    print_fitted(err, f"{type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for the traceback "
+                      "and report it)", 4, label=Text("internal error:"))
 
 
 def check_outputs(*, report: str | None = None, plot: str | None = None, output: str | None = None,
@@ -91,7 +96,9 @@ def fail_on_exit(comparison: Any) -> int:
     failed, reason = comparison.check()
     if not failed:
         return 0
-    err.print(f"fail-on {comparison.fail_on}: {printable(reason)}", highlight=False, soft_wrap=True, markup=False)
+    from tracer.report.console import print_fitted
+
+    print_fitted(err, f"fail-on {comparison.fail_on}: {printable(reason)}", 4)
     return EXIT_DIVERGED
 
 
@@ -133,10 +140,12 @@ def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, m
         return 0
     print_comparison(c, fmt, columns, all_rows)
     if mitigation is not None and fmt == "table":
+        from tracer.report.console import print_fitted, stdout_console
+
         ok = c.identical
-        Console().print(f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
-                        f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
-                        style="green" if ok else "red", soft_wrap=True)
+        print_fitted(stdout_console(), f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise "
+                                       f"equality ({'every' if ok else 'not every'} compared tensor is bit-identical)",
+                     4, style="green" if ok else "red")
     return fail_on_exit(c)
 
 
@@ -158,11 +167,14 @@ def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: boo
 
 def print_import(mapped: Any, output: str, run_name: str) -> None:
     """``tracer import``: what was mapped, where it went, and the mapping's notes."""
+    from tracer.report.console import print_fitted, stdout_console
+
+    console = stdout_console()
     lo, hi = mapped.positions
-    print(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, positions {lo}..{hi - 1} "
-          f"-> {output} (run {run_name})")
+    print_fitted(console, printable(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, "
+                                    f"positions {lo}..{hi - 1} -> {output} (run {run_name})"), 2)
     for line in mapped.notes:
-        print(f"  {line}")
+        print_fitted(console, printable(f"  {line}"), 4)
 
 
 def print_path(path: Any) -> None:
@@ -238,12 +250,14 @@ def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report
     as JSON, or one CSV row per point; then write the ``plot`` figure and the ``report`` HTML
     (:func:`write_after`: their names on stderr). Returns the exit code."""
     if fmt == "table":
+        from tracer.report.console import print_fitted, stdout_console
         from tracer.report.sweep_lines import sweep_summary_lines
 
+        console = stdout_console()
         for line in sweep_summary_lines(result):
-            print(line)
+            print_fitted(console, printable(line), 4 if line.startswith("  ") else 2)
         if result.path:
-            print(f"sweep file: {result.path}")
+            print_fitted(console, printable(f"sweep file: {result.path}"), 2)
     elif fmt == "json":
         print(json.dumps(result.summary(), indent=1, default=str))
     else:
