@@ -188,3 +188,16 @@ def test_help_topics_give_each_option_its_whole_text(tmp_path):
     assert OPTIONS["train_batching"].help in " ".join(out.split())
     (code, err), = cli_batch([["help", "nope"]], tmp_path)
     assert code == 2 and "unknown help topic 'nope'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dtype_help_lists_the_aliases_it_accepts():
+    """`--dtype bf16` was accepted but the help listed bfloat16, float16, float32, float64 only: every
+    name the dtype table accepts is listed, in --help and in the whole text."""
+    from typer.testing import CliRunner
+
+    from tracer.dtypes import ALIASES, FLOATS, canonical
+
+    out = " ".join(CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}, terminal_width=200).output.split())
+    for name in (*FLOATS, *ALIASES):
+        assert canonical(name) in FLOATS  # accepted ...
+        assert name in OPTIONS["dtype"].help and name in out.split("--dtype", 1)[1].split("--", 1)[0]  # ... and listed

@@ -372,6 +372,23 @@ def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     print_bench(result, as_json)
 
 
+def close_options(given: str, options: list[str], cutoff: float = 0.6) -> list[str]:
+    """The options of ``options`` that ``given`` (an unknown ``--flag``) is plausibly a misspelling of,
+    closest first (at most 3): compared without the dashes (``--frobnicate`` is not close to
+    ``--format``: click's own guess compares the dashes too), or ``given`` the start of one."""
+    import difflib
+
+    def bare(flag: str) -> str:
+        return flag.lstrip("-").split("=")[0]
+
+    word = bare(given)
+    longs = sorted({o for o in options if o.startswith("--")})
+    scored = [(difflib.SequenceMatcher(None, word, bare(o)).ratio(), o) for o in longs]
+    scored = [(1.0 if word and bare(o).startswith(word) and len(word) >= 3 else r, o) for r, o in scored]
+    good = sorted((t for t in scored if t[0] >= cutoff), key=lambda t: (-t[0], t[1]))
+    return [o for r, o in good if r >= good[0][0] - 0.1][:3] if good else []
+
+
 def main() -> None:
     """Entry point of the ``tracer`` console script.
 
@@ -403,6 +420,9 @@ def main() -> None:
             # a positional argument given as an option: say so instead of guessing options
             message = (f"No such option: {e.option_name}; {e.option_name.lstrip('-').upper()} is positional: "
                        f"{where} {' '.join(positional)} ...")
+        elif isinstance(e, click_errors.NoSuchOption) and e.ctx is not None:
+            close = close_options(e.option_name, [o for p in e.ctx.command.params for o in (*p.opts, *p.secondary_opts)])
+            message = f"No such option: {e.option_name}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
         print_error(f"{message} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
     except typer.Abort:  # click turns KeyboardInterrupt (and so Terminated) into Abort

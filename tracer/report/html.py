@@ -223,8 +223,11 @@ def comparison_figures(c: Comparison) -> list[tuple[str, str, str]]:
                  "hollow green circles: bit-identical", figure_svg(amplification_figure(c)))]
         carried = position_diffs_comparison(c)
         if carried is not None and carried.names:
+            before = (f"; hatched rows ({', '.join(carried.before)}) are white because their differences lie before "
+                      f"the compared positions (positions 0..{carried.positions[0] - 1}, the cached prefix)"
+                      if carried.before else "")
             figs.append(("fig-heatmap", "max |A − B| per capture point (rows) and compared position (columns); "
-                         "white: bit-identical", figure_svg(heatmap_figure(carried))))
+                         f"white: bit-identical{before}", figure_svg(heatmap_figure(carried))))
         figs.append(("fig-ulp", "ULP distance histogram of the first divergent point, the middle and last layer, "
                      "the logits", figure_svg(ulp_figure(c))))
         return figs
