@@ -122,8 +122,8 @@ def shorten_left(name: str, width: int) -> str:
     word and never so that a layer index leads (``…3.self_attn`` could be layer 13 or 23): in 27
     ``…self_attn.kv_cache``. The ``×4`` of a grouped row stays.
 
-    A name that fits is returned unchanged; only a last component longer than ``width`` itself is
-    cut inside (from the left: ``…_layernorm``).
+    A name that fits is returned unchanged; a last component longer than ``width`` itself is cut at
+    an underscore inside it (``…attention_layernorm``), and only a word longer still at a character.
     """
     if len(name) <= width:
         return name
@@ -136,6 +136,11 @@ def shorten_left(name: str, width: int) -> str:
     for i in range(1, len(parts)):  # the longest suffix at a dot that fits and does not start with an index
         rest = ".".join(parts[i:])
         if len(rest) <= room and not (parts[i].isdigit() or parts[i] == "*"):
+            return ELLIPSIS + rest + tail
+    words = parts[-1].split("_")  # the last component alone is too long: at an underscore inside it
+    for i in range(1, len(words)):
+        rest = "_".join(words[i:])
+        if len(rest) <= room:
             return ELLIPSIS + rest + tail
     return ELLIPSIS + base[len(base) - max(room, 1):] + tail if room > 0 else ELLIPSIS + name[len(name) - width + 1:]
 
