@@ -202,7 +202,7 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
             not numbers).
         gaps: the table's overhead (:func:`table_width`: :data:`BOXED` or :data:`BARE`).
         spare: kept columns that give way last, once the name is at its floor and the table still
-            does not fit (a narrow terminal), in this order.
+            does not fit (a narrow terminal), in this order; only when that makes it fit.
 
     Every other column is at least as wide as its widest cell. When the kept columns do not fit
     with the name at ``name_min``, the name narrows further (down to :data:`NAME_FLOOR`); when
@@ -238,12 +238,14 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
     if over > 0 and name_key in shown:  # the kept columns alone are too wide: the name gives way, down to a floor
         floor = min(lowest[name_key], max(NAME_FLOOR, header_min(headers[name_key])))
         lowest[name_key] = max(floor, lowest[name_key] - over)
-    for k in spare:  # still too wide (a narrow terminal): the spare kept columns go, one by one
-        if table_width([lowest[c] for c in shown], gaps) <= width:
+    going = []  # still too wide (a narrow terminal): the spare kept columns go, one by one, if that makes it fit
+    for k in (k for k in spare if k in shown):
+        if table_width([lowest[c] for c in shown if c not in going], gaps) <= width:
             break
-        if k in shown:
-            shown.remove(k)
-            dropped.append(k)
+        going.append(k)
+    if going and table_width([lowest[c] for c in shown if c not in going], gaps) <= width:
+        shown = [c for c in shown if c not in going]
+        dropped += going
     widths = {k: lowest[k] for k in shown}
     room = width - table_width(list(widths.values()), gaps)
     # spare room: the name first, then the flexible text columns, then headers unwrapped
