@@ -2,8 +2,8 @@
 
 Pure functions of the result: the summary lines printed before everything else (mean and max
 |Δlogp|, the KL estimators, the share a TIS cap or an MIS/IcePop mask would touch, PPL, flips),
-the per-token table of the traced sequence, the ``--mitigations`` table (rich tables that fit
-80 columns), their markdown and HTML forms, the CSV columns and the per-token DataFrame rows.
+the per-token table of the traced sequence, the ``--mitigations`` table (rich tables fitted to the
+terminal's width like the amplification table), their markdown and HTML forms, the CSV columns and the per-token DataFrame rows.
 """
 
 from __future__ import annotations
@@ -67,13 +67,6 @@ def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
                      f"{rl.steps[first].position})")
     out.append(("per token", row_text))
     return out
-
-
-def summary_lines(rl: RLComparison) -> list[str]:
-    """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width."""
-    pairs = summary_pairs(rl)
-    w = max(len(k) for k, _ in pairs)
-    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
 
 
 def hist_line(rl: RLComparison) -> str:
@@ -236,7 +229,7 @@ def token_records(rl: RLComparison) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
+__all__ = ["summary_pairs", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
            "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records", "PICTURE"]
 
 
