@@ -69,6 +69,14 @@ def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
     return out
 
 
+def summary_lines(rl: RLComparison) -> list[str]:
+    """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width (one line each: the
+    terminal report fits them to its width itself)."""
+    pairs = summary_pairs(rl)
+    w = max(len(k) for k, _ in pairs)
+    return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
+
+
 def hist_line(rl: RLComparison) -> str:
     """``|Δlogp| histogram (tokens): 0 12 · ≤1e-8 0 · ...`` (empty bins after the last filled one left out)."""
     last = max((i for i, n in enumerate(rl.hist) if n), default=0)
@@ -229,7 +237,7 @@ def token_records(rl: RLComparison) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["summary_pairs", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
+__all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitigations_table", "markdown_lines",
            "step_rows", "mitigation_rows", "summary_dict", "csv_meta", "token_records", "PICTURE"]
 
 
