@@ -71,8 +71,12 @@ if {refuse_loads!r}:  # bad input must be refused before any load: a load is an 
     def refuse(*a, **k):
         raise RuntimeError("a model was loaded")
     tracer.load.models.load_model = refuse
+import os
 from tracer.cli import main
-for args in json.loads(sys.argv[1]):
+for case in json.loads(sys.argv[1]):
+    args, env = (case["args"], case["env"]) if isinstance(case, dict) else (case, {{}})
+    saved = {{k: os.environ.get(k) for k in env}}
+    os.environ.update(env)  # this case's environment (rich reads COLUMNS and TTY_COMPATIBLE as it prints)
     sys.argv = ["tracer", *args]
     out, err = io.StringIO(), io.StringIO()
     code = 0
@@ -81,22 +85,27 @@ for args in json.loads(sys.argv[1]):
             main()
         except SystemExit as e:
             code = e.code
+    for k, v in saved.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     print("\\x00" + json.dumps([code, out.getvalue(), err.getvalue()]), flush=True)
 """
 
 
-def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *, timeout: float = 600,
-                refuse_loads: bool = False) -> list[subprocess.CompletedProcess]:
+def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cwd: str | Path, *,
+                timeout: float = 600, refuse_loads: bool = False) -> list[subprocess.CompletedProcess]:
     """``tracer ARGS`` for each case, one after another in ONE process (torch and transformers are
     imported once, not once per command): a ``CompletedProcess`` (``returncode``, ``stdout``,
     ``stderr``) per case, in order; the exit codes are the CLI's own (``main`` raises
-    ``SystemExit``). ``refuse_loads``: loading a model raises in that process."""
+    ``SystemExit``). A case is the argument list, or ``{"args": [...], "env": {...}}``: variables
+    set for that case only (``COLUMNS``, ``TTY_COMPATIBLE``: leave them out of ``env`` then, so the
+    consoles made at import read them as each case prints). ``refuse_loads``: loading a model
+    raises in that process."""
     driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads)
     proc = subprocess.run([sys.executable, "-c", driver, json.dumps(cases)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     done = [json.loads(line[1:]) for line in proc.stdout.split("\n") if line.startswith("\x00")]
     assert len(done) == len(cases), proc.stderr[-3000:]
-    return [subprocess.CompletedProcess(["tracer", *args], code, out, err)
+    return [subprocess.CompletedProcess(["tracer", *(args["args"] if isinstance(args, dict) else args)], code, out, err)
             for args, (code, out, err) in zip(cases, done)]
 
 

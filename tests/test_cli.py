@@ -315,6 +315,21 @@ def test_a_positional_argument_given_as_an_option_is_named(tmp_path):
     assert code2 == 2 and "--path; PATH is positional: tracer show PATH ..." in err2, err2
 
 
+def test_an_unknown_option_suggests_only_close_ones(tmp_path):
+    """`tracer run --frobnicate` suggested --format (click compares the dashes too); `--formt` listed
+    --format, --kv-format and --report. Now: the close ones only, or none."""
+    from tests.helpers import cli_batch
+
+    from tracer.cli import close_options
+
+    cases = [["run", "--frobnicate"], ["run", "--formt", "json"], ["run", "--lenght", "8"], ["sweep", "--lenghts", "17"]]
+    (c1, e1), (c2, e2), (c3, e3), (c4, e4) = cli_batch(cases, tmp_path)
+    assert c1 == 2 and "No such option: --frobnicate (see 'tracer run --help')" in e1, e1
+    assert c2 == 2 and "No such option: --formt (did you mean --format?)" in e2, e2
+    assert c3 == 2 and "(did you mean --length?)" in e3 and c4 == 2 and "(did you mean --lengths?)" in e4, (e3, e4)
+    assert close_options("--no-kv", ["--kv-cache", "--no-kv-cache", "--kernels"]) == ["--no-kv-cache"]  # a prefix
+
+
 def test_a_signal_after_the_command_finished_exits_at_once_without_a_traceback(tmp_path, cli_env):
     """Ctrl-C while Python shuts down after a finished command (an in-process vLLM's exit hook takes
     seconds) printed 'Exception ignored in atexit callback ... KeyboardInterrupt' and exited 0; now it

@@ -22,7 +22,7 @@ from tracer.config import OPTIONS
 
 COMMANDS = {"run": tracer.run, "audit": tracer.audit, "sweep": tracer.sweep, "bench": tracer.bench,
             "compare": tracer.compare_trace, "import": tracer.import_dump, "show": tracer.trace_info,
-            "plot": tracer.plot_file, "report": tracer.report_file, "models": tracer.models}
+            "plot": tracer.plot_file, "report": tracer.report_file, "models": tracer.models, "help": tracer.options}
 
 
 def _cli(name: str) -> dict:
@@ -128,7 +128,78 @@ def test_help_keeps_square_brackets(name):
     flat = re.sub(r"[\s│]+", " ", out)
     raw = [p.help or "" for p in _cli(name).values()]  # as given to click: OPTIONS' text or the docstring's
     words = {w for text in raw for w in re.findall(r"\S*\[[a-z][^\]\s]*\]\S*", text.replace("\\[", "["))}
-    if name == "run":
-        assert "'.[vllm]'" in words  # the case that was lost (then written 'tracer[vllm]')
+    if name == "run":  # the case that was lost (then written 'tracer[vllm]'): its whole text is in `tracer help engines`
+        whole = CliRunner().invoke(app, ["help", "engines"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"},
+                                   terminal_width=200).output
+        assert "-e '.[vllm]'" in re.sub(r"\s+", " ", whole)
     for w in words:
         assert w.strip(".,;()'") in flat, (name, w)
+
+
+#: what a newcomer reaches for first: they must be on the first screen of `tracer run --help`
+NEWCOMER = ("MODEL", "--scenario", "--prompt", "--length", "--dtype", "--device", "--granularity", "--positions",
+            "--output", "--format", "--report", "--no-store")
+
+
+def test_run_help_first_screen_holds_the_newcomers_options():
+    """`tracer run --help` at 80 columns was 333 lines with 68 options in one panel; its first 40 lines
+    now show what a newcomer needs (each option one line of help), and the whole is far shorter."""
+    from typer.testing import CliRunner
+
+    out = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"},
+                             terminal_width=80).output
+    lines = out.splitlines()
+    first = "\n".join(lines[:40])
+    missing = [flag for flag in NEWCOMER if not any(f" {flag} " in f" {x} " for x in first.replace("│", " ").splitlines())]
+    assert not missing, (missing, first)
+    assert len(lines) < 150, len(lines)
+    assert "What to run" in first and "Output" in first
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_is_in_a_named_panel(name):
+    """Each option of every command is listed under a named panel (its topic, the command's own, or
+    Output): none falls into typer's catch-all 'Options' panel, which only --help is left in; a run
+    option's panel is the one tracer.config.PANELS gives it."""
+    from tracer.config import PANELS
+
+    for k, p in _cli(name).items():
+        if p.param_type_name == "argument":
+            continue
+        assert getattr(p, "rich_help_panel", None), (name, k)
+        if k in OPTIONS and k not in RENDER:
+            assert p.rich_help_panel == OPTIONS[k].panel, (name, k)
+    listed = [k for _, keys in PANELS.values() for k in keys]
+    assert sorted(listed) == sorted(OPTIONS), "every run option in exactly one panel"
+
+
+def test_help_topics_give_each_option_its_whole_text(tmp_path):
+    """`tracer help TOPIC` holds what the one-line --help leaves out: each option's whole help text
+    (OPTIONS' own words), and `tracer help scenarios` every scenario; an unknown topic is one line."""
+    from tests.helpers import cli_batch
+    from tracer.config import PANELS
+    from tracer.plan.scenarios import SCENARIOS
+
+    doc = tracer.options("rl")["rl"]
+    assert doc["title"] == PANELS["rl"][0] and [o["name"] for o in doc["options"]] == list(PANELS["rl"][1])
+    assert all(o["help"] == OPTIONS[o["name"]].help for o in doc["options"])
+    assert [o["name"] for o in tracer.options("scenarios")["scenarios"]["options"]] == list(SCENARIOS)
+    from typer.testing import CliRunner
+
+    out = CliRunner().invoke(app, ["help", "rl"], env={"COLUMNS": "200"}).output
+    assert OPTIONS["train_batching"].help in " ".join(out.split())
+    (code, err), = cli_batch([["help", "nope"]], tmp_path)
+    assert code == 2 and "unknown help topic 'nope'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dtype_help_lists_the_aliases_it_accepts():
+    """`--dtype bf16` was accepted but the help listed bfloat16, float16, float32, float64 only: every
+    name the dtype table accepts is listed, in --help and in the whole text."""
+    from typer.testing import CliRunner
+
+    from tracer.dtypes import ALIASES, FLOATS, canonical
+
+    out = " ".join(CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}, terminal_width=200).output.split())
+    for name in (*FLOATS, *ALIASES):
+        assert canonical(name) in FLOATS  # accepted ...
+        assert name in OPTIONS["dtype"].help and name in out.split("--dtype", 1)[1].split("--", 1)[0]  # ... and listed

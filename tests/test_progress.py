@@ -95,3 +95,27 @@ def test_an_item_that_runs_long_is_not_silent():
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and lines[0].split(" · elapsed")[0] == lines[1].split(" · elapsed")[0]  # the heartbeat
     assert all("running L6-compile" in x for x in lines[:2]) and "running" not in lines[2]
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_the_bar_keeps_elapsed_and_eta_whole_in_a_narrow_terminal(monkeypatch, width):
+    """At 80 columns the audit bar cut its elapsed time and ETA to ``0:03…`` and ``-:--…`` to make room
+    for the check's description: now the description is the one shortened, and notes above the bar
+    wrap at words under their first line."""
+    from rich.cells import cell_len
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich takes the stream for a terminal of COLUMNS
+    monkeypatch.setenv("COLUMNS", str(width))
+    out = io.StringIO()
+    note = "L2-prefix-cache: diverges from model.layers.0.self_attn.kv_cache, 0 argmax flip(s) (cache miss vs hit)"
+    with ItemProgress("audit", 21, mode="bar", stream=out) as bar:
+        bar.update(description="L2-generate-cache (18 forward passes, 1,004 tokens, greedy generation)")
+        bar.note(note)
+        bar.advance(note)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    lines = [x for x in re.split(r"[\r\n]", text) if x.strip()]
+    assert max(cell_len(x) for x in lines) <= width
+    last = [x for x in lines if x.startswith("audit ")][-1]
+    assert re.search(r" 1/21 \d+:\d\d:\d\d ETA (\d+:\d\d:\d\d|-:--:--) ", last), last
+    words = " ".join(x.strip() for x in lines if not x.startswith("audit "))
+    assert note in words  # the note whole, its words in order

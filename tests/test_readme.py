@@ -120,6 +120,17 @@ def test_python_block_pastes_into_python(start, lines, tmp_path, cli_env):
     assert proc.returncode == 0, f"README.md:{start}\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.parametrize("start, lines", [(n, lines) for lang, n, lines in blocks() if lang == "python"])
+def test_python_block_prints_as_a_script(start, lines):
+    """Run as a script, the block printed nothing: its results were bare expressions, which only an
+    interactive interpreter echoes. Every top-level expression is now a call (print, render, ...)."""
+    import ast
+
+    bare = [node.lineno for node in ast.parse("\n".join(lines)).body
+            if isinstance(node, ast.Expr) and not isinstance(node.value, ast.Call)]
+    assert not bare, f"README.md:{start}: lines {[start + n for n in bare]} show a value only in an interpreter"
+
+
 def _cli_flags() -> dict[str, set[str]]:
     from tracer.cli import app
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from tracer.api import (audit, bench, capture, compare, compare_trace, import_dump, load_model, models, plot, plot_file,
-                        read_sweep, read_trace, render, report_file, run, sweep, to_pandas, trace_info,
+from tracer.api import (audit, bench, capture, compare, compare_trace, import_dump, load_model, models, options, plot,
+                        plot_file, read_sweep, read_trace, render, report_file, run, sweep, to_pandas, trace_info,
                         write_megatron_dump, write_sglang_dump)
 from tracer.errors import TracerError
 
@@ -61,5 +61,5 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["run", "load_model", "capture", "compare", "compare_trace", "read_trace", "audit", "sweep", "read_sweep",
-           "plot", "plot_file", "report_file", "trace_info", "models", "bench", "render", "to_pandas", "import_dump",
+           "plot", "plot_file", "report_file", "trace_info", "models", "options", "bench", "render", "to_pandas", "import_dump",
            "write_sglang_dump", "write_megatron_dump", "TracerError", "__version__", *RECORD_TYPES]

@@ -365,6 +365,41 @@ def models() -> list[dict[str, str]]:
     return list_models()
 
 
+def options(topic: str | None = None) -> dict[str, dict[str, Any]]:
+    """The run options by topic, as ``tracer run --help`` lists them in panels, each with its whole
+    help text (``tracer help [TOPIC]``).
+
+    Args:
+        topic: one of the topics (run, output, scenario, checks, capture, storage, model, engines,
+            rl, tp) or ``scenarios`` (every scenario and what its two runs compute); default: all.
+
+    Returns:
+        ``{topic: {"title", "options": [{"name", "flags", "brief", "help"}]}}``; the ``scenarios``
+        topic's options are the scenarios (``name``, ``flags`` empty, ``help`` its description).
+
+    Raises:
+        TracerError: an unknown topic (the message lists them).
+    """
+    from tracer.config import PANELS, scenario_docs
+
+    out: dict[str, dict[str, Any]] = {}
+    for key, (title, names) in PANELS.items():
+        out[key] = {"title": title, "options": [
+            {"name": n, "flags": list(OPTIONS[n].flags), "brief": OPTIONS[n].brief, "help": OPTIONS[n].help}
+            for n in names]}
+    out["scenarios"] = {"title": "Scenarios (--scenario NAME)", "options": [
+        {"name": n, "flags": [], "brief": brief, "help": text} for n, brief, text in scenario_docs()]}
+    if topic is None:
+        return out
+    if topic not in out:
+        import difflib
+
+        close = difflib.get_close_matches(topic, list(out), n=1)
+        raise TracerError(f"unknown help topic {topic!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                          + f"; topics: {', '.join(out)}")
+    return {topic: out[topic]}
+
+
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
           engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,

@@ -17,13 +17,14 @@ import inspect
 import os
 import re
 import sys
+import typing
 from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.markup import escape
 
 from tracer import api
-from tracer.config import OPTIONS, cli_type
+from tracer.config import OPTIONS, PANELS, cli_type
 from tracer.errors import EXIT_ERROR, EXIT_INTERNAL, TracerError
 
 app = typer.Typer(
@@ -41,19 +42,16 @@ app = typer.Typer(
 #: how a command prints or saves its result (the API returns the result instead): name -> (type,
 #: default, flags, help); ``no_store`` is the command line's spelling of ``--store none``
 RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
-    "fmt": (str, "table", ("--format", "-f"), "output: table, json, csv, markdown."),
-    "wide": (bool, False, ("--wide",), "table: every metric column (ULP line distance, cosine, SQNR, 1‰/5‰ "
-                                       "shares, NaN/Inf, ...)."),
-    "columns": (str, None, ("--columns",), "table: comma-separated column names, e.g. diff,max_abs,ulp,sqnr "
-                                           "(an unknown name lists them all)."),
-    "all_rows": (bool, False, ("--all-rows",), "table: every capture point (default: the headline and the rows "
-                                               "that matter, sized to the terminal)."),
-    "report": (str, None, ("--report",), "also write a single-file HTML report (summary, tables, figures; no "
-                                         "network needed to view it) to this .html file."),
-    "plot": (str, None, ("--plot",), "also write the divergence map to this .png/.svg/.pdf."),
-    "as_json": (bool, False, ("--json",), "print the result as JSON."),
-    "no_store": (bool, False, ("--no-store",), "compare in memory; write no file (same as --store none)."),
-    "overwrite_report": (bool, False, ("--overwrite",), "replace an existing --report file."),
+    "fmt": (str, "table", ("--format", "-f"), "table (default), json, csv, markdown"),
+    "wide": (bool, False, ("--wide",), "table: every metric column (cosine, SQNR, ...)"),
+    "columns": (str, None, ("--columns",), "table: these columns, e.g. diff,max_abs,ulp,sqnr"),
+    "all_rows": (bool, False, ("--all-rows",), "table: every capture point, not the rows that matter"),
+    "report": (str, None, ("--report",), "also write a single-file HTML report (.html)"),
+    "plot": (str, None, ("--plot",), "also write the divergence map (.png/.svg/.pdf)"),
+    "as_json": (bool, False, ("--json",), "print the result as JSON"),
+    "show_fmt": (str, "table", ("--format", "-f"), "table (key/value lines, default) or json"),
+    "no_store": (bool, False, ("--no-store",), "write no file (same as --store none)"),
+    "overwrite_report": (bool, False, ("--overwrite",), "replace an existing --report file"),
 }
 #: command-line spellings other than ``--name`` of the API functions' own parameters
 FLAGS = {"engine_map": ("--map",), "run_name": ("--run",), "reference": ("--reference", "-r"),
@@ -121,11 +119,30 @@ def _hint(fn: Callable[..., Any], annotation: Any) -> Any:
         return str
 
 
-def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+#: the panel of the command line's own options (:data:`RENDER`) in ``--help``
+OUTPUT_PANEL = PANELS["output"][0]
+
+
+def _panel_rank(title: str, name: str) -> tuple[int, int]:
+    """Where option ``name`` of panel ``title`` comes in ``--help``: a command's own panel first (its
+    name: ``Sweep``), then :data:`tracer.config.PANELS` in order, each in its declared order."""
+    titles = [t for t, _ in PANELS.values()]
+    if title not in titles:
+        return 0, 0
+    keys = next(k for t, k in PANELS.values() if t == title)
+    return titles.index(title) + 1, keys.index(name) if name in keys else len(keys)
+
+
+def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = (), command: str = "") -> list[inspect.Parameter]:
     """The command-line parameters of API function ``fn`` (and of the ``render`` options), as typer
-    reads them: ``Annotated[type, typer.Option(flags, help=...)]`` with the API's default."""
+    reads them: ``Annotated[type, typer.Option(flags, help=..., rich_help_panel=...)]`` with the API's
+    default. A run option has its one-line ``brief`` and its ``panel`` (:data:`tracer.config.OPTIONS`),
+    a render option the panel ``Output``, an option of ``fn``'s own (documented in its docstring) the
+    panel named after the ``command`` (``Sweep``); the parameters come panel by panel, so the panels
+    print in that order."""
     doc = _doc_args(fn)
     hints = {p.name: _hint(fn, p.annotation) for p in inspect.signature(fn).parameters.values()}
+    own = command.capitalize()
     out = []
     for p in inspect.signature(fn).parameters.values():
         if p.name in IN_PROCESS or p.kind == p.VAR_KEYWORD:
@@ -134,22 +151,27 @@ def cli_parameters(fn: Callable[..., Any], render: tuple[str, ...] = ()) -> list
         kind = opt.type if opt is not None else cli_type(hints.get(p.name, str))
         parse = {"callback": _int_list} if kind is tuple else {}
         kind = str if kind is tuple else kind
-        help_ = opt.help + "." if opt is not None and (p.name not in doc or p.name == "model") else doc.get(p.name, "")
+        ours = opt is not None and (p.name not in doc or p.name == "model")  # OPTIONS' words, else the docstring's
+        help_ = opt.brief if ours else doc.get(p.name, "")
         help_ = escape(help_)  # rich markup is on for the help: an install hint's '.[extra]' must not read as a style tag
+        panel = opt.panel if opt is not None else own
         default = ... if p.default is p.empty else p.default
         if p.name == "store":
             default = None  # the command writes a trace by default (store auto), a library call only when asked
         if p.kind == p.POSITIONAL_OR_KEYWORD and p.name not in FLAGS:
             info = typer.Argument(help=help_, metavar=METAVARS.get(p.name, p.name.upper()))
         else:
-            info = typer.Option(*_flags(p.name, kind, default), help=help_, **parse)
+            info = typer.Option(*_flags(p.name, kind, default), help=help_, rich_help_panel=panel,
+                                show_default=not ours, metavar="" if kind is bool else None, **parse)
         annotation = Annotated[kind if default is ... else Optional[kind], info]
         out.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
     for name in render:
         kind, default, flags, help_ = RENDER[name]
         out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                     annotation=Annotated[Optional[kind], typer.Option(*flags, help=escape(help_))]))
-    return out
+                                     annotation=Annotated[Optional[kind], typer.Option(
+                                         *flags, help=escape(help_), rich_help_panel=OUTPUT_PANEL, show_default=False,
+                                         metavar="" if kind is bool else None)]))
+    return sorted(out, key=lambda q: _panel_rank(typing.get_args(q.annotation)[1].rich_help_panel or own, q.name))
 
 
 def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = (),
@@ -176,7 +198,7 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = (),
             if code:
                 raise typer.Exit(code)
 
-        callback.__signature__ = inspect.Signature(cli_parameters(fn, render))  # type: ignore[attr-defined]
+        callback.__signature__ = inspect.Signature(cli_parameters(fn, render, name))  # type: ignore[attr-defined]
         # one paragraph per blank line: the command list of 'tracer --help' keeps a docstring's line breaks
         callback.__doc__ = escape(re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or "")))
         callback.__name__ = body.__name__
@@ -212,7 +234,9 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
     if (note := prompt_file_note(opts.get("prompt"))) is not None:  # before the run too, not only under the table
-        err.print(f"note: {note}", highlight=False, markup=False)
+        from tracer.report.console import print_fitted
+
+        print_fitted(err, note, len("note: "), label="note:")
     # a spinner in a terminal; piped, a line for every phase still running after DELAY_S seconds
     with StatusProgress("run", mode="auto", delay_s=DELAY_S) as status:
         result = api.run(progress=err.is_terminal, status=status, **opts)
@@ -271,15 +295,16 @@ def import_cmd(opts: dict[str, Any]) -> None:
     print_import(mapped, opts["output"], opts["run_name"])
 
 
-@_command("show", api.trace_info, ("as_json",), inputs=("path",))
-def show_cmd(opts: dict[str, Any], as_json: bool) -> None:
+@_command("show", api.trace_info, ("show_fmt", "as_json"), inputs=("path",))
+def show_cmd(opts: dict[str, Any], show_fmt: str, as_json: bool) -> None:
     """Print a trace's header (the numeric contract) and its runs."""
     from tracer.progress import phase
-    from tracer.report.show import print_trace_info
+    from tracer.report.show import check_show_format, print_trace_info
 
+    fmt = "json" if as_json else check_show_format(show_fmt)
     with phase("show", f"reading {opts['path']}"):
         info = api.trace_info(**opts)
-    print_trace_info(info, opts["path"], as_json)
+    print_trace_info(info, opts["path"], fmt)
 
 
 @_command("sweep", api.sweep, ("fmt", "plot", "report", "no_store"))
@@ -324,6 +349,15 @@ def models_cmd(opts: dict[str, Any]) -> None:
     print_models(api.models())
 
 
+@_command("help", api.options)
+def help_cmd(opts: dict[str, Any]) -> None:
+    """Explain one topic's options in full (tracer help scenarios, tracer help rl, ...) or list the topics:
+    'tracer run --help' gives each option one line."""
+    from tracer.report.terminal import print_options_help
+
+    print_options_help(api.options(**opts), opts["topic"])
+
+
 @_command("bench", api.bench, ("as_json",))
 def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
@@ -336,6 +370,23 @@ def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
     with StatusProgress("bench", mode="auto") as status:
         result = api.bench(progress=status, **opts)
     print_bench(result, as_json)
+
+
+def close_options(given: str, options: list[str], cutoff: float = 0.6) -> list[str]:
+    """The options of ``options`` that ``given`` (an unknown ``--flag``) is plausibly a misspelling of,
+    closest first (at most 3): compared without the dashes (``--frobnicate`` is not close to
+    ``--format``: click's own guess compares the dashes too), or ``given`` the start of one."""
+    import difflib
+
+    def bare(flag: str) -> str:
+        return flag.lstrip("-").split("=")[0]
+
+    word = bare(given)
+    longs = sorted({o for o in options if o.startswith("--")})
+    scored = [(difflib.SequenceMatcher(None, word, bare(o)).ratio(), o) for o in longs]
+    scored = [(1.0 if word and bare(o).startswith(word) and len(word) >= 3 else r, o) for r, o in scored]
+    good = sorted((t for t in scored if t[0] >= cutoff), key=lambda t: (-t[0], t[1]))
+    return [o for r, o in good if r >= good[0][0] - 0.1][:3] if good else []
 
 
 def main() -> None:
@@ -369,6 +420,9 @@ def main() -> None:
             # a positional argument given as an option: say so instead of guessing options
             message = (f"No such option: {e.option_name}; {e.option_name.lstrip('-').upper()} is positional: "
                        f"{where} {' '.join(positional)} ...")
+        elif isinstance(e, click_errors.NoSuchOption) and e.ctx is not None:
+            close = close_options(e.option_name, [o for p in e.ctx.command.params for o in (*p.opts, *p.secondary_opts)])
+            message = f"No such option: {e.option_name}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
         print_error(f"{message} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
     except typer.Abort:  # click turns KeyboardInterrupt (and so Terminated) into Abort

@@ -26,6 +26,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
+from tracer.dtypes import ALIASES, FLOATS
 from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable
 from tracer.errors import TracerError
 from tracer.plan.hierarchy import ALIGNED_SOURCE
@@ -250,21 +251,24 @@ _GROUPS: dict[str, Callable[..., Any]] = {"model": ModelConfig, "prompt": Prompt
 @dataclass(frozen=True)
 class Option:
     """One flat option: the group and field it fills (one of :class:`RunConfig`'s six, or
-    ``scenario_options``), its help line (``--help`` of the ``tracer`` command, the API's
-    docstrings), and its command-line facets, derived from the field's annotation: the value's type
-    there (``str``, ``int``, ``float``, ``bool``, ``tuple``: integers as ``16,64``) and its flags."""
+    ``scenario_options``), its help (the whole text: the API's docstrings and ``tracer help TOPIC``),
+    its one-line ``brief`` and the ``panel`` it is listed in (``tracer run --help``: :data:`PANELS`),
+    and its command-line facets, derived from the field's annotation: the value's type there
+    (``str``, ``int``, ``float``, ``bool``, ``tuple``: integers as ``16,64``) and its flags."""
 
     group: str
     field: str
     help: str
     type: type = str
     flags: tuple[str, ...] = ()
+    brief: str = ""
+    panel: str = ""
 
 
 _HELP = {
     "model": "built-in model (see 'tracer models'), a GGUF file (path/to/model.gguf), HF model id in the local cache, "
              "or local directory",
-    "dtype": "model dtype: bfloat16, float16, float32, float64",
+    "dtype": f"model dtype: {', '.join(FLOATS)} (also {', '.join(ALIASES)})",
     "device": "where the model runs: cpu, cuda, cuda:N (default: cuda if available, else cpu)",
     "attn": "attention implementation: sdpa or eager",
     "gguf": "GGUF file for a GGUF recipe (smollm2-135m, gemma3-270m; default: the recipe's package copy, or "
@@ -347,6 +351,89 @@ _HELP = {
 }
 
 
+#: the panels of ``tracer run --help``, in print order, each with the options it lists (every option is in
+#: one; the long help of a panel's options: ``tracer help TOPIC``, TOPIC its key here)
+PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "run": ("What to run", ("model", "scenario", "prompt", "prompt_file", "length", "dtype", "device", "granularity",
+                            "positions")),
+    "output": ("Output", ("output", "overwrite")),  # and the command line's own: --format, --report, ... (tracer.cli.RENDER)
+    "scenario": ("Scenario options", ("block_size", "split_at", "mitigation", "batch_size", "padding", "batch_row",
+                                      "new_tokens", "block_sizes", "chunk_size", "kv_format", "attn_a", "attn_b",
+                                      "devices")),
+    "checks": ("Checks", ("decode", "verdict", "op_replay", "fail_on", "atol", "rtol")),
+    "capture": ("Capture", ("kv_cache", "kernels", "cuda_graphs")),
+    "storage": ("Storage", ("store", "max_trace_size", "compression")),
+    "model": ("Model loading", ("attn", "gguf", "device_map", "max_memory", "chat", "token_ids", "token_ids_file")),
+    "engines": ("Engines", ("engine", "engines")),
+    "rl": ("RL: rollout-vs-train", ("rollouts", "sample", "temperature", "seed", "train_batching", "train_attn",
+                                    "lm_head_fp32", "train_dtype", "is_cap", "mask_threshold", "mitigations")),
+    "tp": ("Tensor parallel", ("tp", "reduce", "reduce_dtype", "tp_mode", "tp_partials", "tp_vocab_parallel")),
+}
+
+#: one line of ``--help`` for options whose whole help (:data:`_HELP`) is longer than one
+_BRIEF = {
+    "model": "recipe (tracer models), .gguf file, HF id or folder",
+    "dtype": ", ".join(f"{name} ({', '.join(a for a, n in ALIASES.items() if n == name)})" if name in ALIASES.values()
+                      else name for name in FLOATS),
+    "device": "cpu, cuda, cuda:N (default: cuda if there)",
+    "gguf": "GGUF file for a GGUF recipe",
+    "device_map": "auto, balanced, sequential or JSON (accelerate)",
+    "max_memory": "per-device budget, e.g. 0=20GiB,cpu=64GiB",
+    "prompt": "prompt text (default: a built-in prompt)",
+    "token_ids": "the prompt as token ids, e.g. 1,2,3",
+    "token_ids_file": "JSON array of token ids",
+    "length": "use exactly N tokens (truncate or repeat)",
+    "scenario": "which two runs: prefix-cache (default), batch, ... (tracer help scenarios)",
+    "block_size": "KV cache block size (default 16)",
+    "split_at": "cached prefix length P, overriding --block-size",
+    "mitigation": "aligned or deterministic",
+    "engine": f"who runs both: {' or '.join(selectable())} (default {REFERENCE}; tracer help engines)",
+    "engines": f"engine: run A's and B's, e.g. {','.join(selectable()[:2])}",
+    "granularity": "layers (default) or sublayers (every op)",
+    "positions": "window (default: P..N-1) or all",
+    "kv_cache": "capture each layer's KV cache (default on)",
+    "kernels": "record the kernels each point ran",
+    "cuda_graphs": "run both plans as CUDA-graph replays",
+    "op_replay": "replay each origin op in float64 (ULPs)",
+    "store": "auto (default), tensors, stats or none",
+    "max_trace_size": "--store auto's budget, e.g. 300MB (default 256MiB)",
+    "output": "trace file (default: a new file in traces/)",
+    "compression": "none (default), lzf or gzip",
+    "atol": "absolute tolerance (with --fail-on tolerance)",
+    "rtol": "relative tolerance (see --atol)",
+    "fail_on": "exit 1 on: any, flip or tolerance",
+    "decode": "greedy-decode T tokens from each run",
+    "verdict": "re-run at float32/64: rounding noise or defect?",
+    "batch_size": "batch: rows in the batch (default 4)",
+    "padding": "batch: none, left or right",
+    "batch_row": "batch, RL: the traced prompt's row",
+    "new_tokens": "generate-cache (8), rollout-vs-train (16): tokens",
+    "block_sizes": "block-size: two KV block sizes (default 16,64)",
+    "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
+    "tp": "shards of the row-parallel layers (default 2)",
+    "reduce": "all-reduce order: ring (default) or tree",
+    "reduce_dtype": "add partials in the activation dtype or float32",
+    "kv_format": "kv-quant: fp8-e4m3 (default), mxfp8, nvfp4",
+    "attn_a": "attention: run A's implementation (default eager)",
+    "attn_b": "attention: run B's implementation (default sdpa)",
+    "devices": "device/disaggregated: X,Y (default cpu,cuda)",
+    "tp_mode": "simulated (default) or distributed",
+    "tp_partials": "distributed: store every rank's partials",
+    "tp_vocab_parallel": "distributed: shard embedding and LM head",
+    "rollouts": "K sequences per RL step (default 4)",
+    "sample": "sample the response instead of greedy",
+    "temperature": "with --sample: temperature (default 1)",
+    "seed": "with --sample: seed (default 0)",
+    "train_batching": "trainer layout: padded (default) or packed",
+    "train_attn": "trainer attention: eager, sdpa, flash_attention_2",
+    "lm_head_fp32": "trainer LM head in float32",
+    "train_dtype": "trainer dtype: float32 or float64",
+    "is_cap": "TIS cap C (default 2)",
+    "mask_threshold": "MIS/IcePop threshold b (default 2)",
+    "mitigations": "re-run with each knob changed; |Δlogp| each leaves",
+}
+
+
 #: short flags of the run options (``-n 64``)
 _SHORT = {"prompt": "-p", "length": "-n", "scenario": "-s", "block_size": "-b", "output": "-o"}
 #: options whose command-line flag pairs with an off switch (they default to on)
@@ -378,15 +465,37 @@ def _declare() -> dict[str, Option]:
             if f.name == "options":
                 continue
             key = renames.get((group, f.name), f.name)
-            out[key] = Option(group, f.name, _HELP[key], cli_type(hints[f.name]), _flags(key))
+            out[key] = Option(group, f.name, _HELP[key], cli_type(hints[f.name]), _flags(key), _brief(key), _panel(key))
     types = {p.name: p.annotation for fn in SCENARIOS.values()
              for p in inspect.signature(fn, eval_str=True).parameters.values()}
     for key in scenario_option_names():
-        out[key] = Option("scenario_options", key, _HELP[key], cli_type(types[key]), _flags(key))
+        out[key] = Option("scenario_options", key, _HELP[key], cli_type(types[key]), _flags(key), _brief(key), _panel(key))
     return out
 
 
+def _brief(key: str) -> str:
+    return _BRIEF.get(key, _HELP[key])
+
+
+def _panel(key: str) -> str:
+    """The title of the panel that lists option ``key`` (:data:`PANELS`); a new option must be given one."""
+    title = next((t for t, keys in PANELS.values() if key in keys), None)
+    if title is None:
+        raise AssertionError(f"option {key!r} is in no panel of tracer.config.PANELS")
+    return title
+
+
 OPTIONS: dict[str, Option] = _declare()
+
+def scenario_docs() -> list[tuple[str, str, str]]:
+    """Every scenario of :data:`SCENARIOS` as ``(name, note, description)``: the few words of
+    ``--scenario``'s help and the first paragraph of its docstring (``tracer help scenarios``)."""
+    out = []
+    for name, fn in SCENARIOS.items():
+        doc = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+        out.append((name, _SCENARIO_NOTES.get(name, ""), doc.replace("``", "")))
+    return out
+
 
 _MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
 _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "length")
@@ -407,5 +516,5 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-__all__ = ["COMMAND_OPTIONS", "RunConfig", "ModelConfig", "PromptConfig", "ScenarioConfig", "CaptureConfig", "StoreConfig",
+__all__ = ["COMMAND_OPTIONS", "PANELS", "scenario_docs", "RunConfig", "ModelConfig", "PromptConfig", "ScenarioConfig", "CaptureConfig", "StoreConfig",
            "ChecksConfig", "OPTIONS", "Option", "check_applicable", "applicable_options", "replace"]

@@ -1,7 +1,8 @@
 """Progress of long commands on stderr, in a terminal and without one: nothing silent for long.
 
 - :class:`ItemProgress`: a known number of items (sweep points, audit checks): in a terminal a
-  rich bar with the count, elapsed time and ETA; otherwise one log line per item (and one at least
+  rich bar with the count, elapsed time and ETA (kept whole at any width; the item's description
+  shortened instead); otherwise one log line per item (and one at least
   every :data:`LOG_INTERVAL_S` seconds while an item runs long), e.g.
   ``sweep: 3/10 (30%) N=40 b=16 diverges · elapsed 12s · ETA 28s``. Items may carry weights (an
   audit check's cost) so that the ETA weighs what is left; :meth:`ItemProgress.note` prints a
@@ -16,7 +17,8 @@
 - :func:`phase`: one status for one slow call of a command (``compare: reading t.h5``).
 
 Everything writes nothing when ``mode`` is ``off``; ``auto`` follows ``$TRACER_PROGRESS``
-(``bar``, ``lines`` or ``off``) when set. Leaf module: depends on rich (and tqdm, when present) only.
+(``bar``, ``lines`` or ``off``) when set. Leaf module: depends on rich (and tqdm, when present) and
+textwrap only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import os
 import re
 import sys
+import textwrap
 import threading
 import time
 from typing import Any, Callable, Iterator, TextIO
@@ -101,11 +104,16 @@ class ItemProgress:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                                        TimeRemainingColumn)
+            from rich.table import Column
 
-            self.bar = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.description}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                TimeRemainingColumn(), console=Console(file=self.stream or sys.stderr, stderr=self.stream is None),
-                                transient=False)
+            # the count, elapsed time and ETA keep their widths; the item's description takes what is left
+            # and is the one shortened ("…") in a narrow terminal
+            self.bar = Progress(TextColumn(f"[bold]{self.label}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                TextColumn("{task.description}", markup=False,
+                                           table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                                console=Console(file=self.stream or sys.stderr, stderr=self.stream is None),
+                                transient=False, expand=True)
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total, completed=self.done)
         elif self.mode == "lines":  # the heartbeat of an item that runs long (see update)
@@ -143,8 +151,11 @@ class ItemProgress:
 
     def note(self, text: str) -> None:
         """A line that stays: above the bar in a terminal, on its own line otherwise (nothing when off)."""
-        if self.mode == "bar" and self.bar is not None:
-            self.bar.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        if self.mode == "bar" and self.bar is not None:  # fitted to the terminal: broken between words
+            width = max(20, self.bar.console.width - 1)
+            lines = textwrap.wrap(text, width, subsequent_indent=" " * 4, break_long_words=False,
+                                  break_on_hyphens=False) or [""]
+            self.bar.console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
         elif self.mode != "off":
             self._print(text)
 

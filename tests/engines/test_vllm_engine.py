@@ -337,6 +337,9 @@ def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_state
     assert torch.equal(_bits(a.captures["model.layers.5"].tensor), _bits(torch.cat(rows)))  # positions N-1 .. N+T-2
     assert a.meta["engine"]["engine"] == "vllm" and b.meta["engine"]["engine"] == "hf"
     assert r.comparison.rl is not None and len(r.comparison.rl.dlogp[0]) == t
+    # one GEMM M per step, the one vLLM ran: the plan's (requests flattened, no padding) and the report's
+    assert a.meta["gemm_m"] == r.scenario.plan_a.gemm_m() == [len(IDS)] + [1] * (t - 1)
+    assert r.comparison.facts["gemm_m_a"] == a.meta["gemm_m"]
 
 
 def test_capture_of_a_users_own_llm_gives_hf_names(loaded, engine):

@@ -102,6 +102,12 @@ def test_engine_vllm_hands_both_plans_to_vllm_with_their_settings():
     rl = build("rollout-vs-train", N, engine="vllm")
     assert (rl.plan_a.engine, rl.plan_b.engine) == ("vllm", "hf")
     assert (executor_name(rl.plan_a), executor_name(rl.plan_b)) == ("vllm-rollout", "hf-train")
+    # one GEMM M per step: vLLM flattens the K requests of the prefill (no padding), then K per decode step;
+    # the description says no M of its own (it once said M=272 beside a GEMM M of 320, the HF rollout's K × W)
+    spec = rl.plan_a.rl
+    assert rl.plan_a.gemm_m() == [sum(spec.lengths)] + [spec.rollouts] * (spec.new_tokens - 1)
+    assert build("rollout-vs-train", N).plan_a.gemm_m()[0] == spec.rollouts * max(spec.lengths)  # HF: left-padded
+    assert "M=" not in rl.plan_a.description and "M=" not in rl.plan_b.description
     assert build("prefix-cache", N) == build("prefix-cache", N, engine="hf")  # hf: today's plans, unchanged
 
 

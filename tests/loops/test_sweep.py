@@ -180,3 +180,27 @@ def test_keep_tensors(tmp_path, loaded):
                 raw = g[run.name]["data"][e["dtype"]][e["offset"]:e["offset"] + rec.tensor.numel()]
                 assert torch.equal(torch.from_numpy(raw.view(np.int16)), rec.tensor.reshape(-1).view(torch.int16))
     assert not list(tmp_path.glob(".k.point-*"))  # temporary traces removed
+
+
+def test_a_piped_sweep_says_each_point_as_it_starts_and_the_summary_names_the_lengths(capsys):
+    """Piped, a sweep printed nothing while a point ran (3 min 43 s at N = 250): each point now has a
+    line when it starts (and a heartbeat while it runs), then one when it ends. The summary's first
+    divergent points name the lengths they are first at, read back from the rows."""
+    import re
+
+    from tracer.load.models import load_model
+    from tracer.report.sweep_lines import sweep_summary_lines
+
+    lm = load_model("tiny-llama", dtype="float32", device="cpu", progress=False)  # float32 GEMMs diverge here
+    res = sweep("tiny-llama", loaded=lm, lengths="40,65,90", block_sizes=[16], store=False, progress="lines")
+    err = capsys.readouterr().err.splitlines()
+    starts = [i for i, x in enumerate(err) if re.match(r"sweep: \d/3 .*running N=\d+ b=16 ", x)]
+    ends = [i for i, x in enumerate(err) if re.match(r"sweep: \d/3 .*N=\d+ b=16 (diverges|bit-identical) ", x)]
+    assert len(starts) == len(ends) == 3 and all(s < e for s, e in zip(starts, ends)) and ends[0] < starts[1]
+    div = [r for r in res.rows if r.diverged]
+    assert div, "float32 prefix caching diverges on this model at some of these lengths"
+    line = next(x for x in sweep_summary_lines(res) if x.startswith("  first divergent at: "))
+    for r in div:
+        name = res.point_name(r.first_divergent)
+        group = re.search(re.escape(name) + r" \(N=([^)]*)\)", line)
+        assert group and str(r.length) in group.group(1).replace("-", ", ").split(", "), (line, name, r.length)

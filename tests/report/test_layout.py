@@ -247,9 +247,13 @@ def test_kept_columns_fit_80_with_a_narrower_name():
     assert fit.width == 80 == table_width(list(fit.widths))
     assert widths["flips"] >= len("flips") and widths["diff"] >= len("5,293,056 / 15,433,728")
     assert NAME_FLOOR <= widths["point"] < 28
-    # shortened from the left, never to a bare index: "…3.self_attn.kv_cache" could be layer 13 or 23
-    assert shorten_left("model.layers.3.self_attn.kv_cache", 27) == "…ayers.3.self_attn.kv_cache"
-    assert shorten_left("model.layers.12.self_attn.kv_cache", 28) == "…ayers.12.self_attn.kv_cache"
+    # shortened from the left at a dot, never inside a word ("…ayers.3" was) and never to a bare index:
+    # "…3.self_attn.kv_cache" could be layer 13 or 23
+    assert shorten_left("model.layers.3.self_attn.kv_cache", 27) == "…self_attn.kv_cache"
+    assert shorten_left("model.layers.12.self_attn.kv_cache", 28) == "…self_attn.kv_cache"
+    assert shorten_left("model.layers.12.self_attn.kv_cache", 29) == "…layers.12.self_attn.kv_cache"
+    assert shorten_left("model.layers.2.post_attention_layernorm", 30) == "…post_attention_layernorm"
+    assert shorten_left("model.layers.*.self_attn.kv_cache ×30", 28) == "…self_attn.kv_cache ×30"
 
 
 def test_a_table_wider_than_the_terminal_is_printed_whole(planted):

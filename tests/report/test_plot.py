@@ -281,3 +281,24 @@ def test_position_stats_bin_long_windows(monkeypatch):
     diff = (a.double() - b.double()).abs().max(dim=1).values
     want = [float(diff[i:i + 3].max()) for i in range(0, 10, 3)]
     assert r["max_abs_diff"][0] == pytest.approx(want) and r["n_diff"][0] == [1, 0, 2, 0]
+
+
+def test_a_row_white_because_it_differs_before_the_window_is_marked():
+    """The default run's origin, a KV cache born different in the cached-prefix pass, drew as a white
+    (bit-identical-looking) row: its differences lie before the compared positions. The heat map now
+    marks such a row and says why, from the comparison, the runs and the HTML report alike."""
+    a, b, ta, tb = _kv_pair()
+    kv = tb["layers.0.kv_cache"]
+    kv.view(torch.int16)[1, 4] += 2  # layer 0's cache now differs at prefix position 1 only (window: 2..3)
+    before = [n for n in ta if ta[n].shape[0] == 4 and not torch.equal(ta[n][:2], tb[n][:2])
+              and torch.equal(ta[n][2:], tb[n][2:])]
+    assert before == ["layers.0.kv_cache"]  # the planted bits, independently
+    c = compare_records(a, b, scenario="s", model="m")
+    for fig in (tracer.plot(c, "heatmap"), heatmap_figure(position_diffs_records(a, b))):
+        assert fig.tracer_data["before"] == before
+        assert "differs only before position 2" in fig.axes[0].get_title()
+        assert any("differs only before position 2" in t.get_text() for t in fig.axes[0].texts)
+    from tracer.report.html import comparison_figures
+
+    caption = next(cap for fid, cap, _ in comparison_figures(c) if fid == "fig-heatmap")
+    assert "hatched rows (layers.0.kv_cache) are white because their differences lie before" in caption

@@ -173,9 +173,11 @@ def test_sweep_progress_lines_when_stderr_is_not_a_terminal(tmp_path, cli_env):
                            "20,24", "--output", str(tmp_path / "s.h5")], capture_output=True, text=True,
                           env=cli_env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("sweep: ")]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("sweep: ") and " running " not in x]
     assert [re.match(r"sweep: (\d)/2 \(\d+%\) N=(\d+) b=16 (diverges|bit-identical)", x).group(1, 2) for x in lines] \
         == [("1", "20"), ("2", "24")]
+    running = [x for x in proc.stderr.splitlines() if x.startswith("sweep: ") and " running " in x]
+    assert [re.search(r" running N=(\d+) b=16 ", x).group(1) for x in running] == ["20", "24"]  # each point as it starts
 
 
 def test_audit_skip_reasons_name_only_audit_options():

@@ -64,11 +64,9 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     fa, fb = EngineFacts.from_dict(meta_a["engine"]), EngineFacts.from_dict(meta_b["engine"])
     out: dict[str, Any] = {"engine_a": fa.to_dict(), "engine_b": fb.to_dict()}
     same = fa.engine == fb.engine  # versions compare within one engine only
-    diffs = {}
-    for key, label, zero in CONTRACT:
-        va, vb = getattr(fa, key), getattr(fb, key)
-        if va is not None and vb is not None and va != vb and (same or key != "version"):
-            diffs[label] = [_short(va, zero), _short(vb, zero)]
+    shown = {label: (_short(getattr(fa, key), zero), _short(getattr(fb, key), zero)) for key, label, zero in CONTRACT
+             if getattr(fa, key) is not None and getattr(fb, key) is not None and (same or key != "version")}
+    diffs = {label: [va, vb] for label, (va, vb) in shown.items() if va != vb}  # compared as shown: one GEMM per Linear is one
     out["engine_differences"] = diffs
     notes = [f"engine {run}: {_product(f.engine)} {f.version}, attention {f.attention_backend}, "
              f"{f.activation_dtype} activations, logits {f.logits_dtype}, KV cache {f.kv_cache_dtype}"
@@ -76,6 +74,9 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
              + ("" if is_reference(f.engine) else f", compilation mode {f.compilation_mode}, CUDA graphs {f.cudagraph_mode}")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
+    agree = [f"{label} ({va})" for label, (va, vb) in shown.items() if va == vb]
+    if agree:
+        notes.append(f"same in both engines: {'; '.join(agree)}")
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
         line = scheduler_note(run, meta)
         if line is not None:

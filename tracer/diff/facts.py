@@ -36,8 +36,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "n_tokens": len(a.token_ids),
         "plan_a": a.plan.get("description", ""),
         "plan_b": b.plan.get("description", ""),
-        "gemm_m_a": a.plan.get("gemm_m"),
-        "gemm_m_b": b.plan.get("gemm_m"),
+        "gemm_m_a": a.meta.get("gemm_m") or a.plan.get("gemm_m"),  # what the run did (an engine's steps), else its plan
+        "gemm_m_b": b.meta.get("gemm_m") or b.plan.get("gemm_m"),
         "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
         **attention_facts(header.get("numeric_contract") or {}),

@@ -381,6 +381,8 @@ class Comparison(schema.Record):
         flips = len(self.logits.argmax_flips) if self.logits is not None else 0
         n_logits = self.logits.n_positions if self.logits is not None else self.n_positions  # an engine that samples: there
         tail = f", {flips} argmax flip{'s' if flips != 1 else ''} in {n_logits} position{'s' if n_logits != 1 else ''}"
+        if self.rl is not None:  # an RL step: the logits compared are the traced sequence's (its summary counts all K)
+            tail += f" of the traced sequence (row {self.rl.row})"
         if self.contract:  # another quantity on one side: said before anything is called numerics
             odd = {m.name for m in self.contract}
             rest = next((p.name for p in self.points if p.diverged and p.name not in odd), None)

@@ -22,6 +22,8 @@ chosen_by    how a run picks it: ``--engine`` (a plan's ``engine``), or ``--tp-m
 deterministic  None when torch's deterministic algorithms reach its kernels, else why not
 objects      ``(package, attribute)``: a user's engine object ``tracer.capture(obj)`` accepts (its
              class from that package, with that attribute), or None
+flattens     a step's requests laid end to end (no padding: GEMM M is the sum of their tokens), not
+             padded to rows of the longest
 builds_on    the engine whose folder this one's imports (real TP runs the HF engine's forward on
              each rank), or None: no other folder imports an engine's, only the door
 ===========  ==================================================================================
@@ -57,6 +59,7 @@ class EngineRow:
     chosen_by: str = "--engine"
     deterministic: str | None = None
     objects: tuple[str, str] | None = None
+    flattens: bool = False
     builds_on: str | None = None
 
     def __post_init__(self) -> None:
@@ -77,7 +80,7 @@ ENGINES: tuple[EngineRow, ...] = (
               roles=("run", "rollout"),
               deterministic="torch's deterministic algorithms do not reach its kernels, and its batch-invariant mode "
                             "(VLLM_BATCH_INVARIANT=1) replaces matmuls on GPUs only",
-              objects=("vllm", "llm_engine")),
+              objects=("vllm", "llm_engine"), flattens=True),
 )
 
 #: the reference engine's name: what a plan that names no engine runs on

@@ -174,7 +174,9 @@ class TracedPositions(schema.Record):
 
 @dataclass(frozen=True)
 class SchedulerStep(schema.Record):
-    """One forward pass of the engine: its index, tokens (GEMM M), requests, and the traced positions in it."""
+    """One forward pass of the engine: its index, tokens (the forward's rows: every GEMM's M), requests,
+    the traced positions in it, and the requests' scheduled tokens (fewer than ``tokens`` when the
+    engine pads the step, e.g. to a CUDA graph's batch size)."""
 
     schema_sparse = True
 
@@ -182,6 +184,7 @@ class SchedulerStep(schema.Record):
     tokens: schema.Count | None = None
     requests: schema.Count = 1
     traced: tuple[TracedPositions, ...] = ()
+    scheduled: schema.Count | None = None
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
         todo = [pt for pt in plan_points(ns, bs) if pt not in done]
         with ItemProgress("sweep", len(done) + len(todo), done=len(done), mode=progress) as bar:
             for n, b in todo:
+                bar.update(description=f"N={n} b={b}")  # piped: a line now, and every 10 s while the point runs
                 t0 = time.perf_counter()
                 scen = _point_scenario(cfg, n, b if uses_block else None)
                 tmp = sf.path.with_name(f".{sf.path.stem}.point-{os.getpid()}.h5") if keep_tensors and sf else None

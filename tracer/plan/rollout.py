@@ -100,27 +100,29 @@ class RLSpec(schema.Record):
         """The temperature the logprobs are taken at (1 when greedy)."""
         return float(self.temperature) if self.sample else 1.0
 
-    def gemm_m(self) -> list[int]:
-        """GEMM M of every forward pass: the rollout's prefill (K × W) then its T-1 decode steps (K
-        each); the trainer's one pass (K × (W + T) padded, Σ lengths + K × T packed)."""
+    def gemm_m(self, flattened: bool = False) -> list[int]:
+        """GEMM M of every forward pass: the rollout's prefill (K × W padded; Σ lengths ``flattened``, as
+        vLLM schedules requests) then its T-1 decode steps (K each); the trainer's one pass (K × (W + T)
+        padded, Σ lengths + K × T packed)."""
         k, t = self.rollouts, self.new_tokens
         if self.role == "rollout":
-            return [k * self.width] + [k] * (t - 1)
+            return [sum(self.lengths) if flattened else k * self.width] + [k] * (t - 1)
         if self.batching == "packed":
             return [sum(self.lengths) + k * t]
         return [k * (self.width + t)]
 
     def describe(self, attn: str | None = None) -> str:
-        """One line for people (``rollout: 4 prompts ... decode M = 4``)."""
+        """One line for people (``rollout: 4 prompts left-padded to 80 prefilled in one pass, then 15 decode
+        steps ...``); the GEMM M of each pass is :meth:`gemm_m`'s."""
         k, t, w = self.rollouts, self.new_tokens, self.width
         pad = "left-padded to " if len(set(self.lengths)) > 1 else "all of length "
         head = " (fp32 LM head)" if self.lm_head_fp32 else ""
-        if self.role == "rollout":
+        if self.role == "rollout":  # GEMM M per step: the plan line's (gemm_m), said once there
             how = f"sampled at τ={self.temperature:g}, seed {self.seed}" if self.sample else "greedy"
-            return (f"rollout: {k} prompt{'s' if k != 1 else ''} {pad}{w} (prefill M={k * w}), then {t - 1} decode "
-                    f"steps from the KV cache (M={k}), {how}{head}")
+            return (f"rollout: {k} prompt{'s' if k != 1 else ''} {pad}{w} prefilled in one pass, then {t - 1} decode "
+                    f"steps from the KV cache, {how}{head}")
         layout = (f"packed into one row of {sum(self.lengths) + k * t} tokens, position ids restarting per sequence"
-                  if self.batching == "packed" else f"right-padded to {w + t} (M={k * (w + t)})")
+                  if self.batching == "packed" else f"right-padded to {w + t}")
         extra = "".join(f", {x}" for x in (f"attention {attn}" if attn else "", self.dtype or "") if x)
         return (f"trainer: one teacher-forced forward over prompt + response of the {k} sequence"
                 f"{'s' if k != 1 else ''}, {layout}{extra}{head}")

@@ -1,22 +1,113 @@
-"""Where a report prints: the console of the terminal, or of a file at a sane width."""
+"""Where a report prints, and how a line of it fits the terminal.
+
+- :func:`stdout_console`: the console of the terminal, or of a file at a sane width.
+- :func:`fit`: one line of text fitted to a terminal's width: broken between words, every further
+  line indented under the first (a hanging indent), styles kept; piped, the line as given (one fact
+  per line for grep). :func:`print_fitted` prints it.
+- :func:`print_whole`: a table fitted to a width, printed whole even where the console is narrower.
+"""
 
 from __future__ import annotations
 
 import sys
 
+from rich.cells import cell_len
 from rich.console import Console, RenderableType
+from rich.text import Text
 
 from tracer.report.layout import piped_width
 
+#: the indent of a line's continuation when nothing else says (under the first word)
+INDENT = 2
+
 
 def stdout_console(explicit_columns: bool = False) -> Console:
-    """The console reports print to: styled at the terminal's width in a terminal; piped, plain text
+    """The console reports print to: styled at the terminal's width in a terminal (as rich detects
+    one: a TTY, or ``TTY_COMPATIBLE=1`` / ``FORCE_COLOR``); piped, plain text
     :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 120), or wide enough for every
     column when the columns were asked for explicitly (``--wide``, ``--columns``): nothing asked for
     is left out of a file."""
-    if sys.stdout.isatty():
-        return Console()
+    console = Console()
+    if console.is_terminal:
+        return console
     return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
+
+
+def _breaks(text: str, first: int, rest: int) -> list[tuple[int, int]]:
+    """``(start, end)`` offsets of each line of ``text`` broken between words: the first line at most
+    ``first`` cells, the others ``rest``. A word longer than a line is folded (the one case that
+    cuts inside a word: there is no other way to show it whole in that width)."""
+    spans: list[tuple[int, int]] = []
+    start, n = 0, len(text)
+    room = first
+    while start < n:
+        while start < n and text[start] == " " and spans:  # a continuation starts at a word
+            start += 1
+        end, last_space, width = start, -1, 0
+        while end < n:
+            w = cell_len(text[end])
+            if width + w > room:
+                break
+            if text[end] == " ":
+                last_space = end
+            width += w
+            end += 1
+        if end < n and last_space > start:
+            end = last_space
+        elif end < n and end == start:  # not one cell of room: take a character anyway
+            end += 1
+        stop = end
+        while stop > start and text[stop - 1] == " ":
+            stop -= 1
+        spans.append((start, stop))
+        start, room = end, rest
+    return spans or [(0, 0)]
+
+
+def fit(text: str | Text, console: Console, indent: int = INDENT, *, label: str | Text | None = None,
+        width: int | None = None) -> Text:
+    """``label`` then ``text``, fitted to ``width`` cells (default: the console's width) when the
+    console is a terminal: broken between words, every further line indented ``indent`` cells (with a
+    label: under the text, the label padded to ``indent``). Piped, one line as given. Styles of a
+    :class:`~rich.text.Text` are kept. A line feed in ``text`` starts a new line (under the text
+    after a label, else at the left edge).
+
+    Args:
+        text: the line (plain text is not parsed as markup).
+        console: decides terminal or not, and the width.
+        indent: cells before each continuation line (at least 1).
+        label: printed first (``verdict:``); the text starts ``indent`` cells in.
+        width: the cells available (default ``console.width``).
+    """
+    body = text if isinstance(text, Text) else Text(text)
+    head = Text() if label is None else (label.copy() if isinstance(label, Text) else Text.assemble((label, "bold")))
+    if label is not None:  # padded to the indent, and at least one space after it
+        head.append(" " * max(0 if head.plain.endswith(" ") else 1, indent - cell_len(head.plain)))
+    room = console.width if width is None else width
+    if not console.is_terminal:
+        return Text.assemble(head, body)
+    lead = cell_len(head.plain) if label is not None else 0  # a new line ("\n") starts here, continuations at indent
+    out = head.copy()
+    for n, part in enumerate(body.split("\n", allow_blank=True)):
+        first, rest = room - lead, room - indent
+        cont = indent
+        if rest < 16:  # no room worth indenting into: continue at the edge
+            rest, cont = room, 0
+        for i, (a, b) in enumerate(_breaks(part.plain, max(1, first), max(1, rest))):
+            if i or n:
+                out.append("\n" + " " * (cont if i else lead))
+            out.append_text(part[a:b])
+    return out
+
+
+def print_fitted(console: Console, text: str | Text, indent: int = INDENT, *, label: str | Text | None = None,
+                 style: str | None = None) -> None:
+    """Print :func:`fit` of ``text`` (styled ``style``) to ``console``: never wider than a terminal,
+    never wrapped by the terminal itself (so continuation lines keep their indent)."""
+    body = text.copy() if isinstance(text, Text) else Text(text)
+    if style:
+        body.stylize(style)
+    console.print(fit(body, console, indent, label=label), soft_wrap=True, highlight=False)
 
 
 def print_whole(console: Console, renderable: RenderableType, width: int) -> None:

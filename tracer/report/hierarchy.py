@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 from tracer.plan.hierarchy import SEED_STATUS, invariant
-from tracer.report.console import print_whole
+from tracer.report.console import print_fitted, print_whole
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
-from tracer.report.layout import fit_columns
+from tracer.report.layout import fit_columns, shorten_left
 from tracer.report.tables import _num
 from tracer.store.trace import json_safe
 
@@ -50,6 +50,8 @@ def _summary(a: Any) -> str:
 #: the audit table's columns that stay at every width, and the order the others give way in
 AUDIT_KEEP = ("level", "check", "holds", "logit", "flips", "first")
 AUDIT_DROP = ("seed", "invariant", "mitigations", "last")
+#: kept columns that give way in a terminal too narrow for them (the "diverges:" lines above say the flips)
+AUDIT_SPARE = ("logit", "flips")
 #: text columns that wrap (the others hold numbers or one word and never do)
 AUDIT_TEXT = ("check", "invariant", "first", "mitigations", "seed")
 
@@ -57,42 +59,46 @@ AUDIT_TEXT = ("check", "invariant", "first", "mitigations", "seed")
 def print_audit(a: Any, console: Any = None) -> None:
     """The summary first (counts, then one line per diverging check), the hierarchy table fitted to
     the console's width (:func:`tracer.report.layout.fit_columns`: the seed's status and the
-    invariant give way first, named under the table; numbers never cut), the summary line again
-    and the trace path."""
+    invariant give way first, named under the table, then in a narrow terminal the logit and flips
+    columns; numbers never cut; a point's name shortened at a dot), the summary line again and the
+    trace path; every line fitted to a terminal (:func:`tracer.report.console.print_fitted`)."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     console = console or Console()
-    console.print(f"verdict: {_summary(a)}", style="bold green" if not a.counts()["failed"] else "bold red",
-                  highlight=False)
+    print_fitted(console, _summary(a), len("verdict: "), label="verdict:",
+                 style="bold green" if not a.counts()["failed"] else "bold red")
     for r in a.rows:  # summary first: what diverges, from where
         if r.status == "failed":
-            console.print(f"diverges: L{r.check.level} {r.check.label}: from {r.first_divergent}, "
-                          f"{r.argmax_flips} argmax flip(s)", highlight=False, soft_wrap=True)
+            print_fitted(console, f"L{r.check.level} {r.check.label}: from {r.first_divergent}, "
+                                  f"{r.argmax_flips} argmax flip(s)", len("diverges: "), label="diverges:")
     console.print()
     rows = [_fmt_row(r) for r in a.rows]
     heads = dict(_COLUMNS)
+    width = console.width if console.is_terminal else 1 << 30
     fit = fit_columns(tuple(k for k, _ in _COLUMNS), heads, {k: [c[k] for c in rows] for k in heads}, console.width,
-                      name_key="", keep=AUDIT_KEEP, drop_order=AUDIT_DROP, flexible=AUDIT_TEXT)
-    console.print(Text(_title(a)), soft_wrap=True)
+                      name_key="first", keep=AUDIT_KEEP, drop_order=AUDIT_DROP, flexible=AUDIT_TEXT,
+                      spare=AUDIT_SPARE if width < 1 << 30 else ())
+    print_fitted(console, Text(_title(a)))
     t = Table(header_style="bold", show_lines=False)
-    for key, w in zip(fit.columns, fit.widths):
-        t.add_column(heads[key], width=w, overflow="fold")
+    wid = dict(zip(fit.columns, fit.widths))
+    for key in fit.columns:
+        t.add_column(heads[key], width=wid[key], overflow="fold")
     for r, cells in zip(a.rows, rows):
         style = {"passed": "green", "failed": "red", "skipped": "dim"}[r.status]
-        t.add_row(*(cells[k] for k in fit.columns), style=style)
+        t.add_row(*(shorten_left(cells[k], wid[k]) if k == "first" and " " not in cells[k] else cells[k]
+                    for k in fit.columns), style=style)
     print_whole(console, t, fit.width)  # too narrow even so: wider, never cut
     if fit.dropped:
-        console.print(f"left out to fit {console.width} columns: {', '.join(heads[k] for k in fit.dropped)} "
-                      "(a wider terminal, COLUMNS=200, or --format markdown / json shows them)",
-                      highlight=False, soft_wrap=True)
+        print_fitted(console, f"left out to fit {console.width} columns: {', '.join(heads[k] for k in fit.dropped)} "
+                              "(a wider terminal, COLUMNS=200, or --format markdown / json shows them)")
         if "seed" in fit.dropped:
             for level in sorted({r.check.level for r in a.rows}):
-                console.print(f"  seed's status of level {level}: {SEED_STATUS[level]}", highlight=False, soft_wrap=True)
-    console.print(_summary(a), highlight=False)
+                print_fitted(console, f"  seed's status of level {level}: {SEED_STATUS[level]}", 4)
+    print_fitted(console, _summary(a))
     if a.trace:
-        console.print(f"trace: {a.trace}", style="dim", highlight=False)
+        print_fitted(console, Text(f"trace: {a.trace}", style="dim"), len("trace: "))
 
 
 def audit_html(a: Any) -> str:

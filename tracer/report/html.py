@@ -26,8 +26,8 @@ from tracer.errors import TracerError
 from tracer.report import rl as rl_report
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
-from tracer.report.summary import headline, verdict_line
 from tracer.report.plot import amplification_figure, heatmap_figure, position_diffs_comparison, ulp_figure
+from tracer.report.summary import headline, plan_line, verdict_line
 from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
                                   rows)
 from tracer.store.integrity import write_error_message
@@ -221,8 +221,11 @@ def comparison_figures(c: Comparison) -> list[tuple[str, str, str]]:
                  "hollow green circles: bit-identical", figure_svg(amplification_figure(c)))]
         carried = position_diffs_comparison(c)
         if carried is not None and carried.names:
+            before = (f"; hatched rows ({', '.join(carried.before)}) are white because their differences lie before "
+                      f"the compared positions (positions 0..{carried.positions[0] - 1}, the cached prefix)"
+                      if carried.before else "")
             figs.append(("fig-heatmap", "max |A − B| per capture point (rows) and compared position (columns); "
-                         "white: bit-identical", figure_svg(heatmap_figure(carried))))
+                         f"white: bit-identical{before}", figure_svg(heatmap_figure(carried))))
         figs.append(("fig-ulp", "ULP distance histogram of the first divergent point, the middle and last layer, "
                      "the logits", figure_svg(ulp_figure(c))))
         return figs
@@ -273,8 +276,7 @@ def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figu
                      table_html("points", [COLUMNS[k][0] for k in cols], cells, classes=classes, values=vals,
                                 diff_toggle=True)
                      + "".join(f'<p class="note">{esc(x)}</p>' for x in more)))
-    plans = [f"{_side('A', c.run_a)}: {c.facts.get('plan_a', '')} (GEMM M {c.facts.get('gemm_m_a')})",
-             f"{_side('B', c.run_b)}: {c.facts.get('plan_b', '')} (GEMM M {c.facts.get('gemm_m_b')})"]
+    plans = [f"{_side('A', c.run_a)}: {plan_line(c, 'a')}", f"{_side('B', c.run_b)}: {plan_line(c, 'b')}"]
     sections.append(("numeric contract", "".join(f"<p>{esc(p)}</p>" for p in plans) + contract_html(header, c.facts)
                      + (f'<p class="note">trace: {esc(c.trace)}</p>' if c.trace else "")))
     return page(_title(c), f"verdict: {verdict_line(c)}", c.identical, sections)

@@ -8,7 +8,9 @@ The rules (issue 25, item 1):
 
 - a number is never truncated: a numeric column is at least as wide as its widest cell;
 - columns give way in a fixed order (:data:`DROP_ORDER`; the histogram and the kernels first);
-  the columns of :data:`KEEP` (name, differing / total, max abs diff, ULP, flips) stay;
+  the columns of :data:`KEEP` (name, differing / total, max abs diff, ULP, flips) stay, but for
+  :data:`SPARE` (flips: the logits line under the table counts them) in a terminal too narrow for
+  them all once the name is at its floor (60 columns);
 - headers wrap at spaces before a column is dropped;
 - a name too long for its column is shortened from the left at a dot
   (``…layers.3.self_attn.kv_cache``); a marker (``◀ origin``) is never cut: it moves to a line of
@@ -71,11 +73,15 @@ def check_columns(columns: str | list[str] | None, wide: bool = False) -> tuple[
 
 #: the columns of the amplification table that stay at every width
 KEEP = ("point", "diff", "max_abs", "ulp", "flips")
+#: kept columns that give way only when nothing else makes the table fit (the logits line says the flips)
+SPARE = ("flips",)
 #: the order the other columns are dropped in when the table does not fit (first: first dropped)
 DROP_ORDER = ("kernels", "hist", "nan_inf", "sqnr", "rel5", "rel1", "cos", "ampl", "mean_abs", "ulp_line",
               "tol", "fraction", "growth", "rel")
 #: the name column's narrowest width: ``…layers.3.self_attn.kv_cache`` (28 characters) stays readable
 NAME_MIN = 28
+#: wider, up to this, when a shown name needs it to keep its layer index (:func:`readable_width`)
+NAME_MAX = 40
 #: narrower still only when the kept columns do not fit otherwise (``--positions all`` at 80 columns)
 NAME_FLOOR = 16
 #: the width of piped output when ``COLUMNS`` does not say
@@ -90,9 +96,17 @@ def piped_width(environ: dict[str, str] | None = None) -> int:
     return int(value) if value.strip().isdigit() and int(value) > 0 else PIPED_WIDTH
 
 
-def table_width(widths: list[int] | tuple[int, ...]) -> int:
-    """Characters a rich box table with these column widths takes (padding 1 each side, borders)."""
-    return sum(widths) + 3 * len(widths) + 1
+#: a rich box table's overhead: 3 characters per column (padding 1 each side, a border) and 1 (the last border)
+BOXED = (3, 1)
+#: a table without a box, one space after each column but the last (``box=None, padding=(0, 1, 0, 0),
+#: pad_edge=False``): the RL tables
+BARE = (1, -1)
+
+
+def table_width(widths: list[int] | tuple[int, ...], gaps: tuple[int, int] = BOXED) -> int:
+    """Characters a rich table with these column widths takes: a box table (padding 1 each side,
+    borders; ``gaps`` :data:`BOXED`) or ``gaps`` = (characters per column, characters once)."""
+    return sum(widths) + gaps[0] * len(widths) + gaps[1] if widths else 0
 
 
 def header_min(header: str) -> int:
@@ -101,25 +115,43 @@ def header_min(header: str) -> int:
 
 
 def shorten_left(name: str, width: int) -> str:
-    """``name`` in at most ``width`` characters, cut from the left at a dot when one fits:
-    ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``; never so that a
-    layer index leads (in 27: ``…ayers.3.self_attn.kv_cache``, not ``…3.self_attn.kv_cache``).
+    """``name`` in at most ``width`` characters, cut from the left at a dot:
+    ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``; never inside a
+    word and never so that a layer index leads (``…3.self_attn`` could be layer 13 or 23): in 27
+    ``…self_attn.kv_cache``. The ``×4`` of a grouped row stays.
 
-    A name that fits is returned unchanged; without a dot that fits the cut is at the character.
+    A name that fits is returned unchanged; a last component longer than ``width`` itself is cut at
+    an underscore inside it (``…attention_layernorm``), and only a word longer still at a character.
     """
     if len(name) <= width:
         return name
     if width <= 1:
         return ELLIPSIS[:width]
-    cut = len(name) - (width - 1)
-    tail = name[cut:]
-    dot = tail.find(".")
-    # at a component boundary already, or cut after the next dot when that leaves a readable tail that
-    # does not start with an index (``…3.self_attn`` could be layer 13 or 23; ``…yers.3.self_attn`` cannot)
-    if name[cut - 1] != "." and 0 <= dot < len(tail) - 1 and len(tail) - dot - 1 >= 8 \
-            and not tail[dot + 1].isdigit():
-        tail = tail[dot + 1:]
-    return ELLIPSIS + tail
+    base, _, count = name.partition(" ")
+    tail = f" {count}" if count else ""
+    room = width - 1 - len(tail)
+    parts = base.split(".")
+    for i in range(1, len(parts)):  # the longest suffix at a dot that fits and does not start with an index
+        rest = ".".join(parts[i:])
+        if len(rest) <= room and not (parts[i].isdigit() or parts[i] == "*"):
+            return ELLIPSIS + rest + tail
+    words = parts[-1].split("_")  # the last component alone is too long: at an underscore inside it
+    for i in range(1, len(words)):
+        rest = "_".join(words[i:])
+        if len(rest) <= room:
+            return ELLIPSIS + rest + tail
+    return ELLIPSIS + base[len(base) - max(room, 1):] + tail if room > 0 else ELLIPSIS + name[len(name) - width + 1:]
+
+
+def readable_width(name: str) -> int:
+    """The width :func:`shorten_left` needs to keep ``name``'s layer index (``…layers.2.post_attention_layernorm``:
+    34 for ``model.layers.2.post_attention_layernorm``); a name without an index: its last component."""
+    base, _, count = name.partition(" ")
+    parts = base.split(".")
+    index = max((i for i, p in enumerate(parts) if p.isdigit() or p == "*"), default=None)
+    keep = parts[max(0, index - 1):] if index is not None else parts[-1:]
+    text = ".".join(keep)
+    return min(len(name), len(text) + (len(base) > len(text)) + (len(count) + 1 if count else 0))
 
 
 def name_cell(name: str, marker: str, width: int) -> str:
@@ -152,7 +184,8 @@ class Fit:
 
 def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[str, list[str]], width: int, *,
                 name_key: str = "point", name_min: int = NAME_MIN, keep: tuple[str, ...] = KEEP,
-                drop_order: tuple[str, ...] = DROP_ORDER, flexible: tuple[str, ...] = ()) -> Fit:
+                drop_order: tuple[str, ...] = DROP_ORDER, flexible: tuple[str, ...] = (),
+                gaps: tuple[int, int] = BOXED, spare: tuple[str, ...] = ()) -> Fit:
     """Choose the columns and their widths so that the table fits ``width`` characters.
 
     Args:
@@ -165,6 +198,9 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
             column missing from it is dropped last).
         flexible: text columns that may wrap down to their longest word (their cells are text,
             not numbers).
+        gaps: the table's overhead (:func:`table_width`: :data:`BOXED` or :data:`BARE`).
+        spare: kept columns that give way last, once the name is at its floor and the table still
+            does not fit (a narrow terminal), in this order; only when that makes it fit.
 
     Every other column is at least as wide as its widest cell. When the kept columns do not fit
     with the name at ``name_min``, the name narrows further (down to :data:`NAME_FLOOR`); when
@@ -192,16 +228,24 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
     order = [k for k in drop_order if k in columns and k not in keep]
     order += [k for k in columns if k not in keep and k not in order]
     shown, dropped = list(columns), []
-    while table_width([lowest[k] for k in shown]) > width and order:
+    while table_width([lowest[k] for k in shown], gaps) > width and order:
         k = order.pop(0)
         shown.remove(k)
         dropped.append(k)
-    over = table_width([lowest[k] for k in shown]) - width
+    over = table_width([lowest[k] for k in shown], gaps) - width
     if over > 0 and name_key in shown:  # the kept columns alone are too wide: the name gives way, down to a floor
         floor = min(lowest[name_key], max(NAME_FLOOR, header_min(headers[name_key])))
         lowest[name_key] = max(floor, lowest[name_key] - over)
+    going = []  # still too wide (a narrow terminal): the spare kept columns go, one by one, if that makes it fit
+    for k in (k for k in spare if k in shown):
+        if table_width([lowest[c] for c in shown if c not in going], gaps) <= width:
+            break
+        going.append(k)
+    if going and table_width([lowest[c] for c in shown if c not in going], gaps) <= width:
+        shown = [c for c in shown if c not in going]
+        dropped += going
     widths = {k: lowest[k] for k in shown}
-    room = width - table_width(list(widths.values()))
+    room = width - table_width(list(widths.values()), gaps)
     # spare room: the name first, then the flexible text columns, then headers unwrapped
     grow = ([name_key] if name_key in widths else []) + [k for k in shown if k in flexible] + \
         [k for k in shown if k != name_key and k not in flexible]
@@ -212,4 +256,4 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         widths[k] += extra
         room -= extra
     out = tuple(widths[k] for k in shown)
-    return Fit(columns=tuple(shown), widths=out, dropped=tuple(dropped), width=table_width(list(out)))
+    return Fit(columns=tuple(shown), widths=out, dropped=tuple(dropped), width=table_width(list(out), gaps))

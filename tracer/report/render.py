@@ -22,10 +22,12 @@ from rich.console import Console
 from tracer.errors import TracerError
 from tracer.report.bench import engine_table
 from tracer.report.bench import table as bench_table
+from tracer.report.console import print_fitted
 from tracer.report.hierarchy import audit_csv, audit_json, audit_markdown, print_audit
 from tracer.report.layout import DEFAULT_COLUMNS, FORMATS, check_format
 from tracer.report.sweep_lines import sweep_summary_lines
 from tracer.report.tables import print_report, to_csv, to_json, to_markdown
+from tracer.report.textsafe import printable
 
 #: a writer: ``(result, console, options) -> text`` (``table``: prints to the console, returns None)
 Writer = Callable[[Any, Console, dict[str, Any]], "str | None"]
@@ -82,7 +84,7 @@ def _comparison_table(c: Any, console: Console, options: dict[str, Any]) -> None
 def _sweep_table(result: Any, console: Console, options: dict[str, Any]) -> None:
     lines = sweep_summary_lines(result) + ([f"sweep file: {result.path}"] if result.path else [])
     for line in lines:
-        print(line, file=console.file)
+        print_fitted(console, printable(line), 4 if line.startswith("  ") else 2)
 
 
 def _sweep_csv(result: Any) -> str:

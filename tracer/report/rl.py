@@ -2,8 +2,8 @@
 
 Pure functions of the result: the summary lines printed before everything else (mean and max
 |Δlogp|, the KL estimators, the share a TIS cap or an MIS/IcePop mask would touch, PPL, flips),
-the per-token table of the traced sequence, the ``--mitigations`` table (rich tables that fit
-80 columns), their markdown and HTML forms, the CSV columns and the per-token DataFrame rows.
+the per-token table of the traced sequence, the ``--mitigations`` table (rich tables fitted to the
+terminal's width like the amplification table), their markdown and HTML forms, the CSV columns and the per-token DataFrame rows.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _pct(x: float) -> str:
 
 
 def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
-    """The RL summary as ``(label, text)`` pairs, in print order (each text fits 80 columns with its label)."""
+    """The RL summary as ``(label, text)`` pairs, in print order. ``flips`` counts every sequence's response
+    tokens (K × T); the verdict's flips are the traced sequence's (:func:`tracer.report.summary.flips_text`)."""
     how = getattr(rl, "tokens_from", None) or (f"sampled at τ={rl.tau:g}" if rl.sample else "greedy")
     lo = 1.0 / rl.mask_threshold
     out = [
@@ -57,7 +58,8 @@ def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
                    f"{_g(rl.seq_ratio_min, 6)} .. {_g(rl.seq_ratio_max, 6)}"),
         ("PPL", f"train {_g(rl.train_ppl, 6)} · rollout {_g(rl.rollout_ppl, 6)} · ratio {_g(rl.ppl_ratio, 6)}"),
         ("flips", "-" if rl.argmax_flips is None else
-         f"{rl.argmax_flips} of {rl.n_tokens} positions change argmax between the runs"),
+         f"{rl.argmax_flips} of {rl.n_tokens} response tokens (all {rl.rollouts} sequence{'s' if rl.rollouts != 1 else ''} "
+         f"× {rl.new_tokens}) change argmax between the runs"),
     ]
     first = rl.first_divergent_step
     row_text = ("the traced sequence's logits are bit-identical at every response position" if first is None
@@ -68,7 +70,8 @@ def summary_pairs(rl: RLComparison) -> list[tuple[str, str]]:
 
 
 def summary_lines(rl: RLComparison) -> list[str]:
-    """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width."""
+    """:func:`summary_pairs` as ``label: text`` lines, labels padded to one width (one line each: the
+    terminal report fits them to its width itself)."""
     pairs = summary_pairs(rl)
     w = max(len(k) for k, _ in pairs)
     return [f"{k + ':':<{w + 1}} {v}" for k, v in pairs]
@@ -81,12 +84,11 @@ def hist_line(rl: RLComparison) -> str:
     return "|Δlogp| histogram (tokens): " + " · ".join(cells)
 
 
-def _short(name: str | None, width: int = 22) -> str:
-    """A capture point's name in at most ``width`` characters: ``model.`` dropped, then cut from the left."""
+def _name(name: str | None) -> str:
+    """A capture point's name without ``model.`` (the terminal table shortens it further at a dot)."""
     if not name:
         return "-"
-    name = name[len("model."):] if name.startswith("model.") else name
-    return name if len(name) <= width else "…" + name[-(width - 1):]
+    return name[len("model."):] if name.startswith("model.") else name
 
 
 #: the per-token table's columns: (heading, cell of a TokenStep)
@@ -97,24 +99,51 @@ STEP_COLUMNS = (
     ("Δlogp", lambda s: _g(s.dlogp)),
     ("KL", lambda s: _g(s.kl)),
     ("flip", lambda s: "-" if s.flip is None else ("yes" if s.flip else "")),
-    ("first differing", lambda s: _short(s.first_point, 24)),
+    ("first differing", lambda s: _name(s.first_point)),
     ("last |Δ|", lambda s: _g(s.last_layer_max_abs)),
 )
+#: the order the per-token table's columns give way in a narrow terminal (token, Δlogp, flip and the
+#: first differing point stay)
+STEP_DROP = ("KL", "logp A", "id", "last |Δ|")
 
 
-def steps_table(rl: RLComparison) -> Table:
-    """The traced sequence's response tokens, one row each (fits 80 columns): token index and id,
-    the rollout's logprob, Δlogp, full-vocabulary KL, argmax flip, the first capture point that differs
-    at the token's position and the last decoder layer's max |Δ| there."""
-    first = rl.steps[0].position if rl.steps else 0
-    t = Table(title=f"the traced sequence (row {rl.row}), positions {first}..{first + len(rl.steps) - 1}: "
-                    "the gap token by token", title_justify="left",
-              show_edge=False, pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
-    for head, _ in STEP_COLUMNS:
-        t.add_column(head, justify="left" if head == "first differing" else "right", no_wrap=True)
-    for s in rl.steps:
-        t.add_row(*(cell(s) for _, cell in STEP_COLUMNS))
+def _bare_table(title: str, columns: Any, items: Any, left: tuple[str, ...], drop: tuple[str, ...],
+                width: int | None) -> Table:
+    """A table without a box (one space between columns) of ``columns`` over ``items``, fitted to ``width``
+    (:func:`tracer.report.layout.fit_columns`: the columns of ``drop`` give way first, named in the
+    caption; ``first differing`` shortened at a dot); the title wraps at words."""
+    from rich.text import Text
+
+    from tracer.report.layout import BARE, NAME_FLOOR, fit_columns, readable_width, shorten_left
+
+    heads = [h for h, _ in columns]
+    cells = {h: [cell(x) for x in items] for h, cell in columns}
+    names = cells.get("first differing", [])
+    name_min = max([12, *(min(readable_width(n), 34) for n in names)])
+    fit = fit_columns(tuple(heads), {h: h for h in heads}, cells, width or 1 << 30, name_key="first differing",
+                      name_min=name_min, keep=tuple(h for h in heads if h not in drop), drop_order=drop, gaps=BARE)
+    wid = dict(zip(fit.columns, fit.widths))
+    if "first differing" in wid:
+        wid["first differing"] = max(wid["first differing"], min(NAME_FLOOR, name_min))
+    t = Table(title=Text(title), title_justify="left", show_edge=False, pad_edge=False, box=None,
+              header_style="bold", padding=(0, 1, 0, 0))
+    for h in fit.columns:
+        t.add_column(h, justify="left" if h in left else "right", no_wrap=True, width=wid[h])
+    for i in range(len(items)):
+        t.add_row(*(shorten_left(cells[h][i], wid[h]) if h == "first differing" else cells[h][i] for h in fit.columns))
+    if fit.dropped:
+        t.caption = Text(f"left out to fit {width} columns: {', '.join(fit.dropped)}")
+        t.caption_justify = "left"
     return t
+
+
+def steps_table(rl: RLComparison, width: int | None = None) -> Table:
+    """The traced sequence's response tokens, one row each, fitted to ``width`` characters: token index
+    and id, the rollout's logprob, Δlogp, full-vocabulary KL, argmax flip, the first capture point that
+    differs at the token's position and the last decoder layer's max |Δ| there."""
+    first = rl.steps[0].position if rl.steps else 0
+    return _bare_table(f"the traced sequence (row {rl.row}), positions {first}..{first + len(rl.steps) - 1}: "
+                       "the gap token by token", STEP_COLUMNS, list(rl.steps), ("first differing",), STEP_DROP, width)
 
 
 MITIGATION_COLUMNS = (
@@ -123,20 +152,15 @@ MITIGATION_COLUMNS = (
     ("max|Δlogp|", lambda m: _g(m.max_abs_dlogp)),
     ("k3 KL", lambda m: _g(m.k3_kl)),
     ("identical", lambda m: "yes" if m.identical else "no"),
-    ("first differing", lambda m: _short(m.first_divergent, 20)),
+    ("first differing", lambda m: _name(m.first_divergent)),
 )
 
 
-def mitigations_table(rl: RLComparison) -> Table:
+def mitigations_table(rl: RLComparison, width: int | None = None) -> Table:
     """The ``--mitigations`` table: one row per knob (``*``: changes nothing here; the base run's numbers;
-    ``identical``: both runs bit-identical at every compared point and logprob). Fits 80 columns."""
-    t = Table(title="which knob closes the gap (--mitigations)", title_justify="left", show_edge=False,
-              pad_edge=False, box=None, header_style="bold", padding=(0, 1, 0, 0))
-    for head, _ in MITIGATION_COLUMNS:
-        t.add_column(head, justify="left" if head in ("knob", "first differing") else "right", no_wrap=True)
-    for m in rl.mitigations:
-        t.add_row(*(cell(m) for _, cell in MITIGATION_COLUMNS))
-    return t
+    ``identical``: both runs bit-identical at every compared point and logprob), fitted to ``width``."""
+    return _bare_table("which knob closes the gap (--mitigations)", MITIGATION_COLUMNS, list(rl.mitigations),
+                       ("knob", "first differing"), ("k3 KL", "max|Δlogp|"), width)
 
 
 def mitigation_notes(rl: RLComparison) -> list[str]:
@@ -219,12 +243,15 @@ __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitiga
 
 def print_rl(rl: RLComparison, console: Console) -> None:
     """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table, to ``console``
-    (the terminal report of :func:`tracer.report.tables.print_report`)."""
+    (the terminal report of :func:`tracer.report.tables.print_report`), fitted to its width."""
+    from tracer.report.console import print_fitted
+
+    width = console.width if console.is_terminal else None
     console.print()
-    console.print(steps_table(rl))
-    console.print(hist_line(rl), soft_wrap=True, markup=False, highlight=False)
+    console.print(steps_table(rl, width))
+    print_fitted(console, hist_line(rl), len("|Δlogp| histogram (tokens): "))
     if rl.mitigations:
         console.print()
-        console.print(mitigations_table(rl))
+        console.print(mitigations_table(rl, width))
         for line in mitigation_notes(rl):
-            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+            print_fitted(console, f"  {line}", 4)

@@ -46,6 +46,31 @@ def _share(n: int, total: int) -> str:
     return "-" if not total else f"{100 * n / total:.3g}%"
 
 
+def gemm_text(gemm_m: Any) -> str:
+    """GEMM M of each forward pass of a run (``facts["gemm_m_a"]``), runs of one value folded:
+    ``[272, 4, 4, 4]`` → ``272, 4 ×3``; ``""`` when not known."""
+    if not isinstance(gemm_m, (list, tuple)):
+        return "" if gemm_m is None else str(gemm_m)
+    parts: list[str] = []
+    i = 0
+    while i < len(gemm_m):
+        j = i
+        while j + 1 < len(gemm_m) and gemm_m[j + 1] == gemm_m[i]:
+            j += 1
+        n = j - i + 1
+        parts.append(f"{gemm_m[i]} ×{n}" if n >= 3 else ", ".join([str(gemm_m[i])] * n))
+        i = j + 1
+    return ", ".join(parts)
+
+
+def plan_line(c: Comparison, side: str) -> str:
+    """What run ``side`` (``a`` or ``b``) computed and the GEMM M of each of its forward passes:
+    ``cache hit: 304 cached tokens, then the 10-token suffix (GEMM M per step: 304, 10)``."""
+    plan = str(c.facts.get(f"plan_{side}", ""))
+    gemm = gemm_text(c.facts.get(f"gemm_m_{side}"))
+    return plan + (f" (GEMM M per step: {gemm})" if gemm else "")
+
+
 def last_layer(c: Comparison) -> PointResult | None:
     """The last decoder-layer point (kind ``layer``) in execution order, or None."""
     layers = [p for p in c.points if p.kind == PointKind.LAYER]
@@ -95,12 +120,22 @@ def logits_text(c: Comparison) -> str:
     lg, d = c.logits, c.logits.tensor
     flips = len(lg.argmax_flips)
     text = (f"{_share(d.n_diff, d.n_total)} of {d.n_total:,} differ (max |Δ| {_g(d.max_abs_diff)}) · "
-            f"{flips} argmax flip{'s' if flips != 1 else ''} in {lg.n_positions} position{'s' if lg.n_positions != 1 else ''} · "
-            f"KL(A‖B) mean {_g(lg.kl_mean)}, max {_g(lg.kl_max)} nats")
+            f"{flips_text(c)} · KL(A‖B) mean {_g(lg.kl_mean)}, max {_g(lg.kl_max)} nats")
     if flips:
         f = lg.argmax_flips[0]
         text += f" · first flip at position {c.positions[0] + f.position} (token {f.token_a} in A, {f.token_b} in B)"
     return text
+
+
+def flips_text(c: Comparison) -> str:
+    """What the logits' argmax flips count: ``2 argmax flips in 16 positions``, with the rows they lie in
+    when that is not the one prompt: `` of the traced sequence (row 2)`` for an RL step (whose summary's
+    ``flips`` counts every sequence's response tokens); ``""`` without logits."""
+    if c.logits is None:
+        return ""
+    flips, n = len(c.logits.argmax_flips), c.logits.n_positions
+    rows = f" of the traced sequence (row {c.rl.row})" if c.rl is not None else ""
+    return f"{flips} argmax flip{'s' if flips != 1 else ''} in {n} position{'s' if n != 1 else ''}{rows}"
 
 
 def noise_text(noise: Any) -> str:

@@ -24,13 +24,14 @@ from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
 from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
-from tracer.report.console import print_whole
-from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, WIDE_COLUMNS,  # noqa: F401
-                                  check_columns, check_format, fit_columns, name_cell, table_width)
+from tracer.report.console import print_fitted, print_whole
+from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME_MAX, NAME_MIN,  # noqa: F401
+                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
+                                  readable_width, table_width)
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
-from tracer.report.summary import headline, rows_that_matter, verdict_line
+from tracer.report.summary import flips_text, headline, plan_line, rows_that_matter, verdict_line
 from tracer.report.textsafe import printable
 from tracer.store.trace import json_safe
 
@@ -165,8 +166,7 @@ def _title(c: Comparison) -> str:
 
 def _plans(c: Comparison) -> str:
     f = c.facts
-    a, b = (f"{run}: {f.get(f'plan_{k}', '')}" + (f" (GEMM M {f[f'gemm_m_{k}']})" if f.get(f"gemm_m_{k}") else "")
-            for run, k in (("A", "a"), ("B", "b")))
+    a, b = (f"{run}: {plan_line(c, k)}" for run, k in (("A", "a"), ("B", "b")))
     return f"{a}\n{b}" + (f"\n{_sliding_note(c)}" if f.get("sliding_layers") else "")
 
 
@@ -297,7 +297,9 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
     cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
     headers = {k: COLUMNS[k][0] for k in columns}
-    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30)
+    # the name column keeps every shown name's layer index when the width allows (never over NAME_MAX)
+    name_min = max([NAME_MIN, *(min(readable_width(n), NAME_MAX) for n, _ in names)])
+    fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30, name_min=name_min, spare=SPARE)
     wid = dict(zip(fit.columns, fit.widths))
     t = Table(header_style="bold")
     for key in fit.columns:
@@ -342,7 +344,7 @@ def logits_lines(c: Comparison) -> list[str]:
     lg = c.logits
     return [f"logits: KL(A‖B) mean {_num(lg.kl_mean)} max {_num(lg.kl_max)} nats · top-5 overlap "
             f"{lg.top5_overlap:.4g} · top-10 overlap {lg.top10_overlap:.4g} · worst rank in B of A's top "
-            f"token {lg.rank_of_a_top_in_b_max} · {len(lg.argmax_flips)} argmax flip(s) in {lg.n_positions} positions"]
+            f"token {lg.rank_of_a_top_in_b_max} · {flips_text(c)}"]
 
 
 def replay_lines(c: Comparison) -> list[str]:
@@ -369,18 +371,6 @@ def _row_budget(console: Console, n_headline: int) -> int:
     return min(MAX_ROWS, max(8, console.size.height - n_headline - 14))
 
 
-def hanging(text: str, indent: int, console: Console) -> str:
-    """``text`` as printed after an ``indent``-wide label: in a terminal narrower than the line, broken
-    between words with every further line indented under the first (a terminal's own wrap would
-    start them at column 0, under the labels); piped, one line, as given (one fact per line for grep)."""
-    import textwrap
-
-    room = console.width - indent
-    if not console.is_terminal or indent + len(text) <= console.width or room < 20:
-        return text
-    return ("\n" + " " * indent).join(textwrap.wrap(text, room, break_long_words=False, break_on_hyphens=False))
-
-
 def print_report(c: Comparison, console: Console | None = None,
                  columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
@@ -390,45 +380,45 @@ def print_report(c: Comparison, console: Console | None = None,
     lines under it, logits statistics, flips, replay, noise verdict and the verdict to ``console``
     (stdout by default).
 
-    Styled in a terminal, plain text when piped (rich decides from the stream).
+    Styled in a terminal, every line fitted to its width (:func:`tracer.report.console.fit`: broken
+    between words, continuations indented); plain text when piped, one line per fact.
     """
     console = console or Console()
     if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
-
-        for line in rl_report.summary_lines(c.rl):
-            console.print(Text(printable(line)), soft_wrap=True)
+        pairs = rl_report.summary_pairs(c.rl)
+        width = max(len(k) for k, _ in pairs) + 2
+        for key, text in pairs:
+            print_fitted(console, printable(text), width, label=f"{key}:")
         console.print()
     head = headline(c, command)
-    width = max(len(k) for k, _ in head)
+    width = max(len(k) for k, _ in head) + 2
     for key, text in head:
         style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
-        line = Text(f"{key + ':':<{width + 1}} ", style="bold")
-        line.append(hanging(printable(text), width + 2, console), style=style)
-        console.print(line, soft_wrap=True)
+        print_fitted(console, printable(text), width, label=f"{key}:", style=style)
     console.print()
     keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
     t, under = fit_table(c, columns, keep, console.width)
-    console.print(Text(printable(_title(c))), soft_wrap=True)
+    print_fitted(console, printable(_title(c)))
     print_whole(console, t, table_width([col.width or 0 for col in t.columns]))  # too narrow even so: wider, never cut
     for line in under:
-        console.print(Text(printable(line)), soft_wrap=True)
+        print_fitted(console, printable(line), 3 if line[:3] in ("A: ", "B: ") else 2)
     for line in logits_lines(c):
-        console.print(line, soft_wrap=True, markup=False)
+        print_fitted(console, line)
     for line in flips_lines(c):
-        console.print(f"  {line}", soft_wrap=True, markup=False)
+        print_fitted(console, f"  {line}", 4)
     for line in replay_lines(c):
-        console.print(printable(line), soft_wrap=True, markup=False)
+        print_fitted(console, printable(line), 4)
     if c.noise is not None:
         for line in c.noise.lines():
-            console.print(printable(line), soft_wrap=True, markup=False)
+            print_fitted(console, printable(line), 4)
     if c.rl is not None:
         print_rl(c.rl, console)
     for line in c.facts.get("notes", []):
-        console.print(f"  {printable(line)}", highlight=False, soft_wrap=True, markup=False)
-    style = "bold green" if c.identical else "bold red"
-    console.print(Text(f"verdict: {printable(verdict_line(c))}", style=style), soft_wrap=True)
+        print_fitted(console, f"  {printable(line)}", 4)
+    print_fitted(console, printable(verdict_line(c)), len("verdict: "), label="verdict:",
+                 style="bold green" if c.identical else "bold red")
     if c.trace:
-        console.print(Text(f"trace: {printable(c.trace)}", style="dim"))
+        print_fitted(console, Text(f"trace: {printable(c.trace)}", style="dim"), len("trace: "))
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)

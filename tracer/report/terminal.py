@@ -23,15 +23,20 @@ err = Console(stderr=True)
 
 
 def print_error(message: str) -> None:
-    """``error: MESSAGE`` on stderr: one line, no markup, control characters escaped (it may quote file names)."""
-    err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), highlight=False, soft_wrap=True)
+    """``error: MESSAGE`` on stderr: one line (in a terminal broken between words, continuations under
+    the message), no markup, control characters escaped (it may quote file names)."""
+    from tracer.report.console import print_fitted
+
+    print_fitted(err, printable(message), len("error: "), label=Text("error:", style="bold red"))
 
 
 def print_internal_error(e: BaseException) -> None:
     """A tracer bug in one line on stderr (``TRACER_DEBUG=1`` prints the traceback instead)."""
+    from tracer.report.console import print_fitted
+
     first = (str(e).splitlines() or [""])[0][:200]
-    err.print(f"internal error: {type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for "
-              "the traceback and report it)", highlight=False, markup=False, soft_wrap=True)
+    print_fitted(err, f"{type(e).__name__}: {printable(first)} (a tracer bug; set TRACER_DEBUG=1 for the traceback "
+                      "and report it)", 4, label=Text("internal error:"))
 
 
 def check_outputs(*, report: str | None = None, plot: str | None = None, output: str | None = None,
@@ -90,7 +95,9 @@ def fail_on_exit(comparison: Any) -> int:
     failed, reason = comparison.check()
     if not failed:
         return 0
-    err.print(f"fail-on {comparison.fail_on}: {printable(reason)}", highlight=False, soft_wrap=True, markup=False)
+    from tracer.report.console import print_fitted
+
+    print_fitted(err, f"fail-on {comparison.fail_on}: {printable(reason)}", 4)
     return EXIT_DIVERGED
 
 
@@ -132,10 +139,12 @@ def print_run(result: Any, fmt: str, columns: tuple[str, ...], all_rows: bool, m
         return 0
     print_comparison(c, fmt, columns, all_rows)
     if mitigation is not None and fmt == "table":
+        from tracer.report.console import print_fitted, stdout_console
+
         ok = c.identical
-        Console().print(f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise equality "
-                        f"({'every' if ok else 'not every'} compared tensor is bit-identical)",
-                        style="green" if ok else "red", soft_wrap=True)
+        print_fitted(stdout_console(), f"mitigation {mitigation}: {'restores' if ok else 'does NOT restore'} bitwise "
+                                       f"equality ({'every' if ok else 'not every'} compared tensor is bit-identical)",
+                     4, style="green" if ok else "red")
     return fail_on_exit(c)
 
 
@@ -158,11 +167,14 @@ def print_audit(result: Any, fmt: str, report: str | None = None, overwrite: boo
 
 def print_import(mapped: Any, output: str, run_name: str) -> None:
     """``tracer import``: what was mapped, where it went, and the mapping's notes."""
+    from tracer.report.console import print_fitted, stdout_console
+
+    console = stdout_console()
     lo, hi = mapped.positions
-    print(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, positions {lo}..{hi - 1} "
-          f"-> {output} (run {run_name})")
+    print_fitted(console, printable(f"imported {mapped.engine} {mapped.path}: {len(mapped.tensors)} capture points, "
+                                    f"positions {lo}..{hi - 1} -> {output} (run {run_name})"), 2)
     for line in mapped.notes:
-        print(f"  {line}")
+        print_fitted(console, printable(f"  {line}"), 4)
 
 
 def print_path(path: Any) -> None:
@@ -182,6 +194,29 @@ def print_models(models: list[dict[str, str]]) -> None:
     for m in models:
         t.add_row(m["name"], m["kind"], m.get("description", ""))
     Console().print(t)
+
+
+def print_options_help(doc: dict[str, dict[str, Any]], topic: str | None, console: Console | None = None) -> None:
+    """``tracer help [TOPIC]``: without a topic, one line per topic (its title and options); with one,
+    each option's flags and whole help, fitted to the terminal (continuations under the text)."""
+    from tracer.report.console import print_fitted
+
+    console = console or Console()
+    if topic is None:
+        width = max(len(k) for k in doc) + 4
+        console.print("tracer help TOPIC explains these options in full:", highlight=False)
+        for key, entry in doc.items():
+            names = ", ".join("MODEL" if o["name"] == "model" else o["flags"][0].split("/")[0] if o["flags"] else o["name"]
+                              for o in entry["options"])
+            print_fitted(console, f"{entry['title']}: {names}" if names else entry["title"], width,
+                         label=Text(f"  {key}", style="bold"))
+        return
+    for key, entry in doc.items():
+        console.print(Text(entry["title"], style="bold"))
+        for o in entry["options"]:
+            flags = "MODEL" if o["name"] == "model" else ", ".join(o["flags"]) if o["flags"] else o["name"]
+            print_fitted(console, Text(flags, style="bold"), 4, label=Text("  "))
+            print_fitted(console, o["help"], 6, label=Text("      "))
 
 
 def print_bench(result: Any, as_json: bool) -> None:
@@ -209,9 +244,10 @@ def print_sweep(result: Any, fmt: str = "table", plot: str | None = None, report
     """``tracer sweep``: print the summary lines with the sweep file's name (``table``), the summary
     as JSON, or one CSV row per point; then write the ``plot`` figure and the ``report`` HTML
     (:func:`write_after`: their names on stderr). Returns the exit code."""
+    from tracer.report.console import stdout_console
     from tracer.report.render import render
 
-    text = render(result, fmt, Console())
+    text = render(result, fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
     code = 0

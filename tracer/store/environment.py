@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from tracer import schema
+from tracer.execute.kernels import onednn_verbose
 from tracer.store.formats import json_dumps
 
 
@@ -138,28 +139,14 @@ def onednn_isa() -> str | None:
     oneDNN prints its ISA on stdout (C level) with the first primitive run under verbose mode; one
     bf16 256×256 matmul (about 0.1 s) is run with file descriptor 1 redirected to a temporary file.
     """
-    import sys
-    import tempfile
-
     if not torch.backends.mkldnn.is_available():
         return None
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with tempfile.TemporaryFile() as tmp:
-            os.dup2(tmp.fileno(), 1)
-            try:
-                with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-                    a = torch.ones(256, 256, dtype=torch.bfloat16)
-                    a @ a
-            finally:
-                os.dup2(saved, 1)
-            tmp.seek(0)
-            text = tmp.read().decode("utf-8", "replace")
-    except (OSError, RuntimeError):
-        return None
-    finally:
-        os.close(saved)
+
+    def matmul() -> None:
+        a = torch.ones(256, 256, dtype=torch.bfloat16)
+        a @ a
+
+    text = onednn_verbose(matmul) or ""
     return next((line.split(",isa:", 1)[1].strip() for line in text.splitlines() if ",isa:" in line), None)
 
 

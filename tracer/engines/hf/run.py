@@ -90,6 +90,11 @@ def deterministic_mode() -> Iterator[None]:
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              os.environ.get("CUBLAS_WORKSPACE_CONFIG"), torch.get_float32_matmul_precision(),
              torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    # torch >= 2.9: setting the precisions above also sets these ("none" becomes "ieee"): put them back too,
+    # or the next trace header of this process reads another numeric contract
+    backends = [b for b in (torch.backends.cuda.matmul, getattr(torch.backends.mkldnn, "matmul", None))
+                if b is not None and hasattr(b, "fp32_precision")]
+    precisions = [(b, b.fp32_precision) for b in backends]
     try:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -105,6 +110,8 @@ def deterministic_mode() -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = ws
         torch.set_float32_matmul_precision(prec)
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = tf32, cdet, bench
+        for backend, value in precisions:
+            backend.fp32_precision = value
 
 
 @contextlib.contextmanager

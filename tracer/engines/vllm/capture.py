@@ -175,8 +175,10 @@ class VllmCapture(Hooks):
             win_rows.append(w)
             if int(pos_cpu[b - 1]) < self.n and self.window[0] <= int(pos_cpu[b - 1]) < self.window[1]:
                 logit_rows.append(j)  # vLLM computes logits at each request's last scheduled token
+        # tokens: the forward's rows (every GEMM's M); scheduled: the requests' tokens (fewer when vLLM pads the step)
         self.steps.append(SchedulerStep(step, len(ids_cpu), len(req_ids),
-                                        tuple(TracedPositions.from_dict(t) for t in traced)).to_dict())
+                                        tuple(TracedPositions.from_dict(t) for t in traced),
+                                        scheduled=int(qsl[-1])).to_dict())
         cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
         kv_rows, win_rows = cat(kv_rows), cat(win_rows)
         self._cur = {"step": step, "kv": kv_rows, "win": win_rows, "logits": torch.tensor(logit_rows, dtype=torch.long),

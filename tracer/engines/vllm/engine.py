@@ -224,16 +224,22 @@ def _custom_op(module: Any) -> str:
 
 def _gemm(linear: Any) -> str:
     """The GEMM a vLLM Linear runs: the CPU dispatch (``cpu_linear``: oneDNN, sgl-kernel, zentorch,
-    torch) or, elsewhere, its quant method."""
+    or torch on the library :func:`tracer.execute.kernels.torch_gemm` names) or, elsewhere, its
+    quant method (unquantized: torch's, on the device's BLAS)."""
+    from tracer.execute.kernels import torch_gemm
+
+    weight = getattr(linear, "weight", None)
+    device, dtype = (str(weight.device), str(weight.dtype).replace("torch.", "")) if weight is not None else ("cpu", "")
     fn = getattr(linear, "cpu_linear", None)
     if fn is None:
-        return f"{type(getattr(linear, 'quant_method', None)).__name__} (the device's GEMM library)"
+        method = type(getattr(linear, "quant_method", None)).__name__
+        return torch_gemm(device, dtype) if method == "UnquantizedLinearMethod" else f"{method} (the device's GEMM library)"
     names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
     for key, text in (("onednn_mm", "oneDNN onednn_mm"), ("weight_packed_linear_cpu", "sgl-kernel weight_packed_linear"),
                       ("zentorch_linear_unary", "zentorch linear")):
         if key in names:
             return text
-    return "torch F.linear"
+    return torch_gemm(device, dtype)
 
 
 def op_facts(model: nn.Module, dtype: str) -> dict[str, Any]:

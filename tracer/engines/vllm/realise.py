@@ -57,8 +57,8 @@ def realise(scen: Scenario) -> Scenario:
             else "greedy"
         a = replace(scen.plan_a, engine=NAME, engine_settings=(("block_size", int(p.get("block_size") or BLOCK)),),
                     description=f"rollout in vLLM: {spec.rollouts} request(s) of {list(spec.lengths)} tokens prefilled in "
-                                f"one step (M={sum(spec.lengths)}, no padding), then {spec.new_tokens - 1} decode steps "
-                                f"(M={spec.rollouts}), {how}; each token's logprob as vLLM reports it")
+                                f"one step (flattened, no padding), then {spec.new_tokens - 1} decode steps, {how}; "
+                                "each token's logprob as vLLM reports it")
         return replace(scen, plan_a=a, params={**p, "engine": NAME})
     sizes = {"plan_a": p.get("block_size", BLOCK), "plan_b": p.get("block_size", BLOCK)}
     if scen.name == "block-size":

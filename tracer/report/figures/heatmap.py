@@ -37,6 +37,8 @@ class PositionDiffs:
         values: float64 ``(C, T)``; 0 where the position's elements are bit-identical, ``inf``
             where a NaN/inf mismatch sits.
         n_diff: int64 ``(C, T)``: differing elements per point and position.
+        before: the rows whose elements differ only before the compared positions (a KV cache born
+            different in the cached-prefix pass): white across the map, marked as such.
     """
 
     names: list[str]
@@ -44,6 +46,7 @@ class PositionDiffs:
     positions: tuple[int, int]
     values: np.ndarray
     n_diff: np.ndarray
+    before: tuple[str, ...] = ()
 
 
 def position_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -82,16 +85,21 @@ def position_max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray,
 
 def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]], positions: tuple[int, int]) -> PositionDiffs:
     names, kinds, vals, nds = [], [], [], []
+    before: list[str] = []
     logits = None
     t = positions[1] - positions[0]
     for name, kind, ta, tb in pairs:
         if ta.dim() == 0 or ta.shape != tb.shape:
             continue  # no position axis, or not comparable
+        prefix = 0
         if ta.shape[0] != t:
             if ta.shape[0] != positions[1]:
                 continue  # not a window capture
+            prefix = int(position_max_abs_diff(ta[:positions[0]], tb[:positions[0]])[1].sum())
             ta, tb = ta[positions[0]:], tb[positions[0]:]  # kept for all N positions (the KV cache): its window rows
         mx, nd = position_max_abs_diff(ta, tb)
+        if prefix and not nd.any():
+            before.append(name)
         if kind == PointKind.LOGITS:
             logits = (name, kind, mx, nd)
             continue
@@ -100,7 +108,7 @@ def _position_diffs(pairs: Iterable[tuple[str, str, torch.Tensor, torch.Tensor]]
         names.append(logits[0]), kinds.append(logits[1]), vals.append(logits[2]), nds.append(logits[3])
     return PositionDiffs(names=names, kinds=kinds, positions=tuple(positions),
                          values=np.stack(vals) if vals else np.zeros((0, t)),
-                         n_diff=np.stack(nds) if nds else np.zeros((0, t), dtype=np.int64))
+                         n_diff=np.stack(nds) if nds else np.zeros((0, t), dtype=np.int64), before=tuple(before))
 
 
 def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
@@ -114,9 +122,13 @@ def position_diffs_comparison(comparison: Any) -> PositionDiffs | None:
     order = sorted(range(len(pp["names"])), key=lambda i: pp["kinds"][i] == PointKind.LOGITS)  # logits last, stable
     vals = np.asarray([[np.inf if isinstance(v, str) else v for v in pp["max_abs_diff"][i]] for i in order],
                       dtype=np.float64)
-    return PositionDiffs(names=[pp["names"][i] for i in order], kinds=[pp["kinds"][i] for i in order],
-                         positions=(int(pp["start"]), int(pp["stop"])), values=vals,
-                         n_diff=np.asarray([pp["n_diff"][i] for i in order], dtype=np.int64))
+    n_diff = np.asarray([pp["n_diff"][i] for i in order], dtype=np.int64)
+    names = [pp["names"][i] for i in order]
+    # a point differing somewhere (its count covers all N positions: a KV cache) but at no compared position
+    differs = {p.name for p in getattr(comparison, "points", ()) if p.diff.n_diff}
+    return PositionDiffs(names=names, kinds=[pp["kinds"][i] for i in order],
+                         positions=(int(pp["start"]), int(pp["stop"])), values=vals, n_diff=n_diff,
+                         before=tuple(n for n, row in zip(names, n_diff) if n in differs and not row.any()))
 
 
 def position_diffs_records(a: Any, b: Any) -> PositionDiffs:
@@ -155,7 +167,9 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
     """Capture points (rows, execution order) × compared positions (columns): max |A − B|.
 
     Log colour scale; bit-identical cells are left white; ``inf`` cells are drawn at the top of
-    the scale. The image array has shape ``(C, T)`` = ``diffs.values.shape``. Every row is
+    the scale. A row that differs only before the compared positions (:attr:`PositionDiffs.before`:
+    the origin KV cache of a cached-prefix divergence) is white too: hatched and labelled so, and
+    the title says it. The image array has shape ``(C, T)`` = ``diffs.values.shape``. Every row is
     labelled up to :data:`MAX_ROW_LABELS` rows (the figure is as tall as they need); beyond, the
     landmark rows are, and the title says how many of the rows carry a label
     (``fig.tracer_data["labelled"]``: their indices).
@@ -189,7 +203,16 @@ def heatmap_figure(diffs: PositionDiffs, *, title: str | None = None, figsize: t
     ax.set_xlabel("token position")
     skipped = "" if len(labelled) == c else (f"; {len(labelled)} of {c} rows labelled (layer outputs, KV caches, "
                                                "norms, logits; every row drawn)")
-    ax.set_title(title or f"max |A − B| per capture point and position (white: bit-identical){skipped}", fontsize=9)
+    p0 = diffs.positions[0]
+    for name in diffs.before:  # white, but not bit-identical: its differences lie in positions 0..P-1
+        row = diffs.names.index(name)
+        ax.axhspan(row - 0.5, row + 0.5, fill=False, hatch="///", edgecolor="tab:red", linewidth=0)
+        ax.text(p0 - 0.4, row, f"differs only before position {p0} (cached prefix)", va="center", ha="left",
+                fontsize=7, color="tab:red")
+    before = (f"; hatched: differs only before position {p0}, outside the compared positions ({len(diffs.before)} "
+              "row(s))") if diffs.before else ""
+    ax.set_title(title or f"max |A − B| per capture point and position (white: bit-identical){before}{skipped}",
+                 fontsize=9)
     fig.tracer_data = {"names": diffs.names, "values": diffs.values, "positions": diffs.positions,
-                       "labelled": labelled}
+                       "labelled": labelled, "before": list(diffs.before)}
     return fig
