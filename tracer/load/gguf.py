@@ -8,7 +8,6 @@ tokenizer converted only when a load needs it) and returns that folder.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,19 +23,10 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.files import check_gguf_file
+from tracer.files import check_gguf_file, sha256_file  # noqa: F401 - sha256_file re-exported (tracer.load.models)
 from tracer.load.quiet import quiet_gguf_bar, quiet_transformers, status
 from tracer.load.recipe_check import clean_stale_temp_dirs, inside
 from tracer.load.recipes import Recipe
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, streamed in ``chunk``-byte reads."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cache_root() -> Path:

@@ -24,7 +24,7 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.tp_dist import distributed_header
 from tracer.execute.tp_shard import backend_for, check_world
-from tracer.loops.audit_store import AuditStore
+from tracer.loops.audit_store import AuditStore, FolderClaim
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 from tracer.plan.build import build
@@ -186,8 +186,19 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     _check_options(options, selected)
     if cfg.scenario.engine not in (None, "hf"):  # every check runs on it (the engine check names its own)
         options["engine"] = cfg.scenario.engine
-    store = cfg.store.mode != "none"
-    out = _output_path(cfg) if store else None
+    out = _output_path(cfg) if cfg.store.mode != "none" else None
+    claim = FolderClaim(out) if out is not None else None  # one writer per output, refused before the model loads
+    try:
+        return _audit(cfg, selected, options, out, claim, mitigations, loaded, progress, on_check, on_row)
+    finally:
+        if claim is not None:
+            claim.release(remove=True)  # the folder goes only when this audit made it and left it empty
+
+
+def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Path | None, claim: FolderClaim | None,
+           mitigations: bool, loaded: LoadedModel | None, progress: bool | str,
+           on_check: Callable[[str, int, int], None] | None, on_row: Callable[[AuditRow], None] | None) -> Audit:
+    """:func:`audit` once its output is claimed (``out`` None: nothing written)."""
     if loaded is None:
         with StatusProgress("load", mode=progress, delay_s=DELAY_S) as status:
             status(f"loading {cfg.model.name}")
@@ -196,7 +207,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
     plans, reasons = _plan(todo, len(ids), options, info.device)
-    budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
+    budget = cfg.store.budget() if cfg.store.mode == "auto" and out is not None else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
@@ -205,13 +216,13 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
                                                             "checks": [c.key for c in todo]},
                                           **(distributed_header(plans["L4-tp-real"], info.device)
                                              if "L4-tp-real" in plans else {})})
-    state = AuditStore(out, header, overwrite=cfg.store.overwrite) if store else None
-    done = {} if state is None else ({r["key"]: r for r in state.reused} if state.reused is not None else state.finished())
+    state = AuditStore(out, header, overwrite=cfg.store.overwrite, claim=claim) if out is not None else None
+    done, refused = _kept_rows(state, todo, reasons)
     costs = {k: scenario_cost(s) for k, s in plans.items()}
     weight = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
     rows: list[AuditRow] = []
     with ItemProgress("audit", len(todo), mode=progress, weight_total=sum(weight.values())) as bar:
-        for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations):
+        for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations, refused):
             bar.note(line)
         for i, c in enumerate(todo):
             if c.key in done:
@@ -238,7 +249,63 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
              "levels": selected, "engine": cfg.scenario.engine or "hf"}
-    return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
+    return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if out is not None else None)
+
+
+def _kept_rows(state: AuditStore | None, todo: list[Check], reasons: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The rows an earlier run of this audit finished (check key → row record) and why each other
+    kept row is not believed: a complete trace's rows as they are; a folder's rows only when sealed
+    to their part trace and derived again from its comparison (:func:`believed`). A check the plan
+    skips is never read from disk (its row costs nothing)."""
+    if state is None:
+        return {}, {}
+    if state.reused is not None:
+        return {r["key"]: r for r in state.reused}, {}
+    sealed, refused = state.finished()
+    by_key = {c.key: c for c in todo}
+    done = {}
+    for key, rec in sealed.items():
+        if key not in by_key or key in reasons:
+            continue
+        try:
+            why = believed(by_key[key], rec, state.comparisons(key))
+        except TracerError as e:
+            why = str(e)
+        if why is None:
+            done[key] = rec
+        else:
+            refused[key] = why
+    return done, {k: v for k, v in refused.items() if k in by_key and k not in reasons}
+
+
+#: the row fields derived from a check's comparison (checked against its part trace on resume)
+DERIVED = ("status", "last_layer", "max_abs_logit_diff", "argmax_flips", "first_divergent")
+
+
+def believed(c: Check, record: dict[str, Any], comparisons: dict[str, dict[str, Any]]) -> str | None:
+    """Why a kept row of check ``c`` is not believed, or None when its part trace bears it out: the
+    row is this check's, its part holds the check's comparison, the row's status, counts, max |Δ|,
+    flips and first divergent point are what that comparison gives (:func:`_row`), and every
+    mitigation it reports is a comparison in the part with that answer."""
+    from tracer.diff.stored import comparison_from_dict
+
+    try:
+        row = AuditRow.from_dict(record)
+    except (TracerError, KeyError, TypeError, ValueError):
+        return "its row is not an audit row"
+    if (row.check.key, row.check.scenario, row.check.options) != (c.key, c.scenario, c.options):
+        return "its row is another check's"
+    if c.key not in comparisons:
+        return "its part trace holds no comparison of it"
+    derived = row_record(_row(row.check, comparison_from_dict(comparisons[c.key])))
+    kept = row_record(_replace(row, mitigations={}))
+    if any(derived.get(k) != kept.get(k) for k in DERIVED):
+        return "its row does not say what its part trace's comparison says"
+    for m, answer in row.mitigations.items():
+        doc = comparisons.get(f"{c.key}+{m}")
+        if isinstance(answer, bool) and (doc is None or doc.get("identical") is not answer):
+            return f"its mitigation {m} is not what its part trace holds"
+    return None
 
 
 def _output_path(cfg: RunConfig) -> Any:
@@ -253,9 +320,11 @@ def _output_path(cfg: RunConfig) -> Any:
 
 
 def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
-               done: dict[str, Any], mitigations: bool) -> list[str]:
+               done: dict[str, Any], mitigations: bool, refused: dict[str, str] | None = None) -> list[str]:
     """What the audit will do, before it does it: one line per check with its cost, the skipped
-    checks with their reasons, and what ``--length`` costs."""
+    checks with their reasons, a kept row not believed (``refused``: why; it runs again), and what
+    ``--length`` costs."""
+    refused = refused or {}
     run = [c for c in todo if c.key not in reasons]
     total = sum((costs[c.key] for c in run if c.key not in done), Cost())
     lines = [f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), "
@@ -264,7 +333,8 @@ def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any]
     width = max((len(c.key) for c in todo), default=0)
     for c in todo:
         what = ("finished earlier" if c.key in done else
-                f"skipped: {reasons[c.key]}" if c.key in reasons else costs[c.key].text())
+                f"skipped: {reasons[c.key]}" if c.key in reasons else costs[c.key].text()
+                + (f"; runs again: an earlier row is not believed ({refused[c.key]})" if c.key in refused else ""))
         lines.append(f"  {c.key:<{width}}  {what}")
     lines.append(f"audit: to run: {total.text()}"
                  + ("; a diverging check is run again under each mitigation (aligned, deterministic)" if mitigations else "")
@@ -294,8 +364,7 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
         raise
     if writer is not None:
         writer.close()
-    if state is not None:
-        state.keep(c.key, row_record(row))
+        state.keep(c.key, row_record(row))  # sealed with its part; a row without a part is the plan's (free again)
     return row
 
 
