@@ -82,6 +82,22 @@ class ModelInfo:
         return asdict(self)
 
 
+def model_argument(model: dict[str, Any]) -> str:
+    """How to name a loaded model again on a command line, from its :meth:`ModelInfo.to_dict` (a trace
+    header's ``model``): a recipe's name or an HF id as they are; a GGUF file given by path and a local
+    folder by their absolute path (the name of a GGUF by path is its file's stem, which names nothing:
+    ``tracer sweep SmolLM2-135M-Instruct.Q4_1`` would not run). Shell-quoted where needed."""
+    import shlex
+
+    name, source, path = str(model.get("name") or "MODEL"), model.get("source"), model.get("path")
+    if isinstance(path, str) and path:
+        by_path = source == "gguf" and path.lower().endswith(".gguf") and Path(path).stem == name
+        folder = source == "hf" and "/models--" not in path.replace("\\", "/")  # not a snapshot of the HF cache
+        if by_path or folder:
+            return shlex.quote(path)
+    return shlex.quote(name)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to trace: ``model`` (eval, no grad), its ``tokenizer`` and ``info``.

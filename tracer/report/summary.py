@@ -126,6 +126,15 @@ def _engine_flag(c: Any) -> str | None:
     return "" if c.scenario == "engine" else f"--engine {other[0]}"
 
 
+def _model_argument(c: Any) -> str:
+    """The model as a suggested command names it: ``facts["model_argument"]`` (a GGUF file or folder by
+    its path, :func:`tracer.load.models.model_argument`), else the comparison's model name, else ``MODEL``."""
+    arg = c.facts.get("model_argument")
+    if isinstance(arg, str) and arg and arg.isprintable():
+        return arg
+    return c.model if c.model and c.model != "model" else "MODEL"
+
+
 def _rerun(c: Any, command: str) -> str:
     """How a suggestion names ``tracer run``'s options: the bare option from ``tracer run`` itself,
     else the whole command line that re-runs this comparison's model and scenario (on its engine)."""
@@ -133,7 +142,7 @@ def _rerun(c: Any, command: str) -> str:
         return ""
     from tracer.plan.scenarios import SCENARIOS
 
-    model = c.model if c.model and c.model != "model" else "MODEL"
+    model = _model_argument(c)
     scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
     engine = _engine_flag(c)
     return f"tracer run {model}{scen}{' ' + engine if engine else ''} "
@@ -144,7 +153,7 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
-    model = c.model if c.model and c.model != "model" else "MODEL"
+    model = _model_argument(c)
     engine = _engine_flag(c)  # runs in vLLM: suggestions run vLLM again; --verdict re-runs HF only (refused)
     if c.identical and (c.facts.get("engine") or engine == ""):  # engine dumps, HF vs vLLM: a sweep or an
         return steps  # audit runs one engine, not the two that were compared
