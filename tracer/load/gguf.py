@@ -10,6 +10,7 @@ only when a load needs it) and returns that folder.
 from __future__ import annotations
 
 import importlib.util
+import functools
 import json
 import os
 import re
@@ -342,6 +343,24 @@ def _cached_tokenizer(target: Path, gguf_path: Path, recipe_name: str, progress:
     if not (target / _TOKENIZER_MARK).is_file():
         return None
     return AutoTokenizer.from_pretrained(target)
+
+
+def cached_tokenizer_dir(gguf_path: Path) -> Path | None:
+    """The cache entry of a GGUF file when it holds the converted tokenizer (the file's SHA-256
+    computed once per process: :func:`file_digest`), else None."""
+    entry = cached_gguf_dir(file_digest(gguf_path))
+    return entry if entry is not None and (entry / _TOKENIZER_MARK).is_file() else None
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a file, computed once per process for a given path, size and modification time."""
+    st = os.stat(path)
+    return _digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)  # the size and mtime are part of the key: an edited file is hashed again
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
 
 
 def gguf_cache_dir(sha256: str) -> Path:

