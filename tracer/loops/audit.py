@@ -124,6 +124,21 @@ def audit_length(cfg: RunConfig) -> int | None:
     return p.length if p.length is not None or given else DEFAULT_LENGTH
 
 
+#: ``--store auto``'s byte budget of full tensors per check (both runs; each mitigation re-run has its own)
+#: when ``--max-trace-size`` is not given: the origin and the points beside it (SmolLM2 at N = 96: a
+#: layer's output is 110 KB per run), the logits' 9.4 MB per run only on request. Every point's
+#: statistics are stored whatever the budget (the stored comparison)
+CHECK_BUDGET = 1 << 20
+
+
+def check_budget(cfg: RunConfig) -> int | None:
+    """The per-check budget of full tensors: ``--max-trace-size``, else :data:`CHECK_BUDGET`; None
+    unless ``--store auto`` (``tensors`` keeps every tensor, ``stats`` none)."""
+    if cfg.store.mode != "auto":
+        return None
+    return cfg.store.budget() if cfg.store.max_trace_size is not None else CHECK_BUDGET
+
+
 def default_output(model: str, root: str = "traces") -> Any:
     """``traces/<model>-audit.h5``: a fixed name, so re-running an interrupted audit resumes it."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
@@ -206,8 +221,8 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
     info = loaded.info
     ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
-    plans, reasons = _plan(todo, len(ids), options, info.device)
-    budget = cfg.store.budget() if cfg.store.mode == "auto" and out is not None else None  # per check (both runs)
+    plans, reasons = _plan(todo, len(ids), options, info.device, loaded.model)
+    budget = check_budget(cfg) if out is not None else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "levels": selected},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
@@ -219,11 +234,14 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
     state = AuditStore(out, header, overwrite=cfg.store.overwrite, claim=claim) if out is not None else None
     done, refused = _kept_rows(state, todo, reasons)
     costs = {k: scenario_cost(s) for k, s in plans.items()}
-    weight = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
+    # the ETA's weights: each check's cost, with a re-run per mitigation it may need (dropped when it is not run)
+    unit = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
+    weight = {c.key: unit[c.key] * (1 + (len(c.mitigations) if mitigations else 0)) for c in todo}
     rows: list[AuditRow] = []
     with ItemProgress("audit", len(todo), mode=progress, weight_total=sum(weight.values())) as bar:
         for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations, refused):
             bar.note(line)
+        bar.note(disk_line(info, len(ids), todo, reasons, done, cfg, budget, mitigations))
         for i, c in enumerate(todo):
             if c.key in done:
                 row = AuditRow.from_dict(done[c.key])
@@ -238,7 +256,9 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
             rows.append(row)
             if bar.mode == "bar":
                 bar.note(result)  # stays above the bar; without a terminal the count line carries it
-            bar.advance(result, weight=weight[c.key], timed=c.key not in done)
+            ran = unit[c.key] * (1 + sum(isinstance(v, bool) for v in row.mitigations.values()))
+            bar.weight_total -= weight[c.key] - ran  # the mitigation re-runs it did not need
+            bar.advance(result, weight=ran, timed=c.key not in done)
             if on_row is not None:
                 on_row(row)
         if on_check is not None:
@@ -250,6 +270,27 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
              "levels": selected, "engine": cfg.scenario.engine or "hf"}
     return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if out is not None else None)
+
+
+def disk_line(info: ModelInfo, n: int, todo: list[Check], reasons: dict[str, str], done: dict[str, Any],
+              cfg: RunConfig, budget: int | None, mitigations: bool) -> str:
+    """The plan's line on disk use: how many run pairs it may store (each check still to run, and a
+    re-run per mitigation if it diverges), what each holds, and the bound (:func:`tracer.plan.cost.trace_bytes`)."""
+    from tracer.plan.cost import stats_bytes, trace_bytes
+    from tracer.store.budget import format_size
+
+    if cfg.store.mode == "none":
+        return "audit: disk: nothing is written (--store none)"
+    runs = [c for c in todo if c.key not in reasons and c.key not in done]
+    pairs = len(runs) + (sum(len(c.mitigations) for c in runs) if mitigations else 0)
+    full = trace_bytes(info, n, cfg.capture.granularity, cfg.capture.kv_cache)
+    stats = stats_bytes(info, cfg.capture.granularity, cfg.capture.kv_cache)
+    kept = full if cfg.store.mode == "tensors" else 0 if budget is None else min(budget, full)
+    what = ("every tensor" if cfg.store.mode == "tensors" else "statistics only" if budget is None else
+            f"full tensors around the origin within --max-trace-size {format_size(budget)}")
+    return (f"audit: disk: at most {format_size(pairs * (kept + stats))} for {pairs} run pair(s) ({len(runs)} checks, "
+            f"and a re-run per mitigation of a check that diverges): {what} and every point's statistics per pair"
+            + (f"; every tensor (--store tensors) is {format_size(full)} per pair" if cfg.store.mode != "tensors" else ""))
 
 
 def _kept_rows(state: AuditStore | None, todo: list[Check], reasons: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -414,16 +455,21 @@ def _check_options(options: dict[str, Any], selected: list[int]) -> None:
                           f"{','.join(map(str, selected))}; drop it or add the level that uses it")
 
 
-def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tuple[dict[str, Any], dict[str, str]]:
+def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str,
+          model: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
-    skip reason of every other check; a real-TP check's label names its backend (in place in ``todo``)."""
+    skip reason of every other check; a real-TP check runs at a degree the model shards to
+    (:func:`_tp_degree`) and its label names the degree and the backend (in place in ``todo``)."""
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for j, c in enumerate(todo):
-        if c.needs == "ranks":  # the row says which mode and backend produced it
+        shard_reason = None
+        if c.needs == "ranks":  # the row says which degree, mode and backend produced it
+            c, shard_reason = _tp_degree(c, model, device)
             with contextlib.suppress(TracerError):
-                todo[j] = c = _replace(c, label=f"{c.label} ({backend_for(device)})")
-        reason = skip_reason(c, device)
+                c = _replace(c, label=f"{c.label} ({backend_for(device)})")
+            todo[j] = c
+        reason = skip_reason(c, device) or shard_reason
         if reason is None:
             try:
                 plans[c.key] = build(c.scenario, n, **_options_for(c, options))
@@ -432,6 +478,32 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
         if reason is not None:
             reasons[c.key] = reason
     return plans, reasons
+
+
+#: the most ranks a real-TP check tries above its own degree to find one the model shards to
+MAX_TP_STEPS = 6
+
+
+def _tp_degree(c: Check, model: Any, device: str) -> tuple[Check, str | None]:
+    """A real-TP check at the smallest degree from its own up that divides the model's heads, KV
+    heads and sharded dimensions (SmolLM2's 9 heads: TP-3, not TP-2), so the plan holds only a check
+    that can run; else the check and why no degree does (the skip is in the plan)."""
+    from tracer.execute.tp_shard import check_shardable
+
+    k0 = int(c.options.get("tp", 2))
+    if model is None:
+        return c, None
+    first = None
+    for k in range(k0, k0 + MAX_TP_STEPS + 1):
+        try:
+            check_shardable(model, k)
+        except TracerError as e:
+            first = first or str(e)
+            continue
+        if k == k0:
+            return c, None
+        return _replace(c, options={**c.options, "tp": k}, label=c.label.replace(f"TP-{k0}", f"TP-{k}")), None
+    return c, f"{first} (nor does any degree up to {k0 + MAX_TP_STEPS})"
 
 
 def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:

@@ -198,8 +198,9 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
 
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
     ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
-    ``growth``, ``logits``, ``versions`` (two traces: every version that differs), ``isa`` (two
-    traces of CPUs or GPUs whose instruction sets differ), ``decode`` when present, ``next`` (one
+    ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
+    likely cause, so before the versions), ``versions`` (two traces: every version that differs),
+    ``decode`` when present, ``next`` (one
     pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
@@ -215,10 +216,10 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
             f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
         out.append(("growth", growth_text(c)))
     out.append(("logits", logits_text(c)))
+    if c.facts.get("isa_differs"):  # two traces of CPUs or GPUs of other instruction sets: the likely cause, first
+        out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if "versions_differ" in c.facts:  # runs from two traces
         out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
-    if c.facts.get("isa_differs"):
-        out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if c.replay is not None:
         out.append(("decode", c.replay.line()))
     out.extend(("next", s) for s in next_steps(c, command))
