@@ -232,3 +232,17 @@ def test_every_suggestion_pasted_as_printed_resolves(three_models, tmp_path, mon
     for args, (code, err) in zip(pasted, cli_batch(pasted, tmp_path, timeout=600)):
         # past the parser and every check: the next step would have loaded the model
         assert code == 3 and "a model was loaded" in err, (args, code, err)
+
+
+def test_an_origin_born_in_the_cached_prefix_gets_one_command_that_names_the_op():
+    """The default run's origin is a KV cache written in the cached-prefix pass: `--granularity sublayers`
+    alone compares that pass at the KV cache only (its op is not traced), so the one suggestion that names
+    the op is both options together; a sublayers run of the window is told to add `--positions all`."""
+    kv = SimpleNamespace(kind="kv_cache", n_diff_prefix=155)
+    layers = next_steps(_comparison(origins=[kv], points=[kv]), "run")
+    assert layers[0].startswith("`--positions all --granularity sublayers`: the divergence is born in the cached-prefix")
+    assert not any(s.startswith("`--granularity sublayers`") or s.startswith("`--positions all`:") for s in layers)
+    subs = next_steps(_comparison(origins=[kv], points=[kv, SimpleNamespace(kind="linear", n_diff_prefix=0)]), "run")
+    assert subs[0].startswith("`--positions all`: the divergence is born in the cached-prefix pass")
+    compare = next_steps(_comparison(origins=[kv], points=[kv]), "compare")
+    assert compare[0].startswith("`tracer run smollm2-135m --positions all --granularity sublayers`")

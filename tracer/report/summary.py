@@ -170,11 +170,14 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     run = _rerun(c, command)
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
-    if any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt:
-        steps.append(f"`{run}--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
-                     "op by op and names the op")
     subs = any(p.kind not in LAYER_KINDS for p in c.points)
-    if not subs:
+    prefix_born = any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt
+    if prefix_born:  # one command that names the op: the cached-prefix pass, traced op by op
+        both = "--positions all" if subs else "--positions all --granularity sublayers"
+        steps.append(f"`{run}{both}`: the divergence is born in the cached-prefix pass, which this run compares at "
+                     "the KV cache only; this traces that pass op by op and names the op (norm, q/k/v, attention core, "
+                     "MLP, every Linear) with its GEMM shapes")
+    if not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
