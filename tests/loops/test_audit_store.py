@@ -267,3 +267,53 @@ def test_a_second_writer_of_one_output_is_refused_before_its_model_loads(loaded,
         claim.release()
     res = tracer.audit(loaded, output=str(out), levels="0", length=40, progress=False)
     assert [r.status for r in res.rows] == ["passed"] and out.exists()
+
+
+# --- an audit that fits: small parts, disk use and a TP degree in the plan ---------------------------------
+
+def _llama(heads: int, kv_heads: int, hidden: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", num_hidden_layers=1, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=64)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_real_tp_runs_at_a_degree_the_model_shards_to_or_is_skipped_in_the_plan():
+    """SmolLM2's 9 heads refused TP-2 only once the check ran; now the plan picks the smallest degree
+    that divides the heads, the KV heads and the sharded dimensions, or skips the check with the reason."""
+    from tracer.loops.audit import _tp_degree
+
+    real = next(c for c in tracer.loops.audit.checks() if c.key == "L4-tp-real")
+    assert _tp_degree(real, _llama(4, 2, 32), "cpu") == (real, None)  # TP-2 divides: the check as it is
+    three, why = _tp_degree(real, _llama(9, 3, 36), "cpu")  # SmolLM2's heads: 9 and 3
+    assert why is None and three.options["tp"] == 3 and "real TP-3 over" in three.label
+    same, why = _tp_degree(real, _llama(11, 11, 44), "cpu")  # no degree from 2 to 8 divides 11
+    assert same is real and "does not divide the 11 attention heads" in why and "up to 8" in why
+
+
+def test_default_parts_keep_the_origins_neighbourhood_and_the_plan_states_the_disk_bound(loaded, tmp_path):
+    """Without --max-trace-size a check keeps 1 MiB of full tensors (both runs) and every point's
+    statistics; the plan's disk line bounds what is written; --max-trace-size raises it (full tensors on request)."""
+    import contextlib
+    import io
+    import re
+
+    from tracer.config import RunConfig
+    from tracer.loops.audit import CHECK_BUDGET, check_budget
+    from tracer.store.budget import parse_size
+
+    assert check_budget(RunConfig.from_options(model="m", store="auto")) == CHECK_BUDGET == 1 << 20
+    assert check_budget(RunConfig.from_options(model="m", store="auto", max_trace_size="2GiB")) == 2 << 30
+    assert check_budget(RunConfig.from_options(model="m", store="tensors")) is None
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        tracer.audit(loaded, output=str(tmp_path / "a.h5"), levels="0,5", length=40, progress="lines",
+                     max_trace_size="64KiB")
+    line = next(x for x in err.getvalue().splitlines() if x.startswith("audit: disk: at most "))
+    bound = parse_size(re.match(r"audit: disk: at most ([\d.]+) (\w+)", line).expand(r"\1\2"))
+    assert (tmp_path / "a.h5").stat().st_size <= bound, line
+    with TraceReader(tmp_path / "a.h5") as r:
+        auto = r.run("L5-kv-fp8.A", load_tensors=False).meta["store_auto"]
+        assert auto["budget"] == 64 << 10 and auto["dropped"] and auto["kept_bytes"] <= 64 << 10
+        assert set(r.comparisons()) >= {"L0-repeat", "L5-kv-fp8"}  # every check's statistics, whatever was dropped
