@@ -389,6 +389,8 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
                state: Any) -> AuditRow:
     """One check, its runs written to its own trace part (kept once the row is kept)."""
     writer = None
+    if state is not None and c.key not in reasons:
+        state.discard(c.key)  # a row not believed, a part of a run that died: this run writes both anew
 
     def one(key: str, scen: Any) -> Any:
         nonlocal writer

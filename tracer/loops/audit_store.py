@@ -272,6 +272,16 @@ class AuditStore:
         with TraceReader(self.part(key)) as r:
             return r.comparisons()
 
+    def discard(self, key: str) -> None:
+        """Remove what an earlier run left for check ``key`` (its row and part, whatever they are now:
+        a file, a FIFO, a link, a folder) before it runs again."""
+        for p in (self.folder / f"{key}.json", self.part(key)):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+
     def part(self, key: str) -> Path:
         """The trace file of check ``key``'s runs."""
         return self.folder / f"{key}.h5"
