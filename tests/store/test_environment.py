@@ -108,7 +108,7 @@ def test_the_title_line_names_the_instruction_set(two_machines):
     assert f"({c.facts['device_name']}, {torch.backends.cpu.get_cpu_capability()}" in _title(c)
     assert isa_summary({"device": "cpu", "cpu_capability": "DEFAULT", "onednn_isa": "Intel SSE4.1",
                         "cpu_isa_env": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}) == (
-        "DEFAULT, oneDNN SSE4.1 (capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41)")
+        "DEFAULT, oneDNN SSE4.1; capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41")
     assert isa_summary({"device": "cpu", "cpu_capability": "AVX2", "onednn_isa": "Intel AVX2"}) == "AVX2"
     assert isa_summary({"device": "cuda:0", "device_capability": "9.0", "driver": "580.159.04"}) == (
         "sm 9.0, driver 580.159.04")

@@ -268,7 +268,7 @@ ISA_KEYS = ("cpu_capability", "onednn_isa", "cpu_isa_flags", "cpu_isa_env", "dev
 def isa_summary(header: dict[str, Any]) -> str | None:
     """The instruction set the kernels dispatched to, short, for a title line: ``AVX2`` (ATen's
     ``cpu_capability``, with oneDNN's ISA when it names another, and a cap set in the environment:
-    ``DEFAULT, oneDNN SSE4.1 (capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41)``) or, on a
+    ``DEFAULT, oneDNN SSE4.1; capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41``) or, on a
     GPU, ``sm 9.0, driver 580.159.04``; None for a header written before these were recorded."""
     device = str(header.get("device") or "")
     if device.startswith(("cuda", "hip")):
@@ -284,7 +284,7 @@ def isa_summary(header: dict[str, Any]) -> str | None:
         text += f", oneDNN {short}"
     env = header.get("cpu_isa_env")
     if isinstance(env, dict) and env:
-        text += " (capped: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items())) + ")"
+        text += "; capped: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
     return text
 
 
