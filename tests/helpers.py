@@ -71,6 +71,11 @@ if {refuse_loads!r}:  # bad input must be refused before any load: a load is an 
     def refuse(*a, **k):
         raise RuntimeError("a model was loaded")
     tracer.load.models.load_model = refuse
+if {refuse_reads!r}:  # ... and before any trace is opened
+    import tracer.store.reader
+    def unread(*a, **k):
+        raise RuntimeError("a trace was read")
+    tracer.store.reader.TraceReader.__init__ = unread
 import os
 from tracer.cli import main
 for case in json.loads(sys.argv[1]):
@@ -92,15 +97,16 @@ for case in json.loads(sys.argv[1]):
 
 
 def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cwd: str | Path, *,
-                timeout: float = 600, refuse_loads: bool = False) -> list[subprocess.CompletedProcess]:
+                timeout: float = 600, refuse_loads: bool = False,
+                refuse_reads: bool = False) -> list[subprocess.CompletedProcess]:
     """``tracer ARGS`` for each case, one after another in ONE process (torch and transformers are
     imported once, not once per command): a ``CompletedProcess`` (``returncode``, ``stdout``,
     ``stderr``) per case, in order; the exit codes are the CLI's own (``main`` raises
     ``SystemExit``). A case is the argument list, or ``{"args": [...], "env": {...}}``: variables
     set for that case only (``COLUMNS``, ``TTY_COMPATIBLE``: leave them out of ``env`` then, so the
     consoles made at import read them as each case prints). ``refuse_loads``: loading a model
-    raises in that process."""
-    driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads)
+    raises in that process; ``refuse_reads``: opening a trace does."""
+    driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads, refuse_reads=refuse_reads)
     proc = subprocess.run([sys.executable, "-c", driver, json.dumps(cases)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
     done = [json.loads(line[1:]) for line in proc.stdout.split("\n") if line.startswith("\x00")]
@@ -109,10 +115,13 @@ def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cw
             for args, (code, out, err) in zip(cases, done)]
 
 
-def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> list[tuple[int, str]]:
+def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120, *,
+              refuse_reads: bool = False) -> list[tuple[int, str]]:
     """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process in which
-    loading a model raises, so a case that would load one fails (:func:`cli_session`)."""
-    done = cli_session(cases, dict(os.environ, COLUMNS="200"), cwd, timeout=timeout, refuse_loads=True)
+    loading a model raises, so a case that would load one fails (:func:`cli_session`); with
+    ``refuse_reads`` opening a trace raises too."""
+    done = cli_session(cases, dict(os.environ, COLUMNS="200"), cwd, timeout=timeout, refuse_loads=True,
+                       refuse_reads=refuse_reads)
     return [(p.returncode, p.stderr) for p in done]
 
 

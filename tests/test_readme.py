@@ -52,25 +52,33 @@ def sessions() -> list[tuple[int, list[str]]]:
             if any(x.startswith("$ ") for x in lines)]
 
 
-def runnable(command: str, tmp: Path) -> str:
-    """The README command as this test runs it (see the module docstring)."""
-    import torch
+def runnable(command: str, tmp: Path, *, root: Path = ROOT, python: str = sys.executable,
+             cuda: bool | None = None) -> str:
+    """The README command as this test runs it (see the module docstring).
 
+    Only the README's own words are rewritten: its ``/tmp/`` becomes ``tmp``; the checkout ``root``
+    and the ``python`` put in for ``tracer`` and ``python3 scripts/...`` are never touched, so a
+    clone (and its venv) under ``/tmp`` runs them as they are. ``cuda``: whether this machine has
+    CUDA (None: ask torch)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
     words = shlex.split(command.split("  #")[0])
     env = [w for w in words if re.match(r"^[A-Z_]+=", w)]
-    words = words[len(env):]
-    if words[0] == "tracer":
-        words = [sys.executable, "-m", "tracer", *words[1:]]
-    if words[0] == "python3" and words[1].startswith("scripts/"):
-        words = [sys.executable, str(ROOT / words[1]), *words[2:]]
-    if words[:4] == [sys.executable, "-m", "tracer", "run"] or words[1].endswith("make-sglang-dump.py"):
+    words = [w.replace("/tmp/", f"{tmp}/") for w in words[len(env):]]  # before any path of this machine goes in
+    if not cuda:
+        words = ["cpu" if w == "cuda" and prev == "--device" else w for prev, w in zip([""] + words, words)]
+    script = words[0] == "python3" and words[1].startswith("scripts/")
+    if words[0] == "tracer" and words[1:2] == ["run"] or script and words[1].endswith("make-sglang-dump.py"):
         if "--length" in words:
             words[words.index("--length") + 1] = LENGTH
         else:
             words += ["--length", LENGTH]
-    if not torch.cuda.is_available():
-        words = ["cpu" if w == "cuda" and prev == "--device" else w for prev, w in zip([""] + words, words)]
-    words = [w.replace("/tmp/", f"{tmp}/") for w in words]
+    if words[0] == "tracer":
+        words = [python, "-m", "tracer", *words[1:]]
+    elif script:
+        words = [python, str(root / words[1]), *words[2:]]
     return shlex.join(words)
 
 
@@ -92,6 +100,77 @@ def test_first_command_runs(tmp_path, cli_env):
                           text=True, timeout=900, env={**cli_env, "TRACER_PROGRESS": "off"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("verdict:")
+
+
+def test_commands_of_a_clone_under_tmp_keep_its_paths():
+    """A checkout and its venv under /tmp (README command 2 in a fresh clone there): only the README's
+    own /tmp/ paths move to the scratch folder; the venv's Python and the checkout's scripts stay."""
+    clone, scratch = Path("/tmp/x"), Path("/tmp/pytest-of-me/test0")
+    python = "/tmp/x/.venv/bin/python"
+    commands = [c for _, cs in sessions() for c in cs]
+    dump = next(c for c in commands if "make-sglang-dump.py" in c)
+    assert shlex.split(runnable(dump, scratch, root=clone, python=python, cuda=False)) == [
+        python, "/tmp/x/scripts/make-sglang-dump.py", "--out", "/tmp/pytest-of-me/test0/sg",
+        "--reference", "/tmp/pytest-of-me/test0/ref.h5", "--length", LENGTH]
+    compare = next(c for c in commands if c.startswith("tracer compare /tmp/ref.h5:B "))
+    assert shlex.split(runnable(compare, scratch, root=clone, python=python, cuda=False)) == [
+        python, "-m", "tracer", "compare", "/tmp/pytest-of-me/test0/ref.h5:B", "/tmp/pytest-of-me/test0/sg/dump_synthetic",
+        "--fail-on", "any"]
+    for command in commands:
+        words = shlex.split(runnable(command, scratch, root=clone, python=python, cuda=False))
+        given = [w for w in shlex.split(command.split("  #")[0]) if not re.match(r"^[A-Z_]+=", w)]
+        assert words[0] == python, command
+        moved = [w for w in words if w.startswith(f"{scratch}/")]
+        assert len(moved) == sum("/tmp/" in w for w in given), command
+
+
+def _clone_under_tmp() -> Path:
+    """A ``git clone`` of this checkout under /tmp holding the working tree as it is (modified and new
+    files copied over, deleted ones removed), with a venv of its own that sees this interpreter's packages."""
+    import shutil
+    import site
+    import tempfile
+
+    clone = Path(tempfile.mkdtemp(prefix="tracer-clone-", dir="/tmp")) / "x"
+    git = ["git", "-C", str(ROOT)]
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)], check=True, timeout=300)
+    changed = subprocess.run([*git, "ls-files", "-z", "--modified", "--others", "--exclude-standard"],
+                             capture_output=True, check=True).stdout.decode().split("\0")
+    deleted = set(subprocess.run([*git, "ls-files", "-z", "--deleted"], capture_output=True,
+                                 check=True).stdout.decode().split("\0"))
+    for name in filter(None, changed):
+        if name in deleted:
+            (clone / name).unlink(missing_ok=True)
+        elif (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(clone / ".venv")], check=True, timeout=120)
+    inner = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    Path(inner, "outer-packages.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return clone
+
+
+@pytest.mark.slow
+def test_readme_commands_run_from_a_clone_under_tmp():
+    """README command 2 from a fresh clone under /tmp (its tests of the README's commands): the clone's
+    own venv Python runs the first README command and the path rewriting, all paths under /tmp."""
+    import os
+    import shutil
+
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    clone = _clone_under_tmp()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHONPATH"))}
+        proc = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               "tests/test_readme.py::test_first_command_runs",
+                               "tests/test_readme.py::test_commands_of_a_clone_under_tmp_keep_its_paths"],
+                              cwd=clone, env={**env, "PYTHONPATH": str(clone)}, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    finally:
+        shutil.rmtree(clone.parent, ignore_errors=True)
 
 
 CONSOLE = """

@@ -180,6 +180,10 @@ def plot_file(path: str | os.PathLike, *, kind: str | None = None, output: str |
     Raises:
         TracerError: unknown kind, a kind that does not fit the file, bad output path, unreadable file.
     """
+    from tracer.report.outputs import check_plot_options
+
+    check_plot_options(kind, layers, output, overwrite)  # the options first: no torch, matplotlib or file read
+
     from tracer.report.plot import plot_file as _pf
 
     return _pf(path, kind=kind, output=output, overwrite=overwrite, layers=layers, run_a=run_a, run_b=run_b)

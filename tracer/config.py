@@ -306,7 +306,8 @@ _HELP = {
                  "against the exact result (with --granularity sublayers)",
     "store": "auto (full tensors around the origin and the logits within --max-trace-size; statistics of all), "
              "tensors (every captured tensor), stats (comparison only) or none (no file)",
-    "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB)",
+    "max_trace_size": "with --store auto: bytes of full tensors the trace may hold, e.g. 300MB, 2GiB (default 256MiB; "
+                      "tracer audit: per check, default 1MiB)",
     "output": "trace file (default: a new file in traces/ named after the model, scenario and time)",
     "overwrite": "replace an existing output file",
     "compression": "HDF5 compression of stored tensors: none, lzf, gzip",
@@ -507,8 +508,8 @@ _PROMPT = ("prompt", "prompt_file", "token_ids", "token_ids_file", "chat", "leng
 _SWEEP_LEAVES = ("block_sizes", "mitigations", "is_cap", "mask_threshold")
 COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
     "run": tuple(OPTIONS),
-    "audit": (*_MODEL, *_PROMPT, "engine", "granularity", "kv_cache", "kernels", "store", "output", "overwrite",
-              "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
+    "audit": (*_MODEL, *_PROMPT, "engine", "granularity", "kv_cache", "kernels", "store", "max_trace_size", "output",
+              "overwrite", "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
     "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),

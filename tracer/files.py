@@ -309,6 +309,21 @@ def check_gguf_file(path: str | os.PathLike, option: str = "--gguf") -> str:
     return str(p)
 
 
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file's content, streamed in ``chunk``-byte reads.
+
+    Raises:
+        OSError: unreadable.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` exists (also when it belongs to another user)."""
     if pid <= 0:

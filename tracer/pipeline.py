@@ -3,7 +3,8 @@
 Every command goes through these functions (``run``, ``audit``, ``sweep``, the ``--verdict``
 precision ladder and ``bench``)::
 
-    prepare(cfg)               load the model, tokenize the prompt, plan the scenario  → Prepared
+    prepare(cfg)               the tokenizer's checks, load the model, tokenize the prompt, plan the
+                               scenario                                                → Prepared
     open_writer(cfg, ...)      the HDF5 trace writer (background thread), or None
     run_scenario(...)          execute run A and run B with the capture hooks, compare them,
                                hand both runs (and the comparison) to the writer       → Outcome
@@ -43,7 +44,7 @@ from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import RunRecord, settle_wall
 from tracer.load.contract import numeric_contract
 from tracer.load.devices import cast_weights, model_device
-from tracer.load.models import LoadedModel, load_model
+from tracer.load.models import LoadedModel, load_model, tokenizer_only
 from tracer.load.prompts import prompt_file_note, read_prompt, tokenize
 from tracer.plan.build import check_resources, make_scenario
 from tracer.plan.checks import check_positions, own_params, positions_needed
@@ -76,9 +77,9 @@ class Prepared:
     scenario: Scenario
 
 
-def load(cfg: RunConfig, *, progress: bool | Say = False) -> LoadedModel:
+def load(cfg: RunConfig, *, progress: bool | Say = False, tokenizer: Any = None) -> LoadedModel:
     """Load ``cfg.model`` (:func:`tracer.load.models.load_model`), with its tokenizer only when
-    :func:`needs_tokenizer` says the run uses it.
+    :func:`needs_tokenizer` says the run uses it (``tokenizer``: one already loaded, :func:`check_prompt_length`).
 
     ``progress``: the loader's status messages and progress bars (True), none (False), or a callable
     that gets the messages (:func:`tracer.load.models.load_model`).
@@ -87,8 +88,38 @@ def load(cfg: RunConfig, *, progress: bool | Say = False) -> LoadedModel:
         TracerError: unknown model, missing weights, bad device or device map.
     """
     m = cfg.model
+    want = needs_tokenizer(cfg)
     return load_model(m.name, dtype=m.dtype, device=m.device, attn=m.attn, gguf=m.gguf, progress=progress,
-                      device_map=m.device_map, max_memory=m.max_memory, tokenizer=needs_tokenizer(cfg))
+                      device_map=m.device_map, max_memory=m.max_memory,
+                      tokenizer=tokenizer if want and tokenizer is not None else want)
+
+
+def check_prompt_length(cfg: RunConfig, length: int | None = None) -> Any:
+    """The checks that need only the tokenizer, before the weights load: a text prompt is tokenized with
+    the model's tokenizer alone (:func:`tracer.load.models.tokenizer_only`) and the scenario planned for
+    its N, so ``--split-at`` or ``--block-size`` beyond the prompt is refused in seconds, not after the
+    model loads (a prompt given as token ids was checked against N by :func:`tracer.validate.validate`).
+
+    Returns:
+        the tokenizer when one was loaded for this (:func:`load` reuses it), else None (token ids, a
+        scenario given as an object, or a tokenizer only the load can give).
+
+    Raises:
+        TracerError: what planning the scenario for this N refuses.
+    """
+    p = cfg.prompt
+    if not needs_tokenizer(cfg) or p.token_ids is not None or p.token_ids_file is not None:
+        return None
+    tok = tokenizer_only(cfg.model.name, cfg.model.gguf) if isinstance(cfg.model.name, str) else None
+    if tok is None:
+        return None
+    text, ids = read_prompt(p.prompt, p.prompt_file, p.token_ids_file, p.token_ids)
+    n = len(tokenize(tok, text, ids, chat=p.chat, vocab_size=len(tok), length=p.length if length is None else length))
+    if isinstance(cfg.scenario.name, str):
+        from tracer.engines.door import realise
+
+        check_resources(realise(make_scenario(cfg.scenario.name, n, cfg.scenario.params()), cfg.scenario.engine))
+    return tok
 
 
 def needs_tokenizer(cfg: RunConfig) -> bool:
@@ -152,9 +183,10 @@ def prepare(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool
     from tracer.engines.door import check, realise
 
     if loaded is None:
+        tok = check_prompt_length(cfg)  # the tokenizer's checks first: a bad --split-at costs no model load
         say(f"loading {cfg.model.name}")
         # a status callback also gets the loader's own messages (cache builds, tokenizer conversion)
-        loaded = load(cfg, progress=say if say is not _quiet else progress)
+        loaded = load(cfg, progress=say if say is not _quiet else progress, tokenizer=tok)
     ids = prompt_ids(cfg, loaded, check=False)
     scen = check_resources(realise(make_scenario(cfg.scenario.name, len(ids), cfg.scenario.params()), cfg.scenario.engine))
     check_prompt_positions(cfg, loaded, len(ids), scen)
@@ -432,6 +464,6 @@ def precision_ladder(loaded: LoadedModel, token_ids: list[int], scen: Scenario, 
     return NoiseVerdict(verdict, reason, worst, judged)
 
 
-__all__ = ["Prepared", "Outcome", "load", "needs_tokenizer", "prompt_ids", "check_prompt_positions", "prepare",
+__all__ = ["Prepared", "Outcome", "load", "check_prompt_length", "needs_tokenizer", "prompt_ids", "check_prompt_positions", "prepare",
            "trace_header", "open_writer",
            "run_scenario", "without_tensors", "run", "precision_ladder", "TracerError"]

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from tracer.config import COMPRESSIONS, POSITIONS, STORE_MODES, PromptConfig, RunConfig
+from tracer.engines.table import name_of, row
 from tracer.errors import TracerError
 
 
@@ -77,7 +78,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if not isinstance(ch.decode, int) or isinstance(ch.decode, bool) or ch.decode < 0:
         raise TracerError(f"--decode {ch.decode} must be a number of tokens >= 0 (0 = off)")
     # one source; files readable, ids valid; not empty
-    check_prompt(*read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids), chat=pr.chat)
+    text, ids = read_prompt(pr.prompt, pr.prompt_file, pr.token_ids_file, pr.token_ids)
+    check_prompt(text, ids, chat=pr.chat)
     dispatched = m.device_map is not None or (loaded is not None and loaded.info.device_map is not None)
     _check_dispatch(cfg, dispatched)
     if loaded is None:
@@ -99,10 +101,12 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     planned = None
     if isinstance(s.name, str):  # every length-independent scenario error, before loading
         own = own_params(s.name, s.params())  # an audit's options are its checks'
-        planned = check_resources(realise(preview(s.name, _known_length(pr) if one_length else None, own), s.engine))
+        planned = check_resources(realise(preview(s.name, _known_length(pr, ids) if one_length else None, own),
+                                          s.engine))
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
+        _check_engine_blocks(planned, m.device)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)
     if planned is not None and (c.cuda_graphs or s.name == "cuda-graph"):
@@ -172,6 +176,43 @@ def _check_bounds(cfg: RunConfig) -> None:
         raise TracerError('--device-map nests deeper than a map {"module.path": "cuda:0"}; give a flat JSON object')
 
 
+def _engine_device(engine: str | None, device: str | None) -> str:
+    """The device type an engine runs a plan on, known without importing it: where one of its
+    package's CPU-only builds is installed (its row's ``cpu_builds``), the CPU; else ``device``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from tracer.load.preflight import no_cuda_reason
+
+    if device is not None and device.strip().lower() == "cpu":
+        return "cpu"
+    for dist in row(engine).cpu_builds:
+        try:
+            version(dist)
+            return "cpu"
+        except PackageNotFoundError:
+            pass
+    return "cpu" if no_cuda_reason() is not None and device in (None, "") else (device or "cuda").split(":")[0]
+
+
+def _check_engine_blocks(planned: Any, device: str | None) -> None:
+    """Every plan's KV block size is one its engine accepts on its device (the rule is the engine's
+    row: ``block_multiple`` in :mod:`tracer.engines.table`): an engine that refuses a block size only
+    once it has started (minutes) is refused here in one line before anything loads.
+
+    Raises:
+        TracerError: naming the block size, the rule and the sizes that work.
+    """
+    option = "--block-sizes" if planned.name == "block-size" else "--block-size"
+    for plan in (planned.plan_a, planned.plan_b):
+        size = dict(plan.engine_settings).get("block_size")
+        rules = row(plan.engine).block_multiple
+        kind = _engine_device(plan.engine, device) if rules else ""
+        step = rules.get(kind)
+        if isinstance(size, int) and step and size % step:
+            raise TracerError(f"{option}: {name_of(plan.engine)} on the {kind.upper()} needs a KV block size that is a "
+                              f"multiple of {step}, not {size}; use {step} or {2 * step}")
+
+
 def _check_graphs(cfg: RunConfig, planned: Any, loaded: Any, dispatched: bool) -> None:
     """``--cuda-graphs`` / the ``cuda-graph`` scenario: a CUDA device, plans that can be recorded."""
     from tracer.execute.graphs import check_graph_device, check_graph_plan
@@ -201,10 +242,11 @@ def _check_dispatch(cfg: RunConfig, dispatched: bool) -> None:
         raise TracerError(f"scenario {s.name} moves the model between devices; it does not combine with --device-map")
 
 
-def _known_length(p: PromptConfig) -> int | None:
-    """N when it is known before tokenizing (``length``, or token ids given inline)."""
+def _known_length(p: PromptConfig, ids: list[int] | None = None) -> int | None:
+    """N when it is known before tokenizing (``length``, or the token ids given inline or read from
+    ``--token-ids-file``: ``ids``)."""
     if p.length is not None:
         if p.length < 2:
             raise TracerError(f"--length {p.length} is too short; a comparison needs at least 2 tokens")
         return p.length
-    return len(p.token_ids) if p.token_ids is not None else None
+    return len(ids) if ids is not None else len(p.token_ids) if p.token_ids is not None else None

@@ -73,10 +73,32 @@ def test_gguf_file_loads_as_model_and_is_cached(qwen3_gguf, tmp_path, monkeypatc
     got = lm.model.state_dict()
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
     (entry,) = list((tmp_path / "cache").iterdir())
-    assert entry.name == f"tiny-qwen3-{G.sha256_file(path)[:16]}"
+    assert entry.name == f"gguf-{G.sha256_file(path)[:16]}"  # keyed by the file's content, not its name
     monkeypatch.setattr(G, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
     again = M.load_model(str(path), dtype="bfloat16", device="cpu", progress=False)
     assert again.model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    # the same bytes under another name (a recipe's file, a copy) share the entry: nothing is built again
+    import shutil
+
+    copy = tmp_path / "renamed.gguf"
+    shutil.copy(path, copy)
+    other = M.load_model(str(copy), dtype="float32", device="cpu", progress=False)
+    assert other.info.weights_hash == lm.info.weights_hash and list((tmp_path / "cache").iterdir()) == [entry]
+
+
+def test_an_entry_built_under_a_name_is_reused(qwen3_gguf, tmp_path, monkeypatch):
+    """A cache entry built before the cache was keyed by content alone (``<name>-<sha256[:16]>``) is the
+    same file's dequantization: a load by path reuses it instead of building a second copy."""
+    model, path = qwen3_gguf
+    monkeypatch.setenv("TRACER_CACHE_DIR", str(tmp_path / "cache"))
+    M.load_model(str(path), dtype="float32", device="cpu", progress=False)
+    digest = G.sha256_file(path)
+    legacy = tmp_path / "cache" / f"smollm2-135m-{digest[:16]}"
+    (tmp_path / "cache" / f"gguf-{digest[:16]}").rename(legacy)
+    monkeypatch.setattr(G, "_build_gguf_cache", lambda *a, **k: pytest.fail("cache was rebuilt"))
+    lm = M.load_model(str(path), dtype="float32", device="cpu", progress=False)
+    assert G.cached_gguf_dir(digest) == legacy and list((tmp_path / "cache").iterdir()) == [legacy]
+    assert all(torch.equal(lm.model.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 def test_gguf_file_errors(qwen3_gguf, tmp_path):

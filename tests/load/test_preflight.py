@@ -1,6 +1,7 @@
-"""Errors before anything heavy loads (issue 25, item 5): every input error of `tracer run` is one
-line, exit 2, and found before torch or transformers is imported (the time it takes is measured
-by benchmarks/input_errors.py, not here)."""
+"""Errors before anything heavy loads: every input error of `tracer run` is one line, exit 2, and
+found before torch or transformers is imported; a newcomer's 22 mistakes across the commands are
+refused before any model or trace body loads (the times are measured by benchmarks/input_errors.py,
+not here)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,28 @@ def test_prompt_naming_a_file_is_noted_before_the_run(folder):
 
     [(_, err)] = cli_batch([["run", "tiny-llama", "--device", "cpu", "--prompt", "exists.txt"]], folder)
     assert err.startswith("note: --prompt 'exists.txt' is the name of an existing file"), err
+
+
+def _as_tested(argv: list[str]) -> list[str]:
+    """A mistake of :data:`MISTAKES` as this test runs it: a ``run`` without a model names tiny-llama (its
+    tokenizer is always at hand; the default model's GGUF cache may not be built yet)."""
+    if argv[0] == "run" and (len(argv) == 1 or argv[1].startswith("-")):
+        return ["run", "tiny-llama", *argv[1:]]
+    return argv
+
+
+def test_first_hour_mistakes_are_refused_before_any_model_or_trace_loads(folder):
+    """Each of the 22 mistakes: exit 2, one line naming it, and nothing loaded first: in the process that
+    runs them a model load or a trace read raises (so a late refusal fails here), and no progress line
+    (``loading ...``) comes before the error. Those about the prompt's length load the tokenizer alone."""
+    from tests.helpers import cli_batch
+
+    cases = [(_as_tested(argv), about) for argv, about in input_errors.MISTAKES
+             if not (argv == ["run", "--device", "cuda"] and _cuda_build())]
+    assert len(input_errors.MISTAKES) == 22 and {a[0] for a, _ in cases} >= {"run", "plot", "compare", "sweep",
+                                                                             "audit", "report"}
+    for (argv, about), (code, err) in zip(cases, cli_batch([a for a, _ in cases], folder, timeout=600,
+                                                           refuse_reads=True)):
+        lines = err.strip().splitlines()
+        assert code == 2, (argv, err)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and about in lines[0], (argv, err)

@@ -172,3 +172,77 @@ def test_verdict_says_the_answer_first_and_last(verdict, logits, words):
     verdicts = [x.partition("verdict:")[2].strip() for x in lines if x.startswith("verdict:")]
     assert lines[0].startswith("verdict:") and len(verdicts) == 2  # the headline's first line and the closing one
     assert verdicts == [f"{words}; {c.verdict()}"] * 2
+
+
+# --- every suggestion, pasted as printed, resolves: a GGUF by path, a folder and a recipe ---------------------
+
+PASTE_IDS = ",".join(str((11 * i + 5) % 300) for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def three_models(tmp_path_factory):
+    """The same tiny Qwen3 as a GGUF file (its stem names no model) and as a folder, and the tiny-llama recipe."""
+    pytest.importorskip("gguf")
+    from tests.load.test_gguf import tiny_qwen3, write_gguf
+
+    d = tmp_path_factory.mktemp("paste")
+    model = tiny_qwen3()
+    write_gguf(model, d / "tiny-qwen3.Q8_0.gguf")
+    model.save_pretrained(d / "a folder")  # a space: the suggestion must quote it
+    return {"gguf": str(d / "tiny-qwen3.Q8_0.gguf"), "folder": str(d / "a folder"), "recipe": "tiny-llama"}
+
+
+def _pasted(argv: list[str], suggestion: str) -> list[list[str]]:
+    """The command lines a user gets by pasting each backticked part of ``suggestion``: a whole
+    ``tracer X ...`` as it is, a bare option appended to the command that printed it (``argv``)."""
+    import shlex
+
+    out = []
+    for code in re.findall(r"`([^`]+)`", suggestion):
+        words = shlex.split(code)
+        out.append(words[1:] if words[0] == "tracer" else [*argv, *words])
+    return out
+
+
+def test_every_suggestion_pasted_as_printed_resolves(three_models, tmp_path, monkeypatch):
+    """Each "next:" suggestion of a run (identical and diverging) on a GGUF by path, a folder and a recipe,
+    and of `tracer compare` on its trace, pasted as printed, parses and passes every check up to the
+    model load (in the checking process a model load raises, so nothing runs)."""
+    import tracer
+    from tests.helpers import cli_batch
+
+    monkeypatch.setenv("TRACER_CACHE_DIR", str(tmp_path / "cache"))
+    pasted, stems = [], []
+    for kind, model in three_models.items():
+        for scenario in ("repeat", "kv-quant"):  # an identical run (sweep, audit) and a diverging one (options)
+            argv = ["run", model, "--device", "cpu", "--dtype", "float32", "--token-ids", PASTE_IDS,
+                    "--scenario", scenario]
+            res = tracer.run(model, device="cpu", dtype="float32", token_ids=[int(x) for x in PASTE_IDS.split(",")],
+                             scenario=scenario, store="none", progress=False)
+            c = res.comparison
+            assert c.identical is (scenario == "repeat"), (kind, scenario)
+            for command in ("run", "compare"):
+                for s in next_steps(c, command):
+                    pasted += _pasted(argv, s)
+                    stems += re.findall(r"`tracer \w+ (\S+)", s)
+    assert {w[0] for w in pasted} == {"run", "sweep", "audit"}  # options of a run, and whole commands
+    # a GGUF by path is named by its path (its stem names no model), a folder by its path, quoted
+    assert "tiny-qwen3.Q8_0" not in stems and three_models["gguf"] in stems and "tiny-llama" in stems
+    assert any(three_models["folder"] in " ".join(w) for w in pasted)
+    for args, (code, err) in zip(pasted, cli_batch(pasted, tmp_path, timeout=600)):
+        # past the parser and every check: the next step would have loaded the model
+        assert code == 3 and "a model was loaded" in err, (args, code, err)
+
+
+def test_an_origin_born_in_the_cached_prefix_gets_one_command_that_names_the_op():
+    """The default run's origin is a KV cache written in the cached-prefix pass: `--granularity sublayers`
+    alone compares that pass at the KV cache only (its op is not traced), so the one suggestion that names
+    the op is both options together; a sublayers run of the window is told to add `--positions all`."""
+    kv = SimpleNamespace(kind="kv_cache", n_diff_prefix=155)
+    layers = next_steps(_comparison(origins=[kv], points=[kv]), "run")
+    assert layers[0].startswith("`--positions all --granularity sublayers`: the divergence is born in the cached-prefix")
+    assert not any(s.startswith("`--granularity sublayers`") or s.startswith("`--positions all`:") for s in layers)
+    subs = next_steps(_comparison(origins=[kv], points=[kv, SimpleNamespace(kind="linear", n_diff_prefix=0)]), "run")
+    assert subs[0].startswith("`--positions all`: the divergence is born in the cached-prefix pass")
+    compare = next_steps(_comparison(origins=[kv], points=[kv]), "compare")
+    assert compare[0].startswith("`tracer run smollm2-135m --positions all --granularity sublayers`")

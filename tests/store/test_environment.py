@@ -20,12 +20,15 @@ def test_header_records_the_cpu_instruction_sets():
 
     env = collect_environment("cpu")
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    # oneDNN's own word, from a separate process where oneDNN prints it on its own (ONEDNN_VERBOSE)
-    code = "import torch; a = torch.ones(256, 256, dtype=torch.bfloat16); a @ a"
+    # oneDNN's own word, from a separate process where oneDNN prints it on its own (ONEDNN_VERBOSE), after
+    # a bf16 matmul (oneDNN's only on AVX-512 machines) and a layout reorder (oneDNN's on every CPU)
+    code = ("import torch; a = torch.ones(256, 256, dtype=torch.bfloat16); a @ a; "
+            "torch.ones(8, 8).to_mkldnn().to_dense()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "ONEDNN_VERBOSE": "1"}).stdout
     isa = [line.split(",isa:", 1)[1].strip() for line in out.splitlines() if ",isa:" in line]
     assert env["onednn_isa"] == (isa[0] if isa else None)
+    assert isa or not torch.backends.mkldnn.is_available()  # an AVX2 CPU has an answer too
     with open("/proc/cpuinfo") as f:
         flags = next(set(line.split(":", 1)[1].split()) for line in f if line.startswith(("flags", "Features")))
     assert env["cpu_isa_flags"] == [x for x in SIMD_FLAGS if x in flags]
@@ -47,8 +50,10 @@ def test_isa_differences_name_each_key_that_differs():
 
 @pytest.fixture(scope="module")
 def two_machines(tmp_path_factory):
-    """Two traces of one prompt, the second as if made on a CPU without AVX-512."""
+    """Two traces of one prompt, the second as if made on a CPU of another instruction set: without
+    AVX-512 (AVX2), or, when this machine is an AVX2 one, with it."""
     import h5py
+    import torch
 
     import tracer
     from tracer.store.integrity import seal, set_text
@@ -59,8 +64,12 @@ def two_machines(tmp_path_factory):
         tracer.run(lm, length=24, progress=False, output=d / name)
     with h5py.File(d / "b.h5", "r+") as f:
         header = json.loads(f["header"].attrs["json"])
-        header.update(cpu_capability="AVX2", onednn_isa="Intel AVX2",
-                      cpu_isa_flags=[x for x in header["cpu_isa_flags"] if not x.startswith(("avx512", "amx"))])
+        if torch.backends.cpu.get_cpu_capability() == "AVX2":
+            header.update(cpu_capability="AVX512", onednn_isa="Intel AVX-512 with Intel DL Boost and bfloat16 support",
+                          cpu_isa_flags=[*header["cpu_isa_flags"], "avx512f", "avx512_bf16"])
+        else:
+            header.update(cpu_capability="AVX2", onednn_isa="Intel AVX2",
+                          cpu_isa_flags=[x for x in header["cpu_isa_flags"] if not x.startswith(("avx512", "amx"))])
         set_text(f["header"], "json", json.dumps(header))
         seal(f["header"])  # a deliberate edit: re-sealed
     return d
@@ -73,9 +82,40 @@ def test_compare_across_machines_names_the_instruction_sets(two_machines):
     c = compare_runs((str(two_machines / "a.h5"), "A"), (str(two_machines / "b.h5"), "A"))
     import torch
 
-    assert c.facts["isa_differs"][0] == f"cpu_capability {torch.backends.cpu.get_cpu_capability()} (A) vs AVX2 (B)"
+    here = torch.backends.cpu.get_cpu_capability()
+    assert c.facts["isa_differs"][0] == f"cpu_capability {here} (A) vs {'AVX512' if here == 'AVX2' else 'AVX2'} (B)"
     assert any(n.startswith("likely cause: the instruction sets differ") for n in c.facts["notes"])
     assert dict(headline(c, "compare"))["isa"] == "; ".join(c.facts["isa_differs"])
+    # the likely cause first: the instruction sets before the versions, in the headline and the notes
+    labels = [k for k, _ in headline(c, "compare")]
+    assert labels.index("isa") < labels.index("versions")
+    notes = c.facts["notes"]
+    assert notes.index(next(n for n in notes if n.startswith("likely cause"))) < \
+        notes.index(next(n for n in notes if n.startswith("versions that differ")))
+
+
+def test_the_title_line_names_the_instruction_set(two_machines):
+    """A run's title names the ISA the kernels dispatched to, from the trace's header (B: as if made on a
+    CPU without AVX-512, with a cap in the environment), so a first run can be matched to a README sample."""
+    import h5py
+    import torch
+
+    from tracer.diff.compare import compare_runs
+    from tracer.report.tables import _title
+    from tracer.store.environment import isa_summary
+
+    c = compare_runs((str(two_machines / "a.h5"), "A"), (str(two_machines / "a.h5"), "B"))
+    assert f"({c.facts['device_name']}, {torch.backends.cpu.get_cpu_capability()}" in _title(c)
+    assert isa_summary({"device": "cpu", "cpu_capability": "DEFAULT", "onednn_isa": "Intel SSE4.1",
+                        "cpu_isa_env": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}}) == (
+        "DEFAULT, oneDNN SSE4.1; capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41")
+    assert isa_summary({"device": "cpu", "cpu_capability": "AVX2", "onednn_isa": "Intel AVX2"}) == "AVX2"
+    assert isa_summary({"device": "cuda:0", "device_capability": "9.0", "driver": "580.159.04"}) == (
+        "sm 9.0, driver 580.159.04")
+    assert isa_summary({"device": "cpu"}) is None  # a trace written before the ISA was recorded
+    with h5py.File(two_machines / "b.h5", "r") as f:
+        header = json.loads(f["header"].attrs["json"])
+    assert isa_summary(header).startswith(header["cpu_capability"])
 
 
 def test_show_prints_the_instruction_sets_whole(two_machines, cli_env):

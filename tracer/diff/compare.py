@@ -390,12 +390,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             hb = reader_b.header
             facts["notes"] = facts.get("notes", []) + [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
-            facts["versions_differ"] = version_differences(header, hb)
-            facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
-            facts["isa_differs"] = isa_differences(header, hb)
+            facts["isa_differs"] = isa_differences(header, hb)  # named first: the likely cause
             if facts["isa_differs"]:
                 facts["notes"].append("likely cause: the instruction sets differ (" + "; ".join(facts["isa_differs"])
                                       + "); the kernels dispatch on them, so the two machines may compute other bits")
+            facts["versions_differ"] = version_differences(header, hb)
+            facts["notes"].append("versions that differ: " + ("; ".join(facts["versions_differ"]) or "none"))
             facts["contract_differs"] = contract_differences(header, hb)
             if facts["contract_differs"]:
                 facts["notes"].append("warning: the numeric contract differs: " + "; ".join(facts["contract_differs"]))

@@ -8,6 +8,8 @@ from tracer.diff.engine import engine_facts
 from tracer.execute.family import layout_facts
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts
+from tracer.load.models import model_argument
+from tracer.store.environment import isa_summary
 
 
 def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
@@ -16,7 +18,9 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
 
     Returns:
         ``dtype``, ``device``, ``attn``: the model's dtype, device and attention implementation;
-        ``device_name``: the GPU/CPU name (None when the header has none); ``n_tokens``: N;
+        ``device_name``: the GPU/CPU name (None when the header has none); ``isa``: the instruction
+        set the kernels dispatched to (:func:`tracer.store.environment.isa_summary`); ``model_argument``: how
+        a suggested command names the model (:func:`tracer.load.models.model_argument`); ``n_tokens``: N;
         ``plan_a``/``plan_b``: the plans' descriptions; ``gemm_m_a``/``gemm_m_b``: GEMM M per
         forward pass; ``chunks_a``/``chunks_b``: the ``[start, stop)`` chunks of each plan; and,
         where the scenario has them, ``generated_a``/``generated_b``/``first_token_difference``
@@ -33,6 +37,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "device": model.get("device"),
         "attn": model.get("attn_implementation"),
         "device_name": header.get("device_name"),
+        "isa": isa_summary(header),
+        "model_argument": model_argument(model) if model.get("name") else None,
         "n_tokens": len(a.token_ids),
         "plan_a": a.plan.get("description", ""),
         "plan_b": b.plan.get("description", ""),

@@ -134,6 +134,8 @@ class ComparisonFacts(schema.Document):
 
     Attributes:
         dtype, device, device_name, attn: the model's dtype, device (and its name), attention.
+        isa: the instruction set the kernels dispatched to (:func:`tracer.store.environment.isa_summary`).
+        model_argument: how a suggested command names the model (:func:`tracer.load.models.model_argument`).
         n_tokens: N; plan_a, plan_b: the plans' descriptions; gemm_m_a, gemm_m_b: GEMM M per
             forward pass; chunks_a, chunks_b: each plan's ``[start, stop)`` chunks.
         sliding_layers, sliding_window: a model's sliding-window layers and window (tokens);
@@ -158,6 +160,8 @@ class ComparisonFacts(schema.Document):
     dtype: str | None = None
     device: str | None = None
     device_name: str | None = None
+    isa: str | None = None
+    model_argument: str | None = None
     attn: str | None = None
     n_tokens: schema.Count | None = None
     plan_a: str | None = None

@@ -105,6 +105,12 @@ class Engine:
         """A few words on how this engine runs on ``device`` (e.g. its collective's backend), or None."""
         return None
 
+    def fit(self, options: dict[str, Any], model: Any) -> tuple[dict[str, Any], str | None]:
+        """Scenario ``options`` adjusted to what ``model`` allows in this engine (real TP: the smallest
+        degree from the asked one up that the model shards to), and why none does (else None).
+        The default: ``options`` as they are."""
+        return options, None
+
     def header(self, plans: list[RunPlan], device: str) -> dict[str, Any]:
         """What the trace header records about this engine's ``plans`` besides its facts (else {})."""
         return {}

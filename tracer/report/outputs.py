@@ -11,6 +11,8 @@ from tracer.store.integrity import check_name_length, check_output_path
 
 #: the figure formats ``tracer plot`` and ``--plot`` write (from the file's suffix)
 SUFFIXES = (".png", ".svg", ".pdf")
+#: the figures ``tracer plot --kind`` draws
+KINDS = ("amplification", "heatmap", "ulp", "sweep")
 
 
 def check_report_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -47,4 +49,24 @@ def check_figure_path(path: str | os.PathLike, overwrite: bool = False) -> Path:
     return check_output_path(p, overwrite, "figure file")  # FIFOs, devices, file/p.png, read-only folders
 
 
-__all__ = ["SUFFIXES", "check_report_path", "check_figure_path"]
+def check_plot_options(kind: str | None, layers: object, output: str | os.PathLike | None, overwrite: bool) -> None:
+    """``tracer plot``'s options that need no file: a known ``--kind``, ``--layers`` only with ``--kind
+    ulp``, an ``--output`` figure path that can be written (before torch, matplotlib or the trace load).
+
+    Raises:
+        TracerError: one line naming the option and the fix.
+    """
+    if kind is not None and kind not in KINDS:
+        from tracer.load.preflight import did_you_mean
+
+        guess = did_you_mean(str(kind), KINDS)
+        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}"
+                          + (f" (did you mean {guess}?)" if guess else ""))
+    if layers is not None and kind != "ulp":
+        raise TracerError(f"--layers picks the points of --kind ulp; the {kind or 'default'} figure draws every point: "
+                          "drop --layers or add --kind ulp")
+    if output is not None:
+        check_figure_path(output, overwrite)
+
+
+__all__ = ["SUFFIXES", "KINDS", "check_report_path", "check_figure_path", "check_plot_options"]

@@ -31,7 +31,7 @@ from tracer.report.figures.heatmap import (PositionDiffs, heatmap_figure, positi
                                            position_diffs_records, position_diffs_trace, position_max_abs_diff)
 from tracer.report.figures.sweep import sweep_data, sweep_figure
 from tracer.report.figures.ulp import select_points, ulp_figure
-from tracer.report.outputs import SUFFIXES, check_figure_path
+from tracer.report.outputs import KINDS, SUFFIXES, check_figure_path, check_plot_options
 from tracer.store.integrity import write_error_message
 from tracer.store.sweepfile import is_sweep_file, read_sweep
 
@@ -40,8 +40,6 @@ if TYPE_CHECKING:
 
     from tracer.diff.result import Comparison
     from tracer.store.sweepfile import SweepResult
-
-KINDS = ("amplification", "heatmap", "ulp", "sweep")
 
 # ---------------------------------------------------------------- files
 
@@ -128,12 +126,11 @@ def plot_file(path: Any, *, kind: str | None = None, output: Any = None, overwri
             ``ulp``, runs of a sweep file, bad output path, unreadable file.
     """
     layers = layers.split(",") if isinstance(layers, str) else layers  # the command line's a,b,c
+    check_plot_options(kind, layers, output, overwrite)  # before the file is opened
     src = Path(path)
     if not src.exists():
         raise TracerError(f"file {src} not found; pass a trace or sweep file")
     check_input_file(src, "input file")  # a FIFO or device would block the read
-    if kind is not None and kind not in KINDS:
-        raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}")
     is_sweep = is_sweep_file(src)
     kind = kind or ("sweep" if is_sweep else "amplification")
     if is_sweep != (kind == "sweep"):

@@ -165,12 +165,21 @@ def _engine_flag(c: Any) -> str | None:
     return "" if c.scenario == "engine" else f"--engine {other[0]}"
 
 
+def _model_argument(c: Any) -> str:
+    """The model as a suggested command names it: ``facts["model_argument"]`` (a GGUF file or folder by
+    its path, :func:`tracer.load.models.model_argument`), else the comparison's model name, else ``MODEL``."""
+    arg = c.facts.get("model_argument")
+    if isinstance(arg, str) and arg and arg.isprintable():
+        return arg
+    return c.model if c.model and c.model != "model" else "MODEL"
+
+
 def _rerun(c: Any, command: str) -> str:
     """How a suggestion names ``tracer run``'s options: the bare option from ``tracer run`` itself,
     else the whole command line that re-runs this comparison's model and scenario (on its engine)."""
     if command == "run":
         return ""
-    model = c.model if c.model and c.model != "model" else "MODEL"
+    model = _model_argument(c)
     scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
     engine = _engine_flag(c)
     return f"tracer run {model}{scen}{' ' + engine if engine else ''} "
@@ -181,7 +190,7 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
     ``tracer sweep``/``audit`` for identical runs)."""
     steps: list[str] = []
-    model = c.model if c.model and c.model != "model" else "MODEL"
+    model = _model_argument(c)
     engine = _engine_flag(c)  # runs on an engine: suggestions run it again; --verdict re-runs HF only (refused)
     if c.identical and (c.facts.get("engine") or engine == ""):  # engine dumps, two engines: a sweep or an
         return steps  # audit runs one engine, not the two that were compared
@@ -198,11 +207,14 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     run = _rerun(c, command)
     origins = list(c.origins)
     whole_prompt = c.positions[0] == 0
-    if any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt:
-        steps.append(f"`{run}--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
-                     "op by op and names the op")
     subs = any(p.kind not in LAYER_KINDS for p in c.points)
-    if not subs:
+    prefix_born = any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt
+    if prefix_born:  # one command that names the op: the cached-prefix pass, traced op by op
+        both = "--positions all" if subs else "--positions all --granularity sublayers"
+        steps.append(f"`{run}{both}`: the divergence is born in the cached-prefix pass, which this run compares at "
+                     "the KV cache only; this traces that pass op by op and names the op (norm, q/k/v, attention core, "
+                     "MLP, every Linear) with its GEMM shapes")
+    if not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
@@ -226,8 +238,9 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
 
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
     ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
-    ``growth``, ``logits``, ``versions`` (two traces: every version that differs), ``isa`` (two
-    traces of CPUs or GPUs whose instruction sets differ), ``decode`` when present, ``next`` (one
+    ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
+    likely cause, so before the versions), ``versions`` (two traces: every version that differs),
+    ``decode`` when present, ``next`` (one
     pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
@@ -243,10 +256,10 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
             f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
         out.append(("growth", growth_text(c)))
     out.append(("logits", logits_text(c)))
+    if c.facts.get("isa_differs"):  # two traces of CPUs or GPUs of other instruction sets: the likely cause, first
+        out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if "versions_differ" in c.facts:  # runs from two traces
         out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
-    if c.facts.get("isa_differs"):
-        out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if c.replay is not None:
         out.append(("decode", c.replay.line()))
     out.extend(("next", s) for s in next_steps(c, command))

@@ -156,8 +156,9 @@ def _title(c: Comparison) -> str:
         bits.append(str(f["dtype"]))
     if f.get("device"):
         dev = str(f["device"])
-        if f.get("device_name"):
-            dev += f" ({f['device_name']})"
+        named = ", ".join(str(x) for x in (f.get("device_name"), f.get("isa")) if x)
+        if named:
+            dev += f" ({named})"
         bits.append(dev)
     of = f" of {f['n_tokens']}" if f.get("n_tokens") else ""
     bits.append(f"positions {c.positions[0]}..{c.positions[1] - 1}{of}")

@@ -137,16 +137,13 @@ def onednn_isa() -> str | None:
     bfloat16 support``), as its verbose mode reports it, or None (no oneDNN, or it was already said).
 
     oneDNN prints its ISA on stdout (C level) with the first primitive run under verbose mode; one
-    bf16 256×256 matmul (about 0.1 s) is run with file descriptor 1 redirected to a temporary file.
+    reorder of a 64×64 float32 tensor into oneDNN's layout and back (a primitive on every x86 CPU;
+    a bf16 matmul runs in oneDNN only where the CPU has AVX-512, so on an AVX2 machine it said
+    nothing) is run with file descriptor 1 redirected to a temporary file.
     """
     if not torch.backends.mkldnn.is_available():
         return None
-
-    def matmul() -> None:
-        a = torch.ones(256, 256, dtype=torch.bfloat16)
-        a @ a
-
-    text = onednn_verbose(matmul) or ""
+    text = onednn_verbose(lambda: torch.ones(64, 64).to_mkldnn().to_dense()) or ""
     return next((line.split(",isa:", 1)[1].strip() for line in text.splitlines() if ",isa:" in line), None)
 
 
@@ -275,6 +272,29 @@ def version_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> l
 #: header keys naming the instruction sets the kernels dispatch on: the CPU's (ATen's level,
 #: oneDNN's ISA, the SIMD flags, caps set in the environment) and a GPU's compute capability
 ISA_KEYS = ("cpu_capability", "onednn_isa", "cpu_isa_flags", "cpu_isa_env", "device_capability")
+
+
+def isa_summary(header: dict[str, Any]) -> str | None:
+    """The instruction set the kernels dispatched to, short, for a title line: ``AVX2`` (ATen's
+    ``cpu_capability``, with oneDNN's ISA when it names another, and a cap set in the environment:
+    ``DEFAULT, oneDNN SSE4.1; capped: ATEN_CPU_CAPABILITY=default, ONEDNN_MAX_CPU_ISA=SSE41``) or, on a
+    GPU, ``sm 9.0, driver 580.159.04``; None for a header written before these were recorded."""
+    device = str(header.get("device") or "")
+    if device.startswith(("cuda", "hip")):
+        cap, driver = header.get("device_capability"), header.get("driver")
+        parts = [f"sm {cap}" if cap else "", f"driver {driver}" if driver else ""]
+        return ", ".join(p for p in parts if p) or None
+    cap, onednn = header.get("cpu_capability"), header.get("onednn_isa")
+    if not isinstance(cap, str):
+        return None
+    text = cap
+    short = onednn.removeprefix("Intel ").split(" (")[0] if isinstance(onednn, str) else None
+    if short and short.replace("-", "").replace(".", "").upper() != cap.replace("-", "").replace(".", "").upper():
+        text += f", oneDNN {short}"
+    env = header.get("cpu_isa_env")
+    if isinstance(env, dict) and env:
+        text += "; capped: " + ", ".join(f"{k}={v}" for k, v in sorted(env.items()))
+    return text
 
 
 def isa_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:

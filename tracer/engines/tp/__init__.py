@@ -20,6 +20,10 @@ from typing import Any
 from tracer.engines.base import Engine, Executor
 
 
+#: the most ranks :meth:`Tp.fit` tries above a check's own degree to find one the model shards to
+MAX_TP_STEPS = 6
+
+
 class Tp(Engine):
     """Chosen by ``--tp-mode distributed`` (its row's ``chosen_by``); builds on the HF engine."""
 
@@ -61,6 +65,24 @@ class Tp(Engine):
         from tracer.engines.tp.shard import backend_for
 
         return backend_for(device)
+
+    def fit(self, options: dict[str, Any], model: Any) -> tuple[dict[str, Any], str | None]:
+        """The smallest degree K from ``options["tp"]`` (default 2) up to :data:`MAX_TP_STEPS` more that
+        divides the model's heads, KV heads and sharded dimensions (SmolLM2's 9 heads: TP-3, not
+        TP-2; :func:`tracer.engines.tp.shard.check_shardable`), or why none does."""
+        from tracer.engines.tp.shard import check_shardable
+        from tracer.errors import TracerError
+
+        k0 = int(options.get("tp", 2))
+        first = None
+        for k in range(k0, k0 + MAX_TP_STEPS + 1):
+            try:
+                check_shardable(model, k)
+            except TracerError as e:
+                first = first or str(e)
+                continue
+            return {**options, "tp": k}, None
+        return options, f"{first} (nor does any degree up to {k0 + MAX_TP_STEPS})"
 
     def header(self, plans: list[Any], device: str) -> dict[str, Any]:
         """``{"tensor_parallel": ...}`` (:func:`tracer.engines.tp.dist.header_facts`)."""

@@ -79,20 +79,20 @@ MAX_ENGINES = 2
 
 def weights_folder(loaded: Any) -> Path:
     """The HF checkpoint folder vLLM loads: the folder of an HF model, a GGUF recipe's cached
-    checkpoint (:func:`tracer.load.gguf.gguf_cache_dir`), or, for a random-init recipe, the model
+    checkpoint (:func:`tracer.load.gguf.cached_gguf_dir`), or, for a random-init recipe, the model
     saved once under the tracer cache (``save_pretrained``, same bits).
 
     Raises:
         TracerError: no folder holds these weights.
     """
-    from tracer.load.gguf import cache_root, gguf_cache_dir
+    from tracer.load.gguf import cache_root, cached_gguf_dir
 
     info = loaded.info
     if info.source == "hf" and info.path and (Path(info.path) / "config.json").is_file():
         return Path(info.path)
     if info.source == "gguf" and info.weights_hash:
-        folder = gguf_cache_dir(info.name, info.weights_hash)
-        if (folder / "config.json").is_file():
+        folder = cached_gguf_dir(info.weights_hash)
+        if folder is not None and (folder / "config.json").is_file():
             return folder
     if info.source == "random-init":
         folder = cache_root() / "vllm" / f"{info.name}-{str(info.weights_hash).replace('=', '')}-{info.dtype}"
