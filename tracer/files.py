@@ -172,6 +172,34 @@ def check_budget(nbytes: int, what: str, budget: int | None = None) -> None:
                           f"memory available to this process; {BUDGET_ENV} sets it); refused before allocating")
 
 
+class Ledger:
+    """The bytes one user-named input (an engine dump: many files) has made tracer allocate so far,
+    against one :func:`input_budget`: every tensor read, every copy made of it (token ids widened to
+    int64, shards joined, rows stacked), charged *before* it is allocated.
+
+    Args:
+        what: the input, for messages (``engine dump d/``).
+        budget: bytes (default :func:`input_budget`).
+    """
+
+    def __init__(self, what: str, budget: int | None = None) -> None:
+        self.what = what
+        self.budget = input_budget() if budget is None else budget
+        self.used = 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Add ``nbytes`` for ``what`` (one allocation about to be made).
+
+        Raises:
+            TracerError: the total would exceed the budget (nothing is added then).
+        """
+        before = self.used
+        total = before + max(0, int(nbytes))
+        with_rest = f" (with the {before:,} bytes already read or copied from {self.what})" if before else ""
+        check_budget(total, f"{what}{with_rest}", self.budget)
+        self.used = total
+
+
 def read_text_file(path: str | os.PathLike, option: str) -> str:
     """The UTF-8 text of a regular file of at most :data:`MAX_INPUT_BYTES` (FIFOs, devices and
     folders are refused before anything is read, so nothing blocks).
