@@ -60,7 +60,8 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
             masked (default 2).
 
     Returns:
-        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
+        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``); its
+        ``unverified`` names the traces read that carry no checksums.
 
     Raises:
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
@@ -85,16 +86,21 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     from tracer.diff.refs import resolve_refs, split_ref
     from tracer.diff.result import check_fail_on
 
+    from tracer.diff.compare_dump import is_dump
+    from tracer.diff.stored import mark_unverified
+
     check_fail_on(fail_on, atol, rtol)
     pair = dumps_args(refs, reference)
     if pair is not None:
         comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
                                    rtol=rtol, device=device,
                                    **{"tau" if k == "temperature" else k: float(v) for k, v in rl.items()})
-        return replace(comparison, fail_on=fail_on)
+        return replace(mark_unverified(comparison, [split_ref(str(reference))[0]]), fail_on=fail_on)
     dump = dump_side(refs)
     if dump is not None:
         comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+        traces = [dump[0][0]] + ([] if is_dump(dump[1]) else [split_ref(dump[1])[0]])  # an imported dump is a trace
+        comparison = mark_unverified(comparison, traces)
     elif engine_map is not None:
         raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
     else:
@@ -108,6 +114,7 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
             comparison = explain_sampled(comparison, (pa, ra), (pb, rb))
         if comparison.rl is None and pa == pb:  # rollout-vs-train: its RL metrics, from every sequence's logits
             comparison = replace(comparison, rl=stored_rl(pa, ra, rb))
+        comparison = mark_unverified(comparison, [pa, pb])
     return replace(comparison, fail_on=fail_on)
 
 

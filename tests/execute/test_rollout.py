@@ -77,6 +77,7 @@ def test_plans_shapes_window_and_executors():
     (dict(temperature=0.7), "--sample"),
     (dict(seed=3), "--sample"),
     (dict(sample=True, temperature=0.0), "--temperature"),
+    (dict(sample=True, temperature=1e-300), "below 1e-05: float32"),  # logits / τ overflowed: exit 3 in multinomial
     (dict(is_cap=0.0), "--is-cap"),
     (dict(mask_threshold=1.0), "--mask-threshold"),
     (dict(rollouts=0), "--rollouts"),
@@ -88,6 +89,18 @@ def test_plans_shapes_window_and_executors():
 def test_bad_options_are_one_line_errors(kwargs, msg):
     with pytest.raises(TracerError, match=msg):
         build("rollout-vs-train", 40, **kwargs)
+
+
+def test_a_temperature_that_overflows_is_refused_before_the_model_loads(tmp_path):
+    """Issue 37 item 7: --temperature 1e-300 ran the model and died in torch.multinomial ('probability
+    tensor contains either inf, nan or element < 0', exit 3): float32(logits) / 1e-300 is ±inf."""
+    from tests.helpers import cli_batch
+
+    assert torch.isinf(torch.tensor([3.0]) / 1e-300).all()  # why: the quotient leaves float32's range
+    [(code, err)] = cli_batch([["run", "tiny-llama", "--scenario", "rollout-vs-train", "--sample",
+                                "--temperature", "1e-300", "--no-store"]], tmp_path)
+    assert code == 2 and "--temperature 1e-300 is below 1e-05" in err and len(err.strip().splitlines()) == 1, err
+    build("rollout-vs-train", 40, sample=True, temperature=1e-5)  # the floor itself is accepted
 
 
 def test_options_apply_to_their_scenario_only():

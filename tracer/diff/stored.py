@@ -144,6 +144,20 @@ def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparis
     return None
 
 
+def mark_unverified(c: Comparison, paths: list[str | os.PathLike]) -> Comparison:
+    """``c`` with :attr:`~tracer.diff.result.Comparison.unverified` naming every trace in ``paths``
+    (those it was read from) that carries no checksums (:func:`tracer.store.integrity.is_checksummed`).
+
+    Raises:
+        TracerError: an unreadable trace.
+    """
+    from tracer.store.integrity import is_checksummed
+
+    seen = [p for p in dict.fromkeys(str(p) for p in paths) if p not in c.unverified]
+    bare = tuple(p for p in seen if not is_checksummed(p))
+    return replace(c, unverified=c.unverified + bare) if bare else c
+
+
 def explain_sampled(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[str, str | None]) -> Comparison:
     """``c`` (a comparison of stored runs made now: runs of two traces, or of one trace with
     tolerances) with the reason of a logits point skipped because one side's engine computed logits
