@@ -181,9 +181,8 @@ def test_truncated_trace_is_refused(tmp_path):
         assert "\n" not in str(e.value)
 
 
-def test_old_trace_without_checksums_still_reads(tmp_path):
-    """A trace written before checksums (variable-length strings, no crc32) reads, unverified."""
-    path = tmp_path / "old.h5"
+def _old_trace(path: Path) -> Path:
+    """A trace as tracer 0.1 wrote it (variable-length strings, no crc32), by hand."""
     runs = make_runs()
     with h5py.File(path, "w") as f:  # the v1 writer of tracer 0.1, by hand
         f.attrs.update({"format": "tracer-trace", "format_version": np.int64(1), "complete": True,
@@ -198,9 +197,27 @@ def test_old_trace_without_checksums_still_reads(tmp_path):
             for cap in r.captures.values():
                 ds = g.require_group("captures").create_dataset(cap.name, data=cap.tensor.numpy())
                 ds.attrs.update({"dtype": "float32", "kind": cap.kind, "op": "", "calls": "[]"})
+    return path
+
+
+def test_old_trace_without_checksums_still_reads(tmp_path):
+    """A trace written before checksums (variable-length strings, no crc32) reads, unverified."""
+    path = _old_trace(tmp_path / "old.h5")
     with read_trace(path) as rd:
         assert not rd.checksummed and rd.runs == ["A", "B"]
     assert compare_trace(str(path), device="cpu").first_divergent == "model.layers.1"
+
+
+def test_old_trace_with_a_damaged_heap_is_refused_not_hung(tmp_path):
+    """Issue 37 item 1, for traces: a format-1 trace keeps its texts in HDF5's global heap; a zeroed
+    free-space header there made HDF5 loop forever (SIGTERM ignored). Refused in one line instead."""
+    from tests.helpers import zero_heap_free_space
+
+    path = _old_trace(tmp_path / "old.h5")
+    zero_heap_free_space(path)
+    with pytest.raises(TracerError, match="global heap collection .* holds an object of 0 bytes") as e:
+        read_trace(path).__enter__()
+    assert "\n" not in str(e.value)
 
 
 def test_a_trace_without_checksums_is_compared_unverified_in_every_format(tmp_path):

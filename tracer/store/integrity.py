@@ -328,9 +328,12 @@ def is_checksummed(path: str | os.PathLike) -> bool:
 
     from tracer.files import check_input_file
 
+    from tracer.store.heap import check_heap
+
     p = check_input_file(path, "trace")
     try:
         with h5py.File(p, "r") as f:
+            check_heap(f, p, "trace")
             return attr_text(f.attrs.get("checksums")) == CHECKSUMS
     except OSError as e:
         raise TracerError(f"cannot open {p} as HDF5 ({e}); pass a trace written by tracer") from None
