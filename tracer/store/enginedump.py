@@ -211,7 +211,8 @@ def read_sglang_dumper(folder: Path, ledger: Any = None) -> RawDump:
             raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
         if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
             module, element = (f"{module}.{element}" if module else element), None
-        found.append((key, rank, meta.get("layer_id"), DumpEntry(
+        layer_id = None if meta.get("layer_id") is None else meta_int(meta, "layer_id", path)
+        found.append((key, rank, layer_id, DumpEntry(
             name=name, module=module, element=element, step=step, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
             pp_rank=rank.pp_rank, dims=meta.get("dims"), tensor=value, file=str(path), sp=rank.sp)))
     _check_tp(tp_seen, folder)
