@@ -103,7 +103,9 @@ def cli_session(cases: list[list[str]], env: dict[str, str], cwd: str | Path, *,
 def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120) -> list[tuple[int, str]]:
     """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process in which
     loading a model raises, so a case that would load one fails (:func:`cli_session`)."""
-    done = cli_session(cases, dict(os.environ, COLUMNS="200"), cwd, timeout=timeout, refuse_loads=True)
+    # the error is the only line (README: stderr without a terminal): no progress line of a slow start-up
+    done = cli_session(cases, dict(os.environ, COLUMNS="200", TRACER_PROGRESS="off"), cwd, timeout=timeout,
+                       refuse_loads=True)
     return [(p.returncode, p.stderr) for p in done]
 
 

@@ -106,7 +106,7 @@ def test_no_import_cycles_function_local_imports_included():
 
 
 def test_stages_depend_downward():
-    order = ["tracer.errors", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.store",
+    order = ["tracer.errors", "tracer.watchdog", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.load", "tracer.plan", "tracer.execute", "tracer.store",
              "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
              "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
 

@@ -94,14 +94,25 @@ def check_exists(spec: str | os.PathLike, what: str = "input") -> None:
     line within a fraction of a second; the full checks (:func:`check_input_file`, the trace's
     validation) come later, where the file is read.
 
+    A FIFO, device or socket is refused here too (by ``stat``, which never blocks), before the
+    progress display of a slow start-up can print a line ahead of the error.
+
     Raises:
-        TracerError: empty, or neither ``spec`` nor its part before the last ``:`` exists.
+        TracerError: empty; neither ``spec`` nor its part before the last ``:`` exists; it is a
+            FIFO, device or socket.
     """
     text = os.fspath(spec)
     if text == "":
         raise TracerError(f"{what} is empty; give a file path")
-    if os.path.lexists(text) or (":" in text and os.path.lexists(text.rsplit(":", 1)[0])):
-        return
+    for path in (text, text.rsplit(":", 1)[0] if ":" in text else None):
+        if path is not None and os.path.lexists(path):
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                return  # a dangling link or no permission: the full check says which
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise TracerError(f"{what} {shown_path(path)} is {file_kind(mode)}; pass a regular file")
+            return
     raise TracerError(f"{what} {shown_path(text)} not found; check the path")
 
 

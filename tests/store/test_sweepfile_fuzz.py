@@ -29,6 +29,7 @@ from tests.helpers import Worker, cli_session, write_sweep_v1, zero_heap_free_sp
 
 N_RAW = int(os.environ.get("TRACER_SWEEP_FUZZ_CASES", "180"))
 N_RESEALED = int(os.environ.get("TRACER_SWEEP_RESEAL_CASES", "100"))
+N_V1 = int(os.environ.get("TRACER_SWEEP_V1_CASES", "80"))
 SEED = 24
 CASE_TIMEOUT_S = 20.0
 POINTS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
@@ -390,3 +391,36 @@ def test_a_heap_that_hangs_hdf5_is_refused_by_the_probe(tmp_path, monkeypatch):
     t0 = time.monotonic()
     assert "did not finish reading its variable-length texts in 2 s" in _read_error(path)
     assert time.monotonic() - t0 < 30
+
+
+def test_mutations_of_a_format_1_sweep_give_an_answer_or_one_line_error(tmp_path):
+    """Format 1 has no checksums, so an edited value may give another answer; but never a traceback, a
+    hang or a crash. Half the mutations land in the global heap collection that holds its texts
+    (where a zeroed header hung HDF5), half anywhere."""
+    import struct
+
+    path = write_sweep_v1(tmp_path / "v1.h5", _rows(), _V1_PARAMS, POINTS, KINDS)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"GCOL\x01\x00\x00\x00")
+    (size,) = struct.unpack_from("<Q", data, at + 8)
+    worker = Worker(_worker)
+    try:
+        status, original = worker.ask(str(path), 120)
+        assert status == "ok", original
+        rng = random.Random(SEED + 2)
+
+        def cases():
+            case = tmp_path / "case.h5"
+            for i in range(N_V1):
+                if i % 2:
+                    mutated, what = _mutate(data, rng)
+                else:  # inside the heap collection: its header, an object header, a text
+                    mutated, what = _mutate(data[at:at + size], rng)
+                    mutated, what = data[:at] + mutated.ljust(size, b"\0")[:size] + data[at + size:], "heap " + what
+                case.write_bytes(mutated)
+                yield case, what
+
+        counts = _run(worker, cases(), original, tmp_path, same_or_error=False)
+        assert counts["error"] > N_V1 // 5, counts
+    finally:
+        worker.close()
