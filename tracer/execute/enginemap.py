@@ -264,7 +264,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     identities: set[str] = set()
     conflicts: dict[str, list[int]] = {}
     unmarked: dict[str, str] = {}
-    segs: dict[int, list[tuple[int, int, int | None]]] = {}
+    segs: dict[int, dict[int, tuple[int, int]]] = {}  # step -> its requests: first row -> (stop row, index)
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -295,8 +295,8 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                 continue
             parts, note, used = got
             if step not in segs:  # the step's requests, once (vectorised; bounded by MAX_REQUESTS)
-                segs[step] = segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"),
-                                      f"{raw.path}: step {step}")
+                found = segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"), f"{raw.path}: step {step}")
+                segs[step] = {a: (b, i) for i, (a, b, _p) in enumerate(found)}
             for i, (name, t) in enumerate(zip(hf, parts)):
                 if name is None:
                     continue
@@ -307,7 +307,8 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                                    raw.ledger)
                 if UNMARKED_PARTIAL in note:
                     unmarked.setdefault(name, note)
-                _place(rows.setdefault(name, {}), t, plan.get(step, []), segs[step], last, step, name, conflicts, module)
+                _place(rows.setdefault(name, {}), t, plan.get(step, []), segs[step], len(raw.tokens[step]["input_ids"]),
+                       last, step, name, conflicts, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements, last))
     notes += [f"{name} at position(s) {ranges(sorted(ps))}: a later engine tensor mapped there differs from the first; "
               "the first is compared" for name, ps in conflicts.items()]
@@ -354,18 +355,17 @@ def _one_per_request(t: torch.Tensor, n_tokens: int, n_requests: int, what: str)
 
 
 def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
-           all_segs: list[tuple[int, int, int | None]], last: bool, step: int, name: str,
+           request: dict[int, tuple[int, int]], n_tokens: int, last: bool, step: int, name: str,
            conflicts: dict[str, list[int]], module: str) -> None:
     """Record which row of ``t`` holds each absolute position (first source wins; the positions where
     a second differs are collected in ``conflicts``). ``segs``: the step's runs placed on the
-    reference (:func:`align_steps`); ``all_segs``: every request of the step (:func:`segments`);
-    ``last``: ``t`` holds one row per request, at its last position. A request cut short by
-    :func:`align_steps` has no last row of its own (its logits are another token's)."""
-    n_tokens = all_segs[-1][1] if all_segs else 0
+    reference (:func:`align_steps`); ``request``: every request of the step (:func:`segments`) by
+    its first row → ``(stop row, index)``; ``last``: ``t`` holds one row per request, at its last
+    position. A request cut short by :func:`align_steps` has no last row of its own (its logits are
+    another token's)."""
     if not last and t.shape[0] != n_tokens:
         raise TracerError(f"{module} in step {step} has {t.shape[0]} rows but the step has {n_tokens} tokens; "
                           "the dump's activations and input_ids disagree")
-    request = {a: (b, i) for i, (a, b, _p) in enumerate(all_segs)}
     for a, b, pos in segs:
         full_b, index = request[a]
         if last and full_b != b:
