@@ -120,8 +120,9 @@ def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120, *,
     """``(exit code, stderr)`` of ``tracer ARGS`` for each case, in one time-boxed process in which
     loading a model raises, so a case that would load one fails (:func:`cli_session`); with
     ``refuse_reads`` opening a trace raises too."""
-    done = cli_session(cases, dict(os.environ, COLUMNS="200"), cwd, timeout=timeout, refuse_loads=True,
-                       refuse_reads=refuse_reads)
+    # the error is the only line (README: stderr without a terminal): no progress line of a slow start-up
+    done = cli_session(cases, dict(os.environ, COLUMNS="200", TRACER_PROGRESS="off"), cwd, timeout=timeout,
+                       refuse_loads=True, refuse_reads=refuse_reads)
     return [(p.returncode, p.stderr) for p in done]
 
 
@@ -234,6 +235,45 @@ def write_trace(path: Path, runs: list[RunRecord], header: dict | None = None, v
         for r in runs:
             w.add_run(r)
     return path
+
+
+def write_sweep_v1(path: Path, rows: list, params: dict, points: list[str], kinds: list[str]) -> Path:
+    """A version-1 sweep file, as tracer wrote them before checksums (texts as variable-length strings)."""
+    import h5py
+    import numpy as np
+
+    from tracer.store.sweepfile import MATRIX_FIELDS, ROW_FIELDS
+
+    with h5py.File(path, "w") as f:
+        f.attrs.update({"format": "tracer-sweep", "format_version": np.int64(1), "complete": True})
+        f.create_group("header").attrs["json"] = "{}"
+        g = f.create_group("sweep")
+        g.attrs.update({"params": json.dumps(params), "points": json.dumps(points), "kinds": json.dumps(kinds),
+                        "n_done": np.int64(len(rows))})
+        for name, dt in {**ROW_FIELDS, **MATRIX_FIELDS}.items():
+            g.create_dataset(name, data=np.asarray([getattr(r, name) for r in rows], dtype=dt))
+    return path
+
+
+def zero_heap_free_space(path: Path) -> int:
+    """Zero the 16-byte header of the free-space object (index 0) of the file's first global heap
+    collection, in place: HDF5 then loops forever loading the collection (issue 37 item 1). Returns
+    the byte offset zeroed."""
+    import struct
+
+    data = bytearray(Path(path).read_bytes())
+    at = data.find(b"GCOL\x01\x00\x00\x00")
+    assert at >= 0, "no global heap collection"
+    (size,) = struct.unpack_from("<Q", data, at + 8)
+    p = at + 16
+    while p + 16 <= at + size:
+        index, _refs, _res, n = struct.unpack_from("<HHIQ", data, p)
+        if index == 0:
+            data[p:p + 16] = bytes(16)
+            Path(path).write_bytes(bytes(data))
+            return p
+        p += 16 + (n + 7) // 8 * 8
+    raise AssertionError("no free-space object in the collection")
 
 
 # ---------------------------------------------------------------- tiny random-init models

@@ -35,6 +35,9 @@ def capped_cases(cases: dict[str, str], cap: int = CAP, timeout: float = 240) ->
             "from tracer.errors import TracerError\n"
             "from tracer.engines.dumps.read import read_dump\n"
             "from tracer.engines.dumps.rules import load_engine_map\n"
+            "from tracer.engines.dumps.namemap import RefLayout, map_dump\n"
+            "REF = RefLayout(names={'model.embed_tokens': ('embedding', 'Embedding', (64,), 'bfloat16')},\n"
+            "                layer_prefix='model.layers', n_layers=0, token_ids=[0] * 100, window=(0, 100), family='llama')\n"
             f"cases = {json.dumps(cases)}\n"
             "out = {}\n"
             "for name, expr in cases.items():\n"
@@ -123,10 +126,78 @@ def hostile(tmp_path_factory) -> dict[str, tuple[Path | str, str]]:
     os.mkfifo(maps["map_fifo"])
     maps["map_latin1"].write_bytes('[layer]\n"caf\xe9" = { hf = "mlp" }\n'.encode("latin-1"))
     maps["map_deep"].write_text("x = " + "[" * 100000 + "]" * 100000 + "\n")
+    _engine_dump_cases(d, paths)
     cases = {k: f"read_dump({str(p)!r})" for k, p in paths.items()}
+    cases["requests_30m"] = f"map_dump(read_dump({str(paths['requests_30m'])!r}), REF, load_engine_map('llama', None))"
     cases.update({k: f"load_engine_map('llama', {str(p)!r})" for k, p in maps.items()})
     got = capped_cases(cases)
     return {k: ({**paths, **maps}[k], got[k]) for k in cases}
+
+
+def _dumper(folder: Path, files: list[tuple[str, object, dict]]) -> Path:
+    """An SGLang dumper folder of one step on TP rank 0: ``(name, value, meta overrides)`` per file."""
+    folder.mkdir()
+    for i, (name, value, extra) in enumerate(files):
+        tags = {"step": 0, "rank": 0, "dump_index": i + 1, "name": name}
+        meta = {**tags, "world_rank": 0, "world_size": 1,
+                "sglang_parallel_info": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}, **extra}
+        torch.save({"value": value, "meta": meta}, folder / ("___".join(f"{k}={v}" for k, v in tags.items()) + ".pt"))
+    return folder
+
+
+def _engine_dump_cases(d: Path, paths: dict) -> None:
+    """The engine dumps of issue 37's adversarial trial (items 2, 3, 8), built small on disk."""
+    from safetensors.torch import save_file
+
+    n = 30_000_000  # one-token requests: every row at position 0 is its own request
+    save_file({"input_ids": torch.zeros(n, dtype=torch.int32), "positions": torch.zeros(n, dtype=torch.int32),
+               "model.embed_tokens": torch.zeros(1, 64, dtype=torch.bfloat16)}, str(d / "requests.safetensors"))
+    paths["requests_30m"] = d / "requests.safetensors"
+    ids, pos, emb = torch.arange(4), torch.arange(4), torch.zeros(4, 64)
+    # an int32 input_ids of stride 0: 400 MB as read (within the capped budget), 800 MB more as int64
+    paths["int64_copy"] = _dumper(d / "int64", [("input_ids", torch.zeros(1, dtype=torch.int32).expand(100_000_000), {}),
+                                                ("positions", pos, {})])
+    paths["tp_size_huge"] = _dumper(d / "tp", [
+        ("input_ids", ids, {}), ("positions", pos, {}),
+        ("non_intrusive__model.embed_tokens.output", emb,
+         {"sglang_parallel_info": {"tp_rank": 0, "tp_size": 10**12, "pp_rank": 0, "pp_size": 1}})])
+    paths["tp_size_unfilled"] = _dumper(d / "tp3", [
+        ("input_ids", ids, {"sglang_parallel_info": {"tp_rank": 0, "tp_size": 3, "pp_rank": 0, "pp_size": 1}}),
+        ("non_intrusive__model.embed_tokens.output", emb,
+         {"sglang_parallel_info": {"tp_rank": 0, "tp_size": 3, "pp_rank": 0, "pp_size": 1}})])
+    paths["sparse"] = _dumper(d / "sparse", [("input_ids", ids, {}), ("positions", pos, {}),
+                                             ("non_intrusive__model.embed_tokens.output", emb.to_sparse(), {})])
+
+
+def test_thirty_million_one_token_requests_are_refused_in_vectorised_time(hostile):
+    """A 240 MB dump of 3·10⁷ one-token requests (positions all 0) ran unbounded (per-row Python
+    loops; a MemoryError after 118 s before that): the requests are counted with one vectorised op
+    and refused before any per-request work."""
+    _, msg = hostile["requests_30m"]
+    assert "requests.safetensors" in _one_line(msg) and "30,000,000 requests" in msg and "65,536" in msg, msg
+
+
+def test_the_int64_copy_of_token_ids_counts_against_the_budget(hostile):
+    """A stride-0 int32 input_ids (a few hundred bytes on disk) passed the budget by its int32 size, then
+    its int64 copy failed to allocate (exit 3): the copy is charged before it is made."""
+    path, msg = hostile["int64_copy"]
+    assert sum(f.stat().st_size for f in Path(path).iterdir()) < 8192
+    assert "name=input_ids.pt" in _one_line(msg) and "the int64 copy of input_ids" in msg and "input budget" in msg, msg
+
+
+@pytest.mark.parametrize("case, needle", [("tp_size_huge", "disagree on tp_size (1, 1000000000000)"),
+                                          ("tp_size_unfilled", "tp_size 3 but the dump holds TP rank(s) 0")])
+def test_tp_size_is_checked_against_the_ranks_present(hostile, case, needle):
+    """``tp_size = 10**12`` on one member ended in a MemoryError (a list of every rank): the meta is input,
+    checked against the files before anything is sized by it."""
+    _, msg = hostile[case]
+    assert needle in _one_line(msg), msg
+
+
+def test_a_sparse_tensor_is_refused_by_its_layout(hostile):
+    """An activation saved as a sparse COO tensor: 'unsupported memory format option Contiguous' (exit 3)."""
+    _, msg = hostile["sparse"]
+    assert "sparse_coo (not dense) tensor of shape (4, 64)" in _one_line(msg) and "to_dense()" in msg, msg
 
 
 def test_npz_decompression_bomb_is_refused_before_inflating(hostile):

@@ -244,6 +244,43 @@ def test_capture_inside_a_cuda_graph_refreshes_at_every_replay(lm_cuda):
 
 
 @CUDA
+def test_capture_with_warm_ups_inside_the_block_is_the_buffer_the_graph_replays_into(lm_cuda):
+    """Issue 37 item 11, PyTorch's recipe inside one capture block: two warm-up forwards on a side
+    stream, then the recording. On the H200 cap["lm_head"] differed from the graph's own logits in
+    155,581,439 of 155,582,464 elements: its tensor held 3 × N rows (the warm-ups' and a copy of the
+    recording's buffers made before any replay). Now every point is the buffer the graph replays into:
+    after a replay on new ids, equal bit for bit to the graph's own outputs of that replay."""
+    model = lm_cuda.model
+    n = 48
+    static = torch.tensor([[(7 * i + 3) % 500 for i in range(n)]], device="cuda")
+    with torch.inference_mode():
+        with tracer.capture(lm_cuda, cuda_graphs=True) as cap:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    model(input_ids=static, output_hidden_states=True)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = model(input_ids=static, output_hidden_states=True)
+    recs = cap.records()
+    layers = [name for name, r in recs.items() if r.kind == "layer"]
+    for ids in ([(11 * i + 5) % 500 for i in range(n)], [(13 * i + 1) % 500 for i in range(n)]):
+        static.copy_(torch.tensor([ids], device="cuda"))
+        g.replay()
+        torch.cuda.synchronize()
+        bits = lambda t: t.contiguous().view(torch.int16)  # noqa: E731
+        assert all(r.tensor.shape[0] == n for r in recs.values() if r.tensor.numel()), "one recording's rows"
+        assert torch.equal(bits(cap["model.embed_tokens"].tensor), bits(out.hidden_states[0][0]))
+        for i, name in enumerate(layers[:-1]):  # the last hidden state is after the final norm
+            assert torch.equal(bits(cap[name].tensor), bits(out.hidden_states[i + 1][0])), name
+        assert torch.equal(bits(cap["model.norm"].tensor), bits(out.hidden_states[-1][0]))
+        assert torch.equal(bits(cap["lm_head"].tensor), bits(out.logits[0]))
+        assert cap.token_ids == ids and cap["lm_head"].calls[0]["positions"] == [0, n]
+
+
+@CUDA
 def test_a_graph_recorded_before_the_block_is_an_error_not_an_empty_capture(lm_cuda):
     from tracer.errors import TracerError
 

@@ -119,3 +119,44 @@ def test_the_bar_keeps_elapsed_and_eta_whole_in_a_narrow_terminal(monkeypatch, w
     assert re.search(r" 1/21 \d+:\d\d:\d\d ETA (\d+:\d\d:\d\d|-:--:--) ", last), last
     words = " ".join(x.strip() for x in lines if not x.startswith("audit "))
     assert note in words  # the note whole, its words in order
+
+
+_SLOW_ERROR = """
+import sys, time
+sys.argv = ["tracer", "compare", sys.argv[1]]
+import tracer.api as api
+from tracer.cli import command
+from tracer.errors import TracerError
+
+def slow_then_bad(*args, **kwargs):  # a comparison that works for 2.5 s, then finds bad input
+    time.sleep(2.5)
+    raise TracerError("the dump is damaged; re-dump it")
+
+api.compare_trace = slow_then_bad
+command()
+"""
+
+
+@pytest.mark.parametrize("progress", [None, "off"])
+def test_without_a_terminal_the_error_is_the_last_line(tmp_path, progress):
+    """Issue 37 item 12: on a non-TTY stderr a phase over 2 s prints '<command>: ... · elapsed 2s' before
+    an error. What a non-TTY gets (README, 'stderr without a terminal'): those lines, each starting
+    with the command's name, and the error always last, on its own line; TRACER_PROGRESS=off: the
+    error alone."""
+    import subprocess
+    import sys
+
+    from tests.helpers import cli_env
+
+    (tmp_path / "t.h5").write_bytes(b"")
+    env = cli_env({} if progress is None else {"TRACER_PROGRESS": progress})
+    if progress is None:  # the default: lines, stderr being a pipe
+        env.pop("TRACER_PROGRESS", None)
+    proc = subprocess.run([sys.executable, "-c", _SLOW_ERROR, str(tmp_path / "t.h5")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and lines[-1] == "error: the dump is damaged; re-dump it", proc.stderr
+    if progress == "off":
+        assert lines == ["error: the dump is damaged; re-dump it"]
+    else:
+        assert len(lines) >= 2 and all(re.match(r"compare: comparing .* · elapsed \d+s$", x) for x in lines[:-1]), lines

@@ -1,5 +1,5 @@
 """``python -m tracer`` = the ``tracer`` command."""
 
-from tracer.cli import main
+from tracer.cli import command
 
-main()
+command()

@@ -65,7 +65,8 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
             masked (default 2).
 
     Returns:
-        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``).
+        the :class:`~tracer.diff.result.Comparison` (``comparison.check()`` applies ``fail_on``); its
+        ``unverified`` names the traces read that carry no checksums.
 
     Raises:
         TracerError: missing/corrupt trace or dump, unknown run names, an unavailable device, bad
@@ -81,9 +82,9 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
                           "REF.h5:RUN); a rollout-vs-train trace keeps the values it was run with")
     check_rl_thresholds(**rl)
     check_fail_on(fail_on, atol, rtol)
-    from tracer.diff.compare_dump import compare_dump, dump_side
+    from tracer.diff.compare_dump import compare_dump, dump_side, is_dump
     from tracer.diff.compare_dumps import compare_dumps, dumps_args
-    from tracer.diff.stored import compare_stored
+    from tracer.diff.stored import compare_stored, mark_unverified
 
     pair = dumps_args(refs, reference)
     dump = dump_side(refs) if pair is None else None
@@ -91,12 +92,16 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
         comparison = compare_dumps(pair[0], pair[1], split_ref(str(reference)), engine_map=engine_map, atol=atol,
                                    rtol=rtol, device=device,
                                    **{"tau" if k == "temperature" else k: float(v) for k, v in rl.items()})
+        comparison = mark_unverified(comparison, [split_ref(str(reference))[0]])
     elif dump is not None:
         comparison = compare_dump(dump[0], dump[1], engine_map=engine_map, atol=atol, rtol=rtol, device=device)
+        traces = [dump[0][0]] + ([] if is_dump(dump[1]) else [split_ref(dump[1])[0]])  # an imported dump is a trace
+        comparison = mark_unverified(comparison, traces)
     elif engine_map is not None:
         raise TracerError("--map (engine_map) applies to an engine dump; give TRACE[:RUN] DUMP")
     else:  # stored runs: the comparison made when they ran, whatever --store kept
-        comparison = compare_stored(*resolve_refs(refs), atol=atol, rtol=rtol, device=device)
+        (pa, ra), (pb, rb) = resolve_refs(refs)
+        comparison = mark_unverified(compare_stored((pa, ra), (pb, rb), atol=atol, rtol=rtol, device=device), [pa, pb])
     return replace(comparison, fail_on=fail_on)  # the one place the rule is set
 
 

@@ -389,12 +389,25 @@ def close_options(given: str, options: list[str], cutoff: float = 0.6) -> list[s
     return [o for r, o in good if r >= good[0][0] - 0.1][:3] if good else []
 
 
-def main() -> None:
-    """Entry point of the ``tracer`` console script.
+def command() -> None:
+    """Entry point of the ``tracer`` console script and of ``python -m tracer``: :func:`main` as the
+    whole process (``standalone``)."""
+    main(standalone=True)
+
+
+def main(standalone: bool = False) -> None:
+    """Run one ``tracer`` command from ``sys.argv``; exits with its code (``SystemExit``).
+
+    ``standalone``: this process is the command (:func:`command`): a watchdog backs up its signal
+    handling (:mod:`tracer.watchdog`), and a terminated or interrupted command ends the process at
+    once (``os._exit`` after the exit hooks) instead of raising ``SystemExit``. Without it (a
+    program calling ``main()`` for several commands in one process) the process is left as it was.
 
     Exit codes: 0 identical / within tolerance / report only, 1 diverged (failed ``--fail-on``),
     2 bad input or corrupt file, 3 internal error (one line; the traceback with
-    ``TRACER_DEBUG=1``), 130 interrupted, 143 terminated (SIGTERM; 129 SIGHUP), after the same clean-up.
+    ``TRACER_DEBUG=1``), 130 interrupted, 143 terminated (SIGTERM; 129 SIGHUP), after the same clean-up;
+    137 (killed) when a signal found the command inside native code that did not return within
+    :data:`tracer.watchdog.GRACE_S` seconds (:mod:`tracer.watchdog`, partial files removed).
     """
     from tracer.load.offline import ensure_offline
     from tracer.report.terminal import err, print_error, print_internal_error
@@ -402,8 +415,13 @@ def main() -> None:
     ensure_offline()  # before anything imports huggingface_hub (no network unless TRACER_ALLOW_NETWORK=1)
     from tracer.errors import raise_on_termination, terminated_by
 
+    from tracer import watchdog
+
     _restore_signals()  # main() called again in one process: the last command's exit-time handlers go
-    raise_on_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks
+    # SIGTERM/SIGHUP clean up like Ctrl-C: partials, scratch folders, ranks; each handler tells the watchdog
+    raise_on_termination(on_signal=watchdog.ack if standalone else None)
+    if standalone:
+        watchdog.start()  # the backstop: a command stuck in native code (holding the GIL) still ends on a signal
     try:  # typer >= 0.24 carries its own copy of click
         from typer._click import exceptions as click_errors
     except ImportError:  # pragma: no cover - older typer: click itself
@@ -426,7 +444,7 @@ def main() -> None:
         print_error(f"{message} (see '{where} --help')")
         sys.exit(EXIT_ERROR)
     except typer.Abort:  # click turns KeyboardInterrupt (and so Terminated) into Abort
-        _exit_interrupted()
+        _exit_interrupted(standalone)
     except click_errors.ClickException as e:  # pragma: no cover - other click errors: one line too
         print_error(e.format_message())
         sys.exit(e.exit_code or EXIT_ERROR)
@@ -436,14 +454,18 @@ def main() -> None:
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit) and terminated_by() is None:
             raise
-        _exit_interrupted()
+        _exit_interrupted(standalone)
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
+        from tracer.errors import interrupted_in
+
+        if interrupted_in(e):  # an interrupt that library code turned into another error
+            _exit_interrupted(standalone)
         if os.environ.get("TRACER_DEBUG") == "1":
             raise SystemExit(_debug_exit()) from None
         print_internal_error(e)
         sys.exit(EXIT_INTERNAL)
     if terminated_by() is not None or code == 130:  # typer returns 130 for an interrupt it caught
-        _exit_interrupted()
+        _exit_interrupted(standalone)
     _quiet_exit_on_signals()
     sys.exit(code if isinstance(code, int) else 0)
 
@@ -484,19 +506,24 @@ def _restore_signals() -> None:
             pass
 
 
-def _exit_interrupted() -> None:
-    """Exit 128 + signum after SIGTERM/SIGHUP ("terminated"), else 130 after Ctrl-C ("interrupted")."""
+def _exit_interrupted(standalone: bool = True) -> None:
+    """Exit 128 + signum after SIGTERM/SIGHUP ("terminated"), else 130 after Ctrl-C ("interrupted");
+    a terminated command that is not the whole process (``standalone`` False) raises ``SystemExit``."""
     from tracer.errors import terminated_by
     from tracer.report.terminal import err
 
     signum = terminated_by()
     if signum is not None:  # the signal decides, whatever click or typer made of the interrupt
         err.print("terminated", highlight=False)
-        sys.exit(128 + signum)
-    err.print("interrupted")
-    # Not sys.exit(130): when the KeyboardInterrupt passed through code that CPython ran as a string
+        if not standalone:
+            sys.exit(128 + signum)
+    else:
+        err.print("interrupted")
+    # Not sys.exit: when the KeyboardInterrupt passed through code that CPython ran as a string
     # (PyRun_*), the interpreter remembers it as unhandled and kills itself with SIGINT at exit
-    # (exit -2, about 1 run in 10 here) although it was handled. The exit hooks run, then exit 130.
+    # (exit -2, about 1 run in 10 here) although it was handled; and a terminated command must end
+    # within seconds, while the interpreter's last garbage collection of a large comparison took 3 s
+    # (30 s on a loaded machine). Every finally block has run: the exit hooks run, then the exit.
     import atexit
 
     try:
@@ -507,7 +534,7 @@ def _exit_interrupted() -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(130)
+        os._exit(130 if signum is None else 128 + signum)
 
 
 def _debug_exit() -> int:

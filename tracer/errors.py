@@ -47,23 +47,71 @@ def terminated_by() -> int | None:
     return _RECEIVED[0] if _RECEIVED else None
 
 
-def raise_on_termination() -> None:
+def raise_on_termination(on_signal: Callable[[], None] | None = None) -> None:
     """Turn SIGTERM and SIGHUP into :class:`Terminated` in this (main) thread: a terminated command
-    cleans up on the same path as an interrupted one, instead of dying with its partial files."""
+    cleans up on the same path as an interrupted one, instead of dying with its partial files.
+    SIGINT raises KeyboardInterrupt, as Python's own handler does. ``on_signal``: called first by
+    each of the three handlers (the CLI's watchdog acknowledgement, :func:`tracer.watchdog.ack`)."""
     import signal
 
     _RECEIVED.clear()  # a new command (tracer.cli.main called again in one process): earlier signals are done
 
     def handler(signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal()
         _RECEIVED.append(signum)
         raise Terminated(signum)
 
-    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if sig is not None:
+    def interrupt_handler(_signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal()
+        raise KeyboardInterrupt
+
+    for sig, fn in ((signal.SIGTERM, handler), (getattr(signal, "SIGHUP", None), handler),
+                    (signal.SIGINT, interrupt_handler if on_signal is not None else None)):
+        if sig is not None and fn is not None:
             try:
-                signal.signal(sig, handler)
+                signal.signal(sig, fn)
             except (ValueError, OSError):  # not the main thread, or not settable here
                 pass
+    _redeliver_swallowed()
+
+
+def _redeliver_swallowed() -> None:
+    """A handler's exception raised while the main thread ran a finalizer (``__del__``, a weakref
+    callback) is printed and dropped by Python ("Exception ignored in ..."), and the command went on
+    for minutes: such an interrupt is delivered again, to the main thread, instead of printed."""
+    import signal
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_tracer", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, (Terminated, KeyboardInterrupt)):
+            import _thread
+
+            _thread.interrupt_main(exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
+            return
+        previous(unraisable)
+
+    hook._tracer = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
+def interrupted_in(exc: BaseException) -> bool:
+    """Whether ``exc`` (any exception) comes of an interrupt: a signal was received for
+    :class:`Terminated`, or a KeyboardInterrupt / Terminated is in its chain (Cython code that was
+    interrupted reports ``SystemError: ... returned a result with an exception set``)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return bool(_RECEIVED)
 
 
 @contextlib.contextmanager

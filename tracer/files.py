@@ -94,14 +94,25 @@ def check_exists(spec: str | os.PathLike, what: str = "input") -> None:
     line within a fraction of a second; the full checks (:func:`check_input_file`, the trace's
     validation) come later, where the file is read.
 
+    A FIFO, device or socket is refused here too (by ``stat``, which never blocks), before the
+    progress display of a slow start-up can print a line ahead of the error.
+
     Raises:
-        TracerError: empty, or neither ``spec`` nor its part before the last ``:`` exists.
+        TracerError: empty; neither ``spec`` nor its part before the last ``:`` exists; it is a
+            FIFO, device or socket.
     """
     text = os.fspath(spec)
     if text == "":
         raise TracerError(f"{what} is empty; give a file path")
-    if os.path.lexists(text) or (":" in text and os.path.lexists(text.rsplit(":", 1)[0])):
-        return
+    for path in (text, text.rsplit(":", 1)[0] if ":" in text else None):
+        if path is not None and os.path.lexists(path):
+            try:
+                mode = os.stat(path).st_mode
+            except OSError:
+                return  # a dangling link or no permission: the full check says which
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise TracerError(f"{what} {shown_path(path)} is {file_kind(mode)}; pass a regular file")
+            return
     raise TracerError(f"{what} {shown_path(text)} not found; check the path")
 
 
@@ -170,6 +181,34 @@ def check_budget(nbytes: int, what: str, budget: int | None = None) -> None:
     if nbytes > limit:
         raise TracerError(f"{what} declares {nbytes:,} bytes, over the input budget of {limit:,} bytes (half the "
                           f"memory available to this process; {BUDGET_ENV} sets it); refused before allocating")
+
+
+class Ledger:
+    """The bytes one user-named input (an engine dump: many files) has made tracer allocate so far,
+    against one :func:`input_budget`: every tensor read, every copy made of it (token ids widened to
+    int64, shards joined, rows stacked), charged *before* it is allocated.
+
+    Args:
+        what: the input, for messages (``engine dump d/``).
+        budget: bytes (default :func:`input_budget`).
+    """
+
+    def __init__(self, what: str, budget: int | None = None) -> None:
+        self.what = what
+        self.budget = input_budget() if budget is None else budget
+        self.used = 0
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Add ``nbytes`` for ``what`` (one allocation about to be made).
+
+        Raises:
+            TracerError: the total would exceed the budget (nothing is added then).
+        """
+        before = self.used
+        total = before + max(0, int(nbytes))
+        with_rest = f" (with the {before:,} bytes already read or copied from {self.what})" if before else ""
+        check_budget(total, f"{what}{with_rest}", self.budget)
+        self.used = total
 
 
 def read_text_file(path: str | os.PathLike, option: str) -> str:

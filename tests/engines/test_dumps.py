@@ -207,6 +207,73 @@ def test_suffix_shorter_than_the_reference_window_is_reported(ref, dump, tmp_pat
     assert any("positions only in the reference: 32..36" in n for n in c.facts["notes"])
 
 
+# ---------------------------------------------------------------- logits rows by their count
+
+
+def _logits_dump(dump: Path, rows: torch.Tensor) -> None:
+    """Replace the dump's next-token logits by ``logits_processor.output`` holding ``rows`` on every rank
+    (SGLang's LogitsProcessor dumped whole: one row per computed token of a cache-hit step)."""
+    for f in dump.glob("*next_token_logits*"):
+        f.unlink()
+    steps = sorted({int(f.name.split("___")[0].split("=")[1]) for f in dump.glob("step=*.pt")})
+    for rank in range(2):
+        tags = {"step": steps[-1], "rank": rank, "dump_index": 999, "name": "non_intrusive__logits_processor.output"}
+        meta = {**tags, "world_rank": rank, "world_size": 2,
+                "sglang_parallel_info": {"tp_rank": rank, "tp_size": 2, "pp_rank": 0, "pp_size": 1}}
+        torch.save({"value": rows.clone(), "meta": meta}, dump / ("___".join(f"{k}={v}" for k, v in tags.items()) + ".pt"))
+
+
+def test_logits_of_every_computed_token_are_compared_at_their_positions(ref, tmp_path):
+    """Issue 37 item 0: a cache-hit step's LogitsProcessor output, one float32 row per computed token
+    (HF's own logits), was read as "last position of each request": row 0 compared against position 39
+    (all 512 differ, an argmax flip in the notes) and the verdict said bit-identical, exit 0, JSON
+    "logits": null. The rows are matched to positions by their count: HF's values, equal everywhere."""
+    d = write_sglang_dump(ref, "B", tmp_path / "dump", tp=2)  # one step: the cache hit's 8 tokens
+    hf = tracer.read_trace(ref).tensor("B", "lm_head")
+    _logits_dump(d, hf.float())
+    c = compare_dump((ref, "B"), str(d))
+    assert c.logits is not None and c.logits.n_positions == N - P and c.logits.tensor.n_diff == 0
+    assert c.identical and c.verdict().startswith("identical values") and "lm_head" in c.cross_dtypes
+    assert "one logits row per computed token" in c.facts["mapping"]["lm_head"]
+    doc = c.to_dict()
+    assert doc["logits"]["name"] == "lm_head" and doc["logits"]["positions"] == N - P
+    # one row changed (an independent edit of the oracle): the verdict and --fail-on any see it
+    planted = hf.float().clone()
+    planted[3, 7] += 1.0
+    shutil.rmtree(d.parent)
+    d = write_sglang_dump(ref, "B", tmp_path / "dump", tp=2)
+    _logits_dump(d, planted)
+    c = compare_dump((ref, "B"), str(d))
+    assert c.logits.tensor.n_diff == 1 and c.first_divergent == "lm_head"
+    assert c.verdict().startswith("diverges from lm_head") and c.check("any")[0]
+
+
+def test_logits_rows_of_another_count_are_refused(ref, tmp_path):
+    """3 logits rows in a step of 8 tokens and 1 request: neither one per token nor one per request."""
+    d = write_sglang_dump(ref, "B", tmp_path / "dump", tp=2)
+    _logits_dump(d, tracer.read_trace(ref).tensor("B", "lm_head")[:3].float())
+    with pytest.raises(TracerError) as e:
+        compare_dump((ref, "B"), str(d))
+    _one_line(e, "logits of shape (3, 512)", "8 token(s) in 1 request(s)")
+
+
+def test_next_token_logits_count_in_the_verdict_the_check_and_every_format(ref, tmp_path):
+    """Logits dumped at the last position only are compared there and count like any logits: a
+    difference planted in them alone makes the verdict diverge from lm_head, --fail-on any fail, and
+    JSON, CSV and markdown carry them (they were a note only: verdict bit-identical, "logits": null)."""
+    d = write_sglang_dump(ref, "B", tmp_path / "dump", tp=2, perturb={"lm_head": 0.5})
+    c = compare_dump((ref, "B"), str(d))
+    assert c.logits is not None and c.logits.n_positions == 1 and c.facts["logits_positions"] == [N - 1]
+    assert c.logits.tensor.n_diff > 0 and c.first_divergent == "lm_head"
+    assert c.verdict().startswith("diverges from lm_head") and "in 1 position" in c.verdict()
+    assert c.check("any")[0]
+    assert all(p.diff.n_diff == 0 for p in c.points)  # the perturbation is in the logits alone
+    doc = c.to_dict()
+    assert doc["logits"] is not None and doc["logits"]["n_diff"] == c.logits.tensor.n_diff
+    for fmt in ("csv", "markdown"):
+        assert "lm_head" in tracer.render(c, fmt), fmt
+
+
 # ---------------------------------------------------------------- token alignment (no model)
 
 

@@ -171,3 +171,50 @@ def test_captures_by_reference_equal_copies(family):
                 assert by_ref.untyped_storage().nbytes() > by_ref.nbytes, name
             refs += rec.kind in REFERENCE_KINDS
         assert refs >= model.config.num_hidden_layers + 2  # layers, final norm and logits were kept by reference
+
+
+# ---------------------------------------------------------------- CUDA-graph bookkeeping, on the CPU
+
+
+def test_a_recorded_forward_after_eager_warm_ups_is_captured_alone(monkeypatch):
+    """What tracer.capture(cuda_graphs=True) keeps of a block with warm-ups before the recording (issue
+    37 item 11), on the CPU: the forward made while "recording" is every point's value, as its own
+    buffer (no copy, so a replay would refresh it), its ids and positions 0..N-1; the eager warm-ups
+    are not the graph's. Recording is simulated (tracer.execute.capture._recording)."""
+    import tracer.execute.capture as capture_module
+    from tracer.execute.capture import Captured
+
+    model = make_model("llama")
+    recording = {"on": False}
+    monkeypatch.setattr(capture_module, "_recording", lambda t: recording["on"])
+    cap = Captured(model, "layers")
+    cap.cuda_graphs = True  # the GPU check is for real graphs; the bookkeeping is what is tested here
+    warm, new = torch.tensor([IDS]), torch.tensor([[(11 * i + 5) % 500 for i in range(len(IDS))]])
+    with torch.no_grad(), cap:
+        model(warm)
+        model(warm)
+        recording["on"] = True
+        model(new)
+        recording["on"] = False
+    with torch.no_grad():
+        hs = model(new, output_hidden_states=True).hidden_states
+    layers = [n for n, r in cap.records().items() if r.kind == "layer"]
+    for i, name in enumerate(layers[:-1]):
+        assert torch.equal(cap[name].tensor, hs[i + 1][0]), name
+        assert cap[name].tensor is cap._capture._chunks[name][2]  # the recorded chunk itself
+        assert [c["positions"] for c in cap[name].calls] == [[0, len(IDS)]]
+    assert torch.equal(cap["model.embed_tokens"].tensor, hs[0][0])
+    assert cap.token_ids == new[0].tolist()
+
+
+def test_a_point_recorded_twice_in_one_block_is_refused():
+    from tracer.execute.graphs import graph_chunks
+
+    a, b, c = torch.zeros(2, 4), torch.ones(2, 4), torch.full((2, 4), 2.0)
+    calls = [{"positions": [0, 2]}, {"positions": [2, 4]}, {"positions": [4, 6]}]
+    assert graph_chunks("x", [a, b], [False, False], calls[:2], [False, False]) == ([a, b], calls[:2])
+    kept, kept_calls = graph_chunks("x", [a, b, c], [False, False, True], calls, [False, False, True])
+    assert kept[0] is c and kept_calls == calls[2:]
+    with pytest.raises(TracerError, match="recorded in 2 forwards inside CUDA graphs") as e:
+        graph_chunks("x", [a, b, c], [False, True, True], calls, [False, True, True])
+    assert "\n" not in str(e.value)

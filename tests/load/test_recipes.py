@@ -77,3 +77,30 @@ def test_gguf_recipe_declares_its_architecture():
     table = recipes()
     assert table["smollm2-135m"].data["model_type"] == "llama"
     assert table["gemma3-270m"].data["model_type"] == "gemma3_text"
+
+
+def test_a_broken_recipe_file_is_an_error_only_for_its_own_recipe(tmp_path, monkeypatch, capsys):
+    """Issue 37 item 10: one bad recipe file (zz3.toml, invalid TOML) made every model unusable
+    ('tracer run tiny-llama' failed on zz3.toml's error). It is that recipe's error when it is used,
+    and otherwise one warning line while the other recipes work."""
+    import shutil
+
+    import tracer.load.recipes as R
+    from tracer.load.models import load_model
+    from tracer.load.preflight import check_model
+
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(R.data_dir("models") / "tiny-llama.toml", models)
+    (models / "zz3.toml").write_text('name = "zz3"\nkind = "random-init"\ndescription = "broken"\n[config\n')
+    monkeypatch.setattr(R, "data_dir", lambda kind: models)
+    monkeypatch.setattr(R, "_WARNED", set())
+    loaded = load_model("tiny-llama", device="cpu", progress=False)
+    assert loaded.info.name == "tiny-llama"
+    err = capsys.readouterr().err
+    assert err.count("warning: recipe") == 1 and "zz3.toml is not valid TOML" in err and "'zz3' is skipped" in err
+    for call in (lambda: load_model("zz3", device="cpu", progress=False), lambda: check_model("zz3")):
+        with pytest.raises(TracerError, match=r"zz3.toml is not valid TOML") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert list(R.recipes()) == ["tiny-llama"]

@@ -182,9 +182,8 @@ def test_truncated_trace_is_refused(tmp_path):
         assert "\n" not in str(e.value)
 
 
-def test_old_trace_without_checksums_still_reads(tmp_path):
-    """A trace written before checksums (variable-length strings, no crc32) reads, unverified."""
-    path = tmp_path / "old.h5"
+def _old_trace(path: Path) -> Path:
+    """A trace as tracer 0.1 wrote it (variable-length strings, no crc32), by hand."""
     runs = make_runs()
     with h5py.File(path, "w") as f:  # the v1 writer of tracer 0.1, by hand
         f.attrs.update({"format": "tracer-trace", "format_version": np.int64(1), "complete": True,
@@ -199,9 +198,60 @@ def test_old_trace_without_checksums_still_reads(tmp_path):
             for cap in r.captures.values():
                 ds = g.require_group("captures").create_dataset(cap.name, data=cap.tensor.numpy())
                 ds.attrs.update({"dtype": "float32", "kind": cap.kind, "op": "", "calls": "[]"})
+    return path
+
+
+def test_old_trace_without_checksums_still_reads(tmp_path):
+    """A trace written before checksums (variable-length strings, no crc32) reads, unverified."""
+    path = _old_trace(tmp_path / "old.h5")
     with read_trace(path) as rd:
         assert not rd.checksummed and rd.runs == ["A", "B"]
     assert compare_trace(str(path), device="cpu").first_divergent == "model.layers.1"
+
+
+def test_old_trace_with_a_damaged_heap_is_refused_not_hung(tmp_path):
+    """Issue 37 item 1, for traces: a format-1 trace keeps its texts in HDF5's global heap; a zeroed
+    free-space header there made HDF5 loop forever (SIGTERM ignored). Refused in one line instead."""
+    from tests.helpers import zero_heap_free_space
+
+    path = _old_trace(tmp_path / "old.h5")
+    zero_heap_free_space(path)
+    with pytest.raises(TracerError, match="global heap collection .* holds an object of 0 bytes") as e:
+        read_trace(path).__enter__()
+    assert "\n" not in str(e.value)
+
+
+def test_a_trace_without_checksums_is_compared_unverified_in_every_format(tmp_path):
+    """Issue 37 item 4: a trace whose checksums were stripped and whose run B was overwritten with run
+    A's data (its original diverges at layer 0) was compared "bit-identical", exit 0, with no word of
+    it outside 'tracer show'. The verdict block of every format now says the file is unverified."""
+    from tracer.report.pages import report_html
+
+    path = write_trace(tmp_path / "t.h5", make_runs(diverge_at="model.layers.0"), version=1)
+    strip_checksums(path)
+    with h5py.File(path, "r+") as f:
+        for name, ds in f["runs/B/captures"].items():
+            ds[...] = f["runs/A/captures"][name][...]
+    c = tracer.compare_trace(str(path), device="cpu")
+    assert c.identical and c.unverified == (str(path),)
+    bare = f"{path} carries no checksums"
+    assert c.to_dict()["unverified"] == [str(path)]
+    for fmt in ("csv", "markdown"):
+        assert bare in tracer.render(c, fmt), fmt
+    from rich.console import Console
+
+    from tracer.report.tables import print_report
+
+    console = Console(record=True, width=200)
+    print_report(c, console)
+    lines = console.export_text().splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("verdict:"))
+    assert lines[verdict + 1].startswith("unverified:") and bare in lines[verdict + 1]
+    assert bare in report_html(path)  # tracer report, from the stored comparison (none here: recomputed)
+    proc = tracer_cli(["compare", str(path), "--format", "json"], check=False)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["unverified"] == [str(path)]
+    good = write_trace(tmp_path / "good.h5", make_runs(diverge_at=None))
+    assert tracer.compare_trace(str(good), device="cpu").unverified == ()
 
 
 def test_removing_the_checksums_attribute_is_caught(tmp_path):

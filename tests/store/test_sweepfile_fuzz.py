@@ -25,10 +25,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import Worker
+from tests.helpers import Worker, cli_session, write_sweep_v1, zero_heap_free_space
 
 N_RAW = int(os.environ.get("TRACER_SWEEP_FUZZ_CASES", "180"))
 N_RESEALED = int(os.environ.get("TRACER_SWEEP_RESEAL_CASES", "100"))
+N_V1 = int(os.environ.get("TRACER_SWEEP_V1_CASES", "80"))
 SEED = 24
 CASE_TIMEOUT_S = 20.0
 POINTS = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
@@ -336,26 +337,90 @@ def test_a_variable_length_string_is_refused_before_it_is_read(sweep_file, tmp_p
 def test_format_1_sweep_is_read_unverified_and_not_resumed(tmp_path):
     """A sweep written before checksums still reads (values range-checked, verified=False) and is not
     resumed (--overwrite starts a checksummed one)."""
-    import h5py
-
     import tracer
     from tracer.errors import TracerError
-    from tracer.store.sweepfile import MATRIX_FIELDS, ROW_FIELDS, SweepFile
+    from tracer.store.sweepfile import SweepFile
 
     rows = _rows()
     params = {"model": "m", "scenario": "prefix-cache", "mitigation": None, "granularity": "layers", "dtype": "bfloat16",
               "device": "cpu", "attn": "sdpa", "lengths": list(range(17, 22)), "block_sizes": [8, 16],
               "keep_tensors": False, "prompt_sha256": "cd" * 32}
-    path = tmp_path / "v1.h5"
-    with h5py.File(path, "w") as f:  # the version-1 layout, as tracer wrote it before issue 24
-        f.attrs.update({"format": "tracer-sweep", "format_version": np.int64(1), "complete": True})
-        f.create_group("header").attrs["json"] = "{}"
-        g = f.create_group("sweep")
-        g.attrs.update({"params": json.dumps(params), "points": json.dumps(POINTS), "kinds": json.dumps(KINDS),
-                        "n_done": np.int64(len(rows))})
-        for name, dt in {**ROW_FIELDS, **MATRIX_FIELDS}.items():
-            g.create_dataset(name, data=np.asarray([getattr(r, name) for r in rows], dtype=dt))
+    path = write_sweep_v1(tmp_path / "v1.h5", rows, params, POINTS, KINDS)  # the layout before issue 24
     r = tracer.read_sweep(path)
     assert r.rows == rows and not r.verified
     with pytest.raises(TracerError, match="does not resume"):
         SweepFile(path, params, {})
+
+
+# ---------------------------------------------------------------- format 1: the global heap (issue 37 item 1)
+
+_V1_PARAMS = {"model": "m", "scenario": "prefix-cache", "mitigation": None, "granularity": "layers", "dtype": "bfloat16",
+              "device": "cpu", "attn": "sdpa", "lengths": list(range(17, 22)), "block_sizes": [8, 16],
+              "keep_tensors": False, "prompt_sha256": "cd" * 32}
+
+
+def test_a_zeroed_heap_header_is_refused_in_one_line_by_report_and_plot(tmp_path):
+    """A format-1 sweep whose global heap's free-space header is zeroed: 'tracer report' and 'tracer plot'
+    printed a progress line, then never returned, and ignored SIGTERM (HDF5 loops holding the GIL). The
+    collection is checked before HDF5 loads it: one line, exit 2, no output file."""
+    import os
+
+    path = write_sweep_v1(tmp_path / "v1.h5", _rows(), _V1_PARAMS, POINTS, KINDS)
+    at = zero_heap_free_space(path)
+    assert "zeroed header" in _read_error(path) and str(at) in _read_error(path)
+    env = {**os.environ, "TRACER_PROGRESS": "off", "COLUMNS": "200"}
+    done = cli_session([["report", str(path), "-o", str(tmp_path / "r.html")],
+                        ["plot", str(path), "-o", str(tmp_path / "p.png")]], env, tmp_path, timeout=300)
+    for proc in done:
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "global heap collection" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1.h5"]
+
+
+def test_a_heap_that_hangs_hdf5_is_refused_by_the_probe(tmp_path, monkeypatch):
+    """Whatever makes HDF5 loop on the heap, this process never reads it before a forked child did within
+    PROBE_S seconds: here the structural check is switched off, and the child that hangs is killed."""
+    import time
+
+    from tracer.store import heap
+
+    path = write_sweep_v1(tmp_path / "v1.h5", _rows(), _V1_PARAMS, POINTS, KINDS)
+    zero_heap_free_space(path)
+    monkeypatch.setattr(heap, "collection_problem", lambda p: None)
+    monkeypatch.setattr(heap, "PROBE_S", 2.0)
+    t0 = time.monotonic()
+    assert "did not finish reading its variable-length texts in 2 s" in _read_error(path)
+    assert time.monotonic() - t0 < 30
+
+
+def test_mutations_of_a_format_1_sweep_give_an_answer_or_one_line_error(tmp_path):
+    """Format 1 has no checksums, so an edited value may give another answer; but never a traceback, a
+    hang or a crash. Half the mutations land in the global heap collection that holds its texts
+    (where a zeroed header hung HDF5), half anywhere."""
+    import struct
+
+    path = write_sweep_v1(tmp_path / "v1.h5", _rows(), _V1_PARAMS, POINTS, KINDS)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"GCOL\x01\x00\x00\x00")
+    (size,) = struct.unpack_from("<Q", data, at + 8)
+    worker = Worker(_worker)
+    try:
+        status, original = worker.ask(str(path), 120)
+        assert status == "ok", original
+        rng = random.Random(SEED + 2)
+
+        def cases():
+            case = tmp_path / "case.h5"
+            for i in range(N_V1):
+                if i % 2:
+                    mutated, what = _mutate(data, rng)
+                else:  # inside the heap collection: its header, an object header, a text
+                    mutated, what = _mutate(data[at:at + size], rng)
+                    mutated, what = data[:at] + mutated.ljust(size, b"\0")[:size] + data[at + size:], "heap " + what
+                case.write_bytes(mutated)
+                yield case, what
+
+        counts = _run(worker, cases(), original, tmp_path, same_or_error=False)
+        assert counts["error"] > N_V1 // 5, counts
+    finally:
+        worker.close()

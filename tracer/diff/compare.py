@@ -340,6 +340,8 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
     memory: the buffers (2 × (READ_AHEAD + 2) × BLOCK_BYTES at most) plus the metrics' chunk
     temporaries, whatever the trace size.
 
+    A trace without checksums is read unverified and named in the result's ``unverified``.
+
     Raises:
         TracerError: missing/corrupt trace, unknown run names, runs of different prompts or
             windows, an unavailable device.
@@ -413,4 +415,5 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
         if "decode_tokens" in ra.meta and "decode_tokens" in rb.meta:
             c = replace(c, replay=replay_diff(ra.meta["decode_tokens"], rb.meta["decode_tokens"],
                                               ra.meta.get("decode_text"), rb.meta.get("decode_text")))
-        return c
+        bare = tuple(dict.fromkeys(str(p) for p, r in ((path_a, reader_a), (path_b, reader_b)) if not r.checksummed))
+        return replace(c, unverified=bare) if bare else c

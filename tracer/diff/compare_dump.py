@@ -19,6 +19,7 @@ from tracer.diff.batch import tensor_diff
 from tracer.diff.capture_contract import ContractMismatch, check_rank_sum, check_scaled
 from tracer.diff.compare import compare_pairs
 from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
+from tracer.diff.engine import logits_at
 from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
@@ -150,13 +151,18 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
                       f"(HF name ← engine name (what was fused, sharded, summed)):",
                       *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
         }
-        for name, (ps, rows_b, src) in mapped.partial_logits.items():
-            rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
-            facts["notes"].append(partial_logits_line(name, ps, rows_a, rows_b.reshape(rows_a.shape), src))
+        roles = {n: str(i.get("role") or "") for n, (i, _ds) in caps.items()}
         c = compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
                           positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
-                          facts=facts, atol=atol, rtol=rtol,
-                          roles={n: str(i.get("role") or "") for n, (i, _ds) in caps.items()})
+                          facts=facts, atol=atol, rtol=rtol, roles=roles)
+        for name, (ps, rows_b, src) in mapped.partial_logits.items():  # logits at a few positions: in the verdict too
+            rows_a = read_tensor(caps[name][1])[[p - w0 for p in ps]]
+            rows_b = rows_b.reshape(rows_a.shape)
+            line = partial_logits_line(name, ps, rows_a, rows_b, src)
+            if c.logits is None:
+                c = logits_at(c, name, ps, rows_a.to(dev), rows_b.to(dev), line, roles)
+            else:
+                c = replace(c, facts={**c.facts, "notes": [*c.facts.get("notes", []), line]})
         return replace(c, contract=tuple(contract)) if contract else c
 
 

@@ -173,7 +173,6 @@ def compare_dumps(dump_a: str, dump_b: str, reference: tuple[str, str | None], *
                      "RL metrics take A as the rollout and B as the trainer (Δlogp = logp_B − logp_A): give the "
                      "rollout engine's dump first")
     logits = layout.special(PointKind.LOGITS)
-    _partial_logits_notes(ma, mb, logits, names, lo, hi, notes)
     params = {"tau": float(tau), "is_cap": float(is_cap), "mask_threshold": float(mask_threshold)}
     got = _rl(ma, mb, logits, layout.token_ids, lo, hi, params, notes)
 
@@ -190,9 +189,10 @@ def compare_dumps(dump_a: str, dump_b: str, reference: tuple[str, str | None], *
              "gemm_m_b": mb.facts.get("step_tokens"), "engine": f"{ea} vs {eb}", "engine_path": ma.path,
              "engine_path_b": mb.path, "reference": f"{path}:{run}", "mapping": ma.mapping, "mapping_b": mb.mapping,
              "notes": notes}
+    roles = {n: str(caps[n].get("role") or "") for n in names}
     comparison = compare_pairs(pairs(), scenario=f"{ea} vs {eb}", model=model.get("name", "?"), positions=(lo, hi),
-                               run_a=ea, run_b=eb, trace=None, facts=facts, atol=atol, rtol=rtol,
-                               roles={n: str(caps[n].get("role") or "") for n in names})
+                               run_a=ea, run_b=eb, trace=None, facts=facts, atol=atol, rtol=rtol, roles=roles)
+    comparison = _partial_logits(comparison, ma, mb, logits, names, dev, roles)
     if got is None:
         return comparison
     run_pos, la, lb = got
@@ -202,25 +202,29 @@ def compare_dumps(dump_a: str, dump_b: str, reference: tuple[str, str | None], *
     return replace(comparison, rl=rl)
 
 
-def _partial_logits_notes(ma: MappedDump, mb: MappedDump, logits: str | None, names: list[str], lo: int, hi: int,
-                          notes: list[str]) -> None:
-    """The logits at the positions both dumps hold them, on their own line, when one dump holds them at a
-    few positions only (SGLang's next-token logits; the layer table compares logits held everywhere)."""
+def _partial_logits(c: Comparison, ma: MappedDump, mb: MappedDump, logits: str | None, names: list[str],
+                    dev: torch.device, roles: dict[str, str]) -> Comparison:
+    """``c`` with the logits compared at the positions both dumps hold them, when one dump holds them at a
+    few positions only (SGLang's next-token logits; the layer table compares logits held everywhere):
+    they count in the verdict and the check like any logits (:func:`tracer.diff.engine.logits_at`)."""
     if logits is None or logits in names:
-        return
+        return c
+    lo, hi = c.positions
     ra, rb = _logit_rows(ma, logits), _logit_rows(mb, logits)
     ps = sorted(p for p in set(ra) & set(rb) if lo <= p < hi)
     if not ps:
-        return
+        return c
+    from tracer.diff.engine import logits_at
     from tracer.diff.logits import logits_diff
 
     a, b = _wider(torch.stack([ra[p] for p in ps]), torch.stack([rb[p] for p in ps]))
     d = logits_diff(a, b)
     flips = ", ".join(f"position {ps[f.position]}: top-1 {f.token_a} in A, {f.token_b} in B"
                       for f in d.argmax_flips) or "no argmax flip"
-    notes.append(f"{logits} (logits) at position(s) {ranges(ps)} only (one dump holds next-token logits at its steps' "
-                 f"last tokens): {d.tensor.n_diff} / {d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, "
-                 f"KL(A‖B) max {d.kl_max:.3g}; {flips}")
+    line = (f"{logits} (logits) at position(s) {ranges(ps)} only (one dump holds next-token logits at its steps' "
+            f"last tokens): {d.tensor.n_diff} / {d.tensor.n_total} differ, max |Δ| {d.tensor.max_abs_diff:.3g}, "
+            f"KL(A‖B) max {d.kl_max:.3g}; {flips}")
+    return logits_at(c, logits, ps, a.to(dev), b.to(dev), line, roles)
 
 
 def dumps_args(refs: list[str], reference: Any) -> tuple[str, str] | None:

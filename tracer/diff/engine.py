@@ -21,6 +21,8 @@ import torch
 
 from tracer.engines.door import scheduler_note
 from tracer.engines.table import is_reference, rows
+from tracer.diff.batch import tensor_diff
+from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
@@ -141,17 +143,40 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()
-    d = logits_diff(ta, tb)
-    flips = tuple(replace(f, position=common[f.position] - w0) for f in d.argmax_flips)
-    d = replace(d, argmax_flips=flips)
-    notes.append(f"{name} (logits) compared at position(s) {', '.join(map(str, common))} only, of the compared "
-                 f"{w0}..{w1 - 1}: where both runs computed logits (an engine that samples computes them only "
-                 "there, each request's last scheduled token)")
+    note = (f"{name} (logits) compared at position(s) {', '.join(map(str, common))} only, of the compared "
+            f"{w0}..{w1 - 1}: where both runs computed logits (an engine that samples computes them only "
+            "there, each request's last scheduled token)")
+    return logits_at(replace(c, facts={**facts, "notes": notes}), name, common, ta, tb, note,
+                     {n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
+
+
+def logits_at(c: Any, name: str, positions: list[int], ta: torch.Tensor, tb: torch.Tensor, note: str,
+              roles: dict[str, str] | None = None) -> Any:
+    """Comparison ``c`` with the logits ``name`` compared at ``positions`` only (absolute, sorted, inside
+    ``c.positions``): ``ta``/``tb`` are both runs' ``(len(positions), vocab)`` rows there. They count
+    like logits compared in full: in the verdict, the ``--fail-on`` check and every output format;
+    flips keep their absolute positions, ``facts["logits_positions"]`` and the line ``note`` say
+    where. Rows of two float dtypes are compared as :mod:`tracer.diff.crossdtype` says (values in the
+    wider, ULPs in the coarser; ``logits_cross_dtype``).
+    """
+    cross = None
+    if ta.dtype != tb.dtype and pair_dtypes(ta.dtype, tb.dtype) is not None:
+        acc = CrossAccumulator(ta.dtype, tb.dtype)
+        a, b, ra, rb = acc.views(ta, tb)
+        merged, cross = acc.merge(tensor_diff(a, b), tensor_diff(ra, rb))
+        d = logits_diff(a, b, tensor=merged)
+    else:
+        d = logits_diff(ta, tb)
+    w0 = c.positions[0]
+    d = replace(d, argmax_flips=tuple(replace(f, position=positions[f.position] - w0) for f in d.argmax_flips))
+    facts = dict(c.facts)
+    notes = [*facts.get("notes", []), note]
     first = next((p.diff.max_abs_diff for p in c.points if p.diff.n_diff), None)
-    skipped = tuple(s for s in c.skipped if s.name != name)  # compared after all, at the shared positions
-    out = replace(c, logits=d, logits_name=name, facts={**facts, "notes": notes, "logits_positions": common}, skipped=skipped,
+    skipped = tuple(s for s in c.skipped if s.name != name)  # compared after all, at those positions
+    out = replace(c, logits=d, logits_name=name, logits_cross_dtype=cross, skipped=skipped,
+                  facts={**facts, "notes": notes, "logits_positions": list(positions)},
                   logits_amplification=amplification(first, d.tensor.max_abs_diff) if first is not None else None)
-    return classify_origins(out, {n: r.role for n, r in a.captures.items() if getattr(r, "role", "")})
+    return classify_origins(out, roles or {})
 
 
-__all__ = ["engine_facts", "engine_skips", "sampled_logits", "CONTRACT"]
+__all__ = ["engine_facts", "engine_skips", "sampled_logits", "logits_at", "CONTRACT"]

@@ -237,6 +237,9 @@ class Comparison(schema.Record):
             logits dtypes differ (an engine's float32 logits vs a bf16 reference), else None.
         contract: points whose two sides hold different quantities (an engine dump's partial vs
             full sums: :mod:`tracer.diff.capture_contract`); the verdict names them first.
+        unverified: the trace files this comparison was read from that carry no checksums (written
+            before tracer stored them, or stripped): their bytes were not verified, and every
+            output format says so beside the verdict.
     """
 
     scenario: str
@@ -266,6 +269,7 @@ class Comparison(schema.Record):
     rl: RLComparison | None = None
     logits_cross_dtype: CrossDtype | None = schema.field(key=("logits", "cross_dtype"), default=None)
     contract: tuple[ContractMismatch, ...] = ()
+    unverified: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.facts, ComparisonFacts):  # built with a plain dict of facts

@@ -19,6 +19,7 @@ from typing import Any
 from tracer.diff.compare import compare_runs
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
+from tracer.store.integrity import is_checksummed
 from tracer.store.trace import TraceReader
 
 
@@ -87,6 +88,18 @@ def _stored_of(stored: dict[str, Any], a: str | None, b: str | None) -> Comparis
         if isinstance(doc, dict) and list(doc.get("runs") or []) == [a, b]:
             return comparison_from_dict(doc)
     return None
+
+
+def mark_unverified(c: Comparison, paths: list[str | os.PathLike]) -> Comparison:
+    """``c`` with :attr:`~tracer.diff.result.Comparison.unverified` naming every trace in ``paths``
+    (those it was read from) that carries no checksums (:func:`tracer.store.integrity.is_checksummed`).
+
+    Raises:
+        TracerError: an unreadable trace.
+    """
+    seen = [p for p in dict.fromkeys(str(p) for p in paths) if p not in c.unverified]
+    bare = tuple(p for p in seen if not is_checksummed(p))
+    return replace(c, unverified=c.unverified + bare) if bare else c
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
+from tracer.execute.graphs import graph_chunks, recording as _recording
 from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
@@ -102,6 +103,10 @@ class Capture(Hooks):
         self._call: tuple[int, int, int, int] | None = None  # (start, stop, row, col_offset)
         self._chunks: dict[str, list[torch.Tensor]] = {p.name: [] for p in self.points}
         self._calls: dict[str, list[dict[str, Any]]] = {p.name: [] for p in self.points}
+        # per chunk and per call: made inside a CUDA-graph recording (a buffer replays refresh)
+        self._recorded: dict[str, list[bool]] = {p.name: [] for p in self.points}
+        self._calls_recorded: dict[str, list[bool]] = {p.name: [] for p in self.points}
+        self._graph_tokens = 0  # auto mode: positions of the calls recorded in CUDA graphs
         self._fired: dict[str, int] = {}  # capture name -> index of its first firing
         self._pending_sync: set[torch.device] = set()  # devices with non-blocking copies in flight
         self._seq_axis: dict[str, int] = {}  # 4-D outputs: 2 where heads come first (B, H, S, D)
@@ -109,8 +114,10 @@ class Capture(Hooks):
 
     @property
     def token_ids(self) -> list[int]:
-        """Auto mode: row 0's input ids of every call, in call order."""
-        return [int(i) for part in self._ids for i in (part.tolist() if isinstance(part, torch.Tensor) else part)]
+        """Auto mode: row 0's input ids of every call, in call order; when calls were recorded in CUDA
+        graphs, those calls' (device tensors that hold the latest replay's ids)."""
+        parts = [x for x in self._ids if isinstance(x, torch.Tensor)] or self._ids
+        return [int(i) for part in parts for i in (part.tolist() if isinstance(part, torch.Tensor) else part)]
 
     def install(self) -> None:
         """Hook every capture point's module (and, auto mode, the model's call)."""
@@ -155,10 +162,10 @@ class Capture(Hooks):
             return
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24 / before
         n = int(seq.shape[1])
-        if seq.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # recording a CUDA graph: nothing may be read back to the host; positions continue in
-            # call order and the ids are kept on the device (a node of the graph: every replay's)
-            start = self._n_tokens
+        if _recording(seq):  # recording a CUDA graph: nothing read back to the host; positions continue
+            # from the calls recorded before (not the eager warm-ups); the ids kept on the device (every replay's)
+            start = self._graph_tokens
+            self._graph_tokens += n
             if isinstance(ids, torch.Tensor):
                 self._ids.append(ids[0].clone())
         else:
@@ -187,10 +194,12 @@ class Capture(Hooks):
                 if t is None:
                     continue
                 self._calls[p.name].append(call)
+                self._calls_recorded[p.name].append(_recording(t))
                 self._fired.setdefault(p.name, len(self._fired))
                 kept = self._slice(p, t, start, stop, row, col)
                 if kept is not None:
                     self._chunks[p.name].append(kept)
+                    self._recorded[p.name].append(_recording(t))
 
         return hook
 
@@ -243,7 +252,7 @@ class Capture(Hooks):
         ref = self.reference if self.reference is not None else t.device.type == "cuda"
         if not ref or p.kind not in REFERENCE_KINDS or p.which == "input" or p.full:
             return False
-        if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _recording(t):
             return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -293,13 +302,15 @@ class Capture(Hooks):
             self._chunks[p.name] = [kv if self.keep_on_device else kv.to("cpu")]
             self._calls[p.name] = [{"positions": [n - s, n], "in": [], "out": [list(k.shape), list(v.shape)]}]
 
-    def records(self) -> dict[str, CaptureRecord]:
+    def records(self, graphs: bool = False) -> dict[str, CaptureRecord]:
         """Capture name → :class:`CaptureRecord`, in execution order.
 
         Execution order is the order in which the hooks first fired; a ``kv_cache`` point sits
         right before the next point in discovery order that fired (its attention core, or its
         layer); points that never fired come last, in discovery order. Tensors are the kept
-        slices concatenated along positions: ``(T, *feature)``.
+        slices concatenated along positions: ``(T, *feature)``. ``graphs``: CUDA graphs recorded in
+        the block replay later: a point recorded there is that buffer itself (:func:`graph_chunks`;
+        TracerError when recorded twice).
         """
         for device in self._pending_sync:
             torch.cuda.synchronize(device)
@@ -317,13 +328,14 @@ class Capture(Hooks):
             keys[i] = (nxt - 0.5, i) if p.which == "cache" and nxt is not None else (never, i)
         order = sorted(range(len(self.points)), key=lambda i: keys[i])
         for p in (self.points[i] for i in order):
-            chunks = self._chunks[p.name]
+            chunks, calls = self._chunks[p.name], self._calls[p.name]
+            if graphs:
+                chunks, calls = graph_chunks(p.name, chunks, self._recorded[p.name], calls, self._calls_recorded[p.name])
             if chunks:
                 tensor = torch.cat(chunks, dim=0) if len(chunks) > 1 else chunks[0]
             else:
                 tensor = torch.empty(0)
-            out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor,
-                                        calls=self._calls[p.name], op=p.op, role=p.role)
+            out[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=tensor, calls=calls, op=p.op, role=p.role)
         return out
 
 
@@ -400,14 +412,15 @@ class Captured:
             static-cache ``torch.compile(mode="reduce-overhead")`` model's first calls) inside the
             ``with`` block: the hooks fire while the graph is recorded and their copies become
             nodes of the graph, so every replay refreshes the captures (:mod:`tracer.execute.graphs`).
-            The tensors stay on the GPU and hold the latest replay's values (clone them to keep
-            one); positions continue in call order. A block in which no capture point fired is an
-            error (replays of a graph recorded before the block run no hooks).
+            A point's tensor is the buffer the graph replays into (eager forwards before the
+            recording, e.g. warm-ups, are not kept for it), on the GPU, holding the latest replay's
+            values (clone it to keep one); ``token_ids`` are the recorded call's. A block in which no
+            point fired (a graph recorded before it) or a point recorded twice is an error.
 
     Raises:
         TracerError: unknown granularity, a module path that is not in the model, ``cuda_graphs``
             for a model not on a CUDA GPU, or (at the end of the block) ``cuda_graphs`` and
-            nothing captured.
+            nothing captured, or a point recorded in several forwards.
     """
 
     def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False,
@@ -447,7 +460,7 @@ class Captured:
 
     def __exit__(self, *exc: Any) -> None:
         self._capture.__exit__(*exc)
-        self._records = self._capture.records()
+        self._records = self._capture.records(graphs=self.cuda_graphs)
         if self.cuda_graphs and exc[0] is None and not self._capture._fired:
             raise TracerError("no capture point fired inside the block: with cuda_graphs=True, record the CUDA graph "
                               "(torch.cuda.graph, or a reduce-overhead compiled model's first calls) inside the "

@@ -14,6 +14,9 @@ chunk on a side stream (hooks idle), then each chunk recorded into a CUDA graph 
 memory pool, so a later chunk's graph reads the KV cache an earlier one wrote), then every graph
 replayed in order. Anything that cannot be recorded (a host synchronisation in a hook or in the
 model) is a one-line :class:`~tracer.errors.TracerError`, never an empty capture.
+
+:func:`graph_chunks` is the bookkeeping of :func:`tracer.capture` around a recording: which of a
+point's kept chunks belong to the graph (the recording's buffer), not to the eager forwards before it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,32 @@ from torch import nn
 
 from tracer.engines.table import is_reference
 from tracer.errors import TracerError
+
+
+def recording(t: torch.Tensor) -> bool:
+    """Whether ``t`` is being made inside a CUDA-graph recording (its kernels are recorded, not run:
+    its values exist only after a replay)."""
+    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def graph_chunks(name: str, chunks: list[torch.Tensor], recorded: list[bool], calls: list[dict[str, Any]],
+                 calls_recorded: list[bool]) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """The kept chunks and calls of one capture point of a block that recorded CUDA graphs: when some
+    were recorded into a graph, only those (the buffers every replay refreshes; the eager forwards
+    before, such as PyTorch's warm-ups on a side stream, are not the graph's), else all of them.
+
+    Raises:
+        TracerError: the point was recorded in more than one forward: its value would be a copy of
+            several buffers made before any replay (values no forward computed).
+    """
+    if not any(recorded):
+        return chunks, calls
+    kept = [c for c, r in zip(chunks, recorded) if r]
+    if len(kept) > 1:
+        raise TracerError(f"capture point {name} was recorded in {len(kept)} forwards inside CUDA graphs in one "
+                          "capture block; its value must be the one buffer a replay refreshes: record one forward per "
+                          "'with tracer.capture(..., cuda_graphs=True)' block")
+    return kept, [c for c, r in zip(calls, calls_recorded) if r]
 
 
 def check_graph_device(device: Any, what: str = "--cuda-graphs", fix: str = "drop --cuda-graphs or run on --device cuda") -> None:

@@ -315,6 +315,8 @@ class RawDump:
         input_digests: ``(module, step, tp_rank)`` → :func:`tracer.engines.dumps.parallel.digest` of
             the module's first input (``inputs.0``), to recognise identity modules (Megatron's
             ``IdentityOp`` norms when Transformer Engine fuses the norm into the next linear).
+        ledger: the :class:`tracer.files.Ledger` the dump was read within (its files and copies
+            against one input budget); the mapping charges its own copies to it. None: unbounded.
     """
 
     path: str
@@ -325,6 +327,7 @@ class RawDump:
     facts: dict[str, Any] = field(default_factory=dict)
     ignored_inputs: list[str] = field(default_factory=list)
     input_digests: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    ledger: Any = None
 
 
 def settle_wall(rec: RunRecord) -> RunRecord:

@@ -334,7 +334,7 @@ def load_model(
         raise TracerError("--max-memory applies only with --device-map auto|balanced|sequential; add --device-map auto")
     dev = resolve_device(device) if device_map is None else "cpu"
     attn = check_attn(attn)
-    table = recipes()
+    table = recipes(using=name)  # a broken recipe file is this model's error only if it is this recipe
     recipe = table.get(name)
     if recipe is None and str(name).lower().endswith(".gguf"):
         if gguf is not None:

@@ -54,7 +54,7 @@ def check_model(name: str, gguf: str | None = None) -> None:
     from tracer.files import check_gguf_file
     from tracer.load.recipes import recipes
 
-    table = recipes()
+    table = recipes(using=name)  # a broken recipe file is this model's error only if it is this recipe
     if gguf is not None and not str(gguf).strip():
         raise TracerError("--gguf is empty; give the GGUF file's path, or leave it out for the package's copy")
     if gguf is not None:

@@ -93,21 +93,60 @@ def _read_recipe(path: Path) -> Recipe:
     return Recipe(name=data["name"], kind=kind, description=data["description"], data=data, path=path)
 
 
-def recipes() -> dict[str, Recipe]:
-    """All built-in recipes, by name (sorted).
+def _name_of(path: Path) -> str:
+    """The ``name`` a recipe file gives itself when its TOML reads, else its file stem (a broken
+    file is known by the name it would have)."""
+    from tracer.files import read_toml
+
+    try:
+        name = read_toml(path, "recipe").get("name")
+    except TracerError:
+        name = None
+    return name if isinstance(name, str) and name else path.stem
+
+
+def scan_recipes() -> tuple[dict[str, Recipe], dict[str, str]]:
+    """Every recipe file of ``models/``: ``(usable recipes by name, broken name → its one-line error)``.
+    A file that fails to read or validate is broken under the name it gives (else its stem); a
+    name two files define is broken (neither is used)."""
+    found: dict[str, Recipe] = {}
+    broken: dict[str, str] = {}
+    for path in sorted(data_dir("models").glob("*.toml")):
+        try:
+            recipe = _read_recipe(path)
+        except TracerError as e:
+            broken.setdefault(_name_of(path), str(e))
+            continue
+        if recipe.name in found or recipe.name in broken:
+            other = found[recipe.name].path if recipe.name in found else "a broken file"
+            broken[recipe.name] = f"recipe name {recipe.name!r} is defined twice ({other}, {path}); rename one"
+            continue
+        found[recipe.name] = recipe
+    for name in broken:
+        found.pop(name, None)
+    return dict(sorted(found.items())), broken
+
+
+#: the broken recipe files already warned about in this process (one warning each)
+_WARNED: set[str] = set()
+
+
+def recipes(using: str | None = None) -> dict[str, Recipe]:
+    """All usable built-in recipes, by name (sorted). A broken recipe file does not make the others
+    unusable: it is reported when its recipe is the one ``using`` names (the error), and otherwise
+    as one ``warning:`` line on stderr (once per process), and left out.
 
     Raises:
-        TracerError: a malformed recipe file, or two files with the same ``name``.
+        TracerError: the recipe named ``using`` is broken (its file's one-line error).
     """
-    found: dict[str, Recipe] = {}
-    for path in sorted(data_dir("models").glob("*.toml")):
-        recipe = _read_recipe(path)
-        if recipe.name in found:
-            raise TracerError(
-                f"recipe name {recipe.name!r} is defined twice ({found[recipe.name].path}, {path}); rename one"
-            )
-        found[recipe.name] = recipe
-    return dict(sorted(found.items()))
+    found, broken = scan_recipes()
+    if using is not None and using in broken:
+        raise TracerError(broken[using])
+    for name, error in broken.items():
+        if error not in _WARNED:
+            _WARNED.add(error)
+            print(f"warning: {error} (recipe {name!r} is skipped; the others work)", file=sys.stderr, flush=True)
+    return found
 
 
 def list_models() -> list[dict[str, str]]:

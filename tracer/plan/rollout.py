@@ -140,15 +140,27 @@ def _check_positive(value: Any, option: str, above: float, example: str) -> floa
     return float(value)
 
 
+#: the smallest temperature accepted: below it ``float32(logits) / τ`` leaves float32's range for
+#: ordinary logits (|logit| · 10⁵ already; at τ = 1e-300 every logit is ±inf and softmax NaN), and
+#: engines sample greedily there anyway (vLLM: τ < 1e-5 is greedy)
+MIN_TEMPERATURE = 1e-5
+
+
 def check_rl_thresholds(*, temperature: float | None = None, is_cap: float | None = None,
                         mask_threshold: float | None = None) -> None:
     """Validate the temperature of the logprobs and the TIS/MIS thresholds (those given).
 
     Raises:
-        TracerError: a value that is not a finite number above its floor (τ, C > 0; β > 1).
+        TracerError: a value that is not a finite number above its floor (τ, C > 0; β > 1), or a
+            temperature below :data:`MIN_TEMPERATURE` (``logits / τ`` would overflow).
     """
     if temperature is not None:
         _check_positive(temperature, "--temperature", 0.0, "0.7")
+        if temperature < MIN_TEMPERATURE:
+            raise TracerError(f"--temperature {temperature!r} is below {MIN_TEMPERATURE:g}: float32(logits) / τ leaves "
+                              f"float32's range (logits become ±inf, the probabilities NaN), and engines sample greedily there "
+                              f"(vLLM: τ < {MIN_TEMPERATURE:g}); drop --sample for greedy decoding, or give τ >= "
+                              f"{MIN_TEMPERATURE:g}")
     if is_cap is not None:
         _check_positive(is_cap, "--is-cap", 0.0, "2")
     if mask_threshold is not None:

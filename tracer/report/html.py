@@ -27,7 +27,7 @@ from tracer.report import rl as rl_report
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.outputs import check_report_path  # noqa: F401 - re-exported
 from tracer.report.plot import amplification_figure, heatmap_figure, position_diffs_comparison, ulp_figure
-from tracer.report.summary import headline, plan_line, verdict_line
+from tracer.report.summary import headline, plan_line, unverified_text, verdict_line
 from tracer.report.tables import (COLUMNS, WIDE_COLUMNS, _title, flips_lines, logits_lines, point_mark, replay_lines,
                                   rows)
 from tracer.store.integrity import write_error_message
@@ -279,7 +279,9 @@ def comparison_html(c: Comparison, header: dict[str, Any] | None = None, *, figu
     plans = [f"{_side('A', c.run_a)}: {plan_line(c, 'a')}", f"{_side('B', c.run_b)}: {plan_line(c, 'b')}"]
     sections.append(("numeric contract", "".join(f"<p>{esc(p)}</p>" for p in plans) + contract_html(header, c.facts)
                      + (f'<p class="note">trace: {esc(c.trace)}</p>' if c.trace else "")))
-    return page(_title(c), f"verdict: {verdict_line(c)}", c.identical, sections)
+    bare = unverified_text(c)
+    return page(_title(c), f"verdict: {verdict_line(c)}" + (f" · unverified: {bare}" if bare else ""), c.identical,
+                sections)
 
 
 def _side(letter: str, run: str) -> str:

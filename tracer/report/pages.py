@@ -9,6 +9,7 @@ stored) is compared from its tensors.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,16 @@ from tracer.execute.kinds import PointKind
 from tracer.files import check_input_file
 from tracer.report.html import (check_report_path, comparison_html, contract_html, esc, figure_html, figure_svg,
                                 headline_html, page, table_html, write_report)
-from tracer.report.summary import headline
+from tracer.report.summary import headline, unverified_text
 from tracer.report.sweep_lines import sweep_summary_lines
 from tracer.store.sweepfile import is_sweep_file, read_sweep
 from tracer.store.trace import TraceReader
 
 
-def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) -> str:
-    """An audit trace: one row per stored comparison (the hierarchy matrix), from the stored documents."""
-    comps = {name: comparison_from_dict(doc) for name, doc in stored.items()}
+def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any], unverified: tuple[str, ...] = ()) -> str:
+    """An audit trace: one row per stored comparison (the hierarchy matrix), from the stored documents;
+    ``unverified``: the trace, when it carries no checksums (said beside the verdict)."""
+    comps = {name: replace(comparison_from_dict(doc), unverified=unverified) for name, doc in stored.items()}
     cols = ["check", "scenario", "holds bitwise?", "first divergent", "last layer differing", "max |logit diff|",
             "argmax flips"]
     cells, vals, classes = [], [], []
@@ -43,6 +45,8 @@ def _stored_matrix(stored: dict[str, dict[str, Any]], header: dict[str, Any]) ->
         classes.append("" if c.identical else "diff")
     n_div = sum(not c.identical for c in comps.values())
     verdict = f"{len(comps)} stored comparisons: {len(comps) - n_div} bit-identical, {n_div} diverge"
+    if unverified:
+        verdict += f" · unverified: {unverified_text(next(iter(comps.values())))}"
     sections = [("matrix", table_html("audit", cols, cells, values=vals, classes=classes, diff_toggle=True))]
     for name, c in comps.items():
         if not c.identical:
@@ -67,12 +71,14 @@ def report_html(path: str | os.PathLike, *, device: str | None = None) -> str:
     with TraceReader(src) as r:
         header = r.header
         stored = r.comparisons()
+        bare = () if r.checksummed else (str(src),)
     if len(stored) > 1:
-        return _stored_matrix(stored, header)
+        return _stored_matrix(stored, header, bare)
     if stored:
-        return comparison_html(comparison_from_dict(next(iter(stored.values()))), header)
+        return comparison_html(replace(comparison_from_dict(next(iter(stored.values()))), unverified=bare), header)
 
-    return comparison_html(compare_runs((str(src), None), (str(src), None), device=device), header)
+    return comparison_html(replace(compare_runs((str(src), None), (str(src), None), device=device), unverified=bare),
+                           header)
 
 
 def write_report_file(path: str | os.PathLike, output: str | os.PathLike | None = None, *,

@@ -233,17 +233,29 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     return steps
 
 
+def unverified_text(c: Comparison) -> str | None:
+    """The line said beside the verdict when a trace the comparison was read from carries no
+    checksums (:attr:`~tracer.diff.result.Comparison.unverified`), else None."""
+    if not c.unverified:
+        return None
+    files = ", ".join(c.unverified)
+    return (f"{files} {'carries' if len(c.unverified) == 1 else 'carry'} no checksums (written before tracer stored "
+            "them, or stripped): the values compared were not verified, so this verdict holds only if the file is intact")
+
+
 def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
-    ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
+    ``unverified`` (a trace read without checksums: :func:`unverified_text`), ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
     ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
     likely cause, so before the versions), ``versions`` (two traces: every version that differs),
     ``decode`` when present, ``next`` (one
     pair per suggestion, valid for ``command``: :func:`next_steps`).
     """
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
+    if (bare := unverified_text(c)) is not None:
+        out.append(("unverified", bare))
     for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), origin_lines(c)):
         out.append(("origin", line))
         k = _kernels(p) if p is not None else ""

@@ -31,7 +31,7 @@ from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
-from tracer.report.summary import flips_text, headline, plan_line, rows_that_matter, verdict_line
+from tracer.report.summary import flips_text, headline, plan_line, rows_that_matter, unverified_text, verdict_line
 from tracer.report.textsafe import printable
 from tracer.store.trace import json_safe
 
@@ -418,13 +418,15 @@ def print_report(c: Comparison, console: Console | None = None,
         print_fitted(console, f"  {printable(line)}", 4)
     print_fitted(console, printable(verdict_line(c)), len("verdict: "), label="verdict:",
                  style="bold green" if c.identical else "bold red")
+    if (bare := unverified_text(c)) is not None:
+        print_fitted(console, printable(bare), len("unverified: "), label="unverified:", style="bold yellow")
     if c.trace:
         print_fitted(console, Text(f"trace: {printable(c.trace)}", style="dim"), len("trace: "))
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)
 CSV_META = ("model", "scenario", "dtype", "device", "positions_start", "positions_stop", "n_tokens",
-            "verdict", "first_divergent", "trace")
+            "verdict", "first_divergent", "trace", "unverified")
 
 
 def csv_meta(c: Comparison) -> dict[str, Any]:
@@ -432,12 +434,13 @@ def csv_meta(c: Comparison) -> dict[str, Any]:
     f = c.facts
     return {"model": c.model, "scenario": c.scenario, "dtype": f.get("dtype"), "device": f.get("device"),
             "positions_start": c.positions[0], "positions_stop": c.positions[1], "n_tokens": f.get("n_tokens"),
-            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace, **rl_meta(c.rl)}
+            "verdict": c.verdict(), "first_divergent": c.first_divergent, "trace": c.trace,
+            "unverified": unverified_text(c), **rl_meta(c.rl)}
 
 
 def to_csv(c: Comparison) -> str:
     """The run metadata (:data:`CSV_META`: model, scenario, dtype, device, compared positions,
-    token count, verdict, first divergent point, trace) then every row key of :func:`rows`, as CSV
+    token count, verdict, first divergent point, trace, unverified) then every row key of :func:`rows`, as CSV
     columns; one line per capture point."""
     buf = io.StringIO()
     meta = csv_meta(c)
@@ -475,6 +478,8 @@ def to_markdown(c: Comparison, columns: tuple[str, ...] = WIDE_COLUMNS) -> str:
     if c.noise is not None:
         lines.extend(f"- {line}" for line in c.noise.lines())
     lines.append(f"\n**verdict:** {verdict_line(c)}")
+    if (bare := unverified_text(c)) is not None:
+        lines.append(f"\n**unverified:** {bare}")
     return "\n".join(lines) + "\n"
 
 

@@ -316,6 +316,29 @@ def check_not_an_input(output: str | os.PathLike, inputs: dict[str, Any], what: 
                               f"destroy the input: choose another {what}")
 
 
+def is_checksummed(path: str | os.PathLike) -> bool:
+    """Whether the trace at ``path`` carries checksums (its root ``checksums`` attribute names the
+    scheme this tracer verifies); False for a trace written before checksums, or stripped of them.
+    Reads that one attribute (the file's reader validated the rest).
+
+    Raises:
+        TracerError: not a readable regular file.
+    """
+    import h5py
+
+    from tracer.files import check_input_file
+
+    from tracer.store.heap import check_heap
+
+    p = check_input_file(path, "trace")
+    try:
+        with h5py.File(p, "r") as f:
+            check_heap(f, p, "trace")
+            return attr_text(f.attrs.get("checksums")) == CHECKSUMS
+    except OSError as e:
+        raise TracerError(f"cannot open {p} as HDF5 ({e}); pass a trace written by tracer") from None
+
+
 _PARTIAL = re.compile(r"\.partial-(\d+)(?:-\d+)?$")
 
 

@@ -119,7 +119,10 @@ class TraceReader:
             raise
 
     def _open(self) -> None:
+        from tracer.store.heap import check_heap
+
         f = self._f
+        check_heap(f, self.path, "trace")  # variable-length texts (format 1) only after a probe: a damaged heap hangs HDF5
         fmt = attr_text(f.attrs.get("format"))
         if fmt != FORMAT:
             raise TracerError(f"{self.path} is not a tracer trace (no format={FORMAT!r} attribute); pass a file written by tracer")

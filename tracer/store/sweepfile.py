@@ -344,6 +344,9 @@ def _open_sweep(path: Path, mode: str) -> tuple[Any, Any]:
             raise TracerError(f"cannot open {path}: another sweep is writing it, or it is not HDF5 (truncated or "
                               "corrupt?); wait for that sweep, choose another --output, or pass --overwrite") from None
     try:
+        from tracer.store.heap import check_heap
+
+        check_heap(f, path, "sweep file")  # format 1's variable-length texts only after a probe (a damaged heap hangs HDF5)
         return f, check_sweep(f, str(path), ROW_FIELDS, MATRIX_FIELDS)
     except TracerError:
         f.close()
@@ -390,6 +393,13 @@ def is_sweep_file(path: str | Path) -> bool:
         with h5py.File(path, "r") as f:
             if is_variable_string(f, "format") and "checksums" in f.attrs:
                 return False
+            if is_variable_string(f, "format"):  # format 1: read the text only once the heap is known to be sound
+                from tracer.store.heap import check_heap
+
+                try:
+                    check_heap(f, path, "file")
+                except TracerError:
+                    return True  # a damaged file that claims no checksums: read_sweep says what is wrong
             raw = f.attrs.get("format")
             return (raw.decode("utf-8", "replace") if isinstance(raw, (bytes, np.bytes_)) else raw) == FORMAT
     except Exception:  # noqa: BLE001 - any unreadable file is "not a sweep file"

@@ -15,6 +15,12 @@ checked *before* anything is allocated:
 - ``.safetensors``: the file size bounds what the loader maps and copies (it checks its header's
   offsets against the file itself).
 
+A dump is one input: its files and the copies tracer makes of them (token ids widened to int64,
+TP shards joined, rows stacked onto positions) are charged to one running total, a
+:class:`tracer.files.Ledger` (:func:`tracer.store.enginedump.read_dump` makes it; the mapping,
+:func:`tracer.execute.enginemap.map_dump`, charges its copies to it), each before it is allocated.
+Only dense CPU tensors are read (a sparse, quantized or nested tensor is refused by its layout).
+
 A refusal is one :class:`~tracer.errors.TracerError` line naming the file and the reason.
 """
 
@@ -30,7 +36,7 @@ import numpy as np
 import torch
 
 from tracer.errors import TracerError
-from tracer.files import check_budget, check_input_file, input_budget
+from tracer.files import Ledger, check_budget, check_input_file, input_budget
 
 #: an archive member inflating more than this many times its compressed size (and above
 #: :data:`BOMB_MIN_BYTES`) is a decompression bomb, refused before inflating
@@ -70,30 +76,47 @@ def _check_zip(path: Path, budget: int) -> None:
     check_budget(total, f"{path} (its members)", budget)
 
 
-def bounded(obj: Any, where: str, budget: int | None = None, _depth: int = 0, _used: list[int] | None = None) -> Any:
+def bounded(obj: Any, where: str, budget: int | None = None, _depth: int = 0, ledger: Ledger | None = None) -> Any:
     """``obj`` (what ``torch.load`` returned) with every tensor checked against the budget by shape
     and strides; a tensor whose storage is smaller than its logical size (stride 0 or overlapping
     strides) is materialised (made contiguous) once the check passed. Containers are rebuilt.
+    ``ledger``: the dump's running total (default: one for ``obj`` alone).
 
     Raises:
         TracerError: a tensor (or all together) larger than the budget, nesting deeper than
-            :data:`MAX_DEPTH`.
+            :data:`MAX_DEPTH`, a tensor that is not dense (sparse, quantized, nested) or not on the CPU.
     """
-    budget = input_budget() if budget is None else budget
-    used = [0] if _used is None else _used
+    ledger = Ledger(where, budget) if ledger is None else ledger
     if _depth > MAX_DEPTH:
         raise TracerError(f"{where} nests containers more than {MAX_DEPTH} deep; tracer reads tensors in plain dicts/lists")
     if isinstance(obj, torch.Tensor):
+        _check_dense(obj, where)
         logical = math.prod(obj.shape) * obj.element_size()
-        used[0] += logical
-        check_budget(used[0], f"{where}: a tensor of shape {tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
-                     f"{' (stride 0 / overlapping: ' + str(tuple(obj.stride())) + ')' if _overlaps(obj) else ''}", budget)
+        ledger.charge(logical, f"{where}: a tensor of shape {tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+                      f"{' (stride 0 / overlapping: ' + str(tuple(obj.stride())) + ')' if _overlaps(obj) else ''}")
         return obj.contiguous() if _overlaps(obj) else obj
     if isinstance(obj, dict):
-        return {k: bounded(v, where, budget, _depth + 1, used) for k, v in obj.items()}
+        return {k: bounded(v, where, budget, _depth + 1, ledger) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(bounded(v, where, budget, _depth + 1, used) for v in obj)
+        return type(obj)(bounded(v, where, budget, _depth + 1, ledger) for v in obj)
     return obj
+
+
+def _check_dense(t: torch.Tensor, where: str) -> None:
+    """Refuse what no capture point holds: a sparse (COO, CSR, ...), quantized or nested tensor, or one
+    that is not on the CPU (a meta tensor holds no values)."""
+    kind = None
+    if t.layout != torch.strided:
+        kind = f"a {str(t.layout).removeprefix('torch.')} (not dense) tensor"
+    elif t.is_quantized:
+        kind = f"a quantized tensor ({str(t.dtype).removeprefix('torch.')})"
+    elif getattr(t, "is_nested", False):
+        kind = "a nested tensor"
+    elif t.device.type != "cpu":
+        kind = f"a tensor on device {t.device.type}"
+    if kind is not None:
+        raise TracerError(f"{where} holds {kind} of shape {tuple(t.shape)}; tracer reads dense CPU tensors "
+                          "(save t.to_dense() / t.dequantize() / t.cpu())")
 
 
 def _overlaps(t: torch.Tensor) -> bool:
@@ -104,8 +127,9 @@ def _overlaps(t: torch.Tensor) -> bool:
     return span < t.numel() or any(s == 0 for n, s in zip(t.shape, t.stride()) if n > 1)
 
 
-def load_pt(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU through the gate, within the budget.
+def load_pt(path: str | Path, ledger: Ledger | None = None) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU through the gate, within the budget
+    (``ledger``: the dump's running total, default one for this file).
 
     Raises:
         TracerError: not a regular file, too large, declared sizes over the budget, pickled
@@ -123,7 +147,7 @@ def load_pt(path: str | Path) -> Any:
     except (OSError, RuntimeError, EOFError, ValueError, MemoryError, OverflowError, IndexError, KeyError,
             AttributeError, TypeError, zipfile.BadZipFile) as e:
         raise TracerError(f"cannot read {p} as a torch.save file ({_first_line(e)})") from None
-    return bounded(data, str(p), budget)
+    return bounded(data, str(p), budget, ledger=ledger)
 
 
 def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -140,9 +164,10 @@ def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
     raise TracerError(f"{where}: npy format version {version} is not read; save it with np.savez")
 
 
-def load_npz(path: str | Path) -> dict[str, torch.Tensor]:
+def load_npz(path: str | Path, ledger: Ledger | None = None) -> dict[str, torch.Tensor]:
     """The arrays of an ``.npz`` through the gate: each member's npy header, declared size and
-    compression ratio checked against the budget before it is inflated; objects never unpickled.
+    compression ratio checked against the budget (``ledger``: the dump's running total) before it
+    is inflated; objects never unpickled.
 
     Raises:
         TracerError: not a regular file or zip; a member that is not a plain numeric npy array
@@ -152,7 +177,7 @@ def load_npz(path: str | Path) -> dict[str, torch.Tensor]:
     budget = input_budget()
     _check_zip(p, budget)
     out: dict[str, torch.Tensor] = {}
-    used = 0
+    ledger = Ledger(str(p), budget) if ledger is None else ledger
     with zipfile.ZipFile(p) as z:
         for info in z.infolist():
             where = f"{p}: member {info.filename!r}"
@@ -164,8 +189,7 @@ def load_npz(path: str | Path) -> dict[str, torch.Tensor]:
                 if any(not isinstance(n, int) or n < 0 for n in shape):
                     raise TracerError(f"{where}: npy header declares shape {shape}; not an array shape")
                 nbytes = math.prod(shape) * dtype.itemsize
-                used += nbytes
-                check_budget(used, f"{where} (shape {shape} {dtype})", budget)
+                ledger.charge(nbytes, f"{where} (shape {shape} {dtype})")
                 header = f.tell()
                 if header + nbytes != info.file_size:
                     raise TracerError(f"{where}: its npy header declares shape {shape} {dtype} ({nbytes:,} bytes) "
@@ -185,13 +209,17 @@ def load_npz(path: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a ``.safetensors`` file through the gate (its size is within the budget).
+def load_safetensors(path: str | Path, ledger: Ledger | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file through the gate (its size is within the budget, and
+    charged to ``ledger``, the dump's running total: the tensors it holds are copied out of it).
 
     Raises:
-        TracerError: not a regular file, too large, not a readable safetensors file.
+        TracerError: not a regular file, too large, not a readable safetensors file, a tensor
+            that is not dense.
     """
     p = gate(path)
+    if ledger is not None:
+        ledger.charge(p.stat().st_size, f"{p} (its tensors)")
     try:
         from safetensors.torch import load_file
 

@@ -167,8 +167,14 @@ def _group(raw: RawDump) -> dict[tuple[str, int], dict[int | None, dict[int, Dum
 
 
 def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str, Any], hf: list[str | None],
-                ref: RefLayout, what: str) -> tuple[list[torch.Tensor], str, list[str]] | None:
-    """The tensors one rule produces for one (module, step): one per HF target; None if an element is absent."""
+                ref: RefLayout, what: str, ledger: Any = None) -> tuple[list[torch.Tensor], str, list[str]] | None:
+    """The tensors one rule produces for one (module, step): one per HF target; None if an element is absent.
+    The copies it makes (shards joined, tuple elements summed) are charged to ``ledger`` (the dump's) first.
+
+    Raises:
+        TracerError: a tuple without an element rule, Megatron's fused QKV without KV heads, shards
+            that do not join, copies over the input budget.
+    """
     if "sum" in rule and set(elements) == {None}:  # a layer dumped as one tensor: already the residual stream
         rule = {k: v for k, v in rule.items() if k != "sum"}
     if rule.get("element") is None and "sum" not in rule and set(elements) == {0}:
@@ -198,6 +204,9 @@ def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str
             rule["_groups"] = ref.kv_heads
     outs, note = [], ""
     for shards in picked:
+        if ledger is not None and (len(shards) > 1 or "sum" in rule):
+            ledger.charge(sum(_nbytes(e.tensor) for e in shards.values()) * (2 if "sum" in rule else 1),
+                          f"{what}: joining its {len(shards)} TP shard(s)")
         parts, note = _unshard(shards, rule, what)
         outs.append(parts)
     if "sum" in rule:
@@ -209,12 +218,17 @@ def _rule_parts(elements: dict[int | None, dict[int, DumpEntry]], rule: dict[str
     return outs[0], note, used
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
             "float64": torch.float64}.get(name, torch.float32)
 
 
-def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: int, note: str, is_tuple: bool) -> str:
+def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: int, note: str, is_tuple: bool,
+              last: bool = False) -> str:
     bits = []
     if rule.get("split"):
         bits.append(f"fused {module.rsplit('.', 1)[-1]}, part {i + 1} of {n}")
@@ -222,8 +236,10 @@ def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: in
         bits.append("(hidden, residual) summed in the HF dtype")
     elif rule.get("element") is not None and is_tuple:
         bits.append(f"element {rule['element']} of a tuple")
-    if rule.get("rows") == "last":
+    if last:
         bits.append("last position of each request")
+    elif rule.get("rows") == "last":
+        bits.append("one logits row per computed token")
     if note:
         bits.append(note)
     src = " + ".join(names)
@@ -248,6 +264,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     identities: set[str] = set()
     conflicts: dict[str, list[int]] = {}
     unmarked: dict[str, str] = {}
+    segs: dict[int, dict[int, tuple[int, int]]] = {}  # step -> its requests: first row -> (stop row, index)
     for (module, step), elements in sorted(_group(raw).items(), key=lambda kv: kv[0][1]):  # stable: dump order
         layer, rel = locate(module)
         rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
@@ -272,19 +289,27 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             if rule.get("identity") == "skip" and _is_identity(elements, raw, module, step):
                 identities.add(module)
                 continue
-            got = _rule_parts(elements, rule, hf, ref, f"{module} (step {step})")
+            where = f"{module} (step {step})"
+            got = _rule_parts(elements, rule, hf, ref, where, raw.ledger)
             if got is None:
                 continue
             parts, note, used = got
+            if step not in segs:  # the step's requests, once (vectorised; bounded by MAX_REQUESTS)
+                found = segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"), f"{raw.path}: step {step}")
+                segs[step] = {a: (b, i) for i, (a, b, _p) in enumerate(found)}
             for i, (name, t) in enumerate(zip(hf, parts)):
                 if name is None:
                     continue
-                if rule.get("rows") != "last":
-                    t = token_rows(t, rule.get("tokens", settings.get("tokens", "t")), raw.tokens[step], f"{module} (step {step})")
+                last = rule.get("rows") == "last" and _one_per_request(t, len(raw.tokens[step]["input_ids"]),
+                                                                       len(segs[step]), where)
+                if not last:
+                    t = token_rows(t, rule.get("tokens", settings.get("tokens", "t")), raw.tokens[step], where,
+                                   raw.ledger)
                 if UNMARKED_PARTIAL in note:
                     unmarked.setdefault(name, note)
-                _place(rows.setdefault(name, {}), t, plan.get(step, []), raw, step, rule, name, conflicts, module)
-                mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements))
+                _place(rows.setdefault(name, {}), t, plan.get(step, []), segs[step], len(raw.tokens[step]["input_ids"]),
+                       last, step, name, conflicts, module)
+                mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements, last))
     notes += [f"{name} at position(s) {ranges(sorted(ps))}: a later engine tensor mapped there differs from the first; "
               "the first is compared" for name, ps in conflicts.items()]
     if identities:
@@ -312,29 +337,65 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _one_per_request(t: torch.Tensor, n_tokens: int, n_requests: int, what: str) -> bool:
+    """Whether the rows of a ``rows = "last"`` tensor (logits) are one per request (at its last
+    position: True) or one per computed token (False), told by their count.
+
+    Raises:
+        TracerError: a row count that is neither (the shapes named).
+    """
+    n = t.shape[0] if t.dim() else 0
+    if n == n_tokens:  # one per computed token (also when every request is one token long)
+        return False
+    if n == n_requests:
+        return True
+    raise TracerError(f"{what} holds logits of shape {tuple(t.shape)}: {n} rows, but the step has {n_tokens} token(s) "
+                      f"in {n_requests} request(s); tracer matches logits rows one per computed token or one per "
+                      "request (its last position): dump one of those")
+
+
 def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
-           raw: RawDump, step: int, rule: dict[str, Any], name: str, conflicts: dict[str, list[int]], module: str) -> None:
+           request: dict[int, tuple[int, int]], n_tokens: int, last: bool, step: int, name: str,
+           conflicts: dict[str, list[int]], module: str) -> None:
     """Record which row of ``t`` holds each absolute position (first source wins; the positions where
-    a second differs are collected in ``conflicts``). A request cut short by :func:`align_steps`
-    has no last row of its own (``rows = "last"``: its logits are another token's)."""
-    n_tokens = len(raw.tokens[step]["input_ids"])
-    last = rule.get("rows") == "last"
+    a second differs are collected in ``conflicts``). ``segs``: the step's runs placed on the
+    reference (:func:`align_steps`); ``request``: every request of the step (:func:`segments`) by
+    its first row → ``(stop row, index)``; ``last``: ``t`` holds one row per request, at its last
+    position. A request cut short by :func:`align_steps` has no last row of its own (its logits are
+    another token's)."""
     if not last and t.shape[0] != n_tokens:
         raise TracerError(f"{module} in step {step} has {t.shape[0]} rows but the step has {n_tokens} tokens; "
                           "the dump's activations and input_ids disagree")
-    all_segs = segments(raw.tokens[step]["input_ids"], raw.tokens[step].get("positions"))
     for a, b, pos in segs:
-        full = next(s for s in all_segs if s[0] == a)
-        if last and full[1] != b:
+        full_b, index = request[a]
+        if last and full_b != b:
             continue
-        pairs = [(pos + (b - a) - 1, all_segs.index(full))] if last else [(pos + k, a + k) for k in range(b - a)]
-        for p, r in pairs:
-            if p in slot:
-                old, row = slot[p]
-                if not torch.equal(old[row], t[r].to(old.dtype)):
-                    conflicts.setdefault(name, []).append(p)
-                continue
-            slot[p] = (t, r)
+        pairs = [(pos + (b - a) - 1, index)] if last else list(zip(range(pos, pos + b - a), range(a, b)))
+        again = [(p, r) for p, r in pairs if p in slot]
+        slot.update((p, (t, r)) for p, r in pairs if p not in slot)
+        if again:
+            _conflicts(slot, t, again, name, conflicts)
+
+
+def _conflicts(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, again: list[tuple[int, int]], name: str,
+               conflicts: dict[str, list[int]]) -> None:
+    """Positions mapped a second time (rows ``r`` of ``t``) whose row differs from the first one's,
+    compared per earlier source tensor in one operation."""
+    by_source: dict[int, list[tuple[int, int, int]]] = {}
+    for p, r in again:
+        old, row = slot[p]
+        by_source.setdefault(id(old), []).append((p, row, r))
+    for group in by_source.values():
+        old = slot[group[0][0]][0]
+        first = old[[row for _p, row, _r in group]]
+        later = t[[r for _p, _row, r in group]].to(old.dtype)
+        if first.shape != later.shape:
+            conflicts.setdefault(name, []).extend(p for p, _row, _r in group)
+            continue
+        same = (first == later).reshape(len(group), -1).all(dim=1)
+        conflicts.setdefault(name, []).extend(p for (p, _row, _r), ok in zip(group, same.tolist()) if not ok)
+    if not conflicts.get(name, True):
+        del conflicts[name]
 
 
 def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torch.Tensor, int]]],
@@ -367,14 +428,14 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
             partial.add(name)
             present = [p for p in range(lo, hi) if p in slot]
             if present and ref.names[name][0] == PointKind.LOGITS:
-                partial_rows[name] = (present, _vocab(torch.stack([slot[p][0][slot[p][1]] for p in present]), name, ref, notes))
+                partial_rows[name] = (present, _vocab(torch.stack([slot[p][0][slot[p][1]] for p in present]), name, ref, notes))  # a few rows
                 continue  # compared at those positions on their own (compare_dump)
             notes.append(f"{name}: the dump holds {hi - lo - len(missing)} of the {hi - lo} compared positions "
                          f"(missing {ranges(missing)}); not compared")
             mapping.pop(name, None)
             continue
         feat = ref.names[name][2]
-        stacked = torch.stack([slot[p][0][slot[p][1]] for p in range(lo, hi)])
+        stacked = _rows(slot, lo, hi, raw.ledger, f"{name} of {raw.path}")
         if ref.names[name][0] == PointKind.LOGITS:
             stacked = _vocab(stacked, name, ref, notes)
         if tuple(stacked.shape[1:]) != feat:
@@ -402,6 +463,17 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
+
+
+def _rows(slot: dict[int, tuple[torch.Tensor, int]], lo: int, hi: int, ledger: Any, what: str) -> torch.Tensor:
+    """The rows of positions ``lo..hi-1``, ``(hi - lo, *feature)``: a view when they are consecutive
+    rows of one tensor (one request, one step), else stacked (a copy, charged to ``ledger`` first)."""
+    t0, r0 = slot[lo]
+    if all(slot[p][0] is t0 and slot[p][1] == r0 + p - lo for p in range(lo, hi)):
+        return t0[r0:r0 + hi - lo]
+    if ledger is not None:
+        ledger.charge((hi - lo) * t0[0].numel() * t0.element_size(), f"{what}: its rows stacked by position")
+    return torch.stack([slot[p][0][slot[p][1]] for p in range(lo, hi)])
 
 
 def _vocab(rows: torch.Tensor, name: str, ref: RefLayout, notes: list[str]) -> torch.Tensor:

@@ -49,10 +49,10 @@ _RANK_DIR_RE = re.compile(r"^(?:TP(\d+)_PP(\d+)_Rank\d+(?:_pid\d+)?|(?:rank|tp)[
 _NON_INTRUSIVE = "non_intrusive__"
 
 
-def safe_load(path: Path) -> Any:
+def safe_load(path: Path, ledger: Any = None) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU through the input gate, within the budget
     (:func:`tracer.engines.dumps.files.load_pt`: a regular file; declared sizes, shapes and strides
-    checked before anything is allocated).
+    checked before anything is allocated; ``ledger``: the dump's :class:`tracer.files.Ledger`).
 
     Raises:
         TracerError: not a regular file, over the budget, unreadable, or holding pickled objects
@@ -60,7 +60,7 @@ def safe_load(path: Path) -> Any:
     """
     from tracer.engines.dumps.files import load_pt
 
-    return load_pt(path)
+    return load_pt(path, ledger)
 
 
 def parse_output_name(name: str) -> tuple[str, int | str | None, bool]:
@@ -94,11 +94,14 @@ def _tags_of(stem: str, path: Path) -> dict[str, str]:
     return tags
 
 
-def _add_token(tokens: dict, step: int | tuple[int, int, int], key: str, value: Any, file: str) -> None:
-    """Record a step's ``input_ids``/``positions`` (``step``: the step, or ``(step, dp_rank, cp_rank)``).
+def _add_token(tokens: dict, step: int | tuple[int, int, int], key: str, value: Any, file: str,
+               ledger: Any = None) -> None:
+    """Record a step's ``input_ids``/``positions`` (``step``: the step, or ``(step, dp_rank, cp_rank)``)
+    as an int64 vector; that copy is charged to ``ledger`` (the dump's) before it is made.
 
     Raises:
-        TracerError: not an integer tensor, empty, negative, or another rank's differs.
+        TracerError: not an integer tensor, empty, negative, another rank's differs, or the copy
+            over the input budget.
     """
     where = step[0] if isinstance(step, tuple) else step
     if isinstance(step, tuple) and step[1:] != (0, 0):
@@ -108,6 +111,7 @@ def _add_token(tokens: dict, step: int | tuple[int, int, int], key: str, value: 
     if value.is_floating_point() or value.is_complex() or value.numel() == 0:
         raise TracerError(f"{file}: {key} of step {where} is {'empty' if value.numel() == 0 else str(value.dtype)}; "
                           "the dumper writes the step's token ids (an integer tensor) there")
+    _charge_long(value, ledger, f"{file}: the int64 copy of {key} ({value.numel():,} ids)")
     value = value.reshape(-1).to(torch.long)
     if key == "input_ids" and bool((value < 0).any()) or key == "positions" and bool((value < 0).any()):
         raise TracerError(f"{file}: {key} of step {where} holds a negative value; the dump is damaged")
@@ -119,14 +123,20 @@ def _add_token(tokens: dict, step: int | tuple[int, int, int], key: str, value: 
     slot[key] = value
 
 
-def _load_dumper_file(path: Path) -> tuple[dict, Any]:
+def _charge_long(value: torch.Tensor, ledger: Any, what: str) -> None:
+    """Charge the int64 copy of an integer tensor (none when it is already a contiguous int64 one)."""
+    if ledger is not None and not (value.dtype == torch.long and value.is_contiguous()):
+        ledger.charge(value.numel() * 8, what)
+
+
+def _load_dumper_file(path: Path, ledger: Any = None) -> tuple[dict, Any]:
     """``(meta, value)`` of one dumper file, checked against its file name.
 
     Raises:
         TracerError: a file without ``value``/``meta``, a meta without ``step``/``name``, pickled objects.
     """
     tags = _tags_of(path.stem, path)
-    data = safe_load(path)
+    data = safe_load(path, ledger)
     if not isinstance(data, dict) or "value" not in data or not isinstance(data.get("meta"), dict):
         raise TracerError(f"{path} holds no {{'value', 'meta'}} dict (missing meta); an SGLang dumper "
                           "file is torch.save({'value': tensor, 'meta': {...}})")
@@ -140,13 +150,14 @@ def _load_dumper_file(path: Path) -> tuple[dict, Any]:
     return meta, data["value"]
 
 
-def _add_core(tokens: dict, key: Any, name: str, value: Any, file: str) -> None:
+def _add_core(tokens: dict, key: Any, name: str, value: Any, file: str, ledger: Any = None) -> None:
     """One token-bookkeeping field of a step (SGLang's or Megatron's core fields; others are dropped)."""
     if name in ("input_ids", "positions", "position_ids"):
         if name == "input_ids" and isinstance(value, torch.Tensor) and value.dim() == 2:
             tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})["shape"] = tuple(value.shape)
-        _add_token(tokens, key, "positions" if name == "position_ids" else name, value, file)
+        _add_token(tokens, key, "positions" if name == "position_ids" else name, value, file, ledger)
     elif name == "cu_seqlens_q" and isinstance(value, torch.Tensor):
+        _charge_long(value, ledger, f"{file}: the int64 copy of cu_seqlens_q")
         slot = tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})
         old, new = slot.get("cu_seqlens_q"), value.reshape(-1).to(torch.long)
         if old is not None and not torch.equal(old, new):
@@ -157,7 +168,7 @@ def _add_core(tokens: dict, key: Any, name: str, value: Any, file: str) -> None:
         tokens.setdefault(key, {"input_ids": None, "positions": None, "file": file})["qkv_format"] = str(value)
 
 
-def read_sglang_dumper(folder: Path) -> RawDump:
+def read_sglang_dumper(folder: Path, ledger: Any = None) -> RawDump:
     """Read an SGLang dumper folder (``k=v___k=v.pt`` files of ``{"value", "meta"}``), written by an
     SGLang server or by a Megatron-LM trainer (``megatron_parallel_info``; :mod:`tracer.engines.dumps.parallel`).
 
@@ -173,17 +184,19 @@ def read_sglang_dumper(folder: Path) -> RawDump:
     tokens: dict = {}
     ranks: dict[tuple[int, int, int], Rank] = {}
     ignored, facts, digests = [], {}, {}
+    tp_seen: set[tuple[int, int]] = set()
     for path in files:
-        meta, value = _load_dumper_file(path)
+        meta, value = _load_dumper_file(path, ledger)
         name, step = str(meta["name"]), meta_int(meta, "step", path)
         rank = rank_of(meta, path)
         check_supported(rank, str(path))
         key = (step, rank.dp_rank, rank.cp_rank)
         ranks.setdefault(key, rank)
+        tp_seen.add((rank.tp_size, rank.tp_rank))
         if "tokenizer_path" in meta:
             facts["tokenizer_path"] = meta["tokenizer_path"]
         if name in CORE_FIELDS or name in MEGATRON_FIELDS:
-            _add_core(tokens, key, name, value, str(path))
+            _add_core(tokens, key, name, value, str(path), ledger)
             continue
         if name.startswith(("grad__", "param__")):  # gradients and parameters (Miles' fwd_bwd phase): not activations
             ignored.append(name)
@@ -198,10 +211,32 @@ def read_sglang_dumper(folder: Path) -> RawDump:
             raise TracerError(f"{path}: value of {name!r} is a {type(value).__name__}, not a tensor")
         if isinstance(element, str):  # a named output field: LogitsProcessorOutput → output.next_token_logits
             module, element = (f"{module}.{element}" if module else element), None
-        found.append((key, rank, meta.get("layer_id"), DumpEntry(
+        layer_id = None if meta.get("layer_id") is None else meta_int(meta, "layer_id", path)
+        found.append((key, rank, layer_id, DumpEntry(
             name=name, module=module, element=element, step=step, tp_rank=rank.tp_rank, tp_size=rank.tp_size,
             pp_rank=rank.pp_rank, dims=meta.get("dims"), tensor=value, file=str(path), sp=rank.sp)))
+    _check_tp(tp_seen, folder)
     return _assemble_dumper(folder, found, tokens, ranks, ignored, facts, digests)
+
+
+def _check_tp(seen: set[tuple[int, int]], folder: Path) -> None:
+    """Every file's ``tp_size`` against the TP ranks the dump holds: one size, and as many ranks as it
+    says (checked here, before anything is sized by it).
+
+    ``seen``: the ``(tp_size, tp_rank)`` of every file.
+
+    Raises:
+        TracerError: files that disagree on ``tp_size``, or a ``tp_size`` the dump's ranks do not fill.
+    """
+    sizes = sorted({size for size, _rank in seen})
+    present = sorted({rank for _size, rank in seen})
+    if len(sizes) > 1:
+        raise TracerError(f"{folder}: the files' meta disagree on tp_size ({', '.join(map(str, sizes[:4]))}); "
+                          "dump one TP group per folder")
+    if sizes and sizes[0] > len(present):
+        shown = ", ".join(map(str, present[:8])) + (" ..." if len(present) > 8 else "")
+        raise TracerError(f"{folder}: the meta says tp_size {sizes[0]:,} but the dump holds TP rank(s) {shown}; "
+                          "dump every rank of the TP group")
 
 
 def _assemble_dumper(folder: Path, found: list, tokens: dict, ranks: dict, ignored: list, facts: dict,
@@ -258,7 +293,7 @@ def _rank_dirs(folder: Path) -> list[tuple[int, int, Path]]:
     return out
 
 
-def read_passes(folder: Path) -> RawDump:
+def read_passes(folder: Path, ledger: Any = None) -> RawDump:
     """Read a per-pass dump: rank sub-folders (or one folder) of ``PassN.pt`` dicts name → tensor(s).
 
     Raises:
@@ -273,13 +308,13 @@ def read_passes(folder: Path) -> RawDump:
         files = sorted((int(_PASS_RE.match(f.name).group(1)), f) for f in sub.iterdir() if _PASS_RE.match(f.name))
         passes_of[sub.name] = [n for n, _ in files]
         for step, path in files:
-            data = safe_load(path)
+            data = safe_load(path, ledger)
             if not isinstance(data, dict):
                 raise TracerError(f"{path} holds a {type(data).__name__}, not a dict of module name → tensor")
             for name, value in data.items():
                 if name.endswith(".forward_batch_info.input_ids") or name.endswith(".forward_batch_info.positions"):
                     if tp == 0:
-                        _add_token(tokens, step, name.rsplit(".", 1)[1], value, str(path))
+                        _add_token(tokens, step, name.rsplit(".", 1)[1], value, str(path), ledger)
                     continue
                 if ".forward_batch_info." in name or name == "model":
                     ignored.append(name)  # seq_lens; the root model's output lands in the next pass
@@ -292,7 +327,7 @@ def read_passes(folder: Path) -> RawDump:
                    tokens=tokens, facts={"tp_size": tp_size}, ignored_inputs=sorted(set(ignored)))
 
 
-def read_named_tensors(path: Path) -> RawDump:
+def read_named_tensors(path: Path, ledger: Any = None) -> RawDump:
     """Read a ``.safetensors`` or ``.npz`` file of named tensors (token ids under ``input_ids``).
 
     Raises:
@@ -301,12 +336,12 @@ def read_named_tensors(path: Path) -> RawDump:
     """
     from tracer.engines.dumps.files import load_npz, load_safetensors
 
-    tensors = load_npz(path) if path.suffix == ".npz" else load_safetensors(path)
+    tensors = load_npz(path, ledger) if path.suffix == ".npz" else load_safetensors(path, ledger)
     tokens: dict = {}
     entries = []
     for name, value in tensors.items():
         if name in ("input_ids", "positions"):
-            _add_token(tokens, 0, name, value, str(path))
+            _add_token(tokens, 0, name, value, str(path), ledger)
             continue
         module, element, is_input = parse_output_name(name)
         if is_input:
@@ -328,24 +363,27 @@ def read_dump(path: str | Path) -> RawDump:
     Raises:
         TracerError: missing path, unrecognised layout, or any malformed file (one line naming it).
     """
+    from tracer.files import Ledger
+
     p = Path(path)
     if not p.exists():
         raise TracerError(f"engine dump {p} does not exist; give an SGLang dumper folder, a PassN.pt folder, "
                           "or a .safetensors/.npz file")
+    ledger = Ledger(f"engine dump {p}")  # one budget for the whole dump: its files and every copy made of them
     if not p.is_dir():
         from tracer.files import check_input_file
 
         check_input_file(p, "engine dump")  # a FIFO or device is refused here, before anything reads it
         if p.suffix in (".safetensors", ".npz"):
-            return read_named_tensors(p)
+            return replace(read_named_tensors(p, ledger), ledger=ledger)
         raise TracerError(f"{p} is a file but not .safetensors/.npz; give the dump's folder for .pt dumps")
     if _rank_dirs(p) or any(_PASS_RE.match(f.name) for f in p.iterdir()):
-        return read_passes(p)
+        return replace(read_passes(p, ledger), ledger=ledger)
     if any(f.suffix == ".pt" and "___" in f.name for f in p.iterdir()):
-        return read_sglang_dumper(p)
+        return replace(read_sglang_dumper(p, ledger), ledger=ledger)
     subs = [s for s in p.iterdir() if s.is_dir() and any(f.suffix == ".pt" for f in s.iterdir())]
     if len(subs) == 1:
-        return read_sglang_dumper(subs[0])
+        return replace(read_sglang_dumper(subs[0], ledger), ledger=ledger)
     if len(subs) > 1:
         raise TracerError(f"{p} holds {len(subs)} dump folders ({', '.join(s.name for s in subs[:4])}); give one of them")
     raise TracerError(f"{p} holds no engine dump (no k=v___k=v.pt dumper files, PassN.pt files or rank folders)")

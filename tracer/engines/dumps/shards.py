@@ -59,7 +59,7 @@ def _unshard(shards: dict[int, DumpEntry], rule: dict[str, Any], what: str) -> t
     first = next(iter(shards.values()))
     size = first.tp_size
     ranks = sorted(shards)
-    if ranks != list(range(size)):
+    if len(ranks) != size or ranks != list(range(len(ranks))):  # never a list of tp_size items: the meta is input
         raise TracerError(f"inconsistent shards: {what} has TP ranks {ranks} of tp_size {size} ({first.file}); "
                           "dump every rank of the TP group")
     sizes = sorted({e.tp_size for e in shards.values()})

@@ -17,14 +17,46 @@ from tracer.errors import TracerError
 from tracer.execute.records import RawDump
 
 
-def segments(ids: torch.Tensor, positions: torch.Tensor | None) -> list[tuple[int, int, int | None]]:
-    """``(row0, row1, pos0)`` runs of consecutive positions (one per request in a batch)."""
+#: the most requests (runs of consecutive positions) one step may hold; a step with more is refused
+#: before any per-request work (engines batch hundreds to a few thousand requests per step)
+MAX_REQUESTS = 1 << 16
+#: the most requests of one step that may hold the reference's token ids (copies of the traced
+#: request, e.g. a batch-invariance run); their rows are placed position by position
+MAX_COPIES = 1024
+
+
+def segments(ids: torch.Tensor, positions: torch.Tensor | None, what: str = "a step") -> list[tuple[int, int, int | None]]:
+    """``(row0, row1, pos0)`` runs of consecutive positions (one per request in a batch), found with
+    vectorised torch ops (linear in the rows, no per-row Python).
+
+    Raises:
+        TracerError: ``positions`` and ``ids`` of different lengths, or more than
+            :data:`MAX_REQUESTS` runs (``what`` names the step).
+    """
     if positions is None:
         return [(0, len(ids), None)]
     if len(positions) != len(ids):
-        raise TracerError(f"a step has {len(ids)} input_ids but {len(positions)} positions; the dump is inconsistent")
-    cuts = [0] + [i for i in range(1, len(ids)) if int(positions[i]) != int(positions[i - 1]) + 1] + [len(ids)]
-    return [(a, b, int(positions[a])) for a, b in zip(cuts, cuts[1:])]
+        raise TracerError(f"{what} has {len(ids)} input_ids but {len(positions)} positions; the dump is inconsistent")
+    if len(ids) == 0:
+        return []
+    pos = positions.reshape(-1).to(torch.long)
+    cuts = (torch.nonzero(pos[1:] != pos[:-1] + 1).reshape(-1) + 1)
+    if len(cuts) + 1 > MAX_REQUESTS:
+        raise TracerError(f"{what} holds {len(cuts) + 1:,} requests (runs of consecutive positions; {len(ids):,} rows); "
+                          f"tracer maps at most {MAX_REQUESTS:,} per step: dump the steps of the traced request "
+                          "(or a smaller batch)")
+    bounds = [0, *cuts.tolist(), len(ids)]
+    starts = pos[bounds[:-1]].tolist()
+    return [(a, b, p) for a, b, p in zip(bounds, bounds[1:], starts)]
+
+
+def _matched(ids: torch.Tensor, ref: torch.Tensor, pos: int) -> int:
+    """How many leading tokens of ``ids`` (one request, from position ``pos``) equal the reference's."""
+    m = max(0, min(len(ids), len(ref) - pos))
+    if m == 0:
+        return 0
+    differ = torch.nonzero(ids[:m] != ref[pos:pos + m]).reshape(-1)
+    return int(differ[0]) if len(differ) else m
 
 
 def _find(ref: list[int], seg: list[int], after: int | None) -> int | None:
@@ -60,36 +92,43 @@ def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[
     notes: list[str] = []
     left: dict[str, list[str]] = {"beyond": [], "other": [], "prefix": []}
     steps = sorted({e.step for e in raw.entries})
+    ref = torch.tensor(ref_ids, dtype=torch.long)
     # steps without positions are located together (chunked prefill: one contiguous run of the
-    # prompt), so a chunk whose ids recur in the prompt is not placed on another occurrence
-    loose = [raw.tokens[s]["input_ids"].tolist() for s in steps
+    # prompt), so a chunk whose ids recur in the prompt is not placed on another occurrence; a step
+    # longer than the reference is located nowhere (and not turned into a list)
+    loose = [raw.tokens[s]["input_ids"] for s in steps
              if s in raw.tokens and raw.tokens[s].get("input_ids") is not None and raw.tokens[s].get("positions") is None]
-    after = _find(ref_ids, [t for ids in loose for t in ids], None) if len(loose) > 1 else None
+    fits = len(loose) > 1 and sum(len(x) for x in loose) <= len(ref_ids)
+    after = _find(ref_ids, [t for ids in loose for t in ids.tolist()], None) if fits else None
     for step in steps:
         tok = raw.tokens.get(step)
         if tok is None or tok.get("input_ids") is None:
             raise TracerError(f"{raw.path}: step {step} has activations but no input_ids; dump the token ids "
                               "(SGLang dumper core field input_ids, or input_ids in a tensors file)")
-        ids = tok["input_ids"].tolist()
-        for a, b, pos in segments(tok["input_ids"], tok.get("positions")):
-            seg = ids[a:b]
-            k = len(seg)
-            if pos is not None and ref_ids[pos:pos + len(seg)] != seg:
-                k = next((i for i, t in enumerate(seg) if pos + i >= len(ref_ids) or ref_ids[pos + i] != t), len(seg))
+        ids = tok["input_ids"]
+        copies = 0
+        for a, b, pos in segments(ids, tok.get("positions"), f"{raw.path}: step {step}"):
+            n = b - a
+            k = n if pos is None else _matched(ids[a:b], ref, pos)
             if pos is not None and k:
                 start = pos
-                if k < len(seg):
-                    left["prefix"].append(f"step {step} rows {a}..{b - 1} (positions {pos}..{pos + len(seg) - 1}) equal the "
+                if k < n:
+                    left["prefix"].append(f"step {step} rows {a}..{b - 1} (positions {pos}..{pos + n - 1}) equal the "
                                           f"reference's for their first {k}")
             elif pos is None:
-                start = _find(ref_ids, seg, after)
+                start = _find(ref_ids, ids[a:b].tolist(), after) if n <= len(ref_ids) else None
             else:
                 start = None
             if start is None:
-                where = f"step {step} rows {a}..{b - 1} (" + (f"positions {pos}..{pos + len(seg) - 1}" if pos is not None
-                                                              else f"{len(seg)} tokens") + f", first id {seg[0]})"
+                where = f"step {step} rows {a}..{b - 1} (" + (f"positions {pos}..{pos + n - 1}" if pos is not None
+                                                              else f"{n} tokens") + f", first id {int(ids[a])})"
                 left["beyond" if pos is not None and pos >= len(ref_ids) else "other"].append(where)
                 continue
+            copies += 1
+            if copies > MAX_COPIES:
+                raise TracerError(f"{raw.path}: step {step} holds more than {MAX_COPIES:,} requests with the reference's "
+                                  "token ids; tracer compares at most that many copies of the traced request per step: "
+                                  "dump a smaller batch")
             plan.setdefault(step, []).append((a, a + k, start))
             after = start + k
     notes += _left_notes(left, len(ref_ids))
@@ -112,19 +151,23 @@ def _left_notes(left: dict[str, list[str]], n_ref: int) -> list[str]:
     return out
 
 
-def token_rows(t: torch.Tensor, layout: str, slot: dict[str, Any], what: str) -> torch.Tensor:
+def token_rows(t: torch.Tensor, layout: str, slot: dict[str, Any], what: str, ledger: Any = None) -> torch.Tensor:
     """``t`` with its token dims flattened in the order of the step's ``input_ids``: ``sb``
-    (Megatron's ``[s, b, ...]``) is transposed to ``[b, s, ...]`` first; a tensor whose first dim
-    already holds every token (THD: ``[t, ...]``) is kept.
+    (Megatron's ``[s, b, ...]``) is transposed to ``[b, s, ...]`` first (a copy when ``b > 1``,
+    charged to ``ledger``, the dump's, first); a tensor whose first dim already holds every token
+    (THD: ``[t, ...]``) is kept.
 
     Raises:
-        TracerError: leading dims that match neither the layout nor the token count.
+        TracerError: leading dims that match neither the layout nor the token count; a copy over
+            the input budget.
     """
     n = len(slot["input_ids"])
     if layout == "t":
         return t
     b, s = slot.get("shape") or (1, n)
     if layout == "sb" and t.dim() >= 3 and tuple(t.shape[:2]) == (s, b):
+        if ledger is not None and b > 1:
+            ledger.charge(t.numel() * t.element_size(), f"{what}: its [s, b] rows reordered as [b, s]")
         return t.transpose(0, 1).reshape(n, *t.shape[2:])
     if layout == "bs" and t.dim() >= 3 and tuple(t.shape[:2]) == (b, s):
         return t.reshape(n, *t.shape[2:])
@@ -146,4 +189,4 @@ def ranges(ps: list[int]) -> str:
     return ", ".join(out) or "none"
 
 
-__all__ = ["segments", "align_steps", "token_rows", "ranges"]
+__all__ = ["segments", "align_steps", "token_rows", "ranges", "MAX_REQUESTS", "MAX_COPIES"]

@@ -1,0 +1,185 @@
+"""SIGTERM in the middle of every command that reads or writes files ends it within 10 s, exit 143, the
+last stderr line ``terminated``, and no partial file left (issue 37); and a command stuck in native code
+that holds the GIL (where no Python signal handler can run) is ended by the watchdog (:mod:`tracer.watchdog`).
+
+The seven commands run at once, one process each, on small inputs built here: a trace of 1,500 points
+per run (no stored comparison, so compare, report and plot compare it point by point: seconds of
+work), a named-tensors dump of its run A (import maps and writes 1,500 points), and tiny-llama for
+run, sweep and audit. Each is signalled when it is visibly at work: it holds its input open
+(``/proc/PID/fd``), or its partial output exists.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import cli_env as _env
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+
+N_POINTS = 1500
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` has ``path`` open."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _partials(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".partial-" in p.name or ".point-" in p.name)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """A trace of two runs of N_POINTS points (no stored comparison) and a dump of its run A."""
+    from safetensors.torch import save_file
+
+    from tracer.execute.records import CaptureRecord, RunRecord
+    from tracer.store.trace import TraceWriter
+
+    d = tmp_path_factory.mktemp("signal-inputs")
+
+    def run(name: str) -> RunRecord:
+        caps = {f"model.layers.{i}": CaptureRecord(f"model.layers.{i}", "layer",
+                                                   torch.full((2, 4), 1.0 + (name == "B") * (i % 7 == 0)), op="X")
+                for i in range(N_POINTS)}
+        caps["model.embed_tokens"] = CaptureRecord("model.embed_tokens", "embedding", torch.ones(2, 4), op="E")
+        return RunRecord(name=name, token_ids=[1, 2], plan={}, window=(0, 2), captures=caps, meta={})
+
+    trace = d / "many.h5"
+    with TraceWriter(trace, header={"model": {"name": "planted", "family": "llama"}}) as w:
+        a = run("A")
+        w.add_run(a)
+        w.add_run(run("B"))
+    dump = d / "dump.safetensors"
+    save_file({"input_ids": torch.tensor([1, 2]), **{n: c.tensor.contiguous() for n, c in a.captures.items()}}, str(dump))
+    return {"trace": trace, "dump": dump}
+
+
+def _commands(inputs: dict[str, Path], root: Path) -> dict[str, tuple[list[str], Path, object]]:
+    """name → (arguments, its folder, marker(pid, folder) -> bool: it is at work)."""
+    trace, dump = inputs["trace"], inputs["dump"]
+    reading = lambda pid, folder: _holds(pid, trace)  # noqa: E731 - the input is open: past start-up, at work
+    writing = lambda pid, folder: bool(_partials(folder))  # noqa: E731
+    model = ["tiny-llama", "--device", "cpu"]
+    cases = {
+        "compare": (["compare", str(trace)], reading),
+        "report": (["report", str(trace), "-o", "{dir}/r.html"], reading),
+        "plot": (["plot", str(trace), "-o", "{dir}/p.png"], reading),
+        "import": (["import", str(dump), "-r", f"{trace}:A", "-o", "{dir}/i.h5"], writing),
+        "run": (["run", *model, "--length", "600", "--granularity", "sublayers", "-o", "{dir}/t.h5"], writing),
+        "sweep": (["sweep", *model, "--lengths", "17:60", "--block-size", "8", "--keep-tensors", "-o", "{dir}/s.h5"],
+                  writing),
+        "audit": (["audit", *model, "--length", "40", "-o", "{dir}/a.h5"], writing),
+    }
+    out = {}
+    for name, (args, marker) in cases.items():
+        folder = root / name
+        folder.mkdir()
+        out[name] = ([a.replace("{dir}", str(folder)) for a in args], folder, marker)
+    return out
+
+
+def test_sigterm_in_the_middle_of_each_command_exits_143_and_leaves_no_partial(inputs, tmp_path):
+    env = _env({"TRACER_PROGRESS": "lines"})
+    cmds = _commands(inputs, tmp_path)
+    procs = {name: subprocess.Popen([sys.executable, "-m", "tracer", *args], env=env, cwd=folder,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for name, (args, folder, _m) in cmds.items()}
+    sent: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    deadline = time.monotonic() + 400
+    try:
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for name, proc in procs.items():
+                if name in ended:
+                    continue
+                if proc.poll() is not None:
+                    ended[name] = time.monotonic()
+                elif name not in sent and cmds[name][2](proc.pid, cmds[name][1]):
+                    proc.send_signal(signal.SIGTERM)
+                    sent[name] = time.monotonic()
+            time.sleep(0.02)
+        results = {}
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=60)
+            results[name] = (proc.returncode, err, ended.get(name, time.monotonic()) - sent.get(name, 0.0))
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    bad = []
+    for name, (code, err, took) in results.items():
+        lines = err.strip().splitlines()
+        if name not in sent:
+            bad.append(f"{name}: finished (exit {code}) before it was seen at work: {err[-300:]}")
+        elif code != 143 or not lines or lines[-1] != "terminated" or took > 10:
+            bad.append(f"{name}: exit {code} {took:.1f} s after SIGTERM: {err[-600:]}")
+        elif _partials(cmds[name][1]):
+            bad.append(f"{name}: left {_partials(cmds[name][1])}")
+    assert not bad, "\n\n".join(bad)
+
+
+_STUCK = """
+import os, sys
+sys.argv = ["tracer", "report", "v1bad.h5"]
+import tracer.api as api
+from tracer.cli import command
+
+def stuck(*args, **kwargs):  # what a command does when HDF5 loops on a damaged file: native code holding the GIL
+    import h5py
+    partial = open(f"r.html.partial-{os.getpid()}", "w")
+    f = h5py.File("v1bad.h5", "r")
+    print("stuck", flush=True)
+    f["sweep"].attrs["params"]
+
+api.report_file = stuck
+command()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_command_stuck_in_native_code_is_ended_by_the_watchdog(tmp_path, sig):
+    """HDF5 looping on a damaged global heap holds the GIL: no Python handler runs (SIGTERM was ignored
+    forever, only SIGKILL ended it). The watchdog kills it 3 s after the signal, removes the partial file
+    it held open, and says so in one line (exit status 137: the clean 143 needs Python to run)."""
+    from tests.helpers import write_sweep_v1, zero_heap_free_space
+    from tests.store.test_sweepfile_fuzz import KINDS, POINTS, _V1_PARAMS, _rows
+
+    zero_heap_free_space(write_sweep_v1(tmp_path / "v1bad.h5", _rows(), _V1_PARAMS, POINTS, KINDS))
+    (tmp_path / "stuck.py").write_text(_STUCK)
+    proc = subprocess.Popen([sys.executable, "stuck.py"], cwd=tmp_path, env=_env({"TRACER_PROGRESS": "off"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "stuck", proc.stderr.read()
+        time.sleep(0.5)  # well inside HDF5's loop
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL and took < 10, (proc.returncode, took, err)
+    assert err.strip().splitlines() == [f"terminated: tracer did not stop within 3 s of {signal.Signals(sig).name} "
+                                        "(inside native code that does not return to Python, e.g. HDF5 on a damaged "
+                                        "file); killed it and removed 1 partial file(s)"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stuck.py", "v1bad.h5"]
