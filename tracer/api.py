@@ -347,13 +347,16 @@ def models() -> list[dict[str, str]]:
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
-          engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
+          scenario: str = "prefix-cache", engine: str | None = None, reps: int = 5, warmup: int = 1,
+          outdir: str | None = None, peers: bool = True,
           progress: Callable[[str], None] | None = None) -> BenchResult | VllmBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
 
     Args:
         length: prompt length N in tokens.
+        scenario: a scenario whose plans are plain forward calls: prefix-cache (default), repeat,
+            block-size or chunked-prefill (hf only; vllm runs prefix-cache).
         engine: hf (default) or vllm: the capture overhead inside vLLM as a ratio to vLLM's bare
             generate (prefix-cache in vLLM, one process, interleaved; :mod:`tracer.loops.bench_vllm`).
         reps: measured repetitions of each mode.
@@ -381,6 +384,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         if device is not None or outdir is not None:
             raise TracerError("--device and --outdir do not apply to --engine vllm (vLLM runs on its own device and "
                               "the bench writes no file)")
+        if scenario != "prefix-cache":
+            raise TracerError("--engine vllm benches the prefix-cache scenario; drop --scenario")
         from tracer.loops.bench_vllm import bench_vllm
 
         return bench_vllm(model, length=length, dtype=dtype, gguf=gguf, granularity=granularity, kv_cache=kv_cache,
@@ -388,8 +393,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
-                  kv_cache=kv_cache, block_size=block_size or 16, reps=reps, warmup=warmup, outdir=outdir, peers=peers,
-                  progress=progress)
+                  kv_cache=kv_cache, block_size=block_size or 16, scenario=scenario, reps=reps, warmup=warmup,
+                  outdir=outdir, peers=peers, progress=progress)
 
 
 def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> pandas.DataFrame:
