@@ -119,7 +119,9 @@ class PositionStats:
         if a.numel() >= SMALL_ELEMENTS:
             self._store(index, *position_reduce(a, b))
             return
-        self._queue.append((index, a.reshape(t, -1), b.reshape(t, -1)))
+        if a.dim() != 2:
+            a, b = a.reshape(t, -1), b.reshape(t, -1)
+        self._queue.append((index, a, b))
         self._queued += a.numel()
         if self._queued >= 4 * SMALL_ELEMENTS:
             self._flush()
