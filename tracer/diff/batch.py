@@ -67,6 +67,27 @@ def _dense(device: torch.device, elements: int) -> bool:
     return device.type != "cpu" and elements <= DENSE_ELEMENTS
 
 
+def fetch_together(*holders: object) -> None:
+    """One device-to-host transfer (one per device) for everything the ``holders`` still hold on a
+    device: each gives flat int64 tensors from ``pending_words()`` and gets their host copies, as
+    numpy arrays in the same order, through ``take_words(list)`` (a holder with nothing pending
+    gets an empty list). The one host synchronisation of a comparison on a GPU."""
+    pending = [(h, h.pending_words()) for h in holders if h is not None]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, words in pending:
+        for w in words:
+            by_device.setdefault(w.device, []).append(w)
+    host: dict[int, np.ndarray] = {}
+    for tensors in by_device.values():
+        flat = (torch.cat(tensors) if len(tensors) > 1 else tensors[0]).cpu().numpy()
+        at = 0
+        for t in tensors:
+            host[id(t)] = flat[at:at + t.numel()]
+            at += t.numel()
+    for h, words in pending:
+        h.take_words([host[id(w)] for w in words])
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` flattened (a view when it can be), without autograd history; one view op at most."""
     x = x.detach() if x.requires_grad else x
@@ -453,26 +474,29 @@ class DiffBatch:
         _fold(acc["max_ulp"], segs, max_ulp, np.maximum)
 
     # -- results -----------------------------------------------------------------------------------
-    def _transfer(self) -> None:
-        """Fold what stayed on the device (dense chunks' both passes, deferred float64 passes): one
-        transfer for the whole batch, every statistic as 64-bit words, side by side; each dense
-        chunk's pass 1 folded in chunk order, as :meth:`_run_chunk` folds it on the host."""
-        if not self._p1 and not self._p2:
-            return
-        words = [torch.cat([p1, sq.view(torch.int64).unsqueeze(1)], 1) for _, p1, sq in self._p1]  # (k, 7) each
+    def pending_words(self) -> list[torch.Tensor]:
+        """What :meth:`results` still has to read from the device (the queued chunks run first), as
+        flat int64 tensors: dense chunks' both passes and the deferred float64 passes, every statistic
+        as 64-bit words side by side; give the host arrays to :meth:`take_words` (:func:`fetch_together`)."""
+        for index in sorted(self._open):
+            self.close(index)
+        self._flush()
+        words = [torch.cat([p1, sq.view(torch.int64).unsqueeze(1)], 1).reshape(-1) for _, p1, sq in self._p1]
         if self._p2:
             parts = [torch.cat([p[i] for p in self._p2]) for i in range(1, 5)]  # (k, 5) f64, (k, 2) f64, (k, c) i64, (k,) i64
             words.append(torch.cat([parts[0].view(torch.int64), parts[1].view(torch.int64), parts[2],
-                                    parts[3].unsqueeze(1)], 1))
-        host = torch.cat([w.reshape(-1) for w in words]).cpu().numpy()  # the batch's one synchronisation
-        at = 0
-        for segs, p1, _ in self._p1:
-            rows = host[at:at + p1.shape[0] * 7].reshape(-1, 7)
-            at += rows.size
+                                    parts[3].unsqueeze(1)], 1).reshape(-1))
+        return words
+
+    def take_words(self, host: list[np.ndarray]) -> None:
+        """Fold the host copies of :meth:`pending_words` (same order): each dense chunk's pass 1 in
+        chunk order, as :meth:`_run_chunk` folds it on the host, then the float64 passes."""
+        for (segs, p1, _), rows in zip(self._p1, host):
+            rows = rows.reshape(-1, 7)
             self._fold_p1(segs, rows[:, :6], rows[:, 6].copy().view(np.float64))
         if self._p2:
             segs = np.concatenate([p[0] for p in self._p2])
-            w = host[at:].reshape(len(segs), -1)
+            w = host[len(self._p1)].reshape(len(segs), -1)
             c0, c1 = len(_P2_SUM), len(_P2_SUM) + len(_P2_MAX)
             self._fold_p2(segs, w[:, :c0].copy().view(np.float64), w[:, c0:c1].copy().view(np.float64),
                           w[:, c1:-1].copy(), w[:, -1].copy())
@@ -498,10 +522,7 @@ class DiffBatch:
         """One :class:`TensorDiff` per :meth:`add`, in order (computes what is still queued)."""
         if self._done is not None:
             return self._done
-        for index in sorted(self._open):
-            self.close(index)
-        self._flush()
-        self._transfer()
+        fetch_together(self)
         acc = self._accumulators()
         out, tol = [], []
         for n, q1, q2, c, mx, s_eq, mu in self._per_pair(acc):
