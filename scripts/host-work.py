@@ -22,7 +22,8 @@ With ``--device cuda`` it also counts the CUDA runtime calls of one run (torch.p
 kernel launches, memory copies and synchronisations. ``--gpu-path`` (on the CPU) takes the
 decisions tracer takes on a GPU, where they differ by device: captures kept by reference, the
 comparison's device-side passes (one pass over small chunks, results kept for one transfer,
-every logits row), so the counts are those of a GPU run's code path (not its timings). A model without a tokenizer gets token ids
+every logits row), so the counts are those of a GPU run's code path; its CPU times then include
+the device's work and say nothing about a GPU's host. A model without a tokenizer gets token ids
 1..N. Prints a table and, with ``--json``, writes the numbers.
 """
 

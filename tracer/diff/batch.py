@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tracer.diff import metrics as _metrics
+from tracer.diff.fetch import fetch_together
 from tracer.diff.metrics import (ULP_BINS, _INT_VIEW, _ULP_EDGES, TensorDiff, _check_pair, bits_equal, element_stats,
                                  has_nonfinite)
 
@@ -65,27 +66,6 @@ DENSE_ELEMENTS = 1 << 22
 def _dense(device: torch.device, elements: int) -> bool:
     """Whether a chunk of ``elements`` on ``device`` gets :meth:`DiffBatch._dense_chunk` (a GPU, a small chunk)."""
     return device.type != "cpu" and elements <= DENSE_ELEMENTS
-
-
-def fetch_together(*holders: object) -> None:
-    """One device-to-host transfer (one per device) for everything the ``holders`` still hold on a
-    device: each gives flat int64 tensors from ``pending_words()`` and gets their host copies, as
-    numpy arrays in the same order, through ``take_words(list)`` (a holder with nothing pending
-    gets an empty list). The one host synchronisation of a comparison on a GPU."""
-    pending = [(h, h.pending_words()) for h in holders if h is not None]
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for _, words in pending:
-        for w in words:
-            by_device.setdefault(w.device, []).append(w)
-    host: dict[int, np.ndarray] = {}
-    for tensors in by_device.values():
-        flat = (torch.cat(tensors) if len(tensors) > 1 else tensors[0]).cpu().numpy()
-        at = 0
-        for t in tensors:
-            host[id(t)] = flat[at:at + t.numel()]
-            at += t.numel()
-    for h, words in pending:
-        h.take_words([host[id(w)] for w in words])
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

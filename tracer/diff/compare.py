@@ -14,7 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from tracer.diff.batch import DiffBatch, fetch_together
+from tracer.diff.batch import DiffBatch
+from tracer.diff.fetch import fetch_together
 from tracer.diff.crossdtype import CrossAccumulator, CrossDtype, pair_dtypes, summary_line
 from tracer.diff.facts import run_facts
 from tracer.store.environment import isa_differences, version_differences

@@ -11,7 +11,8 @@ import math
 import numpy as np
 import torch
 
-from tracer.diff.batch import fetch_together, tensor_diff
+from tracer.diff.batch import tensor_diff
+from tracer.diff.fetch import fetch_together
 from tracer.diff import metrics as _metrics
 from tracer.diff.metrics import _EXP_MASK, _INT_VIEW, ArgmaxFlip, LogitsDiff, TensorDiff, _check_pair
 
@@ -97,7 +98,7 @@ class LogitsAccumulator:
     every row of a chunk does (equal rows give exactly what is recorded for them elsewhere: KL 0,
     overlaps 1, rank 0, no flip), so a chunk costs a fixed number of kernel launches, whatever its
     data, and its results stay on the device until :meth:`result` (or the comparison's one
-    transfer, :func:`~tracer.diff.batch.fetch_together`) reads them.
+    transfer, :func:`~tracer.diff.fetch.fetch_together`) reads them.
 
     Args:
         vocab: ``V``, the width of every row block.
@@ -265,7 +266,7 @@ class LogitsAccumulator:
 
     def result(self, tensor: TensorDiff) -> LogitsDiff:
         """The :class:`LogitsDiff` of every row given, with the element-wise ``tensor`` statistics
-        (what is still on the device is read first, unless :func:`~tracer.diff.batch.fetch_together` did)."""
+        (what is still on the device is read first, unless :func:`~tracer.diff.fetch.fetch_together` did)."""
         fetch_together(self)
         t = self.t
         if t == 0 or self.v == 0:

@@ -14,7 +14,7 @@ from typing import TypedDict
 import numpy as np
 import torch
 
-from tracer.diff.batch import fetch_together
+from tracer.diff.fetch import fetch_together
 from tracer.execute.kinds import PointKind
 
 #: at most this many position columns are kept; longer windows are binned
@@ -175,7 +175,7 @@ class PositionStats:
 
     def pending_words(self) -> list[torch.Tensor]:
         """The table still on the device, as one flat int64 tensor (the counts travel as the bits of
-        float64 words beside the maxima); its host copy goes to :meth:`take_words` (:func:`~tracer.diff.batch.fetch_together`)."""
+        float64 words beside the maxima); its host copy goes to :meth:`take_words` (:func:`~tracer.diff.fetch.fetch_together`)."""
         self._flush()
         if not self.names or self._host is not None:
             return []
@@ -189,7 +189,7 @@ class PositionStats:
             self._host = torch.from_numpy(host[0].reshape(self._shape))
 
     def result(self) -> PerPosition | None:
-        """The :class:`PerPosition` table (one host transfer, unless :func:`~tracer.diff.batch.fetch_together`
+        """The :class:`PerPosition` table (one host transfer, unless :func:`~tracer.diff.fetch.fetch_together`
         made it), or None when no pair had positions."""
         fetch_together(self)
         if not self.names:

@@ -26,7 +26,7 @@ copying the window rows to pinned host memory) and ``peer_nnsight`` (nnsight ``.
 window rows, when nnsight is installed). Every repetition checks each peer's per-layer counts
 against tracer's, and the bench refuses (:class:`~tracer.errors.TracerError`) when they differ:
 timings of different work are useless. ``extra_modes`` adds modes of the caller's own (a plain
-loop written independently of the floor's code, as a cross-check: ``scripts/bench-h200.sh``).
+loop written independently of the floor's code, as a cross-check: ``scripts/bench-h200.py``).
 """
 
 from __future__ import annotations
@@ -213,7 +213,6 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
                                           scenario=scenario, granularity=granularity, kv_cache=kv_cache,
                                           store="none", **options))
     lm = pipeline.load(cfg)
-    dev = lm.info.device
     own_folder = outdir is None
     folder = Path(outdir or tempfile.mkdtemp(prefix="tracer-bench-"))
     folder.mkdir(parents=True, exist_ok=True)
