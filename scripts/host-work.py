@@ -141,8 +141,11 @@ def _cuda_calls(fn) -> dict[str, int]:
 
 def gpu_path() -> None:
     """Take, on the CPU, the decisions tracer takes on a GPU (see the module docstring)."""
-    from tracer.diff import batch, logits
+    from tracer.diff import batch, logits, metrics, positions
     from tracer.execute import capture
+
+    metrics.CHUNK_ELEMENTS = logits.CUDA_CHUNK_ELEMENTS  # a GPU's chunks: the batch's and the logits' rows
+    positions.CHUNK_ELEMENTS = positions.CUDA_CHUNK_ELEMENTS
 
     if hasattr(batch, "_dense"):
         batch._dense = lambda device, elements: elements <= batch.DENSE_ELEMENTS
