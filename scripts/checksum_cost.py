@@ -1,4 +1,4 @@
-"""Cost of the trace checksums (issue 16): CRC-32 of a large tensor vs writing and reading it.
+"""Cost of the trace checksums: CRC-32 of a large tensor vs writing and reading it.
 
 Run from the repo root: ``PYTHONPATH=$PWD python3 scripts/checksum_cost.py [MiB] [folder]``
 (default 512 MiB in $OUT or /tmp). Prints one JSON line: seconds and GB/s of zlib.crc32 over the

@@ -1,4 +1,4 @@
-"""Issue 27: what capturing costs inside a CUDA-graph replay.
+"""What capturing costs inside a CUDA-graph replay.
 
     PYTHONPATH=$PWD python3 scripts/gpu-graph-replay.py [MODEL] [N ...]   (default qwen3-0.6b-shape 1024 4096)
 

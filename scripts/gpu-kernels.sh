@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12 on the H200: which kernel ran for each op in each run, and each run's distance from the
+# On the H200: which kernel ran for each op in each run, and each run's distance from the
 # exact answer. qwen3-0.6b-shape (Qwen3-0.6B's config, random init: the real GEMM shapes),
 # prefix-cache at N=250 (P=240), sublayers, --kernels --op-replay; also N=4096 (P=4080, where the
 # H200 probe saw the same GEMM kernel in both runs) and --mitigation aligned at N=250.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Produce the README's GPU tables (issue 2): smollm2-135m (real weights) and qwen3-0.6b-shape
+# Produce the README's GPU tables of cache hit vs miss: smollm2-135m (real weights) and qwen3-0.6b-shape
 # (random init, real shapes) at N = 31, 100, 250, 1000, prefix-cache scenario, bf16.
 # Usage: scripts/gpu-readme-tables.sh OUTDIR [GGUF]
 set -uo pipefail

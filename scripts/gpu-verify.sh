@@ -5,8 +5,9 @@
 #    that import most of tracer (architecture, schema, plan) on this image's torch/transformers;
 # 2. tracer run on qwen3-0.6b-shape (random init, real Qwen3-0.6B shapes): prefix-cache with and without
 #    --cuda-graphs, and the cuda-graph scenario (eager vs replay), N = 1024;
-# 3. tracer bench at N = 1024 and 4096 (--no-kv-cache, 5 reps, peers) as a check of issue 27's ratios;
-# 4. scripts/gpu-tp.sh QUICK=1 (issue 26's script stays runnable: on one GPU only its TP-1 rows run).
+# 3. tracer bench at N = 1024 and 4096 (--no-kv-cache, 5 reps, peers) as a quick check of its ratios
+#    (the full fair bench: scripts/bench-h200.py);
+# 4. scripts/gpu-tp.sh QUICK=1 (it stays runnable: on one GPU only its TP-1 rows run).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out" /tmp/gv
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0

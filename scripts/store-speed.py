@@ -1,4 +1,4 @@
-"""Trace store speed (issue 11): write v1 vs v2 vs raw, ``compare`` vs raw sequential read, peak RSS.
+"""Trace store speed: write v1 vs v2 vs raw, ``compare`` vs raw sequential read, peak RSS.
 
     PYTHONPATH=. python scripts/store-speed.py --dir /tmp/store-speed [--points 16 --rows 4096 --cols 4096
         --vocab 32768 --reps 3 --diverge 0.5 --device cpu|cuda] [--json OUT.json]

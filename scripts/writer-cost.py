@@ -1,4 +1,4 @@
-"""Issue 27: the trace writer's own host time for a short-forward trace (no model, no GPU).
+"""The trace writer's own host time for a short-forward trace (no model, no GPU).
 
     PYTHONPATH=$PWD python3 scripts/writer-cost.py [--dir /dev/shm] [--reps 7]
 

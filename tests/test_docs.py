@@ -1,7 +1,8 @@
 """Docs that cannot drift: every file path and dotted name the docs and the package's own strings
 mention resolves, and every module has its row in the README's layout table.
 
-Checked: ``README.md``, ``traces/README.md``, ``hooks/README.md``, ``models/README.md`` and
+Checked: ``README.md``, ``traces/README.md``, ``hooks/README.md``, ``models/README.md``,
+``scripts/README.md`` (which lists every script, and only scripts that exist) and
 ``docs/ARCHITECTURE.md`` (their inline code and link targets, fenced blocks excepted: those are
 commands and sample output), and every string constant in ``tracer/`` (docstrings and error
 messages). A path counts when its first part is a folder of this repository (``tracer/...``,
@@ -21,7 +22,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "tracer"
-DOCS = ("README.md", "traces/README.md", "hooks/README.md", "models/README.md", "docs/ARCHITECTURE.md")
+DOCS = ("README.md", "traces/README.md", "hooks/README.md", "models/README.md", "scripts/README.md",
+        "docs/ARCHITECTURE.md")
 #: folders a path in the docs may start with
 TOP = frozenset(p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith("."))
 #: the package's modules and stages: a dotted name in the docs may start with one (``pipeline.run``)
@@ -151,6 +153,14 @@ def test_the_checks_catch_what_they_are_for():
 def layout_table() -> str:
     text = (ROOT / "README.md").read_text()
     return text[text.index("\n## Layout"):text.index("\n### How a run flows")]
+
+
+def test_every_script_is_listed_once_in_the_scripts_readme():
+    """``scripts/README.md`` is the one list of the scripts: each file there is linked, each link is a file."""
+    folder = ROOT / "scripts"
+    linked = re.findall(r"\]\(([^)#\s/]+)\)", (folder / "README.md").read_text())
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != "README.md")
+    assert sorted(set(linked)) == files and len(linked) == len(set(linked))
 
 
 def test_every_module_is_in_the_readme_layout_table():

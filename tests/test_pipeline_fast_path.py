@@ -356,6 +356,68 @@ def test_float64_results_kept_for_one_transfer_equal_those_folded_per_chunk(monk
     assert _same(got[True], got[False])
 
 
+def test_a_small_chunk_in_one_pass_equals_the_two_passes(monkeypatch):
+    """A GPU compares a small chunk (a run's compared window) in one pass over every block, no host
+    synchronisation between the passes: the numbers of the two passes on the blocks that differ,
+    computed on whole blocks, bit for bit (forced here on the CPU)."""
+    from tracer.diff import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "SPARSE_RATIO", 0)  # the two passes' float64 pass on whole blocks
+    g = torch.Generator().manual_seed(5)
+    pairs = []
+    for shape in ((40, 64), (3, 7), (100, 33), (16, 512), (8, 300)):
+        a = torch.randn(shape, generator=g).bfloat16()
+        b = a.clone()
+        if shape != (8, 300):  # one pair without a difference: its blocks add zeros
+            b.view(torch.int16).view(-1)[::7] += 2
+        b.view(-1)[2] = float("inf")
+        pairs.append((a, b))
+    got = {}
+    for dense in (False, True):
+        monkeypatch.setattr(batch_module, "_dense", lambda device, elements, dense=dense: dense)
+        monkeypatch.setattr(batch_module, "_defer", lambda device: True)
+        batch = batch_module.DiffBatch(tolerance=(1e-3, 1e-2))
+        for a, b in pairs:
+            batch.add(a, b, split=11)
+        got[dense] = [(d.to_dict(), batch.outside_tolerance(i), batch.n_diff_before(i))
+                      for i, d in enumerate(batch.results())]
+    assert _same(got[True], got[False])
+    assert got[True][-1][0]["n_diff"] == 1 and got[True][0][0]["n_diff"] > 100
+
+
+def test_the_gpu_comparison_reads_the_host_once_and_gives_the_cpu_numbers(lm, monkeypatch):
+    """The decisions a GPU takes (captures by reference, the one-pass comparison of a small chunk,
+    every logits row, the results kept on the device), taken on the CPU: one device-to-host read
+    for the whole comparison, and the numbers of the CPU's own path (its float64 pass on whole
+    blocks), bit for bit."""
+    from tracer.diff import batch as batch_module
+    from tracer.diff import logits as logits_module
+    from tracer.execute import capture as capture_module
+
+    monkeypatch.setattr(batch_module, "SPARSE_RATIO", 0)  # the CPU's float64 pass on whole blocks too
+    kw = dict(loaded=lm, scenario="kv-quant", length=300, progress=False, store="none")
+    cpu = tracer.run(**kw).comparison
+    monkeypatch.setattr(batch_module, "_dense", lambda device, elements: elements <= batch_module.DENSE_ELEMENTS)
+    monkeypatch.setattr(batch_module, "_defer", lambda device: True)
+    acc_init = logits_module.LogitsAccumulator.__init__
+    monkeypatch.setattr(logits_module.LogitsAccumulator, "__init__",
+                        lambda self, vocab, dense=None: acc_init(self, vocab, dense=True))
+    cap_init = capture_module.Capture.__init__
+
+    def by_reference(self, *a, **k):
+        cap_init(self, *a, **k)
+        self.reference = True
+
+    monkeypatch.setattr(capture_module.Capture, "__init__", by_reference)
+    reads = []
+    to_host = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(self.shape) or to_host(self, *a, **k))
+    gpu = tracer.run(**kw).comparison
+    assert len(reads) == 1  # the batch, the per-position table and the logits' statistics in one read
+    assert sum(p.diff.n_diff > 0 for p in gpu.points) >= 2 and gpu.logits.tensor.n_diff > 0
+    assert _same(_doc(gpu), _doc(cpu))
+
+
 def test_streamed_compare_reading_both_runs_at_once_equals_in_turn(tmp_path, monkeypatch):
     """With spare cores run B's blocks are read beside run A's: the same comparison, and a damaged
     point still fails its checksum."""

@@ -402,13 +402,16 @@ def options(topic: str | None = None) -> dict[str, dict[str, Any]]:
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
-          engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
+          scenario: str = "prefix-cache", engine: str | None = None, reps: int = 5, warmup: int = 1,
+          outdir: str | None = None, peers: bool = True,
           progress: Callable[[str], None] | None = None) -> BenchResult | EngineBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
 
     Args:
         length: prompt length N in tokens.
+        scenario: a scenario whose plans are plain forward calls: prefix-cache (default), repeat,
+            block-size or chunked-prefill (the reference engine; another engine benches prefix-cache).
         engine: the reference (default), or another engine of :mod:`tracer.engines.table`: the capture
             overhead inside it as a ratio to its own bare run (prefix-cache, one process, interleaved;
             :mod:`tracer.loops.bench_engine`).
@@ -435,6 +438,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         if device is not None or outdir is not None:
             raise TracerError(f"--device and --outdir do not apply to --engine {engine} (it runs on its own device and "
                               "the bench writes no file)")
+        if scenario != "prefix-cache":
+            raise TracerError(f"--engine {engine} benches the prefix-cache scenario; drop --scenario")
         from tracer.loops.bench_engine import bench_engine
 
         return bench_engine(model, engine=engine, length=length, dtype=dtype, gguf=gguf, granularity=granularity,
@@ -442,8 +447,8 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
-                  kv_cache=kv_cache, block_size=block_size or default(None, "block_size"), reps=reps, warmup=warmup, outdir=outdir, peers=peers,
-                  progress=progress)
+                  kv_cache=kv_cache, block_size=block_size or default(None, "block_size"), scenario=scenario,
+                  reps=reps, warmup=warmup, outdir=outdir, peers=peers, progress=progress)
 
 
 def to_pandas(obj: RunResult | Comparison | SweepResult | RLComparison) -> pandas.DataFrame:

@@ -156,12 +156,12 @@ def test_bench_json_and_table_show_peers_and_skips(tmp_path, monkeypatch):
     assert {"peer_hf", "peer_hooks"} <= set(d["median_s"]) and "peer_nnsight" not in d["median_s"]
     assert d["ratios"]["peer_hooks_over_a"] == r.median("peer_hooks") / r.median("a")
     assert d["peers"]["peer_hf"]["status"] == "checked" and d["peers"]["peer_hf"]["points"] == 4
-    assert d["peers"]["peer_nnsight"] == {"status": "skipped", "label": "nnsight .save() + compare",
+    assert d["peers"]["peer_nnsight"] == {"status": "skipped", "label": peers_mod.LABELS["peer_nnsight"],
                                           "reason": "nnsight is not installed (pip install 'tracer[peers]')"}
     console = Console(width=250, record=True)
     console.print(table(r))
     text = console.export_text()
-    assert "nnsight .save() + compare" in text and "skipped" in text
+    assert "nnsight .save() of the" in text and "skipped" in text
     assert "nnsight is not installed (pip install 'tracer[peers]')" in text
     assert "(peer_hooks)/(a)" in text and "fastest peer" in text
     assert d["ratios"]["b_over_fastest_peer"] == r.median("b") / min(r.median("peer_hf"), r.median("peer_hooks"))

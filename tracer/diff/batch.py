@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tracer.diff import metrics as _metrics
+from tracer.diff.fetch import fetch_together
 from tracer.diff.metrics import (ULP_BINS, _INT_VIEW, _ULP_EDGES, TensorDiff, _check_pair, bits_equal, element_stats,
                                  has_nonfinite)
 
@@ -54,6 +55,23 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
     batch.results()
     return batch.outside_tolerance(0)
 
+
+
+#: most elements of a chunk that gets both passes on every block with no synchronisation between them
+#: (:meth:`DiffBatch._dense_chunk`; float64 temporaries of this size: 32 MiB each): on a GPU, the
+#: online comparison of a run's compared window, where launches and synchronisations, not bytes, count
+DENSE_ELEMENTS = 1 << 22
+
+
+def _dense(device: torch.device, elements: int) -> bool:
+    """Whether a chunk of ``elements`` on ``device`` gets :meth:`DiffBatch._dense_chunk` (a GPU, a small chunk)."""
+    return device.type != "cpu" and elements <= DENSE_ELEMENTS
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened (a view when it can be), without autograd history; one view op at most."""
+    x = x.detach() if x.requires_grad else x
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def _defer(device: torch.device) -> bool:
@@ -141,6 +159,7 @@ class DiffBatch:
         # memory to the OS)
         self._acc: dict[str, np.ndarray] = {}
         self._p2: list[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # GPU, pending
+        self._p1: list[tuple[np.ndarray, torch.Tensor, torch.Tensor]] = []  # dense chunks' pass 1, pending
         self._done: list[TensorDiff] | None = None
         self._chunk: dict[torch.device, int] = {}
         self._tol_counts: list[int] = []
@@ -180,7 +199,7 @@ class DiffBatch:
             self.extend(index, a, b)
             return index
         b = _check_pair(a, b)
-        fa, fb = a.detach().reshape(-1), b.detach().reshape(-1)
+        fa, fb = _flat(a), _flat(b)
         n = fa.numel()
         cuts = [0, n] if split is None else [0, min(max(int(split), 0), n), n]
         segs = []
@@ -188,7 +207,7 @@ class DiffBatch:
             seg = len(self._seg_n)
             self._seg_n.append(hi - lo)
             segs.append(seg)
-            self._queue(seg, fa[lo:hi], fb[lo:hi])
+            self._queue(seg, *((fa, fb) if (lo, hi) == (0, n) else (fa[lo:hi], fb[lo:hi])))
         self._pairs.append(segs)
         return len(self._pairs) - 1
 
@@ -297,7 +316,7 @@ class DiffBatch:
         while start < padded:
             fill = self._fill.get(key, 0)
             take = min(padded - start, chunk - fill)
-            pa, pb = fa[start:start + take], fb[start:start + take]
+            pa, pb = (fa, fb) if start == 0 and take >= n else (fa[start:start + take], fb[start:start + take])
             if fill + take < chunk and (copy or pa.numel() < n):  # a tail left pending: copy it, so the
                 pa, pb = pa.clone(), pb.clone()  # whole tensor can be freed (or reused) before the next chunk
             self._pending.setdefault(key, []).append((seg, pa, pb, take))
@@ -318,21 +337,26 @@ class DiffBatch:
         self._fill[key] = 0
         block, _ = self._sizes(device)
         parts_a, parts_b, seg_ids, seg_blocks = [], [], [], []
+        # the segments' tails: zeros on both sides (equal, finite, 0), views of one zero tensor
+        zeros = torch.zeros(max(take - pa.numel() for _, pa, _, take in pieces), dtype=dtype, device=device)
         for seg, pa, pb, take in pieces:
-            pad = take - pa.numel()  # the segment's tail: zeros on both sides (equal, finite, 0)
+            pad = take - pa.numel()
             parts_a.append(pa)
             parts_b.append(pb)
             if pad:
-                z = torch.zeros(pad, dtype=dtype, device=device)
-                parts_a.append(z)
-                parts_b.append(z)
+                parts_a.append(zeros[:pad])
+                parts_b.append(zeros[:pad])
             seg_ids.append(seg)
             seg_blocks.append(take // block)
         ca = torch.cat(parts_a) if len(parts_a) > 1 else parts_a[0]
         cb = torch.cat(parts_b) if len(parts_b) > 1 else parts_b[0]
-        del pieces, parts_a, parts_b
+        del pieces, parts_a, parts_b, zeros
         nb = ca.numel() // block
         view = _INT_VIEW[dtype]
+        segs = np.repeat(np.asarray(seg_ids, dtype=np.int64), seg_blocks)  # segment of each block
+        if _dense(device, ca.numel()):
+            self._dense_chunk(ca, cb, segs, nb, block)
+            return
         differ = True
         if device.type == "cpu":  # bits compared as integers first (numpy, at memory speed)
             differ = not bits_equal(ca, cb)
@@ -361,7 +385,6 @@ class DiffBatch:
         # the one synchronisation of this chunk (sq_eq travels as its bits, in the same transfer)
         both = torch.cat([p1, sq_eq.view(torch.int64).unsqueeze(1)], 1).cpu().numpy()
         p1_host = both[:, :6]
-        segs = np.repeat(np.asarray(seg_ids, dtype=np.int64), seg_blocks)  # segment of each block
         self._fold_p1(segs, p1_host, both[:, 6].copy().view(np.float64))
         hot = np.flatnonzero(p1_host[:, 0])
         if hot.size == 0:
@@ -382,6 +405,26 @@ class DiffBatch:
             self._fold_p2(segs[hot], *(t.numpy() for t in stats))
         else:  # stays on the device until results(): one transfer for the whole batch
             self._p2.append((segs[hot],) + stats)
+
+    def _dense_chunk(self, ca: torch.Tensor, cb: torch.Tensor, segs: np.ndarray, nb: int, block: int) -> None:
+        """A chunk small enough for the float64 pass on every block at once (:func:`_dense`): both
+        passes with no host synchronisation between them, their per-block results kept on the device
+        until :meth:`results` (one transfer for the whole batch). A block whose bits are all equal
+        adds zeros to every sum, count and maximum, so the numbers are those of the pass on the
+        blocks that differ, computed on whole blocks."""
+        view = _INT_VIEW[ca.dtype]
+        neq = ca.view(view) != cb.view(view)  # (C,)
+        p1 = torch.stack([
+            neq.view(nb, block).sum(1),
+            torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
+            torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
+            (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
+        ], dim=1)  # (nb, 6) int64
+        a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
+        sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
+        del a_eq
+        self._p1.append((segs, p1, sq_eq))
+        self._p2.append((segs,) + element_stats(ca, cb, neq, (nb, block), self.tolerance))
 
     def _accumulators(self) -> dict[str, np.ndarray]:
         ns = len(self._seg_n)
@@ -411,34 +454,60 @@ class DiffBatch:
         _fold(acc["max_ulp"], segs, max_ulp, np.maximum)
 
     # -- results -----------------------------------------------------------------------------------
+    def pending_words(self) -> list[torch.Tensor]:
+        """What :meth:`results` still has to read from the device (the queued chunks run first), as
+        flat int64 tensors: dense chunks' both passes and the deferred float64 passes, every statistic
+        as 64-bit words side by side; give the host arrays to :meth:`take_words` (:func:`fetch_together`)."""
+        for index in sorted(self._open):
+            self.close(index)
+        self._flush()
+        words = [torch.cat([p1, sq.view(torch.int64).unsqueeze(1)], 1).reshape(-1) for _, p1, sq in self._p1]
+        if self._p2:
+            parts = [torch.cat([p[i] for p in self._p2]) for i in range(1, 5)]  # (k, 5) f64, (k, 2) f64, (k, c) i64, (k,) i64
+            words.append(torch.cat([parts[0].view(torch.int64), parts[1].view(torch.int64), parts[2],
+                                    parts[3].unsqueeze(1)], 1).reshape(-1))
+        return words
+
+    def take_words(self, host: list[np.ndarray]) -> None:
+        """Fold the host copies of :meth:`pending_words` (same order): each dense chunk's pass 1 in
+        chunk order, as :meth:`_run_chunk` folds it on the host, then the float64 passes."""
+        for (segs, p1, _), rows in zip(self._p1, host):
+            rows = rows.reshape(-1, 7)
+            self._fold_p1(segs, rows[:, :6], rows[:, 6].copy().view(np.float64))
+        if self._p2:
+            segs = np.concatenate([p[0] for p in self._p2])
+            w = host[len(self._p1)].reshape(len(segs), -1)
+            c0, c1 = len(_P2_SUM), len(_P2_SUM) + len(_P2_MAX)
+            self._fold_p2(segs, w[:, :c0].copy().view(np.float64), w[:, c0:c1].copy().view(np.float64),
+                          w[:, c1:-1].copy(), w[:, -1].copy())
+        self._p1, self._p2 = [], []
+
+    def _per_pair(self, acc: dict[str, np.ndarray]) -> list[tuple]:
+        """Per pair, as Python numbers: ``(n, pass-1 counts, float64 sums, counts, maxima, sum a² of the
+        equal elements, max ULP)`` summed over its segments (a pair of one segment: its row as it is)."""
+        p1, sq, sums, maxes, cnt, max_ulp = (acc[k] for k in ("p1", "sq", "sums", "maxes", "cnt", "max_ulp"))
+        first = np.fromiter((segs[0] for segs in self._pairs), np.int64, len(self._pairs))
+        rows = [x[first].tolist() for x in (p1, sums, cnt, maxes, sq, max_ulp)]  # one conversion per statistic
+        out = []
+        for i, segs in enumerate(self._pairs):
+            if len(segs) == 1:
+                q1, q2, c, mx, s_eq, mu = (r[i] for r in rows)
+            else:
+                q1, q2, c = p1[segs].sum(0).tolist(), sums[segs].sum(0).tolist(), cnt[segs].sum(0).tolist()
+                mx, s_eq, mu = maxes[segs].max(0).tolist(), float(sq[segs].sum()), int(max_ulp[segs].max())
+            out.append((sum(self._seg_n[s] for s in segs), q1, q2, c, mx, s_eq, mu))
+        return out
+
     def results(self) -> list[TensorDiff]:
         """One :class:`TensorDiff` per :meth:`add`, in order (computes what is still queued)."""
         if self._done is not None:
             return self._done
-        for index in sorted(self._open):
-            self.close(index)
-        self._flush()
-        if self._p2:  # one transfer for the whole batch: every statistic as 64-bit words, side by side
-            segs = np.concatenate([p[0] for p in self._p2])
-            parts = [torch.cat([p[i] for p in self._p2]) for i in range(1, 5)]  # (k, 5) f64, (k, 2) f64, (k, c) i64, (k,) i64
-            words = torch.cat([parts[0].view(torch.int64), parts[1].view(torch.int64), parts[2],
-                               parts[3].unsqueeze(1)], 1).cpu().numpy()
-            c0, c1, c2 = parts[0].shape[1], parts[0].shape[1] + parts[1].shape[1], parts[0].shape[1] + parts[1].shape[1] + parts[2].shape[1]
-            self._fold_p2(segs, words[:, :c0].copy().view(np.float64), words[:, c0:c1].copy().view(np.float64),
-                          words[:, c1:c2].copy(), words[:, c2].copy())
-            self._p2 = []
+        fetch_together(self)
         acc = self._accumulators()
-        p1, sq, sums, maxes, cnt, max_ulp = (acc[k] for k in ("p1", "sq", "sums", "maxes", "cnt", "max_ulp"))
         out, tol = [], []
-        for segs in self._pairs:
-            n = int(sum(self._seg_n[s] for s in segs))
-            q1 = p1[segs].sum(0)
-            q2 = sums[segs].sum(0)
-            c = cnt[segs].sum(0)
-            mx = maxes[segs].max(0)
-            n_diff = int(q1[0])
-            sa, sb, sab, sdd = (float(x) for x in q2[1:])
-            s_eq = float(sq[segs].sum())
+        for n, q1, q2, c, mx, s_eq, mu in self._per_pair(acc):
+            n_diff = q1[0]
+            sa, sb, sab, sdd = q2[1:]
             sa, sb, sab = sa + s_eq, sb + s_eq, sab + s_eq
             if sdd == 0.0:
                 rel_error, cosine, sqnr = 0.0, 1.0, math.inf
@@ -446,19 +515,19 @@ class DiffBatch:
                 rel_error = math.sqrt(sdd) / math.sqrt(sa) if sa > 0 else math.inf
                 sqnr = 10.0 * math.log10(sa / sdd) if sa > 0 else -math.inf
                 cosine = 0.0 if sa == 0.0 or sb == 0.0 else max(-1.0, min(1.0, sab / (math.sqrt(sa) * math.sqrt(sb))))
-            above = [n_diff] + [int(x) for x in c[3:]]  # elements above each ULP edge
+            above = [n_diff] + c[3:]  # elements above each ULP edge
             hist = [n - n_diff] + [above[i - 1] - (above[i] if i < len(above) else 0) for i in range(1, len(ULP_BINS))]
             out.append(TensorDiff(
-                n_total=n, n_diff=n_diff, max_abs_diff=float(mx[0]), mean_abs_diff=float(q2[0]) / n if n else 0.0,
-                max_ulp=int(max_ulp[segs].max()) if segs else 0, ulp_hist=tuple(hist),
+                n_total=n, n_diff=n_diff, max_abs_diff=mx[0], mean_abs_diff=q2[0] / n if n else 0.0,
+                max_ulp=mu, ulp_hist=tuple(hist),
                 rel_error=rel_error, cosine=cosine, sqnr_db=sqnr,
-                frac_rel_lt_1e3=(n - n_diff + int(c[0])) / n if n else 1.0,
-                frac_rel_lt_5e3=(n - n_diff + int(c[1])) / n if n else 1.0,
-                n_nan_a=int(q1[1]), n_nan_b=int(q1[2]), n_inf_a=int(q1[3]), n_inf_b=int(q1[4]),
-                max_ulp_mag=float(mx[1]), n_nan_payload=int(q1[5]),
+                frac_rel_lt_1e3=(n - n_diff + c[0]) / n if n else 1.0,
+                frac_rel_lt_5e3=(n - n_diff + c[1]) / n if n else 1.0,
+                n_nan_a=q1[1], n_nan_b=q1[2], n_inf_a=q1[3], n_inf_b=q1[4],
+                max_ulp_mag=mx[1], n_nan_payload=q1[5],
             ))
-            tol.append(int(c[2]))
-        self._segment_diff = p1[:len(self._seg_n), 0].copy()
+            tol.append(c[2])
+        self._segment_diff = acc["p1"][:len(self._seg_n), 0].copy()
         self._acc = {}
         self._done, self._tol_counts = out, tol
         return out

@@ -15,10 +15,11 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from tracer.diff.batch import DiffBatch
+from tracer.diff.fetch import fetch_together
 from tracer.diff.crossdtype import CrossAccumulator, CrossDtype, pair_dtypes, summary_line
 from tracer.diff.facts import run_facts
 from tracer.store.environment import isa_differences, version_differences
-from tracer.diff.logits import LogitsAccumulator, logits_diff
+from tracer.diff.logits import LogitsAccumulator, logits_accumulator
 from tracer.diff.metrics import amplification, bits_equal, has_nonfinite
 from tracer.diff.origins import classify_origins
 from tracer.diff.positions import PositionStats
@@ -245,18 +246,18 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
             continue
         queued.append((batch.add(ta, tb, split=split), name, kind, op, ca, cb, rows))
         del ta, tb
+    if logits_acc is None and logits_pair is not None:  # per-position logits statistics, queued on the device
+        index, ta, tb = logits_pair
+        rows_a = ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta
+        rows_b = tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb
+        logits_acc, logits_pair = logits_accumulator(rows_a, rows_b), (index, None, None)
+        del ta, tb, rows_a, rows_b
+    fetch_together(batch, per_position, logits_acc)  # on a GPU, the comparison's one host synchronisation
     diffs = batch.results()
     cross_info: dict[str, CrossDtype] = {}
     if logits_acc is not None:
         logits = logits_acc.result(diffs[logits_pair[0]])
         logits_tol = batch.outside_tolerance(logits_pair[0]) if tol is not None else None
-    elif logits_pair is not None:
-        index, ta, tb = logits_pair
-        rows_a = ta.reshape(-1, ta.shape[-1]) if ta.dim() > 1 else ta
-        rows_b = tb.reshape(-1, tb.shape[-1]) if tb.dim() > 1 else tb
-        logits = logits_diff(rows_a, rows_b, tensor=diffs[index])
-        logits_tol = batch.outside_tolerance(index) if tol is not None else None
-        del logits_pair, ta, tb, rows_a, rows_b
     if logits is not None and logits_name in crosses:
         cross, rounded = crosses[logits_name]
         merged, cross_info[logits_name] = cross.merge(logits.tensor, diffs[rounded])

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tracer.diff.batch import tensor_diff
+from tracer.diff.fetch import fetch_together
 from tracer.diff import metrics as _metrics
 from tracer.diff.metrics import _EXP_MASK, _INT_VIEW, ArgmaxFlip, LogitsDiff, TensorDiff, _check_pair
 
@@ -62,12 +63,23 @@ def logits_diff(a: torch.Tensor, b: torch.Tensor, *, tensor: TensorDiff | None =
     Raises:
         ValueError: not 2-D, shapes or dtypes differ, or the dtype is not supported.
     """
+    acc = logits_accumulator(a, b)
+    return acc.result(tensor if tensor is not None else tensor_diff(a, b))
+
+
+def logits_accumulator(a: torch.Tensor, b: torch.Tensor) -> LogitsAccumulator:
+    """A :class:`LogitsAccumulator` given every row of ``a``/``b`` (as :func:`logits_diff`); its
+    :meth:`~LogitsAccumulator.result` gives :func:`logits_diff`'s numbers.
+
+    Raises:
+        ValueError: not 2-D, shapes or dtypes differ, or the dtype is not supported.
+    """
     b = _check_pair(a, b)
     if a.dim() != 2:
         raise ValueError(f"logits must be (T, V); got shape {tuple(a.shape)}")
     acc = LogitsAccumulator(a.shape[1])
     acc.add(a, b)
-    return acc.result(tensor if tensor is not None else tensor_diff(a, b))
+    return acc
 
 
 #: elements of one chunk of logits rows on a CUDA device (float64 temporaries of this size: 128 MiB
@@ -84,8 +96,9 @@ class LogitsAccumulator:
 
     On the CPU only the rows whose bits differ (or hold a NaN/inf) get the float64 work; on a GPU
     every row of a chunk does (equal rows give exactly what is recorded for them elsewhere: KL 0,
-    overlaps 1, rank 0, no flip), so a chunk costs a fixed number of kernel launches and one
-    host synchronisation, whatever its data.
+    overlaps 1, rank 0, no flip), so a chunk costs a fixed number of kernel launches, whatever its
+    data, and its results stay on the device until :meth:`result` (or the comparison's one
+    transfer, :func:`~tracer.diff.fetch.fetch_together`) reads them.
 
     Args:
         vocab: ``V``, the width of every row block.
@@ -100,6 +113,7 @@ class LogitsAccumulator:
         self.flips: list[ArgmaxFlip] = []
         self.kl_sum, self.kl_max, self.ov5, self.ov10, self.worst_rank = 0.0, 0.0, 0.0, 0.0, 0
         self._wait: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: list[tuple[int, int, torch.Tensor]] = []  # dense chunks: (first row, rows, float64 words)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """The next rows: ``(r, V)`` logits of run A and run B (same dtype; ``b`` moved to ``a``'s device).
@@ -185,7 +199,7 @@ class LogitsAccumulator:
                                              margin_a=float(ma[i]), margin_b=float(mb[i])))
 
     def _dense(self, a: torch.Tensor, b: torch.Tensor, start: int) -> None:
-        """:meth:`_chunk` on a GPU: the float64 statistics of every row, one transfer to the host."""
+        """:meth:`_chunk` on a GPU: the float64 statistics of every row, kept on the device (:meth:`pending_words`)."""
         v, r = self.v, a.shape[0]
         a64, b64 = a.to(torch.float64), b.to(torch.float64)  # (r, V)
         top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
@@ -201,7 +215,30 @@ class LogitsAccumulator:
             ma = mb = torch.zeros(r, dtype=torch.float64, device=a.device)
         scalars = torch.stack([kl.sum(), kl.max(), o5.sum(), o10.sum(), rank.max().to(torch.float64)])
         rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb])  # token ids < 2^53: exact
-        host = torch.cat([scalars, rows.reshape(-1)]).cpu().tolist()  # the chunk's one synchronisation
+        # read on the host with the rest of the comparison (fetch_together), in chunk order
+        self._pending.append((start, r, torch.cat([scalars, rows.reshape(-1)])))
+
+    def pending_words(self) -> list[torch.Tensor]:
+        """The dense chunks' statistics still on the device (the rows waiting for a chunk are
+        processed first), as flat int64 tensors; their host copies go to :meth:`take_words`."""
+        self._finish_wait()
+        return [words.view(torch.int64) for _, _, words in self._pending]
+
+    def take_words(self, host: list[np.ndarray]) -> None:
+        """Add the host copies of :meth:`pending_words` (same order), chunk by chunk."""
+        for (start, r, _), words in zip(self._pending, host):
+            self._settle(start, r, words.view(np.float64).tolist())
+        self._pending = []
+
+    def _finish_wait(self) -> None:
+        if self._wait is not None:
+            wa, wb = self._wait
+            self._wait = None
+            self._chunk(wa, wb)
+
+    def _settle(self, start: int, r: int, host: list[float]) -> None:
+        """One dense chunk's statistics, read on the host: ``[kl sum, kl max, top-5 sum, top-10 sum,
+        worst rank]`` then the ``r`` rows' argmax of A, of B, and both top-1 − top-2 margins."""
         kl_sum, kl_max, ov5, ov10, worst = host[:5]
         self.kl_sum += kl_sum
         self.kl_max = _nan_max(self.kl_max, kl_max)
@@ -218,10 +255,9 @@ class LogitsAccumulator:
         """The next ``rows`` rows, known to be bitwise equal in both runs and finite (checked by the
         caller): KL 0, overlaps 1, rank 0, no flip, exactly what :meth:`add` would add for them
         (the sums involved are of zeros and of whole row counts, exact in any grouping)."""
-        if self._wait is not None:  # rows waiting for a chunk: processed as any (they may differ)
-            wa, wb = self._wait
-            self._wait = None
-            self._chunk(wa, wb)
+        # rows waiting for a chunk: processed as any (they may differ); the chunks before these rows
+        # are added first, so the sums add the same values in the same order as one call would
+        fetch_together(self)
         self.t += rows
         if self.v and rows:
             self.kl_max = _nan_max(self.kl_max, 0.0)
@@ -229,11 +265,9 @@ class LogitsAccumulator:
             self.ov10 += float(rows)
 
     def result(self, tensor: TensorDiff) -> LogitsDiff:
-        """The :class:`LogitsDiff` of every row given, with the element-wise ``tensor`` statistics."""
-        if self._wait is not None:
-            wa, wb = self._wait
-            self._wait = None
-            self._chunk(wa, wb)
+        """The :class:`LogitsDiff` of every row given, with the element-wise ``tensor`` statistics
+        (what is still on the device is read first, unless :func:`~tracer.diff.fetch.fetch_together` did)."""
+        fetch_together(self)
         t = self.t
         if t == 0 or self.v == 0:
             return LogitsDiff(tensor, t, (), 0.0, 0.0, 1.0, 1.0, 0)

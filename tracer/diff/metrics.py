@@ -193,7 +193,7 @@ def _check_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"unsupported dtype {a.dtype}; use bfloat16, float16, float32 or float64")
     if a.shape != b.shape:
         raise ValueError(f"shape mismatch: {tuple(a.shape)} vs {tuple(b.shape)}; align the runs first")
-    return b.to(a.device)
+    return b if b.device == a.device else b.to(a.device)
 
 
 def _ordered_keys(x: torch.Tensor) -> torch.Tensor:

@@ -16,16 +16,19 @@ from tracer.execute.kinds import PointKind
 
 
 def _growth(points: list[PointResult]) -> list[float | None]:
-    """Layer-to-layer amplification of each point (see ``PointResult.growth``)."""
-    layers = [p.name for p in points if p.kind == PointKind.LAYER]
+    """Layer-to-layer amplification of each point (see ``PointResult.growth``): against the point of
+    the same path in the previous layer. A point's layer is the longest layer name that is the
+    point's name or a dotted prefix of it."""
+    index = {p.name: i for i, p in enumerate(q for q in points if q.kind == PointKind.LAYER)}
+    layers = list(index)
     by_name = {p.name: p for p in points}
     out: list[float | None] = []
     for p in points:
-        owner = max((lay for lay in layers if p.name == lay or p.name.startswith(lay + ".")), key=len, default=None)
+        parts = p.name.split(".")
+        owner = next((o for o in (".".join(parts[:k]) for k in range(len(parts), 0, -1)) if o in index), None)
         g = None
-        if owner is not None and layers.index(owner) > 0:
-            prev_layer = layers[layers.index(owner) - 1]
-            prev = by_name.get(prev_layer + p.name[len(owner):])
+        if owner is not None and index[owner] > 0:
+            prev = by_name.get(layers[index[owner] - 1] + p.name[len(owner):])
             if prev is not None:
                 g = amplification(prev.diff.max_abs_diff, p.diff.max_abs_diff)
         out.append(g)

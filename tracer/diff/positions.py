@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+import numpy as np
 import torch
 
+from tracer.diff.fetch import fetch_together
 from tracer.execute.kinds import PointKind
 
 #: at most this many position columns are kept; longer windows are binned
@@ -105,6 +107,8 @@ class PositionStats:
         self.n: list[torch.Tensor | None] = []
         self._queue: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._queued = 0
+        self._host: torch.Tensor | None = None  # the table's host copy, (2, C, columns) int64 words
+        self._shape: tuple[int, ...] = ()
 
     def add(self, name: str, kind: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Reduce one pair (the window rows; see the class docstring); float dtypes only."""
@@ -119,7 +123,9 @@ class PositionStats:
         if a.numel() >= SMALL_ELEMENTS:
             self._store(index, *position_reduce(a, b))
             return
-        self._queue.append((index, a.reshape(t, -1), b.reshape(t, -1)))
+        if a.dim() != 2:
+            a, b = a.reshape(t, -1), b.reshape(t, -1)
+        self._queue.append((index, a, b))
         self._queued += a.numel()
         if self._queued >= 4 * SMALL_ELEMENTS:
             self._flush()
@@ -167,13 +173,28 @@ class PositionStats:
             for (index, _, _), m, n in zip(items, mx.split(rows), nd.split(rows)):
                 self._store(index, m, n)
 
-    def result(self) -> PerPosition | None:
-        """The :class:`PerPosition` table (one host transfer), or None when no pair had positions."""
+    def pending_words(self) -> list[torch.Tensor]:
+        """The table still on the device, as one flat int64 tensor (the counts travel as the bits of
+        float64 words beside the maxima); its host copy goes to :meth:`take_words` (:func:`~tracer.diff.fetch.fetch_together`)."""
         self._flush()
+        if not self.names or self._host is not None:
+            return []
+        both = torch.stack([torch.stack(self.max), torch.stack(self.n).view(torch.float64)])  # (2, C, columns)
+        self._shape = tuple(both.shape)
+        return [both.view(torch.int64).reshape(-1)]
+
+    def take_words(self, host: list[np.ndarray]) -> None:
+        """The host copy of :meth:`pending_words`."""
+        if host:
+            self._host = torch.from_numpy(host[0].reshape(self._shape))
+
+    def result(self) -> PerPosition | None:
+        """The :class:`PerPosition` table (one host transfer, unless :func:`~tracer.diff.fetch.fetch_together`
+        made it), or None when no pair had positions."""
+        fetch_together(self)
         if not self.names:
             return None
-        # one transfer: the counts travel as the bits of float64 words beside the maxima
-        both = torch.stack([torch.stack(self.max), torch.stack(self.n).view(torch.float64)]).cpu()
+        both = self._host.view(torch.float64)
         mx, nd = both[0], both[1].view(torch.int64)
         return PerPosition(start=self.start, stop=self.stop, bin=self.bin, names=list(self.names),
                            kinds=list(self.kinds), max_abs_diff=mx.tolist(), n_diff=nd.tolist())

@@ -91,6 +91,7 @@ class Capture(Hooks):
         #: None: decided per tensor (CUDA and keep_on_device)
         self.reference = reference
         self._held: dict[int, int] = {}  # data_ptr of an output's storage kept alive by reference -> bytes
+        self._held_bytes = 0  # their sum
         self.points = list(points)
         #: window None: every forward of the model inside the block is a call of its own (positions
         #: continue from the KV cache it is given, else from 0) and every position is kept
@@ -179,27 +180,36 @@ class Capture(Hooks):
         self._call = None
 
     def _make_hook(self, pts: list[CapturePoint]):
+        # per point, decided once: its name's lists, whether it reads the module's input, and
+        # whether its window may be kept by reference (see _by_reference)
+        plan = [(p, p.which == "input", self._calls[p.name], self._chunks[p.name],
+                 p.kind in REFERENCE_KINDS and p.which != "input" and not p.full,
+                 self._calls_recorded[p.name], self._recorded[p.name]) for p in pts]
+        fired = self._fired
+
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._call is None:
                 return  # a forward outside a declared call (e.g. a warm-up): ignore
             start, stop, row, col = self._call
             ins = _shapes(args) or _shapes(kwargs.get("hidden_states")) or _shapes(kwargs.get("input"))
-            out_shapes = _shapes(_first_tensor(output))
-            call = {"positions": [start, stop], "in": ins, "out": out_shapes}
-            for p in pts:
-                if p.which == "input":
+            out = _first_tensor(output)
+            call = {"positions": [start, stop], "in": ins, "out": [] if out is None else [list(out.shape)]}
+            for p, reads_input, calls, chunks, referable, calls_recorded, recorded in plan:
+                if reads_input:
                     t = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
                 else:
-                    t = _first_tensor(output)
+                    t = out
                 if t is None:
                     continue
-                self._calls[p.name].append(call)
-                self._calls_recorded[p.name].append(_recording(t))
-                self._fired.setdefault(p.name, len(self._fired))
-                kept = self._slice(p, t, start, stop, row, col)
+                calls.append(call)
+                recording = _recording(t)  # inside a CUDA graph's recording: kept apart (graph_chunks)
+                calls_recorded.append(recording)
+                if p.name not in fired:
+                    fired[p.name] = len(fired)
+                kept = self._slice(p, t, start, stop, row, col, referable)
                 if kept is not None:
-                    self._chunks[p.name].append(kept)
-                    self._recorded[p.name].append(_recording(t))
+                    chunks.append(kept)
+                    recorded.append(recording)
 
         return hook
 
@@ -218,7 +228,12 @@ class Capture(Hooks):
         self._seq_axis.setdefault(name, axis)
         return axis
 
-    def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int):
+    def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int,
+               referable: bool = False):
+        """The window of batch row ``row`` of ``t`` (``(B, T, *feature)``, the call's positions
+        ``[start, stop)`` from column ``col``) as this capture keeps it (a view, a device copy or
+        a host copy), or None when the call computes none of the window; ``referable``: the point's
+        kind may be kept by reference (:meth:`_by_reference`)."""
         if t.dim() < 2:
             raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
         n = stop - start
@@ -229,13 +244,18 @@ class Capture(Hooks):
                 f"capture point {p.name}: output has {t.shape[1]} positions but the call computed {n}; "
                 "is logits_to_keep or a similar option trimming the output?"
             )
+        if not 0 <= row < t.shape[0]:
+            raise TracerError(f"capture point {p.name}: output has batch {t.shape[0]}, the traced prompt is row {row}")
         lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
         if lo >= hi:
             return None
-        piece = t.select(0, row).narrow(0, col + lo - start, hi - lo)  # (T, *feature): the window of batch row `row`
+        # (T, *feature): the window of batch row `row`, one view op (select + narrow in one)
+        stride = t.stride()
+        piece = t.as_strided((hi - lo, *t.shape[2:]), stride[1:],
+                             t.storage_offset() + row * stride[0] + (col + lo - start) * stride[1])
         if piece.requires_grad:
             piece = piece.detach()
-        if self.keep_on_device and self._by_reference(p, t):
+        if self.keep_on_device and referable and self._by_reference(t):
             return piece
         if self.keep_on_device or piece.device.type == "cpu":
             return piece.clone()
@@ -247,10 +267,10 @@ class Capture(Hooks):
         self._pending_sync.add(piece.device)
         return host
 
-    def _by_reference(self, p: CapturePoint, t: torch.Tensor) -> bool:
-        """Whether the window of ``t`` (point ``p``'s output) is kept as a view (see the class docstring)."""
-        ref = self.reference if self.reference is not None else t.device.type == "cuda"
-        if not ref or p.kind not in REFERENCE_KINDS or p.which == "input" or p.full:
+    def _by_reference(self, t: torch.Tensor) -> bool:
+        """Whether the window of ``t``, the output of a point whose kind may be kept by reference,
+        is kept as a view (see the class docstring)."""
+        if not (self.reference if self.reference is not None else t.device.type == "cuda"):
             return False
         if _recording(t):
             return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
@@ -258,9 +278,11 @@ class Capture(Hooks):
         key = storage.data_ptr()
         if key in self._held:
             return True
-        if sum(self._held.values()) + storage.nbytes() > REFERENCE_BYTES:
+        size = storage.nbytes()
+        if self._held_bytes + size > REFERENCE_BYTES:
             return False
-        self._held[key] = storage.nbytes()
+        self._held[key] = size
+        self._held_bytes += size
         return True
 
     def add_cache(self, cache: Any, row: int = 0, col: int = 0) -> None:

@@ -47,6 +47,13 @@ from tracer.store.writer import TraceWriter
 
 def json_safe(x: Any) -> Any:
     """Replace non-finite floats by strings so the document is strict JSON."""
+    kind = type(x)  # the exact types first: a comparison's document holds thousands of numbers
+    if kind is str or kind is int or kind is bool or x is None:
+        return x
+    if kind is list or kind is tuple:
+        return [json_safe(v) for v in x]
+    if kind is dict:
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
     if isinstance(x, dict):

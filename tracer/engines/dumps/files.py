@@ -17,8 +17,8 @@ checked *before* anything is allocated:
 
 A dump is one input: its files and the copies tracer makes of them (token ids widened to int64,
 TP shards joined, rows stacked onto positions) are charged to one running total, a
-:class:`tracer.files.Ledger` (:func:`tracer.store.enginedump.read_dump` makes it; the mapping,
-:func:`tracer.execute.enginemap.map_dump`, charges its copies to it), each before it is allocated.
+:class:`tracer.files.Ledger` (:func:`tracer.engines.dumps.read.read_dump` makes it; the mapping,
+:func:`tracer.engines.dumps.namemap.map_dump`, charges its copies to it), each before it is allocated.
 Only dense CPU tensors are read (a sparse, quantized or nested tensor is refused by its layout).
 
 A refusal is one :class:`~tracer.errors.TracerError` line naming the file and the reason.

@@ -340,7 +340,10 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
         check_graph_device(device, f"run plan {plan.name} (CUDA-graph replay)")
         check_graph_plan(plan, kernels=kernels, sdpa_inputs=sdpa_inputs)
         keep_on_device = True  # the capture copies are nodes of the graph: they land on the GPU
-    ids = torch.tensor([token_ids], dtype=torch.long, device=device)  # (1, N)
+    ids = torch.tensor([token_ids], dtype=torch.long)  # (1, N)
+    # a GPU gets them from pinned memory without blocking: a copy from pageable memory would wait
+    # for every kernel queued before it (run A's, when run B starts)
+    ids = ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids.to(device)
     # on a GPU with the captures kept there, the run's time comes from CUDA events, so the host
     # never waits for the GPU between the runs (the next run's launches overlap this one's tail)
     events = keep_on_device and device.type == "cuda" and not plan.devices and not kernels

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The H200 measurements behind the README (issues 3-6). Phase 1: sweep + origin + notebook trace;
-# phase 2: audits + benchmarks. Usage: scripts/gpu-session.sh 1|2 OUTDIR  (GGUF via $TRACER_SMOLLM2_GGUF)
+# The README's H200 sweep, origin and audit results. Phase 1: the length sweep of smollm2-135m, the
+# sublayer origin runs and the notebook's trace; phase 2: the hierarchy audits (the performance runs:
+# scripts/bench-h200.py). Usage: scripts/gpu-sweep-origin-audit.sh 1|2 OUTDIR  (GGUF via $TRACER_SMOLLM2_GGUF)
 set -uo pipefail
 phase=${1:?phase 1 or 2}; out=${2:?OUTDIR}
 mkdir -p "$out"
@@ -31,10 +32,5 @@ if [ "$phase" = 2 ]; then
   $t audit smollm2-135m --device cuda --format markdown --no-store > "$out/audit-smollm2-h200.md" 2>&1
   log audit qwen3
   $t audit qwen3-0.6b-shape --device cuda --format markdown --no-store > "$out/audit-qwen3-h200.md" 2>&1
-  log bench
-  for n in 4096 32768; do
-    $t bench qwen3-0.6b-shape --device cuda --length $n --reps 3 --json > "$out/bench-qwen3-$n.json" 2>"$out/bench-$n.err"
-  done
-  $t bench qwen3-0.6b-shape --device cuda --length 32768 --granularity sublayers --reps 1 --warmup 0 --json > "$out/bench-qwen3-32768-sublayers.json" 2>"$out/bench-sub.err"
 fi
 log done
