@@ -156,13 +156,20 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
     (:func:`tracer.load.contract.numeric_contract`: buffer dtypes and devices, casting after load,
     attention per layer kind), granularity, dtype, attention, N,
     store mode, whether KV-cache points were captured and, for one scenario (``scen`` not None),
-    the scenario, its block size and split points; ``extra`` is merged in last."""
+    the scenario, its block size and split points; ``extra`` is merged in last.
+
+    Raises:
+        TracerError: no descriptor fits the model and ``capture`` asks for sublayers (before any
+            trace is opened).
+    """
     from tracer.execute.family import family_for
     from tracer.load.contract import numeric_contract
     from tracer.store.trace import collect_environment
 
     info = loaded.info
     family = family_for(loaded.model)
+    if family.inferred and capture.granularity == "sublayers":
+        raise TracerError(family.inferred)
     facts: dict[str, Any] = {
         "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model, family.sliding.spec),
         "family": family.to_dict(),

@@ -25,7 +25,7 @@ from tracer.diff.replay import Replay
 from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
-from tracer.execute.kinds import PointKind, point_kind
+from tracer.execute.kinds import CACHE_KINDS, PointKind, point_kind
 from tracer.plan.checks import FAIL_ON, check_fail_on  # noqa: F401 - re-exported
 
 #: how a difference of NaN payloads alone (NaN at the same elements in both runs) is reported
@@ -117,8 +117,9 @@ def skip_record(name: str, kind: str, run: str, missing: bool) -> SkipRecord:
     kind = point_kind(kind, name)
     if missing:
         return SkipRecord(name, kind, f"missing in run {run}")
-    if kind == PointKind.KV_CACHE:
-        return SkipRecord(name, kind, f"no KV cache in run {run} (it keeps none)", fails=False)
+    if kind in CACHE_KINDS:
+        return SkipRecord(name, kind, f"no {'KV cache' if kind == PointKind.KV_CACHE else 'cached state'} in run "
+                                      f"{run} (it keeps none)", fails=False)
     return SkipRecord(name, kind, f"empty in run {run}")
 
 
@@ -398,8 +399,8 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     ins, outs = call.get("in") or [], call.get("out") or []
     ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
     ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
-    if p.kind == PointKind.KV_CACHE:
-        return {"positions": list(call["positions"])}
+    if p.kind in CACHE_KINDS:
+        return {"positions": list(call["positions"]), **({"parts": outs} if p.kind == PointKind.STATE else {})}
     if p.kind == PointKind.ATTENTION_CORE and ins:
         return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
     if p.kind in (PointKind.LINEAR,) and ins and outs:
@@ -461,6 +462,9 @@ def _shape_text(p: PointResult, c: Comparison) -> str:
                 text += (f"; positions {first}..{c.positions[0] - 1} computed by a forward pass of "
                          f"{ma} tokens in {c.run_a} vs {mb} in {c.run_b}")
         return text
+    if p.kind == PointKind.STATE:
+        parts = " + ".join("×".join(map(str, x)) for x in a.get("parts") or [])
+        return f"after position {(a.get('positions') or [0, 0])[1] - 1}" + (f", {parts}" if parts else "")
     if "rows" in a and "rows" in b:
         return f"rows {each(ea, 'rows')} vs {each(eb, 'rows')}, width {a['width']}"
     return ""
@@ -486,9 +490,15 @@ def origin_line(p: PointResult, c: Comparison) -> str:
         inside = d.n_diff - p.n_diff_prefix
         tail = (f"; {p.n_diff_prefix:,} of them before the compared window: born in the forward pass that "
                 f"computed those positions (not traced op by op)" + (f", {inside:,} inside it" if inside else ""))
-    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != PointKind.KV_CACHE]
+    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind not in CACHE_KINDS]
     if p.kind == PointKind.LAYER and not subs:
-        tail = f"; origin within {p.name} (use --granularity sublayers to find the op)"
+        tail = f"; origin within {p.name} (" + ("sublayers need a family descriptor: hooks/README.md)"
+                                               if c.facts.get("family_inferred") else
+                                               "use --granularity sublayers to find the op)")
+    if p.kind == PointKind.STATE:
+        tail = ("; the recurrent state mixes every position, those of the prefix pass included"
+                + ("" if [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
+                          and q.kind not in CACHE_KINDS] else " (use --granularity sublayers for the mixer's ops)"))
     if p.kind == PointKind.KV_CACHE and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
                                      and q.kind not in (PointKind.KV_CACHE,)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
         tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"

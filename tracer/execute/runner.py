@@ -53,11 +53,18 @@ def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
 
 
 def move_kv(cache: Any, device: torch.device) -> None:
-    """Move every cached key/value tensor to ``device`` (a disaggregated KV transfer; bits unchanged)."""
+    """Move every cached key/value tensor, and a hybrid model's linear-attention states
+    (``conv_states``/``recurrent_states``), to ``device`` (a disaggregated KV transfer; bits unchanged)."""
     for layer in _kv_layers(cache):
         layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
         if hasattr(layer, "device"):
             layer.device = device
+    for layer in cache.layers:
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            for k, t in (states or {}).items():
+                if t is not None:
+                    states[k] = t.to(device)
+                    layer.device = device
 
 
 def batch_inputs(token_ids: list[int], spec: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

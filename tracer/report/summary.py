@@ -164,8 +164,14 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     if any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt:
         steps.append(f"`{run}--positions all`: the divergence is born in the cached-prefix pass; this traces that pass "
                      "op by op and names the op")
+    elif any(p.kind == PointKind.STATE for p in origins) and not whole_prompt:
+        steps.append(f"`{run}--positions all`: a recurrent state carries the cached-prefix pass; this traces that pass "
+                     "op by op too")
     subs = any(p.kind not in LAYER_KINDS for p in c.points)
-    if not subs:
+    if not subs and c.facts.get("family_inferred"):
+        steps.append("write a family descriptor for this model (one TOML file, hooks/README.md): then "
+                     "--granularity sublayers names the op inside the layer")
+    elif not subs:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
