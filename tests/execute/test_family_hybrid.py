@@ -41,6 +41,10 @@ CONFIGS = {
     "nemotron_h": dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=512, hybrid_override_pattern="M*M-",
                        mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=1, expand=2, chunk_size=32),
+    "mamba": dict(num_hidden_layers=2, hidden_size=64, state_size=8, vocab_size=512),
+    "qwen3_moe": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                      num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      vocab_size=512),
     "lfm2": dict(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, conv_L_cache=3, block_ff_dim=128,
                  layer_types=["conv", "conv", "full_attention", "conv"]),
@@ -63,7 +67,8 @@ def _model(model_type: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(model_type), dtype=torch.float32, attn_implementation="sdpa")
+    attn = {} if model_type == "mamba" else {"attn_implementation": "sdpa"}  # Mamba has no attention to choose
+    model = AutoModelForCausalLM.from_config(_config(model_type), dtype=torch.float32, **attn)
     return model.eval().requires_grad_(False)
 
 
@@ -299,3 +304,27 @@ def test_the_other_hybrid_descriptors(model_type, tmp_path):
     n_layers = model.config.num_hidden_layers
     for i in range(n_layers - 1):
         assert torch.equal(rec_a.captures[f"model.layers.{i}"].tensor, hs[i + 1][0, p:])
+
+
+def test_a_hybrid_descriptor_does_not_claim_an_attention_only_model():
+    """Qwen3-MoE is listed by no descriptor and has every required path of ``qwen3_5.toml`` (its mixer
+    roles are optional): a descriptor fits an unlisted model only if each of its mixers is there, so
+    Qwen3-MoE gets its inferred family, not the hybrid's."""
+    from tracer.execute.family import family_for
+
+    fam = family_for(_model("qwen3_moe"))
+    assert fam.inferred and (fam.layers, fam.final_norm) == ("model.layers", "model.norm")
+
+
+def test_a_pure_state_space_model_runs_a_cache_hit(tmp_path):
+    """Mamba (no descriptor, no attention layer: ``get_seq_length`` of its cache raises): the cache hit
+    passes each layer's state from the prefix pass to the suffix pass, and run B's ``state`` points are
+    HF's own cache after the same two passes."""
+    model = _model("mamba")
+    ids = _ids(40)
+    res = tracer.run(_loaded(model, "mamba"), scenario="prefix-cache", token_ids=ids, progress=False,
+                     store="tensors", output=tmp_path / "t.h5")
+    p = res.scenario.window[0]
+    cache = _passes(model, ids, [(0, p), (p, len(ids))])
+    for i in range(2):
+        assert torch.equal(res.runs[1].captures[f"backbone.layers.{i}.state"].tensor, _hf_state(cache, i))

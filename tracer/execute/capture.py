@@ -175,7 +175,10 @@ class Capture:
             if isinstance(ids, torch.Tensor):
                 self._ids.append(ids[0].clone())
         else:
-            start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            try:
+                start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            except ValueError:  # a cache of recurrent states only (Mamba): positions continue in call order
+                start = self._n_tokens
             if isinstance(ids, torch.Tensor):
                 self._ids.append([int(i) for i in ids[0].tolist()])
         self._call = (start, start + n, 0, 0)

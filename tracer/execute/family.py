@@ -324,11 +324,16 @@ def check_family(model: Any, fam: Family, modules: Mapping[str, Any] | None = No
 
 
 def _fits(model: Any, fam: Family, modules: Mapping[str, Any]) -> bool:
+    """Whether a model no descriptor lists has every path ``fam`` names, and (a hybrid descriptor,
+    whose mixers are optional) each of its token mixers in some layer: a descriptor of optional
+    roles must not claim a model that merely has its norms."""
     try:
         check_family(model, fam, modules)
     except TracerError:
         return False
-    return True
+    mixers = [fam.roles[r] for r in ("attention", "linear_attention") if r in fam.roles and r in fam.optional]
+    n = len(modules[fam.layers])
+    return all(any(f"{fam.layers}.{i}.{rel}" in modules for i in range(n)) for rel in mixers)
 
 
 #: model → ((search path, model type), its descriptor): every run asks again, and the answer only
