@@ -210,10 +210,13 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
     ``extra`` (header facts by their keys) is merged in last.
 
     Raises:
-        TracerError: a fact of the wrong type, or a key of ``extra`` the header does not declare.
+        TracerError: no descriptor fits the model and ``capture`` asks for sublayers (before any
+            trace is opened); a fact of the wrong type, or a key of ``extra`` the header does not declare.
     """
     info = loaded.info
     family = family_for(loaded.model)
+    if family.inferred and capture.granularity == "sublayers":
+        raise TracerError(family.inferred)
     facts: dict[str, Any] = {
         "model": info.to_dict(), "numeric_contract": numeric_contract(loaded.model, family.sliding.spec),
         "family": family.to_dict(),

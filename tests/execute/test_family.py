@@ -111,10 +111,14 @@ def test_the_renamed_model_has_none_of_the_usual_names(renamed):
 
 
 def test_without_its_descriptor_the_family_is_refused_in_one_line(renamed, monkeypatch):
+    """Sublayers need the descriptor (one line saying so); layers are inferred from the modules alone."""
     monkeypatch.delenv(F.HOOKS_PATH_ENV, raising=False)
-    with pytest.raises(TracerError, match=r"no family descriptor for model type 'renamed_llama'.*TRACER_HOOKS_PATH") as e:
-        discover_points(renamed, "layers")
+    with pytest.raises(TracerError, match=r"no family descriptor for model type 'renamed_llama'.*sublayers needs a "
+                                          r"descriptor.*TRACER_HOOKS_PATH") as e:
+        discover_points(renamed, "sublayers")
     assert "\n" not in str(e.value)
+    names = [p.name for p in discover_points(renamed, "layers") if p.kind != "kv_cache"]
+    assert names == ["backbone.tok_embeddings", "backbone.blocks.0", "backbone.blocks.1", "backbone.final_ln", "unembed"]
 
 
 def test_layer_captures_are_hfs_hidden_states(renamed, hooks):

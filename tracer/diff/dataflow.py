@@ -40,7 +40,12 @@ capture point (relative to a layer)    consumes
 ``post_feedforward_layernorm``         ``mlp`` (Gemma2/3)
 the layer output                       X, ``<attn>`` and ``mlp`` (Gemma2/3: X and the two
                                        post-norms); at layers granularity: X and the layer's
-                                       ``kv_cache``
+                                       ``kv_cache`` (or ``state``)
+``<mixer>.state`` (a hybrid model's    everything that ran before it in its layer (the mixer's
+linear-attention layer: its recurrent  in-projections carry no role) and, for the positions
+and conv state after the run)          before the window, the previous layer's cache point
+``<mixer>.out_proj``                   everything before it in its layer (the state included)
+``<mixer>`` (the mixer block)          its ``out_proj`` (at layers granularity: the ``state``)
 =====================================  ==================================================
 
 Outside the layers: the embedding consumes the token ids (identical by construction, so a
@@ -51,7 +56,10 @@ final norm.
 does not trace position by position (in a cache hit: the earlier request's prefill). Their only
 recorded upstream is the previous layer's cache at those positions, which stands in for the
 hidden states of that pass: a layer whose prefix K/V differ while the previous layer's agreed is
-an origin *in the prefix pass* (the divergence was born there, between the two caches).
+an origin *in the prefix pass* (the divergence was born there, between the two caches). A
+linear-attention layer's ``state`` mixes every position into one tensor, so it has no rows to
+split: it is an origin only when its inputs at the compared positions and the previous layer's
+cache point (standing in for the prefix pass) all agreed.
 
 A capture point without a role (a module the descriptor does not name) conservatively consumes
 X and every capture point that ran before it in the same layer, so it can only be an origin if
@@ -68,7 +76,7 @@ from typing import Sequence
 
 from tracer import schema
 from tracer.execute.family import DATAFLOW, VIRTUAL_ROLES, infer_roles
-from tracer.execute.kinds import PointKind
+from tracer.execute.kinds import CACHE_KINDS, PointKind
 
 #: capture kinds that name their role (points tracer adds itself)
 _KIND_ROLES = {kind: role for role, (_suffix, kind) in VIRTUAL_ROLES.items()}
@@ -82,7 +90,7 @@ class Consumes(schema.Record):
         points: capture names whose outputs it consumes at the compared positions (or at all
             positions, for a ``kv_cache`` dependency).
         prefix: capture names standing in for its inputs at positions *before* the compared
-            window (only ``kv_cache`` points have these: the previous layer's cache).
+            window (only cache points have these: the previous layer's ``kv_cache`` and ``state``).
         rule: ``structure`` (from the point's role) or ``fallback`` (no role: everything before
             it in the layer).
     """
@@ -151,13 +159,13 @@ def _dataflow(points: tuple[tuple[str, str, str], ...]) -> dict[str, Consumes]:
             layer_of[n] = owner
     out: dict[str, Consumes] = {}
     prev_x = embedding
-    prev_kv: str | None = None
+    prev_kv: tuple[str, ...] = ()  # the cache points of the last layer that had any
     for lay in layers:
         members = [(n, k, r) for n, k, r in points if layer_of.get(n) == lay]
         rels = [("" if n == lay else n[len(lay) + 1:]) for n, _, _ in members]
         rules = _layer_rules([(rel, k, r) for rel, (_, k, r) in zip(rels, members)])
         seen: list[str] = []
-        layer_kv = None
+        layer_kv: list[str] = []
         for (n, _, _), rel in zip(members, rels):
             if rel in rules:
                 deps, rule = rules[rel], "structure"
@@ -166,13 +174,13 @@ def _dataflow(points: tuple[tuple[str, str, str], ...]) -> dict[str, Consumes]:
             resolved = tuple(dict.fromkeys(
                 (prev_x if d == "X" else f"{lay}.{d}" if d else lay) for d in deps if not (d == "X" and prev_x is None)))
             prefix: tuple[str, ...] = ()
-            if kinds.get(n) == PointKind.KV_CACHE:
-                prefix = (prev_kv,) if prev_kv else ()
-                layer_kv = n
+            if kinds.get(n) in CACHE_KINDS:
+                prefix = prev_kv
+                layer_kv.append(n)
             out[n] = Consumes(points=tuple(r for r in resolved if r != n), prefix=prefix, rule=rule)
             seen.append(rel)
         prev_x = lay
-        prev_kv = layer_kv or prev_kv
+        prev_kv = tuple(layer_kv) or prev_kv
     for n, k, _ in points:
         if n in out:
             continue

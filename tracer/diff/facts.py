@@ -28,8 +28,9 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         ``sliding_window`` (a model with sliding-window attention layers, from the header's
         ``numeric_contract``: decoder-layer indices and the window in tokens; with them
         ``layers_path``/``attention_path`` from its family descriptor), runs on engines' contracts
-        (:func:`tracer.diff.engine.engine_facts`: ``engine_a``/``engine_b``, ``engine_differences``)
-        and ``notes`` (a line each).
+        (:func:`tracer.diff.engine.engine_facts`: ``engine_a``/``engine_b``, ``engine_differences``),
+        ``family_inferred`` (True when no family descriptor fits the model: its layer-level points
+        were inferred, and a note says so) and ``notes`` (a line each).
     """
     model = header.get("model", {}) if isinstance(header.get("model"), dict) else {}
     facts: dict[str, Any] = {
@@ -52,6 +53,10 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         facts.update(layout_facts(header))
     scenario = header.get("scenario") if isinstance(header.get("scenario"), dict) else {}
     notes = []
+    family = header.get("family") if isinstance(header.get("family"), dict) else {}
+    if family.get("inferred"):  # no descriptor: layer-level points only, and the report says why
+        facts["family_inferred"] = True
+        notes.append(str(family["inferred"]))
     gen_a, gen_b = a.meta.get("generated"), b.meta.get("generated")
     if gen_a is not None and gen_b is not None:
         first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)

@@ -43,8 +43,9 @@ def classify_origins(c: Comparison, roles: dict[str, str] | None = None) -> Comp
     differently. Otherwise it is **propagated** and ``differing_inputs`` names the culprits.
     A ``kv_cache`` point is judged per part: its rows inside the compared window against its
     K/V producers, its rows before the window (computed by an earlier forward pass) against the
-    previous layer's cache rows there. The logits are an origin when they differ while the final
-    norm (their input) did not. ``roles`` (capture name → role, :mod:`tracer.execute.family`)
+    previous layer's cache rows there; a ``state`` point (a linear-attention layer's recurrent
+    state, which mixes all positions) against both at once. The logits are an origin when they
+    differ while the final norm (their input) did not. ``roles`` (capture name → role, :mod:`tracer.execute.family`)
     gives each point's place in the block; points without one get their layer's inferred roles.
 
     Returns:
@@ -76,6 +77,9 @@ def classify_origins(c: Comparison, roles: dict[str, str] | None = None) -> Comp
                 bad_p = tuple(d for d in cons.prefix if prefix_diverged(d))
                 origin = (in_window and not bad_w) or (p.n_diff_prefix > 0 and not bad_p)
                 bad = tuple(dict.fromkeys((bad_w if in_window else ()) + (bad_p if p.n_diff_prefix else ())))
+            elif cons.prefix:  # a layer's state (no rows to split): its inputs here and in the prefix pass
+                bad = tuple(dict.fromkeys(bad_w + tuple(d for d in cons.prefix if prefix_diverged(d))))
+                origin = not bad
             else:
                 origin, bad = not bad_w, bad_w
         out.append(replace(p, consumes=cons, origin=origin, differing_inputs=bad, growth=growth))

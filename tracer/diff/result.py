@@ -24,7 +24,7 @@ from tracer.diff.replay import Replay
 from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
 from tracer.errors import TracerError
-from tracer.execute.kinds import PointKind, point_kind
+from tracer.execute.kinds import CACHE_KINDS, PointKind, point_kind
 from tracer.execute.records import EngineFacts, calls_problem
 from tracer.plan.checks import FAIL_ON, check_fail_on  # noqa: F401 - re-exported
 from tracer.plan.quant import BlockFormat
@@ -116,8 +116,9 @@ def skip_record(name: str, kind: str, run: str, missing: bool) -> SkipRecord:
     kind = point_kind(kind, name)
     if missing:
         return SkipRecord(name, kind, f"missing in run {run}")
-    if kind == PointKind.KV_CACHE:
-        return SkipRecord(name, kind, f"no KV cache in run {run} (it keeps none)", fails=False)
+    if kind in CACHE_KINDS:
+        return SkipRecord(name, kind, f"no {'KV cache' if kind == PointKind.KV_CACHE else 'cached state'} in run "
+                                      f"{run} (it keeps none)", fails=False)
     return SkipRecord(name, kind, f"empty in run {run}")
 
 
@@ -136,6 +137,7 @@ class ComparisonFacts(schema.Document):
         dtype, device, device_name, attn: the model's dtype, device (and its name), attention.
         isa: the instruction set the kernels dispatched to (:func:`tracer.store.environment.isa_summary`).
         model_argument: how a suggested command names the model (:func:`tracer.load.models.model_argument`).
+        family_inferred: True when no family descriptor fits the model (layer-level points inferred).
         n_tokens: N; plan_a, plan_b: the plans' descriptions; gemm_m_a, gemm_m_b: GEMM M per
             forward pass; chunks_a, chunks_b: each plan's ``[start, stop)`` chunks.
         sliding_layers, sliding_window: a model's sliding-window layers and window (tokens);
@@ -162,6 +164,7 @@ class ComparisonFacts(schema.Document):
     device_name: str | None = None
     isa: str | None = None
     model_argument: str | None = None
+    family_inferred: bool | None = None
     attn: str | None = None
     n_tokens: schema.Count | None = None
     plan_a: str | None = None
@@ -477,8 +480,8 @@ def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[in
     ins, outs = call.get("in") or [], call.get("out") or []
     ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
     ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
-    if p.kind == PointKind.KV_CACHE:
-        return {"positions": list(call["positions"])}
+    if p.kind in CACHE_KINDS:
+        return {"positions": list(call["positions"]), **({"parts": outs} if p.kind == PointKind.STATE else {})}
     if p.kind == PointKind.ATTENTION_CORE and ins:
         return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
     if p.kind in (PointKind.LINEAR,) and ins and outs:

@@ -22,6 +22,7 @@ from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.load.hf_cache import cached_state
 
 #: kinds whose module output is a fresh tensor nothing modifies afterwards (the residual stream and
 #: the logits: what HF's ``output_hidden_states`` keeps references to), captured by reference
@@ -170,7 +171,10 @@ class Capture(Hooks):
             if isinstance(ids, torch.Tensor):
                 self._ids.append(ids[0].clone())
         else:
-            start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            try:
+                start = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            except ValueError:  # a cache of recurrent states only (Mamba): positions continue in call order
+                start = self._n_tokens
             if isinstance(ids, torch.Tensor):
                 self._ids.append([int(i) for i in ids[0].tolist()])
         self._call = (start, start + n, 0, 0)
@@ -286,24 +290,33 @@ class Capture(Hooks):
         return True
 
     def add_cache(self, cache: Any, row: int = 0, col: int = 0) -> None:
-        """Record the ``kv_cache`` points from the run's final KV cache.
+        """Record the cache points (``kv_cache``, ``state``) from the run's final cache.
 
         Args:
             cache: an HF cache (``DynamicCache``: ``cache.layers[i].keys``/``.values``, or the
-                older ``key_cache``/``value_cache`` lists), each ``(B, kv_heads, S, head_dim)``.
+                older ``key_cache``/``value_cache`` lists), each ``(B, kv_heads, S, head_dim)``;
+                a hybrid model's linear-attention layers hold ``conv_states``/``recurrent_states``
+                instead (:func:`tracer.load.hf_cache.cached_state`).
             row: the batch row of the traced prompt.
             col: the cache column of its first token (non-zero with left padding); columns
                 outside ``[col, col + N)`` (padding) are dropped.
 
-        Each point gets ``(S, kv_heads * head_dim_k + kv_heads * head_dim_v)``: keys then values
-        of the last ``S`` positions (all N, unless a sliding-window layer dropped older ones).
+        Each ``kv_cache`` point gets ``(S, kv_heads * head_dim_k + kv_heads * head_dim_v)``: keys
+        then values of the last ``S`` positions (all N, unless a sliding-window layer dropped older
+        ones); each ``state`` point ``(1, F)``, the state after position N-1
+        (:func:`tracer.load.hf_cache.cached_state`).
 
         Raises:
-            TracerError: the cache has no layer for a point's ``layer_index``.
+            TracerError: the cache has no layer (or no state) for a point's ``layer_index``.
         """
         n = self._n_tokens
         for p in self.points:
             if p.which != "cache":
+                continue
+            if p.kind == PointKind.STATE:
+                flat, shapes = cached_state(cache, p.layer_index, row, p.name)
+                self._chunks[p.name] = [flat if self.keep_on_device else flat.to("cpu")]
+                self._calls[p.name] = [{"positions": [n - 1, n], "in": [], "out": shapes}]
                 continue
             try:
                 if hasattr(cache, "layers"):

@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tracer import schema
 from tracer.errors import TracerError
+from tracer.execute.inferred import model_paths
 from tracer.execute.kinds import PointKind
 from tracer.files import read_text_file
 from tracer.load.recipe_check import check_hook_map
@@ -57,12 +58,16 @@ ROLES: dict[str, PointKind] = {
     "act": PointKind.ACTIVATION,                         # the activation function module
     "down_proj": PointKind.LINEAR,                       # the MLP output projection
     "mlp_post_norm": PointKind.NORM,  # the MLP output's norm before the residual add (Gemma 2/3, OLMo 2)
+    # hybrid models: a linear-attention / state-space token mixer in place of (or beside) the attention
+    "linear_attention": PointKind.ATTENTION,  # the mixer block (Qwen3.5's GatedDeltaNet, a Mamba block); its output
+    "linear_out_proj": PointKind.LINEAR,      # its output projection (reads the recurrent state's result)
 }
 #: roles of the points tracer adds itself (no module of their own): name suffix and kind
 VIRTUAL_ROLES: dict[str, tuple[str, PointKind]] = {
     "attention_core": ("core", PointKind.ATTENTION_CORE),  # <attention>.core: the input of o_proj
     "kv_cache": ("kv_cache", PointKind.KV_CACHE),          # <attention>.kv_cache: the layer's keys and values
     "mlp_hidden": ("input", PointKind.MLP_HIDDEN),         # <down_proj>.input: act(gate) * up of a gated MLP
+    "state": ("state", PointKind.STATE),                   # <linear_attention>.state: its recurrent + conv state
 }
 
 #: what each role consumes: a list of groups; each group is a list of alternatives in order of
@@ -78,17 +83,24 @@ DATAFLOW: dict[str, list[list[str]]] = {
     "o_proj": [["attention_core", "q_norm", "q_proj", "qkv_proj", "X"]],
     "attention": [["o_proj", "attention_core", "X"]],
     "attn_post_norm": [["attention", "X"]],
-    "mlp_norm": [["X"], ["attn_post_norm", "attention"]],
+    "mlp_norm": [["X"], ["attn_post_norm", "attention"], ["linear_attention"]],
     "gate_proj": [["mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
     "up_proj": [["mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
     "gate_up_proj": [["mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
     "act": [["gate_proj", "gate_up_proj", "up_proj", "mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
-    "mlp_hidden": [["act", "mlp_norm", "X+attn_post_norm", "X+attention", "X"], ["up_proj", "gate_up_proj"]],
+    "mlp_hidden": [["act", "gate_proj", "mlp_norm", "X+attn_post_norm", "X+attention", "X"],
+                   ["up_proj", "gate_up_proj"]],
     "down_proj": [["mlp_hidden", "act", "mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
     "mlp": [["down_proj", "mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
     "mlp_post_norm": [["mlp", "mlp_norm", "X+attn_post_norm", "X+attention", "X"]],
-    "layer": [["X"], ["attn_post_norm", "attention", "kv_cache"], ["mlp_post_norm", "mlp"]],
+    "linear_attention": [["linear_out_proj", "state", "X"]],
+    "layer": [["X"], ["attn_post_norm", "attention", "kv_cache"], ["linear_attention", "state"],
+              ["mlp_post_norm", "mlp"]],
 }
+# ``state`` has no rule on purpose: the recurrent state reads the mixer's in-projections (and its
+# convolution), which carry no role, so it consumes everything that ran before it in its layer (the
+# conservative fallback of :mod:`tracer.diff.dataflow`) and, before the compared window, the
+# previous layer's cache point, as a ``kv_cache`` does.
 
 #: Megatron-style tensor parallelism by role: output rows sharded / input columns sharded + all_reduce
 COLUMN_PARALLEL_ROLES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -101,6 +113,8 @@ SHARDED_ROLES = (*COLUMN_PARALLEL_ROLES, "attention_core", "mlp_hidden", "act", 
 HEAD_SHARDED_ROLES = ("q_norm", "k_norm")
 
 _MODEL_KEYS = ("embedding", "layers", "final_norm", "logits")
+#: the ``[sublayers]`` kind of a module not captured at all (nor anything inside it)
+SKIP = "skip"
 
 
 @dataclass(frozen=True)
@@ -121,7 +135,8 @@ class Sliding:
 @dataclass(frozen=True)
 class FamilyFacts(schema.Record):
     """What a trace header records about the model's family (its ``family``): the descriptor's name
-    and file, the model types it applies to, the module paths and every role's path in a layer."""
+    and file, the model types it applies to, the module paths and every role's path in a layer;
+    ``inferred``: the note saying the layer-level paths were inferred (no descriptor fits), else None."""
 
     name: str | None = None
     descriptor: str | None = None
@@ -131,6 +146,7 @@ class FamilyFacts(schema.Record):
     final_norm: str | None = None
     logits: str | None = None
     roles: dict[str, str] = field(default_factory=dict)
+    inferred: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +163,13 @@ class Family:
         optional: roles a model of the family may lack (Qwen3's ``q_norm``; Llama has none).
         sublayers: extra modules inside a layer → capture kind (captured, no role: the dataflow
             treats them conservatively).
+        skip: modules inside a layer that are not captured, nor anything inside them
+            (``[sublayers]`` kind ``skip``: an MoE block's router and experts, whose outputs hold the
+            tokens of the whole batch flattened, ``(B * T, features)``).
         sliding: how the config marks sliding-window layers.
+        inferred: for a family no descriptor lists or fits, inferred from the model's modules
+            (:func:`infer_family`: the four model-level paths, no roles): the one line saying so and
+            that sublayer roles need a descriptor; ``""`` for a descriptor read from a file.
     """
 
     name: str
@@ -161,6 +183,8 @@ class Family:
     optional: frozenset[str] = frozenset()
     sublayers: Mapping[str, PointKind] = field(default_factory=dict)
     sliding: Sliding = Sliding()
+    inferred: str = ""
+    skip: frozenset[str] = frozenset()
 
     def path_of(self, role: str) -> str | None:
         """The layer-relative path of ``role`` (None when the family has no such role)."""
@@ -180,10 +204,14 @@ class Family:
         role = self.role_of(rel)
         return ROLES[role] if role is not None else self.sublayers.get(rel)
 
+    def skips(self, rel: str) -> bool:
+        """Whether the module at layer-relative path ``rel`` lies in a ``skip`` subtree."""
+        return any(rel == s or rel.startswith(s + ".") for s in self.skip)
+
     def to_dict(self) -> dict[str, Any]:
         """What the trace header records about the family: a :class:`FamilyFacts` document."""
         return FamilyFacts(self.name, str(self.path), tuple(self.model_types), self.embedding, self.layers,
-                           self.final_norm, self.logits, dict(self.roles)).to_dict()
+                           self.final_norm, self.logits, dict(self.roles), self.inferred or None).to_dict()
 
 
 def _bad(path: Any, what: str) -> TracerError:
@@ -216,16 +244,20 @@ def parse_family(data: dict[str, Any], path: str | Path) -> Family:
         raise _bad(path, f"optional names {sorted(optional - set(roles))[0]!r}, which is not in [roles]")
     kinds = set(ROLES.values())
     sublayers = dict(data.get("sublayers", {}))
+    skip = frozenset(rel for rel, kind in sublayers.items() if kind == SKIP)
+    for rel in skip:
+        del sublayers[rel]
     for rel, kind in sublayers.items():
         if kind not in kinds:
-            raise _bad(path, f"[sublayers] {rel!r} has kind {kind!r}; kinds: {', '.join(sorted(kinds))}")
+            raise _bad(path, f"[sublayers] {rel!r} has kind {kind!r}; kinds: {', '.join(sorted(kinds))}, {SKIP}")
         sublayers[rel] = PointKind(kind)
     sl = data.get("sliding", {})
     sliding = Sliding(types=sl.get("types", "layer_types"), values=tuple(sl.get("values", ("sliding_attention",))),
                       window=sl.get("window", "sliding_window"))
     return Family(name=Path(path).stem, path=str(path), model_types=tuple(data["families"]),
                   embedding=data["embedding"], layers=data["layers"], final_norm=data["final_norm"],
-                  logits=data["logits"], roles=roles, optional=optional, sublayers=sublayers, sliding=sliding)
+                  logits=data["logits"], roles=roles, optional=optional, sublayers=sublayers, sliding=sliding,
+                  skip=skip)
 
 
 def hook_dirs() -> tuple[Path, ...]:
@@ -295,20 +327,29 @@ def check_family(model: Any, fam: Family, modules: Mapping[str, Any] | None = No
         if getattr(fam, key) not in modules:
             raise _bad(fam.path, f"{key} = {getattr(fam, key)!r}, which {type(model).__name__} does not have")
     layer_list = _layer_list(model, fam, modules)
+    mixers = [fam.roles[r] for r in ("attention", "linear_attention") if r in fam.roles]
     for i in range(len(layer_list)):
         prefix = f"{fam.layers}.{i}"
         for role, rel in fam.roles.items():
             if role not in fam.optional and f"{prefix}.{rel}" not in modules:
                 raise _bad(fam.path, f"role {role} = {rel!r}, but {prefix} of {type(model).__name__} has no {rel}; "
                                      "mark the role optional or fix the path")
+        if mixers and not any(f"{prefix}.{rel}" in modules for rel in mixers):  # hybrids: each mixer optional
+            raise _bad(fam.path, f"{prefix} of {type(model).__name__} has none of its token mixers "
+                                 f"({', '.join(mixers)}); fix the paths")
 
 
 def _fits(model: Any, fam: Family, modules: Mapping[str, Any]) -> bool:
+    """Whether a model no descriptor lists has every path ``fam`` names, and (a hybrid descriptor,
+    whose mixers are optional) each of its token mixers in some layer: a descriptor of optional
+    roles must not claim a model that merely has its norms."""
     try:
         check_family(model, fam, modules)
     except TracerError:
         return False
-    return True
+    mixers = [fam.roles[r] for r in ("attention", "linear_attention") if r in fam.roles and r in fam.optional]
+    n = len(modules[fam.layers])
+    return all(any(f"{fam.layers}.{i}.{rel}" in modules for i in range(n)) for rel in mixers)
 
 
 #: model → ((search path, model type), its descriptor): every run asks again, and the answer only
@@ -358,8 +399,29 @@ def _find_family(model: Any, model_type: str, modules: Mapping[str, Any]) -> Fam
             check_family(model, best, modules)
         except TracerError as e:
             why = f" (closest: {best.path}: {str(e).split(': ', 1)[-1].split('; fix')[0]})"
-    raise TracerError(f"no family descriptor for model type {model_type!r} ({type(model).__name__}){why}; "
-                      f"write one TOML file for it (hooks/README.md) into a folder named by ${HOOKS_PATH_ENV}")
+    head = f"no family descriptor for model type {model_type!r} ({type(model).__name__})"
+    fix = f"write one TOML file for it (hooks/README.md) into a folder named by ${HOOKS_PATH_ENV}"
+    inferred = infer_family(model, model_type, modules)
+    if inferred is None:
+        raise TracerError(f"{head}{why}, and its embedding, decoder layers, final norm and LM head could not "
+                          f"be inferred; {fix}")
+    note = (f"{head}: layer-level capture inferred ({inferred.embedding}, {inferred.layers}, {inferred.final_norm}, "
+            f"{inferred.logits}); --granularity sublayers needs a descriptor (the roles of a layer's modules){why}; "
+            f"{fix}")
+    return replace(inferred, inferred=note)
+
+
+def infer_family(model: Any, model_type: str = "", modules: Mapping[str, Any] | None = None) -> Family | None:
+    """The layer-level family of an HF causal LM that no descriptor lists: the four model-level paths
+    inferred from its modules (:func:`tracer.execute.inferred.model_paths`), no roles; enough for
+    ``--granularity layers``, whose points are those four and the layers' outputs (and caches).
+    None when any of the four is not found."""
+    paths = model_paths(model, dict(model.named_modules()) if modules is None else modules)
+    if paths is None:
+        return None
+    embedding, layers, final_norm, logits = paths
+    return Family(name="inferred", path="(inferred from the model's modules)", model_types=(model_type,),
+                  embedding=embedding, layers=layers, final_norm=final_norm, logits=logits)
 
 
 def role_modules(model: Any, roles: Iterable[str], fam: Family | None = None) -> list[tuple[str, str, Any]]:
@@ -459,4 +521,5 @@ def engine_map_files(family: str, engine: str | None = None) -> list[Path]:
 
 __all__ = ["HOOKS_PATH_ENV", "ROLES", "VIRTUAL_ROLES", "DATAFLOW", "COLUMN_PARALLEL_ROLES",
            "ROW_PARALLEL_ROLES", "FUSED_ROLES", "SHARDED_ROLES", "HEAD_SHARDED_ROLES", "Sliding", "Family", "parse_family", "hook_dirs",
-           "descriptors", "check_family", "family_for", "role_modules", "infer_roles", "layout_facts", "engine_map_files"]
+           "descriptors", "check_family", "family_for", "infer_family", "role_modules", "infer_roles", "layout_facts",
+           "engine_map_files", "SKIP"]

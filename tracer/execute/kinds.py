@@ -29,13 +29,17 @@ class PointKind(enum.StrEnum):
     MLP_HIDDEN = "mlp_hidden"  # the input of a gated MLP's down projection
     ACTIVATION = "activation"
     KV_CACHE = "kv_cache"  # a layer's keys and values for all positions
+    STATE = "state"  # a linear-attention (recurrent) layer's cached state after the run: recurrent + conv state
     MODULE = "module"  # any other module (tracer.capture(points=[...]))
 
 
-#: the kinds of ``--granularity layers`` (the residual stream, the KV caches, the logits); a point of
-#: any other kind is inside a decoder layer (``--granularity sublayers``)
+#: the kinds of a layer's cache points (read from the HF cache after the run, no hook): the KV cache
+#: of an attention layer, the recurrent/conv state of a linear-attention (GatedDeltaNet, Mamba) layer
+CACHE_KINDS = frozenset({PointKind.KV_CACHE, PointKind.STATE})
+#: the kinds of ``--granularity layers`` (the residual stream, the layers' caches, the logits); a point
+#: of any other kind is inside a decoder layer (``--granularity sublayers``)
 LAYER_KINDS = frozenset({PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS,
-                         PointKind.KV_CACHE})
+                         *CACHE_KINDS})
 
 
 def point_kind(kind: str, name: str) -> PointKind:

@@ -19,6 +19,7 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.execute.kinds import GRANULARITIES  # noqa: F401 - re-exported
 from tracer.execute.family import VIRTUAL_ROLES, Family, family_for
+from tracer.execute.inferred import cache_layout
 from tracer.execute.kinds import PointKind
 
 
@@ -35,13 +36,13 @@ class CapturePoint:
         kind: ``embedding`` | ``layer`` | ``final_norm`` | ``logits`` | a sublayer kind.
         op: the module's class name.
         which: ``"output"`` (the module's output), ``"input"`` (its first tensor input), or
-            ``"cache"``: the layer's KV cache after the run (no hook; the runner reads it from
-            the cache, see :meth:`Capture.add_cache`).
+            ``"cache"``: the layer's KV cache or recurrent state after the run (no hook; the
+            runner reads it from the cache, see :meth:`Capture.add_cache`).
         full: keep every position of the prompt instead of the compared window (for tensors
             the compared positions depend on, such as keys/values).
-        layer_index: for ``which == "cache"``: the decoder layer's index in the KV cache.
+        layer_index: for ``which == "cache"``: the decoder layer's index in the HF cache.
         role: what the point is in the block (:data:`tracer.execute.family.ROLES`, a virtual role
-            ``attention_core``/``kv_cache``/``mlp_hidden``, or ``embedding``/``layer``/
+            ``attention_core``/``kv_cache``/``mlp_hidden``/``state``, or ``embedding``/``layer``/
             ``final_norm``/``logits``); ``""`` for a module without one (an extra Linear).
     """
 
@@ -65,23 +66,35 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
     of a gated MLP's down projection (``<layer>.mlp.down_proj.input`` = act(gate) * up, which no
     other point captures), and every Linear, in the order they run.
 
-    Both granularities add one ``kv_cache`` point per layer, ``<layer>.<attn>.kv_cache``: the
-    layer's keys and values for **all** positions 0..N-1 after the run (``full``), the input the
+    Both granularities add one ``kv_cache`` point per attention layer, ``<layer>.<attn>.kv_cache``:
+    the layer's keys and values for **all** positions 0..N-1 after the run (``full``), the input the
     attention core consumed besides its queries (in a cache hit the prefix K/V were computed
     by another forward pass). Its tensor is ``(positions, kv_heads * head_dim_k +
     kv_heads * head_dim_v)``: keys then values, heads flattened. The origin analysis needs it
-    (:mod:`tracer.diff.dataflow`). ``kv_cache=False`` leaves these points out: on a long prompt
-    they are most of the captured bytes (``2 * N * kv_heads * head_dim`` values per layer and
-    run, against ``(N - P) * hidden`` for a layer's output), at the price of the origin
-    analysis no longer seeing the cache: a divergence born in the cached-prefix pass then shows
-    first at the attention core or layer that consumed it.
+    (:mod:`tracer.diff.dataflow`). A linear-attention layer of a hybrid model (the family's
+    ``linear_attention`` role: Qwen3.5's GatedDeltaNet, a Mamba block) gets a ``state`` point
+    instead, ``<layer>.<mixer>.state``: the recurrent and conv state its cache holds after the
+    run, which a cache hit carries from the prefix pass into the next one
+    (:meth:`tracer.execute.capture.Capture.add_cache`). ``kv_cache=False`` leaves these points
+    out: on a long prompt they are most of the captured bytes (``2 * N * kv_heads * head_dim``
+    values per layer and run, against ``(N - P) * hidden`` for a layer's output), at the price of
+    the origin analysis no longer seeing the cache: a divergence born in the cached-prefix pass
+    then shows first at the attention core or layer that consumed it.
+
+    A model no descriptor lists or fits gets the layer-level points of its inferred family
+    (:func:`tracer.execute.family.infer_family`), its cache points named after the decoder layer
+    (``<layer>.kv_cache``, ``<layer>.state``: which layer holds which, from the HF cache its config
+    makes); ``sublayers`` needs a descriptor.
 
     Raises:
-        TracerError: unknown granularity, or a model whose structure cannot be discovered.
+        TracerError: unknown granularity, ``sublayers`` for a model without a family descriptor, or
+            a model whose structure cannot be discovered.
     """
     if granularity not in GRANULARITIES:
         raise TracerError(f"unknown granularity '{granularity}'; use one of: {', '.join(GRANULARITIES)}")
     fam = family_for(model)
+    if fam.inferred and granularity == "sublayers":
+        raise TracerError(fam.inferred)
     key = (granularity, kv_cache, fam, len(model._modules), id(next(iter(model._modules.values()), None)))
     try:
         hit = _DISCOVERED.get(model)
@@ -110,15 +123,27 @@ def _discover(model: nn.Module, granularity: str, kv_cache: bool, fam: Any) -> l
                             op=kw.pop("op", type(modules[path]).__name__), **kw)
 
     points = [point(fam.embedding, "embedding", role="embedding")]
-    for index in range(len(modules[fam.layers])):
+    n_layers = len(modules[fam.layers])
+    layout = cache_layout(model, n_layers) if kv_cache and fam.inferred else None
+    for index in range(n_layers):
         layer_path = f"{fam.layers}.{index}"
-        kv = _kv_point(fam, modules, layer_path, index) if kv_cache else None
+        if layout is not None:  # no descriptor: the cache points of the layers' HF cache, on the layer
+            kv, state = (_cache_point(kind, layer_path, type(modules[layer_path]).__name__, index) if has else None
+                         for kind, has in zip((PointKind.KV_CACHE, PointKind.STATE), layout[index]))
+        else:
+            kv = _kv_point(fam, modules, layer_path, index) if kv_cache else None
+            state = _state_point(fam, modules, layer_path, index) if kv_cache else None
         if granularity == "sublayers":
             subs = _sublayer_points(fam, modules[layer_path], layer_path, point)
             at = next((i for i, p in enumerate(subs) if p.kind == PointKind.ATTENTION_CORE), len(subs))
-            points.extend(subs[:at] + ([kv] if kv else []) + subs[at:])
-        elif kv is not None:
-            points.append(kv)
+            subs = subs[:at] + ([kv] if kv else []) + subs[at:]
+            if state is not None:  # right before the output projection reads the state's result
+                at = next((i for i, p in enumerate(subs) if p.role == "linear_out_proj"),
+                          next((i for i, p in enumerate(subs) if p.role == "linear_attention"), len(subs)))
+                subs = subs[:at] + [state] + subs[at:]
+            points.extend(subs)
+        else:
+            points.extend(p for p in (kv, state) if p is not None)
         points.append(point(layer_path, "layer", role="layer"))
     points.append(point(fam.final_norm, "final_norm", role="final_norm"))
     points.append(point(fam.logits, "logits", role="logits"))
@@ -135,6 +160,29 @@ def _kv_point(fam: Family, modules: dict[str, nn.Module], layer_path: str, index
                         op="KVCache", which="cache", full=True, layer_index=index, role="kv_cache")
 
 
+def _cache_point(kind: PointKind, layer_path: str, layer_op: str, index: int) -> CapturePoint:
+    """A cache point on the decoder layer itself (a family inferred without roles):
+    ``<layer>.kv_cache`` or ``<layer>.state``."""
+    role = "kv_cache" if kind == PointKind.KV_CACHE else "state"
+    suffix = VIRTUAL_ROLES[role][0]
+    return CapturePoint(name=f"{layer_path}.{suffix}", module=layer_path, kind=kind,
+                        op="KVCache" if kind == PointKind.KV_CACHE else f"{layer_op} state", which="cache",
+                        full=True, layer_index=index, role=role)
+
+
+def _state_point(fam: Family, modules: dict[str, nn.Module], layer_path: str, index: int) -> CapturePoint | None:
+    """The ``state`` point of one linear-attention layer (None if the layer has no module playing
+    the family's ``linear_attention`` role): the recurrent and conv state the HF cache holds for
+    layer ``index`` after the run."""
+    mixer = fam.path_of("linear_attention")
+    if mixer is None or f"{layer_path}.{mixer}" not in modules:
+        return None
+    suffix, kind = VIRTUAL_ROLES["state"]
+    return CapturePoint(name=f"{layer_path}.{mixer}.{suffix}", module=f"{layer_path}.{mixer}", kind=kind,
+                        op=f"{type(modules[f'{layer_path}.{mixer}']).__name__} state", which="cache", full=True,
+                        layer_index=index, role="state")
+
+
 def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
                      point: Callable[..., CapturePoint]) -> list[CapturePoint]:
     """The points inside one decoder layer, in definition order (:meth:`Capture.records` returns
@@ -147,7 +195,7 @@ def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
     attn = fam.path_of("attention")
     out: list[CapturePoint] = []
     for rel, module in layer.named_modules():
-        if not rel:
+        if not rel or fam.skips(rel):
             continue
         kind = fam.kind_of(rel) or (PointKind.LINEAR if isinstance(module, nn.Linear) else None)
         if kind is None:

@@ -17,12 +17,14 @@ from tracer.plan.tp import all_reduce, check_tp, partials
 
 def row_parallel_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """``(path, module)`` of every row-parallel ``nn.Linear``: the modules playing the roles
-    :data:`~tracer.execute.family.ROW_PARALLEL_ROLES` in the model's family descriptor.
+    :data:`~tracer.execute.family.ROW_PARALLEL_ROLES` in the model's family descriptor, and a hybrid
+    model's ``linear_out_proj`` (its input is sharded by heads in a serving engine's TP).
 
     Raises:
         TracerError: no family descriptor fits the model.
     """
-    return [(path, m) for path, _, m in role_modules(model, ROW_PARALLEL_ROLES) if isinstance(m, nn.Linear)]
+    roles = (*ROW_PARALLEL_ROLES, "linear_out_proj")  # a hybrid's linear-attention output projection too
+    return [(path, m) for path, _, m in role_modules(model, roles) if isinstance(m, nn.Linear)]
 
 
 @contextlib.contextmanager

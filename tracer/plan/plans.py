@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tracer import schema
-from tracer.engines.table import REFERENCE, row
+from tracer.engines.table import REFERENCE, name_of, rows
 from tracer.errors import TracerError
 from tracer.plan.quant import BlockFormat
 from tracer.plan.rollout import RLSpec
@@ -166,7 +166,7 @@ class RunPlan(schema.Record):
     def gemm_m(self) -> list[int]:
         """The GEMM M dimension of each forward pass (rows x tokens, padding included)."""
         if self.rl is not None:  # an engine that flattens a step's requests pads none (its row in the table)
-            return self.rl.gemm_m(flattened=row(self.engine).flattens)
+            return self.rl.gemm_m(flattened=getattr(rows().get(name_of(self.engine)), "flattens", False))
         if self.batch is not None:
             if self.batch.padding != "none":
                 return [self.batch.size * self.batch.width]

@@ -13,7 +13,7 @@ from typing import Any
 
 from tracer.diff.result import NAN_PAYLOAD, Comparison, PointResult, call_shapes, origin_facts
 from tracer.diff.provenance import classify
-from tracer.execute.kinds import PointKind
+from tracer.execute.kinds import CACHE_KINDS, PointKind
 
 
 def _chunk_of(chunks: list | None, pos: int) -> int | None:
@@ -81,6 +81,9 @@ def _shape_text(p: PointResult, c: Comparison) -> str:
                 text += (f"; positions {first}..{c.positions[0] - 1} computed by a forward pass of "
                          f"{ma} tokens in {c.run_a} vs {mb} in {c.run_b}")
         return text
+    if p.kind == PointKind.STATE:
+        parts = " + ".join("×".join(map(str, x)) for x in a.get("parts") or [])
+        return f"after position {(a.get('positions') or [0, 0])[1] - 1}" + (f", {parts}" if parts else "")
     if "rows" in a and "rows" in b:
         return f"rows {each(ea, 'rows')} vs {each(eb, 'rows')}, width {a['width']}"
     return ""
@@ -106,9 +109,15 @@ def origin_line(p: PointResult, c: Comparison) -> str:
         inside = d.n_diff - p.n_diff_prefix
         tail = (f"; {p.n_diff_prefix:,} of them before the compared window: born in the forward pass that "
                 f"computed those positions (not traced op by op)" + (f", {inside:,} inside it" if inside else ""))
-    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind != PointKind.KV_CACHE]
+    subs = [q for q in c.points if q.name.startswith(p.name + ".") and q.kind not in CACHE_KINDS]
     if p.kind == PointKind.LAYER and not subs:
-        tail = f"; origin within {p.name} (use --granularity sublayers to find the op)"
+        tail = f"; origin within {p.name} (" + ("sublayers need a family descriptor: hooks/README.md)"
+                                               if c.facts.get("family_inferred") else
+                                               "use --granularity sublayers to find the op)")
+    if p.kind == PointKind.STATE:
+        tail = ("; the recurrent state mixes every position, those of the prefix pass included"
+                + ("" if [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
+                          and q.kind not in CACHE_KINDS] else " (use --granularity sublayers for the mixer's ops)"))
     if p.kind == PointKind.KV_CACHE and not [q for q in c.points if q.name.startswith(p.name.rsplit(".", 1)[0] + ".")
                                      and q.kind not in (PointKind.KV_CACHE,)] and p.diff.n_diff - (p.n_diff_prefix or 0) > 0:
         tail += "; inside the window: origin within the layer's K/V projection (use --granularity sublayers)"

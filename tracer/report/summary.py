@@ -210,11 +210,18 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     subs = any(p.kind not in LAYER_KINDS for p in c.points)
     prefix_born = any(p.kind == PointKind.KV_CACHE and p.n_diff_prefix for p in origins) and not whole_prompt
     if prefix_born:  # one command that names the op: the cached-prefix pass, traced op by op
-        both = "--positions all" if subs else "--positions all --granularity sublayers"
+        both = "--positions all" if subs or c.facts.get("family_inferred") else "--positions all --granularity sublayers"
         steps.append(f"`{run}{both}`: the divergence is born in the cached-prefix pass, which this run compares at "
                      "the KV cache only; this traces that pass op by op and names the op (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
-    if not subs and not prefix_born:
+    elif any(p.kind == PointKind.STATE for p in origins) and not whole_prompt:
+        prefix_born = True
+        steps.append(f"`{run}--positions all`: a recurrent state carries the cached-prefix pass; this traces that pass "
+                     "op by op too")
+    if not subs and c.facts.get("family_inferred"):
+        steps.append("write a family descriptor for this model (one TOML file, hooks/README.md): then "
+                     "--granularity sublayers names the op inside the layer")
+    elif not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      "MLP, every Linear) with its GEMM shapes")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):

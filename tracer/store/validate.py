@@ -337,6 +337,8 @@ def _check_shape(shape: tuple[int, ...], kind: str, what: str, rows: tuple[int, 
     size = int(np.prod(shape, dtype=np.float64)) if shape else 1
     if size and kind == PointKind.KV_CACHE and (len(shape) != 2 or shape[0] > seq_rows):
         raise _corrupt(path, f"{what} has shape {shape}; a KV cache is (positions <= {seq_rows}, features)")
+    if size and kind == PointKind.STATE and (len(shape) != 2 or shape[0] != 1):
+        raise _corrupt(path, f"{what} has shape {shape}; a cached state is (1, features)")
     rows_given = len(shape) >= 1 and shape[0] > 0  # (0, ...) = not captured in this run
     if kind in WINDOW_KINDS and (size or rows_given):
         if len(shape) == 0 or shape[0] != window_rows:

@@ -44,6 +44,16 @@ def _kv_layers(cache: Any) -> list[Any]:
     return [layer for layer in layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
 
 
+def cached_length(cache: Any) -> int:
+    """The positions an HF cache holds keys and values for (``get_seq_length``); 0 for a cache whose
+    layers all hold a recurrent state instead (a pure state-space model: Mamba, Mamba-2), whose
+    ``get_seq_length`` raises."""
+    try:
+        return int(cache.get_seq_length())
+    except ValueError:
+        return 0
+
+
 def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
     """Quantize-dequantize (:mod:`tracer.plan.quant` format ``fmt``) the cached keys and values of
     sequence columns ``[start, stop)``, in place. Cache layers hold ``(batch, kv_heads, seq, head_dim)``."""
@@ -53,11 +63,18 @@ def transform_kv(cache: Any, fmt: str, start: int, stop: int) -> None:
 
 
 def move_kv(cache: Any, device: torch.device) -> None:
-    """Move every cached key/value tensor to ``device`` (a disaggregated KV transfer; bits unchanged)."""
+    """Move every cached key/value tensor, and a hybrid model's linear-attention states
+    (``conv_states``/``recurrent_states``), to ``device`` (a disaggregated KV transfer; bits unchanged)."""
     for layer in _kv_layers(cache):
         layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
         if hasattr(layer, "device"):
             layer.device = device
+    for layer in cache.layers:
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            for k, t in (states or {}).items():
+                if t is not None:
+                    states[k] = t.to(device)
+                    layer.device = device
 
 
 def batch_inputs(token_ids: list[int], spec: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -242,7 +259,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
             kwargs["input_ids"] = ids[:, start:stop].to(dev)
         if cache is not None:
             kwargs[cache_kwarg(model)] = cache
-        before = cache.get_seq_length() if cache is not None else 0
+        before = cached_length(cache) if cache is not None and plan.kv_transform is not None else 0
         if capture is not None:
             with capture.forward_call(start, stop, row, col):
                 out = _call(fn, compiled, **kwargs)
@@ -252,7 +269,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
             on_output(start, stop, out)
         cache = output_cache(out)
         if plan.kv_transform is not None and cache is not None:
-            transform_kv(cache, plan.kv_transform, before, cache.get_seq_length())
+            transform_kv(cache, plan.kv_transform, before, cached_length(cache))
     assert n == plan.n_tokens or plan.batch is not None, "ids must hold the plan's N tokens"
     return out
 

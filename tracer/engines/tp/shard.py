@@ -106,6 +106,9 @@ def check_shardable(model: nn.Module, k: int, *, vocab_parallel: bool = False) -
         raise TracerError(f"{type(model).__name__} has {what} ({fam.path}); "
                           "tracer's tensor-parallel sharding covers Llama-style layouts (Llama, Qwen, Mistral, "
                           "SmolLM); use --tp-mode simulated")
+    if role_modules(model, ("linear_attention",), fam):
+        raise TracerError(f"{type(model).__name__} has linear-attention layers ({fam.path}), which tracer's "
+                          "tensor-parallel sharding does not split; use --tp-mode simulated")
     for what, n in (("attention heads", heads), ("KV heads", kv_heads)):
         if n is None or n % k:
             raise TracerError(f"--tp {k} does not divide the {n} {what} of this model; choose a divisor of {n}")
