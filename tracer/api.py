@@ -191,19 +191,16 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
 
     Raises:
         TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
-            capture point fired in the block; for a ``vllm.LLM``: ``cuda_graphs`` or ``keep_on_device``
-            (not available there), a ``reference`` of another dtype.
+            capture point fired in the block; for a ``vllm.LLM``: ``cuda_graphs`` (not available there),
+            a ``reference`` of another dtype.
     """
     if type(model).__module__.split(".")[0] == "vllm" and hasattr(model, "llm_engine"):  # a vllm.LLM
         from tracer.engines.vllm.captured import VllmCaptured
 
-        for bad, what in ((cuda_graphs, "cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks do not fire "
-                                        "in vLLM's CUDA graphs)"),
-                          (keep_on_device, "keep_on_device=True: a vLLM capture is copied to the host as each step "
-                                           "runs")):
-            if bad:
-                raise TracerError(f"tracer.capture(vllm.LLM, {what}; drop the option")
-        return VllmCaptured(model, points, reference=reference)
+        if cuda_graphs:
+            raise TracerError("tracer.capture(vllm.LLM, cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks "
+                              "do not fire in vLLM's CUDA graphs); drop the option")
+        return VllmCaptured(model, points, reference=reference, keep_on_device=keep_on_device)
     if reference is not None:
         raise TracerError("reference= applies to a vllm.LLM (the HF model its captures are named after)")
     from tracer.execute.capture import Captured
@@ -347,7 +344,8 @@ def models() -> list[dict[str, str]]:
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
-          engine: str | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
+          engine: str | None = None, attention_backend: str | None = None, batch_invariant: bool | None = None,
+          reps: int = 5, warmup: int = 1, outdir: str | None = None, peers: bool = True,
           progress: Callable[[str], None] | None = None) -> BenchResult | VllmBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
@@ -356,6 +354,9 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         length: prompt length N in tokens.
         engine: hf (default) or vllm: the capture overhead inside vLLM as a ratio to vLLM's bare
             generate (prefix-cache in vLLM, one process, interleaved; :mod:`tracer.loops.bench_vllm`).
+        attention_backend: with ``engine="vllm"``: vLLM's attention backend (default: vLLM's choice).
+        batch_invariant: with ``engine="vllm"``: also measure every mode with vLLM's batch-invariant
+            mode on, afterwards in the same process (``bare_bi_over_bare``: what the mode costs).
         reps: measured repetitions of each mode.
         warmup: unmeasured repetitions first.
         outdir: folder for the trace and raw I/O files (default: a temp dir).
@@ -370,7 +371,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
 
     Raises:
         TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not
-            tracer's; ``engine="vllm"`` without vLLM installed, or with ``device``/``outdir``.
+            tracer's; ``engine="vllm"`` without vLLM installed, or with ``outdir``.
     """
     if reps < 1 or warmup < 0:
         raise TracerError("--reps must be ≥ 1 and --warmup ≥ 0")
@@ -378,13 +379,16 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         from tracer.plan.engines import check_engine
 
         check_engine(engine)
-        if device is not None or outdir is not None:
-            raise TracerError("--device and --outdir do not apply to --engine vllm (vLLM runs on its own device and "
-                              "the bench writes no file)")
+        if outdir is not None:
+            raise TracerError("--outdir does not apply to --engine vllm (the bench writes no file)")
         from tracer.loops.bench_vllm import bench_vllm
 
         return bench_vllm(model, length=length, dtype=dtype, gguf=gguf, granularity=granularity, kv_cache=kv_cache,
-                          block_size=block_size or 32, reps=reps, warmup=warmup, progress=progress)
+                          block_size=block_size or 32, reps=reps, warmup=warmup, device=device,
+                          attention_backend=attention_backend, batch_invariant=bool(batch_invariant),
+                          progress=progress)
+    if attention_backend is not None or batch_invariant:
+        raise TracerError("--attention-backend and --batch-invariant are vLLM options; use them with --engine vllm")
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,

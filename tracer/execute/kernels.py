@@ -52,6 +52,9 @@ _LEAF = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|_addmm_activation|_scaled_dot_
                    r"_flash_attention_\w+|mkldnn_\w+|_mkldnn_\w+|_weight_int\w+|copy_|_to_copy|softmax|_softmax|"
                    r"mul|add|sub|div|pow|rsqrt|mean|silu|gelu|tanh|exp|embedding|index_select|cat|where|"
                    r"masked_fill|matmul_\w+|linear_\w+)$")
+#: torch custom-op namespaces of serving engines (vLLM's ``_C::onednn_mm``, ``vllm::unified_attention``):
+#: counted as ops like aten's compute ops (on the CPU they are the GEMM and attention kernels)
+_CUSTOM = re.compile(r"^(_C|_C_cache_ops|_C_custom_ar|_moe_C|_rocm_C|_vllm_fa\d_C|vllm|sgl_kernel)::")
 _RANGE = "tracer:"
 _SKIP = "tracer-capture"
 
@@ -262,8 +265,12 @@ def _ranges_outermost(nodes: list[_Node]) -> list[_Node]:
     return out
 
 
-def _counted(c: Counter | None) -> list[dict[str, Any]]:
+def counted(c: Counter | None) -> list[dict[str, Any]]:
+    """A counter of kernel (or op) names as ``[{"name", "count"}]`` (the calls' ``kernels`` lists)."""
     return [{"name": n, "count": k} for n, k in (c or Counter()).items()]
+
+
+_counted = counted
 
 
 def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Counter]:
@@ -284,10 +291,11 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
                 dev[k] += 1
                 if own:
                     own_dev[k] += 1
-            if child.name in _TRIVIAL or not child.name.startswith("aten::"):
+            custom = bool(_CUSTOM.match(child.name))
+            if child.name in _TRIVIAL or not (child.name.startswith("aten::") or custom):
                 visit(child, own)
                 continue
-            if _LEAF.match(child.name) or not any(g.name.startswith("aten::") and g.name not in _TRIVIAL
+            if custom or _LEAF.match(child.name) or not any(g.name.startswith("aten::") and g.name not in _TRIVIAL
                                                   for g in child.children):
                 ops[child.name] += 1
                 if own:
