@@ -20,11 +20,13 @@ import torch
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.diff.positions import one_device
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord
 
 #: the contract keys compared between two engines, with the label a difference is named by
-CONTRACT = (("attention_backend", "attention backend"), ("norm", "norm implementation"),
+CONTRACT = (("device", "device"), ("attention_backend", "attention backend"), ("batch_invariant", "batch-invariant mode"),
+            ("norm", "norm implementation"),
             ("activation", "activation"), ("gemm", "GEMM"), ("activation_dtype", "activation dtype"),
             ("logits_dtype", "logits dtype"), ("kv_cache_dtype", "KV-cache dtype"), ("block_size", "KV block size"),
             ("max_num_batched_tokens", "chunked-prefill budget"), ("version", "version"))
@@ -38,6 +40,13 @@ def _short(v: Any) -> str:
         vals = sorted({str(x) for x in v.values()})
         return vals[0] if len(vals) == 1 else "; ".join(f"{k}: {x}" for k, x in v.items())
     return str(v)
+
+
+def _norm(key: str, value: Any) -> Any:
+    """A contract value as compared: devices by type and index (``cuda`` is ``cuda:0``)."""
+    if key == "device" and isinstance(value, str) and value in ("cuda", "xpu", "mps"):
+        return f"{value}:0"
+    return value
 
 
 def scheduler_line(run: str, meta: dict[str, Any]) -> str | None:
@@ -68,16 +77,21 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     out: dict[str, Any] = {"engine_a": fa, "engine_b": fb}
     same = fa.get("engine") == fb.get("engine")  # versions compare within one engine only
     diffs = {label: [_short(fa.get(k)), _short(fb.get(k))] for k, label in CONTRACT
-             if k in fa and k in fb and fa.get(k) != fb.get(k) and (same or k != "version")}
+             if k in fa and k in fb and _norm(k, fa.get(k)) != _norm(k, fb.get(k)) and (same or k != "version")}
     out["engine_differences"] = diffs
-    notes = [f"engine {run}: {_PACKAGE.get(f.get('engine'), f.get('engine'))} {f.get('version')}, attention "
-             f"{f.get('attention_backend')}, "
+    notes = [f"engine {run}: {_PACKAGE.get(f.get('engine'), f.get('engine'))} {f.get('version')} on {f.get('device')}"
+             + (f" ({f['device_name']})" if f.get("device_name") else "") + ", "
+             f"attention {f.get('attention_backend')}, "
              f"{f.get('activation_dtype')} activations, logits {f.get('logits_dtype')}, KV cache "
              f"{f.get('kv_cache_dtype')}" + (f" in blocks of {f['block_size']}" if isinstance(f.get("block_size"), int) else "")
              + ("" if f.get("engine") == "hf" else
-                f", compilation mode {f.get('compilation_mode')}, CUDA graphs {f.get('cudagraph_mode')}")
+                f", compilation mode {f.get('compilation_mode')}, CUDA graphs {f.get('cudagraph_mode')}"
+                + (", batch-invariant mode" if f.get("batch_invariant") else ""))
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
+    if fa.get("batch_invariant") or fb.get("batch_invariant"):
+        notes.append("vLLM's batch-invariant mode was on in this process: on a GPU, torch's mm, softmax, log_softmax, "
+                     "mean and bmm ran vLLM's batch-invariant kernels for every run after it started, an HF run's included")
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
         line = scheduler_line(run, meta)
         if line is not None:
@@ -138,8 +152,7 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
         notes.append(f"{name} (logits): no compared position has logits in both runs (run {c.run_a} at "
                      f"{sorted(rows_a[name])}, run {c.run_b} at {sorted(rows_b[name])}); logits not compared")
         return replace(c, facts={**facts, "notes": notes})
-    ta = torch.stack([rows_a[name][p] for p in common])
-    tb = torch.stack([rows_b[name][p] for p in common]).to(ta.device)
+    ta, tb = one_device(torch.stack([rows_a[name][p] for p in common]), torch.stack([rows_b[name][p] for p in common]))
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()
