@@ -79,7 +79,8 @@ class ScenarioConfig:
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
     scenario's own default applies (block size 16; 32 with ``engine`` vllm). ``engine``: who
-    executes both plans (None = ``hf``; :mod:`tracer.plan.engines`).
+    executes both plans (None = ``hf``; :mod:`tracer.plan.engines`); ``attention_backend`` and
+    ``batch_invariant``: engine options of its vLLM plans (:data:`tracer.plan.engines.ENGINE_OPTIONS`).
     """
 
     name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
@@ -88,11 +89,13 @@ class ScenarioConfig:
     mitigation: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
     engine: str | None = None
+    attention_backend: str | None = None
+    batch_invariant: bool | None = None
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`tracer.plan.build.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
-        for k in ("block_size", "split_at", "mitigation", "engine"):
+        for k in ("block_size", "split_at", "mitigation", "engine", "attention_backend", "batch_invariant"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -286,7 +289,12 @@ _HELP = {
                   "(torch deterministic algorithms, TF32 off)",
     "engine": "who executes both runs: hf (Hugging Face transformers, default) or vllm (vLLM in-process, eager; "
               "in a venv of its own: pip install -c constraints-vllm.txt -e '.[vllm]', README 'With vLLM')",
-    "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default)",
+    "engines": "engine: run A's and run B's engine, e.g. hf,vllm (default); vllm:BACKEND names vLLM's attention "
+               "backend, e.g. vllm:TRITON_ATTN, so that two backends can be compared",
+    "attention_backend": "vllm: vLLM's attention backend, e.g. TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN, FLASHINFER, "
+                         "CPU_ATTN (default: vLLM's own choice); recorded in the numeric contract",
+    "batch_invariant": "vllm: vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, set before vLLM starts; CUDA, "
+                       "ROCm, XPU); once on, on for the whole process",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
                  "(locates a divergence born in the cached-prefix pass)",
@@ -399,7 +407,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
-    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),
+    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine",
+              "attention_backend", "batch_invariant"),
     "compare": ("atol", "rtol", "fail_on", "temperature", "is_cap", "mask_threshold"),
 }
 

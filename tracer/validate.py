@@ -34,7 +34,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.load.prompts import check_prompt, read_prompt
     from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
                                     check_scenario_values)
-    from tracer.plan.engines import check_engine
+    from tracer.plan.engines import check_engine, check_engine_options
     from tracer.plan.build import check_resources, preview
     from tracer.plan.checks import own_params
     from tracer.plan.rollout import check_rl_run
@@ -68,6 +68,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
     check_engine(s.engine, installed=False)
+    check_engine_options(s.engine, s.name, s.params())
     if ch.verdict and (s.engine not in (None, "hf") or s.name == "engine"):
         raise TracerError("--verdict re-runs the HF model at float32 and float64; vLLM loads its own weights and is "
                           "not re-run: drop --verdict, or use --engine hf")

@@ -6,12 +6,17 @@ vLLM: a miss and a hit of the same prompt), every mode interleaved (bare, captur
 
     bare     both plans' requests through vLLM's own ``LLM.generate``, no hooks (the floor)
     capture  both plans executed by tracer's vLLM executor: hooks on every mapped module, the
-             rows of the traced prompt copied to the host and mapped onto HF names
+             rows of the traced prompt kept on vLLM's device and mapped onto HF names
              (:func:`tracer.engines.vllm.engine.execute_loaded`), no comparison
     tracer   ``tracer run --engine vllm --store none``: capture, then the online comparison
 
 Every repetition resets the prefix cache before each plan (as tracer's runs do), so the bare
 floor computes exactly what the captured runs compute.
+
+With ``batch_invariant``, the same modes are then measured again with vLLM's batch-invariant
+mode on (``bare_bi``, ``capture_bi``, ``tracer_bi``), in the same process: after the others, since
+the mode cannot be switched off once on (:mod:`tracer.engines.vllm.environment`). The ratio
+``bare_bi_over_bare`` is what the mode costs vLLM itself.
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ class VllmBenchResult(schema.Record):
         if not self.times.get("bare"):
             return {}
         bare = self.median("bare")
-        return {f"{m}_over_bare": self.median(m) / bare for m in MODES if m != "bare" and self.times.get(m)}
+        out = {f"{m}_over_bare": self.median(m) / bare for m in MODES if m != "bare" and self.times.get(m)}
+        if self.times.get("bare_bi"):
+            bi = self.median("bare_bi")
+            out["bare_bi_over_bare"] = bi / bare
+            out.update({f"{m}_bi_over_bare_bi": self.median(f"{m}_bi") / bi for m in MODES
+                        if m != "bare" and self.times.get(f"{m}_bi")})
+        return out
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
         """The JSON document: the fields, and the medians, min, max and ratios."""
@@ -54,12 +65,16 @@ class VllmBenchResult(schema.Record):
 
 def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
                granularity: str = "layers", kv_cache: bool = True, block_size: int = 32, reps: int = 5,
-               warmup: int = 1, gguf: str | None = None,
+               warmup: int = 1, gguf: str | None = None, device: str | None = None,
+               attention_backend: str | None = None, batch_invariant: bool = False, loaded: Any = None,
                progress: Callable[[str], None] | None = None) -> VllmBenchResult:
-    """Measure the modes of the module docstring for the prefix-cache scenario in vLLM at ``length`` tokens.
+    """Measure the modes of the module docstring for the prefix-cache scenario in vLLM at ``length``
+    tokens (``device``: where the HF reference model is loaded, or ``loaded``: that model already
+    loaded; vLLM picks its own device).
 
     Raises:
-        TracerError: bad options (as ``tracer run --engine vllm``), vLLM not installed or not starting.
+        TracerError: bad options (as ``tracer run --engine vllm``), vLLM not installed or not
+            starting, ``batch_invariant`` where vLLM does not implement it.
     """
     from tracer import pipeline
     from tracer.config import RunConfig
@@ -70,9 +85,14 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
     say = progress or (lambda m: None)
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, gguf=gguf, engine="vllm",
                                           block_size=block_size, granularity=granularity, kv_cache=kv_cache,
-                                          store="none"))
+                                          store="none", device=device, attention_backend=attention_backend))
+    if batch_invariant:  # refused before anything is measured where vLLM has no such mode
+        from tracer.engines.vllm.engine import platform
+        from tracer.engines.vllm.environment import check_batch_invariant
+
+        check_batch_invariant(True, platform())
     say(f"loading {model}")
-    prep = pipeline.prepare(cfg, say=say)
+    prep = pipeline.prepare(cfg, loaded, say=say)
     lm, ids, scen = prep.loaded, prep.token_ids, prep.scenario
     points = pipeline.capture_points(lm, cfg.capture)
     meta = {"scenario": scen.name, "level": scen.level}
@@ -84,7 +104,7 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
 
     def capture() -> None:
         for plan in plans:
-            execute_plan(lm, ids, plan, points, scen.window, meta=meta)
+            execute_plan(lm, ids, plan, points, scen.window, meta=meta, keep_on_device=True)
 
     modes = {"bare": bare, "capture": capture,
              "tracer": lambda: pipeline.run_scenario(lm, ids, scen, cfg.capture, online=True)}
@@ -96,16 +116,38 @@ def bench_vllm(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = 
         "block_size": block_size, "reps": reps, "warmup": warmup, "scenario": scen.name, "n_points": len(points),
         "verdict": first.verdict(), "vllm": engine.get("version"), "device": engine.get("device"),
         "attention_backend": engine.get("attention_backend"), "cached_tokens": first.facts.get("cached_tokens_b"),
+        "model_runner": engine.get("model_runner"), "device_name": engine.get("device_name"),
+        "batch_invariant": batch_invariant,
         "plans": [p.description for p in plans]})
     result.times = {m: [] for m in modes}
+    _measure(modes, result, warmup, reps, say, "")
+    if batch_invariant:  # the same modes with the mode on: after the others (it stays on in this process)
+        from tracer.plan.engines import with_engine_options
+
+        bi = with_engine_options(scen, {"batch_invariant": True})
+        bi_plans = (bi.plan_a, bi.plan_b)
+        say("batch-invariant mode: starting vLLM with VLLM_BATCH_INVARIANT=1")
+        first_bi = pipeline.run_scenario(lm, ids, bi, cfg.capture, online=True).comparison
+        result.config["verdict_batch_invariant"] = first_bi.verdict()
+        modes_bi = {"bare_bi": lambda: [run_bare(lm, ids, p, meta) for p in bi_plans],
+                    "capture_bi": lambda: [execute_plan(lm, ids, p, points, scen.window, meta=meta, keep_on_device=True)
+                                       for p in bi_plans],
+                    "tracer_bi": lambda: pipeline.run_scenario(lm, ids, bi, cfg.capture, online=True)}
+        result.times.update({m: [] for m in modes_bi})
+        _measure(modes_bi, result, warmup, reps, say, "batch-invariant ")
+    return result
+
+
+def _measure(modes: dict[str, Callable[[], Any]], result: VllmBenchResult, warmup: int, reps: int,
+             say: Callable[[str], None], label: str) -> None:
+    """Every mode once per repetition, interleaved; the times after the warm-up into ``result``."""
     for i in range(warmup + reps):
-        say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
+        say(f"{label}repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
         for m, fn in modes.items():
             t0 = time.perf_counter()
             fn()
             if i >= warmup:
                 result.times[m].append(time.perf_counter() - t0)
-    return result
 
 
 __all__ = ["bench_vllm", "VllmBenchResult", "MODES"]

@@ -13,7 +13,7 @@ import inspect
 from typing import Any
 
 from tracer.errors import TracerError
-from tracer.plan.engines import engine_defaults, with_engine
+from tracer.plan.engines import ENGINE_OPTION_NAMES, engine_defaults, with_engine, with_engine_options
 from tracer.plan.plans import Scenario
 from tracer.plan.scenarios import SCENARIOS, check_mitigation, with_mitigation
 
@@ -40,6 +40,7 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     fn = SCENARIOS[name]
     accepted = inspect.signature(fn).parameters
     engine = params.pop("engine", None)
+    engine_options = {k: params.pop(k) for k in ENGINE_OPTION_NAMES if k in params}
     params = engine_defaults(engine, accepted, params)
     mitigation = params.get("mitigation")
     check_mitigation(mitigation)
@@ -49,7 +50,8 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
         raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
     kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
     scen = fn(n_tokens, **kwargs)
-    return with_engine(scen if "mitigation" in accepted else with_mitigation(scen, mitigation), engine)
+    scen = with_engine(scen if "mitigation" in accepted else with_mitigation(scen, mitigation), engine)
+    return with_engine_options(scen, engine_options)
 
 
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
@@ -63,7 +65,7 @@ def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
     if not isinstance(scen, Scenario):
         raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return with_engine(scen, options.get("engine"))
+    return with_engine_options(with_engine(scen, options.get("engine")), options)
 
 
 def check_resources(scen: Any) -> Any:

