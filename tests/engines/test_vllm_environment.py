@@ -13,6 +13,7 @@ import pytest
 
 from tracer.engines.vllm import environment as env
 from tracer.errors import TracerError
+from tracer.report.progress import StatusProgress
 
 
 def _noise() -> None:
@@ -30,16 +31,18 @@ def test_vllms_output_goes_to_the_log_and_tracers_own_lines_still_reach_stderr(t
     handler = logging.StreamHandler(sys.stderr)  # vLLM configures one on its "vllm" logger
     logging.getLogger("vllm").addHandler(handler)
     try:
-        with env.quiet("starting vLLM") as path:
+        with env.quiet("starting vLLM") as path, StatusProgress("run", mode="lines") as status:
             _noise()
-            print("run: starting vLLM · elapsed 12s", file=sys.stderr, flush=True)  # tracer's status line
+            print("Loading safetensors checkpoint shards: 100%", file=sys.stderr, flush=True)  # not tracer's code
+            status("starting vLLM")  # tracer's status line, from tracer's own code
     finally:
         logging.getLogger("vllm").removeHandler(handler)
     err = capfd.readouterr().err
     assert path == log
-    assert err.strip() == "run: starting vLLM · elapsed 12s"
+    assert err.strip().startswith("run: starting vLLM · elapsed") and len(err.strip().splitlines()) == 1
     text = log.read_text()
-    for line in ("NUMA binding", "FutureWarning", "reduce_op", "Triton is installed", "a line of vLLM's log"):
+    for line in ("NUMA binding", "FutureWarning", "reduce_op", "Triton is installed", "a line of vLLM's log",
+                 "Loading safetensors"):
         assert line in text, line
     assert handler.stream is sys.stderr  # restored
 

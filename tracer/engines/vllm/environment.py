@@ -6,8 +6,8 @@ mode, and the attention backend's name.
 ``triton_utils``, a C++ NUMA-binding notice). While vLLM imports and starts (:func:`quiet`), file
 descriptor 2 (C and C++ writes), Python warnings and vLLM's log handlers go to a log file
 (:func:`log_path`: ``$TRACER_VLLM_LOG``, else ``tracer-vllm-<pid>.log`` in the temp folder); tracer's
-own status lines still reach the terminal (``sys.stderr`` is pointed at the real one for the
-block). The log's path is in the engine's facts (``log``). ``TRACER_VLLM_LOG=stderr`` leaves all
+own status lines still reach the terminal (for the block, ``sys.stderr`` sends what tracer's code
+writes to the terminal and the rest, tqdm's bars included, to the log). The log's path is in the engine's facts (``log``). ``TRACER_VLLM_LOG=stderr`` leaves all
 of it on stderr.
 
 **Batch-invariant mode** (``VLLM_BATCH_INVARIANT=1``): vLLM replaces torch's ``mm``/``softmax``/
@@ -68,6 +68,7 @@ def quiet(what: str) -> Iterator[Path | None]:
     sys.stderr.flush()
     saved_fd = _dup(2)
     old_stderr = sys.stderr
+    real = None
     handlers = [h for h in logging.getLogger("vllm").handlers if isinstance(h, logging.StreamHandler)
                 and not isinstance(h, logging.FileHandler)]
     streams = [h.stream for h in handlers]
@@ -76,8 +77,9 @@ def quiet(what: str) -> Iterator[Path | None]:
     try:
         if saved_fd is not None:
             os.dup2(log.fileno(), 2)
-            sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved_fd), "wb", buffering=0), write_through=True,
-                                          encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace")
+            real = io.TextIOWrapper(os.fdopen(os.dup(saved_fd), "wb", buffering=0), write_through=True,
+                                    encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace")
+            sys.stderr = _Router(real, log)
         for h in handlers:
             h.setStream(log)
         logging.getLogger().addHandler(root)
@@ -92,15 +94,41 @@ def quiet(what: str) -> Iterator[Path | None]:
         for h, s in zip(handlers, streams):
             h.setStream(s)
         if saved_fd is not None:
-            with contextlib.suppress(Exception):
-                sys.stderr.flush()
-            if sys.stderr is not old_stderr:
-                with contextlib.suppress(Exception):
-                    sys.stderr.close()
             sys.stderr = old_stderr
+            with contextlib.suppress(Exception):
+                real.close()
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
         log.close()
+
+
+class _Router(io.TextIOBase):
+    """``sys.stderr`` during :func:`quiet`: what tracer's own code writes (status lines) goes to the
+    terminal, what anything else writes (tqdm bars, log handlers, prints) to the log."""
+
+    def __init__(self, real: Any, log: Any) -> None:
+        super().__init__()
+        self.real, self.log = real, log
+
+    def write(self, text: str) -> int:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        (self.real if caller.split(".")[0] == "tracer" else self.log).write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for f in (self.real, self.log):
+            with contextlib.suppress(Exception):
+                f.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.log.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
 
 
 def _dup(fd: int) -> int | None:
