@@ -197,8 +197,8 @@ def with_engine(scen: Scenario, engine: str | None) -> Scenario:
                           f"expose here; with --engine {engine} use one of: {', '.join(allowed)}")
     if scen.params.get("mitigation") == "deterministic" or scen.plan_a.deterministic or scen.plan_b.deterministic:
         raise TracerError(f"--mitigation deterministic is not available in {engine}: torch's deterministic algorithms do "
-                          "not reach vLLM's kernels; use vLLM's own --batch-invariant (GPUs), --mitigation aligned "
-                          "(prefix-cache) or --engine hf")
+                          "not reach vLLM's kernels; use vLLM's own batch-invariant mode (--batch-invariant, GPUs), "
+                          "--mitigation aligned (prefix-cache) or --engine hf")
     p = scen.params
     if scen.name == "rollout-vs-train":
         spec = scen.plan_a.rl

@@ -99,19 +99,19 @@ def _conflict_notes(cap: Any, conflicts: dict[str, list]) -> list[str]:
     return [f"{name} at position(s) {ranges(sorted(set(ps)))}: a later engine tensor mapped there differs from the "
             "first; the first is compared" for name, ps in out.items() if ps]
 
+
 def _logits_records(cap: Any) -> tuple[dict[str, tuple[list[int], torch.Tensor]], dict[str, torch.Tensor]]:
     """The traced requests' logits at compared positions: whole (every compared position has
     a row) or partial (vLLM computes logits only where it samples)."""
-    name = next((t for acts in cap._actions.values() for a in acts if a.how == "logits" for t in a.targets), None)
+    name = cap.logits_name
     if name is None:
         return {}, {}
     w0, w1 = cap.window
     got: dict[int, torch.Tensor] = {}
     for _step, where, last, rows in cap.logits:
         for label, i in where.items():
-            f = cap.tracker.followed.get(label)
             p = int(last[i])
-            if (f is None or f.traced) and w0 <= p < w1 and p < cap.n:
+            if label in cap.traced_labels and w0 <= p < w1 and p < cap.n:
                 got.setdefault(p, rows[i])
     if not got:
         return {}, {}
@@ -122,8 +122,6 @@ def _logits_records(cap: Any) -> tuple[dict[str, tuple[list[int], torch.Tensor]]
         cap.notes.append(f"{name}: vLLM's {rows.shape[1]} logits columns cut to the reference's vocabulary of "
                           f"{vocab[0]} (the padding columns are not tokens)")
         rows = rows[:, :vocab[0]]
-    src = next(m for m, acts in cap._actions.items() if any(a.how == "logits" for a in acts))
-    cap.sources.setdefault(name, (src, f"{src} (last position of each request)"))
     if ps == list(range(w0, w1)):
         return {}, {name: rows}
     return {name: (ps, rows)}, {}

@@ -33,6 +33,7 @@ assembled in another.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,11 @@ def _pick(els: dict[int | None, torch.Tensor], el: int | None, what: str) -> tor
     return els.get(el, els.get(None) if el == 0 else None)
 
 
+#: per vLLM model (weakly: a dropped LLM frees its entry), per (engine map, reference layout): the
+#: compiled rules, the hooked modules and the module paths (every run of a model builds a capture)
+_CACHE: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict[str, Any]]]" = weakref.WeakKeyDictionary()
+
+
 class VllmCapture:
     """Context manager owning the hooks on vLLM's model for one run of one prompt.
 
@@ -212,13 +218,19 @@ class VllmCapture:
         self.sources: dict[str, tuple[str, str]] = {}  # HF name -> (vLLM module, mapping line)
         self.checks: list[tuple[str, int, torch.Tensor]] = []  # (HF name, step, 0-dim bool: a later source differs)
         self.notes: list[str] = []
+        self.logits_name: str | None = None  # the HF logits point the logits module maps onto (once it fired)
+        self.traced_labels: set[str] = set()  # the followed requests whose activations are kept
         self.fired: set[str] = set()
         self.host_copies = 0  # device-to-host transfers made while the model ran (one per step)
         self._win_pos: dict[int, np.ndarray] = {}
         self._filled: dict[str, int] = {}
         self._handles: list[Any] = []
         self._cur: dict[str, Any] | None = None
-        self._actions: dict[str, list[_Action]] = {}
+        # the rules compiled per module, the hooked modules and their paths: the same for every run of
+        # one model, reference layout and map, so computed once per process (a run creates a capture)
+        self._key = (id(emap), tuple(ref.names.items()))
+        self._cache = _CACHE.setdefault(model, {}).setdefault(self._key, {"actions": {}})
+        self._actions: dict[str, list[_Action]] = self._cache["actions"]
 
     # ---------------------------------------------------------------- requests
 
@@ -247,7 +259,11 @@ class VllmCapture:
         """The vLLM module paths whose outputs map onto a capture point of the reference (in
         ``named_modules()`` order), the logits module included. A module shared by several layers
         (vLLM's ``rotary_emb``) and modules without a rule are not hooked."""
-        return [name for name in (n for n, _m in self.model.named_modules() if n) if self._compile(name)]
+        if "hooked" not in self._cache:
+            mods = [(n, m) for n, m in self.model.named_modules() if n]
+            self._cache["modules"] = dict(mods)
+            self._cache["hooked"] = [n for n, _m in mods if self._compile(n)]
+        return list(self._cache["hooked"])
 
     def _compile(self, name: str) -> list[_Action]:
         if name in self._actions:
@@ -284,10 +300,11 @@ class VllmCapture:
     def __enter__(self) -> "VllmCapture":
         cap = self.emap.get("capture", {})
         kv = cap.get("kv", {})
-        modules = dict(self.model.named_modules())
+        hooked = self.hooked()
+        modules = self._cache["modules"]
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._begin, with_kwargs=True))
-            for name in self.hooked():
+            for name in hooked:
                 logits = any(a.how == "logits" for a in self._actions[name])
                 self._handles.append(modules[name].register_forward_hook(self._logits_hook(name) if logits else self._hook(name)))
             if self.kv_points and kv:
@@ -324,6 +341,7 @@ class VllmCapture:
             logit_rows[label] = j
             if not self.tracker.followed[label].traced:
                 continue
+            self.traced_labels.add(label)
             hi = min(b, a + max(0, self.n - p0))  # rows at positions < N (decode rows beyond are not kept)
             if hi <= a:
                 continue
@@ -411,7 +429,8 @@ class VllmCapture:
         if t is None:
             return
         rows = self._take(t, "win")
-        if isinstance(self._cur["win"], slice):
+        first = all(self._filled.get(x) != step for x in act.targets)  # else only compared with the first source
+        if first and isinstance(self._cur["win"], slice):
             rows = rows.clone()  # the module's output may be changed in place later (a fused add + norm)
         if act.how == "take":
             self._keep(act.targets[0], rows, step, name, act, 0)
@@ -451,6 +470,9 @@ class VllmCapture:
                                   "(prompt logprobs or speculative decoding?); those logits are not captured")
                 return
             self._note(name, args, out)
+            target = next(t for a in self._actions[name] if a.how == "logits" for t in a.targets)
+            self.sources.setdefault(target, (name, f"{name} (last position of each request)"))
+            self.logits_name = target
             labels = list(cur["logits"])
             js = [cur["logits"][lb] for lb in labels]
             rows = out.index_select(0, torch.as_tensor(js, device=out.device)) if js != list(range(n_req)) else out.clone()
@@ -487,13 +509,14 @@ class VllmCapture:
         :meth:`records` elsewhere with :meth:`load_state`)."""
         return {"steps": self.steps, "tokens": self.tokens, "rows": self.rows, "kv": self.kv, "logits": self.logits,
                 "shapes": self.shapes, "sources": self.sources, "checks": self.checks, "notes": self.notes,
-                "win_pos": self._win_pos, "fired": sorted(self.fired)}
+                "win_pos": self._win_pos, "fired": sorted(self.fired), "logits_name": self.logits_name,
+                "traced_labels": sorted(self.traced_labels)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take over what another capture's hooks kept (:meth:`state`)."""
-        for key in ("steps", "tokens", "rows", "kv", "logits", "shapes", "sources", "checks", "notes"):
+        for key in ("steps", "tokens", "rows", "kv", "logits", "shapes", "sources", "checks", "notes", "logits_name"):
             setattr(self, key, state[key])
-        self._win_pos, self.fired = state["win_pos"], set(state["fired"])
+        self._win_pos, self.fired, self.traced_labels = state["win_pos"], set(state["fired"]), set(state["traced_labels"])
 
     def records(self, points: list[CapturePoint], engine: str) -> tuple[dict[str, CaptureRecord], dict[str, Any]]:
         """The run's captures under HF names, and what could not be captured

@@ -25,11 +25,10 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.engine import VllmEngine, VllmSettings, ref_layout, vllm
+from tracer.engines.vllm.engine import VllmEngine, VllmSettings, engine_map, ref_layout, vllm
 
 
 class VllmCaptured:
@@ -91,7 +90,7 @@ class VllmCaptured:
         eng, ref = self.engine, self.reference
         n = int(eng.llm.llm_engine.vllm_config.model_config.max_model_len)
         layout = ref_layout(ref, self.points, [0], (0, 1))
-        self._cap = VllmCapture(eng.model, eng.runner, load_engine_map(ref.info.family, engine="vllm"), layout,
+        self._cap = VllmCapture(eng.model, eng.runner, engine_map(ref.info.family), layout,
                                 [0] * n, (0, n), {}, block_size=int(eng.llm.llm_engine.vllm_config.cache_config.block_size))
         self._cap.follow("first", None)  # the first request of the first forward pass in the block
         self._records = None

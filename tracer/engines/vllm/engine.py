@@ -256,15 +256,7 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
     while len(_ENGINES) >= MAX_ENGINES:  # drop the least recently used LLM (its KV cache and weights)
-        _key, old = _ENGINES.popitem(last=False)
-        shutdown = getattr(old.llm.llm_engine.engine_core, "shutdown", None)
-        if callable(shutdown):
-            with environment.quiet("shutting down an LLM"):
-                shutdown()
-        del old
-        import gc
-
-        gc.collect()
+        _release(_ENGINES.popitem(last=False)[1])
     if say is not None:
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
             f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
@@ -286,6 +278,27 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     engine.log = str(log) if log is not None else None
     _ENGINES[key] = engine
     return engine
+
+
+def _release(old: VllmEngine) -> None:
+    """Free one LLM's engine core (its executor, KV cache and weights) without vLLM's teardown of
+    the process-wide distributed state (``EngineCore.shutdown`` ends with it), which the other LLMs
+    of this process still use: after it they fail with "pipeline model parallel group is not
+    initialized"."""
+    import gc
+
+    core = getattr(old.llm.llm_engine.engine_core, "engine_core", None)
+    steps = [getattr(getattr(core, "structured_output_manager", None), "clear_backend", None),
+             getattr(getattr(core, "model_executor", None), "shutdown", None),
+             getattr(getattr(core, "scheduler", None), "shutdown", None)]
+    with environment.quiet("releasing an LLM"):
+        for step in steps:
+            if callable(step):
+                with contextlib.suppress(Exception):
+                    step()
+    del old, core, steps
+    gc.unfreeze()  # vLLM froze its start-up objects: collectable again
+    gc.collect()
 
 
 def platform() -> str:
@@ -327,6 +340,15 @@ def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] 
 
 
 _LAYOUTS: dict[tuple, RefLayout] = {}
+_MAPS: dict[str, dict[str, Any]] = {}
+
+
+def engine_map(family: str) -> dict[str, Any]:
+    """The vLLM engine map of a model family (:func:`tracer.engines.dumps.rules.load_engine_map`),
+    read once per process (a run's capture compiles its rules once per map object)."""
+    if family not in _MAPS:
+        _MAPS[family] = load_engine_map(family, engine="vllm")
+    return _MAPS[family]
 
 
 def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], window: tuple[int, int]) -> RefLayout:
@@ -371,12 +393,15 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
         plan: the run plan (see the module docstring for what vLLM is asked to do).
         points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
         window: the compared positions ``(start, stop)``.
-        keep_on_device: accepted for the seam; vLLM's captures are copied to the host.
+        keep_on_device: leave the captures on vLLM's device (the comparison runs there); else
+            they are copied to the host once, after the run.
         decode: greedy-decode this many tokens in the traced request (not captured;
             ``meta["decode_tokens"]``).
         meta: merged into the run's meta.
         say: progress messages.
-        kernels, sdpa_inputs: not available with vLLM (refused when True).
+        kernels: record which kernels each capture point's vLLM module ran, step by step
+            (:mod:`tracer.engines.vllm.kernels`; ``calls[k]["kernels"]``).
+        sdpa_inputs: not available with vLLM (refused when True).
         engine_options: ``{"settings": VllmSettings or its fields as a dict, "chunks":
             "auto" | "prefix-cache" | "chunked"}``.
 
@@ -406,7 +431,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                           f"{eng.kwargs['max_model_len']} (the model's positions, or the prompt's length rounded up to "
                           "1024 tokens); use fewer --decode tokens or a shorter prompt")
     plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
-    emap = load_engine_map(loaded.info.family, engine="vllm")
+    emap = engine_map(loaded.info.family)
     ref = ref_layout(loaded, points, token_ids, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     requests: list[dict[str, Any]] = []

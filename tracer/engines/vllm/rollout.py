@@ -25,12 +25,11 @@ from typing import Any, Callable
 import torch
 
 from tracer.errors import TracerError
-from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.engine import engine_for, ref_layout, vllm
+from tracer.engines.vllm.engine import engine_for, engine_map, ref_layout, vllm
 from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
 
@@ -89,7 +88,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     placeholder = list(token_ids) + [0] * t  # the response is known once vLLM has sampled it
     ref = ref_layout(loaded, points, placeholder, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
-    emap = load_engine_map(loaded.info.family, engine="vllm")
+    emap = engine_map(loaded.info.family)
     cap = VllmCapture(eng.model, eng.runner, emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1,
                       block_size=eng.kwargs["block_size"])
     eng.reset_prefix_cache()
