@@ -26,7 +26,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable
+from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable, takers
 from tracer.errors import TracerError
 from tracer.plan.hierarchy import ALIGNED_SOURCE
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
@@ -81,7 +81,9 @@ class ScenarioConfig:
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
     scenario's own default applies (its engine's: :func:`tracer.engines.table.default`). ``engine``:
-    who executes both plans (None: the reference; :mod:`tracer.engines.table`).
+    who executes both plans (None: the reference; :mod:`tracer.engines.table`); ``attention_backend``
+    and ``batch_invariant``: engine options, set in the plans of the engines that take them
+    (:data:`tracer.engines.table.ENGINE_OPTIONS`).
     """
 
     name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
@@ -90,11 +92,13 @@ class ScenarioConfig:
     mitigation: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
     engine: str | None = None
+    attention_backend: str | None = None
+    batch_invariant: bool | None = None
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`tracer.plan.build.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
-        for k in ("block_size", "split_at", "mitigation", "engine"):
+        for k in ("block_size", "split_at", "mitigation", "engine", "attention_backend", "batch_invariant"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -289,7 +293,14 @@ _HELP = {
     "mitigation": f"aligned (prefix-cache: the cache-miss run also splits at P, {ALIGNED_SOURCE}) or deterministic "
                   "(torch deterministic algorithms, TF32 off)",
     "engine": help_line(),
-    "engines": f"engine: run A's and run B's engine, e.g. {','.join(selectable()[:2])} (default)",
+    "engines": f"engine: run A's and run B's engine, e.g. {','.join(selectable()[:2])} (default); NAME:BACKEND names "
+               f"an engine's attention backend ({', '.join(takers('attention_backend'))}), e.g. "
+               f"{next(iter(takers('attention_backend')), 'NAME')}:TRITON_ATTN, so that two backends can be compared",
+    "attention_backend": f"{'/'.join(takers('attention_backend'))}: the engine's attention backend by name, e.g. "
+                         "TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN, FLASHINFER, CPU_ATTN (default: the engine's own "
+                         "choice); recorded in the numeric contract",
+    "batch_invariant": f"{'/'.join(takers('batch_invariant'))}: the engine's batch-invariant mode (set before the "
+                       "engine starts; CUDA, ROCm, XPU); once on, on for the whole process",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
                  "(locates a divergence born in the cached-prefix pass)",
@@ -402,7 +413,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
-    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),
+    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine",
+              "attention_backend", "batch_invariant"),
     "compare": ("atol", "rtol", "fail_on", "temperature", "is_cap", "mask_threshold"),
 }
 

@@ -24,13 +24,15 @@ from tracer.engines.table import is_reference, rows
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.diff.positions import one_device
 from tracer.diff.result import SkipRecord
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import EngineFacts, RunRecord
 
 #: the contract fields compared between two engines, the label a difference is named by, and what
 #: the field's 0 means (an engine without paged blocks or a per-step token budget), or None
-CONTRACT = (("attention_backend", "attention backend", None), ("norm", "norm implementation", None),
+CONTRACT = (("device", "device", None), ("attention_backend", "attention backend", None),
+            ("batch_invariant", "batch-invariant mode", None), ("norm", "norm implementation", None),
             ("activation", "activation", None), ("gemm", "GEMM", None), ("activation_dtype", "activation dtype", None),
             ("logits_dtype", "logits dtype", None), ("kv_cache_dtype", "KV-cache dtype", None),
             ("block_size", "KV block size", "none (a contiguous KV cache)"),
@@ -53,6 +55,13 @@ def _short(v: Any, zero: str | None = None) -> str:
     return str(v)
 
 
+def _norm(key: str, value: Any) -> Any:
+    """A contract value as compared: devices by type and index (``cuda`` is ``cuda:0``)."""
+    if key == "device" and isinstance(value, str) and value in ("cuda", "xpu", "mps"):
+        return f"{value}:0"
+    return value
+
+
 def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[str, Any]) -> dict[str, Any]:
     """The facts of two engine runs: ``engine_a``/``engine_b`` (each run's contract, an
     :class:`~tracer.execute.records.EngineFacts` document), ``engine_differences`` (label →
@@ -67,13 +76,16 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     diffs = {}
     for key, label, zero in CONTRACT:
         va, vb = getattr(fa, key), getattr(fb, key)
-        if va is not None and vb is not None and va != vb and (same or key != "version"):
+        if va is not None and vb is not None and _norm(key, va) != _norm(key, vb) and (same or key != "version"):
             diffs[label] = [_short(va, zero), _short(vb, zero)]
     out["engine_differences"] = diffs
-    notes = [f"engine {run}: {_product(f.engine)} {f.version}, attention {f.attention_backend}, "
+    notes = [f"engine {run}: {_product(f.engine)} {f.version} on {f.device}"
+             + (f" ({f.device_name})" if f.device_name else "")
+             + f", attention {f.attention_backend}, "
              f"{f.activation_dtype} activations, logits {f.logits_dtype}, KV cache {f.kv_cache_dtype}"
              + (f" in blocks of {f.block_size}" if f.block_size else "")
              + ("" if is_reference(f.engine) else f", compilation mode {f.compilation_mode}, CUDA graphs {f.cudagraph_mode}")
+             + (", batch-invariant mode" if f.batch_invariant else "")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
@@ -135,8 +147,7 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
         notes.append(f"{name} (logits): no compared position has logits in both runs (run {c.run_a} at "
                      f"{sorted(rows_a[name])}, run {c.run_b} at {sorted(rows_b[name])}); logits not compared")
         return replace(c, facts={**facts, "notes": notes})
-    ta = torch.stack([rows_a[name][p] for p in common])
-    tb = torch.stack([rows_b[name][p] for p in common]).to(ta.device)
+    ta, tb = one_device(torch.stack([rows_a[name][p] for p in common]), torch.stack([rows_b[name][p] for p in common]))
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()

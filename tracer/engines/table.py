@@ -22,6 +22,9 @@ chosen_by    how a run picks it: ``--engine`` (a plan's ``engine``), or ``--tp-m
 deterministic  None when torch's deterministic algorithms reach its kernels, else why not
 objects      ``(package, attribute)``: a user's engine object ``tracer.capture(obj)`` accepts (its
              class from that package, with that attribute), or None
+options      the engine options it takes (:data:`ENGINE_OPTIONS`: ``--attention-backend``,
+             ``--batch-invariant``), set in each of its plans' ``engine_settings``; one that takes
+             ``attention_backend`` also takes ``--engines NAME:BACKEND``
 builds_on    the engine whose folder this one's imports (real TP runs the HF engine's forward on
              each rank), or None: no other folder imports an engine's, only the door
 ===========  ==================================================================================
@@ -40,6 +43,9 @@ from tracer.errors import TracerError
 
 #: the roles a run plan plays: a plain run, or one side of an RL step (``RunPlan.rl.role``)
 ROLES = ("run", "rollout", "train")
+#: engine options: flat options of a run that an engine takes into each of its plans' ``engine_settings``
+#: (an attention backend by name; the engine's batch-invariant mode); a row's ``options`` names those it takes
+ENGINE_OPTIONS = ("attention_backend", "batch_invariant")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class EngineRow:
     chosen_by: str = "--engine"
     deterministic: str | None = None
     objects: tuple[str, str] | None = None
+    options: tuple[str, ...] = ()
     builds_on: str | None = None
 
     def __post_init__(self) -> None:
@@ -75,9 +82,9 @@ ENGINES: tuple[EngineRow, ...] = (
               defaults={"block_size": 32, "block_sizes": (32, 64)},  # its CPU attention: blocks of a multiple of 32
               scenarios=("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train"),
               roles=("run", "rollout"),
-              deterministic="torch's deterministic algorithms do not reach its kernels, and its batch-invariant mode "
-                            "(VLLM_BATCH_INVARIANT=1) replaces matmuls on GPUs only",
-              objects=("vllm", "llm_engine")),
+              deterministic="torch's deterministic algorithms do not reach its kernels; its own batch-invariant mode "
+                            "(VLLM_BATCH_INVARIANT=1, on GPUs only) is --batch-invariant",
+              objects=("vllm", "llm_engine"), options=ENGINE_OPTIONS),
 )
 
 #: the reference engine's name: what a plan that names no engine runs on
@@ -145,6 +152,11 @@ def check_engine(engine: str | None, option: str = "--engine", installed: bool =
     return r.name
 
 
+def takers(option: str) -> tuple[str, ...]:
+    """The engines that take engine option ``option`` (:data:`ENGINE_OPTIONS`; a row's ``options``)."""
+    return tuple(r.name for r in ENGINES if option in r.options)
+
+
 def help_line() -> str:
     """The ``--engine`` help: each engine chosen by it, with its label and how to install its package."""
     parts = [f"{r.name}, {r.label}" + (" (the default)" if r.name == REFERENCE else "")
@@ -152,5 +164,5 @@ def help_line() -> str:
     return "who executes both runs: " + "; ".join(parts)
 
 
-__all__ = ["ROLES", "EngineRow", "ENGINES", "REFERENCE", "rows", "name_of", "is_reference", "row", "selectable",
+__all__ = ["ROLES", "ENGINE_OPTIONS", "takers", "EngineRow", "ENGINES", "REFERENCE", "rows", "name_of", "is_reference", "row", "selectable",
            "default", "check_engine", "help_line"]
