@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # vLLM on the H200: the GPU part of the vLLM tests and the GPU table of the README's "With vLLM".
 #
-# Usage (repo root, after `. /tmp/vllm-env.sh` of ../shared/GPU.md's recipe):
+# Usage (repo root, after `. /tmp/vllm-env.sh` of ../shared/GPU.md's recipe), MODE first or after OUT:
+#   scripts/vllm-h200.sh quick [OUT]  # OUT defaults to $OUT/vllm-h200-MODE ($OUT: the device's folder that
+#                                     #   comes back), else ./vllm-h200-MODE
 #   scripts/vllm-h200.sh OUT quick    # <= 4 min: the GPU tests, a prefix-cache hit vs miss at N = 1024 under
 #                                     #   vLLM's default model runner (V2) and under VLLM_USE_V2_MODEL_RUNNER=0,
 #                                     #   and --scenario engine (HF vs vLLM, both on the GPU)
@@ -19,8 +21,11 @@
 # VLLM_H200_BACKEND to change it): the recipe's trimmed vLLM has no FlashAttention, and tracer does
 # not rely on the recipe's stand-in choosing one.
 set -uo pipefail
-out=${1:?usage: scripts/vllm-h200.sh OUT quick|full|dry}
-mode=${2:-quick}
+case "${1:-}" in
+  quick|full|dry) mode=$1; out=${2:-${OUT:-.}/vllm-h200-$1} ;;
+  "") echo "usage: scripts/vllm-h200.sh quick|full|dry [OUT]  (or OUT MODE)" >&2; exit 2 ;;
+  *) out=$1; mode=${2:-quick} ;;
+esac
 device=${DEVICE:-cuda}
 scale=${LIMIT_SCALE:-$([ "$device" = cpu ] && echo 10 || echo 1)}  # the CPU check runs slower: longer limits
 export VLLM_H200_ROW_LIMIT=$(( 150 * scale ))

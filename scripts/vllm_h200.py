@@ -44,7 +44,7 @@ def rows_for(group: str, gpu: bool) -> list[dict[str, Any]]:
     s = "smollm2-135m"
     q = "qwen3-0.6b-shape" if gpu else s  # on the CPU (checking the script) SmolLM2 stands in for the larger shape
     n1, n4, nsmall = (1024, 4096, 1000) if gpu else (96, 160, 72)
-    split = n1 // 2
+    split = n1 // 2 // 32 * 32  # a multiple of the KV block (32)
     hit = dict(scenario="prefix-cache", engine="vllm")
     if group in ("quick-v2", "quick-v1"):
         rows = [dict(name=f"hit-{n1}", model=q, opts=dict(hit, length=n1))]
