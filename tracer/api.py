@@ -30,6 +30,7 @@ from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep,
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
 from tracer.diff.refs import as_record, is_ref, stored_ref
 from tracer.engines.table import check_engine, default, is_reference
+from tracer.plan.engines import check_engine_options
 from tracer.errors import TracerError
 from tracer.load.recipes import list_models
 from tracer.run_result import RunResult as _RunResult
@@ -402,8 +403,9 @@ def options(topic: str | None = None) -> dict[str, dict[str, Any]]:
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16", device: str | None = None,
           gguf: str | None = None, granularity: str = "layers", kv_cache: bool = True, block_size: int | None = None,
-          scenario: str = "prefix-cache", engine: str | None = None, reps: int = 5, warmup: int = 1,
-          outdir: str | None = None, peers: bool = True,
+          scenario: str = "prefix-cache", engine: str | None = None, attention_backend: str | None = None,
+          batch_invariant: bool | None = None, reps: int = 5, warmup: int = 1, outdir: str | None = None,
+          peers: bool = True,
           progress: Callable[[str], None] | None = None) -> BenchResult | EngineBenchResult:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison (:mod:`tracer.loops.bench`).
@@ -413,8 +415,12 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         scenario: a scenario whose plans are plain forward calls: prefix-cache (default), repeat,
             block-size or chunked-prefill (the reference engine; another engine benches prefix-cache).
         engine: the reference (default), or another engine of :mod:`tracer.engines.table`: the capture
-            overhead inside it as a ratio to its own bare run (prefix-cache, one process, interleaved;
-            :mod:`tracer.loops.bench_engine`).
+            overhead inside it as a ratio to its own bare run (prefix-cache, one process, interleaved:
+            the engine bench).
+        attention_backend: the engine's attention backend by name (an engine option; default: the
+            engine's own choice).
+        batch_invariant: also measure every mode with the engine's batch-invariant mode on,
+            afterwards in the same process (``bare_bi_over_bare``: what the mode costs).
         reps: measured repetitions of each mode.
         warmup: unmeasured repetitions first.
         outdir: folder for the trace and raw I/O files (default: a temp dir).
@@ -429,21 +435,25 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
 
     Raises:
         TracerError: bad options (as :func:`run`); a peer whose per-layer differing counts are not
-            tracer's; another engine not installed, or with ``device``/``outdir``.
+            tracer's; another engine not installed, or with ``outdir``; an engine option the engine does
+            not take.
     """
     if reps < 1 or warmup < 0:
         raise TracerError("--reps must be ≥ 1 and --warmup ≥ 0")
     if not is_reference(engine):
         check_engine(engine)
-        if device is not None or outdir is not None:
-            raise TracerError(f"--device and --outdir do not apply to --engine {engine} (it runs on its own device and "
-                              "the bench writes no file)")
+        if outdir is not None:
+            raise TracerError(f"--outdir does not apply to --engine {engine} (the bench writes no file)")
         if scenario != "prefix-cache":
             raise TracerError(f"--engine {engine} benches the prefix-cache scenario; drop --scenario")
         from tracer.loops.bench_engine import bench_engine
 
         return bench_engine(model, engine=engine, length=length, dtype=dtype, gguf=gguf, granularity=granularity,
-                            kv_cache=kv_cache, block_size=block_size, reps=reps, warmup=warmup, progress=progress)
+                            kv_cache=kv_cache, block_size=block_size, reps=reps, warmup=warmup, device=device,
+                            attention_backend=attention_backend, batch_invariant=bool(batch_invariant),
+                            progress=progress)
+    check_engine_options(engine, "prefix-cache", {"attention_backend": attention_backend,
+                                                  "batch_invariant": batch_invariant})
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.dtypes import ALIASES, FLOATS
-from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable
+from tracer.engines.table import ENGINES, REFERENCE, default, help_line, selectable, takers
 from tracer.errors import TracerError
 from tracer.plan.hierarchy import ALIGNED_SOURCE
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
@@ -82,7 +82,9 @@ class ScenarioConfig:
 
     ``block_size``, ``split_at`` and every entry of ``options`` are None-or-absent when unset: the
     scenario's own default applies (its engine's: :func:`tracer.engines.table.default`). ``engine``:
-    who executes both plans (None: the reference; :mod:`tracer.engines.table`).
+    who executes both plans (None: the reference; :mod:`tracer.engines.table`); ``attention_backend``
+    and ``batch_invariant``: engine options, set in the plans of the engines that take them
+    (:data:`tracer.engines.table.ENGINE_OPTIONS`).
     """
 
     name: str | Scenario | Callable[[int], Scenario] = "prefix-cache"
@@ -91,11 +93,13 @@ class ScenarioConfig:
     mitigation: str | None = None
     options: tuple[tuple[str, Any], ...] = ()
     engine: str | None = None
+    attention_backend: str | None = None
+    batch_invariant: bool | None = None
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of :func:`tracer.plan.build.build` (unset ones left out)."""
         out = {k: v for k, v in self.options if v is not None}
-        for k in ("block_size", "split_at", "mitigation", "engine"):
+        for k in ("block_size", "split_at", "mitigation", "engine", "attention_backend", "batch_invariant"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
@@ -293,7 +297,14 @@ _HELP = {
     "mitigation": f"aligned (prefix-cache: the cache-miss run also splits at P, {ALIGNED_SOURCE}) or deterministic "
                   "(torch deterministic algorithms, TF32 off)",
     "engine": help_line(),
-    "engines": f"engine: run A's and run B's engine, e.g. {','.join(selectable()[:2])} (default)",
+    "engines": f"engine: run A's and run B's engine, e.g. {','.join(selectable()[:2])} (default); NAME:BACKEND names "
+               f"an engine's attention backend ({', '.join(takers('attention_backend'))}), e.g. "
+               f"{next(iter(takers('attention_backend')), 'NAME')}:TRITON_ATTN, so that two backends can be compared",
+    "attention_backend": f"{'/'.join(takers('attention_backend'))}: the engine's attention backend by name, e.g. "
+                         "TRITON_ATTN, FLEX_ATTENTION, FLASH_ATTN, FLASHINFER, CPU_ATTN (default: the engine's own "
+                         "choice); recorded in the numeric contract",
+    "batch_invariant": f"{'/'.join(takers('batch_invariant'))}: the engine's batch-invariant mode (set before the "
+                       "engine starts; CUDA, ROCm, XPU); once on, on for the whole process",
     "granularity": "layers (residual stream) or sublayers (norms, attention, MLP, every Linear)",
     "positions": "window: compare the positions both runs computed last (P..N-1); all: every position 0..N-1 "
                  "(locates a divergence born in the cached-prefix pass)",
@@ -365,7 +376,7 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "capture": ("Capture", ("kv_cache", "kernels", "cuda_graphs")),
     "storage": ("Storage", ("store", "max_trace_size", "compression")),
     "model": ("Model loading", ("attn", "gguf", "device_map", "max_memory", "chat", "token_ids", "token_ids_file")),
-    "engines": ("Engines", ("engine", "engines")),
+    "engines": ("Engines", ("engine", "engines", "attention_backend", "batch_invariant")),
     "rl": ("RL: rollout-vs-train", ("rollouts", "sample", "temperature", "seed", "train_batching", "train_attn",
                                     "lm_head_fp32", "train_dtype", "is_cap", "mask_threshold", "mitigations")),
     "tp": ("Tensor parallel", ("tp", "reduce", "reduce_dtype", "tp_mode", "tp_partials", "tp_vocab_parallel")),
@@ -389,7 +400,9 @@ _BRIEF = {
     "split_at": "cached prefix length P, overriding --block-size",
     "mitigation": "aligned or deterministic",
     "engine": f"who runs both: {' or '.join(selectable())} (default {REFERENCE}; tracer help engines)",
-    "engines": f"engine: run A's and B's, e.g. {','.join(selectable()[:2])}",
+    "engines": f"engine: run A's and B's, e.g. {','.join(selectable()[:2])}; NAME:BACKEND",
+    "attention_backend": f"{'/'.join(takers('attention_backend'))}: attention backend, e.g. TRITON_ATTN",
+    "batch_invariant": f"{'/'.join(takers('batch_invariant'))}: batch-invariant mode (GPUs)",
     "granularity": "layers (default) or sublayers (every op)",
     "positions": "window (default: P..N-1) or all",
     "kv_cache": "capture each layer's KV cache (default on)",
@@ -512,7 +525,8 @@ COMMAND_OPTIONS: dict[str, tuple[str, ...]] = {
               "overwrite", "batch_size", "batch_row", "new_tokens", "block_sizes", "chunk_size", "tp", "attn_a", "attn_b"),
     "sweep": (*_MODEL[:5], *_PROMPT[:5], "scenario", "block_size", "mitigation", "engine", "granularity", "kv_cache", "store",
               "output", "overwrite", *(k for k, o in OPTIONS.items() if o.group == "scenario_options" and k not in _SWEEP_LEAVES)),
-    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine"),
+    "bench": ("model", "length", "dtype", "device", "gguf", "granularity", "kv_cache", "block_size", "engine",
+              "attention_backend", "batch_invariant"),
     "compare": ("atol", "rtol", "fail_on", "temperature", "is_cap", "mask_threshold"),
 }
 

@@ -37,6 +37,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
                                     check_scenario_values)
     from tracer.engines.door import realise
     from tracer.engines.table import REFERENCE, check_engine, is_reference
+    from tracer.plan.engines import check_engine_options
     from tracer.plan.build import check_resources, preview
     from tracer.plan.checks import own_params
     from tracer.plan.rollout import check_rl_run
@@ -70,6 +71,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
     check_mitigation(s.mitigation)
     check_engine(s.engine, installed=False)
+    check_engine_options(s.engine, s.name, s.params())
     if ch.verdict and (not is_reference(s.engine) or s.name == "engine"):
         raise TracerError("--verdict re-runs the HF model at float32 and float64; another engine loads its own weights "
                           f"and is not re-run: drop --verdict, or use --engine {REFERENCE}")

@@ -3,6 +3,8 @@ one by one and pairs batched together (small pairs share one concatenated reduct
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -51,3 +53,51 @@ def test_position_stats_match_numpy(monkeypatch, small):
         mx, nd = _oracle(a, b)
         assert r["n_diff"][k] == nd, name
         assert r["max_abs_diff"][k] == pytest.approx(mx, rel=0, abs=0), name
+
+
+def test_one_device_moves_the_host_side_to_the_accelerator():
+    """Two runs on two devices are compared on one: the accelerator's (here the ``meta`` device
+    stands for it; no data moves); runs on one device are left where they are."""
+    a, b = torch.zeros(2, 3), torch.ones(2, 3)
+    assert positions.one_device(a, b)[0] is a and positions.one_device(a, b)[1] is b
+    for x, y in ((a, b.to("meta")), (a.to("meta"), b)):
+        xa, yb = positions.one_device(x, y)
+        assert xa.device.type == yb.device.type == "meta" and xa.shape == yb.shape == (2, 3)
+
+
+def test_every_comparison_entry_point_puts_both_sides_on_one_device(monkeypatch):
+    """Every function that reads both runs' tensors with one kernel goes through one_device with
+    that pair: the per-point comparison (records), the per-position statistics (whole pairs and row
+    blocks), the logits where an engine sampled, and the RL metrics' logits. A GPU run against a
+    CPU run then never reaches a kernel with two devices (the crash of HF vs vLLM on CUDA)."""
+    from tracer.diff import compare as compare_mod, engine as engine_mod, rl as rl_mod
+    from tests.helpers import planted_pair
+
+    seen: list[str] = []
+    real = positions.one_device
+
+    def spy(x, y):
+        seen.append(sys._getframe(1).f_code.co_name)
+        return real(x, y)
+
+    for mod in (positions, compare_mod, engine_mod, rl_mod):
+        monkeypatch.setattr(mod, "one_device", spy)
+    a, b, _ = planted_pair()
+    compare_mod.compare_records(a, b, scenario="s", model="m")
+    assert {"compare_pairs", "add", "position_reduce"} <= set(seen)
+    seen.clear()
+    stats = PositionStats((0, 2))
+    rows = stats.rows("x", "layer", (2, 4), torch.float32)
+    rows.add(0, torch.zeros(2, 4), torch.ones(2, 4))
+    assert "add" in seen
+    seen.clear()
+    a.extras["partial_logits"] = {"head": ([3], a.captures.pop("head").tensor[1:])}
+    b.extras["partial_logits"] = {"head": ([3], b.captures.pop("head").tensor[1:])}
+    c = compare_mod.compare_records(a, b, scenario="s", model="m")
+    engine_mod.sampled_logits(c, a, b)
+    assert "sampled_logits" in seen
+    seen.clear()
+    logits = torch.randn(1, 2, 5)
+    rl_mod.rl_metrics([[1, 2]], [[-1.0, -2.0]], [[-1.0, -2.0]], tau=1.0, sample=False, row=0, is_cap=2.0,
+                      mask_threshold=2.0, logits_a=logits, logits_b=logits.clone())
+    assert "rl_metrics" in seen

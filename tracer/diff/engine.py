@@ -26,13 +26,15 @@ from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import amplification
 from tracer.diff.origins import classify_origins
+from tracer.diff.positions import one_device
 from tracer.diff.result import SkipRecord
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import EngineFacts, RunRecord
 
 #: the contract fields compared between two engines, the label a difference is named by, and what
 #: the field's 0 means (an engine without paged blocks or a per-step token budget), or None
-CONTRACT = (("attention_backend", "attention backend", None), ("norm", "norm implementation", None),
+CONTRACT = (("device", "device", None), ("attention_backend", "attention backend", None),
+            ("batch_invariant", "batch-invariant mode", None), ("norm", "norm implementation", None),
             ("activation", "activation", None), ("gemm", "GEMM", None), ("activation_dtype", "activation dtype", None),
             ("logits_dtype", "logits dtype", None), ("kv_cache_dtype", "KV-cache dtype", None),
             ("block_size", "KV block size", "none (a contiguous KV cache)"),
@@ -55,6 +57,13 @@ def _short(v: Any, zero: str | None = None) -> str:
     return str(v)
 
 
+def _norm(key: str, value: Any) -> Any:
+    """A contract value as compared: devices by type and index (``cuda`` is ``cuda:0``)."""
+    if key == "device" and isinstance(value, str) and value in ("cuda", "xpu", "mps"):
+        return f"{value}:0"
+    return value
+
+
 def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[str, Any]) -> dict[str, Any]:
     """The facts of two engine runs: ``engine_a``/``engine_b`` (each run's contract, an
     :class:`~tracer.execute.records.EngineFacts` document), ``engine_differences`` (label →
@@ -66,17 +75,22 @@ def engine_facts(run_a: str, meta_a: dict[str, Any], run_b: str, meta_b: dict[st
     fa, fb = EngineFacts.from_dict(meta_a["engine"]), EngineFacts.from_dict(meta_b["engine"])
     out: dict[str, Any] = {"engine_a": fa.to_dict(), "engine_b": fb.to_dict()}
     same = fa.engine == fb.engine  # versions compare within one engine only
-    shown = {label: (_short(getattr(fa, key), zero), _short(getattr(fb, key), zero)) for key, label, zero in CONTRACT
+    shown = {label: (_short(getattr(fa, key), zero), _short(getattr(fb, key), zero), _norm(key, getattr(fa, key)),
+                     _norm(key, getattr(fb, key))) for key, label, zero in CONTRACT
              if getattr(fa, key) is not None and getattr(fb, key) is not None and (same or key != "version")}
-    diffs = {label: [va, vb] for label, (va, vb) in shown.items() if va != vb}  # compared as shown: one GEMM per Linear is one
+    # compared as shown (one GEMM for every Linear is one), and as the same device (cuda is cuda:0)
+    diffs = {label: [va, vb] for label, (va, vb, na, nb) in shown.items() if va != vb and na != nb}
     out["engine_differences"] = diffs
-    notes = [f"engine {run}: {_product(f.engine)} {f.version}, attention {f.attention_backend}, "
+    notes = [f"engine {run}: {_product(f.engine)} {f.version} on {f.device}"
+             + (f" ({f.device_name})" if f.device_name else "")
+             + f", attention {f.attention_backend}, "
              f"{f.activation_dtype} activations, logits {f.logits_dtype}, KV cache {f.kv_cache_dtype}"
              + (f" in blocks of {f.block_size}" if f.block_size else "")
              + ("" if is_reference(f.engine) else f", compilation mode {f.compilation_mode}, CUDA graphs {f.cudagraph_mode}")
+             + (", batch-invariant mode" if f.batch_invariant else "")
              for run, f in ((run_a, fa), (run_b, fb))]
     notes += [f"engines differ in {label}: {run_a} {va} | {run_b} {vb}" for label, (va, vb) in diffs.items()]
-    agree = [f"{label} ({va})" for label, (va, vb) in shown.items() if va == vb]
+    agree = [f"{label} ({va})" for label, (va, vb, na, nb) in shown.items() if label not in diffs]
     if agree:
         notes.append(f"same in both engines: {'; '.join(agree)}")
     for run, meta, key in ((run_a, meta_a, "cached_tokens_a"), (run_b, meta_b, "cached_tokens_b")):
@@ -138,8 +152,7 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
         notes.append(f"{name} (logits): no compared position has logits in both runs (run {c.run_a} at "
                      f"{sorted(rows_a[name])}, run {c.run_b} at {sorted(rows_b[name])}); logits not compared")
         return replace(c, facts={**facts, "notes": notes})
-    ta = torch.stack([rows_a[name][p] for p in common])
-    tb = torch.stack([rows_b[name][p] for p in common]).to(ta.device)
+    ta, tb = one_device(torch.stack([rows_a[name][p] for p in common]), torch.stack([rows_b[name][p] for p in common]))
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()

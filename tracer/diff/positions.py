@@ -28,6 +28,16 @@ _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.floa
              torch.float64: torch.int64}
 
 
+def one_device(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` on one device, for every kernel that reads both: where they are when they
+    share one; else the accelerator's (a GPU run against a CPU run is compared on the GPU: the
+    CPU side is the one copied); two different accelerators: ``a``'s."""
+    if a.device == b.device:
+        return a, b
+    dev = a.device if a.device.type != "cpu" else b.device
+    return a.to(dev), b.to(dev)
+
+
 def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row (first axis): max |a − b| over the differing elements and the differing count.
 
@@ -40,6 +50,7 @@ def position_reduce(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, tor
         counts ``inf``. The difference is taken in float32 for 16-bit dtypes (exact up to an
         exponent gap of 16 between the two values; a relative 2⁻²⁴ beyond) and float64 otherwise.
     """
+    a, b = one_device(a, b)
     t = a.shape[0] if a.dim() else 1
     a2, b2 = a.reshape(t, -1), b.reshape(t, -1)
     work = torch.float32 if a.element_size() == 2 else torch.float64
@@ -115,6 +126,7 @@ class PositionStats:
         t = self.stop - self.start
         if a.dim() == 0 or a.shape != b.shape or a.dtype not in _INT_VIEW or a.numel() == 0:
             return
+        a, b = one_device(a, b)
         if a.shape[0] != t:
             if a.shape[0] != self.stop:
                 return
@@ -216,6 +228,7 @@ class RowStats:
 
     def add(self, row0: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Rows ``row0 .. row0 + len(a)`` of the pair (``(rows, *feature)`` each)."""
+        a, b = one_device(a, b)
         t = self.stats.stop - self.stats.start
         if self.mx is None:
             self.mx = torch.zeros(t, dtype=torch.float64, device=a.device)

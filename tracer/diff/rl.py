@@ -38,6 +38,7 @@ import torch
 from numpy.typing import ArrayLike
 
 from tracer import schema
+from tracer.diff.positions import one_device
 from tracer.dtypes import INT_VIEW
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -258,6 +259,7 @@ def rl_metrics(tokens: ArrayLike, logp_a: ArrayLike, logp_b: ArrayLike, *, tau: 
     ppl_b = float(np.mean(np.exp(-lb.astype(np.float64).mean(axis=1))))
     kl = flips = first = None
     if logits_a is not None and logits_b is not None:
+        logits_a, logits_b = one_device(logits_a, logits_b)  # a GPU rollout against a CPU trainer
         kl = vocab_kl(logits_a, logits_b, tau).numpy()
         flip = (logits_a.to(torch.float64).argmax(-1) != logits_b.to(torch.float64).argmax(-1)).cpu()
         flips = int(flip.sum())

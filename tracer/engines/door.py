@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.engines.table import ENGINES, REFERENCE, is_reference, name_of, row, rows, selectable
 from tracer.errors import TracerError
+from tracer.plan.engines import with_engine_options
 
 if TYPE_CHECKING:
     from tracer.engines.base import Engine
@@ -148,7 +149,9 @@ def execute_plan(loaded: LoadedModel, token_ids: list[int], plan: RunPlan, point
 def realise(scen: Scenario, name: str | None) -> Scenario:
     """``scen`` with both plans executed by engine ``name`` (None: the reference, ``scen`` unchanged;
     ``rollout-vs-train``: run A only); the ``engine`` scenario's plans, which name their own engines,
-    each realised by its engine.
+    each realised by its engine. The engine options in ``scen.params`` (``--attention-backend``,
+    ``--batch-invariant``) are then set in the settings of every plan whose engine takes them
+    (:func:`tracer.plan.engines.with_engine_options`).
 
     Raises:
         TracerError: an unknown engine, a scenario outside its row's ``scenarios``, a mitigation it
@@ -160,7 +163,7 @@ def realise(scen: Scenario, name: str | None) -> Scenario:
                               f"engines; use --engines A,B (e.g. --engines {','.join(selectable()[:2])})")
         for e in dict.fromkeys(p.engine for p in (scen.plan_a, scen.plan_b) if not is_reference(p.engine)):
             scen = engine(e).realise(scen)
-        return scen
+        return with_engine_options(scen, scen.params)
     if is_reference(name):
         return scen
     r = row(name)
@@ -171,7 +174,7 @@ def realise(scen: Scenario, name: str | None) -> Scenario:
                             or scen.plan_b.deterministic):
         raise TracerError(f"--mitigation deterministic is not available in {r.name}: {r.deterministic}; use "
                           f"--mitigation aligned (prefix-cache) or --engine {REFERENCE}")
-    return engine(r.name).realise(scen)
+    return with_engine_options(engine(r.name).realise(scen), scen.params)
 
 
 def facts(loaded: LoadedModel, plan: RunPlan) -> dict[str, Any]:

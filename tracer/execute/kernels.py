@@ -74,7 +74,14 @@ class KernelRecorder(Hooks):
 
     Enter it after the Capture (its hooks must run after the capture's in the hook order). Costs
     the profiler's per-op overhead while active (measured in the README: a few percent on the CPU).
+
+    Attributes:
+        custom_ops: (class attribute) torch custom-op names counted as compute ops like aten's (an
+            engine's recorder sets its own namespaces: on the CPU they are its GEMM and attention
+            kernels); None: aten's only.
     """
+
+    custom_ops: re.Pattern | None = None
 
     def __init__(self, model: nn.Module, points: list[Any], capture: Any) -> None:
         self.model, self.points, self.capture = model, list(points), capture
@@ -150,7 +157,7 @@ class KernelRecorder(Hooks):
     def _collect(self) -> None:
         for node in _event_tree(self._prof):
             if node.name.startswith(_RANGE):
-                _walk_range(node, self.ranges)
+                _walk_range(node, self.ranges, self.custom_ops)
 
     def attach(self, records: dict[str, Any]) -> None:
         """Add ``kernels`` to every call of every record (in place; copies the call dicts).
@@ -173,7 +180,7 @@ class KernelRecorder(Hooks):
                     label, _ = firings.pop(i)
                     got = self.ranges.get(label, {})
                     pick = ("own_device", "own_ops") if own else ("device", "ops")
-                    new["kernels"] = {"device": _counted(got.get(pick[0])), "ops": _counted(got.get(pick[1]))}
+                    new["kernels"] = {"device": counted(got.get(pick[0])), "ops": counted(got.get(pick[1]))}
                 calls.append(new)
             rec.calls = calls
 
@@ -261,13 +268,15 @@ def _ranges_outermost(nodes: list[_Node]) -> list[_Node]:
     return out
 
 
-def _counted(c: Counter | None) -> list[dict[str, Any]]:
+def counted(c: Counter | None) -> list[dict[str, Any]]:
+    """A counter of kernel (or op) names as ``[{"name", "count"}]`` (the calls' ``kernels`` lists)."""
     return [{"name": n, "count": k} for n, k in (c or Counter()).items()]
 
 
-def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Counter]:
+def _walk_range(evt: Any, out: dict[str, dict[str, Any]], custom_ops: re.Pattern | None = None) -> tuple[Counter, Counter]:
     """Fill ``out[label]`` for ``evt`` (a tracer range) and every range nested in it; return its
-    inclusive (device kernels, ops) counters."""
+    inclusive (device kernels, ops) counters (``custom_ops``: op names counted as compute ops
+    besides aten's, :attr:`KernelRecorder.custom_ops`)."""
     dev, ops, own_dev, own_ops = Counter(), Counter(), Counter(), Counter()
 
     def visit(e: _Node, own: bool) -> None:
@@ -275,7 +284,7 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
             if child.name == _SKIP:
                 continue
             if child.name.startswith(_RANGE):
-                d, o = _walk_range(child, out)
+                d, o = _walk_range(child, out, custom_ops)
                 dev.update(d)
                 ops.update(o)
                 continue
@@ -283,10 +292,11 @@ def _walk_range(evt: Any, out: dict[str, dict[str, Any]]) -> tuple[Counter, Coun
                 dev[k] += 1
                 if own:
                     own_dev[k] += 1
-            if child.name in _TRIVIAL or not child.name.startswith("aten::"):
+            custom = bool(custom_ops is not None and custom_ops.match(child.name))
+            if child.name in _TRIVIAL or not (child.name.startswith("aten::") or custom):
                 visit(child, own)
                 continue
-            if _LEAF.match(child.name) or not any(g.name.startswith("aten::") and g.name not in _TRIVIAL
+            if custom or _LEAF.match(child.name) or not any(g.name.startswith("aten::") and g.name not in _TRIVIAL
                                                   for g in child.children):
                 ops[child.name] += 1
                 if own:

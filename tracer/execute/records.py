@@ -109,6 +109,12 @@ class EngineFacts(schema.Record):
             settings as it reports them.
         torch_threads: torch's thread count before and after the engine was built.
         sampler: what the sampler does with the logits.
+        device_name: the accelerator's product name (a GPU's), where the engine reports one.
+        attention_backend_setting: the attention backend that was asked for (``auto``: the
+            engine's own choice; ``attention_backend`` is the one that ran).
+        batch_invariant: whether the engine's batch-invariant mode was on.
+        model_runner, model_class: the engine's model runner and model classes (module.Class).
+        log: the file the engine's own output went to.
     """
 
     schema_sparse = True
@@ -140,6 +146,12 @@ class EngineFacts(schema.Record):
     torch_threads: Threads | None = None
     rotary: str | None = None
     sampler: str | None = None
+    device_name: str | None = None
+    attention_backend_setting: str | None = None
+    batch_invariant: bool | None = None
+    model_runner: str | None = None
+    model_class: str | None = None
+    log: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,7 +188,14 @@ class TracedPositions(schema.Record):
 class SchedulerStep(schema.Record):
     """One forward pass of the engine: its index, tokens (the forward's rows: every GEMM's M), requests,
     the traced positions in it, and the requests' scheduled tokens (fewer than ``tokens`` when the
-    engine pads the step, e.g. to a CUDA graph's batch size)."""
+    engine pads the step, e.g. to a CUDA graph's batch size).
+
+    Attributes:
+        boundaries: how the requests' rows were told apart (``query_start_loc``: the attention
+            metadata's; ``positions``: from the positions and KV slots), where the capture read them.
+        order: each followed request (its id) → its index among the step's requests.
+        notes: what finding the requests could not say exactly, one line each.
+    """
 
     schema_sparse = True
 
@@ -185,6 +204,9 @@ class SchedulerStep(schema.Record):
     requests: schema.Count = 1
     traced: tuple[TracedPositions, ...] = ()
     scheduled: schema.Count | None = None
+    boundaries: str | None = None
+    order: dict[str, int] | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -200,6 +222,7 @@ class SchedulerFacts(schema.Record):
         chunks: the traced prompt's positions computed in each step, ``[start, stop)``.
         mapping: HF capture name → the engine module(s) it came from, and how (split, fused).
         notes: one line each on what the mapping could not say exactly.
+        runner: the engine's model runner the steps ran in (module.Class), where it has one.
     """
 
     chunks_as: str | None = None
@@ -208,6 +231,7 @@ class SchedulerFacts(schema.Record):
     chunks: tuple[schema.Span, ...] = ()
     mapping: dict[str, str] = schema.field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    runner: str | None = None
 
 @dataclass
 class CaptureRecord:

@@ -15,7 +15,8 @@ import json
 from typing import Any
 
 from tracer.errors import TracerError
-from tracer.plan.engines import engine_defaults
+from tracer.engines.table import ENGINE_OPTIONS
+from tracer.plan.engines import engine_defaults, with_engine_options
 from tracer.plan.plans import Scenario
 from tracer.plan.scenarios import SCENARIOS, check_mitigation, with_mitigation
 
@@ -30,8 +31,10 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     ``sample``, ``temperature``, ``seed``, ``train_batching``, ``train_attn``, ``lm_head_fp32``,
     ``train_dtype``, ``is_cap``, ``mask_threshold``, ``mitigations``, ``engine``'s ``engines``) and
     ``engine`` (whose defaults, e.g. its KV block size, fill unset options; the door realises the
-    scenario on it, :func:`tracer.engines.door.realise`); each builder takes the ones it uses,
-    None means its default.
+    scenario on it, :func:`tracer.engines.door.realise`), and the engine options
+    (``attention_backend``, ``batch_invariant``: kept in the scenario's ``params``, set in the plans
+    of the engines that take them, :func:`tracer.plan.engines.with_engine_options`); each builder
+    takes the ones it uses, None means its default.
 
     Raises:
         TracerError: unknown scenario name (listing the known ones), an option the scenario does
@@ -42,6 +45,7 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
     fn = SCENARIOS[name]
     accepted = inspect.signature(fn).parameters
     engine = params.pop("engine", None)
+    engine_options = {k: params.pop(k) for k in ENGINE_OPTIONS if k in params}
     params = engine_defaults(engine, accepted, params)
     mitigation = params.get("mitigation")
     check_mitigation(mitigation)
@@ -51,7 +55,8 @@ def build(name: str, n_tokens: int, **params: Any) -> Scenario:
         raise TracerError(f"option(s) {', '.join(extra)} do not apply to scenario {name}; its options: {valid}")
     kwargs = {k: v for k, v in params.items() if k in accepted and v is not None}
     scen = fn(n_tokens, **kwargs)
-    return scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
+    scen = scen if "mitigation" in accepted else with_mitigation(scen, mitigation)
+    return with_engine_options(scen, engine_options)
 
 
 #: the scenarios built lately, by (name, N, options): a run's early check (:func:`tracer.validate.validate`,
@@ -63,6 +68,8 @@ _KEEP = 8
 def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     """A :class:`~tracer.plan.scenarios.Scenario` from a catalogue name, a Scenario, or ``f(n_tokens)``.
     A catalogue scenario is built once per (name, N, options): asked again, the same object comes back.
+    The engine options among ``options`` are kept in the scenario's ``params`` (and set in the plans of
+    the engines that take them), a user's scenario's too.
 
     Raises:
         TracerError: bad options, or a callable that does not return a Scenario.
@@ -78,7 +85,7 @@ def make_scenario(scenario: Any, n_tokens: int, options: dict[str, Any]) -> Any:
     scen = scenario(n_tokens) if callable(scenario) and not isinstance(scenario, Scenario) else scenario
     if not isinstance(scen, Scenario):
         raise TracerError(f"scenario must be a name, a Scenario or a function n_tokens -> Scenario, got {type(scen).__name__}")
-    return scen
+    return with_engine_options(scen, options)
 
 
 def check_resources(scen: Any) -> Any:

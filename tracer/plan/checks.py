@@ -13,6 +13,7 @@ from typing import Any
 
 from tracer.errors import TracerError
 from tracer.files import MAX_TOKENS
+from tracer.engines.table import ENGINE_OPTIONS
 
 #: the rules of ``--fail-on`` (None: report only)
 FAIL_ON = ("any", "flip", "tolerance")
@@ -91,7 +92,7 @@ def scenario_option_names() -> tuple[str, ...]:
     """The scenario-specific options: every keyword of a catalogue builder but the shared ones."""
     from tracer.plan.scenarios import SCENARIOS
 
-    shared = {"n_tokens", "block_size", "split_at", "mitigation", "engine"}
+    shared = {"n_tokens", "block_size", "split_at", "mitigation", "engine", *ENGINE_OPTIONS}
     names: list[str] = []
     for fn in SCENARIOS.values():
         names += [p for p in inspect.signature(fn).parameters if p not in shared and p not in names]
@@ -113,7 +114,7 @@ def own_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
     if name not in SCENARIOS:
         return params
     uses = applicable_options(name)
-    return {k: v for k, v in params.items() if k in uses or k in ("mitigation", "engine")}
+    return {k: v for k, v in params.items() if k in uses or k in ("mitigation", "engine", *ENGINE_OPTIONS)}
 
 
 def check_applicable(scen: Any) -> None:
@@ -129,6 +130,8 @@ def check_applicable(scen: Any) -> None:
         given = scen.params()
         given.pop("mitigation", None)
         given.pop("engine", None)
+        for k in ENGINE_OPTIONS:  # engine options: applied to the plans by the door (tracer.engines.door.realise)
+            given.pop(k, None)
         if given:
             raise TracerError(f"option(s) {', '.join(sorted(given))} apply to catalogue scenarios only; "
                               "build them into your own Scenario")
@@ -140,7 +143,7 @@ def check_applicable(scen: Any) -> None:
         raise TracerError(f"unknown scenario '{scen.name}'" + (f" (did you mean {close[0]}?)" if close else "")
                           + f"; use one of: {', '.join(SCENARIOS)}")
     uses = applicable_options(scen.name)
-    extra = sorted(k for k in scen.params() if k not in ("mitigation", "engine") and k not in uses)
+    extra = sorted(k for k in scen.params() if k not in ("mitigation", "engine", *ENGINE_OPTIONS) and k not in uses)
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"

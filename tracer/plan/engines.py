@@ -3,7 +3,10 @@ engine's defaults for the scenario options, and ``--scenario engine`` (level 6).
 functions over the table of engines (:mod:`tracer.engines.table`; no torch, no engine import).
 
 Every catalogue scenario is planned for the reference engine; an engine realises it (its plans'
-``RunPlan.engine`` and ``engine_settings``) through the door, :func:`tracer.engines.door.realise`.
+``RunPlan.engine`` and ``engine_settings``) through the door, :func:`tracer.engines.door.realise`,
+which then sets the *engine options* the run gave (:data:`tracer.engines.table.ENGINE_OPTIONS`:
+``--attention-backend``, ``--batch-invariant``) in the settings of every plan whose engine takes
+them (:func:`with_engine_options`); ``--engines NAME:BACKEND`` names one plan's attention backend.
 :func:`engine_scenario` is level 6 for real: run A on one engine, run B on another, the same weights
 and token ids, every position compared (``--engines``; the default: the first two engines
 ``--engine`` chooses among).
@@ -11,26 +14,85 @@ and token ids, every position compared (``--engines``; the default: the first tw
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from tracer.engines.table import check_engine, name_of, row, selectable
+from tracer.engines.table import ENGINE_OPTIONS, check_engine, name_of, row, selectable, takers
 from tracer.errors import TracerError
 from tracer.plan.plans import RunPlan, Scenario
 
 
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """``"NAME:BACKEND"`` → ``(NAME, BACKEND)`` (upper case); ``"NAME"`` → ``(NAME, None)``: an engine
+    and, after a colon, its attention backend by name."""
+    name, _, backend = str(spec).strip().partition(":")
+    return name.strip(), (backend.strip().upper() or None)
+
+
 def parse_engines(engines: Any) -> tuple[str, str]:
-    """``"A,B"`` or a pair → ``(A, B)`` (each a known engine; installed or not: the run's validation
-    checks that, :func:`tracer.engines.table.check_engine`).
+    """``"A,B"`` or a pair → ``(A, B)``: each a known engine (installed or not: the run's validation
+    checks that, :func:`tracer.engines.table.check_engine`), optionally with an attention backend
+    (``NAME:BACKEND``, for an engine that takes ``attention_backend``; kept as ``NAME:BACKEND``).
 
     Raises:
-        TracerError: not two engines, or one unknown.
+        TracerError: not two engines, one unknown, or a backend on an engine that takes none.
     """
     if isinstance(engines, str):
         engines = tuple(e.strip() for e in engines.split(","))
     engines = tuple(engines)
     if len(engines) != 2 or not all(isinstance(e, str) and e for e in engines):
         raise TracerError(f"--engines needs two engines such as {','.join(selectable()[:2])}, got {list(engines)}")
-    return check_engine(engines[0], "--engines", False), check_engine(engines[1], "--engines", False)
+    out = []
+    for spec in engines:
+        name, backend = split_spec(spec)
+        name = check_engine(name, "--engines", False)
+        if backend is not None and name not in takers("attention_backend"):
+            example = next(iter(takers("attention_backend")), None)
+            raise TracerError(f"--engines {spec}: {name} takes no attention backend"
+                              + (f" ({example}:BACKEND does, e.g. {example}:TRITON_ATTN)" if example else ""))
+        out.append(name if backend is None else f"{name}:{backend}")
+    return out[0], out[1]
+
+
+def check_engine_options(engine: str | None, scenario: Any, options: dict[str, Any]) -> None:
+    """Refuse engine options (:data:`tracer.engines.table.ENGINE_OPTIONS`) that no plan of the run would
+    use (``scenario``: the scenario's name; ``options``: the run's scenario options, ``engines`` among them).
+
+    Raises:
+        TracerError: e.g. ``--attention-backend`` on the reference engine (one line).
+    """
+    given = [k for k in ENGINE_OPTIONS if options.get(k) not in (None, False)]
+    if not given:
+        return
+    engines = ({split_spec(e)[0] for e in parse_engines(options.get("engines") or selectable()[:2])}
+               if scenario == "engine" else {name_of(engine)})
+    for k in given:
+        if not engines & set(takers(k)):
+            flag, names = "--" + k.replace("_", "-"), takers(k) or ("no",)
+            raise TracerError(f"{flag} is an option of the {'/'.join(names)} engine; use it with --engine {names[0]} "
+                              f"(or --scenario engine with a {names[0]} run)")
+
+
+def with_engine_options(scen: Scenario, options: dict[str, Any]) -> Scenario:
+    """``scen`` with the engine options given in ``options`` (:data:`tracer.engines.table.ENGINE_OPTIONS`)
+    in the ``engine_settings`` of every plan whose engine takes them (a plan's own attention backend,
+    ``--engines NAME:BACKEND``, wins), and in its ``params``; ``scen`` itself when none is given."""
+    given = {k: v for k, v in options.items() if k in ENGINE_OPTIONS and v not in (None, False)}
+    if not given:
+        return scen
+    plans = {}
+    for key in ("plan_a", "plan_b"):
+        plan: RunPlan = getattr(scen, key)
+        own = dict(plan.engine_settings or ())
+        add = {k: (str(v).upper() if k == "attention_backend" else v) for k, v in given.items()
+               if name_of(plan.engine) in takers(k) and k not in own}
+        if add:
+            extra = ", ".join(f"attention {v}" if k == "attention_backend" else "batch-invariant mode"
+                              for k, v in sorted(add.items()))
+            plan = replace(plan, engine_settings=tuple(sorted({**own, **add}.items())),
+                           description=f"{plan.description} [{extra}]")
+        plans[key] = plan
+    return replace(scen, plan_a=plans["plan_a"], plan_b=plans["plan_b"], params={**scen.params, **given})
 
 
 def engine_defaults(engine: str | None, accepted: Any, params: dict[str, Any]) -> dict[str, Any]:
@@ -54,10 +116,15 @@ def engine_scenario(n_tokens: int, *, engines: Any = selectable()[:2]) -> Scenar
     """
     a, b = parse_engines(engines)
     n = n_tokens
-    plans = [RunPlan(name, ((0, n),), f"{row(e).label}: all {n} tokens in one forward pass", engine=name_of(e))
-             for name, e in (("A", a), ("B", b))]
+    plans = []
+    for name, spec in (("A", a), ("B", b)):
+        e, backend = split_spec(spec)
+        what = row(e).label + (f", attention {backend}" if backend else "")
+        plans.append(RunPlan(name, ((0, n),), f"{what}: all {n} tokens in one forward pass", engine=name_of(e),
+                             engine_settings=(("attention_backend", backend),) if backend else ()))
     return Scenario(name="engine", level=6, invariant=f"engine choice ({a} vs {b})", plan_a=plans[0], plan_b=plans[1],
                     window=(0, n), params={"n_tokens": n, "engines": [a, b]})
 
 
-__all__ = ["check_engine", "parse_engines", "engine_defaults", "engine_scenario"]
+__all__ = ["check_engine", "split_spec", "parse_engines", "check_engine_options", "with_engine_options",
+           "engine_defaults", "engine_scenario"]

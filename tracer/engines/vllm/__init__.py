@@ -1,17 +1,22 @@
 """vLLM in-process: a ``vllm.LLM`` built from the weights folder HF loads, run eager in this process,
 its modules captured with hooks and mapped onto HF names (``hooks/engine-vllm.toml``).
 
-=============  ==========================================================================
-module         holds
-=============  ==========================================================================
-``realise``    how a catalogue scenario becomes vLLM requests' settings (no vLLM import)
-``plan``       a plan's settings, requests in waves, and the check of what the scheduler did
-``engine``     the ``LLM`` per settings, its facts, the executor, the bare floor
-``facts``      what its scheduler did, in words (no vLLM import)
-``capture``    hooks on vLLM's modules, its flattened steps cut back to the traced prompt
-``captured``   ``tracer.capture(llm)``: a user's own ``vllm.LLM`` captured
-``rollout``    an RL step's rollout sampled by vLLM, each token's logprob as vLLM reports it
-=============  ==========================================================================
+================  ==========================================================================
+module            holds
+================  ==========================================================================
+``realise``       how a catalogue scenario becomes vLLM requests' settings (no vLLM import)
+``plan``          a plan's settings, requests in waves, and the check of what the scheduler did
+``engine``        the ``LLM`` per settings, its facts, the executor, the bare floor
+``facts``         what its scheduler did, in words (no vLLM import)
+``environment``   vLLM's log file, its attention backend and batch-invariant mode checked
+``contract``      the numeric contract's op facts read from vLLM's modules
+``requests``      the followed requests found in each step by their token ids at their positions
+``capture``       hooks on vLLM's modules (no model-runner reads), the rows kept on vLLM's device
+``assemble``      a capture's rows assembled into HF-named records
+``kernels``       ``--kernels`` on vLLM's modules
+``captured``      ``tracer.capture(llm)``: a user's own ``vllm.LLM`` captured
+``rollout``       an RL step's rollout sampled by vLLM, each token's logprob as vLLM reports it
+================  ==========================================================================
 
 A new vLLM capability (another runner, a process of its own, KV connectors) is a new module here,
 reached from :class:`Vllm` below. Only :mod:`tracer.engines.vllm.realise` is imported with this
@@ -64,6 +69,20 @@ class Vllm(Engine):
 
         return scheduler_note(run, meta)
 
+    def check(self, plans: list[Any], device: str | None, *, verdict: bool = False, dispatched: bool = False,
+              model: Any = None) -> None:
+        """Refuse batch-invariant mode (a plan's ``engine_settings``) where this vLLM does not implement
+        it (:func:`tracer.engines.vllm.environment.check_batch_invariant`; vLLM is imported then).
+
+        Raises:
+            TracerError: the mode asked for on a platform without it (one line).
+        """
+        if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
+            from tracer.engines.vllm.engine import platform
+            from tracer.engines.vllm.environment import check_batch_invariant
+
+            check_batch_invariant(True, platform())
+
     def run_bare(self, loaded: Any, token_ids: list[int], scen: Any, **options: Any) -> None:
         """Each plan's requests through vLLM's own ``generate`` (:func:`tracer.engines.vllm.engine.run_bare`;
         ``options``: ``meta``)."""
@@ -75,20 +94,17 @@ class Vllm(Engine):
     def capture(self, obj: Any, points: Any, *, reference: Any = None, cuda_graphs: bool = False,
                 keep_on_device: bool = False) -> Any:
         """``tracer.capture(llm)``: a :class:`~tracer.engines.vllm.captured.VllmCaptured` of a user's
-        eager ``vllm.LLM``.
+        eager ``vllm.LLM`` (``keep_on_device``: its captures left on vLLM's device).
 
         Raises:
-            TracerError: ``cuda_graphs`` or ``keep_on_device`` (not available there).
+            TracerError: ``cuda_graphs`` (not available there).
         """
-        for bad, what in ((cuda_graphs, "cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks do not fire "
-                                        "in vLLM's CUDA graphs)"),
-                          (keep_on_device, "keep_on_device=True: a vLLM capture is copied to the host as each step "
-                                           "runs")):
-            if bad:
-                raise TracerError(f"tracer.capture(vllm.LLM, {what}; drop the option")
+        if cuda_graphs:
+            raise TracerError("tracer.capture(vllm.LLM, cuda_graphs=True: tracer captures a vLLM LLM only eager (hooks "
+                              "do not fire in vLLM's CUDA graphs); drop the option")
         from tracer.engines.vllm.captured import VllmCaptured
 
-        return VllmCaptured(obj, points, reference=reference)
+        return VllmCaptured(obj, points, reference=reference, keep_on_device=keep_on_device)
 
 
 ENGINE = Vllm()

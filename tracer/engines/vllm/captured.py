@@ -5,10 +5,13 @@
         llm.generate(...)
     cap["model.layers.3"].tensor                               # (T, hidden), HF name, vLLM's dtype
 
-The first request vLLM schedules inside the block is traced: every position it computes (its
-prompt's uncached positions, then one per decode step) is kept, hooks on vLLM's modules mapped
-onto the HF capture points of the same model (:class:`~tracer.engines.vllm.capture.VllmCapture`:
-fused q/k/v and gate/up split, ``(hidden, residual)`` summed, rows placed at their positions).
+The first request of the first forward pass inside the block is traced (in the order the model
+runner puts a step's requests: vLLM's V2 runner sorts them by their number of tokens): every
+position it computes (its prompt's uncached positions, then one per decode step, followed by its
+KV slots), hooks on vLLM's modules mapped onto the HF capture points of the same model
+(:class:`~tracer.engines.vllm.capture.VllmCapture`: fused q/k/v and gate/up split, ``(hidden,
+residual)`` summed, rows placed at their positions), kept on vLLM's device while it runs and copied
+to the host once when the block ends (``keep_on_device=True``: left there).
 The HF layout comes from ``reference`` (a :class:`~tracer.load.models.LoadedModel` of the same
 weights), else from the HF model loaded once from the LLM's own folder on the CPU.
 """
@@ -22,11 +25,10 @@ from typing import Any, Iterator
 import torch
 
 from tracer.errors import TracerError
-from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.engine import VllmEngine, VllmSettings, ref_layout, vllm
+from tracer.engines.vllm.engine import VllmEngine, VllmSettings, engine_map, ref_layout, vllm
 
 
 class VllmCaptured:
@@ -37,6 +39,8 @@ class VllmCaptured:
         llm: an in-process, eager ``vllm.LLM``.
         points: ``layers`` or ``sublayers`` (no KV-cache points), or a list of HF capture names.
         reference: a loaded HF model of the same weights (None: loaded from the LLM's folder).
+        keep_on_device: leave the captures on vLLM's device (a GPU); default: copied to the host
+            once, when the block ends.
 
     Attributes (after the block): ``token_ids`` (the traced request's ids at positions 0..),
     ``positions`` (``(first, stop)`` it computed), ``logits`` (HF logits name → ``(positions,
@@ -47,7 +51,9 @@ class VllmCaptured:
             unknown point, no weights folder, a reference of another dtype than the LLM's (each one line).
     """
 
-    def __init__(self, llm: Any, points: str | list[str] = "layers", *, reference: Any = None) -> None:
+    def __init__(self, llm: Any, points: str | list[str] = "layers", *, reference: Any = None,
+                 keep_on_device: bool = False) -> None:
+        self.keep_on_device = keep_on_device
         cfg = llm.llm_engine.vllm_config
         dtype = str(cfg.model_config.dtype).replace("torch.", "")
         self.engine = VllmEngine(llm, VllmSettings(), {"dtype": dtype}, Path(cfg.model_config.model), (0, 0))
@@ -84,9 +90,9 @@ class VllmCaptured:
         eng, ref = self.engine, self.reference
         n = int(eng.llm.llm_engine.vllm_config.model_config.max_model_len)
         layout = ref_layout(ref, self.points, [0], (0, 1))
-        self._cap = VllmCapture(eng.model, eng.runner, load_engine_map(ref.info.family, engine="vllm"), layout,
-                                [0] * n, (0, n), {})
-        self._cap.follow_first = True
+        self._cap = VllmCapture(eng.model, eng.runner, engine_map(ref.info.family), layout,
+                                [0] * n, (0, n), {}, block_size=int(eng.llm.llm_engine.vllm_config.cache_config.block_size))
+        self._cap.follow("first", None)  # the first request of the first forward pass in the block
         self._records = None
         self._cap.__enter__()
         return self
@@ -108,6 +114,9 @@ class VllmCaptured:
         cap.n, cap.window, cap.token_ids = hi, (lo, hi), self.token_ids
         cap.ref = replace(cap.ref, token_ids=self.token_ids, window=(lo, hi))
         self._records, info = cap.records(self.points, f"vLLM {vllm.__version__}")
+        if not self.keep_on_device:
+            self._records = {k: replace(r, tensor=r.tensor.cpu()) for k, r in self._records.items()}
+            info["partial_logits"] = {k: (ps, t.cpu()) for k, (ps, t) in info["partial_logits"].items()}
         self.logits, self.not_captured = info["partial_logits"], info["not_captured"]
 
     def records(self) -> dict[str, CaptureRecord]:

@@ -45,14 +45,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from tracer.errors import TracerError, interrupt, signals_seen
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: hooks fire
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+import tracer.engines.vllm.environment as environment  # noqa: E402
+
 try:
-    import vllm
+    with environment.quiet("import vllm"):
+        import vllm
 except ModuleNotFoundError:
     raise
 except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU torch
@@ -60,6 +62,8 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
                       "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
 
 from tracer.execute.capture import Capture  # noqa: E402
+from tracer.engines.vllm.contract import op_facts  # noqa: E402
+from tracer.engines.vllm.kernels import recorder  # noqa: E402
 from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
@@ -68,7 +72,8 @@ from tracer.execute.records import (EngineFacts, RunRecord, ScheduledRequest, Sc
                                     SchedulerStep, Threads)
 from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
 from tracer.engines.vllm.plan import (  # noqa: E402
-    CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_schedule, chunk_mode, refuse_unsupported, settings_of, waves)
+    CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_architecture, check_schedule, chunk_mode, refuse_unsupported,
+    settings_of, waves)
 
 #: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
 MAX_ENGINES = 2
@@ -114,7 +119,8 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
-    return dict(dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
+    backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
+    return dict(**backend,dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
                 logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
                 max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),
@@ -137,6 +143,8 @@ class VllmEngine:
                  threads: tuple[int, int]) -> None:
         self.llm, self.settings, self.kwargs, self.folder, self.threads = llm, settings, kwargs, folder, threads
         self._ids = itertools.count()
+        self._facts: dict[str, Any] | None = None
+        self.log: str | None = None
         try:
             core = llm.llm_engine.engine_core.engine_core
             self.runner = core.model_executor.driver_worker.worker.model_runner
@@ -152,16 +160,30 @@ class VllmEngine:
 
     def facts(self) -> dict[str, Any]:
         """The engine's numeric contract, the document of a :class:`~tracer.execute.records.EngineFacts`
-        (for the run's meta and the trace header): version, attention backend and implementation,
-        KV-cache dtype and block size, the chunked-prefill budget, prefix caching, compilation and
-        graphs (off), threads."""
+        (for the run's meta and the trace header):
+        version, device, attention backend (the one that runs, and what was asked for) and
+        implementation, KV-cache dtype and block size, the chunked-prefill budget, prefix caching,
+        compilation and graphs (off), batch-invariant mode, the model runner, threads, vLLM's log
+        file. Read once per engine (a new dict each call)."""
+        if self._facts is None:
+            self._facts = self._read_facts()
+        return dict(self._facts)
+
+    def _read_facts(self) -> dict[str, Any]:
         cfg = self.llm.llm_engine.vllm_config
         attn = next((m for n, m in self.model.named_modules() if n.endswith("self_attn.attn")), None)
         backend = getattr(getattr(attn, "attn_backend", None), "get_name", lambda: "?")()
         impl = getattr(attn, "impl", None)
         kv_dtype = str(cfg.cache_config.cache_dtype)
+        device = str(cfg.device_config.device)
+        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") and torch.cuda.is_available() \
+            else None
         return EngineFacts(
-            engine="vllm", version=vllm.__version__, device=str(cfg.device_config.device),
+            engine="vllm", version=vllm.__version__, device=device, device_name=name,
+            attention_backend_setting=self.settings.attention_backend or "auto (vLLM's choice)",
+            batch_invariant=bool(self.settings.batch_invariant),
+            model_runner=f"{type(self.runner).__module__}.{type(self.runner).__name__}", log=self.log,
+            model_class=type(self.model).__name__,
             dtype=str(cfg.model_config.dtype).replace("torch.", ""), weights=str(self.folder),
             attention_backend=backend, attention_impl=type(impl).__name__ if impl is not None else None,
             attention_isa=str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
@@ -184,16 +206,23 @@ class VllmEngine:
         if self.settings.enable_prefix_caching and not self.llm.reset_prefix_cache():
             raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
 
-    def start(self, prompts: list[list[int]], max_tokens: int = 1, params: list[Any] | None = None) -> list[tuple[str, str]]:
+    def labels(self, k: int) -> list[str]:
+        """``k`` new request ids (``tracer-<n>``): name requests before :meth:`start` adds them."""
+        return [f"tracer-{next(self._ids)}" for _ in range(k)]
+
+    def start(self, prompts: list[list[int]], max_tokens: int = 1, params: list[Any] | None = None,
+              labels: list[str] | None = None) -> list[tuple[str, str]]:
         """Add one request per prompt (greedy, ``max_tokens``; or ``params``, one ``SamplingParams``
-        per prompt), not yet scheduled; returns ``(external id, vLLM's internal id)`` per request."""
+        per prompt), not yet scheduled, under ``labels`` (default: new ones); returns
+        ``(external id, vLLM's internal id)`` per request."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out = []
+        labels = labels or self.labels(len(prompts))
         for j, p in enumerate(prompts):
-            ext = f"tracer-{next(self._ids)}"
+            ext = labels[j]
             sp = params[j] if params is not None else greedy
             internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
             out.append((ext, str(internal)))
@@ -210,71 +239,6 @@ class VllmEngine:
         return done
 
 
-def _custom_op(module: Any) -> str:
-    """``Class.method`` a vLLM CustomOp dispatched to (``forward_native`` where the platform method is
-    the base class's fallback to PyTorch ops)."""
-    fn = getattr(module, "_forward_method", None)
-    if fn is None:
-        return type(module).__name__
-    owner, name = getattr(fn, "__qualname__", "").split(".")[0], getattr(fn, "__name__", "?")
-    if owner == "CustomOp" and name != "forward_native":
-        name = "forward_native (PyTorch ops)"
-    return f"{type(module).__name__}.{name}"
-
-
-def _gemm(linear: Any) -> str:
-    """The GEMM a vLLM Linear runs: the CPU dispatch (``cpu_linear``: oneDNN, sgl-kernel, zentorch,
-    or torch on the library :func:`tracer.execute.kernels.torch_gemm` names) or, elsewhere, its
-    quant method (unquantized: torch's, on the device's BLAS)."""
-    from tracer.execute.kernels import torch_gemm
-
-    weight = getattr(linear, "weight", None)
-    device, dtype = (str(weight.device), str(weight.dtype).replace("torch.", "")) if weight is not None else ("cpu", "")
-    fn = getattr(linear, "cpu_linear", None)
-    if fn is None:
-        method = type(getattr(linear, "quant_method", None)).__name__
-        return torch_gemm(device, dtype) if method == "UnquantizedLinearMethod" else f"{method} (the device's GEMM library)"
-    names = set(getattr(getattr(fn, "__code__", None), "co_names", ()))
-    for key, text in (("onednn_mm", "oneDNN onednn_mm"), ("weight_packed_linear_cpu", "sgl-kernel weight_packed_linear"),
-                      ("zentorch_linear_unary", "zentorch linear")):
-        if key in names:
-            return text
-    return torch_gemm(device, dtype)
-
-
-def op_facts(model: nn.Module, dtype: str) -> dict[str, Any]:
-    """What vLLM's first decoder layer and LM head compute with: the norm (and which ``vllm.ir``
-    provider its fused residual add + RMSNorm dispatches to), the activation, the rotary embedding,
-    each Linear's GEMM, and the activation and logits dtypes (the logits processor returns the model
-    dtype; the sampler casts to float32 afterwards)."""
-    layer = model.model.layers[0]
-    out: dict[str, Any] = {"activation_dtype": dtype, "logits_dtype": dtype,
-                           "sampler": "logits_processor output cast to float32, then log_softmax / argmax / sampling"}
-    norm = getattr(layer, "post_attention_layernorm", None)
-    if norm is not None:
-        text = _custom_op(norm)
-        with contextlib.suppress(Exception):  # the provider vllm.ir picks for these arguments
-            from vllm import ir
-
-            w = norm.weight.data
-            x = torch.zeros((1, w.shape[0]), dtype=w.dtype, device=w.device)
-            provider = ir.ops.fused_add_rms_norm.dispatch(x, x.clone(), w, norm.variance_epsilon).provider
-            text += (f"; residual add + RMSNorm fused (vllm.ir fused_add_rms_norm, provider {provider}: the residual "
-                     "is added in float32 and the float32 sum is normalized)")
-        out["norm"] = text
-    for key, path in (("activation", "mlp.act_fn"), ("rotary", "self_attn.rotary_emb")):
-        with contextlib.suppress(AttributeError):
-            out[key] = _custom_op(layer.get_submodule(path))
-    gemms = {}
-    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        with contextlib.suppress(AttributeError):
-            gemms[path] = _gemm(layer.get_submodule(path))
-    with contextlib.suppress(AttributeError):
-        gemms["lm_head"] = _gemm(model.lm_head)
-    out["gemm"] = gemms
-    return out
-
-
 _ENGINES: "OrderedDict[tuple, VllmEngine]" = OrderedDict()
 
 
@@ -285,27 +249,24 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     Raises:
         TracerError: compilation or graphs on, no weights folder, or vLLM failing to start (one line).
     """
-    settings.check()
+    settings = replace(settings.check(), attention_backend=environment.check_attention_backend(settings.attention_backend))
+    environment.check_batch_invariant(settings.batch_invariant, platform())
     folder = weights_folder(loaded)
+    check_architecture(loaded, folder)
     kwargs = _settings_for(loaded, settings)
-    key = (str(folder), tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    key = (str(folder), settings.batch_invariant, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
     while len(_ENGINES) >= MAX_ENGINES:  # drop the least recently used LLM (its KV cache and weights)
-        _key, old = _ENGINES.popitem(last=False)
-        shutdown = getattr(old.llm.llm_engine.engine_core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        del old
-        import gc
-
-        gc.collect()
+        _release(_ENGINES.popitem(last=False)[1])
     if say is not None:
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
             f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
     before = torch.get_num_threads()
-    with signals_seen() as seen:
+    with signals_seen() as seen, environment.quiet(f"starting vLLM {vllm.__version__} on {folder}") as log:
+        if settings.batch_invariant:
+            environment.enable_batch_invariant()
         try:
             llm = vllm.LLM(model=str(folder), **kwargs)
         except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
@@ -317,8 +278,37 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
             llm.llm_engine.engine_core.shutdown()
         interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
+    engine.log = str(log) if log is not None else None
     _ENGINES[key] = engine
     return engine
+
+
+def _release(old: VllmEngine) -> None:
+    """Free one LLM's engine core (its executor, KV cache and weights) without vLLM's teardown of
+    the process-wide distributed state (``EngineCore.shutdown`` ends with it), which the other LLMs
+    of this process still use: after it they fail with "pipeline model parallel group is not
+    initialized"."""
+    import gc
+
+    core = getattr(old.llm.llm_engine.engine_core, "engine_core", None)
+    steps = [getattr(getattr(core, "structured_output_manager", None), "clear_backend", None),
+             getattr(getattr(core, "model_executor", None), "shutdown", None),
+             getattr(getattr(core, "scheduler", None), "shutdown", None)]
+    with environment.quiet("releasing an LLM"):
+        for step in steps:
+            if callable(step):
+                with contextlib.suppress(Exception):
+                    step()
+    del old, core, steps
+    gc.unfreeze()  # vLLM froze its start-up objects: collectable again
+    gc.collect()
+
+
+def platform() -> str:
+    """The platform this vLLM runs on: ``cuda``, ``rocm``, ``xpu``, ``cpu``, ..."""
+    from vllm.platforms import current_platform
+
+    return "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
 
 
 def plan_facts(loaded: Any, plan: Any) -> dict[str, Any]:
@@ -353,6 +343,15 @@ def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] 
 
 
 _LAYOUTS: dict[tuple, RefLayout] = {}
+_MAPS: dict[str, dict[str, Any]] = {}
+
+
+def engine_map(family: str) -> dict[str, Any]:
+    """The vLLM engine map of a model family (:func:`tracer.engines.dumps.rules.load_engine_map`),
+    read once per process (a run's capture compiles its rules once per map object)."""
+    if family not in _MAPS:
+        _MAPS[family] = load_engine_map(family, engine="vllm")
+    return _MAPS[family]
 
 
 def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], window: tuple[int, int]) -> RefLayout:
@@ -397,19 +396,23 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
         plan: the run plan (see the module docstring for what vLLM is asked to do).
         points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
         window: the compared positions ``(start, stop)``.
-        keep_on_device: accepted for the seam; vLLM's captures are copied to the host.
+        keep_on_device: leave the captures on vLLM's device (the comparison runs there); else
+            they are copied to the host once, after the run.
         decode: greedy-decode this many tokens in the traced request (not captured;
             ``meta["decode_tokens"]``).
         meta: merged into the run's meta.
         say: progress messages.
-        kernels, sdpa_inputs: not available with vLLM (refused when True).
+        kernels: record which kernels each capture point's vLLM module ran, step by step
+            (:mod:`tracer.engines.vllm.kernels`; ``calls[k]["kernels"]``).
+        sdpa_inputs: not available with vLLM (refused when True).
         engine_options: ``{"settings": VllmSettings or its fields as a dict, "chunks":
             "auto" | "prefix-cache" | "chunked"}``.
 
     Returns:
         ``(run, None)``: the :class:`RunRecord` with captures under HF names (``(T, *feature)``
         over the window in vLLM's dtype; ``kv_cache`` points ``(N, keys + values)``), and in
-        ``meta``: ``engine`` (:meth:`VllmEngine.facts`), ``scheduler`` (:class:`~tracer.execute.records.SchedulerFacts`: requests with vLLM's own
+        ``meta``: ``engine`` (:meth:`VllmEngine.facts`), ``scheduler``
+        (:class:`~tracer.execute.records.SchedulerFacts`: requests with vLLM's own
         ``num_cached_tokens``, scheduler steps, the traced positions computed in each step, the
         chunk mode, the HF ← vLLM mapping, notes), ``cached_tokens``, ``not_captured`` (HF name
         → reason) and ``logits`` (positions, dtype); ``extras["partial_logits"]``: HF logits name →
@@ -432,43 +435,56 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                           f"{eng.kwargs['max_model_len']} (the model's positions, or the prompt's length rounded up to "
                           "1024 tokens); use fewer --decode tokens or a shorter prompt")
     plan_waves = waves(token_ids, plan, mode, eng.kwargs["block_size"])
-    emap = load_engine_map(loaded.info.family, engine="vllm")
+    emap = engine_map(loaded.info.family)
     ref = ref_layout(loaded, points, token_ids, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     requests: list[dict[str, Any]] = []
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
-    with torch.inference_mode(), VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points) as cap:
+    cap = VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points, block_size=eng.kwargs["block_size"])
+    with torch.inference_mode(), cap, recorder(eng, cap, kernels) as rec_kernels:
         for w, (prompts, traced) in enumerate(plan_waves):
             last = w == len(plan_waves) - 1
-            ids = eng.start(prompts, max_tokens=max(decode, 1) if last else 1)
-            cap.ours.update(internal for (_ext, internal), t in zip(ids, traced) if t)
+            labels = eng.labels(len(prompts))
+            for label, prompt, t in zip(labels, prompts, traced):
+                if t:
+                    cap.follow(label, prompt)
+            ids = eng.start(prompts, max_tokens=max(decode, 1) if last else 1, labels=labels)
             done = eng.finish()
             for (ext, internal), prompt, t in zip(ids, prompts, traced):
+                cap.close(ext)
                 out = done[ext]
                 requests.append(ScheduledRequest(ext, internal, len(prompt), t, int(out.num_cached_tokens or 0),
                                                  tuple(out.outputs[0].token_ids)).to_dict())
     wall = time.perf_counter() - t0
     check_schedule(plan, mode, requests, cap.steps)
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
+    if rec_kernels is not None:
+        rec_kernels.attach_vllm(captures, cap)
+    if not keep_on_device:  # the records leave the device once, at the end (the comparison wants them elsewhere)
+        captures = {n: replace(c, tensor=c.tensor.cpu()) for n, c in captures.items()}
+        info["partial_logits"] = {n: (ps, t.cpu()) for n, (ps, t) in info["partial_logits"].items()}
     main = [r for r in requests if r["traced"]][-1]
     steps = [s for s in cap.steps if s["traced"]]
     logits = {n: {"positions": ps, "dtype": str(t.dtype).replace("torch.", "")} for n, (ps, t) in info["partial_logits"].items()}
     logits.update({n: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
                    for n, c in captures.items() if c.kind == PointKind.LOGITS})
+    facts = eng.facts()
     record_meta = {
-        "wall_s": wall, "device": eng.facts()["device"], "gemm_m": [s["tokens"] for s in steps],
-        "engine": eng.facts(), "cached_tokens": main["num_cached_tokens"],
+        "wall_s": wall, "device": facts["device"], "gemm_m": [s["tokens"] for s in steps],
+        "engine": facts, "cached_tokens": main["num_cached_tokens"],
         "scheduler": SchedulerFacts(
             mode, tuple(ScheduledRequest.from_dict(r) for r in requests), tuple(SchedulerStep.from_dict(s) for s in steps),
-            tuple(tuple(t["positions"]) for s in steps for t in s["traced"] if t["request"] == main["internal_id"]),
-            info["mapping"], tuple(info["notes"])).to_dict(),
+            tuple(tuple(t["positions"]) for s in steps for t in s["traced"] if t["request"] == main["request_id"]),
+            info["mapping"], tuple(info["notes"]), cap.runner).to_dict(),
         "not_captured": info["not_captured"], "logits": logits, **meta}
+    if rec_kernels is not None:
+        record_meta["kernels"] = "recorded"
     if decode:
         record_meta["decode_tokens"] = main["generated"][:decode]
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(), window=(int(window[0]), int(window[1])),
                      captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]}), None
 
 
-__all__ = ["VllmSettings", "VllmEngine", "engine_for", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
+__all__ = ["VllmSettings", "VllmEngine", "engine_for", "platform", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
            "MAX_ENGINES", "CHUNK_MODES"]

@@ -21,7 +21,18 @@ def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
     return (f"run {run} (vLLM scheduler): {len(v.requests)} request(s), traced num_cached_tokens {cached}; "
             f"the prompt computed in {len(chunks)} step(s) at positions {chunks}"
             + (f", each step holding up to {batched} request(s)" if batched > 1 else "")
-            + f" ({v.chunks_as or '?'})")
+            + f" ({v.chunks_as or '?'})" + (f"; {BATCH_INVARIANT_NOTE}" if _batch_invariant(meta) else ""))
 
 
-__all__ = ["scheduler_note"]
+#: what vLLM's batch-invariant mode changes beyond its own runs (a run's engine facts say it was on)
+BATCH_INVARIANT_NOTE = ("vLLM's batch-invariant mode was on in this process: on a GPU, torch's mm, softmax, log_softmax, "
+                        "mean and bmm ran vLLM's batch-invariant kernels for every run after it started, an HF run's "
+                        "included")
+
+
+def _batch_invariant(meta: dict[str, Any]) -> bool:
+    engine = meta.get("engine")
+    return isinstance(engine, dict) and bool(engine.get("batch_invariant"))
+
+
+__all__ = ["scheduler_note", "BATCH_INVARIANT_NOTE"]

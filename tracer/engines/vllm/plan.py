@@ -40,6 +40,10 @@ class VllmSettings:
         seed: vLLM's seed (greedy sampling does not use it).
         logprobs_mode: what vLLM reports as a token's logprob: ``raw_logprobs`` (log_softmax of
             the float32 logits) or ``processed_logprobs`` (after the temperature: a sampled rollout).
+        attention_backend: vLLM's attention backend by name (``TRITON_ATTN``, ``FLEX_ATTENTION``,
+            ``FLASH_ATTN``, ``FLASHINFER``, ``CPU_ATTN``, ...); None: vLLM's own choice.
+        batch_invariant: vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, set before the
+            LLM is built; :mod:`tracer.engines.vllm.environment`).
     """
 
     block_size: int = BLOCK
@@ -52,6 +56,8 @@ class VllmSettings:
     compilation_mode: int = 0
     seed: int = 0
     logprobs_mode: str = "raw_logprobs"
+    attention_backend: str | None = None
+    batch_invariant: bool = False
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -64,6 +70,33 @@ class VllmSettings:
             raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
                               "must be positive numbers of tokens")
         return self
+
+
+def check_architecture(loaded: Any, folder: Any) -> None:
+    """Refuse a weights folder on which vLLM would run another model than the HF reference: vLLM
+    picks its model class by ``config.json``'s ``architectures``, HF's ``AutoModelForCausalLM`` by
+    ``model_type``; a folder saying ``GemmaForCausalLM`` with ``model_type`` llama runs Gemma's
+    forward in vLLM and Llama's in HF on the same weights. Checked before vLLM starts.
+
+    Raises:
+        TracerError: the two differ, or config.json is unreadable (one line).
+    """
+    import json
+    from pathlib import Path
+
+    from tracer.files import read_text_file
+
+    path = Path(folder) / "config.json"
+    try:
+        cfg = json.loads(read_text_file(path, "config.json"))
+    except ValueError as e:
+        raise TracerError(f"{path} is not JSON ({e}); vLLM cannot read it either") from None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    hf = type(loaded.model).__name__
+    if isinstance(archs, list) and archs and archs[0] != hf:
+        raise TracerError(f"{path} names architecture {archs[0]} (vLLM's model class) but HF loaded {hf} (model_type "
+                          f"{cfg.get('model_type')!r}): the two engines would run different models on these weights; "
+                          f"make architectures and model_type agree")
 
 
 def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -92,7 +125,7 @@ def refuse_unsupported(plan: Any, kernels: bool, sdpa_inputs: bool) -> None:
     unsupported = [(plan.tp is not None, "tensor parallelism"), (plan.kv_transform is not None, "a KV-cache transform"),
                    (plan.attn is not None, "an attention implementation"), (plan.devices is not None, "per-chunk devices"),
                    (bool(plan.generate), "generation"), (plan.deterministic, "torch's deterministic mode"),
-                   (kernels, "--kernels"), (sdpa_inputs, "--op-replay")]
+                   (sdpa_inputs, "--op-replay")]
     what = [w for bad, w in unsupported if bad]
     if what:
         raise TracerError(f"run plan {plan.name}: {', '.join(what)} is not available with the vllm engine yet; "
@@ -187,12 +220,12 @@ def check_schedule(plan: Any, mode: str, requests: list[dict[str, Any]], steps: 
     if got != want[:len(got)]:
         raise TracerError(f"run plan {plan.name}: vLLM reported num_cached_tokens {got} for the traced requests, the plan "
                           f"needs {want}; the prefix cache did not hold what the run put there")
-    main_steps = [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["internal_id"]]
+    main_steps = [t["positions"] for s in steps for t in s["traced"] if t["request"] == main["request_id"]]
     if mode in ("one-step", "prefix-cache") and len(main_steps) != 1:
         raise TracerError(f"run plan {plan.name}: vLLM split the prompt into {len(main_steps)} steps ({main_steps}); "
                           "raise max_num_batched_tokens to at least the prompt's length")
     if plan.batch is not None:
-        n_req = max((s["requests"] for s in steps if any(t["request"] == main["internal_id"] for t in s["traced"])), default=0)
+        n_req = max((s["requests"] for s in steps if any(t["request"] == main["request_id"] for t in s["traced"])), default=0)
         if n_req != plan.batch.size:
             raise TracerError(f"run plan {plan.name}: vLLM scheduled the traced prompt with {n_req} request(s), the "
                               f"batch has {plan.batch.size}; raise max_num_batched_tokens or max_num_seqs")

@@ -13,14 +13,16 @@ prefix-cache        a miss vs a hit: a request of the first P tokens, then the p
 block-size          a hit at KV block size b1 vs b2 (two engines)
 chunked-prefill     one step vs the prompt split by ``max_num_batched_tokens`` = the chunk size
 rollout-vs-train    run A (the rollout) in vLLM; run B, the trainer, stays HF
-engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32)
+engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
+                    ``vllm:BACKEND``: that attention backend)
 ==================  ===================================================================================
 
 The other scenarios change something vLLM does not expose here (HF attention implementations,
 torch.compile, simulated TP, KV formats applied between chunks, devices, HF generation): the door
 refuses them from the table's ``scenarios``, and ``--mitigation deterministic`` from its
-``deterministic`` (vLLM's batch-invariant mode, ``VLLM_BATCH_INVARIANT=1``, replaces matmuls on
-CUDA/ROCm/XPU only in vllm 0.32).
+``deterministic``: vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, CUDA/ROCm/XPU) is
+the engine option ``--batch-invariant``, set with ``--attention-backend`` in the plans' settings by
+the door (:func:`tracer.plan.engines.with_engine_options`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def realise(scen: Scenario) -> Scenario:
         TracerError: a mitigation vLLM cannot apply, or a cached prefix off its KV block grid (one line each).
     """
     if scen.name == "engine":
-        return replace(scen, **{k: replace(p, engine_settings=(("block_size", BLOCK),))
+        return replace(scen, **{k: replace(p, engine_settings=tuple(sorted({**dict(p.engine_settings or ()),
+                                                                          "block_size": BLOCK}.items())))
                                 for k, p in (("plan_a", scen.plan_a), ("plan_b", scen.plan_b)) if p.engine == NAME})
     p = scen.params
     if scen.name == "rollout-vs-train":

@@ -25,39 +25,13 @@ from typing import Any, Callable
 import torch
 
 from tracer.errors import TracerError
-from tracer.engines.dumps.rules import load_engine_map
-from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.engine import engine_for, ref_layout, vllm
+from tracer.engines.vllm.engine import engine_for, engine_map, ref_layout, vllm
 from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
-
-
-class _Logits(Hooks):
-    """Forward hooks keeping every request's logits rows (one per request vLLM samples for, in the
-    model runner's ``input_batch.req_ids`` order) of every step: internal id → list of ``(vocab,)``."""
-
-    def __init__(self, model: Any, runner: Any, module: str) -> None:
-        self.model, self.runner, self.module = model, runner, module
-        self.rows: dict[str, list[torch.Tensor]] = {}
-        self._ids: list[str] = []
-        super().__init__()
-
-    def install(self) -> None:
-        """Hook the model's call (the step's request ids) and the logits module."""
-        self.hook(self.model, self._begin, pre=True)
-        self.hook(self.model.get_submodule(self.module), self._hook)
-
-    def _begin(self, module: Any, args: Any) -> None:
-        self._ids = list(self.runner.input_batch.req_ids)
-
-    def _hook(self, module: Any, args: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            for rid, row in zip(self._ids, out.detach().to("cpu")):
-                self.rows.setdefault(rid, []).append(row.clone())
 
 
 def _params(spec: Any) -> list[Any]:
@@ -89,7 +63,8 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
         ``(record, None)``: token ids = the traced prompt + its response (N + T); ``meta["rollout"]``
         as :func:`tracer.engines.hf.rollout.execute_rollout` writes it (``tokens``, ``logprobs`` as vLLM
         reported them, ``sequences``, ``lengths``, ``row``, ``tau``), ``meta["engine"]`` and
-        ``meta["scheduler"]`` (:class:`~tracer.execute.records.SchedulerFacts`: requests, steps); ``extras["rl_logits"]``: ``(K, T, vocab)``.
+        ``meta["scheduler"]`` (:class:`~tracer.execute.records.SchedulerFacts`: requests, steps);
+        ``extras["rl_logits"]``: ``(K, T, vocab)``.
 
     Raises:
         TracerError: not a rollout plan, an option vLLM cannot realise, vLLM returning fewer tokens
@@ -114,15 +89,19 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     placeholder = list(token_ids) + [0] * t  # the response is known once vLLM has sampled it
     ref = ref_layout(loaded, points, placeholder, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
-    emap = load_engine_map(loaded.info.family, engine="vllm")
-    cap = VllmCapture(eng.model, eng.runner, emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1)
-    logits = _Logits(eng.model, eng.runner, emap.get("capture", {}).get("logits", "logits_processor"))
+    emap = engine_map(loaded.info.family)
+    cap = VllmCapture(eng.model, eng.runner, emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1,
+                      block_size=eng.kwargs["block_size"])
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
-    with torch.inference_mode(), cap, logits:
-        ids = eng.start(prompts, params=_params(spec))
-        cap.ours.add(ids[r][1])
+    with torch.inference_mode(), cap:
+        labels = eng.labels(len(prompts))
+        for j, (label, p) in enumerate(zip(labels, prompts)):
+            cap.follow(label, p, traced=j == r)  # every rollout's logits; the traced one's activations
+        ids = eng.start(prompts, params=_params(spec), labels=labels)
         done = eng.finish()
+        for label in labels:
+            cap.close(label)
     wall = time.perf_counter() - t0
     tokens, logprobs = [], []
     for j, (ext, _internal) in enumerate(ids):
@@ -138,7 +117,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     cap.token_ids = sequences[r]
     cap.ref = replace(cap.ref, token_ids=sequences[r])
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
-    rows = [logits.rows.get(internal, []) for _ext, internal in ids]
+    rows = [[row for _p, row in cap.logits_of(ext)] for ext, _internal in ids]
     if any(len(x) != t for x in rows):
         raise TracerError(f"the logits processor computed {[len(x) for x in rows]} rows per request, not {t}; "
                           "vLLM sampled elsewhere than the hooks saw")
@@ -151,11 +130,15 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
                              for j, ((ext, internal), p) in enumerate(zip(ids, prompts))),
             tuple(SchedulerStep.from_dict(s) for s in steps),
             tuple(tuple(tr["positions"]) for s in steps for tr in s["traced"]), info["mapping"],
-            tuple(info["notes"])).to_dict(),
+            tuple(info["notes"]), cap.runner).to_dict(),
         "not_captured": info["not_captured"],
         "rollout": {"tokens": tokens, "logprobs": logprobs, "row": r, "lengths": list(spec.lengths),
                     "sequences": sequences, "tau": spec.tau, "logprobs_from": f"vLLM ({settings.logprobs_mode})"}}
     extras = {"rl_logits": torch.stack([torch.stack(x) for x in rows]), "partial_logits": info["partial_logits"]}
+    if not keep_on_device:  # the records leave the device once, at the end
+        captures = {name: replace(c, tensor=c.tensor.cpu()) for name, c in captures.items()}
+        extras = {"rl_logits": extras["rl_logits"].cpu(),
+                  "partial_logits": {k: (ps, x.cpu()) for k, (ps, x) in extras["partial_logits"].items()}}
     return RunRecord(name=plan.name, token_ids=sequences[r], plan=plan.to_dict(), window=(int(window[0]), int(window[1])),
                      captures=captures, meta=record_meta, extras=extras), None
 

