@@ -473,14 +473,17 @@ def test_store_auto_writing_run_a_early_gives_the_trace_of_writing_it_late(tmp_p
 def test_writer_takes_a_run_back_and_completes_a_meta(tmp_path, background):
     caps = {"l0": CaptureRecord("l0", "layer", torch.arange(12.0).view(3, 4))}
     a = RunRecord("A", [1, 2, 3], {}, (0, 3), caps, meta={"x": 1})
+    # --store auto's whole record (the trace format 3 reads it by its schema: a partial one is refused)
+    auto = {"kept": ["l0"], "dropped": [], "kept_bytes": 48, "total_bytes": 48, "budget": 1024, "reasons": {},
+            "logits": None, "kinds": {}}
     with TraceWriter(tmp_path / "t.h5", header={}, background=background) as w:
         w.add_run(a)
         w.remove_run("A")
         w.add_run(RunRecord("A", [1, 2, 3], {}, (0, 3), {}, meta={"x": 2}))
         w.add_run(RunRecord("B", [1, 2, 3], {}, (0, 3), caps, meta={"x": 3}))
-        w.set_meta("B", {"x": 4, "store_auto": {"kept": ["l0"]}})
+        w.set_meta("B", {"x": 4, "store_auto": auto})
     with TraceReader(tmp_path / "t.h5") as r:
         assert r.runs == ["A", "B"]
         assert r.run("A").meta == {"x": 2} and r.run("A").captures == {}
         b = r.run("B")
-        assert b.meta == {"x": 4, "store_auto": {"kept": ["l0"]}} and torch.equal(b.captures["l0"].tensor, caps["l0"].tensor)
+        assert b.meta == {"x": 4, "store_auto": auto} and torch.equal(b.captures["l0"].tensor, caps["l0"].tensor)

@@ -101,3 +101,22 @@ def test_every_comparison_entry_point_puts_both_sides_on_one_device(monkeypatch)
     rl_mod.rl_metrics([[1, 2]], [[-1.0, -2.0]], [[-1.0, -2.0]], tau=1.0, sample=False, row=0, is_cap=2.0,
                       mask_threshold=2.0, logits_a=logits, logits_b=logits.clone())
     assert "rl_metrics" in seen
+
+
+def test_a_replaced_bmm_is_seen_and_gpu_comparisons_move_to_the_cpu(monkeypatch):
+    """vLLM's batch-invariant mode rebinds torch.bmm and re-registers the GPU's matmul, softmax and mean
+    (mean in float32 only; bmm raised KeyError: torch.float64 in tracer's float64 statistics on the H200):
+    tracer sees the rebinding and compares a GPU run's tensors on the CPU, where torch's own kernels run."""
+    import torch
+
+    from tracer.diff.positions import one_device, torch_replaced
+
+    assert not torch_replaced()
+    original = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: original(a, b, **kw))
+    assert torch_replaced()
+    a, b = torch.ones(2, 3), torch.zeros(2, 3)
+    assert one_device(a, b)[0] is a  # CPU tensors stay as they are
+    if torch.cuda.is_available():
+        ga, gb = one_device(a.cuda(), b.cuda())
+        assert ga.device.type == gb.device.type == "cpu" and torch.equal(ga, a)

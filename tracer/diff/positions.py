@@ -28,10 +28,23 @@ _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.floa
              torch.float64: torch.int64}
 
 
+def torch_replaced() -> bool:
+    """Whether a library replaced torch's own operators in this process: a batch-invariant mode
+    (an engine's, e.g. ``VLLM_BATCH_INVARIANT=1``) re-registers the accelerator's matmul, bmm,
+    softmax and mean for every caller, some of them in float32 only, and rebinds ``torch.bmm``
+    (the sign read here). tracer's float64 comparison math must not run through them."""
+    return torch.bmm is not torch._C._VariableFunctions.bmm
+
+
 def one_device(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``a`` and ``b`` on one device, for every kernel that reads both: where they are when they
     share one; else the accelerator's (a GPU run against a CPU run is compared on the GPU: the
-    CPU side is the one copied); two different accelerators: ``a``'s."""
+    CPU side is the one copied); two different accelerators: ``a``'s. When the accelerator's
+    operators were replaced in this process (:func:`torch_replaced`), the CPU's: there torch's own
+    kernels compute the float64 statistics."""
+    if a.device.type != "cpu" or b.device.type != "cpu":
+        if torch_replaced():
+            return a.cpu(), b.cpu()
     if a.device == b.device:
         return a, b
     dev = a.device if a.device.type != "cpu" else b.device

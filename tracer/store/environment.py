@@ -18,7 +18,7 @@ import socket
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import h5py
 import numpy as np
@@ -70,6 +70,8 @@ class Environment(schema.Record):
     num_threads: schema.Count | None = None
     float32_matmul_precision: str | None = None
     matmul_fp32_precision: str | None = None
+    cudnn_conv_fp32_precision: str | None = None
+    cudnn_rnn_fp32_precision: str | None = None
 
 
 @functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once
@@ -187,6 +189,18 @@ def _nvidia_driver(index: int) -> str | None:
         return None
 
 
+def _flag(read: Callable[[], Any]) -> bool | None:
+    """A legacy torch precision flag as a bool: torch >= 2.10 gives the reduced-precision ones as a
+    tuple (allow, allow split-K), whose first item is the flag; None when torch refuses to say (a
+    process that set cuDNN's conv and RNN TF32 flags apart through the new API, as vLLM's
+    batch-invariant mode does: the ``*_fp32_precision`` fields then say it)."""
+    try:
+        value = read()
+    except RuntimeError:
+        return None
+    return bool(value[0]) if isinstance(value, tuple) else bool(value)
+
+
 def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any]:
     """The numeric contract of this process: what a bit-exact comparison depends on.
 
@@ -209,10 +223,10 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
     matmul = torch.backends.cuda.matmul
     env = replace(
         _static_environment(device),
-        matmul_allow_tf32=bool(matmul.allow_tf32),
-        matmul_allow_bf16_reduced_precision_reduction=bool(matmul.allow_bf16_reduced_precision_reduction),
-        matmul_allow_fp16_reduced_precision_reduction=bool(matmul.allow_fp16_reduced_precision_reduction),
-        cudnn_allow_tf32=bool(torch.backends.cudnn.allow_tf32),
+        matmul_allow_tf32=_flag(lambda: matmul.allow_tf32),
+        matmul_allow_bf16_reduced_precision_reduction=_flag(lambda: matmul.allow_bf16_reduced_precision_reduction),
+        matmul_allow_fp16_reduced_precision_reduction=_flag(lambda: matmul.allow_fp16_reduced_precision_reduction),
+        cudnn_allow_tf32=_flag(lambda: torch.backends.cudnn.allow_tf32),
         cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
         cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
@@ -221,6 +235,8 @@ def collect_environment(device: str, extra: dict | None = None) -> dict[str, Any
         num_threads=torch.get_num_threads(),
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         matmul_fp32_precision=getattr(matmul, "fp32_precision", None),  # torch >= 2.9 API
+        cudnn_conv_fp32_precision=getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None),
+        cudnn_rnn_fp32_precision=getattr(getattr(torch.backends.cudnn, "rnn", None), "fp32_precision", None),
     ).to_dict()
     if extra:
         env.update(extra)
