@@ -129,7 +129,13 @@ def cut_names(text: str, vocabulary: set[str]) -> list[str]:
         if not tok.startswith("…"):
             continue
         rest = tok[1:]
-        if rest and not any(v.endswith(("." + rest, "_" + rest)) for v in vocabulary if len(v) > len(rest)):
+        if "…" in rest:  # the middle elided to keep a layer index: "…layers.0…kv_cache", each piece at dots
+            pieces = rest.split("…")
+            pat = re.compile("(?:^|.*[._])" + re.escape(pieces[0])
+                             + "".join(r"\..*[._]" + re.escape(x) for x in pieces[1:]) + "$")
+            if not any(pat.match(v) for v in vocabulary):
+                bad.append(tok)
+        elif rest and not any(v.endswith(("." + rest, "_" + rest)) for v in vocabulary if len(v) > len(rest)):
             bad.append(tok)
     return bad
 

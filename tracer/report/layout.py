@@ -117,8 +117,10 @@ def header_min(header: str) -> int:
 def shorten_left(name: str, width: int) -> str:
     """``name`` in at most ``width`` characters, cut from the left at a dot:
     ``model.layers.3.self_attn.kv_cache`` in 28 → ``…layers.3.self_attn.kv_cache``; never inside a
-    word and never so that a layer index leads (``…3.self_attn`` could be layer 13 or 23): in 27
-    ``…self_attn.kv_cache``. The ``×4`` of a grouped row stays.
+    word and never so that a layer index leads (``…3.self_attn`` could be layer 13 or 23); a layer
+    index that a suffix would lose is kept by eliding the middle instead: in 27
+    ``…layers.3…kv_cache`` (rows of two layers stay apart), else the suffix (``…post_attention_layernorm``).
+    The ``×4`` of a grouped row stays.
 
     A name that fits is returned unchanged; a last component longer than ``width`` itself is cut at
     an underscore inside it (``…attention_layernorm``), and only a word longer still at a character.
@@ -131,9 +133,16 @@ def shorten_left(name: str, width: int) -> str:
     tail = f" {count}" if count else ""
     room = width - 1 - len(tail)
     parts = base.split(".")
+    index = max((i for i, p in enumerate(parts) if p.isdigit()), default=None)
     for i in range(1, len(parts)):  # the longest suffix at a dot that fits and does not start with an index
         rest = ".".join(parts[i:])
         if len(rest) <= room and not (parts[i].isdigit() or parts[i] == "*"):
+            if index is not None and i > index and index >= 1:  # it would lose the layer index: keep it,
+                head = ELLIPSIS + ".".join(parts[index - 1:index + 1])  # eliding the middle instead
+                for j in range(index + 2, len(parts)):
+                    kept = head + ELLIPSIS + ".".join(parts[j:])
+                    if len(kept) <= width - len(tail):
+                        return kept + tail
             return ELLIPSIS + rest + tail
     words = parts[-1].split("_")  # the last component alone is too long: at an underscore inside it
     for i in range(1, len(words)):
