@@ -35,7 +35,7 @@ def parse_engines(engines: Any) -> tuple[str, str]:
     (``NAME:BACKEND``, for an engine that takes ``attention_backend``; kept as ``NAME:BACKEND``).
 
     Raises:
-        TracerError: not two engines, one unknown, an empty backend (``vllm:``), or a backend on an
+        TracerError: not two engines, one unknown, an empty backend (``NAME:``), or a backend on an
             engine that takes none.
     """
     if isinstance(engines, str):
@@ -46,9 +46,9 @@ def parse_engines(engines: Any) -> tuple[str, str]:
     out = []
     for spec in engines:
         name, backend = split_spec(spec)
-        if backend is None and ":" in spec:  # 'vllm:' ran vLLM's own choice, the colon dropped
+        if backend is None and ":" in spec:  # 'NAME:' ran the engine's own choice, the colon dropped
             raise TracerError(f"--engines {spec}: no attention backend after the colon; give NAME:BACKEND "
-                              "(e.g. vllm:TRITON_ATTN) or the engine alone")
+                              "or the engine alone")
         name = check_engine(name, "--engines", False)
         if backend is not None and name not in takers("attention_backend"):
             example = next(iter(takers("attention_backend")), None)
