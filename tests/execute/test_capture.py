@@ -144,6 +144,27 @@ def test_unknown_granularity(tiny_llama):
         discover_points(tiny_llama, "neurons")
 
 
+def test_notebook_capture_refuses_what_would_compare_nothing(tiny_llama):
+    """tracer.capture(model, []) compared two runs of different weights as 'bit-identical: all 0
+    capture points agree'; a block with no forward crashed compare with a ValueError; a model name
+    or None crashed with an AttributeError. Each is one TracerError line now."""
+    import tracer
+
+    for points in ([], (), 5, [1, 2]):
+        with pytest.raises(TracerError, match="non-empty list of module paths"):
+            tracer.capture(tiny_llama, points)
+    with pytest.raises(TracerError, match="not a str: load it first"):
+        tracer.capture("tiny-llama")
+    with pytest.raises(TracerError, match="not a NoneType"):
+        tracer.capture(None)
+    with tracer.capture(tiny_llama) as a:
+        pass
+    with tracer.capture(tiny_llama) as b:
+        pass
+    with pytest.raises(TracerError, match="no forward pass of the model ran inside"):
+        tracer.compare(a, b)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_captures_by_reference_equal_copies(family):
     """The residual stream and the logits kept by reference (no copy kernel, the default on a GPU)

@@ -29,3 +29,20 @@ def test_bench_never_touches_the_users_files(tmp_path):
     assert mine.read_bytes() == b"my own file" and list(tmp_path.iterdir()) == [mine]
     with pytest.raises(TracerError, match="is a file"):
         bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, outdir=str(mine))
+
+
+def test_bench_block_size_is_checked_not_dropped(tmp_path):
+    """--block-size 0 is refused as in ``tracer run`` (it used to fall back to 16), a block size on a
+    scenario without a KV block (repeat) is refused rather than ignored, and a given size is used."""
+    import pytest
+
+    import tracer
+    from tracer.errors import TracerError
+
+    with pytest.raises(TracerError, match="--block-size 0 is outside 1"):
+        tracer.bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, block_size=0, peers=False)
+    with pytest.raises(TracerError, match="--block-size does not apply to scenario repeat"):
+        tracer.bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, scenario="repeat", block_size=32,
+                     peers=False)
+    r = bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, block_size=8, peers=False, outdir=str(tmp_path))
+    assert r.config["block_size"] == 8

@@ -326,6 +326,16 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
     return compare_runs((path, run_a), (path, run_b), atol=atol, rtol=rtol, device=device)
 
 
+def _one_file(a: Any, b: Any) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (``./t.h5`` and ``/abs/t.h5``, a link)."""
+    import os
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *,
                  atol: float | None = None, rtol: float | None = None,
                  device: str | None = None) -> Comparison:
@@ -365,6 +375,9 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             run_b = run_b or next(n for n in names_a if n != run_a)
         run_a = run_a or (run_b if run_b in names_a else names_a[0] if names_a else None)
         run_b = run_b or (run_a if run_a in names_b else names_b[0] if names_b else None)
+        if run_a == run_b and (same or _one_file(path_a, path_b)):  # agrees with itself, whatever it holds
+            raise TracerError(f"run {run_a} of {path_a} would be compared with itself; name two different runs "
+                              f"(its runs: {', '.join(names_a)})")
         ra = reader_a.run(run_a, load_tensors=False)
         rb = reader_b.run(run_b, load_tensors=False)
         label_a, label_b = (run_a, run_b) if same else (f"{path_a}:{run_a}", f"{path_b}:{run_b}")

@@ -453,13 +453,22 @@ class Captured:
             point fired (a graph recorded before it) or a point recorded twice is an error.
 
     Raises:
-        TracerError: unknown granularity, a module path that is not in the model, ``cuda_graphs``
+        TracerError: ``model`` not an ``nn.Module``; ``points`` neither a granularity nor a non-empty
+            list of paths; unknown granularity, a module path that is not in the model, ``cuda_graphs``
             for a model not on a CUDA GPU, or (at the end of the block) ``cuda_graphs`` and
             nothing captured, or a point recorded in several forwards.
     """
 
     def __init__(self, model: nn.Module, points: str | list[str] = "layers", *, keep_on_device: bool = False,
                  cuda_graphs: bool = False) -> None:
+        if not isinstance(model, nn.Module):
+            hint = ": load it first, tracer.load_model(name)" if isinstance(model, str) else ""
+            raise TracerError(f"tracer.capture takes an HF causal LM (a torch.nn.Module), a tracer.load_model(...) result "
+                              f"or an engine's object, not a {type(model).__name__}{hint}")
+        if not isinstance(points, str) and (not isinstance(points, (list, tuple)) or not points
+                                            or not all(isinstance(p, str) for p in points)):
+            raise TracerError(f"points must be 'layers', 'sublayers' or a non-empty list of module paths such as "
+                              f"['model.layers.0.mlp'], not {str(points)[:60]}")
         self.cuda_graphs = cuda_graphs
         if cuda_graphs:
             from tracer.execute.graphs import check_graph_device
@@ -527,7 +536,14 @@ class Captured:
         return list(self.records())
 
     def run_record(self, name: str = "A") -> RunRecord:
-        """The capture as a :class:`~tracer.execute.records.RunRecord` (window: every captured position)."""
+        """The capture as a :class:`~tracer.execute.records.RunRecord` (window: every captured position).
+
+        Raises:
+            TracerError: nothing was captured (no forward pass of the model ran inside the block).
+        """
+        if not any(getattr(r, "tensor", None) is not None and r.tensor.numel() for r in self.records().values()):
+            raise TracerError(f"capture {name} holds nothing: no forward pass of the model ran inside its "
+                              "'with tracer.capture(...)' block; call the model inside the block")
         n = len(self._capture.token_ids) or self._capture._n_tokens
         return RunRecord(name=name, token_ids=self.token_ids, plan={"description": "tracer.capture"},
                          window=(0, n), captures=self.records(), meta={})

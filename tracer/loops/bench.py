@@ -177,7 +177,7 @@ ModeFactory = Callable[[Any, torch.Tensor, Any], Callable[[], Any]]
 
 
 def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bfloat16",
-          device: str | None = None, granularity: str = "layers", block_size: int = 16,
+          device: str | None = None, granularity: str = "layers", block_size: int | None = None,
           scenario: str = "prefix-cache", reps: int = 5, warmup: int = 1, outdir: str | None = None,
           gguf: str | None = None, kv_cache: bool = True, peers: bool = True,
           extra_modes: dict[str, ModeFactory] | None = None,
@@ -185,6 +185,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
     """Measure modes a–e and the peers for one model/dtype/device/length (see the module docstring).
 
     ``scenario``: one of :data:`tracer.loops.floor.SCENARIOS` (plans of plain forward calls).
+    ``block_size``: prefix-cache's KV block size (None: the scenario's default; another scenario refuses it).
     ``kv_cache``: capture the per-layer KV-cache points (:func:`tracer.execute.points.discover_points`).
     Mode (d) computes the metrics on the model's device, as ``tracer compare`` does by default.
     ``peers``: also measure the peers (:mod:`tracer.loops.peers`), in the same loop.
@@ -208,7 +209,7 @@ def bench(model: str = "smollm2-135m", *, length: int = 1024, dtype: str = "bflo
         raise TracerError(f"--outdir {outdir} is a file; give a folder (it is created if missing)")
     if outdir is not None:
         check_output_path(Path(outdir) / "bench.h5", True, "--outdir")  # name length, writable folder
-    options = {"block_size": block_size} if scenario == "prefix-cache" else {}
+    options = {} if block_size is None else {"block_size": block_size}  # None: the scenario's default
     cfg = validate(RunConfig.from_options(model=model, length=length, dtype=dtype, device=device, gguf=gguf,
                                           scenario=scenario, granularity=granularity, kv_cache=kv_cache,
                                           store="none", **options))

@@ -35,7 +35,8 @@ def parse_engines(engines: Any) -> tuple[str, str]:
     (``NAME:BACKEND``, for an engine that takes ``attention_backend``; kept as ``NAME:BACKEND``).
 
     Raises:
-        TracerError: not two engines, one unknown, or a backend on an engine that takes none.
+        TracerError: not two engines, one unknown, an empty backend (``NAME:``), or a backend on an
+            engine that takes none.
     """
     if isinstance(engines, str):
         engines = tuple(e.strip() for e in engines.split(","))
@@ -45,6 +46,9 @@ def parse_engines(engines: Any) -> tuple[str, str]:
     out = []
     for spec in engines:
         name, backend = split_spec(spec)
+        if backend is None and ":" in spec:  # 'NAME:' ran the engine's own choice, the colon dropped
+            raise TracerError(f"--engines {spec}: no attention backend after the colon; give NAME:BACKEND "
+                              "or the engine alone")
         name = check_engine(name, "--engines", False)
         if backend is not None and name not in takers("attention_backend"):
             example = next(iter(takers("attention_backend")), None)

@@ -279,8 +279,32 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
     engine.log = str(log) if log is not None else None
+    try:
+        check_head_size(engine.model)
+    except TracerError:
+        _release(engine)
+        raise
     _ENGINES[key] = engine
     return engine
+
+
+def check_head_size(model: Any) -> None:
+    """Refuse a model whose attention head size vLLM's chosen attention backend has no kernel for
+    (vLLM starts, then its first step fails in native code: CPU_ATTN has no kernel for head size 16,
+    tiny-llama's). Read from the first attention layer of vLLM's ``model``.
+
+    Raises:
+        TracerError: the backend lists its head sizes and this one is not among them (one line).
+    """
+    attn = next((m for n, m in model.named_modules() if n.endswith("self_attn.attn")), None)
+    backend, head = getattr(attn, "attn_backend", None), getattr(attn, "head_size", None)
+    if backend is None or head is None or not hasattr(backend, "supports_head_size"):
+        return
+    if not backend.supports_head_size(int(head)):
+        sizes = ", ".join(str(h) for h in backend.get_supported_head_sizes())
+        raise TracerError(f"vLLM's {backend.get_name()} attention backend has no kernel for this model's head size "
+                          f"{head} (it takes {sizes}); trace a model with one of those head sizes on vLLM "
+                          f"(e.g. smollm2-135m), or run it on --engine hf")
 
 
 def _release(old: VllmEngine) -> None:
@@ -486,5 +510,5 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
                      captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]}), None
 
 
-__all__ = ["VllmSettings", "VllmEngine", "engine_for", "platform", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
+__all__ = ["VllmSettings", "VllmEngine", "engine_for", "check_head_size", "platform", "plan_facts", "op_facts", "run_bare", "weights_folder", "ref_layout", "execute_loaded",
            "MAX_ENGINES", "CHUNK_MODES"]
