@@ -30,7 +30,7 @@ _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.floa
 
 def torch_replaced() -> bool:
     """Whether a library replaced torch's own operators in this process: a batch-invariant mode
-    (an engine's, e.g. ``VLLM_BATCH_INVARIANT=1``) re-registers the accelerator's matmul, bmm,
+    (an engine's, turned on by its own option) re-registers the accelerator's matmul, bmm,
     softmax and mean for every caller, some of them in float32 only, and rebinds ``torch.bmm``
     (the sign read here). tracer's float64 comparison math must not run through them."""
     return torch.bmm is not torch._C._VariableFunctions.bmm

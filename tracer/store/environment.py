@@ -192,7 +192,7 @@ def _nvidia_driver(index: int) -> str | None:
 def _flag(read: Callable[[], Any]) -> bool | None:
     """A legacy torch precision flag as a bool: torch >= 2.10 gives the reduced-precision ones as a
     tuple (allow, allow split-K), whose first item is the flag; None when torch refuses to say (a
-    process that set cuDNN's conv and RNN TF32 flags apart through the new API, as vLLM's
+    process that set cuDNN's conv and RNN TF32 flags apart through the new API, as an engine's
     batch-invariant mode does: the ``*_fp32_precision`` fields then say it)."""
     try:
         value = read()
