@@ -120,3 +120,23 @@ def test_a_replaced_bmm_is_seen_and_gpu_comparisons_move_to_the_cpu(monkeypatch)
     if torch.cuda.is_available():
         ga, gb = one_device(a.cuda(), b.cuda())
         assert ga.device.type == gb.device.type == "cpu" and torch.equal(ga, a)
+
+
+def test_the_statistics_use_torchs_own_bmm_whatever_torch_bmm_is_bound_to(monkeypatch):
+    """On the H200 vLLM's batch-invariant mode rebinds torch.bmm to a kernel without float64 (KeyError:
+    torch.float64 inside tracer's statistics, on any device); tracer's float64 Gram matrix calls torch's own."""
+    import torch
+
+    from tracer.diff.metrics import element_stats
+
+    a = torch.randn(4 * 2048, dtype=torch.bfloat16)
+    b = a.clone()
+    b[::7] += 1
+    m = a != b
+    expected = element_stats(a, b, m, (4, 2048))  # the dense form: the Gram matrix of each block
+
+    def refuse(*args, **kwargs):
+        raise KeyError(torch.float64)
+
+    monkeypatch.setattr(torch, "bmm", refuse)
+    assert all(torch.equal(x, y) for x, y in zip(element_stats(a, b, m, (4, 2048)), expected))

@@ -374,7 +374,9 @@ def element_stats(da: torch.Tensor, db: torch.Tensor, m: torch.Tensor | None, gr
     k, block = groups
     x = torch.stack([fa, fb, fa - fb], dim=1).view(k, block, 3)
     del fa, fb
-    gram = torch.bmm(x.transpose(1, 2), x)  # (k, 3, 3): per block a.a, b.b, a.b, (a-b).(a-b) in one GEMM
+    # (k, 3, 3): per block a.a, b.b, a.b, (a-b).(a-b) in one GEMM; torch's own bmm, never a rebinding of
+    # torch.bmm by another library (a batch-invariant mode's has no float64: tracer.diff.positions.torch_replaced)
+    gram = torch._C._VariableFunctions.bmm(x.transpose(1, 2), x)
     sums = torch.stack([d.view(k, block).sum(1), gram[:, 0, 0], gram[:, 1, 1], gram[:, 0, 1], gram[:, 2, 2]], 1)
     maxes = torch.stack([d.view(k, block).amax(1), mag.view(k, block).amax(1)], 1)
     cnt = torch.stack([c.view(k, block).sum(1) for c in counts], 1)
