@@ -31,7 +31,6 @@ the engines' numeric contracts name it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import sys
@@ -171,18 +170,24 @@ class KernelRecorder(Hooks):
                 continue
             own = p.which == "input" and "." in p.module
             module = p.module.rsplit(".", 1)[0] if own else p.module
-            firings = list(self._firings.get(module, []))
-            calls = []
-            for call in rec.calls:
-                i = next((j for j, (_, pos) in enumerate(firings) if pos == list(call.get("positions", []))), None)
-                new = dict(call)
-                if i is not None:
-                    label, _ = firings.pop(i)
-                    got = self.ranges.get(label, {})
-                    pick = ("own_device", "own_ops") if own else ("device", "ops")
-                    new["kernels"] = {"device": counted(got.get(pick[0])), "ops": counted(got.get(pick[1]))}
-                calls.append(new)
-            rec.calls = calls
+            rec.calls = self.calls_with_kernels(rec.calls, module, own)
+
+    def calls_with_kernels(self, calls: list[dict[str, Any]], module: str, own: bool = False) -> list[dict[str, Any]]:
+        """``calls`` (copied) each with the ``kernels`` of ``module``'s recorded firing at the same
+        positions, taken in order (a firing serves one call); ``own``: the module's own kernels,
+        not its children's."""
+        firings = list(self._firings.get(module, []))
+        pick = ("own_device", "own_ops") if own else ("device", "ops")
+        out = []
+        for call in calls:
+            i = next((j for j, (_, pos) in enumerate(firings) if pos == list(call.get("positions", []))), None)
+            new = dict(call)
+            if i is not None:
+                label, _ = firings.pop(i)
+                got = self.ranges.get(label, {})
+                new["kernels"] = {"device": counted(got.get(pick[0])), "ops": counted(got.get(pick[1]))}
+            out.append(new)
+        return out
 
 
 @contextlib.contextmanager
@@ -491,74 +496,3 @@ def rows(kernels: dict[str, Any] | None) -> list[dict[str, Any]]:
     src = kernels.get("device") or kernels.get("ops") or []
     return [dict(parse_kernel(k["name"]), count=k["count"],
                  device="cuda" if kernels.get("device") else "cpu") for k in src]
-
-
-# ---------------------------------------------------------------- which library runs torch's GEMMs
-
-
-def onednn_verbose(work: Any) -> str | None:
-    """What oneDNN's verbose mode prints (on stdout, at the C level) while ``work()`` runs: file
-    descriptor 1 is redirected to a temporary file meanwhile. None when it cannot be read."""
-    import tempfile
-
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with tempfile.TemporaryFile() as tmp:
-            os.dup2(tmp.fileno(), 1)
-            try:
-                with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
-                    work()
-            finally:
-                os.dup2(saved, 1)
-            tmp.seek(0)
-            return tmp.read().decode("utf-8", "replace")
-    except (OSError, RuntimeError):
-        return None
-    finally:
-        os.close(saved)
-
-
-@functools.lru_cache(maxsize=None)  # a process-wide fact: look it up once per device and dtype
-def torch_gemm(device: str, dtype: str) -> str:
-    """The library that runs torch's GEMMs (``F.linear``: ``aten::mm``/``addmm``) for ``dtype`` on ``device``,
-    determined where it can be: on CUDA/ROCm torch's preferred BLAS (``torch F.linear on cuBLAS``); on the
-    CPU, oneDNN when its verbose mode shows a primitive running a small ``F.linear`` (``torch F.linear on
-    oneDNN gemm_api (avx512_core_bf16)``), else the BLAS torch was built with for float32/float64
-    (``torch F.linear on MKL sgemm``, from ``torch.__config__.show()``), else ATen's own CPU GEMM
-    (bf16/fp16 where oneDNN does not take them: ``torch F.linear on ATen's CPU GEMM (AVX2)``).
-
-    Args:
-        device: ``cpu``, ``cuda``, ``cuda:1``, ... dtype: ``bfloat16``, ``float32``, ...
-    """
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        try:
-            lib = torch.backends.cuda.preferred_blas_library().name
-        except (AttributeError, RuntimeError):  # an older torch
-            lib = "Cublas"
-        name = {"Cublas": "hipBLAS" if torch.version.hip else "cuBLAS",
-                "Cublaslt": "hipBLASLt" if torch.version.hip else "cuBLASLt", "Ck": "CK"}.get(lib, lib)
-        return f"torch F.linear on {name}"
-    if dev.type != "cpu":
-        return f"torch F.linear on the {dev.type} backend's GEMM"
-    dt = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype):
-        return "torch F.linear"
-    text = ""
-    if torch.backends.mkldnn.is_available():
-        x, w = torch.ones(32, 256, dtype=dt), torch.ones(256, 256, dtype=dt)
-        text = onednn_verbose(lambda: torch.nn.functional.linear(x, w)) or ""
-    ran = [line.split(",") for line in text.splitlines() if ",exec,cpu," in line]
-    if ran:  # onednn_verbose,<ts>,primitive,exec,cpu,<kind>,<implementation>,...
-        f = ran[0]
-        i = f.index("cpu")
-        kind, impl = (f[i + 1], f[i + 2]) if len(f) > i + 2 else (f[-1], "")
-        return f"torch F.linear on oneDNN {kind}" + (f" ({impl})" if impl else "")
-    if dt in (torch.float32, torch.float64):
-        config = torch.__config__.show()
-        blas = next((b for k, b in (("BLAS_INFO=mkl", "MKL"), ("BLAS_INFO=open", "OpenBLAS"),
-                                    ("BLAS_INFO=accelerate", "Accelerate"), ("BLAS_INFO=", "BLAS")) if k in config), None)
-        if blas is not None:
-            return f"torch F.linear on {blas} {'s' if dt == torch.float32 else 'd'}gemm"
-    return f"torch F.linear on ATen's CPU GEMM ({torch.backends.cpu.get_cpu_capability()})"

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tracer import schema
-from tracer.execute.kernels import onednn_verbose
+from tracer.execute.gemm import onednn_verbose
 from tracer.store.formats import json_dumps
 
 

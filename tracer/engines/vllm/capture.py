@@ -509,20 +509,8 @@ class VllmCapture(Hooks):
         self._win_pos, self.fired, self.traced_labels = state["win_pos"], set(state["fired"]), set(state["traced_labels"])
 
     def records(self, points: list[CapturePoint], engine: str) -> tuple[dict[str, CaptureRecord], dict[str, Any]]:
-        """The run's captures under HF names, and what could not be captured
-        (:func:`tracer.engines.vllm.assemble.records`).
-
-        Returns:
-            ``(captures, info)``: captures in the reference's execution order, each ``(T, *feature)``
-            over the whole window (``kv_cache``: ``(N, keys + values)``), in vLLM's dtype, on vLLM's
-            device; ``info`` = ``{"mapping": {hf: "vLLM source (what was split/summed)"},
-            "not_captured": {hf: reason}, "partial_logits": {hf: (positions, (k, vocab) tensor)},
-            "notes": [...]}``.
-
-        Raises:
-            TracerError: the hooks saw no compared position of the traced prompt, or a window
-                position that no forward pass computed.
-        """
+        """The run's captures under HF names, and what could not be captured:
+        :func:`tracer.engines.vllm.assemble.records` of this capture (its returns and errors)."""
         from tracer.engines.vllm.assemble import records
 
         return records(self, points, engine)

@@ -28,9 +28,9 @@ def _custom_op(module: Any) -> str:
 
 def _gemm(linear: Any) -> str:
     """The GEMM a vLLM Linear runs: the CPU dispatch (``cpu_linear``: oneDNN, sgl-kernel, zentorch,
-    or torch on the library :func:`tracer.execute.kernels.torch_gemm` names) or, elsewhere, its
+    or torch on the library :func:`tracer.execute.gemm.torch_gemm` names) or, elsewhere, its
     quant method (unquantized: torch's, on the device's BLAS)."""
-    from tracer.execute.kernels import torch_gemm
+    from tracer.execute.gemm import torch_gemm
 
     weight = getattr(linear, "weight", None)
     device, dtype = (str(weight.device), str(weight.dtype).replace("torch.", "")) if weight is not None else ("cpu", "")

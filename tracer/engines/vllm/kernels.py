@@ -15,7 +15,7 @@ import contextlib
 import re
 from typing import Any, Iterator
 
-from tracer.execute.kernels import KernelRecorder, counted
+from tracer.execute.kernels import KernelRecorder
 from tracer.execute.kinds import PointKind
 
 
@@ -45,18 +45,7 @@ class VllmKernelRecorder(KernelRecorder):
         for name, rec in records.items():
             if rec.kind == PointKind.KV_CACHE:
                 continue
-            module = capture.sources.get(name, ("",))[0]
-            firings = list(self._firings.get(module, []))
-            calls = []
-            for call in rec.calls:
-                i = next((j for j, (_, pos) in enumerate(firings) if pos == list(call.get("positions", []))), None)
-                new = dict(call)
-                if i is not None:
-                    label, _ = firings.pop(i)
-                    got = self.ranges.get(label, {})
-                    new["kernels"] = {"device": counted(got.get("device")), "ops": counted(got.get("ops"))}
-                calls.append(new)
-            rec.calls = calls
+            rec.calls = self.calls_with_kernels(rec.calls, capture.sources.get(name, ("",))[0])
 
 
 @contextlib.contextmanager
