@@ -134,20 +134,26 @@ def test_list_models():
         assert set(m) == {"name", "kind", "description"} and m["description"]
 
 
-def test_recipe_unknown_key_rejected(tmp_path, monkeypatch):
+def test_recipe_unknown_key_rejected(tmp_path, monkeypatch, capsys):
     (tmp_path / "x.toml").write_text('name = "x"\nkind = "random-init"\ndescription = "d"\nconfg = {}\n')
     monkeypatch.setattr(R, "data_dir", lambda kind: tmp_path)
+    monkeypatch.setattr(R, "_WARNED", set())
+    assert R.list_models() == []  # the broken recipe is left out of the list, with a warning
+    assert "unknown keys ['confg']" in capsys.readouterr().err
     with pytest.raises(TracerError, match=r"missing keys \['config'\], unknown keys \['confg'\]"):
-        R.list_models()
+        R.recipes(using="x")  # and is the error of a run that names it
 
 
-def test_recipe_duplicate_name_rejected(tmp_path, monkeypatch):
+def test_recipe_duplicate_name_rejected(tmp_path, monkeypatch, capsys):
     body = 'name = "x"\nkind = "random-init"\ndescription = "d"\n[config]\nmodel_type = "llama"\n'
     (tmp_path / "a.toml").write_text(body)
     (tmp_path / "b.toml").write_text(body)
     monkeypatch.setattr(R, "data_dir", lambda kind: tmp_path)
+    monkeypatch.setattr(R, "_WARNED", set())
+    assert R.list_models() == []  # neither file's recipe is used
+    assert "defined twice" in capsys.readouterr().err
     with pytest.raises(TracerError, match="defined twice"):
-        R.list_models()
+        R.recipes(using="x")
 
 
 def test_qwen3_shape_recipe_matches_model_card():
@@ -507,7 +513,7 @@ def test_smollm2_second_load_reuses_cache(smollm2_cache, monkeypatch):
     cache, first = smollm2_cache
     digest = first.info.weights_hash
     (entry,) = list(cache.iterdir())
-    assert entry.name == f"smollm2-135m-{digest[:16]}"
+    assert entry.name == f"gguf-{digest[:16]}"  # keyed by the file's content, not the recipe's name
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
     before = (entry / "model.safetensors").stat()
 
