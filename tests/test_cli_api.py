@@ -203,3 +203,22 @@ def test_dtype_help_lists_the_aliases_it_accepts():
     for name in (*FLOATS, *ALIASES):
         assert canonical(name) in FLOATS  # accepted ...
         assert name in OPTIONS["dtype"].help and name in out.split("--dtype", 1)[1].split("--", 1)[0]  # ... and listed
+
+
+def test_help_output_lists_every_output_option_of_every_command():
+    """`tracer help output` listed only --output and --overwrite: every option a command shows in its
+    Output panel (``--format``, ``--report``, ``--plot``, ``--json``, ...) is in the topic, read from the
+    built click commands (what each command's --help shows)."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from tracer.cli import OUTPUT_PANEL
+
+    wanted = {p.opts[0] for name in COMMANDS for p in _cli(name).values()
+              if getattr(p, "rich_help_panel", None) == OUTPUT_PANEL}
+    assert {"--format", "--report", "--plot", "--json", "--no-store", "--wide", "--columns"} <= wanted
+    out = CliRunner().invoke(app, ["help", "output"], env={"COLUMNS": "200"}, terminal_width=200).output
+    listed = set(re.findall(r"^ {4}(--[\w-]+)", out, re.M))
+    assert wanted <= listed, wanted - listed
+    assert re.search(r"--plot\n +also write the divergence map.*; in tracer sweep\n", out)

@@ -119,6 +119,25 @@ def _hint(fn: Callable[..., Any], annotation: Any) -> Any:
         return str
 
 
+#: the render options (:data:`RENDER`) of each command, as :func:`_command` registered them
+RENDERED: dict[str, tuple[str, ...]] = {}
+
+
+def render_options() -> list[dict[str, Any]]:
+    """The command line's own output options (:data:`RENDER`) as ``tracer help output`` lists them:
+    ``{"name", "flags", "brief", "help"}`` each, the help naming the commands that take it; options
+    with the same flags and help (``--overwrite``) are one entry."""
+    out: dict[tuple[tuple[str, ...], str], dict[str, Any]] = {}
+    for name, (_, _, flags, help_) in RENDER.items():
+        commands = [c for c, names in RENDERED.items() if name in names]
+        if not commands:
+            continue
+        entry = out.setdefault((flags, help_), {"name": name, "flags": list(flags), "brief": help_, "commands": []})
+        entry["commands"] += [c for c in commands if c not in entry["commands"]]
+    return [{**{k: v for k, v in e.items() if k != "commands"},
+             "help": f"{e['brief']}; in tracer {', '.join(e['commands'])}"} for e in out.values()]
+
+
 #: the panel of the command line's own options (:data:`RENDER`) in ``--help``
 OUTPUT_PANEL = PANELS["output"][0]
 
@@ -180,6 +199,8 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = (),
     API's keyword arguments as one dict, the render options as keywords, and returns the exit code.
     ``inputs``: the parameters naming input files or folders (``PATH`` or ``PATH:RUN``), refused in one
     line before the body runs (so before torch is imported) when they do not exist."""
+    RENDERED[name] = render
+
     def register(body: Callable[..., int | None]) -> Callable[..., int | None]:
         def callback(**given: Any) -> None:
             view = {k: given.pop(k) for k in render}
@@ -355,7 +376,11 @@ def help_cmd(opts: dict[str, Any]) -> None:
     'tracer run --help' gives each option one line."""
     from tracer.report.terminal import print_options_help
 
-    print_options_help(api.options(**opts), opts["topic"])
+    doc = api.options(**opts)
+    if "output" in doc:  # the run options --output/--overwrite, then every command's own output options
+        known = {tuple(o["flags"]) for o in doc["output"]["options"]}
+        doc["output"]["options"] += [o for o in render_options() if tuple(o["flags"]) not in known]
+    print_options_help(doc, opts["topic"])
 
 
 @_command("bench", api.bench, ("as_json",))
