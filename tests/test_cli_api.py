@@ -222,3 +222,28 @@ def test_help_output_lists_every_output_option_of_every_command():
     listed = set(re.findall(r"^ {4}(--[\w-]+)", out, re.M))
     assert wanted <= listed, wanted - listed
     assert re.search(r"--plot\n +also write the divergence map.*; in tracer sweep\n", out)
+
+
+def test_help_scenarios_speaks_in_cli_options():
+    """`tracer help scenarios` showed docstring markup (``:mod:``, double backticks) and Python names
+    (``batch_row``, ``kv_format``, ``attn_a``): a user reads plain text with the --flags they type,
+    and each scenario lists the options its builder takes."""
+    import inspect
+    import re
+
+    from typer.testing import CliRunner
+
+    from tracer.plan.scenarios import SCENARIOS
+
+    out = CliRunner().invoke(app, ["help", "scenarios"], env={"COLUMNS": "200"}, terminal_width=200).output
+    flat = " ".join(out.split())
+    assert not re.search(r":(mod|func|class|data|meth):|``", flat), flat
+    python_names = [k for k in OPTIONS if "_" in k and re.search(rf"(?<![\w.-]){k}(?![\w-])", flat)]
+    assert python_names == [], python_names
+    assert "as row --batch-row of a batch of --batch-size" in flat
+    assert "--attn-a versus --attn-b" in flat and "quantize-dequantized as --kv-format" in flat
+    docs = {o["name"]: o["help"] for o in tracer.options("scenarios")["scenarios"]["options"]}
+    for name, fn in SCENARIOS.items():
+        for p in inspect.signature(fn).parameters:
+            if p in OPTIONS and p not in ("mitigation",):
+                assert OPTIONS[p].flags[0].split("/")[0] in docs[name], (name, p)

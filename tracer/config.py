@@ -504,11 +504,25 @@ OPTIONS: dict[str, Option] = _declare()
 def scenario_docs() -> list[tuple[str, str, str]]:
     """Every scenario of :data:`SCENARIOS` as ``(name, note, description)``: the few words of
     ``--scenario``'s help and the first paragraph of its docstring (``tracer help scenarios``)."""
+    import re
+
     out = []
     for name, fn in SCENARIOS.items():
         doc = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
-        out.append((name, _SCENARIO_NOTES.get(name, ""), doc.replace("``", "")))
+        out.append((name, _SCENARIO_NOTES.get(name, ""), _for_users(doc, applicable_options(name), re)))
     return out
+
+
+def _for_users(doc: str, params: tuple[str, ...], re: types.ModuleType) -> str:
+    """A builder's docstring as a user reads it: RST roles and double backticks gone (``:mod:`x```
+    becomes ``x``), each of the builder's parameters with an underscore named by its ``--flag``
+    (``batch_row``: ``--batch-row``), and the builder's flags listed."""
+    doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc).replace("``", "")
+    flags = {p: OPTIONS[p].flags[0].split("/")[0] for p in params if p in OPTIONS}
+    for p, flag in flags.items():  # a name with an underscore: one word (engines) is also English
+        if "_" in p:
+            doc = re.sub(rf"(?<![\w.-]){p}(?![\w-])", flag, doc)
+    return doc + (f" Options: {', '.join(flags.values())}." if flags else "")
 
 
 _MODEL = ("model", "dtype", "device", "attn", "gguf", "device_map", "max_memory")
