@@ -33,6 +33,7 @@ from tracer.diff.accuracy import replay_origins
 from tracer.diff.compare import compare_records
 from tracer.diff.engine import engine_skips, sampled_logits
 from tracer.diff.facts import run_facts
+from tracer.diff.logits import with_token_texts
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison
 from tracer.diff.rl import comparable, is_rl, mitigation_table, rl_comparison
@@ -339,6 +340,9 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     if on_engines:  # an engine may compute logits only where it samples: compared at the positions both runs have
         comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
+    tok = getattr(loaded, "tokenizer", None)
+    if comparison.logits is not None and comparison.logits.argmax_flips and tok is not None:  # the tokens' text
+        comparison = _replace(comparison, logits=with_token_texts(comparison.logits, lambda t: tok.decode([t])))
     for rec in records:  # the comparison waited for both runs: their CUDA-event times are ready
         settle_wall(rec)
     if rl:  # what RL stacks log, from both runs' logprobs and logits

@@ -596,3 +596,33 @@ def test_batch_refuses_bad_pairs_and_reuse():
         batch.add(torch.zeros(3), torch.zeros(3))
     with pytest.raises(ValueError, match="tolerances"):
         batch_module.DiffBatch(tolerance=(-1.0, 0.0))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_flip_margins_in_ulps_name_ties_and_neighbours(name, dense):
+    """A flip whose top two logits tie (the lower token id wins) or lie one representable value apart
+    is rounding's coin toss: each flip carries its top-1 − top-2 gap in ULPs of the stored dtype,
+    planted with numpy's own nextafter in that dtype (the CPU's and the GPU's way alike)."""
+    from tracer.diff.logits import LogitsAccumulator
+
+    np_dtype = {"float16": np.float16, "float32": np.float32, "float64": np.float64}.get(name)
+    v = 8
+    a = np.zeros((3, v))
+    b = np.zeros((3, v))
+    a[0, 2] = a[0, 5] = 1.5  # row 0: a tie in A (token 2 wins), B picks 5 by a wide margin
+    b[0, 5], b[0, 2] = 3.0, 1.0
+    a[1, 1], a[1, 6] = 2.0, 1.0  # row 1: A far apart; B's top two one ULP apart (6 just above 2.0)
+    b[1, 1] = 2.0
+    if np_dtype is not None:
+        b[1, 6] = float(np.nextafter(np_dtype(2.0), np_dtype(3.0)))
+    else:  # bfloat16: 8 bits of significand, the next value above 2 is 2 + 2**-6
+        b[1, 6] = 2.0 + 2.0 ** -6
+    a[2, 0] = b[2, 0] = 4.0  # row 2: no flip
+    ta, tb = torch.from_numpy(a).to(DTYPES[name][0]), torch.from_numpy(b).to(DTYPES[name][0])
+    acc = LogitsAccumulator(v, dense=dense)
+    acc.add(ta, tb)
+    got = acc.result(tensor_diff(ta, tb))
+    assert [(f.position, f.token_a, f.token_b) for f in got.argmax_flips] == [(0, 2, 5), (1, 1, 6)]
+    f0, f1 = got.argmax_flips
+    assert f0.ulps_a == 0 and f0.ulps_b > 1 and f1.ulps_a > 1 and f1.ulps_b == 1

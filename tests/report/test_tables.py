@@ -182,3 +182,31 @@ def test_an_identical_comparison_names_no_origin_in_its_caption():
     render(c, "table", Console(file=out, width=120, height=12, no_color=True))
     caption = [line for line in out.getvalue().splitlines() if " rows: " in line]
     assert caption and "origin" not in caption[0] and caption[0].endswith("(--all-rows prints all)"), out.getvalue()
+
+
+def test_flip_lines_show_the_decoded_tokens_and_a_tie():
+    """An argmax flip was shown as two token ids: the table's flip line and the logits line name the
+    decoded text too (quoted, escaped, shortened), and a run whose top two logits tie says so."""
+    from dataclasses import replace
+
+    from tracer.diff.logits import with_token_texts
+
+    logits_a = torch.tensor([[0.0, 2.0, 1.0, 0.5], [3.0, 0.0, 3.0, 1.0]], dtype=torch.float32)  # row 1: a tie, 0 wins
+    logits_b = torch.tensor([[0.0, 1.0, 2.0, 0.5], [2.0, 0.0, 3.0, 1.0]], dtype=torch.float32)
+    emb = torch.zeros(2, 8)
+    rec = functools.partial(run_record, ids=(7, 8, 9, 10), window=(2, 4))
+    c = compare_records(rec("A", [("emb", "embedding", emb), ("head", "logits", logits_a)]),
+                        rec("B", [("emb", "embedding", emb), ("head", "logits", logits_b)]), scenario="repeat", model="m")
+    words = {0: "\n\n", 1: " the", 2: "x" * 40, 3: "[/bold]"}
+    c = replace(c, logits=with_token_texts(c.logits, lambda t: words[t]))
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    render(c, "table", console)
+    text = console.export_text()
+    lines = [" ".join(x.split()) for x in text.splitlines()]
+    assert "position 2: top-1 token 1 ' the' in A, 2 'xxxxxxxxxxxxxxx…' in B (top-2 margin 1 in A, 1 in B)" in lines, text
+    tie = next(x for x in lines if x.startswith("position 3:"))
+    assert tie.startswith("position 3: top-1 token 0 '\\n\\n' in A, 2 'xxxxxxxxxxxxxxx…' in B (top-2 margin 0 in A, 1 in B; "
+                          "top two a tie in A"), tie
+    assert "first flip at position 2 (token 1 ' the' in A, 2 'xxxxxxxxxxxxxxx…' in B)" in " ".join(lines)

@@ -7,6 +7,8 @@ same numbers, bit for bit, over rows given in blocks (a logits point streamed fr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -34,6 +36,28 @@ def _kl_rows(a64: torch.Tensor, b64: torch.Tensor) -> torch.Tensor:
     terms = torch.where(p == 0, torch.zeros_like(terms), terms)  # 0 * (-inf - x) is 0, not NaN
     kl = terms.sum(dim=1)
     return torch.where(kl < 0, torch.zeros_like(kl), kl)
+
+
+def _ulp_gap(top: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Top-1 minus top-2 of float64 ``(rows, k >= 2)`` values sorted descending (each exactly a value of
+    ``dtype``, the stored one) in ULPs of ``dtype``: the steps between the two on its number line
+    → int64 ``(rows,)`` (0: a tie)."""
+    keys = _metrics._ordered_keys(top[:, :2].to(dtype).contiguous().reshape(-1)).reshape(-1, 2)  # (rows, 2)
+    return keys[:, 0] - keys[:, 1]
+
+
+def with_token_texts(logits: LogitsDiff, decode: Callable[[int], str]) -> LogitsDiff:
+    """``logits`` with each argmax flip's two tokens decoded (``decode``: one token id → its text,
+    e.g. a tokenizer's ``decode([id])``), at most 200 characters each; a token ``decode`` cannot
+    decode (an id beyond the vocabulary) keeps None."""
+    def text(token: int) -> str | None:
+        try:
+            return str(decode(token))[:200]
+        except Exception:  # noqa: BLE001 - a tokenizer's own error for one id: the id alone is shown
+            return None
+
+    flips = tuple(replace(f, text_a=text(f.token_a), text_b=text(f.token_b)) for f in logits.argmax_flips)
+    return replace(logits, argmax_flips=flips)
 
 
 def _overlap(ia: torch.Tensor, ib: torch.Tensor, k: int) -> torch.Tensor:
@@ -191,12 +215,13 @@ class LogitsAccumulator:
         self.worst_rank = max(self.worst_rank, int(rank.max()))
         flip_rows = torch.nonzero(top_a != top_b).flatten()
         if flip_rows.numel():
-            ma, mb = top_va[flip_rows], top_vb[flip_rows]  # (f, k); V >= 2 when a flip exists
-            ma, mb = ma[:, 0] - ma[:, 1], mb[:, 0] - mb[:, 1]  # top-1 minus top-2
+            ta, tb = top_va[flip_rows], top_vb[flip_rows]  # (f, k); V >= 2 when a flip exists
+            ma, mb = ta[:, 0] - ta[:, 1], tb[:, 0] - tb[:, 1]  # top-1 minus top-2
+            ua, ub = _ulp_gap(ta, a.dtype).tolist(), _ulp_gap(tb, a.dtype).tolist()
             where = rows[flip_rows].tolist()
             for i, r in enumerate(flip_rows.tolist()):
                 self.flips.append(ArgmaxFlip(position=start + where[i], token_a=int(top_a[r]), token_b=int(top_b[r]),
-                                             margin_a=float(ma[i]), margin_b=float(mb[i])))
+                                             margin_a=float(ma[i]), margin_b=float(mb[i]), ulps_a=ua[i], ulps_b=ub[i]))
 
     def _dense(self, a: torch.Tensor, b: torch.Tensor, start: int) -> None:
         """:meth:`_chunk` on a GPU: the float64 statistics of every row, kept on the device (:meth:`pending_words`)."""
@@ -211,10 +236,12 @@ class LogitsAccumulator:
         del a64, b64
         if v >= 2:
             ma, mb = top_va[:, 0] - top_va[:, 1], top_vb[:, 0] - top_vb[:, 1]
+            ua, ub = _ulp_gap(top_va, a.dtype).to(torch.float64), _ulp_gap(top_vb, a.dtype).to(torch.float64)
         else:  # no flip can exist
-            ma = mb = torch.zeros(r, dtype=torch.float64, device=a.device)
+            ma = mb = ua = ub = torch.zeros(r, dtype=torch.float64, device=a.device)
         scalars = torch.stack([kl.sum(), kl.max(), o5.sum(), o10.sum(), rank.max().to(torch.float64)])
-        rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb])  # token ids < 2^53: exact
+        # token ids and the ULP gaps of the flips that matter (< 2^53): exact in float64
+        rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb, ua, ub])
         # read on the host with the rest of the comparison (fetch_together), in chunk order
         self._pending.append((start, r, torch.cat([scalars, rows.reshape(-1)])))
 
@@ -238,18 +265,19 @@ class LogitsAccumulator:
 
     def _settle(self, start: int, r: int, host: list[float]) -> None:
         """One dense chunk's statistics, read on the host: ``[kl sum, kl max, top-5 sum, top-10 sum,
-        worst rank]`` then the ``r`` rows' argmax of A, of B, and both top-1 − top-2 margins."""
+        worst rank]`` then the ``r`` rows' argmax of A, of B, both top-1 − top-2 margins and both
+        margins in ULPs."""
         kl_sum, kl_max, ov5, ov10, worst = host[:5]
         self.kl_sum += kl_sum
         self.kl_max = _nan_max(self.kl_max, kl_max)
         self.ov5 += ov5
         self.ov10 += ov10
         self.worst_rank = max(self.worst_rank, int(worst))
-        ta, tb, mas, mbs = (host[5 + i * r:5 + (i + 1) * r] for i in range(4))
+        ta, tb, mas, mbs, uas, ubs = (host[5 + i * r:5 + (i + 1) * r] for i in range(6))
         for i in range(r):
             if ta[i] != tb[i]:
                 self.flips.append(ArgmaxFlip(position=start + i, token_a=int(ta[i]), token_b=int(tb[i]),
-                                             margin_a=mas[i], margin_b=mbs[i]))
+                                             margin_a=mas[i], margin_b=mbs[i], ulps_a=int(uas[i]), ulps_b=int(ubs[i])))
 
     def add_equal(self, rows: int) -> None:
         """The next ``rows`` rows, known to be bitwise equal in both runs and finite (checked by the

@@ -138,6 +138,11 @@ class ArgmaxFlip(schema.Record):
             exist at a few positions only (an engine's sampled positions), still the window index.
         token_a, token_b: the argmax token id in run A and in run B.
         margin_a, margin_b: top-1 minus top-2 logit in that run (float64 of the stored values).
+        ulps_a, ulps_b: the same gap in ULPs of the stored dtype (representable values between the
+            two: 0 a tie, broken by the lower token id; 1 adjacent values); None where not computed
+            (a comparison stored before they were).
+        text_a, text_b: the two tokens decoded by the model's tokenizer, as decoded (unescaped);
+            None where no tokenizer was at hand (a stored trace compared, a run from token ids).
     """
 
     position: int
@@ -145,6 +150,10 @@ class ArgmaxFlip(schema.Record):
     token_b: int
     margin_a: float
     margin_b: float
+    ulps_a: int | None = None
+    ulps_b: int | None = None
+    text_a: str | None = None
+    text_b: str | None = None
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,29 @@ def logits_text(c: Comparison) -> str:
             f"{flips_text(c)} · KL(A‖B) mean {_g(lg.kl_mean)}, max {_g(lg.kl_max)} nats")
     if flips:
         f = lg.argmax_flips[0]
-        text += f" · first flip at position {c.positions[0] + f.position} (token {f.token_a} in A, {f.token_b} in B)"
+        text += f" · first flip at position {c.positions[0] + f.position} ({flip_tokens(f)})"
     return text
+
+
+def flip_tokens(f: Any) -> str:
+    """An :class:`~tracer.diff.metrics.ArgmaxFlip`'s two tokens: ``token 1234 ' the' in A, 567 ' a' in B``
+    (the decoded text where the run had a tokenizer, escaped and shortened)."""
+    from tracer.report.textsafe import token_text
+
+    def one(token: int, text: str | None) -> str:
+        return f"{token} {token_text(text)}" if text is not None else str(token)
+
+    return f"token {one(f.token_a, f.text_a)} in A, {one(f.token_b, f.text_b)} in B"
+
+
+def flip_tie(f: Any) -> str:
+    """Where a run's top two logits tie or lie 1 ULP apart (the flip is a coin toss of rounding):
+    ``; a tie in B (the lower token id wins)``, ``; 1 ULP apart in A``; ``""`` otherwise or unknown."""
+    parts = [("a tie" if u == 0 else "1 ULP apart") + f" in {side}"
+             for side, u in (("A", f.ulps_a), ("B", f.ulps_b)) if u is not None and u <= 1]
+    if not parts:
+        return ""
+    return "; top two " + " and ".join(parts) + (" (the lower token id wins a tie)" if "a tie" in parts[0] + parts[-1] else "")
 
 
 def flips_text(c: Comparison) -> str:

@@ -31,7 +31,8 @@ from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
-from tracer.report.summary import flips_text, headline, plan_line, rows_that_matter, unverified_text, verdict_line
+from tracer.report.summary import (flip_tie, flip_tokens, flips_text, headline, plan_line, rows_that_matter,
+                                   unverified_text, verdict_line)
 from tracer.report.textsafe import printable
 from tracer.store.trace import json_safe
 
@@ -193,14 +194,15 @@ def _sliding_note(c: Comparison) -> str:
 
 
 def flips_lines(c: Comparison, limit: int = 10) -> list[str]:
-    """One line per argmax flip: position, tokens in A and B, top-2 margins."""
+    """One line per argmax flip: position, tokens in A and B (ids, and the decoded text where known),
+    top-2 margins, and whether a run's top two tie or lie 1 ULP apart."""
     if c.logits is None:
         return []
     lines = []
     for f in c.logits.argmax_flips[:limit]:
         lines.append(
-            f"position {c.positions[0] + f.position}: top-1 token {f.token_a} in A, {f.token_b} in B "
-            f"(top-2 margin {_num(f.margin_a)} in A, {_num(f.margin_b)} in B)"
+            f"position {c.positions[0] + f.position}: top-1 {flip_tokens(f)} "
+            f"(top-2 margin {_num(f.margin_a)} in A, {_num(f.margin_b)} in B{flip_tie(f)})"
         )
     if len(c.logits.argmax_flips) > limit:
         lines.append(f"... {len(c.logits.argmax_flips) - limit} more")

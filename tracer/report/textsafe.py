@@ -32,6 +32,14 @@ def printable(value: Any, *, newlines: bool = False) -> str:
     return (_CONTROL if newlines else _CONTROL_NL).sub(_escape, text)
 
 
+def token_text(text: str, limit: int = 16) -> str:
+    """A decoded token as a user can read it on one line: quoted (a leading space shows), newlines
+    and tabs as ``\\n`` and ``\\t``, other control characters escaped (:func:`printable`), and
+    shortened to ``limit`` characters inside the quotes with ``…``: ``' the'``, ``'\\n\\n'``."""
+    s = printable(text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r"))
+    return f"'{s[:limit - 1] + '…' if len(s) > limit else s}'"
+
+
 def plain(value: Any, *, newlines: bool = False) -> str:
     """:func:`printable`, then rich markup escaped: safe to pass to ``console.print`` or a Table."""
     from rich.markup import escape
