@@ -160,3 +160,50 @@ def test_without_a_terminal_the_error_is_the_last_line(tmp_path, progress):
         assert lines == ["error: the dump is damaged; re-dump it"]
     else:
         assert len(lines) >= 2 and all(re.match(r"compare: comparing .* · elapsed \d+s$", x) for x in lines[:-1]), lines
+
+
+def test_the_status_line_in_a_terminal_keeps_its_elapsed_time_running(monkeypatch):
+    """In a terminal the status line showed the elapsed time of its last message: a phase of minutes
+    said ``· 3s`` throughout. The status is rendered anew at each of rich's refreshes: two renders
+    of one phase, 1.1 s apart and with no message between, show two elapsed times."""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("COLUMNS", "100")
+    out = io.StringIO()
+    with StatusProgress("run", mode="bar", stream=out) as status:
+        status("run A: cache miss")
+        first = status.status.renderable  # what the next refresh draws
+        from rich.console import Console
+
+        def shown() -> str:
+            c = Console(file=io.StringIO(), width=100)
+            c.print(first)
+            return c.file.getvalue()
+
+        before = shown()
+        status.t0 -= 61  # as if the command had run a minute longer, no message since
+        after = shown()
+    assert "run A: cache miss · " in before and before != after, (before, after)
+    assert re.search(r"· 1m0[12]s", after), after
+
+
+def test_a_counted_phase_s_eta_counts_from_its_own_start():
+    """With --verdict the status printed ``verdict: re-run 2/2 ... · elapsed 5m10s · ETA 5m10s``: the
+    ETA was the command's elapsed time (model load and the main run included), not the re-runs'.
+    The sequence's own items time it: re-run 1 took 100 s, so at the start of re-run 2 of 2 about
+    100 s are left, and 30 s into it about 70 s."""
+    status = StatusProgress("run", mode="lines", stream=io.StringIO())
+    t = status.t0
+    status("loading the model")
+    status("verdict: re-run 1/2 at float32: run A: cache miss")
+    status._count = (status._count[0], 2, 1, t + 300.0, 1, t + 300.0)  # re-run 1 began 300 s in
+    status.message = "verdict: re-run 2/2 at float64: run A: cache miss"
+    status._count = (status._count[0], 2, 1, t + 300.0, 2, t + 400.0)  # re-run 2 began 100 s later
+    assert status.eta_s(t + 400.0) == pytest.approx(100.0)
+    assert status.eta_s(t + 430.0) == pytest.approx(70.0)
+    assert "· elapsed 7m10s · ETA 1m10s" in status._text(t + 430.0, "elapsed ")
+    fresh = StatusProgress("run", mode="lines", stream=io.StringIO())
+    for k in (1, 2, 3):  # the real calls: each k's message when it comes
+        fresh(f"repetition {k}/4")
+    assert fresh.eta_s(time.monotonic()) is not None and fresh.eta_s(time.monotonic()) < 1.0
+    fresh("comparing A with B")
+    assert fresh.eta_s(time.monotonic()) is None and "ETA" not in fresh._text(time.monotonic())

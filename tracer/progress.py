@@ -240,13 +240,18 @@ class StatusProgress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._relay: Any = None
+        # the counted sequence the message is in (``re-run 2/3``): (text before the count, n, first k
+        # seen, when it began, current k, when it began): its ETA counts from its own start
+        self._count: tuple[str, int, int, float, int, float] | None = None
 
     def __enter__(self) -> StatusProgress:
         self.t0 = time.monotonic()
         if self.mode == "bar":
             from rich.console import Console
 
-            self.status = Console(file=self.stream or sys.stderr, stderr=self.stream is None).status(self.label)
+            # the status renders this object at every refresh (rich's spinner, ~12 times a second), so the
+            # elapsed time runs while a phase does, not only when a message comes
+            self.status = Console(file=self.stream or sys.stderr, stderr=self.stream is None).status(_LiveText(self))
             self.status.__enter__()
         elif self.mode == "lines":
             self._thread = threading.Thread(target=self._watch, name="tracer-progress", daemon=True)
@@ -268,12 +273,35 @@ class StatusProgress:
             self.status.__exit__(*exc)
             self.status = None
 
-    def _text(self, now: float, elapsed: str = "") -> str:
-        eta = ""
+    def _counted(self, message: str, now: float) -> None:
+        """Follow the ``k/n`` count in ``message``: a new sequence (other words before the count,
+        another n, or k going back) starts its own clock; each new k notes when it began."""
+        m = self._COUNT.search(message)
+        if m is None:
+            return
+        k, n, prefix = int(m.group(1)), int(m.group(2)), message[:m.start()]
+        c = self._count
+        if c is None or c[0] != prefix or c[1] != n or k < c[4]:
+            self._count = (prefix, n, k, now, k, now)
+        elif k != c[4]:
+            self._count = (prefix, n, c[2], c[3], k, now)
+
+    def eta_s(self, now: float) -> float | None:
+        """Seconds left of the counted sequence the current message is in (``re-run 2/3``): the mean
+        time of its items finished so far (counted from the sequence's own start, not the command's)
+        times the items left, the running one included, less the time the running one has taken;
+        None before one item of the sequence finished."""
+        c = self._count
         m = self._COUNT.search(self.message)
-        if m and int(m.group(1)) > 1 and int(m.group(2)) >= int(m.group(1)):
-            k, n = int(m.group(1)), int(m.group(2))
-            eta = f" · ETA {_clock((now - self.t0) / (k - 1) * (n - k + 1))}"
+        if c is None or m is None or c[0] != self.message[:m.start()] or c[4] <= c[2] or c[1] < c[4]:
+            return None
+        _, n, k0, t_k0, k, t_k = c
+        per_item = (t_k - t_k0) / (k - k0)
+        return max(0.0, per_item * (n - k + 1) - (now - t_k))
+
+    def _text(self, now: float, elapsed: str = "") -> str:
+        eta_s = self.eta_s(now)
+        eta = f" · ETA {_clock(eta_s)}" if eta_s is not None else ""
         detail = f" · {self.detail}" if self.detail else ""
         return f"{self.message}{detail} · {elapsed}{_clock(now - self.t0)}{eta}"
 
@@ -282,8 +310,9 @@ class StatusProgress:
         now = time.monotonic()
         with self._lock:
             self.message, self.detail, self.since, self.printed_at = message, "", now, None
+            self._counted(message, now)
             if self.mode == "bar" and self.status is not None:
-                self.status.update(self._text(now))
+                self.status.update(_LiveText(self))
             elif self.mode == "lines" and self.delay_s <= 0:
                 self._line(now)
 
@@ -296,9 +325,7 @@ class StatusProgress:
     def report(self, detail: str) -> None:
         """Progress inside the current phase (``Loading weights 45/272``): shown with its message."""
         with self._lock:
-            self.detail = detail
-            if self.mode == "bar" and self.status is not None:
-                self.status.update(self._text(time.monotonic()))
+            self.detail = detail  # the status shows it at its next refresh (_LiveText)
 
     def _line(self, now: float) -> None:
         print(f"{self.label}: {self._text(now, 'elapsed ')}", file=self.stream or sys.stderr, flush=True)
@@ -319,6 +346,19 @@ class StatusProgress:
     def _watch(self) -> None:
         while not self._stop.wait(0.1):
             self.tick(time.monotonic())
+
+
+class _LiveText:
+    """What a :class:`StatusProgress` shows in a terminal, rendered anew at each of rich's refreshes:
+    the current message with the elapsed time (and ETA) of that moment."""
+
+    def __init__(self, owner: StatusProgress) -> None:
+        self.owner = owner
+
+    def __rich__(self) -> Any:
+        from rich.text import Text
+
+        return Text(self.owner._text(time.monotonic()))
 
 
 @contextlib.contextmanager
