@@ -51,7 +51,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if s.block_size is not None:
         check_block_size(s.block_size)
     if st.mode not in STORE_MODES:
-        raise TracerError(f"unknown --store '{st.mode}'; use one of: {', '.join(STORE_MODES)}")
+        guess = preflight.did_you_mean(str(st.mode), STORE_MODES)
+        raise TracerError(f"unknown --store '{st.mode}'; use one of: {', '.join(STORE_MODES)}"
+                          + (f" (did you mean {guess}?)" if guess else ""))
     if st.compression not in COMPRESSIONS:
         raise TracerError(f"unknown --compression '{st.compression}'; use one of: none, lzf, gzip")
     if st.mode == "none" and st.output is not None:
@@ -68,7 +70,9 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         raise TracerError(f"unknown granularity '{c.granularity}'; use one of: {', '.join(GRANULARITIES)}"
                           + (f" (did you mean {guess}?)" if guess else ""))
     if c.positions not in POSITIONS:
-        raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)")
+        guess = preflight.did_you_mean(str(c.positions), POSITIONS)
+        raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)"
+                          + (f" (did you mean {guess}?)" if guess else ""))
     check_mitigation(s.mitigation)
     check_engine(s.engine, installed=False)
     check_engine_options(s.engine, s.name, s.params())

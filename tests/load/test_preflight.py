@@ -72,6 +72,10 @@ def test_did_you_mean_for_options_scenarios_and_api_names(folder, cli_env):
         tracer.run("tiny-llama", granularty="layers")
     with pytest.raises(TracerError, match=r"unknown scenario 'prefix_cache' \(did you mean prefix-cache\?\)"):
         tracer.run("tiny-llama", scenario="prefix_cache")
+    with pytest.raises(TracerError, match=r"unknown --positions 'al'; .* \(did you mean all\?\)$"):
+        tracer.run("tiny-llama", positions="al")
+    with pytest.raises(TracerError, match=r"unknown --store 'tensor'; .* \(did you mean tensors\?\)$"):
+        tracer.run("tiny-llama", store="tensor")
 
 
 def test_prompt_naming_a_file_gets_a_note(folder):
