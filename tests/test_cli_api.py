@@ -247,3 +247,32 @@ def test_help_scenarios_speaks_in_cli_options():
         for p in inspect.signature(fn).parameters:
             if p in OPTIONS and p not in ("mitigation",):
                 assert OPTIONS[p].flags[0].split("/")[0] in docs[name], (name, p)
+
+
+def test_version_names_tracer_torch_transformers_and_python(tmp_path):
+    """There was no `tracer --version`: it prints tracer's, torch's, transformers' and Python's versions
+    (as the imported modules report them) in one line, exit 0, before any command runs."""
+    import platform
+
+    import torch
+    import transformers
+
+    from tests.helpers import tracer_cli
+
+    out = tracer_cli(["--version"], cwd=tmp_path).stdout
+    assert out.strip() == (f"tracer {tracer.__version__} · torch {torch.__version__} · transformers "
+                           f"{transformers.__version__} · Python {platform.python_version()}")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["models", "--help"]])
+def test_help_shows_flags_without_a_type(args):
+    """`--help` was listed as `--help <bool>`: a flag takes no value, so no flag shows a type, and
+    the options that take one still show theirs (`--length <int>`)."""
+    import re
+
+    from typer.testing import CliRunner
+
+    out = CliRunner().invoke(app, args, env={"COLUMNS": "120"}, terminal_width=120).output
+    assert "<bool>" not in out and re.search(r"--help +Show this message", out), out
+    if args == ["run", "--help"]:
+        assert re.search(r"--length +-n +<int>", out), out

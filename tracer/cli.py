@@ -27,17 +27,56 @@ from tracer import api
 from tracer.config import OPTIONS, PANELS, cli_type
 from tracer.errors import EXIT_ERROR, EXIT_INTERNAL, TracerError
 
+class _HelpWithoutType:
+    """click's ``--help`` option shown as the flag it is: typer's help listed it as ``--help <bool>``."""
+
+    def get_help_option(self, ctx: Any) -> Any:
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Command(_HelpWithoutType, typer.core.TyperCommand):
+    """Every ``tracer`` command (:class:`_HelpWithoutType`)."""
+
+
+class _Group(_HelpWithoutType, typer.core.TyperGroup):
+    """``tracer`` itself (:class:`_HelpWithoutType`)."""
+
+
 app = typer.Typer(
     name="tracer",
+    cls=_Group,
     help="Layer-by-layer numeric divergence tracer for transformer inference.\n\n"
     "Runs one prompt two ways that a correct engine treats as equivalent (e.g. cache miss vs "
     "cache hit), captures every layer bit-exact into an HDF5 trace, and prints where and how "
-    "much the runs diverge.",
+    "much the runs diverge.\n\n"
+    "tracer --version prints the versions of tracer, torch, transformers and Python.",
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+def versions() -> str:
+    """``tracer 0.1.0 · torch 2.13.0+cpu · transformers 5.24.0 · Python 3.12.3``: what ``tracer --version``
+    prints (the installed distributions' versions, read without importing them; ``not installed``
+    for one that is not)."""
+    import platform
+    from importlib import metadata
+
+    from tracer import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"tracer {__version__} · torch {of('torch')} · transformers {of('transformers')} · "
+            f"Python {platform.python_version()}")
+
 
 #: how a command prints or saves its result (the API returns the result instead): name -> (type,
 #: default, flags, help); ``no_store`` is the command line's spelling of ``--store none``
@@ -223,7 +262,7 @@ def _command(name: str, fn: Callable[..., Any], render: tuple[str, ...] = (),
         # one paragraph per blank line: the command list of 'tracer --help' keeps a docstring's line breaks
         callback.__doc__ = escape(re.sub(r"(?<!\n)\n(?!\n)", " ", inspect.cleandoc(body.__doc__ or "")))
         callback.__name__ = body.__name__
-        app.command(name)(callback)
+        app.command(name, cls=_Command)(callback)
         return body
     return register
 
@@ -452,6 +491,9 @@ def main(standalone: bool = False) -> None:
     except ImportError:  # pragma: no cover - older typer: click itself
         from click import exceptions as click_errors
 
+    if sys.argv[1:] == ["--version"]:  # no command: what a bug report needs first
+        print(versions())
+        sys.exit(0)
     try:
         code = app(standalone_mode=False)  # click's usage errors come here: one line, not a usage box
     except click_errors.UsageError as e:
