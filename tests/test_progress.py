@@ -107,7 +107,7 @@ def test_the_bar_keeps_elapsed_and_eta_whole_in_a_narrow_terminal(monkeypatch, w
     monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich takes the stream for a terminal of COLUMNS
     monkeypatch.setenv("COLUMNS", str(width))
     out = io.StringIO()
-    note = "L2-prefix-cache: diverges from model.layers.0.self_attn.kv_cache, 0 argmax flip(s) (cache miss vs hit)"
+    note = "L2-prefix-cache: diverges from model.layers.0.self_attn.kv_cache, 0 argmax flips (cache miss vs hit)"
     with ItemProgress("audit", 21, mode="bar", stream=out) as bar:
         bar.update(description="L2-generate-cache (18 forward passes, 1,004 tokens, greedy generation)")
         bar.note(note)

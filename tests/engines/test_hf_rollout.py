@@ -449,7 +449,7 @@ def test_fail_on_judges_every_sequence_of_the_rl_step(result):
     rl = replace(c.rl, argmax_flips=1)
     quiet = replace(c, logits=replace(c.logits, argmax_flips=()), rl=rl)  # no flip in the traced sequence
     failed, why = quiet.check("flip")
-    assert failed and "1 argmax flip(s) in the RL step's 12 positions (0 in the traced sequence)" in why
+    assert failed and "1 argmax flip in the RL step's 12 positions (0 in the traced sequence)" in why
     assert not replace(quiet, rl=replace(rl, argmax_flips=0)).check("flip")[0]
     same = replace(c, points=(), logits=None, skipped=())  # the traced sequence bit-identical
     assert same.identical and not c.rl.identical

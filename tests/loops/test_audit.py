@@ -118,3 +118,26 @@ def test_parse_levels_and_checks():
         parse_levels("8")
     keys = [c.key for c in checks(100)]
     assert len(keys) == len(set(keys)) and {c.level for c in checks(100)} == set(range(8))
+
+
+def test_audit_result_lines_count_flips_in_words():
+    """The audit printed `0 argmax flip(s)`: a failed check's line says `no argmax flips`, `1 argmax
+    flip` or `3 argmax flips`, and so does the hierarchy table's summary."""
+    import io
+
+    from rich.console import Console
+
+    from tracer.loops.audit import Audit, AuditRow, result_line
+    from tracer.plan.hierarchy import Check
+    from tracer.report.render import render
+
+    check = Check("L1-batch", 1, "batch", "batch of 4")
+    rows = [AuditRow(check, "failed", last_layer=(3, 64), max_logit_diff=0.25, argmax_flips=n,
+                     first_divergent="model.layers.1") for n in (0, 1, 3)]
+    assert [result_line(r).split(", ", 1)[1] for r in rows] == [
+        "no argmax flips (batch of 4)", "1 argmax flip (batch of 4)", "3 argmax flips (batch of 4)"]
+    console = Console(file=io.StringIO(), width=200, record=True)
+    render(Audit(model="m", facts={"dtype": "bfloat16", "device": "cpu", "n_tokens": 8}, rows=tuple(rows[:1])),
+           "table", console)
+    text = console.export_text()
+    assert "from model.layers.1, no argmax flips" in text and "flip(s)" not in text, text

@@ -129,6 +129,14 @@ class TensorDiff(schema.Record):
         return self.n_nan_a > 0 or self.n_nan_b > 0
 
 
+def flips_phrase(n: int | None) -> str:
+    """``n`` argmax flips in words: ``no argmax flips``, ``1 argmax flip``, ``3 argmax flips``
+    (``argmax flips not compared`` for None: no logits)."""
+    if n is None:
+        return "argmax flips not compared"
+    return "no argmax flips" if n == 0 else f"{n} argmax flip{'s' if n != 1 else ''}"
+
+
 @dataclass(frozen=True)
 class ArgmaxFlip(schema.Record):
     """One position whose top-1 token differs between the runs.

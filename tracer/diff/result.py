@@ -17,7 +17,7 @@ from tracer.diff.accuracy import OpReplay
 from tracer.diff.capture_contract import ContractMismatch
 from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
-from tracer.diff.metrics import LogitsDiff, TensorDiff
+from tracer.diff.metrics import LogitsDiff, TensorDiff, flips_phrase
 from tracer.diff.positions import PerPosition
 from tracer.diff.provenance import classify, kernel_rows
 from tracer.diff.replay import Replay
@@ -338,9 +338,9 @@ class Comparison(schema.Record):
         if fail_on == "flip":
             flips = len(self.logits.argmax_flips) if self.logits is not None else 0
             if self.rl is not None and self.rl.argmax_flips:  # every sequence of an RL step, the traced one included
-                return True, (f"{self.rl.argmax_flips} argmax flip(s) in the RL step's {self.rl.n_tokens} positions "
+                return True, (f"{flips_phrase(self.rl.argmax_flips)} in the RL step's {self.rl.n_tokens} positions "
                               f"({flips} in the traced sequence)")
-            return flips > 0, f"{flips} argmax flip{'s' if flips != 1 else ''}"
+            return flips > 0, flips_phrase(flips)
         bad = [(p.name, p.n_outside_tol) for p in self.points if p.n_outside_tol]
         if self.logits_n_outside_tol:
             bad.append((f"{self.logits_name} (logits)", self.logits_n_outside_tol))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tracer.diff.compare import compare_runs
+from tracer.diff.metrics import flips_phrase
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
 from tracer.store.integrity import is_checksummed
@@ -225,9 +226,9 @@ def _sampled_reasons(c: Comparison, ref_a: tuple[str, str | None], ref_b: tuple[
     notes = list(c.facts.get("notes", []))
     if then is not None and then.logits is not None:  # with a tolerance: what the run-time comparison found there
         d = then.logits
-        flips = ", ".join(str(f.position + then.positions[0]) for f in d.argmax_flips[:8]) or "none"
+        flips = ", ".join(str(f.position + then.positions[0]) for f in d.argmax_flips[:8])
         notes.append(f"when the trace was written (no tolerance), {then.logits_name} was compared at "
                      f"{d.n_positions} position(s): {d.tensor.n_diff:,} of {d.tensor.n_total:,} elements "
-                     f"differed (max |Δ| {d.tensor.max_abs_diff:.3g}), {len(d.argmax_flips)} argmax flip(s) "
-                     f"at position(s) {flips}")
+                     f"differed (max |Δ| {d.tensor.max_abs_diff:.3g}), {flips_phrase(len(d.argmax_flips))}"
+                     + (f" at position{'s' if len(d.argmax_flips) > 1 else ''} {flips}" if d.argmax_flips else ""))
     return replace(c, skipped=skipped, facts={**c.facts, "notes": notes})

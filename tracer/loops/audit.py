@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from tracer import pipeline, schema
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
+from tracer.diff.metrics import flips_phrase
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.engines import door
@@ -159,7 +160,7 @@ def result_line(row: AuditRow) -> str:
     if row.status == "passed":
         return f"{c.key}: holds bitwise ({c.label})"
     mit = "; ".join(f"{m}: {'restores' if v is True else 'no' if v is False else 'n/a'}" for m, v in row.mitigations.items())
-    return (f"{c.key}: diverges from {row.first_divergent}, {row.argmax_flips} argmax flip(s) ({c.label})"
+    return (f"{c.key}: diverges from {row.first_divergent}, {flips_phrase(row.argmax_flips)} ({c.label})"
             + (f"; {mit}" if mit else ""))
 
 

@@ -10,6 +10,7 @@ import io
 import json
 from typing import Any
 
+from tracer.diff.metrics import flips_phrase
 from tracer.plan.hierarchy import SEED_STATUS, invariant
 from tracer.report.console import print_fitted, print_whole
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
@@ -72,7 +73,7 @@ def print_audit(a: Any, console: Any = None) -> None:
     for r in a.rows:  # summary first: what diverges, from where
         if r.status == "failed":
             print_fitted(console, f"L{r.check.level} {r.check.label}: from {r.first_divergent}, "
-                                  f"{r.argmax_flips} argmax flip(s)", len("diverges: "), label="diverges:")
+                                  f"{flips_phrase(r.argmax_flips)}", len("diverges: "), label="diverges:")
     console.print()
     rows = [_fmt_row(r) for r in a.rows]
     heads = dict(_COLUMNS)
