@@ -183,3 +183,32 @@ def test_a_command_stuck_in_native_code_is_ended_by_the_watchdog(tmp_path, sig):
                                         "(inside native code that does not return to Python, e.g. HDF5 on a damaged "
                                         "file); killed it and removed 1 partial file(s)"], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stuck.py", "v1bad.h5"]
+
+
+_CRASH = """
+import sys
+sys.argv = ["tracer", "show", "t.h5"]
+import tracer.api as api
+from tracer.cli import command
+
+def crash_in_native_code(*args, **kwargs):  # what a segfault in HDF5 or torch looks like to Python
+    import ctypes
+    ctypes.string_at(0)
+
+api.trace_info = crash_in_native_code
+command()
+"""
+
+
+def test_a_crash_in_native_code_leaves_the_python_stacks(tmp_path):
+    """A run once ended with SIGSEGV (-11) instead of exit 130 after Ctrl-C, and did not recur: the
+    command now prints every thread's Python stack on such a crash (faulthandler), so the next one
+    names where it happened; the exit status is still the signal's."""
+    (tmp_path / "t.h5").write_bytes(b"x")
+    (tmp_path / "crash.py").write_text(_CRASH)
+    proc = subprocess.run([sys.executable, "crash.py"], cwd=tmp_path, env=_env({"TRACER_PROGRESS": "off"}),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr
+    assert "in crash_in_native_code" in proc.stderr and "in show_cmd" in proc.stderr, proc.stderr
+    assert "in _beat" in proc.stderr, proc.stderr  # every thread's stack: the watchdog's heartbeat too
