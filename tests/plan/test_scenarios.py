@@ -57,3 +57,20 @@ def test_plans_must_tile_the_prompt():
 def test_unknown_scenario():
     with pytest.raises(TracerError, match="unknown scenario"):
         build("nope", 10)
+
+
+@pytest.mark.parametrize("engines, refused", [("vllm:TRITON_ATTN,vllm:CPU_ATTN", True), ("hf,vllm:CPU_ATTN", True),
+                                              ("vllm:CPU_ATTN,vllm", False), ("hf,vllm", False)])
+def test_an_attention_backend_no_run_would_use_is_refused(engines, refused):
+    """`--engines vllm:A,vllm:B --attention-backend C` ran A and B and dropped C silently (a plan's own
+    backend wins): refused in one line when every engine that takes a backend names its own; kept
+    when one of them names none (that run gets C)."""
+    from tracer.plan.engines import check_engine_options
+
+    options = {"engines": engines, "attention_backend": "FLEX_ATTENTION"}
+    if refused:
+        with pytest.raises(TracerError, match=r"^--attention-backend FLEX_ATTENTION would apply to no run: "
+                                              rf"--engines {engines} names the backend"):
+            check_engine_options(None, "engine", options)
+    else:
+        check_engine_options(None, "engine", options)

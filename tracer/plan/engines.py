@@ -75,6 +75,14 @@ def check_engine_options(engine: str | None, scenario: Any, options: dict[str, A
             flag, names = "--" + k.replace("_", "-"), takers(k) or ("no",)
             raise TracerError(f"{flag} is an option of the {'/'.join(names)} engine; use it with --engine {names[0]} "
                               f"(or --scenario engine with a {names[0]} run)")
+    if scenario == "engine" and "attention_backend" in given:  # a plan's own backend wins (with_engine_options)
+        specs = parse_engines(options.get("engines") or selectable()[:2])
+        takes = [split_spec(e) for e in specs if split_spec(e)[0] in takers("attention_backend")]
+        if takes and all(backend is not None for _, backend in takes):
+            raise TracerError(f"--attention-backend {options['attention_backend']} would apply to no run: "
+                              f"--engines {','.join(specs)} names the backend of each engine that takes one; drop --attention-backend, "
+                              "or give it with an engine that names none (e.g. --engines "
+                              f"{takes[0][0]}:{takes[0][1]},{takes[0][0]})")
 
 
 def with_engine_options(scen: Scenario, options: dict[str, Any]) -> Scenario:
