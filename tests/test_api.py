@@ -13,3 +13,22 @@ from tracer.errors import TracerError
 def test_api_token_ids_must_be_ints(ids, message):
     with pytest.raises(TracerError, match=message):
         tracer.run("tiny-llama", token_ids=ids, store="none", progress=False)
+
+
+def test_compare_device_and_capture_flags_are_validated(tmp_path):
+    """`tracer.compare(a, b, device="tpu")` compared in-memory captures anyway (the device was never
+    looked at) and `tracer.capture(m, keep_on_device="yes")` took the string for on: each is one
+    TracerError line naming the bad value, before any work."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    with tracer.capture(model, ["1"]) as a:
+        model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TracerError, match=r"^unknown device 'tpu'; valid: cpu, cuda, cuda:N, mps"):
+        tracer.compare(a, a, device="tpu")
+    with pytest.raises(TracerError, match=r"^unknown device 'tpu'"):
+        tracer.compare_trace(str(tmp_path / "missing.h5"), device="tpu")  # before the file is looked for
+    for kw in ({"keep_on_device": "yes"}, {"cuda_graphs": 1}):
+        with pytest.raises(TracerError, match=rf"^{next(iter(kw))}=.* must be True or False$"):
+            tracer.capture(model, ["1"], **kw)
+    assert tracer.compare(a, a, device="cpu").identical

@@ -219,12 +219,16 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
         g.replay()  # cap["model.layers.3"].tensor now holds this replay's output
 
     Raises:
-        TracerError: unknown granularity or module path; ``cuda_graphs`` off a CUDA GPU, or with no
+        TracerError: ``keep_on_device`` or ``cuda_graphs`` not a bool; unknown granularity or module
+            path; ``cuda_graphs`` off a CUDA GPU, or with no
             capture point fired in the block; for another engine's object: the options its capture does
             not take, a ``reference`` of another dtype.
     """
     from tracer.engines.door import capture_object
 
+    for name, value in (("keep_on_device", keep_on_device), ("cuda_graphs", cuda_graphs)):
+        if not isinstance(value, bool):  # "yes" or "no" would both read as on
+            raise TracerError(f"{name}={value!r} must be True or False")
     engine_cap = capture_object(model, points, reference=reference, cuda_graphs=cuda_graphs, keep_on_device=keep_on_device)
     if engine_cap is not None:  # another engine's object (tracer.engines.table: objects)
         return engine_cap
@@ -256,10 +260,14 @@ def compare(a: Captured | RunRecord | RunRef, b: Captured | RunRecord | RunRef, 
         the :class:`~tracer.diff.result.Comparison` the CLI renders.
 
     Raises:
-        TracerError: runs of different prompts or windows, unknown files or runs.
+        TracerError: runs of different prompts or windows, unknown files or runs; an unknown
+            ``device``, or CUDA where there is none.
     """
     from tracer.diff.compare_dump import compare_dump, dump_side
     from tracer.diff.compare import compare_records, compare_runs
+    from tracer.load.preflight import check_device
+
+    check_device(device)
 
     if is_ref(a) and is_ref(b):
         dump = dump_side([str(a), str(b)]) if isinstance(a, str) and isinstance(b, str) else None

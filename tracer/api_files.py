@@ -82,6 +82,9 @@ def compare_trace(path: str, run_a: str | None = None, run_b: str | None = None,
                           "REF.h5:RUN); a rollout-vs-train trace keeps the values it was run with")
     check_rl_thresholds(**rl)
     check_fail_on(fail_on, atol, rtol)
+    from tracer.load.preflight import check_device
+
+    check_device(device)  # before any file is read
     from tracer.diff.compare_dump import compare_dump, dump_side, is_dump
     from tracer.diff.compare_dumps import compare_dumps, dumps_args
     from tracer.diff.stored import compare_stored, mark_unverified
