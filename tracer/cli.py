@@ -87,7 +87,7 @@ RENDER: dict[str, tuple[type, Any, tuple[str, ...], str]] = {
     "all_rows": (bool, False, ("--all-rows",), "table: every capture point, not the rows that matter"),
     "report": (str, None, ("--report",), "also write a single-file HTML report (.html)"),
     "plot": (str, None, ("--plot",), "also write the divergence map (.png/.svg/.pdf)"),
-    "as_json": (bool, False, ("--json",), "print the result as JSON"),
+    "as_json": (bool, False, ("--json",), "print the result as JSON (same as --format json)"),
     "show_fmt": (str, "table", ("--format", "-f"), "table (key/value lines, default) or json"),
     "no_store": (bool, False, ("--no-store",), "write no file (same as --store none)"),
     "overwrite_report": (bool, False, ("--overwrite",), "replace an existing --report file"),
@@ -422,18 +422,19 @@ def help_cmd(opts: dict[str, Any]) -> None:
     print_options_help(doc, opts["topic"])
 
 
-@_command("bench", api.bench, ("as_json",))
-def bench_cmd(opts: dict[str, Any], as_json: bool) -> None:
+@_command("bench", api.bench, ("fmt", "as_json"))
+def bench_cmd(opts: dict[str, Any], fmt: str, as_json: bool) -> None:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison: HF output_hidden_states, naive forward hooks +
     .cpu(), and nnsight .save() when installed (the 'peers' extra). The bench refuses
     to report when a peer's per-layer differing counts are not tracer's."""
     from tracer.progress import StatusProgress
-    from tracer.report.terminal import print_bench
+    from tracer.report.terminal import check_bench_format, print_bench
 
+    fmt = check_bench_format(fmt, as_json)  # before the bench runs
     with StatusProgress("bench", mode="auto") as status:
         result = api.bench(progress=status, **opts)
-    print_bench(result, as_json)
+    print_bench(result, fmt)
 
 
 def close_options(given: str, options: list[str], cutoff: float = 0.6) -> list[str]:

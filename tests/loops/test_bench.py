@@ -46,3 +46,23 @@ def test_bench_block_size_is_checked_not_dropped(tmp_path):
                      peers=False)
     r = bench("tiny-llama", length=32, device="cpu", reps=1, warmup=0, block_size=8, peers=False, outdir=str(tmp_path))
     assert r.config["block_size"] == 8
+
+
+def test_bench_takes_format_like_every_command(tmp_path):
+    """`tracer bench` had --json but no --format: it takes --format (csv, markdown, json, table) as every
+    command does, --json still means --format json, and a contradiction or an unknown format is one
+    line, exit 2, before the bench runs."""
+    import csv
+    import io
+
+    from tests.helpers import cli_batch, tracer_cli
+
+    args = ["bench", "tiny-llama", "--device", "cpu", "--length", "32", "--reps", "1", "--warmup", "0", "--no-peers",
+            "--outdir", str(tmp_path / "b")]
+    out = tracer_cli([*args, "--format", "csv"], cwd=tmp_path).stdout
+    rows = list(csv.reader(io.StringIO(out)))
+    assert rows[0] == ["mode", "median_s", "min_s", "max_s"] and {"a", "b"} <= {r[0] for r in rows[1:]}, out
+    (c1, e1), (c2, e2) = cli_batch([[*args, "--json", "--format", "csv"], [*args, "--format", "nope"]], tmp_path)
+    assert c1 == 2 and e1.strip() == ("error: --json and --format csv contradict each other; give one of them "
+                                      "(--json is --format json)"), e1
+    assert c2 == 2 and "unknown format 'nope'" in e2 and len(e2.strip().splitlines()) == 1, e2

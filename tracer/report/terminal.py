@@ -219,13 +219,29 @@ def print_options_help(doc: dict[str, dict[str, Any]], topic: str | None, consol
             print_fitted(console, o["help"], 6, label=Text("      "))
 
 
-def print_bench(result: Any, as_json: bool) -> None:
-    """``tracer bench``: the table of medians and ratios, or the result as JSON."""
+def print_bench(result: Any, fmt: str | bool = "table") -> None:
+    """``tracer bench``: the table of medians and ratios, or the result in ``fmt`` (json, csv,
+    markdown; a bool: JSON or not, as ``--json`` said)."""
     from tracer.report.render import render
 
-    text = render(result, "json" if as_json else "table", Console())
+    text = render(result, ("json" if fmt else "table") if isinstance(fmt, bool) else fmt, Console())
     if text is not None:
-        print(text)
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def check_bench_format(fmt: str, as_json: bool) -> str:
+    """``--format`` of ``tracer bench`` (one of :data:`tracer.report.layout.FORMATS`, as every command),
+    with ``--json`` its older spelling of ``--format json``.
+
+    Raises:
+        TracerError: an unknown format, or ``--json`` with another ``--format``.
+    """
+    from tracer.report.layout import check_format
+
+    fmt = check_format(fmt)
+    if as_json and fmt not in ("table", "json"):
+        raise TracerError(f"--json and --format {fmt} contradict each other; give one of them (--json is --format json)")
+    return "json" if as_json else fmt
 
 
 def check_sweep_format(fmt: str) -> str:
