@@ -141,3 +141,15 @@ def test_audit_result_lines_count_flips_in_words():
            "table", console)
     text = console.export_text()
     assert "from model.layers.1, no argmax flips" in text and "flip(s)" not in text, text
+
+
+def test_a_level_named_twice_is_refused(tmp_path):
+    """`tracer audit -l 0,0` ran one check where two were asked for, and said nothing: a level named
+    twice is one line, exit 2, before any model loads, naming the levels to give."""
+    from tests.helpers import cli_batch
+
+    with pytest.raises(TracerError, match=r"^--levels '2,0,2' names level 2 more than once .*; give --levels 0,2$"):
+        parse_levels("2,0,2")
+    (code, err), = cli_batch([["audit", "tiny-llama", "-l", "0,0"]], tmp_path)
+    assert code == 2 and err.strip() == ("error: --levels '0,0' names level 0 more than once (each level runs once); "
+                                         "give --levels 0"), err

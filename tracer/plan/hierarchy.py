@@ -100,16 +100,23 @@ def parse_levels(levels: str | None) -> list[int]:
     """``"0,1,2"`` → ``[0, 1, 2]``; None → all levels 0-7.
 
     Raises:
-        TracerError: not a comma-separated list of integers 0-7.
+        TracerError: not a comma-separated list of integers 0-7, or a level named twice (``0,0``
+            ran one level where two were asked for).
     """
     if levels is None:
         return list(range(8))
     if not levels.replace(",", "").strip():  # "" is a mistake, not "all levels"
         raise TracerError("--levels is empty; give e.g. --levels 0,1,2, or leave it out for all levels")
     try:
-        out = sorted({int(x) for x in levels.split(",") if x.strip()})
+        given = [int(x) for x in levels.split(",") if x.strip()]
     except ValueError:
         raise TracerError(f"--levels {levels!r} must be comma-separated levels 0-7, e.g. 0,1,2") from None
+    twice = sorted({x for x in given if given.count(x) > 1})
+    if twice:
+        once = ",".join(str(x) for x in sorted(set(given)))
+        raise TracerError(f"--levels {levels!r} names level {', '.join(map(str, twice))} more than once (each level "
+                          f"runs once); give --levels {once}")
+    out = sorted(given)
     bad = [x for x in out if not 0 <= x <= 7]
     if bad or not out:
         raise TracerError(f"--levels {levels!r}: levels are 0-7; e.g. --levels 0,1,2")
