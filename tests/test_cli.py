@@ -400,3 +400,23 @@ def test_commands_run_in_one_process_after_a_signal(tmp_path, cli_env):
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "interrupted", proc.stderr
     assert not (tmp_path / "partial.tmp").exists()
+
+
+def test_report_and_plot_say_what_they_wrote(trace):
+    """`tracer report T.h5 -o x.html` printed `x.html` and nothing else: in a terminal it says what it
+    wrote, from what, and its size on disk (as os.stat gives it); piped, the path alone stays on
+    stdout for scripts."""
+    import os
+    import re
+
+    out, env, tmp = trace
+    term = dict(env, TTY_COMPATIBLE="1", COLUMNS="200", TRACER_PROGRESS="off")
+    proc = tracer_cli(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"], term, tmp)
+    kb = os.path.getsize(tmp / "x.html") / 1e3
+    assert re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout).strip() == \
+        f"wrote {tmp / 'x.html'}: the HTML report of {out}, {kb:.3g} KB", proc.stdout
+    proc = tracer_cli(["plot", str(out), "-o", str(tmp / "x.png"), "--kind", "heatmap", "--overwrite"], term, tmp)
+    assert f"wrote {tmp / 'x.png'}: the heatmap figure of {out}, " in re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
+    piped = tracer_cli(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"],
+                       dict(env, TRACER_PROGRESS="off"), tmp)
+    assert piped.stdout == f"{tmp / 'x.html'}\n"

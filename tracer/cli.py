@@ -386,7 +386,7 @@ def plot_cmd(opts: dict[str, Any]) -> None:
 
     with phase("plot", f"drawing {opts['kind'] or 'the figure'} from {opts['path']}"):
         path = api.plot_file(**opts)
-    print_path(path)
+    print_path(path, f"the {opts['kind'] + ' ' if opts['kind'] else ''}figure of {opts['path']}")
 
 
 @_command("report", api.report_file, inputs=("path",))
@@ -398,7 +398,7 @@ def report_cmd(opts: dict[str, Any]) -> None:
 
     with phase("report", f"writing the HTML report of {opts['path']}"):
         path = api.report_file(**opts)
-    print_path(path)
+    print_path(path, f"the HTML report of {opts['path']}")
 
 
 @_command("models", api.models)

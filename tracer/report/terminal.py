@@ -177,9 +177,29 @@ def print_import(mapped: Any, output: str, run_name: str) -> None:
         print_fitted(console, printable(f"  {line}"), 4)
 
 
-def print_path(path: Any) -> None:
-    """``tracer plot``, ``tracer report``: the file written, alone on stdout (scripts read it)."""
-    print(path)
+def print_path(path: Any, what: str | None = None) -> None:
+    """``tracer plot``, ``tracer report``: the file written. In a terminal one sentence saying what it
+    is and its size (``wrote x.html: the HTML report of T.h5, 412 KB``); piped, the path alone on
+    stdout (scripts read it)."""
+    from tracer.report.console import print_fitted, stdout_console
+
+    console = stdout_console()
+    if what is None or not console.is_terminal:
+        print(path)
+        return
+    try:
+        size = f", {_size(os.path.getsize(path))}"
+    except OSError:
+        size = ""
+    print_fitted(console, f"wrote {printable(path)}: {what}{size}")
+
+
+def _size(n: int) -> str:
+    """``412 KB``, ``1.2 MB`` (powers of 1000, as ls -h --si and file managers)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
 
 
 def print_models(models: list[dict[str, str]]) -> None:
