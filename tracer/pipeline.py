@@ -32,7 +32,7 @@ from tracer.config import CaptureConfig, RunConfig
 from tracer.diff.accuracy import replay_origins
 from tracer.diff.compare import compare_records
 from tracer.diff.engine import engine_skips, sampled_logits
-from tracer.diff.facts import run_facts
+from tracer.diff.facts import run_facts, sublayers_bytes
 from tracer.diff.logits import with_token_texts
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison
@@ -41,7 +41,7 @@ from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, jud
 from tracer.errors import TracerError
 from tracer.execute.family import family_for
 from tracer.execute.kinds import PointKind
-from tracer.execute.points import CapturePoint, discover_points
+from tracer.execute.points import CapturePoint, discover_points, point_widths
 from tracer.execute.records import RunRecord, settle_wall
 from tracer.load.contract import numeric_contract
 from tracer.load.devices import cast_weights, model_device
@@ -333,6 +333,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
     cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
     facts = run_facts(header, rec_a, rec_b)
+    facts["sublayers_bytes"] = _sublayers_bytes(model, info, header, len(token_ids)) or facts.get("sublayers_bytes")
     if notes:
         facts["notes"] = list(facts.get("notes", [])) + list(notes)
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
@@ -364,6 +365,18 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     # writer waited for them) replace the device tensors
     kept = tuple(without_tensors(r) for r in records) if online and budget is None else tuple(host_records)
     return Outcome(comparison, kept, partials)
+
+
+def _sublayers_bytes(model: Any, info: Any, header: Any, n_tokens: int) -> int | None:
+    """What a trace of this run at ``--granularity sublayers`` takes, counted on the model's own
+    sublayer points (:func:`tracer.diff.facts.sublayers_bytes`); None where no descriptor names them."""
+    doc = header if isinstance(header, dict) else header.to_dict()
+    try:
+        points = discover_points(model, "sublayers", kv_cache=bool(doc.get("kv_cache", True)))
+    except TracerError:
+        return None
+    return sublayers_bytes(info.to_dict(), n_tokens, doc.get("store"), bool(doc.get("kv_cache", True)),
+                           per_token=point_widths(model, points, info.hidden_size))
 
 
 def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:

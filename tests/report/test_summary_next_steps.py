@@ -246,3 +246,26 @@ def test_an_origin_born_in_the_cached_prefix_gets_one_command_that_names_the_op(
     assert subs[0].startswith("`--positions all`: the divergence is born in the cached-prefix pass")
     compare = next_steps(_comparison(origins=[kv], points=[kv]), "compare")
     assert compare[0].startswith("`tracer run smollm2-135m --positions all --granularity sublayers`")
+
+
+def test_a_sublayers_suggestion_states_the_trace_it_will_write(tmp_path):
+    """`next: --granularity sublayers` did not say what it costs (the default prompt's trace: 257 MiB):
+    the suggestion states the most such a trace takes, counted on the model's own sublayer points
+    (every position of both runs), and such a run then writes no more than that (with HDF5's own bytes
+    and the per-position statistics on top: a factor of 1.6 at most)."""
+    import os
+
+    import tracer
+
+    kw = dict(dtype="bfloat16", device="cpu", length=48, progress=False)
+    layers = tracer.run("tiny-llama", output=str(tmp_path / "l.h5"), **kw)
+    est = layers.comparison.facts["sublayers_bytes"]
+    tracer.run("tiny-llama", output=str(tmp_path / "s.h5"), granularity="sublayers", **kw)
+    written = os.path.getsize(tmp_path / "s.h5")
+    assert written <= 1.6 * est and est < 8 << 20, (est, written)
+    steps = next_steps(_comparison(facts={"sublayers_bytes": 5 << 20}), "run")
+    assert any(s.startswith("`--granularity sublayers`: names the op") and s.endswith("; its trace takes up to about 5 MiB")
+               for s in steps), steps
+    steps = next_steps(_comparison(origins=[SimpleNamespace(kind="kv_cache", n_diff_prefix=3)],
+                                   facts={"sublayers_bytes": 3 << 30}), "run")
+    assert steps[0].startswith("`--positions all --granularity sublayers`") and "about 3 GiB" in steps[0], steps

@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from tracer.diff.engine import engine_facts
+from tracer.dtypes import FLOATS, canonical
 from tracer.execute.family import layout_facts
 from tracer.execute.records import RunRecord
 from tracer.load.contract import attention_facts
 from tracer.load.models import model_argument
+from tracer.plan.cost import stats_bytes, trace_bytes
+from tracer.store.budget import DEFAULT_MAX_TRACE_SIZE
 from tracer.store.environment import isa_summary
+
+
+def sublayers_bytes(model: dict[str, Any], n_tokens: int, store: str | None, kv_cache: bool = True,
+                    per_token: int | None = None) -> int | None:
+    """About how many bytes a trace of this run at ``--granularity sublayers`` takes, from the model's
+    shapes (``model``: the header's model facts) and N (every position: such a run traces the cached
+    prefix's pass too): every tensor (:func:`tracer.plan.cost.trace_bytes`) under ``--store tensors``,
+    at most the default budget of ``--store auto``, plus the statistics; None where the header lacks
+    the shapes, or the run stores nothing (``none``). ``per_token``: the sublayer points' elements
+    per token, counted on the model (:func:`tracer.execute.points.point_widths`), instead of the
+    estimate from its shapes."""
+    shapes = ("n_layers", "hidden_size", "vocab_size", "dtype")
+    if store == "none" or any(not model.get(k) for k in shapes):
+        return None
+    info = SimpleNamespace(**{k: model.get(k) for k in (*shapes, "n_kv_heads", "head_dim")})
+    tensors = trace_bytes(info, n_tokens, "sublayers", kv_cache)
+    if per_token is not None:  # both runs, every position, in the model's dtype
+        tensors = 2 * n_tokens * per_token * _bits(info.dtype) // 8
+    tensors = 0 if store == "stats" else min(tensors, DEFAULT_MAX_TRACE_SIZE) if store in (None, "auto") else tensors
+    return tensors + stats_bytes(info, "sublayers", kv_cache)
+
+
+def _bits(dtype: str) -> int:
+    return FLOATS[canonical(dtype)].bits
 
 
 def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, Any]:
@@ -48,6 +76,7 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
         **attention_facts(header.get("numeric_contract") or {}),
+        "sublayers_bytes": sublayers_bytes(model, len(a.token_ids), header.get("store"), header.get("kv_cache", True)),
     }
     if facts.get("sliding_layers"):  # which rows belong to a layer and its attention (for the marks)
         facts.update(layout_facts(header))

@@ -156,6 +156,8 @@ class ComparisonFacts(schema.Document):
             step_tokens: an engine dump compared with a reference run (or two dumps): the
             engine(s), the dump(s), the reference run, HF name → engine name(s), the dump's TP
             size, steps and tokens per step.
+        sublayers_bytes: about how many bytes the trace of this run again at ``--granularity
+            sublayers`` takes (:func:`tracer.diff.facts.sublayers_bytes`), for the suggestion that says so.
         notes: one line each, shown under the table.
     """
 
@@ -187,6 +189,7 @@ class ComparisonFacts(schema.Document):
     cached_tokens_a: schema.Count | None = None
     cached_tokens_b: schema.Count | None = None
     logits_positions: tuple[schema.Count, ...] | None = None
+    sublayers_bytes: schema.Count | None = None
     versions_differ: tuple[str, ...] | None = None
     isa_differs: tuple[str, ...] | None = None
     contract_differs: tuple[str, ...] | None = None

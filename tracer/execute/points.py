@@ -213,3 +213,28 @@ def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
             out.append(point(path, vkind, which="input", name=f"{path}.{suffix}", role="mlp_hidden"))
         out.append(point(path, kind, role=role))
     return out
+
+
+def point_widths(model: nn.Module, points: list[CapturePoint], hidden: int) -> int:
+    """Elements per token of ``points`` together (what a trace stores per position and run): a
+    Linear's ``out_features`` (its input's ``in_features`` for an ``input`` point: the attention core,
+    a gated MLP's hidden), an Embedding's width, a cache point's keys and values (``2 × in_features``
+    of the layer's key projection where it has one), ``hidden`` (the model's hidden size) for the rest
+    (norms, blocks, residual stream)."""
+    total = 0
+    for p in points:
+        try:
+            mod = model.get_submodule(p.module)
+        except AttributeError:
+            total += hidden
+            continue
+        if p.which == "cache":
+            k = next((m for n, m in mod.named_modules() if n.endswith("k_proj") and isinstance(m, nn.Linear)), None)
+            total += 2 * k.out_features if k is not None else hidden
+        elif isinstance(mod, nn.Linear):
+            total += mod.in_features if p.which == "input" else mod.out_features
+        elif isinstance(mod, nn.Embedding):
+            total += mod.embedding_dim
+        else:
+            total += hidden
+    return total

@@ -206,6 +206,17 @@ def _rerun(c: Any, command: str) -> str:
     return f"tracer run {model}{scen}{' ' + engine if engine else ''} "
 
 
+def _sublayers_cost(c: Comparison) -> str:
+    """What a suggested ``--granularity sublayers`` run writes at most: ``; its trace takes up to about
+    257 MiB`` (:attr:`~tracer.diff.result.ComparisonFacts.sublayers_bytes`: every position's tensors,
+    within ``--store auto``'s default budget), ``""`` where unknown."""
+    n = c.facts.get("sublayers_bytes")
+    if not n:
+        return ""
+    size = f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.3g} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    return f"; its trace takes up to about {size}"
+
+
 def next_steps(c: Comparison, command: str = "run") -> list[str]:
     """What to try next. Each suggestion names options of the command that prints it (``command``:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
@@ -234,7 +245,7 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
         both = "--positions all" if subs or c.facts.get("family_inferred") else "--positions all --granularity sublayers"
         steps.append(f"`{run}{both}`: the divergence is born in the cached-prefix pass, which this run compares at "
                      "the KV cache only; this traces that pass op by op and names the op (norm, q/k/v, attention core, "
-                     "MLP, every Linear) with its GEMM shapes")
+                     f"MLP, every Linear) with its GEMM shapes{'' if subs else _sublayers_cost(c)}")
     elif any(p.kind == PointKind.STATE for p in origins) and not whole_prompt:
         prefix_born = True
         steps.append(f"`{run}--positions all`: a recurrent state carries the cached-prefix pass; this traces that pass "
@@ -244,7 +255,7 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
                      "--granularity sublayers names the op inside the layer")
     elif not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
-                     "MLP, every Linear) with its GEMM shapes")
+                     f"MLP, every Linear) with its GEMM shapes{_sublayers_cost(c)}")
     if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
         steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P ({ALIGNED_SOURCE}); "
                      "checks whether aligning the split restores bitwise equality")
