@@ -373,7 +373,7 @@ def _sublayers_bytes(model: Any, info: Any, header: Any, n_tokens: int) -> int |
     doc = header if isinstance(header, dict) else header.to_dict()
     try:
         points = discover_points(model, "sublayers", kv_cache=bool(doc.get("kv_cache", True)))
-    except TracerError:
+    except (TracerError, AttributeError, TypeError):  # no descriptor, or no HF module to walk
         return None
     return sublayers_bytes(info.to_dict(), n_tokens, doc.get("store"), bool(doc.get("kv_cache", True)),
                            per_token=point_widths(model, points, info.hidden_size))
