@@ -61,16 +61,14 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
     raise TracerError(f"import vllm failed ({type(_e).__name__}: {str(_e).splitlines()[0][:160] if str(_e) else ''}); "
                       "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
 
-from tracer.execute.capture import Capture  # noqa: E402
 from tracer.engines.vllm.contract import op_facts  # noqa: E402
 from tracer.engines.vllm.kernels import recorder  # noqa: E402
 from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
-from tracer.engines.dumps.rules import load_engine_map  # noqa: E402
-from tracer.execute.records import (EngineFacts, RunRecord, ScheduledRequest, SchedulerFacts,  # noqa: E402
-                                    SchedulerStep, Threads)
+from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep  # noqa: E402
 from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
+from tracer.engines.vllm.layout import engine_map, ref_layout  # noqa: E402
 from tracer.engines.vllm.remote import RemoteCapture, in_process, rpc, worker_facts  # noqa: E402
 from tracer.engines.vllm.plan import (  # noqa: E402
     CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_architecture, check_schedule, chunk_mode, refuse_unsupported,
@@ -194,56 +192,9 @@ class VllmEngine:
         return self._worker_facts
 
     def _read_facts(self) -> dict[str, Any]:
-        cfg = self.llm.llm_engine.vllm_config
-        if self.remote:
-            return self._read_remote_facts(cfg)
-        attn = next((m for n, m in self.model.named_modules() if n.endswith("self_attn.attn")), None)
-        backend = getattr(getattr(attn, "attn_backend", None), "get_name", lambda: "?")()
-        impl = getattr(attn, "impl", None)
-        kv_dtype = str(cfg.cache_config.cache_dtype)
-        device = str(cfg.device_config.device)
-        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") and torch.cuda.is_available() \
-            else None
-        return EngineFacts(
-            engine="vllm", version=vllm.__version__, device=device, device_name=name,
-            attention_backend_setting=self.settings.attention_backend or "auto (vLLM's choice)",
-            batch_invariant=bool(self.settings.batch_invariant),
-            model_runner=f"{type(self.runner).__module__}.{type(self.runner).__name__}", log=self.log,
-            model_class=type(self.model).__name__,
-            dtype=str(cfg.model_config.dtype).replace("torch.", ""), weights=str(self.folder),
-            attention_backend=backend, attention_impl=type(impl).__name__ if impl is not None else None,
-            attention_isa=str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
-            kv_cache_dtype=kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], kv_cache_dtype_setting=kv_dtype,
-            block_size=int(cfg.cache_config.block_size), prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
-            max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
-            chunked_prefill=bool(cfg.scheduler_config.enable_chunked_prefill),
-            max_model_len=int(cfg.model_config.max_model_len), enforce_eager=bool(cfg.model_config.enforce_eager),
-            compilation_mode=int(cfg.compilation_config.mode or 0),
-            cudagraph_mode=str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
-            in_process=True, torch_threads=Threads(self.threads[0], self.threads[1]),
-            **op_facts(self.model, self.kwargs["dtype"])).to_dict()
+        from tracer.engines.vllm.engine_facts import read_facts
 
-    def _read_remote_facts(self, cfg: Any) -> dict[str, Any]:
-        """:meth:`facts` of an engine core in its own process: the model's facts from its worker."""
-        w = self.worker_facts()
-        device = str(cfg.device_config.device)
-        kv_dtype = str(cfg.cache_config.cache_dtype)
-        return EngineFacts(
-            engine="vllm", version=vllm.__version__, device=device, device_name=None,
-            attention_backend_setting=self.settings.attention_backend or "auto (vLLM's choice)",
-            batch_invariant=bool(self.settings.batch_invariant), model_runner=w["model_runner"], log=self.log,
-            model_class=w["model_class"], dtype=str(cfg.model_config.dtype).replace("torch.", ""),
-            weights=str(self.folder), attention_backend=w["attention_backend"], attention_impl=w["attention_impl"],
-            attention_isa=w["attention_isa"],
-            kv_cache_dtype=kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], kv_cache_dtype_setting=kv_dtype,
-            block_size=int(cfg.cache_config.block_size), prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
-            max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
-            chunked_prefill=bool(cfg.scheduler_config.enable_chunked_prefill),
-            max_model_len=int(cfg.model_config.max_model_len), enforce_eager=bool(cfg.model_config.enforce_eager),
-            compilation_mode=int(cfg.compilation_config.mode or 0),
-            cudagraph_mode=str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
-            in_process=False, torch_threads=Threads(self.threads[0], w["torch_threads"]),
-            **w["op_facts"]).to_dict()
+        return read_facts(self)
 
     def new_capture(self, emap: dict[str, Any], ref: RefLayout, token_ids: list[int], window: tuple[int, int],
                     kv_points: dict[int, str], kv_positions: int | None = None) -> Any:
@@ -338,7 +289,8 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     check_architecture(loaded, folder)
     kwargs = _settings_for(loaded, settings)
     multiprocess = environment.multiprocess_default() if settings.multiprocess is None else bool(settings.multiprocess)
-    key = (str(folder), settings.batch_invariant, multiprocess, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    key = (str(folder), settings.batch_invariant, multiprocess, settings.compiled, settings.hidden_states,
+           tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
@@ -471,50 +423,6 @@ def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] 
     eng.reset_prefix_cache()
     for prompts, _traced in waves(token_ids, plan, mode, eng.kwargs["block_size"]):
         eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
-
-
-# ---------------------------------------------------------------- the reference layout
-
-
-_LAYOUTS: dict[tuple, RefLayout] = {}
-_MAPS: dict[str, dict[str, Any]] = {}
-
-
-def engine_map(family: str) -> dict[str, Any]:
-    """The vLLM engine map of a model family (:func:`tracer.engines.dumps.rules.load_engine_map`),
-    read once per process (a run's capture compiles its rules once per map object)."""
-    if family not in _MAPS:
-        _MAPS[family] = load_engine_map(family, engine="vllm")
-    return _MAPS[family]
-
-
-def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], window: tuple[int, int]) -> RefLayout:
-    """The HF layout the vLLM tensors are mapped onto: every capture point's kind, op, feature
-    shape and dtype, in HF execution order, from one forward pass of the HF model on the prompt's
-    first token (cached per model and point list).
-
-    Raises:
-        TracerError: the HF model cannot run that pass.
-    """
-    from tracer.dtypes import name_of
-    from tracer.load.devices import model_device
-
-    key = (id(loaded.model), tuple(p.name for p in points))
-    if key not in _LAYOUTS:
-        model = loaded.model
-        with torch.inference_mode(), Capture(model, points, (0, 1)) as cap:
-            with cap.forward_call(0, 1):
-                model(input_ids=torch.tensor([token_ids[:1]], device=model_device(model)), use_cache=False)
-        names = {}
-        for n, r in cap.records().items():
-            if r.kind == PointKind.KV_CACHE:
-                names[n] = (r.kind, r.op, (), name_of(model.dtype))
-            elif r.tensor.numel():
-                names[n] = (r.kind, r.op, tuple(r.tensor.shape[1:]), name_of(r.tensor.dtype))
-        layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
-        _LAYOUTS[key] = RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
-                                  n_layers=len(layers), token_ids=[], window=(0, 1), family=loaded.info.family)
-    return replace(_LAYOUTS[key], token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
 
 
 def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint], window: tuple[int, int], *,
