@@ -106,12 +106,13 @@ def compiled(loaded, eager):
     return ve.engine_for(loaded, COMPILED)
 
 
-def test_eager_vs_compiled_in_vllm_names_the_first_differing_layer(loaded, eager, compiled):
+def test_eager_vs_compiled_in_vllm_names_the_first_differing_layer(loaded, eager, compiled, tmp_path):
     """--scenario compile --engine vllm: eager vs vLLM's default compilation, everything else equal;
     every layer is compared (counts as plain torch counts them on the two captures) and the
     sublayers the compiled run cannot give are named with the reason."""
     assert compiled.facts()["compilation_mode"] != 0
-    r = tracer.run(loaded, token_ids=IDS, scenario="compile", engine="vllm", granularity="sublayers", progress=False)
+    r = tracer.run(loaded, token_ids=IDS, scenario="compile", engine="vllm", granularity="sublayers", progress=False,
+                   store="tensors", output=str(tmp_path / "compile.h5"))
     a, b = r.runs
     assert a.meta["engine"]["compilation_mode"] == 0 and b.meta["engine"]["compilation_mode"] != 0
     assert "model.layers.3.mlp" in a.captures and "model.layers.3.mlp" not in b.captures

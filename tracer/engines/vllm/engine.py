@@ -1,12 +1,16 @@
-"""The ``vllm`` executor: a run plan executed by a real vLLM engine in this process, captured with hooks.
+"""The ``vllm`` executor: a run plan executed by a real vLLM engine, captured with hooks.
 
 tracer builds ``vllm.LLM`` itself from the weights folder the HF model was loaded from (a built-in
 recipe's cached checkpoint, any local HF folder, or a random-init recipe saved once), in the HF
 model's dtype, eager (``enforce_eager=True``, compilation mode 0, no CUDA graphs: compiled
-graphs hide modules from hooks, so anything else is refused), with the engine core in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's
-``nn.Module`` fire. One ``LLM`` is kept per :class:`VllmSettings` for the life of the process
-(:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
+graphs hide modules from hooks), with the engine core in this process by default
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's ``nn.Module`` fire
+here; with ``VllmSettings(multiprocess=True)`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the
+environment) the engine core runs in its own process and the same hooks run in its workers
+(:mod:`tracer.engines.vllm.remote`). ``VllmSettings(compiled=True)`` builds vLLM's default
+compilation instead, captured at layers through vLLM's own hidden-states output
+(:mod:`tracer.engines.vllm.compiled`). One ``LLM`` is kept per :class:`VllmSettings` for the life
+of the process (:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
 
 A :class:`~tracer.plan.scenarios.RunPlan` becomes requests (``SamplingParams(max_tokens=1,
 temperature=0)``, prompt token ids; the prefix cache reset before every run, so the run decides

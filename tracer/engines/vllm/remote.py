@@ -305,6 +305,8 @@ class RemoteCapture:
         got = rpc(self.llm, worker_install, self.key, pickle.dumps(self.spec), what="install its capture hooks")
         self.ranks = sorted(got, key=lambda r: r["rank"])
         self.runner = self.ranks[0]["runner"] if self.ranks else "?"
+        if len(self.ranks) > 1:
+            self._check_tp(len(self.ranks))
         compiled = [r for r in self.ranks if r["compilation_mode"]]
         if compiled or not self.ranks or not all(r["hooked"] for r in self.ranks):
             self._discard()
@@ -314,6 +316,23 @@ class RemoteCapture:
             raise TracerError(f"tracer cannot capture this vLLM with hooks: {why}; build it eager "
                               "(enforce_eager=True, compilation_config={'mode': 0})")
         return self
+
+    def _check_tp(self, size: int) -> None:
+        """With ``size`` TP ranks, only points every rank holds whole are captured: the embedding, the
+        layers' outputs, the final norm and the logits (all-reduced or gathered by vLLM). A sublayer
+        or KV-cache point is one shard per rank, and a shard does not split by HF's widths.
+
+        Raises:
+            TracerError: such a point asked for (its hooks removed first)."""
+        from tracer.execute.kinds import PointKind
+
+        whole = (PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS)
+        sharded = [n for n, (kind, *_r) in self.spec["ref"].names.items() if kind not in whole]
+        if sharded or self.spec.get("kv_points"):
+            self._discard()
+            raise TracerError(f"vLLM runs {size} TP ranks, and {(sharded or list(self.spec['kv_points'].values()))[0]} "
+                              "is one shard per rank there; capture --granularity layers without the KV cache (every "
+                              "rank holds those whole), or run with tensor_parallel_size=1")
 
     def follow(self, label: str, prompt: list[int] | None, *, traced: bool = True) -> None:
         """Follow a request in every worker (:meth:`VllmCapture.follow`)."""
@@ -353,6 +372,13 @@ class RemoteCapture:
             raise TracerError(f"vLLM's workers wrote the capture of rank(s) {sorted(states)} but not rank 0")
         local.load_state(states[0])
         self.rank_states = states
+        for rank, state in sorted(states.items())[1:]:  # TP: every rank computed the same whole rows
+            for name, chunks in state["rows"].items():
+                ours = local.rows.get(name, [])
+                if len(ours) != len(chunks) or any(a.shape != b.shape or not torch.equal(a, b)
+                                                   for (_s, a), (_t, b) in zip(ours, chunks)):
+                    raise TracerError(f"TP rank {rank} holds other rows for {name} than rank 0; vLLM's ranks should "
+                                      "hold this point whole and equal")
         return local
 
     def _discard(self) -> None:
