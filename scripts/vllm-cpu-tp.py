@@ -51,7 +51,7 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(model=folder, dtype="bfloat16", max_model_len=512, block_size=32, skip_tokenizer_init=True,
               enforce_eager=True, compilation_config={"mode": 0}, tensor_parallel_size=2,
-              kv_cache_memory_bytes=64 << 20)
+              gpu_memory_utilization=0.3)  # as measured; on this CPU it sizes each rank's KV cache (6.45 GiB here)
     print(f"vLLM started with TP 2 in {time.time() - t0:.0f} s", flush=True)
     ref = load_model(folder, dtype="bfloat16", device="cpu", progress=False, tokenizer=False)
     ids = list(range(100, 164))
