@@ -24,6 +24,7 @@ from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
+from tracer.engines.dumps.hidden_states import check_slots
 from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
@@ -82,6 +83,7 @@ def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | 
     """
     layout = ref_layout(reader, run)
     raw = read_dump(dump)
+    check_slots(raw, layout.n_layers)
     emap = load_engine_map(layout.family, engine_map, engine=raw.facts.get("framework"))
     return map_dump(raw, layout, emap)
 

@@ -20,6 +20,8 @@ Three layouts are recognised (sources followed: ``traces/README.md``, section "E
   without rank sub-folders is one rank.
 - **Named tensors**: one ``.safetensors`` or ``.npz`` file, name → tensor, with the token ids
   under ``input_ids`` (and optionally ``positions``); one step, one rank.
+- **vLLM hidden states**: one ``{request id}.safetensors`` of exactly ``hidden_states`` and
+  ``token_ids`` (vLLM's ``ExampleHiddenStatesConnector``; :mod:`tracer.engines.dumps.hidden_states`).
 
 Loading is safe: ``torch.load(..., weights_only=True)``, ``np.load(..., allow_pickle=False)``; a
 file that needs more (a pickled object) is refused with a one-line error naming it. This module
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from tracer.errors import TracerError
+from tracer.engines.dumps.hidden_states import is_hidden_states, read_hidden_states
 from tracer.engines.dumps.namemap import pass_entries
 from tracer.execute.records import DumpEntry, RawDump  # re-exported: the dump's plain data
 from tracer.engines.dumps.parallel import (MEGATRON_FIELDS, Rank, check_supported, digest, has_layer, infer_positions,
@@ -337,6 +340,8 @@ def read_named_tensors(path: Path, ledger: Any = None) -> RawDump:
     from tracer.engines.dumps.files import load_npz, load_safetensors
 
     tensors = load_npz(path, ledger) if path.suffix == ".npz" else load_safetensors(path, ledger)
+    if is_hidden_states(tensors):  # vLLM's own hidden-states file (ExampleHiddenStatesConnector)
+        return read_hidden_states(str(path), tensors, ledger)
     tokens: dict = {}
     entries = []
     for name, value in tensors.items():

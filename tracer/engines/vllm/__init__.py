@@ -16,6 +16,11 @@ module            holds
 ``kernels``       ``--kernels`` on vLLM's modules
 ``captured``      ``tracer.capture(llm)``: a user's own ``vllm.LLM`` captured
 ``rollout``       an RL step's rollout sampled by vLLM, each token's logprob as vLLM reports it
+``remote``        the capture in the workers of an engine core in its own process (vLLM's default)
+``compiled``      compiled vLLM captured at layers through vLLM's own hidden-states output
+``hidden_states`` that output's connector, writing on any device, and the LLM settings for it
+``layout``        the HF reference layout a capture maps onto; the engine map per family
+``engine_facts``  the engine's facts, read in this process or from its worker
 ================  ==========================================================================
 
 A new vLLM capability (another runner, a process of its own, KV connectors) is a new module here,

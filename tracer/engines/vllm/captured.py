@@ -1,6 +1,6 @@
-"""``tracer.capture(llm)``: the notebook capture on a user's own ``vllm.LLM`` (in-process, eager).
+"""``tracer.capture(llm)``: the notebook capture on a user's own ``vllm.LLM`` (eager).
 
-    llm = vllm.LLM(model=folder, enforce_eager=True, ...)     # VLLM_ENABLE_V1_MULTIPROCESSING=0
+    llm = vllm.LLM(model=folder, enforce_eager=True, ...)     # engine core here or in its own process
     with tracer.capture(llm, "layers") as cap:
         llm.generate(...)
     cap["model.layers.3"].tensor                               # (T, hidden), HF name, vLLM's dtype
@@ -8,7 +8,10 @@
 The first request of the first forward pass inside the block is traced (in the order the model
 runner puts a step's requests: vLLM's V2 runner sorts them by their number of tokens): every
 position it computes (its prompt's uncached positions, then one per decode step, followed by its
-KV slots), hooks on vLLM's modules mapped onto the HF capture points of the same model
+KV slots), hooks on vLLM's modules mapped onto the HF capture points of the same model (in this
+process, or, with vLLM's engine core in its own process, in its workers:
+:class:`~tracer.engines.vllm.remote.RemoteCapture`, which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+in the environment the LLM was built in)
 (:class:`~tracer.engines.vllm.capture.VllmCapture`: fused q/k/v and gate/up split, ``(hidden,
 residual)`` summed, rows placed at their positions), kept on vLLM's device while it runs and copied
 to the host once when the block ends (``keep_on_device=True``: left there).
@@ -28,6 +31,7 @@ from tracer.errors import TracerError
 from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.engines.vllm.capture import VllmCapture
+from tracer.engines.vllm.remote import RemoteCapture
 from tracer.engines.vllm.engine import VllmEngine, VllmSettings, engine_map, ref_layout, vllm
 
 
@@ -36,7 +40,7 @@ class VllmCaptured:
     (``(T, *feature)`` over the traced request's computed positions), filled when the block ends.
 
     Args:
-        llm: an in-process, eager ``vllm.LLM``.
+        llm: an eager ``vllm.LLM`` (its engine core in this process or in its own).
         points: ``layers`` or ``sublayers`` (no KV-cache points), or a list of HF capture names.
         reference: a loaded HF model of the same weights (None: loaded from the LLM's folder).
         keep_on_device: leave the captures on vLLM's device (a GPU); default: copied to the host
@@ -47,7 +51,7 @@ class VllmCaptured:
     (k, vocab) tensor)``: vLLM computes logits only where it samples), ``not_captured`` (name → why).
 
     Raises:
-        TracerError: the engine core is not in this process, compilation or CUDA graphs are on, an
+        TracerError: compilation or CUDA graphs are on, a worker that cannot install the hooks, an
             unknown point, no weights folder, a reference of another dtype than the LLM's (each one line).
     """
 
@@ -90,11 +94,14 @@ class VllmCaptured:
         eng, ref = self.engine, self.reference
         n = int(eng.llm.llm_engine.vllm_config.model_config.max_model_len)
         layout = ref_layout(ref, self.points, [0], (0, 1))
-        self._cap = VllmCapture(eng.model, eng.runner, engine_map(ref.info.family), layout,
-                                [0] * n, (0, n), {}, block_size=int(eng.llm.llm_engine.vllm_config.cache_config.block_size))
-        self._cap.follow("first", None)  # the first request of the first forward pass in the block
+        self._cap = eng.new_capture(engine_map(ref.info.family), layout, [0] * n, (0, n), {})
         self._records = None
         self._cap.__enter__()
+        try:
+            self._cap.follow("first", None)  # the first request of the first forward pass in the block
+        except BaseException:
+            self._cap.__exit__(TracerError, None, None)
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -102,12 +109,13 @@ class VllmCaptured:
         cap.__exit__(*exc)
         if exc and exc[0] is not None:
             return
+        if isinstance(cap, RemoteCapture):  # the hooks ran in vLLM's workers: their rows, read back here
+            cap = cap.local
         seen: dict[int, int] = {}
         for tok in cap.tokens.values():
             seen.update(zip(tok["positions"].tolist(), tok["input_ids"].tolist()))
         if not seen:
-            raise TracerError("the hooks inside vLLM saw no forward pass in the block; call llm.generate(...) inside it "
-                              "(with the engine core in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+            raise TracerError("the hooks inside vLLM saw no forward pass in the block; call llm.generate(...) inside it")
         lo, hi = min(seen), max(seen) + 1
         self.token_ids = [seen.get(p, -1) for p in range(hi)]  # -1: a position served from the prefix cache
         self.positions = (lo, hi)

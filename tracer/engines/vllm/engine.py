@@ -1,12 +1,16 @@
-"""The ``vllm`` executor: a run plan executed by a real vLLM engine in this process, captured with hooks.
+"""The ``vllm`` executor: a run plan executed by a real vLLM engine, captured with hooks.
 
 tracer builds ``vllm.LLM`` itself from the weights folder the HF model was loaded from (a built-in
 recipe's cached checkpoint, any local HF folder, or a random-init recipe saved once), in the HF
 model's dtype, eager (``enforce_eager=True``, compilation mode 0, no CUDA graphs: compiled
-graphs hide modules from hooks, so anything else is refused), with the engine core in this
-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's
-``nn.Module`` fire. One ``LLM`` is kept per :class:`VllmSettings` for the life of the process
-(:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
+graphs hide modules from hooks), with the engine core in this process by default
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's ``nn.Module`` fire
+here; with ``VllmSettings(multiprocess=True)`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the
+environment) the engine core runs in its own process and the same hooks run in its workers
+(:mod:`tracer.engines.vllm.remote`). ``VllmSettings(compiled=True)`` builds vLLM's default
+compilation instead, captured at layers through vLLM's own hidden-states output
+(:mod:`tracer.engines.vllm.compiled`). One ``LLM`` is kept per :class:`VllmSettings` for the life
+of the process (:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
 
 A :class:`~tracer.plan.scenarios.RunPlan` becomes requests (``SamplingParams(max_tokens=1,
 temperature=0)``, prompt token ids; the prefix cache reset before every run, so the run decides
@@ -61,16 +65,15 @@ except Exception as _e:  # noqa: BLE001 - e.g. a CUDA torchvision beside a CPU t
     raise TracerError(f"import vllm failed ({type(_e).__name__}: {str(_e).splitlines()[0][:160] if str(_e) else ''}); "
                       "in a CPU environment remove torchvision, torchaudio and torchcodec") from None
 
-from tracer.execute.capture import Capture  # noqa: E402
 from tracer.engines.vllm.contract import op_facts  # noqa: E402
 from tracer.engines.vllm.kernels import recorder  # noqa: E402
 from tracer.execute.kinds import PointKind  # noqa: E402
 from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
-from tracer.engines.dumps.rules import load_engine_map  # noqa: E402
-from tracer.execute.records import (EngineFacts, RunRecord, ScheduledRequest, SchedulerFacts,  # noqa: E402
-                                    SchedulerStep, Threads)
+from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep  # noqa: E402
 from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
+from tracer.engines.vllm.layout import engine_map, ref_layout  # noqa: E402
+from tracer.engines.vllm.remote import RemoteCapture, in_process, rpc, worker_facts  # noqa: E402
 from tracer.engines.vllm.plan import (  # noqa: E402
     CHUNK_MODES, DEFAULT_MAX_MODEL_LEN, VllmSettings, check_architecture, check_schedule, chunk_mode, refuse_unsupported,
     settings_of, waves)
@@ -120,7 +123,8 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
-    return dict(**backend,dtype=loaded.info.dtype, enforce_eager=s.enforce_eager, compilation_config={"mode": s.compilation_mode},
+    compile_args = {} if s.compiled else {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
+    return dict(**backend, **compile_args, dtype=loaded.info.dtype,
                 logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
                 max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),
@@ -145,16 +149,27 @@ class VllmEngine:
         self._ids = itertools.count()
         self._facts: dict[str, Any] | None = None
         self.log: str | None = None
-        try:
-            core = llm.llm_engine.engine_core.engine_core
-            self.runner = core.model_executor.driver_worker.worker.model_runner
-            self.model = self.runner.model
-        except AttributeError:
-            raise TracerError("vLLM's engine core is not in this process, so hooks cannot reach its model; set "
-                              "VLLM_ENABLE_V1_MULTIPROCESSING=0 before vLLM starts") from None
+        self.remote = not in_process(llm)  # the engine core in its own process: captures go through its workers
+        self.runner: Any = None
+        self.model: Any = None
+        if not self.remote:
+            try:
+                core = llm.llm_engine.engine_core.engine_core
+                self.runner = core.model_executor.driver_worker.worker.model_runner
+                self.model = self.runner.model
+            except AttributeError:
+                raise TracerError("vLLM's engine core is in this process but tracer cannot reach its model runner "
+                                  f"(vLLM {vllm.__version__}); build the LLM with its engine core in its own process "
+                                  "(VLLM_ENABLE_V1_MULTIPROCESSING=1)") from None
         comp = llm.llm_engine.vllm_config.compilation_config
         graphs = str(getattr(comp, "cudagraph_mode", "NONE")).rsplit(".", 1)[-1]
-        if int(getattr(comp, "mode", 0) or 0) != 0 or graphs not in ("NONE", "None", "0"):
+        self.hidden_states: str | None = None  # the folder of vLLM's hidden-states output (compiled)
+        if settings.compiled or settings.hidden_states:
+            spec = llm.llm_engine.vllm_config.speculative_config
+            if getattr(spec, "method", None) != "extract_hidden_states":
+                raise TracerError("a compiled vLLM is captured through its hidden-states output; build it with "
+                                  "tracer.engines.vllm.hidden_states.llm_kwargs(...)")
+        if not settings.compiled and (int(getattr(comp, "mode", 0) or 0) != 0 or graphs not in ("NONE", "None", "0")):
             raise TracerError(f"this vLLM runs with compilation mode {comp.mode} and CUDA graphs {graphs}, which hide "
                               "its modules from tracer's hooks; build it eager (enforce_eager=True, compilation mode 0)")
 
@@ -169,41 +184,62 @@ class VllmEngine:
             self._facts = self._read_facts()
         return dict(self._facts)
 
+    def worker_facts(self) -> dict[str, Any]:
+        """What the model in vLLM's worker (TP rank 0) says of itself
+        (:func:`tracer.engines.vllm.remote.worker_facts`), read once.
+
+        Raises:
+            TracerError: the worker could not answer (one line)."""
+        if getattr(self, "_worker_facts", None) is None:
+            got = rpc(self.llm, worker_facts, self.kwargs["dtype"], what="read its model's facts")
+            self._worker_facts = min(got, key=lambda r: r["rank"])
+        return self._worker_facts
+
     def _read_facts(self) -> dict[str, Any]:
-        cfg = self.llm.llm_engine.vllm_config
-        attn = next((m for n, m in self.model.named_modules() if n.endswith("self_attn.attn")), None)
-        backend = getattr(getattr(attn, "attn_backend", None), "get_name", lambda: "?")()
-        impl = getattr(attn, "impl", None)
-        kv_dtype = str(cfg.cache_config.cache_dtype)
-        device = str(cfg.device_config.device)
-        name = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") and torch.cuda.is_available() \
-            else None
-        return EngineFacts(
-            engine="vllm", version=vllm.__version__, device=device, device_name=name,
-            attention_backend_setting=self.settings.attention_backend or "auto (vLLM's choice)",
-            batch_invariant=bool(self.settings.batch_invariant),
-            model_runner=f"{type(self.runner).__module__}.{type(self.runner).__name__}", log=self.log,
-            model_class=type(self.model).__name__,
-            dtype=str(cfg.model_config.dtype).replace("torch.", ""), weights=str(self.folder),
-            attention_backend=backend, attention_impl=type(impl).__name__ if impl is not None else None,
-            attention_isa=str(getattr(attn, "isa", None)) if getattr(attn, "isa", None) is not None else None,
-            kv_cache_dtype=kv_dtype if kv_dtype != "auto" else self.kwargs["dtype"], kv_cache_dtype_setting=kv_dtype,
-            block_size=int(cfg.cache_config.block_size), prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
-            max_num_batched_tokens=int(cfg.scheduler_config.max_num_batched_tokens),
-            chunked_prefill=bool(cfg.scheduler_config.enable_chunked_prefill),
-            max_model_len=int(cfg.model_config.max_model_len), enforce_eager=bool(cfg.model_config.enforce_eager),
-            compilation_mode=int(cfg.compilation_config.mode or 0),
-            cudagraph_mode=str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1],
-            in_process=True, torch_threads=Threads(self.threads[0], self.threads[1]),
-            **op_facts(self.model, self.kwargs["dtype"])).to_dict()
+        from tracer.engines.vllm.engine_facts import read_facts
+
+        return read_facts(self)
+
+    def new_capture(self, emap: dict[str, Any], ref: RefLayout, token_ids: list[int], window: tuple[int, int],
+                    kv_points: dict[int, str], kv_positions: int | None = None) -> Any:
+        """A capture of this engine's model (:class:`~tracer.engines.vllm.capture.VllmCapture`'s
+        arguments): the hooks in this process, or, with the engine core in its own process, in its
+        workers (:class:`~tracer.engines.vllm.remote.RemoteCapture`); used the same way."""
+        block = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        if self.remote:
+            return RemoteCapture(self.llm, {"emap": emap, "ref": ref, "token_ids": list(token_ids),
+                                            "window": (int(window[0]), int(window[1])), "kv_points": dict(kv_points),
+                                            "kv_positions": kv_positions, "block_size": block})
+        return VllmCapture(self.model, self.runner, emap, ref, token_ids, window, kv_points, kv_positions,
+                           block_size=block)
+
+    @contextlib.contextmanager
+    def alive(self, what: str) -> Any:
+        """For the block (calls into vLLM's engine core): an engine core that died is one line, and
+        this engine is forgotten (the next run builds a new one).
+
+        Raises:
+            TracerError: vLLM's ``EngineDeadError`` (its process ended: a worker killed, out of memory).
+        """
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - only vLLM's EngineDeadError is turned into a line
+            if type(e).__name__ != "EngineDeadError":
+                raise
+            for key in [k for k, v in _ENGINES.items() if v is self]:
+                _ENGINES.pop(key)
+            raise TracerError(f"vLLM's engine core died while {what} (its process ended: a worker killed or out of "
+                              f"memory; vLLM's log: {self.log}); the next run starts a new engine") from None
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache (no request may be running).
 
         Raises:
-            TracerError: vLLM refused (requests still running).
+            TracerError: vLLM refused (requests still running), or its engine core died.
         """
-        if self.settings.enable_prefix_caching and not self.llm.reset_prefix_cache():
+        with self.alive("resetting its prefix cache"):
+            ok = not self.settings.enable_prefix_caching or self.llm.reset_prefix_cache()
+        if not ok:
             raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
 
     def labels(self, k: int) -> list[str]:
@@ -221,21 +257,23 @@ class VllmEngine:
         greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out = []
         labels = labels or self.labels(len(prompts))
-        for j, p in enumerate(prompts):
-            ext = labels[j]
-            sp = params[j] if params is not None else greedy
-            internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
-            out.append((ext, str(internal)))
+        with self.alive("adding requests"):
+            for j, p in enumerate(prompts):
+                ext = labels[j]
+                sp = params[j] if params is not None else greedy
+                internal = self.llm.llm_engine.add_request(ext, TokensPrompt(prompt_token_ids=list(p)), sp)
+                out.append((ext, str(internal)))
         return out
 
     def finish(self) -> dict[str, Any]:
         """Step the engine until every added request is finished; returns external id → RequestOutput."""
         eng = self.llm.llm_engine
         done: dict[str, Any] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if getattr(o, "finished", False):
-                    done[str(o.request_id)] = o
+        with self.alive("running requests"):
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if getattr(o, "finished", False):
+                        done[str(o.request_id)] = o
         return done
 
 
@@ -254,7 +292,9 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     folder = weights_folder(loaded)
     check_architecture(loaded, folder)
     kwargs = _settings_for(loaded, settings)
-    key = (str(folder), settings.batch_invariant, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    multiprocess = environment.multiprocess_default() if settings.multiprocess is None else bool(settings.multiprocess)
+    key = (str(folder), settings.batch_invariant, multiprocess, settings.compiled, settings.hidden_states,
+           tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     if key in _ENGINES:
         _ENGINES.move_to_end(key)
         return _ENGINES[key]
@@ -262,13 +302,23 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         _release(_ENGINES.popitem(last=False)[1])
     if say is not None:
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
-            f"budget {kwargs['max_num_batched_tokens']} tokens per step)")
+            f"budget {kwargs['max_num_batched_tokens']} tokens per step"
+            f"{', engine core in its own process' if multiprocess else ''})")
     before = torch.get_num_threads()
+    hidden, outputs = {}, None
+    if settings.compiled or settings.hidden_states:  # vLLM writes each request's layer outputs to a folder of its own
+        import tempfile
+
+        from tracer.engines.vllm.hidden_states import llm_kwargs
+
+        outputs = tempfile.mkdtemp(prefix="tracer-vllm-hidden-states-")
+        hidden = llm_kwargs(int(getattr(loaded.model.config.get_text_config(), "num_hidden_layers")), outputs)
     with signals_seen() as seen, environment.quiet(f"starting vLLM {vllm.__version__} on {folder}") as log:
         if settings.batch_invariant:
             environment.enable_batch_invariant()
         try:
-            llm = vllm.LLM(model=str(folder), **kwargs)
+            with environment.process_mode(multiprocess):
+                llm = vllm.LLM(model=str(folder), **kwargs, **hidden)
         except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
             interrupt(seen)  # a signal that vLLM turned into another error
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -279,8 +329,14 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
     engine.log = str(log) if log is not None else None
+    engine.hidden_states = outputs
     try:
-        check_head_size(engine.model)
+        if engine.remote:
+            refusal = engine.worker_facts()["head_size_refusal"]
+            if refusal:
+                raise TracerError(refusal)
+        else:
+            check_head_size(engine.model)
     except TracerError:
         _release(engine)
         raise
@@ -314,6 +370,16 @@ def _release(old: VllmEngine) -> None:
     initialized"."""
     import gc
 
+    if getattr(old, "hidden_states", None):
+        import shutil
+
+        shutil.rmtree(old.hidden_states, ignore_errors=True)
+    if getattr(old, "remote", False):  # the engine core's own process ends with its executor, KV cache and weights
+        with environment.quiet("releasing an LLM"), contextlib.suppress(Exception):
+            old.llm.llm_engine.engine_core.shutdown()
+        del old
+        gc.collect()
+        return
     core = getattr(old.llm.llm_engine.engine_core, "engine_core", None)
     steps = [getattr(getattr(core, "structured_output_manager", None), "clear_backend", None),
              getattr(getattr(core, "model_executor", None), "shutdown", None),
@@ -361,50 +427,6 @@ def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] 
     eng.reset_prefix_cache()
     for prompts, _traced in waves(token_ids, plan, mode, eng.kwargs["block_size"]):
         eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
-
-
-# ---------------------------------------------------------------- the reference layout
-
-
-_LAYOUTS: dict[tuple, RefLayout] = {}
-_MAPS: dict[str, dict[str, Any]] = {}
-
-
-def engine_map(family: str) -> dict[str, Any]:
-    """The vLLM engine map of a model family (:func:`tracer.engines.dumps.rules.load_engine_map`),
-    read once per process (a run's capture compiles its rules once per map object)."""
-    if family not in _MAPS:
-        _MAPS[family] = load_engine_map(family, engine="vllm")
-    return _MAPS[family]
-
-
-def ref_layout(loaded: Any, points: list[CapturePoint], token_ids: list[int], window: tuple[int, int]) -> RefLayout:
-    """The HF layout the vLLM tensors are mapped onto: every capture point's kind, op, feature
-    shape and dtype, in HF execution order, from one forward pass of the HF model on the prompt's
-    first token (cached per model and point list).
-
-    Raises:
-        TracerError: the HF model cannot run that pass.
-    """
-    from tracer.dtypes import name_of
-    from tracer.load.devices import model_device
-
-    key = (id(loaded.model), tuple(p.name for p in points))
-    if key not in _LAYOUTS:
-        model = loaded.model
-        with torch.inference_mode(), Capture(model, points, (0, 1)) as cap:
-            with cap.forward_call(0, 1):
-                model(input_ids=torch.tensor([token_ids[:1]], device=model_device(model)), use_cache=False)
-        names = {}
-        for n, r in cap.records().items():
-            if r.kind == PointKind.KV_CACHE:
-                names[n] = (r.kind, r.op, (), name_of(model.dtype))
-            elif r.tensor.numel():
-                names[n] = (r.kind, r.op, tuple(r.tensor.shape[1:]), name_of(r.tensor.dtype))
-        layers = [n for n, v in names.items() if v[0] == PointKind.LAYER]
-        _LAYOUTS[key] = RefLayout(names=names, layer_prefix=layers[0].rsplit(".", 1)[0] if layers else "model.layers",
-                                  n_layers=len(layers), token_ids=[], window=(0, 1), family=loaded.info.family)
-    return replace(_LAYOUTS[key], token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
 
 
 def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint], window: tuple[int, int], *,
@@ -465,7 +487,16 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     requests: list[dict[str, Any]] = []
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
-    cap = VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points, block_size=eng.kwargs["block_size"])
+    if eng.settings.compiled:
+        if kernels:
+            raise TracerError("--kernels records vLLM's modules with hooks, which a compiled vLLM never runs; run it eager")
+        from tracer.engines.vllm.compiled import execute_compiled
+
+        return execute_compiled(eng, loaded, token_ids, plan, points, window, ref, emap, decode=decode, meta=meta), None
+    if kernels and eng.remote:
+        raise TracerError("--kernels records the kernels of vLLM's modules in this process; with vLLM's engine core in "
+                          "its own process run without --kernels (or set VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    cap = eng.new_capture(emap, ref, token_ids, window, kv_points)
     with torch.inference_mode(), cap, recorder(eng, cap, kernels) as rec_kernels:
         for w, (prompts, traced) in enumerate(plan_waves):
             last = w == len(plan_waves) - 1

@@ -176,6 +176,40 @@ def enable_batch_invariant() -> list[str]:
     return patched
 
 
+#: the environment variables of vLLM's engine-core process and of the functions tracer sends its workers
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+def multiprocess_default() -> bool:
+    """Whether an LLM tracer builds gets its engine core in a process of its own when the settings do
+    not say (``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the environment; tracer's default is 0)."""
+    return os.environ.get(MULTIPROCESSING_ENV, "0").strip() not in ("0", "", "false", "False")
+
+
+@contextlib.contextmanager
+def process_mode(multiprocess: bool) -> Iterator[None]:
+    """For the block (an ``LLM`` being built): vLLM's engine core in this process or in its own
+    (``VLLM_ENABLE_V1_MULTIPROCESSING``, vLLM's cached environment cleared so that it is read
+    again; restored after). With its own process, ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` is set
+    for good: the engine core inherits it at start and unpickles tracer's worker functions
+    (:mod:`tracer.engines.vllm.remote`) only then; this process encodes them with it."""
+    old = os.environ.get(MULTIPROCESSING_ENV)
+    os.environ[MULTIPROCESSING_ENV] = "1" if multiprocess else "0"
+    if multiprocess:
+        os.environ[SERIALIZATION_ENV] = "1"
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[MULTIPROCESSING_ENV] = old
+
+
 def attention_backends() -> list[str]:
     """The attention backend names this vLLM knows (``AttentionBackendEnum``)."""
     try:
@@ -203,4 +237,5 @@ def check_attention_backend(name: str | None) -> str | None:
 
 
 __all__ = ["LOG_ENV", "log_path", "quiet", "batch_invariant_on", "check_batch_invariant", "enable_batch_invariant",
-           "attention_backends", "check_attention_backend"]
+           "attention_backends", "check_attention_backend", "MULTIPROCESSING_ENV", "SERIALIZATION_ENV",
+           "multiprocess_default", "process_mode"]

@@ -44,6 +44,15 @@ class VllmSettings:
             ``FLASH_ATTN``, ``FLASHINFER``, ``CPU_ATTN``, ...); None: vLLM's own choice.
         batch_invariant: vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, set before the
             LLM is built; :mod:`tracer.engines.vllm.environment`).
+        multiprocess: vLLM's engine core in a process of its own (vLLM's default; the capture is
+            installed in its workers, :mod:`tracer.engines.vllm.remote`) or in this one; None:
+            ``VLLM_ENABLE_V1_MULTIPROCESSING`` of the environment (tracer's default 0: this process).
+        compiled: vLLM's default compilation (torch.compile; CUDA graphs on GPUs) instead of eager,
+            captured at layers through vLLM's own hidden-states output
+            (:mod:`tracer.engines.vllm.compiled`); ``enforce_eager`` and ``compilation_mode`` are
+            then vLLM's own.
+        hidden_states: vLLM also writes its own hidden-states output (the embedding and every
+            layer's output per request, :mod:`tracer.engines.vllm.hidden_states`; on with ``compiled``).
     """
 
     block_size: int = BLOCK
@@ -58,14 +67,18 @@ class VllmSettings:
     logprobs_mode: str = "raw_logprobs"
     attention_backend: str | None = None
     batch_invariant: bool = False
+    multiprocess: bool | None = None
+    compiled: bool = False
+    hidden_states: bool = False
 
     def check(self) -> "VllmSettings":
         """Raises:
             TracerError: compilation or CUDA graphs switched on, or a bad size."""
-        if not self.enforce_eager or self.compilation_mode != 0:
+        if not self.compiled and (not self.enforce_eager or self.compilation_mode != 0):
             raise TracerError(f"vLLM with {'CUDA graphs' if not self.enforce_eager else 'torch.compile'} on "
                               f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
-                              "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0)")
+                              "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0), or compiled "
+                              "at layers (compiled=True: vLLM's hidden-states output)")
         if self.block_size < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
                               "must be positive numbers of tokens")

@@ -13,12 +13,16 @@ prefix-cache        a miss vs a hit: a request of the first P tokens, then the p
 block-size          a hit at KV block size b1 vs b2 (two engines)
 chunked-prefill     one step vs the prompt split by ``max_num_batched_tokens`` = the chunk size
 rollout-vs-train    run A (the rollout) in vLLM; run B, the trainer, stays HF
+compile             eager vs vLLM's default compilation (torch.compile; CUDA graphs on GPUs), the same
+                    request in one step, both engines writing vLLM's hidden-states output (the same
+                    speculative config); run B's layers come from that output
+                    (:mod:`tracer.engines.vllm.compiled`: no sublayer point, no KV cache)
 engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
                     ``vllm:BACKEND``: that attention backend)
 ==================  ===================================================================================
 
 The other scenarios change something vLLM does not expose here (HF attention implementations,
-torch.compile, simulated TP, KV formats applied between chunks, devices, HF generation): the door
+simulated TP, KV formats applied between chunks, devices, HF generation): the door
 refuses them from the table's ``scenarios``, and ``--mitigation deterministic`` from its
 ``deterministic``: vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, CUDA/ROCm/XPU) is
 the engine option ``--batch-invariant``, set with ``--attention-backend`` in the plans' settings by
@@ -79,8 +83,15 @@ def realise(scen: Scenario) -> Scenario:
             settings["chunks"] = "chunked" if scen.name == "chunked-prefill" or aligned else "prefix-cache"
             if settings["chunks"] == "prefix-cache":
                 _check_grid(scen.name, plan, settings["block_size"])
-        plans[key] = replace(plan, engine=NAME, engine_settings=tuple(sorted(settings.items())),
-                             description=_describe(plan, settings))
+        description = _describe(plan, settings)
+        if scen.name == "compile":  # both engines write vLLM's hidden-states output: only the compilation differs
+            settings["hidden_states"] = True
+        if plan.compile:  # ``compile``: run B is vLLM's own compiled forward, captured through its hidden-states output
+            settings["compiled"] = True
+            plan = replace(plan, compile=False)
+            description = (f"in vLLM (KV block {settings['block_size']}): vLLM's default compilation (torch.compile; "
+                           "CUDA graphs on GPUs), layers captured through vLLM's hidden-states output")
+        plans[key] = replace(plan, engine=NAME, engine_settings=tuple(sorted(settings.items())), description=description)
     return replace(scen, plan_a=plans["plan_a"], plan_b=plans["plan_b"], params={**p, "engine": NAME})
 
 

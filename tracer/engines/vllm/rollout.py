@@ -28,7 +28,6 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
-from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.engine import engine_for, engine_map, ref_layout, vllm
 from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
@@ -90,8 +89,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
     ref = ref_layout(loaded, points, placeholder, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     emap = engine_map(loaded.info.family)
-    cap = VllmCapture(eng.model, eng.runner, emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1,
-                      block_size=eng.kwargs["block_size"])
+    cap = eng.new_capture(emap, ref, placeholder, window, kv_points, kv_positions=n + t - 1)
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
     with torch.inference_mode(), cap:
@@ -114,6 +112,7 @@ def execute_rollout(loaded: Any, token_ids: list[int], plan: Any, points: list[C
         tokens.append(toks)
         logprobs.append([float(x) for x in lps])
     sequences = [list(p) + tokens[j] for j, p in enumerate(prompts)]
+    cap = getattr(cap, "local", None) or cap  # the engine core in its own process: the rows read back here
     cap.token_ids = sequences[r]
     cap.ref = replace(cap.ref, token_ids=sequences[r])
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")

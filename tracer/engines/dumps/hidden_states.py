@@ -1,0 +1,89 @@
+"""vLLM's hidden-states files: what ``ExampleHiddenStatesConnector`` writes per request.
+
+vLLM (≥ 0.18) saves each request's decoder-layer outputs itself, without hooks, when the LLM is
+built with ``speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": IDS}}}`` and
+``kv_transfer_config`` naming ``ExampleHiddenStatesConnector`` (``shared_storage_path``: the
+folder): one ``{request id}.safetensors`` per request holding
+
+- ``hidden_states``: ``[prompt tokens, len(IDS), hidden]`` in the model's dtype;
+- ``token_ids``: ``[prompt tokens]``, the prompt (positions 0..T-1).
+
+Slot ``j`` holds "aux hidden state" ``IDS[j]``: id 0 is the embedding's output, id ``k ≥ 1`` is
+decoder layer ``k - 1``'s output, ``hidden + residual`` added in the model's dtype (vLLM's
+``_maybe_add_hidden_state``), which is HF's ``model.layers.{k-1}``. The file does not record
+``IDS``: tracer reads the file written with every id, ``IDS = list(range(L + 1))`` (the embedding
+and all ``L`` layers), and refuses another count against the reference's layers
+(:func:`check_slots`). It works with vLLM's compiled and graph-captured forward (the states are
+written into a cache-only attention layer's KV cache inside the graph) and covers prompt tokens
+only and no sublayer point.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tracer.errors import TracerError
+from tracer.execute.records import DumpEntry, RawDump
+
+#: the tensors of one hidden-states file, exactly
+KEYS = frozenset({"hidden_states", "token_ids"})
+#: :attr:`RawDump.layout` of such a file
+LAYOUT = "vllm-hidden-states"
+
+
+def is_hidden_states(tensors: dict[str, Any]) -> bool:
+    """Whether a safetensors file's tensors are a vLLM hidden-states file (exactly :data:`KEYS`)."""
+    return set(tensors) == KEYS
+
+
+def slot_module(slot: int) -> str:
+    """The module whose output aux hidden state ``slot`` is (ids ``0..L``): ``model.embed_tokens``
+    for 0, ``model.layers.{slot - 1}`` after."""
+    return "model.embed_tokens" if slot == 0 else f"model.layers.{slot - 1}"
+
+
+def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any = None) -> RawDump:
+    """The :class:`RawDump` of one hidden-states file (one step, positions 0..T-1, one entry per
+    slot named by :func:`slot_module`; the slot count is ``facts["hidden_state_slots"]``).
+
+    Raises:
+        TracerError: ``hidden_states`` not ``[T, slots, hidden]`` of a floating dtype, ``token_ids``
+            not T integers (one line naming the file).
+    """
+    hs, ids = tensors["hidden_states"], tensors["token_ids"]
+    if hs.dim() != 3 or not hs.is_floating_point():
+        raise TracerError(f"{path}: hidden_states is {tuple(hs.shape)} {str(hs.dtype).removeprefix('torch.')}; vLLM's "
+                          "hidden-states file holds [tokens, layers, hidden] in the model's dtype")
+    if ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
+        raise TracerError(f"{path}: token_ids {tuple(ids.shape)} do not give one id per row of hidden_states "
+                          f"{tuple(hs.shape)}; the file is damaged")
+    if ids.is_floating_point() or ids.is_complex() or ids.numel() == 0 or bool((ids < 0).any()):
+        raise TracerError(f"{path}: token_ids are {'empty' if ids.numel() == 0 else str(ids.dtype)} or negative; vLLM "
+                          "writes the prompt's token ids (non-negative integers) there")
+    if ledger is not None:
+        ledger.charge(ids.numel() * 16, f"{path}: the int64 ids and positions of its {ids.numel():,} tokens")
+    tokens = {0: {"input_ids": ids.to(torch.long), "positions": torch.arange(ids.numel()), "file": path}}
+    entries = [DumpEntry(name=f"hidden_states[:, {j}]", module=slot_module(j), element=None, step=0, tp_rank=0,
+                         tp_size=1, pp_rank=0, dims=None, tensor=hs[:, j], file=path) for j in range(hs.shape[1])]
+    return RawDump(path=path, layout=LAYOUT, engine="vLLM hidden states", entries=entries, tokens=tokens,
+                   facts={"framework": "vllm", "hidden_state_slots": int(hs.shape[1])})
+
+
+def check_slots(raw: RawDump, n_layers: int) -> None:
+    """Refuse a hidden-states file whose slot count is not the reference's layers + 1 (the ids it was
+    written with are not in the file, so any other count cannot be placed).
+
+    Raises:
+        TracerError: another count (one line naming the setting that writes a file tracer reads).
+    """
+    slots = raw.facts.get("hidden_state_slots") if raw.layout == LAYOUT else None
+    if slots is not None and slots != n_layers + 1:
+        raise TracerError(f"{raw.path} holds {slots} hidden states per token but the reference has {n_layers} layers; "
+                          "the file does not say which layers vLLM saved, so tracer reads it when written with "
+                          f"eagle_aux_hidden_state_layer_ids = list(range({n_layers + 1})) (the embedding and every layer)")
+
+
+__all__ = ["KEYS", "LAYOUT", "is_hidden_states", "slot_module", "read_hidden_states", "check_slots"]

