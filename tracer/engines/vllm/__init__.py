@@ -16,6 +16,8 @@ module            holds
 ``kernels``       ``--kernels`` on vLLM's modules
 ``captured``      ``tracer.capture(llm)``: a user's own ``vllm.LLM`` captured
 ``rollout``       an RL step's rollout sampled by vLLM, each token's logprob as vLLM reports it
+``connector``     prefill on a producer, decode on a consumer: settings and KV contracts (no vLLM import)
+``transfer``      the KV cache handed over with vLLM's ExampleConnector, the consumer captured
 ================  ==========================================================================
 
 A new vLLM capability (another runner, a process of its own, KV connectors) is a new module here,
@@ -38,7 +40,8 @@ class Vllm(Engine):
     name = NAME
 
     def executor(self, role: str) -> Executor:
-        """``run``: :func:`tracer.engines.vllm.engine.execute_loaded`; ``rollout``:
+        """``run``: :func:`tracer.engines.vllm.engine.execute_loaded` (a KV hand-over's plans:
+        :func:`tracer.engines.vllm.transfer.execute_transfer`); ``rollout``:
         :func:`tracer.engines.vllm.rollout.execute_rollout`.
 
         Raises:
@@ -48,9 +51,9 @@ class Vllm(Engine):
             from tracer.engines.vllm.rollout import execute_rollout
 
             return execute_rollout
-        from tracer.engines.vllm.engine import execute_loaded
+        from tracer.engines.vllm.transfer import execute_run
 
-        return execute_loaded
+        return execute_run
 
     def realise(self, scen: Any) -> Any:
         """:func:`tracer.engines.vllm.realise.realise`."""
@@ -75,8 +78,13 @@ class Vllm(Engine):
         it (:func:`tracer.engines.vllm.environment.check_batch_invariant`; vLLM is imported then).
 
         Raises:
-            TracerError: the mode asked for on a platform without it (one line).
+            TracerError: the mode asked for on a platform without it, or a KV hand-over whose two sides
+                would disagree on what the cache's bytes mean
+                (:func:`tracer.engines.vllm.connector.check_before_start`; one line each).
         """
+        from tracer.engines.vllm.connector import check_before_start
+
+        check_before_start(plans, model)
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
             from tracer.engines.vllm.engine import platform
             from tracer.engines.vllm.environment import check_batch_invariant

@@ -44,6 +44,10 @@ class VllmSettings:
             ``FLASH_ATTN``, ``FLASHINFER``, ``CPU_ATTN``, ...); None: vLLM's own choice.
         batch_invariant: vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, set before the
             LLM is built; :mod:`tracer.engines.vllm.environment`).
+        dtype: the model dtype vLLM computes in; None: the HF model's.
+        kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``auto``: the model dtype; ``fp8_e4m3``, ...).
+        kv_role, kv_path: a KV connector (vLLM's ExampleConnector) in this role (``kv_producer`` or
+            ``kv_consumer``) over this folder (:mod:`tracer.engines.vllm.connector`); None: none.
     """
 
     block_size: int = BLOCK
@@ -58,6 +62,10 @@ class VllmSettings:
     logprobs_mode: str = "raw_logprobs"
     attention_backend: str | None = None
     batch_invariant: bool = False
+    dtype: str | None = None
+    kv_cache_dtype: str = "auto"
+    kv_role: str | None = None
+    kv_path: str | None = None
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -144,7 +152,8 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     from dataclasses import fields
 
     known = {f.name for f in fields(VllmSettings)}
-    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items() if k != "chunks"}
+    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items()
+               if k not in ("chunks", "kv_transfer", "producer")}  # how chunks become requests; a KV hand-over
     given = options.get("settings") or {}
     given = {f.name: getattr(given, f.name) for f in fields(VllmSettings)} if isinstance(given, VllmSettings) else dict(given)
     unknown = sorted(k for k in {**planned, **given} if k not in known)

@@ -13,6 +13,8 @@ prefix-cache        a miss vs a hit: a request of the first P tokens, then the p
 block-size          a hit at KV block size b1 vs b2 (two engines)
 chunked-prefill     one step vs the prompt split by ``max_num_batched_tokens`` = the chunk size
 rollout-vs-train    run A (the rollout) in vLLM; run B, the trainer, stays HF
+prefill-decode      one consumer LLM: alone (a miss) vs loading a producer LLM's KV cache handed over
+                    with vLLM's ExampleConnector (:mod:`tracer.engines.vllm.connector`)
 engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
                     ``vllm:BACKEND``: that attention backend)
 ==================  ===================================================================================
@@ -50,6 +52,10 @@ def realise(scen: Scenario) -> Scenario:
         return replace(scen, **{k: replace(p, engine_settings=tuple(sorted({**dict(p.engine_settings or ()),
                                                                           "block_size": BLOCK}.items())))
                                 for k, p in (("plan_a", scen.plan_a), ("plan_b", scen.plan_b)) if p.engine == NAME})
+    if scen.name == "prefill-decode":
+        from tracer.engines.vllm.connector import realise_prefill_decode
+
+        return realise_prefill_decode(scen)
     p = scen.params
     if scen.name == "rollout-vs-train":
         spec = scen.plan_a.rl
