@@ -434,7 +434,7 @@ _KV_FIELDS: tuple[tuple[str, str, bool | None, str], ...] = (
     ("head_dim", "head size", True, "another shape"),
     ("layers", "layers", True, "another shape"),
     ("keys", "keys", True, "the rotary embedding applied twice or never"),
-    ("positions", "cached positions", True, "the consumer looks for another cache: nothing would cross"),
+    ("positions", "cached positions", True, "the consumer would load other positions than the files hold"),
     ("tokens_sha256", "cached tokens", True, "the cache is of another prompt"),
     ("attention_backend", "attention backend", False, ""),
     ("accumulator", "accumulator precision", False, ""),

@@ -34,7 +34,7 @@ from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
-from tracer.load.contract import (check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
+from tracer.load.contract import (KV_CONTRACT_FILE, check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
                                   write_kv_contract)
 
 _ROOT: list[Path] = []
@@ -119,10 +119,20 @@ def produce(loaded: Any, token_ids: list[int], producer: dict[str, Any], say: Ca
     if len(written) != 1:
         raise TracerError(f"vLLM's ExampleConnector on the producer wrote {len(written)} KV caches into {root} for one "
                           "prompt; expected one folder of per-layer files")
-    n_moved = transferred(len(token_ids), eng.settings.block_size)
-    write_kv_contract(contract(producer, _dims(loaded), len(token_ids), facts=eng.facts(),
-                               tokens_sha256=tokens_sha256(token_ids[:n_moved])), written[0])
+    rows = _rows(written[0])
+    mine = contract(producer, _dims(loaded), len(token_ids), facts=eng.facts(), tokens_sha256=tokens_sha256(token_ids[:rows]))
+    write_kv_contract(replace(mine, positions=(0, rows)), written[0])  # what the files hold, not what was planned
     return written[0]
+
+
+def _rows(folder: Path) -> int:
+    """How many token rows the producer's files hold (the first layer's ``kv_cache``, read from its header):
+    vLLM's ExampleConnector stores a chunked prefill's first chunk only, under the whole prompt's name."""
+    from safetensors import safe_open
+
+    first = sorted(folder.glob("*.safetensors"))[0]
+    with safe_open(str(first), framework="pt") as fh:
+        return int(fh.get_slice("kv_cache").get_shape()[0])
 
 
 def hand_over(src: Path, consumer_folder: str | Path) -> Path:
@@ -226,7 +236,8 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
     return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, {
         "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY,
-        "contract": check.to_dict() if check is not None else None}), None
+        "contract": check.to_dict() if check is not None else None,
+        "contract_file": str(src / KV_CONTRACT_FILE) if src is not None else None}), None
 
 
 def _consume(loaded: Any, eng: Any, token_ids: list[int], points: list[Any], window: tuple[int, int],
