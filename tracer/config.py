@@ -38,7 +38,8 @@ _SCENARIO_NOTES = {
     "prefix-cache": "cache miss vs hit; --split-at N-1 is a decode step",
     "cuda-graph": "eager vs CUDA-graph replay, GPU only",
     "engine": f"{' vs '.join(selectable()[:2])}, --engines",
-    "prefill-decode": "a producer's KV cache handed to a consumer that decodes, inside vLLM",
+    "prefill-decode": "a producer's KV cache handed to a consumer that decodes, inside "
+                      + ", ".join(r.name for r in ENGINES if r.scenarios and "prefill-decode" in r.scenarios),
     "rollout-vs-train": "RL: a rollout sampling from a KV cache vs the trainer's teacher-forced recompute",
 }
 

@@ -315,8 +315,8 @@ class KVContract(schema.Record):
     """What a KV cache's producer wrote, or what its consumer expects (``traces/README.md``: each field).
 
     Attributes:
-        engine, version: who wrote it (``vllm``, ``0.32.0``). device, device_name, isa: where (``cpu``,
-            the CPU's model, torch's ``cpu_capability`` or the attention kernels' ISA; a GPU's ``sm_90``).
+        engine, version: who wrote it (its name in the table of engines, its version). device, device_name,
+            isa: where (``cpu``, the CPU's model, the attention kernels' ISA; a GPU's ``sm_90``).
         model_dtype: the dtype the model computes in. storage_dtype: one stored element's dtype
             (``bfloat16``, ``float8_e4m3fn``).
         layout: the axes of what crosses: ``NHD`` token-major (tokens, kv_heads, dim), ``HND``
@@ -326,7 +326,7 @@ class KVContract(schema.Record):
             row of what crosses is one token: the block size is free) or ``block-row`` (rows of the
             paged block interior: block size and layout must agree).
         block_size: tokens per KV block (0: not paged). cache_layout: the paged cache in memory
-            (vLLM's ``KVCacheLayout``), where known.
+            (the engine's own name for it), where known.
         layers, kv_heads, head_dim: the cache's shape per token. keys: ``post-RoPE`` or ``pre-RoPE``.
         quant, scale: ``none``, or a format (``fp8_e4m3``, ``mxfp8``) and its scale granularity
             (``per-tensor fp32``, ``block 32 e8m0``).
@@ -394,7 +394,7 @@ class KVDifference(schema.Record):
 @dataclass(frozen=True)
 class KVContractCheck(schema.Record):
     """A producer's KV contract held against a consumer's (:func:`check_kv_contract`): the differences,
-    fatal ones first, and the boundary the cache crossed in words (``vLLM ExampleConnector``)."""
+    fatal ones first, and the boundary the cache crossed in words (the KV connector and its medium)."""
 
     producer: KVContract
     consumer: KVContract

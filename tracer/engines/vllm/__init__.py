@@ -56,7 +56,12 @@ class Vllm(Engine):
         return execute_run
 
     def realise(self, scen: Any) -> Any:
-        """:func:`tracer.engines.vllm.realise.realise`."""
+        """:func:`tracer.engines.vllm.realise.realise` (``prefill-decode``:
+        :func:`tracer.engines.vllm.connector.realise_prefill_decode`)."""
+        if scen.name == "prefill-decode":
+            from tracer.engines.vllm.connector import realise_prefill_decode
+
+            return realise_prefill_decode(scen)
         return realise(scen)
 
     def facts(self, loaded: Any, plan: Any) -> dict[str, Any]:

@@ -127,19 +127,29 @@ def contract(settings: dict[str, Any], dims: tuple[int, int, int, str], n_tokens
     storage = dtype if kv == "auto" else _FP8.get(kv, kv)
     block = int(settings.get("block_size") or BLOCK)
     f = dict(facts or {})
+    backend = str(f.get("attention_backend") or settings.get("attention_backend") or "")
     budget = f.get("max_num_batched_tokens", settings.get("max_num_batched_tokens"))
     return KVContract(
         engine=NAME, version=str(f.get("version", "")), device=str(f.get("device", "cpu")),
-        model_dtype=str(f.get("dtype", dtype)), storage_dtype=storage, layout=LAYOUT, packing=PACKING,
+        model_dtype=str(f.get("dtype", dtype)), storage_dtype=storage, layout=layout_of(backend, f),
+        packing=PACKING if layout_of(backend, f) == LAYOUT else "",
         transfer_unit="block-row", block_size=block, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
         positions=(0, transferred(n_tokens, block)), tokens_sha256=tokens_sha256, transfer=TRANSFER,
         cache_layout="paged [blocks, kv_heads, block_size, 2 * head_dim] view (vLLM KVCacheLayout LBHNC)",
         quant="none" if kv == "auto" else kv, scale="none" if kv == "auto" else "per-tensor fp32 (k_scale, v_scale)",
-        attention_backend=str(f.get("attention_backend") or settings.get("attention_backend") or ""),
+        attention_backend=backend,
         accumulator={k: str(v) for k, v in (f.get("gemm") or {}).items()}, device_name=str(f.get("device_name") or (
             _cpu_name() if f and str(f.get("device", "")).startswith("cpu") else "")),
         isa=str(f.get("attention_isa") or ""),
         settings={"max_num_batched_tokens": budget} if budget is not None else {})
+
+
+def layout_of(backend: str, facts: dict[str, Any]) -> str:
+    """The block interior the ExampleConnector's rows hold: :data:`LAYOUT` for CPU_ATTN (the CPU's only
+    backend for these models: vLLM's CPU platform replaces any other name by it), ``""`` (unknown: not
+    compared, and run B's transferred KV cache not decoded) for another backend."""
+    on_cpu = str(facts.get("device", "cpu")).startswith("cpu")
+    return LAYOUT if (backend or "CPU_ATTN").upper() == "CPU_ATTN" and on_cpu else ""
 
 
 def _cpu_name() -> str:
@@ -172,4 +182,4 @@ def check_before_start(plans: list[RunPlan], model: Any) -> None:
 
 
 __all__ = ["BOUNDARY", "TRANSFER", "transferred", "realise_prefill_decode", "role", "sides", "model_dims", "contract",
-           "check_before_start"]
+           "check_before_start", "layout_of", "LAYOUT"]

@@ -52,10 +52,6 @@ def realise(scen: Scenario) -> Scenario:
         return replace(scen, **{k: replace(p, engine_settings=tuple(sorted({**dict(p.engine_settings or ()),
                                                                           "block_size": BLOCK}.items())))
                                 for k, p in (("plan_a", scen.plan_a), ("plan_b", scen.plan_b)) if p.engine == NAME})
-    if scen.name == "prefill-decode":
-        from tracer.engines.vllm.connector import realise_prefill_decode
-
-        return realise_prefill_decode(scen)
     p = scen.params
     if scen.name == "rollout-vs-train":
         spec = scen.plan_a.rl

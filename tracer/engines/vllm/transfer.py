@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from tracer.engines.vllm import engine as vengine
+from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.connector import BOUNDARY, contract, model_dims, role, sides, transferred
+from tracer.engines.vllm.connector import BOUNDARY, LAYOUT, contract, model_dims, role, sides, transferred
 from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -38,6 +38,12 @@ from tracer.load.contract import (KV_CONTRACT_FILE, check_kv_contract, read_kv_c
                                   write_kv_contract)
 
 _ROOT: list[Path] = []
+
+
+def _version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def _folder(side: str, settings: VllmSettings) -> str:
@@ -85,13 +91,13 @@ def connected(loaded: Any, side: str, settings: dict[str, Any], say: Callable[[s
     s = replace(base, kv_role=f"kv_{side}", kv_path=_folder(side, base))
     _agents()._KV_CONNECTOR_AGENT = None
     try:
-        eng = vengine.engine_for(loaded, s, say)
+        eng = engine_for(loaded, s, say)
         if not hasattr(eng, "kv_agent"):
             eng.kv_agent = _agents()._KV_CONNECTOR_AGENT
     finally:
         _agents()._KV_CONNECTOR_AGENT = None
     if eng.kv_agent is None:
-        raise TracerError(f"vLLM {vengine.vllm.__version__} built no KV connector for the {side}; tracer hands the KV "
+        raise TracerError(f"vLLM {_version()} built no KV connector for the {side}; tracer hands the KV "
                           "cache over with vLLM's ExampleConnector (kv_transfer_config)")
     return eng
 
@@ -181,7 +187,7 @@ def execute_run(loaded: Any, token_ids: list[int], plan: Any, points: list[Any],
     """The vLLM ``run`` executor: :func:`execute_transfer` for a plan with a KV hand-over (run A or B of
     ``prefill-decode``), else :func:`tracer.engines.vllm.engine.execute_loaded`."""
     if role(plan) is None:
-        return vengine.execute_loaded(loaded, token_ids, plan, points, window, **options)
+        return execute_loaded(loaded, token_ids, plan, points, window, **options)
     return execute_transfer(loaded, token_ids, plan, points, window, **options)
 
 
@@ -230,7 +236,11 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
                           f"{n_moved}: {what} (the ExampleConnector finds a cache by the hash of the first "
                           f"(N-2)//B*B tokens); nothing to compare")
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
-    if n_moved:  # the handed-over positions: the cache as transferred, where the consumer computed nothing
+    if n_moved and check is not None and check.consumer.layout != LAYOUT:  # a block interior tracer cannot read yet
+        cap.notes.append(f"the handed-over KV cache's block rows are not decoded for attention backend "
+                         f"{check.consumer.attention_backend or '?'} (tracer reads CPU_ATTN's, {LAYOUT}): the kv_cache "
+                         f"points of run {plan.name} lack positions 0..{n_moved - 1}")
+    elif n_moved:  # the handed-over positions: the cache as transferred, where the consumer computed nothing
         dev = next((parts[0][1].device for parts in cap.kv.values() if parts), torch.device("cpu"))
         for layer, rows in transferred_kv(dst, kv_points, n_moved, int(dict(producer).get('block_size', cons.settings.block_size)), dev).items():
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
@@ -245,8 +255,8 @@ def _consume(loaded: Any, eng: Any, token_ids: list[int], points: list[Any], win
     """The consumer's request (the prompt, ``t`` greedy tokens) under the capture hooks; returns
     ``(timing, capture, vLLM's RequestOutput)``."""
     n = len(token_ids)
-    emap = vengine.engine_map(loaded.info.family)
-    ref = vengine.ref_layout(loaded, points, token_ids, window)
+    emap = engine_map(loaded.info.family)
+    ref = ref_layout(loaded, points, token_ids, window)
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     cap = VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points, kv_positions=n + t - 1,
                       block_size=eng.settings.block_size, positions=n + t - 1)
@@ -264,7 +274,7 @@ def _record(loaded: Any, eng: Any, token_ids: list[int], plan: Any, points: list
             run: dict[str, Any], cap: VllmCapture, out: Any, keep_on_device: bool, meta: dict[str, Any],
             transfer: dict[str, Any]) -> RunRecord:
     """The consumer's :class:`RunRecord` (as :func:`tracer.engines.vllm.engine.execute_loaded` writes one)."""
-    captures, info = cap.records(points, f"vLLM {vengine.vllm.__version__}")
+    captures, info = cap.records(points, f"vLLM {_version()}")
     if not keep_on_device:
         captures = {k: replace(c, tensor=c.tensor.cpu()) for k, c in captures.items()}
         info["partial_logits"] = {k: (ps, x.cpu()) for k, (ps, x) in info["partial_logits"].items()}
