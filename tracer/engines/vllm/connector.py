@@ -73,13 +73,13 @@ def realise_prefill_decode(scen: Scenario) -> Scenario:
                           f"N - 1 tokens, and a prompt of {n} tokens has none at block size {block}; use a prompt "
                           f"of at least {block + 2} tokens (--length)")
     consumer = {"block_size": block, **CONSUMER}
-    producer = {**consumer, **dict(p.get("producer") or {})}
+    diff = dict(p.get("producer") or {})
     what = ", ".join(f"{k}={v}" for k, v in dict(p.get("producer") or {}).items()) or "the consumer's settings"
     a = replace(scen.plan_a, engine=NAME, engine_settings=tuple(sorted({**consumer, "kv_transfer": "miss"}.items())),
                 description=f"in vLLM (KV block {block}): the consumer alone prefills all {n} tokens (a KV cache miss), "
                             f"then decodes {t} tokens")
     b = replace(scen.plan_b, engine=NAME, engine_settings=tuple(sorted(
-        {**consumer, "kv_transfer": "load", "producer": tuple(sorted(producer.items()))}.items())),
+        {**consumer, "kv_transfer": "load", "producer": tuple(sorted(diff.items()))}.items())),
         description=f"in vLLM: a producer ({what}) prefills the prompt and saves its KV cache with the "
                     f"ExampleConnector; the consumer (KV block {block}) loads {moved} tokens of it, computes "
                     f"positions {moved}..{n - 1}, then decodes {t} tokens")
@@ -93,12 +93,14 @@ def role(plan: RunPlan) -> str | None:
 
 
 def sides(plan: RunPlan) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The consumer's and the producer's settings of a ``prefill-decode`` plan (``{}``: no producer, run A)."""
+    """The consumer's and the producer's settings of a ``prefill-decode`` plan (``{}``: no producer, run A):
+    the producer's are the consumer's (the engine options, ``--attention-backend``, included) with the
+    plan's one difference over them."""
     settings = dict(plan.engine_settings or ())
-    producer = {str(k): v for k, v in (settings.pop("producer", None) or ())}
-    settings.pop("kv_transfer", None)
+    diff = {str(k): v for k, v in (settings.pop("producer", None) or ())}
+    load = settings.pop("kv_transfer", None) == "load"
     settings.pop("chunks", None)
-    return settings, producer
+    return settings, ({**settings, **diff} if load else {})
 
 
 def model_dims(model: Any) -> tuple[int, int, int, str]:
