@@ -67,6 +67,12 @@ class Vllm(Engine):
     def facts(self, loaded: Any, plan: Any) -> dict[str, Any]:
         """:func:`tracer.engines.vllm.engine.plan_facts` (the LLM for the plan's settings is built now,
         and reused by the run)."""
+        from tracer.engines.vllm.connector import role
+
+        if role(plan) is not None:  # a KV hand-over's plans run on the consumer: its engine, connector and all
+            from tracer.engines.vllm.transfer import consumer_facts
+
+            return consumer_facts(loaded, plan)
         from tracer.engines.vllm.engine import plan_facts
 
         return plan_facts(loaded, plan)

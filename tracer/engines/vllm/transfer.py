@@ -102,6 +102,12 @@ def connected(loaded: Any, side: str, settings: dict[str, Any], say: Callable[[s
     return eng
 
 
+def consumer_facts(loaded: Any, plan: Any) -> dict[str, Any]:
+    """The facts of the consumer a ``prefill-decode`` plan runs on (built now with its connector, and
+    reused by the run)."""
+    return connected(loaded, "consumer", sides(plan)[0], None).facts()
+
+
 def _dims(loaded: Any) -> tuple[int, int, int, str]:
     return model_dims(loaded.model)
 
@@ -298,4 +304,4 @@ def _record(loaded: Any, eng: Any, token_ids: list[int], plan: Any, points: list
                      captures=captures, meta=record_meta, extras={"partial_logits": info["partial_logits"]})
 
 
-__all__ = ["connected", "produce", "hand_over", "transferred_kv", "execute_run", "execute_transfer"]
+__all__ = ["connected", "consumer_facts", "produce", "hand_over", "transferred_kv", "execute_run", "execute_transfer"]
