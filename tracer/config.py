@@ -427,7 +427,7 @@ _BRIEF = {
     "batch_size": "batch: rows in the batch (default 4)",
     "padding": "batch: none, left or right",
     "batch_row": "batch, RL: the traced prompt's row",
-    "new_tokens": "generate-cache (8), rollout-vs-train (16): tokens",
+    "new_tokens": "generate-cache, prefill-decode (8), rollout-vs-train (16): tokens",
     "producer": "prefill-decode: the producer's one difference, KEY=VALUE",
     "block_sizes": "block-size: two KV block sizes (default 16,64)",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
