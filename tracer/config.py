@@ -38,6 +38,8 @@ _SCENARIO_NOTES = {
     "prefix-cache": "cache miss vs hit; --split-at N-1 is a decode step",
     "cuda-graph": "eager vs CUDA-graph replay, GPU only",
     "engine": f"{' vs '.join(selectable()[:2])}, --engines",
+    "prefill-decode": "a producer's KV cache handed to a consumer that decodes, inside "
+                      + ", ".join(r.name for r in ENGINES if r.scenarios and "prefill-decode" in r.scenarios),
     "rollout-vs-train": "RL: a rollout sampling from a KV cache vs the trainer's teacher-forced recompute",
 }
 
@@ -331,7 +333,11 @@ _HELP = {
     "batch_size": "batch: rows in the batch, the prompt included (default 4)",
     "padding": "batch: none, left or right",
     "batch_row": "batch, rollout-vs-train: row of the traced prompt (default batch_size // 2, rollouts // 2)",
-    "new_tokens": "generate-cache: greedy tokens to generate (default 8); rollout-vs-train: response tokens (default 16)",
+    "new_tokens": "generate-cache, prefill-decode: greedy tokens to generate (default 8); rollout-vs-train: response "
+                  "tokens (default 16)",
+    "producer": "prefill-decode: the one setting in which the producer differs from the consumer, KEY=VALUE: "
+                "block_size, max_num_batched_tokens (its chunked-prefill budget), dtype, kv_cache_dtype, "
+                "attention_backend (default: none, the control)",
     "block_sizes": f"block-size: two KV block sizes b1,b2 (default {','.join(map(str, default(None, 'block_sizes')))})",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "tensor-parallel: shards k of the row-parallel layers (default 2)",
@@ -371,7 +377,7 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "output": ("Output", ("output", "overwrite")),  # and the command line's own: --format, --report, ... (tracer.cli.RENDER)
     "scenario": ("Scenario options", ("block_size", "split_at", "mitigation", "batch_size", "padding", "batch_row",
                                       "new_tokens", "block_sizes", "chunk_size", "kv_format", "attn_a", "attn_b",
-                                      "devices")),
+                                      "devices", "producer")),
     "checks": ("Checks", ("decode", "verdict", "op_replay", "fail_on", "atol", "rtol")),
     "capture": ("Capture", ("kv_cache", "kernels", "cuda_graphs")),
     "storage": ("Storage", ("store", "max_trace_size", "compression")),
@@ -421,7 +427,8 @@ _BRIEF = {
     "batch_size": "batch: rows in the batch (default 4)",
     "padding": "batch: none, left or right",
     "batch_row": "batch, RL: the traced prompt's row",
-    "new_tokens": "generate-cache (8), rollout-vs-train (16): tokens",
+    "new_tokens": "generate-cache, prefill-decode (8), rollout-vs-train (16): tokens",
+    "producer": "prefill-decode: the producer's one difference, KEY=VALUE",
     "block_sizes": "block-size: two KV block sizes (default 16,64)",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "shards of the row-parallel layers (default 2)",

@@ -165,6 +165,10 @@ def realise(scen: Scenario, name: str | None) -> Scenario:
             scen = engine(e).realise(scen)
         return with_engine_options(scen, scen.params)
     if is_reference(name):
+        if scen.params.get("engine_only"):  # a scenario that exists only inside an engine (its KV connectors)
+            inside = [r.name for r in ENGINES if r.scenarios is not None and scen.name in r.scenarios]
+            raise TracerError(f"scenario {scen.name} runs inside an engine, not in {REFERENCE}; add "
+                              f"{' or '.join(f'--engine {e}' for e in inside)}")
         return scen
     r = row(name)
     if r.scenarios is not None and scen.name not in r.scenarios:

@@ -354,6 +354,67 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
         (p, n), devices=[x, y], block_size=block_size, split_at=p)
 
 
+#: what ``prefill-decode``'s ``producer`` may set differently from the consumer: setting -> its type
+PRODUCER_SETTINGS: dict[str, type] = {"block_size": int, "max_num_batched_tokens": int, "dtype": str,
+                                      "kv_cache_dtype": str, "attention_backend": str}
+
+
+def producer_difference(text: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``prefill-decode``'s ``producer`` option as ``{setting: value}``: ``KEY=VALUE`` (one difference at a
+    time, so that the report can name what made the numbers differ), or ``{}`` (the control).
+
+    Raises:
+        TracerError: more than one setting, an unknown one, or a value of the wrong type (one line).
+    """
+    if not text:
+        return {}
+    pairs = dict(text) if isinstance(text, dict) else dict(p.split("=", 1) if "=" in p else (p, "")
+                                                          for p in str(text).split(",") if p.strip())
+    known = ", ".join(PRODUCER_SETTINGS)
+    if len(pairs) != 1:
+        raise TracerError(f"--producer sets one difference at a time (KEY=VALUE, KEY one of {known}), got "
+                          f"{len(pairs)}: {text}")
+    (key, value), = pairs.items()
+    key = str(key).strip().replace("-", "_")
+    if key not in PRODUCER_SETTINGS:
+        raise TracerError(f"--producer {key}: unknown setting; use one of {known}")
+    try:
+        value = PRODUCER_SETTINGS[key](str(value).strip())
+    except ValueError:
+        raise TracerError(f"--producer {key}={value}: {key} is a number of tokens") from None
+    if value in ("", 0) or (isinstance(value, int) and value < 0):
+        raise TracerError(f"--producer {key}={value}: give a value (e.g. {key}=64)")
+    return {key: value}
+
+
+def prefill_decode(n_tokens: int, *, new_tokens: int = 8, block_size: int = KV_BLOCK,
+                   producer: str | None = None) -> Scenario:
+    """Level 7: disaggregated prefill and decode inside an engine. Run A: the consumer alone prefills
+    the prompt (a KV cache miss) and greedy-decodes ``new_tokens`` tokens. Run B: a producer prefills
+    the prompt and hands its KV cache over (the engine's KV connector); the consumer loads it,
+    computes what was not transferred, and decodes. ``producer``: one setting in which the producer
+    differs from the consumer (``KEY=VALUE``, :data:`PRODUCER_SETTINGS`; none: the control, which
+    must be bit-identical). Compared: the KV cache (transferred vs computed), the positions the
+    consumer computes in both runs and every decode step (the engine sets the window's start at the
+    transferred prefix). Runs only inside an engine that has KV connectors (its row's ``scenarios``).
+
+    Raises:
+        TracerError: ``new_tokens`` < 1, or a bad ``producer`` (:func:`producer_difference`).
+    """
+    if new_tokens < 1:
+        raise TracerError(f"--new-tokens must be at least 1, got {new_tokens}")
+    diff = producer_difference(producer)
+    n, t = n_tokens, new_tokens
+    what = f", the producer with {', '.join(f'{k}={v}' for k, v in diff.items())}" if diff else ""
+    return _window_scenario(
+        "prefill-decode", 7, "disaggregated prefill and decode (a KV cache handed over)",
+        RunPlan("A", ((0, n),), f"the consumer alone: all {n} tokens prefilled (a KV cache miss), {t} tokens decoded",
+                generate=t),
+        RunPlan("B", ((0, n),), f"a producer prefills the prompt and hands its KV cache over{what}; the consumer "
+                f"loads it and decodes {t} tokens", generate=t),
+        (n - 1, n - 1 + t), new_tokens=t, block_size=block_size, producer=diff, engine_only=True)
+
+
 def rollout_vs_train(n_tokens: int, *, rollouts: int = 4, new_tokens: int = 16, sample: bool = False,
                      temperature: float | None = None, seed: int | None = None, batch_row: int | None = None,
                      train_batching: str = "padded", train_attn: str | None = None, lm_head_fp32: bool = False,
@@ -427,6 +488,7 @@ SCENARIOS: dict[str, Callable[..., Scenario]] = {
     "cuda-graph": cuda_graph_scenario,
     "device": device,
     "disaggregated": disaggregated,
+    "prefill-decode": prefill_decode,
     "rollout-vs-train": rollout_vs_train,
     "engine": engine_scenario,
 }

@@ -21,6 +21,8 @@ module            holds
 ``hidden_states`` that output's connector, writing on any device, and the LLM settings for it
 ``layout``        the HF reference layout a capture maps onto; the engine map per family
 ``engine_facts``  the engine's facts, read in this process or from its worker
+``connector``     prefill on a producer, decode on a consumer: settings and KV contracts (no vLLM import)
+``transfer``      the KV cache handed over with vLLM's ExampleConnector, the consumer captured
 ================  ==========================================================================
 
 A new vLLM capability (another runner, a process of its own, KV connectors) is a new module here,
@@ -43,7 +45,8 @@ class Vllm(Engine):
     name = NAME
 
     def executor(self, role: str) -> Executor:
-        """``run``: :func:`tracer.engines.vllm.engine.execute_loaded`; ``rollout``:
+        """``run``: :func:`tracer.engines.vllm.engine.execute_loaded` (a KV hand-over's plans:
+        :func:`tracer.engines.vllm.transfer.execute_transfer`); ``rollout``:
         :func:`tracer.engines.vllm.rollout.execute_rollout`.
 
         Raises:
@@ -53,17 +56,28 @@ class Vllm(Engine):
             from tracer.engines.vllm.rollout import execute_rollout
 
             return execute_rollout
-        from tracer.engines.vllm.engine import execute_loaded
+        from tracer.engines.vllm.transfer import execute_run
 
-        return execute_loaded
+        return execute_run
 
     def realise(self, scen: Any) -> Any:
-        """:func:`tracer.engines.vllm.realise.realise`."""
+        """:func:`tracer.engines.vllm.realise.realise` (``prefill-decode``:
+        :func:`tracer.engines.vllm.connector.realise_prefill_decode`)."""
+        if scen.name == "prefill-decode":
+            from tracer.engines.vllm.connector import realise_prefill_decode
+
+            return realise_prefill_decode(scen)
         return realise(scen)
 
     def facts(self, loaded: Any, plan: Any) -> dict[str, Any]:
         """:func:`tracer.engines.vllm.engine.plan_facts` (the LLM for the plan's settings is built now,
         and reused by the run)."""
+        from tracer.engines.vllm.connector import role
+
+        if role(plan) is not None:  # a KV hand-over's plans run on the consumer: its engine, connector and all
+            from tracer.engines.vllm.transfer import consumer_facts
+
+            return consumer_facts(loaded, plan)
         from tracer.engines.vllm.engine import plan_facts
 
         return plan_facts(loaded, plan)
@@ -80,8 +94,13 @@ class Vllm(Engine):
         it (:func:`tracer.engines.vllm.environment.check_batch_invariant`; vLLM is imported then).
 
         Raises:
-            TracerError: the mode asked for on a platform without it (one line).
+            TracerError: the mode asked for on a platform without it, or a KV hand-over whose two sides
+                would disagree on what the cache's bytes mean
+                (:func:`tracer.engines.vllm.connector.check_before_start`; one line each).
         """
+        from tracer.engines.vllm.connector import check_before_start
+
+        check_before_start(plans, model)
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
             from tracer.engines.vllm.engine import platform
             from tracer.engines.vllm.environment import check_batch_invariant

@@ -192,6 +192,8 @@ class VllmCapture(Hooks):
         kv_positions: the positions 0..kv_positions-1 a ``kv_cache`` point holds (default N; a
             rollout's last sampled token is never computed, so its cache holds N - 1).
         block_size: vLLM's KV block size (to follow a request across a block boundary).
+        positions: the positions 0..positions-1 whose rows are kept (default N, the prompt; more keeps
+            the rows of decode steps beyond it).
 
     Say which requests to follow with :meth:`follow` (before they are scheduled) and
     :meth:`close` (after they finish); rows of other requests (a batch's other rows) are never kept.
@@ -202,10 +204,10 @@ class VllmCapture(Hooks):
 
     def __init__(self, model: nn.Module, runner: Any, emap: dict[str, Any], ref: RefLayout,
                  token_ids: list[int], window: tuple[int, int], kv_points: dict[int, str],
-                 kv_positions: int | None = None, *, block_size: int = 16) -> None:
+                 kv_positions: int | None = None, *, block_size: int = 16, positions: int | None = None) -> None:
         self.model, self.runner, self.emap, self.ref = model, _runner_name(runner), emap, ref
         self.token_ids = list(token_ids)
-        self.n = len(token_ids)
+        self.n = len(token_ids) if positions is None else int(positions)
         self.kv_n = self.n if kv_positions is None else int(kv_positions)  # positions 0..kv_n-1 the KV points hold
         self.window = (int(window[0]), int(window[1]))
         self.kv_points = dict(kv_points)

@@ -124,7 +124,14 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
     compile_args = {} if s.compiled else {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
-    return dict(**backend, **compile_args, dtype=loaded.info.dtype,
+    if s.kv_role:  # a KV connector (tracer.engines.vllm.connector)
+        from vllm.config import KVTransferConfig
+
+        backend["kv_transfer_config"] = KVTransferConfig(kv_connector="ExampleConnector", kv_role=s.kv_role,
+                                                         kv_connector_extra_config={"shared_storage_path": s.kv_path})
+    if s.kv_cache_dtype != "auto":
+        backend["kv_cache_dtype"] = s.kv_cache_dtype
+    return dict(**backend, **compile_args, dtype=s.dtype or loaded.info.dtype,
                 logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
                 max_num_batched_tokens=s.max_num_batched_tokens or max(4096, max_len),

@@ -21,7 +21,20 @@ def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
     return (f"run {run} (vLLM scheduler): {len(v.requests)} request(s), traced num_cached_tokens {cached}; "
             f"the prompt computed in {len(chunks)} step(s) at positions {chunks}"
             + (f", each step holding up to {batched} request(s)" if batched > 1 else "")
-            + f" ({v.chunks_as or '?'})" + (f"; {BATCH_INVARIANT_NOTE}" if _batch_invariant(meta) else ""))
+            + f" ({v.chunks_as or '?'})" + (f"; {BATCH_INVARIANT_NOTE}" if _batch_invariant(meta) else "")
+            + _transfer_note(meta))
+
+
+def _transfer_note(meta: dict[str, Any]) -> str:
+    """What a KV hand-over did (``meta["kv_transfer"]``, :func:`tracer.engines.vllm.transfer.execute_transfer`)."""
+    t = meta.get("kv_transfer")
+    if not isinstance(t, dict):
+        return ""
+    if t.get("role") == "miss":
+        return "; the consumer alone: nothing handed over (a KV cache miss)"
+    check = t.get("contract") or {}
+    return (f"; KV cache handed over: {t.get('transferred')} tokens loaded from {t.get('files')} files "
+            f"({t.get('boundary')}); {check.get('summary', 'no KV contract checked')}")
 
 
 #: what vLLM's batch-invariant mode changes beyond its own runs (a run's engine facts say it was on)

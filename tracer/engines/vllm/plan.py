@@ -53,6 +53,10 @@ class VllmSettings:
             then vLLM's own.
         hidden_states: vLLM also writes its own hidden-states output (the embedding and every
             layer's output per request, :mod:`tracer.engines.vllm.hidden_states`; on with ``compiled``).
+        dtype: the model dtype vLLM computes in; None: the HF model's.
+        kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``auto``: the model dtype; ``fp8_e4m3``, ...).
+        kv_role, kv_path: a KV connector (vLLM's ExampleConnector) in this role (``kv_producer`` or
+            ``kv_consumer``) over this folder (:mod:`tracer.engines.vllm.connector`); None: none.
     """
 
     block_size: int = BLOCK
@@ -70,6 +74,10 @@ class VllmSettings:
     multiprocess: bool | None = None
     compiled: bool = False
     hidden_states: bool = False
+    dtype: str | None = None
+    kv_cache_dtype: str = "auto"
+    kv_role: str | None = None
+    kv_path: str | None = None
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -79,6 +87,9 @@ class VllmSettings:
                               f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
                               "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0), or compiled "
                               "at layers (compiled=True: vLLM's hidden-states output)")
+        if self.kv_role and (self.compiled or self.hidden_states):
+            raise TracerError("a KV connector hand-over (prefill-decode) and vLLM's hidden-states output (compiled) "
+                              "both need vLLM's one KV connector slot: run them separately")
         if self.block_size < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
                               "must be positive numbers of tokens")
@@ -157,7 +168,8 @@ def settings_of(plan: Any, mode: str, options: dict[str, Any]) -> VllmSettings:
     from dataclasses import fields
 
     known = {f.name for f in fields(VllmSettings)}
-    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items() if k != "chunks"}
+    planned = {k: v for k, v in dict(getattr(plan, "engine_settings", ()) or ()).items()
+               if k not in ("chunks", "kv_transfer", "producer")}  # how chunks become requests; a KV hand-over
     given = options.get("settings") or {}
     given = {f.name: getattr(given, f.name) for f in fields(VllmSettings)} if isinstance(given, VllmSettings) else dict(given)
     unknown = sorted(k for k in {**planned, **given} if k not in known)

@@ -17,6 +17,8 @@ compile             eager vs vLLM's default compilation (torch.compile; CUDA gra
                     request in one step, both engines writing vLLM's hidden-states output (the same
                     speculative config); run B's layers come from that output
                     (:mod:`tracer.engines.vllm.compiled`: no sublayer point, no KV cache)
+prefill-decode      one consumer LLM: alone (a miss) vs loading a producer LLM's KV cache handed over
+                    with vLLM's ExampleConnector (:mod:`tracer.engines.vllm.connector`)
 engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
                     ``vllm:BACKEND``: that attention backend)
 ==================  ===================================================================================

