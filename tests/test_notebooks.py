@@ -20,7 +20,7 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     pytest.importorskip("ipykernel")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=600,
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=1800,
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the failing cell
     # the executed copy is not written back: committed notebooks are refreshed by hand
