@@ -41,9 +41,19 @@ def test_producer_difference_is_one_setting():
     assert producer_difference(None) == {}
     assert sides(_scen(130, producer="max_num_batched_tokens=32").plan_b)[1]["max_num_batched_tokens"] == 32
     for bad, words in (("block_size=64,dtype=float32", "one difference at a time"), ("foo=1", "unknown setting"),
-                       ("block_size=x", "number of tokens"), ("block_size=0", "give a value")):
+                       ("block_size=x", "number of tokens"), ("block_size=0", "positive number of tokens"),
+                       ("max_num_batched_tokens=-5", "positive number of tokens"), ("attention_backend=", "give a value"),
+                       ("block_size", "expected KEY=VALUE"), ("dtype=banana", "unknown dtype"),
+                       ("kv_cache_dtype=banana", "unknown KV-cache dtype")):
         with pytest.raises(TracerError, match=words):
             producer_difference(bad)
+
+
+def test_producer_dtype_names_go_through_the_dtype_table():
+    # bf16 is the CLI's alias of bfloat16 (run --help): the same dtype as a bfloat16 consumer, not a mismatch
+    assert producer_difference("dtype=bf16") == {"dtype": "bfloat16"}
+    assert producer_difference("kv_cache_dtype=FP8_E4M3") == {"kv_cache_dtype": "fp8_e4m3"}
+    assert producer_difference("kv_cache_dtype=fp16") == {"kv_cache_dtype": "float16"}
 
 
 def test_reference_engine_refuses_the_scenario():

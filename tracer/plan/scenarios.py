@@ -357,6 +357,8 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
 #: what ``prefill-decode``'s ``producer`` may set differently from the consumer: setting -> its type
 PRODUCER_SETTINGS: dict[str, type] = {"block_size": int, "max_num_batched_tokens": int, "dtype": str,
                                       "kv_cache_dtype": str, "attention_backend": str}
+#: vLLM's KV-cache dtype names beside the model dtypes (``auto``: the model dtype)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def producer_difference(text: str | dict[str, Any] | None) -> dict[str, Any]:
@@ -368,22 +370,45 @@ def producer_difference(text: str | dict[str, Any] | None) -> dict[str, Any]:
     """
     if not text:
         return {}
-    pairs = dict(text) if isinstance(text, dict) else dict(p.split("=", 1) if "=" in p else (p, "")
-                                                          for p in str(text).split(",") if p.strip())
     known = ", ".join(PRODUCER_SETTINGS)
-    if len(pairs) != 1:
+    items = list(dict(text).items()) if isinstance(text, dict) else [p for p in str(text).split(",") if p.strip()]
+    if len(items) != 1:
         raise TracerError(f"--producer sets one difference at a time (KEY=VALUE, KEY one of {known}), got "
-                          f"{len(pairs)}: {text}")
-    (key, value), = pairs.items()
-    key = str(key).strip().replace("-", "_")
+                          f"{len(items)}: {text}")
+    item = items[0]
+    if isinstance(item, str) and "=" not in item:
+        raise TracerError(f"--producer {item.strip()}: expected KEY=VALUE (e.g. block_size=64)")
+    key, value = item if isinstance(item, tuple) else item.split("=", 1)
+    key, value = str(key).strip().replace("-", "_"), str(value).strip()
     if key not in PRODUCER_SETTINGS:
         raise TracerError(f"--producer {key}: unknown setting; use one of {known}")
-    try:
-        value = PRODUCER_SETTINGS[key](str(value).strip())
-    except ValueError:
-        raise TracerError(f"--producer {key}={value}: {key} is a number of tokens") from None
-    if value in ("", 0) or (isinstance(value, int) and value < 0):
-        raise TracerError(f"--producer {key}={value}: give a value (e.g. {key}=64)")
+    if not value:
+        raise TracerError(f"--producer {key}=: give a value")
+    if PRODUCER_SETTINGS[key] is int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise TracerError(f"--producer {key}={value}: {key} is a number of tokens") from None
+        if number < 1:
+            raise TracerError(f"--producer {key}={value}: {key} must be a positive number of tokens")
+        return {key: number}
+    if key == "dtype":  # the one dtype table: bf16 is bfloat16
+        from tracer.dtypes import SUPPORTED, canonical
+
+        try:
+            return {key: canonical(value)}
+        except TracerError:
+            raise TracerError(f"--producer dtype={value}: unknown dtype; use {SUPPORTED}") from None
+    if key == "kv_cache_dtype":
+        if value.lower() in KV_CACHE_DTYPES:
+            return {key: value.lower()}
+        from tracer.dtypes import canonical
+
+        try:
+            return {key: canonical(value)}
+        except TracerError:
+            raise TracerError(f"--producer kv_cache_dtype={value}: unknown KV-cache dtype; use auto, a model dtype "
+                              f"or one of {', '.join(KV_CACHE_DTYPES[1:])}") from None
     return {key: value}
 
 
