@@ -417,11 +417,12 @@ def prefill_decode(n_tokens: int, *, new_tokens: int = 8, block_size: int = KV_B
     """Level 7: disaggregated prefill and decode inside an engine. Run A: the consumer alone prefills
     the prompt (a KV cache miss) and greedy-decodes ``new_tokens`` tokens. Run B: a producer prefills
     the prompt and hands its KV cache over (the engine's KV connector); the consumer loads it,
-    computes what was not transferred, and decodes. ``producer``: one setting in which the producer
-    differs from the consumer (``KEY=VALUE``, :data:`PRODUCER_SETTINGS`; none: the control, which
-    must be bit-identical). Compared: the KV cache (transferred vs computed), the positions the
-    consumer computes in both runs and every decode step (the engine sets the window's start at the
-    transferred prefix). Runs only inside an engine that has KV connectors (its row's ``scenarios``).
+    computes what was not transferred, and decodes. ``producer``: the one setting in which the
+    producer differs from the consumer, ``KEY=VALUE`` with KEY one of block_size,
+    max_num_batched_tokens, dtype, kv_cache_dtype, attention_backend (none: the control, which must be
+    bit-identical). Compared: the KV cache (transferred vs computed), the positions the consumer
+    computes in both runs and every decode step (the engine sets the window's start at the
+    transferred prefix). Runs only inside an engine that has KV connectors (``tracer help engines``).
 
     Raises:
         TracerError: ``new_tokens`` < 1, or a bad ``producer`` (:func:`producer_difference`).
