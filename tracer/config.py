@@ -428,7 +428,7 @@ _BRIEF = {
     "padding": "batch: none, left or right",
     "batch_row": "batch, RL: the traced prompt's row",
     "new_tokens": "generate-cache, prefill-decode (8), rollout-vs-train (16): tokens",
-    "producer": "prefill-decode: the producer's one difference, KEY=VALUE",
+    "producer": "prefill-decode: the producer's one difference, KEY=VALUE (keys: tracer help scenario)",
     "block_sizes": "block-size: two KV block sizes (default 16,64)",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "shards of the row-parallel layers (default 2)",

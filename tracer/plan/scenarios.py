@@ -357,7 +357,7 @@ def disaggregated(n_tokens: int, *, devices: tuple[str, str] | str = ("cpu", "cu
 #: what ``prefill-decode``'s ``producer`` may set differently from the consumer: setting -> its type
 PRODUCER_SETTINGS: dict[str, type] = {"block_size": int, "max_num_batched_tokens": int, "dtype": str,
                                       "kv_cache_dtype": str, "attention_backend": str}
-#: vLLM's KV-cache dtype names beside the model dtypes (``auto``: the model dtype)
+#: the engines' KV-cache dtype names beside the model dtypes (``auto``: the model dtype; fp8: an 8-bit float cache)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
@@ -418,9 +418,8 @@ def prefill_decode(n_tokens: int, *, new_tokens: int = 8, block_size: int = KV_B
     the prompt (a KV cache miss) and greedy-decodes ``new_tokens`` tokens. Run B: a producer prefills
     the prompt and hands its KV cache over (the engine's KV connector); the consumer loads it,
     computes what was not transferred, and decodes. ``producer``: the one setting in which the
-    producer differs from the consumer, ``KEY=VALUE`` with KEY one of block_size,
-    max_num_batched_tokens, dtype, kv_cache_dtype, attention_backend (none: the control, which must be
-    bit-identical). Compared: the KV cache (transferred vs computed), the positions the consumer
+    producer differs from the consumer, ``KEY=VALUE`` (its keys: ``tracer help scenario``;
+    none: the control, which must be bit-identical). Compared: the KV cache (transferred vs computed), the positions the consumer
     computes in both runs and every decode step (the engine sets the window's start at the
     transferred prefix). Runs only inside an engine that has KV connectors (``tracer help engines``).
 
