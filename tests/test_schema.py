@@ -256,6 +256,17 @@ class Gen:
         edges = [0, *cuts, 64]
         return tuple((a, b) for a, b in zip(edges, edges[1:]))
 
+    def _KVContract_transfer_unit(self):  # KVContract.schema_check: token or block-row
+        return self.r.choice(("token", "block-row"))
+
+    def _kv_size(self):  # KVContract.schema_check: sizes >= 0
+        return self.r.choice((0, 1, 32, self.r.randrange(10**6)))
+
+    _KVContract_block_size = _KVContract_layers = _KVContract_kv_heads = _KVContract_head_dim = _kv_size
+
+    def _KVContract_tp_degree(self):  # KVContract.schema_check: >= 1
+        return self.r.choice((1, 2, 8))
+
     def _RunPlan_generate(self):  # gemm_m() lists one M per generated token
         return self.r.randrange(0, 8)
 
