@@ -9,6 +9,7 @@ partial: vLLM computes logits only where it samples); each layer's KV cache over
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -196,4 +197,18 @@ def _kv_record(cap: Any, point: CapturePoint | None) -> tuple[CaptureRecord | No
     return CaptureRecord(name=point.name, kind=PointKind.KV_CACHE, tensor=kv, calls=[call], op=point.op, role=point.role), ""
 
 
-__all__ = ["records"]
+def settle_records(captures: dict[str, Any], info: dict[str, Any], window: tuple[int, int],
+                   keep_on_device: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A vLLM run's records at its end: moved off the device once (unless ``keep_on_device``; the
+    comparison wants them elsewhere), ``info["partial_logits"]`` with them, and the logits points'
+    facts (``{name: {"positions", "dtype"}}``: partial logits at their positions, full ones over ``window``)."""
+    if not keep_on_device:
+        captures = {n: replace(c, tensor=c.tensor.cpu()) for n, c in captures.items()}
+        info["partial_logits"] = {n: (ps, t.cpu()) for n, (ps, t) in info["partial_logits"].items()}
+    logits = {n: {"positions": ps, "dtype": str(t.dtype).replace("torch.", "")} for n, (ps, t) in info["partial_logits"].items()}
+    logits.update({n: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
+                   for n, c in captures.items() if c.kind == PointKind.LOGITS})
+    return captures, logits
+
+
+__all__ = ["records", "settle_records"]

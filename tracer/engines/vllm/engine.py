@@ -72,6 +72,7 @@ from tracer.execute.points import CapturePoint  # noqa: E402
 from tracer.engines.dumps.namemap import RefLayout  # noqa: E402
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep  # noqa: E402
 from tracer.engines.vllm.capture import VllmCapture  # noqa: E402
+from tracer.engines.vllm.assemble import settle_records  # noqa: E402
 from tracer.engines.vllm.layout import engine_map, ref_layout  # noqa: E402
 from tracer.engines.vllm.remote import RemoteCapture, in_process, rpc, worker_facts  # noqa: E402
 from tracer.engines.vllm.plan import (  # noqa: E402
@@ -523,14 +524,9 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
     captures, info = cap.records(points, f"vLLM {vllm.__version__}")
     if rec_kernels is not None:
         rec_kernels.attach_vllm(captures, cap)
-    if not keep_on_device:  # the records leave the device once, at the end (the comparison wants them elsewhere)
-        captures = {n: replace(c, tensor=c.tensor.cpu()) for n, c in captures.items()}
-        info["partial_logits"] = {n: (ps, t.cpu()) for n, (ps, t) in info["partial_logits"].items()}
+    captures, logits = settle_records(captures, info, window, keep_on_device)
     main = [r for r in requests if r["traced"]][-1]
     steps = [s for s in cap.steps if s["traced"]]
-    logits = {n: {"positions": ps, "dtype": str(t.dtype).replace("torch.", "")} for n, (ps, t) in info["partial_logits"].items()}
-    logits.update({n: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
-                   for n, c in captures.items() if c.kind == PointKind.LOGITS})
     facts = eng.facts()
     record_meta = {
         "wall_s": wall, "device": facts["device"], "gemm_m": [s["tokens"] for s in steps],

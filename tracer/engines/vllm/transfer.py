@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from tracer.engines.vllm.assemble import settle_records
 from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.connector import BOUNDARY, LAYOUT, contract, model_dims, role, sides, transferred
@@ -281,16 +282,11 @@ def _record(loaded: Any, eng: Any, token_ids: list[int], plan: Any, points: list
             transfer: dict[str, Any]) -> RunRecord:
     """The consumer's :class:`RunRecord` (as :func:`tracer.engines.vllm.engine.execute_loaded` writes one)."""
     captures, info = cap.records(points, f"vLLM {_version()}")
-    if not keep_on_device:
-        captures = {k: replace(c, tensor=c.tensor.cpu()) for k, c in captures.items()}
-        info["partial_logits"] = {k: (ps, x.cpu()) for k, (ps, x) in info["partial_logits"].items()}
+    captures, logits = settle_records(captures, info, window, keep_on_device)
     generated = [int(x) for x in out.outputs[0].token_ids]
     request = ScheduledRequest(run["label"], run["internal"], len(token_ids), True, int(out.num_cached_tokens or 0),
                                tuple(generated))
     steps = [s for s in cap.steps if s["traced"]]
-    logits = {k: {"positions": ps, "dtype": str(x.dtype).replace("torch.", "")} for k, (ps, x) in info["partial_logits"].items()}
-    logits.update({k: {"positions": list(range(*window)), "dtype": str(c.tensor.dtype).replace("torch.", "")}
-                   for k, c in captures.items() if c.kind == PointKind.LOGITS})
     facts = eng.facts()
     record_meta = {
         "wall_s": run["wall_s"], "device": facts["device"], "gemm_m": [s["tokens"] for s in steps], "engine": facts,
