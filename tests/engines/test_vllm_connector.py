@@ -85,3 +85,32 @@ def test_byte_meaning_differences_are_refused_before_any_engine_starts(producer,
     scen = _scen(130, producer=producer)
     with pytest.raises(TracerError, match=words):
         check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))
+
+
+def test_gpu_token_rows_make_a_block_size_difference_a_row_not_a_refusal():
+    # vLLM 0.26's TRITON_ATTN / FLEX_ATTENTION files hold token rows (their paged view is logical), so a
+    # producer of KV block 64 hands the consumer of block 32 the same 128 tokens, each in its own row;
+    # CPU_ATTN's block rows of another block size would land in the wrong slots (refused above)
+    scen = _scen(130, producer="block_size=64", attention_backend="TRITON_ATTN")
+    assert dict(scen.plan_b.engine_settings)["attention_backend"] == "TRITON_ATTN"
+    check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cuda")
+    with pytest.raises(TracerError, match="KV block size: producer 64, consumer 32"):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cpu")
+
+
+def test_token_rows_decode_to_keys_then_values(tmp_path):
+    from safetensors.torch import save_file
+
+    from tracer.engines.vllm.connector import contract, layout_of, transferred_kv, unit_of
+
+    n, h, d = 64, 3, 4
+    keys, values = torch.randn(n, h, d), torch.randn(n, h, d)
+    save_file({"kv_cache": torch.cat([keys, values], dim=2)}, str(tmp_path / "model.layers.2.self_attn.attn.safetensors"))
+    got = transferred_kv(tmp_path, {2: "model.layers.2.self_attn.kv_cache"}, n, 32, "cpu", "token")[2]
+    assert torch.equal(got, torch.cat([keys.reshape(n, h * d), values.reshape(n, h * d)], dim=1))
+    # the unit follows the backend and the device: token rows on a GPU for the logical-view backends
+    assert unit_of(layout_of("TRITON_ATTN", {"device": "cuda"}))[0] == "token"
+    assert unit_of(layout_of("CPU_ATTN", {"device": "cpu"}))[0] == "block-row"
+    assert unit_of(layout_of("FLASH_ATTN", {"device": "cuda"})) == ("", "")
+    side = contract({"attention_backend": "FLEX_ATTENTION"}, (2, 3, 4, "bfloat16"), 130, facts={"device": "cuda"})
+    assert (side.transfer_unit, side.layout) == ("token", "NHD")

