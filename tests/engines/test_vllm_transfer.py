@@ -118,3 +118,18 @@ def test_contract_written_by_a_run_refuses_a_mismatched_consumer(loaded, control
         require_kv(check_kv_contract(producer, fp32))
     with pytest.raises(TracerError, match=r"KV layout: producer HND \(keys HDN\), consumer NHD"):
         require_kv(check_kv_contract(producer, replace(fp32, storage_dtype="bfloat16", layout="NHD")))
+
+
+def test_each_connected_engine_steps_its_own_connector(loaded, control):
+    # vLLM keeps one process-wide worker-side connector: a second connected LLM would otherwise step the
+    # first one's, bound to the first one's config (vLLM 0.26 on the H200: "Expected 1 CacheOnlyAttentionLayer,
+    # got 0" for a compiled engine built after an eager one was released)
+    from tracer.engines.vllm.engine import _kv_state
+
+    prod = transfer.connected(loaded, "producer", {"block_size": BLOCK, "enable_prefix_caching": False}, None)
+    cons = transfer.connected(loaded, "consumer", {"block_size": BLOCK, "enable_prefix_caching": False}, None)
+    assert prod.kv_agent is not None and cons.kv_agent is not None and prod.kv_agent is not cons.kv_agent
+    assert _kv_state()._KV_CONNECTOR_AGENT is None  # nobody's outside a step
+    with cons.active():
+        assert _kv_state()._KV_CONNECTOR_AGENT is cons.kv_agent
+    assert _kv_state()._KV_CONNECTOR_AGENT is None

@@ -65,7 +65,7 @@ def wait_for(path: str, eng: Any, timeout: float = WAIT_S) -> None:
                 except OSError:
                     pass
         if not eng.remote:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), eng.active():
                 eng.llm.llm_engine.step()
         time.sleep(0.05)
     raise TracerError(f"vLLM did not write its hidden-states file {path} within {timeout:.0f} s of the request "

@@ -158,6 +158,7 @@ class VllmEngine:
         self._facts: dict[str, Any] | None = None
         self.log: str | None = None
         self.remote = not in_process(llm)  # the engine core in its own process: captures go through its workers
+        self.kv_agent: Any = None  # vLLM's worker-side KV connector of this LLM (in this process), or None
         self.runner: Any = None
         self.model: Any = None
         if not self.remote:
@@ -222,6 +223,21 @@ class VllmEngine:
                            block_size=block)
 
     @contextlib.contextmanager
+    def active(self) -> Any:
+        """For the block (this engine steps): vLLM's worker-side KV connector global set to this engine's
+        own agent, empty again afterwards (:func:`_kv_state`). In this process only; a remote engine
+        core keeps its own."""
+        if self.remote:
+            yield
+            return
+        state = _kv_state()
+        state._KV_CONNECTOR_AGENT = self.kv_agent
+        try:
+            yield
+        finally:
+            state._KV_CONNECTOR_AGENT = None
+
+    @contextlib.contextmanager
     def alive(self, what: str) -> Any:
         """For the block (calls into vLLM's engine core): an engine core that died is one line, and
         this engine is forgotten (the next run builds a new one).
@@ -230,7 +246,8 @@ class VllmEngine:
             TracerError: vLLM's ``EngineDeadError`` (its process ended: a worker killed, out of memory).
         """
         try:
-            yield
+            with self.active():
+                yield
         except Exception as e:  # noqa: BLE001 - only vLLM's EngineDeadError is turned into a line
             if type(e).__name__ != "EngineDeadError":
                 raise
@@ -288,6 +305,20 @@ class VllmEngine:
 _ENGINES: "OrderedDict[tuple, VllmEngine]" = OrderedDict()
 
 
+def _kv_state() -> Any:
+    """vLLM's module holding a process's worker-side KV connector in one global
+    (``_KV_CONNECTOR_AGENT``), created by the first LLM built with a ``kv_transfer_config`` and then
+    shared by every later one: a second connected LLM (a prefill-decode consumer beside its
+    producer, a compiled engine writing hidden states beside an eager one) would step the first one's
+    connector, bound to the first one's config and KV cache (vLLM 0.26 on the H200: ``Expected 1
+    CacheOnlyAttentionLayer, got 0`` once the first engine was released). So :func:`engine_for`
+    builds each connected LLM with the global empty, keeps the agent it made on the engine, and
+    :meth:`VllmEngine.active` sets the global to it only while that engine steps."""
+    import vllm.distributed.kv_transfer.kv_transfer_state as state
+
+    return state
+
+
 def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callable[[str], None] | None = None) -> VllmEngine:
     """The in-process vLLM engine of ``loaded``'s weights with ``settings``, built on first use
     (about 15 s and 1-2 GB for SmolLM2-135M on a CPU) and kept for the life of the process.
@@ -324,6 +355,9 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     with signals_seen() as seen, environment.quiet(f"starting vLLM {vllm.__version__} on {folder}") as log:
         if settings.batch_invariant:
             environment.enable_batch_invariant()
+        connected = "kv_transfer_config" in kwargs or "kv_transfer_config" in hidden
+        if connected:
+            _kv_state()._KV_CONNECTOR_AGENT = None  # its own agent, not an earlier LLM's (_kv_state)
         try:
             with environment.process_mode(multiprocess):
                 llm = vllm.LLM(model=str(folder), **kwargs, **hidden)
@@ -336,6 +370,8 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
             llm.llm_engine.engine_core.shutdown()
         interrupt(seen)
     engine = VllmEngine(llm, settings, kwargs, folder, (before, torch.get_num_threads()))
+    if connected:
+        engine.kv_agent, _kv_state()._KV_CONNECTOR_AGENT = _kv_state()._KV_CONNECTOR_AGENT, None
     engine.log = str(log) if log is not None else None
     engine.hidden_states = outputs
     try:
@@ -434,7 +470,8 @@ def run_bare(loaded: Any, token_ids: list[int], plan: Any, meta: dict[str, Any] 
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     eng.reset_prefix_cache()
     for prompts, _traced in waves(token_ids, plan, mode, eng.kwargs["block_size"]):
-        eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
+        with eng.active():
+            eng.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False)
 
 
 def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[CapturePoint], window: tuple[int, int], *,

@@ -1,11 +1,8 @@
 """A KV cache handed from a producer vLLM to a consumer vLLM with vLLM's own ``ExampleConnector``, both
 in this process, the consumer captured with hooks (what each run does: :mod:`tracer.engines.vllm.connector`).
 
-vLLM keeps a process's worker-side KV connector in one global (``kv_transfer_state._KV_CONNECTOR_AGENT``,
-created by the first LLM with a ``kv_transfer_config`` and then shared by every later one): tracer
-builds each connected LLM with the global empty so that it gets its own agent, keeps that agent on
-the engine, and sets the global to it only while that engine steps (:func:`_active`), empty again
-afterwards (an LLM without a connector must not see one).
+Each connected LLM has its own worker-side connector agent, set as vLLM's process-wide global only
+while that engine steps (:func:`tracer.engines.vllm.engine._kv_state`, ``VllmEngine.active``).
 
 The consumer's ``kv_cache`` points of run B hold the cache **as transferred** at the handed-over
 positions (the producer's files, as the consumer loaded them) and as the consumer computed it after
@@ -16,13 +13,12 @@ as transferred against the KV cache as the consumer computes it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import shutil
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -65,23 +61,6 @@ def _empty(folder: str | Path) -> Path:
     return path
 
 
-def _agents() -> Any:
-    import vllm.distributed.kv_transfer.kv_transfer_state as state
-
-    return state
-
-
-@contextlib.contextmanager
-def _active(eng: Any) -> Iterator[None]:
-    """vLLM's worker-side connector global set to ``eng``'s own agent while it steps (module docstring)."""
-    state = _agents()
-    state._KV_CONNECTOR_AGENT = getattr(eng, "kv_agent", None)
-    try:
-        yield
-    finally:
-        state._KV_CONNECTOR_AGENT = None
-
-
 def connected(loaded: Any, side: str, settings: dict[str, Any], say: Callable[[str], None] | None) -> Any:
     """The engine of one side (``producer`` / ``consumer``): ``settings`` with vLLM's ExampleConnector
     over a folder of its own, built with its own worker-side agent (module docstring).
@@ -91,13 +70,7 @@ def connected(loaded: Any, side: str, settings: dict[str, Any], say: Callable[[s
     """
     base = VllmSettings(**settings)
     s = replace(base, kv_role=f"kv_{side}", kv_path=_folder(side, base))
-    _agents()._KV_CONNECTOR_AGENT = None
-    try:
-        eng = engine_for(loaded, s, say)
-        if not hasattr(eng, "kv_agent"):
-            eng.kv_agent = _agents()._KV_CONNECTOR_AGENT
-    finally:
-        _agents()._KV_CONNECTOR_AGENT = None
+    eng = engine_for(loaded, s, say)  # built with its own worker-side agent (engine._kv_state)
     if eng.kv_agent is None:
         raise TracerError(f"vLLM {_version()} built no KV connector for the {side}; tracer hands the KV "
                           "cache over with vLLM's ExampleConnector (kv_transfer_config)")
@@ -126,7 +99,7 @@ def produce(loaded: Any, token_ids: list[int], producer: dict[str, Any], say: Ca
 
     eng = connected(loaded, "producer", producer, say)
     root = _empty(eng.settings.kv_path)
-    with _active(eng), torch.inference_mode():
+    with eng.active(), torch.inference_mode():
         eng.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], SamplingParams(max_tokens=1, temperature=0.0),
                          use_tqdm=False)
     written = [d for d in root.iterdir() if d.is_dir() and any(d.glob("*.safetensors"))]
@@ -239,7 +212,7 @@ def _consume(loaded: Any, eng: Any, token_ids: list[int], points: list[Any], win
     cap = VllmCapture(eng.model, eng.runner, emap, ref, token_ids, window, kv_points, kv_positions=n + t - 1,
                       block_size=eng.settings.block_size, positions=n + t - 1)
     t0 = time.perf_counter()
-    with _active(eng), torch.inference_mode(), cap:
+    with eng.active(), torch.inference_mode(), cap:
         label, = eng.labels(1)
         cap.follow(label, list(token_ids))
         (ext, internal), = eng.start([list(token_ids)], max_tokens=t, labels=[label])
