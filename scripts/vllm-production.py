@@ -65,6 +65,7 @@ def main() -> None:
                "layers_differing": len(diff), "layers": len(c.points),
                "last_layer": {"name": last.name, "n_diff": last.diff.n_diff, "numel": last.diff.n_total},
                "compilation_mode_b": facts_b["compilation_mode"], "cudagraph_mode_b": facts_b["cudagraph_mode"]}
+        print("scenario:", json.dumps(row), flush=True)  # kept even if the timing below fails
         # the compiled capture's time against a plain compiled LLM (no hidden-states connector), interleaved
         settings = ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, **backend)
         eng = ve.engine_for(loaded, settings)

@@ -264,6 +264,12 @@ class VllmEngine:
         """
         with self.alive("resetting its prefix cache"):
             ok = not self.settings.enable_prefix_caching or self.llm.reset_prefix_cache()
+            for _ in range(0 if ok or self.remote else 100):  # a finished request whose KV blocks a connector
+                self.llm.llm_engine.step()  # still holds (the hidden-states file written, not yet reported)
+                ok = self.llm.reset_prefix_cache()  # is let go by the scheduler's next steps
+                if ok:
+                    break
+                time.sleep(0.01)
         if not ok:
             raise TracerError("vLLM refused to reset its prefix cache (requests are still running)")
 
