@@ -249,6 +249,10 @@ class VllmEngine:
             with self.active():
                 yield
         except Exception as e:  # noqa: BLE001 - only vLLM's EngineDeadError is turned into a line
+            if "CUDA graph capturing detected at an inappropriate time" in str(e):  # vLLM 0.26's V2 runner
+                raise TracerError(f"vLLM's model runner tried to capture a CUDA graph while {what} (vLLM "
+                                  f"{vllm.__version__}'s V2 runner with the hidden-states output, seen on an H200); "
+                                  "run with VLLM_USE_V2_MODEL_RUNNER=0 (its V1 runner)") from None
             if type(e).__name__ != "EngineDeadError":
                 raise
             for key in [k for k, v in _ENGINES.items() if v is self]:
