@@ -123,3 +123,59 @@ def test_byte_meaning_differences_are_refused_before_any_engine_starts(producer,
     scen = _scen(130, producer=producer)
     with pytest.raises(TracerError, match=words):
         check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- a control that is not bit-identical, said why
+
+def _h200_facts():
+    # measured on an H200 (vLLM 0.26, qwen3-0.6b shape, N = 1026, 16 decode steps): the control diverged
+    return {"n_tokens": 1026, "gemm_m_a": [1026] + [1] * 15, "gemm_m_b": [2] + [1] * 15}
+
+
+def _transfer(**kw):
+    return {"role": "load", "transferred": 1024, "producer": {}, "kv_compared": True, "kv_not_compared": None, **kw}
+
+
+def test_a_control_that_diverges_names_both_gemm_m_and_the_handed_over_cache():
+    from tracer.engines.vllm.facts import control_note
+
+    kv = {f"model.layers.{i}.self_attn.kv_cache": 0 for i in range(28)}
+    line = control_note(_h200_facts(), "model.layers.0", _transfer(), kv)
+    assert "positions 1024..1025" in line and "GEMM of M = 1026" in line and "GEMM of M = 2" in line
+    assert "(positions 0..1023) was compared separately at 28 kv_cache points: bit-identical" in line
+    assert "\n" not in line
+    kv["model.layers.3.self_attn.kv_cache"] = 5  # a planted difference at the handed-over positions
+    assert "differs from run A's own at 1 of 28 kv_cache points, first model.layers.3" in control_note(
+        _h200_facts(), "model.layers.0", _transfer(), kv)
+
+
+def test_a_control_whose_handed_over_cache_was_not_read_says_which_path():
+    from tracer.engines.vllm.facts import control_note
+
+    why = "the block rows of attention backend FLASH_ATTN are not decoded"
+    line = control_note(_h200_facts(), "model.layers.0", _transfer(kv_compared=False, kv_not_compared=why),
+                        {"model.layers.0.self_attn.kv_cache": None})
+    assert f"was not compared on this path: {why}" in line
+
+
+def test_no_note_for_a_bit_identical_control_a_real_difference_or_run_a():
+    from tracer.engines.vllm.facts import control_note
+
+    assert control_note(_h200_facts(), None, _transfer(), {}) is None  # the CPU's control: bit-identical
+    assert control_note(_h200_facts(), "model.layers.0", _transfer(producer={"block_size": 64}), {}) is None
+    assert control_note(_h200_facts(), "model.layers.0", {"role": "miss"}, {}) is None
+
+
+def test_the_scheduler_note_counts_in_words_and_names_the_boundary_once():
+    from tracer.engines.vllm.connector import BOUNDARY
+    from tracer.engines.vllm.facts import scheduler_note
+    from tracer.execute.records import ScheduledRequest, SchedulerFacts
+
+    steps = ((128, 130), (130, 131), (131, 132), (132, 133))  # 2 prompt positions on the loaded cache, 3 decode steps
+    meta = {"scheduler": SchedulerFacts("one-step", (ScheduledRequest("r", "0", 130, True, 128),), (), steps).to_dict(),
+            "kv_transfer": {"role": "load", "transferred": 128, "files": 30, "boundary": BOUNDARY,
+                            "contract": {"differences": [], "summary": f"KV contract ({BOUNDARY}): agree"}}}
+    line = scheduler_note("B", meta)
+    assert "1 request," in line and "request(s)" not in line and "step(s)" not in line
+    assert "the prompt computed in 1 step at positions 128..129, then 3 decode steps" in line
+    assert "128 tokens (positions 0..127" in line and line.count(BOUNDARY) == 1

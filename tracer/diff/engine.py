@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tracer.engines.door import scheduler_note
+from tracer.engines.door import comparison_note, scheduler_note
 from tracer.engines.table import is_reference, rows
 from tracer.diff.batch import tensor_diff
 from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
@@ -117,6 +117,15 @@ def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
     return replace(c, skipped=tuple(out))
 
 
+def engine_note(c: Any, a: RunRecord, b: RunRecord) -> Any:
+    """``c`` with the line run B's engine adds about it (:func:`tracer.engines.door.comparison_note`:
+    a KV hand-over's control that is not bit-identical, said why) under its notes."""
+    line = comparison_note(c, a.meta, b.meta)
+    if line is None:
+        return c
+    return replace(c, facts={**c.facts, "notes": [*(c.facts.get("notes") or []), line]})
+
+
 def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
     """Logits name → {absolute position: ``(vocab,)`` row} of a run: a full ``logits`` capture over
     its window, or the positions an engine computed (``extras["partial_logits"]``)."""
@@ -192,4 +201,4 @@ def logits_at(c: Any, name: str, positions: list[int], ta: torch.Tensor, tb: tor
     return classify_origins(out, roles or {})
 
 
-__all__ = ["engine_facts", "engine_skips", "sampled_logits", "logits_at", "CONTRACT"]
+__all__ = ["engine_facts", "engine_skips", "engine_note", "sampled_logits", "logits_at", "CONTRACT"]

@@ -64,6 +64,51 @@ def _diff_line(d: dict[str, Any]) -> str:
     return f"{d.get('label')}: producer {d.get('producer')}, consumer {d.get('consumer')}"
 
 
+def _m(gemm_m: Any) -> Any:
+    """The first forward pass's GEMM M of a run's ``gemm_m`` (one value or one per pass), or ``?``."""
+    if isinstance(gemm_m, (list, tuple)):
+        return gemm_m[0] if gemm_m else "?"
+    return "?" if gemm_m is None else gemm_m
+
+
+def control_note(facts: dict[str, Any], first_divergent: str | None, transfer: dict[str, Any] | None,
+                 kv_prefix: dict[str, int | None]) -> str | None:
+    """Why ``prefill-decode``'s control (no ``--producer`` difference) is not bit-identical, in one line;
+    None when it is, or for another run.
+
+    Run A computes the positions after the handed-over prefix inside its whole prefill (GEMM M = N),
+    run B on the loaded cache as a GEMM of M = N - moved: another M for the same rows, the cache
+    hit's mechanism (as in ``prefix-cache``), not a transfer fault. The handed-over cache itself is
+    compared separately: the kv_cache points at the positions before the window.
+
+    Args:
+        facts: the comparison's facts: ``gemm_m_a``, ``gemm_m_b`` (GEMM M per forward pass), ``n_tokens``.
+        first_divergent: the comparison's first divergent point (None: bit-identical: no note).
+        transfer: run B's ``meta["kv_transfer"]`` (``role``, ``transferred``, ``producer``,
+            ``kv_compared``, ``kv_not_compared``).
+        kv_prefix: kv_cache point name -> its differing elements at the handed-over positions
+            (``n_diff_prefix``; None: not compared there).
+    """
+    t = transfer if isinstance(transfer, dict) else {}
+    if first_divergent is None or t.get("role") != "load" or t.get("producer"):
+        return None
+    moved, n = int(t.get("transferred") or 0), int(facts.get("n_tokens") or 0)
+    head = (f"the control is not bit-identical (first {first_divergent}): run A computes positions {moved}..{n - 1} "
+            f"inside its prefill GEMM of M = {_m(facts.get('gemm_m_a'))}, run B (the KV cache handed over) as a GEMM of "
+            f"M = {_m(facts.get('gemm_m_b'))}: another GEMM M for the same rows, the cache hit's mechanism, not the "
+            "transfer; ")
+    where = f"the handed-over KV cache itself (positions 0..{moved - 1})"
+    compared = {k: v for k, v in kv_prefix.items() if v is not None}
+    if t.get("kv_compared") is False or not compared:
+        why = t.get("kv_not_compared") or "no kv_cache point compared the positions before the window"
+        return head + f"{where} was not compared on this path: {why}"
+    bad = [k for k, v in compared.items() if v]
+    if not bad:
+        return head + f"{where} was compared separately at {len(compared)} kv_cache points: bit-identical to run A's own"
+    return head + (f"but {where} differs from run A's own at {len(bad)} of {len(compared)} kv_cache points, first "
+                   f"{bad[0]}: that is the transfer, look there first")
+
+
 #: what vLLM's batch-invariant mode changes beyond its own runs (a run's engine facts say it was on)
 BATCH_INVARIANT_NOTE = ("vLLM's batch-invariant mode was on in this process: on a GPU, torch's mm, softmax, log_softmax, "
                         "mean and bmm ran vLLM's batch-invariant kernels for every run after it started, an HF run's "
@@ -75,4 +120,4 @@ def _batch_invariant(meta: dict[str, Any]) -> bool:
     return isinstance(engine, dict) and bool(engine.get("batch_invariant"))
 
 
-__all__ = ["scheduler_note", "BATCH_INVARIANT_NOTE"]
+__all__ = ["scheduler_note", "control_note", "BATCH_INVARIANT_NOTE"]

@@ -30,7 +30,8 @@ import torch
 from tracer.engines.vllm.assemble import settle_records
 from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.connector import BOUNDARY, LAYOUT, contract, model_dims, role, sides, transferred
+from tracer.engines.vllm.connector import (BOUNDARY, LAYOUT, contract, difference, model_dims, role, sides,
+                                          transferred)
 from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -210,7 +211,8 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
     Returns:
         ``(run, None)`` as :func:`tracer.engines.vllm.engine.execute_loaded`, with ``meta["generated"]``
         (the greedy continuation) and ``meta["kv_transfer"]`` (role, tokens handed over, files, the
-        contract check's document).
+        producer's difference, whether the handed-over cache is compared at the kv_cache points and
+        why not, the contract check's document).
 
     Raises:
         TracerError: ``--kernels``/``--op-replay``/``--decode`` (not with a hand-over), a fatal contract
@@ -243,16 +245,21 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
                           f"{n_moved}: {what} (the ExampleConnector finds a cache by the hash of the first "
                           f"(N-2)//B*B tokens); nothing to compare")
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
-    if n_moved and check is not None and check.consumer.layout != LAYOUT:  # a block interior tracer cannot read yet
-        cap.notes.append(f"the handed-over KV cache's block rows are not decoded for attention backend "
-                         f"{check.consumer.attention_backend or '?'} (tracer reads CPU_ATTN's, {LAYOUT}): the kv_cache "
-                         f"points of run {plan.name} lack positions 0..{n_moved - 1}")
+    unread = None
+    if n_moved and not kv_points:
+        unread = "no kv_cache points were captured (--no-kv-cache)"
+    elif n_moved and check is not None and check.consumer.layout != LAYOUT:  # a block interior tracer cannot read yet
+        unread = (f"the block rows of attention backend {check.consumer.attention_backend or '?'} are not decoded "
+                  f"(tracer reads CPU_ATTN's, {LAYOUT})")
+        cap.notes.append(f"the handed-over KV cache is not compared: {unread}; the kv_cache points of run {plan.name} "
+                         f"lack positions 0..{n_moved - 1}")
     elif n_moved:  # the handed-over positions: the cache as transferred, where the consumer computed nothing
         dev = next((parts[0][1].device for parts in cap.kv.values() if parts), torch.device("cpu"))
         for layer, rows in transferred_kv(dst, kv_points, n_moved, int(dict(producer).get('block_size', cons.settings.block_size)), dev).items():
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
     return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, {
-        "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY,
+        "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY, "producer": difference(plan),
+        "kv_compared": bool(n_moved) and unread is None, "kv_not_compared": unread,
         "contract": check.to_dict() if check is not None else None,
         "contract_file": str(src / KV_CONTRACT_FILE) if src is not None else None}), None
 
