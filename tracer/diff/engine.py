@@ -165,7 +165,8 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()
-    note = (f"{name} (logits) compared at position(s) {', '.join(map(str, common))} only, of the compared "
+    where = f"position{'s' if len(common) != 1 else ''} {', '.join(map(str, common))}"
+    note = (f"{name} (logits) compared at {where} only, of the compared "
             f"{w0}..{w1 - 1}: where both runs computed logits (an engine that samples computes them only "
             "there, each request's last scheduled token)")
     return logits_at(replace(c, facts={**facts, "notes": notes}), name, common, ta, tb, note,
