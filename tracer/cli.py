@@ -38,7 +38,28 @@ class _HelpWithoutType:
 
 
 class _Command(_HelpWithoutType, typer.core.TyperCommand):
-    """Every ``tracer`` command (:class:`_HelpWithoutType`)."""
+    """Every ``tracer`` command (:class:`_HelpWithoutType`); an option given twice is refused
+    (:meth:`parse_args`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        """click's parsing, after refusing an option that takes one value given more than once (click
+        keeps the last one without a word: ``--producer block_size=64 --producer dtype=float32`` would
+        run with the dtype alone).
+
+        Raises:
+            click's UsageError: one line naming the option (``tracer`` prints it, exit 2).
+        """
+        if not ctx.resilient_parsing:
+            _, _, order = self.make_parser(ctx).parse_args(args=list(args))
+            seen: set[str] = set()
+            for param in order:
+                if getattr(param, "multiple", True) or getattr(param, "count", False) or param.is_eager:
+                    continue
+                if param.name in seen:
+                    flag = max(param.opts, key=len)
+                    ctx.fail(f"{flag} given twice: give it once (tracer would keep only the last)")
+                seen.add(param.name)
+        return super().parse_args(ctx, args)
 
 
 class _Group(_HelpWithoutType, typer.core.TyperGroup):

@@ -337,7 +337,8 @@ _HELP = {
                   "tokens (default 16)",
     "producer": "prefill-decode: the one setting in which the producer differs from the consumer, KEY=VALUE: "
                 "block_size, max_num_batched_tokens (its chunked-prefill budget), dtype, kv_cache_dtype, "
-                "attention_backend (default: none, the control)",
+                "attention_backend (default: none, the control; a value equal to the consumer's is refused: that "
+                "is the control)",
     "block_sizes": f"block-size: two KV block sizes b1,b2 (default {','.join(map(str, default(None, 'block_sizes')))})",
     "chunk_size": "chunked-prefill: tokens per chunk (default 32)",
     "tp": "tensor-parallel: shards k of the row-parallel layers (default 2)",

@@ -31,7 +31,7 @@ from tracer import schema
 from tracer.config import CaptureConfig, RunConfig
 from tracer.diff.accuracy import replay_origins
 from tracer.diff.compare import compare_records
-from tracer.diff.engine import engine_skips, sampled_logits
+from tracer.diff.engine import engine_note, engine_skips, sampled_logits
 from tracer.diff.facts import run_facts, sublayers_bytes
 from tracer.diff.logits import with_token_texts
 from tracer.diff.replay import replay_diff
@@ -339,7 +339,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
                                  facts=facts, atol=atol, rtol=rtol)
     if on_engines:  # an engine may compute logits only where it samples: compared at the positions both runs have
-        comparison = engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b)
+        comparison = engine_note(engine_skips(sampled_logits(comparison, cmp_a, cmp_b), cmp_a, cmp_b), cmp_a, cmp_b)
     del cmp_a, cmp_b
     tok = getattr(loaded, "tokenizer", None)
     if comparison.logits is not None and comparison.logits.argmax_flips and tok is not None:  # the tokens' text

@@ -337,3 +337,29 @@ def test_hf_reference_against_a_megatron_dump(refs, tmp_path):
     c = compare_dump((refs["all"], "B"), str(write_megatron_dump(refs["all"], "B", tmp_path / "b", tp=2, pp=2)))
     assert c.identical and c.run_b == "Megatron-LM dump"
     assert any("[PP stage 1]" in n for n in c.facts["notes"])
+
+
+def test_an_engine_dumps_kv_cache_records_the_consumers_contract_and_says_the_producers_is_unknown():
+    """An engine dump carries no KV contract: the consumer's side (the reference) is recorded and one line
+    says the producer's is unknown, nothing invented; a dump without KV-cache tensors gets no contract."""
+    import torch
+
+    from tracer.diff.compare_dump import PRODUCER_UNKNOWN, dump_kv_transfer
+    from tracer.engines.dumps.namemap import MappedDump, RefLayout
+    from tracer.load.contract import KVContract, check_kv_contract
+    from tracer.schema import decode
+
+    kv = "model.layers.{}.self_attn.kv_cache"
+    names = {"model.layers.0": ("layer", "LlamaDecoderLayer", (64,), "bfloat16"),
+             **{kv.format(i): ("kv_cache", "LlamaAttention", (2 * 2 * 16,), "bfloat16") for i in range(2)}}
+    layout = RefLayout(names=names, layer_prefix="model.layers", n_layers=2, token_ids=list(range(10)), window=(0, 10),
+                       family="llama", kv_heads=2)
+    plain = MappedDump("SGLang dumper", "/d", (0, 10), {"model.layers.0": torch.zeros(10, 64)}, {})
+    assert dump_kv_transfer(plain, layout, {"dtype": "bfloat16"}) is None
+    mapped = MappedDump("SGLang dumper", "/d", (0, 10), {kv.format(0): torch.zeros(10, 64)}, {})
+    t = dump_kv_transfer(mapped, layout, {"dtype": "bfloat16", "device": "cpu"})
+    assert t["role"] == "imported" and t["contract"] is None and t["unknown"] == PRODUCER_UNKNOWN
+    assert PRODUCER_UNKNOWN.startswith("producer contract unknown") and "\n" not in PRODUCER_UNKNOWN
+    consumer = decode(KVContract, t["consumer"], "consumer")
+    assert (consumer.layers, consumer.kv_heads, consumer.head_dim, consumer.storage_dtype) == (2, 2, 16, "bfloat16")
+    assert not check_kv_contract(consumer, consumer).differences

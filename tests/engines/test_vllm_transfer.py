@@ -53,6 +53,11 @@ def test_control_is_bit_identical_and_a_transfer_happened(control):
     assert a.meta["cached_tokens"] == 0 and b.meta["cached_tokens"] == MOVED  # vLLM's own num_cached_tokens
     assert b.meta["kv_transfer"]["transferred"] == MOVED and b.meta["kv_transfer"]["files"] == 30
     assert not b.meta["kv_transfer"]["contract"]["fatal"]
+    assert b.meta["kv_transfer"]["producer"] == {} and b.meta["kv_transfer"]["kv_compared"]
+    notes = " ".join(c.facts.get("notes") or [])
+    assert "control is not bit-identical" not in notes  # the CPU's control: nothing to explain
+    assert "the prompt computed in 1 step at positions 128..129, then 3 decode steps" in notes
+    assert notes.count(transfer.BOUNDARY) == 1  # the boundary named once (it was twice: hand-over and contract)
     assert len(a.meta["generated"]) == T and a.meta["generated"] == b.meta["generated"]
     # B computed positions 128, 129 and T - 1 decode steps; A the whole prompt, then the same decode steps
     assert b.meta["gemm_m"] == [N - MOVED] + [1] * (T - 1) and a.meta["gemm_m"] == [N] + [1] * (T - 1)

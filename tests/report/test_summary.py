@@ -258,3 +258,12 @@ def test_inf_difference_renders(tmp_path):
     c = compare_records(a, b, scenario="s", model="m")
     rows = rows_that_matter(c, limit=3)  # the table's row choice: no math domain error
     assert 0 in rows
+
+
+def test_positions_past_the_prompt_are_named_decoded_not_of_n():
+    from tracer.report.summary import positions_text
+
+    assert positions_text((304, 314), 314) == "positions 304..313 of 314"
+    # prefill-decode at N = 130, 4 decode steps: positions 130..132 are decoded tokens, not "of 130"
+    assert positions_text((128, 133), 130) == "positions 128..132 (prompt 0..129, 3 decoded)"
+    assert positions_text((0, 8), None) == "positions 0..7"

@@ -29,8 +29,10 @@ from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.load.contract import KVContract
 from tracer.load.devices import resolve_device
 from tracer.engines.dumps.read import read_dump
+from tracer.engines.table import REFERENCE
 from tracer.store.formats import check_name
 from tracer.store.header import EngineDumpMeta, EngineDumpRef
 from tracer.store.integrity import check_not_an_input
@@ -153,6 +155,10 @@ def compare_dump(ref: tuple[str, str | None], dump: str, *, engine_map: str | No
                       f"(HF name ← engine name (what was fused, sharded, summed)):",
                       *(f"  {hf} ← {src}" for hf, src in mapped.mapping.items()), *mapped.notes],
         }
+        kv = dump_kv_transfer(mapped, layout, model)
+        if kv is not None:  # one line: the dump's KV cache is compared without its producer's contract
+            facts["notes"].append(f"the dump's KV cache ({kv['transferred']} positions) is compared at the kv_cache "
+                                  f"points: {PRODUCER_UNKNOWN}")
         roles = {n: str(i.get("role") or "") for n, (i, _ds) in caps.items()}
         c = compare_pairs(pairs(), scenario=f"HF vs {engine}", model=model.get("name", "?"),
                           positions=(lo, hi), run_a=f"HF:{run_a}", run_b=engine, trace=str(path_a),
@@ -263,9 +269,38 @@ def import_dump(dump: str, reference: tuple[str, str | None], output: str, *, en
     rec = RunRecord(name=run_name, token_ids=layout.token_ids, window=(lo, hi),
                     plan={"name": run_name, "description": f"{mapped.engine} {mapped.path}"},
                     captures=captures, meta={IMPORTED: info})
+    kv = dump_kv_transfer(mapped, layout, header.get("model") if isinstance(header.get("model"), dict) else {})
+    if kv is not None:  # the KV contract's consumer side beside the run; the producer's is unknown
+        rec.meta["kv_transfer"] = kv
     with TraceWriter(output, header=header, overwrite=overwrite) as w:
         w.add_run(rec)
     return mapped
+
+
+#: what an engine dump's KV cache lacks: the producer's side of the KV contract (traces/README.md)
+PRODUCER_UNKNOWN = ("producer contract unknown: an engine dump records no KV contract (its storage dtype, layout, "
+                    "block size, kernels), so only the consumer's side, the reference's, is recorded")
+
+
+def dump_kv_transfer(mapped: MappedDump, layout: RefLayout, model: dict) -> dict | None:
+    """``meta["kv_transfer"]`` of an engine dump that holds KV-cache tensors mapped onto the reference's
+    ``kv_cache`` points (None for a dump without): role ``imported``, the positions, no contract check
+    (``contract`` None: :data:`PRODUCER_UNKNOWN`) and the consumer's :class:`KVContract` (the reference
+    as tracer stores it: token rows of keys then values, in the model dtype)."""
+    kv = [n for n in mapped.tensors if layout.names.get(n, ("",))[0] == PointKind.KV_CACHE]
+    if not kv:
+        return None
+    features = int(layout.names[kv[0]][2][0]) if layout.names[kv[0]][2] else 0
+    heads = int(layout.kv_heads or 0)
+    consumer = KVContract(
+        engine=REFERENCE, version="", device=str(model.get("device") or ""), model_dtype=str(model.get("dtype") or ""),
+        storage_dtype=str(layout.names[kv[0]][3]), layout="NHD", transfer_unit="token", block_size=0,
+        layers=len([n for n, v in layout.names.items() if v[0] == PointKind.KV_CACHE]), kv_heads=heads,
+        head_dim=features // (2 * heads) if heads else 0, positions=(0, int(mapped.positions[1])),
+        packing="per token: every head's keys, then every head's values (tracer's kv_cache point)",
+        transfer=f"engine dump {mapped.path}")
+    return {"role": "imported", "transferred": int(mapped.positions[1]), "boundary": f"engine dump {mapped.path}",
+            "contract": None, "consumer": consumer.to_dict(), "unknown": PRODUCER_UNKNOWN}
 
 
 def dump_side(refs: list[str]) -> tuple[tuple[str, str | None], str] | None:

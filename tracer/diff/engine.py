@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tracer.engines.door import scheduler_note
+from tracer.engines.door import comparison_note, scheduler_note
 from tracer.engines.table import is_reference, rows
 from tracer.diff.batch import tensor_diff
 from tracer.diff.crossdtype import CrossAccumulator, pair_dtypes
@@ -117,6 +117,15 @@ def engine_skips(c: Any, a: RunRecord, b: RunRecord) -> Any:
     return replace(c, skipped=tuple(out))
 
 
+def engine_note(c: Any, a: RunRecord, b: RunRecord) -> Any:
+    """``c`` with the line run B's engine adds about it (:func:`tracer.engines.door.comparison_note`:
+    a KV hand-over's control that is not bit-identical, said why) under its notes."""
+    line = comparison_note(c, a.meta, b.meta)
+    if line is None:
+        return c
+    return replace(c, facts={**c.facts, "notes": [*(c.facts.get("notes") or []), line]})
+
+
 def _logit_rows(rec: RunRecord) -> dict[str, dict[int, torch.Tensor]]:
     """Logits name → {absolute position: ``(vocab,)`` row} of a run: a full ``logits`` capture over
     its window, or the positions an engine computed (``extras["partial_logits"]``)."""
@@ -156,7 +165,8 @@ def sampled_logits(c: Any, a: RunRecord, b: RunRecord) -> Any:
     if ta.dtype != tb.dtype:
         notes.append(f"{name} (logits): run {c.run_a} has {ta.dtype}, run {c.run_b} {tb.dtype}; compared in float32")
         ta, tb = ta.float(), tb.float()
-    note = (f"{name} (logits) compared at position(s) {', '.join(map(str, common))} only, of the compared "
+    where = f"position{'s' if len(common) != 1 else ''} {', '.join(map(str, common))}"
+    note = (f"{name} (logits) compared at {where} only, of the compared "
             f"{w0}..{w1 - 1}: where both runs computed logits (an engine that samples computes them only "
             "there, each request's last scheduled token)")
     return logits_at(replace(c, facts={**facts, "notes": notes}), name, common, ta, tb, note,
@@ -192,4 +202,4 @@ def logits_at(c: Any, name: str, positions: list[int], ta: torch.Tensor, tb: tor
     return classify_origins(out, roles or {})
 
 
-__all__ = ["engine_facts", "engine_skips", "sampled_logits", "logits_at", "CONTRACT"]
+__all__ = ["engine_facts", "engine_skips", "engine_note", "sampled_logits", "logits_at", "CONTRACT"]

@@ -97,6 +97,7 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
     if fmt is not None:
         facts["kv_block_format"] = fmt
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
+    notes += kv_contract_notes(a, b)
     engines = engine_facts(a.name, a.meta, b.name, b.meta)  # runs on engines: contracts side by side
     notes += engines.pop("notes", [])
     facts.update(engines)
@@ -111,3 +112,18 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
     if notes:
         facts["notes"] = notes
     return facts
+
+
+def kv_contract_notes(*runs: RunRecord) -> list[str]:
+    """One line per run whose KV cache crossed a boundary outside an engine's scheduler
+    (``meta["kv_transfer"]`` of role ``moved``: the HF cache handed to another device; ``imported``: an
+    engine dump's KV cache): the boundary and the KV contract check's summary, or what is unknown."""
+    out = []
+    for run in runs:
+        t = run.meta.get("kv_transfer")
+        if not isinstance(t, dict) or t.get("role") not in ("moved", "imported"):
+            continue
+        check = t.get("contract") or {}
+        out.append(f"run {run.name}: KV cache of {t.get('transferred')} positions handed over; "  # the summary names the boundary
+                   + str(check.get("summary") or t.get("unknown") or f"no KV contract checked ({t.get('boundary')})"))
+    return out

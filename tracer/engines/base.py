@@ -80,6 +80,11 @@ class Engine:
         """One line on what this engine's scheduler did for run ``run`` (its record's ``meta``), or None."""
         return None
 
+    def comparison_note(self, comparison: Any, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> str | None:
+        """One line on what this engine's runs explain about ``comparison`` (a
+        :class:`~tracer.diff.result.Comparison` of its runs A and B, their records' ``meta``), or None."""
+        return None
+
     def check(self, plans: list[RunPlan], device: str | None, *, verdict: bool = False, dispatched: bool = False,
               model: Any = None) -> None:
         """Refuse, before anything loads or is spawned, ``plans`` (this engine's plans of a scenario)

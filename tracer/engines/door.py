@@ -207,6 +207,15 @@ def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
     return engine(name).scheduler_note(run, meta)
 
 
+def comparison_note(comparison: Any, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> str | None:
+    """What run B's engine (``meta_b["engine"]["engine"]``) explains about ``comparison``, in one line
+    (:meth:`tracer.engines.base.Engine.comparison_note`); None for an engine without it, or not in the table."""
+    name = (meta_b.get("engine") or {}).get("engine") if isinstance(meta_b.get("engine"), dict) else None
+    if name not in rows():
+        return None
+    return engine(name).comparison_note(comparison, meta_a, meta_b)
+
+
 def uses_engines(scen: Scenario) -> bool:
     """Whether a plan of ``scen`` names an engine other than the reference (``RunPlan.engine``)."""
     return any(not is_reference(getattr(p, "engine", None)) for p in (scen.plan_a, scen.plan_b))
@@ -279,4 +288,5 @@ def capture_object(obj: Any, points: Any, **options: Any) -> Any:
 
 
 __all__ = ["engine", "engine_of", "executor_name", "executor", "execute_plan", "realise", "facts", "uses_engines",
-           "engines_header", "header", "check", "follower_plans", "run_bare", "capture_object", "scheduler_note"]
+           "engines_header", "header", "check", "follower_plans", "run_bare", "capture_object", "scheduler_note",
+           "comparison_note"]

@@ -46,6 +46,18 @@ def _share(n: int, total: int) -> str:
     return "-" if not total else f"{100 * n / total:.3g}%"
 
 
+def positions_text(positions: tuple[int, int] | list[int], n_tokens: int | None) -> str:
+    """The compared positions ``[start, stop)`` of a prompt of ``n_tokens``: ``positions 304..313 of 314``,
+    or, for a window past the prompt (decode steps), ``positions 128..132 (prompt 0..129, 3 decoded)``."""
+    a, b = int(positions[0]), int(positions[1])
+    text = f"positions {a}..{b - 1}"
+    if not n_tokens:
+        return text
+    if b <= n_tokens:
+        return f"{text} of {n_tokens}"
+    return f"{text} (prompt 0..{n_tokens - 1}, {b - n_tokens} decoded)"
+
+
 def gemm_text(gemm_m: Any) -> str:
     """GEMM M of each forward pass of a run (``facts["gemm_m_a"]``), runs of one value folded:
     ``[272, 4, 4, 4]`` → ``272, 4 ×3``; ``""`` when not known."""

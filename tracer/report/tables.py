@@ -32,7 +32,7 @@ from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
 from tracer.report.summary import (flip_tie, flip_tokens, flips_text, headline, plan_line, rows_that_matter,
-                                   unverified_text, verdict_line)
+                                   positions_text, unverified_text, verdict_line)
 from tracer.report.textsafe import printable
 from tracer.store.trace import json_safe
 
@@ -161,8 +161,7 @@ def _title(c: Comparison) -> str:
         if named:
             dev += f" ({named})"
         bits.append(dev)
-    of = f" of {f['n_tokens']}" if f.get("n_tokens") else ""
-    bits.append(f"positions {c.positions[0]}..{c.positions[1] - 1}{of}")
+    bits.append(positions_text(c.positions, f.get("n_tokens")))
     return " · ".join(bits)
 
 

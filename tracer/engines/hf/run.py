@@ -77,6 +77,36 @@ def move_kv(cache: Any, device: torch.device) -> None:
                     layer.device = device
 
 
+#: the boundary a disaggregated run's cache crosses, in words (its KV contract check's)
+HF_BOUNDARY = "HF cache moved to another device"
+
+
+def _producer(model: nn.Module, cache: Any, ids: torch.Tensor, crossing: bool) -> Any:
+    """The producer's KV contract of ``cache`` about to be handed to a chunk with a device of its own
+    (``crossing``; the same device too: ``--devices cpu,cpu`` checks the contract all the same), else None."""
+    from tracer.load.contract import tokens_sha256
+    from tracer.load.hf_cache import cache_contract
+
+    if cache is None or not crossing:
+        return None
+    stop = cached_length(cache)
+    return cache_contract(model, cache, model_device(model), (0, stop), tokens_sha256(ids[0, :stop].tolist()))
+
+
+def _checked(producer: Any, model: nn.Module, dev: torch.device, ids: torch.Tensor, start: int) -> Any:
+    """The producer's contract held against the consumer's (``model`` on ``dev``, looking for positions
+    ``0..start - 1``).
+
+    Raises:
+        TracerError: a fatal difference (:func:`tracer.load.contract.require_kv`, one line naming both sides).
+    """
+    from tracer.load.contract import check_kv_contract, require_kv, tokens_sha256
+    from tracer.load.hf_cache import cache_contract
+
+    consumer = cache_contract(model, None, dev, (0, start), tokens_sha256(ids[0, :start].tolist()))
+    return require_kv(check_kv_contract(producer, consumer, f"{HF_BOUNDARY}: {producer.device} to {consumer.device}"))
+
+
 def batch_inputs(token_ids: list[int], spec: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The padded batch: ``ids (B, W)`` int64, ``mask (B, W)`` int64 (1 = real token) and the column
     of the traced prompt's first token. Row ``spec.row`` is the prompt; row j holds the prompt
@@ -200,7 +230,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
                    capture: Capture | None = None, fn: Callable[..., Any] | None = None, *,
                    extra: dict[str, Any] | None = None,
                    on_output: Callable[[int, int, Any], None] | None = None,
-                   compiled: bool | None = None) -> Any:
+                   compiled: bool | None = None, kv_moves: list[Any] | None = None) -> Any:
     """Run the plan's chunks on ``ids`` (shape ``(1, N)``, int64) and return the last model output.
 
     Each chunk ``[s, e)`` is one ``model(input_ids=ids[:, s:e], cache=cache)`` call (all rows of
@@ -214,7 +244,9 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     ``extra``: more keyword arguments for every call (e.g. ``output_hidden_states=True``);
     ``on_output(s, e, output)`` is called after each chunk's call; ``compiled``: whether ``fn``
     is a ``torch.compile``-d model (its failures are then reported as such; default: ``fn`` is
-    not ``model``).
+    not ``model``); ``kv_moves``: a list that gets, for each move of the cache to another device,
+    its :class:`~tracer.load.contract.KVContractCheck` (the producer's contract against the
+    consumer's, checked before the consumer computes: a fatal difference raises, one line).
     """
     fn = model if fn is None else fn
     compiled = fn is not model if compiled is None else compiled
@@ -240,10 +272,13 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     for i, (start, stop) in enumerate(plan.chunks):
         if plan.devices is not None and plan.devices[i] is not None:
             dev = torch.device(plan.devices[i])
+            moved = _producer(model, cache, ids, kv_moves is not None)
             if model_device(model) != dev:
                 model.to(dev)
             if cache is not None:
                 move_kv(cache, dev)
+            if moved is not None:
+                kv_moves.append(_checked(moved, model, dev, ids, start))
         dev = model_device(model)
         kwargs: dict[str, Any] = {"use_cache": not plan.recompute, **(extra or {})}
         row, col = 0, 0
@@ -377,7 +412,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                 plan_context(model, plan) as fn:
             with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
                     SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
-                out = forward_chunks(model, ids, plan, cap, fn)
+                moves: list[Any] = []
+                out = forward_chunks(model, ids, plan, cap, fn, kv_moves=moves)
                 if output_cache(out) is not None:
                     b = plan.batch
                     cap.add_cache(output_cache(out), row=b.row if b is not None else 0,
@@ -395,6 +431,9 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
                 tokens = greedy(model, ids, out, decode)
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
             "gemm_m": plan.gemm_m()}
+    if moves:  # the KV contracts of a cache moved to another device, beside the run (prefill-decode's key)
+        info["kv_transfer"] = {"role": "moved", "transferred": moves[-1].producer.positions[1],
+                               "boundary": moves[-1].boundary, "contract": moves[-1].to_dict()}
     if generated is not None:
         info["generated"] = generated
     if tokens is not None:

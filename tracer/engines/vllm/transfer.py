@@ -26,8 +26,8 @@ import torch
 from tracer.engines.vllm.assemble import settle_records
 from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.connector import (BOUNDARY, TOKEN_ROW_BACKENDS, contract, model_dims, role, sides, transferred,
-                                          transferred_kv, unit_of)
+from tracer.engines.vllm.connector import (BOUNDARY, TOKEN_ROW_BACKENDS, contract, difference, model_dims, role, sides,
+                                          transferred, transferred_kv, unit_of)
 from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -150,7 +150,8 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
     Returns:
         ``(run, None)`` as :func:`tracer.engines.vllm.engine.execute_loaded`, with ``meta["generated"]``
         (the greedy continuation) and ``meta["kv_transfer"]`` (role, tokens handed over, files, the
-        contract check's document).
+        producer's difference, whether the handed-over cache is compared at the kv_cache points and
+        why not, the contract check's document).
 
     Raises:
         TracerError: ``--kernels``/``--op-replay``/``--decode`` (not with a hand-over), a fatal contract
@@ -184,19 +185,24 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
                           f"(N-2)//B*B tokens); nothing to compare")
     kv_points = {p.layer_index: p.name for p in points if p.kind == PointKind.KV_CACHE}
     unit = unit_of(check.consumer.layout)[0] if check is not None else ""
-    if n_moved and not unit:  # rows tracer cannot read yet
+    unread = None
+    if n_moved and not kv_points:
+        unread = "no kv_cache points were captured (--no-kv-cache)"
+    elif n_moved and not unit:  # rows tracer cannot read yet
         backend = (check.consumer.attention_backend if check else "") or "?"
-        cap.kv_missing_why = (f"positions 0..{n_moved - 1} were handed over in rows tracer does not decode for attention "
-                              f"backend {backend} (it reads CPU_ATTN's block rows and the token rows of "
-                              f"{', '.join(TOKEN_ROW_BACKENDS)} on a GPU)")
-        cap.notes.append(f"the kv_cache points of run {plan.name}: {cap.kv_missing_why}")
+        unread = (f"the rows of attention backend {backend} are not decoded (tracer reads CPU_ATTN's block rows and "
+                  f"the token rows of {', '.join(TOKEN_ROW_BACKENDS)} on a GPU)")
+        cap.kv_missing_why = f"positions 0..{n_moved - 1} were handed over, and {unread}"
+        cap.notes.append(f"the handed-over KV cache is not compared: {unread}; the kv_cache points of run {plan.name} "
+                         f"lack positions 0..{n_moved - 1}")
     elif n_moved:  # the handed-over positions: the cache as transferred, where the consumer computed nothing
         dev = next((parts[0][1].device for parts in cap.kv.values() if parts), torch.device("cpu"))
         block = int(dict(producer).get("block_size", cons.settings.block_size))
         for layer, rows in transferred_kv(dst, kv_points, n_moved, block, dev, unit).items():
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
     return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, {
-        "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY,
+        "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY, "producer": difference(plan),
+        "kv_compared": bool(n_moved) and unread is None, "kv_not_compared": unread,
         "contract": check.to_dict() if check is not None else None,
         "contract_file": str(src / KV_CONTRACT_FILE) if src is not None else None}), None
 

@@ -117,8 +117,9 @@ def _title(comparison: Any) -> str:
         if f.get(key):
             bits.append(str(f[key]))
             break
-    n = f.get("n_tokens")
-    bits.append(f"positions {comparison.positions[0]}..{comparison.positions[1] - 1}" + (f" of {n}" if n else ""))
+    from tracer.report.summary import positions_text
+
+    bits.append(positions_text(comparison.positions, f.get("n_tokens")))
     return " · ".join(bits)
 
 
