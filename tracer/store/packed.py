@@ -81,9 +81,10 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
 
 
 def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], totals: dict[str, int], *,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, sums: dict[str, int] | None = None) -> None:
     """Write the tensors of ``run`` into ``g["data"]`` (one dataset per dtype, points in index order)
-    and the sealed ``index`` attribute on ``g``, filling each entry's ``crc32``.
+    and the ``index`` attribute on ``g``, filling each entry's ``crc32``; ``sums`` receives the
+    checksums of the attributes written on ``g`` (for its seal, :func:`~tracer.store.integrity.set_text`).
 
     Each point is written with one ``write_direct`` from the tensor's own memory, at increasing
     offsets: the file grows front to back. Without ``compression`` the datasets are contiguous
@@ -96,9 +97,9 @@ def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], t
         if compression is not None and total > 0:
             kw = {"chunks": (max(1, min(total, CHUNK_BYTES // STORED[dtype].itemsize)),), "compression": compression}
         ds = data.create_dataset(dtype, shape=(total,), dtype=STORED[dtype], fill_time="never", **kw)
-        seal(ds)
+        seal(ds, sums={})  # no attribute but its seal
         datasets[dtype] = ds
-    seal(data)
+    seal(data, sums={})
     pending: list = []  # consecutive points lying end to end in one host buffer: written together
 
     def flush() -> None:
@@ -121,9 +122,9 @@ def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], t
         pending.append((entry, bits))
     flush()
     texts = [json.dumps(e) for e in entries]
-    set_text(g, "index", "[" + ", ".join(texts) + "]")  # == json.dumps(entries)
-    sums = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
-    set_text(g, "index_crc32", json.dumps(sums))
+    set_text(g, "index", "[" + ", ".join(texts) + "]", sums)  # == json.dumps(entries)
+    each = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
+    set_text(g, "index_crc32", json.dumps(each), sums)
 
 
 def _follows(prev: tuple[dict[str, Any], np.ndarray], entry: dict[str, Any], bits: np.ndarray) -> bool:
@@ -318,7 +319,8 @@ def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | Non
     """
     check_name(run.name, "run")
     entries, totals = pack_index(run)
-    return write_run_group(runs, run, lambda g: write_packed(g, run, entries, totals, compression=compression))
+    return write_run_group(runs, run, lambda g, sums: write_packed(g, run, entries, totals, compression=compression,
+                                                                     sums=sums))
 
 
 def _open_run(g: h5py.Group, entries: list[dict[str, Any]], fd: int | None) -> dict[str, StoredPoint]:
