@@ -19,6 +19,7 @@ side stream while run B executes, and a background thread writes them.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from dataclasses import dataclass
 from dataclasses import replace as _replace
@@ -227,7 +228,19 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
     if scen is not None:
         facts.update(scenario=scen.to_dict(), **block_facts(scen, (extra or {}).get("engines")),
                      split_points=[scen.window[0]])
-    return schema.build(TraceHeader, collect_environment(info.device, extra={**facts, **(extra or {})}))
+    doc = collect_environment(info.device, extra={**facts, **(extra or {})})
+    try:  # every run of a loaded model has the same header until a fact changes: built once
+        key = json.dumps(doc)
+    except (TypeError, ValueError):  # a fact that is not JSON data: the record refuses it below
+        key = None
+    if key is None or _HEADER[0] != key:
+        _HEADER[:] = [key, schema.build(TraceHeader, doc)]
+    return _HEADER[1]
+
+
+#: [the last header's document as JSON text, its TraceHeader]: a run's header is the previous one's
+#: whenever its document is (a frozen record, read only; building it costs ~1 ms)
+_HEADER: list[Any] = [None, None]
 
 
 def open_writer(path: str | Path, header: TraceHeader | dict[str, Any], *, overwrite: bool = False,

@@ -26,7 +26,7 @@ from tracer.execute.records import RunRecord
 from tracer.store.formats import TraceFormat, check_name, register, write_run_group
 from tracer.store.header import current, upgrade_v2
 from tracer.store.integrity import crc32_bytes, seal, set_text
-from tracer.store.validate import IndexEntry, validate_v2_index
+from tracer.store.validate import validate_v2_index
 
 #: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)
 STORED = {n: np.dtype(f.stored) for n, f in FLOATS.items()}
@@ -56,7 +56,11 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """
     entries: list[dict[str, Any]] = []
     totals: dict[str, int] = {}
-    for key, record in run.captures.items():
+    try:  # every point's calls as plain JSON data (a copy), in one pass
+        all_calls = json.loads(json.dumps([record.calls for record in run.captures.values()]))
+    except (TypeError, ValueError):
+        all_calls = None  # which point's calls are not JSON: found below, to name it
+    for i, (key, record) in enumerate(run.captures.items()):
         if key != record.name:
             raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
         name = record.name
@@ -66,15 +70,18 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
         if dtype is None:
             raise TracerError(f"capture {name} is {record.tensor.dtype}; the trace holds {', '.join(DTYPES)}")
         try:
-            calls = json.loads(json.dumps(record.calls))
+            calls = all_calls[i] if all_calls is not None else json.loads(json.dumps(record.calls))
         except (TypeError, ValueError) as e:
             raise TracerError(f"calls of capture {name} is not JSON-serialisable ({e}); pass plain "
                               "str/int/float/bool/list/dict values") from None
         offset = totals.get(dtype, 0)
         totals[dtype] = offset + record.tensor.numel()
-        entries.append(IndexEntry(name=name, kind=str(record.kind), op=str(record.op), calls=calls, dtype=dtype,
-                                  shape=tuple(int(x) for x in record.tensor.shape), offset=offset, crc32=0,
-                                  role=str(record.role) if getattr(record, "role", "") else None).to_dict())
+        # an IndexEntry's document (tracer.store.validate), written out: its fields in order, no role when none
+        entry = {"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
+                 "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0}
+        if getattr(record, "role", ""):
+            entry["role"] = str(record.role)
+        entries.append(entry)
     if len({e["name"] for e in entries}) != len(entries):
         raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
     return entries, totals
