@@ -243,24 +243,6 @@ def test_every_seal_is_the_crc_of_the_attributes_as_read_back(tmp_path):
     assert {"/", "header", "runs", "runs/A", "runs/A/token_ids", "comparisons/A_vs_B"} <= set(seen)
 
 
-def test_the_index_entries_are_the_records_documents():
-    """pack_index writes each entry's document out by hand: it is IndexEntry's own encoding, with a
-    role and without one."""
-    from tracer.store.packed import pack_index
-    from tracer.store.validate import IndexEntry
-
-    run, _ = make_run("A", np.random.default_rng(0))
-    run.captures["model.norm"] = CaptureRecord(name="model.norm", kind="final_norm", tensor=torch.zeros(2, 3),
-                                               calls=[{"positions": [0, 2], "in": [], "out": []}], op="RMSNorm",
-                                               role="final_norm")
-    entries, totals = pack_index(run)
-    for e, rec in zip(entries, run.captures.values()):
-        want = IndexEntry(name=rec.name, kind=rec.kind, op=rec.op, calls=rec.calls, dtype=e["dtype"],
-                          shape=tuple(rec.tensor.shape), offset=e["offset"], crc32=0, role=rec.role or None).to_dict()
-        assert json.dumps(e) == json.dumps(want)
-    assert sum(totals.values()) == sum(r.tensor.numel() for r in run.captures.values())
-
-
 def test_h5py_only_reading_of_version_1(tmp_path):
     """The kept version-1 writer: one dataset per capture point, read with plain h5py as the
     README's "Format version 1" describes, and by tracer bit for bit."""

@@ -26,7 +26,7 @@ from tracer.execute.records import RunRecord
 from tracer.store.formats import TraceFormat, check_name, register, write_run_group
 from tracer.store.header import current, upgrade_v2
 from tracer.store.integrity import crc32_bytes, seal, set_text
-from tracer.store.validate import validate_v2_index
+from tracer.store.validate import IndexEntry, validate_v2_index
 
 #: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)
 STORED = {n: np.dtype(f.stored) for n, f in FLOATS.items()}
@@ -76,12 +76,9 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
                               "str/int/float/bool/list/dict values") from None
         offset = totals.get(dtype, 0)
         totals[dtype] = offset + record.tensor.numel()
-        # an IndexEntry's document (tracer.store.validate), written out: its fields in order, no role when none
-        entry = {"name": name, "kind": str(record.kind), "op": str(record.op), "calls": calls, "dtype": dtype,
-                 "shape": [int(x) for x in record.tensor.shape], "offset": offset, "crc32": 0}
-        if getattr(record, "role", ""):
-            entry["role"] = str(record.role)
-        entries.append(entry)
+        entries.append(IndexEntry(name=name, kind=str(record.kind), op=str(record.op), calls=calls, dtype=dtype,
+                                  shape=tuple(int(x) for x in record.tensor.shape), offset=offset, crc32=0,
+                                  role=str(record.role) if getattr(record, "role", "") else None).to_dict())
     if len({e["name"] for e in entries}) != len(entries):
         raise TracerError(f"run {run.name} names a capture point twice; give each its own name")
     return entries, totals
