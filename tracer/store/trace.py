@@ -30,7 +30,6 @@ partial files). This module re-exports their public names and holds the output-p
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import re
 from pathlib import Path
@@ -47,33 +46,20 @@ from tracer.store.writer import TraceWriter
 
 
 def json_safe(x: Any) -> Any:
-    """Replace non-finite floats by strings so the document is strict JSON. A document that is strict
-    JSON already (almost every comparison: one pass of the C encoder says so) is returned as it is,
-    not copied: its JSON text is the same either way."""
-    if type(x) is dict:
-        try:
-            json.dumps(x, allow_nan=False)
-            return x
-        except (TypeError, ValueError):
-            pass  # a non-finite float somewhere (or something JSON does not encode): walked below
-    return _json_safe(x)
-
-
-def _json_safe(x: Any) -> Any:
-    """:func:`json_safe`'s walk (a copy, non-finite floats as strings)."""
+    """Replace non-finite floats by strings so the document is strict JSON."""
     kind = type(x)  # the exact types first: a comparison's document holds thousands of numbers
     if kind is str or kind is int or kind is bool or x is None:
         return x
     if kind is list or kind is tuple:
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     if kind is dict:
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, float) and not math.isfinite(x):
         return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
