@@ -5,6 +5,13 @@
     python3 scripts/bench-h200.py OUT                # on the GPU machine (Python 3.12, torch 2.11, transformers 5.17)
     python3 scripts/bench-h200.py OUT --device cpu --model tiny-llama --lengths 64 --reps 2   # a check on the CPU
 
+The launch-bound targets alone (N = 1024 and 4096, 21 repetitions each, where the README's table
+used 15; the GPU tests and the host work included), from the checkout with ``.whl`` (``--prepare``)
+carried to the GPU machine; expected well under 8 minutes (the default run, N = 32768 included,
+takes about 5)::
+
+    python3 scripts/bench-h200.py $OUT/bench --lengths "1024 4096" --reps "21 21"
+
 On the GPU it first installs ``.whl/*.whl`` into ``/tmp/site`` (when ``.whl`` is there) and puts
 that folder first on the import path. Then, for each ``--lengths`` N (default 1024, 4096 and
 32768), one ``tracer bench`` (:func:`tracer.loops.bench.bench`): ``--model`` (default

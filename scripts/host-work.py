@@ -16,6 +16,9 @@ the machine do not inflate (the minimum and median of ``--reps``, interleaved):
                    calls: each waits for the GPU when its tensor is there (on the CPU: the same code path)
     py calls       Python function calls (cProfile)
     cpu ms         the thread's CPU time of one run (min, median)
+    writer ms      store modes: the CPU time of the trace writer's tasks on its background thread
+                   (min, median), which the counts above leave out: it holds the GIL for much of it,
+                   so on a launch-bound GPU it delays the launching thread (run B, then the close)
     h5 objects     groups, datasets and attributes of the trace (store modes)
 
 With ``--device cuda`` it also counts the CUDA runtime calls of one run (torch.profiler):
@@ -139,6 +142,29 @@ def _cuda_calls(fn) -> dict[str, int]:
     return {k: sum(names.get(n, 0) for n in v) for k, v in pick.items()}
 
 
+class _WriterTime:
+    """The CPU time of the trace writer's tasks (:class:`~tracer.store.writer.TraceWriter`'s set-up,
+    run, meta and comparison writes, on whichever thread runs them), summed while installed."""
+
+    TASKS = ("_create", "_write_run", "_set_meta", "_remove_run", "_write_comparison")
+
+    def __init__(self) -> None:
+        from tracer.store.writer import TraceWriter
+
+        self.s = 0.0
+        for name in self.TASKS:
+            fn = getattr(TraceWriter, name)
+
+            def timed(*a, _fn=fn, **k):
+                t0 = time.thread_time()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.s += time.thread_time() - t0
+
+            setattr(TraceWriter, name, timed)
+
+
 def gpu_path() -> None:
     """Take, on the CPU, the decisions tracer takes on a GPU (see the module docstring)."""
     from tracer.diff import batch, logits, metrics, positions
@@ -225,23 +251,30 @@ def main() -> None:
         if name != "plain":
             rows[name]["h5 objects"] = _h5_objects(folder / f"{name.split()[1]}.h5")
     times = {name: [] for name in modes}
+    writer, written = _WriterTime(), {name: [] for name in modes}
     for _ in range(args.reps):
         for name, fn in modes.items():
             finish()
+            writer.s = 0.0
             t0 = time.thread_time()
             fn()
             finish()
             times[name].append(time.thread_time() - t0)
+            written[name].append(writer.s)  # the writer's thread has finished: the run closed the trace
     for name, v in times.items():
         rows[name]["cpu ms"] = [round(min(v) * 1e3, 2), round(statistics.median(v) * 1e3, 2)]
+        if name.startswith("store ") and name != "store none":
+            w = written[name]
+            rows[name]["writer ms"] = [round(min(w) * 1e3, 2), round(statistics.median(w) * 1e3, 2)]
     print(f"{args.model} N={args.length} {args.dtype} {args.device}{' (the GPU code path)' if args.gpu_path else ''} "
           f"prefix-cache --no-kv-cache, torch {torch.__version__}")
     keys = ["hooked calls", "aten ops", "kernels", "syncs", "py calls", "cpu ms"]
-    print(f"{'':14}" + "".join(f"{k:>16}" for k in keys) + "   h5 objects")
+    print(f"{'':14}" + "".join(f"{k:>16}" for k in keys + ["writer ms"]) + "   h5 objects")
     for name, r in rows.items():
         extra = [r[k] - rows["plain"][k] for k in keys[:5]]
         cells = [f"{r[k]} (+{x})" if name != "plain" else str(r[k]) for k, x in zip(keys[:5], extra)]
         cells.append(f"{r['cpu ms'][0]}/{r['cpu ms'][1]}")
+        cells.append(f"{r['writer ms'][0]}/{r['writer ms'][1]}" if "writer ms" in r else "")
         h5 = r.get("h5 objects")
         print(f"{name:14}" + "".join(f"{c:>16}" for c in cells) + (f"   {h5}" if h5 else ""))
         if "cuda" in r:

@@ -19,6 +19,7 @@ side stream while run B executes, and a background thread writes them.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from dataclasses import dataclass
 from dataclasses import replace as _replace
@@ -41,7 +42,7 @@ from tracer.diff.verdict import Level, NoiseVerdict, epsilon, higher_dtypes, jud
 from tracer.errors import TracerError
 from tracer.execute.family import family_for
 from tracer.execute.kinds import PointKind
-from tracer.execute.points import CapturePoint, discover_points, point_widths
+from tracer.execute.points import CapturePoint, discover_points, granularity_width
 from tracer.execute.records import RunRecord, settle_wall
 from tracer.load.contract import numeric_contract
 from tracer.load.devices import cast_weights, model_device
@@ -227,7 +228,19 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
     if scen is not None:
         facts.update(scenario=scen.to_dict(), **block_facts(scen, (extra or {}).get("engines")),
                      split_points=[scen.window[0]])
-    return schema.build(TraceHeader, collect_environment(info.device, extra={**facts, **(extra or {})}))
+    doc = collect_environment(info.device, extra={**facts, **(extra or {})})
+    try:  # every run of a loaded model has the same header until a fact changes: built once
+        key = json.dumps(doc)
+    except (TypeError, ValueError):  # a fact that is not JSON data: the record refuses it below
+        key = None
+    if key is None or _HEADER[0] != key:
+        _HEADER[:] = [key, schema.build(TraceHeader, doc)]
+    return _HEADER[1]
+
+
+#: [the last header's document as JSON text, its TraceHeader]: a run's header is the previous one's
+#: whenever its document is (a frozen record, read only; building it costs ~1 ms)
+_HEADER: list[Any] = [None, None]
 
 
 def open_writer(path: str | Path, header: TraceHeader | dict[str, Any], *, overwrite: bool = False,
@@ -327,7 +340,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     if writer is not None and partials is not None and not online:
         writer.add_run(partials)
     rec_a, rec_b = records
-    header = header or schema.build(TraceHeader, {
+    header = header if header is not None else schema.build(TraceHeader, {  # (a Document's truth encodes it)
         "model": info.to_dict(), "scenario": scen.to_dict(),
         "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)})
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
@@ -370,13 +383,14 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
 def _sublayers_bytes(model: Any, info: Any, header: Any, n_tokens: int) -> int | None:
     """What a trace of this run at ``--granularity sublayers`` takes, counted on the model's own
     sublayer points (:func:`tracer.diff.facts.sublayers_bytes`); None where no descriptor names them."""
-    doc = header if isinstance(header, dict) else header.to_dict()
+    store, kv_cache = header.get("store"), bool(header.get("kv_cache", True))  # a dict or a TraceHeader
+    if store == "none":  # nothing stored: no estimate (tracer.diff.facts.sublayers_bytes)
+        return None
     try:
-        points = discover_points(model, "sublayers", kv_cache=bool(doc.get("kv_cache", True)))
+        width = granularity_width(model, "sublayers", info.hidden_size, kv_cache=kv_cache)
     except (TracerError, AttributeError, TypeError):  # no descriptor, or no HF module to walk
         return None
-    return sublayers_bytes(info.to_dict(), n_tokens, doc.get("store"), bool(doc.get("kv_cache", True)),
-                           per_token=point_widths(model, points, info.hidden_size))
+    return sublayers_bytes(info.to_dict(), n_tokens, store, kv_cache, per_token=width)
 
 
 def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:

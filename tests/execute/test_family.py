@@ -335,3 +335,21 @@ def test_a_new_family_written_as_one_toml_file_runs_through_the_cli(tmp_path, cl
         assert torch.equal(r.tensor("A", "gpt_neox.layers.0"), hs[1][0])
         assert torch.equal(r.tensor("A", "gpt_neox.final_layer_norm"), hs[2][0])
         assert torch.equal(r.tensor("A", "lm_head"), out.logits[0])
+
+
+def test_points_are_discovered_once_per_model_and_granularity(tiny_llama, monkeypatch):
+    """A run asks for its own granularity and for ``sublayers`` (the trace-size estimate): both stay
+    cached side by side, and what the cache returns is what a fresh walk of the module tree finds."""
+    from tracer.execute import points as P
+
+    model = tiny_llama
+    fresh = {g: P._discover(model, g, False, F.family_for(model)) for g in ("layers", "sublayers")}
+    walks = []
+    real = P._discover
+    monkeypatch.setattr(P, "_discover", lambda *a: walks.append(a[1]) or real(*a))
+    P._DISCOVERED.pop(model, None)
+    for g in ("layers", "sublayers", "layers", "sublayers"):
+        assert P.discover_points(model, g, kv_cache=False) == fresh[g]
+    assert walks == ["layers", "sublayers"]
+    hidden = model.config.hidden_size
+    assert P.granularity_width(model, "sublayers", hidden, kv_cache=False) == P.point_widths(model, fresh["sublayers"], hidden)

@@ -207,6 +207,42 @@ def test_h5py_only_reading_per_readme(tmp_path):
         assert json.loads(f["header"].attrs["json"])["split_points"] == [3, 5]
 
 
+def test_every_seal_is_the_crc_of_the_attributes_as_read_back(tmp_path):
+    """The writer seals each object from the values it wrote (no read-back): every ``crc32`` must
+    equal the CRC-32 of each attribute as h5py reads it (text as its bytes, numbers as numpy's dtype
+    string and bytes; traces/README.md), for text, booleans, ints, floats and arrays."""
+    import zlib
+
+    def canonical(v):
+        if isinstance(v, bytes):
+            return b"b" + v
+        if isinstance(v, str):
+            return b"s" + v.encode()
+        a = np.asarray(v)
+        return a.dtype.str.encode() + a.tobytes()
+
+    header = {**HEADER, "flag": True, "count": 7, "ratio": 0.5, "empty": "", "nested": {"deep": False, "n": -3}}
+    run, _ = make_run("A", np.random.default_rng(0))
+    path = tmp_path / "t.h5"
+    with TraceWriter(path, header=header) as w:
+        w.add_run(run)
+        w.add_comparison("A_vs_B", {"n_diff": 3})
+    seen = []
+    with h5py.File(path, "r") as f:
+        def check(name, obj):
+            if "crc32" not in obj.attrs:
+                return
+            sums = json.loads(obj.attrs["crc32"])
+            sums.pop("@data", None)
+            names = [n for n in obj.attrs if n != "crc32" and not (obj.name == "/" and n == "complete")]
+            assert sums == {n: zlib.crc32(canonical(obj.attrs[n])) for n in names}, name
+            seen.append(name)
+        check("/", f)
+        f.visititems(check)
+        assert f["header"].attrs["flag"] and f["header"].attrs["nested.n"] == -3
+    assert {"/", "header", "runs", "runs/A", "runs/A/token_ids", "comparisons/A_vs_B"} <= set(seen)
+
+
 def test_h5py_only_reading_of_version_1(tmp_path):
     """The kept version-1 writer: one dataset per capture point, read with plain h5py as the
     README's "Format version 1" describes, and by tracer bit for bit."""

@@ -95,24 +95,30 @@ def discover_points(model: nn.Module, granularity: str = "layers", *, kv_cache: 
     fam = family_for(model)
     if fam.inferred and granularity == "sublayers":
         raise TracerError(fam.inferred)
-    key = (granularity, kv_cache, fam, len(model._modules), id(next(iter(model._modules.values()), None)))
+    shape = (fam, len(model._modules), id(next(iter(model._modules.values()), None)))
     try:
-        hit = _DISCOVERED.get(model)
+        held = _DISCOVERED.get(model)
     except TypeError:  # not weakly referenceable
-        hit = None
-    if hit is not None and hit[0] == key:
-        return list(hit[1])
+        held = None
+    if held is None or held[0] != shape:
+        held = (shape, {})
+        try:
+            _DISCOVERED[model] = held
+        except TypeError:
+            pass
+    hit = held[1].get((granularity, kv_cache))
+    if hit is not None:
+        return list(hit)
     points = _discover(model, granularity, kv_cache, fam)
-    try:
-        _DISCOVERED[model] = (key, tuple(points))
-    except TypeError:
-        pass
+    held[1][(granularity, kv_cache)] = tuple(points)
     return points
 
 
-#: model → (what the points depend on, the points): every run asks again (discovering walks the
-#: whole module tree, ~1 ms per 400 modules)
-_DISCOVERED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple[CapturePoint, ...]]]" = weakref.WeakKeyDictionary()
+#: model → (what its points depend on, {(granularity, kv_cache): the points}): every run asks again,
+#: for its own granularity and, for the sublayers estimate (tracer.pipeline), ``sublayers`` too
+#: (discovering walks the whole module tree, ~1 ms per 400 modules)
+_DISCOVERED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, dict[tuple[str, bool], tuple[CapturePoint, ...]]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def _discover(model: nn.Module, granularity: str, kv_cache: bool, fam: Any) -> list[CapturePoint]:
@@ -238,3 +244,26 @@ def point_widths(model: nn.Module, points: list[CapturePoint], hidden: int) -> i
         else:
             total += hidden
     return total
+
+
+def granularity_width(model: nn.Module, granularity: str, hidden: int, *, kv_cache: bool = True) -> int:
+    """:func:`point_widths` of every point of ``granularity`` (:func:`discover_points`): the elements per
+    token a trace of that granularity stores per run; computed once per model (every run of a model
+    asks for its ``sublayers`` width, :func:`tracer.pipeline.run_scenario`).
+
+    Raises:
+        TracerError: as :func:`discover_points`.
+    """
+    points = discover_points(model, granularity, kv_cache=kv_cache)
+    try:
+        held = _DISCOVERED.get(model)
+    except TypeError:  # not weakly referenceable
+        held = None
+    key = ("width", granularity, kv_cache, hidden)
+    if held is not None and key in held[1]:
+        return held[1][key]
+    width = point_widths(model, points, hidden)
+    if held is not None:
+        held[1][key] = width
+    return width
+

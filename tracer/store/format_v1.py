@@ -254,7 +254,7 @@ def write_run(runs: h5py.Group, run: RunRecord, *, compression: str | None = Non
             raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
         _check_capture(record)
 
-    def fill(g: h5py.Group) -> None:
+    def fill(g: h5py.Group, sums: dict[str, int]) -> None:  # no attribute on the run's group
         captures = g.create_group("captures", track_order=True)
         for record in run.captures.values():
             write_capture(captures, record, compression=compression)

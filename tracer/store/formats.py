@@ -21,7 +21,7 @@ import numpy as np
 
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
-from tracer.store.integrity import crc32_bytes, seal, set_text
+from tracer.store.integrity import crc32_bytes, seal, set_text, set_value
 
 #: the root ``format`` attribute of every trace
 FORMAT = "tracer-trace"
@@ -142,11 +142,12 @@ def check_name(name: Any, what: str) -> None:
         raise TracerError(f"{what} {name!r} holds bytes that are not UTF-8; use a UTF-8 name") from None
 
 
-def write_run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group], None],
+def write_run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group, dict[str, int]], None],
                     attrs: dict[str, str] | None = None) -> h5py.Group:
     """The group ``runs[run.name]`` with the attributes and token ids every format version shares,
-    ``attrs`` (text), then ``fill(group)`` writing the captures, then its seal; a failure removes
-    the half-written group. The caller has validated the captures.
+    ``attrs`` (text), then ``fill(group, sums)`` writing the captures (and recording in ``sums`` the
+    checksum of each attribute it writes on the group: :func:`~tracer.store.integrity.set_text`), then
+    its seal; a failure removes the half-written group. The caller has validated the captures.
 
     Raises:
         TracerError: invalid or duplicate run name, plan/meta not JSON-able.
@@ -156,15 +157,15 @@ def write_run_group(runs: h5py.Group, run: RunRecord, fill: Callable[[h5py.Group
         raise TracerError(f"run {run.name!r} is already in this trace; give each run its own name")
     texts = {"plan": json_dumps(run.plan, f"plan of run {run.name}"),
              "meta": json_dumps(run.meta, f"meta of run {run.name}"), **(attrs or {})}
-    g = runs.create_group(run.name, track_order=True)
+    g, sums = runs.create_group(run.name, track_order=True), {}
     try:
         for key, text in texts.items():
-            set_text(g, key, text)
-        g.attrs["window"] = np.asarray(run.window, dtype=np.int64)
+            set_text(g, key, text, sums)
+        set_value(g, "window", np.asarray(run.window, dtype=np.int64), sums)
         ids = np.asarray(run.token_ids, dtype=np.int64).reshape(-1)  # (N,) int64
-        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids))
-        fill(g)
-        seal(g)
+        seal(g.create_dataset("token_ids", data=ids), crc32_bytes(ids), sums={})
+        fill(g, sums)
+        seal(g, sums=sums)
     except BaseException:
         del runs[run.name]
         raise

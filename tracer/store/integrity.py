@@ -47,18 +47,33 @@ NAME_MAX = 255
 # ---------------------------------------------------------------- text attributes
 
 
-def set_text(obj: Any, name: str, text: str) -> None:
+def set_text(obj: Any, name: str, text: str, sums: dict[str, int] | None = None) -> None:
     """Write ``text`` as a fixed-length UTF-8 string attribute ``obj.attrs[name]``.
 
     Fixed-length strings live in the object header, which HDF5 (file format of 1.8 and later)
     protects with its own checksum; variable-length ones live in the global heap, which has none
-    (zeroed bytes there make HDF5 loop forever).
+    (zeroed bytes there make HDF5 loop forever). ``sums``: also record there the CRC-32 :func:`seal`
+    computes for this attribute (a fixed-length string reads back as its bytes, trailing NULs
+    dropped), so the seal need not read it back.
     """
     import h5py
     import numpy as np
 
     data = text.encode("utf-8", "surrogatepass")
     obj.attrs.create(name, np.array(data, dtype=h5py.string_dtype("utf-8", max(1, len(data)))))
+    if sums is not None:
+        sums[name] = zlib.crc32(attr_bytes(data.rstrip(b"\0"))) & 0xFFFFFFFF
+
+
+def set_value(obj: Any, name: str, value: Any, sums: dict[str, int] | None = None) -> None:
+    """Write a number, boolean or numeric array as ``obj.attrs[name]`` (Python ints as int64, floats as
+    float64, booleans as HDF5's numpy bool); ``sums`` as :func:`set_text`."""
+    import numpy as np
+
+    arr = np.asarray(value)
+    obj.attrs.create(name, arr)
+    if sums is not None:
+        sums[name] = zlib.crc32(attr_bytes(arr)) & 0xFFFFFFFF
 
 
 def attr_text(value: Any) -> str | None:
@@ -183,19 +198,26 @@ def attr_bytes(value: Any) -> bytes:
     return arr.dtype.str.encode() + arr.tobytes()
 
 
-def seal(obj: Any, data_crc: int | None = None) -> None:
+def seal(obj: Any, data_crc: int | None = None, sums: dict[str, int] | None = None) -> None:
     """Write ``obj.attrs["crc32"]``: the CRC-32 of every other attribute of ``obj`` (an h5py
     Group, Dataset or File), plus ``"@data"`` = ``data_crc`` for a dataset.
 
     Call it after the object's last attribute write; calling it again re-seals (e.g. after
     ``/runs``' ``order`` grows). The root's ``complete`` is left out (it is set last).
+    ``sums``: the CRC-32 of **every** attribute of ``obj`` as its writer recorded them
+    (:func:`set_text`, :func:`set_value`), used instead of reading each attribute back (each
+    read is an HDF5 call); an attribute missing from it is then not covered, which every reader
+    refuses (:func:`verify_attrs`).
     """
-    sums: dict[str, int] = {}
-    root = obj.name == "/"
-    for name in obj.attrs:
-        if name == CRC_ATTR or (root and name in UNSEALED_ROOT):
-            continue
-        sums[name] = zlib.crc32(attr_bytes(obj.attrs[name])) & 0xFFFFFFFF
+    if sums is not None:
+        sums = dict(sums)
+    else:
+        sums = {}
+        root = obj.name == "/"
+        for name in obj.attrs:
+            if name == CRC_ATTR or (root and name in UNSEALED_ROOT):
+                continue
+            sums[name] = zlib.crc32(attr_bytes(obj.attrs[name])) & 0xFFFFFFFF
     if data_crc is not None:
         sums[DATA_KEY] = int(data_crc)
     set_text(obj, CRC_ATTR, json.dumps(sums, sort_keys=True))

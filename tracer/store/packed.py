@@ -56,7 +56,11 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """
     entries: list[dict[str, Any]] = []
     totals: dict[str, int] = {}
-    for key, record in run.captures.items():
+    try:  # every point's calls as plain JSON data (a copy), in one pass
+        all_calls = json.loads(json.dumps([record.calls for record in run.captures.values()]))
+    except (TypeError, ValueError):
+        all_calls = None  # which point's calls are not JSON: found below, to name it
+    for i, (key, record) in enumerate(run.captures.items()):
         if key != record.name:
             raise TracerError(f"capture key {key!r} does not match its record name {record.name!r}; key captures by name")
         name = record.name
@@ -66,7 +70,7 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
         if dtype is None:
             raise TracerError(f"capture {name} is {record.tensor.dtype}; the trace holds {', '.join(DTYPES)}")
         try:
-            calls = json.loads(json.dumps(record.calls))
+            calls = all_calls[i] if all_calls is not None else json.loads(json.dumps(record.calls))
         except (TypeError, ValueError) as e:
             raise TracerError(f"calls of capture {name} is not JSON-serialisable ({e}); pass plain "
                               "str/int/float/bool/list/dict values") from None
@@ -81,9 +85,10 @@ def pack_index(run: RunRecord) -> tuple[list[dict[str, Any]], dict[str, int]]:
 
 
 def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], totals: dict[str, int], *,
-                 compression: str | None = None) -> None:
+                 compression: str | None = None, sums: dict[str, int] | None = None) -> None:
     """Write the tensors of ``run`` into ``g["data"]`` (one dataset per dtype, points in index order)
-    and the sealed ``index`` attribute on ``g``, filling each entry's ``crc32``.
+    and the ``index`` attribute on ``g``, filling each entry's ``crc32``; ``sums`` receives the
+    checksums of the attributes written on ``g`` (for its seal, :func:`~tracer.store.integrity.set_text`).
 
     Each point is written with one ``write_direct`` from the tensor's own memory, at increasing
     offsets: the file grows front to back. Without ``compression`` the datasets are contiguous
@@ -96,9 +101,9 @@ def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], t
         if compression is not None and total > 0:
             kw = {"chunks": (max(1, min(total, CHUNK_BYTES // STORED[dtype].itemsize)),), "compression": compression}
         ds = data.create_dataset(dtype, shape=(total,), dtype=STORED[dtype], fill_time="never", **kw)
-        seal(ds)
+        seal(ds, sums={})  # no attribute but its seal
         datasets[dtype] = ds
-    seal(data)
+    seal(data, sums={})
     pending: list = []  # consecutive points lying end to end in one host buffer: written together
 
     def flush() -> None:
@@ -121,9 +126,9 @@ def write_packed(g: h5py.Group, run: RunRecord, entries: list[dict[str, Any]], t
         pending.append((entry, bits))
     flush()
     texts = [json.dumps(e) for e in entries]
-    set_text(g, "index", "[" + ", ".join(texts) + "]")  # == json.dumps(entries)
-    sums = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
-    set_text(g, "index_crc32", json.dumps(sums))
+    set_text(g, "index", "[" + ", ".join(texts) + "]", sums)  # == json.dumps(entries)
+    each = [[len(t.encode()), crc32_bytes(t.encode())] for t in texts]
+    set_text(g, "index_crc32", json.dumps(each), sums)
 
 
 def _follows(prev: tuple[dict[str, Any], np.ndarray], entry: dict[str, Any], bits: np.ndarray) -> bool:
@@ -318,7 +323,8 @@ def write_run_packed(runs: h5py.Group, run: RunRecord, *, compression: str | Non
     """
     check_name(run.name, "run")
     entries, totals = pack_index(run)
-    return write_run_group(runs, run, lambda g: write_packed(g, run, entries, totals, compression=compression))
+    return write_run_group(runs, run, lambda g, sums: write_packed(g, run, entries, totals, compression=compression,
+                                                                     sums=sums))
 
 
 def _open_run(g: h5py.Group, entries: list[dict[str, Any]], fd: int | None) -> dict[str, StoredPoint]:

@@ -28,7 +28,7 @@ from tracer.store.environment import tool_version
 from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
 from tracer.store.header import RunMeta, TraceHeader
 from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
-                                    seal, set_text, write_error_message)
+                                    seal, set_text, set_value, write_error_message)
 
 
 def header_document(header: TraceHeader | dict[str, Any]) -> dict[str, Any]:
@@ -189,23 +189,23 @@ class TraceWriter:
                 raise self._failed from None
             raise
         try:
-            f = self._file
-            set_text(f, "format", FORMAT)
-            f.attrs["format_version"] = np.int64(self.format_version)
-            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
-            set_text(f, "tool_version", tool_version())
-            set_text(f, "checksums", CHECKSUMS)
-            seal(f)
+            # every object's checksums from the values as written (seal(..., sums)), not read back
+            f, sums = self._file, {}
+            set_text(f, "format", FORMAT, sums)
+            set_value(f, "format_version", np.int64(self.format_version), sums)
+            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), sums)
+            set_text(f, "tool_version", tool_version(), sums)
+            set_text(f, "checksums", CHECKSUMS, sums)
+            seal(f, sums=sums)
             f.attrs["complete"] = False
-            h = f.create_group("header")
-            set_text(h, "json", header_json)
+            h, sums = f.create_group("header"), {}
+            set_text(h, "json", header_json, sums)
             for key, value in _flat_scalars(header).items():
                 if key not in ("json", "crc32"):
-                    set_text(h, key, value) if isinstance(value, str) else h.attrs.create(key, value)
-            seal(h)
+                    set_text(h, key, value, sums) if isinstance(value, str) else set_value(h, key, value, sums)
+            seal(h, sums=sums)
             self._runs = f.create_group("runs", track_order=True)
-            set_text(self._runs, "order", "[]")
-            seal(self._runs)
+            self._seal_order()
             self._check_io()
         except BaseException as e:
             self._failed = e
@@ -256,8 +256,13 @@ class TraceWriter:
             raise
         self._check_io()
         self._run_names.append(run.name)
-        set_text(self._runs, "order", json.dumps(self._run_names))
-        seal(self._runs)
+        self._seal_order()
+
+    def _seal_order(self) -> None:
+        """``/runs``' ``order`` attribute (the runs written so far, in order) and its seal."""
+        sums: dict[str, int] = {}
+        set_text(self._runs, "order", json.dumps(self._run_names), sums)
+        seal(self._runs, sums=sums)
 
     def set_meta(self, run: str, meta: dict) -> None:
         """Replace the ``meta`` of run ``run`` (added earlier), e.g. with facts known only after the
@@ -290,8 +295,7 @@ class TraceWriter:
         if run in self._runs:
             del self._runs[run]
         self._run_names = [n for n in self._run_names if n != run]
-        set_text(self._runs, "order", json.dumps(self._run_names))
-        seal(self._runs)
+        self._seal_order()
         self._check_io()
 
     def _after(self, fn: Callable[..., None], *args: Any) -> None:
@@ -337,9 +341,9 @@ class TraceWriter:
     def _write_comparison(self, name: str, text: str) -> None:
         if self._failed is not None:
             return
-        g = self._file.require_group("comparisons").create_group(name)
-        set_text(g, "json", text)
-        seal(g)
+        g, sums = self._file.require_group("comparisons").create_group(name), {}
+        set_text(g, "json", text, sums)
+        seal(g, sums=sums)
         self._check_io()
 
     def close(self) -> None:
