@@ -10,8 +10,10 @@ run's capture points through the layout registered for the file's format version
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import h5py
@@ -75,6 +77,33 @@ def stored_crc(handle: Any) -> int | None:
     return format_of(handle).crc(handle)
 
 
+#: what :func:`~tracer.store.validate.validate_trace` found for the files this process validated, keyed
+#: by the file's identity and change times (a file written or touched since gets another key): a
+#: ``tracer compare`` opens one trace up to four times, and each validation decodes every index entry
+_VALIDATED: "OrderedDict[tuple[int, ...], tuple[bool, dict[str, list[dict[str, Any]]]]]" = OrderedDict()
+
+
+def _validated(f: h5py.File, path: str, indexes: dict[str, list[dict[str, Any]]]) -> bool:
+    """:func:`validate_trace` of ``f``, once per unchanged file in a process (:data:`_VALIDATED`): the
+    same file, not written since (its device, inode, size, modification and change times in ns), is
+    taken as validated, with a copy of its index entries. Data checksums are verified on every read.
+
+    Raises:
+        TracerError: as :func:`validate_trace`.
+    """
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    hit = _VALIDATED.get(key)
+    if hit is None:
+        checked = validate_trace(f, path, indexes)
+        _VALIDATED[key] = hit = (checked, copy.deepcopy(indexes))
+        while len(_VALIDATED) > 16:
+            _VALIDATED.popitem(last=False)
+    else:
+        indexes.update(copy.deepcopy(hit[1]))
+    return hit[0]
+
+
 class TraceReader:
     """Read-only access to a complete trace; a context manager (or call :meth:`close`).
 
@@ -136,7 +165,7 @@ class TraceReader:
         self.format_version = self._format.version
         indexes: dict[str, list[dict[str, Any]]] = {}
         #: True when the file carries checksums (verified on every read); False: written before them
-        self.checksummed = validate_trace(f, self.path, indexes)
+        self.checksummed = _validated(f, self.path, indexes)
         upgrade = self._format.upgrade  # the documents as the current version writes them
         self.header: dict[str, Any] = upgrade("header", json.loads(f["header"].attrs["json"]))
         self.runs: list[str] = json.loads(f["runs"].attrs["order"])
