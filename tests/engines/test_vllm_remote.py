@@ -167,3 +167,54 @@ def test_a_capture_that_cannot_be_installed_or_a_dead_worker_is_one_line(ve, loa
     with pytest.raises(TracerError) as e:
         ve.execute_loaded(loaded, IDS, _plan(), [], (0, N), engine_options={"settings": ve.VllmSettings(**MP)})
     assert "\n" not in str(e.value) and "vLLM" in str(e.value)
+
+
+def test_tp_rank_files_gather_into_the_whole_tensors_by_the_maps_rules(tmp_path):
+    """Two TP ranks' capture files (synthetic, written and read as the workers do): column shards
+    (q/k/v parts, the attention output) join into the whole tensors sliced by plain torch, partial
+    sums into their float64 sum rounded to bf16, the KV cache's [keys | values] by KV heads, and a
+    point every rank holds whole is rank 0's; a whole point that differs on rank 1 is named."""
+    from tracer.engines.vllm.remote import gather_ranks
+
+    g = torch.Generator().manual_seed(3)
+    t = 5
+    q, k, v = (torch.randn(t, w, generator=g).to(torch.bfloat16) for w in (8, 4, 4))
+    attn = torch.randn(t, 8, generator=g).to(torch.bfloat16)
+    parts = [torch.randn(t, 6, generator=g).to(torch.bfloat16) for _ in range(2)]
+    layer = torch.randn(t, 6, generator=g).to(torch.bfloat16)
+    norm = torch.randn(t, 6, generator=g).to(torch.bfloat16)
+    kk, vv = torch.randn(t, 4, generator=g).to(torch.bfloat16), torch.randn(t, 4, generator=g).to(torch.bfloat16)
+    pos = np.arange(t, dtype=np.int64)
+    shards = {"q": "columns", "k": "columns", "v": "columns", "attn": "columns", "o": "partial"}
+    states = {}
+    for r in (0, 1):
+        cols = {name: x[:, r * x.shape[1] // 2:(r + 1) * x.shape[1] // 2] for name, x in
+                (("q", q), ("k", k), ("v", v), ("attn", attn))}
+        other = norm if r == 0 else norm + 1  # a "whole" point the ranks disagree on
+        rows = {**{n: [(0, c.contiguous())] for n, c in cols.items()}, "o": [(0, parts[r])],
+                "model.layers.0": [(0, layer.clone())], "norm": [(0, other)]}
+        kv = {0: [(pos, torch.cat([kk[:, 2 * r:2 * r + 2], vv[:, 2 * r:2 * r + 2]], dim=1))]}
+        sources = {"q": ("qkv_proj", "qkv_proj (fused qkv_proj, part 1 of 3)"), "attn": ("attn", "attn")}
+        state = {"rows": rows, "kv": kv, "notes": [], "steps": [{"index": 0}], "tp": 2, "tp_shards": shards,
+                 "sources": sources}
+        back_rank, states[r] = read_rank_file(write_rank_file(state, tmp_path / f"rank-{r}.safetensors", r))
+        assert back_rank == r
+    got = gather_ranks(states)
+    for name, whole in (("q", q), ("k", k), ("v", v), ("attn", attn), ("model.layers.0", layer), ("norm", norm)):
+        (step, x), = got["rows"][name]
+        assert step == 0 and x.dtype == torch.bfloat16 and torch.equal(_bits(x), _bits(whole)), name
+    assert got["sources"]["q"][1] == "qkv_proj (fused qkv_proj, part 1 of 3; 2 TP shards along dim 1)"
+    assert got["sources"]["attn"][1] == "attn (2 TP shards along dim 1)"
+    want_o = (parts[0].double() + parts[1].double()).to(torch.bfloat16)
+    assert torch.equal(_bits(got["rows"]["o"][0][1]), _bits(want_o))
+    assert torch.equal(_bits(got["kv"][0][0][1]), _bits(torch.cat([kk, vv], dim=1)))
+    note = got["notes"][-1]
+    assert note.startswith("TP 2: 4 point(s) joined from 2 column shards") and "1 KV cache" in note
+    assert "1 of 2 whole points differ between ranks, e.g. norm" in note
+    assert gather_ranks({0: states[0]}) is states[0]
+    with pytest.raises(TracerError, match=r"TP rank\(s\) \[0, 2\]"):
+        gather_ranks({0: states[0], 2: states[1]})
+    states[1]["rows"]["q"] = [(1, states[1]["rows"]["q"][0][1])]
+    with pytest.raises(TracerError, match="TP rank 1 kept other rows chunks for q") as e:
+        gather_ranks(states)
+    assert "\n" not in str(e.value)

@@ -39,7 +39,7 @@ CONTRACT = (("device", "device", None), ("attention_backend", "attention backend
             ("logits_dtype", "logits dtype", None), ("kv_cache_dtype", "KV-cache dtype", None),
             ("block_size", "KV block size", "none (a contiguous KV cache)"),
             ("max_num_batched_tokens", "chunked-prefill budget", "none (each forward call computes what it is given)"),
-            ("version", "version", None))
+            ("tensor_parallel", "tensor-parallel ranks", None), ("version", "version", None))
 
 
 

@@ -91,7 +91,7 @@ ENGINES: tuple[EngineRow, ...] = (
                       "pip install -c constraints-vllm.txt -e '.[vllm]' (README: 'With vLLM')",
               defaults={"block_size": 32, "block_sizes": (32, 64)},  # its CPU attention: blocks of a multiple of 32
               scenarios=("repeat", "batch", "prefix-cache", "block-size", "chunked-prefill", "rollout-vs-train",
-                         "compile", "prefill-decode"),
+                         "compile", "prefill-decode", "tensor-parallel"),
               roles=("run", "rollout"),
               deterministic="torch's deterministic algorithms do not reach its kernels; its own batch-invariant mode "
                             "(VLLM_BATCH_INVARIANT=1, on GPUs only) is --batch-invariant",

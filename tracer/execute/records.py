@@ -115,6 +115,7 @@ class EngineFacts(schema.Record):
         batch_invariant: whether the engine's batch-invariant mode was on.
         model_runner, model_class: the engine's model runner and model classes (module.Class).
         log: the file the engine's own output went to.
+        tensor_parallel: the engine's tensor-parallel ranks (1: one process holds the whole model).
     """
 
     schema_sparse = True
@@ -152,6 +153,7 @@ class EngineFacts(schema.Record):
     model_runner: str | None = None
     model_class: str | None = None
     log: str | None = None
+    tensor_parallel: schema.Count | None = None
 
 
 @dataclass(frozen=True)

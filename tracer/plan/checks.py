@@ -147,7 +147,9 @@ def check_applicable(scen: Any) -> None:
     if extra:
         flags = ", ".join("--" + k.replace("_", "-") for k in extra)
         valid = ", ".join("--" + k.replace("_", "-") for k in uses) or "none"
-        raise TracerError(f"{flags} does not apply to scenario {scen.name}; its options: {valid}")
+        owners = sorted({name for k in extra for name in SCENARIOS if k in applicable_options(name)})
+        hint = f" ({flags} is an option of --scenario {owners[0]})" if len(extra) == 1 and len(owners) == 1 else ""
+        raise TracerError(f"{flags} does not apply to scenario {scen.name}; its options: {valid}{hint}")
 
 
 def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:

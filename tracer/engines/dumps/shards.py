@@ -141,3 +141,48 @@ def _split_groups(t: torch.Tensor, rule: dict[str, Any], dim: int, tp: int, what
                           f"(q, k, v widths {widths} over {groups} groups); check the map's split or the model")
     x = x.reshape(*x.shape[:-1], g, sum(per))
     return [p.reshape(*p.shape[:-2], g * w).movedim(-1, dim) for p, w in zip(torch.split(x, per, dim=-1), per)]
+
+
+#: what one TP rank holds of a point (:func:`join_ranks`)
+RANK_HOLDS = ("whole", "columns", "partial", "halves")
+
+
+def join_ranks(ts: list[torch.Tensor], holds: str, what: str, sizes: tuple[int, int] | None = None
+               ) -> tuple[torch.Tensor, str, bool]:
+    """One point's tensors of every TP rank (rank order, one shape and dtype) joined by the rules
+    the dump import applies (:func:`_join`), for a capture taken in each rank of a live engine.
+
+    Args:
+        ts: rank r's ``[T, width_r]`` tensor at ``ts[r]``.
+        holds: ``whole`` (every rank computed the same tensor after its all-reduce: rank 0's is
+            kept, the others compared with it bit for bit), ``columns`` (column shards,
+            concatenated along the last dim), ``partial`` (partial sums: added in float64, the
+            sum rounded to the ranks' dtype), ``halves`` (each rank ``[its part of A | its part of
+            B]``, e.g. keys and values: A's shards then B's).
+        what: the point and step, for messages.
+        sizes: ``halves``: the whole widths of A and B.
+
+    Returns:
+        ``(tensor, note, equal)``: the whole tensor, a note naming the join ("" for ``whole``), and
+        whether the ranks held equal bits (``whole`` only; True otherwise).
+
+    Raises:
+        TracerError: an unknown ``holds``, shapes/dtypes that differ across ranks, widths that do
+            not split (one line).
+    """
+    if holds not in RANK_HOLDS:
+        raise TracerError(f"{what}: unknown TP layout {holds!r}; use one of {', '.join(RANK_HOLDS)}")
+    if holds == "halves" and not sizes:
+        raise TracerError(f"{what}: a TP join of halves needs the whole widths of both halves")
+    if any(t.shape != ts[0].shape or t.dtype != ts[0].dtype for t in ts):
+        shapes = ", ".join(f"rank {r}: {tuple(t.shape)} {t.dtype}" for r, t in enumerate(ts))
+        raise TracerError(f"inconsistent shards: {what} has different shapes/dtypes across TP ranks ({shapes})")
+    if holds == "whole":
+        return ts[0], "", all(_same_bits(t, ts[0]) for t in ts[1:])
+    rule: dict[str, Any] = {"halves": {"split": "halves", "_sizes": list(sizes or ())}, "columns": {"shard": "columns"}}.get(holds, {})
+    dim = None if holds == "partial" else ts[0].dim() - 1
+    parts, note = _join(ts, rule, dim, holds == "partial", False, len(ts), what, "")
+    whole = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    if holds == "partial":
+        return whole.to(ts[0].dtype), f"{len(ts)} TP partial sums added in float64, rounded to {ts[0].dtype}", True
+    return whole, note, True

@@ -105,11 +105,18 @@ class Vllm(Engine):
         Raises:
             TracerError: the mode asked for on a platform without it, or a KV hand-over whose two sides
                 would disagree on what the cache's bytes mean
-                (:func:`tracer.engines.vllm.connector.check_before_start`; one line each).
+                (:func:`tracer.engines.vllm.connector.check_before_start`), TP ranks that do not divide
+                the model's heads (:func:`tracer.engines.vllm.plan.check_tp_heads`; one line each).
         """
         from tracer.engines.vllm.connector import check_before_start
+        from tracer.engines.vllm.plan import check_tp_heads
 
+<<<<<<< HEAD
         check_before_start(plans, model, device)
+=======
+        check_before_start(plans, model)
+        check_tp_heads(plans, model)
+>>>>>>> tp
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
             from tracer.engines.vllm.engine import platform
             from tracer.engines.vllm.environment import check_batch_invariant

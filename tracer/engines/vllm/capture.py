@@ -149,6 +149,7 @@ class _Action:
     sizes: tuple = ()  # split: the HF widths
     dtype: torch.dtype | None = None  # sum: the HF dtype the pair is added in
     describe: str = ""
+    shard: str | None = None  # TP > 1: "columns" (each rank a column shard) or "partial" (partial sums); None: whole
 
 
 def _elements(out: Any) -> dict[int | None, torch.Tensor]:
@@ -194,17 +195,23 @@ class VllmCapture(Hooks):
         block_size: vLLM's KV block size (to follow a request across a block boundary).
         positions: the positions 0..positions-1 whose rows are kept (default N, the prompt; more keeps
             the rows of decode steps beyond it).
+        tp: vLLM's tensor-parallel size (this model is one rank's): a fused output is split by the
+            HF widths / ``tp``, and the points a rank holds a shard of are named in :attr:`tp_shards`
+            (``columns``: the map's ``shard = "columns"``; ``partial``: a row-parallel layer that does not
+            all-reduce its output), for :func:`tracer.engines.vllm.remote.gather_ranks` to join.
 
     Say which requests to follow with :meth:`follow` (before they are scheduled) and
     :meth:`close` (after they finish); rows of other requests (a batch's other rows) are never kept.
 
     Raises:
-        TracerError: a forward pass tracer cannot read (:func:`read_step`).
+        TracerError: a forward pass tracer cannot read (:func:`read_step`); (:meth:`hooked`) HF
+            widths that ``tp`` ranks do not divide.
     """
 
     def __init__(self, model: nn.Module, runner: Any, emap: dict[str, Any], ref: RefLayout,
                  token_ids: list[int], window: tuple[int, int], kv_points: dict[int, str],
-                 kv_positions: int | None = None, *, block_size: int = 16, positions: int | None = None) -> None:
+                 kv_positions: int | None = None, *, block_size: int = 16, positions: int | None = None,
+                 tp: int = 1) -> None:
         self.model, self.runner, self.emap, self.ref = model, _runner_name(runner), emap, ref
         self.token_ids = list(token_ids)
         self.n = len(token_ids) if positions is None else int(positions)
@@ -221,7 +228,12 @@ class VllmCapture(Hooks):
         self.sources: dict[str, tuple[str, str]] = {}  # HF name -> (vLLM module, mapping line)
         self.checks: list[tuple[str, int, torch.Tensor]] = []  # (HF name, step, 0-dim bool: a later source differs)
         self.notes: list[str] = []
+<<<<<<< HEAD
         self.kv_missing_why: str | None = None  # why kv_cache positions are missing, where a caller knows better
+=======
+        self.tp = int(tp)
+        self.tp_shards: dict[str, str] = {}  # HF name -> "columns" | "partial" (TP > 1; absent: every rank whole)
+>>>>>>> tp
         self.logits_name: str | None = None  # the HF logits point the logits module maps onto (once it fired)
         self.traced_labels: set[str] = set()  # the followed requests whose activations are kept
         self.fired: set[str] = set()
@@ -232,7 +244,7 @@ class VllmCapture(Hooks):
         self._cur: dict[str, Any] | None = None
         # the rules compiled per module, the hooked modules and their paths: the same for every run of
         # one model, reference layout and map, so computed once per process (a run creates a capture)
-        self._key = (id(emap), tuple(ref.names.items()))
+        self._key = (id(emap), tuple(ref.names.items()), self.tp)
         self._cache = _CACHE.setdefault(model, {}).setdefault(self._key, {"actions": {}})
         self._actions: dict[str, list[_Action]] = self._cache["actions"]
 
@@ -287,8 +299,12 @@ class VllmCapture(Hooks):
                 if not all(h is not None and h in self.ref.names for h in hf):
                     continue  # the reference did not capture the parts (e.g. layers granularity)
                 sizes = tuple(self.ref.names[h][2][-1] if self.ref.names[h][2] else 1 for h in hf)
-                actions.append(_Action("split", (rule.get("element"),), tuple(hf), sizes,
-                                       describe=f"fused {name.rsplit('.', 1)[-1]}, part {{i}} of {len(hf)}"))
+                if any(s % self.tp for s in sizes):
+                    raise TracerError(f"{name}: the HF widths {list(sizes)} of {', '.join(hf)} do not split over "
+                                      f"{self.tp} TP ranks; run this model with a tensor_parallel_size that divides them")
+                actions.append(_Action("split", (rule.get("element"),), tuple(hf), tuple(s // self.tp for s in sizes),
+                                       describe=f"fused {name.rsplit('.', 1)[-1]}, part {{i}} of {len(hf)}",
+                                       shard=self._shard(name, rule)))
             elif "sum" in rule:
                 if hf[0] is None or hf[0] not in self.ref.names:
                     continue
@@ -297,9 +313,21 @@ class VllmCapture(Hooks):
                                        describe="(hidden, residual) summed in the HF dtype"))
             elif hf[0] is not None and hf[0] in self.ref.names:
                 el = rule.get("element")
-                actions.append(_Action("take", (el,), (hf[0],), describe=f"element {el} of a tuple" if el is not None else ""))
+                actions.append(_Action("take", (el,), (hf[0],), describe=f"element {el} of a tuple" if el is not None else "",
+                                       shard=self._shard(name, rule)))
         self._actions[name] = actions
         return actions
+
+    def _shard(self, name: str, rule: dict[str, Any]) -> str | None:
+        """What one TP rank holds of a module's mapped output (None: the whole tensor, or TP 1): the
+        map's ``shard = "columns"``; ``partial`` for a row-parallel layer built without its
+        all-reduce (vLLM's ``reduce_results=False``: each rank's partial sum)."""
+        if self.tp == 1:
+            return None
+        if rule.get("shard") == "columns":
+            return "columns"
+        module = self._cache.get("modules", {}).get(name)
+        return "partial" if getattr(module, "reduce_results", True) is False else None
 
     def install(self) -> None:
         """Hook the model's call (the step's tokens), every mapped module, the logits and the KV writes."""
@@ -448,6 +476,8 @@ class VllmCapture(Hooks):
             return
         self._filled[target] = step
         self.rows.setdefault(target, []).append((step, rows))
+        if act.shard:
+            self.tp_shards[target] = act.shard
         if target not in self.sources:
             bits = act.describe.format(i=part + 1) if act.describe else ""
             self.sources[target] = (module, module + (f" ({bits})" if bits else ""))
@@ -503,13 +533,14 @@ class VllmCapture(Hooks):
         return {"steps": self.steps, "tokens": self.tokens, "rows": self.rows, "kv": self.kv, "logits": self.logits,
                 "shapes": self.shapes, "sources": self.sources, "checks": self.checks, "notes": self.notes,
                 "win_pos": self._win_pos, "fired": sorted(self.fired), "logits_name": self.logits_name,
-                "traced_labels": sorted(self.traced_labels)}
+                "traced_labels": sorted(self.traced_labels), "tp": self.tp, "tp_shards": self.tp_shards}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take over what another capture's hooks kept (:meth:`state`)."""
         for key in ("steps", "tokens", "rows", "kv", "logits", "shapes", "sources", "checks", "notes", "logits_name"):
             setattr(self, key, state[key])
         self._win_pos, self.fired, self.traced_labels = state["win_pos"], set(state["fired"]), set(state["traced_labels"])
+        self.tp, self.tp_shards = int(state.get("tp", 1)), dict(state.get("tp_shards", {}))
 
     def records(self, points: list[CapturePoint], engine: str) -> tuple[dict[str, CaptureRecord], dict[str, Any]]:
         """The run's captures under HF names, and what could not be captured:

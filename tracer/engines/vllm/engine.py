@@ -7,7 +7,8 @@ graphs hide modules from hooks), with the engine core in this process by default
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that ordinary forward hooks on vLLM's ``nn.Module`` fire
 here; with ``VllmSettings(multiprocess=True)`` (or ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` in the
 environment) the engine core runs in its own process and the same hooks run in its workers
-(:mod:`tracer.engines.vllm.remote`). ``VllmSettings(compiled=True)`` builds vLLM's default
+(:mod:`tracer.engines.vllm.remote`; so do the ranks of ``VllmSettings(tensor_parallel_size=k)``, whose
+captures are joined there). ``VllmSettings(compiled=True)`` builds vLLM's default
 compilation instead, captured at layers through vLLM's own hidden-states output
 (:mod:`tracer.engines.vllm.compiled`). One ``LLM`` is kept per :class:`VllmSettings` for the life
 of the process (:func:`engine_for`; at most :data:`MAX_ENGINES` at once).
@@ -132,6 +133,8 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
                                                          kv_connector_extra_config={"shared_storage_path": s.kv_path})
     if s.kv_cache_dtype != "auto":
         backend["kv_cache_dtype"] = s.kv_cache_dtype
+    if s.tensor_parallel_size > 1:
+        backend["tensor_parallel_size"] = s.tensor_parallel_size
     return dict(**backend, **compile_args, dtype=s.dtype or loaded.info.dtype,
                 logprobs_mode=s.logprobs_mode,
                 enable_prefix_caching=s.enable_prefix_caching, block_size=s.block_size, max_model_len=max_len,
@@ -157,7 +160,9 @@ class VllmEngine:
         self._ids = itertools.count()
         self._facts: dict[str, Any] | None = None
         self.log: str | None = None
-        self.remote = not in_process(llm)  # the engine core in its own process: captures go through its workers
+        self.tp = int(getattr(llm.llm_engine.vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        # the engine core in its own process, or TP ranks in worker processes: captures go through the workers
+        self.remote = not in_process(llm) or self.tp > 1
         self.kv_agent: Any = None  # vLLM's worker-side KV connector of this LLM (in this process), or None
         self.runner: Any = None
         self.model: Any = None
@@ -342,6 +347,7 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     check_architecture(loaded, folder)
     kwargs = _settings_for(loaded, settings)
     multiprocess = environment.multiprocess_default() if settings.multiprocess is None else bool(settings.multiprocess)
+    multiprocess = multiprocess or settings.tensor_parallel_size > 1  # TP ranks are processes: so is vLLM's core
     key = (str(folder), settings.batch_invariant, multiprocess, settings.compiled, settings.hidden_states,
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     if key in _ENGINES:
@@ -352,7 +358,8 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     if say is not None:
         say(f"starting vLLM {vllm.__version__} on {folder} (block size {kwargs['block_size']}, "
             f"budget {kwargs['max_num_batched_tokens']} tokens per step"
-            f"{', engine core in its own process' if multiprocess else ''})")
+            f"{', engine core in its own process' if multiprocess else ''}"
+            f"{f', TP {settings.tensor_parallel_size}' if settings.tensor_parallel_size > 1 else ''})")
     before = torch.get_num_threads()
     hidden, outputs = {}, None
     if settings.compiled or settings.hidden_states:  # vLLM writes each request's layer outputs to a folder of its own
@@ -369,7 +376,8 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         if connected:
             _kv_state()._KV_CONNECTOR_AGENT = None  # its own agent, not an earlier LLM's (_kv_state)
         try:
-            with environment.process_mode(multiprocess):
+            with environment.process_mode(multiprocess), \
+                    environment.cpu_ranks_bound(settings.tensor_parallel_size, platform()):
                 llm = vllm.LLM(model=str(folder), **kwargs, **hidden)
         except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
             interrupt(seen)  # a signal that vLLM turned into another error

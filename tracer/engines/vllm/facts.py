@@ -38,7 +38,7 @@ def scheduler_note(run: str, meta: dict[str, Any]) -> str | None:
             + (f", then {_count(decode, 'decode step')}" if decode else "")
             + (f", each step holding up to {_count(batched, 'request')}" if batched > 1 else "")
             + f" ({v.chunks_as or '?'})" + (f"; {BATCH_INVARIANT_NOTE}" if _batch_invariant(meta) else "")
-            + _transfer_note(meta))
+            + _transfer_note(meta) + "".join(f"; {n}" for n in v.notes if n.startswith("TP ")))
 
 
 def _transfer_note(meta: dict[str, Any]) -> str:

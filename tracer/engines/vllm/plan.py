@@ -57,6 +57,9 @@ class VllmSettings:
         kv_cache_dtype: vLLM's ``kv_cache_dtype`` (``auto``: the model dtype; ``fp8_e4m3``, ...).
         kv_role, kv_path: a KV connector (vLLM's ExampleConnector) in this role (``kv_producer`` or
             ``kv_consumer``) over this folder (:mod:`tracer.engines.vllm.connector`); None: none.
+        tensor_parallel_size: vLLM's TP ranks, each a worker process of its own (the engine core
+            then in its own process too); the capture is installed in every rank and the ranks'
+            rows joined by the engine map's TP rules (:func:`tracer.engines.vllm.remote.gather_ranks`).
     """
 
     block_size: int = BLOCK
@@ -78,6 +81,7 @@ class VllmSettings:
     kv_cache_dtype: str = "auto"
     kv_role: str | None = None
     kv_path: str | None = None
+    tensor_parallel_size: int = 1
 
     def check(self) -> "VllmSettings":
         """Raises:
@@ -90,6 +94,11 @@ class VllmSettings:
         if self.kv_role and (self.compiled or self.hidden_states):
             raise TracerError("a KV connector hand-over (prefill-decode) and vLLM's hidden-states output (compiled) "
                               "both need vLLM's one KV connector slot: run them separately")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise TracerError(f"vLLM tensor_parallel_size {self.tensor_parallel_size!r} must be a positive number of ranks")
+        if self.tensor_parallel_size > 1 and (self.compiled or self.kv_role):
+            raise TracerError("tracer captures vLLM with several TP ranks eager and without a KV connector; run the "
+                              "compiled or prefill-decode engine with tensor_parallel_size=1")
         if self.block_size < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise TracerError(f"vLLM block size {self.block_size} and token budget {self.max_num_batched_tokens} "
                               "must be positive numbers of tokens")
@@ -121,6 +130,28 @@ def check_architecture(loaded: Any, folder: Any) -> None:
         raise TracerError(f"{path} names architecture {archs[0]} (vLLM's model class) but HF loaded {hf} (model_type "
                           f"{cfg.get('model_type')!r}): the two engines would run different models on these weights; "
                           f"make architectures and model_type agree")
+
+
+def check_tp_heads(plans: list[Any], model: Any) -> None:
+    """Refuse, before any engine starts, a plan whose ``tensor_parallel_size`` k does not divide the
+    HF model's attention heads and KV heads (vLLM refuses the first only after the other plan's
+    engine started: "Total number of attention heads (9) must be divisible by tensor parallel size
+    (2)"; with fewer KV heads than ranks it copies them, which tracer's join of disjoint shards
+    does not take).
+
+    Raises:
+        TracerError: the first such plan (one line).
+    """
+    if model is None:
+        return
+    cfg = getattr(model.config, "get_text_config", lambda: model.config)()
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    kv = int(getattr(cfg, "num_key_value_heads", heads) or heads)
+    for plan in plans:
+        k = int(dict(getattr(plan, "engine_settings", ()) or ()).get("tensor_parallel_size", 1))
+        if k > 1 and (heads % k or kv % k):
+            raise TracerError(f"run plan {plan.name}: vLLM's {k} TP ranks need attention heads ({heads}) and KV heads "
+                              f"({kv}) divisible by {k}; use a --tp that divides both, or another model")
 
 
 def chunk_mode(plan: Any, options: dict[str, Any], meta: dict[str, Any]) -> str:

@@ -19,12 +19,16 @@ compile             eager vs vLLM's default compilation (torch.compile; CUDA gra
                     (:mod:`tracer.engines.vllm.compiled`: no sublayer point, no KV cache)
 prefill-decode      one consumer LLM: alone (a miss) vs loading a producer LLM's KV cache handed over
                     with vLLM's ExampleConnector (:mod:`tracer.engines.vllm.connector`)
+tensor-parallel     ``tensor_parallel_size`` 1 vs ``--tp`` k: the same request in one step, both engine
+                    cores in their own processes; each rank's capture joined by the engine map's TP
+                    rules (:func:`tracer.engines.vllm.remote.gather_ranks`); vLLM's own all-reduce
+                    (``--reduce``, ``--reduce-dtype`` and ``--tp-mode distributed`` are refused)
 engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
                     ``vllm:BACKEND``: that attention backend)
 ==================  ===================================================================================
 
 The other scenarios change something vLLM does not expose here (HF attention implementations,
-simulated TP, KV formats applied between chunks, devices, HF generation): the door
+KV formats applied between chunks, devices, HF generation): the door
 refuses them from the table's ``scenarios``, and ``--mitigation deterministic`` from its
 ``deterministic``: vLLM's own batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, CUDA/ROCm/XPU) is
 the engine option ``--batch-invariant``, set with ``--attention-backend`` in the plans' settings by
@@ -69,6 +73,8 @@ def realise(scen: Scenario) -> Scenario:
                                 f"one step (flattened, no padding), then {spec.new_tokens - 1} decode steps, {how}; "
                                 "each token's logprob as vLLM reports it")
         return replace(scen, plan_a=a, params={**p, "engine": NAME})
+    if scen.name == "tensor-parallel":
+        return _tensor_parallel(scen)
     sizes = {"plan_a": p.get("block_size", BLOCK), "plan_b": p.get("block_size", BLOCK)}
     if scen.name == "block-size":
         sizes = dict(zip(("plan_a", "plan_b"), p["block_sizes"]))
@@ -94,6 +100,27 @@ def realise(scen: Scenario) -> Scenario:
             description = (f"in vLLM (KV block {settings['block_size']}): vLLM's default compilation (torch.compile; "
                            "CUDA graphs on GPUs), layers captured through vLLM's hidden-states output")
         plans[key] = replace(plan, engine=NAME, engine_settings=tuple(sorted(settings.items())), description=description)
+    return replace(scen, plan_a=plans["plan_a"], plan_b=plans["plan_b"], params={**p, "engine": NAME})
+
+
+def _tensor_parallel(scen: Scenario) -> Scenario:
+    """``tensor-parallel`` in vLLM: TP 1 vs TP k, both engine cores in their own processes.
+
+    Raises:
+        TracerError: an option of the HF engine's simulated or torch.distributed TP (one line)."""
+    p = scen.params
+    if p.get("tp_mode") == "distributed" or p.get("reduce", "ring") != "ring" \
+            or p.get("reduce_dtype", "activation") != "activation":
+        raise TracerError("in vLLM, --scenario tensor-parallel runs vLLM's own TP ranks and all-reduce; drop "
+                          "--tp-mode distributed, --reduce and --reduce-dtype (they choose the HF engine's TP)")
+    plans = {}
+    for key, k in (("plan_a", 1), ("plan_b", int(p["tp"]))):
+        settings = {"block_size": int(p.get("block_size") or BLOCK), "multiprocess": True, "tensor_parallel_size": k}
+        text = (f"in vLLM (KV block {settings['block_size']}): tensor_parallel_size={k}, "
+                + ("one worker" if k == 1 else f"{k} worker processes, vLLM's all-reduce; each rank's capture joined "
+                                               "by the engine map's TP rules") + ", the prompt in one step")
+        plans[key] = replace(getattr(scen, key), engine=NAME, tp=None, engine_settings=tuple(sorted(settings.items())),
+                             description=text)
     return replace(scen, plan_a=plans["plan_a"], plan_b=plans["plan_b"], params={**p, "engine": NAME})
 
 

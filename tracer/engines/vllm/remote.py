@@ -9,7 +9,10 @@ hooks keep the followed requests' rows in the worker. When the block ends each w
 its hooks kept to one safetensors file in a temporary folder (the tensors in the model's dtype,
 the step facts as JSON in the file's metadata: :func:`encode_state`), and the caller reads the
 files back (:func:`read_rank_file`) and assembles the records exactly as the in-process capture
-does. Nothing is sent through vLLM's pipe but control messages and a few JSON-able facts.
+does. With several TP ranks each rank's file holds its shard of the column-parallel points, and
+:func:`gather_ranks` joins them by the engine map's TP rules (the dump import's
+:func:`tracer.engines.dumps.shards.join_ranks`). Nothing is sent through vLLM's pipe but control
+messages and a few JSON-able facts.
 
 A worker that dies, an RPC vLLM refuses (a function it may not unpickle) or hooks that cannot be
 installed are one :class:`~tracer.errors.TracerError` line (:func:`rpc`), never an empty capture.
@@ -158,6 +161,32 @@ def _rank(worker: Any) -> int:
         return int(getattr(worker, "rank", 0) or 0)
 
 
+def _tp_size(worker: Any) -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no distributed state: one rank
+        cfg = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+        return int(getattr(cfg, "tensor_parallel_size", 1) or 1)
+
+
+def check_tp_model(model: Any, tp: int) -> None:
+    """Refuse a TP-``tp`` model whose ranks do not hold disjoint KV heads: with fewer KV heads than
+    ranks vLLM gives several ranks a copy of one head (``num_kv_head_replicas`` > 1), which
+    joining column shards would repeat.
+
+    Raises:
+        TracerError: such a model (one line)."""
+    if tp == 1:
+        return
+    for name, m in model.named_modules():
+        if int(getattr(m, "num_kv_head_replicas", 1) or 1) > 1:
+            raise TracerError(f"{name}: this model has fewer KV heads than the {tp} TP ranks, so vLLM copies them on "
+                              f"several ranks; tracer joins disjoint shards only: use a tensor_parallel_size that "
+                              "divides the KV heads")
+
+
 @_guarded
 def worker_install(worker: Any, key: str, spec: bytes) -> dict[str, Any]:
     """In a worker: hook its model (a :class:`~tracer.engines.vllm.capture.VllmCapture` built from
@@ -172,12 +201,14 @@ def worker_install(worker: Any, key: str, spec: bytes) -> dict[str, Any]:
     spec = pickle.loads(spec)
     model = worker.get_model()
     runner = getattr(worker, "model_runner", None)
+    tp = _tp_size(worker)
+    check_tp_model(model, tp)
     cap = VllmCapture(model, runner if runner is not None else "", spec["emap"], spec["ref"], spec["token_ids"],
-                      spec["window"], spec["kv_points"], spec.get("kv_positions"), block_size=spec["block_size"])
+                      spec["window"], spec["kv_points"], spec.get("kv_positions"), block_size=spec["block_size"], tp=tp)
     cap.__enter__()
     _LIVE[key] = cap
     comp = getattr(getattr(worker, "vllm_config", None), "compilation_config", None)
-    return {"rank": _rank(worker), "hooked": len(cap._handles), "runner": cap.runner,
+    return {"rank": _rank(worker), "hooked": len(cap._handles), "runner": cap.runner, "tp": tp,
             "compilation_mode": int(getattr(comp, "mode", 0) or 0)}
 
 
@@ -275,6 +306,93 @@ def rpc(llm: Any, fn: Any, *args: Any, what: str) -> list[Any]:
     return got
 
 
+def _same_chunks(states: dict[int, dict[str, Any]], key: str, name: Any) -> list[list[tuple[Any, torch.Tensor]]]:
+    """Every rank's chunks ``states[r][key][name]`` (rank order), checked to be the same steps.
+
+    Raises:
+        TracerError: a rank that kept other chunks than rank 0 (one line)."""
+    per = [states[r][key].get(name, []) for r in sorted(states)]
+    marks = [[c[0] if key == "rows" else len(c[0]) for c in chunks] for chunks in per]
+    if any(m != marks[0] for m in marks[1:]):
+        bad = next(r for r, m in zip(sorted(states), marks) if m != marks[0])
+        raise TracerError(f"TP rank {bad} kept other {key} chunks for {name} than rank 0 ({marks[0]} vs "
+                          f"{marks[sorted(states).index(bad)]}); vLLM's ranks run the same steps")
+    return per
+
+
+def gather_ranks(states: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One capture state (:meth:`~tracer.engines.vllm.capture.VllmCapture.state`) from the states
+    of every TP rank, each joined by the dump import's TP rules
+    (:func:`tracer.engines.dumps.shards.join_ranks`): a point a rank holds a column shard of
+    (``tp_shards``: the map's ``shard = "columns"``: fused q/k/v and gate/up parts, the attention
+    output, the MLP's activation) concatenated along its width in rank order; a row-parallel
+    layer's partial sums (``partial``) added in float64; a point every rank holds whole (the
+    embedding, the layers' and the all-reduced ``o_proj``/``down_proj`` outputs, the norms) taken
+    from rank 0 and compared with the other ranks bit for bit; the KV cache (each rank's
+    ``[keys | values]`` of its KV heads) joined keys with keys and values with values. The step
+    facts, tokens and logits are rank 0's (vLLM gathers the logits there). One rank: its state.
+
+    Args:
+        states: TP rank → the state that rank's worker wrote (:func:`read_rank_file`).
+
+    Returns:
+        the gathered state; its ``notes`` say which points were joined and whether the whole
+        points agreed on every rank (those that did not are named; rank 0's are kept).
+
+    Raises:
+        TracerError: ranks missing (not 0..k-1), ranks that kept other steps or shapes (one line).
+    """
+    from tracer.engines.dumps.shards import join_ranks
+
+    ranks = sorted(states)
+    if ranks != list(range(len(ranks))):
+        raise TracerError(f"vLLM's workers wrote the capture of TP rank(s) {ranks}; tracer needs every rank 0..k-1")
+    first = states[0]
+    if len(ranks) == 1:
+        return first
+    for key in ("rows", "kv"):
+        other = next((r for r in ranks if set(states[r][key]) != set(first[key])), None)
+        if other is not None:
+            raise TracerError(f"TP rank {other} kept {key} for other points than rank 0; vLLM's ranks run the same "
+                              "modules, so a rank's capture is incomplete")
+    holds = first.get("tp_shards", {})
+    out, differ, joined = dict(first), [], {}
+    out["rows"], out["sources"] = {}, dict(first["sources"])
+    for name, chunks in first["rows"].items():
+        per = _same_chunks(states, "rows", name)
+        how = holds.get(name, "whole")
+        rows, note = [], ""
+        for i, (step, _t) in enumerate(chunks):
+            t, note, equal = join_ranks([p[i][1] for p in per], how, f"{name} (step {step})")
+            rows.append((step, t))
+            if not equal and name not in differ:
+                differ.append(name)
+        out["rows"][name] = rows
+        if note and name in out["sources"]:  # the mapping line says how the ranks were joined, as a dump's does
+            module, line = out["sources"][name]
+            out["sources"][name] = (module, f"{line[:-1]}; {note})" if line.endswith(")") else f"{line} ({note})")
+        joined[how] = joined.get(how, 0) + 1
+    out["kv"] = {}
+    for layer, chunks in first["kv"].items():
+        per = _same_chunks(states, "kv", layer)
+        out["kv"][layer] = []
+        for i, (pos, t) in enumerate(chunks):
+            half = len(ranks) * t.shape[-1] // 2
+            kv, _note, _eq = join_ranks([p[i][1] for p in per], "halves", f"KV cache of layer {layer}", (half, half))
+            out["kv"][layer].append((pos, kv))
+    size = len(ranks)
+    said = [f"{joined[h]} point(s) {w}" for h, w in (("columns", f"joined from {size} column shards"),
+                                                   ("partial", f"added from {size} partial sums (float64)"))
+            if joined.get(h)]
+    if out["kv"]:
+        said.append(f"{len(out['kv'])} KV cache(s) joined by KV heads")
+    whole = joined.get("whole", 0)
+    agree = (f"{whole - len(differ)} of {whole} whole points equal on every rank (rank 0's kept)" if not differ else
+             f"{len(differ)} of {whole} whole points differ between ranks, e.g. {differ[0]} (rank 0's kept)")
+    out["notes"] = list(first["notes"]) + [f"TP {size}: " + "; ".join(said + [agree])]
+    return out
+
+
 class RemoteCapture:
     """A capture whose hooks live in vLLM's workers (module docstring); used like
     :class:`~tracer.engines.vllm.capture.VllmCapture` by the caller: ``follow``, ``close``, a
@@ -305,8 +423,6 @@ class RemoteCapture:
         got = rpc(self.llm, worker_install, self.key, pickle.dumps(self.spec), what="install its capture hooks")
         self.ranks = sorted(got, key=lambda r: r["rank"])
         self.runner = self.ranks[0]["runner"] if self.ranks else "?"
-        if len(self.ranks) > 1:
-            self._check_tp(len(self.ranks))
         compiled = [r for r in self.ranks if r["compilation_mode"]]
         if compiled or not self.ranks or not all(r["hooked"] for r in self.ranks):
             self._discard()
@@ -316,23 +432,6 @@ class RemoteCapture:
             raise TracerError(f"tracer cannot capture this vLLM with hooks: {why}; build it eager "
                               "(enforce_eager=True, compilation_config={'mode': 0})")
         return self
-
-    def _check_tp(self, size: int) -> None:
-        """With ``size`` TP ranks, only points every rank holds whole are captured: the embedding, the
-        layers' outputs, the final norm and the logits (all-reduced or gathered by vLLM). A sublayer
-        or KV-cache point is one shard per rank, and a shard does not split by HF's widths.
-
-        Raises:
-            TracerError: such a point asked for (its hooks removed first)."""
-        from tracer.execute.kinds import PointKind
-
-        whole = (PointKind.EMBEDDING, PointKind.LAYER, PointKind.FINAL_NORM, PointKind.LOGITS)
-        sharded = [n for n, (kind, *_r) in self.spec["ref"].names.items() if kind not in whole]
-        if sharded or self.spec.get("kv_points"):
-            self._discard()
-            raise TracerError(f"vLLM runs {size} TP ranks, and {(sharded or list(self.spec['kv_points'].values()))[0]} "
-                              "is one shard per rank there; capture --granularity layers without the KV cache (every "
-                              "rank holds those whole), or run with tensor_parallel_size=1")
 
     def follow(self, label: str, prompt: list[int] | None, *, traced: bool = True) -> None:
         """Follow a request in every worker (:meth:`VllmCapture.follow`)."""
@@ -359,26 +458,17 @@ class RemoteCapture:
         self.local = self._assemble(states)
 
     def _assemble(self, states: dict[int, dict[str, Any]]) -> Any:
-        """The caller's :class:`VllmCapture` holding rank 0's state (the other ranks' are kept in
-        :attr:`rank_states`)."""
+        """The caller's :class:`VllmCapture` holding the ranks' states gathered into one
+        (:func:`gather_ranks`; each rank's own state is kept in :attr:`rank_states`)."""
         from torch import nn
 
         from tracer.engines.vllm.capture import VllmCapture
 
         s = self.spec
         local = VllmCapture(nn.Module(), self.runner, s["emap"], s["ref"], s["token_ids"], s["window"], s["kv_points"],
-                            s.get("kv_positions"), block_size=s["block_size"])
-        if 0 not in states:
-            raise TracerError(f"vLLM's workers wrote the capture of rank(s) {sorted(states)} but not rank 0")
-        local.load_state(states[0])
+                            s.get("kv_positions"), block_size=s["block_size"], tp=len(states))
+        local.load_state(gather_ranks(states))
         self.rank_states = states
-        for rank, state in sorted(states.items())[1:]:  # TP: every rank computed the same whole rows
-            for name, chunks in state["rows"].items():
-                ours = local.rows.get(name, [])
-                if len(ours) != len(chunks) or any(a.shape != b.shape or not torch.equal(a, b)
-                                                   for (_s, a), (_t, b) in zip(ours, chunks)):
-                    raise TracerError(f"TP rank {rank} holds other rows for {name} than rank 0; vLLM's ranks should "
-                                      "hold this point whole and equal")
         return local
 
     def _discard(self) -> None:
@@ -396,4 +486,4 @@ class RemoteCapture:
 
 __all__ = ["STATE_KEY", "ERROR_KEY", "encode_state", "decode_state", "write_rank_file", "read_rank_file", "worker_install",
            "worker_follow", "worker_close", "worker_collect", "worker_discard", "worker_facts", "in_process", "rpc",
-           "RemoteCapture"]
+           "check_tp_model", "gather_ranks", "RemoteCapture"]
