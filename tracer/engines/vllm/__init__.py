@@ -111,12 +111,8 @@ class Vllm(Engine):
         from tracer.engines.vllm.connector import check_before_start
         from tracer.engines.vllm.plan import check_tp_heads
 
-<<<<<<< HEAD
         check_before_start(plans, model, device)
-=======
-        check_before_start(plans, model)
         check_tp_heads(plans, model)
->>>>>>> tp
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
             from tracer.engines.vllm.engine import platform
             from tracer.engines.vllm.environment import check_batch_invariant

@@ -228,12 +228,9 @@ class VllmCapture(Hooks):
         self.sources: dict[str, tuple[str, str]] = {}  # HF name -> (vLLM module, mapping line)
         self.checks: list[tuple[str, int, torch.Tensor]] = []  # (HF name, step, 0-dim bool: a later source differs)
         self.notes: list[str] = []
-<<<<<<< HEAD
         self.kv_missing_why: str | None = None  # why kv_cache positions are missing, where a caller knows better
-=======
         self.tp = int(tp)
         self.tp_shards: dict[str, str] = {}  # HF name -> "columns" | "partial" (TP > 1; absent: every rank whole)
->>>>>>> tp
         self.logits_name: str | None = None  # the HF logits point the logits module maps onto (once it fired)
         self.traced_labels: set[str] = set()  # the followed requests whose activations are kept
         self.fired: set[str] = set()
