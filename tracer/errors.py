@@ -47,13 +47,13 @@ def cli_wording() -> Iterator[None]:
         _WORDING.reset(token)
 
 
-def option(name: str, value: Any = None) -> str:
+def option(name: str, value: Any = None, flag: str | None = None) -> str:
     """An option as the caller writes it, for a message that says what to do: ``--device cpu`` from
     the ``tracer`` command (:func:`cli_wording`), ``device="cpu"`` from Python (``name`` is the API
     keyword, ``device_map``; its flag is ``--device-map``). ``value`` None: the name alone (``--tp`` /
-    ``tp=``)."""
+    ``tp=``); ``flag``: the command's flag where it is not the keyword's (``engine_map``: ``--map``)."""
     if _WORDING.get() == "cli":
-        flag = "--" + name.replace("_", "-")
+        flag = flag or "--" + name.replace("_", "-")
         return flag if value is None else f"{flag} {value}"
     if value is None:
         return f"{name}="
