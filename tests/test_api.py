@@ -32,3 +32,26 @@ def test_compare_device_and_capture_flags_are_validated(tmp_path):
         with pytest.raises(TracerError, match=rf"^{next(iter(kw))}=.* must be True or False$"):
             tracer.capture(model, ["1"], **kw)
     assert tracer.compare(a, a, device="cpu").identical
+
+
+def test_a_missing_accelerator_is_named_in_the_callers_own_words(monkeypatch, tmp_path):
+    """From Python, `tracer.run(..., device="cuda")` on a machine without CUDA said "use --device cpu"
+    (the command's flag): the API's message says `device="cpu"`, the command's still `--device cpu`."""
+    from tests.helpers import cli_batch
+    from tracer.errors import cli_wording, option
+    from tracer.load import preflight
+
+    monkeypatch.setattr(preflight, "no_cuda_reason", lambda: "no GPU here")
+    with pytest.raises(TracerError, match=r'use device="cpu"$'):
+        tracer.run("tiny-llama", device="cuda", store="none", progress=False)
+    with pytest.raises(TracerError, match=r'use device="cpu"$'):
+        tracer.compare(str(tmp_path / "missing.h5") + ":A", str(tmp_path / "missing.h5") + ":B", device="cuda")
+    assert (option("device", "cpu"), option("tp", 2), option("tp_mode")) == ('device="cpu"', "tp=2", "tp_mode=")
+    with cli_wording():
+        assert (option("device", "cpu"), option("tp", 2), option("tp_mode")) == ("--device cpu", "--tp 2", "--tp-mode")
+    assert option("device", "cpu") == 'device="cpu"'  # the block ended: Python's words again
+    import torch
+
+    if not torch.cuda.is_available():  # the command, in its own process: the flag
+        [(code, err)] = cli_batch([["run", "tiny-llama", "--device", "cuda"]], tmp_path)
+        assert code == 2 and err.strip().endswith("use --device cpu") and 'device="' not in err, err

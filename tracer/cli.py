@@ -517,8 +517,11 @@ def main(standalone: bool = False) -> None:
     if sys.argv[1:] == ["--version"]:  # no command: what a bug report needs first
         print(versions())
         sys.exit(0)
+    from tracer.errors import cli_wording
+
     try:
-        code = app(standalone_mode=False)  # click's usage errors come here: one line, not a usage box
+        with cli_wording():  # messages name options as flags (--device cpu), not as the API's keywords
+            code = app(standalone_mode=False)  # click's usage errors come here: one line, not a usage box
     except click_errors.UsageError as e:
         where = e.ctx.command_path if e.ctx is not None else "tracer"
         message = e.format_message()

@@ -8,6 +8,7 @@ with :data:`EXIT_INTERNAL`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Iterator
 
 #: Exit codes of the ``tracer`` command.
@@ -28,6 +29,35 @@ class TracerError(Exception):
         if "\n" in message:
             raise ValueError("TracerError messages are one line")
         super().__init__(message)
+
+
+#: who reads tracer's messages: ``"api"`` (Python: ``device="cpu"``) unless the ``tracer`` command set
+#: ``"cli"`` (``--device cpu``) for its call (:func:`cli_wording`)
+_WORDING: contextvars.ContextVar[str] = contextvars.ContextVar("tracer_wording", default="api")
+
+
+@contextlib.contextmanager
+def cli_wording() -> Iterator[None]:
+    """Within the block, :func:`option` spells options as the ``tracer`` command's flags (the CLI's
+    ``main`` runs every command in it); outside it, as the Python API's keywords."""
+    token = _WORDING.set("cli")
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)
+
+
+def option(name: str, value: Any = None, flag: str | None = None) -> str:
+    """An option as the caller writes it, for a message that says what to do: ``--device cpu`` from
+    the ``tracer`` command (:func:`cli_wording`), ``device="cpu"`` from Python (``name`` is the API
+    keyword, ``device_map``; its flag is ``--device-map``). ``value`` None: the name alone (``--tp`` /
+    ``tp=``); ``flag``: the command's flag where it is not the keyword's (``engine_map``: ``--map``)."""
+    if _WORDING.get() == "cli":
+        flag = flag or "--" + name.replace("_", "-")
+        return flag if value is None else f"{flag} {value}"
+    if value is None:
+        return f"{name}="
+    return f"{name}={value!r}".replace("'", '"') if isinstance(value, str) else f"{name}={value!r}"
 
 
 class Terminated(KeyboardInterrupt):

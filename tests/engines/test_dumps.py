@@ -468,3 +468,27 @@ def test_per_pass_value_of_none_only_is_refused(ref, tmp_path):
                dump / "Pass00000.pt")
     with pytest.raises(TracerError, match="not a tensor or a list of tensors"):
         compare_dump((ref, "B"), str(dump))
+
+
+def test_a_dump_of_another_hidden_size_names_both_sizes_and_the_map_only_when_given(ref, tmp_path):
+    """A dump of another model (hidden 96 against the reference's 64) was blamed on "the map" with no
+    --map given: the error names the two hidden sizes and says the dump is of another model; the
+    map is named only when the user gave one."""
+    from safetensors.torch import save_file
+
+    reader = tracer.read_trace(ref)
+    rec = reader.run("B", load_tensors=False)
+    layer = reader.tensor("B", "model.layers.0")
+    reader.close()
+    n, hidden = layer.shape
+    wide = hidden + 32
+    save_file({"input_ids": torch.tensor(rec.token_ids[-n:]), "model.layers.0": torch.zeros(n, wide, dtype=layer.dtype)},
+              tmp_path / "other.safetensors")
+    with pytest.raises(TracerError) as e:
+        tracer.compare_trace(f"{ref}:B", str(tmp_path / "other.safetensors"))
+    _one_line(e, f"hidden size is {wide}", f"is {hidden}", "another model")
+    assert "map" not in str(e.value), e.value
+    (tmp_path / "m.toml").write_text("[layer]\n")
+    with pytest.raises(TracerError) as e:
+        tracer.compare_trace(f"{ref}:B", str(tmp_path / "other.safetensors"), engine_map=str(tmp_path / "m.toml"))
+    _one_line(e, f"hidden size is {wide}", f"is {hidden}", f'engine_map="{tmp_path / "m.toml"}"')

@@ -431,9 +431,10 @@ def test_renderings_carry_the_rl_metrics(result):
     buf = io.StringIO()
     print_report(c, Console(file=buf, width=80, no_color=True))
     lines = buf.getvalue().splitlines()
-    assert lines[0].startswith("RL step:") and lines[1].startswith("|Δlogp|:") and "k3" in lines[2]
-    assert lines[3].startswith("clipped:")
-    assert min(i for i, x in enumerate(lines) if x.startswith("origin:")) > 3  # then where the gap is born
+    firsts = [x for x in lines if not x.startswith(" ")]  # a fact's first line (80 columns: continuations indented)
+    assert firsts[0].startswith("RL step:") and firsts[1].startswith("|Δlogp|:") and "k3" in firsts[2]
+    assert firsts[3].startswith("clipped:")
+    assert min(i for i, x in enumerate(firsts) if x.startswith("origin:")) > 3  # then where the gap is born
     table = lines.index(next(x for x in lines if x.startswith("the traced sequence (row")))
     head = next(i for i in range(table, len(lines)) if lines[i].startswith("tok "))  # the title may wrap
     for st, line in zip(c.rl.steps, lines[head + 1:]):

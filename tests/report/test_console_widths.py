@@ -83,21 +83,34 @@ def built(tmp_path_factory):
     return d, json.loads(done[3].stdout), json.loads(done[4].stdout)
 
 
-@pytest.fixture(scope="module")
-def outputs(built):
-    """``{(command, width): stdout + stderr}`` of every command of :func:`_commands` at each width."""
-    d = built[0]
+def _session(d, piped: bool) -> dict[tuple[str, int], str]:
+    """``{(command, width): output}`` of every command of :func:`_commands` at each width: in a
+    terminal (``TTY_COMPATIBLE=1``) stdout + stderr; ``piped``, stdout alone (a piped stderr keeps
+    each error and note on one line for the script that reads it: README "Exit codes")."""
     env = cli_env({"TRACER_PROGRESS": "off"})
     env.pop("COLUMNS")  # each case says its own (the consoles made at import then read it as they print)
     cmds = _commands(str(d))
     cases = [(name, w) for w in WIDTHS for name in cmds]
-    done = cli_session([{"args": cmds[name], "env": {"COLUMNS": str(w), "TTY_COMPATIBLE": "1"}} for name, w in cases],
+    tty = {} if piped else {"TTY_COMPATIBLE": "1"}
+    done = cli_session([{"args": cmds[name], "env": {"COLUMNS": str(w), **tty}} for name, w in cases],
                        env, d, timeout=1200)
     out = {}
     for (name, w), p in zip(cases, done):
         assert p.returncode == (2 if name == "error" else 0), (name, w, p.stderr[-2000:])
-        out[name, w] = ANSI.sub("", p.stdout + p.stderr)
+        out[name, w] = ANSI.sub("", p.stdout if piped else p.stdout + p.stderr)
     return out
+
+
+@pytest.fixture(scope="module")
+def outputs(built):
+    """``{(command, width): stdout + stderr}`` of every command of :func:`_commands` at each width."""
+    return _session(built[0], piped=False)
+
+
+@pytest.fixture(scope="module")
+def piped(built):
+    """``{(command, width): stdout}`` of every command piped with ``COLUMNS`` at each width."""
+    return _session(built[0], piped=True)
 
 
 def _tokens(text: str) -> list[str]:
@@ -159,6 +172,40 @@ def test_every_command_fits_the_terminal(outputs, width):
         if found:
             problems[name] = found
     assert not problems, problems
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_piped_output_fits_columns(piped, width):
+    """Piped (``| cat``, ``| less``), stdout is fitted to ``$COLUMNS`` as a terminal is: no line longer,
+    no word split (``COLUMNS=80 tracer help scenarios | cat`` printed lines of 792 characters)."""
+    problems = {}
+    for name in sorted({name for name, _ in piped}):
+        found = _problems({w: piped[name, w] for w in WIDTHS}, width)
+        if found:
+            problems[name] = found
+    assert not problems, problems
+    assert any(len(line) > 60 for line in piped["help-rl", 120].split("\n"))  # 120 is used, not a fixed 80
+
+
+def test_piped_width_without_columns_is_80(monkeypatch):
+    """No ``$COLUMNS`` and no terminal: 80 columns, as rich's own console (a line of the help breaks there)."""
+    from tracer.report.console import stdout_console
+    from tracer.report.terminal import print_options_help
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("TTY_COMPATIBLE", raising=False)
+    monkeypatch.delenv("FORCE_COLOR", raising=False)
+    buf = io.StringIO()
+    import contextlib
+
+    with contextlib.redirect_stdout(buf):
+        console = stdout_console()
+        assert not console.is_terminal and console.width == 80
+        print_options_help({"t": {"title": "T", "options": [{"name": "x", "flags": ["--x"], "help": "word " * 60}]}},
+                           "t", console)
+    lines = buf.getvalue().splitlines()
+    assert len(lines) > 3 and max(len(line) for line in lines) <= 80
+    assert " ".join(" ".join(lines[2:]).split()) == ("word " * 60).strip()
 
 
 def test_the_rl_report_and_the_bench_fit_the_terminal(built, monkeypatch):

@@ -211,7 +211,7 @@ def test_fit_columns_keeps_the_core_and_drops_in_order():
 
 
 def test_piped_width():
-    assert piped_width({}) == 120 and piped_width({"COLUMNS": "90"}) == 90 and piped_width({"COLUMNS": "x"}) == 120
+    assert piped_width({}) == 80 and piped_width({"COLUMNS": "90"}) == 90 and piped_width({"COLUMNS": "x"}) == 80
 
 
 def test_a_new_format_is_refused_everywhere_until_every_result_has_a_writer(monkeypatch):
@@ -274,8 +274,9 @@ def test_a_table_wider_than_the_terminal_is_printed_whole(planted):
 
 def test_headline_lines_hang_under_their_label_in_a_narrow_terminal(planted):
     """In an 80-column terminal a long headline line (origin: 300+ characters on real runs) breaks
-    between words with its further lines indented under the text, not at column 0; piped it stays
-    one line per fact. The words are the same either way."""
+    between words with its further lines indented under the text, not at column 0; piped to 80
+    columns the same lines (plain); piped to a stderr console, one line per fact. The words are the
+    same every way."""
     from tracer.report.summary import headline
 
     c, _, _ = planted
@@ -288,7 +289,11 @@ def test_headline_lines_hang_under_their_label_in_a_narrow_terminal(planted):
     head = headline(c, "run")
     indent = max(len(k) for k, _ in head) + 2
     assert all(len(line) <= 80 for line in text.splitlines()), text
-    assert len(piped.splitlines()) == len(head)
-    assert text.split() == piped.split()  # only the line breaks differ
+    assert piped.splitlines() == text.splitlines()
+    err = io.StringIO()
+    render(c, "table", Console(file=err, width=80, stderr=True, no_color=True, highlight=False), all_rows=True)
+    one = err.getvalue().split("\n\n")[0]
+    assert len(one.splitlines()) == len(head)
+    assert text.split() == one.split()  # only the line breaks differ
     for line in text.splitlines():
         assert line[:indent].strip() == "" or line.split(":")[0] in dict(head), line

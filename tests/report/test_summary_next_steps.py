@@ -167,7 +167,7 @@ def test_verdict_says_the_answer_first_and_last(verdict, logits, words):
     c = replace(compare_records(run("A", ta), run("B", tb), scenario="prefix-cache", model="m"),
                 noise=_noise(verdict, logits))
     out = io.StringIO()
-    render(c, "table", Console(file=out, width=120, no_color=True))
+    render(c, "table", Console(file=out, width=2000, no_color=True))  # wide: each line whole
     lines = out.getvalue().splitlines()
     verdicts = [x.partition("verdict:")[2].strip() for x in lines if x.startswith("verdict:")]
     assert lines[0].startswith("verdict:") and len(verdicts) == 2  # the headline's first line and the closing one

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from tracer import dtypes
-from tracer.errors import TracerError
+from tracer.errors import TracerError, option
 from tracer.load.preflight import AUTO_MAPS, ATTN_IMPLEMENTATIONS, attn_choices, check_attn, device_map_form  # noqa: F401 - re-exported
 
 
@@ -51,7 +51,7 @@ def resolve_device(name: str | None) -> str:
         if dev != "cuda" and not index.isdigit():
             raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps")
         if not torch.cuda.is_available():
-            raise TracerError("CUDA was requested but torch.cuda.is_available() is False; use --device cpu")
+            raise TracerError(f"CUDA was requested but torch.cuda.is_available() is False; use {option('device', 'cpu')}")
         if index and int(index) >= torch.cuda.device_count():
             raise TracerError(
                 f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s) visible; "
@@ -60,7 +60,7 @@ def resolve_device(name: str | None) -> str:
         return dev
     if dev == "mps":
         if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            raise TracerError("MPS was requested but torch.backends.mps.is_available() is False; use --device cpu")
+            raise TracerError(f"MPS was requested but torch.backends.mps.is_available() is False; use {option('device', 'cpu')}")
         return dev
     raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps")
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, option
 
 #: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -113,7 +113,7 @@ def check_device(name: str | None) -> None:
     if dev.startswith("cuda"):
         why = no_cuda_reason()
         if why is not None:
-            raise TracerError(f"CUDA was requested but {why}; use --device cpu")
+            raise TracerError(f"CUDA was requested but {why}; use {option('device', 'cpu')}")
 
 
 def attn_choices() -> tuple[str, ...]:

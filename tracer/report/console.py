@@ -1,9 +1,10 @@
 """Where a report prints, and how a line of it fits the terminal.
 
 - :func:`stdout_console`: the console of the terminal, or of a file at a sane width.
-- :func:`fit`: one line of text fitted to a terminal's width: broken between words, every further
-  line indented under the first (a hanging indent), styles kept; piped, the line as given (one fact
-  per line for grep). :func:`print_fitted` prints it.
+- :func:`fit`: one line of text fitted to the console's width: broken between words, every further
+  line indented under the first (a hanging indent), styles kept; on stdout piped too (at
+  ``$COLUMNS``, else 80), on a piped stderr the line as given (one line a script reads as the
+  error). :func:`print_fitted` prints it; :func:`fitted` says which.
 - :func:`print_whole`: a table fitted to a width, printed whole even where the console is narrower.
 """
 
@@ -24,13 +25,20 @@ INDENT = 2
 def stdout_console(explicit_columns: bool = False) -> Console:
     """The console reports print to: styled at the terminal's width in a terminal (as rich detects
     one: a TTY, or ``TTY_COMPATIBLE=1`` / ``FORCE_COLOR``); piped, plain text
-    :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 120), or wide enough for every
+    :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 80), or wide enough for every
     column when the columns were asked for explicitly (``--wide``, ``--columns``): nothing asked for
     is left out of a file."""
     console = Console()
     if console.is_terminal:
         return console
     return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
+
+
+def fitted(console: Console) -> bool:
+    """Whether lines printed to ``console`` are fitted to its width: in a terminal, and on a piped
+    stdout (``$COLUMNS``, else 80: :func:`stdout_console`); not on a piped stderr, where an error or a
+    note stays one line for the script that reads it."""
+    return console.is_terminal or not console.stderr
 
 
 def _breaks(text: str, first: int, rest: int) -> list[tuple[int, int]]:
@@ -66,9 +74,10 @@ def _breaks(text: str, first: int, rest: int) -> list[tuple[int, int]]:
 
 def fit(text: str | Text, console: Console, indent: int = INDENT, *, label: str | Text | None = None,
         width: int | None = None) -> Text:
-    """``label`` then ``text``, fitted to ``width`` cells (default: the console's width) when the
-    console is a terminal: broken between words, every further line indented ``indent`` cells (with a
-    label: under the text, the label padded to ``indent``). Piped, one line as given. Styles of a
+    """``label`` then ``text``, fitted to ``width`` cells (default: the console's width) when
+    :func:`fitted` says so (a terminal, a piped stdout): broken between words, every further line
+    indented ``indent`` cells (with a label: under the text, the label padded to ``indent``). On a
+    piped stderr, one line as given. Styles of a
     :class:`~rich.text.Text` are kept. A line feed in ``text`` starts a new line (under the text
     after a label, else at the left edge).
 
@@ -84,7 +93,7 @@ def fit(text: str | Text, console: Console, indent: int = INDENT, *, label: str 
     if label is not None:  # padded to the indent, and at least one space after it
         head.append(" " * max(0 if head.plain.endswith(" ") else 1, indent - cell_len(head.plain)))
     room = console.width if width is None else width
-    if not console.is_terminal:
+    if not fitted(console):
         return Text.assemble(head, body)
     lead = cell_len(head.plain) if label is not None else 0  # a new line ("\n") starts here, continuations at indent
     out = head.copy()

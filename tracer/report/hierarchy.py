@@ -12,7 +12,7 @@ from typing import Any
 
 from tracer.diff.metrics import flips_phrase
 from tracer.plan.hierarchy import SEED_STATUS, invariant
-from tracer.report.console import print_fitted, print_whole
+from tracer.report.console import fitted, print_fitted, print_whole, stdout_console
 from tracer.report.html import esc, headline_html, kv_table, page, table_html
 from tracer.report.layout import fit_columns, shorten_left
 from tracer.report.tables import _num
@@ -63,11 +63,10 @@ def print_audit(a: Any, console: Any = None) -> None:
     invariant give way first, named under the table, then in a narrow terminal the logit and flips
     columns; numbers never cut; a point's name shortened at a dot), the summary line again and the
     trace path; every line fitted to a terminal (:func:`tracer.report.console.print_fitted`)."""
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    console = console or Console()
+    console = console or stdout_console()
     print_fitted(console, _summary(a), len("verdict: "), label="verdict:",
                  style="bold green" if not a.counts()["failed"] else "bold red")
     for r in a.rows:  # summary first: what diverges, from where
@@ -77,7 +76,7 @@ def print_audit(a: Any, console: Any = None) -> None:
     console.print()
     rows = [_fmt_row(r) for r in a.rows]
     heads = dict(_COLUMNS)
-    width = console.width if console.is_terminal else 1 << 30
+    width = console.width if fitted(console) else 1 << 30
     fit = fit_columns(tuple(k for k, _ in _COLUMNS), heads, {k: [c[k] for c in rows] for k in heads}, console.width,
                       name_key="first", keep=AUDIT_KEEP, drop_order=AUDIT_DROP, flexible=AUDIT_TEXT,
                       spare=AUDIT_SPARE if width < 1 << 30 else ())

@@ -85,13 +85,13 @@ NAME_MAX = 40
 #: narrower still only when the kept columns do not fit otherwise (``--positions all`` at 80 columns)
 NAME_FLOOR = 16
 #: the width of piped output when ``COLUMNS`` does not say
-PIPED_WIDTH = 120
+PIPED_WIDTH = 80
 ELLIPSIS = "…"
 
 
 def piped_width(environ: dict[str, str] | None = None) -> int:
     """The width of output that is not a terminal: ``$COLUMNS`` when it is a positive integer,
-    else :data:`PIPED_WIDTH` (120)."""
+    else :data:`PIPED_WIDTH` (80, as rich's own console)."""
     value = (os.environ if environ is None else environ).get("COLUMNS", "")
     return int(value) if value.strip().isdigit() and int(value) > 0 else PIPED_WIDTH
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from tracer.errors import TracerError
 from tracer.report.bench import engine_table
 from tracer.report.bench import table as bench_table
-from tracer.report.console import print_fitted
+from tracer.report.console import print_fitted, stdout_console
 from tracer.report.hierarchy import audit_csv, audit_json, audit_markdown, print_audit
 from tracer.report.layout import DEFAULT_COLUMNS, FORMATS, check_format
 from tracer.report.sweep_lines import sweep_summary_lines
@@ -67,7 +67,7 @@ def render(obj: Any, fmt: str = "table", console: Console | None = None, **optio
     kind = kind_of(obj)
     if kind == "comparison":
         obj = getattr(obj, "comparison", obj)
-    return WRITERS[kind][check_format(fmt)](obj, console or Console(), options)
+    return WRITERS[kind][check_format(fmt)](obj, console or stdout_console(), options)
 
 
 # ---------------------------------------------------------------- comparison

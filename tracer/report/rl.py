@@ -244,9 +244,9 @@ __all__ = ["summary_pairs", "summary_lines", "hist_line", "steps_table", "mitiga
 def print_rl(rl: RLComparison, console: Console) -> None:
     """The RL per-token table, the |Δlogp| histogram and the ``--mitigations`` table, to ``console``
     (the terminal report of :func:`tracer.report.tables.print_report`), fitted to its width."""
-    from tracer.report.console import print_fitted
+    from tracer.report.console import fitted, print_fitted
 
-    width = console.width if console.is_terminal else None
+    width = console.width if fitted(console) else None
     console.print()
     console.print(steps_table(rl, width))
     print_fitted(console, hist_line(rl), len("|Δlogp| histogram (tokens): "))

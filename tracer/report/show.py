@@ -5,7 +5,7 @@ object (the model, the numeric contract, the family descriptor, the scenario and
 an indented block with one field per line, a list of plain values stays one JSON line
 (``["sse4_2", "avx", "avx2"]``), a list of objects one block per item. In a terminal each value is
 fitted to the width (broken between words, continuations under the value; a hash, a path or the
-platform string has no spaces, so it stays whole); piped, each value is one line. The runs follow
+platform string has no spaces, so it stays whole); piped, the same at `$COLUMNS` (else 80). The runs follow
 as blocks (tokens, compared positions, the plan, GEMM M per step). ``--format json`` prints the header, runs and comparisons as stored.
 
 Every string comes from the file: printed as data (control characters escaped), never as markup.
@@ -19,7 +19,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from tracer.report.console import print_fitted
+from tracer.report.console import fitted, print_fitted, stdout_console
 from tracer.report.summary import gemm_text
 from tracer.report.textsafe import printable
 
@@ -77,7 +77,7 @@ def print_tree(value: dict[str, Any], console: Console, indent: int = STEP) -> N
             label.append("  ")
             column = depth + 2 * STEP
         lead = max(column, len(label.plain))
-        if console.is_terminal and " " not in val and lead + len(val) > console.width >= depth + 2 * STEP + len(val):
+        if fitted(console) and " " not in val and lead + len(val) > console.width >= depth + 2 * STEP + len(val):
             console.print(label, soft_wrap=True, highlight=False)  # one long word (a path, a hash): whole, below
             label, column = Text(" " * (depth + 2 * STEP)), depth + 2 * STEP
         print_fitted(console, val, column, label=label)
@@ -90,7 +90,7 @@ def print_trace_info(info: dict[str, Any], path: str, fmt: str | bool = "table",
     if fmt is True or fmt == "json":
         print(json.dumps({k: info[k] for k in ("header", "runs", "comparisons")}, indent=2, default=str))
         return
-    out = console or Console()
+    out = console or stdout_console()
     print_fitted(out, Text(f"trace {printable(path)}", style="bold"), STEP)
     print_tree(info["header"], out)
     if not info["checksummed"]:

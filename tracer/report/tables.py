@@ -24,7 +24,7 @@ from tracer.diff.provenance import classify, merged_kernels
 from tracer.diff.result import Comparison
 from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
-from tracer.report.console import print_fitted, print_whole
+from tracer.report.console import print_fitted, print_whole, stdout_console
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME_MAX, NAME_MIN,  # noqa: F401
                                   SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
                                   readable_width, table_width)
@@ -383,9 +383,9 @@ def print_report(c: Comparison, console: Console | None = None,
     (stdout by default).
 
     Styled in a terminal, every line fitted to its width (:func:`tracer.report.console.fit`: broken
-    between words, continuations indented); plain text when piped, one line per fact.
+    between words, continuations indented); plain text when piped, fitted to `$COLUMNS` (else 80) the same way.
     """
-    console = console or Console()
+    console = console or stdout_console()
     if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
         pairs = rl_report.summary_pairs(c.rl)
         width = max(len(k) for k, _ in pairs) + 2

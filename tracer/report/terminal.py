@@ -217,15 +217,17 @@ def print_models(models: list[dict[str, Any]]) -> None:
         kind = m["kind"] + {True: "\ninstalled", False: "\nnot installed"}.get(m.get("installed"), "")
         desc = m.get("description", "") + (f" (not installed: {m['install']})" if m.get("install") else "")
         t.add_row(name, kind, desc)
-    Console().print(t)
+    from tracer.report.console import stdout_console
+
+    stdout_console().print(t)
 
 
 def print_options_help(doc: dict[str, dict[str, Any]], topic: str | None, console: Console | None = None) -> None:
     """``tracer help [TOPIC]``: without a topic, one line per topic (its title and options); with one,
     each option's flags and whole help, fitted to the terminal (continuations under the text)."""
-    from tracer.report.console import print_fitted
+    from tracer.report.console import print_fitted, stdout_console
 
-    console = console or Console()
+    console = console or stdout_console()
     if topic is None:
         width = max(len(k) for k in doc) + 4
         console.print("tracer help TOPIC explains these options in full:", highlight=False)
@@ -246,9 +248,10 @@ def print_options_help(doc: dict[str, dict[str, Any]], topic: str | None, consol
 def print_bench(result: Any, fmt: str | bool = "table") -> None:
     """``tracer bench``: the table of medians and ratios, or the result in ``fmt`` (json, csv,
     markdown; a bool: JSON or not, as ``--json`` said)."""
+    from tracer.report.console import stdout_console
     from tracer.report.render import render
 
-    text = render(result, ("json" if fmt else "table") if isinstance(fmt, bool) else fmt, Console())
+    text = render(result, ("json" if fmt else "table") if isinstance(fmt, bool) else fmt, stdout_console())
     if text is not None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tracer.execute.records import DumpEntry, RawDump
-from tracer.errors import TracerError
+from tracer.errors import TracerError, option
 from tracer.execute.kinds import PointKind
 from tracer.engines.dumps.tokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
 from tracer.engines.dumps.shards import UNMARKED_PARTIAL, _unshard
@@ -316,7 +316,7 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
         notes.append(f"identity modules (each output equals its input bit for bit: Megatron's IdentityOp where Transformer "
                      f"Engine fuses the norm into the next linear), not mapped: {', '.join(sorted(identities)[:4])}"
                      f"{f' ... ({len(identities)} in all)' if len(identities) > 4 else ''}")
-    mapped = _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured)
+    mapped = _assemble(raw, ref, rows, mapping, notes, ignored, uncaptured, emap.get("override"))
     mapped.unmarked_partials.update({n: v for n, v in unmarked.items() if n in mapped.tensors})
     return mapped
 
@@ -399,8 +399,10 @@ def _conflicts(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, again
 
 
 def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torch.Tensor, int]]],
-              mapping: dict[str, str], notes: list[str], ignored: set[str], uncaptured: set[str]) -> MappedDump:
-    """Stack the rows of the compared positions; list what exists on one side only."""
+              mapping: dict[str, str], notes: list[str], ignored: set[str], uncaptured: set[str],
+              override: str | None = None) -> MappedDump:
+    """Stack the rows of the compared positions; list what exists on one side only (``override``:
+    the user's map file, named when a width does not match)."""
     w0, w1 = ref.window
     dumped = sorted({p for slot in rows.values() for p in slot})
     inside = [p for p in dumped if w0 <= p < w1]
@@ -440,8 +442,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
             stacked = _vocab(stacked, name, ref, notes)
         if tuple(stacked.shape[1:]) != feat:
             if stacked[0].numel() != math.prod(feat):
-                raise TracerError(f"{name}: the engine's rows have shape {tuple(stacked.shape[1:])} but the reference's "
-                                  f"{feat}; the map points a tensor at the wrong HF module")
+                raise TracerError(_width_error(name, tuple(stacked.shape[1:]), feat, ref, override))
             stacked = stacked.reshape(hi - lo, *feat)
         tensors[name] = stacked
     extra = sorted((set(rows) - set(ref.names)) | uncaptured)
@@ -463,6 +464,22 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
+
+
+def _width_error(name: str, got: tuple[int, ...], feat: tuple[int, ...], ref: RefLayout, override: str | None) -> str:
+    """The message for engine rows of another width than the reference's point ``name``: the two
+    hidden sizes when it is a residual-stream point (a dump of another model than the reference's),
+    and the user's map only when one was given (the built-in maps are not the user's to fix)."""
+    hidden = next((f for k, _op, f, _dt in ref.names.values() if k in (PointKind.EMBEDDING, PointKind.LAYER)), None)
+    blame = (f"; or the map given with {option('engine_map', override, flag='--map')} points that tensor at the "
+             "wrong HF module" if override is not None else "")
+    if hidden is not None and feat == hidden and len(got) == 1:
+        return (f"{name}: the dump's hidden size is {got[0]} but the reference's ({ref.family}, {ref.n_layers} layers) is "
+                f"{feat[0]}: the dump is of another model; compare it with a reference trace of the model the engine "
+                f"ran, traced at sublayers{blame}")
+    return (f"{name}: the engine's rows have shape {got} but the reference's {feat}: a dump of another model (or "
+            f"another configuration) than the reference's {ref.family}; compare it with a trace of the model the engine "
+            f"ran{blame}")
 
 
 def _rows(slot: dict[int, tuple[torch.Tensor, int]], lo: int, hi: int, ledger: Any, what: str) -> torch.Tensor:

@@ -45,7 +45,8 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
 
     Returns:
         ``{"layer": {rel: [rule...]}, "model": {rel: [rule...]}, "ignore": [patterns],
-        "capture": {...}, "settings": {...}, "sources": [paths]}``; ``settings`` holds the
+        "capture": {...}, "settings": {...}, "sources": [paths], "override": the override's path or None}``;
+        ``settings`` holds the
         ``[engine]`` table's other keys, later maps winning: ``tokens`` (the default of the rules'
         ``tokens``) and ``kv_heads`` (the model's query groups, for ``split = "qkv_groups"``).
 
@@ -54,7 +55,8 @@ def load_engine_map(family: str, override: str | Path | None = None, engine: str
     """
     from tracer.execute.family import engine_map_files
 
-    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "settings": {}, "sources": []}
+    merged: dict[str, Any] = {"layer": {}, "model": {}, "ignore": [], "capture": {}, "settings": {}, "sources": [],
+                              "override": None if override is None else str(override)}
     layers = [(p, _read_toml(p)) for p in engine_map_files(family, engine)]
     if override is not None:
         layers.append((Path(override), _read_toml(Path(override))))

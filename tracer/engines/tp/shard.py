@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, option
 from tracer.execute.family import COLUMN_PARALLEL_ROLES, FUSED_ROLES, ROW_PARALLEL_ROLES, family_for, role_modules
 
 
@@ -48,7 +48,7 @@ def backend_for(device: str) -> str:
     if kind == "cuda":
         if not dist.is_nccl_available():
             raise TracerError("this torch build has no NCCL backend; --tp-mode distributed on GPUs needs it "
-                              "(use --tp-mode simulated, or --device cpu for gloo)")
+                              f"(use {option('tp_mode', 'simulated')}, or {option('device', 'cpu')} for gloo)")
         return "nccl"
     raise TracerError(f"--tp-mode distributed runs on cpu (gloo) or cuda (NCCL), not on {device}")
 
@@ -67,7 +67,7 @@ def check_world(k: int, device: str) -> str:
         n_gpu = torch.cuda.device_count()
         if k > n_gpu:
             raise TracerError(f"--tp {k} needs {k} GPUs (one per rank) but {n_gpu} are visible; "
-                              f"use --tp {n_gpu} or fewer, or --device cpu for gloo ranks")
+                              f"use {option('tp', n_gpu)} or fewer, or {option('device', 'cpu')} for gloo ranks")
     elif k > MAX_CPU_RANKS:
         raise TracerError(f"--tp {k} would start {k} CPU processes; use at most {MAX_CPU_RANKS}")
     return backend
