@@ -198,6 +198,34 @@ def test_safetensors_of_hf_names(ref, tmp_path):
     reader.close()
 
 
+
+def test_nan_in_a_dump_is_named_in_the_text_report(ref, tmp_path):
+    """A NaN planted in a safetensors dump's layer 1 (two elements): the text report names the dump's
+    run, the count and the point, and its row is in the default table."""
+    import io
+
+    from rich.console import Console
+    from safetensors.torch import save_file
+
+    from tracer.report.render import render
+
+    reader = tracer.read_trace(ref)
+    rec = reader.run("B", load_tensors=False)
+    tensors = {n: reader.tensor("B", n).contiguous().clone() for n in ("model.embed_tokens", "model.layers.0",
+                                                                       "model.layers.1", "model.layers.2")}
+    reader.close()
+    tensors["model.layers.1"].view(-1)[[3, 7]] = float("nan")
+    tensors["input_ids"] = torch.tensor(rec.token_ids[P:N])
+    save_file(tensors, tmp_path / "nan.safetensors")
+    c = tracer.compare_trace(f"{ref}:B", str(tmp_path / "nan.safetensors"))
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=100, no_color=True))
+    text = out.getvalue()
+    line = next(ln for ln in text.splitlines() if ln.startswith("non-finite:"))
+    assert line.split(":", 1)[1].strip() == f"{c.run_b}: 2 NaN, 0 Inf in 1 point, first model.layers.1"  # A: none
+    assert any(ln.startswith("│ model.layers.1 ") for ln in text.splitlines())
+
+
 def test_suffix_shorter_than_the_reference_window_is_reported(ref, dump, tmp_path):
     """A dump of fewer positions than the reference kept: compared where both exist, the rest reported."""
     for f in Path(dump).glob("step=0___*"):

@@ -267,3 +267,37 @@ def test_positions_past_the_prompt_are_named_decoded_not_of_n():
     # prefill-decode at N = 130, 4 decode steps: positions 130..132 are decoded tokens, not "of 130"
     assert positions_text((128, 133), 130) == "positions 128..132 (prompt 0..129, 3 decoded)"
     assert positions_text((0, 8), None) == "positions 0..7"
+
+
+def test_non_finite_values_are_named_and_their_rows_kept():
+    """B turns NaN at layer 3 (1 element), 2 NaN from layer 4 on; A holds +Inf from layer 6 on (B does
+    not). The headline names each run's counts and first point; the default rows keep the layers where
+    non-finite values appear or their counts change, whatever the row limit."""
+    g = torch.Generator().manual_seed(3)
+    names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(10)), "lm_head"]
+    kinds = ["embedding", *["layer"] * 10, "logits"]
+    ta = [torch.randn(4, 8, generator=g) for _ in names]
+    tb = [t.clone() for t in ta]
+    for i in range(4, 11):  # layers 3..9 (index 0 is the embedding)
+        tb[i].view(-1)[: 1 if i == 4 else 2] = float("nan")
+    for i in range(7, 11):  # layers 6..9
+        ta[i].view(-1)[10] = math.inf
+    c = compare_records(_run("A", list(zip(names, kinds, ta))), _run("B", list(zip(names, kinds, tb))),
+                        scenario="s", model="m")
+    nan_b = sum(int(t.isnan().sum()) for t in tb)
+    inf_a = sum(int(t.isinf().sum()) for t in ta)
+    want = (f"A: 0 NaN, {inf_a} Inf in 4 points, first model.layers.6; "
+            f"B: {nan_b} NaN, 0 Inf in 7 points, first model.layers.3")
+    assert dict(headline(c))["non-finite"] == want
+    rows = [p.name for p in c.points] + ["lm_head (logits)"]
+    kept = [rows[i] for i in rows_that_matter(c, limit=1)]
+    # NaN appears (3), its count changes (4), Inf appears in A (6); 5, 7, 8 hold the same counts as the row before
+    assert {"model.layers.3", "model.layers.4", "model.layers.6"} <= set(kept)
+    assert not {"model.layers.5", "model.layers.7", "model.layers.8"} & set(kept)
+    out = io.StringIO()
+    render(c, "table", Console(file=out, width=80, no_color=True))
+    assert [ln for ln in out.getvalue().splitlines() if ln.startswith("non-finite:")]
+    # every finite comparison says nothing
+    clean = compare_records(_run("A", list(zip(names, kinds, ta[:4]))), _run("B", list(zip(names, kinds, ta[:4]))),
+                            scenario="s", model="m")
+    assert "non-finite" not in dict(headline(clean))

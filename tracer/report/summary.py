@@ -9,7 +9,7 @@ table (:mod:`tracer.report.tables`) and the HTML report (:mod:`tracer.report.htm
 - :func:`rows_that_matter`: indices of the table rows worth printing: the first point, the
   origins, the first divergent point, every row where the differing count or max |Δ| changes
   notably (count ×2, max |Δ| ×4, or from/to zero) against the last kept row of the same kind, the last layer
-  and the logits.
+  and the logits; and every row where NaN/Inf appear or their counts change (:func:`nonfinite_text` names them).
 """
 
 from __future__ import annotations
@@ -294,11 +294,36 @@ def unverified_text(c: Comparison) -> str | None:
             "them, or stripped): the values compared were not verified, so this verdict holds only if the file is intact")
 
 
+def _nonfinite_counts(c: Comparison) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """``(row name, (NaN in A, Inf in A, NaN in B, Inf in B))`` per table row (points in execution
+    order, the logits last)."""
+    diffs = [(p.name, p.diff) for p in c.points]
+    if c.logits is not None:
+        diffs.append((f"{c.logits_name} (logits)", c.logits.tensor))
+    return [(n, (d.n_nan_a, d.n_inf_a, d.n_nan_b, d.n_inf_b)) for n, d in diffs]
+
+
+def nonfinite_text(c: Comparison) -> str | None:
+    """The line naming the NaN/±Inf values of each run, or None when every compared value is finite:
+    per run with any, ``"B: 3 NaN, 1 Inf in 2 points, first model.layers.1"`` (counts summed over the
+    compared points and the logits; the first point in execution order), runs joined by ``"; "``."""
+    rows = _nonfinite_counts(c)
+    parts = []
+    for run, i in ((c.run_a, 0), (c.run_b, 2)):
+        hit = [(n, k[i], k[i + 1]) for n, k in rows if k[i] or k[i + 1]]
+        if hit:
+            nan, inf = sum(h[1] for h in hit), sum(h[2] for h in hit)
+            parts.append(f"{run}: {nan:,} NaN, {inf:,} Inf in {len(hit)} point{'s' if len(hit) > 1 else ''}, "
+                         f"first {hit[0][0]}")
+    return "; ".join(parts) or None
+
+
 def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     """The headline block as ``(label, text)`` pairs, in print order.
 
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
-    ``unverified`` (a trace read without checksums: :func:`unverified_text`), ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
+    ``unverified`` (a trace read without checksums: :func:`unverified_text`), ``non-finite`` (NaN/Inf
+    in either run: :func:`nonfinite_text`), ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
     ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
     likely cause, so before the versions), ``versions`` (two traces: every version that differs),
     ``decode`` when present, ``next`` (one
@@ -307,6 +332,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = [("verdict", verdict_line(c))]
     if (bare := unverified_text(c)) is not None:
         out.append(("unverified", bare))
+    if (bad := nonfinite_text(c)) is not None:
+        out.append(("non-finite", bad))
     for p, line in zip(list(c.origins) + ([None] if c.logits_origin and c.logits is not None else []), origin_lines(c)):
         out.append(("origin", line))
         k = _kernels(p) if p is not None else ""
@@ -344,7 +371,9 @@ def rows_that_matter(c: Comparison, limit: int | None = None) -> list[int]:
     """Indices into :func:`tracer.report.tables.rows` (points in execution order, logits last) worth printing.
 
     Always: the first point, the origins, the first divergent point, the last layer, the final
-    norm (kind ``final_norm``) and the logits. Then every point whose differing count or max |Δ| changed notably from the
+    norm (kind ``final_norm``), the logits, and every row where NaN/Inf values appear in either run
+    or their counts change from the row before (a run that stays NaN from one point on keeps the
+    rows where it starts and spreads, not each row after). Then every point whose differing count or max |Δ| changed notably from the
     last kept point of the same kind (:func:`_notable`). With ``limit``, the notable rows are thinned
     (the largest changes kept) so that at most ``max(limit, number of always-rows)`` rows remain.
     """
@@ -360,6 +389,11 @@ def rows_that_matter(c: Comparison, limit: int | None = None) -> list[int]:
             must.add(i)
     if c.logits is not None:
         must.add(n - 1)
+    before = (0, 0, 0, 0)
+    for i, (_, counts) in enumerate(_nonfinite_counts(c)):
+        if any(counts) and counts != before:
+            must.add(i)
+        before = counts
     scored: list[tuple[float, int]] = []
     last_kept: dict[str, Any] = {}  # per kind: the last row kept, the reference for "changed notably"
     for i, p in enumerate(pts):

@@ -31,7 +31,8 @@ from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
-from tracer.report.summary import (flip_tie, flip_tokens, flips_text, headline, plan_line, rows_that_matter,
+from tracer.report.summary import (flip_tie, flip_tokens, flips_text, headline, nonfinite_text, plan_line,
+                                   rows_that_matter,
                                    positions_text, unverified_text, verdict_line)
 from tracer.report.textsafe import printable
 from tracer.store.trace import json_safe
@@ -242,8 +243,9 @@ def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) 
         lines.append(f"{n_shown} of {n_all} rows: the first point, the last layer, the final norm, the logits "
                      "(--all-rows prints all)")
     elif n_shown < n_all:
+        nan = ", rows where NaN/Inf appear or change count" if nonfinite_text(c) is not None else ""
         lines.append(f"{n_shown} of {n_all} rows: the first point, the origin, rows where the differing count "
-                     f"changes ×2 or max |Δ| ×4, the last layer, the logits (--all-rows prints all)")
+                     f"changes ×2 or max |Δ| ×4{nan}, the last layer, the logits (--all-rows prints all)")
     lines += _plans(c).splitlines()
     if "ulp" in columns:
         lines.append(ULP_NOTE)
