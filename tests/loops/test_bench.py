@@ -66,3 +66,11 @@ def test_bench_takes_format_like_every_command(tmp_path):
     assert c1 == 2 and e1.strip() == ("error: --json and --format csv contradict each other; give one of them "
                                       "(--json is --format json)"), e1
     assert c2 == 2 and "unknown format 'nope'" in e2 and len(e2.strip().splitlines()) == 1, e2
+
+
+def test_bench_progress_counts_warm_up_and_repetitions_apart(tmp_path):
+    """--reps 2 --warmup 1: one warm-up of 1, then repetitions 1/2 and 2/2 (never 3/3)."""
+    said: list[str] = []
+    bench("tiny-llama", length=32, device="cpu", reps=2, warmup=1, outdir=str(tmp_path), progress=said.append)
+    counted = [m for m in said if m.startswith(("warm-up", "repetition"))]
+    assert counted == ["warm-up 1/1", "repetition 1/2", "repetition 2/2"], said

@@ -280,7 +280,7 @@ def _measure(lm: Any, cfg: RunConfig, stored: RunConfig, auto: RunConfig, trace:
         torch.cuda.reset_peak_memory_stats()
     order = list(modes)
     for i in range(warmup + reps):
-        say(f"repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
+        say(f"warm-up {i + 1}/{warmup}" if i < warmup else f"repetition {i - warmup + 1}/{reps}")  # counted apart
         turn = order[i % len(order):] + order[:i % len(order)]  # each mode follows each other one in turn
         t = {m: _timed(modes[m], dev) for m in turn}
         for name in peer_modes:  # every repetition: the peers did the same work as tracer's (b)
