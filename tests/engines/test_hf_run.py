@@ -68,3 +68,31 @@ def test_a_fatal_kv_contract_difference_at_the_move_refuses_the_run(monkeypatch)
     monkeypatch.setattr(hf_cache, "cache_contract", planted)
     with pytest.raises(TracerError, match=r"KV layout: producer HND, consumer NHD"):
         tracer.run("tiny-llama", scenario="disaggregated", devices="cpu,cpu", length=40, store="none", progress=False)
+
+
+def test_torch_compile_warnings_go_to_the_report_not_stderr(monkeypatch, capfd):
+    """A compiler that warns (as Dynamo does on an untraceable builtin) while it runs: the warning's
+    first line is a note of the report, naming the run, and nothing of it reaches stderr."""
+    import warnings
+
+    import torch
+
+    import tracer
+
+    lm = tracer.load_model("tiny-llama", device="cpu", progress=False)
+
+    def fake_compile(model):
+        def fn(**kwargs):
+            warnings.warn("Dynamo does not know how to trace the builtin X.\nsecond line", UserWarning)
+            return model(**kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    capfd.readouterr()
+    res = tracer.run(lm, scenario="compile", length=12, progress=False)
+    err = capfd.readouterr().err
+    assert "Dynamo" not in err and "UserWarning" not in err, err
+    notes = res.comparison.facts.get("notes", [])
+    run_b = res.comparison.run_b
+    assert f"{run_b}: torch.compile warned: UserWarning: Dynamo does not know how to trace the builtin X." in notes
+    assert not any(n.startswith(f"{res.comparison.run_a}: torch.compile") for n in notes)  # run A: eager

@@ -213,6 +213,27 @@ def plan_context(model: nn.Module, plan: RunPlan) -> Iterator[Callable[..., Any]
         yield fn
 
 
+@contextlib.contextmanager
+def compiler_warnings(on: bool) -> Iterator[list[str]]:
+    """With ``on`` (a ``torch.compile`` run), the Python warnings raised inside the block (Dynamo's
+    "does not know how to trace" and the like) kept from stderr: yields a list that gets, at the
+    end of the block, each distinct warning as ``"Category: first line"``, for the run's
+    ``meta["compiler_warnings"]`` (a note of the report, :func:`tracer.diff.facts.run_facts`)."""
+    import warnings
+
+    got: list[str] = []
+    if not on:
+        yield got
+        return
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force decide what is a warning
+        try:
+            yield got
+        finally:
+            lines = (f"{w.category.__name__}: {str(w.message).strip().splitlines()[0] if str(w.message).strip() else ''}"
+                     for w in caught)
+            got.extend(dict.fromkeys(lines))
+
+
 def _call(fn: Callable[..., Any], compiled: bool, **kwargs: Any) -> Any:
     if not compiled:
         return fn(**kwargs)
@@ -407,7 +428,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     t0 = time.perf_counter()
     generated = None
     tokens = None
-    with torch.inference_mode():
+    with torch.inference_mode(), compiler_warnings(plan.compile) as warned:
         with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
                 plan_context(model, plan) as fn:
             with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
@@ -434,6 +455,8 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     if moves:  # the KV contracts of a cache moved to another device, beside the run (prefill-decode's key)
         info["kv_transfer"] = {"role": "moved", "transferred": moves[-1].producer.positions[1],
                                "boundary": moves[-1].boundary, "contract": moves[-1].to_dict()}
+    if warned:
+        info["compiler_warnings"] = warned
     if generated is not None:
         info["generated"] = generated
     if tokens is not None:
