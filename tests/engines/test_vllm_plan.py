@@ -216,7 +216,7 @@ def test_engine_contracts_side_by_side_name_what_differs():
     f = engine_facts("A", {"engine": hf}, "B", meta_b)
     assert f["engine_differences"] == {"attention backend": ["sdpa", "CPU_ATTN"], "GEMM": ["torch F.linear", "oneDNN onednn_mm"]}
     assert f["cached_tokens_b"] == 96 and "cached_tokens_a" not in f
-    assert any("num_cached_tokens [0, 96]" in line and "[[96, 100]]" in line for line in f["notes"])
+    assert any("num_cached_tokens [0, 96]" in line and "positions 96..99" in line for line in f["notes"])
     assert engine_facts("A", {}, "B", meta_b) == {}  # an HF-only comparison gains nothing
 
 
