@@ -81,7 +81,7 @@ def test_resolve_device_cuda_absent(monkeypatch, name):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(TracerError) as err:
         D.resolve_device(name)
-    assert str(err.value) == "CUDA was requested but torch.cuda.is_available() is False; use --device cpu"
+    assert str(err.value) == "CUDA was requested but torch.cuda.is_available() is False; use device=\"cpu\""  # the API's words
 
 
 def test_resolve_device_cuda_index_out_of_range(monkeypatch):
