@@ -167,6 +167,8 @@ def test_tensor_parallel_in_vllm_is_tp1_vs_tpk_of_vllms_own_ranks():
             check_tp_heads([a, b], model(heads, kv))
     with pytest.raises(TracerError, match="tensor_parallel_size 0 must be a positive"):
         VllmSettings(tensor_parallel_size=0).check()
+    with pytest.raises(TracerError, match="TP 1 on both sides is the control"):  # --tp 1 started two TP-1 engines
+        build("tensor-parallel", N, engine="vllm", tp=1)
 
 
 def test_engine_scenario_is_level_six_on_two_engines():

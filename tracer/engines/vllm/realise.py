@@ -113,6 +113,9 @@ def _tensor_parallel(scen: Scenario) -> Scenario:
             or p.get("reduce_dtype", "activation") != "activation":
         raise TracerError("in vLLM, --scenario tensor-parallel runs vLLM's own TP ranks and all-reduce; drop "
                           "--tp-mode distributed, --reduce and --reduce-dtype (they choose the HF engine's TP)")
+    if int(p["tp"]) < 2:
+        raise TracerError(f"--tp {p['tp']}: in vLLM, --scenario tensor-parallel compares TP 1 (run A) with --tp ranks "
+                          "(run B), so TP 1 on both sides is the control; use --tp 2 or more")
     plans = {}
     for key, k in (("plan_a", 1), ("plan_b", int(p["tp"]))):
         settings = {"block_size": int(p.get("block_size") or BLOCK), "multiprocess": True, "tensor_parallel_size": k}
