@@ -56,7 +56,7 @@ def test_audit_table_and_markdown(tmp_path, cli_env):
     assert "largely solved" in proc.stdout
     proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "7", "--no-store"],
                   cli_env, tmp_path)
-    assert "hold bitwise" in proc.stdout
+    assert " bitwise, " in proc.stdout  # "N checks: K hold(s) bitwise, ..."
     if not torch.cuda.is_available():
         assert "skipped" in proc.stdout and "no CUDA GPU" in proc.stdout
 
@@ -153,3 +153,41 @@ def test_a_level_named_twice_is_refused(tmp_path):
     (code, err), = cli_batch([["audit", "tiny-llama", "-l", "0,0"]], tmp_path)
     assert code == 2 and err.strip() == ("error: --levels '0,0' names level 0 more than once (each level runs once); "
                                          "give --levels 0"), err
+
+
+def test_the_audit_table_keeps_the_check_readable_at_80_columns_and_counts_in_words():
+    """At 80 columns the check column was 5 characters ("the / same / call / twice", a word a line)
+    while the first-divergent column, holding "-", kept 32 for its header; and one check read
+    "1 checks: 1 hold bitwise". Now the check's column is 16 wide (or its longest label), so a
+    label takes two or three lines at 80 columns, and the counts agree with their nouns."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from tracer.loops.audit import Audit, AuditRow
+    from tracer.plan.hierarchy import Check
+    from tracer.report.render import render
+
+    labels = ["the same call twice", "alone vs one row of a left-padded batch"]
+    rows = tuple(AuditRow(Check(f"L{i}-x", i, "x", label), "passed", last_layer=(0, 64), max_logit_diff=0.0,
+                          argmax_flips=0, first_divergent="model.layers.3.self_attn.kv_cache")
+                 for i, label in enumerate(labels))
+    for n in (1, 2):
+        out = io.StringIO()
+        render(Audit(model="m", facts={"dtype": "bfloat16", "device": "cpu", "n_tokens": 8}, rows=rows[:n]), "table",
+               Console(file=out, width=80, force_terminal=True, color_system=None))
+        text = out.getvalue()
+        assert max(len(line) for line in text.splitlines()) <= 80
+        cells: list[list[str]] = []  # per row, the check cell's lines
+        for line in (x for x in text.splitlines() if x.startswith("│")):
+            level, check = line.split("│")[1].strip(), line.split("│")[2].strip()
+            if level:
+                cells.append([])
+            if check:
+                cells[-1].append(check)
+        assert [" ".join(c) for c in cells] == labels[:n]  # whole words, in order
+        assert all(len(c) <= 3 for c in cells), cells  # was a word a line
+        summary = re.findall(r"^\d+ checks?: .*$", text, re.M)
+        expected = "1 check: 1 holds bitwise" if n == 1 else "2 checks: 2 hold bitwise"
+        assert summary and all(s.startswith(expected) for s in summary), summary

@@ -290,7 +290,7 @@ def disk_line(info: ModelInfo, n: int, todo: list[Check], reasons: dict[str, str
     kept = full if cfg.store.mode == "tensors" else 0 if budget is None else min(budget, full)
     what = ("every tensor" if cfg.store.mode == "tensors" else "statistics only" if budget is None else
             f"full tensors around the origin within --max-trace-size {format_size(budget)}")
-    return (f"audit: disk: at most {format_size(pairs * (kept + stats))} for {pairs} run pair(s) ({len(runs)} checks, "
+    return (f"audit: disk: at most {format_size(pairs * (kept + stats))} for {pairs} run pair(s) ({len(runs)} check{'' if len(runs) == 1 else 's'}, "
             f"and a re-run per mitigation of a check that diverges): {what} and every point's statistics per pair"
             + (f"; every tensor (--store tensors) is {format_size(full)} per pair" if cfg.store.mode != "tensors" else ""))
 
@@ -370,9 +370,9 @@ def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any]
     refused = refused or {}
     run = [c for c in todo if c.key not in reasons]
     total = sum((costs[c.key] for c in run if c.key not in done), Cost())
-    lines = [f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), "
+    lines = [f"audit: {len(run)} of {len(todo)} check{'' if len(todo) == 1 else 's'} run on {info.name} ({info.device}, {info.dtype}), "
              f"N = {n} tokens; {len(done)} finished earlier" if done else
-             f"audit: {len(run)} of {len(todo)} checks run on {info.name} ({info.device}, {info.dtype}), N = {n} tokens"]
+             f"audit: {len(run)} of {len(todo)} check{'' if len(todo) == 1 else 's'} run on {info.name} ({info.device}, {info.dtype}), N = {n} tokens"]
     width = max((len(c.key) for c in todo), default=0)
     for c in todo:
         what = ("finished earlier" if c.key in done else

@@ -45,7 +45,7 @@ def _title(a: Any) -> str:
 
 def _summary(a: Any) -> str:
     c = a.counts()
-    return f"{c['total']} checks: {c['passed']} hold bitwise, {c['failed']} diverge, {c['skipped']} skipped"
+    return f"{c['total']} check{'' if c['total'] == 1 else 's'}: {c['passed']} hold{'s' if c['passed'] == 1 else ''} bitwise, {c['failed']} diverge, {c['skipped']} skipped"
 
 
 #: the audit table's columns that stay at every width, and the order the others give way in
@@ -55,6 +55,9 @@ AUDIT_DROP = ("seed", "invariant", "mitigations", "last")
 AUDIT_SPARE = ("logit", "flips")
 #: text columns that wrap (the others hold numbers or one word and never do)
 AUDIT_TEXT = ("check", "invariant", "first", "mitigations", "seed")
+#: the narrowest a text column gets: a check's label in two or three lines at 80 columns (not a word a line),
+#: a first divergent point still "…self_attn.kv_cache"
+AUDIT_TEXT_MIN = 16
 
 
 def print_audit(a: Any, console: Any = None) -> None:
@@ -79,7 +82,7 @@ def print_audit(a: Any, console: Any = None) -> None:
     width = console.width if fitted(console) else 1 << 30
     fit = fit_columns(tuple(k for k, _ in _COLUMNS), heads, {k: [c[k] for c in rows] for k in heads}, console.width,
                       name_key="first", keep=AUDIT_KEEP, drop_order=AUDIT_DROP, flexible=AUDIT_TEXT,
-                      spare=AUDIT_SPARE if width < 1 << 30 else ())
+                      spare=AUDIT_SPARE if width < 1 << 30 else (), flex_min=AUDIT_TEXT_MIN)
     print_fitted(console, Text(_title(a)))
     t = Table(header_style="bold", show_lines=False)
     wid = dict(zip(fit.columns, fit.widths))

@@ -194,7 +194,7 @@ class Fit:
 def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[str, list[str]], width: int, *,
                 name_key: str = "point", name_min: int = NAME_MIN, keep: tuple[str, ...] = KEEP,
                 drop_order: tuple[str, ...] = DROP_ORDER, flexible: tuple[str, ...] = (),
-                gaps: tuple[int, int] = BOXED, spare: tuple[str, ...] = ()) -> Fit:
+                gaps: tuple[int, int] = BOXED, spare: tuple[str, ...] = (), flex_min: int = 0) -> Fit:
     """Choose the columns and their widths so that the table fits ``width`` characters.
 
     Args:
@@ -206,7 +206,8 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         keep: columns never dropped. drop_order: the others, first dropped first (a requested
             column missing from it is dropped last).
         flexible: text columns that may wrap down to their longest word (their cells are text,
-            not numbers).
+            not numbers), and not below ``flex_min`` characters (or their widest cell): a label
+            that stays readable (an audit's check) rather than one word a line.
         gaps: the table's overhead (:func:`table_width`: :data:`BOXED` or :data:`BARE`).
         spare: kept columns that give way last, once the name is at its floor and the table still
             does not fit (a narrow terminal), in this order; only when that makes it fit.
@@ -228,10 +229,10 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
     natural = {k: max(widest(k), len(headers[k])) for k in columns}
     lowest = {}
     for k in columns:
-        if k == name_key:
-            lowest[k] = max(min(natural[k], name_min), header_min(headers[k]))
+        if k == name_key:  # short names (an audit's "-") leave the room to others: the header wraps
+            lowest[k] = max(min(widest(k), name_min), header_min(headers[k]))
         elif k in flexible:
-            lowest[k] = max(header_min(headers[k]), min(longest_word(k), 24), 1)
+            lowest[k] = max(header_min(headers[k]), min(longest_word(k), 24), min(widest(k), flex_min), 1)
         else:
             lowest[k] = max(widest(k), header_min(headers[k]))
     order = [k for k in drop_order if k in columns and k not in keep]
@@ -255,13 +256,16 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         dropped += going
     widths = {k: lowest[k] for k in shown}
     room = width - table_width(list(widths.values()), gaps)
-    # spare room: the name first, then the flexible text columns, then headers unwrapped
-    grow = ([name_key] if name_key in widths else []) + [k for k in shown if k in flexible] + \
-        [k for k in shown if k != name_key and k not in flexible]
-    for k in grow:
+    # spare room: the name's cells first, then the flexible text columns' cells (a check's label on
+    # one line before a long header of the name column unwraps), then every header unwrapped
+    cells_first = {k: max(widths[k], widest(k)) for k in shown}
+    grow = ([(name_key, cells_first)] if name_key in widths else []) + \
+        [(k, cells_first) for k in shown if k in flexible] + \
+        ([(name_key, natural)] if name_key in widths else []) + [(k, natural) for k in shown if k != name_key]
+    for k, target in grow:
         if room <= 0:
             break
-        extra = min(room, natural[k] - widths[k])
+        extra = max(0, min(room, target[k] - widths[k]))
         widths[k] += extra
         room -= extra
     out = tuple(widths[k] for k in shown)
