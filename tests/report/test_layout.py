@@ -84,8 +84,12 @@ def _table_lines(text: str) -> list[str]:
 
 
 def _names(shown: str, name: str) -> bool:
-    """The name cell shows ``name``: whole, or shortened from the left (``…`` + a suffix of 20+ characters)."""
-    return shown == name or (shown.startswith("…") and len(shown) > 20 and name.endswith(shown[1:]))
+    """The name cell shows ``name``: whole, shortened from the left (``…`` + a suffix of 20+ characters),
+    or with the middle elided to keep the layer index beside a marker (``…layers.3…o_proj``)."""
+    if shown == name or (shown.startswith("…") and len(shown) > 20 and name.endswith(shown[1:])):
+        return True
+    head, _, tail = shown[1:].partition("…")
+    return shown.startswith("…") and bool(tail) and f".{head}." in f".{name}" and name.endswith("." + tail)
 
 
 def _g(x: float) -> str:  # three significant digits, as printed for values in [1e-3, 1e4)
@@ -136,13 +140,28 @@ def test_priority_histogram_first_then_growth_and_rel(planted):
 def test_origin_marker_is_never_cut_and_names_shorten_from_the_left():
     assert shorten_left("model.layers.3.self_attn.kv_cache", 28) == "…layers.3.self_attn.kv_cache"
     assert shorten_left("model.layers.3", 28) == "model.layers.3"
-    cell = name_cell("model.layers.3.self_attn.kv_cache", "  ◀ origin", 30)
-    assert cell.splitlines() == ["…layers.3.self_attn.kv_cache", "◀ origin"]
+    # the marker stays beside a name shortened at dots that keeps its layer index
+    assert name_cell("model.layers.3.self_attn.kv_cache", "  ◀ origin", 30) == "…layers.3…kv_cache  ◀ origin"
     assert name_cell("model.layers.3", "  ◀ origin", 30) == "model.layers.3  ◀ origin"
+    # ... and goes to a line of its own where beside it the index would be lost
+    cell = name_cell("model.layers.2.post_attention_layernorm", "  ◀ origin", 34)
+    assert cell.splitlines() == ["…layers.2.post_attention_layernorm", "◀ origin"]
+    assert name_cell("model.layers.3.self_attn.kv_cache", "  ◀ origin", 22).splitlines()[1] == "◀ origin"
     c, _, _ = _planted(layers=4)
     for width in (80, 120):
         text = _render(c, width, all_rows=True)
         assert "◀ origin" in text and "◀ origi\n" not in text
+
+
+def test_a_dtype_note_never_takes_the_names_place():
+    """At 80 columns the name cell showed "…h5:B bfloat16; ULP* in bfloat16]": the dtype note, appended
+    to the name, was what survived the shortening. The name keeps its first line (shortened at a
+    dot); a note follows on lines of its own, whole words, within the column."""
+    note = " [in float32; run.h5:A is float32, run.h5:B bfloat16; ULP* in bfloat16]"
+    cell = name_cell("model.layers.3.self_attn.kv_cache", "  ◀ origin", 35, note).splitlines()
+    assert cell[0] == "…layers.3…kv_cache  ◀ origin" or cell[0].startswith("…layers.3.self_attn.kv_cache")
+    assert all(len(line) <= 35 for line in cell)
+    assert " ".join(cell[1:]).replace("◀ origin ", "") == note.strip()
 
 
 def test_kernels_get_a_section_when_there_is_no_room():

@@ -163,15 +163,35 @@ def readable_width(name: str) -> int:
     return min(len(name), len(text) + (len(base) > len(text)) + (len(count) + 1 if count else 0))
 
 
-def name_cell(name: str, marker: str, width: int) -> str:
-    """The name column's text: ``name + marker`` on one line when it fits ``width``, else the name
-    shortened from the left (:func:`shorten_left`) and, when even that leaves no room, the marker on
-    a second line (the marker itself is never cut)."""
+def _keeps_index(name: str, short: str) -> bool:
+    """Whether ``short`` (:func:`shorten_left` of ``name``) still shows the name's layer index."""
+    parts = name.partition(" ")[0].split(".")
+    index = max((i for i, p in enumerate(parts) if p.isdigit() or p == "*"), default=None)
+    if index is None:
+        return True
+    shown = short.replace(ELLIPSIS, ".").split(".")
+    return any(shown[i:i + 2] == parts[index - 1:index + 1] for i in range(len(shown) - 1)) if index else parts[0] in shown
+
+
+def name_cell(name: str, marker: str, width: int, note: str = "") -> str:
+    """The name column's text: ``name + marker`` on one line when it fits ``width``; else the name
+    shortened from the left at a dot (:func:`shorten_left`) so that the marker stays beside it, as
+    long as the name keeps its layer index (``…layers.3…kv_cache  ◀ origin``); else the marker on a
+    second line (the marker itself is never cut). ``note`` (a dtype or capture-contract note:
+    ``[in float32; A is bfloat16, B float32; ULP* in bfloat16]``) follows on lines of its own,
+    broken between words, so it never takes the name's place."""
+    import textwrap
+
     if len(name) + len(marker) <= width:
-        return name + marker
-    if marker and width - len(marker) >= min(len(name), NAME_MIN):
-        return shorten_left(name, width - len(marker)) + marker
-    return shorten_left(name, width) + (("\n" + marker.strip()) if marker else "")
+        cell = name + marker
+    elif marker and width - len(marker) >= min(len(name), NAME_FLOOR) and \
+            _keeps_index(name, short := shorten_left(name, width - len(marker))):
+        cell = short + marker
+    else:
+        cell = shorten_left(name, width) + (("\n" + marker.strip()) if marker else "")
+    if note.strip():
+        cell += "\n" + "\n".join(textwrap.wrap(note.strip(), max(width, 1), break_on_hyphens=False))
+    return cell
 
 
 @dataclass(frozen=True)

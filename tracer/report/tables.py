@@ -217,11 +217,12 @@ def with_kernels(c: Comparison, columns: tuple[str, ...]) -> tuple[str, ...]:
     return columns
 
 
-def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str]:
-    """A row's name (with ``(sliding)``) and its marker (``  ◀ origin`` / ``  ◀ first`` / "")."""
+def _point_marker(c: Comparison, r: dict[str, Any]) -> tuple[str, str, str]:
+    """A row's name (with ``(sliding)``), its marker (``  ◀ origin`` / ``  ◀ first`` / "") and its
+    note (:func:`point_mark`: the dtypes compared in, a capture contract; "" when none)."""
     base = r["name"].split(" ")[0]
     mark = "  ◀ origin" if r["origin"] else ("  ◀ first" if base == c.first_divergent else "")
-    return printable(r["name"]) + sliding_mark(c, base) + point_mark(c, base), mark
+    return printable(r["name"]) + sliding_mark(c, base), mark, point_mark(c, base)
 
 
 def point_mark(c: Comparison, name: str) -> str:
@@ -297,29 +298,33 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     all_rows = rows(c)
     shown = all_rows if keep is None else [all_rows[i] for i in keep]
     names = [_point_marker(c, r) for r in shown]
+    notes = {note for _, _, note in names}
+    common = notes.pop().strip() if len(notes) == 1 and len(names) > 1 else ""
+    if common:  # the same note on every row (the runs' dtypes differ): said once, under the table
+        names = [(n, m, "") for n, m, _ in names]
     skipped = skip_rows(c.skipped, grouped=keep is not None)
     cells = {k: [COLUMNS[k][1](r) for r in shown] + ["-"] * len(skipped) for k in columns if k != "point"}
-    cells["point"] = [n + m for n, m in names] + [n + m for n, m, _ in skipped]
+    cells["point"] = [n + m for n, m, _ in names] + [n + m for n, m, _ in skipped]  # a note wraps: not a width
     headers = {k: COLUMNS[k][0] for k in columns}
     # the name column keeps every shown name's layer index when the width allows (never over NAME_MAX)
-    name_min = max([NAME_MIN, *(min(readable_width(n), NAME_MAX) for n, _ in names)])
+    name_min = max([NAME_MIN, *(min(readable_width(n), NAME_MAX) for n, _, _ in names)])
     fit = fit_columns(columns, headers, cells, width if width is not None else 1 << 30, name_min=name_min, spare=SPARE)
     wid = dict(zip(fit.columns, fit.widths))
     t = Table(header_style="bold")
     for key in fit.columns:
         # fixed widths, each at least the widest cell: cells never wrap, headers wrap at spaces
         t.add_column(headers[key], justify="left" if key == "point" else "right", width=wid[key], overflow="fold")
-    for i, (r, (name, mark)) in enumerate(zip(shown, names)):
+    for i, (r, (name, mark, note)) in enumerate(zip(shown, names)):
         style = ("bold red" if r["origin"] else "red") if r["n_diff"] else None
-        t.add_row(*[Text(name_cell(name, mark, wid["point"])) if k == "point" else cells[k][i] for k in fit.columns],
+        t.add_row(*[Text(name_cell(name, mark, wid["point"], note)) if k == "point" else cells[k][i] for k in fit.columns],
                   style=style)
     for name, mark, fails in skipped:  # never dropped: a point that could not be compared is a row too
         t.add_row(*[Text(name_cell(name, mark, wid["point"]), overflow="fold") if k == "point" else "-"
                     for k in fit.columns], style="bold red" if fails else "dim")
-    lines: list[str] = []
+    lines: list[str] = [f"every row: {common}"] if common else []
     if "kernels" in fit.dropped:
         lines.append("kernels (A vs B), not enough width for a column:")
-        lines += [f"  {name}: {r['kernels']}" for r, (name, _) in zip(shown, names) if r["kernels"]]
+        lines += [f"  {name}: {r['kernels']}" for r, (name, _, _) in zip(shown, names) if r["kernels"]]
     others = [COLUMNS[k][0] for k in fit.dropped if k != "kernels"]
     if others:
         lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
