@@ -301,3 +301,23 @@ def test_non_finite_values_are_named_and_their_rows_kept():
     clean = compare_records(_run("A", list(zip(names, kinds, ta[:4]))), _run("B", list(zip(names, kinds, ta[:4]))),
                             scenario="s", model="m")
     assert "non-finite" not in dict(headline(clean))
+
+
+def test_a_difference_that_gets_smaller_reads_as_shrinking():
+    """"growth: ×0.625" read as growth for a max |Δ| that got smaller from the first divergent point to
+    the last layer; an inf max |Δ| gave "×0". Now: "shrinks to ×0.625", and no ratio of non-finite values."""
+    g = torch.Generator().manual_seed(7)
+    names = [("model.embed_tokens", "embedding"), ("model.layers.0", "layer"), ("model.layers.1", "layer")]
+    ta = [torch.randn(4, 8, generator=g) for _ in names]
+    tb = [t.clone() for t in ta]
+    tb[1][0, 0] += 0.5  # max |Δ| 0.5 at the first divergent point...
+    tb[2][1, 2] += 0.25  # ... 0.25 at the last layer (exact in float32: both are powers of two)
+    c = compare_records(_run("A", [(n, k, t) for (n, k), t in zip(names, ta)]),
+                        _run("B", [(n, k, t) for (n, k), t in zip(names, tb)]), scenario="prefix-cache", model="m")
+    da, db = float((tb[1] - ta[1]).abs().max()), float((tb[2] - ta[2]).abs().max())
+    growth = dict(headline(c))["growth"]
+    assert growth.startswith(f"shrinks to ×{db / da:.3g} from model.layers.0"), growth
+    tb[1][0, 0] = float("inf")
+    c = compare_records(_run("A", [(n, k, t) for (n, k), t in zip(names, ta)]),
+                        _run("B", [(n, k, t) for (n, k), t in zip(names, tb)]), scenario="prefix-cache", model="m")
+    assert dict(headline(c))["growth"].startswith("no ratio (max |Δ| inf → "), dict(headline(c))["growth"]

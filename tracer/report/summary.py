@@ -103,7 +103,9 @@ def _kernels(p: PointResult) -> str:
 
 
 def growth_text(c: Comparison) -> str:
-    """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)`` or a why-not."""
+    """``×256 from model.layers.3 (max |Δ| 0.0312) to model.layers.29 (8)``; a difference that gets
+    smaller says so (``shrinks to ×0.625 from ... to ...``), one that is not a finite number
+    (NaN, inf) gives no ratio (``no ratio (max |Δ| inf → 0) from ... to ...``); or a why-not."""
     first, last = _first_point(c), last_layer(c)
     if first is None:
         return ("none: every capture point is bit-identical" if c.identical
@@ -116,7 +118,12 @@ def growth_text(c: Comparison) -> str:
     idx = [p.name for p in c.points]
     if idx.index(first.name) > idx.index(last.name):
         return f"the last layer {last.name} is bit-identical; the divergence starts after it"
-    factor = f"×{_g(b / a)}" if a else "from 0"
+    if not (math.isfinite(a) and math.isfinite(b)):
+        factor = f"no ratio (max |Δ| {_g(a)} → {_g(b)})"
+    elif a and b < a:
+        factor = f"shrinks to ×{_g(b / a)}"
+    else:
+        factor = f"×{_g(b / a)}" if a else "from 0"
     return (f"{factor} from {first.name} (max |Δ| {_g(a)}, {_share(first.diff.n_diff, first.diff.n_total)} differ) "
             f"to {last.name} (max |Δ| {_g(b)}, {_share(last.diff.n_diff, last.diff.n_total)} differ)")
 
