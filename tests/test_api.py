@@ -55,3 +55,20 @@ def test_a_missing_accelerator_is_named_in_the_callers_own_words(monkeypatch, tm
     if not torch.cuda.is_available():  # the command, in its own process: the flag
         [(code, err)] = cli_batch([["run", "tiny-llama", "--device", "cuda"]], tmp_path)
         assert code == 2 and err.strip().endswith("use --device cpu") and 'device="' not in err, err
+
+
+def test_show_of_an_engine_dump_says_it_shows_traces_and_names_the_calls(tmp_path):
+    """`tracer show X.safetensors` said "not a readable HDF5 file (truncated or corrupt?)": it is one
+    line saying that show reads traces and naming `tracer compare REF.h5:RUN X` / `tracer import`."""
+    from safetensors.torch import save_file
+    import torch
+
+    from tests.helpers import cli_batch
+
+    dump = tmp_path / "x.safetensors"
+    save_file({"input_ids": torch.arange(4)}, dump)
+    with pytest.raises(TracerError, match=r"is an engine dump; trace_info shows traces .*tracer\.compare_trace\("):
+        tracer.trace_info(str(dump))
+    [(code, err)] = cli_batch([["show", str(dump)]], tmp_path, refuse_reads=True)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "tracer show shows traces" in err and f"tracer compare REF.h5:RUN {dump}" in err and "tracer import" in err

@@ -224,10 +224,22 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
         path: an HDF5 trace written by 'tracer run'.
 
     Raises:
-        TracerError: missing, incomplete or corrupt file.
+        TracerError: missing, incomplete or corrupt file; an engine dump (a folder, ``.safetensors``,
+            ``.npz``: the message names the calls that read one).
     """
+    from tracer.diff.compare_dump import is_dump
+    from tracer.errors import from_cli
     from tracer.store.trace import describe
 
+    if is_dump(os.fspath(path)):
+        p = os.fspath(path)
+        how = (f"compare it with 'tracer compare REF.h5:RUN {p}', or make a trace of it with "
+               f"'tracer import {p} -r REF.h5:RUN -o OUT.h5'" if from_cli() else
+               f"compare it with tracer.compare_trace('REF.h5:RUN', {p!r}), or make a trace of it with "
+               f"tracer.import_dump({p!r}, 'REF.h5:RUN', 'OUT.h5')")
+        what = "a folder (an engine dump?)" if os.path.isdir(p) else "an engine dump"
+        raise TracerError(f"{p} is {what}; {'tracer show' if from_cli() else 'trace_info'} shows traces "
+                          f"(.h5 files written by tracer): {how}")
     return describe(path)
 
 

@@ -378,7 +378,8 @@ def import_cmd(opts: dict[str, Any]) -> None:
 
 @_command("show", api.trace_info, ("show_fmt", "as_json"), inputs=("path",))
 def show_cmd(opts: dict[str, Any], show_fmt: str, as_json: bool) -> None:
-    """Print a trace's header (the numeric contract) and its runs."""
+    """Print a trace's header (the numeric contract) and its runs. It shows traces (.h5) only: an
+    engine dump is compared with 'tracer compare REF.h5:RUN DUMP' or made a trace by 'tracer import'."""
     from tracer.progress import phase
     from tracer.report.show import check_show_format, print_trace_info
 

@@ -47,6 +47,12 @@ def cli_wording() -> Iterator[None]:
         _WORDING.reset(token)
 
 
+def from_cli() -> bool:
+    """Whether the ``tracer`` command is the caller (:func:`cli_wording`): a message then names
+    commands (``tracer import ...``), else the API's calls (``tracer.import_dump(...)``)."""
+    return _WORDING.get() == "cli"
+
+
 def option(name: str, value: Any = None, flag: str | None = None) -> str:
     """An option as the caller writes it, for a message that says what to do: ``--device cpu`` from
     the ``tracer`` command (:func:`cli_wording`), ``device="cpu"`` from Python (``name`` is the API
