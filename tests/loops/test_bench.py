@@ -74,3 +74,11 @@ def test_bench_progress_counts_warm_up_and_repetitions_apart(tmp_path):
     bench("tiny-llama", length=32, device="cpu", reps=2, warmup=1, outdir=str(tmp_path), progress=said.append)
     counted = [m for m in said if m.startswith(("warm-up", "repetition"))]
     assert counted == ["warm-up 1/1", "repetition 1/2", "repetition 2/2"], said
+
+
+def test_engine_bench_progress_counts_warm_up_and_repetitions_apart():
+    """The engine bench (vLLM / SGLang modes) read 'repetition 3/3 (warm-up)'-style counts too; it
+    now words each round with the HF bench's label: warm-ups counted apart from the --reps."""
+    from tracer.loops.bench_engine import repetition_label
+    assert [repetition_label(i, 1, 2) for i in range(3)] == ["warm-up 1/1", "repetition 1/2", "repetition 2/2"]
+    assert [repetition_label(i, 0, 2) for i in range(2)] == ["repetition 1/2", "repetition 2/2"]

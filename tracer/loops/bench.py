@@ -51,6 +51,7 @@ from tracer.errors import TracerError
 from tracer.load.devices import model_device
 from tracer.load.hf_cache import cache_kwarg
 from tracer.loops import floor
+from tracer.loops.bench_engine import repetition_label
 from tracer.loops import peers as peer_mod  # looked up at call time: a test substitutes a peer
 from tracer.plan.checks import check_int
 from tracer.store.integrity import check_output_path
@@ -280,7 +281,7 @@ def _measure(lm: Any, cfg: RunConfig, stored: RunConfig, auto: RunConfig, trace:
         torch.cuda.reset_peak_memory_stats()
     order = list(modes)
     for i in range(warmup + reps):
-        say(f"warm-up {i + 1}/{warmup}" if i < warmup else f"repetition {i - warmup + 1}/{reps}")  # counted apart
+        say(repetition_label(i, warmup, reps))
         turn = order[i % len(order):] + order[:i % len(order)]  # each mode follows each other one in turn
         t = {m: _timed(modes[m], dev) for m in turn}
         for name in peer_modes:  # every repetition: the peers did the same work as tracer's (b)

@@ -134,11 +134,18 @@ def bench_engine(model: str = "smollm2-135m", *, engine: str, length: int = 1024
     return result
 
 
+def repetition_label(i: int, warmup: int, reps: int) -> str:
+    """What the progress line says during round ``i`` (0-based) of ``warmup`` warm-up rounds then
+    ``reps`` timed ones, each counted on its own: ``warm-up 1/1``, then ``repetition 1/2``,
+    ``repetition 2/2`` (``--reps 2`` used to read ``repetition 3/3``)."""
+    return f"warm-up {i + 1}/{warmup}" if i < warmup else f"repetition {i - warmup + 1}/{reps}"
+
+
 def _measure(modes: dict[str, Callable[[], Any]], result: EngineBenchResult, warmup: int, reps: int,
              say: Callable[[str], None], label: str) -> None:
     """Every mode once per repetition, interleaved; the times after the warm-up into ``result``."""
     for i in range(warmup + reps):
-        say(f"{label}repetition {i + 1}/{warmup + reps}" + (" (warm-up)" if i < warmup else ""))
+        say(label + repetition_label(i, warmup, reps))
         for m, fn in modes.items():
             t0 = time.perf_counter()
             fn()
@@ -146,4 +153,4 @@ def _measure(modes: dict[str, Callable[[], Any]], result: EngineBenchResult, war
                 result.times[m].append(time.perf_counter() - t0)
 
 
-__all__ = ["bench_engine", "EngineBenchResult", "MODES"]
+__all__ = ["bench_engine", "EngineBenchResult", "MODES", "repetition_label"]
