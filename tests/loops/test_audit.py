@@ -191,3 +191,23 @@ def test_the_audit_table_keeps_the_check_readable_at_80_columns_and_counts_in_wo
         summary = re.findall(r"^\d+ checks?: .*$", text, re.M)
         expected = "1 check: 1 holds bitwise" if n == 1 else "2 checks: 2 hold bitwise"
         assert summary and all(s.startswith(expected) for s in summary), summary
+
+
+def test_the_audit_table_prints_a_skip_reason_s_brackets():
+    """A skipped check's reason "pip install -e '.[vllm]'" read "-e '.'" in the table: rich took
+    "[vllm]" for a style tag and dropped it. The cells are plain text now."""
+    import io
+
+    from rich.console import Console
+
+    from tracer.loops.audit import Audit, AuditRow
+    from tracer.plan.hierarchy import Check
+    from tracer.report.render import render
+
+    reason = "vLLM is not installed: pip install -e '.[vllm]'"
+    row = AuditRow(Check("L6-engine", 6, "x", "HF vs vLLM"), "skipped", reason=reason)
+    out = io.StringIO()
+    render(Audit(model="m", facts={"dtype": "bfloat16", "device": "cpu", "n_tokens": 8}, rows=(row,)), "table",
+           Console(file=out, width=200, force_terminal=True, color_system=None))
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert rows and all("'.[vllm]'" in line for line in rows), out.getvalue()
