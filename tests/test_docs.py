@@ -170,3 +170,25 @@ def test_every_module_is_in_the_readme_layout_table():
     modules = sorted(str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if p.name != "__init__.py")
     assert [m for m in modules if m not in named and not any(m.startswith(f) for f in folders)] == []
     assert [n for n in named if not (ROOT / n).exists()] == []
+
+
+#: the longest prose line of README.md (fenced blocks, tables and headings aside)
+PROSE_WIDTH = 100
+
+
+def test_readme_prose_lines_fit_100_columns():
+    """README prose had lines of up to 462 characters in a source that wraps at ~100. A longer line
+    is allowed only when it is one unbreakable piece (after its indent and list marker): a command
+    in backticks (a test reads each from one line), or a link or code span without spaces."""
+    fence, long = False, []
+    for n, line in enumerate((ROOT / "README.md").read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if fence or line.lstrip().startswith("|") or line.startswith("#") or len(line) <= PROSE_WIDTH:
+            continue
+        body = re.sub(r"^\s*(?:[-*]|\d+\.)?\s*", "", line)
+        one_piece = re.fullmatch(r"[(\[]?`(?:tracer|torchrun|python|pip|git) [^`]*`[.,;:)]*", body) or " " not in body.strip()
+        if not one_piece:
+            long.append(f"README.md:{n}: {len(line)} characters")
+    assert not long, long
