@@ -91,7 +91,7 @@ def print_audit(a: Any, console: Any = None) -> None:
     for r, cells in zip(a.rows, rows):
         style = {"passed": "green", "failed": "red", "skipped": "dim"}[r.status]
         t.add_row(*(Text(shorten_left(cells[k], wid[k]) if k == "first" and " " not in cells[k] else cells[k])
-                    for k in fit.columns), style=style)  # Text: a reason's "'.[vllm]'" is not read as markup
+                    for k in fit.columns), style=style)  # Text: a reason's "pip install -e '.[extra]'" is not markup
     print_whole(console, t, fit.width)  # too narrow even so: wider, never cut
     if fit.dropped:
         print_fitted(console, f"left out to fit {console.width} columns: {', '.join(heads[k] for k in fit.dropped)} "
