@@ -331,7 +331,7 @@ def misplaced_tests(root: Path) -> list[str]:
             ok = rel.name.startswith("test_") and any(rel.stem == f"test_{m}" or rel.stem.startswith(f"test_{m}_")
                                                       for m in top_modules)
         elif len(rel.parts) == 2 and rel.parts[0] in STAGE_FOLDERS:
-            if rel.name == "__init__.py":
+            if rel.name in ("__init__.py", "conftest.py"):  # a folder's shared fixtures
                 continue
             stage = PKG / rel.parts[0]
             modules = {p.stem for p in stage.glob("*.py")} | {p.name for p in stage.iterdir() if (p / "__init__.py").exists()}

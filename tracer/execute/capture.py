@@ -21,7 +21,7 @@ from tracer.execute.graphs import graph_chunks, recording as _recording
 from tracer.execute.handles import Hooks
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint, discover_points
-from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.execute.records import CaptureRecord, RecordsView, RunRecord
 from tracer.load.hf_cache import cached_state
 
 #: kinds whose module output is a fresh tensor nothing modifies afterwards (the residual stream and
@@ -428,7 +428,7 @@ def host_copies(captures: dict[str, CaptureRecord]) -> tuple[dict[str, CaptureRe
     return out, wait
 
 
-class Captured:
+class Captured(RecordsView):
     """The notebook capture (:func:`tracer.capture`): every forward pass of the model inside the
     ``with`` block is captured, no other call needed.
 
@@ -518,22 +518,6 @@ class Captured:
     def token_ids(self) -> list[int]:
         """Batch row 0's input ids of every captured call, in call order."""
         return list(self._capture.token_ids)
-
-    def __getitem__(self, name: str) -> CaptureRecord:
-        recs = self.records()
-        if name not in recs:
-            raise KeyError(f"no capture point {name!r}; captured: {', '.join(list(recs)[:6])}, ...")
-        return recs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.records())
-
-    def __len__(self) -> int:
-        return len(self.records())
-
-    def keys(self) -> list[str]:
-        """The capture names, in execution order."""
-        return list(self.records())
 
     def run_record(self, name: str = "A") -> RunRecord:
         """The capture as a :class:`~tracer.execute.records.RunRecord` (window: every captured position).

@@ -13,7 +13,7 @@ and what its scheduler did (:class:`SchedulerFacts`, a run's ``meta["scheduler"]
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -366,3 +366,33 @@ def settle_wall(rec: RunRecord) -> RunRecord:
         end.synchronize()
         rec.meta["wall_s"] = start.elapsed_time(end) / 1000.0
     return rec
+
+
+class RecordsView:
+    """The read-only mapping face of a capture (capture name → :class:`CaptureRecord`, in execution
+    order) for a class that defines ``records()``; a class with a ``not_captured`` dict (name →
+    reason) gets that reason in the ``KeyError`` of a name it holds.
+
+    Raises:
+        KeyError: ``view[name]`` of a name not captured (the reason, or the first captured names).
+    """
+
+    def records(self) -> dict[str, "CaptureRecord"]:  # pragma: no cover - defined by the class
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> "CaptureRecord":
+        recs = self.records()
+        if name not in recs:
+            why = (getattr(self, "not_captured", None) or {}).get(name)
+            raise KeyError(f"no capture point {name!r}" + (f" ({why})" if why else f"; captured: {', '.join(list(recs)[:6])}, ..."))
+        return recs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records())
+
+    def __len__(self) -> int:
+        return len(self.records())
+
+    def keys(self) -> list[str]:
+        """The capture names, in execution order."""
+        return list(self.records())

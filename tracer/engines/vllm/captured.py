@@ -23,19 +23,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from tracer.errors import TracerError
 from tracer.execute.points import discover_points
-from tracer.execute.records import CaptureRecord, RunRecord
+from tracer.execute.records import CaptureRecord, RecordsView, RunRecord
 from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.remote import RemoteCapture
 from tracer.engines.vllm.engine import VllmEngine, VllmSettings, engine_map, ref_layout, vllm
 
 
-class VllmCaptured:
+class VllmCaptured(RecordsView):
     """A read-only mapping of HF capture name → :class:`~tracer.execute.records.CaptureRecord`
     (``(T, *feature)`` over the traced request's computed positions), filled when the block ends.
 
@@ -136,23 +136,6 @@ class VllmCaptured:
         if self._records is None:
             raise TracerError("the vLLM capture is filled when the with-block ends; read it after the block")
         return self._records
-
-    def __getitem__(self, name: str) -> CaptureRecord:
-        recs = self.records()
-        if name not in recs:
-            why = self.not_captured.get(name)
-            raise KeyError(f"no capture point {name!r}" + (f" ({why})" if why else f"; captured: {', '.join(list(recs)[:6])}, ..."))
-        return recs[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.records())
-
-    def __len__(self) -> int:
-        return len(self.records())
-
-    def keys(self) -> list[str]:
-        """The capture names, in execution order."""
-        return list(self.records())
 
     def run_record(self, name: str = "vllm") -> RunRecord:
         """The capture as a :class:`~tracer.execute.records.RunRecord` (window: the computed positions)."""

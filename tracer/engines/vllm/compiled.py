@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from tracer.engines.dumps.hidden_states import check_slots
 from tracer.engines.dumps.namemap import map_dump
