@@ -185,3 +185,13 @@ def test_the_hidden_states_folder_is_in_memory_only_with_room_for_two_files():
     finally:
         shutil.rmtree(small), shutil.rmtree(huge)
 
+
+def test_cuda_graph_modes_are_asked_of_a_compiled_engine_only(loaded):
+    """``cudagraph_mode`` reaches vLLM's compilation_config of a compiled engine (everything else
+    vLLM's default); on an eager engine it is refused in one line."""
+    kw = ve._settings_for(loaded, ve.VllmSettings(compiled=True, cudagraph_mode="NONE"))
+    assert kw["compilation_config"] == {"cudagraph_mode": "NONE"} and "enforce_eager" not in kw
+    assert "compilation_config" not in ve._settings_for(loaded, ve.VllmSettings(compiled=True))
+    with pytest.raises(TracerError, match="needs compiled=True") as e:
+        ve.VllmSettings(cudagraph_mode="NONE").check()
+    assert "\n" not in str(e.value)

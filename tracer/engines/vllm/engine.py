@@ -125,7 +125,9 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
-    compile_args = {} if s.compiled else {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
+    compile_args = {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
+    if s.compiled:  # vLLM's default compilation; its CUDA graphs as asked
+        compile_args = {"compilation_config": {"cudagraph_mode": s.cudagraph_mode}} if s.cudagraph_mode else {}
     if s.kv_role:  # a KV connector (tracer.engines.vllm.connector)
         from vllm.config import KVTransferConfig
 
