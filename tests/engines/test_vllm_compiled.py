@@ -143,3 +143,55 @@ def test_a_planted_perturbation_in_a_compiled_layer_is_found_at_that_layer(loade
     diverged = [p.name for p in c.points if p.diff.n_diff]
     assert diverged and diverged[0] == f"model.layers.{k}"
     assert all(not p.diff.n_diff for p in c.points[:[q.name for q in c.points].index(f"model.layers.{k}")])
+
+
+class _Remote:
+    remote = True
+
+
+def test_a_remote_engines_file_is_read_once_its_writer_lets_go_of_the_lock(tmp_path):
+    """The caller sleeps on the connector's lock (no poll): a file whose lock is held is not ready,
+    and the wait ends when the writer closes its lock; a lock never let go ends in one line."""
+    import fcntl
+    import os
+    import threading
+
+    path = str(tmp_path / "req.safetensors")
+    writer = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
+    fcntl.flock(writer, fcntl.LOCK_EX)  # as the connector holds it from the request's first step
+    Path(path).write_bytes(b"written")
+    with pytest.raises(TracerError, match="did not write its hidden-states file") as e:
+        wait_for(path, _Remote(), timeout=0.2)
+    assert "\n" not in str(e.value)
+    threading.Timer(0.2, os.close, args=(writer,)).start()  # the writer lets go a little later
+    wait_for(path, _Remote(), timeout=60)
+
+
+def test_the_hidden_states_folder_is_in_memory_only_with_room_for_two_files():
+    """``/dev/shm`` holds the files when it has room for two of the largest; else the temporary
+    folder (a container's 64 MiB ``/dev/shm`` would fail vLLM's write)."""
+    import os
+    import shutil
+    import tempfile
+
+    from tracer.engines.vllm.hidden_states import outputs_folder
+
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        pytest.skip("no writable /dev/shm here")
+    small, huge = outputs_folder(1 << 20), outputs_folder(shutil.disk_usage("/dev/shm").free)
+    try:
+        assert Path(small).parent == Path("/dev/shm")
+        assert Path(huge).parent == Path(tempfile.gettempdir())
+    finally:
+        shutil.rmtree(small), shutil.rmtree(huge)
+
+
+def test_cuda_graph_modes_are_asked_of_a_compiled_engine_only(loaded):
+    """``cudagraph_mode`` reaches vLLM's compilation_config of a compiled engine (everything else
+    vLLM's default); on an eager engine it is refused in one line."""
+    kw = ve._settings_for(loaded, ve.VllmSettings(compiled=True, cudagraph_mode="NONE"))
+    assert kw["compilation_config"] == {"cudagraph_mode": "NONE"} and "enforce_eager" not in kw
+    assert "compilation_config" not in ve._settings_for(loaded, ve.VllmSettings(compiled=True))
+    with pytest.raises(TracerError, match="needs compiled=True") as e:
+        ve.VllmSettings(cudagraph_mode="NONE").check()
+    assert "\n" not in str(e.value)

@@ -47,7 +47,8 @@ def slot_module(slot: int) -> str:
 
 def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any = None) -> RawDump:
     """The :class:`RawDump` of one hidden-states file (one step, positions 0..T-1, one entry per
-    slot named by :func:`slot_module`; the slot count is ``facts["hidden_state_slots"]``).
+    slot named by :func:`slot_module`, each a contiguous ``[T, hidden]`` view of one copy of the rows
+    regrouped by slot, charged to ``ledger``; the slot count is ``facts["hidden_state_slots"]``).
 
     Raises:
         TracerError: ``hidden_states`` not ``[T, slots, hidden]`` of a floating dtype, ``token_ids``
@@ -66,8 +67,11 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
     if ledger is not None:
         ledger.charge(ids.numel() * 16, f"{path}: the int64 ids and positions of its {ids.numel():,} tokens")
     tokens = {0: {"input_ids": ids.to(torch.long), "positions": torch.arange(ids.numel()), "file": path}}
+    if ledger is not None:
+        ledger.charge(hs.numel() * hs.element_size(), f"{path}: its rows regrouped by layer")
+    by_slot = hs.permute(1, 0, 2).contiguous()  # one copy; a slot's rows then lie together (no strided copy each)
     entries = [DumpEntry(name=f"hidden_states[:, {j}]", module=slot_module(j), element=None, step=0, tp_rank=0,
-                         tp_size=1, pp_rank=0, dims=None, tensor=hs[:, j], file=path) for j in range(hs.shape[1])]
+                         tp_size=1, pp_rank=0, dims=None, tensor=by_slot[j], file=path) for j in range(hs.shape[1])]
     return RawDump(path=path, layout=LAYOUT, engine="vLLM hidden states", entries=entries, tokens=tokens,
                    facts={"framework": "vllm", "hidden_state_slots": int(hs.shape[1])})
 

@@ -12,7 +12,9 @@ dropped silently. The map format is documented in ``hooks/engine-llama.toml``; m
 from __future__ import annotations
 
 import fnmatch
+import gc
 import hashlib
+import itertools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -249,10 +251,25 @@ def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: in
 def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     """Express ``raw`` as HF capture points of ``ref`` over one contiguous range of positions.
 
+    Python's cyclic garbage collector is paused meanwhile: the mapping builds a ``(tensor, row)``
+    pair per position and point (freed by reference counting), whose allocations would otherwise
+    run full collections over the whole heap (a vLLM process's is large): 2/3 of the mapping's
+    time for 4096 tokens × 29 layers, measured.
+
     Raises:
         TracerError: an engine name with no rule and no ignore pattern, inconsistent shards, a
             tensor whose rows do not match its step's token count, token ids that match nowhere.
     """
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        return _map_dump(raw, ref, emap)
+    finally:
+        if paused:
+            gc.enable()
+
+
+def _map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     plan, notes = align_steps(raw, ref.token_ids)
     settings = emap.get("settings", {})
     if settings.get("kv_heads"):
@@ -370,6 +387,9 @@ def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: lis
         full_b, index = request[a]
         if last and full_b != b:
             continue
+        if not last and not slot:  # the name's first rows: no position is placed twice (one update in C)
+            slot.update(zip(range(pos, pos + b - a), zip(itertools.repeat(t), range(a, b))))
+            continue
         pairs = [(pos + (b - a) - 1, index)] if last else list(zip(range(pos, pos + b - a), range(a, b)))
         again = [(p, r) for p, r in pairs if p in slot]
         slot.update((p, (t, r)) for p, r in pairs if p not in slot)
@@ -409,8 +429,8 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
     if not inside:
         raise TracerError(f"{raw.path}: the dump covers positions {ranges(dumped)} but the reference kept {w0}..{w1 - 1}; "
                           "no position is on both sides (trace the reference with --positions all)")
-    lo = inside[-1]
-    while lo - 1 in set(inside):
+    lo, kept = inside[-1], set(inside)
+    while lo - 1 in kept:  # the run of dumped positions that ends at the last one
         lo -= 1
     hi = inside[-1] + 1
     if w0 < lo or hi < w1:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -45,30 +47,60 @@ def _why_missing(kind: str) -> str:
             "embedding and the decoder layers' outputs only")
 
 
+def _ready(path: str) -> bool:
+    """The file exists and its lock (``path + ".lock"``) is gone or free: the connector wrote it."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _block_on_lock(path: str, timeout: float) -> None:
+    """Sleep until the writer holding ``path + ".lock"`` releases it (a shared ``flock``, taken in a
+    thread so that the wait ends after ``timeout`` seconds); at once when there is no lock file."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    waiter = threading.Thread(target=fcntl.flock, args=(fd, fcntl.LOCK_SH), daemon=True)
+    waiter.start()
+    waiter.join(max(timeout, 0.0))
+    if not waiter.is_alive():
+        os.close(fd)  # a waiter still blocked keeps its descriptor (it ends with the process)
+
+
 def wait_for(path: str, eng: Any, timeout: float = WAIT_S) -> None:
-    """Wait until vLLM's connector released the file's lock (``path + ".lock"``; the file is complete
-    then), stepping an in-process engine meanwhile (its connector writes in a later step).
+    """Wait until vLLM's connector wrote ``path`` and released its lock (``path + ".lock"``). An
+    in-process engine is stepped (its connector writes in the step after the request finished, so
+    one step is the wait); a remote engine core writes on its own: the caller sleeps on the lock
+    (the connector takes it before vLLM returns the path) and polls only while no file is there.
 
     Raises:
         TracerError: no file after ``timeout`` seconds (one line).
     """
-    lock, t0 = Path(path + ".lock"), time.monotonic()
+    t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if Path(path).is_file():
-            if not lock.exists():
-                return
-            with open(lock) as f:
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    return
-                except OSError:
-                    pass
+        if _ready(path):
+            return
         if not eng.remote:
             with contextlib.suppress(Exception), eng.active():
                 eng.llm.llm_engine.step()
-        # an in-process step is the wait (its connector writes then); a remote one writes on its own: poll
-        # finely (the H200's whole compiled request takes ~23 ms at N = 1024)
-        time.sleep(0.001 if not eng.remote else 0.005)
+            if _ready(path):
+                return
+        else:
+            _block_on_lock(path, timeout - (time.monotonic() - t0))
+            if _ready(path):
+                return
+        time.sleep(0.001)  # no file yet (nor a lock to sleep on): look again shortly
     raise TracerError(f"vLLM did not write its hidden-states file {path} within {timeout:.0f} s of the request "
                       "finishing; check vLLM's log (engine facts: log) for the connector's error")
 

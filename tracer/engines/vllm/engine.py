@@ -125,7 +125,9 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * loaded.model.dtype.itemsize
     kv_bytes = s.kv_cache_memory_bytes or max(64 << 20, -(-(per_token * max_len * 4) // (1 << 20)) << 20)
     backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
-    compile_args = {} if s.compiled else {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
+    compile_args = {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
+    if s.compiled:  # vLLM's default compilation; its CUDA graphs as asked
+        compile_args = {"compilation_config": {"cudagraph_mode": s.cudagraph_mode}} if s.cudagraph_mode else {}
     if s.kv_role:  # a KV connector (tracer.engines.vllm.connector)
         from vllm.config import KVTransferConfig
 
@@ -363,12 +365,11 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
     before = torch.get_num_threads()
     hidden, outputs = {}, None
     if settings.compiled or settings.hidden_states:  # vLLM writes each request's layer outputs to a folder of its own
-        import tempfile
+        from tracer.engines.vllm.hidden_states import llm_kwargs, outputs_folder
 
-        from tracer.engines.vllm.hidden_states import llm_kwargs
-
-        outputs = tempfile.mkdtemp(prefix="tracer-vllm-hidden-states-")
-        hidden = llm_kwargs(int(getattr(loaded.model.config.get_text_config(), "num_hidden_layers")), outputs)
+        layers = int(getattr(loaded.model.config.get_text_config(), "num_hidden_layers"))
+        outputs = outputs_folder(kwargs["max_model_len"] * (layers + 1) * _hidden_size(loaded) * loaded.model.dtype.itemsize)
+        hidden = llm_kwargs(layers, outputs)
     with signals_seen() as seen, environment.quiet(f"starting vLLM {vllm.__version__} on {folder}") as log:
         if settings.batch_invariant:
             environment.enable_batch_invariant()
@@ -423,6 +424,11 @@ def check_head_size(model: Any) -> None:
         raise TracerError(f"vLLM's {backend.get_name()} attention backend has no kernel for this model's head size "
                           f"{head} (it takes {sizes}); trace a model with one of those head sizes on vLLM "
                           f"(e.g. smollm2-135m), or run it on --engine hf")
+
+
+def _hidden_size(loaded: Any) -> int:
+    cfg = loaded.model.config
+    return int(getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "hidden_size"))
 
 
 def _release(old: VllmEngine) -> None:

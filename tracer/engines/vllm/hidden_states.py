@@ -31,6 +31,20 @@ CONNECTOR = "HostHiddenStatesConnector"
 MODULE = "tracer.engines.vllm.hidden_states"
 
 
+def host_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (``[T, slots, hidden]``, the fresh copy ``extract_from_kv_cache`` gathers) on the host,
+    contiguous, in one copy: a device's rows through pinned memory (torch's caching host allocator
+    keeps the buffer for the next request), a host's rows as they are (no second copy)."""
+    if rows.device.type == "cpu":
+        return rows.contiguous()
+    try:
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    except RuntimeError:  # a device without pinned host memory: a plain copy
+        return rows.to("cpu").contiguous()
+    host.copy_(rows)  # synchronous: the write below reads it
+    return host
+
+
 class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[misc,valid-type]
     """``ExampleHiddenStatesConnector`` writing synchronously (module docstring); TP rank 0 writes."""
 
@@ -44,7 +58,7 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[m
         offsets = torch.arange(0, self._block_size, dtype=torch.long)
         slots = (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
         rows = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0])
-        tensors = {"hidden_states": rows.to("cpu").contiguous().clone(), "token_ids": pending.token_ids.clone()}
+        tensors = {"hidden_states": host_rows(rows), "token_ids": pending.token_ids.contiguous()}
         os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
@@ -75,6 +89,22 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[m
         return done or None, None
 
 
+def outputs_folder(largest: int) -> str:
+    """A new folder for the hidden-states files, removed when this process ends (and when its engine is
+    released): in ``/dev/shm`` (memory, no disk write) where that is a writable folder with room for
+    two files of ``largest`` bytes (a request of ``max_model_len`` tokens), else in the temporary
+    folder (a container's ``/dev/shm`` is often 64 MiB)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    shm = "/dev/shm"
+    room = os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= 2 * largest
+    folder = tempfile.mkdtemp(prefix="tracer-vllm-hidden-states-", dir=shm if room else None)
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
 def llm_kwargs(n_layers: int, folder: str) -> dict[str, Any]:
     """The ``vllm.LLM`` arguments that make vLLM write every request's embedding output and the output
     of each of its ``n_layers`` decoder layers (aux hidden-state ids ``0..n_layers``) to
@@ -89,4 +119,4 @@ def llm_kwargs(n_layers: int, folder: str) -> dict[str, Any]:
                                    "kv_connector_extra_config": {"shared_storage_path": str(folder)}}}
 
 
-__all__ = ["CONNECTOR", "MODULE", "HostHiddenStatesConnector", "llm_kwargs"]
+__all__ = ["CONNECTOR", "MODULE", "HostHiddenStatesConnector", "host_rows", "outputs_folder", "llm_kwargs"]

@@ -51,6 +51,9 @@ class VllmSettings:
             captured at layers through vLLM's own hidden-states output
             (:mod:`tracer.engines.vllm.compiled`); ``enforce_eager`` and ``compilation_mode`` are
             then vLLM's own.
+        cudagraph_mode: with ``compiled``, vLLM's ``compilation_config["cudagraph_mode"]``
+            (``NONE``: compiled without CUDA graphs; ``PIECEWISE``, ``FULL_AND_PIECEWISE``, ...);
+            None: vLLM's default (``FULL_AND_PIECEWISE`` on GPUs, ``NONE`` on CPUs).
         hidden_states: vLLM also writes its own hidden-states output (the embedding and every
             layer's output per request, :mod:`tracer.engines.vllm.hidden_states`; on with ``compiled``).
         dtype: the model dtype vLLM computes in; None: the HF model's.
@@ -76,6 +79,7 @@ class VllmSettings:
     batch_invariant: bool = False
     multiprocess: bool | None = None
     compiled: bool = False
+    cudagraph_mode: str | None = None
     hidden_states: bool = False
     dtype: str | None = None
     kv_cache_dtype: str = "auto"
@@ -91,6 +95,9 @@ class VllmSettings:
                               f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
                               "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0), or compiled "
                               "at layers (compiled=True: vLLM's hidden-states output)")
+        if self.cudagraph_mode is not None and not self.compiled:
+            raise TracerError(f"vLLM cudagraph_mode {self.cudagraph_mode!r} needs compiled=True (an eager engine has no "
+                              "CUDA graphs); set compiled=True or leave cudagraph_mode None")
         if self.kv_role and (self.compiled or self.hidden_states):
             raise TracerError("a KV connector hand-over (prefill-decode) and vLLM's hidden-states output (compiled) "
                               "both need vLLM's one KV connector slot: run them separately")
