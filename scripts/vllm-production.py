@@ -90,7 +90,9 @@ def main() -> None:
                "compilation_mode_b": facts_b["compilation_mode"], "cudagraph_mode_b": facts_b["cudagraph_mode"]}
         print("scenario:", json.dumps(row), flush=True)  # kept even if the timing below fails
         # the compiled capture's time against a plain compiled LLM (no hidden-states connector), interleaved
-        settings = ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, **backend)
+        # room for the request (vLLM's default max_model_len is below N = 4096 here)
+        settings = ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, max_model_len=max(n + 16, 2048),
+                                   **backend)
         eng = ve.engine_for(loaded, settings)
         plan = RunPlan("A", ((0, n),), "one pass", engine="vllm")
         points = discover_points(loaded.model, "layers")
