@@ -20,7 +20,9 @@ interleaved, median of ``--reps``. Writes ``OUT/rows.jsonl`` and ``OUT/table.md`
 graphs) answers whether a CUDA graph's batch padding changes a request's bits: the same request on
 two compiled engines that differ only in ``compilation_config["cudagraph_mode"]`` (vLLM's default,
 piecewise graphs for a prefill, vs ``NONE``), both writing vLLM's hidden-states output; every layer
-compared bit for bit. A prefill of N tokens replays a graph only when N is at most vLLM's
+compared bit for bit; and a third engine whose graphs are recorded at exactly those lengths
+(``cudagraph_capture_sizes``), so the default engine against it differs only in the padding (a
+length that is a capture size of both is the control). A prefill of N tokens replays a graph only when N is at most vLLM's
 ``max_cudagraph_capture_size`` (512 by default), padded up to the next capture size (96 and 128
 are capture sizes, 100 is padded to 104); a longer one runs compiled without a graph, so the
 N = 1024 and 4096 rows above compare eager with compiled, not with graphs. Writes
@@ -152,7 +154,10 @@ def graph_rows(loaded, args, out: Path, vocab: int) -> None:
     # the max_model_len of the longest --lengths run: the graphs engine is then the compile scenario's (no new compile)
     base = settings_of(RunPlan("A", ((0, longest),), "longest", engine="vllm"), "auto",
                        {"settings": ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, **backend)})
-    engines = {mode: replace(base, cudagraph_mode=mode) for mode in (None, "NONE")}
+    # vLLM's default graphs (a length that is not a capture size is padded up), no graphs, and graphs
+    # recorded at exactly the asked lengths (no padding): default vs exact differ only in the padding
+    engines = {None: base, "NONE": replace(base, cudagraph_mode="NONE"),
+               "exact": replace(base, cudagraph_capture_sizes=tuple(sorted(set(lengths))))}
     rows = []
     for n in lengths:
         ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(n))]
@@ -168,23 +173,32 @@ def graph_rows(loaded, args, out: Path, vocab: int) -> None:
         names = [p for p in runs[None] if p in runs["NONE"]]
         differ = {p: int((runs[None][p].tensor != runs["NONE"][p].tensor).sum()) for p in names}
         first = next((p for p in names if differ[p]), None)
-        row = {"model": args.model, "n": n, "graphs": facts[None], "no_graphs": facts["NONE"],
+        # the padding alone: the default graph (padded to the next capture size) vs a graph recorded at n
+        pad_diff = {p: int((runs[None][p].tensor != runs["exact"][p].tensor).sum()) for p in names}
+        pad_first = next((p for p in names if pad_diff[p]), None)
+        row = {"model": args.model, "n": n, "graphs": facts[None], "no_graphs": facts["NONE"], "exact": facts["exact"],
                "layers": len(names), "layers_differing": sum(1 for p in names if differ[p]), "first": first,
                "first_n_diff": differ.get(first, 0), "numel": runs[None][names[-1]].tensor.numel(),
-               "last_layer_n_diff": differ[names[-1]]}
+               "last_layer_n_diff": differ[names[-1]],
+               "padding_first": pad_first, "padding_first_n_diff": pad_diff.get(pad_first, 0),
+               "padding_layers_differing": sum(1 for p in names if pad_diff[p])}
         rows.append(row)
         with open(out / "graphs.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         print("graphs:", json.dumps(row), flush=True)
     lines = ["| model | N | padded to (graph) | graphs vs NONE: first differing layer (elements) | layers differing | "
-             "last layer |", "|---|---|---|---|---|---|"]
+             "last layer | padded graph vs graph recorded at N: first differing layer (elements) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r["graphs"]
         pad = (f"{g['padded_to']} ({g['cudagraph_mode']})" if g["padded_to"] else
                f"no graph (N > {g['max_capture_size']})" if g["max_capture_size"] else "capture sizes not read")
         first = "bit-identical" if r["first"] is None else f"`{r['first']}` ({r['first_n_diff']:,} / {r['numel']:,})"
+        padding = ("bit-identical" if r["padding_first"] is None else
+                   f"`{r['padding_first']}` ({r['padding_first_n_diff']:,} / {r['numel']:,}; "
+                   f"{r['padding_layers_differing']} layers)")
         lines.append(f"| {r['model']} | {r['n']} | {pad} | {first} | {r['layers_differing']} / {r['layers']} | "
-                     f"{r['last_layer_n_diff']:,} / {r['numel']:,} |")
+                     f"{r['last_layer_n_diff']:,} / {r['numel']:,} | {padding} |")
     (out / "graphs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -192,6 +192,9 @@ def test_cuda_graph_modes_are_asked_of_a_compiled_engine_only(loaded):
     kw = ve._settings_for(loaded, ve.VllmSettings(compiled=True, cudagraph_mode="NONE"))
     assert kw["compilation_config"] == {"cudagraph_mode": "NONE"} and "enforce_eager" not in kw
     assert "compilation_config" not in ve._settings_for(loaded, ve.VllmSettings(compiled=True))
-    with pytest.raises(TracerError, match="needs compiled=True") as e:
-        ve.VllmSettings(cudagraph_mode="NONE").check()
-    assert "\n" not in str(e.value)
+    kw = ve._settings_for(loaded, ve.VllmSettings(compiled=True, cudagraph_capture_sizes=(96, 100, 128)))
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [96, 100, 128]}
+    for bad in (ve.VllmSettings(cudagraph_mode="NONE"), ve.VllmSettings(cudagraph_capture_sizes=(100,))):
+        with pytest.raises(TracerError, match="need compiled=True") as e:
+            bad.check()
+        assert "\n" not in str(e.value)

@@ -127,7 +127,10 @@ def _settings_for(loaded: Any, s: VllmSettings) -> dict[str, Any]:
     backend = {"attention_backend": s.attention_backend} if s.attention_backend else {}
     compile_args = {"enforce_eager": s.enforce_eager, "compilation_config": {"mode": s.compilation_mode}}
     if s.compiled:  # vLLM's default compilation; its CUDA graphs as asked
-        compile_args = {"compilation_config": {"cudagraph_mode": s.cudagraph_mode}} if s.cudagraph_mode else {}
+        graphs = {k: v for k, v in (("cudagraph_mode", s.cudagraph_mode),
+                                    ("cudagraph_capture_sizes", s.cudagraph_capture_sizes and list(s.cudagraph_capture_sizes)))
+                  if v}
+        compile_args = {"compilation_config": graphs} if graphs else {}
     if s.kv_role:  # a KV connector (tracer.engines.vllm.connector)
         from vllm.config import KVTransferConfig
 

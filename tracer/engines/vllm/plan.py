@@ -54,6 +54,9 @@ class VllmSettings:
         cudagraph_mode: with ``compiled``, vLLM's ``compilation_config["cudagraph_mode"]``
             (``NONE``: compiled without CUDA graphs; ``PIECEWISE``, ``FULL_AND_PIECEWISE``, ...);
             None: vLLM's default (``FULL_AND_PIECEWISE`` on GPUs, ``NONE`` on CPUs).
+        cudagraph_capture_sizes: with ``compiled``, the token counts vLLM records CUDA graphs for
+            (``compilation_config["cudagraph_capture_sizes"]``; a step of n tokens replays the
+            graph of the next size up, its rows padded to it); None: vLLM's default sizes.
         hidden_states: vLLM also writes its own hidden-states output (the embedding and every
             layer's output per request, :mod:`tracer.engines.vllm.hidden_states`; on with ``compiled``).
         dtype: the model dtype vLLM computes in; None: the HF model's.
@@ -80,6 +83,7 @@ class VllmSettings:
     multiprocess: bool | None = None
     compiled: bool = False
     cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
     hidden_states: bool = False
     dtype: str | None = None
     kv_cache_dtype: str = "auto"
@@ -95,9 +99,9 @@ class VllmSettings:
                               f"(enforce_eager={self.enforce_eager}, compilation mode {self.compilation_mode}) hides "
                               "its modules from tracer's hooks; run it eager (enforce_eager=True, compilation mode 0), or compiled "
                               "at layers (compiled=True: vLLM's hidden-states output)")
-        if self.cudagraph_mode is not None and not self.compiled:
-            raise TracerError(f"vLLM cudagraph_mode {self.cudagraph_mode!r} needs compiled=True (an eager engine has no "
-                              "CUDA graphs); set compiled=True or leave cudagraph_mode None")
+        if (self.cudagraph_mode is not None or self.cudagraph_capture_sizes is not None) and not self.compiled:
+            raise TracerError(f"vLLM cudagraph_mode / cudagraph_capture_sizes need compiled=True (an eager engine has no "
+                              "CUDA graphs); set compiled=True or leave them None")
         if self.kv_role and (self.compiled or self.hidden_states):
             raise TracerError("a KV connector hand-over (prefill-decode) and vLLM's hidden-states output (compiled) "
                               "both need vLLM's one KV connector slot: run them separately")
