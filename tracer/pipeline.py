@@ -55,7 +55,7 @@ from tracer.plan.rollout import mitigation_variants
 from tracer.run_result import RunResult
 from tracer.store.handoff import hand_over, store_auto
 from tracer.store.header import TraceHeader, block_facts
-from tracer.store.trace import TraceWriter, collect_environment, default_output, json_safe
+from tracer.store.trace import TraceWriter, collect_environment, default_output
 
 Say = Callable[[str], None]
 
@@ -373,7 +373,7 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
         if writer is not None and partials is not None:
             writer.add_run(partials)  # asked for with --tp-partials: written whole, outside the budget
     if writer is not None and comparison_key is not None:
-        writer.add_comparison(comparison_key, json_safe(comparison.to_dict()))
+        writer.add_comparison(comparison_key, comparison.to_dict(), safe=True)  # json_safe's text
     # online: the device copies have served their purpose; else the host copies (landed: the
     # writer waited for them) replace the device tensors
     kept = tuple(without_tensors(r) for r in records) if online and budget is None else tuple(host_records)

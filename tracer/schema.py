@@ -42,8 +42,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 import numbers
+import operator
 import types
 import typing
 from collections.abc import Mapping
@@ -191,33 +193,63 @@ def encode(x: Record) -> dict[str, Any]:
         ValueError: two fields claim one key, or a field sits inside a field that is None while
             it has a value other than its default.
     """
+    cls = type(x)
+    own, values, order, any_list = _encoding(cls)
     doc: dict[str, Any] = {}
     slots: dict[str, list[str]] = {}  # a flattened field's keys, for the order of the document
-    own = sorted(fields_of(type(x)), key=lambda f: len(f.path))  # stable: a companion after its owner
-    sparse = type(x).schema_sparse
-    for f in own:
-        raw = getattr(x, f.name)
+    sparse = cls.schema_sparse
+    for (f, key, viewed), raw in zip(own, values(x)):
         if sparse and raw is None and f.default is None:  # a fact that is not known is not written
             continue
-        value = encode_value(raw)
-        if isinstance(value, dict) and (f.layout.rename or f.layout.inline):
+        value = raw if type(raw) in _PLAIN else encode_value(raw)
+        if viewed and isinstance(value, dict):
             value = _view(value, f.layout)
         if f.layout.flatten:
-            _merge(doc, value, f"{type(x).__name__}.{f.name}")
+            _merge(doc, value, f"{cls.__name__}.{f.name}")
             slots[f.name] = list(value)
+        elif key is not None and key not in doc:  # a key of its own: placed at once
+            doc[key] = value
         else:
-            _place(doc, f, value, getattr(x, f.name), type(x).__name__)
-    _lists(doc, own)
+            _place(doc, f, value, raw, cls.__name__)
+    if any_list:
+        _lists(doc, fields_of(cls))
     x.schema_extras(doc)
-    order = dict.fromkeys(k for f in fields_of(type(x)) for k in slots.get(f.name, [f.path[0]]))
+    if type(order) is not tuple:  # a flattened field: its keys, as encoded, take its place in the order
+        order = dict.fromkeys(itertools.chain.from_iterable([slots.get(n, k) for n, k in order]))
     return {**{k: doc[k] for k in order if k in doc}, **doc}
+
+
+@functools.cache
+def _encoding(cls: type) -> tuple[tuple[tuple[_Field, str | None, bool], ...], Callable[[Any], tuple], Any, bool]:
+    """What :func:`encode` derives from ``cls``'s fields alone, once per class: the fields in
+    placing order (stable: a companion after its owner), each with its key when it is a single
+    top-level name (else None) and whether a nested record is laid out by rename/inline; a getter
+    of their values in that order; the document's key order (a tuple), or where a flattened field's
+    keys decide it, ``(field name, its keys when not flattened)`` per field (a list); whether any
+    field is a list item."""
+    fields = fields_of(cls)
+    own = tuple((f, f.path[0] if len(f.path) == 1 and isinstance(f.path[0], str) else None,
+                 bool(f.layout.rename or f.layout.inline)) for f in sorted(fields, key=lambda f: len(f.path)))
+    get = operator.attrgetter(*(f.name for f, _, _ in own)) if own else (lambda x: ())
+    values = get if len(own) != 1 else (lambda x: (get(x),))
+    order: Any = tuple(dict.fromkeys(f.path[0] for f in fields))
+    if any(f.layout.flatten for f in fields):
+        order = [(f.name, (f.path[0],)) for f in fields]
+    return own, values, order, any(isinstance(f.path[-1], int) for f in fields)
 
 
 def encode_value(v: Any) -> Any:
     """The JSON-able form of one field value (see the module docstring)."""
-    if type(v) in _PLAIN:
+    kind = type(v)  # the exact types first, plain values of a container without a call: thousands per comparison
+    if kind in _PLAIN:
         return v
-    if isinstance(v, (list, tuple)) and all(type(x) in _PLAIN for x in v):  # a row of numbers: as is
+    if kind is list or kind is tuple:
+        if _PLAIN.issuperset(map(type, v)):  # a row of numbers: as is
+            return list(v)
+        return [x if type(x) in _PLAIN else encode_value(x) for x in v]
+    if kind is dict:
+        return {k: x if type(x) in _PLAIN else encode_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)) and _PLAIN.issuperset(map(type, v)):
         return list(v)
     if isinstance(v, Record):
         return encode(v)

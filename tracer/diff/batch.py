@@ -490,14 +490,14 @@ class DiffBatch:
         p1, sq, sums, maxes, cnt, max_ulp = (acc[k] for k in ("p1", "sq", "sums", "maxes", "cnt", "max_ulp"))
         first = np.fromiter((segs[0] for segs in self._pairs), np.int64, len(self._pairs))
         rows = [x[first].tolist() for x in (p1, sums, cnt, maxes, sq, max_ulp)]  # one conversion per statistic
-        out = []
+        out, per_pair = [], list(zip(*rows))  # no generator per pair (a run compares hundreds)
         for i, segs in enumerate(self._pairs):
             if len(segs) == 1:
-                q1, q2, c, mx, s_eq, mu = (r[i] for r in rows)
+                q1, q2, c, mx, s_eq, mu = per_pair[i]
             else:
                 q1, q2, c = p1[segs].sum(0).tolist(), sums[segs].sum(0).tolist(), cnt[segs].sum(0).tolist()
                 mx, s_eq, mu = maxes[segs].max(0).tolist(), float(sq[segs].sum()), int(max_ulp[segs].max())
-            out.append((sum(self._seg_n[s] for s in segs), q1, q2, c, mx, s_eq, mu))
+            out.append((sum(map(self._seg_n.__getitem__, segs)), q1, q2, c, mx, s_eq, mu))
         return out
 
     def results(self) -> list[TensorDiff]:

@@ -195,8 +195,11 @@ class Capture(Hooks):
             if self._call is None:
                 return  # a forward outside a declared call (e.g. a warm-up): ignore
             start, stop, row, col = self._call
-            ins = _shapes(args) or _shapes(kwargs.get("hidden_states")) or _shapes(kwargs.get("input"))
-            out = _first_tensor(output)
+            # the common call, one tensor in and out, without the recursive walks (93 hooks a run)
+            one = args[0] if len(args) == 1 else None
+            ins = ([list(one.shape)] if type(one) is torch.Tensor else
+                   _shapes(args) or _shapes(kwargs.get("hidden_states")) or _shapes(kwargs.get("input")))
+            out = output if type(output) is torch.Tensor else _first_tensor(output)
             call = {"positions": [start, stop], "in": ins, "out": [] if out is None else [list(out.shape)]}
             for p, reads_input, calls, chunks, referable, calls_recorded, recorded in plan:
                 if reads_input:
@@ -238,10 +241,11 @@ class Capture(Hooks):
         ``[start, stop)`` from column ``col``) as this capture keeps it (a view, a device copy or
         a host copy), or None when the call computes none of the window; ``referable``: the point's
         kind may be kept by reference (:meth:`_by_reference`)."""
-        if t.dim() < 2:
+        dims = t.dim()
+        if dims < 2:
             raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
         n = stop - start
-        if t.dim() == 4 and self._axis(p.name, t, col + n) == 2:
+        if dims == 4 and self._axis(p.name, t, col + n) == 2:
             t = t.transpose(1, 2)  # (B, H, S, D), e.g. Gemma 3's q/k norms after the head transpose → (B, S, H, D)
         if t.shape[1] < col + n:
             raise TracerError(
@@ -250,7 +254,10 @@ class Capture(Hooks):
             )
         if not 0 <= row < t.shape[0]:
             raise TracerError(f"capture point {p.name}: output has batch {t.shape[0]}, the traced prompt is row {row}")
-        lo, hi = (start, stop) if p.full else (max(start, self.window[0]), min(stop, self.window[1]))
+        lo, hi = start, stop
+        if not p.full:  # the window's part of the call (comparisons, not max/min: a call each)
+            w0, w1 = self.window
+            lo, hi = (w0 if w0 > start else start), (w1 if w1 < stop else stop)
         if lo >= hi:
             return None
         # (T, *feature): the window of batch row `row`, one view op (select + narrow in one)

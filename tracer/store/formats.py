@@ -13,6 +13,7 @@ code. An unknown version is refused with a one-line error naming the versions th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -116,16 +117,37 @@ def format_of(handle: Any) -> TraceFormat:
     raise TracerError(f"{type(handle).__name__} is not a capture point of a trace; pass what TraceReader.captures() returns")
 
 
-def json_dumps(value: Any, what: str) -> str:
+def json_dumps(value: Any, what: str, *, safe: bool = False) -> str:
     """``json.dumps(value)``, or a one-line error naming ``what`` when it is not JSON-serialisable.
+
+    ``safe``: strict JSON, a non-finite float written as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"``: the same text as ``json.dumps(tracer.store.trace.json_safe(value))``, without its
+    walk over every value in Python (a comparison's document holds thousands): the bare tokens
+    ``Infinity``/``-Infinity``/``NaN`` that :func:`json.dumps` writes outside its strings are
+    replaced in the text.
 
     Raises:
         TracerError: ``value`` holds something JSON cannot encode.
     """
     try:
-        return json.dumps(value)
+        text = json.dumps(value)
     except (TypeError, ValueError) as e:
         raise TracerError(f"{what} is not JSON-serialisable ({e}); pass plain str/int/float/bool/list/dict values") from None
+    if not safe or ("NaN" not in text and "Infinity" not in text):
+        return text
+    parts, end = [], 0
+    for m in _TOKENS.finditer(text):  # every string, skipped whole, and every bare token
+        if m.lastindex:
+            start, stop = m.span()
+            parts += (text[end:start], _SAFE[m[1]])
+            end = stop
+    parts.append(text[end:])
+    return "".join(parts)
+
+
+#: a JSON string as json.dumps writes it (ASCII, quotes and backslashes escaped), or a bare non-finite float
+_TOKENS = re.compile(r'"(?:[^"\\]++|\\.)*+"|(-?Infinity|NaN)')
+_SAFE = {"Infinity": '"inf"', "-Infinity": '"-inf"', "NaN": '"nan"'}
 
 
 def check_name(name: Any, what: str) -> None:

@@ -321,15 +321,17 @@ class TraceWriter:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def add_comparison(self, name: str, data: dict) -> None:
-        """Store a comparison result (JSON-able dict) as ``/comparisons/<name>``.
+    def add_comparison(self, name: str, data: dict, *, safe: bool = False) -> None:
+        """Store a comparison result (JSON-able dict) as ``/comparisons/<name>``; ``safe``: its
+        non-finite floats as strings, as :func:`tracer.store.trace.json_safe` writes them
+        (:func:`~tracer.store.formats.json_dumps`).
 
         Raises:
             TracerError: invalid or duplicate name, data not JSON-able, or the writer is closed.
         """
         self._require_open()
         check_name(name, "comparison")
-        text = json_dumps(data, f"comparison {name}")
+        text = json_dumps(data, f"comparison {name}", safe=safe)
         if name in self._comparisons:
             raise TracerError(f"comparison {name!r} is already in this trace; give it another name")
         self._comparisons.add(name)
