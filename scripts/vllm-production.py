@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--graph-lengths", default="", help="prompt lengths run compiled with and without CUDA graphs "
                     "(CUDA only), e.g. 96,100,128")
+    ap.add_argument("--repeat-after", type=int, default=0, help="with --graph-lengths and --lengths '': each graph "
+                    "length on one fresh compiled engine, then one request of this many tokens, then each graph "
+                    "length again, compared bit for bit (does the engine's history change a request's bits?)")
     args = ap.parse_args()
     if args.graph_lengths and not args.device.startswith("cuda"):
         print(f"--graph-lengths needs --device cuda (vLLM builds no CUDA graphs on {args.device})", file=sys.stderr)
@@ -122,7 +125,9 @@ def main() -> None:
         with open(out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
-    if args.graph_lengths:
+    if args.graph_lengths and args.repeat_after:
+        repeat_rows(loaded, args, out, vocab)
+    elif args.graph_lengths:
         graph_rows(loaded, args, out, vocab)
     lines = ["| model | N | first differing point (elements, max abs) | layers differing | last layer | "
              "bare compiled generate (s) | capture ÷ bare |", "|---|---|---|---|---|---|---|"]
@@ -133,6 +138,70 @@ def main() -> None:
         lines.append(f"| {row['model']} | {row['n']} | {first} | {row['layers_differing']} / {row['layers']} | "
                      f"{ll['n_diff']:,} / {ll['numel']:,} | {row['bare_generate_s']:.3f} | {row['capture_over_bare']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def repeat_rows(loaded, args, out: Path, vocab: int) -> None:
+    """Each of ``--graph-lengths`` on one fresh compiled engine (vLLM's default CUDA graphs), then one
+    request of ``--repeat-after`` tokens, then each length again: which layers of the same request
+    differ between its first and its second run on the same engine."""
+    import torch
+
+    from tracer.engines.vllm import engine as ve
+    from tracer.engines.vllm.plan import settings_of
+    from tracer.execute.points import discover_points
+    from tracer.plan.scenarios import RunPlan
+
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    points = discover_points(loaded.model, "layers")
+    lengths = [int(x) for x in args.graph_lengths.split(",")]
+    longest = max(*lengths, args.repeat_after)
+    settings = settings_of(RunPlan("A", ((0, longest),), "longest", engine="vllm"), "auto",
+                           {"settings": ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, **backend)})
+
+    def one(n: int, seed: int):
+        ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(seed))]
+        run, _ = ve.execute_loaded(loaded, ids, RunPlan("A", ((0, n),), "one pass", engine="vllm"), points, (0, n),
+                                   engine_options={"settings": settings})
+        return run.captures
+
+    first = {n: one(n, n) for n in lengths}
+    one(args.repeat_after, 12345)
+    again = {n: one(n, n) for n in lengths}
+    # then a second compiled LLM of the same model built, used and deleted in this process (as the
+    # capture-cost timing does with its bare LLM), and the requests once more on the first engine
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    eng = ve.engine_for(loaded, settings)
+    kw = {k: v for k, v in eng.kwargs.items() if k not in ("speculative_config", "kv_transfer_config",
+                                                             "enable_chunked_prefill")}
+    bare = vllm.LLM(model=str(eng.folder), **kw)
+    bare.generate([TokensPrompt(prompt_token_ids=list(range(100, 100 + lengths[0])))],
+                  vllm.SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    del bare
+    third = {n: one(n, n) for n in lengths}
+    lines = [f"| N | vs the same request after a {args.repeat_after}-token request | after another LLM was built, "
+             "used and deleted in the process |", "|---|---|---|"]
+    for n in lengths:
+        names = [p for p in first[n] if p in third[n]]
+        d3 = {p: int((first[n][p].tensor != third[n][p].tensor).sum()) for p in names}
+        f3 = next((p for p in names if d3[p]), None)
+        third_txt = "bit-identical" if f3 is None else f"`{f3}` ({d3[f3]:,}; {sum(1 for p in names if d3[p])} layers)"
+        print("repeat-third:", json.dumps({"n": n, "first": f3, "n_diff": d3.get(f3, 0)}), flush=True)
+        names = [p for p in first[n] if p in again[n]]
+        differ = {p: int((first[n][p].tensor != again[n][p].tensor).sum()) for p in names}
+        f = next((p for p in names if differ[p]), None)
+        row = {"n": n, "after": args.repeat_after, "first": f, "first_n_diff": differ.get(f, 0),
+               "numel": first[n][names[-1]].tensor.numel(), "layers": len(names),
+               "layers_differing": sum(1 for p in names if differ[p])}
+        with open(out / "repeat.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        print("repeat:", json.dumps(row), flush=True)
+        lines.append(f"| {n} | " + ("bit-identical" if f is None else
+                                    f"`{f}` ({row['first_n_diff']:,} / {row['numel']:,}; {row['layers_differing']} layers)")
+                     + f" | {third_txt} |")
+    (out / "repeat.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
