@@ -160,7 +160,7 @@ def check_capture_options(scen: Any, *, kernels: bool, op_replay: bool, decode: 
     """The capture and check options a planned scenario (``scen``: a
     :class:`~tracer.plan.plans.Scenario`) cannot take, refused before any model loads: ``prefill-decode``
     decodes ``--new-tokens`` itself, so ``--kernels``, ``--op-replay`` and ``--decode`` are refused
-    (its executor, :func:`tracer.engines.vllm.transfer.execute_run`, would refuse them only after
+    (its engine's executor would refuse them only after
     both engines had loaded).
 
     Raises:
