@@ -212,3 +212,59 @@ def test_a_crash_in_native_code_leaves_the_python_stacks(tmp_path):
     assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr
     assert "in crash_in_native_code" in proc.stderr and "in show_cmd" in proc.stderr, proc.stderr
     assert "in _beat" in proc.stderr, proc.stderr  # every thread's stack: the watchdog's heartbeat too
+
+
+# ---------------------------------------------------------------- an engine's start (vLLM's engine core)
+
+
+def _engine_proc(title: str = "VLLM::EngineCore") -> subprocess.Popen:
+    """A stand-in for an engine's process: it sleeps for a minute, its command line holds ``title``."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", title])
+
+
+@pytest.mark.parametrize("how", ["dies", "bound", "signal"])
+def test_the_start_guard_ends_a_start_that_waits_on_the_engines_processes(how):
+    """Issue 37: vLLM's start waited ~10 minutes on an engine core whose workers failed to start, and a
+    SIGTERM was acted on only then. The guard of the start (tracer.watchdog.guard_start) tracks the
+    processes the start creates (by their title), and kills them when one dies, when the start runs
+    past its bound, or after a signal: the start, waiting on them, ends. The block here waits on the
+    stand-in as vLLM waits on its engine core (no timing asserted: each wait is capped far above)."""
+    from tracer import watchdog
+
+    seen: list[int] = []
+    other = _engine_proc()  # already running before the start: an earlier engine's, never touched
+    try:
+        with watchdog.guard_start("vLLM", "VLLM::", seen, bound_s=1.0 if how == "bound" else 0) as guard:
+            core = _engine_proc()
+            worker = _engine_proc("VLLM::Worker_TP1")
+            deadline = time.monotonic() + 30  # let the guard see both first
+            while len(guard.tracked) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert set(guard.tracked) == {core.pid, worker.pid}
+            if how == "dies":
+                worker.kill()  # a worker fails to start
+            elif how == "signal":
+                seen.append(signal.SIGTERM)  # what signals_seen records when a SIGTERM arrives
+            code = core.wait(timeout=50)  # the engine core would have waited its 60 s
+        assert code == -signal.SIGKILL and core.pid in guard.killed
+        assert other.poll() is None and other.pid not in guard.killed
+        if how == "dies":
+            assert guard.reason == f"vLLM's VLLM::Worker_TP1 (pid {worker.pid}) exited while the engine started"
+        elif how == "bound":
+            assert guard.reason == "vLLM's engine did not start within 1 s"
+        else:
+            assert guard.reason is None  # a signal is the command's own exit (143), not a start failure
+    finally:
+        for p in (other, locals().get("core"), locals().get("worker")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_start_the_guard_ended_is_one_line_naming_the_log_and_what_to_do():
+    from tracer.engines.vllm.environment import start_failure
+
+    line = start_failure("vLLM's VLLM::Worker_TP2 (pid 7) exited while the engine started", "/tmp/v.log", 3)
+    assert "\n" not in line and line.startswith("vLLM's VLLM::Worker_TP2 (pid 7) exited")
+    assert "vLLM's log /tmp/v.log" in line and "fewer TP ranks (--tp)" in line and "TRACER_ENGINE_START_S" in line
+    assert "fewer TP ranks" not in start_failure("x", None, 1) and "output above" in start_failure("x", None, 1)

@@ -99,3 +99,16 @@ def test_report_of_an_empty_path_is_one_line(tmp_path, cli_env):
     p = subprocess.run([sys.executable, "-m", "tracer", "report", ""], capture_output=True, text=True, env=cli_env,
                        cwd=tmp_path, timeout=120)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("options", [dict(kernels=True), dict(decode=2),
+                                     dict(op_replay=True, granularity="sublayers")])
+def test_prefill_decode_refuses_kernels_op_replay_and_decode_before_loading(options):
+    """prefill-decode (vLLM) refused --kernels and --decode only after both engines had loaded (21-49 s):
+    config validation (what every run does before it loads anything) refuses them, in one line."""
+    with pytest.raises(TracerError) as e:
+        validate(RunConfig.from_options(model="tiny-llama", engine="vllm", scenario="prefill-decode", store="none",
+                                        **options))
+    msg = str(e.value)
+    assert msg.startswith("--kernels, --op-replay and --decode are not available with prefill-decode"), msg
+    assert "drop them" in msg and "\n" not in msg

@@ -33,8 +33,8 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     from tracer.execute.kinds import GRANULARITIES
     from tracer.load import preflight
     from tracer.load.prompts import check_prompt, read_prompt
-    from tracer.plan.checks import (check_block_size, check_compression, check_fail_on, check_length,
-                                    check_scenario_values)
+    from tracer.plan.checks import (check_block_size, check_capture_options, check_compression, check_fail_on,
+                                    check_length, check_scenario_values)
     from tracer.engines.door import realise
     from tracer.engines.table import REFERENCE, check_engine, is_reference
     from tracer.plan.engines import check_engine_options
@@ -110,6 +110,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         planned = check_resources(realise(preview(s.name, _known_length(pr, ids) if one_length else None, own),
                                           s.engine))
         check_rl_run(planned, m.dtype if loaded is None else str(loaded.info.dtype), ch.decode)
+        check_capture_options(planned, kernels=c.kernels, op_replay=ch.op_replay, decode=ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
         _check_engine_blocks(planned, m.device)

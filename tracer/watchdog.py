@@ -23,16 +23,28 @@ no other thread of the process runs either. So the backstop lives in another pro
 
 The watchdog ignores the signals itself (a Ctrl-C reaches the whole process group) and exits as
 soon as the command does. ``TRACER_WATCHDOG=off`` leaves it out. POSIX only (``os.fork``).
+
+An engine that starts processes of its own (an engine core and its workers) is guarded while it
+starts (:func:`guard_start`, a thread of the command): a start can hang for the engine's own ready
+timeout (10 minutes) when a worker fails, with heartbeats flowing (the main thread waits in a
+poll that lets go of the GIL), and after a signal the engine's own cleanup can wait on those hung
+processes. The guard tracks the processes the engine starts (named by their process title), and
+when one of them dies during the start, the start exceeds its bound, or a terminating signal
+came (the block's ``seen`` list, :func:`tracer.errors.signals_seen`), it kills them (SIGKILL,
+after :data:`GRACE_S` for a signal: the engine's cleanup first): the engine's start then fails at
+once, and the caller names :attr:`StartGuard.reason` in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
 import signal
 import threading
 import time
+from typing import Iterator
 
 #: seconds after a terminating signal without a heartbeat before the stuck command is killed
 GRACE_S = 3.0
@@ -167,6 +179,130 @@ def _watch(parent: int, sig_r: int, beat_r: int) -> None:
             return
 
 
+#: seconds a guarded engine start may take (``TRACER_ENGINE_START_S`` overrides)
+START_S = 600.0
+#: seconds between the start guard's looks at the engine's processes
+LOOK_S = 0.25
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux ``/proc/PID/task/TID/children``; ``[]`` elsewhere)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                out.extend(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class StartGuard:
+    """The guard of one engine start (:func:`guard_start`): ``reason`` is None, or why it ended the start
+    in words (``WHAT's TITLE (pid 123) exited while the engine started``, ``WHAT's engine did not
+    start within 600 s``); ``killed``: the processes it killed (pids)."""
+
+    def __init__(self, what: str, marker: str, bound_s: float, seen: list[int]) -> None:
+        self.what, self.marker, self.bound_s, self.seen = what, marker, bound_s, seen
+        self.reason: str | None = None
+        self.killed: list[int] = []
+        self.tracked: dict[int, str] = {}
+        self._before = set(self._descendants())
+        self._done = threading.Event()
+
+    def _descendants(self) -> list[int]:
+        out, todo = [], [os.getpid()]
+        while todo:
+            kids = _children(todo.pop())
+            out.extend(kids)
+            todo.extend(kids)
+        return out
+
+    def look(self, elapsed: float) -> bool:
+        """One look at the engine's processes after ``elapsed`` seconds; True when the start must end
+        (its processes are killed then)."""
+        for pid in self._descendants():
+            if pid not in self._before and pid not in self.tracked:
+                title = _title(pid)
+                if self.marker in title:
+                    self.tracked[pid] = next((w for w in title.split() if self.marker in w), title)[:60]
+        dead = [pid for pid in self.tracked if not _alive(pid)]
+        if dead:
+            self.reason = f"{self.what}'s {self.tracked[dead[0]]} (pid {dead[0]}) exited while the engine started"
+        elif self.bound_s and elapsed > self.bound_s and self.tracked:
+            self.reason = f"{self.what}'s engine did not start within {self.bound_s:g} s"
+        elif not (self.seen and elapsed >= self._signal_at + GRACE_S):
+            return False
+        self.kill()
+        return True
+
+    _signal_at = float("inf")
+
+    def kill(self) -> None:
+        """SIGKILL every tracked process that still runs."""
+        for pid in self.tracked:
+            if _alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    self.killed.append(pid)
+                except OSError:
+                    pass
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self._done.wait(LOOK_S):
+            elapsed = time.monotonic() - t0
+            if self.seen and self._signal_at == float("inf"):
+                self._signal_at = elapsed
+            if self.look(elapsed):
+                return
+
+
+@contextlib.contextmanager
+def guard_start(what: str, marker: str, seen: list[int], bound_s: float | None = None) -> Iterator[StartGuard]:
+    """Guard an engine's start (the block) from a thread of this process: the processes the block
+    starts whose command line holds ``marker`` (the engine's process titles) are tracked; when
+    one dies, the block runs longer than ``bound_s`` seconds (default :data:`START_S`, or
+    ``TRACER_ENGINE_START_S``; 0: no bound) while it has tracked processes, or a signal is in ``seen``
+    for :data:`GRACE_S` seconds, the guard kills them all (SIGKILL), so an engine waiting on them
+    fails at once. Yields the :class:`StartGuard`; after the block its ``reason`` says why it killed
+    them (None: it did not, or for a signal only). Linux (``/proc``); elsewhere it tracks nothing."""
+    if bound_s is None:
+        try:
+            bound_s = float(os.environ.get("TRACER_ENGINE_START_S", START_S))
+        except ValueError:
+            bound_s = START_S
+    guard = StartGuard(what, marker, bound_s, seen)
+    thread = threading.Thread(target=guard.run, name="tracer-start-guard", daemon=True)
+    thread.start()
+    try:
+        yield guard
+    finally:
+        guard._done.set()
+        thread.join(2 * LOOK_S + 1)
+
+
 def _end(parent: int, signum: int) -> None:
     """Kill the stuck command after removing the partial files it holds open."""
     pattern = re.compile(rf"\.partial-{parent}(?:-\d+)?(?:\.[A-Za-z0-9]+)?$|\.point-{parent}\.h5$")
@@ -196,4 +332,4 @@ def _end(parent: int, signum: int) -> None:
             pass
 
 
-__all__ = ["start", "ack", "stop", "GRACE_S", "BEAT_S"]
+__all__ = ["start", "ack", "stop", "guard_start", "StartGuard", "GRACE_S", "BEAT_S", "START_S"]

@@ -264,8 +264,12 @@ def test_positions_past_the_prompt_are_named_decoded_not_of_n():
     from tracer.report.summary import positions_text
 
     assert positions_text((304, 314), 314) == "positions 304..313 of 314"
-    # prefill-decode at N = 130, 4 decode steps: positions 130..132 are decoded tokens, not "of 130"
-    assert positions_text((128, 133), 130) == "positions 128..132 (prompt 0..129, 3 decoded)"
+    # prefill-decode at N = 130, --new-tokens 4: the prefill's last position (129) gives token 1, and
+    # positions 130, 131, 132 are fed tokens 1..3 (3 decode steps) giving tokens 2..4; token 4 is
+    # never fed back. Not "of 130", and not "3 decoded" (which reads as one token short).
+    assert positions_text((128, 133), 130) == "positions 128..132 (prompt 0..129, 4 generated, 3 decode steps)"
+    # --new-tokens 2: one decode step (position 130), singular
+    assert positions_text((128, 131), 130) == "positions 128..130 (prompt 0..129, 2 generated, 1 decode step)"
     assert positions_text((0, 8), None) == "positions 0..7"
 
 

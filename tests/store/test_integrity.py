@@ -679,3 +679,41 @@ def test_in_place_writers_check_space_first(tmp_path):
             f"check_space({str(tmp_path / 's.h5')!r}, 10_000, 'sweep file')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "TracerError: sweep file: the file size limit (ulimit -f" in proc.stderr
+
+
+def _meta_of_b(path: Path, kv_transfer) -> None:
+    with h5py.File(path, "r+") as f:
+        g = f["runs/B"]
+        meta = json.loads(g.attrs["meta"])
+        g.attrs["meta"] = json.dumps({**meta, "kv_transfer": kv_transfer})
+
+
+@pytest.mark.parametrize("kv, words", [
+    ({"role": "teleported", "transferred": 4}, "role 'teleported' is none of miss, load, moved, imported"),
+    ({"role": "load", "transferred": "lots", "files": 3}, "kv_transfer.transferred"),
+    ({"role": "load", "transferred": 4, "files": -1}, "kv_transfer.files"),
+    ({"role": "load", "transferred": 4, "contract": {"differences": 7}}, "kv_transfer.contract"),
+    ({"role": ["load"]}, "kv_transfer.role"),
+])
+def test_a_nonsense_kv_transfer_is_refused_with_or_without_checksums(tmp_path, kv, words):
+    """Issue 37: a trace whose checksums were stripped is read as unverified, and its meta.kv_transfer
+    (wrong types, an unknown role) was not checked at all: 'tracer compare' exited 0. The record is
+    schema-checked like the rest of a run's meta: one 'trace corrupt' line, exit 2."""
+    path = write_trace(tmp_path / "t.h5", make_runs(diverge_at=None), version=1)
+    strip_checksums(path)
+    _meta_of_b(path, kv)
+    with pytest.raises(TracerError) as e:
+        read_trace(str(path)).__enter__()
+    msg = str(e.value)
+    assert msg.startswith("trace corrupt:") and "meta of run B" in msg and words in msg and "\n" not in msg, msg
+    proc = tracer_cli(["compare", str(path)], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and words in proc.stderr, proc.stderr
+    # every role the spec lists (traces/README.md), as its writers lay it out, still reads
+    for ok in ({"role": "miss", "transferred": 0, "files": 0, "producer": {}},
+               {"role": "load", "transferred": 128, "files": 30, "boundary": "b", "producer": {"block_size": 64},
+                "kv_compared": False, "kv_not_compared": "why", "contract": None, "contract_file": "/x"},
+               {"role": "imported", "transferred": 8, "boundary": "engine dump d", "contract": None,
+                "consumer": None, "unknown": "producer contract unknown"}):
+        _meta_of_b(path, ok)
+        with read_trace(str(path)) as r:
+            assert r.run("B").meta["kv_transfer"] == ok

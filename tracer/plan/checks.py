@@ -152,6 +152,24 @@ def check_applicable(scen: Any) -> None:
         raise TracerError(f"{flags} does not apply to scenario {scen.name}; its options: {valid}{hint}")
 
 
+PREFILL_DECODE_REFUSED = ("--kernels, --op-replay and --decode are not available with prefill-decode yet (it decodes "
+                          "--new-tokens itself); drop them")
+
+
+def check_capture_options(scen: Any, *, kernels: bool, op_replay: bool, decode: int) -> None:
+    """The capture and check options a planned scenario (``scen``: a
+    :class:`~tracer.plan.plans.Scenario`) cannot take, refused before any model loads: ``prefill-decode``
+    decodes ``--new-tokens`` itself, so ``--kernels``, ``--op-replay`` and ``--decode`` are refused
+    (its engine's executor would refuse them only after
+    both engines had loaded).
+
+    Raises:
+        TracerError: :data:`PREFILL_DECODE_REFUSED`, one line.
+    """
+    if getattr(scen, "name", None) == "prefill-decode" and (kernels or op_replay or decode):
+        raise TracerError(PREFILL_DECODE_REFUSED)
+
+
 def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -> None:
     """Validate ``--fail-on`` and the tolerances (before any model is loaded).
 

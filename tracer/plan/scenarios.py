@@ -433,10 +433,11 @@ def prefill_decode(n_tokens: int, *, new_tokens: int = 8, block_size: int = KV_B
     what = f", the producer with {', '.join(f'{k}={v}' for k, v in diff.items())}" if diff else ""
     return _window_scenario(
         "prefill-decode", 7, "disaggregated prefill and decode (a KV cache handed over)",
-        RunPlan("A", ((0, n),), f"the consumer alone: all {n} tokens prefilled (a KV cache miss), {t} tokens decoded",
+        RunPlan("A", ((0, n),), f"the consumer alone: all {n} tokens prefilled (a KV cache miss), {t} tokens generated "
+                f"({t - 1} decode step{'s' * (t != 2)})",
                 generate=t),
         RunPlan("B", ((0, n),), f"a producer prefills the prompt and hands its KV cache over{what}; the consumer "
-                f"loads it and decodes {t} tokens", generate=t),
+                f"loads it and generates {t} tokens", generate=t),
         (n - 1, n - 1 + t), new_tokens=t, block_size=block_size, producer=diff, engine_only=True)
 
 

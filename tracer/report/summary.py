@@ -48,14 +48,18 @@ def _share(n: int, total: int) -> str:
 
 def positions_text(positions: tuple[int, int] | list[int], n_tokens: int | None) -> str:
     """The compared positions ``[start, stop)`` of a prompt of ``n_tokens``: ``positions 304..313 of 314``,
-    or, for a window past the prompt (decode steps), ``positions 128..132 (prompt 0..129, 3 decoded)``."""
+    or, for a window past the prompt, what was computed past it: ``positions 128..132 (prompt 0..129,
+    4 generated, 3 decode steps)`` -- the prefill's last position gives the first generated token and
+    each decode step (positions 130..132, each fed the token before) one more; the last generated token
+    is never fed back, so T generated tokens take T - 1 decode steps."""
     a, b = int(positions[0]), int(positions[1])
     text = f"positions {a}..{b - 1}"
     if not n_tokens:
         return text
     if b <= n_tokens:
         return f"{text} of {n_tokens}"
-    return f"{text} (prompt 0..{n_tokens - 1}, {b - n_tokens} decoded)"
+    steps = b - n_tokens
+    return f"{text} (prompt 0..{n_tokens - 1}, {steps + 1} generated, {steps} decode step{'s' * (steps != 1)})"
 
 
 def gemm_text(gemm_m: Any) -> str:

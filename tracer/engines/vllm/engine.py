@@ -51,10 +51,14 @@ from typing import Any, Callable
 
 import torch
 
+from tracer import watchdog
 from tracer.errors import TracerError, interrupt, signals_seen
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: hooks fire
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# vLLM logs to stdout by default: its processes' errors (an engine core whose worker failed) reached the terminal
+# with their tracebacks; on stderr they go to vLLM's log while it starts (environment.quiet), and stdout stays tracer's
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 import tracer.engines.vllm.environment as environment  # noqa: E402
 
 try:
@@ -379,12 +383,16 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         connected = "kv_transfer_config" in kwargs or "kv_transfer_config" in hidden
         if connected:
             _kv_state()._KV_CONNECTOR_AGENT = None  # its own agent, not an earlier LLM's (_kv_state)
+        guard = None
         try:
             with environment.process_mode(multiprocess), \
-                    environment.cpu_ranks_bound(settings.tensor_parallel_size, platform()):
+                    environment.cpu_ranks_bound(settings.tensor_parallel_size, platform()), \
+                    watchdog.guard_start("vLLM", "VLLM::", seen) as guard:
                 llm = vllm.LLM(model=str(folder), **kwargs, **hidden)
         except (ValueError, RuntimeError, OSError, NotImplementedError) as e:
             interrupt(seen)  # a signal that vLLM turned into another error
+            if guard is not None and guard.reason is not None:  # the start guard ended a start that would have hung
+                raise TracerError(environment.start_failure(guard.reason, log, settings.tensor_parallel_size)) from None
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise TracerError(f"vLLM could not start on {folder}: {first}") from None
     if seen:  # vLLM's start swallowed the interrupt: honour it now

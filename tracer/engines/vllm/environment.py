@@ -247,6 +247,16 @@ def cpu_ranks_bound(tp: int, platform: str) -> Iterator[str | None]:
         os.environ.pop(THREADS_BIND_ENV, None)
 
 
+def start_failure(reason: str, log: Any, tp: int) -> str:
+    """The one line of a vLLM start that the start guard ended (:func:`tracer.watchdog.guard_start`):
+    what happened (``reason``), where vLLM's log is (``log``: its path, or None when it went to
+    stderr) and what to do (fewer TP ranks, a quieter machine, a longer bound)."""
+    where = f"vLLM's log {log} says why" if log is not None else "vLLM's output above says why"
+    fewer = "fewer TP ranks (--tp), " if tp > 1 else ""
+    return (f"{reason}; {where}; try {fewer}a machine with more free cores and memory, or a longer bound "
+            f"(TRACER_ENGINE_START_S, seconds)")
+
+
 def attention_backends() -> list[str]:
     """The attention backend names this vLLM knows (``AttentionBackendEnum``)."""
     try:
@@ -273,6 +283,6 @@ def check_attention_backend(name: str | None) -> str | None:
     return name
 
 
-__all__ = ["LOG_ENV", "log_path", "quiet", "batch_invariant_on", "check_batch_invariant", "enable_batch_invariant",
+__all__ = ["LOG_ENV", "log_path", "quiet", "start_failure", "batch_invariant_on", "check_batch_invariant", "enable_batch_invariant",
            "attention_backends", "check_attention_backend", "MULTIPROCESSING_ENV", "SERIALIZATION_ENV",
            "multiprocess_default", "process_mode", "THREADS_BIND_ENV", "cpu_ranks_bound"]

@@ -32,6 +32,7 @@ from tracer.engines.vllm.plan import VllmSettings
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
+from tracer.plan.checks import PREFILL_DECODE_REFUSED
 from tracer.load.contract import (KV_CONTRACT_FILE, check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
                                   write_kv_contract)
 
@@ -159,8 +160,7 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
             ``num_cached_tokens``: one line, never a silent bit-identical).
     """
     if kernels or sdpa_inputs or decode:
-        raise TracerError("--kernels, --op-replay and --decode are not available with prefill-decode yet (it decodes "
-                          "--new-tokens itself); drop them")
+        raise TracerError(PREFILL_DECODE_REFUSED)  # a caller that skipped validation (the API's own path)
     meta = dict(meta or {})
     consumer, producer = sides(plan)
     n, t = len(token_ids), int(plan.generate)
