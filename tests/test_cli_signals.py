@@ -11,6 +11,7 @@ run, sweep and audit. Each is signalled when it is visibly at work: it holds its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import cli_env as _env
+from tests.helpers import ROOT, cli_env as _env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
 
@@ -259,6 +260,65 @@ def test_the_start_guard_ends_a_start_that_waits_on_the_engines_processes(how):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+_STUCK_START = """
+import os, select, signal, subprocess, sys, time
+from tracer import watchdog
+watchdog.LEAVE_S = 1.0
+partial = open(sys.argv[1] + ".partial-%d" % os.getpid(), "w")
+seen = []
+with watchdog.guard_start("vLLM", "VLLM::", seen, bound_s=0) as guard:
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "VLLM::EngineCore"])
+    print(core.pid, flush=True)
+    while len(guard.tracked) < 1:
+        time.sleep(0.05)
+    if sys.argv[2] == "signal":
+        seen.append(signal.SIGTERM)
+    else:
+        core.kill()
+    select.select([], [], [], 60)  # vLLM's ready wait: a poll that lets go of the GIL and never returns
+print("the block returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["signal", "dies"])
+def test_a_start_stuck_after_the_guard_killed_its_processes_ends_the_command(tmp_path, how):
+    """Issue 37 (this stop's trial): SIGTERM during a vLLM start with the engine core in its own process
+    hung for minutes: vLLM waits for its engine core's ready message in a zmq poll that watches no
+    process, and pyzmq retries the poll after running the signal handler, dropping its exception. So
+    a start still running LEAVE_S after the guard killed its processes is ended from the guard's
+    thread: one line, the partial files it holds open removed, exit 143 after a SIGTERM, else 2."""
+    proc = subprocess.run([sys.executable, "-c", _STUCK_START, str(tmp_path / "trace.h5"), how],
+                          capture_output=True, text=True, timeout=55, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == (128 + signal.SIGTERM if how == "signal" else 2), proc.stderr
+    assert "the block returned" not in proc.stdout and len(lines) == 1
+    if how == "signal":
+        assert lines[0].startswith("terminated: vLLM's start did not return") and "SIGTERM" in lines[0]
+    else:
+        assert lines[0].startswith("error: vLLM's VLLM::EngineCore (pid ") and "exited while the engine started" in lines[0]
+    assert "removed 1 partial file(s)" in lines[0] and not list(tmp_path.glob("*.partial-*"))
+    core = int(proc.stdout.split()[0])
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(core, os.WNOHANG)
+    assert not os.path.exists(f"/proc/{core}") or open(f"/proc/{core}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX"
+
+
+def test_a_bad_engine_start_bound_is_refused_in_one_line(monkeypatch):
+    from tracer import watchdog
+    from tracer.errors import TracerError
+
+    for bad in ("-5", "nan", "inf", "text"):
+        monkeypatch.setenv("TRACER_ENGINE_START_S", bad)
+        with pytest.raises(TracerError, match="TRACER_ENGINE_START_S") as e:
+            watchdog.start_bound()
+        assert "\n" not in str(e.value)
+    for good, want in (("0", 0.0), (" 2 ", 2.0), ("1e9", 1e9)):
+        monkeypatch.setenv("TRACER_ENGINE_START_S", good)
+        assert watchdog.start_bound() == want
+    monkeypatch.delenv("TRACER_ENGINE_START_S")
+    assert watchdog.start_bound() == watchdog.START_S
 
 
 def test_a_start_the_guard_ended_is_one_line_naming_the_log_and_what_to_do():

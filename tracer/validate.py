@@ -113,6 +113,10 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         check_capture_options(planned, kernels=c.kernels, op_replay=ch.op_replay, decode=ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
+        if "vllm" in (planned.plan_a.engine, planned.plan_b.engine):  # its start's bound, before loading
+            from tracer.watchdog import start_bound
+
+            start_bound()
         _check_engine_blocks(planned, m.device)
     # what needs torch: a CUDA device's index, the verdict's precisions, distributed TP
     _check_with_torch(cfg, loaded, planned, dispatched)

@@ -183,6 +183,9 @@ def _watch(parent: int, sig_r: int, beat_r: int) -> None:
 START_S = 600.0
 #: seconds between the start guard's looks at the engine's processes
 LOOK_S = 0.25
+#: seconds the guard waits, after killing a start's processes, for the start to return before it
+#: ends the command itself (:meth:`StartGuard.leave`)
+LEAVE_S = 10.0
 
 
 def _children(pid: int) -> list[int]:
@@ -276,7 +279,25 @@ class StartGuard:
             if self.seen and self._signal_at == float("inf"):
                 self._signal_at = elapsed
             if self.look(elapsed):
+                # the engine's start should fail now; vLLM's wait for its engine core's ready message
+                # watches no process and swallows the signal's exception (pyzmq retries the poll), so
+                # a start still running after LEAVE_S ends the command from here
+                if not self._done.wait(LEAVE_S):
+                    self.leave()
                 return
+
+    def leave(self) -> None:
+        """End the command from the guard's thread: one line on stderr, the partial files it holds
+        open removed, exit ``128 + signum`` after a signal, else 2 (``os._exit``: the main thread
+        is stuck in the engine's wait)."""
+        signum = self.seen[0] if self.seen else None
+        removed = _remove_partials(os.getpid())
+        why = (f"terminated: {self.what}'s start did not return within {GRACE_S + LEAVE_S:g} s of "
+               f"{signal.Signals(signum).name}; killed its processes and stopped" if signum is not None else
+               f"error: {self.reason}; its start did not return after its processes were killed, so tracer "
+               f"stopped (vLLM's log says why)")
+        os.write(2, (why + (f"; removed {removed} partial file(s)" if removed else "") + "\n").encode())
+        os._exit(128 + signum if signum is not None else 2)
 
 
 @contextlib.contextmanager
@@ -289,10 +310,7 @@ def guard_start(what: str, marker: str, seen: list[int], bound_s: float | None =
     fails at once. Yields the :class:`StartGuard`; after the block its ``reason`` says why it killed
     them (None: it did not, or for a signal only). Linux (``/proc``); elsewhere it tracks nothing."""
     if bound_s is None:
-        try:
-            bound_s = float(os.environ.get("TRACER_ENGINE_START_S", START_S))
-        except ValueError:
-            bound_s = START_S
+        bound_s = start_bound()
     guard = StartGuard(what, marker, bound_s, seen)
     thread = threading.Thread(target=guard.run, name="tracer-start-guard", daemon=True)
     thread.start()
@@ -303,8 +321,8 @@ def guard_start(what: str, marker: str, seen: list[int], bound_s: float | None =
         thread.join(2 * LOOK_S + 1)
 
 
-def _end(parent: int, signum: int) -> None:
-    """Kill the stuck command after removing the partial files it holds open."""
+def _partials(parent: int) -> list[str]:
+    """The partial files ``parent`` holds open (``*.partial-PID``, ``.*.point-PID.h5``; ``/proc``)."""
     pattern = re.compile(rf"\.partial-{parent}(?:-\d+)?(?:\.[A-Za-z0-9]+)?$|\.point-{parent}\.h5$")
     partials = []
     try:
@@ -317,6 +335,52 @@ def _end(parent: int, signum: int) -> None:
                 partials.append(target)
     except OSError:
         pass
+    return list(dict.fromkeys(partials))
+
+
+def _unlink(paths: list[str]) -> int:
+    n = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _remove_partials(parent: int) -> int:
+    """Remove the partial files ``parent`` holds open; how many were removed."""
+    return _unlink(_partials(parent))
+
+
+def start_bound() -> float:
+    """The bound of a guarded engine start in seconds: ``TRACER_ENGINE_START_S`` (0: no bound), else
+    :data:`START_S`.
+
+    Raises:
+        TracerError: the variable is not a finite number of seconds >= 0 (one line).
+    """
+    import math
+
+    raw = os.environ.get("TRACER_ENGINE_START_S")
+    if raw is None or not raw.strip():
+        return START_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        from tracer.errors import TracerError
+
+        raise TracerError(f"TRACER_ENGINE_START_S={raw!r} is not a number of seconds >= 0; set it to the seconds an "
+                          f"engine may take to start (0: no bound), or unset it ({START_S:g} s)")
+    return value
+
+
+def _end(parent: int, signum: int) -> None:
+    """Kill the stuck command after removing the partial files it holds open."""
+    partials = _partials(parent)
     name = signal.Signals(signum).name
     os.write(2, (f"terminated: tracer did not stop within {GRACE_S:g} s of {name} (inside native code that does not "
                  f"return to Python, e.g. HDF5 on a damaged file); killed it"
@@ -325,11 +389,7 @@ def _end(parent: int, signum: int) -> None:
         os.kill(parent, signal.SIGKILL)
     except OSError:
         return
-    for path in dict.fromkeys(partials):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+    _unlink(partials)
 
 
-__all__ = ["start", "ack", "stop", "guard_start", "StartGuard", "GRACE_S", "BEAT_S", "START_S"]
+__all__ = ["start", "ack", "stop", "guard_start", "start_bound", "StartGuard", "GRACE_S", "BEAT_S", "START_S", "LEAVE_S"]

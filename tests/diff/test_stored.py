@@ -214,3 +214,41 @@ def test_a_run_is_not_compared_with_itself(tmp_path):
     copy = tmp_path / "copy.h5"
     shutil.copy(path, copy)
     assert tracer.compare_trace(f"{path}:A", str(copy)).identical  # two files: A here against A there
+
+
+def test_a_tampered_stored_comparison_is_refused_by_report_and_show(tmp_path, capsys):
+    """Issue 37 (this stop's trial): a stored comparison whose positions hold NaN made ``tracer report``
+    exit 3 (``int(nan)`` before the check), and ``tracer show --format json`` printed any tampered
+    document as it was, with bare NaN (not JSON). Both now check it as a comparison document."""
+    import json
+
+    import pytest
+
+    from tracer.errors import TracerError
+    from tracer.report.show import print_trace_info
+    from tracer.store.trace import describe
+
+    x = torch.arange(16, dtype=torch.float32).reshape(2, 8)
+    a, b = _run("A", [("emb", "embedding", x)]), _run("B", [("emb", "embedding", x + 1)])
+    good = json_safe(compare_records(a, b, scenario="s", model="m").to_dict())
+    for edit, needle in ((lambda d: d.update(positions=[float("nan"), 1]), "positions"),
+                         (lambda d: d["layers"][0].update(max_abs_diff=float("nan")), "negative (or NaN)")):
+        doc = json.loads(json.dumps(good))
+        edit(doc)
+        path = tmp_path / f"t{len(needle)}.h5"
+        with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}}) as w:
+            w.add_run(a)
+            w.add_run(b)
+            w.add_comparison("s", doc)
+        with pytest.raises(TracerError, match="not a stored comparison document") as e:
+            stored_comparison(path)
+        assert needle in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(TracerError, match="not a stored comparison document"):
+            print_trace_info(describe(path), str(path), "json")
+    path = tmp_path / "ok.h5"
+    with TraceWriter(path, header={"scenario": {"name": "s"}, "model": {"name": "m"}, "note": float("inf")}) as w:
+        w.add_run(a)
+        w.add_run(b)
+        w.add_comparison("s", good)
+    print_trace_info(describe(path), str(path), "json")
+    json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))

@@ -520,3 +520,24 @@ def test_a_dump_of_another_hidden_size_names_both_sizes_and_the_map_only_when_gi
     with pytest.raises(TracerError) as e:
         tracer.compare_trace(f"{ref}:B", str(tmp_path / "other.safetensors"), engine_map=str(tmp_path / "m.toml"))
     _one_line(e, f"hidden size is {wide}", f"is {hidden}", f'engine_map="{tmp_path / "m.toml"}"')
+
+
+def test_a_dump_of_float8_activations_is_refused_in_one_line(tmp_path):
+    """Issue 37 (this stop's trial): a vLLM hidden-states file of float8 rows made ``tracer compare``
+    exit 3 (torch has no promotion of float8 with bfloat16); a dtype the trace does not hold is
+    refused when the dump is read, naming the tensor and what to do."""
+    import pytest
+    from safetensors.torch import save_file
+
+    from tracer.engines.dumps.read import read_dump
+    from tracer.errors import TracerError
+
+    path = tmp_path / "fp8.safetensors"
+    save_file({"hidden_states": torch.randn(6, 3, 8).to(torch.float8_e4m3fn),
+               "token_ids": torch.arange(6, dtype=torch.int64)}, str(path))
+    with pytest.raises(TracerError, match="float8_e4m3fn; tracer compares bfloat16") as e:
+        read_dump(path)
+    assert "\n" not in str(e.value)
+    save_file({"hidden_states": torch.randn(6, 3, 8).to(torch.bfloat16),
+               "token_ids": torch.arange(6, dtype=torch.int64)}, str(path))
+    assert len(read_dump(path).entries) == 3

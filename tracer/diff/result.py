@@ -449,7 +449,10 @@ class Comparison(schema.Record):
         lg = doc.get("logits")
         if not isinstance(lg, dict) or not isinstance(lg.get("flips"), list):
             return doc
-        start = int((doc.get("positions") or [0])[0])
+        first = (doc.get("positions") or [0])[0] if isinstance(doc.get("positions"), (list, tuple)) else None
+        if not isinstance(first, int) or isinstance(first, bool):
+            return doc  # the record's own check says what is wrong with its positions
+        start = first
         flips = [{**f, "position": f["position"] - start} if isinstance(f, dict) and isinstance(f.get("position"), int)
                  else f for f in lg["flips"]]
         return {**doc, "logits": {**lg, "flips": flips}}

@@ -183,6 +183,8 @@ def check_fail_on(fail_on: str | None, atol: float | None, rtol: float | None) -
             raise TracerError(f"{opt} {v} is not a finite number >= 0; give e.g. {opt} 1e-3")
     if fail_on == "tolerance" and atol is None and rtol is None:
         raise TracerError("--fail-on tolerance needs --atol and/or --rtol (e.g. --atol 1e-2)")
+
+
 def positions_needed(scen: Any, n_tokens: int, decode: int = 0) -> int:
     """The positions a scenario of an N-token prompt uses: the prompt, what a plan generates
     (``generate-cache``), the longest RL sequence (``rollout-vs-train``: prompt + response), and the

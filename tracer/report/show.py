@@ -86,9 +86,20 @@ def print_tree(value: dict[str, Any], console: Console, indent: int = STEP) -> N
 def print_trace_info(info: dict[str, Any], path: str, fmt: str | bool = "table", console: Console | None = None) -> None:
     """Print :func:`tracer.store.trace.describe`'s ``info`` of the trace at ``path``: for people
     (``fmt`` ``table``: the header as a tree, :func:`print_tree`; a block per run; the stored
-    comparisons' verdicts) or as JSON (``fmt`` ``json``, or True: the ``--json`` switch)."""
+    comparisons' verdicts) or as JSON (``fmt`` ``json``, or True: the ``--json`` switch; strict
+    JSON: a non-finite number is written as the string ``"inf"``, ``"-inf"`` or ``"nan"``).
+
+    Raises:
+        TracerError: a stored comparison that is not a comparison document (checked as ``tracer
+            report`` checks it, whether or not the trace carries checksums; one line).
+    """
+    from tracer.diff.stored import comparison_from_dict
+    from tracer.store.trace import json_safe
+
+    for doc in info["comparisons"].values():
+        comparison_from_dict(doc)
     if fmt is True or fmt == "json":
-        print(json.dumps({k: info[k] for k in ("header", "runs", "comparisons")}, indent=2, default=str))
+        print(json.dumps(json_safe({k: info[k] for k in ("header", "runs", "comparisons")}), indent=2, default=str))
         return
     out = console or stdout_console()
     print_fitted(out, Text(f"trace {printable(path)}", style="bold"), STEP)

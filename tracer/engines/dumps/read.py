@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tracer.dtypes import DTYPES
 from tracer.errors import TracerError
 from tracer.engines.dumps.hidden_states import is_hidden_states, read_hidden_states
 from tracer.engines.dumps.namemap import pass_entries
@@ -361,6 +362,8 @@ def read_named_tensors(path: Path, ledger: Any = None) -> RawDump:
 def read_dump(path: str | Path) -> RawDump:
     """Read an engine dump, recognising its layout (see the module docstring).
 
+    A floating tensor of a dtype the trace does not hold (float8, ...) is refused in one line.
+
     ``path``: an SGLang dumper folder (or its parent holding one ``<exp_name>/`` folder), a
     per-pass folder (rank sub-folders of ``PassN.pt``, or ``PassN.pt`` files), or a
     ``.safetensors``/``.npz`` file.
@@ -375,6 +378,18 @@ def read_dump(path: str | Path) -> RawDump:
         raise TracerError(f"engine dump {p} does not exist; give an SGLang dumper folder, a PassN.pt folder, "
                           "or a .safetensors/.npz file")
     ledger = Ledger(f"engine dump {p}")  # one budget for the whole dump: its files and every copy made of them
+    raw = _read_layout(p, ledger)
+    for e in raw.entries:
+        t = e.tensor
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and str(t.dtype).removeprefix("torch.") not in DTYPES:
+            raise TracerError(f"{e.file}: {e.name} is {str(t.dtype).removeprefix('torch.')}; tracer compares "
+                              f"{', '.join(DTYPES)} activations: convert the dump's tensors to one of them (e.g. the "
+                              "model's dtype) first")
+    return raw
+
+
+def _read_layout(p: Path, ledger: Any) -> RawDump:
+    """:func:`read_dump` of an existing path, its layout recognised."""
     if not p.is_dir():
         from tracer.files import check_input_file
 
