@@ -296,7 +296,14 @@ class StartGuard:
                f"{signal.Signals(signum).name}; killed its processes and stopped" if signum is not None else
                f"error: {self.reason}; its start did not return after its processes were killed, so tracer "
                f"stopped (vLLM's log says why)")
-        os.write(2, (why + (f"; removed {removed} partial file(s)" if removed else "") + "\n").encode())
+        line = why + (f"; removed {removed} partial file(s)" if removed else "") + "\n"
+        try:  # sys.stderr: the terminal, also while an engine's start sends fd 2 to its log
+            import sys
+
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: the file descriptor
+            os.write(2, line.encode())
         os._exit(128 + signum if signum is not None else 2)
 
 
