@@ -269,3 +269,14 @@ def test_a_sublayers_suggestion_states_the_trace_it_will_write(tmp_path):
     steps = next_steps(_comparison(origins=[SimpleNamespace(kind="kv_cache", n_diff_prefix=3)],
                                    facts={"sublayers_bytes": 3 << 30}), "run")
     assert steps[0].startswith("`--positions all --granularity sublayers`") and "about 3 GiB" in steps[0], steps
+
+
+def test_two_machines_running_one_plan_get_no_aligned_suggestion():
+    """A CPU's trace and a GPU's of one prefix-cache plan: aligning the split (--mitigation aligned)
+    changes nothing between them; two plans of one trace (a cache hit and a miss) still get it."""
+    plan = "prefill [0, 16) then [16, 24) against the cache"
+    machines = _comparison(facts={"versions_differ": ["torch 2.9.0+cpu (A) vs 2.9.0+cu130 (B)"],
+                                  "plan_a": plan, "plan_b": plan})
+    hit_miss = _comparison(facts={"plan_a": plan, "plan_b": "prefill [0, 24) in one pass"})
+    assert not any("--mitigation aligned" in s for s in next_steps(machines, "compare"))
+    assert any("--mitigation aligned" in s for s in next_steps(hit_miss, "compare"))

@@ -279,7 +279,9 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     elif not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      f"MLP, every Linear) with its GEMM shapes{_sublayers_cost(c)}")
-    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
+    # two traces of one plan on two machines: aligning the split changes nothing between them
+    same_plan = "versions_differ" in c.facts and c.facts.get("plan_a") == c.facts.get("plan_b")
+    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")) and not same_plan:
         steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P ({ALIGNED_SOURCE}); "
                      "checks whether aligning the split restores bitwise equality")
     if c.noise is None and engine is None:
@@ -335,7 +337,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
     ``unverified`` (a trace read without checksums: :func:`unverified_text`), ``non-finite`` (NaN/Inf
     in either run: :func:`nonfinite_text`), ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
-    ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
+    ``growth``, ``logits``, ``devices`` (two traces of a CPU and a GPU, or of two GPU models: the
+    likely cause, so first), ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
     likely cause, so before the versions), ``versions`` (two traces: every version that differs),
     ``decode`` when present, ``next`` (one
     pair per suggestion, valid for ``command``: :func:`next_steps`).
@@ -357,6 +360,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
             f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
         out.append(("growth", growth_text(c)))
     out.append(("logits", logits_text(c)))
+    if c.facts.get("device_differs"):  # a CPU's trace and a GPU's, or two GPU models: the likely cause, first
+        out.append(("devices", c.facts["device_differs"]))
     if c.facts.get("isa_differs"):  # two traces of CPUs or GPUs of other instruction sets: the likely cause, first
         out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if "versions_differ" in c.facts:  # runs from two traces
