@@ -240,10 +240,15 @@ def _sublayers_cost(c: Comparison) -> str:
     return f"; its trace takes up to about {size}"
 
 
+#: the prompt lengths a suggested sweep maps: 15 lengths, minutes on a CPU (17:512 takes hours)
+QUICK_LENGTHS = "17:129:8"
+
+
 def next_steps(c: Comparison, command: str = "run") -> list[str]:
     """What to try next. Each suggestion names options of the command that prints it (``command``:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
-    ``tracer sweep``/``audit`` for identical runs)."""
+    ``tracer sweep``/``audit`` for identical runs: the sweep of the run's scenario over
+    :data:`QUICK_LENGTHS`)."""
     steps: list[str] = []
     model = _model_argument(c)
     engine = _engine_flag(c)  # runs on an engine: suggestions run it again; --verdict re-runs HF only (refused)
@@ -251,8 +256,10 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
         return steps  # audit runs one engine, not the two that were compared
     if c.identical:
         on = f" {engine}" if engine else ""
+        scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
         steps.append("other prompt lengths can diverge where this one does not: "
-                     f"`tracer sweep {model}{on} --lengths 17:512` maps them")
+                     f"`tracer sweep {model}{scen}{on} --lengths {QUICK_LENGTHS}` maps 15 of them in minutes "
+                     "(--lengths 17:512: every length, hours on a CPU)")
         steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}{on}`")
         return steps
     if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
