@@ -457,3 +457,14 @@ def test_an_option_given_twice_is_refused_not_the_last_kept(tmp_path, cli_env):
         p = tracer_cli(["run", "tiny-llama", *args], cli_env, tmp_path, check=False)
         assert p.returncode == 2 and f"{flag} given twice: give it once" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_tracer_help_lists_each_output_flag_once():
+    """`tracer help` listed --format twice under "output" (show's and the others'): one entry, whose
+    help gives both sets of values."""
+    from tracer.cli import render_options
+
+    flags = [o["flags"][0] for o in render_options()]
+    assert len(flags) == len(set(flags)), flags
+    fmt = next(o for o in render_options() if o["flags"][0] == "--format")
+    assert "csv" in fmt["help"] and "key/value" in fmt["help"] and "tracer show" in fmt["help"], fmt
