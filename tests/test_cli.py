@@ -457,3 +457,35 @@ def test_an_option_given_twice_is_refused_not_the_last_kept(tmp_path, cli_env):
         p = tracer_cli(["run", "tiny-llama", *args], cli_env, tmp_path, check=False)
         assert p.returncode == 2 and f"{flag} given twice: give it once" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_tracer_help_lists_each_output_flag_once():
+    """`tracer help` listed --format twice under "output" (show's and the others'): one entry, whose
+    help gives both sets of values."""
+    from tracer.cli import render_options
+
+    flags = [o["flags"][0] for o in render_options()]
+    assert len(flags) == len(set(flags)), flags
+    fmt = next(o for o in render_options() if o["flags"][0] == "--format")
+    assert "csv" in fmt["help"] and "key/value" in fmt["help"] and "tracer show" in fmt["help"], fmt
+
+
+def test_show_of_a_folder_of_traces_names_the_newest(tmp_path, cli_env):
+    """`tracer show traces` answered as if traces/ were an engine dump: it is a folder of traces, and
+    the answer names the newest to show."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import make_runs, write_trace
+
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    old, new = write_trace(folder / "old.h5", make_runs()), write_trace(folder / "new.h5", make_runs())
+    os.utime(old, (1_000_000_000, 1_000_000_000))  # old.h5 is the older one, whatever the write order
+    p = subprocess.run([sys.executable, "-m", "tracer", "show", "traces"], capture_output=True, text=True,
+                       env=cli_env, cwd=tmp_path, timeout=120)
+    err = " ".join(p.stderr.split())
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "folder holding 2 traces" in err and f"tracer show {os.path.join('traces', new.name)}" in err, err
+    assert "engine dump" not in err and len(p.stderr.strip().splitlines()) == 1  # one line, piped

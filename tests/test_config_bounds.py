@@ -102,7 +102,8 @@ def test_report_of_an_empty_path_is_one_line(tmp_path, cli_env):
 
 
 @pytest.mark.parametrize("options", [dict(kernels=True), dict(decode=2),
-                                     dict(op_replay=True, granularity="sublayers")])
+                                     dict(op_replay=True, granularity="sublayers"),
+                                     dict(op_replay=True)])  # not "add --granularity sublayers", then this
 def test_prefill_decode_refuses_kernels_op_replay_and_decode_before_loading(options):
     """prefill-decode (vLLM) refused --kernels and --decode only after both engines had loaded (21-49 s):
     config validation (what every run does before it loads anything) refuses them, in one line."""

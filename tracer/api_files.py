@@ -224,15 +224,23 @@ def trace_info(path: str | os.PathLike) -> dict[str, Any]:
         path: an HDF5 trace written by 'tracer run'.
 
     Raises:
-        TracerError: missing, incomplete or corrupt file; an engine dump (a folder, ``.safetensors``,
-            ``.npz``: the message names the calls that read one).
+        TracerError: missing, incomplete or corrupt file; a folder of traces (the message names
+            the newest); an engine dump (a folder, ``.safetensors``, ``.npz``: the message names the
+            calls that read one).
     """
     from tracer.diff.compare_dump import is_dump
     from tracer.errors import from_cli
     from tracer.store.trace import describe
 
-    if is_dump(os.fspath(path)):
-        p = os.fspath(path)
+    p = os.fspath(path)
+    held = sorted((e for e in os.scandir(p) if e.name.endswith(".h5") and e.is_file()),
+                  key=lambda e: e.stat().st_mtime) if os.path.isdir(p) else []
+    if held:  # a folder of traces (traces/, where tracer writes them), not an engine dump
+        newest = os.path.join(p, held[-1].name)
+        how = f"'tracer show {newest}'" if from_cli() else f"trace_info({newest!r})"
+        raise TracerError(f"{p} is a folder holding {len(held)} trace{'s' if len(held) != 1 else ''} (.h5 files); "
+                          f"show one, e.g. the newest: {how}")
+    if is_dump(p):
         how = (f"compare it with 'tracer compare REF.h5:RUN {p}', or make a trace of it with "
                f"'tracer import {p} -r REF.h5:RUN -o OUT.h5'" if from_cli() else
                f"compare it with tracer.compare_trace('REF.h5:RUN', {p!r}), or make a trace of it with "

@@ -186,16 +186,19 @@ RENDERED: dict[str, tuple[str, ...]] = {}
 def render_options() -> list[dict[str, Any]]:
     """The command line's own output options (:data:`RENDER`) as ``tracer help output`` lists them:
     ``{"name", "flags", "brief", "help"}`` each, the help naming the commands that take it; options
-    with the same flags and help (``--overwrite``) are one entry."""
-    out: dict[tuple[tuple[str, ...], str], dict[str, Any]] = {}
+    with the same flags (``--overwrite``; ``--format``, whose values differ by command) are one entry."""
+    out: dict[tuple[str, ...], dict[str, Any]] = {}
     for name, (_, _, flags, help_) in RENDER.items():
         commands = [c for c, names in RENDERED.items() if name in names]
         if not commands:
             continue
-        entry = out.setdefault((flags, help_), {"name": name, "flags": list(flags), "brief": help_, "commands": []})
-        entry["commands"] += [c for c in commands if c not in entry["commands"]]
-    return [{**{k: v for k, v in e.items() if k != "commands"},
-             "help": f"{e['brief']}; in tracer {', '.join(e['commands'])}"} for e in out.values()]
+        entry = out.setdefault(flags, {"name": name, "flags": list(flags), "brief": help_, "uses": {}})
+        cmds = entry["uses"].setdefault(help_, [])
+        cmds += [c for c in commands if c not in cmds]
+    return [{**{k: v for k, v in e.items() if k != "uses"},
+             "help": "; ".join(f"{brief}; in tracer {', '.join(cmds)}" if len(e["uses"]) == 1
+                               else f"in tracer {', '.join(cmds)}: {brief}" for brief, cmds in e["uses"].items())}
+            for e in out.values()]
 
 
 #: the panel of the command line's own options (:data:`RENDER`) in ``--help``

@@ -152,15 +152,15 @@ def _check_with_torch(cfg: RunConfig, loaded: Any, planned: Any, dispatched: boo
 def _check_bounds(cfg: RunConfig) -> None:
     """Bounds and combinations that ran forever, crashed later or were silently ignored (issue 24):
     ``--decode`` within the longest prompt, text options not empty and valid UTF-8, ``--split-at``
-    with ``--block-size`` (the block size would be ignored), ``--op-replay`` without sublayers (no
-    op to replay), a ``--device-map`` JSON nested deeper than a map. The model's positions are
+    with ``--block-size`` (the block size would be ignored), ``--op-replay`` with prefill-decode (refused
+    first, :func:`tracer.plan.checks.check_capture_options`) or without sublayers (no op to replay), a ``--device-map`` JSON nested deeper than a map. The model's positions are
     checked once it is loaded (:func:`tracer.plan.checks.check_positions`).
 
     Raises:
         TracerError: one line naming the option and the fix.
     """
     from tracer.files import MAX_TOKENS, _depth_ok
-    from tracer.plan.checks import check_int
+    from tracer.plan.checks import check_capture_options, check_int
 
     s, ch, pr = cfg.scenario, cfg.checks, cfg.prompt
     check_int(ch.decode, "--decode", 0, MAX_TOKENS)
@@ -179,6 +179,8 @@ def _check_bounds(cfg: RunConfig) -> None:
     if s.split_at is not None and s.block_size is not None and s.name == "prefix-cache":
         raise TracerError(f"--split-at {s.split_at} sets the cached prefix itself; --block-size {s.block_size} would "
                           "only choose it (the last block boundary), so it would be ignored: give one of them")
+    # prefill-decode refuses --op-replay whatever the granularity: said before the hint to add sublayers
+    check_capture_options(s, kernels=cfg.capture.kernels, op_replay=ch.op_replay, decode=ch.decode)
     if ch.op_replay and cfg.capture.granularity != "sublayers":
         raise TracerError("--op-replay replays the origin ops (Linear, norm, attention core) from their captured "
                           "inputs, which only --granularity sublayers captures; add --granularity sublayers")

@@ -325,3 +325,19 @@ def test_a_difference_that_gets_smaller_reads_as_shrinking():
     c = compare_records(_run("A", [(n, k, t) for (n, k), t in zip(names, ta)]),
                         _run("B", [(n, k, t) for (n, k), t in zip(names, tb)]), scenario="prefix-cache", model="m")
     assert dict(headline(c))["growth"].startswith("no ratio (max |Δ| inf → "), dict(headline(c))["growth"]
+
+
+@pytest.mark.parametrize("generated, words", [([5, 6, 7, 8], "identical for all 4 generated tokens"),
+                                              ([5], "identical for the 1 generated token")])
+def test_generated_tokens_are_counted_as_tokens(generated, words):
+    """generate-cache's note said `identical for all 1 steps`: tokens, and one in the singular."""
+    from dataclasses import replace
+
+    from tests.helpers import run_record
+    from tracer.diff.facts import run_facts
+
+    a, b = (replace(run_record(n, [("emb", "embedding", torch.zeros(2, 4))]), meta={"generated": list(generated)})
+            for n in ("A", "B"))
+    notes = run_facts({}, a, b)["notes"]
+    assert any(n.endswith(words) for n in notes), notes
+    assert not any("steps" in n for n in notes), notes

@@ -95,7 +95,7 @@ def test_runs_in_vllm_get_suggestions_that_run_vllm_again():
     model), and `tracer sweep/audit MODEL` without `--engine vllm` would run HF, not vLLM."""
     same = _comparison(identical=True, scenario="batch", facts=_engines("vllm", "vllm"))
     steps = " ".join(next_steps(same, "run"))
-    assert "`tracer sweep smollm2-135m --engine vllm --lengths 17:512`" in steps
+    assert "`tracer sweep smollm2-135m --scenario batch --engine vllm --lengths " in steps  # its scenario too
     assert "`tracer audit smollm2-135m --engine vllm`" in steps
     for c in (_comparison(scenario="batch", facts=_engines("vllm", "vllm")),
               _comparison(scenario="engine", facts=_engines("hf", "vllm")),
@@ -269,3 +269,39 @@ def test_a_sublayers_suggestion_states_the_trace_it_will_write(tmp_path):
     steps = next_steps(_comparison(origins=[SimpleNamespace(kind="kv_cache", n_diff_prefix=3)],
                                    facts={"sublayers_bytes": 3 << 30}), "run")
     assert steps[0].startswith("`--positions all --granularity sublayers`") and "about 3 GiB" in steps[0], steps
+
+
+def test_two_machines_running_one_plan_get_no_aligned_suggestion():
+    """A CPU's trace and a GPU's of one prefix-cache plan: aligning the split (--mitigation aligned)
+    changes nothing between them; two plans of one trace (a cache hit and a miss) still get it."""
+    plan = "prefill [0, 16) then [16, 24) against the cache"
+    machines = _comparison(facts={"versions_differ": ["torch 2.9.0+cpu (A) vs 2.9.0+cu130 (B)"],
+                                  "plan_a": plan, "plan_b": plan})
+    hit_miss = _comparison(facts={"plan_a": plan, "plan_b": "prefill [0, 24) in one pass"})
+    assert not any("--mitigation aligned" in s for s in next_steps(machines, "compare"))
+    assert any("--mitigation aligned" in s for s in next_steps(hit_miss, "compare"))
+
+
+def test_an_identical_run_suggests_a_sweep_of_minutes_in_its_scenario():
+    """The sweep suggested after bit-identical runs was `--lengths 17:512` (hours on a CPU) and, after
+    --scenario generate-cache, a sweep of prefix-cache: it keeps the scenario and a few lengths."""
+    from tracer.loops.sweep import parse_int_list
+
+    steps = next_steps(_comparison(identical=True, scenario="generate-cache"), "run")
+    code = next(m for s in steps for m in re.findall(r"`([^`]+)`", s) if m.startswith("tracer sweep"))
+    words = code.split()
+    assert words[words.index("--scenario") + 1] == "generate-cache", code
+    lengths = parse_int_list(words[words.index("--lengths") + 1])
+    assert len(lengths) <= 20 and max(lengths) <= 256 and min(lengths) >= 17, code
+
+
+def test_a_suggested_command_is_not_broken_inside_its_backticks():
+    """At 80 columns the sweep command wrapped inside its backticks; it fits a line of its own."""
+    from tracer.report.console import fit
+
+    code = "`tracer sweep smollm2-135m --scenario generate-cache --lengths 17:129:8`"
+    text = f"other prompt lengths can diverge where this one does not: {code} maps 15 of them"
+    console = Console(file=io.StringIO(), width=80, force_terminal=True)
+    lines = fit(text, console, 7, label="next:").plain.splitlines()
+    assert any(code in line for line in lines), lines
+    assert all(len(line) <= 80 for line in lines)

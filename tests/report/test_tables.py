@@ -6,6 +6,7 @@ import csv
 import functools
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -210,3 +211,51 @@ def test_flip_lines_show_the_decoded_tokens_and_a_tie():
     assert tie.startswith("position 3: top-1 token 0 '\\n\\n' in A, 2 'xxxxxxxxxxxxxxx…' in B (top-2 margin 0 in A, 1 in B; "
                           "top two a tie in A"), tie
     assert "first flip at position 2 (token 1 ' the' in A, 2 'xxxxxxxxxxxxxxx…' in B)" in " ".join(lines)
+
+
+def _alternating_runs(n_layers: int):
+    """Runs A/B: an embedding, ``n_layers`` layers whose differing count alternates 1, 8, 1, 8, ...
+    (each a ×8 change from the row before: every layer is a row that matters) and logits."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [("model.embed_tokens", "embedding", torch.randn(2, 64, generator=g))]
+    tensors += [(f"model.layers.{i}", "layer", torch.randn(2, 64, generator=g)) for i in range(n_layers)]
+    tensors.append(("lm_head", "logits", torch.randn(2, 16, generator=g)))
+    b = []
+    for i, (name, kind, t) in enumerate(tensors):
+        t = t.clone()
+        if kind == "layer":
+            t.view(-1)[:1 if (i - 1) % 2 == 0 else 8] += 1.0
+        b.append((name, kind, t))
+    return run_record("A", tensors), run_record("B", b)
+
+
+def _shown(c, console) -> tuple[list[str], str]:
+    out = console.file
+    render(c, "table", console)
+    text = out.getvalue()
+    return [ln for ln in text.splitlines() if "model.layers." in ln and "│" in ln], text
+
+
+def test_the_table_keeps_its_rows_in_a_short_terminal():
+    """A pseudo-terminal of 24 rows showed 8 rows, dropping layers whose differing count changed ×8
+    that the caption says are kept; piped, the same comparison showed them all."""
+    from rich.console import Console
+
+    c = compare_records(*_alternating_runs(10), scenario="s", model="m")
+    short, text = _shown(c, Console(file=io.StringIO(), width=80, height=24, force_terminal=True, no_color=True))
+    tall, _ = _shown(c, Console(file=io.StringIO(), width=80, height=200, no_color=True))
+    assert len(short) == len(tall) == 10, text  # every layer changes ×8: all 10 are rows that matter
+    assert all(len(re.sub(r"\x1b\[[0-9;]*m", "", ln)) <= 80 for ln in text.splitlines())
+
+
+def test_the_caption_counts_the_rows_that_matter_it_leaves_out():
+    """More rows that matter than the table holds: the caption says how many it left out."""
+    from rich.console import Console
+
+    from tracer.report.tables import MAX_ROWS
+
+    n_layers = 20  # rows that matter: the embedding, 20 layers, the logits
+    c = compare_records(*_alternating_runs(n_layers), scenario="s", model="m")
+    _, text = _shown(c, Console(file=io.StringIO(), width=80, height=200, no_color=True))
+    flat = " ".join(text.split())
+    assert f"{n_layers + 2 - MAX_ROWS} more such rows" in flat, text

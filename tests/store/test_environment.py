@@ -48,6 +48,25 @@ def test_isa_differences_name_each_key_that_differs():
     assert isa_differences({"cpu": "x"}, b) == []  # a trace written before the keys existed: not compared
 
 
+def test_a_cpu_and_a_gpu_differ_in_device_not_instruction_set():
+    """A CPU's trace and an H200's: the device is the likely cause (named with both sides), not
+    ``device_capability None (A) vs 9.0 (B)``; two CPUs leave it to the instruction sets."""
+    from tracer.store.environment import device_difference, isa_differences
+
+    cpu = {"device": "cpu", "device_name": "AMD EPYC 7B13", "cpu": "AMD EPYC 7B13", "cpu_capability": "AVX2",
+           "device_capability": None}
+    h200 = {"device": "cuda:0", "device_name": "NVIDIA H200", "cpu": "Intel Xeon", "cpu_capability": "AVX512",
+            "device_capability": "9.0"}
+    a100 = {**h200, "device_name": "NVIDIA A100-SXM4-80GB", "device_capability": "8.0"}
+    assert device_difference(cpu, h200) == "cpu (AMD EPYC 7B13, AVX2) (A) vs NVIDIA H200 (sm 9.0) (B)"
+    assert isa_differences(cpu, h200) == []
+    assert device_difference(a100, h200) == "NVIDIA A100-SXM4-80GB (sm 8.0) (A) vs NVIDIA H200 (sm 9.0) (B)"
+    assert "device_capability 8.0 (A) vs 9.0 (B)" in isa_differences(a100, h200)  # two GPUs: both said
+    assert device_difference(cpu, {**cpu, "cpu_capability": "AVX512"}) is None
+    assert device_difference(h200, dict(h200)) is None
+    assert device_difference({"cpu": "x"}, h200) is None  # no device recorded: not compared
+
+
 @pytest.fixture(scope="module")
 def two_machines(tmp_path_factory):
     """Two traces of one prompt, the second as if made on a CPU of another instruction set: without
@@ -131,3 +150,27 @@ def test_show_prints_the_instruction_sets_whole(two_machines, cli_env):
         value = header[key] if isinstance(header[key], str) else json.dumps(header[key])
         line = next(x for x in out.splitlines() if x.strip().startswith(key + " "))
         assert line.rstrip().endswith(value), (key, line)  # whole on one line, never cut with "…"
+
+
+def test_compare_a_cpu_trace_with_a_gpu_trace_names_the_devices_first(two_machines, tmp_path):
+    """B as if run on an H200: the likely cause is the devices, first in the headline and the notes."""
+    import shutil
+
+    import h5py
+
+    from tracer.diff.compare import compare_runs
+    from tracer.report.summary import headline
+    from tracer.store.integrity import seal, set_text
+
+    b = shutil.copy(two_machines / "a.h5", tmp_path / "gpu.h5")
+    with h5py.File(b, "r+") as f:
+        header = json.loads(f["header"].attrs["json"])
+        header.update(device="cuda:0", device_name="NVIDIA H200", device_capability="9.0")
+        set_text(f["header"], "json", json.dumps(header))
+        seal(f["header"])
+    c = compare_runs((str(two_machines / "a.h5"), "A"), (str(b), "A"))
+    likely = [n for n in c.facts["notes"] if n.startswith("likely cause")]
+    assert len(likely) == 1 and likely[0].startswith("likely cause: the devices differ: cpu (")
+    assert "NVIDIA H200 (sm 9.0) (B)" in likely[0] and "instruction sets" not in likely[0]
+    labels = [k for k, _ in headline(c, "compare")]
+    assert "devices" in labels and "isa" not in labels

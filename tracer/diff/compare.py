@@ -18,7 +18,7 @@ from tracer.diff.batch import DiffBatch
 from tracer.diff.fetch import fetch_together
 from tracer.diff.crossdtype import CrossAccumulator, CrossDtype, pair_dtypes, summary_line
 from tracer.diff.facts import run_facts
-from tracer.store.environment import isa_differences, version_differences
+from tracer.store.environment import device_difference, isa_differences, version_differences
 from tracer.diff.logits import LogitsAccumulator, logits_accumulator
 from tracer.diff.metrics import amplification, bits_equal, has_nonfinite
 from tracer.diff.origins import classify_origins
@@ -408,8 +408,12 @@ def compare_runs(ref_a: tuple[str, str | None], ref_b: tuple[str, str | None], *
             hb = reader_b.header
             facts["notes"] = facts.get("notes", []) + [f"A: {path_a} ({header.get('hostname')}, {header.get('device_name')}, torch {header.get('torch')}); "
                               f"B: {path_b} ({hb.get('hostname')}, {hb.get('device_name')}, torch {hb.get('torch')})"]
-            facts["isa_differs"] = isa_differences(header, hb)  # named first: the likely cause
-            if facts["isa_differs"]:
+            facts["device_differs"] = device_difference(header, hb)  # named first: the likely cause
+            facts["isa_differs"] = isa_differences(header, hb)  # then the instruction sets
+            if facts["device_differs"]:
+                facts["notes"].append(f"likely cause: the devices differ: {facts['device_differs']}; their kernels "
+                                      "differ, so the two machines may compute other bits")
+            elif facts["isa_differs"]:
                 facts["notes"].append("likely cause: the instruction sets differ (" + "; ".join(facts["isa_differs"])
                                       + "); the kernels dispatch on them, so the two machines may compute other bits")
             facts["versions_differ"] = version_differences(header, hb)

@@ -91,7 +91,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         first = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
         facts.update(generated_a=gen_a, generated_b=gen_b, first_token_difference=first)
         notes.append(f"generated tokens: A {gen_a}, B {gen_b}; " + (
-            f"identical for all {len(gen_a)} steps" if first is None else
+            (f"identical for all {len(gen_a)} generated tokens" if len(gen_a) != 1 else
+             "identical for the 1 generated token") if first is None else
             f"first different at step {first} (position {a.window[0] + first}); later steps compare different contexts"))
     fmt = (scenario.get("params") or {}).get("kv_block_format")
     if fmt is not None:

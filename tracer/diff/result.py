@@ -150,8 +150,9 @@ class ComparisonFacts(schema.Document):
             count of the traced prompt's cached tokens.
         logits_positions: where both runs had logits, when an engine computed them at some
             positions only.
-        versions_differ, isa_differs, contract_differs: runs of two traces: what differs in their
-            versions, instruction sets and numeric contracts.
+        versions_differ, device_differs, isa_differs, contract_differs: runs of two traces: what
+            differs in their versions, devices (a CPU and a GPU, two GPU models), instruction sets
+            and numeric contracts.
         engine, engine_path, engine_path_b, reference, mapping, mapping_b, tp_size, steps,
             step_tokens: an engine dump compared with a reference run (or two dumps): the
             engine(s), the dump(s), the reference run, HF name → engine name(s), the dump's TP
@@ -191,6 +192,7 @@ class ComparisonFacts(schema.Document):
     logits_positions: tuple[schema.Count, ...] | None = None
     sublayers_bytes: schema.Count | None = None
     versions_differ: tuple[str, ...] | None = None
+    device_differs: str | None = None
     isa_differs: tuple[str, ...] | None = None
     contract_differs: tuple[str, ...] | None = None
     engine: str | None = None

@@ -271,13 +271,14 @@ def contract_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> 
     Compared: the model's parameter dtypes, every floating-point buffer's dtype and device
     (a buffer on one side only counts too), whether the model was cast after loading, and each
     attention kind's implementation, layers and window. Headers written before the contract was
-    recorded (no ``numeric_contract`` key) give one phrase saying it cannot be checked.
+    recorded (no ``numeric_contract`` key) give one phrase saying it is recorded in one trace only
+    (said after ``the numeric contract differs:``, so the phrase does not name the contract again).
     """
     ca, cb = header_a.get("numeric_contract"), header_b.get("numeric_contract")
     if not isinstance(ca, dict) or not isinstance(cb, dict):
         if ca is None and cb is None:
             return []
-        return ["the numeric contract (buffer dtypes, casting, attention kinds) is recorded on one side only"]
+        return ["recorded in one trace only (buffer dtypes, casting, attention kinds)"]
     out = []
     if ca.get("parameter_dtypes") != cb.get("parameter_dtypes"):
         out.append(f"parameter dtypes {ca.get('parameter_dtypes')} (A) vs {cb.get('parameter_dtypes')} (B)")

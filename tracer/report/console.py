@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from rich.cells import cell_len
@@ -43,10 +44,14 @@ def fitted(console: Console) -> bool:
 
 def _breaks(text: str, first: int, rest: int) -> list[tuple[int, int]]:
     """``(start, end)`` offsets of each line of ``text`` broken between words: the first line at most
-    ``first`` cells, the others ``rest``. A word longer than a line is folded (the one case that
+    ``first`` cells, the others ``rest``. A backticked command (`` `tracer sweep ...` ``) that fits
+    ``rest`` is kept whole, as one word. A word longer than a line is folded (the one case that
     cuts inside a word: there is no other way to show it whole in that width)."""
     spans: list[tuple[int, int]] = []
     start, n = 0, len(text)
+    # a `command` that fits a line of its own is never broken inside its backticks
+    whole = {i for m in re.finditer(r"`[^`]+`", text) if cell_len(m.group()) <= rest
+             for i in range(m.start(), m.end()) if text[i] == " "}
     room = first
     while start < n:
         while start < n and text[start] == " " and spans:  # a continuation starts at a word
@@ -56,7 +61,7 @@ def _breaks(text: str, first: int, rest: int) -> list[tuple[int, int]]:
             w = cell_len(text[end])
             if width + w > room:
                 break
-            if text[end] == " ":
+            if text[end] == " " and end not in whole:
                 last_space = end
             width += w
             end += 1

@@ -240,10 +240,15 @@ def _sublayers_cost(c: Comparison) -> str:
     return f"; its trace takes up to about {size}"
 
 
+#: the prompt lengths a suggested sweep maps: 15 lengths, minutes on a CPU (17:512 takes hours)
+QUICK_LENGTHS = "17:129:8"
+
+
 def next_steps(c: Comparison, command: str = "run") -> list[str]:
     """What to try next. Each suggestion names options of the command that prints it (``command``:
     ``run``), or a whole command line (``tracer run MODEL --positions all`` from ``tracer compare``,
-    ``tracer sweep``/``audit`` for identical runs)."""
+    ``tracer sweep``/``audit`` for identical runs: the sweep of the run's scenario over
+    :data:`QUICK_LENGTHS`)."""
     steps: list[str] = []
     model = _model_argument(c)
     engine = _engine_flag(c)  # runs on an engine: suggestions run it again; --verdict re-runs HF only (refused)
@@ -251,8 +256,10 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
         return steps  # audit runs one engine, not the two that were compared
     if c.identical:
         on = f" {engine}" if engine else ""
+        scen = f" --scenario {c.scenario}" if c.scenario in SCENARIOS and c.scenario != "prefix-cache" else ""
         steps.append("other prompt lengths can diverge where this one does not: "
-                     f"`tracer sweep {model}{on} --lengths 17:512` maps them")
+                     f"`tracer sweep {model}{scen}{on} --lengths {QUICK_LENGTHS}` maps 15 of them in minutes "
+                     "(--lengths 17:512: every length, hours on a CPU)")
         steps.append(f"the other levels of the hierarchy (batching, chunking, TP, KV quantization): `tracer audit {model}{on}`")
         return steps
     if c.facts.get("engine"):  # an engine dump: the options of `tracer run` do not re-run an engine
@@ -279,7 +286,9 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
     elif not subs and not prefix_born:
         steps.append(f"`{run}--granularity sublayers`: names the op inside the layer (norm, q/k/v, attention core, "
                      f"MLP, every Linear) with its GEMM shapes{_sublayers_cost(c)}")
-    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")):
+    # two traces of one plan on two machines: aligning the split changes nothing between them
+    same_plan = "versions_differ" in c.facts and c.facts.get("plan_a") == c.facts.get("plan_b")
+    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")) and not same_plan:
         steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P ({ALIGNED_SOURCE}); "
                      "checks whether aligning the split restores bitwise equality")
     if c.noise is None and engine is None:
@@ -335,7 +344,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     Labels: ``verdict`` (:func:`verdict_line`: the noise verdict first when there is one),
     ``unverified`` (a trace read without checksums: :func:`unverified_text`), ``non-finite`` (NaN/Inf
     in either run: :func:`nonfinite_text`), ``origin`` (one pair per origin; shapes, and kernels when recorded), ``first divergent``,
-    ``growth``, ``logits``, ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
+    ``growth``, ``logits``, ``devices`` (two traces of a CPU and a GPU, or of two GPU models: the
+    likely cause, so first), ``isa`` (two traces of CPUs or GPUs whose instruction sets differ: the
     likely cause, so before the versions), ``versions`` (two traces: every version that differs),
     ``decode`` when present, ``next`` (one
     pair per suggestion, valid for ``command``: :func:`next_steps`).
@@ -357,6 +367,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
             f"{_g(first.diff.max_abs_diff)})" if first is not None else " (the logits)")))
         out.append(("growth", growth_text(c)))
     out.append(("logits", logits_text(c)))
+    if c.facts.get("device_differs"):  # a CPU's trace and a GPU's, or two GPU models: the likely cause, first
+        out.append(("devices", c.facts["device_differs"]))
     if c.facts.get("isa_differs"):  # two traces of CPUs or GPUs of other instruction sets: the likely cause, first
         out.append(("isa", "; ".join(c.facts["isa_differs"])))
     if "versions_differ" in c.facts:  # runs from two traces

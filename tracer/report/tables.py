@@ -238,15 +238,16 @@ def point_mark(c: Comparison, name: str) -> str:
     return mark
 
 
-def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int) -> list[str]:
+def _caption(c: Comparison, columns: tuple[str, ...], n_shown: int, n_all: int, thinned: int = 0) -> list[str]:
     lines = []
+    cut = (f"; {thinned} more such rows, the smallest changes, left out to keep {MAX_ROWS} rows" if thinned else "")
     if n_shown < n_all and c.first_divergent is None:  # nothing differs: no origin, no changes to show
         lines.append(f"{n_shown} of {n_all} rows: the first point, the last layer, the final norm, the logits "
                      "(--all-rows prints all)")
     elif n_shown < n_all:
         nan = ", rows where NaN/Inf appear or change count" if nonfinite_text(c) is not None else ""
         lines.append(f"{n_shown} of {n_all} rows: the first point, the origin, rows where the differing count "
-                     f"changes ×2 or max |Δ| ×4{nan}, the last layer, the logits (--all-rows prints all)")
+                     f"changes ×2 or max |Δ| ×4{nan}, the last layer, the logits{cut} (--all-rows prints all)")
     lines += _plans(c).splitlines()
     if "ulp" in columns:
         lines.append(ULP_NOTE)
@@ -279,7 +280,7 @@ def skip_rows(skipped: Any, grouped: bool) -> list[tuple[str, str, bool]]:
 
 
 def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
-              width: int | None = None) -> tuple[Table, list[str]]:
+              width: int | None = None, thinned: int = 0) -> tuple[Table, list[str]]:
     """The amplification table fitted to ``width`` characters, and the lines that go under it.
 
     ``columns``: keys of :data:`COLUMNS` (the ``kernels`` column is added when the runs recorded
@@ -288,7 +289,8 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     out in the order of :data:`tracer.report.layout.DROP_ORDER` (never the name, differing / total,
     max abs diff, ULP or flips), and a line under the table names them; no number is ever cut
     (:func:`tracer.report.layout.fit_columns`). Kernels that do not fit as a column get a section
-    of their own under the table, one line per row.
+    of their own under the table, one line per row. ``thinned``: rows that matter which ``keep``
+    leaves out to stay within :data:`MAX_ROWS` (the caption says how many).
 
     Returns:
         ``(table, lines)``: the rich Table (no title, no caption) and the text lines to print after
@@ -329,7 +331,7 @@ def fit_table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: l
     if others:
         lines.append(f"left out to fit {width} columns: {', '.join(others)} (a wider terminal, COLUMNS=200, "
                      "or --format csv / json shows them)")
-    return t, lines + _caption(c, fit.columns, len(shown), len(all_rows))
+    return t, lines + _caption(c, fit.columns, len(shown), len(all_rows), thinned)
 
 
 def table(c: Comparison, columns: tuple[str, ...] = DEFAULT_COLUMNS, keep: list[int] | None = None,
@@ -368,24 +370,17 @@ def replay_lines(c: Comparison) -> list[str]:
     return lines
 
 
-#: the most rows the table shows by default (``--all-rows``: every row), sublayers included
+#: the most rows the table shows by default (``--all-rows``: every row), sublayers included, whatever
+#: the terminal's height (the caption counts the rows that matter it leaves out)
 MAX_ROWS = 15
-
-
-def _row_budget(console: Console, n_headline: int) -> int:
-    """Rows of the table by default: :data:`MAX_ROWS`, fewer when a terminal is too short for them below
-    the headline."""
-    if not console.is_terminal:
-        return MAX_ROWS
-    return min(MAX_ROWS, max(8, console.size.height - n_headline - 14))
 
 
 def print_report(c: Comparison, console: Console | None = None,
                  columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
     point, growth, logits, what to try next), then the title line, the table of the rows that matter
-    (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, fewer in a short
-    terminal; every row with ``all_rows``) fitted to the console's width (:func:`fit_table`), the
+    (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, whatever the
+    terminal's height; every row with ``all_rows``) fitted to the console's width (:func:`fit_table`), the
     lines under it, logits statistics, flips, replay, noise verdict and the verdict to ``console``
     (stdout by default).
 
@@ -405,8 +400,9 @@ def print_report(c: Comparison, console: Console | None = None,
         style = "bold green" if key == "verdict" and c.identical else ("bold red" if key in ("verdict", "origin") else None)
         print_fitted(console, printable(text), width, label=f"{key}:", style=style)
     console.print()
-    keep = None if all_rows else rows_that_matter(c, _row_budget(console, len(head)))
-    t, under = fit_table(c, columns, keep, console.width)
+    keep = None if all_rows else rows_that_matter(c, MAX_ROWS)
+    thinned = 0 if keep is None else len(rows_that_matter(c)) - len(keep)
+    t, under = fit_table(c, columns, keep, console.width, thinned)
     print_fitted(console, printable(_title(c)))
     print_whole(console, t, table_width([col.width or 0 for col in t.columns]))  # too narrow even so: wider, never cut
     for line in under:

@@ -316,7 +316,11 @@ def isa_summary(header: dict[str, Any]) -> str | None:
 def isa_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[str]:
     """``["onednn_isa Intel AVX-512 ... (A) vs Intel AVX2 (B)", "cpu_isa_flags: only A has avx512f, ..."]``:
     every :data:`ISA_KEYS` entry that differs between two trace headers (a key missing on one side,
-    from a trace written before it was recorded, is not compared)."""
+    from a trace written before it was recorded, is not compared). ``[]`` for a CPU's trace and a
+    GPU's: their instruction sets are not the cause, the devices are (:func:`device_difference`)."""
+    kinds = {_device_kind(h) for h in (header_a, header_b)}
+    if len(kinds) == 2 and "" not in kinds and "cpu" in kinds:
+        return []
     out = []
     for k in ISA_KEYS:
         if k not in header_a or k not in header_b or header_a[k] == header_b[k]:
@@ -329,3 +333,31 @@ def isa_differences(header_a: dict[str, Any], header_b: dict[str, Any]) -> list[
         else:
             out.append(f"{k} {a} (A) vs {b} (B)")
     return out
+
+
+def _device_kind(header: dict[str, Any]) -> str:
+    """``cpu``, ``cuda``, ... : the type of a header's ``device`` (``""`` when none is recorded)."""
+    return str(header.get("device") or "").split(":")[0]
+
+
+def _device_text(header: dict[str, Any]) -> str:
+    """A device as a likely-cause line names it: ``cpu (AMD EPYC 7B13, AVX2)``, ``NVIDIA H200 (sm 9.0)``."""
+    kind = _device_kind(header)
+    if kind == "cpu":
+        parts = [str(x) for x in (header.get("cpu") or header.get("device_name"), header.get("cpu_capability")) if x]
+    else:
+        cap = header.get("device_capability")
+        return f"{header.get('device_name') or kind}" + (f" (sm {cap})" if cap else "")
+    return kind + (f" ({', '.join(parts)})" if parts else "")
+
+
+def device_difference(header_a: dict[str, Any], header_b: dict[str, Any]) -> str | None:
+    """``"cpu (AMD EPYC 7B13, AVX2) (A) vs NVIDIA H200 (sm 9.0) (B)"``: two trace headers' devices
+    when they are of different types (a CPU and a GPU) or different GPU models; None for two CPUs
+    (their instruction sets: :func:`isa_differences`), one GPU model, or a header without a device."""
+    kind_a, kind_b = _device_kind(header_a), _device_kind(header_b)
+    if not kind_a or not kind_b or kind_a == kind_b == "cpu":
+        return None
+    if kind_a == kind_b and header_a.get("device_name") == header_b.get("device_name"):
+        return None
+    return f"{_device_text(header_a)} (A) vs {_device_text(header_b)} (B)"
