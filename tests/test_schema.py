@@ -256,6 +256,11 @@ class Gen:
         edges = [0, *cuts, 64]
         return tuple((a, b) for a, b in zip(edges, edges[1:]))
 
+    def _KvTransfer_role(self):  # KvTransfer.schema_check: one of the boundaries
+        from tracer.load.contract import KV_TRANSFER_ROLES
+
+        return self.r.choice(KV_TRANSFER_ROLES)
+
     def _KVContract_transfer_unit(self):  # KVContract.schema_check: token or block-row
         return self.r.choice(("token", "block-row"))
 

@@ -113,7 +113,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
         check_capture_options(planned, kernels=c.kernels, op_replay=ch.op_replay, decode=ch.decode)
         for plan in (planned.plan_a, planned.plan_b):  # every engine a plan runs on is installed here
             check_engine(plan.engine, "--engines" if s.name == "engine" else "--engine")
-        if "vllm" in (planned.plan_a.engine, planned.plan_b.engine):  # its start's bound, before loading
+        if not (is_reference(planned.plan_a.engine) and is_reference(planned.plan_b.engine)):  # a start's bound
             from tracer.watchdog import start_bound
 
             start_bound()

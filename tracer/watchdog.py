@@ -279,9 +279,9 @@ class StartGuard:
             if self.seen and self._signal_at == float("inf"):
                 self._signal_at = elapsed
             if self.look(elapsed):
-                # the engine's start should fail now; vLLM's wait for its engine core's ready message
-                # watches no process and swallows the signal's exception (pyzmq retries the poll), so
-                # a start still running after LEAVE_S ends the command from here
+                # the engine's start should fail now; an engine's wait for its core's ready message may
+                # watch no process and swallow the signal's exception (a poll retried after the
+                # handler ran), so a start still running after LEAVE_S ends the command from here
                 if not self._done.wait(LEAVE_S):
                     self.leave()
                 return
@@ -295,7 +295,7 @@ class StartGuard:
         why = (f"terminated: {self.what}'s start did not return within {GRACE_S + LEAVE_S:g} s of "
                f"{signal.Signals(signum).name}; killed its processes and stopped" if signum is not None else
                f"error: {self.reason}; its start did not return after its processes were killed, so tracer "
-               f"stopped (vLLM's log says why)")
+               f"stopped (its log says why)")
         line = why + (f"; removed {removed} partial file(s)" if removed else "") + "\n"
         try:  # sys.stderr: the terminal, also while an engine's start sends fd 2 to its log
             import sys

@@ -29,7 +29,7 @@ from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.load.contract import KVContract
+from tracer.load.contract import KVContract, KvTransfer
 from tracer.load.devices import resolve_device
 from tracer.engines.dumps.read import read_dump
 from tracer.engines.table import REFERENCE
@@ -299,8 +299,8 @@ def dump_kv_transfer(mapped: MappedDump, layout: RefLayout, model: dict) -> dict
         head_dim=features // (2 * heads) if heads else 0, positions=(0, int(mapped.positions[1])),
         packing="per token: every head's keys, then every head's values (tracer's kv_cache point)",
         transfer=f"engine dump {mapped.path}")
-    return {"role": "imported", "transferred": int(mapped.positions[1]), "boundary": f"engine dump {mapped.path}",
-            "contract": None, "consumer": consumer.to_dict(), "unknown": PRODUCER_UNKNOWN}
+    return KvTransfer(role="imported", transferred=int(mapped.positions[1]), boundary=f"engine dump {mapped.path}",
+                      consumer=consumer, unknown=PRODUCER_UNKNOWN).to_dict()
 
 
 def dump_side(refs: list[str]) -> tuple[tuple[str, str | None], str] | None:

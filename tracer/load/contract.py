@@ -426,6 +426,40 @@ class KVContractCheck(schema.Record):
         doc["fatal"], doc["summary"] = bool(self.fatal), self.summary()
 
 
+#: the boundaries a run's KV cache can have crossed (``meta["kv_transfer"]["role"]``; ``traces/README.md``)
+KV_TRANSFER_ROLES = ("miss", "load", "moved", "imported")
+
+
+@dataclass(frozen=True)
+class KvTransfer(schema.Record):
+    """A run's ``meta["kv_transfer"]``: which boundary its KV cache crossed (``role``: ``miss``/``load``,
+    prefill-decode's runs A and B; ``moved``, the HF cache handed to another device; ``imported``, an
+    engine dump's cache), the positions handed over (``transferred``), the connector's ``files``, the
+    ``boundary`` in words, the ``--producer`` difference, whether the handed-over positions are
+    compared at the ``kv_cache`` points (``kv_compared``, ``kv_not_compared``: why not), the contract
+    check (``contract``) and the producer's contract file, or for an import the reference's contract
+    (``consumer``) and what is ``unknown``."""
+
+    schema_sparse = True
+
+    role: str
+    transferred: schema.Count = 0
+    files: schema.Count | None = None
+    boundary: str | None = None
+    producer: dict[str, Any] | None = None
+    kv_compared: bool | None = None
+    kv_not_compared: str | None = None
+    contract: KVContractCheck | None = None
+    contract_file: str | None = None
+    consumer: KVContract | None = None
+    unknown: str | None = None
+
+    def schema_check(self) -> str | None:
+        if self.role not in KV_TRANSFER_ROLES:
+            return f"role {self.role!r} is none of {', '.join(KV_TRANSFER_ROLES)}"
+        return None
+
+
 #: (field, label, fatal?, why) in report order; fatal None: fatal only when what crosses is block rows
 _KV_FIELDS: tuple[tuple[str, str, bool | None, str], ...] = (
     ("layout", "KV layout", True, "the consumer would read heads as tokens"),

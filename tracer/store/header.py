@@ -33,7 +33,7 @@ from typing import Any
 from tracer import schema
 from tracer.execute.family import FamilyFacts
 from tracer.execute.records import EngineFacts, SchedulerFacts
-from tracer.load.contract import KVContract, KVContractCheck, NumericContract
+from tracer.load.contract import KvTransfer, NumericContract
 from tracer.load.models import ModelInfo
 from tracer.plan.plans import Scenario
 from tracer.store.budget import StoreAuto
@@ -122,40 +122,6 @@ class EngineDumpMeta(schema.Record):
     mapping: dict[str, str]
     notes: tuple[str, ...]
     facts: dict[str, Any] = schema.field(default_factory=dict)
-
-
-#: the boundaries a run's KV cache can have crossed (``meta["kv_transfer"]["role"]``; ``traces/README.md``)
-KV_TRANSFER_ROLES = ("miss", "load", "moved", "imported")
-
-
-@dataclass(frozen=True)
-class KvTransfer(schema.Record):
-    """A run's ``meta["kv_transfer"]``: which boundary its KV cache crossed (``role``: ``miss``/``load``,
-    prefill-decode's runs A and B; ``moved``, the HF cache handed to another device; ``imported``, an
-    engine dump's cache), the positions handed over (``transferred``), the connector's ``files``, the
-    ``boundary`` in words, the ``--producer`` difference, whether the handed-over positions are
-    compared at the ``kv_cache`` points (``kv_compared``, ``kv_not_compared``: why not), the contract
-    check (``contract``) and the producer's contract file, or for an import the reference's contract
-    (``consumer``) and what is ``unknown``."""
-
-    schema_sparse = True
-
-    role: str
-    transferred: schema.Count = 0
-    files: schema.Count | None = None
-    boundary: str | None = None
-    producer: dict[str, Any] | None = None
-    kv_compared: bool | None = None
-    kv_not_compared: str | None = None
-    contract: KVContractCheck | None = None
-    contract_file: str | None = None
-    consumer: KVContract | None = None
-    unknown: str | None = None
-
-    def schema_check(self) -> str | None:
-        if self.role not in KV_TRANSFER_ROLES:
-            return f"role {self.role!r} is none of {', '.join(KV_TRANSFER_ROLES)}"
-        return None
 
 
 @dataclass(frozen=True)

@@ -453,8 +453,10 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
             "gemm_m": plan.gemm_m()}
     if moves:  # the KV contracts of a cache moved to another device, beside the run (prefill-decode's key)
-        info["kv_transfer"] = {"role": "moved", "transferred": moves[-1].producer.positions[1],
-                               "boundary": moves[-1].boundary, "contract": moves[-1].to_dict()}
+        from tracer.load.contract import KvTransfer
+
+        info["kv_transfer"] = KvTransfer(role="moved", transferred=moves[-1].producer.positions[1],
+                                         boundary=moves[-1].boundary, contract=moves[-1]).to_dict()
     if warned:
         info["compiler_warnings"] = warned
     if generated is not None:

@@ -33,7 +33,7 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
 from tracer.plan.checks import PREFILL_DECODE_REFUSED
-from tracer.load.contract import (KV_CONTRACT_FILE, check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
+from tracer.load.contract import (KV_CONTRACT_FILE, KvTransfer, check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
                                   write_kv_contract)
 
 _ROOT: list[Path] = []
@@ -200,11 +200,10 @@ def execute_transfer(loaded: Any, token_ids: list[int], plan: Any, points: list[
         block = int(dict(producer).get("block_size", cons.settings.block_size))
         for layer, rows in transferred_kv(dst, kv_points, n_moved, block, dev, unit).items():
             cap.kv.setdefault(layer, []).insert(0, (np.arange(n_moved), rows))
-    return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, {
-        "role": how, "transferred": n_moved, "files": files, "boundary": BOUNDARY, "producer": difference(plan),
-        "kv_compared": bool(n_moved) and unread is None, "kv_not_compared": unread,
-        "contract": check.to_dict() if check is not None else None,
-        "contract_file": str(src / KV_CONTRACT_FILE) if src is not None else None}), None
+    return _record(loaded, cons, token_ids, plan, points, window, run, cap, req, keep_on_device, meta, KvTransfer(
+        role=how, transferred=n_moved, files=files, boundary=BOUNDARY, producer=difference(plan),
+        kv_compared=bool(n_moved) and unread is None, kv_not_compared=unread, contract=check,
+        contract_file=str(src / KV_CONTRACT_FILE) if src is not None else None).to_dict()), None
 
 
 def _consume(loaded: Any, eng: Any, token_ids: list[int], points: list[Any], window: tuple[int, int],
