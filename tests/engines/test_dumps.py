@@ -541,3 +541,18 @@ def test_a_dump_of_float8_activations_is_refused_in_one_line(tmp_path):
     save_file({"hidden_states": torch.randn(6, 3, 8).to(torch.bfloat16),
                "token_ids": torch.arange(6, dtype=torch.int64)}, str(path))
     assert len(read_dump(path).entries) == 3
+
+
+def test_a_dump_file_with_no_tensors_says_so(tmp_path):
+    """Issue 37 (this stop's trial): a .safetensors file with an empty header was refused as 'token ids
+    do not match the reference prompt in any step ()'."""
+    import pytest
+    from safetensors.torch import save_file
+
+    from tracer.engines.dumps.read import read_dump
+    from tracer.errors import TracerError
+
+    path = tmp_path / "empty.safetensors"
+    save_file({}, str(path))
+    with pytest.raises(TracerError, match="holds no tensors"):
+        read_dump(path)

@@ -41,8 +41,9 @@ def test_producer_difference_is_one_setting():
     assert producer_difference(None) == {}
     assert sides(_scen(130, producer="max_num_batched_tokens=32").plan_b)[1]["max_num_batched_tokens"] == 32
     for bad, words in (("block_size=64,dtype=float32", "one difference at a time"), ("foo=1", "unknown setting"),
-                       ("block_size=x", "number of tokens"), ("block_size=0", "positive number of tokens"),
-                       ("max_num_batched_tokens=-5", "positive number of tokens"), ("attention_backend=", "give a value"),
+                       ("block_size=x", "number of tokens"), ("block_size=0", "number of tokens from 1 to"),
+                       ("max_num_batched_tokens=-5", "number of tokens from 1 to"), ("attention_backend=", "give a value"),
+                       ("block_size=99999999999999999999999", "from 1 to 1,048,576"),
                        ("block_size", "expected KEY=VALUE"), ("dtype=banana", "unknown dtype"),
                        ("kv_cache_dtype=banana", "unknown KV-cache dtype")):
         with pytest.raises(TracerError, match=words):

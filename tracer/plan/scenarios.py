@@ -361,6 +361,10 @@ PRODUCER_SETTINGS: dict[str, type] = {"block_size": int, "max_num_batched_tokens
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+#: the largest token count a ``--producer`` setting takes (the bound of ``--block-size``)
+MAX_PRODUCER_TOKENS = 1 << 20
+
+
 def producer_difference(text: str | dict[str, Any] | None) -> dict[str, Any]:
     """``prefill-decode``'s ``producer`` option as ``{setting: value}``: ``KEY=VALUE`` (one difference at a
     time, so that the report can name what made the numbers differ), or ``{}`` (the control).
@@ -389,8 +393,9 @@ def producer_difference(text: str | dict[str, Any] | None) -> dict[str, Any]:
             number = int(value)
         except ValueError:
             raise TracerError(f"--producer {key}={value}: {key} is a number of tokens") from None
-        if number < 1:
-            raise TracerError(f"--producer {key}={value}: {key} must be a positive number of tokens")
+        if not 1 <= number <= MAX_PRODUCER_TOKENS:
+            raise TracerError(f"--producer {key}={value}: {key} must be a number of tokens from 1 to "
+                              f"{MAX_PRODUCER_TOKENS:,}")
         return {key: number}
     if key == "dtype":  # the one dtype table: bf16 is bfloat16
         from tracer.dtypes import SUPPORTED, canonical

@@ -336,11 +336,14 @@ def read_named_tensors(path: Path, ledger: Any = None) -> RawDump:
 
     Raises:
         TracerError: not a regular file, over the input budget, unreadable, pickled arrays in an
-            npz, no ``input_ids``.
+            npz, no tensors, no ``input_ids``.
     """
     from tracer.engines.dumps.files import load_npz, load_safetensors
 
     tensors = load_npz(path, ledger) if path.suffix == ".npz" else load_safetensors(path, ledger)
+    if not tensors:
+        raise TracerError(f"{path} holds no tensors; an engine dump file holds the activations by module name and the "
+                          "prompt's input_ids (or vLLM's hidden_states and token_ids)")
     if is_hidden_states(tensors):  # vLLM's own hidden-states file (ExampleHiddenStatesConnector)
         return read_hidden_states(str(path), tensors, ledger)
     tokens: dict = {}
