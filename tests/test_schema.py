@@ -257,7 +257,7 @@ class Gen:
         return tuple((a, b) for a, b in zip(edges, edges[1:]))
 
     def _KvTransfer_role(self):  # KvTransfer.schema_check: one of the boundaries
-        from tracer.load.contract import KV_TRANSFER_ROLES
+        from tracer.load.kv_contract import KV_TRANSFER_ROLES
 
         return self.r.choice(KV_TRANSFER_ROLES)
 

@@ -346,7 +346,7 @@ def test_an_engine_dumps_kv_cache_records_the_consumers_contract_and_says_the_pr
 
     from tracer.diff.compare_dump import PRODUCER_UNKNOWN, dump_kv_transfer
     from tracer.engines.dumps.namemap import MappedDump, RefLayout
-    from tracer.load.contract import KVContract, check_kv_contract
+    from tracer.load.kv_contract import KVContract, check_kv_contract
     from tracer.schema import decode
 
     kv = "model.layers.{}.self_attn.kv_cache"

@@ -27,7 +27,7 @@ def test_a_kv_cache_moved_to_another_device_carries_its_contract_into_the_trace(
 
     import tracer
     from tracer.errors import TracerError
-    from tracer.load.contract import KVContract, check_kv_contract, require_kv
+    from tracer.load.kv_contract import KVContract, check_kv_contract, require_kv
     from tracer.schema import decode
     from tracer.store.trace import TraceReader
 

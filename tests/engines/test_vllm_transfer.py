@@ -22,7 +22,7 @@ from tracer.engines.door import realise  # noqa: E402
 from tracer.engines.vllm import transfer  # noqa: E402
 from tracer.engines.vllm.connector import contract, model_dims  # noqa: E402
 from tracer.errors import TracerError  # noqa: E402
-from tracer.load.contract import check_kv_contract, read_kv_contract, require_kv  # noqa: E402
+from tracer.load.kv_contract import check_kv_contract, read_kv_contract, require_kv  # noqa: E402
 from tracer.load.models import load_model  # noqa: E402
 from tracer.pipeline import run_scenario  # noqa: E402
 from tracer.plan.build import build  # noqa: E402

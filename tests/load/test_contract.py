@@ -16,8 +16,8 @@ from tracer.errors import TracerError
 from tracer.load import models as M
 from tracer.api import run
 from tracer.load.contract import attention_kinds, cast_after_load, contract_differences, numeric_contract
-from tracer.load.contract import (KV_CONTRACT_FILE, KVContract, check_kv_contract, read_kv_contract, require_kv,
-                                  tokens_sha256, write_kv_contract)
+from tracer.load.kv_contract import (KV_CONTRACT_FILE, KVContract, check_kv_contract, read_kv_contract, require_kv,
+                                     tokens_sha256, write_kv_contract)
 from tracer.load.hf_cache import cache_kwarg, output_cache
 from tracer.store.trace import TraceReader
 

@@ -29,7 +29,7 @@ from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.load.contract import KVContract, KvTransfer
+from tracer.load.kv_contract import KVContract, KvTransfer
 from tracer.load.devices import resolve_device
 from tracer.engines.dumps.read import read_dump
 from tracer.engines.table import REFERENCE

@@ -18,7 +18,7 @@ from torch import nn
 
 from tracer.engines.table import REFERENCE
 from tracer.errors import TracerError
-from tracer.load.contract import KVContract
+from tracer.load.kv_contract import KVContract
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,7 +33,8 @@ from typing import Any
 from tracer import schema
 from tracer.execute.family import FamilyFacts
 from tracer.execute.records import EngineFacts, SchedulerFacts
-from tracer.load.contract import KvTransfer, NumericContract
+from tracer.load.contract import NumericContract
+from tracer.load.kv_contract import KvTransfer
 from tracer.load.models import ModelInfo
 from tracer.plan.plans import Scenario
 from tracer.store.budget import StoreAuto

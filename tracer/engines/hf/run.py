@@ -84,7 +84,7 @@ HF_BOUNDARY = "HF cache moved to another device"
 def _producer(model: nn.Module, cache: Any, ids: torch.Tensor, crossing: bool) -> Any:
     """The producer's KV contract of ``cache`` about to be handed to a chunk with a device of its own
     (``crossing``; the same device too: ``--devices cpu,cpu`` checks the contract all the same), else None."""
-    from tracer.load.contract import tokens_sha256
+    from tracer.load.kv_contract import tokens_sha256
     from tracer.load.hf_cache import cache_contract
 
     if cache is None or not crossing:
@@ -98,9 +98,9 @@ def _checked(producer: Any, model: nn.Module, dev: torch.device, ids: torch.Tens
     ``0..start - 1``).
 
     Raises:
-        TracerError: a fatal difference (:func:`tracer.load.contract.require_kv`, one line naming both sides).
+        TracerError: a fatal difference (:func:`tracer.load.kv_contract.require_kv`, one line naming both sides).
     """
-    from tracer.load.contract import check_kv_contract, require_kv, tokens_sha256
+    from tracer.load.kv_contract import check_kv_contract, require_kv, tokens_sha256
     from tracer.load.hf_cache import cache_contract
 
     consumer = cache_contract(model, None, dev, (0, start), tokens_sha256(ids[0, :start].tolist()))
@@ -266,7 +266,7 @@ def forward_chunks(model: nn.Module, ids: torch.Tensor, plan: RunPlan,
     ``on_output(s, e, output)`` is called after each chunk's call; ``compiled``: whether ``fn``
     is a ``torch.compile``-d model (its failures are then reported as such; default: ``fn`` is
     not ``model``); ``kv_moves``: a list that gets, for each move of the cache to another device,
-    its :class:`~tracer.load.contract.KVContractCheck` (the producer's contract against the
+    its :class:`~tracer.load.kv_contract.KVContractCheck` (the producer's contract against the
     consumer's, checked before the consumer computes: a fatal difference raises, one line).
     """
     fn = model if fn is None else fn
@@ -453,7 +453,7 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     info = {"wall_s": wall, "device": ",".join(plan.devices) if plan.devices else str(device),
             "gemm_m": plan.gemm_m()}
     if moves:  # the KV contracts of a cache moved to another device, beside the run (prefill-decode's key)
-        from tracer.load.contract import KvTransfer
+        from tracer.load.kv_contract import KvTransfer
 
         info["kv_transfer"] = KvTransfer(role="moved", transferred=moves[-1].producer.positions[1],
                                          boundary=moves[-1].boundary, contract=moves[-1]).to_dict()

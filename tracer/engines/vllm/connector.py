@@ -19,7 +19,7 @@ run             what vLLM does (one consumer LLM for both runs; prefix caching o
 ==============  ======================================================================================
 A               the consumer alone: the whole prompt prefilled (its folder empty: a miss), T decoded
 B               the producer (the consumer's settings, ``--producer KEY=VALUE`` changed) prefills the
-                prompt into its folder; tracer writes the producer's :class:`~tracer.load.contract.KVContract`
+                prompt into its folder; tracer writes the producer's :class:`~tracer.load.kv_contract.KVContract`
                 beside the files, copies the folder into the consumer's (the hand-over), reads the
                 contract back and checks it against the consumer's; the consumer loads and decodes T
 ==============  ======================================================================================
@@ -37,7 +37,7 @@ import torch
 
 from tracer.engines.vllm.realise import BLOCK, NAME
 from tracer.errors import TracerError
-from tracer.load.contract import KVContract, check_kv_contract, require_kv
+from tracer.load.kv_contract import KVContract, check_kv_contract, require_kv
 from tracer.plan.plans import RunPlan, Scenario
 
 
@@ -293,7 +293,7 @@ def check_before_start(plans: list[RunPlan], model: Any, device: str | None = No
 
     Raises:
         TracerError: one line: the first fatal contract difference, naming both sides
-            (:func:`tracer.load.contract.require_kv`), the setting that is no difference, or the budget.
+            (:func:`tracer.load.kv_contract.require_kv`), the setting that is no difference, or the budget.
     """
     for plan in plans:
         if role(plan) != "load" or model is None:

@@ -60,7 +60,7 @@ def _transfer_note(meta: dict[str, Any]) -> str:
 
 
 def _diff_line(d: dict[str, Any]) -> str:
-    """One contract difference of a check's document (:class:`~tracer.load.contract.KVDifference`)."""
+    """One contract difference of a check's document (:class:`~tracer.load.kv_contract.KVDifference`)."""
     return f"{d.get('label')}: producer {d.get('producer')}, consumer {d.get('consumer')}"
 
 

@@ -33,8 +33,8 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
 from tracer.plan.checks import PREFILL_DECODE_REFUSED
-from tracer.load.contract import (KV_CONTRACT_FILE, KvTransfer, check_kv_contract, read_kv_contract, require_kv, tokens_sha256,
-                                  write_kv_contract)
+from tracer.load.kv_contract import (KV_CONTRACT_FILE, KvTransfer, check_kv_contract, read_kv_contract, require_kv,
+                                     tokens_sha256, write_kv_contract)
 
 _ROOT: list[Path] = []
 
