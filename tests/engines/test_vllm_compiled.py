@@ -198,3 +198,16 @@ def test_cuda_graph_modes_are_asked_of_a_compiled_engine_only(loaded):
         with pytest.raises(TracerError, match="need compiled=True") as e:
             bad.check()
         assert "\n" not in str(e.value)
+
+
+def test_a_compiled_engine_built_after_an_eager_one_has_its_own_rotary(eager, compiled):
+    """vLLM caches one rotary embedding per rope configuration for the whole process, its forward
+    picked when it is built: the compiled engine (built after the eager one, as the compile scenario
+    builds them) must have its own, on torch ops the compiler traces (vLLM's rule for compiled
+    models: custom ops off), not the eager engine's vLLM kernel."""
+    def rotary(eng):
+        return next(m for m in eng.model.modules() if type(m).__name__ == "RotaryEmbedding")
+
+    assert rotary(eager) is not rotary(compiled)
+    assert rotary(eager)._forward_method.__name__ == "forward_cpu"
+    assert rotary(compiled)._forward_method.__name__ == "forward_native"

