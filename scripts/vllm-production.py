@@ -28,6 +28,14 @@ are capture sizes, 100 is padded to 104); a longer one runs compiled without a g
 N = 1024 and 4096 rows above compare eager with compiled, not with graphs. Writes
 ``OUT/graphs.jsonl`` and ``OUT/graphs.md``.
 
+``--eager-first 64`` builds an eager LLM (the compile scenario's kind) and runs a 64-token request
+on it before the graph engines; ``--save`` keeps each engine's embedding, first layers and last
+layer per length in ``OUT/captures-<N>.pt`` (to compare two processes' engines bit for bit);
+``--keep-engines K`` lets K LLMs live at once (tracer keeps 2, so three graph engines would be
+rebuilt in turn); the graph rows name what each engine's vLLM custom ops dispatch to.
+``--cost-only`` times the capture against bare ``generate`` without the scenario first, and the
+row says where the capture's time went (``execute_compiled``'s phases).
+
 The H200 command that answers both (one call, under 8 minutes: four engines start, three compile):
 ``VLLM_USE_V2_MODEL_RUNNER=0 PYTHONPATH=$PWD python scripts/vllm-production.py $OUT/prod --device cuda
 --lengths 4096 --reps 3 --graph-lengths 96,100,128 --attention-backend TRITON_ATTN`` (the graphs
@@ -59,6 +67,16 @@ def main() -> None:
     ap.add_argument("--repeat-after", type=int, default=0, help="with --graph-lengths and --lengths '': each graph "
                     "length on one fresh compiled engine, then one request of this many tokens, then each graph "
                     "length again, compared bit for bit (does the engine's history change a request's bits?)")
+    ap.add_argument("--eager-first", type=int, default=0, help="with --graph-lengths: first build an eager vLLM "
+                    "(hidden-states output, as the compile scenario's eager engine) and run one request of this many "
+                    "tokens on it, kept alive; then the graph engines (does an eager engine built first change the "
+                    "compiled engines' bits?)")
+    ap.add_argument("--keep-engines", type=int, default=0, help="LLMs kept alive at once (tracer's default: 2; more "
+                    "spares the graph engines' rebuilds when they take turns)")
+    ap.add_argument("--cost-only", action="store_true", help="for --lengths: time the capture against bare generate "
+                    "only (no eager-vs-compiled scenario first)")
+    ap.add_argument("--save", action="store_true", help="with --graph-lengths: save each engine's first two layers and "
+                    "last layer of every graph length to OUT/captures-<N>.pt (compared across processes)")
     args = ap.parse_args()
     if args.graph_lengths and not args.device.startswith("cuda"):
         print(f"--graph-lengths needs --device cuda (vLLM builds no CUDA graphs on {args.device})", file=sys.stderr)
@@ -68,32 +86,20 @@ def main() -> None:
 
     import torch
 
-    import tracer
     from tracer.engines.vllm import engine as ve
     from tracer.execute.points import discover_points
     from tracer.load.models import load_model
     from tracer.plan.scenarios import RunPlan
 
+    if args.keep_engines:
+        ve.MAX_ENGINES = args.keep_engines
     loaded = load_model(args.model, dtype="bfloat16", device=args.device, progress=False, tokenizer=False)
     vocab = int(loaded.model.config.vocab_size)
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     rows = []
     for n in [int(x) for x in args.lengths.split(",") if x]:
         ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(n))]
-        r = tracer.run(loaded, token_ids=ids, scenario="compile", engine="vllm", granularity="layers",
-                       store="none", progress=False, attention_backend=args.attention_backend)
-        c = r.comparison
-        diff = [p for p in c.points if p.diff.n_diff]
-        last = [p for p in c.points if p.name.startswith("model.layers.")][-1]
-        first = next((p for p in c.points if p.name == c.first_divergent), None)
-        facts_b = r.runs[1].meta["engine"]
-        row = {"model": args.model, "n": n, "device": args.device, "identical": c.identical,
-               "first": None if first is None else {"name": first.name, "n_diff": first.diff.n_diff,
-                                                     "numel": first.diff.n_total, "max_abs": first.diff.max_abs_diff},
-               "layers_differing": len(diff), "layers": len(c.points),
-               "last_layer": {"name": last.name, "n_diff": last.diff.n_diff, "numel": last.diff.n_total},
-               "compilation_mode_b": facts_b["compilation_mode"], "cudagraph_mode_b": facts_b["cudagraph_mode"]}
-        print("scenario:", json.dumps(row), flush=True)  # kept even if the timing below fails
+        row = {"model": args.model, "n": n, "device": args.device} if args.cost_only else scenario_row(loaded, ids, args)
         # the compiled capture's time against a plain compiled LLM (no hidden-states connector), interleaved
         # room for the request (vLLM's default max_model_len is below N = 4096 here)
         settings = ve.VllmSettings(block_size=32, compiled=True, hidden_states=True, max_model_len=max(n + 16, 2048),
@@ -108,23 +114,28 @@ def main() -> None:
                                                                  "enable_chunked_prefill")}
         bare = vllm.LLM(model=str(eng.folder), **kw)
         sp = vllm.SamplingParams(max_tokens=1, temperature=0.0)
-        t_bare, t_cap = [], []
+        t_bare, t_cap, phases = [], [], []
         for _ in range(args.reps + 1):
             t0 = time.perf_counter()
             bare.reset_prefix_cache()
             bare.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)
             t_bare.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ve.execute_loaded(loaded, ids, plan, points, (0, n), engine_options={"settings": settings})
+            run, _ = ve.execute_loaded(loaded, ids, plan, points, (0, n), engine_options={"settings": settings})
             t_cap.append(time.perf_counter() - t0)
+            phases.append(run.meta.get("phases_s", {}))
         del bare
         row["bare_generate_s"] = statistics.median(t_bare[1:])
         row["capture_s"] = statistics.median(t_cap[1:])
         row["capture_over_bare"] = row["capture_s"] / row["bare_generate_s"]
+        row["capture_phases_ms"] = {k: round(statistics.median(p[k] for p in phases[1:]) * 1e3, 2)
+                                    for k in phases[-1]}  # where the capture's time goes (execute_compiled)
         rows.append(row)
         with open(out / "rows.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
+    if args.graph_lengths and args.eager_first:
+        eager_first(loaded, args, vocab)
     if args.graph_lengths and args.repeat_after:
         repeat_rows(loaded, args, out, vocab)
     elif args.graph_lengths:
@@ -132,13 +143,76 @@ def main() -> None:
     lines = ["| model | N | first differing point (elements, max abs) | layers differing | last layer | "
              "bare compiled generate (s) | capture ÷ bare |", "|---|---|---|---|---|---|---|"]
     for row in rows:
-        f = row["first"]
-        first = "bit-identical" if f is None else f"`{f['name']}`: {f['n_diff']:,} / {f['numel']:,} ({f['max_abs']:.3g})"
-        ll = row["last_layer"]
-        lines.append(f"| {row['model']} | {row['n']} | {first} | {row['layers_differing']} / {row['layers']} | "
-                     f"{ll['n_diff']:,} / {ll['numel']:,} | {row['bare_generate_s']:.3f} | {row['capture_over_bare']:.2f} |")
+        f, ll = row.get("first"), row.get("last_layer")
+        first = ("not run (--cost-only)" if "identical" not in row else "bit-identical" if f is None else
+                 f"`{f['name']}`: {f['n_diff']:,} / {f['numel']:,} ({f['max_abs']:.3g})")
+        layers = f"{row['layers_differing']} / {row['layers']}" if ll else ""
+        last = f"{ll['n_diff']:,} / {ll['numel']:,}" if ll else ""
+        lines.append(f"| {row['model']} | {row['n']} | {first} | {layers} | {last} | {row['bare_generate_s']:.3f} | "
+                     f"{row['capture_over_bare']:.2f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def scenario_row(loaded, ids: list[int], args) -> dict:
+    """``tracer run --engine vllm --scenario compile`` on ``ids``: where eager and compiled vLLM differ."""
+    import tracer
+
+    r = tracer.run(loaded, token_ids=ids, scenario="compile", engine="vllm", granularity="layers",
+                   store="none", progress=False, attention_backend=args.attention_backend)
+    c = r.comparison
+    diff = [p for p in c.points if p.diff.n_diff]
+    last = [p for p in c.points if p.name.startswith("model.layers.")][-1]
+    first = next((p for p in c.points if p.name == c.first_divergent), None)
+    facts_b = r.runs[1].meta["engine"]
+    row = {"model": args.model, "n": len(ids), "device": args.device, "identical": c.identical,
+           "first": None if first is None else {"name": first.name, "n_diff": first.diff.n_diff,
+                                                 "numel": first.diff.n_total, "max_abs": first.diff.max_abs_diff},
+           "layers_differing": len(diff), "layers": len(c.points),
+           "last_layer": {"name": last.name, "n_diff": last.diff.n_diff, "numel": last.diff.n_total},
+           "compilation_mode_b": facts_b["compilation_mode"], "cudagraph_mode_b": facts_b["cudagraph_mode"]}
+    print("scenario:", json.dumps(row), flush=True)  # kept even if the timing below fails
+    return row
+
+
+def eager_first(loaded, args, vocab: int) -> None:
+    """An eager vLLM of the compile scenario's kind (hidden-states output), built in this process and
+    run on one request of ``--eager-first`` tokens; kept alive, as the scenario keeps it."""
+    import torch
+
+    from tracer.engines.vllm import engine as ve
+    from tracer.execute.points import discover_points
+    from tracer.plan.scenarios import RunPlan
+
+    backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
+    n = args.eager_first
+    ids = [int(x) for x in torch.randint(100, vocab - 1, (n,), generator=torch.Generator().manual_seed(n))]
+    settings = ve.VllmSettings(block_size=32, hidden_states=True, **backend)
+    run, _ = ve.execute_loaded(loaded, ids, RunPlan("A", ((0, n),), "one pass", engine="vllm"),
+                               discover_points(loaded.model, "layers"), (0, n), engine_options={"settings": settings})
+    print("eager-first:", json.dumps({"n": n, "captures": len(run.captures),
+                                      "dispatch": dispatch_facts(ve.engine_for(loaded, settings))}), flush=True)
+
+
+def dispatch_facts(eng) -> dict:
+    """What an in-process engine's vLLM custom ops dispatch to (vLLM decides per op when the model is
+    built, from the compilation config current then): the config's custom-op lists and a count of
+    each op module's forward method (``forward_cuda``: vLLM's kernel; ``forward_native``: torch ops
+    the compiler fuses)."""
+    import collections
+
+    comp = eng.llm.llm_engine.vllm_config.compilation_config
+    model = getattr(eng, "model", None)
+    methods = collections.Counter()
+    for m in (model.modules() if model is not None else []):
+        fn = getattr(m, "_forward_method", None)
+        if fn is not None:
+            methods[f"{type(m).__name__}.{getattr(fn, '__name__', type(fn).__name__)}"] += 1
+    return {"custom_ops": list(getattr(comp, "custom_ops", [])),
+            "enabled": sorted(getattr(comp, "enabled_custom_ops", {}) or {}),
+            "disabled": sorted(getattr(comp, "disabled_custom_ops", {}) or {}),
+            "mode": str(getattr(comp, "mode", None)), "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
+            "methods": dict(methods)}
 
 
 def repeat_rows(loaded, args, out: Path, vocab: int) -> None:
@@ -239,6 +313,11 @@ def graph_rows(loaded, args, out: Path, vocab: int) -> None:
             facts[mode] = {"cudagraph_mode": run.meta["engine"]["cudagraph_mode"], "wall_s": run.meta["wall_s"],
                            "padded_to": next((x for x in sizes if x >= n), None), "max_capture_size": max(sizes, default=0)}
             runs[mode] = run.captures
+            facts[mode]["dispatch"] = dispatch_facts(ve.engine_for(loaded, settings))
+        if args.save:
+            keep = [p for p in runs[None]][:3] + [p for p in runs[None]][-1:]
+            torch.save({str(m): {p: runs[m][p].tensor.cpu() for p in keep if p in runs[m]} for m in runs},
+                       out / f"captures-{n}.pt")
         names = [p for p in runs[None] if p in runs["NONE"]]
         differ = {p: int((runs[None][p].tensor != runs["NONE"][p].tensor).sum()) for p in names}
         first = next((p for p in names if differ[p]), None)

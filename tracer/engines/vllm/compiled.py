@@ -108,7 +108,10 @@ def wait_for(path: str, eng: Any, timeout: float = WAIT_S) -> None:
 def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, points: list[Any], window: tuple[int, int],
                      ref: Any, emap: dict[str, Any], *, decode: int = 0, meta: dict[str, Any] | None = None) -> RunRecord:
     """``plan`` (one request of the prompt) on a compiled vLLM built with the hidden-states output:
-    the layer captures under HF names over ``window``, in vLLM's dtype, on the host.
+    the layer captures under HF names over ``window``, in vLLM's dtype, on the host. The run's
+    ``meta["phases_s"]`` holds the seconds of each phase: ``request`` (vLLM's request until it
+    returned), ``file_wait`` (until the connector's file was written), ``read``, ``map`` (onto HF
+    names) and ``captures``.
 
     Raises:
         TracerError: a plan of several requests or chunks, a file vLLM did not write, a file that
@@ -126,11 +129,15 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     if not path:
         raise TracerError("compiled vLLM returned no hidden_states_path for the request; its LLM was not built with "
                           "the hidden-states output (tracer.engines.vllm.hidden_states.llm_kwargs)")
+    t1 = time.perf_counter()
     wait_for(path, eng)
+    t2 = time.perf_counter()
     try:
         raw = read_dump(path)
         check_slots(raw, ref.n_layers)
+        t3 = time.perf_counter()
         mapped = map_dump(raw, replace(ref, token_ids=list(token_ids), window=(int(window[0]), int(window[1]))), emap)
+        t4 = time.perf_counter()
     finally:
         for p in (Path(path), Path(path + ".lock")):
             with contextlib.suppress(OSError):
@@ -146,6 +153,8 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
                                          role=p.role)
     if not captures:
         raise TracerError(f"vLLM's hidden-states file {path} mapped onto none of the run's capture points")
+    phases = {"request": t1 - t0, "file_wait": t2 - t1, "read": t3 - t2, "map": t4 - t3,
+              "captures": time.perf_counter() - t4}
     cached = int(out.num_cached_tokens or 0)
     request = ScheduledRequest(label, internal, len(token_ids), True, cached, tuple(out.outputs[0].token_ids))
     facts = eng.facts()
@@ -154,6 +163,7 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
         "scheduler": SchedulerFacts("one-step", (request,), (), ((0, len(token_ids)),), mapped.mapping,
                                     tuple(mapped.notes), facts["model_runner"]).to_dict(),
         "not_captured": not_captured, "logits": {}, "capture": "vLLM hidden-states output (compiled forward)",
+        "phases_s": phases,
         **dict(meta or {})}
     if decode:
         record_meta["decode_tokens"] = list(out.outputs[0].token_ids)[:decode]
