@@ -140,6 +140,13 @@ def summary(results: list[dict]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    for d in results:  # the same ratios paired by repetition (tracer.loops.bench.BenchResult.paired_ratios)
+        p = d.get("paired_ratios", {})
+        cells = [f"{k} {p[v]:.3f}" for k, v in (("(a)÷plain", "a_over_plain"), ("(b)", "b_over_a"),
+                 ("HF", "peer_hf_over_a"), ("hooks", "peer_hooks_over_a"), ("nnsight", "peer_nnsight_over_a"),
+                 ("(c) tensors", "c_over_a"), ("(c) auto", "c_auto_over_a")) if v in p]
+        if cells:
+            lines.append(f"N = {d['config']['length']}, median of the per-repetition ratios: " + ", ".join(cells))
     notes = ["targets: (b) ≤ 1.05 × (a) and ≤ the fastest peer's ratio + 0.02; (c) ≤ 1.15 × (a); (a) within 5 % of "
              "the plain loop; N = 32768 no worse than 1.03 (b) / 1.07 (c)"]
     return "\n".join(lines + notes)

@@ -82,3 +82,16 @@ def test_engine_bench_progress_counts_warm_up_and_repetitions_apart():
     from tracer.loops.bench_engine import repetition_label
     assert [repetition_label(i, 1, 2) for i in range(3)] == ["warm-up 1/1", "repetition 1/2", "repetition 2/2"]
     assert [repetition_label(i, 0, 2) for i in range(2)] == ["repetition 1/2", "repetition 2/2"]
+
+
+def test_paired_ratios_pair_each_repetitions_modes():
+    from tracer.loops.bench import BenchResult
+
+    # planted: the second round is slow for every mode; paired, each round's own ratio counts
+    r = BenchResult(config={}, trace_bytes=100, times={"a": [1.0, 2.0, 4.0], "b": [1.1, 2.4, 4.0], "c": [1.5, 3.0, 4.4],
+                                      "peer_hooks": [0.9, 2.0, 4.0], "plain": [1.0, 2.0, 4.4],
+                                      "d": [9.0, 9.0, 9.0], "e_write": [1.0] * 3, "e_read": [1.0] * 3})
+    p = r.paired_ratios()
+    assert p == {"b_over_a": 1.1, "c_over_a": 1.5, "peer_hooks_over_a": 1.0, "a_over_plain": 1.0}
+    assert r.ratios()["b_over_a"] == 2.4 / 2.0  # the ratio of medians differs: 1.2
+    assert r.to_dict()["paired_ratios"] == p

@@ -102,12 +102,33 @@ class BenchResult(schema.Record):
                 r[f"a_over_{m}"] = a / self.median(m)
         return r
 
+    def paired_ratios(self) -> dict[str, float]:
+        """The same ratios to (a) as :meth:`ratios` (``b_over_a``, ``c_over_a``, ``c_auto_over_a``, each
+        peer's, and ``a_over_<extra>``), each the median over repetitions of that repetition's own ratio
+        (every mode of a repetition runs in one round, so a round's ratio is paired: it drops what a
+        slow round does to all its modes; the ratio of medians does not)."""
+        a = self.times.get("a") or []
+
+        def paired(num: list[float], den: list[float]) -> float:
+            return statistics.median(x / y for x, y in zip(num, den))
+
+        r: dict[str, float] = {}
+        for m, v in self.times.items():
+            if not v or not a or m in ("a", "d", "e_write", "e_read"):
+                continue
+            if m in MODES or m.startswith("peer_"):
+                r[f"{m}_over_a"] = paired(v, a)
+            else:
+                r[f"a_over_{m}"] = paired(a, v)
+        return r
+
     def schema_extras(self, doc: dict[str, Any]) -> None:
         """The JSON document of ``tracer bench --json``: the fields, and the derived medians, min, max and ratios."""
         doc["median_s"] = {m: self.median(m) for m in self.times}
         doc["min_s"] = {m: min(v) for m, v in self.times.items()}
         doc["max_s"] = {m: max(v) for m, v in self.times.items()}
         doc["ratios"] = self.ratios()
+        doc["paired_ratios"] = self.paired_ratios()
 
 
 def _sync(device: str) -> None:
