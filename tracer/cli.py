@@ -24,7 +24,8 @@ import typer
 from rich.markup import escape
 
 from tracer import api
-from tracer.config import OPTIONS, PANELS, cli_type
+from tracer.config import OPTIONS, cli_type
+from tracer.config_help import PANELS
 from tracer.errors import EXIT_ERROR, EXIT_INTERNAL, TracerError
 
 class _HelpWithoutType:
@@ -207,7 +208,7 @@ OUTPUT_PANEL = PANELS["output"][0]
 
 def _panel_rank(title: str, name: str) -> tuple[int, int]:
     """Where option ``name`` of panel ``title`` comes in ``--help``: a command's own panel first (its
-    name: ``Sweep``), then :data:`tracer.config.PANELS` in order, each in its declared order."""
+    name: ``Sweep``), then :data:`tracer.config_help.PANELS` in order, each in its declared order."""
     titles = [t for t, _ in PANELS.values()]
     if title not in titles:
         return 0, 0
