@@ -130,7 +130,7 @@ HELP = {
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "run": ("What to run", ("model", "scenario", "prompt", "prompt_file", "length", "dtype", "device", "granularity",
                             "positions")),
-    "output": ("Output", ("output", "overwrite")),  # and the command line's own: --format, --report, ... (tracer.cli.RENDER)
+    "output": ("Output", ("output", "overwrite")),  # and the command line's own: --format, --report, ... (tracer.cli_parser.RENDER)
     "scenario": ("Scenario options", ("block_size", "split_at", "mitigation", "batch_size", "padding", "batch_row",
                                       "new_tokens", "block_sizes", "chunk_size", "kv_format", "attn_a", "attn_b",
                                       "devices", "producer")),
