@@ -111,8 +111,9 @@ def test_stages_depend_downward():
     order = ["tracer.errors", "tracer.watchdog", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.progress", "tracer.engines.table",
              "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
              "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",
-             "tracer.diff", "tracer.report", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
-             "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli"]
+             "tracer.diff", "tracer.report", "tracer.config_help", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
+             "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli_exit", "tracer.cli_parser",
+             "tracer.cli"]
 
     def rank(mod: str) -> int:
         return max((len(stage), i) for i, stage in enumerate(order) if mod == stage or mod.startswith(stage + "."))[1]

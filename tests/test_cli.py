@@ -337,8 +337,8 @@ def test_a_signal_after_the_command_finished_exits_at_once_without_a_traceback(t
     import subprocess
     import sys
 
-    code = ("import atexit, os, signal, threading, time\nfrom tracer.cli import _quiet_exit_on_signals\n"
-            "atexit.register(lambda: (time.sleep(30), print('exit hook finished')))\n_quiet_exit_on_signals()\n"
+    code = ("import atexit, os, signal, threading, time\nfrom tracer.cli_exit import quiet_exit_on_signals\n"
+            "atexit.register(lambda: (time.sleep(30), print('exit hook finished')))\nquiet_exit_on_signals()\n"
             "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\nraise SystemExit(0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=cli_env, capture_output=True, text=True,
                           timeout=60)

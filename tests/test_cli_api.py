@@ -71,15 +71,17 @@ def test_options_of_the_audit_and_sweep_the_issue_named():
 
 
 def test_no_help_text_is_written_twice():
-    """tracer/cli.py declares no option by hand: typer.Option/Argument are called only by the builder
-    (one Argument, one Option for API parameters, one for the render options), never with a literal help."""
+    """The command line's modules (tracer/cli.py and the builder, tracer/cli_parser.py) declare no option
+    by hand: typer.Option/Argument are called only by the builder (one Argument, one Option for API
+    parameters, one for the render options), never with a literal help."""
     import ast
     from pathlib import Path
 
     import tracer.cli
+    import tracer.cli_parser
 
-    calls = [n for n in ast.walk(ast.parse(Path(tracer.cli.__file__).read_text())) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr in ("Option", "Argument")]
+    calls = [n for m in (tracer.cli, tracer.cli_parser) for n in ast.walk(ast.parse(Path(m.__file__).read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("Option", "Argument")]
     assert len(calls) == 3
     assert not any(isinstance(kw.value, ast.Constant) for c in calls for kw in c.keywords if kw.arg == "help")
 

@@ -402,7 +402,8 @@ def options(topic: str | None = None) -> dict[str, dict[str, Any]]:
     Raises:
         TracerError: an unknown topic (the message lists them).
     """
-    from tracer.config import PANELS, scenario_docs
+    from tracer.config import scenario_docs
+    from tracer.config_help import PANELS
 
     out: dict[str, dict[str, Any]] = {}
     for key, (title, names) in PANELS.items():
