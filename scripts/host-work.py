@@ -173,9 +173,13 @@ def gpu_path() -> None:
     metrics.CHUNK_ELEMENTS = logits.CUDA_CHUNK_ELEMENTS  # a GPU's chunks: the batch's and the logits' rows
     positions.CHUNK_ELEMENTS = positions.CUDA_CHUNK_ELEMENTS
 
-    if hasattr(batch, "_dense"):
-        batch._dense = lambda device, elements: elements <= batch.DENSE_ELEMENTS
-    batch._defer = lambda device: True
+    try:  # the comparison's device decisions, set where its passes look them up
+        from tracer.diff import passes
+    except ImportError:  # an older tree: the batch's own module ran the passes
+        passes = batch
+    if hasattr(passes, "_dense"):
+        passes._dense = lambda device, elements: elements <= passes.DENSE_ELEMENTS
+    passes._defer = lambda device: True
     init = capture.Capture.__init__
 
     def by_reference(self, *a, **k):

@@ -108,7 +108,7 @@ def test_no_import_cycles_function_local_imports_included():
 def test_stages_depend_downward():
     """Each module ranks at the stage of its longest matching prefix: the table of engines is read by
     every stage (ground floor); the synthetic engine dumps are written from a stored trace."""
-    order = ["tracer.errors", "tracer.watchdog", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.progress", "tracer.engines.table",
+    order = ["tracer.errors", "tracer.watchdog", "tracer.schema_fields", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.progress", "tracer.engines.table",
              "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
              "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",
              "tracer.diff", "tracer.report", "tracer.config_help", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",

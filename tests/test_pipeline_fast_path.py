@@ -333,9 +333,9 @@ def test_float64_results_kept_for_one_transfer_equal_those_folded_per_chunk(monk
     """A GPU keeps every chunk's float64 results on the device and moves them in one transfer (as
     64-bit words side by side); the CPU folds them chunk by chunk: the same numbers, bit for bit."""
     from tracer.diff import batch as batch_module
-    from tracer.diff import metrics
+    from tracer.diff import metrics, passes
 
-    monkeypatch.setattr(batch_module, "SPARSE_RATIO", sparse_ratio)
+    monkeypatch.setattr(passes, "SPARSE_RATIO", sparse_ratio)
     monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", 1 << 12)  # several chunks
     g = torch.Generator().manual_seed(4)
     pairs = []
@@ -347,7 +347,7 @@ def test_float64_results_kept_for_one_transfer_equal_those_folded_per_chunk(monk
         pairs.append((a, b))
     got = {}
     for defer in (False, True):
-        monkeypatch.setattr(batch_module, "_defer", lambda device, defer=defer: defer)
+        monkeypatch.setattr(passes, "_defer", lambda device, defer=defer: defer)
         batch = batch_module.DiffBatch(tolerance=(1e-3, 1e-2))
         for a, b in pairs:
             batch.add(a, b, split=17)
@@ -361,8 +361,9 @@ def test_a_small_chunk_in_one_pass_equals_the_two_passes(monkeypatch):
     synchronisation between the passes: the numbers of the two passes on the blocks that differ,
     computed on whole blocks, bit for bit (forced here on the CPU)."""
     from tracer.diff import batch as batch_module
+    from tracer.diff import passes
 
-    monkeypatch.setattr(batch_module, "SPARSE_RATIO", 0)  # the two passes' float64 pass on whole blocks
+    monkeypatch.setattr(passes, "SPARSE_RATIO", 0)  # the two passes' float64 pass on whole blocks
     g = torch.Generator().manual_seed(5)
     pairs = []
     for shape in ((40, 64), (3, 7), (100, 33), (16, 512), (8, 300)):
@@ -374,8 +375,8 @@ def test_a_small_chunk_in_one_pass_equals_the_two_passes(monkeypatch):
         pairs.append((a, b))
     got = {}
     for dense in (False, True):
-        monkeypatch.setattr(batch_module, "_dense", lambda device, elements, dense=dense: dense)
-        monkeypatch.setattr(batch_module, "_defer", lambda device: True)
+        monkeypatch.setattr(passes, "_dense", lambda device, elements, dense=dense: dense)
+        monkeypatch.setattr(passes, "_defer", lambda device: True)
         batch = batch_module.DiffBatch(tolerance=(1e-3, 1e-2))
         for a, b in pairs:
             batch.add(a, b, split=11)
@@ -390,15 +391,15 @@ def test_the_gpu_comparison_reads_the_host_once_and_gives_the_cpu_numbers(lm, mo
     every logits row, the results kept on the device), taken on the CPU: one device-to-host read
     for the whole comparison, and the numbers of the CPU's own path (its float64 pass on whole
     blocks), bit for bit."""
-    from tracer.diff import batch as batch_module
     from tracer.diff import logits as logits_module
+    from tracer.diff import passes
     from tracer.execute import capture as capture_module
 
-    monkeypatch.setattr(batch_module, "SPARSE_RATIO", 0)  # the CPU's float64 pass on whole blocks too
+    monkeypatch.setattr(passes, "SPARSE_RATIO", 0)  # the CPU's float64 pass on whole blocks too
     kw = dict(loaded=lm, scenario="kv-quant", length=300, progress=False, store="none")
     cpu = tracer.run(**kw).comparison
-    monkeypatch.setattr(batch_module, "_dense", lambda device, elements: elements <= batch_module.DENSE_ELEMENTS)
-    monkeypatch.setattr(batch_module, "_defer", lambda device: True)
+    monkeypatch.setattr(passes, "_dense", lambda device, elements: elements <= passes.DENSE_ELEMENTS)
+    monkeypatch.setattr(passes, "_defer", lambda device: True)
     acc_init = logits_module.LogitsAccumulator.__init__
     monkeypatch.setattr(logits_module.LogitsAccumulator, "__init__",
                         lambda self, vocab, dense=None: acc_init(self, vocab, dense=True))

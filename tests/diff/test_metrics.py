@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tracer.diff import batch as batch_module
-from tracer.diff import metrics
+from tracer.diff import metrics, passes
 from tracer.diff.batch import tensor_diff
 from tracer.diff.logits import logits_diff
 from tracer.diff.metrics import ULP_NAN, ULP_SATURATED, amplification, ulp_distance
@@ -548,7 +548,7 @@ def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch)
     spread over several chunks, one empty): each result equals the numpy oracle of that pair,
     the per-pair split count and tolerance counts equal numpy counts; for both forms of the
     float64 pass (dense blocks and gathered differing elements)."""
-    monkeypatch.setattr(batch_module, "SPARSE_RATIO", sparse_ratio)
+    monkeypatch.setattr(passes, "SPARSE_RATIO", sparse_ratio)
     if chunk:
         monkeypatch.setattr(metrics, "CHUNK_ELEMENTS", chunk)
         monkeypatch.setattr(batch_module, "BLOCK_ELEMENTS", 4 if chunk == 7 else 64)

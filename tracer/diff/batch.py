@@ -2,6 +2,9 @@
 
 :func:`tensor_diff` and :func:`count_outside_tolerance` are one-pair batches; the numbers and
 their conventions are those of :mod:`tracer.diff.metrics` (whose pure functions this uses).
+This module owns the pairs: their segments (a split, a pair streamed in blocks), their queueing
+into chunks, and each pair's :class:`~tracer.diff.metrics.TensorDiff` from the summed statistics;
+the two passes over a chunk and the accumulators they fold into are :mod:`tracer.diff.passes`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import torch
 
 from tracer.diff import metrics as _metrics
 from tracer.diff.fetch import fetch_together
-from tracer.diff.metrics import (ULP_BINS, _INT_VIEW, _ULP_EDGES, TensorDiff, _check_pair, bits_equal, element_stats,
-                                 has_nonfinite)
+from tracer.diff.metrics import ULP_BINS, TensorDiff, _check_pair
+from tracer.diff.passes import _P2_MAX, _P2_SUM, ChunkPasses
 
 
 def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
@@ -56,76 +59,20 @@ def count_outside_tolerance(a: torch.Tensor, b: torch.Tensor, atol: float, rtol:
     return batch.outside_tolerance(0)
 
 
-
-#: most elements of a chunk that gets both passes on every block with no synchronisation between them
-#: (:meth:`DiffBatch._dense_chunk`; float64 temporaries of this size: 32 MiB each): on a GPU, the
-#: online comparison of a run's compared window, where launches and synchronisations, not bytes, count
-DENSE_ELEMENTS = 1 << 22
-
-
-def _dense(device: torch.device, elements: int) -> bool:
-    """Whether a chunk of ``elements`` on ``device`` gets :meth:`DiffBatch._dense_chunk` (a GPU, a small chunk)."""
-    return device.type != "cpu" and elements <= DENSE_ELEMENTS
-
-
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``x`` flattened (a view when it can be), without autograd history; one view op at most."""
     x = x.detach() if x.requires_grad else x
     return x if x.dim() == 1 else x.reshape(-1)
 
 
-def _defer(device: torch.device) -> bool:
-    """Whether the float64 pass's per-block results stay on ``device`` until :meth:`DiffBatch.results`
-    (one transfer for the whole batch; on a GPU) instead of being folded chunk by chunk (the CPU)."""
-    return device.type != "cpu"
-
-
-def _block_counts(neq: torch.Tensor, ca: torch.Tensor, cb: torch.Tensor, nb: int, block: int) -> torch.Tensor:
-    """Per-block counts of the first pass, ``(nb, 6)`` int64 on the chunk's device: differing bits,
-    NaN in A, NaN in B, ±inf in A, ±inf in B, and differing bits where both are NaN. ``neq``,
-    ``ca`` and ``cb`` are flat tensors of ``nb * block`` elements."""
-    return torch.stack([
-        neq.view(nb, block).sum(1),
-        torch.isnan(ca).view(nb, block).sum(1), torch.isnan(cb).view(nb, block).sum(1),
-        torch.isinf(ca).view(nb, block).sum(1), torch.isinf(cb).view(nb, block).sum(1),
-        (neq & torch.isnan(ca) & torch.isnan(cb)).view(nb, block).sum(1),
-    ], dim=1)
-
-
-def _fold(acc: np.ndarray, segs: np.ndarray, values: np.ndarray, op: np.ufunc) -> None:
-    """``acc[s] = op(acc[s], op-reduce of values[segs == s])`` for every segment ``s``, in a fixed order.
-
-    ``segs`` (per-row segment ids) is sorted first when it is not already (a stable sort, so the
-    reduction order stays the order of the rows).
-    """
-    if segs.size == 0:
-        return
-    if np.any(segs[1:] < segs[:-1]):
-        order = np.argsort(segs, kind="stable")
-        segs, values = segs[order], values[order]
-    starts = np.flatnonzero(np.concatenate(([True], segs[1:] != segs[:-1])))
-    reduced = op.reduceat(values, starts, axis=0)
-    owners = segs[starts]
-    acc[owners] = op(acc[owners], reduced)
-
-
 #: elements per block of the per-block partial reductions (a segment is padded to whole blocks)
 BLOCK_ELEMENTS = 2048
-#: a chunk's blocks holding a difference get the float64 pass on their differing elements alone
-#: (gathered) when at most 1/SPARSE_RATIO of their elements differ, else on the whole blocks
-SPARSE_RATIO = 4
 #: most elements per chunk on a CUDA device (float64 temporaries of this size: 512 MiB each);
 #: fewer when the device has less than 256 bytes free per element
 CUDA_CHUNK_ELEMENTS = 1 << 26
 
-# columns of the per-block statistics (pass 1: every block; pass 2: blocks with a difference)
-_P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b", "n_nan_payload")  # int64
-_P2_SUM = ("sum_abs", "sa", "sb", "sab", "sdd")  # float64 sums over the differing elements
-_P2_MAX = ("max_abs", "max_ulp_mag")  # float64 maxima
-_P2_CNT = ("rel3", "rel5", "tol") + tuple(f"ulp_gt_{e}" for e in _ULP_EDGES[1:])  # int64 counts
 
-
-class DiffBatch:
+class DiffBatch(ChunkPasses):
     """:func:`tensor_diff` for many pairs at once: batched kernels, few host synchronisations.
 
     The pairs are laid end to end (each padded with zeros to whole blocks of
@@ -138,8 +85,8 @@ class DiffBatch:
     2. one host synchronisation to learn which blocks hold a difference; only those get the
        float64 work (abs diff, ULP distance and histogram, ULPs at the larger magnitude,
        relative-error shares, the sums behind rel. error/cosine/SQNR, tolerance counts): on
-       their differing elements alone when at most 1/:data:`SPARSE_RATIO` of them differ, else
-       on the whole blocks.
+       their differing elements alone when at most 1/:data:`~tracer.diff.passes.SPARSE_RATIO`
+       of them differ, else on the whole blocks (:class:`~tracer.diff.passes.ChunkPasses`).
 
     Per-block results are summed per pair on the host in a fixed order, so the numbers do not
     depend on thread scheduling (no atomics). Memory: a few chunk-sized float64 temporaries,
@@ -341,119 +288,6 @@ class DiffBatch:
         for key in list(self._pending):
             if self._pending[key]:
                 self._run_chunk(key)
-
-    # -- the two passes ----------------------------------------------------------------------------
-    def _run_chunk(self, key: tuple) -> None:
-        device, dtype = key
-        pieces = self._pending.pop(key)
-        self._fill[key] = 0
-        block, _ = self._sizes(device)
-        parts_a, parts_b, seg_ids, seg_blocks = [], [], [], []
-        # the segments' tails: zeros on both sides (equal, finite, 0), views of one zero tensor
-        zeros = torch.zeros(max(take - pa.numel() for _, pa, _, take in pieces), dtype=dtype, device=device)
-        for seg, pa, pb, take in pieces:
-            pad = take - pa.numel()
-            parts_a.append(pa)
-            parts_b.append(pb)
-            if pad:
-                parts_a.append(zeros[:pad])
-                parts_b.append(zeros[:pad])
-            seg_ids.append(seg)
-            seg_blocks.append(take // block)
-        ca = torch.cat(parts_a) if len(parts_a) > 1 else parts_a[0]
-        cb = torch.cat(parts_b) if len(parts_b) > 1 else parts_b[0]
-        del pieces, parts_a, parts_b, zeros
-        nb = ca.numel() // block
-        view = _INT_VIEW[dtype]
-        segs = np.repeat(np.asarray(seg_ids, dtype=np.int64), seg_blocks)  # segment of each block
-        if _dense(device, ca.numel()):
-            self._dense_chunk(ca, cb, segs, nb, block)
-            return
-        differ = True
-        if device.type == "cpu":  # bits compared as integers first (numpy, at memory speed)
-            differ = not bits_equal(ca, cb)
-        neq = ca.view(view) != cb.view(view) if differ else None  # (C,)
-        if device.type == "cpu" and not has_nonfinite(ca) and not (differ and has_nonfinite(cb)):
-            # the common case on the CPU, where every pass over the chunk counts: no NaN/inf on
-            # either side, so those counts are 0 and every element is finite (the same numbers as
-            # the general pass below, with a fraction of its work)
-            p1 = torch.zeros((nb, 6), dtype=torch.int64)
-            if differ:
-                p1[:, 0] = neq.view(nb, block).sum(1)
-            a_eq = (torch.where(~neq, ca, torch.zeros_like(ca)) if differ else ca).to(torch.float64)
-        else:
-            if neq is None:
-                neq = torch.zeros(ca.shape, dtype=torch.bool)
-            p1 = _block_counts(neq, ca, cb, nb, block)
-            # equal finite elements: |a - b| 0, ULP 0, relative error 0; they add a^2 to sa, sb, sab
-            a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
-        sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
-        del a_eq
-        # the one synchronisation of this chunk (sq_eq travels as its bits, in the same transfer)
-        both = torch.cat([p1, sq_eq.view(torch.int64).unsqueeze(1)], 1).cpu().numpy()
-        p1_host = both[:, :6]
-        self._fold_p1(segs, p1_host, both[:, 6].copy().view(np.float64))
-        hot = np.flatnonzero(p1_host[:, 0])
-        if hot.size == 0:
-            return
-        n_hot = p1_host[hot, 0]
-        if dtype != torch.float64 and int(n_hot.sum()) * SPARSE_RATIO <= hot.size * block:
-            # differences scattered thinly over many blocks: the float64 pass on them alone
-            pos = torch.nonzero(neq).flatten()  # in order, so grouped by block
-            stats = element_stats(ca[pos], cb[pos], None, torch.from_numpy(n_hot).to(device), self.tolerance)
-        else:
-            idx = torch.from_numpy(hot).to(device)
-            da = ca.view(nb, block).index_select(0, idx).reshape(-1)  # (k * block,) storage dtype
-            db = cb.view(nb, block).index_select(0, idx).reshape(-1)
-            del ca, cb
-            stats = element_stats(da, db, neq.view(nb, block).index_select(0, idx).reshape(-1), (hot.size, block),
-                                  self.tolerance)
-        if not _defer(device):
-            self._fold_p2(segs[hot], *(t.numpy() for t in stats))
-        else:  # stays on the device until results(): one transfer for the whole batch
-            self._p2.append((segs[hot],) + stats)
-
-    def _dense_chunk(self, ca: torch.Tensor, cb: torch.Tensor, segs: np.ndarray, nb: int, block: int) -> None:
-        """A chunk small enough for the float64 pass on every block at once (:func:`_dense`): both
-        passes with no host synchronisation between them, their per-block results kept on the device
-        until :meth:`results` (one transfer for the whole batch). A block whose bits are all equal
-        adds zeros to every sum, count and maximum, so the numbers are those of the pass on the
-        blocks that differ, computed on whole blocks."""
-        view = _INT_VIEW[ca.dtype]
-        neq = ca.view(view) != cb.view(view)  # (C,)
-        p1 = _block_counts(neq, ca, cb, nb, block)
-        a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
-        sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
-        del a_eq
-        self._p1.append((segs, p1, sq_eq))
-        self._p2.append((segs,) + element_stats(ca, cb, neq, (nb, block), self.tolerance))
-
-    def _accumulators(self) -> dict[str, np.ndarray]:
-        ns = len(self._seg_n)
-        have = len(self._acc["p1"]) if self._acc else 0
-        if have < ns or not self._acc:  # grow geometrically, zero-filled
-            size = max(ns, 2 * have, 16)
-            new = {"p1": np.zeros((size, len(_P1)), np.int64), "sq": np.zeros(size, np.float64),
-                   "sums": np.zeros((size, len(_P2_SUM)), np.float64),
-                   "maxes": np.zeros((size, len(_P2_MAX)), np.float64),
-                   "cnt": np.zeros((size, len(_P2_CNT)), np.int64), "max_ulp": np.zeros(size, np.int64)}
-            for k, v in self._acc.items():
-                new[k][:have] = v
-            self._acc = new
-        return self._acc
-
-    def _fold_p1(self, segs: np.ndarray, p1: np.ndarray, sq_eq: np.ndarray) -> None:
-        acc = self._accumulators()
-        _fold(acc["p1"], segs, p1, np.add)
-        _fold(acc["sq"], segs, sq_eq, np.add)
-
-    def _fold_p2(self, segs: np.ndarray, sums: np.ndarray, maxes: np.ndarray, cnt: np.ndarray,
-                 max_ulp: np.ndarray) -> None:
-        acc = self._accumulators()
-        _fold(acc["sums"], segs, sums, np.add)
-        _fold(acc["maxes"], segs, maxes, np.maximum)
-        _fold(acc["cnt"], segs, cnt, np.add)
-        _fold(acc["max_ulp"], segs, max_ulp, np.maximum)
 
     # -- results -----------------------------------------------------------------------------------
     def pending_words(self) -> list[torch.Tensor]:
