@@ -92,7 +92,9 @@ def main() -> None:
     from tracer.plan.scenarios import RunPlan
 
     if args.keep_engines:
-        ve.MAX_ENGINES = args.keep_engines
+        from tracer.engines.vllm import running
+
+        running.MAX_ENGINES = args.keep_engines  # engine_for reads it there
     loaded = load_model(args.model, dtype="bfloat16", device=args.device, progress=False, tokenizer=False)
     vocab = int(loaded.model.config.vocab_size)
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}

@@ -114,7 +114,7 @@ class Vllm(Engine):
         check_before_start(plans, model, device)
         check_tp_heads(plans, model)
         if any(dict(p.engine_settings or ()).get("batch_invariant") for p in plans):
-            from tracer.engines.vllm.engine import platform
+            from tracer.engines.vllm.llm import platform
             from tracer.engines.vllm.environment import check_batch_invariant
 
             check_batch_invariant(True, platform())

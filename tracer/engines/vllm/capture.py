@@ -6,17 +6,19 @@ hooks on vLLM's ``nn.Module`` and reads nothing of the model runner (whose inter
 between the V1 and V2 runners and between releases):
 
 - a forward pre-hook on the root model reads the step from what the forward receives
-  (:func:`read_step`: ``input_ids``, ``positions``, the forward context's ``query_start_loc`` and
-  ``slot_mapping``; one host copy per step) and finds the rows of the requests it follows by their
-  content and positions (:class:`tracer.engines.vllm.requests.Tracker`), whatever the order the
-  runner put them in;
+  (:func:`tracer.engines.vllm.forward.read_step`: ``input_ids``, ``positions``, the forward
+  context's ``query_start_loc`` and ``slot_mapping``; one host copy per step) and finds the rows of
+  the requests it follows by their content and positions
+  (:class:`tracer.engines.vllm.requests.Tracker`), whatever the order the runner put them in;
 - a forward hook on every vLLM module that the engine map (``hooks/engine-llama.toml`` and
-  ``hooks/engine-vllm.toml``) maps onto a capture point keeps those rows **on the device**, mapped
-  as they are taken: a fused q/k/v or gate/up output split by the HF widths, a ``(hidden,
-  residual)`` pair summed in the HF dtype, a Linear's ``(output, None)`` read as its output (one
-  copy per point and step, no host synchronisation). A second module mapped onto a point already
-  taken in the step (a fused add + RMSNorm's residual is the previous layer's output) is compared
-  with it on the device; a difference is named in the notes, the first source is kept;
+  ``hooks/engine-vllm.toml``; its rules compiled per module by
+  :func:`tracer.engines.vllm.actions.compile_actions`) maps onto a capture point keeps those rows
+  **on the device**, mapped as they are taken: a fused q/k/v or gate/up output split by the HF
+  widths, a ``(hidden, residual)`` pair summed in the HF dtype, a Linear's ``(output, None)`` read
+  as its output (one copy per point and step, no host synchronisation). A second module mapped
+  onto a point already taken in the step (a fused add + RMSNorm's residual is the previous layer's
+  output) is compared with it on the device; a difference is named in the notes, the first source
+  is kept;
 - the attention layer's inputs ``(query, key, value)`` give the ``kv_cache`` points: the post-RoPE
   keys and the values vLLM writes into its paged KV cache (``kv_cache_dtype`` ``auto``: stored
   without conversion), for every prompt position the followed requests computed;
@@ -28,13 +30,12 @@ computation of a position wins) as :class:`~tracer.execute.records.CaptureRecord
 vLLM's device. Nothing is dropped silently: a capture point with no vLLM counterpart, or without
 every compared position, is listed with the reason. The capture's state is plain tensors and
 JSON-able step facts (:meth:`VllmCapture.state`), so it can be filled in one process and
-assembled in another.
+assembled in another. ``read_step`` stays importable from here.
 """
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,12 @@ from torch import nn
 from tracer.errors import TracerError
 from tracer.execute.handles import Hooks
 from tracer.execute.points import CapturePoint
-from tracer.engines.dumps.namemap import RefLayout, hf_name, locate
-from tracer.engines.vllm.requests import StepInputs, Tracker, boundaries_from_positions
+from tracer.engines.dumps.namemap import RefLayout, locate
+from tracer.engines.vllm.actions import Action, compile_actions, elements, pick
+from tracer.engines.vllm.forward import read_step, runner_name
+from tracer.engines.vllm.requests import Tracker
 from tracer.execute.records import CaptureRecord, SchedulerStep, TracedPositions
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}
 
 
@@ -59,118 +61,6 @@ def _shapes(x: Any) -> list[list[int]]:
         return [s for item in x for s in _shapes(item)]
     return []
 
-
-def _runner_name(runner: Any) -> str:
-    return runner if isinstance(runner, str) else f"{type(runner).__module__}.{type(runner).__name__}"
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(vllm.__version__)
-    except Exception:  # noqa: BLE001 - only for a message
-        return "?"
-
-
-def read_step(args: tuple, kwargs: dict, runner: Any) -> StepInputs:
-    """What one forward pass of vLLM's model computes, read from the pass itself: its token ids,
-    positions, request boundaries (``query_start_loc`` of the forward context's attention metadata;
-    derived from the positions and KV slots where the metadata has none, e.g. FlashInfer's) and KV
-    slots, copied to the host in one transfer.
-
-    Raises:
-        TracerError: the pass has no ``input_ids``/1-D ``positions`` or no forward context
-            (a runner tracer cannot read: named with the vLLM version), or micro-batched metadata.
-    """
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-    why = None
-    if not isinstance(ids, torch.Tensor):
-        why = "no input_ids (inputs_embeds only)"
-    elif not isinstance(pos, torch.Tensor) or pos.dim() != 1:
-        why = "no 1-D positions (M-RoPE or none)"
-    elif not is_forward_context_available():
-        why = "no forward context"
-    if why is not None:
-        raise TracerError(f"tracer cannot read the requests of vLLM {_vllm_version()}'s {_runner_name(runner)}: its "
-                          f"forward pass has {why}; tracer reads input_ids, positions and the attention metadata's "
-                          "query_start_loc (text-only models, eager)")
-    ctx = get_forward_context()
-    md = ctx.attn_metadata
-    if isinstance(md, list):
-        raise TracerError(f"vLLM {_vllm_version()}'s {_runner_name(runner)} runs this step as micro-batches (dual-batch "
-                          "overlap); tracer reads one flattened batch per forward pass: turn micro-batching off")
-    metas = list(md.values()) if isinstance(md, dict) else ([md] if md is not None else [])
-    qsl = next((m.query_start_loc for m in metas if isinstance(getattr(m, "query_start_loc", None), torch.Tensor)), None)
-    slots = next((m.slot_mapping for m in metas if isinstance(getattr(m, "slot_mapping", None), torch.Tensor)), None)
-    if slots is None and isinstance(getattr(ctx, "slot_mapping", None), dict) and ctx.slot_mapping:
-        slots = next(iter(ctx.slot_mapping.values()))
-    table = next((getattr(m, k) for m in metas for k in ("block_table", "block_table_tensor")
-                  if isinstance(getattr(m, k, None), torch.Tensor)), None)
-    t = ids.shape[0]
-    parts = [ids.reshape(-1), pos.reshape(-1)]
-    if slots is not None:
-        parts.append(slots.reshape(-1)[:t].to(ids.device))
-    if qsl is not None:
-        parts.append(qsl.reshape(-1).to(ids.device))
-    host = torch.cat([p.to(torch.int64) for p in parts]).cpu().numpy()  # the step's one host copy
-    h_ids, h_pos = host[:t], host[t:2 * t]
-    rest = host[2 * t:]
-    h_slots = None
-    if slots is not None:
-        h_slots, rest = rest[:min(t, slots.numel())], rest[min(t, slots.numel()):]
-        if len(h_slots) < t:
-            h_slots = None
-    if qsl is not None:
-        starts = np.minimum(rest, t)  # padded entries (V2 pads with the token count) are empty requests
-        how = "query_start_loc"
-    else:
-        starts = boundaries_from_positions(h_pos, h_slots)
-        how = "positions"
-
-    def block_table() -> np.ndarray:
-        return table.to(torch.int64).cpu().numpy()
-
-    return StepInputs(ids=h_ids, positions=h_pos, starts=starts.astype(np.int64), slots=h_slots,
-                      block_table=block_table if table is not None else None, boundaries=how)
-
-
-@dataclass
-class _Action:
-    """One rule of the engine map compiled for one hooked module: which output element(s) become
-    which HF point(s)."""
-
-    how: str  # take | sum | split | logits
-    elements: tuple  # (element,) for take/split (None: the tensor itself); the summed elements for sum
-    targets: tuple  # HF names (split: one per part)
-    sizes: tuple = ()  # split: the HF widths
-    dtype: torch.dtype | None = None  # sum: the HF dtype the pair is added in
-    describe: str = ""
-    shard: str | None = None  # TP > 1: "columns" (each rank a column shard) or "partial" (partial sums); None: whole
-
-
-def _elements(out: Any) -> dict[int | None, torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return {None: out}
-    if isinstance(out, (tuple, list)):
-        return {i: v for i, v in enumerate(out) if isinstance(v, torch.Tensor)}
-    return {}
-
-
-def _pick(els: dict[int | None, torch.Tensor], el: int | None, what: str) -> torch.Tensor | None:
-    """Element ``el`` of a module's output (as :mod:`tracer.engines.dumps.namemap` reads a dump):
-    None picks the tensor itself, or the only tensor of ``(output, None)``."""
-    if el is None:
-        if None in els:
-            return els[None]
-        if set(els) == {0}:
-            return els[0]
-        raise TracerError(f"{what} is a tuple of {len(els)} tensors; its map rule must pick an element "
-                          "(element = 0) or add them (sum = [1, 0])")
-    return els.get(el, els.get(None) if el == 0 else None)
 
 
 #: per vLLM model (weakly: a dropped LLM frees its entry), per (engine map, reference layout): the
@@ -212,7 +102,7 @@ class VllmCapture(Hooks):
                  token_ids: list[int], window: tuple[int, int], kv_points: dict[int, str],
                  kv_positions: int | None = None, *, block_size: int = 16, positions: int | None = None,
                  tp: int = 1) -> None:
-        self.model, self.runner, self.emap, self.ref = model, _runner_name(runner), emap, ref
+        self.model, self.runner, self.emap, self.ref = model, runner_name(runner), emap, ref
         self.token_ids = list(token_ids)
         self.n = len(token_ids) if positions is None else int(positions)
         self.kv_n = self.n if kv_positions is None else int(kv_positions)  # positions 0..kv_n-1 the KV points hold
@@ -243,7 +133,7 @@ class VllmCapture(Hooks):
         # one model, reference layout and map, so computed once per process (a run creates a capture)
         self._key = (id(emap), tuple(ref.names.items()), self.tp)
         self._cache = _CACHE.setdefault(model, {}).setdefault(self._key, {"actions": {}})
-        self._actions: dict[str, list[_Action]] = self._cache["actions"]
+        self._actions: dict[str, list[Action]] = self._cache["actions"]
 
     # ---------------------------------------------------------------- requests
 
@@ -278,53 +168,13 @@ class VllmCapture(Hooks):
             self._cache["hooked"] = [n for n, _m in mods if self._compile(n)]
         return list(self._cache["hooked"])
 
-    def _compile(self, name: str) -> list[_Action]:
-        if name in self._actions:
-            return self._actions[name]
-        layer, rel = locate(name)
-        rules = (self.emap["layer"] if layer is not None else self.emap["model"]).get(rel) or []
-        actions = []
-        for rule in rules:
-            hf = [hf_name(t, layer, self.ref) for t in (rule["hf"] if isinstance(rule["hf"], list) else [rule["hf"]])]
-            if rule.get("rows") == "last":
-                if any(h is not None and h in self.ref.names for h in hf):
-                    actions.append(_Action("logits", (), tuple(h for h in hf if h is not None)))
-                continue
-            if rule.get("split") in ("qkv_groups",) or rule.get("identity"):
-                raise TracerError(f"engine map rule for {rel!r} ({rule}) is not one for vLLM's in-process modules")
-            if rule.get("split"):
-                if not all(h is not None and h in self.ref.names for h in hf):
-                    continue  # the reference did not capture the parts (e.g. layers granularity)
-                sizes = tuple(self.ref.names[h][2][-1] if self.ref.names[h][2] else 1 for h in hf)
-                if any(s % self.tp for s in sizes):
-                    raise TracerError(f"{name}: the HF widths {list(sizes)} of {', '.join(hf)} do not split over "
-                                      f"{self.tp} TP ranks; run this model with a tensor_parallel_size that divides them")
-                actions.append(_Action("split", (rule.get("element"),), tuple(hf), tuple(s // self.tp for s in sizes),
-                                       describe=f"fused {name.rsplit('.', 1)[-1]}, part {{i}} of {len(hf)}",
-                                       shard=self._shard(name, rule)))
-            elif "sum" in rule:
-                if hf[0] is None or hf[0] not in self.ref.names:
-                    continue
-                dtype = _DTYPES.get(self.ref.names[hf[0]][3], torch.float32)
-                actions.append(_Action("sum", tuple(rule["sum"]), (hf[0],), dtype=dtype,
-                                       describe="(hidden, residual) summed in the HF dtype"))
-            elif hf[0] is not None and hf[0] in self.ref.names:
-                el = rule.get("element")
-                actions.append(_Action("take", (el,), (hf[0],), describe=f"element {el} of a tuple" if el is not None else "",
-                                       shard=self._shard(name, rule)))
-        self._actions[name] = actions
-        return actions
-
-    def _shard(self, name: str, rule: dict[str, Any]) -> str | None:
-        """What one TP rank holds of a module's mapped output (None: the whole tensor, or TP 1): the
-        map's ``shard = "columns"``; ``partial`` for a row-parallel layer built without its
-        all-reduce (vLLM's ``reduce_results=False``: each rank's partial sum)."""
-        if self.tp == 1:
-            return None
-        if rule.get("shard") == "columns":
-            return "columns"
-        module = self._cache.get("modules", {}).get(name)
-        return "partial" if getattr(module, "reduce_results", True) is False else None
+    def _compile(self, name: str) -> list[Action]:
+        """The module's compiled rules (:func:`tracer.engines.vllm.actions.compile_actions`), once
+        per model, reference layout and map."""
+        if name not in self._actions:
+            self._actions[name] = compile_actions(name, self.emap, self.ref, self.tp,
+                                                  self._cache.get("modules", {}).get(name))
+        return self._actions[name]
 
     def install(self) -> None:
         """Hook the model's call (the step's tokens), every mapped module, the logits and the KV writes."""
@@ -420,13 +270,13 @@ class VllmCapture(Hooks):
             if cur is None or cur["win"] is None:
                 return
             self._note(name, args, out)
-            els = _elements(out)
+            els = elements(out)
             for act in actions:
                 self._apply(name, act, els, cur["step"])
 
         return hook
 
-    def _apply(self, name: str, act: _Action, els: dict[int | None, torch.Tensor], step: int) -> None:
+    def _apply(self, name: str, act: Action, els: dict[int | None, torch.Tensor], step: int) -> None:
         """One compiled rule on one module output: the mapped rows, kept per HF point (on the device)."""
         what = f"{name} (step {step})"
         if act.how == "sum":
@@ -443,7 +293,7 @@ class VllmCapture(Hooks):
                 total = total.clone()  # a view of the module's output, which may change in place later
             self._keep(act.targets[0], total, step, name, act, 0)
             return
-        t = _pick(els, act.elements[0], what)
+        t = pick(els, act.elements[0], what)
         if t is None:
             return
         rows = self._take(t, "win")
@@ -459,7 +309,7 @@ class VllmCapture(Hooks):
         for i, (target, part) in enumerate(zip(act.targets, torch.split(rows, list(act.sizes), dim=-1))):
             self._keep(target, part, step, name, act, i)
 
-    def _keep(self, target: str, rows: torch.Tensor, step: int, module: str, act: _Action, part: int) -> None:
+    def _keep(self, target: str, rows: torch.Tensor, step: int, module: str, act: Action, part: int) -> None:
         """Keep ``rows`` as ``target``'s rows of ``step``; a second source in the same step is compared
         with the first on the device (the first is kept)."""
         if self._filled.get(target) == step:

@@ -32,7 +32,10 @@ from tracer.execute.points import discover_points
 from tracer.execute.records import CaptureRecord, RecordsView, RunRecord
 from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.remote import RemoteCapture
-from tracer.engines.vllm.engine import VllmEngine, VllmSettings, engine_map, ref_layout, vllm
+from tracer.engines.vllm.llm import vllm
+from tracer.engines.vllm.running import VllmEngine
+from tracer.engines.vllm.layout import engine_map, ref_layout
+from tracer.engines.vllm.plan import VllmSettings
 
 
 class VllmCaptured(RecordsView):

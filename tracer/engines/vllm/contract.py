@@ -2,7 +2,7 @@
 
 The norm (and which ``vllm.ir`` provider its fused residual add + RMSNorm dispatches to), the
 activation, the rotary embedding, each Linear's GEMM, and the activation and logits dtypes, as
-plain data for :meth:`tracer.engines.vllm.engine.VllmEngine.facts`.
+plain data for :meth:`tracer.engines.vllm.running.VllmEngine.facts`.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _config_facts(self: Any, cfg: Any) -> dict[str, Any]:
 
 
 def read_facts(self: Any) -> dict[str, Any]:
-    """The facts of a :class:`~tracer.engines.vllm.engine.VllmEngine` (its ``facts``), read from its LLM
+    """The facts of a :class:`~tracer.engines.vllm.running.VllmEngine` (its ``facts``), read from its LLM
     and model (an engine core in its own process: from its worker)."""
     cfg = self.llm.llm_engine.vllm_config
     if self.remote:

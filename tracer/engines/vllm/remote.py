@@ -246,10 +246,10 @@ def worker_discard(worker: Any, key: str) -> None:
 
 @_guarded
 def worker_facts(worker: Any, dtype: str) -> dict[str, Any]:
-    """In a worker: what :meth:`tracer.engines.vllm.engine.VllmEngine.facts` reads of the model
+    """In a worker: what :meth:`tracer.engines.vllm.running.VllmEngine.facts` reads of the model
     (model class, attention backend, implementation and ISA, the op facts of
     :func:`tracer.engines.vllm.contract.op_facts`, the runner), and the head-size refusal of
-    :func:`tracer.engines.vllm.engine.check_head_size`, as plain data."""
+    :func:`tracer.engines.vllm.llm.check_head_size`, as plain data."""
     from tracer.engines.vllm.contract import op_facts
 
     model = worker.get_model()

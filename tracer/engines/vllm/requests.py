@@ -19,7 +19,7 @@ metadata) and each token's KV-cache slot (``slot_mapping``).
   first KV slot follows the request's last slot (inside a KV block), or whose block-table row
   holds the block of the request's last slot (at a block boundary).
 
-Pure numpy; the reading of one forward pass is :func:`tracer.engines.vllm.capture.read_step`.
+Pure numpy; the reading of one forward pass is :func:`tracer.engines.vllm.forward.read_step`.
 """
 
 from __future__ import annotations

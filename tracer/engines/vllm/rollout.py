@@ -28,7 +28,9 @@ from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord, ScheduledRequest, SchedulerFacts, SchedulerStep
-from tracer.engines.vllm.engine import engine_for, engine_map, ref_layout, vllm
+from tracer.engines.vllm.llm import vllm
+from tracer.engines.vllm.running import engine_for
+from tracer.engines.vllm.layout import engine_map, ref_layout
 from tracer.engines.vllm.plan import batch_rows, settings_of
 from tracer.plan.plans import Batch
 

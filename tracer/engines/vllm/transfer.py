@@ -2,7 +2,7 @@
 in this process, the consumer captured with hooks (what each run does: :mod:`tracer.engines.vllm.connector`).
 
 Each connected LLM has its own worker-side connector agent, set as vLLM's process-wide global only
-while that engine steps (:func:`tracer.engines.vllm.engine._kv_state`, ``VllmEngine.active``).
+while that engine steps (:func:`tracer.engines.vllm.llm._kv_state`, ``VllmEngine.active``).
 
 The consumer's ``kv_cache`` points of run B hold the cache **as transferred** at the handed-over
 positions (the producer's files, as the consumer loaded them) and as the consumer computed it after
@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from tracer.engines.vllm.assemble import settle_records
-from tracer.engines.vllm.engine import engine_for, engine_map, execute_loaded, ref_layout
+from tracer.engines.vllm.engine import execute_loaded
+from tracer.engines.vllm.running import engine_for
+from tracer.engines.vllm.layout import engine_map, ref_layout
 from tracer.engines.vllm.capture import VllmCapture
 from tracer.engines.vllm.connector import (BOUNDARY, TOKEN_ROW_BACKENDS, contract, difference, model_dims, role, sides,
                                           transferred, transferred_kv, unit_of)
@@ -67,11 +69,11 @@ def connected(loaded: Any, side: str, settings: dict[str, Any], say: Callable[[s
     over a folder of its own, built with its own worker-side agent (module docstring).
 
     Raises:
-        TracerError: as :func:`tracer.engines.vllm.engine.engine_for`.
+        TracerError: as :func:`tracer.engines.vllm.running.engine_for`.
     """
     base = VllmSettings(**settings)
     s = replace(base, kv_role=f"kv_{side}", kv_path=_folder(side, base))
-    eng = engine_for(loaded, s, say)  # built with its own worker-side agent (engine._kv_state)
+    eng = engine_for(loaded, s, say)  # built with its own worker-side agent (llm._kv_state)
     if eng.kv_agent is None:
         raise TracerError(f"vLLM {_version()} built no KV connector for the {side}; tracer hands the KV "
                           "cache over with vLLM's ExampleConnector (kv_transfer_config)")
