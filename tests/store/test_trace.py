@@ -594,3 +594,23 @@ def test_pinned_read_and_host_copies_are_bit_exact(tmp_path):
     for n, c in run.captures.items():
         assert host[n].tensor.device.type == "cpu" and host[n].tensor.is_pinned()
         assert host[n].tensor.view(torch.uint8).equal(c.tensor.contiguous().view(torch.uint8))
+
+
+def test_a_second_open_gets_its_own_copy_of_the_validated_index(tmp_path):
+    """The validation of an unchanged file is kept per process; each open gets its own index
+    entries (changing one reader's entries changes no later reader's), and a file written since
+    is validated again."""
+    from tracer.store.reader import TraceReader
+
+    rng = np.random.default_rng(3)
+    path = tmp_path / "t.h5"
+    write_trace(path, [make_run("A", rng)[0]])
+    with TraceReader(path) as first:
+        name = next(iter(first._entries["A"]))
+        want = dict(first._entries["A"][name])
+        first._entries["A"][name]["shape"] = "changed by the caller"
+    with TraceReader(path) as second:
+        assert second._entries["A"][name] == want
+    write_trace(path, [make_run("B", rng)[0]], overwrite=True)
+    with TraceReader(path) as third:
+        assert list(third._entries) == ["B"]
