@@ -259,24 +259,72 @@ def _record_type(tp: Any) -> type:
     raise TypeError(f"{tp} is not a record type")
 
 
+_ANY, _ANNOTATED, _UNION, _RECORD, _ENUM, _FLOAT, _SCALAR, _SEQ, _DICT, _TYPEDDICT, _OTHER = range(11)
+#: id(annotation) → (annotation, kind, origin, args), worked out once per annotation object (the
+#: decoder meets the same few hundred annotations for every record of a trace). Keyed by identity:
+#: typing's annotations hash in Python, slower than working them out; the entry holds the
+#: annotation, so its id is not reused while cached. Emptied past 4096 entries (a TypedDict's hints
+#: are new objects at each call).
+_KINDS: dict[int, tuple[Any, int, Any, tuple[Any, ...]]] = {}
+
+
+def _kind_of(tp: Any) -> tuple[int, Any, tuple[Any, ...]]:
+    """What :func:`decode_value` and :func:`_fits` do with annotation ``tp``: its kind, its
+    ``typing.get_origin`` and its ``typing.get_args``."""
+    got = _KINDS.get(id(tp))
+    if got is not None and got[0] is tp:
+        return got[1], got[2], got[3]
+    if len(_KINDS) > 4096:
+        _KINDS.clear()
+    kind, origin, args = _classify(tp)
+    _KINDS[id(tp)] = (tp, kind, origin, args)
+    return kind, origin, args
+
+
+def _classify(tp: Any) -> tuple[int, Any, tuple[Any, ...]]:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        kind = _ANY
+    elif origin is Annotated:
+        kind = _ANNOTATED
+    elif origin in (Union, types.UnionType):
+        kind = _UNION
+    elif isinstance(tp, type) and issubclass(tp, Record):
+        kind = _RECORD
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        kind = _ENUM
+    elif tp is float:
+        kind = _FLOAT
+    elif tp in (int, bool, str):
+        kind = _SCALAR
+    elif origin in (tuple, list):
+        kind = _SEQ
+    elif origin is dict:
+        kind = _DICT
+    elif typing.is_typeddict(tp):
+        kind = _TYPEDDICT
+    else:
+        kind = _OTHER
+    return kind, origin, args
+
+
 def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     """``x`` (JSON data) as a value of annotation ``tp``.
 
     Raises:
         TracerError: ``x`` does not fit ``tp``, or a :class:`Check` of ``tp`` refuses it.
     """
-    origin = typing.get_origin(tp)
-    if tp is Any:
+    kind, origin, args = _kind_of(tp)
+    if kind == _ANY:
         return x
-    if origin is Annotated:
-        base, *extras = typing.get_args(tp)
+    if kind == _ANNOTATED:
+        base, *extras = args
         value = decode_value(x, base, where, strict)
         for c in extras:
             if isinstance(c, Check) and not c.ok(value):
                 raise TracerError(f"{where}: {_short(x)} is not {c.what}")
         return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
+    if kind == _UNION:
         if x is None and type(None) in args:
             return None
         options = [a for a in args if a is not type(None)]
@@ -288,23 +336,22 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
             except TracerError as e:
                 first = first or e
         raise first  # type: ignore[misc]
-    if isinstance(tp, type) and issubclass(tp, Record):
+    if kind == _RECORD:
         return decode(tp, x, where, strict=strict)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    if kind == _ENUM:
         try:
             return tp(x)
         except ValueError:
             raise TracerError(f"{where}: {x!r} is not one of {', '.join(str(m.value) for m in tp)}") from None
-    if tp is float:
+    if kind == _FLOAT:
         return _float(x, where)
-    if tp in (int, bool, str):
+    if kind == _SCALAR:
         if not _fits(x, tp):
             raise TracerError(f"{where}: expected {tp.__name__}, got {_short(x)}")
         return tp(x)
-    if origin in (tuple, list):
+    if kind == _SEQ:
         if not isinstance(x, (list, tuple)):
             raise TracerError(f"{where}: expected a list, got {type(x).__name__}")
-        args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(x):
                 raise TracerError(f"{where}: expected {len(args)} items, got {len(x)}")
@@ -313,12 +360,16 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
         fast = _ROW.get(item)
         if fast is not None and all(type(v) is fast for v in x):  # a row of numbers (a heat map's): as is
             return origin(x)
+        if item is Any:  # plain JSON items: as they are
+            return origin(x)
         return origin(decode_value(v, item, f"{where}[{i}]", strict) for i, v in enumerate(x))
-    if origin is dict or typing.is_typeddict(tp):
+    if kind in (_DICT, _TYPEDDICT):
         if not isinstance(x, dict):
             raise TracerError(f"{where}: expected an object, got {type(x).__name__}")
-        if origin is dict:
-            value = typing.get_args(tp)[1] if typing.get_args(tp) else Any
+        if kind == _DICT:
+            value = args[1] if args else Any
+            if value is Any:  # plain JSON values: as they are
+                return dict(x)
             return {k: decode_value(v, value, f"{where}.{k}", strict) for k, v in x.items()}
         hints = typing.get_type_hints(tp, include_extras=True)
         return {k: decode_value(v, hints.get(k, Any), f"{where}.{k}", strict) for k, v in x.items()}
@@ -346,27 +397,29 @@ def _float(x: Any, where: str) -> float:
 
 def _fits(x: Any, tp: Any) -> bool:
     """Whether JSON value ``x`` can be a ``tp`` (to choose among the members of a union)."""
-    origin = typing.get_origin(tp) or tp
-    if tp is Any:
+    kind, origin, args = _kind_of(tp)
+    if kind == _ANY:
         return True
-    if origin is Annotated:
-        return _fits(x, typing.get_args(tp)[0])
-    if origin in (Union, types.UnionType):
-        return any(_fits(x, a) for a in typing.get_args(tp))
+    if kind == _ANNOTATED:
+        return _fits(x, args[0])
+    if kind == _UNION:
+        return any(_fits(x, a) for a in args)
     if tp is bool:
         return isinstance(x, bool)
     if tp is int:
         return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-    if tp is float:
+    if kind == _FLOAT:
         return (isinstance(x, numbers.Real) and not isinstance(x, bool)) or x in ("inf", "-inf", "nan")
     if tp is str:
         return isinstance(x, str)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+    if kind == _ENUM:
         return x in {m.value for m in tp}
-    if isinstance(tp, type) and issubclass(tp, Record) or origin is dict or typing.is_typeddict(tp):
+    if kind in (_RECORD, _DICT, _TYPEDDICT):
         return isinstance(x, dict)
-    if origin in (tuple, list):
+    if kind == _SEQ or tp in (list, tuple):  # a bare list or tuple annotation too
         return isinstance(x, (list, tuple))
+    if tp is dict:
+        return isinstance(x, dict)
     return True
 
 
