@@ -263,8 +263,8 @@ _ANY, _ANNOTATED, _UNION, _RECORD, _ENUM, _FLOAT, _SCALAR, _SEQ, _DICT, _TYPEDDI
 #: id(annotation) → (annotation, kind, origin, args), worked out once per annotation object (the
 #: decoder meets the same few hundred annotations for every record of a trace). Keyed by identity:
 #: typing's annotations hash in Python, slower than working them out; the entry holds the
-#: annotation, so its id is not reused while cached. Emptied past 4096 entries (a TypedDict's hints
-#: are new objects at each call).
+#: annotation, so its id is not reused while cached. Emptied past 4096 entries (an annotation built
+#: at each call, such as ``list[X]`` written inside a function, is a new object each time).
 _KINDS: dict[int, tuple[Any, int, Any, tuple[Any, ...]]] = {}
 
 
@@ -371,9 +371,16 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
             if value is Any:  # plain JSON values: as they are
                 return dict(x)
             return {k: decode_value(v, value, f"{where}.{k}", strict) for k, v in x.items()}
-        hints = typing.get_type_hints(tp, include_extras=True)
+        hints = _hints(tp)
         return {k: decode_value(v, hints.get(k, Any), f"{where}.{k}", strict) for k, v in x.items()}
     return x
+
+
+@functools.cache
+def _hints(tp: type) -> dict[str, Any]:
+    """A TypedDict's key annotations, worked out once (``typing.get_type_hints`` builds new
+    annotation objects at each call)."""
+    return typing.get_type_hints(tp, include_extras=True)
 
 
 def _short(x: Any) -> str:

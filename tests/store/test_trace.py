@@ -614,3 +614,33 @@ def test_a_second_open_gets_its_own_copy_of_the_validated_index(tmp_path):
     write_trace(path, [make_run("B", rng)[0]], overwrite=True)
     with TraceReader(path) as third:
         assert list(third._entries) == ["B"]
+
+
+def test_a_trace_replaced_while_it_is_opened_is_refused_not_cached(tmp_path, monkeypatch):
+    """A finished run renames its trace onto the path, maybe while a reader is opening the old file:
+    that open is refused in one line (what HDF5 validated is not what the reader would read), and
+    the next open validates the new file on its own (its own runs, not the old file's entries)."""
+    import os
+    import shutil
+
+    import tracer.store.heap as heap
+    from tracer.errors import TracerError
+    from tracer.store.reader import TraceReader
+
+    rng = np.random.default_rng(4)
+    path, other = tmp_path / "t.h5", tmp_path / "other.h5"
+    write_trace(path, [make_run("A", rng)[0]])
+    write_trace(other, [make_run("B", rng)[0]])
+    check = heap.check_heap
+
+    def finished_meanwhile(*a, **k):
+        check(*a, **k)
+        monkeypatch.setattr(heap, "check_heap", check)  # once
+        shutil.copy(other, str(path) + ".partial")
+        os.replace(str(path) + ".partial", path)
+
+    monkeypatch.setattr(heap, "check_heap", finished_meanwhile)
+    with pytest.raises(TracerError, match="was replaced while it was being opened"):
+        TraceReader(path)
+    with TraceReader(path) as r:
+        assert r.runs == ["B"] and list(r._entries) == ["B"]

@@ -63,12 +63,16 @@ class Call(schema.Record):
     kernels: Kernels | None = None
 
 
+#: the annotation calls are checked against, built once (the decoder works out each annotation once)
+_CALLS = list[Call]
+
+
 def calls_problem(calls: Any) -> str | None:
     """None when ``calls`` is a list of :class:`Call` documents, else what is wrong (one line)."""
     if not isinstance(calls, list):
         return "calls is not a list"
     try:
-        schema.decode_value(calls, list[Call], "calls")
+        schema.decode_value(calls, _CALLS, "calls")
     except TracerError as e:
         return str(e)
     return None

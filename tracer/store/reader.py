@@ -91,7 +91,7 @@ def _validated(f: h5py.File, path: str, indexes: dict[str, list[dict[str, Any]]]
     Raises:
         TracerError: as :func:`validate_trace`.
     """
-    st = os.stat(path)
+    st = _stat_of(f, path)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     hit = _VALIDATED.get(key)
     if hit is None:
@@ -102,6 +102,15 @@ def _validated(f: h5py.File, path: str, indexes: dict[str, list[dict[str, Any]]]
     else:  # a fresh copy each time (the caller's to change): unpickled in C, 7x faster than copy.deepcopy
         indexes.update(pickle.loads(hit[1]))
     return hit[0]
+
+
+def _stat_of(f: h5py.File, path: str) -> os.stat_result:
+    """The status of the file ``f`` has open (its descriptor's, not the path's: a trace written
+    again is renamed onto the path, maybe while it is being opened), else of ``path``."""
+    try:
+        return os.fstat(f.id.get_vfd_handle())
+    except (OSError, ValueError, TypeError, AttributeError):  # a driver without an OS descriptor
+        return os.stat(path)
 
 
 class TraceReader:
@@ -170,6 +179,10 @@ class TraceReader:
         self.header: dict[str, Any] = upgrade("header", json.loads(f["header"].attrs["json"]))
         self.runs: list[str] = json.loads(f["runs"].attrs["order"])
         self._fd = os.open(self.path, os.O_RDONLY)  # for positioned reads (version 2), which release the GIL
+        opened, held = _stat_of(f, self.path), os.fstat(self._fd)
+        if (opened.st_dev, opened.st_ino) != (held.st_dev, held.st_ino):  # replaced since HDF5 opened it
+            raise TracerError(f"{self.path} was replaced while it was being opened (a run writing it finished); "
+                              "open it again")
         for run in self.runs:
             entries = indexes.get(run)
             self._points[run] = self._format.open_run(f["runs"][run], entries, self._fd)
