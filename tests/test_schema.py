@@ -640,3 +640,17 @@ def test_an_unknown_kind_is_refused_in_one_line():
     x = torch.ones(4, 8)
     with pytest.raises(TracerError, match="kind 'gizmo', which this tracer does not know"):
         compare_records(_run("A", [("g", "gizmo", x)]), _run("B", [("g", "gizmo", x)]), scenario="s", model="m")
+
+
+def test_a_list_or_object_against_a_union_with_an_enum_decodes_as_the_other_member():
+    import enum
+    from typing import Union
+
+    from tracer.schema import decode_value
+
+    class Mode(enum.Enum):
+        A = "a"
+
+    tp = Union[Mode, list[int]]
+    assert decode_value([1, 2], tp, "x") == [1, 2] and decode_value("a", tp, "x") is Mode.A
+    assert decode_value({"k": 1}, Union[Mode, dict[str, int]], "x") == {"k": 1}

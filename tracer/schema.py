@@ -420,7 +420,7 @@ def _fits(x: Any, tp: Any) -> bool:
     if tp is str:
         return isinstance(x, str)
     if kind == _ENUM:
-        return x in {m.value for m in tp}
+        return isinstance(x, typing.Hashable) and x in {m.value for m in tp}  # a list or object is no member
     if kind in (_RECORD, _DICT, _TYPEDDICT):
         return isinstance(x, dict)
     if kind == _SEQ or tp in (list, tuple):  # a bare list or tuple annotation too
