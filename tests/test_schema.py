@@ -654,3 +654,22 @@ def test_a_list_or_object_against_a_union_with_an_enum_decodes_as_the_other_memb
     tp = Union[Mode, list[int]]
     assert decode_value([1, 2], tp, "x") == [1, 2] and decode_value("a", tp, "x") is Mode.A
     assert decode_value({"k": 1}, Union[Mode, dict[str, int]], "x") == {"k": 1}
+
+
+def test_the_decoders_short_cuts_refuse_what_the_item_by_item_path_refuses():
+    """A shape decodes as itself only when every dimension is an int in range, and a checked calls
+    document is remembered by its JSON text: ``1`` and ``true`` are not the same document."""
+    from tracer.errors import TracerError
+    from tracer.execute.records import calls_problem
+    from tracer.schema import Shape, decode_value
+
+    assert decode_value([1, 128, 576], Shape, "s") == (1, 128, 576)
+    for bad, place in (([1, True], r"s\[1\]: expected int, got True"), ([1, -1], r"s\[1\]: -1 is not a count"),
+                       ([2.0], r"s\[0\]: expected int, got 2.0"), (list(range(17)), "at most 16 dimensions")):
+        with pytest.raises(TracerError, match=place):
+            decode_value(bad, Shape, "s")
+    good = [{"positions": [0, 1], "out": [[1, 1, 8]]}]
+    assert calls_problem(good) is None
+    assert calls_problem([{"positions": [0, 1], "out": [[1, True, 8]]}]) == "calls[0].out[0][1]: expected int, got True"
+    assert calls_problem([{"positions": [0, 1], "out": [[1, 1.0, 8]]}]) is not None
+    assert calls_problem(good) is None

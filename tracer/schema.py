@@ -218,17 +218,24 @@ def decode(cls: type, doc: Any, where: str = "", *, strict: bool = False) -> Any
         if unknown:
             raise TracerError(f"{where}: {unknown[0]!r} is not a field of {cls.__name__}; declare it there")
     kw = {}
-    for f in fields_of(cls):
-        raw = doc if f.layout.flatten else _get(doc, f.path)
-        at = f"{where}.{'.'.join(map(str, f.path))}"
+    for f, dotted, key, plain in _reading(cls):
+        if f.layout.flatten:
+            raw = doc
+        elif key is not None:
+            raw = doc.get(key, _MISSING)
+        else:
+            raw = _get(doc, f.path)
         if raw is _MISSING:
             if f.default is _MISSING:
-                raise TracerError(f"{at}: missing")
+                raise TracerError(f"{where}.{dotted}: missing")
+            continue
+        if plain is not None and type(raw) is plain[0] and _passes(raw, plain[1]):  # decodes as itself
+            kw[f.name] = raw
             continue
         if isinstance(raw, dict) and (f.layout.rename or f.layout.inline):
             raw = _unview(raw, f.layout)
         # a flattened record reads the whole document: the keys it does not declare are its owner's
-        kw[f.name] = decode_value(raw, f.type, at, strict and not f.layout.flatten)
+        kw[f.name] = decode_value(raw, f.type, f"{where}.{dotted}", strict and not f.layout.flatten)
     try:
         obj = cls(**kw)
     except TracerError as e:  # the record's own checks (__post_init__), said at its place in the document
@@ -237,6 +244,19 @@ def decode(cls: type, doc: Any, where: str = "", *, strict: bool = False) -> Any
     if problem is not None:
         raise TracerError(f"{where}: {problem}")
     return obj
+
+
+@functools.cache
+def _reading(cls: type) -> tuple[tuple[Any, str, str | None, tuple[type, tuple[Check, ...]] | None], ...]:
+    """Each field of ``cls`` with, worked out once per class: its path as written in an error's place
+    (``a.b.0``); for a path of one key, that key (read with ``dict.get``); for a scalar field, the
+    JSON type and checks of a value that decodes as itself (:func:`_row`; ``bool`` too)."""
+    out = []
+    for f in fields_of(cls):
+        key = f.path[0] if len(f.path) == 1 and isinstance(f.path[0], str) else None
+        plain = (bool, ()) if f.type is bool else _row(f.type)
+        out.append((f, ".".join(map(str, f.path)), key, plain))
+    return tuple(out)
 
 
 @functools.cache
@@ -265,30 +285,37 @@ _ANY, _ANNOTATED, _UNION, _RECORD, _ENUM, _FLOAT, _SCALAR, _SEQ, _DICT, _TYPEDDI
 #: typing's annotations hash in Python, slower than working them out; the entry holds the
 #: annotation, so its id is not reused while cached. Emptied past 4096 entries (an annotation built
 #: at each call, such as ``list[X]`` written inside a function, is a new object each time).
-_KINDS: dict[int, tuple[Any, int, Any, tuple[Any, ...]]] = {}
+_KINDS: dict[int, tuple[Any, int, Any, tuple[Any, ...], Any]] = {}
 
 
-def _kind_of(tp: Any) -> tuple[int, Any, tuple[Any, ...]]:
+def _kind_of(tp: Any) -> tuple[int, Any, tuple[Any, ...], Any]:
     """What :func:`decode_value` and :func:`_fits` do with annotation ``tp``: its kind, its
-    ``typing.get_origin`` and its ``typing.get_args``."""
+    ``typing.get_origin``, its ``typing.get_args`` and what the kind works out once (see :func:`_classify`)."""
     got = _KINDS.get(id(tp))
     if got is not None and got[0] is tp:
-        return got[1], got[2], got[3]
+        return got[1], got[2], got[3], got[4]
     if len(_KINDS) > 4096:
         _KINDS.clear()
-    kind, origin, args = _classify(tp)
-    _KINDS[id(tp)] = (tp, kind, origin, args)
-    return kind, origin, args
+    kind, origin, args, extra = _classify(tp)
+    _KINDS[id(tp)] = (tp, kind, origin, args, extra)
+    return kind, origin, args, extra
 
 
-def _classify(tp: Any) -> tuple[int, Any, tuple[Any, ...]]:
+def _classify(tp: Any) -> tuple[int, Any, tuple[Any, ...], Any]:
+    """``tp``'s kind, origin and args, and the kind's extra: a union's members other than None; an
+    ``Annotated``'s base and :class:`Check` s; a list's or open tuple's ``(item, row)``, ``row`` being
+    ``(JSON type, checks)`` when an item of exactly that JSON type decodes as itself once the checks
+    pass (``int``, ``Count``), else None."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    extra: Any = None
     if tp is Any:
         kind = _ANY
     elif origin is Annotated:
         kind = _ANNOTATED
+        extra = (args[0], tuple(c for c in args[1:] if isinstance(c, Check)))
     elif origin in (Union, types.UnionType):
         kind = _UNION
+        extra = tuple(a for a in args if a is not type(None))
     elif isinstance(tp, type) and issubclass(tp, Record):
         kind = _RECORD
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -299,13 +326,28 @@ def _classify(tp: Any) -> tuple[int, Any, tuple[Any, ...]]:
         kind = _SCALAR
     elif origin in (tuple, list):
         kind = _SEQ
+        if not (origin is tuple and args and args[-1] is not Ellipsis):
+            item = args[0] if args else Any
+            extra = (item, _row(item))
     elif origin is dict:
         kind = _DICT
     elif typing.is_typeddict(tp):
         kind = _TYPEDDICT
     else:
         kind = _OTHER
-    return kind, origin, args
+    return kind, origin, args, extra
+
+
+def _row(item: Any) -> tuple[type, tuple[Check, ...]] | None:
+    """``(JSON type, checks)`` when a list item of exactly that type decodes as itself once the
+    checks pass: ``float``, ``int``, ``str``, or one of them ``Annotated`` with checks (``Count``)."""
+    if item in (float, int, str):
+        return item, ()
+    if typing.get_origin(item) is Annotated:
+        base, *extras = typing.get_args(item)
+        if base in (float, int, str):
+            return base, tuple(c for c in extras if isinstance(c, Check))
+    return None
 
 
 def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
@@ -314,21 +356,22 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     Raises:
         TracerError: ``x`` does not fit ``tp``, or a :class:`Check` of ``tp`` refuses it.
     """
-    kind, origin, args = _kind_of(tp)
+    kind, origin, args, extra = _kind_of(tp)
     if kind == _ANY:
         return x
     if kind == _ANNOTATED:
-        base, *extras = args
+        base, checks = extra
         value = decode_value(x, base, where, strict)
-        for c in extras:
-            if isinstance(c, Check) and not c.ok(value):
+        for c in checks:
+            if not c.ok(value):
                 raise TracerError(f"{where}: {_short(x)} is not {c.what}")
         return value
     if kind == _UNION:
-        if x is None and type(None) in args:
+        if x is None and len(extra) < len(args):  # None is a member
             return None
-        options = [a for a in args if a is not type(None)]
-        fitting = [a for a in options if _fits(x, a)] or options[:1]
+        if len(extra) == 1:  # X | None: X, whether or not the value fits it (X's own error)
+            return decode_value(x, extra[0], where, strict)
+        fitting = [a for a in extra if _fits(x, a)] or extra[:1]
         first: TracerError | None = None
         for a in fitting:  # the first member that the value fits and decodes as
             try:
@@ -352,13 +395,12 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     if kind == _SEQ:
         if not isinstance(x, (list, tuple)):
             raise TracerError(f"{where}: expected a list, got {type(x).__name__}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
+        if extra is None:  # a fixed-length tuple
             if len(args) != len(x):
                 raise TracerError(f"{where}: expected {len(args)} items, got {len(x)}")
             return tuple(decode_value(v, a, f"{where}[{i}]", strict) for i, (v, a) in enumerate(zip(x, args)))
-        item = args[0] if args else Any
-        fast = _ROW.get(item)
-        if fast is not None and all(type(v) is fast for v in x):  # a row of numbers (a heat map's): as is
+        item, row = extra
+        if row is not None and _plain_row(x, *row):  # a shape, a row of numbers (a heat map's): as is
             return origin(x)
         if item is Any:  # plain JSON items: as they are
             return origin(x)
@@ -376,6 +418,29 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     return x
 
 
+def _passes(x: Any, checks: tuple[Check, ...]) -> bool:
+    """Whether every check accepts ``x``; False when one refuses it or cannot judge it (then the
+    decoder, on its slow path, says where and why)."""
+    try:
+        for c in checks:
+            if not c.ok(x):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+def _plain_row(x: list[Any] | tuple[Any, ...], json_type: type, checks: tuple[Check, ...]) -> bool:
+    """Whether every item of ``x`` is exactly ``json_type`` and passes ``checks``: then each decodes
+    as itself. False (decode item by item, for the error's place) when one does not or a check raises."""
+    if not all(type(v) is json_type for v in x):
+        return False
+    try:
+        return all(c.ok(v) for c in checks for v in x)
+    except Exception:  # a check that cannot judge a value: item by item says where
+        return False
+
+
 @functools.cache
 def _hints(tp: type) -> dict[str, Any]:
     """A TypedDict's key annotations, worked out once (``typing.get_type_hints`` builds new
@@ -387,9 +452,6 @@ def _short(x: Any) -> str:
     """``repr(x)``, cut to 40 characters (a value in an error line)."""
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-_ROW = {float: float, int: int, str: str}  # item annotation → the JSON type that needs no decoding
 
 
 def _float(x: Any, where: str) -> float:
@@ -404,7 +466,7 @@ def _float(x: Any, where: str) -> float:
 
 def _fits(x: Any, tp: Any) -> bool:
     """Whether JSON value ``x`` can be a ``tp`` (to choose among the members of a union)."""
-    kind, origin, args = _kind_of(tp)
+    kind, origin, args, _ = _kind_of(tp)
     if kind == _ANY:
         return True
     if kind == _ANNOTATED:

@@ -12,6 +12,7 @@ and what its scheduler did (:class:`SchedulerFacts`, a run's ``meta["scheduler"]
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -65,6 +66,10 @@ class Call(schema.Record):
 
 #: the annotation calls are checked against, built once (the decoder works out each annotation once)
 _CALLS = list[Call]
+#: calls documents checked already, by their JSON text (``true`` and ``1``, ``1`` and ``1.0`` differ
+#: there as the decoder tells them apart) → what is wrong, or None: the points of a trace repeat a
+#: few calls documents (every layer's output saw the same shapes). Emptied past 4096 entries.
+_CHECKED: dict[str, str | None] = {}
 
 
 def calls_problem(calls: Any) -> str | None:
@@ -72,10 +77,21 @@ def calls_problem(calls: Any) -> str | None:
     if not isinstance(calls, list):
         return "calls is not a list"
     try:
+        key: str | None = json.dumps(calls, allow_nan=True)
+    except (TypeError, ValueError):  # not JSON data: the decoder says what is wrong with it
+        key = None
+    if key is not None and key in _CHECKED:
+        return _CHECKED[key]
+    try:
         schema.decode_value(calls, _CALLS, "calls")
+        problem = None
     except TracerError as e:
-        return str(e)
-    return None
+        problem = str(e)
+    if key is not None:
+        if len(_CHECKED) > 4096:
+            _CHECKED.clear()
+        _CHECKED[key] = problem
+    return problem
 
 
 @dataclass(frozen=True)
