@@ -556,3 +556,32 @@ def test_a_dump_file_with_no_tensors_says_so(tmp_path):
     save_file({}, str(path))
     with pytest.raises(TracerError, match="holds no tensors"):
         read_dump(path)
+
+
+def test_a_prefills_rows_are_a_view_and_a_second_placement_is_checked_position_by_position():
+    """The mapping keeps one request's prefill rows as one slice of the dump (no copy, no entry per
+    position), and a later step that computes some positions again still has each checked against
+    the first: a planted change at one re-computed position is named, the first rows are compared."""
+    from tracer.engines.dumps.namemap import RefLayout, map_dump
+    from tracer.engines.vllm.layout import engine_map
+
+    hidden, ids = 8, list(range(100, 108))
+    names = {"model.embed_tokens": ("embedding", "Embedding", (hidden,), "bfloat16"),
+             "model.layers.0": ("layer", "LlamaDecoderLayer", (hidden,), "bfloat16")}
+    ref = RefLayout(names=names, layer_prefix="model.layers", n_layers=1, token_ids=ids, window=(0, 8), family="llama")
+    rows = torch.randn(8, 2, hidden).to(torch.bfloat16)  # [tokens, slots, hidden] as vLLM's hidden-states file
+    def entry(module, step, t):
+        return DumpEntry(name=module, module=module, element=None, step=step, tp_rank=0, tp_size=1, pp_rank=0,
+                         dims=None, tensor=t, file="x")
+    prefill = [entry("model.embed_tokens", 0, rows[:, 0]), entry("model.layers.0", 0, rows[:, 1])]
+    tok = {0: {"input_ids": torch.tensor(ids), "positions": torch.arange(8), "file": "x"}}
+    mapped = map_dump(RawDump("x", "tensors", "t", prefill, tok), ref, engine_map("llama"))
+    layer = mapped.tensors["model.layers.0"]
+    assert torch.equal(layer, rows[:, 1]) and layer.data_ptr() == rows[:, 1].data_ptr()  # the dump's own rows
+    again = rows[5:8, 1].clone()
+    again[1] += 1  # position 6 computed again, differently
+    tok[1] = {"input_ids": torch.tensor(ids[5:8]), "positions": torch.arange(5, 8), "file": "x"}
+    mapped = map_dump(RawDump("x", "tensors", "t", [*prefill, entry("model.layers.0", 1, again)], tok), ref,
+                      engine_map("llama"))
+    assert torch.equal(mapped.tensors["model.layers.0"], rows[:, 1])  # the first rows of every position
+    assert any(n.startswith("model.layers.0 at position(s) 6: a later engine tensor") for n in mapped.notes), mapped.notes

@@ -274,7 +274,7 @@ def _map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     settings = emap.get("settings", {})
     if settings.get("kv_heads"):
         ref = replace(ref, kv_heads=int(settings["kv_heads"]))
-    rows: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
+    rows: dict[str, _Slot] = {}
     mapping: dict[str, str] = {}
     ignored: set[str] = set()
     uncaptured: set[str] = set()
@@ -324,7 +324,7 @@ def _map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
                                    raw.ledger)
                 if UNMARKED_PARTIAL in note:
                     unmarked.setdefault(name, note)
-                _place(rows.setdefault(name, {}), t, plan.get(step, []), segs[step], len(raw.tokens[step]["input_ids"]),
+                _place(rows.setdefault(name, _Slot()), t, plan.get(step, []), segs[step], len(raw.tokens[step]["input_ids"]),
                        last, step, name, conflicts, module)
                 mapping.setdefault(name, _describe(used, module, rule, i, len(parts), note, None not in elements, last))
     notes += [f"{name} at position(s) {ranges(sorted(ps))}: a later engine tensor mapped there differs from the first; "
@@ -371,7 +371,37 @@ def _one_per_request(t: torch.Tensor, n_tokens: int, n_requests: int, what: str)
                       "request (its last position): dump one of those")
 
 
-def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: list[tuple[int, int, int]],
+class _Slot(dict):
+    """Which row of which engine tensor holds each absolute position of one HF point: position →
+    ``(tensor, row)``. While every position came from one placement of consecutive rows (one request
+    in one step: a layer's rows of a prefill) they are kept as that run alone, ``run = (first
+    position, stop, tensor, first row)``, and the dict is empty: the rows of a range are then one
+    slice, found without an entry per position. :meth:`spread` makes the entries (a second placement,
+    a look at single positions)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: tuple[int, int, torch.Tensor, int] | None = None
+
+    def empty(self) -> bool:
+        return self.run is None and not self
+
+    def positions(self) -> Any:
+        """The placed positions (a range for a run, else the keys)."""
+        return range(self.run[0], self.run[1]) if self.run is not None else self.keys()
+
+    def spread(self) -> "_Slot":
+        """The run as one entry per position (no run after); itself."""
+        if self.run is not None:
+            p0, p1, t, r0 = self.run
+            self.update(zip(range(p0, p1), zip(itertools.repeat(t), range(r0, r0 + p1 - p0))))
+            self.run = None
+        return self
+
+
+def _place(slot: _Slot, t: torch.Tensor, segs: list[tuple[int, int, int]],
            request: dict[int, tuple[int, int]], n_tokens: int, last: bool, step: int, name: str,
            conflicts: dict[str, list[int]], module: str) -> None:
     """Record which row of ``t`` holds each absolute position (first source wins; the positions where
@@ -387,9 +417,10 @@ def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: lis
         full_b, index = request[a]
         if last and full_b != b:
             continue
-        if not last and not slot:  # the name's first rows: no position is placed twice (one update in C)
-            slot.update(zip(range(pos, pos + b - a), zip(itertools.repeat(t), range(a, b))))
+        if not last and slot.empty():  # the name's first rows: no position is placed twice, one run
+            slot.run = (pos, pos + b - a, t, a)
             continue
+        slot.spread()  # rows from a second placement: looked up position by position
         pairs = [(pos + (b - a) - 1, index)] if last else list(zip(range(pos, pos + b - a), range(a, b)))
         again = [(p, r) for p, r in pairs if p in slot]
         slot.update((p, (t, r)) for p, r in pairs if p not in slot)
@@ -397,7 +428,7 @@ def _place(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, segs: lis
             _conflicts(slot, t, again, name, conflicts)
 
 
-def _conflicts(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, again: list[tuple[int, int]], name: str,
+def _conflicts(slot: _Slot, t: torch.Tensor, again: list[tuple[int, int]], name: str,
                conflicts: dict[str, list[int]]) -> None:
     """Positions mapped a second time (rows ``r`` of ``t``) whose row differs from the first one's,
     compared per earlier source tensor in one operation."""
@@ -418,13 +449,21 @@ def _conflicts(slot: dict[int, tuple[torch.Tensor, int]], t: torch.Tensor, again
         del conflicts[name]
 
 
-def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torch.Tensor, int]]],
+def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, _Slot],
               mapping: dict[str, str], notes: list[str], ignored: set[str], uncaptured: set[str],
               override: str | None = None) -> MappedDump:
     """Stack the rows of the compared positions; list what exists on one side only (``override``:
     the user's map file, named when a width does not match)."""
     w0, w1 = ref.window
-    dumped = sorted({p for slot in rows.values() for p in slot})
+    runs: set[range] = set()  # the layers of one prefill share one range: taken once
+    keyed = []
+    for slot in rows.values():
+        placed = slot.positions()
+        if isinstance(placed, range):
+            runs.add(placed)
+        else:
+            keyed.append(placed)
+    dumped = sorted(set().union(*runs, *keyed))  # every placed position
     inside = [p for p in dumped if w0 <= p < w1]
     if not inside:
         raise TracerError(f"{raw.path}: the dump covers positions {ranges(dumped)} but the reference kept {w0}..{w1 - 1}; "
@@ -445,9 +484,10 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, dict[int, tuple[torc
         slot = rows.get(name)
         if slot is None:
             continue
-        missing = [p for p in range(lo, hi) if p not in slot]
+        missing = sorted(set(range(lo, hi)).difference(slot.positions()))
         if missing:
             partial.add(name)
+            slot.spread()
             present = [p for p in range(lo, hi) if p in slot]
             if present and ref.names[name][0] == PointKind.LOGITS:
                 partial_rows[name] = (present, _vocab(torch.stack([slot[p][0][slot[p][1]] for p in present]), name, ref, notes))  # a few rows
@@ -502,10 +542,13 @@ def _width_error(name: str, got: tuple[int, ...], feat: tuple[int, ...], ref: Re
             f"ran{blame}")
 
 
-def _rows(slot: dict[int, tuple[torch.Tensor, int]], lo: int, hi: int, ledger: Any, what: str) -> torch.Tensor:
+def _rows(slot: _Slot, lo: int, hi: int, ledger: Any, what: str) -> torch.Tensor:
     """The rows of positions ``lo..hi-1``, ``(hi - lo, *feature)``: a view when they are consecutive
     rows of one tensor (one request, one step), else stacked (a copy, charged to ``ledger`` first)."""
-    t0, r0 = slot[lo]
+    if slot.run is not None and slot.run[0] <= lo and hi <= slot.run[1]:  # one placement: one slice
+        p0, _stop, t0, r0 = slot.run
+        return t0[r0 + lo - p0:r0 + hi - p0]
+    t0, r0 = slot.spread()[lo]
     if all(slot[p][0] is t0 and slot[p][1] == r0 + p - lo for p in range(lo, hi)):
         return t0[r0:r0 + hi - lo]
     if ledger is not None:
