@@ -673,3 +673,21 @@ def test_the_decoders_short_cuts_refuse_what_the_item_by_item_path_refuses():
     assert calls_problem([{"positions": [0, 1], "out": [[1, True, 8]]}]) == "calls[0].out[0][1]: expected int, got True"
     assert calls_problem([{"positions": [0, 1], "out": [[1, 1.0, 8]]}]) is not None
     assert calls_problem(good) is None
+
+
+def test_a_refused_calls_document_is_named_by_its_own_values():
+    """This stop's attacker: the calls check remembered refusals by JSON text, where a tuple and a
+    list read alike, so a list was refused quoting the tuple checked before it; and a list nested
+    too deep for ``json.dumps`` raised RecursionError instead of being decoded."""
+    import json
+
+    from tracer.execute.records import calls_problem
+
+    assert calls_problem([{"positions": (3, 1)}]).startswith("calls[0].positions: (3, 1) is not")
+    assert calls_problem([{"positions": [3, 1]}]).startswith("calls[0].positions: [3, 1] is not")
+    nested: object = 0
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(RecursionError):
+        json.dumps(nested)
+    assert calls_problem([{"zzz": nested}]) is None  # an unknown key is not the calls' business (as before)

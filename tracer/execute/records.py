@@ -66,10 +66,11 @@ class Call(schema.Record):
 
 #: the annotation calls are checked against, built once (the decoder works out each annotation once)
 _CALLS = list[Call]
-#: calls documents checked already, by their JSON text (``true`` and ``1``, ``1`` and ``1.0`` differ
-#: there as the decoder tells them apart) → what is wrong, or None: the points of a trace repeat a
-#: few calls documents (every layer's output saw the same shapes). Emptied past 4096 entries.
-_CHECKED: dict[str, str | None] = {}
+#: calls documents found valid already, by their JSON text (``true`` and ``1``, ``1`` and ``1.0`` differ
+#: there as the decoder tells them apart; a tuple and a list that read alike decode alike): the points
+#: of a trace repeat a few calls documents (every layer's output saw the same shapes). A refused
+#: document is decoded again, so that its message quotes its own values. Emptied past 4096 entries.
+_VALID: set[str] = set()
 
 
 def calls_problem(calls: Any) -> str | None:
@@ -78,20 +79,19 @@ def calls_problem(calls: Any) -> str | None:
         return "calls is not a list"
     try:
         key: str | None = json.dumps(calls, allow_nan=True)
-    except (TypeError, ValueError):  # not JSON data: the decoder says what is wrong with it
+    except (TypeError, ValueError, RecursionError):  # not JSON data, or nested too deep: the decoder says
         key = None
-    if key is not None and key in _CHECKED:
-        return _CHECKED[key]
+    if key is not None and key in _VALID:
+        return None
     try:
         schema.decode_value(calls, _CALLS, "calls")
-        problem = None
     except TracerError as e:
-        problem = str(e)
+        return str(e)
     if key is not None:
-        if len(_CHECKED) > 4096:
-            _CHECKED.clear()
-        _CHECKED[key] = problem
-    return problem
+        if len(_VALID) > 4096:
+            _VALID.clear()
+        _VALID.add(key)
+    return None
 
 
 @dataclass(frozen=True)
