@@ -57,7 +57,8 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Callable, ClassVar, Iterator, Union
 
 from tracer.errors import TracerError
-from tracer.schema_fields import _MISSING, Check, _Field, _get, _lists, _merge, _place, _unview, _view, fields_of
+from tracer.schema_fields import (_MISSING, Check, _Field, _get, _lists, _merge, _passes, _place, _plain_row, _row,
+                                  _unview, _view, fields_of)
 # the declarations a record's module writes as ``schema.field``, ``schema.Count``: this is their door too
 from tracer.schema_fields import BIG, META, Count, Layout, Shape, Span, field
 
@@ -338,18 +339,6 @@ def _classify(tp: Any) -> tuple[int, Any, tuple[Any, ...], Any]:
     return kind, origin, args, extra
 
 
-def _row(item: Any) -> tuple[type, tuple[Check, ...]] | None:
-    """``(JSON type, checks)`` when a list item of exactly that type decodes as itself once the
-    checks pass: ``float``, ``int``, ``str``, or one of them ``Annotated`` with checks (``Count``)."""
-    if item in (float, int, str):
-        return item, ()
-    if typing.get_origin(item) is Annotated:
-        base, *extras = typing.get_args(item)
-        if base in (float, int, str):
-            return base, tuple(c for c in extras if isinstance(c, Check))
-    return None
-
-
 def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
     """``x`` (JSON data) as a value of annotation ``tp``.
 
@@ -416,29 +405,6 @@ def decode_value(x: Any, tp: Any, where: str, strict: bool = False) -> Any:
         hints = _hints(tp)
         return {k: decode_value(v, hints.get(k, Any), f"{where}.{k}", strict) for k, v in x.items()}
     return x
-
-
-def _passes(x: Any, checks: tuple[Check, ...]) -> bool:
-    """Whether every check accepts ``x``; False when one refuses it or cannot judge it (then the
-    decoder, on its slow path, says where and why)."""
-    try:
-        for c in checks:
-            if not c.ok(x):
-                return False
-    except Exception:
-        return False
-    return True
-
-
-def _plain_row(x: list[Any] | tuple[Any, ...], json_type: type, checks: tuple[Check, ...]) -> bool:
-    """Whether every item of ``x`` is exactly ``json_type`` and passes ``checks``: then each decodes
-    as itself. False (decode item by item, for the error's place) when one does not or a check raises."""
-    if not all(type(v) is json_type for v in x):
-        return False
-    try:
-        return all(c.ok(v) for c in checks for v in x)
-    except Exception:  # a check that cannot judge a value: item by item says where
-        return False
 
 
 @functools.cache

@@ -2,7 +2,9 @@
 
 What a field says beside its type: the :class:`Check` of an ``Annotated`` value (:data:`Count`,
 :data:`Span`, :data:`Shape`) and its :class:`Layout` (:func:`field`: another key or a path, a
-flattened, renamed or inlined record), read once per class by :func:`fields_of`; and the moves of
+flattened, renamed or inlined record), read once per class by :func:`fields_of`; which values
+decode as themselves once their checks pass (``_row``, ``_passes``, ``_plain_row``: the decoder's
+short cuts for shapes, rows of numbers and scalar fields); and the moves of
 a value to and from its place in a document: placed by its path, list items gathered into their
 list, a nested record's keys merged, renamed or inlined (``_place``, ``_lists``, ``_merge``,
 ``_view``, for encoding); found by its path and the view undone (``_get``, ``_unview``, for
@@ -44,6 +46,44 @@ Count = Annotated[int, Check(lambda n: 0 <= n <= BIG, f"a count in 0..{BIG}")]
 Span = Annotated[tuple[int, ...], Check(_span_ok, "[start, stop] positions with 0 <= start <= stop")]
 #: a tensor's shape: at most 16 dimensions, each in ``0..BIG``
 Shape = Annotated[tuple[Count, ...], Check(lambda s: len(s) <= 16, "a shape of at most 16 dimensions")]
+
+
+# ------------------------------------------------------------ a value that decodes as itself
+
+
+def _row(item: Any) -> tuple[type, tuple[Check, ...]] | None:
+    """``(JSON type, checks)`` when a list item of exactly that type decodes as itself once the
+    checks pass: ``float``, ``int``, ``str``, or one of them ``Annotated`` with checks (``Count``)."""
+    if item in (float, int, str):
+        return item, ()
+    if typing.get_origin(item) is Annotated:
+        base, *extras = typing.get_args(item)
+        if base in (float, int, str):
+            return base, tuple(c for c in extras if isinstance(c, Check))
+    return None
+
+
+def _passes(x: Any, checks: tuple[Check, ...]) -> bool:
+    """Whether every check accepts ``x``; False when one refuses it or cannot judge it (then the
+    decoder, on its slow path, says where and why)."""
+    try:
+        for c in checks:
+            if not c.ok(x):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+def _plain_row(x: list[Any] | tuple[Any, ...], json_type: type, checks: tuple[Check, ...]) -> bool:
+    """Whether every item of ``x`` is exactly ``json_type`` and passes ``checks``: then each decodes
+    as itself. False (decode item by item, for the error's place) when one does not or a check raises."""
+    if not all(type(v) is json_type for v in x):
+        return False
+    try:
+        return all(c.ok(v) for c in checks for v in x)
+    except Exception:  # a check that cannot judge a value: item by item says where
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
