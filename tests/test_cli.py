@@ -283,6 +283,14 @@ def test_decode_and_verdict_through_the_cli(trace):
     assert "replay:" in proc.stdout and "noise verdict:" in proc.stdout
 
 
+def test_compare_says_where_its_report_went(trace):
+    """A newcomer's trial: ``tracer compare T --report sub/r.html`` wrote the report (folders made) and
+    said nothing; it now says where, after the table, as ``tracer run --report`` does."""
+    out, env, tmp = trace
+    proc = tracer_cli(["compare", str(out), "--report", "sub/r.html"], env, tmp)
+    assert proc.stderr.splitlines()[-1] == "report: sub/r.html" and (tmp / "sub" / "r.html").is_file()
+
+
 def test_report_onto_the_trace_is_refused(tmp_path, cli_env):
     p = tracer_cli(["run", "tiny-llama", "--length", "40", "-o", "r.html", "--report", "r.html", "--overwrite"],
                    cli_env, tmp_path, check=False)

@@ -344,3 +344,17 @@ def test_a_missing_input_named_with_control_characters_is_one_line(tmp_path, nam
         message = str(e.value)
         assert "\n" not in message and "\r" not in message and "\x1b" not in message
         assert message.endswith("not found; check the path")
+
+
+def test_file_run_where_a_command_takes_the_file_alone_says_so(tmp_path):
+    """A newcomer's trial: ``tracer show T.h5:A`` (the form ``compare`` takes) said the file was not found."""
+    import pytest
+
+    from tracer.errors import TracerError
+    from tracer.files import check_input_file
+
+    (tmp_path / "t.h5").write_bytes(b"x")
+    with pytest.raises(TracerError, match=r"t\.h5:A not found, but .*t\.h5 is a file: this command takes the file alone"):
+        check_input_file(tmp_path / "t.h5:A", "trace file")
+    with pytest.raises(TracerError, match=r"u\.h5:A not found; check the path"):
+        check_input_file(tmp_path / "u.h5:A", "trace file")

@@ -111,19 +111,21 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     folder, .safetensors/.npz, or a trace written by 'tracer import'), or DUMP_A DUMP_B --reference
     TRACE[:RUN]: two engine dumps (SGLang, Megatron-LM as Miles writes it) against each other."""
     from tracer.progress import phase
-    from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison
+    from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison, write_after
 
     cols = check_table(fmt, columns, wide)
     check_outputs(report=report, output=None, overwrite=overwrite_report)  # before any work: nothing is clobbered
     refs = " ".join(str(opts[k]) for k in ("path", "run_a", "run_b") if opts[k] is not None)
     with phase("compare", f"comparing {refs}"):
         comparison = api.compare_trace(**opts)
-    if report is not None:
+    print_comparison(comparison, fmt, cols, all_rows, "compare")
+    code = fail_on_exit(comparison)
+    if report is not None:  # as tracer run: written after the table, and said where
         from tracer.report.html import comparison_html, write_report
 
-        write_report(comparison_html(comparison), report, overwrite=overwrite_report)
-    print_comparison(comparison, fmt, cols, all_rows, "compare")
-    return fail_on_exit(comparison)
+        code = write_after(lambda: write_report(comparison_html(comparison), report, overwrite=overwrite_report),
+                           f"report: {report}") or code
+    return code
 
 
 @api_command("import", api.import_dump, inputs=("dump", "reference"))
@@ -211,7 +213,9 @@ def bench_cmd(opts: dict[str, Any], fmt: str, as_json: bool) -> None:
     """Measure tracer's overhead over the bare forward pass and its I/O against the disk, side by
     side with peers doing the same comparison: HF output_hidden_states, naive forward hooks +
     .cpu(), and nnsight .save() when installed (the 'peers' extra). The bench refuses
-    to report when a peer's per-layer differing counts are not tracer's."""
+    to report when a peer's per-layer differing counts are not tracer's. On a CPU the
+    defaults (N = 1024, 5 repetitions of every mode) take many minutes: start with
+    --length 128 --reps 3."""
     from tracer.progress import StatusProgress
     from tracer.report.terminal import check_bench_format, print_bench
 

@@ -74,6 +74,10 @@ def check_input_file(path: str | os.PathLike, what: str, max_bytes: int | None =
     try:
         st = os.stat(p)
     except FileNotFoundError:
+        head = str(path).rsplit(":", 1)[0] if ":" in str(path) else None
+        if head and os.path.isfile(head):  # FILE:RUN where a command takes the file alone
+            raise TracerError(f"{what} {q} not found, but {shown_path(head)} is a file: this command takes the file "
+                              "alone, not FILE:RUN; give the file") from None
         raise TracerError(f"{what} {q} not found; check the path") from None
     except (OSError, ValueError) as e:
         why = getattr(e, "strerror", None) or str(e)

@@ -61,6 +61,15 @@ def test_a_typo_of_a_recipe_gets_no_download_hint(folder, cli_env):
     assert proc.returncode == 2 and "did you mean smollm2-135m?" in proc.stderr and "hf download" not in proc.stderr
 
 
+def test_a_trace_given_as_the_model_points_to_compare_and_show(folder, cli_env):
+    """A newcomer's trial: ``tracer run traces/x.h5`` was told to download ``traces/x.h5`` from the hub."""
+    (Path(folder) / "x.h5").write_bytes(b"not read")
+    proc = subprocess.run([sys.executable, "-m", "tracer", "run", "x.h5"], capture_output=True, text=True,
+                          cwd=folder, env=cli_env, timeout=120)
+    assert proc.returncode == 2 and "hf download" not in proc.stderr, proc.stderr
+    assert "'x.h5' is a file, not a model" in proc.stderr and "tracer compare x.h5" in proc.stderr
+
+
 def test_did_you_mean_for_options_scenarios_and_api_names(folder, cli_env):
     import tracer
     from tracer.errors import TracerError
@@ -121,3 +130,12 @@ def test_first_hour_mistakes_are_refused_before_any_model_or_trace_loads(folder)
         lines = err.strip().splitlines()
         assert code == 2, (argv, err)
         assert len(lines) == 1 and lines[0].startswith("error: ") and about in lines[0], (argv, err)
+
+
+def test_gpu_as_a_device_is_answered_with_cuda():
+    """A newcomer's trial: ``--device gpu`` was asked 'did you mean cpu?'."""
+    from tracer.errors import TracerError
+    from tracer.load.preflight import check_device
+
+    with pytest.raises(TracerError, match=r"unknown device 'gpu'; valid: cpu, cuda, cuda:N, mps \(did you mean cuda\?\)"):
+        check_device("gpu")

@@ -95,3 +95,31 @@ def test_paired_ratios_pair_each_repetitions_modes():
     assert p == {"b_over_a": 1.1, "c_over_a": 1.5, "peer_hooks_over_a": 1.0, "a_over_plain": 1.0}
     assert r.ratios()["b_over_a"] == 2.4 / 2.0  # the ratio of medians differs: 1.2
     assert r.to_dict()["paired_ratios"] == p
+
+
+def test_the_bench_table_marks_only_the_targets_that_apply_to_the_run():
+    """A newcomer's trial: the default run captures KV-cache points, and its (c) rows were marked ✗
+    against the target for runs without them; with --no-peers the (b) target still named the
+    fastest peer; a floor that moved 2× between repetitions went unremarked."""
+    import io
+
+    from rich.console import Console
+
+    from tracer.loops.bench import MODES, BenchResult
+    from tracer.report.bench import table
+
+    def text(kv_cache: bool, floor: list[float]) -> str:
+        times = {m: [1.5, 1.5] for m in MODES}
+        times.update(a=floor, d=[0.1, 0.1], e_write=[0.1, 0.1], e_read=[0.1, 0.1])
+        config = {"model": "m", "dtype": "bfloat16", "device": "cpu", "length": 32, "granularity": "layers",
+                  "n_points": 6, "reps": 3, "warmup": 1, "kv_cache": kv_cache}
+        out = io.StringIO()
+        Console(file=out, width=200).print(table(BenchResult(config=config, times=times, trace_bytes=1 << 20)))
+        return out.getvalue()
+
+    with_kv, without = text(True, [1.0, 1.0]), text(False, [1.0, 1.0])
+    c_rows = [line for line in with_kv.splitlines() if "(c)/(a)" in line or "(c auto)/(a)" in line]
+    assert len(c_rows) == 2 and not any("✗" in line or "✓" in line for line in c_rows), c_rows
+    assert sum("✗ target ≤ 1.15" in line for line in without.splitlines()) == 2  # 1.5 × the floor: missed
+    assert "fastest peer" not in with_kv  # no peer was measured
+    assert "spread" not in with_kv and "spread 2.00 ×" in text(True, [1.0, 2.0])

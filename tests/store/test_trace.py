@@ -402,7 +402,7 @@ def test_reader_missing(tmp_path):
 def test_reader_garbage_and_truncated(tmp_path):
     garbage = tmp_path / "garbage.h5"
     garbage.write_bytes(os.urandom(4096))
-    with pytest.raises(TracerError, match=r"is not a readable HDF5 file \(truncated or corrupt\?\)"):
+    with pytest.raises(TracerError, match=r"is not a readable HDF5 file \(truncated or corrupt\?\); pass a trace written by"):
         read_trace(garbage)
     good = tmp_path / "good.h5"
     write_trace(good, [make_run("A", np.random.default_rng(8))[0]])

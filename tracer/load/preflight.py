@@ -74,6 +74,9 @@ def check_model(name: str, gguf: str | None = None) -> None:
         return
     if _hf_cached(name):
         return
+    if path.is_file() and path.suffix.lower() in (".h5", ".hdf5"):  # a trace given where a model goes
+        raise TracerError(f"{name!r} is a file, not a model: to read a trace use 'tracer compare {name}' or "
+                          f"'tracer show {name}'; to run, give a model ('tracer models' lists them)")
     guess = did_you_mean(name, list(table))
     if guess is not None:
         raise TracerError(f"model {name!r} is not a built-in recipe; did you mean {guess}? (see 'tracer models')")
@@ -107,7 +110,7 @@ def check_device(name: str | None) -> None:
         return
     dev = name.strip().lower()
     if not _DEVICE.match(dev):
-        guess = did_you_mean(dev, ["cpu", "cuda", "mps"])
+        guess = "cuda" if dev.startswith(("gpu", "nvidia")) else did_you_mean(dev, ["cpu", "cuda", "mps"])
         raise TracerError(f"unknown device {name!r}; valid: cpu, cuda, cuda:N, mps"
                           + (f" (did you mean {guess}?)" if guess else ""))
     if dev.startswith("cuda"):

@@ -142,7 +142,8 @@ class TraceReader:
             if pid is not None:  # a writer killed before HDF5 flushed its superblock
                 raise TracerError(f"{self.path} is incomplete: the partial file of writer process {pid}, which "
                                   "did not finish; re-run it") from None
-            raise TracerError(f"{self.path} is not a readable HDF5 file (truncated or corrupt?)") from None
+            raise TracerError(f"{self.path} is not a readable HDF5 file (truncated or corrupt?); pass a trace "
+                              "written by tracer (tracer run ... -o FILE.h5)") from None
         try:
             self._open()
         except TracerError:
