@@ -77,13 +77,9 @@ def _passes(x: Any, checks: tuple[Check, ...]) -> bool:
 
 def _plain_row(x: list[Any] | tuple[Any, ...], json_type: type, checks: tuple[Check, ...]) -> bool:
     """Whether every item of ``x`` is exactly ``json_type`` and passes ``checks``: then each decodes
-    as itself. False (decode item by item, for the error's place) when one does not or a check raises."""
-    if not all(type(v) is json_type for v in x):
-        return False
-    try:
-        return all(c.ok(v) for c in checks for v in x)
-    except Exception:  # a check that cannot judge a value: item by item says where
-        return False
+    as itself. False (decode item by item, for the error's place) when one does not or a check
+    refuses or cannot judge one (:func:`_passes`)."""
+    return all(type(v) is json_type for v in x) and (not checks or all(_passes(v, checks) for v in x))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ class Slot(dict):
 
 
 def place(slot: Slot, t: torch.Tensor, segs: list[tuple[int, int, int]],
-           request: dict[int, tuple[int, int]], n_tokens: int, last: bool, step: int, name: str,
-           conflicts: dict[str, list[int]], module: str) -> None:
+          request: dict[int, tuple[int, int]], n_tokens: int, last: bool, step: int, name: str,
+          conflicts: dict[str, list[int]], module: str) -> None:
     """Record which row of ``t`` holds each absolute position (first source wins; the positions where
     a second differs are collected in ``conflicts``). ``segs``: the step's runs placed on the
     reference (:func:`align_steps`); ``request``: every request of the step (:func:`segments`) by
