@@ -586,6 +586,32 @@ def test_batch_of_pairs_matches_numpy_per_pair(chunk, sparse_ratio, monkeypatch)
     assert got[1].n_diff > 0 and batch.n_diff_before(1) > 0
 
 
+def test_equal_pairs_recorded_by_count_match_the_oracle():
+    """Pairs known to be bitwise equal, recorded with ``add_equal`` (counts only, no data: how a
+    stored trace's points with equal CRC-32s are compared), interleaved with differing pairs given
+    in full: every result equals the numpy oracle of the same pair, NaN/inf counts and a split
+    included, and the differing pairs around them are unaffected."""
+    rng = np.random.default_rng(5)
+    name = "bfloat16"
+    ab = random_bits(name, (9, 8), rng)
+    flat = ab.reshape(-1)
+    flat[[3, 40]] = bits_of(np.array([np.nan, np.inf]), name)  # one NaN, one +inf on both sides
+    differ = random_bits(name, (5, 6), rng)
+    moved = differ.copy()
+    moved.reshape(-1)[[0, 7]] ^= 1  # two elements 1 ULP apart (the low mantissa bit)
+    batch = batch_module.DiffBatch()
+    assert batch.add(to_torch(differ, name), to_torch(moved, name)) == 0
+    assert batch.add_equal(ab.size, 1, 1) == 1
+    assert batch.add_equal(ab.size, 1, 1, split=ab.size // 2) == 2
+    assert batch.add(to_torch(moved, name), to_torch(differ, name), split=10) == 3
+    got = batch.results()
+    for i, (a, b) in enumerate([(differ, moved), (ab, ab), (ab, ab), (moved, differ)]):
+        assert_matches(got[i], oracle_diff(a, b, name), check_max_ulp=True)
+    assert (got[1].n_nan_a, got[1].n_nan_b, got[1].n_inf_a, got[1].n_inf_b) == (1, 1, 1, 1)
+    assert got[2] == got[1] and batch.n_diff_before(2) == 0
+    assert got[0].n_diff == 2 and batch.n_diff_before(3) == int(np.sum(moved.ravel()[:10] != differ.ravel()[:10]))
+
+
 def test_batch_refuses_bad_pairs_and_reuse():
     batch = batch_module.DiffBatch()
     with pytest.raises(ValueError, match="shape mismatch"):

@@ -187,8 +187,8 @@ class DiffBatch(ChunkPasses):
             seg = len(self._seg_n)
             self._seg_n.append(size)
             segs.append(seg)
-            row = np.array([[0, nan, nan, inf, inf, 0]], dtype=np.int64)
-            self._fold_p1(np.array([seg]), row, np.zeros(1))
+            if nan or inf:  # pass 1's row of an equal pair: what _fold_p1 adds (its other columns and sum a² are 0)
+                self._accumulators()["p1"][seg, 1:5] += (nan, nan, inf, inf)
         self._pairs.append(segs)
         return len(self._pairs) - 1
 
