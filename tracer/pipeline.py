@@ -33,7 +33,7 @@ from tracer.config import CaptureConfig, RunConfig
 from tracer.diff.accuracy import replay_origins
 from tracer.diff.compare import compare_records
 from tracer.diff.engine import engine_note, engine_skips, sampled_logits
-from tracer.diff.facts import run_facts, sublayers_bytes
+from tracer.diff.facts import run_facts
 from tracer.diff.logits import with_token_texts
 from tracer.diff.replay import replay_diff
 from tracer.diff.result import Comparison
@@ -224,7 +224,8 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
         "family": family.to_dict(),
         "granularity": capture.granularity, "dtype": info.dtype,
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
-        "kv_cache": bool(capture.kv_cache)}
+        "kv_cache": bool(capture.kv_cache),
+        "sublayers_width": sublayers_width(loaded.model, info.hidden_size, bool(capture.kv_cache))}
     if scen is not None:
         facts.update(scenario=scen.to_dict(), **block_facts(scen, (extra or {}).get("engines")),
                      split_points=[scen.window[0]])
@@ -342,11 +343,11 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     rec_a, rec_b = records
     header = header if header is not None else schema.build(TraceHeader, {  # (a Document's truth encodes it)
         "model": info.to_dict(), "scenario": scen.to_dict(),
-        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec)})
+        "numeric_contract": numeric_contract(model, family_for(model).sliding.spec),
+        "sublayers_width": sublayers_width(model, info.hidden_size, True)})  # no kv_cache here: read as True
     say(f"comparing {rec_a.name} with {rec_b.name} ({len(rec_a.captures)} capture points)")
     cmp_a, cmp_b, notes = comparable(rec_a, rec_b) if rl else (rec_a, rec_b, ())  # an fp32 LM head: widened
     facts = run_facts(header, rec_a, rec_b)
-    facts["sublayers_bytes"] = _sublayers_bytes(model, info, header, len(token_ids)) or facts.get("sublayers_bytes")
     if notes:
         facts["notes"] = list(facts.get("notes", [])) + list(notes)
     comparison = compare_records(cmp_a, cmp_b, scenario=scen.name, model=info.name, trace=trace,
@@ -380,17 +381,16 @@ def run_scenario(loaded: LoadedModel, token_ids: list[int], scen: Scenario, capt
     return Outcome(comparison, kept, partials)
 
 
-def _sublayers_bytes(model: Any, info: Any, header: Any, n_tokens: int) -> int | None:
-    """What a trace of this run at ``--granularity sublayers`` takes, counted on the model's own
-    sublayer points (:func:`tracer.diff.facts.sublayers_bytes`); None where no descriptor names them."""
-    store, kv_cache = header.get("store"), bool(header.get("kv_cache", True))  # a dict or a TraceHeader
-    if store == "none":  # nothing stored: no estimate (tracer.diff.facts.sublayers_bytes)
-        return None
+def sublayers_width(model: Any, hidden: int | None, kv_cache: bool) -> int | None:
+    """Elements per position and run of the model's own ``--granularity sublayers`` points
+    (:func:`tracer.execute.points.granularity_width`), for the trace header's ``sublayers_width``:
+    what :func:`tracer.diff.facts.sublayers_bytes` counts a sublayers trace's size from, in the run and
+    in a comparison read back from its trace alike; None where no descriptor names the points or
+    there is no HF module to walk."""
     try:
-        width = granularity_width(model, "sublayers", info.hidden_size, kv_cache=kv_cache)
+        return granularity_width(model, "sublayers", hidden, kv_cache=kv_cache)
     except (TracerError, AttributeError, TypeError):  # no descriptor, or no HF module to walk
         return None
-    return sublayers_bytes(info.to_dict(), n_tokens, store, kv_cache, per_token=width)
 
 
 def capture_points(loaded: LoadedModel, capture: CaptureConfig) -> list[CapturePoint]:

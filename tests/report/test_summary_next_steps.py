@@ -271,6 +271,31 @@ def test_a_sublayers_suggestion_states_the_trace_it_will_write(tmp_path):
     assert steps[0].startswith("`--positions all --granularity sublayers`") and "about 3 GiB" in steps[0], steps
 
 
+def test_a_run_and_a_compare_of_its_trace_state_one_sublayers_size(tmp_path):
+    """`tracer run` counted the sublayers trace's size on the model's own points, `tracer compare
+    TRACE` on a generic formula from the header's shapes (258 vs 221 MiB for smollm2-135m): the header
+    now records the model's sublayers width, and both print one number. That number is checked
+    against a real ``--granularity sublayers --positions all --store tensors`` trace of the same model
+    and prompt: the tensors' bytes (every dataset's ``nbytes``, h5py) within 10 % of it (the estimate
+    says "about" and claims no tolerance; at N = 128 the per-point statistics it adds, stored outside
+    the datasets, are a few per cent)."""
+    import h5py
+
+    import tracer
+    from tracer.diff.compare import compare_trace
+
+    kw = dict(dtype="bfloat16", device="cpu", length=128, progress=False)
+    run = tracer.run("tiny-llama", output=str(tmp_path / "l.h5"), store="tensors", **kw)
+    est = run.comparison.facts["sublayers_bytes"]
+    assert est and compare_trace(str(tmp_path / "l.h5")).facts["sublayers_bytes"] == est
+    tracer.run("tiny-llama", output=str(tmp_path / "s.h5"), store="tensors", granularity="sublayers",
+               positions="all", **kw)
+    sizes: list[int] = []
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        f.visititems(lambda _, o: sizes.append(o.nbytes) if isinstance(o, h5py.Dataset) else None)
+    assert abs(est - sum(sizes)) <= 0.10 * sum(sizes), (est, sum(sizes))
+
+
 def test_two_machines_running_one_plan_get_no_aligned_suggestion():
     """A CPU's trace and a GPU's of one prefix-cache plan: aligning the split (--mitigation aligned)
     changes nothing between them; two plans of one trace (a cache hit and a miss) still get it."""

@@ -23,8 +23,10 @@ def sublayers_bytes(model: dict[str, Any], n_tokens: int, store: str | None, kv_
     prefix's pass too): every tensor (:func:`tracer.plan.cost.trace_bytes`) under ``--store tensors``,
     at most the default budget of ``--store auto``, plus the statistics; None where the header lacks
     the shapes, or the run stores nothing (``none``). ``per_token``: the sublayer points' elements
-    per token, counted on the model (:func:`tracer.execute.points.point_widths`), instead of the
-    estimate from its shapes."""
+    per token, counted on the model (:func:`tracer.execute.points.point_widths`; a header's
+    ``sublayers_width``), instead of the estimate from its shapes (:func:`run_facts` passes it where the
+    header has it, so a run and a comparison of its trace state one size; a trace written before
+    headers recorded it gets the estimate from the shapes)."""
     shapes = ("n_layers", "hidden_size", "vocab_size", "dtype")
     if store == "none" or any(not model.get(k) for k in shapes):
         return None
@@ -76,7 +78,8 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
         "chunks_a": [list(c) for c in a.plan.get("chunks") or ()],
         "chunks_b": [list(c) for c in b.plan.get("chunks") or ()],
         **attention_facts(header.get("numeric_contract") or {}),
-        "sublayers_bytes": sublayers_bytes(model, len(a.token_ids), header.get("store"), header.get("kv_cache", True)),
+        "sublayers_bytes": sublayers_bytes(model, len(a.token_ids), header.get("store"), header.get("kv_cache", True),
+                                           per_token=header.get("sublayers_width")),
     }
     if facts.get("sliding_layers"):  # which rows belong to a layer and its attention (for the marks)
         facts.update(layout_facts(header))

@@ -63,6 +63,10 @@ class TraceHeader(schema.Document):
         family: the family descriptor used (:class:`~tracer.execute.family.FamilyFacts`).
         granularity, dtype, attn_implementation: as captured; n_tokens: N.
         store: the ``--store`` mode; kv_cache: whether KV-cache points were captured.
+        sublayers_width: elements per position and run of the model's ``--granularity sublayers``
+            points, with ``kv_cache`` as here (:func:`tracer.pipeline.sublayers_width`: what the
+            suggestion's size of a sublayers trace is counted from); None where no descriptor names
+            them, and in traces written before it was recorded.
         scenario: the scenario run (:class:`~tracer.plan.plans.Scenario`; an audit's names its
             levels in ``params``), or its name.
         block_size: the KV-cache block size both runs used (their engines' setting, else the
@@ -88,6 +92,7 @@ class TraceHeader(schema.Document):
     n_tokens: schema.Count | None = None
     store: str | None = None
     kv_cache: bool | None = None
+    sublayers_width: schema.Count | None = None
     scenario: Scenario | str | None = None
     block_size: schema.Count | None = None
     block_sizes: tuple[schema.Count | None, schema.Count | None] | None = None
