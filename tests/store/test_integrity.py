@@ -221,6 +221,37 @@ def test_old_trace_with_a_damaged_heap_is_refused_not_hung(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_the_heap_check_finds_every_variable_length_value_by_type(tmp_path):
+    """The heap check's walk (HDF5's own, attributes opened in storage order) names exactly the planted
+    variable-length values: attributes of the root, a group, a dataset and a group reached through a
+    non-ASCII name; a variable-length string dataset and a compound one with a string member; no
+    fixed-length string, number or plain dataset. Each named value reads back through the names it gives."""
+    from tracer.store import heap
+
+    path = tmp_path / "vl.h5"
+    seq = np.empty(1, dtype=object)
+    seq[0] = np.arange(3)
+    with h5py.File(path, "w") as f:
+        f.attrs["root_text"] = "a variable-length string"
+        f.attrs["fixed"] = np.bytes_("fixed")
+        g = f.create_group("g")
+        g.attrs["n"] = 3
+        g.attrs.create("sequence", data=seq, dtype=h5py.vlen_dtype(np.int64))
+        texts = g.create_dataset("texts", data=["a", "bb"], dtype=h5py.string_dtype())
+        texts.attrs["note"] = "text"
+        texts.attrs["scale"] = 1.0
+        g.create_dataset("compound", data=np.array([(1, "x")], dtype=[("i", np.int32), ("s", h5py.string_dtype())]))
+        g.create_dataset("numbers", data=np.arange(4))
+        f.create_group("h/\u00e9t\u00e9").attrs["txt"] = "t"
+    want = {(b"/", b"root_text"), (b"g", b"sequence"), (b"g/texts", None), (b"g/texts", b"note"),
+            (b"g/compound", None), ("h/\u00e9t\u00e9".encode(), b"txt")}
+    with h5py.File(path, "r") as f:
+        found = heap.variable_length(f)
+        assert sorted(found, key=str) == sorted(want, key=str)
+        heap._read_all(f, found)  # the names open what they name
+    heap.check_heap(h5py.File(path, "r"), path, "file")  # a sound heap: the probe reads it, no error
+
+
 def test_a_trace_without_checksums_is_compared_unverified_in_every_format(tmp_path):
     """Issue 37 item 4: a trace whose checksums were stripped and whose run B was overwritten with run
     A's data (its original diverges at layer 0) was compared "bit-identical", exit 0, with no word of

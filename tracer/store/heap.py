@@ -60,22 +60,32 @@ def _has_vlen(t: Any) -> bool:
     return False
 
 
-def variable_length(f: Any) -> list[tuple[str, str | None]]:
+def variable_length(f: Any) -> list[tuple[bytes, bytes | None]]:
     """``(object path, attribute name)`` of every variable-length attribute of open file ``f``, and
-    ``(dataset path, None)`` of every variable-length dataset, found by type (the heap is not read)."""
+    ``(dataset path, None)`` of every variable-length dataset, found by type (the heap is not read).
+    Names are HDF5's bytes (whatever their encoding). The walk is HDF5's own (``H5Ovisit``, with each
+    object's attribute count), opening only objects that hold attributes or data: no Python object
+    per group or dataset."""
     import h5py
 
-    found: list[tuple[str, str | None]] = []
+    found: list[tuple[bytes, bytes | None]] = []
 
-    def look(name: str, obj: Any) -> None:
-        for key in obj.attrs:
-            if _has_vlen(obj.attrs.get_id(key).get_type()):
-                found.append((name, key))
-        if isinstance(obj, h5py.Dataset) and _has_vlen(obj.id.get_type()):
-            found.append((name, None))
+    def attributes(oid: Any, name: bytes, n: int) -> None:
+        for i in range(n):  # in storage order: by name order, HDF5 sorts the names at every open
+            attr = h5py.h5a.open(oid, index=i, order=h5py.h5.ITER_NATIVE)
+            if _has_vlen(attr.get_type()):
+                found.append((name, attr.get_name()))
 
-    look("/", f)
-    f.visititems(look)
+    def look(name: bytes, info: Any) -> None:
+        dataset = info.type == h5py.h5o.TYPE_DATASET
+        if info.num_attrs or dataset:
+            oid = h5py.h5o.open(f.id, name)
+            attributes(oid, name, info.num_attrs)
+            if dataset and _has_vlen(oid.get_type()):
+                found.append((name, None))
+
+    attributes(f.id, b"/", h5py.h5o.get_info(f.id).num_attrs)
+    h5py.h5o.visit(f.id, look, info=True)
     return found
 
 
@@ -143,7 +153,7 @@ def check_heap(f: Any, path: str | os.PathLike, what: str) -> None:
     _checked.add(key)
 
 
-def _probe(f: Any, path: str, items: list[tuple[str, str | None]], what: str) -> None:
+def _probe(f: Any, path: str, items: list[tuple[bytes, bytes | None]], what: str) -> None:
     """Read ``items`` of open file ``f`` (at ``path``) in a forked child (its copy of ``f``: this process
     reads nothing while it waits), waiting at most :data:`PROBE_S` seconds."""
     pid = os.fork()
@@ -180,7 +190,7 @@ def _probe(f: Any, path: str, items: list[tuple[str, str | None]], what: str) ->
         raise TracerError(f"{what} {path} is damaged: HDF5 {how} reading its variable-length texts; re-create the file")
 
 
-def _read_all(f: Any, items: list[tuple[str, str | None]]) -> None:
+def _read_all(f: Any, items: list[tuple[bytes, bytes | None]]) -> None:
     for name, attr in items:
         obj = f[name]
         if attr is None:
