@@ -12,6 +12,8 @@ built-in descriptor fits (GPT-NeoX), saved as a folder and run through ``tracer 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -353,3 +355,57 @@ def test_points_are_discovered_once_per_model_and_granularity(tiny_llama, monkey
     assert walks == ["layers", "sublayers"]
     hidden = model.config.hidden_size
     assert P.granularity_width(model, "sublayers", hidden, kv_cache=False) == P.point_widths(model, fresh["sublayers"], hidden)
+
+
+#: a Gemma 3 whose heads are wider than hidden / heads (q_norm 4 x 32 = 128 wide, k_norm 1 x 32, hidden 64)
+GEMMA3 = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+              head_dim=32, vocab_size=512, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+def _width_model(name: str):
+    """A tiny recipe loaded on the CPU (or, for ``gemma3_text``, built from :data:`GEMMA3`); skips
+    a model type this transformers lacks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tracer.load.models import load_model
+
+    model_type = {"tiny-llama": "llama", "tiny-qwen3": "qwen3", "tiny-gpt2": "gpt2",
+                  "tiny-qwen3.5": "qwen3_5_text"}.get(name, name)
+    try:
+        cfg = AutoConfig.for_model(model_type, **(GEMMA3 if model_type == "gemma3_text" else {}))
+    except (KeyError, ValueError):
+        pytest.skip(f"transformers has no {model_type} here")
+    if model_type == "gemma3_text":
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval(), cfg.hidden_size
+    loaded = load_model(name, dtype="float32", device="cpu", progress=False, tokenizer=False)
+    return loaded.model, loaded.info.hidden_size
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3.5", "gemma3_text"])
+def test_point_widths_are_the_captured_tensors_feature_dims(name):
+    """The sublayers size estimate counts, point by point, what a capture of every position stores:
+    ``point_widths`` of each point is its captured tensor's ``shape[1:]`` multiplied out (the MLP's
+    activation: intermediate wide; q_norm/k_norm: heads x head_dim; GPT-2's Conv1D projections and
+    fused-qkv KV cache); a ``state`` point is one row per run, whatever N, and counts 0 per token."""
+    from tracer.engines.hf.run import execute
+    from tracer.execute.points import granularity_width, point_widths
+    from tracer.plan.scenarios import RunPlan
+
+    model, hidden = _width_model(name)
+    points = discover_points(model, "sublayers")
+    ids = [(7 * i + 3) % 500 for i in range(12)]
+    rec = execute(model, ids, RunPlan("A", ((0, len(ids)),)), points, (0, len(ids)))
+    assert {p.kind for p in points} >= {"kv_cache", "activation", "linear"}
+    real = {}
+    for p in points:
+        tensor = rec.captures[p.name].tensor
+        assert tensor.numel() > 0, p.name
+        real[p.name] = 0 if p.kind == "state" else math.prod(tensor.shape[1:])
+        if p.kind == "state":
+            assert tensor.shape[0] == 1, p.name
+        elif p.kind != "kv_cache" or name != "gemma3_text":  # a sliding layer's cache may hold fewer rows
+            assert tensor.shape[0] == len(ids), p.name
+    got = {p.name: point_widths(model, [p], hidden) for p in points}
+    assert got == real
+    assert granularity_width(model, "sublayers", hidden) == sum(real.values())

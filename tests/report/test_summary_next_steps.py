@@ -276,9 +276,12 @@ def test_a_run_and_a_compare_of_its_trace_state_one_sublayers_size(tmp_path):
     TRACE` on a generic formula from the header's shapes (258 vs 221 MiB for smollm2-135m): the header
     now records the model's sublayers width, and both print one number. That number is checked
     against a real ``--granularity sublayers --positions all --store tensors`` trace of the same model
-    and prompt: the tensors' bytes (every dataset's ``nbytes``, h5py) within 10 % of it (the estimate
-    says "about" and claims no tolerance; at N = 128 the per-point statistics it adds, stored outside
-    the datasets, are a few per cent)."""
+    and prompt: the file's bytes on disk within 10 % of it (the estimate says "about" and claims no
+    tolerance: it counts the tensors and the per-point statistics, the file holds both plus HDF5's
+    own bytes), and the tensors alone (every dataset's ``nbytes``, h5py) no more than it: at N = 128
+    the statistics, stored outside the datasets, are about a tenth of the trace."""
+    import os
+
     import h5py
 
     import tracer
@@ -293,7 +296,8 @@ def test_a_run_and_a_compare_of_its_trace_state_one_sublayers_size(tmp_path):
     sizes: list[int] = []
     with h5py.File(tmp_path / "s.h5", "r") as f:
         f.visititems(lambda _, o: sizes.append(o.nbytes) if isinstance(o, h5py.Dataset) else None)
-    assert abs(est - sum(sizes)) <= 0.10 * sum(sizes), (est, sum(sizes))
+    on_disk = os.path.getsize(tmp_path / "s.h5")
+    assert abs(est - on_disk) <= 0.10 * on_disk and sum(sizes) <= est, (est, on_disk, sum(sizes))
 
 
 def test_two_machines_running_one_plan_get_no_aligned_suggestion():

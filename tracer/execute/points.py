@@ -222,28 +222,121 @@ def _sublayer_points(fam: Family, layer: nn.Module, layer_path: str,
 
 
 def point_widths(model: nn.Module, points: list[CapturePoint], hidden: int) -> int:
-    """Elements per token of ``points`` together (what a trace stores per position and run): a
-    Linear's ``out_features`` (its input's ``in_features`` for an ``input`` point: the attention core,
-    a gated MLP's hidden), an Embedding's width, a cache point's keys and values (``2 × in_features``
-    of the layer's key projection where it has one), ``hidden`` (the model's hidden size) for the rest
-    (norms, blocks, residual stream)."""
-    total = 0
-    for p in points:
-        try:
-            mod = model.get_submodule(p.module)
-        except AttributeError:
-            total += hidden
-            continue
-        if p.which == "cache":
-            k = next((m for n, m in mod.named_modules() if n.endswith("k_proj") and isinstance(m, nn.Linear)), None)
-            total += 2 * k.out_features if k is not None else hidden
-        elif isinstance(mod, nn.Linear):
-            total += mod.in_features if p.which == "input" else mod.out_features
-        elif isinstance(mod, nn.Embedding):
-            total += mod.embedding_dim
-        else:
-            total += hidden
-    return total
+    """Elements per token of ``points`` together (what a trace stores per position and run: each
+    point's feature dims, ``shape[1:]``, multiplied out), read from the model's modules and their
+    config, without running it. ``hidden``: the model's hidden size.
+
+    Which rule gives which point:
+
+    - a Linear (or GPT-2's ``Conv1D``): its output width, or its input width for an ``input`` point
+      (the attention core, a gated MLP's ``down_proj.input``); an Embedding: its ``embedding_dim``;
+    - ``act`` (the MLP's activation): the input width of the layer's ``down_proj``, the Linear that
+      consumes it (``intermediate_size``; GPT-2's ``4 * n_embd``);
+    - ``k_norm``: ``k_proj``'s output width (``kv_heads * head_dim``); ``q_norm``, and any other norm
+      inside the attention module (Qwen3.5's role-less ``q_norm``, whose ``q_proj`` also holds the
+      output gate): ``num_attention_heads * head_dim`` of the attention module (its ``config`` and
+      ``head_dim``);
+    - ``kv_cache``: keys then values, ``2 * k_proj``'s output width, else (GPT-2's fused ``c_attn``, an
+      inferred family) ``2 * kv_heads * head_dim`` of the attention module;
+    - ``state``: 0 (one ``(1, F)`` row per run, the recurrent and conv state: not stored per position);
+    - everything else (the attention and MLP blocks, the other norms, the residual stream), and any
+      of the above whose modules or config the model lacks: ``hidden``.
+
+    Raises:
+        TracerError: as :func:`tracer.execute.family.family_for` (a descriptor names a path the model lacks).
+    """
+    fam = family_for(model)
+    return sum(_point_width(model, p, hidden, fam) for p in points)
+
+
+def _point_width(model: nn.Module, point: CapturePoint, hidden: int, fam: Family) -> int:
+    """One point's elements per token (:func:`point_widths`' rules)."""
+    if point.kind == PointKind.STATE:
+        return 0
+    try:
+        mod = model.get_submodule(point.module)
+    except AttributeError:
+        return hidden
+    if point.which == "cache":
+        return _kv_width(model, fam, point, mod) or hidden
+    io = _io_widths(mod)
+    if io is not None:
+        return io[0] if point.which == "input" else io[1]
+    layer_path, rel = _split_layer(fam, point.module)
+    if layer_path is None:
+        return hidden
+    if point.role == "act":
+        down = _io_widths(_role_module(model, fam, layer_path, "down_proj"))
+        return down[0] if down is not None else hidden
+    attn = fam.path_of("attention")
+    if point.kind == PointKind.NORM and attn is not None and rel.startswith(attn + "."):
+        if point.role == "k_norm":
+            k = _io_widths(_role_module(model, fam, layer_path, "k_proj"))
+            return k[1] if k is not None else hidden
+        heads, head_dim = _heads(_role_module(model, fam, layer_path, "attention"))
+        return heads * head_dim if heads and head_dim else hidden
+    return hidden
+
+
+def _io_widths(mod: nn.Module | None) -> tuple[int, int] | None:
+    """(input, output) features of a Linear, GPT-2's Conv1D (weight ``(in, out)``) or an Embedding
+    (0 for its input); None for any other module."""
+    if isinstance(mod, nn.Linear):
+        return mod.in_features, mod.out_features
+    if isinstance(mod, nn.Embedding):
+        return 0, mod.embedding_dim
+    if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2:
+        return int(mod.weight.shape[0]), int(mod.weight.shape[1])
+    return None
+
+
+def _split_layer(fam: Family, path: str) -> tuple[str | None, str]:
+    """(``<layers>.<i>``, the path inside that layer) of a module path; (None, "") outside the layers."""
+    head = fam.layers + "."
+    if not path.startswith(head):
+        return None, ""
+    index, _, rel = path[len(head):].partition(".")
+    return (head + index, rel) if index.isdigit() else (None, "")
+
+
+def _role_module(model: nn.Module, fam: Family, layer_path: str, role: str) -> nn.Module | None:
+    """The module playing ``role`` in the decoder layer at ``layer_path`` (None without one)."""
+    rel = fam.path_of(role)
+    if rel is None:
+        return None
+    try:
+        return model.get_submodule(f"{layer_path}.{rel}")
+    except AttributeError:
+        return None
+
+
+def _heads(attn: nn.Module | None, kv: bool = False) -> tuple[int, int]:
+    """(query heads, or ``kv``: key/value heads; head_dim) of an HF attention module, from its
+    ``config`` and ``head_dim`` attribute; (0, 0) where it lacks them."""
+    cfg = getattr(attn, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    if kv:
+        heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return 0, 0
+    return heads, head_dim
+
+
+def _kv_width(model: nn.Module, fam: Family, point: CapturePoint, mod: nn.Module) -> int:
+    """A ``kv_cache`` point's width (keys then values): ``2 * k_proj``'s output width, else from the
+    attention module's heads; 0 where neither is found. ``mod``: the point's module (the attention, or
+    the decoder layer for an inferred family)."""
+    layer_path = _split_layer(fam, point.module)[0]
+    k = _role_module(model, fam, layer_path, "k_proj") if layer_path is not None else None
+    if k is None:  # no role (an inferred family): a key projection under the point's module
+        k = next((m for n, m in mod.named_modules() if n.endswith("k_proj") and _io_widths(m)), None)
+    if _io_widths(k) is not None:
+        return 2 * _io_widths(k)[1]
+    attn = _role_module(model, fam, layer_path, "attention") if layer_path is not None else None
+    attn = attn or next((m for m in mod.modules() if hasattr(m, "head_dim") and hasattr(m, "config")), None)
+    heads, head_dim = _heads(attn, kv=True)
+    return 2 * heads * head_dim
 
 
 def granularity_width(model: nn.Module, granularity: str, hidden: int, *, kv_cache: bool = True) -> int:
