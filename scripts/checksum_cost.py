@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tracer.store.integrity import crc32_bytes
+from tracer.store.crc import crc32_bytes
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.trace import TraceWriter, read_trace, tensor_to_numpy
 

@@ -12,7 +12,8 @@ import torch
 
 from tests.helpers import bad_cli, tracer_cli
 from tracer.store.trace import TraceReader
-from tracer.store.integrity import crc32_bytes, seal
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import seal
 
 
 @pytest.fixture

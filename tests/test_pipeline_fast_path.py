@@ -18,7 +18,7 @@ from tracer.diff.batch import tensor_diff
 from tracer.diff.compare import compare_trace
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.load.models import load_model
-from tracer.store import integrity
+from tracer.store import crc
 from tracer.store.trace import TraceReader, TraceWriter
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,13 +58,13 @@ def test_crc32_combine_and_parallel_crc_equal_zlib(monkeypatch):
     rng = np.random.default_rng(3)
     for la, lb in [(0, 5), (5, 0), (1, 1), (100, 7), (12345, (2 << 20) + 3)]:
         a, b = rng.bytes(la), rng.bytes(lb)
-        assert integrity.crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
-    monkeypatch.setattr(integrity, "crc_threads", lambda: 4)
-    monkeypatch.setattr(integrity, "PARALLEL_CRC_BYTES", 1 << 16)
-    monkeypatch.setattr(integrity, "_CRC_PIECE", 1 << 14)
+        assert crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b)
+    monkeypatch.setattr(crc, "crc_threads", lambda: 4)
+    monkeypatch.setattr(crc, "PARALLEL_CRC_BYTES", 1 << 16)
+    monkeypatch.setattr(crc, "_CRC_PIECE", 1 << 14)
     data = np.frombuffer(rng.bytes((1 << 18) + 13), dtype=np.uint8)
-    assert integrity.crc32_bytes(data, 77) == zlib.crc32(data.tobytes(), 77)
-    assert integrity.crc32_bytes(data[5:].view(np.uint8)) == zlib.crc32(data[5:].tobytes())
+    assert crc.crc32_bytes(data, 77) == zlib.crc32(data.tobytes(), 77)
+    assert crc.crc32_bytes(data[5:].view(np.uint8)) == zlib.crc32(data[5:].tobytes())
 
 
 def test_points_laid_end_to_end_are_written_together_and_read_back(tmp_path):
@@ -438,7 +438,7 @@ def test_streamed_compare_reading_both_runs_at_once_equals_in_turn(tmp_path, mon
     monkeypatch.setattr(stream, "BLOCK_BYTES", 200)  # several blocks per point
     got = {}
     for threads in (1, 4):
-        monkeypatch.setattr(integrity, "crc_threads", lambda threads=threads: threads)
+        monkeypatch.setattr(crc, "crc_threads", lambda threads=threads: threads)
         got[threads] = compare_trace(str(tmp_path / "t.h5"), device="cpu").to_dict()
     assert _same(got[1]["layers"], got[4]["layers"]) and got[4]["layers"][1]["n_diff"] > 0
 

@@ -164,7 +164,7 @@ def test_tp_rank_files_gather_into_the_whole_tensors_by_the_maps_rules(tmp_path)
     (q/k/v parts, the attention output) join into the whole tensors sliced by plain torch, partial
     sums into their float64 sum rounded to bf16, the KV cache's [keys | values] by KV heads, and a
     point every rank holds whole is rank 0's; a whole point that differs on rank 1 is named."""
-    from tracer.engines.vllm.remote import gather_ranks
+    from tracer.engines.vllm.ranks import gather_ranks
 
     g = torch.Generator().manual_seed(3)
     t = 5

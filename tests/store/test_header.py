@@ -13,7 +13,8 @@ import pytest
 
 import tracer
 from tracer.errors import TracerError
-from tracer.store.integrity import crc32_bytes, seal, set_text
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import seal, set_text
 
 
 @pytest.fixture(scope="module")

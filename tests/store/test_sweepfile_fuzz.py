@@ -179,7 +179,8 @@ def _reseal(path: Path, rng: random.Random) -> str:
     """Edit one value in place and recompute every checksum that covers it."""
     import h5py
 
-    from tracer.store.integrity import crc32_bytes, seal, set_text
+    from tracer.store.crc import crc32_bytes
+    from tracer.store.integrity import seal, set_text
 
     with h5py.File(path, "r+") as f:
         g = f["sweep"]
@@ -281,7 +282,8 @@ def test_a_moved_first_divergent_is_caught_raw_and_resealed(sweep_file, tmp_path
     """One bit in /sweep/first_divergent moved the origin to model.embed_tokens."""
     import h5py
 
-    from tracer.store.integrity import crc32_bytes, seal, set_text
+    from tracer.store.crc import crc32_bytes
+    from tracer.store.integrity import seal, set_text
 
     data = bytearray(sweep_file.read_bytes())
     at = _chunk_offset(sweep_file, "first_divergent") + 8 * next(i for i, r in enumerate(_rows()) if r.diverged)

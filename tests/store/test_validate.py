@@ -138,7 +138,8 @@ def _reseal(path: Path, rng: random.Random) -> str:
 
     import h5py
 
-    from tracer.store.integrity import crc32_bytes, seal, set_text
+    from tracer.store.crc import crc32_bytes
+    from tracer.store.integrity import seal, set_text
 
     with h5py.File(path, "r+") as f:
         targets = [("header", "json")] + [(f"runs/{r}", k) for r in f["runs"] for k in ("plan", "meta", "index")]

@@ -1,8 +1,12 @@
-"""Why a capture point differs: which kernels ran in each run, and the finer origin class.
+"""Why a capture point differs: which kernels ran in each run, the shapes its op saw, the finer
+origin class, and each origin's record as data.
 
 Pure functions of a compared point (:class:`tracer.diff.result.PointResult`, duck-typed: ``diverged``,
-``origin``, ``kind``, ``calls_a``, ``calls_b``, ``n_diff_prefix``, ``diff``) and the compared
+``origin``, ``kind``, ``op``, ``calls_a``, ``calls_b``, ``n_diff_prefix``, ``diff``) and the compared
 positions. Kernel lists come from ``calls[k]["kernels"]`` (``--kernels``, :mod:`tracer.execute.kernels`).
+The shapes a point's op saw in the call that computed the compared window: :func:`call_shapes`; an
+origin's JSON record (op, shapes in both runs, counts, class, kernels, float64 replay):
+:func:`origin_facts`, which the sentence of :func:`tracer.report.origins.origin_line` says.
 
 Classes of a differing point:
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from tracer.execute import kernels as _k
-from tracer.execute.kinds import PointKind
+from tracer.execute.kinds import CACHE_KINDS, PointKind
 
 CLASSES = ("shape-driven kernel switch", "kernel switch", "same kernel, different bits", "born in an earlier pass",
            "origin", "inherited")
@@ -91,3 +95,57 @@ def kernel_rows(calls: list[dict[str, Any]], positions: tuple[int, int]) -> list
     calls that computed compared positions; None when not recorded."""
     k = merged_kernels(calls, positions)
     return None if k is None else _k.rows(k)
+
+
+def _window_call(calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any] | None:
+    """The (last) forward call that computed positions of the compared window."""
+    return (window_calls(calls, positions) or [None])[-1]
+
+
+def _prod(xs: list[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def call_shapes(p: Any, calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any]:
+    """The shapes the op of ``p`` saw in the call that computed the compared window.
+
+    Returns:
+        ``{}`` if unknown; for a Linear ``{"M", "N", "K"}`` (GEMM: M = product of the input's
+        leading dims, K its last, N the output's last); for the attention core ``{"queries",
+        "keys", "width"}``; for a ``kv_cache`` ``{"positions": [first, stop]}``; otherwise
+        ``{"rows", "width"}`` of the captured tensor's source.
+    """
+    call = _window_call(calls, positions)
+    if call is None:
+        return {}
+    ins, outs = call.get("in") or [], call.get("out") or []
+    ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
+    ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
+    if p.kind in CACHE_KINDS:
+        return {"positions": list(call["positions"]), **({"parts": outs} if p.kind == PointKind.STATE else {})}
+    if p.kind == PointKind.ATTENTION_CORE and ins:
+        return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
+    if p.kind in (PointKind.LINEAR,) and ins and outs:
+        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
+    if p.kind == PointKind.LOGITS and ins and outs:
+        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
+    src = ins[0] if p.kind in (PointKind.ATTENTION_CORE, PointKind.MLP_HIDDEN) and ins else (outs[0] if outs else None)
+    if not src:
+        return {}
+    return {"rows": _prod(src[:-1]), "width": int(src[-1])}
+
+
+def origin_facts(p: Any, c: Any) -> dict[str, Any]:
+    """The JSON record of one origin, as data: name, kind, op, the shapes it saw in both runs,
+    counts, its origin class, kernels and float64 replay (the document's ``origins``; the
+    sentence that says it for people is :func:`tracer.report.origins.origin_line`)."""
+    return {"name": p.name, "kind": p.kind, "op": p.op,
+            "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
+            "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
+            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff,
+            "class": (classify(p, c.positions) or {}).get("class"),
+            "kernels_a": kernel_rows(p.calls_a, c.positions), "kernels_b": kernel_rows(p.calls_b, c.positions),
+            "replay": (c.op_replay[p.name].to_dict() if c.op_replay and p.name in c.op_replay else None)}

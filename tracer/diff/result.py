@@ -2,9 +2,9 @@
 
 :class:`Comparison` is the amplification table as data, and it says what it means: its verdict
 (:meth:`Comparison.verdict`) and its judgement by a ``--fail-on`` rule (:meth:`Comparison.check`);
-each origin is data (:func:`origin_facts`: the op, the shapes it saw in both runs, how much
-differs), said in a sentence by :func:`tracer.report.origins.origin_line`. The engine that builds
-it is :mod:`tracer.diff.compare`; the origin analysis :mod:`tracer.diff.origins`.
+each origin is data (:func:`tracer.diff.provenance.origin_facts`: the op, the shapes it saw in
+both runs, how much differs), said in a sentence by :func:`tracer.report.origins.origin_line`. The
+engine that builds it is :mod:`tracer.diff.compare`; the origin analysis :mod:`tracer.diff.origins`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tracer.diff.crossdtype import CrossDtype
 from tracer.diff.dataflow import Consumes
 from tracer.diff.metrics import LogitsDiff, TensorDiff, flips_phrase
 from tracer.diff.positions import PerPosition
-from tracer.diff.provenance import classify, kernel_rows
+from tracer.diff.provenance import classify, kernel_rows, origin_facts
 from tracer.diff.replay import Replay
 from tracer.diff.rl import RLComparison
 from tracer.diff.verdict import NoiseVerdict
@@ -458,58 +458,3 @@ class Comparison(schema.Record):
         flips = [{**f, "position": f["position"] - start} if isinstance(f, dict) and isinstance(f.get("position"), int)
                  else f for f in lg["flips"]]
         return {**doc, "logits": {**lg, "flips": flips}}
-
-
-def _window_call(calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any] | None:
-    """The (last) forward call that computed positions of the compared window."""
-    hit = [c for c in calls if c.get("positions") and c["positions"][0] < positions[1] and c["positions"][1] > positions[0]]
-    return hit[-1] if hit else (calls[-1] if calls else None)
-
-
-def _prod(xs: list[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
-
-
-def call_shapes(p: PointResult, calls: list[dict[str, Any]], positions: tuple[int, int]) -> dict[str, Any]:
-    """The shapes the op of ``p`` saw in the call that computed the compared window.
-
-    Returns:
-        ``{}`` if unknown; for a Linear ``{"M", "N", "K"}`` (GEMM: M = product of the input's
-        leading dims, K its last, N the output's last); for the attention core ``{"queries",
-        "keys", "width"}``; for a ``kv_cache`` ``{"positions": [first, stop]}``; otherwise
-        ``{"rows", "width"}`` of the captured tensor's source.
-    """
-    call = _window_call(calls, positions)
-    if call is None:
-        return {}
-    ins, outs = call.get("in") or [], call.get("out") or []
-    ins, outs = ([ins] if ins and isinstance(ins[0], int) else ins), ([outs] if outs and isinstance(outs[0], int) else outs)
-    ins, outs = [x for x in ins if x], [x for x in outs if x]  # one flat shape (the spec's example); no None
-    if p.kind in CACHE_KINDS:
-        return {"positions": list(call["positions"]), **({"parts": outs} if p.kind == PointKind.STATE else {})}
-    if p.kind == PointKind.ATTENTION_CORE and ins:
-        return {"queries": _prod(ins[0][:-1]), "keys": int(call["positions"][1]), "width": int(ins[0][-1])}
-    if p.kind in (PointKind.LINEAR,) and ins and outs:
-        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
-    if p.kind == PointKind.LOGITS and ins and outs:
-        return {"M": _prod(ins[0][:-1]), "N": int(outs[0][-1]), "K": int(ins[0][-1])}
-    src = ins[0] if p.kind in (PointKind.ATTENTION_CORE, PointKind.MLP_HIDDEN) and ins else (outs[0] if outs else None)
-    if not src:
-        return {}
-    return {"rows": _prod(src[:-1]), "width": int(src[-1])}
-
-
-def origin_facts(p: PointResult, c: Comparison) -> dict[str, Any]:
-    """The JSON record of one origin, as data: name, kind, op, the shapes it saw in both runs,
-    counts, its origin class, kernels and float64 replay (the document's ``origins``; the
-    sentence that says it for people is :func:`tracer.report.origins.origin_line`)."""
-    return {"name": p.name, "kind": p.kind, "op": p.op,
-            "shapes_a": call_shapes(p, p.calls_a, c.positions), "shapes_b": call_shapes(p, p.calls_b, c.positions),
-            "n_diff": p.diff.n_diff, "n_diff_prefix": p.n_diff_prefix, "max_ulp": p.diff.max_ulp,
-            "max_ulp_mag": p.diff.max_ulp_mag, "max_abs_diff": p.diff.max_abs_diff,
-            "class": (classify(p, c.positions) or {}).get("class"),
-            "kernels_a": kernel_rows(p.calls_a, c.positions), "kernels_b": kernel_rows(p.calls_b, c.positions),
-            "replay": (c.op_replay[p.name].to_dict() if c.op_replay and p.name in c.op_replay else None)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tracer.diff.result import call_shapes
+from tracer.diff.provenance import call_shapes
 from tracer.errors import TracerError
 from tracer.report.rl import summary_dict, token_records
 from tracer.report.tables import rows
@@ -34,7 +34,7 @@ def comparison_frame(comparison: Comparison) -> DataFrame:
     """One row per capture point in execution order, the logits last: the report's columns
     (:func:`tracer.report.tables.rows`: counts, errors, ULP histogram ``ulp_*``, origin, ...) plus
     ``index``, ``op`` and ``shapes_a``/``shapes_b``: the shapes the op saw in each run for the
-    compared positions (``M 18 K 576 N 1536`` for a Linear; :func:`tracer.diff.result.call_shapes`).
+    compared positions (``M 18 K 576 N 1536`` for a Linear; :func:`tracer.diff.provenance.call_shapes`).
 
     Raises:
         TracerError: pandas is not installed.

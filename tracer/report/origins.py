@@ -2,8 +2,8 @@
 runs (GEMM M×N×K, queries and keys, rows and width), how much differs, where a KV cache's
 difference was born, the kernels that ran, the float64 replay.
 
-The comparison holds each origin as data (:func:`tracer.diff.result.origin_facts`,
-:func:`tracer.diff.result.call_shapes`); this module turns it into :func:`origin_line` and the JSON
+The comparison holds each origin as data (:func:`tracer.diff.provenance.origin_facts`,
+:func:`tracer.diff.provenance.call_shapes`); this module turns it into :func:`origin_line` and the JSON
 record with its ``text`` (:func:`origin_record`), which the terminal table, markdown, HTML and JSON use.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tracer.diff.result import NAN_PAYLOAD, Comparison, PointResult, call_shapes, origin_facts
-from tracer.diff.provenance import classify
+from tracer.diff.provenance import call_shapes, classify, origin_facts
+from tracer.diff.result import NAN_PAYLOAD, Comparison, PointResult
 from tracer.execute.kinds import CACHE_KINDS, PointKind
 
 
@@ -25,7 +25,7 @@ def _chunk_of(chunks: list | None, pos: int) -> int | None:
 
 def origin_record(p: PointResult, c: Comparison) -> dict[str, Any]:
     """The JSON record of one origin as ``tracer run --format json`` shows it: its data
-    (:func:`tracer.diff.result.origin_facts`) with the one-line ``text`` after the counts."""
+    (:func:`tracer.diff.provenance.origin_facts`) with the one-line ``text`` after the counts."""
     facts = origin_facts(p, c)
     at = list(facts).index("max_abs_diff") + 1
     items = list(facts.items())

@@ -22,7 +22,8 @@ from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
 from tracer.store.formats import TraceFormat, check_name, json_dumps, register, write_run_group
 from tracer.store.header import upgrade_v2
-from tracer.store.integrity import DATA_KEY, attr_text, crc32_bytes, seal, set_text
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import DATA_KEY, attr_text, seal, set_text
 from tracer.store.validate import load_json, validate_v1_captures
 
 #: target size of one HDF5 chunk of a compressed capture dataset (rows along the first axis)

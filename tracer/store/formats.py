@@ -22,7 +22,8 @@ import numpy as np
 
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
-from tracer.store.integrity import crc32_bytes, seal, set_text, set_value
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import seal, set_text, set_value
 
 #: the root ``format`` attribute of every trace
 FORMAT = "tracer-trace"

@@ -25,7 +25,8 @@ from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.store.formats import TraceFormat, check_name, register, write_run_group
 from tracer.store.header import current, upgrade_v2
-from tracer.store.integrity import crc32_bytes, seal, set_text
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import seal, set_text
 from tracer.store.validate import IndexEntry, validate_v2_index
 
 #: HDF5 storage type of each stored dtype name (bf16/fp16 as their uint16 bit patterns)

@@ -20,7 +20,7 @@ import torch
 
 from tracer.dtypes import DTYPES
 from tracer.store import trace as store  # looked up at call time: a test substitutes stored_crc
-from tracer.store.integrity import crc_threads
+from tracer.store.crc import crc_threads
 
 
 @dataclass(frozen=True)

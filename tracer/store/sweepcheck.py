@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 
 from tracer.errors import TracerError
-from tracer.store.integrity import CHECKSUMS, attr_text, crc32_bytes, verify_attrs
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import CHECKSUMS, attr_text, verify_attrs
 from tracer.store.validate import _check_storage, _members, load_json
 
 FORMAT = "tracer-sweep"

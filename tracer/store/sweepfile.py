@@ -24,7 +24,8 @@ import numpy as np
 from tracer import __version__, schema
 from tracer.errors import TracerError
 from tracer.files import check_input_file
-from tracer.store.integrity import check_space, crc32_bytes, seal, set_text
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import check_space, seal, set_text
 
 FORMAT = "tracer-sweep"
 FORMAT_VERSION = 2

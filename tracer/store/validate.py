@@ -30,7 +30,8 @@ from tracer.execute.records import calls_problem
 from tracer.plan.plans import RunPlan
 from tracer.store.formats import TraceFormat, format_for
 from tracer.store.header import RunMeta, TraceHeader
-from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, crc32_bytes, verify_attrs
+from tracer.store.crc import crc32_bytes
+from tracer.store.integrity import CHECKSUMS, DATA_KEY, attr_text, verify_attrs
 
 #: the largest ratio of a compressed dataset's size to its stored bytes that is believed
 #: (gzip's best case is ~1000:1); a larger declared size is refused before anything is allocated

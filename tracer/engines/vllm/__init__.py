@@ -17,6 +17,7 @@ module            holds
 ``captured``      ``tracer.capture(llm)``: a user's own ``vllm.LLM`` captured
 ``rollout``       an RL step's rollout sampled by vLLM, each token's logprob as vLLM reports it
 ``remote``        the capture in the workers of an engine core in its own process (vLLM's default)
+``ranks``         the TP ranks' capture states joined into one by the engine map's TP rules
 ``compiled``      compiled vLLM captured at layers through vLLM's own hidden-states output
 ``hidden_states`` that output's connector, writing on any device, and the LLM settings for it
 ``layout``        the HF reference layout a capture maps onto; the engine map per family

@@ -88,7 +88,7 @@ class VllmCapture(Hooks):
         tp: vLLM's tensor-parallel size (this model is one rank's): a fused output is split by the
             HF widths / ``tp``, and the points a rank holds a shard of are named in :attr:`tp_shards`
             (``columns``: the map's ``shard = "columns"``; ``partial``: a row-parallel layer that does not
-            all-reduce its output), for :func:`tracer.engines.vllm.remote.gather_ranks` to join.
+            all-reduce its output), for :func:`tracer.engines.vllm.ranks.gather_ranks` to join.
 
     Say which requests to follow with :meth:`follow` (before they are scheduled) and
     :meth:`close` (after they finish); rows of other requests (a batch's other rows) are never kept.

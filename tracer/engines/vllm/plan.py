@@ -65,7 +65,7 @@ class VllmSettings:
             ``kv_consumer``) over this folder (:mod:`tracer.engines.vllm.connector`); None: none.
         tensor_parallel_size: vLLM's TP ranks, each a worker process of its own (the engine core
             then in its own process too); the capture is installed in every rank and the ranks'
-            rows joined by the engine map's TP rules (:func:`tracer.engines.vllm.remote.gather_ranks`).
+            rows joined by the engine map's TP rules (:func:`tracer.engines.vllm.ranks.gather_ranks`).
     """
 
     block_size: int = BLOCK

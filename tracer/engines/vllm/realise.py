@@ -21,7 +21,7 @@ prefill-decode      one consumer LLM: alone (a miss) vs loading a producer LLM's
                     with vLLM's ExampleConnector (:mod:`tracer.engines.vllm.connector`)
 tensor-parallel     ``tensor_parallel_size`` 1 vs ``--tp`` k: the same request in one step, both engine
                     cores in their own processes; each rank's capture joined by the engine map's TP
-                    rules (:func:`tracer.engines.vllm.remote.gather_ranks`); vLLM's own all-reduce
+                    rules (:func:`tracer.engines.vllm.ranks.gather_ranks`); vLLM's own all-reduce
                     (``--reduce``, ``--reduce-dtype`` and ``--tp-mode distributed`` are refused)
 engine              the plan of ``--engines`` that names vLLM: the prompt in one step (KV block 32;
                     ``vllm:BACKEND``: that attention backend)
