@@ -28,6 +28,7 @@ from tracer.loops.audit_store import AuditStore, FolderClaim
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
 from tracer.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.prompt_checks import prompt_ids
 from tracer.store.integrity import check_name_length, check_output_path
 from tracer.store.trace import json_safe
 
@@ -218,7 +219,7 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
             status(f"loading {cfg.model.name}")
             loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
-    ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
+    ids = prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
     plans, reasons = plan_checks(todo, len(ids), options, info.device, loaded.model)
     budget = check_budget(cfg) if out is not None else None  # per check (both runs)
