@@ -8,7 +8,7 @@ Two lists, each case run as a whole process (``python -m tracer ...``) in a scra
 - :data:`MISTAKES`: a newcomer's first hour, 22 mistakes across the commands (``run``, ``plot``,
   ``compare``, ``sweep``, ``audit``, ``report``), each refused before any model or trace body loads;
   the ones about the prompt's length (``--split-at``, ``--block-size`` against N of a text prompt)
-  load the tokenizer alone (:func:`tracer.pipeline.check_prompt_length`), the rest need nothing.
+  load the tokenizer alone (:func:`tracer.prompt_checks.check_prompt_length`), the rest need nothing.
   ``tests/load/test_preflight.py`` checks each for exit 2, one line, the model loader never called
   and no trace read (tiny-llama standing in for the default model, whose GGUF cache may not exist).
 

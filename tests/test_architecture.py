@@ -111,8 +111,8 @@ def test_stages_depend_downward():
     order = ["tracer.errors", "tracer.watchdog", "tracer.schema_fields", "tracer.schema", "tracer.files", "tracer.dtypes", "tracer.progress", "tracer.engines.table",
              "tracer.load", "tracer.plan", "tracer.execute", "tracer.engines", "tracer.store",
              "tracer.engines.dumps.sglang_writer", "tracer.engines.dumps.megatron_writer",
-             "tracer.diff", "tracer.report", "tracer.config_help", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.pipeline",
-             "tracer.loops", "tracer.api_files", "tracer.api", "tracer.cli_exit", "tracer.cli_parser",
+             "tracer.diff", "tracer.report", "tracer.config_help", "tracer.config", "tracer.validate", "tracer.run_result", "tracer.prompt_checks", "tracer.pipeline",
+             "tracer.loops", "tracer.api_files", "tracer.api_capture", "tracer.api", "tracer.cli_exit", "tracer.cli_parser",
              "tracer.cli"]
 
     def rank(mod: str) -> int:

@@ -12,7 +12,7 @@ from tracer.engines.door import realise
 from tracer.engines.vllm.connector import check_before_start, sides, transferred
 from tracer.errors import TracerError
 from tracer.plan.build import build
-from tracer.plan.scenarios import producer_difference
+from tracer.plan.engines import producer_difference
 
 
 def _scen(n=130, **options):

@@ -282,13 +282,13 @@ def _llama(heads: int, kv_heads: int, hidden: int):
 def test_real_tp_runs_at_a_degree_the_model_shards_to_or_is_skipped_in_the_plan():
     """SmolLM2's 9 heads refused TP-2 only once the check ran; now the plan picks the smallest degree
     that divides the heads, the KV heads and the sharded dimensions, or skips the check with the reason."""
-    from tracer.loops.audit import _fit
+    from tracer.loops.audit_plan import fit_check
 
     real = next(c for c in tracer.loops.audit.checks() if c.key == "L4-tp-real")
-    assert _fit(real, _llama(4, 2, 32)) == (real, None)  # TP-2 divides: the check as it is
-    three, why = _fit(real, _llama(9, 3, 36))  # SmolLM2's heads: 9 and 3
+    assert fit_check(real, _llama(4, 2, 32)) == (real, None)  # TP-2 divides: the check as it is
+    three, why = fit_check(real, _llama(9, 3, 36))  # SmolLM2's heads: 9 and 3
     assert why is None and three.options["tp"] == 3 and "real TP-3 " in three.label
-    same, why = _fit(real, _llama(11, 11, 44))  # no degree from 2 to 8 divides 11
+    same, why = fit_check(real, _llama(11, 11, 44))  # no degree from 2 to 8 divides 11
     assert same is real and "does not divide the 11 attention heads" in why and "up to 8" in why
 
 

@@ -79,7 +79,7 @@ def test_an_attention_backend_no_run_would_use_is_refused(engines, refused):
 def test_prefill_decode_plans_count_generated_tokens_and_decode_steps():
     """--new-tokens 4: the prefill gives token 1, three decode steps (fed tokens 1..3) give tokens 2..4;
     the plan lines say so instead of "4 tokens decoded" (which reads as four decode steps)."""
-    from tracer.plan.scenarios import prefill_decode
+    from tracer.plan.engines import prefill_decode
 
     scen = prefill_decode(130, new_tokens=4)
     a, b = scen.plan_a, scen.plan_b

@@ -181,7 +181,7 @@ def test_sweep_progress_lines_when_stderr_is_not_a_terminal(tmp_path, cli_env):
 
 
 def test_audit_skip_reasons_name_only_audit_options():
-    from tracer.loops.audit import AUDIT_FLAGS as AUDIT_OPTIONS, skip_hint
+    from tracer.loops.audit_plan import AUDIT_FLAGS as AUDIT_OPTIONS, skip_hint
     from tracer.plan.build import build
 
     cmd = typer.main.get_command(__import__("tracer.cli", fromlist=["app"]).app).commands["audit"]

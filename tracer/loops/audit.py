@@ -10,8 +10,6 @@ restores. The result renders as the hierarchy table, beside the seed's own statu
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import re
 from dataclasses import dataclass
 from dataclasses import replace as _replace
@@ -19,17 +17,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from tracer import pipeline, schema
-from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig, applicable_options
+from tracer.config import RunConfig
 from tracer.diff.metrics import flips_phrase
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
 from tracer.engines import door
-from tracer.engines.table import is_reference, name_of, rows
+from tracer.engines.table import is_reference, name_of
+from tracer.loops.audit_plan import check_options, check_scenario, plan_checks, skip_hint
 from tracer.loops.audit_store import AuditStore, FolderClaim
 from tracer.plan.cost import Cost, scenario_cost
 from tracer.plan.hierarchy import SEED_STATUS, STATUSES, Check, checks, invariant, parse_levels
-from tracer.plan.build import build
 from tracer.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.prompt_checks import prompt_ids
 from tracer.store.integrity import check_name_length, check_output_path
 from tracer.store.trace import json_safe
 
@@ -199,7 +198,7 @@ def audit(cfg: RunConfig, *, levels: str | list[int] | None = None, mitigations:
     """
     selected = parse_levels(levels) if not isinstance(levels, list) else parse_levels(",".join(map(str, levels)))
     options = dict(cfg.scenario.options)
-    _check_options(options, selected)
+    check_options(options, selected)
     if not is_reference(cfg.scenario.engine):  # every check runs on it (the engine check names its own)
         options["engine"] = cfg.scenario.engine
     out = _output_path(cfg) if cfg.store.mode != "none" else None
@@ -220,9 +219,9 @@ def _audit(cfg: RunConfig, selected: list[int], options: dict[str, Any], out: Pa
             status(f"loading {cfg.model.name}")
             loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
-    ids = pipeline.prompt_ids(cfg, loaded, length=audit_length(cfg))
+    ids = prompt_ids(cfg, loaded, length=audit_length(cfg))
     todo = [c for c in checks(len(ids)) if c.level in selected]
-    plans, reasons = _plan(todo, len(ids), options, info.device, loaded.model)
+    plans, reasons = plan_checks(todo, len(ids), options, info.device, loaded.model)
     budget = check_budget(cfg) if out is not None else None  # per check (both runs)
     header = pipeline.trace_header(loaded, None, len(ids), cfg.capture, cfg.store.mode,
                                    extra={"scenario": {"name": "audit", "params": {"levels": selected}},
@@ -413,101 +412,9 @@ def _run_check(c: Check, plans: dict[str, Any], reasons: dict[str, str], loaded:
     return row
 
 
-#: the run options' flags of ``tracer audit`` (:data:`tracer.config.COMMAND_OPTIONS`): a skip reason's
-#: advice may name only these
-AUDIT_FLAGS = tuple(f for k in COMMAND_OPTIONS["audit"] if k != "model" for flag in OPTIONS[k].flags
-                    for f in flag.split("/"))
-
-
-def skip_hint(message: str) -> str:
-    """A scenario's error as an audit skip reason: its advice is kept when every option it names
-    is one of :data:`AUDIT_FLAGS`; otherwise the advice is replaced by one the audit can follow
-    (``tracer run`` options such as ``--split-at`` or ``--block-size`` do not exist here)."""
-    head, sep, advice = message.partition("; ")
-    if not sep or all(o in AUDIT_FLAGS for o in re.findall(r"--[a-z][a-z0-9-]*", advice)):
-        return message
-    if "tokens" in head:
-        return f"{head}; use a longer prompt (--length N, --prompt or --prompt-file)"
-    return f"{head}; run it alone with 'tracer run' to use the options it names"
-
-
-def skip_reason(check: Check, device: str = "cpu") -> str | None:
-    """Why this machine cannot run ``check`` with the model on ``device`` (None if it can)."""
-    import torch
-
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if check.needs == "cuda" and n_gpu == 0:
-        return "no CUDA GPU on this machine"
-    if check.needs in rows():  # an engine: its package, its processes
-        return door.engine(check.needs).unavailable(check.options, device)
-    if check.needs == "flash" and importlib.util.find_spec("flash_attn") is None:
-        return "flash-attention is not installed (pip install flash-attn)"
-    return None
-
-
-def _check_options(options: dict[str, Any], selected: list[int]) -> None:
-    """Refuse scenario options that no selected check uses (e.g. ``tp`` without level 4)."""
-    used = {o for c in checks() if c.level in selected for o in applicable_options(c.scenario)}
-    extra = sorted(k for k in options if k not in used)
-    if extra:
-        raise TracerError(f"{', '.join('--' + k.replace('_', '-') for k in extra)} is used by no check of levels "
-                          f"{','.join(map(str, selected))}; drop it or add the level that uses it")
-
-
-def _plan(todo: list[Check], n: int, options: dict[str, Any], device: str,
-          model: Any = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every runnable check's scenario (metadata only: bad options fail before anything runs) and the
-    skip reason of every other check; a real-TP check runs at a degree the model shards to
-    (its engine's :meth:`~tracer.engines.base.Engine.fit`) and its label names the degree and the backend (in place in ``todo``)."""
-    plans: dict[str, Any] = {}
-    reasons: dict[str, str] = {}
-    for j, c in enumerate(todo):
-        shard_reason = None
-        if c.needs in rows():  # the row says how its engine ran (real TP: the degree the model shards to, the backend)
-            c, shard_reason = _fit(c, model)
-            with contextlib.suppress(TracerError):
-                detail = door.engine(c.needs).detail(device)
-                if detail:
-                    c = _replace(c, label=f"{c.label} ({detail})")
-            todo[j] = c
-        reason = skip_reason(c, device) or shard_reason
-        if reason is None:
-            try:
-                plans[c.key] = _scenario(c, n, options)
-            except TracerError as e:
-                reason = skip_hint(str(e))
-        if reason is not None:
-            reasons[c.key] = reason
-    return plans, reasons
-
-
 #: the share of an audit's checks that diverge, for the ETA's weight of their mitigation re-runs before
 #: it is known (the default audit of SmolLM2 on this CPU: 9 of the 15 checks that ran)
 DIVERGE_ODDS = 0.6
-
-
-def _fit(c: Check, model: Any) -> tuple[Check, str | None]:
-    """Check ``c`` as its engine can run it on ``model`` (:meth:`~tracer.engines.base.Engine.fit`: real
-    TP at the smallest degree the model shards to, its label saying it), and why it cannot (else None).
-    ``model`` None (not loaded yet) or a check on no engine: ``c`` as it is."""
-    if model is None or c.needs not in rows():
-        return c, None
-    fitted, why = door.engine(c.needs).fit(dict(c.options), model)
-    if fitted == dict(c.options):
-        return c, why
-    k0, k = c.options.get("tp"), fitted.get("tp")
-    return _replace(c, options=fitted, label=c.label.replace(f"TP-{k0}", f"TP-{k}") if k0 != k else c.label), why
-
-
-def _options_for(c: Check, options: dict[str, Any]) -> dict[str, Any]:
-    uses = applicable_options(c.scenario) + (("engine",) if c.scenario != "engine" else ())
-    return {**{k: v for k, v in options.items() if k in uses}, **c.options}
-
-
-def _scenario(c: Check, n: int, options: dict[str, Any], **extra: Any) -> Any:
-    """The check's scenario for N = ``n``, realised on the engine the options name."""
-    opts = _options_for(c, options)
-    return door.realise(build(c.scenario, n, **opts, **extra), opts.get("engine"))
 
 
 def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callable[[str, Any], Any], n: int,
@@ -524,11 +431,11 @@ def _check(c: Check, plans: dict[str, Any], reasons: dict[str, str], one: Callab
     fixed: dict[str, bool | str] = {}
     for m in c.mitigations:
         try:
-            fixed[m] = one(f"{c.key}+{m}", _scenario(c, n, options, mitigation=m)).identical
+            fixed[m] = one(f"{c.key}+{m}", check_scenario(c, n, options, mitigation=m)).identical
         except TracerError as e:
             fixed[m] = skip_hint(str(e))
     return _replace(row, mitigations=fixed)
 
 
-__all__ = ["Audit", "AuditRow", "audit", "checks", "parse_levels", "skip_reason", "SEED_STATUS", "STATUSES",
+__all__ = ["Audit", "AuditRow", "audit", "checks", "parse_levels", "SEED_STATUS", "STATUSES",
            "DEFAULT_LENGTH", "default_output", "row_record"]

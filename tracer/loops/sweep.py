@@ -24,6 +24,7 @@ from tracer.engines.door import realise
 from tracer.engines.table import default, is_reference
 from tracer.plan.build import check_resources, make_scenario
 from tracer.progress import DELAY_S, ItemProgress, StatusProgress
+from tracer.prompt_checks import prompt_ids
 from tracer.store.integrity import check_name_length, check_output_path
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ def sweep(cfg: RunConfig, *, lengths: str | list[int] = "17:512", block_sizes: s
             status(f"loading {cfg.model.name}")
             loaded = pipeline.load(cfg, progress=status.loader)
     info = loaded.info
-    all_ids = pipeline.prompt_ids(cfg, loaded, length=max(ns))
+    all_ids = prompt_ids(cfg, loaded, length=max(ns))
     params = {
         "model": info.name, "scenario": scenario, "mitigation": cfg.scenario.mitigation,
         "granularity": cfg.capture.granularity, "dtype": info.dtype, "device": info.device,
