@@ -19,7 +19,8 @@ import torch
 
 from tracer.store.crc import crc32_bytes
 from tracer.execute.records import CaptureRecord, RunRecord
-from tracer.store.trace import TraceWriter, read_trace, tensor_to_numpy
+from tracer.api_files import read_trace
+from tracer.store.trace import TraceWriter, tensor_to_numpy
 
 
 def main() -> None:
