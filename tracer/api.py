@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
 
     from tracer.diff.result import Comparison
     from tracer.diff.rl import RLComparison
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
     from tracer.engines.dumps.namemap import MappedDump
     from tracer.execute.records import RunRecord
     from tracer.load.models import LoadedModel, ModelInfo
@@ -234,7 +234,7 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
         return engine_cap
     if reference is not None:
         raise TracerError("reference= applies to another engine's object (the HF model its captures are named after)")
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
 
     cap = Captured(model.model if _is_loaded(model) else model, points, keep_on_device=keep_on_device,
                    cuda_graphs=cuda_graphs)
