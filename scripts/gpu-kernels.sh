@@ -43,7 +43,7 @@ log "kernels cost on the GPU (N=250, sublayers, 5 interleaved pairs)"
 python3 - > "$out/kernels-cost-gpu.txt" 2>&1 <<'PY'
 import statistics, time, torch
 import tracer
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 lm = tracer.load_model("qwen3-0.6b-shape", device="cuda")

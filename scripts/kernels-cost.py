@@ -11,7 +11,7 @@ import torch
 import tracer
 from tracer.api import tokenize
 from tracer.load.prompts import DEFAULT_PROMPT
-from tracer.execute.capture import discover_points
+from tracer.execute.points import discover_points
 from tracer.engines.hf.run import execute
 from tracer.plan.build import build
 

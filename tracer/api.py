@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only (the re-exported 
     from tracer.api_capture import RunRef
     from tracer.diff.result import Comparison
     from tracer.diff.rl import RLComparison
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
     from tracer.engines.dumps.namemap import MappedDump
     from tracer.execute.records import RunRecord
     from tracer.load.models import LoadedModel, ModelInfo

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the result types, for the signatures only: importing tracer
     from torch import nn
 
     from tracer.diff.result import Comparison
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
     from tracer.execute.records import RunRecord
     from tracer.load.models import LoadedModel
 
@@ -85,7 +85,7 @@ def capture(model: nn.Module | LoadedModel | Any, points: str | list[str] = "lay
         return engine_cap
     if reference is not None:
         raise TracerError("reference= applies to another engine's object (the HF model its captures are named after)")
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
 
     cap = Captured(model.model if is_loaded(model) else model, points, keep_on_device=keep_on_device,
                    cuda_graphs=cuda_graphs)

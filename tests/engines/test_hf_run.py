@@ -7,7 +7,7 @@ def test_deterministic_mode_restores_the_numeric_contract():
     """A deterministic mitigation used to leave torch's fp32 precisions at "ieee" (from "none"): a
     later audit in the same process read another numeric contract in its header and refused to
     resume its own trace ("matmul_fp32_precision differ")."""
-    from tracer.engines.hf.run import deterministic_mode
+    from tracer.engines.hf.context import deterministic_mode
     from tracer.store.environment import collect_environment
 
     before = collect_environment("cpu")

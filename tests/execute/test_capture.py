@@ -203,7 +203,7 @@ def test_a_recorded_forward_after_eager_warm_ups_is_captured_alone(monkeypatch):
     buffer (no copy, so a replay would refresh it), its ids and positions 0..N-1; the eager warm-ups
     are not the graph's. Recording is simulated (tracer.execute.capture._recording)."""
     import tracer.execute.capture as capture_module
-    from tracer.execute.capture import Captured
+    from tracer.execute.captured import Captured
 
     model = make_model("llama")
     recording = {"on": False}

@@ -5,7 +5,7 @@ The origin analysis (:func:`tracer.diff.origins.classify_origins`) calls a diffe
 "everything it consumed" is, from each point's **role** in the decoder block (recorded with the
 capture from the model's family descriptor, ``hooks/*.toml``, and stored in the trace), so a
 stored trace is analysed without the model and a new family with other module names needs no
-code here. The rules are :data:`tracer.execute.family.DATAFLOW`, over roles; in the names of the
+code here. The rules are :data:`tracer.execute.roles.DATAFLOW`, over roles; in the names of the
 Llama and GPT-2 families they read:
 
 =====================================  ==================================================
@@ -75,7 +75,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tracer import schema
-from tracer.execute.family import DATAFLOW, VIRTUAL_ROLES, infer_roles
+from tracer.execute.family import infer_roles
+from tracer.execute.roles import DATAFLOW, VIRTUAL_ROLES
 from tracer.execute.kinds import CACHE_KINDS, PointKind
 
 #: capture kinds that name their role (points tracer adds itself)

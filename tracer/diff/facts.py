@@ -101,7 +101,7 @@ def run_facts(header: dict[str, Any], a: RunRecord, b: RunRecord) -> dict[str, A
     if fmt is not None:
         facts["kv_block_format"] = fmt
         notes.append(f"KV format {fmt['name']}: {fmt['element']} elements, block {fmt['block_size'] or '-'}, scale {fmt['scale']}")
-    for r in (a, b):  # torch.compile's warnings, kept from stderr (tracer.engines.hf.run.compiler_warnings)
+    for r in (a, b):  # torch.compile's warnings, kept from stderr (tracer.engines.hf.context.compiler_warnings)
         notes += [f"{r.name}: torch.compile warned: {w}" for w in r.meta.get("compiler_warnings") or ()]
     notes += kv_contract_notes(a, b)
     engines = engine_facts(a.name, a.meta, b.name, b.meta)  # runs on engines: contracts side by side

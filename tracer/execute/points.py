@@ -18,7 +18,8 @@ from torch import nn
 
 from tracer.errors import TracerError
 from tracer.execute.kinds import GRANULARITIES  # noqa: F401 - re-exported
-from tracer.execute.family import VIRTUAL_ROLES, Family, family_for
+from tracer.execute.family import Family, family_for
+from tracer.execute.roles import VIRTUAL_ROLES
 from tracer.execute.inferred import cache_layout
 from tracer.execute.kinds import PointKind
 
@@ -41,7 +42,7 @@ class CapturePoint:
         full: keep every position of the prompt instead of the compared window (for tensors
             the compared positions depend on, such as keys/values).
         layer_index: for ``which == "cache"``: the decoder layer's index in the HF cache.
-        role: what the point is in the block (:data:`tracer.execute.family.ROLES`, a virtual role
+        role: what the point is in the block (:data:`tracer.execute.roles.ROLES`, a virtual role
             ``attention_core``/``kv_cache``/``mlp_hidden``/``state``, or ``embedding``/``layer``/
             ``final_norm``/``logits``); ``""`` for a module without one (an extra Linear).
     """

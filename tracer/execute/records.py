@@ -274,7 +274,7 @@ class CaptureRecord:
             the module saw (for an ``nn.Linear``: in ``[..., K]`` → out ``[..., N]``, GEMM M = prod of leading dims).
         op: the module's class name (``LlamaDecoderLayer``, ``Linear``, ``LlamaRMSNorm``).
         role: what the point is in the decoder block (``q_proj``, ``mlp_norm``, ``attention_core``,
-            ``layer``, ...: :data:`tracer.execute.family.ROLES`), from the model's family
+            ``layer``, ...: :data:`tracer.execute.roles.ROLES`), from the model's family
             descriptor; ``""`` when unknown (a module without a role, a trace written before roles
             were stored). The origin analysis reads it (:mod:`tracer.diff.dataflow`).
     """

@@ -11,13 +11,14 @@ import torch
 from torch import nn
 
 from tracer.errors import TracerError
-from tracer.execute.family import ROW_PARALLEL_ROLES, role_modules
+from tracer.execute.family import role_modules
+from tracer.execute.roles import ROW_PARALLEL_ROLES
 from tracer.plan.tp import all_reduce, check_tp, partials
 
 
 def row_parallel_modules(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """``(path, module)`` of every row-parallel ``nn.Linear``: the modules playing the roles
-    :data:`~tracer.execute.family.ROW_PARALLEL_ROLES` in the model's family descriptor, and a hybrid
+    :data:`~tracer.execute.roles.ROW_PARALLEL_ROLES` in the model's family descriptor, and a hybrid
     model's ``linear_out_proj`` (its input is sharded by heads in a serving engine's TP).
 
     Raises:

@@ -47,7 +47,7 @@ def _layer_tensors(get: Any, layer: str, hf: dict[str, str], prev: torch.Tensor,
     """``(engine module, value or tuple, parallel style)`` of one decoder layer, in execution order.
 
     ``layer`` is SGLang's layer path (``model.layers.3``); ``hf`` maps each role of the block
-    (:data:`tracer.execute.family.ROLES`, and ``attention_core``/``mlp_hidden``) to the HF capture
+    (:data:`tracer.execute.roles.ROLES`, and ``attention_core``/``mlp_hidden``) to the HF capture
     name of that layer in the stored run. The names on the left are SGLang's Llama module names.
     """
     attn = get(hf["attention"])

@@ -4,8 +4,10 @@
 module         holds
 =============  ==========================================================================
 ``run``        a plan's forward passes with capture hooks (chunks, KV cache, batch rows,
-               attention implementation, torch.compile / CUDA graphs, simulated TP, KV
-               formats), greedy decode, the bare run ``tracer bench`` measures against
+               CUDA graphs, KV formats), greedy decode, the bare run ``tracer bench``
+               measures against
+``context``    what a plan changes about the model for its run, undone on exit (attention
+               implementation, torch.compile, simulated TP, deterministic mode, devices)
 ``rollout``    an RL step's rollout (K prompts sampled from a KV cache) and trainer (one
                teacher-forced forward) executors
 ``facts``      its numeric contract (transformers version, attention, norm, GEMM, dtypes)

@@ -42,7 +42,8 @@ from tracer.execute.kernels import KernelRecorder
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import RunRecord
 from tracer.execute.sampling import choose, token_logprobs
-from tracer.engines.hf.run import batch_inputs, plan_context
+from tracer.engines.hf.context import plan_context
+from tracer.engines.hf.run import batch_inputs
 from tracer.execute.sdpa_inputs import SdpaRecorder
 from tracer.load.devices import cast_weights, model_device
 from tracer.load.hf_cache import cache_kwarg, output_cache

@@ -57,7 +57,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from tracer.errors import TracerError
-from tracer.execute.family import HEAD_SHARDED_ROLES, SHARDED_ROLES
+from tracer.execute.roles import HEAD_SHARDED_ROLES, SHARDED_ROLES
 from tracer.execute.kinds import PointKind
 from tracer.execute.points import CapturePoint
 from tracer.execute.records import CaptureRecord, RunRecord

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from tracer.errors import TracerError, option
-from tracer.execute.family import COLUMN_PARALLEL_ROLES, FUSED_ROLES, ROW_PARALLEL_ROLES, family_for, role_modules
+from tracer.execute.family import family_for, role_modules
+from tracer.execute.roles import COLUMN_PARALLEL_ROLES, FUSED_ROLES, ROW_PARALLEL_ROLES
 
 
 #: the most worker processes tracer starts on the CPU

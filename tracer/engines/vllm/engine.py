@@ -106,7 +106,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
             vLLM's; its model gives the HF layout the captures are mapped onto).
         token_ids: the prompt, N ints.
         plan: the run plan (see the module docstring for what vLLM is asked to do).
-        points: capture points under HF names (:func:`tracer.execute.capture.discover_points`).
+        points: capture points under HF names (:func:`tracer.execute.points.discover_points`).
         window: the compared positions ``(start, stop)``.
         keep_on_device: leave the captures on vLLM's device (the comparison runs there); else
             they are copied to the host once, after the run.
