@@ -361,6 +361,10 @@ from pathlib import Path
 import tracer.api as api
 from tracer.cli import main
 
+# Python's own SIGINT handler, as a command started from a terminal has it: a test run started in the
+# background of a non-interactive shell hands its children SIGINT ignored, which tracer keeps
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 def call(args):
     sys.argv = ["tracer", *args]
     try:
