@@ -145,7 +145,9 @@ def trace_header(loaded: LoadedModel, scen: Scenario, n_tokens: int, capture: Ca
         "granularity": capture.granularity, "dtype": info.dtype,
         "attn_implementation": info.attn_implementation, "n_tokens": n_tokens, "store": store,
         "kv_cache": bool(capture.kv_cache),
-        "sublayers_width": sublayers_width(loaded.model, info.hidden_size, bool(capture.kv_cache))}
+        # what the suggestion's size of a sublayers trace counts from; nothing stored, no suggestion of it
+        "sublayers_width": sublayers_width(loaded.model, info.hidden_size, bool(capture.kv_cache))
+        if store != "none" else None}
     if scen is not None:
         facts.update(scenario=scen.to_dict(), **block_facts(scen, (extra or {}).get("engines")),
                      split_points=[scen.window[0]])

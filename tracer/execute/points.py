@@ -332,8 +332,9 @@ def _kv_width(model: nn.Module, fam: Family, point: CapturePoint, mod: nn.Module
     k = _role_module(model, fam, layer_path, "k_proj") if layer_path is not None else None
     if k is None:  # no role (an inferred family): a key projection under the point's module
         k = next((m for n, m in mod.named_modules() if n.endswith("k_proj") and _io_widths(m)), None)
-    if _io_widths(k) is not None:
-        return 2 * _io_widths(k)[1]
+    io = _io_widths(k)
+    if io is not None:
+        return 2 * io[1]
     attn = _role_module(model, fam, layer_path, "attention") if layer_path is not None else None
     attn = attn or next((m for m in mod.modules() if hasattr(m, "head_dim") and hasattr(m, "config")), None)
     heads, head_dim = _heads(attn, kv=True)
