@@ -252,6 +252,33 @@ def test_the_heap_check_finds_every_variable_length_value_by_type(tmp_path):
     heap.check_heap(h5py.File(path, "r"), path, "file")  # a sound heap: the probe reads it, no error
 
 
+def test_the_heap_check_does_not_trust_an_objects_attribute_count(tmp_path, monkeypatch):
+    """An attacker's file: a dense attribute index whose record count was lowered (its checksum
+    recomputed) made each object's info say 1 attribute where 25 are stored; the walk that opened
+    attributes by index up to that count found no variable-length value, and the read that followed
+    hung in HDF5 on a zeroed heap. Planted here as object infos that say 0: the walk lists the
+    attributes from their storage, so it still names every variable-length one."""
+    import types
+
+    from tracer.store import heap
+
+    path = tmp_path / "dense.h5"
+    with h5py.File(path, "w", libver="latest") as f:
+        for i in range(20):
+            f.attrs[f"pad{i:02d}"] = np.bytes_("fixed")
+        f.attrs["format"] = "a variable-length string"
+        g = f.create_group("g")
+        g.attrs["text"] = "t"
+    visit = h5py.h5o.visit
+
+    def lying(oid, fn, **kw):  # every object's info says it holds no attribute
+        return visit(oid, lambda name, info: fn(name, types.SimpleNamespace(type=info.type, num_attrs=0)), **kw)
+
+    monkeypatch.setattr(h5py.h5o, "visit", lying)
+    with h5py.File(path, "r") as f:
+        assert sorted(heap.variable_length(f)) == [(b"/", b"format"), (b"g", b"text")]
+
+
 def test_a_trace_without_checksums_is_compared_unverified_in_every_format(tmp_path):
     """Issue 37 item 4: a trace whose checksums were stripped and whose run B was overwritten with run
     A's data (its original diverges at layer 0) was compared "bit-identical", exit 0, with no word of

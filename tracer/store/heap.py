@@ -63,28 +63,30 @@ def _has_vlen(t: Any) -> bool:
 def variable_length(f: Any) -> list[tuple[bytes, bytes | None]]:
     """``(object path, attribute name)`` of every variable-length attribute of open file ``f``, and
     ``(dataset path, None)`` of every variable-length dataset, found by type (the heap is not read).
-    Names are HDF5's bytes (whatever their encoding). The walk is HDF5's own (``H5Ovisit``, with each
-    object's attribute count), opening only objects that hold attributes or data: no Python object
-    per group or dataset."""
+    Names are HDF5's bytes (whatever their encoding). The walk is HDF5's own (``H5Ovisit``, then each
+    object's attributes as its attribute storage lists them, ``H5Aiterate`` in storage order): no
+    Python object per group or dataset, and no trust in an object's attribute count."""
     import h5py
 
     found: list[tuple[bytes, bytes | None]] = []
 
-    def attributes(oid: Any, name: bytes, n: int) -> None:
-        for i in range(n):  # in storage order: by name order, HDF5 sorts the names at every open
-            attr = h5py.h5a.open(oid, index=i, order=h5py.h5.ITER_NATIVE)
-            if _has_vlen(attr.get_type()):
-                found.append((name, attr.get_name()))
+    def attributes(oid: Any, name: bytes) -> None:
+        # names listed by walking the attribute storage itself, in storage order (an object's attribute
+        # count can be wrong in a damaged file; opening by index trusts it, and by index in name order
+        # HDF5 sorts the names at every open), then each opened by name
+        keys: list[bytes] = []
+        h5py.h5a.iterate(oid, keys.append, index_type=h5py.h5.INDEX_NAME, order=h5py.h5.ITER_NATIVE)
+        for key in keys:
+            if _has_vlen(h5py.h5a.open(oid, key).get_type()):
+                found.append((name, key))
 
     def look(name: bytes, info: Any) -> None:
-        dataset = info.type == h5py.h5o.TYPE_DATASET
-        if info.num_attrs or dataset:
-            oid = h5py.h5o.open(f.id, name)
-            attributes(oid, name, info.num_attrs)
-            if dataset and _has_vlen(oid.get_type()):
-                found.append((name, None))
+        oid = h5py.h5o.open(f.id, name)
+        attributes(oid, name)
+        if info.type == h5py.h5o.TYPE_DATASET and _has_vlen(oid.get_type()):
+            found.append((name, None))
 
-    attributes(f.id, b"/", h5py.h5o.get_info(f.id).num_attrs)
+    attributes(f.id, b"/")
     h5py.h5o.visit(f.id, look, info=True)
     return found
 
