@@ -239,3 +239,67 @@ def test_a_point_recorded_twice_in_one_block_is_refused():
     with pytest.raises(TracerError, match="recorded in 2 forwards inside CUDA graphs") as e:
         graph_chunks("x", [a, b, c], [False, True, True], calls, [False, True, True])
     assert "\n" not in str(e.value)
+
+
+def _own_forwards(model: torch.nn.Module) -> dict[str, object]:
+    """Module name → the ``forward`` set on the instance (none, normally)."""
+    return {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+
+
+def test_forward_wrappers_capture_what_hooks_capture_and_leave_nothing_behind(tiny_llama):
+    """The eager runner's forward wrappers (Capture(wrap_forward=True)) keep the same tensors and calls
+    as forward hooks; afterwards every module's forward is what it was: none of its own, or, on a
+    module with a forward of its own (as accelerate sets), that same object, also after a forward
+    that raised."""
+    points = discover_points(tiny_llama, "sublayers")
+    ids = torch.tensor([IDS])
+    mlp = tiny_llama.model.layers[0].mlp
+    own = mlp.forward  # a bound method, set on the instance: a forward of its own
+    mlp.forward = own
+    try:
+        got = {}
+        hooks = {n: len(m._forward_hooks) for n, m in tiny_llama.named_modules()}  # transformers' own, if any
+        for wrap in (False, True):
+            with torch.no_grad(), Capture(tiny_llama, points, (0, len(IDS)), wrap_forward=wrap) as cap:
+                if wrap:  # wrapped: a hook of the capture's only where transformers put one of its own
+                    now = {n: len(m._forward_hooks) for n, m in tiny_llama.named_modules()}
+                    assert {n for n in now if now[n] != hooks[n]} <= {n for n in hooks if hooks[n]}
+                    assert any(now[p.module] == 0 for p in points)
+                with cap.forward_call(0, len(IDS)):
+                    tiny_llama(ids)
+            got[wrap] = cap.records()
+            assert _own_forwards(tiny_llama) == {"model.layers.0.mlp": own}
+        assert list(got[True]) == list(got[False])
+        for name, rec in got[False].items():
+            assert torch.equal(got[True][name].tensor, rec.tensor) and got[True][name].calls == rec.calls, name
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("planted failure")
+
+        tiny_llama.model.layers[1].self_attn.forward = boom
+        with pytest.raises(RuntimeError, match="planted"), torch.no_grad():
+            with Capture(tiny_llama, points, (0, len(IDS)), wrap_forward=True) as cap:
+                with cap.forward_call(0, len(IDS)):
+                    tiny_llama(ids)
+        assert _own_forwards(tiny_llama) == {"model.layers.0.mlp": own, "model.layers.1.self_attn": boom}
+    finally:
+        for m in (mlp, tiny_llama.model.layers[1].self_attn):
+            m.__dict__.pop("forward", None)
+
+
+def test_a_forward_hook_of_the_users_is_seen_through_wrappers(tiny_llama):
+    """A module with a forward hook of its own keeps a hook for the capture (registered after it), so
+    the capture holds what the user's hook returned, as downstream modules consume it."""
+    points = [p for p in discover_points(tiny_llama, "layers") if p.kind == "layer"]
+    layer = tiny_llama.model.layers[0]
+    with torch.no_grad():  # the layer's own output, before any hook of the user's
+        hs = tiny_llama(torch.tensor([IDS]), output_hidden_states=True).hidden_states
+    h = layer.register_forward_hook(lambda m, a, out: out + 1.0)
+    try:
+        with torch.no_grad(), Capture(tiny_llama, points, (0, len(IDS)), wrap_forward=True) as cap:
+            with cap.forward_call(0, len(IDS)):
+                tiny_llama(torch.tensor([IDS]))
+    finally:
+        h.remove()
+    assert torch.equal(cap.records()["model.layers.0"].tensor, hs[1][0] + 1.0)  # what the user's hook returned
+    assert "forward" not in layer.__dict__

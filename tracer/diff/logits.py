@@ -15,6 +15,7 @@ import torch
 
 from tracer.diff.batch import tensor_diff
 from tracer.diff.fetch import fetch_together
+from tracer.diff import graphed
 from tracer.diff import metrics as _metrics
 from tracer.diff.metrics import _EXP_MASK, _INT_VIEW, ArgmaxFlip, LogitsDiff, TensorDiff, _check_pair
 
@@ -109,6 +110,31 @@ def logits_accumulator(a: torch.Tensor, b: torch.Tensor) -> LogitsAccumulator:
 #: elements of one chunk of logits rows on a CUDA device (float64 temporaries of this size: 128 MiB
 #: each); a fixed number, so a comparison online and one from the trace chunk the rows alike
 CUDA_CHUNK_ELEMENTS = 1 << 24
+
+
+def _dense_words(a: torch.Tensor, b: torch.Tensor, v: int) -> torch.Tensor:
+    """The float64 statistics of every row of a logits chunk ``a``/``b`` (``(r, v)``, one storage
+    dtype), a pure function of them: ``[kl sum, kl max, top-5 sum, top-10 sum, worst rank]`` then
+    the ``r`` rows' argmax of A, of B, both top-1 − top-2 margins and both margins in ULPs
+    (:meth:`LogitsAccumulator._settle` reads them), float64 ``(5 + 6 r,)``."""
+    r = a.shape[0]
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)  # (r, V)
+    top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
+    kl = _kl_rows(a64, b64)  # (r,); 0 on rows with equal finite bits
+    top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
+    top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)
+    o5, o10 = _overlap(top_ia, top_ib, min(5, v)), _overlap(top_ia, top_ib, min(10, v))
+    rank = (b64 > b64.gather(1, top_a.unsqueeze(1))).sum(dim=1)  # (r,)
+    del a64, b64
+    if v >= 2:
+        ma, mb = top_va[:, 0] - top_va[:, 1], top_vb[:, 0] - top_vb[:, 1]
+        ua, ub = _ulp_gap(top_va, a.dtype).to(torch.float64), _ulp_gap(top_vb, a.dtype).to(torch.float64)
+    else:  # no flip can exist
+        ma = mb = ua = ub = torch.zeros(r, dtype=torch.float64, device=a.device)
+    scalars = torch.stack([kl.sum(), kl.max(), o5.sum(), o10.sum(), rank.max().to(torch.float64)])
+    # token ids and the ULP gaps of the flips that matter (< 2^53): exact in float64
+    rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb, ua, ub])
+    return torch.cat([scalars, rows.reshape(-1)])
 
 
 class LogitsAccumulator:
@@ -224,26 +250,13 @@ class LogitsAccumulator:
                                              margin_a=float(ma[i]), margin_b=float(mb[i]), ulps_a=ua[i], ulps_b=ub[i]))
 
     def _dense(self, a: torch.Tensor, b: torch.Tensor, start: int) -> None:
-        """:meth:`_chunk` on a GPU: the float64 statistics of every row, kept on the device (:meth:`pending_words`)."""
-        v, r = self.v, a.shape[0]
-        a64, b64 = a.to(torch.float64), b.to(torch.float64)  # (r, V)
-        top_a, top_b = a64.argmax(dim=1), b64.argmax(dim=1)  # (r,) first index among ties
-        kl = _kl_rows(a64, b64)  # (r,); 0 on rows with equal finite bits
-        top_va, top_ia = torch.topk(a64, min(10, v), dim=1)  # (r, k) sorted descending
-        top_vb, top_ib = torch.topk(b64, min(10, v), dim=1)
-        o5, o10 = _overlap(top_ia, top_ib, min(5, v)), _overlap(top_ia, top_ib, min(10, v))
-        rank = (b64 > b64.gather(1, top_a.unsqueeze(1))).sum(dim=1)  # (r,)
-        del a64, b64
-        if v >= 2:
-            ma, mb = top_va[:, 0] - top_va[:, 1], top_vb[:, 0] - top_vb[:, 1]
-            ua, ub = _ulp_gap(top_va, a.dtype).to(torch.float64), _ulp_gap(top_vb, a.dtype).to(torch.float64)
-        else:  # no flip can exist
-            ma = mb = ua = ub = torch.zeros(r, dtype=torch.float64, device=a.device)
-        scalars = torch.stack([kl.sum(), kl.max(), o5.sum(), o10.sum(), rank.max().to(torch.float64)])
-        # token ids and the ULP gaps of the flips that matter (< 2^53): exact in float64
-        rows = torch.stack([top_a.to(torch.float64), top_b.to(torch.float64), ma, mb, ua, ub])
+        """:meth:`_chunk` on a GPU: the float64 statistics of every row, kept on the device
+        (:meth:`pending_words`); replayed from a CUDA graph once this chunk's shape has been seen
+        before (:func:`tracer.diff.graphed.run`)."""
+        v = self.v
+        (words,) = graphed.run("logits_rows", lambda xa, xb: (_dense_words(xa, xb, v),), (a, b), (v,))
         # read on the host with the rest of the comparison (fetch_together), in chunk order
-        self._pending.append((start, r, torch.cat([scalars, rows.reshape(-1)])))
+        self._pending.append((start, a.shape[0], words))
 
     def pending_words(self) -> list[torch.Tensor]:
         """The dense chunks' statistics still on the device (the rows waiting for a chunk are

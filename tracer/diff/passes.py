@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tracer.diff import graphed
 from tracer.diff.metrics import _INT_VIEW, _ULP_EDGES, bits_equal, element_stats, has_nonfinite
 
 #: most elements of a chunk that gets both passes on every block with no synchronisation between them
@@ -73,6 +74,20 @@ _P1 = ("n_diff", "n_nan_a", "n_nan_b", "n_inf_a", "n_inf_b", "n_nan_payload")  #
 _P2_SUM = ("sum_abs", "sa", "sb", "sab", "sdd")  # float64 sums over the differing elements
 _P2_MAX = ("max_abs", "max_ulp_mag")  # float64 maxima
 _P2_CNT = ("rel3", "rel5", "tol") + tuple(f"ulp_gt_{e}" for e in _ULP_EDGES[1:])  # int64 counts
+
+
+def _dense_passes(ca: torch.Tensor, cb: torch.Tensor, nb: int, block: int,
+                  tolerance: tuple[float, float] | None) -> tuple[torch.Tensor, ...]:
+    """Both passes over every block of a chunk (:meth:`ChunkPasses._dense_chunk`), a pure function of
+    the chunk ``ca``/``cb`` (flat, ``nb * block`` elements, one storage dtype): ``(p1 (nb, 6) int64,
+    sum a² of the equal finite elements (nb,) float64, *element_stats)``."""
+    view = _INT_VIEW[ca.dtype]
+    neq = ca.view(view) != cb.view(view)  # (C,)
+    p1 = _block_counts(neq, ca, cb, nb, block)
+    a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
+    sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
+    del a_eq
+    return (p1, sq_eq) + element_stats(ca, cb, neq, (nb, block), tolerance)
 
 
 class ChunkPasses:
@@ -157,15 +172,16 @@ class ChunkPasses:
         passes with no host synchronisation between them, their per-block results kept on the device
         until :meth:`results` (one transfer for the whole batch). A block whose bits are all equal
         adds zeros to every sum, count and maximum, so the numbers are those of the pass on the
-        blocks that differ, computed on whole blocks."""
-        view = _INT_VIEW[ca.dtype]
-        neq = ca.view(view) != cb.view(view)  # (C,)
-        p1 = _block_counts(neq, ca, cb, nb, block)
-        a_eq = torch.where(~neq & torch.isfinite(ca), ca, torch.zeros_like(ca)).to(torch.float64)
-        sq_eq = (a_eq * a_eq).view(nb, block).sum(1)  # (nb,) float64
-        del a_eq
+        blocks that differ, computed on whole blocks. On a GPU the passes replay from a CUDA graph
+        once this chunk's shape has been seen before (:func:`tracer.diff.graphed.run`)."""
+        tol = self.tolerance
+
+        def passes(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return _dense_passes(xa, xb, nb, block, tol)
+
+        p1, sq_eq, *p2 = graphed.run("dense_chunk", passes, (ca, cb), (nb, block, tol))
         self._p1.append((segs, p1, sq_eq))
-        self._p2.append((segs,) + element_stats(ca, cb, neq, (nb, block), self.tolerance))
+        self._p2.append((segs, *p2))
 
     def _accumulators(self) -> dict[str, np.ndarray]:
         ns = len(self._seg_n)

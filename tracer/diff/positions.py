@@ -14,6 +14,7 @@ from typing import TypedDict
 import numpy as np
 import torch
 
+from tracer.diff import graphed
 from tracer.diff.fetch import fetch_together
 from tracer.execute.kinds import PointKind
 
@@ -191,9 +192,11 @@ class PositionStats:
         for items in groups.values():
             if len(items) == 1:
                 index, a, b = items[0]
-                self._store(index, *position_reduce(a, b))
+                self._store(index, *graphed.run("positions", position_reduce, (a, b)))
                 continue
-            mx, nd = position_reduce(torch.cat([a for _, a, _ in items]), torch.cat([b for _, _, b in items]))
+            # on a GPU replayed from a CUDA graph once this group's shape has been seen (tracer.diff.graphed)
+            mx, nd = graphed.run("positions", position_reduce, (torch.cat([a for _, a, _ in items]),
+                                                             torch.cat([b for _, _, b in items])))
             rows = [a.shape[0] for _, a, _ in items]
             for (index, _, _), m, n in zip(items, mx.split(rows), nd.split(rows)):
                 self._store(index, m, n)

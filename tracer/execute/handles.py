@@ -20,12 +20,20 @@ class Hooks:
     def __init__(self) -> None:
         self._handles: list[Any] = []
 
-    def hook(self, module: Any, fn: Callable[..., Any], *, pre: bool = False, **kwargs: Any) -> Any:
+    def hook(self, module: Any, fn: Callable[..., Any], *, pre: bool = False, wrap: bool = False,
+             **kwargs: Any) -> Any:
         """Register ``fn`` as a forward hook of ``module`` (``pre``: a forward pre-hook; ``kwargs`` as
         torch's ``register_forward_hook``: ``with_kwargs``, ``prepend``, ``always_call``) and keep its
-        handle. Returns the handle."""
-        register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        handle = register(fn, **kwargs)
+        handle. ``wrap``: instead, call ``fn(module, args, kwargs, output)`` from a wrapper of the
+        module's ``forward`` (:class:`WrappedForward`; ``fn``'s return value is ignored), unless forward
+        hooks are registered on the module or globally: a hook may replace the output (a planted
+        perturbation, a steering vector), and a hook registered after them sees what they return.
+        Returns the handle."""
+        if wrap and not pre and not module._forward_hooks and not _global_forward_hooks():
+            handle: Any = WrappedForward(module, fn)
+        else:
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            handle = register(fn, **kwargs)
         self._handles.append(handle)
         return handle
 
@@ -49,4 +57,53 @@ class Hooks:
             self._handles.pop().remove()
 
 
-__all__ = ["Hooks"]
+def _global_forward_hooks() -> bool:
+    """Whether forward hooks for every module are registered (``register_module_forward_hook``)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_forward_hooks", True))
+
+
+class WrappedForward:
+    """A forward hook with kwargs, made as a wrapper of one module's ``forward`` (an attribute of the
+    instance): ``fn(module, args, kwargs, output)`` runs right after the module's forward returns.
+
+    A module with a forward hook takes PyTorch's general call path (about 16 µs more a call on a
+    2-core EPYC, 93 calls a run of a 28-layer model at ``layers``); a wrapped ``forward`` keeps
+    the fast path, where a launch-bound GPU forward feels every microsecond of the host's. It sees
+    what a forward hook would see on a module with no other forward hook (:meth:`Hooks.hook` takes a
+    hook where there is one). Not for a model that
+    ``torch.compile`` traces (a new closure every run would recompile it): callers pass hooks there.
+    :meth:`remove` puts back exactly what the instance had (a ``forward`` of its own, as
+    accelerate's, or none); when somebody wrapped the forward again on top of this one, the
+    wrapper stays in their chain as a pass-through.
+    """
+
+    def __init__(self, module: Any, fn: Callable[..., Any]) -> None:
+        self.module = module
+        self._had = "forward" in module.__dict__
+        self._prior = module.__dict__.get("forward")
+        inner = module.forward
+        self.active = True
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if self.active:
+                fn(module, args, kwargs, out)
+            return out
+
+        self._forward = forward
+        module.forward = forward
+
+    def remove(self) -> None:
+        """Unwrap the module's ``forward`` (idempotent)."""
+        self.active = False
+        m = self.module
+        if m.__dict__.get("forward") is self._forward:
+            if self._had:
+                m.forward = self._prior
+            else:
+                del m.forward
+
+
+__all__ = ["Hooks", "WrappedForward"]

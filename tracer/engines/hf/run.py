@@ -322,7 +322,9 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     generated = None
     tokens = None
     with torch.inference_mode(), compiler_warnings(plan.compile) as warned:
-        with Capture(model, points, window, keep_on_device=keep_on_device) as cap, \
+        # eager plans: the hooks as forward wrappers (no torch.compile traces them; PyTorch's fast call path);
+        # not while kernels are recorded per module (the capture's copies would count as the module's kernels)
+        with Capture(model, points, window, keep_on_device=keep_on_device, wrap_forward=not (plan.compile or kernels)) as cap, \
                 plan_context(model, plan) as fn:
             with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
                     SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
