@@ -236,7 +236,7 @@ class Capture(Hooks):
                 calls_recorded.append(recording)
                 if p.name not in fired:
                     fired[p.name] = len(fired)
-                kept = self._slice(p, t, start, stop, row, col, referable)
+                kept = self._slice(p, t, start, stop, row, col, referable, recording)
                 if kept is not None:
                     chunks.append(kept)
                     recorded.append(recording)
@@ -259,11 +259,12 @@ class Capture(Hooks):
         return axis
 
     def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int,
-               referable: bool = False):
+               referable: bool = False, recording: bool | None = None):
         """The window of batch row ``row`` of ``t`` (``(B, T, *feature)``, the call's positions
         ``[start, stop)`` from column ``col``) as this capture keeps it (a view, a device copy or
         a host copy), or None when the call computes none of the window; ``referable``: the point's
-        kind may be kept by reference (:meth:`_by_reference`)."""
+        kind may be kept by reference (:meth:`_by_reference`); ``recording``: whether ``t`` is made
+        inside a CUDA-graph recording, when the hook already asked (None: asked here)."""
         dims = t.dim()
         if dims < 2:
             raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
@@ -289,7 +290,7 @@ class Capture(Hooks):
                              t.storage_offset() + row * stride[0] + (col + lo - start) * stride[1])
         if piece.requires_grad:
             piece = piece.detach()
-        if self.keep_on_device and referable and self._by_reference(t):
+        if self.keep_on_device and referable and self._by_reference(t, recording):
             return piece
         if self.keep_on_device or piece.device.type == "cpu":
             return piece.clone()
@@ -301,12 +302,12 @@ class Capture(Hooks):
         self._pending_sync.add(piece.device)
         return host
 
-    def _by_reference(self, t: torch.Tensor) -> bool:
+    def _by_reference(self, t: torch.Tensor, recording: bool | None = None) -> bool:
         """Whether the window of ``t``, the output of a point whose kind may be kept by reference,
-        is kept as a view (see the class docstring)."""
+        is kept as a view (see the class docstring); ``recording`` as :meth:`_slice`'s."""
         if not (self.reference if self.reference is not None else t.device.type == "cuda"):
             return False
-        if _recording(t):
+        if _recording(t) if recording is None else recording:
             return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
         storage = t.untyped_storage()
         key = storage.data_ptr()
