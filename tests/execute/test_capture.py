@@ -303,3 +303,28 @@ def test_a_forward_hook_of_the_users_is_seen_through_wrappers(tiny_llama):
         h.remove()
     assert torch.equal(cap.records()["model.layers.0"].tensor, hs[1][0] + 1.0)  # what the user's hook returned
     assert "forward" not in layer.__dict__
+
+
+def test_simulated_tp_points_are_captured_through_forward_wrappers(tiny_llama):
+    """A simulated-TP plan sets the row-parallel Linears' forward on the instance; the eager runner's
+    capture (forward wrappers) still holds what those modules computed: the output of o_proj and
+    down_proj under the plan, as a plain forward hook sees it (hooks fire whatever the forward)."""
+    from tracer.execute.tp_sim import simulate_tp
+    from tracer.plan.scenarios import TPSpec
+
+    points = discover_points(tiny_llama, "sublayers")
+    names = ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"]
+    seen = {}
+    with torch.no_grad(), simulate_tp(tiny_llama, 2):  # the oracle: forward hooks of our own
+        hs = [tiny_llama.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: seen.update({n: o[0].clone()}))
+              for n in names]
+        try:
+            tiny_llama(torch.tensor([IDS]))
+        finally:
+            for h in hs:
+                h.remove()
+    rec = execute(tiny_llama, IDS, RunPlan("B", ((0, len(IDS)),), tp=TPSpec(2)), points, (0, len(IDS)))
+    for n in names:
+        assert rec.captures[n].calls, n
+        assert torch.equal(rec.captures[n].tensor, seen[n]), n
+    assert _own_forwards(tiny_llama) == {}
