@@ -303,3 +303,68 @@ def test_a_forward_hook_of_the_users_is_seen_through_wrappers(tiny_llama):
         h.remove()
     assert torch.equal(cap.records()["model.layers.0"].tensor, hs[1][0] + 1.0)  # what the user's hook returned
     assert "forward" not in layer.__dict__
+
+
+def test_simulated_tp_points_are_captured_through_forward_wrappers(tiny_llama):
+    """A simulated-TP plan sets the row-parallel Linears' forward on the instance; the eager runner's
+    capture (forward wrappers) still holds what those modules computed: the output of o_proj and
+    down_proj under the plan, as a plain forward hook sees it (hooks fire whatever the forward)."""
+    from tracer.execute.tp_sim import simulate_tp
+    from tracer.plan.scenarios import TPSpec
+
+    points = discover_points(tiny_llama, "sublayers")
+    names = ["model.layers.0.self_attn.o_proj", "model.layers.1.mlp.down_proj"]
+    seen = {}
+    with torch.no_grad(), simulate_tp(tiny_llama, 2):  # the oracle: forward hooks of our own
+        hs = [tiny_llama.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: seen.update({n: o[0].clone()}))
+              for n in names]
+        try:
+            tiny_llama(torch.tensor([IDS]))
+        finally:
+            for h in hs:
+                h.remove()
+    rec = execute(tiny_llama, IDS, RunPlan("B", ((0, len(IDS)),), tp=TPSpec(2)), points, (0, len(IDS)))
+    for n in names:
+        assert rec.captures[n].calls, n
+        assert torch.equal(rec.captures[n].tensor, seen[n]), n
+    assert _own_forwards(tiny_llama) == {}
+
+
+def test_two_wrapping_captures_left_out_of_order_leave_nothing_behind(tiny_llama):
+    """Two eager captures of one model, the first left first: every module's forward is again the
+    class's, and no wrapper (nor the first capture's hooks and tensors) stays reachable from the model."""
+    import gc
+    import weakref
+
+    points = [p for p in discover_points(tiny_llama, "layers") if p.kind == "layer"]
+    first = Capture(tiny_llama, points, (0, len(IDS)), wrap_forward=True).__enter__()
+    second = Capture(tiny_llama, points, (0, len(IDS)), wrap_forward=True).__enter__()
+    with torch.no_grad(), first.forward_call(0, len(IDS)), second.forward_call(0, len(IDS)):
+        tiny_llama(torch.tensor([IDS]))
+    gone = weakref.ref(first)
+    first.__exit__(None, None, None)
+    second.__exit__(None, None, None)
+    assert torch.equal(first.records()["model.layers.0"].tensor, second.records()["model.layers.0"].tensor)
+    assert _own_forwards(tiny_llama) == {}
+    del first
+    gc.collect()
+    assert gone() is None  # nothing of the model's holds the first capture
+
+
+def test_a_forward_defined_as_a_property_gets_a_hook_not_a_wrapper():
+    """A module class whose ``forward`` is a property (a data descriptor wins over the instance's
+    dict): the capture falls back to a forward hook, so its call is still seen."""
+    from tracer.execute.handles import Hooks
+
+    class Doubler(torch.nn.Module):
+        @property
+        def forward(self):
+            return lambda x: 2 * x
+
+    m, seen = Doubler(), []
+    hooks = Hooks()
+    hooks.hook(m, lambda mod, args, kwargs, out: seen.append(out), with_kwargs=True, wrap=True)
+    m(torch.ones(3))
+    hooks.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((3,), 2.0))
+    assert "forward" not in m.__dict__ and not m._forward_hooks

@@ -26,12 +26,16 @@ class Hooks:
              **kwargs: Any) -> Any:
         """Register ``fn`` as a forward hook of ``module`` (``pre``: a forward pre-hook; ``kwargs`` as
         torch's ``register_forward_hook``: ``with_kwargs``, ``prepend``, ``always_call``) and keep its
-        handle. ``wrap``: instead, call ``fn(module, args, kwargs, output)`` from a wrapper of the
-        module's ``forward`` (:class:`WrappedForward`; ``fn``'s return value is ignored), unless forward
-        hooks are registered on the module or globally: a hook may replace the output (a planted
-        perturbation, a steering vector), and a hook registered after them sees what they return.
+        handle. ``wrap`` (with ``with_kwargs=True`` and no other option): instead, call ``fn(module,
+        args, kwargs, output)`` from a wrapper of the module's ``forward`` (:class:`WrappedForward`;
+        ``fn``'s return value is ignored), unless forward hooks are registered on the module or
+        globally (a hook may replace the output: a planted perturbation, a steering vector; a hook
+        registered after them sees what they return) or the class's ``forward`` is a property
+        (the instance's ``forward`` would never be read).
         Returns the handle."""
-        if wrap and not pre and not module._forward_hooks and not _global_forward_hooks():
+        # the wrapper stands in for a plain hook with kwargs only (no prepend/always_call order it could keep)
+        if (wrap and not pre and kwargs == {"with_kwargs": True} and not module._forward_hooks
+                and not _global_forward_hooks() and _plain_forward(module)):
             handle: Any = WrappedForward(module, fn)
         else:
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
@@ -59,6 +63,16 @@ class Hooks:
             self._handles.pop().remove()
 
 
+def _plain_forward(module: Any) -> bool:
+    """Whether an instance attribute ``forward`` is what ``module.forward`` reads: the class's
+    ``forward`` is no data descriptor (a ``property`` would win over the instance's dict, and a
+    wrapper written there would never run)."""
+    for klass in type(module).__mro__:
+        if "forward" in klass.__dict__:
+            return not hasattr(type(klass.__dict__["forward"]), "__set__")
+    return True
+
+
 def _global_forward_hooks() -> bool:
     """Whether forward hooks for every module are registered (``register_module_forward_hook``)."""
     return bool(getattr(_torch_module, "_global_forward_hooks", True))
@@ -76,7 +90,8 @@ class WrappedForward:
     ``torch.compile`` traces (a new closure every run would recompile it): callers pass hooks there.
     :meth:`remove` puts back exactly what the instance had (a ``forward`` of its own, as
     accelerate's, or none); when somebody wrapped the forward again on top of this one, the
-    wrapper stays in their chain as a pass-through.
+    wrapper stays in their chain as a pass-through that holds no hook (another capture's wrapper on
+    top skips it when removed).
     """
 
     def __init__(self, module: Any, fn: Callable[..., Any]) -> None:
@@ -85,13 +100,15 @@ class WrappedForward:
         self._prior = module.__dict__.get("forward")
         inner = module.forward
         self.active = True
+        self._fn: Callable[..., Any] | None = fn  # dropped on removal: a wrapper left in a chain holds no capture
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             out = inner(*args, **kwargs)
             if self.active:
-                fn(module, args, kwargs, out)
+                self._fn(module, args, kwargs, out)  # type: ignore[misc]
             return out
 
+        forward._tracer_wrapped = self  # type: ignore[attr-defined]  # read by a later wrapper's remove()
         self._forward = forward
         # the instance's dict (what Module.__setattr__ does for a plain function, at a fraction of its cost)
         module.__dict__["forward"] = forward
@@ -99,10 +116,16 @@ class WrappedForward:
     def remove(self) -> None:
         """Unwrap the module's ``forward`` (idempotent)."""
         self.active = False
+        self._fn = None
         d = self.module.__dict__
         if d.get("forward") is self._forward:
-            if self._had:
-                d["forward"] = self._prior
+            had, prior = self._had, self._prior
+            # a wrapper below this one, removed while this one was on top (captures left out of order):
+            # a pass-through now, skipped to what it had itself
+            while had and isinstance(w := getattr(prior, "_tracer_wrapped", None), WrappedForward) and not w.active:
+                had, prior = w._had, w._prior
+            if had:
+                d["forward"] = prior
             else:
                 del d["forward"]
 

@@ -323,9 +323,11 @@ def execute(model: nn.Module, token_ids: list[int], plan: RunPlan, points: list[
     tokens = None
     with torch.inference_mode(), compiler_warnings(plan.compile) as warned:
         # eager plans: the hooks as forward wrappers (no torch.compile traces them; PyTorch's fast call path);
-        # not while kernels are recorded per module (the capture's copies would count as the module's kernels)
-        with Capture(model, points, window, keep_on_device=keep_on_device, wrap_forward=not (plan.compile or kernels)) as cap, \
-                plan_context(model, plan) as fn:
+        # not while kernels are recorded per module (the capture's copies would count as the module's kernels).
+        # The plan's changes first: simulated TP sets the row-parallel Linears' forward on the instance, which
+        # would replace a wrapper installed before it (those points captured empty); after it, the wrapper wraps it
+        with plan_context(model, plan) as fn, \
+                Capture(model, points, window, keep_on_device=keep_on_device, wrap_forward=not (plan.compile or kernels)) as cap:
             with KernelRecorder(model, points, cap) if kernels else contextlib.nullcontext() as recorder, \
                     SdpaRecorder(model, points, cap) if sdpa_inputs else contextlib.nullcontext() as sdpa:
                 moves: list[Any] = []
