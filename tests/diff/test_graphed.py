@@ -72,3 +72,37 @@ def test_recorded_and_replayed_comparisons_equal_the_eager_ones(monkeypatch):
     assert layers["model.layers.3"]["n_diff"] > 0 and layers["model.layers.2"]["n_diff"] == 0
     assert layers["model.layers.20"]["n_nan_b"] == 1
     assert [f["position"] for f in doc["logits"]["flips"]] == [4]
+
+
+@cuda
+def test_a_pass_that_synchronises_runs_eagerly_and_leaves_the_stream_as_it_was():
+    """A pass reading the device inside (``.item()``) cannot be recorded: its recording fails, the
+    caller's stream is current again and every call (before and after) gives the eager result."""
+    graphed.clear()
+    x = torch.arange(8, dtype=torch.float64, device="cuda")
+    stream = torch.cuda.current_stream()
+
+    def reads(t: torch.Tensor) -> tuple[torch.Tensor]:
+        return (t * float(t.sum().item()),)
+
+    outs = [graphed.run("reads", reads, (x + i,)) for i in range(4)]
+    assert all(torch.equal(o[0], (x + i) * float((x + i).sum())) for i, o in enumerate(outs))
+    assert torch.cuda.current_stream() == stream
+    assert [e.failed for e in graphed._entries.values()] == [True]
+
+
+@cuda
+def test_graphs_beyond_the_limit_are_evicted_and_the_numbers_stay_right(monkeypatch):
+    """With room for one graph, two shapes taking turns evict each other's graph; every call still
+    returns its own inputs' numbers."""
+    graphed.clear()
+    monkeypatch.setattr(graphed, "MAX_GRAPHS", 1)
+
+    def double(t: torch.Tensor) -> tuple[torch.Tensor]:
+        return (t * 2,)
+
+    for i in range(4):
+        for n in (5, 7):
+            x = torch.full((n,), float(i), dtype=torch.float64, device="cuda")
+            assert torch.equal(graphed.run("double", double, (x,))[0], x * 2)
+            assert len(graphed._entries) <= 1

@@ -14,11 +14,17 @@ outputs: a few launches instead of dozens, and none of the pass's Python.
 The numbers are those of the eager call: the graph replays the same kernels on the same shapes
 (checked bit for bit on an H200 by ``tests/diff/test_graphed.py``). A one-off run never pays
 for a recording (only shapes seen twice in a process are recorded); repeated comparisons of one
-shape (the bench, sweeps, audits, a notebook's reruns) get the replay. The graphs' private memory
-pools hold the passes' temporaries: at most :data:`MAX_GRAPHS` graphs are kept (least recently used
-evicted), each of inputs of at most :data:`MAX_ELEMENTS` elements; larger inputs, CPU tensors, a
-stream already capturing, inputs on more than one device and ``TRACER_COMPARE_GRAPHS=off`` in the environment run eagerly. A
-function that cannot be recorded (a synchronisation inside) runs eagerly from then on.
+shape (the bench, sweeps, audits, a notebook's reruns) get the replay. A recording costs, once per
+shape, a device synchronisation, a garbage collection and the release of PyTorch's cached blocks
+(``torch.cuda.graph``'s set-up).
+
+Memory: each graph keeps static copies of its inputs and, in a private pool, the pass's
+temporaries (for the logits rows of a 16-token window of a 152k vocabulary, about 150 MiB); at
+most :data:`MAX_GRAPHS` graphs are kept (least recently used evicted, its pool freed with it),
+each of inputs of at most :data:`MAX_ELEMENTS` elements, and :func:`clear` frees them all. These
+run eagerly: larger inputs, CPU tensors, inputs on more than one device, a stream already
+capturing, and every call when ``TRACER_COMPARE_GRAPHS=off`` is in the environment. A function
+that cannot be recorded (out of memory, a synchronisation inside) runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import torch
 
 #: most graphs kept at once (each holds its temporaries in a private memory pool)
 MAX_GRAPHS = 8
+#: most keys remembered as seen once (a shape is recorded the second time it is seen)
+MAX_SEEN = 64
 #: inputs of more elements than this (summed over a call's inputs) always run eagerly
 MAX_ELEMENTS = 1 << 23
 
@@ -38,7 +46,7 @@ _Fn = Callable[..., tuple[torch.Tensor, ...]]
 
 
 class _Entry:
-    """One key's state: seen once (``graph`` None), recorded, or refused (``failed``)."""
+    """A recorded key's graph, or its refusal (``failed``: it runs eagerly from then on)."""
 
     __slots__ = ("graph", "inputs", "packed", "layout", "failed")
 
@@ -51,6 +59,8 @@ class _Entry:
 
 
 _entries: OrderedDict[tuple, _Entry] = OrderedDict()
+#: keys seen once and not recorded yet (at most MAX_SEEN, oldest dropped first)
+_seen: OrderedDict[tuple, None] = OrderedDict()
 #: how many calls each path took in this process (``eager``, ``recorded``, ``replayed``): what the tests read
 counts = {"eager": 0, "recorded": 0, "replayed": 0}
 
@@ -61,8 +71,9 @@ def enabled() -> bool:
 
 
 def clear() -> None:
-    """Drop every recorded graph (their memory pools are freed with them)."""
+    """Drop every recorded graph (their memory pools are freed with them) and forget the shapes seen."""
     _entries.clear()
+    _seen.clear()
 
 
 def _eager(fn: _Fn, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -85,21 +96,27 @@ def _unpack(flat: torch.Tensor, layout: tuple) -> tuple[torch.Tensor, ...]:
 
 
 def _record(entry: _Entry, fn: _Fn, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """Record ``fn`` on static copies of ``inputs``; the outputs of a replay, or None (recorded nothing)."""
-    static = tuple(t.clone() for t in inputs)
-    side = torch.cuda.Stream(device=static[0].device)
-    side.wait_stream(torch.cuda.current_stream(static[0].device))
-    with torch.cuda.stream(side):  # the warm-up the recording needs (lazy library set-up), off the recording
-        outs = fn(*static)
-    torch.cuda.current_stream(static[0].device).wait_stream(side)
-    if any(o.element_size() != 8 for o in outs):
-        return None  # packed as int64 words: every pass here returns 8-byte dtypes
-    graph = torch.cuda.CUDAGraph()
+    """Record ``fn`` on static copies of ``inputs``; the outputs of a replay, or None (recorded nothing:
+    the caller runs it eagerly). Any error of the recording (out of memory, a synchronisation inside)
+    leaves the caller's stream current and nothing held."""
+    device = inputs[0].device
+    stream = torch.cuda.current_stream(device)
     try:
+        static = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # the warm-up the recording needs (lazy library set-up), off the recording
+            outs = fn(*static)
+        stream.wait_stream(side)
+        if any(o.element_size() != 8 for o in outs):
+            return None  # packed as int64 words: every pass here returns 8-byte dtypes
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             packed, layout = _pack(fn(*static))
-    except RuntimeError:  # a synchronisation inside, or an operation a graph cannot hold
-        torch.cuda.synchronize(static[0].device)
+        torch.cuda.set_stream(stream)
+    except RuntimeError:  # out of memory, a synchronisation inside, an operation a graph cannot hold
+        torch.cuda.set_stream(stream)  # a failed capture can leave its own stream current
+        torch.cuda.synchronize(device)
         return None
     entry.graph, entry.inputs, entry.packed, entry.layout = graph, static, packed, layout
     graph.replay()
@@ -128,19 +145,23 @@ def run(name: str, fn: _Fn, inputs: tuple[torch.Tensor, ...], params: tuple = ()
            tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs))
     entry = _entries.get(key)
     if entry is None:
-        _entries[key] = _Entry()
-        while len(_entries) > MAX_GRAPHS:
+        if key not in _seen:  # the first time: eager, and remembered (a bounded set apart from the graphs)
+            _seen[key] = None
+            while len(_seen) > MAX_SEEN:
+                _seen.popitem(last=False)
+            return _eager(fn, inputs)
+        del _seen[key]
+        entry = _entries[key] = _Entry()
+        while len(_entries) > MAX_GRAPHS:  # least recently used first (its pool is freed with it)
             _entries.popitem(last=False)
-        return _eager(fn, inputs)
-    _entries.move_to_end(key)
-    if entry.failed:
-        return _eager(fn, inputs)
-    if entry.graph is None:
         outs = _record(entry, fn, inputs)
         if outs is None:
             entry.failed = True
             return _eager(fn, inputs)
         return outs
+    _entries.move_to_end(key)
+    if entry.failed:
+        return _eager(fn, inputs)
     for s, t in zip(entry.inputs, inputs):
         s.copy_(t)
     entry.graph.replay()
