@@ -106,3 +106,17 @@ def test_graphs_beyond_the_limit_are_evicted_and_the_numbers_stay_right(monkeypa
             x = torch.full((n,), float(i), dtype=torch.float64, device="cuda")
             assert torch.equal(graphed.run("double", double, (x,))[0], x * 2)
             assert len(graphed._entries) <= 1
+
+
+@cuda
+def test_a_crowded_device_records_nothing(monkeypatch):
+    """Below the free-memory share (here: more than the whole device) a shape seen twice runs
+    eagerly and keeps no graph."""
+    graphed.clear()
+    monkeypatch.setattr(graphed, "MIN_FREE", 1.01)
+    before = dict(graphed.counts)
+    x = torch.arange(6, dtype=torch.float64, device="cuda")
+    for _ in range(3):
+        assert torch.equal(graphed.run("double", lambda t: (t * 2,), (x,))[0], x * 2)
+    assert graphed.counts["recorded"] == before["recorded"] and graphed.counts["replayed"] == before["replayed"]
+    assert all(e.failed for e in graphed._entries.values())
