@@ -53,14 +53,18 @@ _Fn = Callable[..., tuple[torch.Tensor, ...]]
 class _Entry:
     """A recorded key's graph, or its refusal (``failed``: it runs eagerly from then on)."""
 
-    __slots__ = ("graph", "inputs", "packed", "layout", "failed")
+    __slots__ = ("graph", "inputs", "packed", "layout")
 
     def __init__(self) -> None:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: tuple[torch.Tensor, ...] = ()
         self.packed: torch.Tensor | None = None
         self.layout: tuple[tuple[torch.dtype, tuple[int, ...], int], ...] = ()
-        self.failed = False
+
+    @property
+    def failed(self) -> bool:
+        """Whether the recording was refused (an entry exists only once recorded or refused)."""
+        return self.graph is None
 
 
 _entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -161,10 +165,7 @@ def run(name: str, fn: _Fn, inputs: tuple[torch.Tensor, ...], params: tuple = ()
             _entries.popitem(last=False)
         free, total = torch.cuda.mem_get_info(first.device)
         outs = _record(entry, fn, inputs) if free >= MIN_FREE * total else None  # a crowded device: eager
-        if outs is None:
-            entry.failed = True
-            return _eager(fn, inputs)
-        return outs
+        return _eager(fn, inputs) if outs is None else outs
     _entries.move_to_end(key)
     if entry.failed:
         return _eager(fn, inputs)

@@ -259,12 +259,12 @@ class Capture(Hooks):
         return axis
 
     def _slice(self, p: CapturePoint, t: torch.Tensor, start: int, stop: int, row: int, col: int,
-               referable: bool = False, recording: bool | None = None):
+               referable: bool, recording: bool):
         """The window of batch row ``row`` of ``t`` (``(B, T, *feature)``, the call's positions
         ``[start, stop)`` from column ``col``) as this capture keeps it (a view, a device copy or
         a host copy), or None when the call computes none of the window; ``referable``: the point's
         kind may be kept by reference (:meth:`_by_reference`); ``recording``: whether ``t`` is made
-        inside a CUDA-graph recording, when the hook already asked (None: asked here)."""
+        inside a CUDA-graph recording (the hook asks once per call)."""
         dims = t.dim()
         if dims < 2:
             raise TracerError(f"capture point {p.name}: output has shape {list(t.shape)}, expected (batch, seq, ...)")
@@ -302,12 +302,12 @@ class Capture(Hooks):
         self._pending_sync.add(piece.device)
         return host
 
-    def _by_reference(self, t: torch.Tensor, recording: bool | None = None) -> bool:
+    def _by_reference(self, t: torch.Tensor, recording: bool) -> bool:
         """Whether the window of ``t``, the output of a point whose kind may be kept by reference,
         is kept as a view (see the class docstring); ``recording`` as :meth:`_slice`'s."""
         if not (self.reference if self.reference is not None else t.device.type == "cuda"):
             return False
-        if _recording(t) if recording is None else recording:
+        if recording:
             return False  # recording a CUDA graph: the copy into a buffer of our own becomes a node of the graph
         storage = t.untyped_storage()
         key = storage.data_ptr()
