@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tracer import pipeline  # noqa: E402
 from tracer.config import RunConfig  # noqa: E402
+from tracer.load.hf_cache import cache_kwarg  # noqa: E402
 from tracer.validate import validate  # noqa: E402
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy")
@@ -217,7 +218,7 @@ def main() -> None:
     prep = pipeline.prepare(cfgs["none"], lm)
     scen, model = prep.scenario, lm.model
     ids = torch.tensor([prep.token_ids], device=next(model.parameters()).device)
-    arg = "cache" if "cache" in type(model).forward.__code__.co_varnames else "past_key_values"
+    arg = cache_kwarg(model)  # the installed transformers' name (a deprecation wrapper hides it from co_varnames)
 
     def plain() -> None:  # this script's own loop: the scenario's forward calls, nothing else
         with torch.inference_mode():
