@@ -23,6 +23,13 @@ written here, independently of the bench's floor (:func:`plain_loop`): the issue
 the code the bench measures (before the bench: a failure stops nothing) and counts the host work
 of one run (``scripts/host-work.py`` at the first N).
 
+The trace writer of (c) is a background thread unless ``TRACER_WRITER=process`` (the writer
+process, :mod:`tracer.store.writer_process`); the versions line of ``tables.txt`` names it. To
+set the two side by side, run the script twice in one lease, into two OUT folders::
+
+    python3 scripts/bench-h200.py $OUT/thread --lengths "1024 4096" --reps "15 15" --no-tests
+    TRACER_WRITER=process python3 scripts/bench-h200.py $OUT/process --lengths "1024 4096" --reps "15 15" --no-tests
+
 Writes to OUT (four files): ``bench.json`` (every bench's JSON, the versions, the command),
 ``tables.txt`` (the summary table with the targets, then each bench's own table), ``host-work.json``
 and ``log.txt`` (progress, the tests' output). Finishes in about 5 minutes on an H200.
@@ -102,7 +109,7 @@ def versions(device: str) -> dict:
 
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
          "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
-         "cores": os.cpu_count()}
+         "cores": os.cpu_count(), "trace_writer": os.environ.get("TRACER_WRITER", "") or "thread"}
     try:
         import nnsight
 

@@ -1,6 +1,7 @@
 """Where one `tracer run`'s host time goes, phase by phase, against the plain forward calls it makes.
 
-    PYTHONPATH=$PWD python3 scripts/run-phases.py OUT [--model M] [--length N] [--device cuda|cpu] [--reps R] [--profile]
+    PYTHONPATH=$PWD python3 scripts/run-phases.py OUT [--model M] [--length N] [--device cuda|cpu] [--reps R]
+        [--profile] [--writer-process]
 
 On a GPU whose forward is launch-bound (qwen3-0.6b-shape at N = 1024 on an H200: the GPU busy
 about 21 of the plain loop's 70-120 ms) every millisecond of host work a run adds is wall time.
@@ -16,6 +17,8 @@ calls with the capture), ``hand_over``, ``run_facts``, ``compare_records``, ``st
 file, the top functions) and ``torch.profiler`` counts (kernels, launches, copies, synchronisations,
 the GPU's busy time, the aten operators' host time). Writes ``OUT/run-phases-N.txt`` and prints it.
 Comparison graphs (:mod:`tracer.diff.graphed`): ``TRACER_COMPARE_GRAPHS=off`` to time without.
+``--writer-process`` adds ``tensors-p`` and ``auto-p``: the same runs with the trace writer in its
+own process (``TRACER_WRITER=process``, :mod:`tracer.store.writer_process`), in the same loop.
 """
 
 from __future__ import annotations
@@ -53,12 +56,15 @@ CUDA_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="folder for run-phases-N.txt (created)")
-    ap.add_argument("--model", default="qwen3-0.6b-shape")
-    ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--model", default="qwen3-0.6b-shape", help="built-in model or recipe (default: %(default)s)")
+    ap.add_argument("--length", type=int, default=1024, help="prompt tokens N (default: %(default)s)")
+    ap.add_argument("--device", default="cuda", help="cuda or cpu (default: %(default)s)")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=15, help="interleaved repetitions of each mode (default: %(default)s)")
     ap.add_argument("--profile", action="store_true", help="also cProfile and torch.profiler sections")
+    ap.add_argument("--writer-process", action="store_true",
+                    help="also time tensors and auto with the trace writer in its own process (TRACER_WRITER=process)"
+                         " beside the thread's, in the same loop")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,8 +89,19 @@ def main() -> None:
     lm = pipeline.load(cfgs["none"])
     first = pipeline.run(cfgs["none"], lm)
     ids = torch.tensor([first.token_ids], device=model_device(lm.model))
-    modes = {"plain": floor.plain_forwards(lm.model, ids, first.scenario),
-             **{m: (lambda c=c: pipeline.run(c, lm)) for m, c in cfgs.items()}}
+    def writing(cfg, writer: str):  # the store mode's run with the trace writer on a thread or in its process
+        def run():
+            os.environ["TRACER_WRITER"] = writer
+            try:
+                return pipeline.run(cfg, lm)
+            finally:
+                os.environ.pop("TRACER_WRITER")
+        return run
+
+    modes = {"plain": floor.plain_forwards(lm.model, ids, first.scenario), "none": lambda: pipeline.run(cfgs["none"], lm),
+             **{m: writing(cfgs[m], "thread") for m in ("tensors", "auto")}}
+    if args.writer_process:
+        modes.update({f"{m}-p": writing(cfgs[m], "process") for m in ("tensors", "auto")})
 
     def timed(fn) -> tuple[float, float]:
         sync()
@@ -126,7 +143,7 @@ def main() -> None:
 
         setattr(mod, name, phase)
     try:
-        for k in ("none", "tensors", "auto"):
+        for k in [m for m in modes if m != "plain"]:
             per: dict[str, list[float]] = collections.defaultdict(list)
             total = []
             for _ in range(7):
@@ -134,7 +151,7 @@ def main() -> None:
                 total.append(timed(modes[k])[0])
                 for p, v in spent.items():
                     per[p].append(v)
-            say(f"phases of --store {k} (host ms, median of 7; nested phases include their children; "
+            say(f"phases of {k} (host ms, median of 7; nested phases include their children; "
                 f"run {statistics.median(total) * 1e3:.1f} ms)")
             for p, v in per.items():
                 say(f"   {p:16} {statistics.median(v) * 1e3:8.2f}")

@@ -85,14 +85,15 @@ def test_points_laid_end_to_end_are_written_together_and_read_back(tmp_path):
         assert torch.equal(got.captures[name].tensor.view(iv), c.tensor.view(iv)), name
 
 
-def test_background_writer_reports_a_failed_set_up_at_close(tmp_path):
-    """The file's set-up runs on the writing thread; when it fails the error is one line at close
-    and nothing is left on disk."""
+@pytest.mark.parametrize("background", [True, "process"])
+def test_background_writer_reports_a_failed_set_up_at_close(tmp_path, background):
+    """The file's set-up runs on the writing thread (or in the writer process); when it fails the
+    error is one line at close and nothing is left on disk."""
     from tracer.errors import TracerError
 
     folder = tmp_path / "ro"
     folder.mkdir()
-    w = TraceWriter(folder / "t.h5", header={}, background=True)
+    w = TraceWriter(folder / "t.h5", header={}, background=background)
     os.chmod(folder, 0o500)
     try:
         if os.access(folder, os.W_OK):  # root: permissions do not stop the set-up; nothing to test
@@ -470,7 +471,7 @@ def test_store_auto_writing_run_a_early_gives_the_trace_of_writing_it_late(tmp_p
     assert bool(dropped) == (budget == "40KB")
 
 
-@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("background", [False, True, "process"])
 def test_writer_takes_a_run_back_and_completes_a_meta(tmp_path, background):
     caps = {"l0": CaptureRecord("l0", "layer", torch.arange(12.0).view(3, 4))}
     a = RunRecord("A", [1, 2, 3], {}, (0, 3), caps, meta={"x": 1})

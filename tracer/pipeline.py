@@ -55,6 +55,7 @@ from tracer.run_result import RunResult
 from tracer.store.handoff import hand_over, store_auto
 from tracer.store.header import TraceHeader, block_facts
 from tracer.store.trace import TraceWriter, collect_environment, default_output
+from tracer.store.writer_process import prestart as prestart_writer
 
 Say = Callable[[str], None]
 
@@ -168,7 +169,9 @@ _HEADER: list[Any] = [None, None]
 
 def open_writer(path: str | Path, header: TraceHeader | dict[str, Any], *, overwrite: bool = False,
                 compression: str | None = None) -> Any:
-    """A background :class:`~tracer.store.trace.TraceWriter` on ``path`` (use it as a context manager)."""
+    """A background :class:`~tracer.store.trace.TraceWriter` on ``path`` (use it as a context manager):
+    on a thread, or in the writer process with ``TRACER_WRITER=process``
+    (:mod:`tracer.store.writer_process`)."""
     return TraceWriter(Path(path), header=header, overwrite=overwrite, compression=compression, background=True)
 
 
@@ -342,9 +345,11 @@ def run(cfg: RunConfig, loaded: LoadedModel | None = None, *, progress: bool = F
     """
     from tracer.engines.door import engines_header, execute_plan, follower_plans, header as engine_header
 
+    st, ch = cfg.store, cfg.checks
+    if st.mode != "none" and (st.output or default_trace):
+        prestart_writer()  # TRACER_WRITER=process: its interpreter starts while the model loads
     prep = prepare(cfg, loaded, progress=progress, say=say)
     info, scen, ids = prep.loaded.info, prep.scenario, prep.token_ids
-    st, ch = cfg.store, cfg.checks
     if follower_plans(scen):
         # a follower rank (under torchrun: rank > 0) only takes part in its plan; rank 0 compares and writes
         window = (0, len(ids)) if cfg.capture.positions == "all" else scen.window

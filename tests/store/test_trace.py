@@ -348,7 +348,7 @@ def test_partial_file_is_marked_incomplete_while_writing(tmp_path):
     path = tmp_path / "t.h5"
     w = TraceWriter(path, header=HEADER)
     w.add_run(make_run("A", rng)[0])
-    w._file.flush()
+    w._ops.file.flush()
     with pytest.raises(TracerError, match="incomplete"):
         read_trace(w.partial_path)
     w.close()
@@ -529,12 +529,13 @@ def test_background_writer_equals_synchronous_write(tmp_path):
                 assert ts.contiguous().view(torch.uint8).equal(tb.contiguous().view(torch.uint8))
 
 
-def test_exception_in_forward_leaves_no_writer_thread_and_no_complete_file(tmp_path):
+@pytest.mark.parametrize("background", [True, "process"])
+def test_exception_in_forward_leaves_no_writer_thread_and_no_complete_file(tmp_path, background):
     import threading
 
     path = tmp_path / "planted.h5"
     with pytest.raises(RuntimeError, match="planted"):
-        with TraceWriter(path, header={"x": 1}, background=True) as w:
+        with TraceWriter(path, header={"x": 1}, background=background) as w:
             w.add_run(_bg_run("A", 1))  # written in the background while "run B" executes
             raise RuntimeError("planted failure inside the forward of run B")
     assert not path.exists()
@@ -542,7 +543,8 @@ def test_exception_in_forward_leaves_no_writer_thread_and_no_complete_file(tmp_p
     assert not [t for t in threading.enumerate() if t.name.startswith("tracer-writer")]
 
 
-def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path):
+@pytest.mark.parametrize("background", [True, "process"])
+def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path, background):
     """add_run(ready=...) (used to wait for non-blocking device-to-host copies) is called on the
     writing thread before the run is read; a failing ready aborts the trace."""
     import threading
@@ -558,7 +560,7 @@ def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path):
 
     run.captures = Watched(original)
     path = tmp_path / "ready.h5"
-    with TraceWriter(path, header={"x": 1}, background=True) as w:
+    with TraceWriter(path, header={"x": 1}, background=background) as w:
         w.add_run(run, ready=lambda: seen.append(("ready", threading.current_thread().name)))
     assert [s[0] for s in seen[:2]] == ["ready", "read"]
     assert seen[0][1].startswith("tracer-writer") and seen[0][1] == seen[1][1]
@@ -568,7 +570,7 @@ def test_ready_callback_runs_on_the_writer_thread_before_the_write(tmp_path):
 
     bad = tmp_path / "broken.h5"
     with pytest.raises(RuntimeError, match="planted"):
-        with TraceWriter(bad, header={"x": 1}, background=True) as w:
+        with TraceWriter(bad, header={"x": 1}, background=background) as w:
             w.add_run(_bg_run("A", 1), ready=broken)
     assert not bad.exists() and not list(tmp_path.glob("broken.h5.partial-*"))
 

@@ -1,34 +1,29 @@
 """Writing a trace atomically: a partial sibling file, sealed, marked complete, moved into place.
 
 Store-layer module. :class:`TraceWriter` writes the root attributes, the header and the runs in
-the layout of the requested format version (looked up in :mod:`tracer.store.formats`), on an
-optional background thread, and moves the finished file onto its name only when it is complete;
-any failure deletes the partial file.
+the layout of the requested format version (looked up in :mod:`tracer.store.formats`) through a
+:class:`~tracer.store.trace_file.TraceFile`: in the caller's thread, on a background thread, or
+in the writer process (:mod:`tracer.store.writer_process`). It moves the finished file onto its
+name only when it is complete; any failure deletes the partial file.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import datetime as _dt
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
-
-import h5py
-import numpy as np
 
 from tracer import schema
 from tracer.errors import TracerError
 from tracer.execute.records import RunRecord
 from tracer.plan.plans import RunPlan
-from tracer.store import format_v1, packed  # noqa: F401 - register format versions 1, 2 and 3
-from tracer.store.environment import tool_version
-from tracer.store.formats import COMPRESSIONS, FORMAT, FORMAT_VERSION, FORMATS, check_name, format_for, json_dumps
+from tracer.store.formats import COMPRESSIONS, FORMAT_VERSION, FORMATS, check_name, json_dumps
 from tracer.store.header import RunMeta, TraceHeader
-from tracer.store.integrity import (CHECKSUMS, GuardedFile, check_name_length, check_output_path, clean_stale_partials,
-                                    seal, set_text, set_value, write_error_message)
+from tracer.store.integrity import check_name_length, check_output_path, clean_stale_partials
+from tracer.store.trace_file import TraceFile
+from tracer.store.writer_process import RemoteTraceFile, writer_mode
 
 
 def header_document(header: TraceHeader | dict[str, Any]) -> dict[str, Any]:
@@ -45,31 +40,6 @@ def header_document(header: TraceHeader | dict[str, Any]) -> dict[str, Any]:
         raise TracerError(f"the trace header is a {type(header).__name__}; pass a TraceHeader or a dict")
     schema.decode(TraceHeader, header, "the trace header")
     return header
-
-
-#: header subtrees left out of the flat attribute copies (large and nested; the ``json`` attribute has them)
-_NOT_FLAT = ("numeric_contract", "options", "audit")
-
-
-def _flat_scalars(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
-    """Scalar entries of a nested dict down to ``depth`` levels, keys joined with '.', for readable
-    h5ls attributes (each attribute costs a write and its checksum: the big subtrees
-    :data:`_NOT_FLAT` stay in the ``json`` attribute only)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            if depth > 1 and not (prefix == "" and k in _NOT_FLAT):
-                out.update(_flat_scalars(v, key + ".", depth - 1))
-        elif isinstance(v, bool):
-            out[key] = bool(v)
-        elif isinstance(v, str):
-            out[key] = str(v)  # a plain str: h5py rejects subclasses such as torch's TorchVersion
-        elif isinstance(v, int):
-            out[key] = int(v)
-        elif isinstance(v, float):
-            out[key] = float(v)
-    return out
 
 
 #: partial files of writers open in this process (two writers of one path in one process get two names)
@@ -114,11 +84,17 @@ class TraceWriter:
             document), or a document of one (JSON-able; checked against the record, written as given).
         overwrite: replace an existing ``path`` (only once the new trace is complete).
         compression: ``None`` (default), ``"lzf"`` or ``"gzip"``, passed to ``create_dataset``.
-        background: write runs on one background thread, so :meth:`add_run` returns at once and
-            the model can run the next plan while run A is written (h5py serialises its own
-            calls; torch releases the GIL in its kernels, so the two overlap). Runs are written
-            in submission order; :meth:`close` waits for them and re-raises a writer error;
-            on an exception in the ``with`` block the thread is joined and the file deleted.
+        background: ``False`` (default): every call writes before it returns. ``True``: write in
+            the background, so :meth:`add_run` returns at once and the model can run the next
+            plan while run A is written; where is ``TRACER_WRITER``'s choice (``thread``, the
+            default, or ``process``). ``"thread"``: on one background thread of this process
+            (h5py holds the GIL while it works, so its Python work delays a launching thread).
+            ``"process"``: the h5py work in the writer process
+            (:mod:`tracer.store.writer_process`), off this process's GIL; a background thread
+            here waits for the run's copies and sends its tensors there through a socket. Either
+            way runs are written in submission order; :meth:`close` waits for them and
+            re-raises a writer error; on an exception in the ``with`` block the writes are
+            awaited and the file deleted.
         format_version: the layout to write: :data:`FORMAT_VERSION` (3, default), 2 (the same
             layout) or 1 (one dataset per capture point, as tracer wrote before); for tests and older
             readers. The JSON documents are always version 3's, which the readers of versions 1 and
@@ -126,18 +102,18 @@ class TraceWriter:
 
     Raises:
         TracerError: ``path`` exists and not ``overwrite``; ``path`` is a folder; bad
-            compression or format version; header not JSON-able; the file cannot be created.
+            compression, format version, ``background`` or ``TRACER_WRITER``; header not
+            JSON-able; the file cannot be created.
     """
 
     def __init__(self, path: str | os.PathLike, *, header: TraceHeader | dict[str, Any], overwrite: bool = False,
-                 compression: str | None = None, background: bool = False,
+                 compression: str | None = None, background: bool | str = False,
                  format_version: int = FORMAT_VERSION) -> None:
         self.path = Path(path)
         if not isinstance(format_version, int) or format_version not in FORMATS:
             raise TracerError(f"unknown trace format_version {format_version!r}; this tracer writes "
                               f"{', '.join(map(str, sorted(FORMATS)))}")
         self.format_version = format_version
-        self._format = format_for(format_version)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._futures: list[concurrent.futures.Future] = []
         self._comparisons: set[str] = set()
@@ -145,6 +121,7 @@ class TraceWriter:
         if compression not in COMPRESSIONS:
             raise TracerError(f"unknown compression {compression!r}; use one of none, lzf, gzip")
         self.compression = compression
+        mode = writer_mode(background)
         check_name_length(self.path, "trace")
         if self.path.is_dir():
             raise TracerError(f"trace path {self.path} is a folder; pass a file name such as {self.path / 'trace.h5'}")
@@ -157,12 +134,14 @@ class TraceWriter:
             raise TracerError(f"cannot create the folder {self.path.parent} ({e.strerror}); choose another --output") from None
         clean_stale_partials(self.path)
         self.partial_path = _partial_name(self.path)
-        self._guard: GuardedFile | None = None
-        self._file: h5py.File | None = None
+        #: the h5py side: here (synchronous, thread) or in the writer process
+        self._ops: TraceFile | RemoteTraceFile = (RemoteTraceFile if mode == "process" else TraceFile)(
+            self.path, self.partial_path, format_version, compression)
         self._open = True  # until close() or abort()
         self._failed: BaseException | None = None  # the set-up's error, when it ran on the thread
-        self._run_names: list[str] = []
-        if background:
+        #: ``"thread"`` or ``"process"`` (background writes), or None (synchronous)
+        self.mode = mode
+        if mode is not None:
             # the file's set-up (creating it, the header and its checksums) runs on the writing
             # thread, overlapping run A on the GPU; its errors surface at the next add or close
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tracer-writer")
@@ -171,51 +150,18 @@ class TraceWriter:
             self._create(header, header_json)
 
     def _create(self, header: dict, header_json: str) -> None:
-        """Create the partial file with the root attributes, the header and the empty ``/runs``.
+        """Create the partial file (:meth:`TraceFile.create`); on failure remember the error (the
+        thread's is raised once, by :meth:`close`) and remove the partial file.
 
         Raises:
-            TracerError: the file cannot be created or written (the partial file is removed).
+            TracerError: the file cannot be created or written.
         """
         try:
-            self.partial_path.unlink(missing_ok=True)  # our own PID's leftover from an earlier writer
-            # h5py crashes when HDF5 sees a failed write; the guard keeps errors from it (see GuardedFile)
-            self._guard = GuardedFile(self.partial_path)
-            self._file = h5py.File(self._guard, "w", track_order=True, libver=("v108", "v110"))
-        except BaseException as e:  # an interrupt here too: the partial never outlives this call
-            self._failed = (TracerError(f"cannot create {self.partial_path} ({e.strerror or e}); choose another --output")
-                            if isinstance(e, OSError) else e)
-            self._discard()  # not abort(): this may run on the writing thread, which abort() waits for
-            if isinstance(e, OSError):
-                raise self._failed from None
-            raise
-        try:
-            # every object's checksums from the values as written (seal(..., sums)), not read back
-            f, sums = self._file, {}
-            set_text(f, "format", FORMAT, sums)
-            set_value(f, "format_version", np.int64(self.format_version), sums)
-            set_text(f, "created", _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), sums)
-            set_text(f, "tool_version", tool_version(), sums)
-            set_text(f, "checksums", CHECKSUMS, sums)
-            seal(f, sums=sums)
-            f.attrs["complete"] = False
-            h, sums = f.create_group("header"), {}
-            set_text(h, "json", header_json, sums)
-            for key, value in _flat_scalars(header).items():
-                if key not in ("json", "crc32"):
-                    set_text(h, key, value, sums) if isinstance(value, str) else set_value(h, key, value, sums)
-            seal(h, sums=sums)
-            self._runs = f.create_group("runs", track_order=True)
-            self._seal_order()
-            self._check_io()
+            self._ops.create(header, header_json)
         except BaseException as e:
             self._failed = e
-            self._discard()
+            self._discard()  # not abort(): this may run on the writing thread, which abort() waits for
             raise
-
-    def _check_io(self) -> None:
-        """Raise the first write error the guard recorded (disk full, ``ulimit -f``) as one line."""
-        if self._guard is not None and self._guard.error is not None:
-            raise TracerError(write_error_message(self.path, self._guard.error))
 
     def _require_open(self) -> None:
         if not self._open:
@@ -249,20 +195,7 @@ class TraceWriter:
             ready()
         if self._failed is not None:  # the set-up failed: its error is raised once, by close()
             return
-        try:
-            self._format.write_run(self._runs, run, compression=self.compression)
-        except (OSError, RuntimeError):
-            self._check_io()  # a write error reported by HDF5 after the guard's: say the cause
-            raise
-        self._check_io()
-        self._run_names.append(run.name)
-        self._seal_order()
-
-    def _seal_order(self) -> None:
-        """``/runs``' ``order`` attribute (the runs written so far, in order) and its seal."""
-        sums: dict[str, int] = {}
-        set_text(self._runs, "order", json.dumps(self._run_names), sums)
-        seal(self._runs, sums=sums)
+        self._ops.write_run(run)
 
     def set_meta(self, run: str, meta: dict) -> None:
         """Replace the ``meta`` of run ``run`` (added earlier), e.g. with facts known only after the
@@ -274,13 +207,7 @@ class TraceWriter:
         self._require_open()
         schema.decode(RunMeta, meta, f"meta of run {run}")
         text = json_dumps(meta, f"meta of run {run}")
-        self._after(self._set_meta, run, text)
-
-    def _set_meta(self, run: str, text: str) -> None:
-        g = self._runs[run]
-        set_text(g, "meta", text)
-        seal(g)
-        self._check_io()
+        self._after(self._ops.set_meta, run, text)
 
     def remove_run(self, run: str) -> None:
         """Take run ``run`` (added earlier) out of the trace again; on the writing thread, in order.
@@ -289,14 +216,7 @@ class TraceWriter:
             TracerError: the writer is closed.
         """
         self._require_open()
-        self._after(self._remove_run, run)
-
-    def _remove_run(self, run: str) -> None:
-        if run in self._runs:
-            del self._runs[run]
-        self._run_names = [n for n in self._run_names if n != run]
-        self._seal_order()
-        self._check_io()
+        self._after(self._ops.remove_run, run)
 
     def _after(self, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` after everything queued so far (on the writing thread when there is one)."""
@@ -341,12 +261,8 @@ class TraceWriter:
             self._write_comparison(name, text)
 
     def _write_comparison(self, name: str, text: str) -> None:
-        if self._failed is not None:
-            return
-        g, sums = self._file.require_group("comparisons").create_group(name), {}
-        set_text(g, "json", text, sums)
-        seal(g, sums=sums)
-        self._check_io()
+        if self._failed is None:
+            self._ops.write_comparison(name, text)
 
     def close(self) -> None:
         """Mark the trace complete, close it and move it onto ``path`` (idempotent).
@@ -359,17 +275,8 @@ class TraceWriter:
             return
         try:
             self._drain()
-            self._check_io()
             self._open = False
-            f = self._file
-            f.attrs["complete"] = True
-            f.flush()
-            f.close()
-            self._file = None
-            guard, self._guard = self._guard, None
-            guard.close()
-            if guard.error is not None:
-                raise TracerError(write_error_message(self.path, guard.error))
+            self._ops.finish()
         except BaseException:
             self.abort()
             raise
@@ -427,16 +334,8 @@ class TraceWriter:
 
     def _discard(self) -> None:
         """Close the file (if open) and delete the partial file (idempotent; no thread is waited for)."""
-        f, self._file = self._file, None
-        if f is not None:
-            try:
-                f.close()  # safe after a write error: the guard kept it from HDF5
-            except Exception:  # noqa: BLE001 - closing a broken file must not mask the cause
-                pass
-        guard, self._guard = self._guard, None
-        if guard is not None:
-            guard.close()
-        self.partial_path.unlink(missing_ok=True)
+        self._ops.discard()
+        self.partial_path.unlink(missing_ok=True)  # also where the writer process could not
         _OPEN_PARTIALS.discard(self.partial_path)
 
     def __enter__(self) -> TraceWriter:
