@@ -210,3 +210,13 @@ def test_a_forked_process_starts_its_own_child(tmp_path):
     _write(tmp_path / "after.h5", "process", [_run("A", 9)])
     assert wp._child() is parent_child
     assert _contents(tmp_path / "forked.h5") == _contents(tmp_path / "after.h5") == _contents(tmp_path / "before.h5")
+
+
+def test_a_relative_path_is_this_process_working_folder_not_the_child_s(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(Path("first.h5"), "process", [_run("A", 10)])  # the child may start here
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    _write(Path("t.h5"), "process", [_run("A", 10)])
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["t.h5"]
+    assert _contents(tmp_path / "sub" / "t.h5") == _contents(tmp_path / "first.h5")

@@ -222,7 +222,8 @@ class RemoteTraceFile:
 
     def __init__(self, path: Path, partial_path: Path, format_version: int, compression: str | None) -> None:
         self.path, self.partial_path = Path(path), Path(partial_path)
-        self._args = (str(self.path), str(self.partial_path), format_version, compression)
+        # absolute: the child keeps the working folder it started in, this process may have moved since
+        self._args = (str(self.path.absolute()), str(self.partial_path.absolute()), format_version, compression)
         self._id = next(_IDS)
         self._child: _Child | None = None
 
