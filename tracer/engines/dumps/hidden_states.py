@@ -21,6 +21,7 @@ only and no sublayer point.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,10 @@ from tracer.execute.records import DumpEntry, RawDump
 KEYS = frozenset({"hidden_states", "token_ids"})
 #: :attr:`RawDump.layout` of such a file
 LAYOUT = "vllm-hidden-states"
+#: :attr:`RawDump.engine` of such a file
+ENGINE = "vLLM hidden states"
+#: the floating dtypes :func:`read_window` reads (safetensors' names; tracer compares these)
+_FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
 
 
 def is_hidden_states(tensors: dict[str, Any]) -> bool:
@@ -69,11 +74,65 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
     tokens = {0: {"input_ids": ids.to(torch.long), "positions": torch.arange(ids.numel()), "file": path}}
     if ledger is not None:
         ledger.charge(hs.numel() * hs.element_size(), f"{path}: its rows regrouped by layer")
-    by_slot = hs.permute(1, 0, 2).contiguous()  # one copy; a slot's rows then lie together (no strided copy each)
-    entries = [DumpEntry(name=f"hidden_states[:, {j}]", module=slot_module(j), element=None, step=0, tp_rank=0,
-                         tp_size=1, pp_rank=0, dims=None, tensor=by_slot[j], file=path) for j in range(hs.shape[1])]
-    return RawDump(path=path, layout=LAYOUT, engine="vLLM hidden states", entries=entries, tokens=tokens,
-                   facts={"framework": "vllm", "hidden_state_slots": int(hs.shape[1])})
+    return RawDump(path=path, layout=LAYOUT, engine=ENGINE, entries=_entries(path, hs), tokens=tokens,
+                   facts=_facts(hs.shape[1]))
+
+
+def _entries(path: str, hs: torch.Tensor) -> list[DumpEntry]:
+    """One entry per slot of ``hs`` (``[rows, slots, hidden]``), named by :func:`slot_module`, each a
+    contiguous ``[rows, hidden]`` view of one copy of the rows regrouped by slot (a copy even where
+    the regrouping moves nothing: ``hs`` may be a view of a mapped file)."""
+    by_slot = hs.permute(1, 0, 2).clone(memory_format=torch.contiguous_format)  # a slot's rows then lie together
+    return [DumpEntry(name=f"hidden_states[:, {j}]", module=slot_module(j), element=None, step=0, tp_rank=0,
+                      tp_size=1, pp_rank=0, dims=None, tensor=by_slot[j], file=path) for j in range(hs.shape[1])]
+
+
+def _facts(slots: int) -> dict[str, Any]:
+    return {"framework": "vllm", "hidden_state_slots": int(slots)}
+
+
+def read_window(path: str, window: tuple[int, int], n_layers: int) -> tuple[list[DumpEntry], torch.Tensor, dict] | None:
+    """The rows of positions ``window`` of a hidden-states file, read alone (safetensors'
+    ``get_slice``: the file's other rows are never read or copied), for
+    :func:`tracer.engines.dumps.namemap.map_window`.
+
+    Returns:
+        ``(entries, token_ids, facts)``: one :class:`DumpEntry` per slot as :func:`read_hidden_states`
+        names it, holding its ``[w1 - w0, hidden]`` rows (a view of one copy regrouped by slot);
+        the file's ``T`` token ids (int64); the dump's facts. None where the file is not one that
+        :func:`tracer.engines.dumps.read.read_dump` and :func:`check_slots` accept as it is
+        (not a ``.safetensors`` regular file of exactly :data:`KEYS`; ``hidden_states`` not
+        ``[T, n_layers + 1, hidden]`` of a dtype tracer compares; ``token_ids`` not ``T``
+        non-negative integers; ``window`` outside ``0..T-1``; a whole read over the input
+        budget; an unreadable file): reading it whole then says what is wrong, in one line.
+    """
+    from safetensors import safe_open
+
+    from tracer.files import check_input_file, input_budget
+
+    w0, w1 = int(window[0]), int(window[1])
+    p = Path(path)
+    try:
+        budget = input_budget()
+        size = check_input_file(p, "engine dump", budget).stat().st_size  # a regular file: nothing blocks
+        if p.suffix != ".safetensors":
+            return None
+        with safe_open(str(p), framework="pt") as f:
+            if set(f.keys()) != KEYS:
+                return None
+            hs, ids = f.get_slice("hidden_states"), f.get_tensor("token_ids")
+            shape, dtype = hs.get_shape(), _FLOATS.get(hs.get_dtype())
+            if (len(shape) != 3 or dtype is None or shape[1] != n_layers + 1 or ids.dim() != 1
+                    or ids.shape[0] != shape[0] or not 0 <= w0 < w1 <= shape[0] or ids.is_floating_point()
+                    or ids.is_complex() or ids.numel() == 0 or bool((ids < 0).any())):
+                return None
+            # what the whole read allocates (the file, the ids and positions, the rows regrouped) within the budget
+            if size + ids.numel() * 16 + shape[0] * shape[1] * shape[2] * dtype.itemsize > budget:
+                return None
+            rows = hs[w0:w1]
+    except Exception:  # noqa: BLE001 - any failure: the whole read names it (safetensors raises its own types)
+        return None
+    return _entries(str(p), rows), ids.to(torch.long), _facts(shape[1])
 
 
 def check_slots(raw: RawDump, n_layers: int) -> None:
@@ -90,4 +149,5 @@ def check_slots(raw: RawDump, n_layers: int) -> None:
                           f"eagle_aux_hidden_state_layer_ids = list(range({n_layers + 1})) (the embedding and every layer)")
 
 
-__all__ = ["KEYS", "LAYOUT", "is_hidden_states", "slot_module", "read_hidden_states", "check_slots"]
+__all__ = ["KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states", "read_window",
+           "check_slots"]

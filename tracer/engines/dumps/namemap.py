@@ -269,6 +269,59 @@ def map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
             gc.enable()
 
 
+#: the keys of a map rule :func:`map_window` applies itself: a renaming (``sum`` is dropped for a
+#: module dumped as one tensor, as :func:`_rule_parts` drops it)
+_PLAIN_RULE = frozenset({"hf", "sum"})
+
+
+def map_window(path: str, engine: str, entries: list[DumpEntry], token_ids: torch.Tensor, ref: RefLayout,
+               emap: dict[str, Any], facts: dict[str, Any] | None = None) -> MappedDump | None:
+    """What :func:`map_dump` gives for a dump of one step on one rank that computed the whole
+    prompt (positions ``0..T-1``, one tensor per module), from only the rows of the reference's
+    kept window: ``entries`` hold ``(w1 - w0, *feature)`` rows of positions ``ref.window`` (element
+    None, step 0, TP size 1), ``token_ids`` the step's ``T`` ids, ``facts`` the dump's
+    (:attr:`RawDump.facts`). The same tensors (the entries' rows), mapping lines, notes and facts.
+
+    Returns:
+        The :class:`MappedDump`, or None where the two could differ and :func:`map_dump` must
+        decide over the whole dump: token ids other than the reference's, a window outside
+        ``0..T-1``, a map rule that is not a plain renaming (one rule of ``hf``/``sum``) or a module
+        without one, two modules on one HF name, rows of another width than the reference's
+        point, logits, a ``tokens`` setting.
+    """
+    w0, w1 = ref.window
+    n = len(token_ids)
+    if (emap.get("settings", {}).get("tokens", "t") != "t" or not 0 <= w0 < w1 <= n or n != len(ref.token_ids)
+            or not torch.equal(token_ids.to(torch.long), torch.tensor(ref.token_ids, dtype=torch.long))):
+        return None
+    rows: dict[str, torch.Tensor] = {}
+    mapping: dict[str, str] = {}
+    for e in entries:
+        if e.element is not None or e.step != 0 or e.tp_size != 1 or e.tensor.dim() < 1 or e.tensor.shape[0] != w1 - w0:
+            return None
+        layer, rel = locate(e.module)
+        rules = (emap["layer"] if layer is not None else emap["model"]).get(rel)
+        if not rules or len(rules) != 1 or not set(rules[0]) <= _PLAIN_RULE or not isinstance(rules[0]["hf"], str):
+            return None
+        name = hf_name(rules[0]["hf"], layer, ref)
+        if name is None:
+            continue
+        spec = ref.names.get(name)
+        if name in rows or spec is not None and (spec[0] == PointKind.LOGITS or tuple(e.tensor.shape[1:]) != spec[2]):
+            return None
+        rows[name] = e.tensor
+        mapping[name] = _describe([e.name], e.module, rules[0], 0, 1, "", False)
+    notes = []
+    outside = ", ".join(ranges(r) for r in (range(0, w0), range(w1, n)) if r)  # two runs, never adjacent
+    if outside:
+        notes.append(_only_in_dump(outside, ref.window))
+    tensors = {name: rows[name] for name in ref.names if name in rows}
+    notes += _one_side(ref, set(rows) - set(ref.names), set(tensors), set(), [])
+    return MappedDump(engine=engine, path=path, positions=(w0, w1), tensors=tensors,
+                      mapping={name: mapping[name] for name in tensors}, notes=notes,
+                      facts={"tp_size": 1, "steps": [0], "step_tokens": [n], **(facts or {})})
+
+
 def _map_dump(raw: RawDump, ref: RefLayout, emap: dict[str, Any]) -> MappedDump:
     plan, notes = align_steps(raw, ref.token_ids)
     settings = emap.get("settings", {})
@@ -398,7 +451,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
         notes.append(f"positions only in the reference: {ranges([p for p in range(w0, w1) if not lo <= p < hi])} (not dumped by the engine)")
     outside = [p for p in dumped if not lo <= p < hi]
     if outside:
-        notes.append(f"positions only in the dump: {ranges(outside)} (outside the reference's kept window {w0}..{w1 - 1})")
+        notes.append(_only_in_dump(ranges(outside), ref.window))
     tensors: dict[str, torch.Tensor] = {}
     partial: set[str] = set()
     partial_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
@@ -427,25 +480,42 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
                 raise TracerError(_width_error(name, tuple(stacked.shape[1:]), feat, ref, override))
             stacked = stacked.reshape(hi - lo, *feat)
         tensors[name] = stacked
-    extra = sorted((set(rows) - set(ref.names)) | uncaptured)
-    if extra:
-        notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
-                     f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
-    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in tensors and n not in partial and k != PointKind.KV_CACHE]
-    if only_ref:
-        notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
-                     f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")
-    if ignored:
-        notes.append(f"engine tensors read and not mapped (ignore patterns): {', '.join(sorted(ignored)[:6])}"
-                     f"{' ...' if len(ignored) > 6 else ''}")
-    if raw.ignored_inputs:
-        notes.append(f"module inputs in the dump not compared: {len(raw.ignored_inputs)} names")
+    notes += _one_side(ref, (set(rows) - set(ref.names)) | uncaptured, set(tensors) | partial, ignored, raw.ignored_inputs)
     tp = max((e.tp_size for e in raw.entries), default=1)
     steps = sorted({e.step for e in raw.entries})
     facts = {"tp_size": tp, "steps": steps, "step_tokens": [len(raw.tokens[s]["input_ids"]) for s in steps], **raw.facts}
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
+
+
+def _only_in_dump(positions: str, window: tuple[int, int]) -> str:
+    """The note on dumped positions outside the reference's kept ``window`` (``positions``: as
+    :func:`ranges` writes them)."""
+    return f"positions only in the dump: {positions} (outside the reference's kept window {window[0]}..{window[1] - 1})"
+
+
+def _one_side(ref: RefLayout, uncaptured: set[str], compared: set[str], ignored: set[str],
+              ignored_inputs: list[str]) -> list[str]:
+    """The notes on names present on one side only: ``uncaptured`` (HF names engine tensors map onto
+    that the reference did not capture), ``compared`` (HF names given rows, whole or in part),
+    ``ignored`` (engine modules matched by an ignore pattern), ``ignored_inputs`` (the dump's
+    module inputs)."""
+    notes = []
+    extra = sorted(uncaptured)
+    if extra:
+        notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
+                     f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
+    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in compared and k != PointKind.KV_CACHE]
+    if only_ref:
+        notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
+                     f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")
+    if ignored:
+        notes.append(f"engine tensors read and not mapped (ignore patterns): {', '.join(sorted(ignored)[:6])}"
+                     f"{' ...' if len(ignored) > 6 else ''}")
+    if ignored_inputs:
+        notes.append(f"module inputs in the dump not compared: {len(ignored_inputs)} names")
+    return notes
 
 
 def _width_error(name: str, got: tuple[int, ...], feat: tuple[int, ...], ref: RefLayout, override: str | None) -> str:

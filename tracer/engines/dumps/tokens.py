@@ -177,8 +177,10 @@ def token_rows(t: torch.Tensor, layout: str, slot: dict[str, Any], what: str, le
                       f"tokens = {layout!r}; the dump's activations and token ids disagree")
 
 
-def ranges(ps: list[int]) -> str:
-    """``[0, 1, 2, 7]`` → ``"0..2, 7"``."""
+def ranges(ps: list[int] | range) -> str:
+    """``[0, 1, 2, 7]`` → ``"0..2, 7"``; a ``range`` of step 1 is written without a pass over it."""
+    if isinstance(ps, range) and ps.step == 1:
+        return "none" if not ps else f"{ps.start}..{ps.stop - 1}" if len(ps) > 1 else f"{ps.start}"
     out, start = [], None
     for i, p in enumerate(ps):
         if start is None:

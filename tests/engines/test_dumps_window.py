@@ -1,0 +1,273 @@
+"""The compiled vLLM capture's direct read of a hidden-states file (the window's rows alone:
+tracer/engines/dumps/hidden_states.py ``read_window``, tracer/engines/dumps/namemap.py
+``map_window``) against the whole file read as an engine dump (``read_dump``, ``check_slots``,
+``map_dump``), the path the capture took before and the oracle here: it is checked against HF and
+against tracer's hooks in vLLM by tests/engines/test_dumps.py and test_vllm_compiled.py.
+
+No vLLM: synthetic files in the format of vLLM's connector, ``hidden_states [T, L + 1, hidden]``
+(random bf16) and ``token_ids [T]``, written with safetensors; ``execute_compiled`` driven by a
+stand-in engine that writes the file when its request finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tracer.engines.dumps.hidden_states import ENGINE, check_slots, read_window
+from tracer.engines.dumps.namemap import RefLayout, map_dump, map_window
+from tracer.engines.dumps.read import read_dump
+from tracer.engines.vllm import compiled
+from tracer.engines.vllm.layout import engine_map
+from tracer.errors import TracerError
+from tracer.execute.kinds import PointKind
+from tracer.execute.points import CapturePoint
+from tracer.plan.scenarios import RunPlan
+
+T, L, H = 64, 4, 16
+
+
+def _file(path: Path, T: int = T, slots: int = L + 1, hidden: int = H, seed: int = 0,
+          dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"hidden_states": torch.randn(T, slots, hidden, generator=g).to(dtype),
+               "token_ids": torch.randint(0, 50000, (T,), generator=g)}
+    save_file(tensors, str(path))
+    return tensors
+
+
+def _points(sublayers: int = 0) -> list[CapturePoint]:
+    """A qwen3-like reference's points: embedding, every layer (with ``sublayers`` extra Linear points
+    each, which the file has no rows for), final norm, logits."""
+    pts = [CapturePoint("model.embed_tokens", "model.embed_tokens", PointKind.EMBEDDING, "Embedding", role="embedding")]
+    for i in range(L):
+        pts += [CapturePoint(f"model.layers.{i}.mlp.lin{k}", f"model.layers.{i}.mlp.lin{k}", PointKind.LINEAR, "Linear")
+                for k in range(sublayers)]
+        pts.append(CapturePoint(f"model.layers.{i}", f"model.layers.{i}", PointKind.LAYER, "Qwen3DecoderLayer",
+                                role="layer"))
+    pts.append(CapturePoint("model.norm", "model.norm", PointKind.FINAL_NORM, "Qwen3RMSNorm", role="final_norm"))
+    pts.append(CapturePoint("lm_head", "lm_head", PointKind.LOGITS, "Linear", role="logits"))
+    return pts
+
+
+def _ref(ids: torch.Tensor, window: tuple[int, int], points: list[CapturePoint] | None = None,
+         hidden: int = H) -> RefLayout:
+    feat = {PointKind.LOGITS: (100,), PointKind.LINEAR: (8,)}
+    names = {p.name: (p.kind, p.op, feat.get(p.kind, (hidden,)), "bfloat16") for p in points or _points()}
+    n_layers = sum(1 for k, *_r in names.values() if k == PointKind.LAYER)
+    return RefLayout(names=names, layer_prefix="model.layers", n_layers=n_layers, token_ids=ids.tolist(), window=window,
+                     family="qwen3")
+
+
+def _oracle(path: Path, ref: RefLayout, emap: dict):
+    raw = read_dump(str(path))
+    check_slots(raw, ref.n_layers)
+    return map_dump(raw, ref, emap)
+
+
+def _fast(path: Path, ref: RefLayout, emap: dict):
+    read = read_window(str(path), ref.window, ref.n_layers)
+    return None if read is None else map_window(str(Path(path)), ENGINE, *read[:2], ref, emap, read[2])
+
+
+def _same_mapping(a, b) -> None:
+    for field in ("engine", "path", "positions", "mapping", "notes", "facts", "partial_logits", "unmarked_partials"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert list(a.mapping) == list(b.mapping) and list(a.tensors) == list(b.tensors)
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert t.dtype == u.dtype and t.shape == u.shape and torch.equal(t.view(torch.int16), u.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("window", [(0, T), (5, 21), (T - 16, T), (0, 1), (T - 1, T)])
+def test_the_window_read_maps_as_the_whole_file_does(tmp_path, window):
+    """Every field of the mapping equals the whole file's (tensors bit for bit, mapping lines,
+    notes, facts), for windows at the start, inside, at the end and of one row; the rows are the
+    file's own (slot j at positions w0..w1-1) and the read copied the window alone."""
+    path = tmp_path / "req.safetensors"
+    tensors = _file(path)
+    ref, emap = _ref(tensors["token_ids"], window), engine_map("qwen3")
+    fast = _fast(path, ref, emap)
+    assert fast is not None
+    _same_mapping(_oracle(path, ref, emap), fast)
+    w0, w1 = window
+    assert torch.equal(fast.tensors["model.layers.2"], tensors["hidden_states"][w0:w1, 3])
+    assert torch.equal(fast.tensors["model.embed_tokens"], tensors["hidden_states"][w0:w1, 0])
+    rows = fast.tensors["model.layers.0"]
+    assert rows.untyped_storage().nbytes() == (w1 - w0) * (L + 1) * H * 2  # the window's rows, not the file's
+
+
+def test_notes_of_sublayers_and_of_names_the_reference_lacks_are_the_whole_files(tmp_path):
+    """A reference traced at sublayers (more names only on its side than a note lists) and a map
+    that sends the embedding slot to a name the reference did not capture give the same notes."""
+    path = tmp_path / "req.safetensors"
+    tensors = _file(path, seed=1)
+    ref = _ref(tensors["token_ids"], (10, 26), _points(sublayers=3))
+    emap = engine_map("qwen3")
+    _same_mapping(_oracle(path, ref, emap), _fast(path, ref, emap))
+    emap = {**emap, "model": {**emap["model"], "embed_tokens": [{"hf": "model.other_embedding"}]}}
+    fast = _fast(path, ref, emap)
+    assert fast is not None and any("did not capture" in n and "model.other_embedding" in n for n in fast.notes)
+    _same_mapping(_oracle(path, ref, emap), fast)
+
+
+def test_what_the_direct_read_does_not_take_is_left_to_the_whole_read(tmp_path):
+    """None (the caller then reads the whole file) for a map that is not a plain renaming, two
+    slots on one name, another hidden size, another slot count, other token ids, another dtype."""
+    path = tmp_path / "req.safetensors"
+    tensors = _file(path, seed=2)
+    ids, emap = tensors["token_ids"], engine_map("qwen3")
+    ref = _ref(ids, (3, 9))
+    assert _fast(path, ref, emap) is not None
+    split = {**emap, "layer": {**emap["layer"], "": [{"hf": "@layer", "element": 0}]}}
+    twice = {**emap, "model": {**emap["model"], "embed_tokens": [{"hf": "model.layers.0"}]}}
+    for other in (split, twice):
+        assert _fast(path, ref, other) is None
+    assert _fast(path, _ref(ids, (3, 9), hidden=H + 1), emap) is None
+    assert _fast(path, replace(ref, token_ids=[*ids.tolist()[:5], 7, *ids.tolist()[6:]]), emap) is None
+    assert _fast(path, replace(ref, token_ids=ids.tolist()[:-1]), emap) is None
+    assert _fast(path, replace(ref, window=(3, T + 1)), emap) is None
+    _file(path, slots=L + 2, seed=2)
+    assert _fast(path, ref, emap) is None
+    _file(path, seed=2, dtype=torch.float8_e4m3fn)
+    assert _fast(path, ref, emap) is None
+    save_file({"hidden_states": tensors["hidden_states"], "token_ids": -tensors["token_ids"]}, str(path))
+    assert _fast(path, ref, emap) is None
+
+
+# ---------------------------------------------------------------- the compiled capture, end to end
+
+
+class _Engine:
+    """A stand-in for tracer's compiled vLLM engine: the request's hidden-states file is written
+    (``tensors``) when the request finishes, at ``path``."""
+
+    remote = False
+
+    def __init__(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        self.path, self.tensors = path, tensors
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def start(self, prompts, max_tokens):
+        return [("0", "req-0")]
+
+    def finish(self):
+        save_file(self.tensors, str(self.path))
+        out = SimpleNamespace(kv_transfer_params={"hidden_states_path": str(self.path)}, num_cached_tokens=0,
+                              outputs=[SimpleNamespace(token_ids=[11, 12])])
+        return {"0": out}
+
+    def facts(self):
+        return {"device": "cpu", "model_runner": "stand-in", "compilation_mode": 3}
+
+
+def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str):
+    """execute_compiled's run, or its one-line error, and whether the whole file was read. ``mode``:
+    ``whole`` (the path before the direct read: ``read_window`` gives way at once), ``direct`` (the
+    whole read fails the test), ``either``."""
+    whole = []
+    real = compiled.read_dump
+    with monkeypatch.context() as m:
+        if mode == "whole":
+            m.setattr(compiled, "read_window", lambda *a: None)
+        m.setattr(compiled, "read_dump", lambda *a: pytest.fail("the whole file was read") if mode == "direct"
+                  else whole.append(1) or real(*a))
+        eng = _Engine(tmp_path / "req-0.safetensors", tensors)
+        plan = RunPlan("B", ((0, len(prompt)),), "one pass", engine="vllm")
+        ref = replace(_ref(torch.tensor(prompt), window, points), token_ids=[], window=(0, 1))  # as ref_layout caches it
+        try:
+            return compiled.execute_compiled(eng, None, prompt, plan, points, window, ref, engine_map("qwen3")), bool(whole)
+        except TracerError as e:
+            return str(e), bool(whole)
+        finally:
+            assert not eng.path.exists()  # the file is removed either way
+
+
+def _same_run(a, b) -> None:
+    assert (a.name, a.token_ids, a.plan, a.window, a.extras) == (b.name, b.token_ids, b.plan, b.window, b.extras)
+    assert list(a.captures) == list(b.captures)
+    for name, x in a.captures.items():
+        y = b.captures[name]
+        assert (x.name, x.kind, x.calls, x.op, x.role) == (y.name, y.kind, y.calls, y.op, y.role), name
+        assert x.tensor.dtype == y.tensor.dtype and x.tensor.shape == y.tensor.shape, name
+        assert torch.equal(x.tensor.view(torch.int16), y.tensor.view(torch.int16)), name
+        assert x.tensor.is_contiguous() and y.tensor.is_contiguous()
+    meta = lambda r: {k: v for k, v in r.meta.items() if k not in ("wall_s", "phases_s")}  # noqa: E731
+    assert meta(a) == meta(b)
+    assert set(a.meta["phases_s"]) == set(b.meta["phases_s"]) == {"request", "file_wait", "read", "map", "captures"}
+
+
+@pytest.mark.parametrize("window", [(0, T), (7, 23), (T - 16, T)])
+def test_the_compiled_capture_gives_the_run_it_gave_before(tmp_path, monkeypatch, window):
+    """execute_compiled with the direct read gives the same run, field for field (captures bit for
+    bit with their names, kinds, dtypes, calls, ops and roles; the scheduler's mapping and notes;
+    every other meta fact), as the whole read it took before; the whole read is not made."""
+    tensors = _file(tmp_path / "x.safetensors", seed=3)
+    prompt, points = tensors["token_ids"].tolist(), _points(sublayers=1)
+    fast, _ = _capture(tmp_path, tensors, prompt, window, points, monkeypatch, "direct")
+    before, whole = _capture(tmp_path, tensors, prompt, window, points, monkeypatch, "whole")
+    assert not isinstance(fast, str) and not isinstance(before, str) and whole, (fast, before)
+    _same_run(before, fast)
+    assert torch.equal(fast.captures["model.layers.3"].tensor, tensors["hidden_states"][window[0]:window[1], 4])
+    assert fast.meta["scheduler"]["mapping"]["model.layers.3"].startswith("hidden_states[:, 4]")
+
+
+def _damaged(tensors: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The file's tensors and the prompt, one of them damaged."""
+    ids, hs = tensors["token_ids"], tensors["hidden_states"]
+    prompt = ids.tolist()
+    if how == "first id":
+        prompt[0] += 1
+    elif how == "id before the window":
+        prompt[20] += 1
+    elif how == "id in the window":
+        prompt[T - 5] += 1
+    elif how == "shorter prompt":
+        prompt = prompt[:-3]
+    elif how == "slot count":
+        tensors = {"token_ids": ids, "hidden_states": torch.cat([hs, hs[:, :1]], dim=1)}
+    elif how == "float8":
+        tensors = {"token_ids": ids, "hidden_states": hs.to(torch.float8_e4m3fn)}
+    elif how == "negative ids":
+        tensors = {"token_ids": -ids - 1, "hidden_states": hs}
+    elif how == "ids of another length":
+        tensors = {"token_ids": ids[:-1], "hidden_states": hs}
+    elif how == "flat rows":
+        tensors = {"token_ids": ids, "hidden_states": hs.reshape(T, -1)}
+    return tensors, prompt
+
+
+#: each damage and what the whole read makes of it: its one-line error, or None: a run of the
+#: positions whose ids match (the whole read maps a prefix of the prompt, with a note)
+DAMAGES = {"first id": "do not match the reference prompt in any step",
+           "id before the window": "no position is on both sides",
+           "id in the window": None, "shorter prompt": None,
+           "slot count": "list(range(5))", "float8": "is float8_e4m3fn; tracer compares",
+           "negative ids": "or negative", "ids of another length": "do not give one id per row",
+           "flat rows": "holds [tokens, layers, hidden]"}
+
+
+@pytest.mark.parametrize("how", list(DAMAGES))
+def test_a_damaged_file_gives_the_one_line_error_or_run_it_gave_before(tmp_path, monkeypatch, how):
+    """Token ids other than the prompt's, another slot count, dtype or shape: the direct read
+    gives way to the whole read, so the capture says what it said before, in one line (or, where
+    the whole read maps the matching prefix of the prompt, gives the same run)."""
+    tensors, prompt = _damaged(_file(tmp_path / "x.safetensors", seed=4), how)
+    window = (T - 16, T - 3) if how == "shorter prompt" else (T - 16, T)
+    now, whole = _capture(tmp_path, tensors, prompt, window, _points(), monkeypatch, "either")
+    before, _ = _capture(tmp_path, tensors, prompt, window, _points(), monkeypatch, "whole")
+    assert whole  # the direct read gave way
+    if DAMAGES[how] is None:
+        assert not isinstance(before, str), before
+        _same_run(before, now)
+        assert any("equal the reference's for their first" in n for n in now.meta["scheduler"]["notes"])
+    else:
+        assert isinstance(before, str) and DAMAGES[how] in before, before
+        assert now == before and "\n" not in before
