@@ -87,7 +87,8 @@ class _Child:
                               f"unset {ENV} or set it to thread") from None
         finally:
             theirs.close()
-        self.conn = Connection(ours.detach())
+        self.sock = ours  # the tensors' bytes, raw (sendall: one copy into the kernel, without the GIL)
+        self.conn = Connection(os.dup(ours.fileno()))  # the messages, framed by multiprocessing
         self.lock = threading.Lock()
         self.dead = False
 
@@ -103,8 +104,8 @@ class _Child:
                 raise self._gone()
             try:
                 self.conn.send((op, wid, args, [b.nbytes for b in buffers]))
-                for b in buffers:
-                    self.conn.send_bytes(b)
+                for b in buffers:  # raw after the message: the child reads exactly the sizes it names
+                    self.sock.sendall(b)
                 status, value = self.conn.recv()
             except (EOFError, OSError):
                 self.dead = True
@@ -147,6 +148,7 @@ def _stop() -> None:
         return
     try:
         child.conn.close()
+        child.sock.close()
         child.proc.wait(timeout=5)
     except Exception:  # noqa: BLE001 - exiting anyway; a child that lingers ends at its socket's EOF
         pass
@@ -289,7 +291,22 @@ def _picklable(e: BaseException) -> BaseException:
         return RuntimeError(f"{type(e).__name__} in the trace writer process: {e}")
 
 
-def serve(conn: Connection) -> None:
+def _recv_exactly(sock: socket.socket, buf: Any) -> None:
+    """Fill ``buf`` (a writable buffer) from ``sock``, straight into its memory.
+
+    Raises:
+        EOFError: the socket closed first.
+    """
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError
+        got += n
+
+
+def serve(conn: Connection, sock: socket.socket) -> None:
     """Answer the parent's calls until it closes the socket; then delete the partial files of the
     traces still open (the parent went away before finishing them)."""
     import torch
@@ -304,7 +321,7 @@ def serve(conn: Connection) -> None:
                 buffers = []
                 for n in sizes:
                     buf = torch.empty(n, dtype=torch.uint8)
-                    conn.recv_bytes_into(buf.numpy())
+                    _recv_exactly(sock, buf.numpy())
                     buffers.append(buf)
             except (EOFError, OSError):
                 return
@@ -336,7 +353,7 @@ def serve(conn: Connection) -> None:
 def main(fd: int) -> None:
     """The writer process's entry point: serve the socket ``fd`` (its parent's other end)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it tells us what to delete
-    serve(Connection(fd))
+    serve(Connection(os.dup(fd)), socket.socket(fileno=fd))
 
 
 __all__ = ["ENV", "MODES", "writer_mode", "prestart", "run_message", "RemoteTraceFile", "serve", "main"]
