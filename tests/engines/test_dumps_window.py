@@ -168,10 +168,10 @@ class _Engine:
         return {"device": "cpu", "model_runner": "stand-in", "compilation_mode": 3}
 
 
-def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str):
+def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str, emap: dict | None = None):
     """execute_compiled's run, or its one-line error, and whether the whole file was read. ``mode``:
     ``whole`` (the path before the direct read: ``read_window`` gives way at once), ``direct`` (the
-    whole read fails the test), ``either``."""
+    whole read fails the test), ``either``; ``emap``: the engine map (qwen3's vLLM map)."""
     whole = []
     real = compiled.read_dump
     with monkeypatch.context() as m:
@@ -183,7 +183,8 @@ def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str):
         plan = RunPlan("B", ((0, len(prompt)),), "one pass", engine="vllm")
         ref = replace(_ref(torch.tensor(prompt), window, points), token_ids=[], window=(0, 1))  # as ref_layout caches it
         try:
-            return compiled.execute_compiled(eng, None, prompt, plan, points, window, ref, engine_map("qwen3")), bool(whole)
+            return (compiled.execute_compiled(eng, None, prompt, plan, points, window, ref, emap or engine_map("qwen3")),
+                    bool(whole))
         except TracerError as e:
             return str(e), bool(whole)
         finally:
@@ -271,3 +272,17 @@ def test_a_damaged_file_gives_the_one_line_error_or_run_it_gave_before(tmp_path,
     else:
         assert isinstance(before, str) and DAMAGES[how] in before, before
         assert now == before and "\n" not in before
+
+
+def test_a_map_that_names_no_point_gives_the_error_the_whole_read_gave(tmp_path, monkeypatch):
+    """A map that sends every slot to no HF name (``-``) places no position: the whole read refused
+    the file ("no position is on both sides"); the direct read mapped it onto nothing, and the
+    capture then said that the file "mapped onto none of the run's capture points" instead."""
+    tensors = _file(tmp_path / "x.safetensors", seed=6)
+    prompt, q = tensors["token_ids"].tolist(), engine_map("qwen3")
+    emap = {**q, "model": {**q["model"], "embed_tokens": [{"hf": "-"}]}, "layer": {**q["layer"], "": [{"hf": "-"}]}}
+    now, whole = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "either", emap)
+    before, _ = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "whole", emap)
+    assert isinstance(before, str) and "no position is on both sides" in before, before
+    assert now == before and whole
+
