@@ -286,3 +286,27 @@ def test_a_map_that_names_no_point_gives_the_error_the_whole_read_gave(tmp_path,
     assert isinstance(before, str) and "no position is on both sides" in before, before
     assert now == before and whole
 
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_token_ids_are_read_as_the_ids_they_hold_or_refused_in_one_line(tmp_path, dtype):
+    """token_ids of an unsigned dtype wider than 8 bits (torch compares none of them with 0) made
+    the whole read raise NotImplementedError, a traceback. Ids that int64 holds are the prompt's,
+    read alike by both paths (as the named-tensors reader widens input_ids); uint64 ids from 2**63
+    on are negative once widened and refused as negative ids are, in one line."""
+    path = tmp_path / "req.safetensors"
+    tensors = _file(path, seed=5)
+    ids, hs = tensors["token_ids"], tensors["hidden_states"]
+    save_file({"hidden_states": hs, "token_ids": ids.to(dtype)}, str(path))
+    ref, emap = _ref(ids, (T - 16, T)), engine_map("qwen3")
+    whole, fast = _oracle(path, ref, emap), _fast(path, ref, emap)
+    assert fast is not None
+    _same_mapping(whole, fast)
+    assert torch.equal(fast.tensors["model.layers.1"], hs[T - 16:, 2])
+    if dtype == torch.uint64:
+        wide = ids.clone()
+        wide[3] = -7  # 2**64 - 7 as uint64
+        save_file({"hidden_states": hs, "token_ids": wide.view(torch.uint64)}, str(path))
+        assert _fast(path, ref, emap) is None
+        with pytest.raises(TracerError, match="or negative") as e:
+            _oracle(path, ref, emap)
+        assert "\n" not in str(e.value)
