@@ -218,6 +218,8 @@ def test_the_compiled_capture_gives_the_run_it_gave_before(tmp_path, monkeypatch
     _same_run(before, fast)
     assert torch.equal(fast.captures["model.layers.3"].tensor, tensors["hidden_states"][window[0]:window[1], 4])
     assert fast.meta["scheduler"]["mapping"]["model.layers.3"].startswith("hidden_states[:, 4]")
+    rows = (window[1] - window[0]) * (L + 1) * H * 2  # the window's rows of every slot, bf16: no map of the file kept
+    assert all(c.tensor.untyped_storage().nbytes() == rows for c in fast.captures.values())
 
 
 def _damaged(tensors: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -310,3 +312,23 @@ def test_unsigned_token_ids_are_read_as_the_ids_they_hold_or_refused_in_one_line
         with pytest.raises(TracerError, match="or negative") as e:
             _oracle(path, ref, emap)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("short", [1, 0])
+def test_a_file_over_the_input_budget_is_refused_as_the_whole_read_refused_it(tmp_path, monkeypatch, short):
+    """The whole read charges the file, the int64 ids and positions (16 bytes a token) and the
+    rows regrouped by slot to the input budget: with a budget one byte short of that the direct
+    read gives way and the capture says what the whole read says; at that budget exactly the
+    direct read is taken and gives the same run."""
+    tensors = _file(tmp_path / "x.safetensors", seed=7)  # the bytes the stand-in engine writes again
+    total = (tmp_path / "x.safetensors").stat().st_size + 16 * T + T * (L + 1) * H * 2
+    monkeypatch.setenv("TRACER_INPUT_BUDGET", str(total - short))
+    prompt = tensors["token_ids"].tolist()
+    now, whole = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "either")
+    before, _ = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "whole")
+    if short:
+        assert isinstance(before, str) and "over the input budget" in before, before
+        assert now == before and whole
+    else:
+        assert not isinstance(before, str) and not whole, before
+        _same_run(before, now)
