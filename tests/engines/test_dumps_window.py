@@ -168,10 +168,10 @@ class _Engine:
         return {"device": "cpu", "model_runner": "stand-in", "compilation_mode": 3}
 
 
-def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str):
+def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str, emap: dict | None = None):
     """execute_compiled's run, or its one-line error, and whether the whole file was read. ``mode``:
     ``whole`` (the path before the direct read: ``read_window`` gives way at once), ``direct`` (the
-    whole read fails the test), ``either``."""
+    whole read fails the test), ``either``; ``emap``: the engine map (qwen3's vLLM map)."""
     whole = []
     real = compiled.read_dump
     with monkeypatch.context() as m:
@@ -183,7 +183,8 @@ def _capture(tmp_path, tensors, prompt, window, points, monkeypatch, mode: str):
         plan = RunPlan("B", ((0, len(prompt)),), "one pass", engine="vllm")
         ref = replace(_ref(torch.tensor(prompt), window, points), token_ids=[], window=(0, 1))  # as ref_layout caches it
         try:
-            return compiled.execute_compiled(eng, None, prompt, plan, points, window, ref, engine_map("qwen3")), bool(whole)
+            return (compiled.execute_compiled(eng, None, prompt, plan, points, window, ref, emap or engine_map("qwen3")),
+                    bool(whole))
         except TracerError as e:
             return str(e), bool(whole)
         finally:
@@ -217,6 +218,8 @@ def test_the_compiled_capture_gives_the_run_it_gave_before(tmp_path, monkeypatch
     _same_run(before, fast)
     assert torch.equal(fast.captures["model.layers.3"].tensor, tensors["hidden_states"][window[0]:window[1], 4])
     assert fast.meta["scheduler"]["mapping"]["model.layers.3"].startswith("hidden_states[:, 4]")
+    rows = (window[1] - window[0]) * (L + 1) * H * 2  # the window's rows of every slot, bf16: no map of the file kept
+    assert all(c.tensor.untyped_storage().nbytes() == rows for c in fast.captures.values())
 
 
 def _damaged(tensors: dict[str, torch.Tensor], how: str) -> tuple[dict[str, torch.Tensor], list[int]]:
@@ -271,3 +274,61 @@ def test_a_damaged_file_gives_the_one_line_error_or_run_it_gave_before(tmp_path,
     else:
         assert isinstance(before, str) and DAMAGES[how] in before, before
         assert now == before and "\n" not in before
+
+
+def test_a_map_that_names_no_point_gives_the_error_the_whole_read_gave(tmp_path, monkeypatch):
+    """A map that sends every slot to no HF name (``-``) places no position: the whole read refused
+    the file ("no position is on both sides"); the direct read mapped it onto nothing, and the
+    capture then said that the file "mapped onto none of the run's capture points" instead."""
+    tensors = _file(tmp_path / "x.safetensors", seed=6)
+    prompt, q = tensors["token_ids"].tolist(), engine_map("qwen3")
+    emap = {**q, "model": {**q["model"], "embed_tokens": [{"hf": "-"}]}, "layer": {**q["layer"], "": [{"hf": "-"}]}}
+    now, whole = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "either", emap)
+    before, _ = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "whole", emap)
+    assert isinstance(before, str) and "no position is on both sides" in before, before
+    assert now == before and whole
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_unsigned_token_ids_are_read_as_the_ids_they_hold_or_refused_in_one_line(tmp_path, dtype):
+    """token_ids of an unsigned dtype wider than 8 bits (torch compares none of them with 0) made
+    the whole read raise NotImplementedError, a traceback. Ids that int64 holds are the prompt's,
+    read alike by both paths (as the named-tensors reader widens input_ids); uint64 ids from 2**63
+    on are negative once widened and refused as negative ids are, in one line."""
+    path = tmp_path / "req.safetensors"
+    tensors = _file(path, seed=5)
+    ids, hs = tensors["token_ids"], tensors["hidden_states"]
+    save_file({"hidden_states": hs, "token_ids": ids.to(dtype)}, str(path))
+    ref, emap = _ref(ids, (T - 16, T)), engine_map("qwen3")
+    whole, fast = _oracle(path, ref, emap), _fast(path, ref, emap)
+    assert fast is not None
+    _same_mapping(whole, fast)
+    assert torch.equal(fast.tensors["model.layers.1"], hs[T - 16:, 2])
+    if dtype == torch.uint64:
+        wide = ids.clone()
+        wide[3] = -7  # 2**64 - 7 as uint64
+        save_file({"hidden_states": hs, "token_ids": wide.view(torch.uint64)}, str(path))
+        assert _fast(path, ref, emap) is None
+        with pytest.raises(TracerError, match="or negative") as e:
+            _oracle(path, ref, emap)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("short", [1, 0])
+def test_a_file_over_the_input_budget_is_refused_as_the_whole_read_refused_it(tmp_path, monkeypatch, short):
+    """The whole read charges the file, the int64 ids and positions (16 bytes a token) and the
+    rows regrouped by slot to the input budget: with a budget one byte short of that the direct
+    read gives way and the capture says what the whole read says; at that budget exactly the
+    direct read is taken and gives the same run."""
+    tensors = _file(tmp_path / "x.safetensors", seed=7)  # the bytes the stand-in engine writes again
+    total = (tmp_path / "x.safetensors").stat().st_size + 16 * T + T * (L + 1) * H * 2
+    monkeypatch.setenv("TRACER_INPUT_BUDGET", str(total - short))
+    prompt = tensors["token_ids"].tolist()
+    now, whole = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "either")
+    before, _ = _capture(tmp_path, tensors, prompt, (T - 16, T), _points(), monkeypatch, "whole")
+    if short:
+        assert isinstance(before, str) and "over the input budget" in before, before
+        assert now == before and whole
+    else:
+        assert not isinstance(before, str) and not whole, before
+        _same_run(before, now)

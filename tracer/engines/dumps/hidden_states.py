@@ -66,7 +66,7 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
     if ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
         raise TracerError(f"{path}: token_ids {tuple(ids.shape)} do not give one id per row of hidden_states "
                           f"{tuple(hs.shape)}; the file is damaged")
-    if ids.is_floating_point() or ids.is_complex() or ids.numel() == 0 or bool((ids < 0).any()):
+    if _not_ids(ids):
         raise TracerError(f"{path}: token_ids are {'empty' if ids.numel() == 0 else str(ids.dtype)} or negative; vLLM "
                           "writes the prompt's token ids (non-negative integers) there")
     if ledger is not None:
@@ -76,6 +76,17 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
         ledger.charge(hs.numel() * hs.element_size(), f"{path}: its rows regrouped by layer")
     return RawDump(path=path, layout=LAYOUT, engine=ENGINE, entries=_entries(path, hs), tokens=tokens,
                    facts=_facts(hs.shape[1]))
+
+
+def _not_ids(ids: torch.Tensor) -> bool:
+    """Whether ``ids`` are not token ids int64 holds: floating, complex, empty, or negative once
+    widened to int64 (uint64 ids from 2**63 on; torch compares no unsigned dtype wider than 8 bits
+    with 0, so those are looked at as what they widen to)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.numel() == 0:
+        return True
+    if ids.dtype == torch.uint64:
+        return bool((ids.view(torch.int64) < 0).any())
+    return ids.is_signed() and bool((ids < 0).any())
 
 
 def _entries(path: str, hs: torch.Tensor) -> list[DumpEntry]:
@@ -123,8 +134,7 @@ def read_window(path: str, window: tuple[int, int], n_layers: int) -> tuple[list
             hs, ids = f.get_slice("hidden_states"), f.get_tensor("token_ids")
             shape, dtype = hs.get_shape(), _FLOATS.get(hs.get_dtype())
             if (len(shape) != 3 or dtype is None or shape[1] != n_layers + 1 or ids.dim() != 1
-                    or ids.shape[0] != shape[0] or not 0 <= w0 < w1 <= shape[0] or ids.is_floating_point()
-                    or ids.is_complex() or ids.numel() == 0 or bool((ids < 0).any())):
+                    or ids.shape[0] != shape[0] or not 0 <= w0 < w1 <= shape[0] or _not_ids(ids)):
                 return None
             # what the whole read allocates (the file, the ids and positions, the rows regrouped) within the budget
             if size + ids.numel() * 16 + shape[0] * shape[1] * shape[2] * dtype.itemsize > budget:

@@ -287,7 +287,8 @@ def map_window(path: str, engine: str, entries: list[DumpEntry], token_ids: torc
         decide over the whole dump: token ids other than the reference's, a window outside
         ``0..T-1``, a map rule that is not a plain renaming (one rule of ``hf``/``sum``) or a module
         without one, two modules on one HF name, rows of another width than the reference's
-        point, logits, a ``tokens`` setting.
+        point, logits, a ``tokens`` setting, no module named onto any HF name (``map_dump`` then
+        refuses the dump: no position on both sides).
     """
     w0, w1 = ref.window
     n = len(token_ids)
@@ -311,6 +312,8 @@ def map_window(path: str, engine: str, entries: list[DumpEntry], token_ids: torc
             return None
         rows[name] = e.tensor
         mapping[name] = _describe([e.name], e.module, rules[0], 0, 1, "", False)
+    if not rows:  # no slot names a point: map_dump refuses the dump (no position on both sides)
+        return None
     notes = []
     outside = ", ".join(ranges(r) for r in (range(0, w0), range(w1, n)) if r)  # two runs, never adjacent
     if outside:
