@@ -220,3 +220,75 @@ def test_a_relative_path_is_this_process_working_folder_not_the_child_s(tmp_path
     _write(Path("t.h5"), "process", [_run("A", 10)])
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["t.h5"]
     assert _contents(tmp_path / "sub" / "t.h5") == _contents(tmp_path / "first.h5")
+
+
+# ---------------------------------------------------------------- Ctrl-C, odd values, a working folder, forks
+
+
+def test_what_the_child_cannot_load_is_one_line_and_the_child_lives_on(tmp_path, monkeypatch):
+    """torch's multiprocessing pickler sends a tensor as a shared-memory handle the child cannot
+    open, and a class of a module made at run time cannot be found there: neither may end the
+    child (every open trace with it). A tensor is data the synchronous writer writes."""
+    import types
+
+    _write(tmp_path / "warm.h5", "process", [_run("A", 13)])
+    child = wp._child()
+    other = TraceWriter(tmp_path / "other.h5", header={}, background="process")  # open meanwhile
+    other.add_run(_run("A", 13))
+    ids = _run("A", 14)
+    ids.token_ids = torch.arange(16)  # the synchronous writer takes any int64 array-like
+    _write(tmp_path / "ids-sync.h5", False, [ids])
+    _write(tmp_path / "ids-proc.h5", "process", [ids])
+    assert _contents(tmp_path / "ids-proc.h5") == _contents(tmp_path / "ids-sync.h5")
+    tensor_calls = _run("A", 15)
+    tensor_calls.captures["model.layers.0"].calls = [{"positions": torch.tensor([0, 16])}]
+    with pytest.raises(TracerError) as sync:
+        _write(tmp_path / "c-sync.h5", False, [tensor_calls])
+    with pytest.raises(TracerError) as proc:
+        _write(tmp_path / "c-proc.h5", "process", [tensor_calls])
+    assert str(proc.value) == str(sync.value) and "is not JSON-serialisable" in str(sync.value)
+    module = types.ModuleType("made_at_run_time")
+    cls = type("Note", (str,), {"__module__": "made_at_run_time"})
+    module.Note = cls
+    monkeypatch.setitem(sys.modules, "made_at_run_time", module)
+    with TraceWriter(tmp_path / "h-sync.h5", header={"note": cls("x")}) as w:
+        w.add_run(_run("A", 16))
+    with TraceWriter(tmp_path / "h-proc.h5", header={"note": cls("x")}, background="process") as w:
+        w.add_run(_run("A", 16))
+    assert _contents(tmp_path / "h-proc.h5") == _contents(tmp_path / "h-sync.h5")
+    meta = _run("A", 17)
+    meta.captures["model.layers.0"].calls = [{"positions": [0, 16], "note": cls("x")}]
+    with pytest.raises(TracerError, match=r"^the trace writer process cannot read the run A that was sent"):
+        _write(tmp_path / "m.h5", "process", [meta])
+    other.close()
+    assert wp._child() is child and _contents(tmp_path / "other.h5")["A"] == _contents(tmp_path / "warm.h5")["A"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h-proc.h5", "h-sync.h5", "ids-proc.h5", "ids-sync.h5",
+                                                          "other.h5", "warm.h5"]
+
+
+def test_a_parent_gone_while_the_child_writes_leaves_no_traceback(tmp_path):
+    """The child answers a parent that died meanwhile: it deletes the partial file and ends quietly
+    (its stderr is the user's terminal)."""
+    err = tmp_path / "stderr"
+    body = (f"w = TraceWriter({str(tmp_path / 'out' / 't.h5')!r}, header={{}}, background='process')\n"
+            "w._futures[-1].result()\n"
+            "child = wp._child().proc.pid\n"
+            "print(child, flush=True)\n"
+            "os.kill(child, 19)\n"  # SIGSTOP: the run below is in the socket, its answer not yet sent
+            "small = {'p': CaptureRecord('p', 'layer', torch.ones(8, 4))}\n"  # its message fits the socket's buffer
+            "w.add_run(RunRecord('A', list(range(8)), {}, (0, 8), small))\n"
+            "import time; time.sleep(0.5)\n"
+            "os.kill(os.getpid(), 9)\n")
+    with open(err, "w") as stderr:
+        parent = subprocess.Popen([sys.executable, "-c", _script(body)], stdout=subprocess.PIPE, stderr=stderr,
+                                  text=True)
+        child = int(parent.stdout.readline())
+        parent.wait(timeout=120)
+        parent.stdout.close()
+    os.kill(child, signal.SIGCONT)
+    for _ in range(200):
+        if not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    assert "Traceback" not in err.read_text(), err.read_text()[-2000:]
+    assert list((tmp_path / "out").iterdir()) == []

@@ -92,24 +92,32 @@ class _Child:
         self.lock = threading.Lock()
         self.dead = False
 
-    def call(self, op: str, wid: int, args: tuple, buffers: list[Any] = ()) -> Any:
+    def call(self, op: str, wid: int, args: tuple, buffers: list[Any] = (), what: str | None = None) -> Any:
         """Send ``op`` for writer ``wid`` with ``args`` and the raw bytes of ``buffers`` (1-D uint8
-        numpy arrays); return the child's answer.
+        numpy arrays); return the child's answer. ``what``: what ``args`` are, for the child's
+        error when it cannot read them (``"run A"``; default ``op``).
+
+        ``args`` travel as a plain pickle (torch's multiprocessing pickler, which ``Connection.send``
+        uses, would send a tensor as a shared-memory handle the child cannot open), after a header
+        the child can always read, so that it answers an unreadable message instead of dying.
 
         Raises:
             TracerError: the child is gone; or the error the child raised, as raised there.
         """
+        payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
             if self.dead:
                 raise self._gone()
             try:
-                self.conn.send((op, wid, args, [b.nbytes for b in buffers]))
+                self.conn.send((op, wid, what or op, [b.nbytes for b in buffers]))
+                self.conn.send_bytes(payload)
                 for b in buffers:  # raw after the message: the child reads exactly the sizes it names
                     self.sock.sendall(b)
-                status, value = self.conn.recv()
+                reply = self.conn.recv_bytes()
             except (EOFError, OSError):
                 self.dead = True
                 raise self._gone() from None
+        status, value = pickle.loads(reply)
         if status == "error":
             raise value
         return value
@@ -230,14 +238,17 @@ class RemoteTraceFile:
         self._child: _Child | None = None
 
     def create(self, header: dict[str, Any], header_json: str) -> None:
-        """Start (or reuse) the writer process and create the partial file there."""
+        """Start (or reuse) the writer process and create the partial file there. ``header`` goes
+        as the flat scalar copies the file holds (plain values, which the child can always read)."""
+        from tracer.store.trace_file import _flat_scalars
+
         self._child = _child()
-        self._child.call("create", self._id, (*self._args, header, header_json))
+        self._child.call("create", self._id, (*self._args, _flat_scalars(header), header_json), what="header")
 
     def write_run(self, run: Any) -> None:
         """Send ``run``'s fields and tensor bytes (:func:`run_message`); the child writes it."""
         message, buffers = run_message(run)
-        self._child.call("write_run", self._id, (message,), buffers)
+        self._child.call("write_run", self._id, (message,), buffers, what=f"run {run.name}")
 
     def set_meta(self, run: str, text: str) -> None:
         self._child.call("set_meta", self._id, (run, text))
@@ -317,7 +328,8 @@ def serve(conn: Connection, sock: socket.socket) -> None:
     try:
         while True:
             try:
-                op, wid, args, sizes = conn.recv()
+                op, wid, what, sizes = conn.recv()
+                payload = conn.recv_bytes()
                 buffers = []
                 for n in sizes:
                     buf = torch.empty(n, dtype=torch.uint8)
@@ -326,6 +338,13 @@ def serve(conn: Connection, sock: socket.socket) -> None:
             except (EOFError, OSError):
                 return
             try:
+                try:
+                    args = pickle.loads(payload)
+                except Exception as e:  # noqa: BLE001 - e.g. a class of the parent's __main__
+                    raise TracerError(f"the trace writer process cannot read the {what} that was sent "
+                                      f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); pass plain "
+                                      "str/int/float/bool/list/dict values, "
+                                      f"or write from a thread ({ENV}=thread)") from None
                 if op == "create":
                     path, partial, version, compression, header, header_json = args
                     files[wid] = TraceFile(Path(path), Path(partial), version, compression)
@@ -344,7 +363,10 @@ def serve(conn: Connection, sock: socket.socket) -> None:
             except BaseException as e:  # noqa: BLE001 - every error goes back to the writer that called
                 reply = ("error", _picklable(e))
             del buffers
-            conn.send(reply)
+            try:
+                conn.send_bytes(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError:  # the parent went away meanwhile: delete what is open, quietly
+                return
     finally:
         for f in files.values():
             f.discard()
