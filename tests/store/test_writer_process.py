@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +224,52 @@ def test_a_relative_path_is_this_process_working_folder_not_the_child_s(tmp_path
 
 
 # ---------------------------------------------------------------- Ctrl-C, odd values, a working folder, forks
+
+
+def test_ctrl_c_while_close_waits_for_the_child_leaves_no_reply_for_the_next_call(tmp_path):
+    """Ctrl-C between a request and its reply: the reply must never be read as the next call's
+    (every later reply would belong to the call before it: a trace renamed into place before the
+    child finished it, an error raised at the wrong call or not at all)."""
+    _write(tmp_path / "warm.h5", "process", [_run("A", 11)])
+    child = wp._child()
+    w = TraceWriter(tmp_path / "t.h5", header={}, background="process")
+    w.add_run(_run("A", 11))
+    w._futures[-1].result()
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    def cont() -> None:
+        try:
+            os.kill(child.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    os.kill(child.proc.pid, signal.SIGSTOP)  # a slow finish (a slow disk)
+    resume = threading.Timer(1.0, cont)
+    resume.start()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            w.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        resume.join()
+        cont()
+    time.sleep(1.0)  # whatever the old child still says has arrived by now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["warm.h5"]
+    bad = _run("B", 12)
+    bad.captures["x/y"] = CaptureRecord(name="x/y", kind="layer", tensor=torch.ones(16, 4))
+    w2 = TraceWriter(tmp_path / "u.h5", header={}, background="process")
+    w2.add_run(bad)
+    assert isinstance(w2._futures[-1].exception(timeout=60), TracerError)  # this run's own answer
+    with pytest.raises(TracerError, match="is not a valid trace name"):
+        w2.close()
+    _write(tmp_path / "v.h5", "process", [_run("A", 11)])
+    assert _contents(tmp_path / "v.h5") == _contents(tmp_path / "warm.h5")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.h5", "warm.h5"]
 
 
 def test_what_the_child_cannot_load_is_one_line_and_the_child_lives_on(tmp_path, monkeypatch):

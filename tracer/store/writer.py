@@ -334,9 +334,11 @@ class TraceWriter:
 
     def _discard(self) -> None:
         """Close the file (if open) and delete the partial file (idempotent; no thread is waited for)."""
-        self._ops.discard()
-        self.partial_path.unlink(missing_ok=True)  # also where the writer process could not
-        _OPEN_PARTIALS.discard(self.partial_path)
+        try:
+            self._ops.discard()
+        finally:  # a Ctrl-C in the writer process's discard too
+            self.partial_path.unlink(missing_ok=True)  # also where the writer process could not
+            _OPEN_PARTIALS.discard(self.partial_path)
 
     def __enter__(self) -> TraceWriter:
         return self

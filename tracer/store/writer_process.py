@@ -103,6 +103,8 @@ class _Child:
 
         Raises:
             TracerError: the child is gone; or the error the child raised, as raised there.
+            KeyboardInterrupt: (or any other exception) between the request and its answer: the child
+                is ended first, as its answer would be read as the next call's.
         """
         payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
@@ -117,10 +119,26 @@ class _Child:
             except (EOFError, OSError):
                 self.dead = True
                 raise self._gone() from None
+            except BaseException:
+                self._end()
+                raise
         status, value = pickle.loads(reply)
         if status == "error":
             raise value
         return value
+
+    def _end(self) -> None:
+        """Kill the child (a call was cut between its request and its answer): no later call may read
+        an answer that is not its own, and a child left to finish its work could delete a partial
+        file of the same name that the next writer creates. The writers delete their partial files."""
+        self.dead = True
+        try:
+            self.conn.close()
+            self.sock.close()
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):  # gone already, or a kill that takes its time
+            pass
 
     def _gone(self) -> TracerError:
         try:
