@@ -313,6 +313,22 @@ def test_what_the_child_cannot_load_is_one_line_and_the_child_lives_on(tmp_path,
                                                           "other.h5", "warm.h5"]
 
 
+def test_negative_views_are_written_as_their_values(tmp_path):
+    """A view with the negative bit (the imaginary part of a conjugate) holds the negated bits of its
+    storage: the trace holds its values, in either writer."""
+    z = torch.randn(1, dtype=torch.complex64, generator=torch.Generator().manual_seed(18))
+    point = z.conj().imag  # contiguous, negative bit set
+    assert point.is_neg() and point.is_contiguous()
+    expected = torch.tensor([-z.imag.item()], dtype=torch.float32).view(torch.int32).tolist()
+    for mode in (False, "process"):
+        run = RunRecord(name="A", token_ids=[1], plan={}, window=(0, 1),
+                        captures={"p": CaptureRecord(name="p", kind="layer", tensor=point)}, meta={})
+        with TraceWriter(tmp_path / f"{mode}.h5", header={}, background=mode) as w:
+            w.add_run(run)
+        with TraceReader(tmp_path / f"{mode}.h5") as r:
+            assert r.run("A").captures["p"].tensor.view(torch.int32).tolist() == expected, mode
+
+
 def test_a_parent_gone_while_the_child_writes_leaves_no_traceback(tmp_path):
     """The child answers a parent that died meanwhile: it deletes the partial file and ends quietly
     (its stderr is the user's terminal)."""

@@ -47,7 +47,7 @@ def tensor_to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     name = _DTYPE_NAMES.get(tensor.dtype)
     if name is None:
         raise TracerError(f"cannot store a {tensor.dtype} tensor; the trace holds {', '.join(_DTYPES)}")
-    t = tensor.detach().cpu().contiguous()
+    t = tensor.detach().cpu().resolve_neg().contiguous()  # a negative view: its values
     if name in _RAW16:
         return t.view(torch.int16).numpy().view(np.uint16), name
     return t.numpy(), name

@@ -41,7 +41,7 @@ _MAX_IO = 1 << 30
 
 def _host_bits(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's elements as a flat numpy array of their storage type, sharing memory when it can."""
-    t = tensor.detach().cpu().contiguous().reshape(-1)
+    t = tensor.detach().cpu().resolve_neg().contiguous().reshape(-1)  # a negative view: its values
     name = _NAMES[t.dtype]
     if name in _RAW16:
         return t.view(torch.int16).numpy().view(np.uint16)

@@ -196,6 +196,7 @@ def _bytes_of(tensor: Any) -> tuple[Any, int, int, Any]:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    t = t.resolve_neg()  # a negative view's storage holds the negated bits
     if not t.is_contiguous():
         t = t.contiguous()
     return t.untyped_storage(), t.storage_offset() * t.element_size(), t.numel() * t.element_size(), t
