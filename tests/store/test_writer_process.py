@@ -329,6 +329,28 @@ def test_negative_views_are_written_as_their_values(tmp_path):
             assert r.run("A").captures["p"].tensor.view(torch.int32).tolist() == expected, mode
 
 
+def _script_file(tmp_path: Path, body: str) -> Path:
+    folder = tmp_path / "script"
+    folder.mkdir(exist_ok=True)
+    path = folder / "s.py"
+    path.write_text(_script(body))
+    return path
+
+
+def test_a_module_in_the_working_folder_does_not_shadow_the_childs_imports(tmp_path):
+    """python -c puts the working folder first on the child's path; a user's json.py there must not
+    break the writer process when it does not break the calling script."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "json.py").write_text("raise ImportError('the user json.py')\n")
+    script = _script_file(tmp_path, "with TraceWriter('t.h5', header={}, background='process') as w:\n"
+                                    "    w.add_run(run)\n"
+                                    "print('written')\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=work, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "written\n", proc.stderr[-2000:]
+    assert sorted(p.name for p in work.iterdir()) == ["json.py", "t.h5"]
+
+
 def test_a_parent_gone_while_the_child_writes_leaves_no_traceback(tmp_path):
     """The child answers a parent that died meanwhile: it deletes the partial file and ends quietly
     (its stderr is the user's terminal)."""

@@ -74,7 +74,10 @@ class _Child:
                               f"write from a thread: unset {ENV} or set it to thread")
         self.owner = os.getpid()  # a fork of this process must not talk on this socket: it starts its own child
         root = str(Path(__file__).resolve().parents[2])  # the folder holding this tracer package
-        code = (f"import sys; sys.path.insert(0, {root!r}); import tracer; sys.path.remove({root!r}); "
+        # this process's import path, not python -c's (the working folder first: a json.py there would
+        # shadow the standard library's), this package's folder ahead of it while tracer is imported
+        path = [root, *(p for p in sys.path if isinstance(p, str))]  # the import system reads str entries only
+        code = (f"import sys; sys.path[:] = {path!r}; import tracer; sys.path.remove({root!r}); "
                 "from tracer.store.writer_process import main; main(int(sys.argv[1]))")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the child copies bytes: no thread pool of its own
         try:
