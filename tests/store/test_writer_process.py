@@ -351,6 +351,51 @@ def test_a_module_in_the_working_folder_does_not_shadow_the_childs_imports(tmp_p
     assert sorted(p.name for p in work.iterdir()) == ["json.py", "t.h5"]
 
 
+@pytest.mark.parametrize("mode", ["False", "'process'"])
+def test_a_fork_that_exits_keeps_its_parents_trace(tmp_path, mode):
+    """A forked helper that ends normally (sys.exit) runs the exit handlers it inherited: they must
+    not delete the partial files of its parent's open writers."""
+    body = (f"w = TraceWriter({str(tmp_path / 't.h5')!r}, header={{}}, background={mode})\n"
+            "w.add_run(run)\n"
+            "if w._futures: w._futures[-1].result()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "w.close()\n"
+            "print('closed')\n")
+    proc = subprocess.run([sys.executable, "-c", _script(body)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "closed\n", proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+
+
+def test_a_fork_alive_when_the_parent_dies_does_not_keep_the_partial_file(tmp_path):
+    """A forked worker (a data loader's, an engine's) holds a copy of the socket: the child must
+    still see its parent go, and delete the partial file, while the fork lives on."""
+    body = (f"w = TraceWriter({str(tmp_path / 't.h5')!r}, header={{}}, background='process')\n"
+            "w.add_run(run)\n"
+            "w._futures[-1].result()\n"
+            "import time\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    quiet = os.open(os.devnull, os.O_RDWR); os.dup2(quiet, 1); os.dup2(quiet, 2)\n"  # not our pipes
+            "    time.sleep(60); os._exit(0)\n"
+            "print(pid, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    with open(tmp_path.parent / f"{tmp_path.name}.stderr", "w") as err:  # the child keeps its stderr
+        proc = subprocess.run([sys.executable, "-c", _script(body)], stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=120)
+    fork = int(proc.stdout)
+    try:
+        for _ in range(200):
+            if not list(tmp_path.iterdir()):
+                break
+            time.sleep(0.05)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        os.kill(fork, signal.SIGKILL)
+
+
 def test_a_parent_gone_while_the_child_writes_leaves_no_traceback(tmp_path):
     """The child answers a parent that died meanwhile: it deletes the partial file and ends quietly
     (its stderr is the user's terminal)."""

@@ -57,6 +57,10 @@ def _remove_open_partials() -> None:
             pass
 
 
+# a fork has no open writers: its exit handlers must not delete the partial files of its parent's
+os.register_at_fork(after_in_child=_OPEN_PARTIALS.clear)
+
+
 def _partial_name(path: Path) -> Path:
     """``<path>.partial-<PID>``, or ``<path>.partial-<PID>-<k>`` while a writer of this process has that one open."""
     for k in range(1 << 16):

@@ -159,6 +159,24 @@ _CHILD: _Child | None = None
 _IDS = itertools.count(1)
 
 
+def _forget_child() -> None:
+    """In a fork of this process: close its copies of the socket (the child must see EOF when the
+    process that started it dies, whatever forks live on) and forget the child and a lock another
+    thread may have held."""
+    global _CHILD, _LOCK
+    _LOCK = threading.Lock()
+    child, _CHILD = _CHILD, None
+    if child is not None:
+        for end in (child.conn, child.sock):
+            try:
+                end.close()
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_forget_child)
+
+
 def _child() -> _Child:
     """This process's writer process, started now if there is none (or it died, or it is the child of
     the process this one was forked from)."""
