@@ -215,7 +215,7 @@ def tracer_warm(args: list[str], env: dict[str, str] | None = None, cwd: str | P
     if not _WARM:
         import atexit
 
-        _WARM.append(Worker(_warm_cli_loop))
+        _WARM.append(Worker(_warm_cli_loop, daemon=False))  # its commands start processes (TP ranks)
         atexit.register(lambda: _WARM[0].proc.is_alive() and _WARM[0].close())
     if not _WARM[0].proc.is_alive():  # ended by something outside it: a new one
         _WARM[0].start()
@@ -243,17 +243,18 @@ class Worker:
     """One spawned process answering ``(outcome kind, text)`` requests for a path, with a timeout per
     request; ``target(conn)`` is the child's loop (a module-level function, for spawn): it receives
     paths and sends answers until it receives None. A hang or a crash is an answer too, and the
-    child is started again."""
+    child is started again. ``daemon``: False for a child that starts processes of its own (a
+    daemonic one may not); then it must be closed before this process exits."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, daemon: bool = True) -> None:
         import multiprocessing as mp
 
-        self.ctx, self.target = mp.get_context("spawn"), target
+        self.ctx, self.target, self.daemon = mp.get_context("spawn"), target, daemon
         self.start()
 
     def start(self) -> None:
         self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=self.target, args=(child,), daemon=True)
+        self.proc = self.ctx.Process(target=self.target, args=(child,), daemon=self.daemon)
         self.proc.start()
 
     def ask(self, path: str, timeout: float):
