@@ -109,7 +109,13 @@ def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cw
     ``SystemExit``). A case is the argument list, or ``{"args": [...], "env": {...}}``: variables
     set for that case only (``COLUMNS``, ``TTY_COMPATIBLE``: leave them out of ``env`` then, so the
     consoles made at import read them as each case prints). ``refuse_loads``: loading a model
-    raises in that process; ``refuse_reads``: opening a trace does."""
+    raises in that process; ``refuse_reads``: opening a trace does. Without either, the process is
+    the suite's warm worker (:func:`tracer_warm`, ``timeout`` a command); with one, a new process,
+    whose patches are in place before anything imports the functions they replace."""
+    if not (refuse_loads or refuse_reads):
+        return [tracer_warm(case["args"] if isinstance(case, dict) else case,
+                            {**env, **(case["env"] if isinstance(case, dict) else {})}, cwd, check=False,
+                            timeout=timeout) for case in cases]
     driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads, refuse_reads=refuse_reads)
     proc = subprocess.run([sys.executable, "-c", driver, json.dumps(cases)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
