@@ -132,7 +132,8 @@ def _warm_cli_loop(conn) -> None:
     are: what child processes and native code write lands there too); it answers ``("done", exit
     code, stdout, stderr)``, or ``("exception", traceback)`` when something other than SystemExit
     escaped ``main``. After each command the process is put back as it was: environment, folder,
-    signal handlers, warning filters and registries, torch's global RNG seed and its flags."""
+    signal handlers, warning filters, torch's flags; before each, torch's global RNG is seeded as a new
+    process's is and the warnings shown once (Python's, transformers' ``warning_once``) are forgotten."""
     import io
     import locale
     import signal
@@ -172,6 +173,12 @@ def _warm_cli_loop(conn) -> None:
             os.environ.update(env)
             os.chdir(cwd)
             torch.manual_seed(seed)
+            warnings.onceregistry.clear()  # warnings and transformers' *_once messages: shown again, as in
+            # a new process
+            hf_logging = sys.modules.get("transformers.utils.logging")
+            for once in (getattr(hf_logging, "warning_once", None), getattr(hf_logging, "info_once", None)):
+                if hasattr(once, "cache_clear"):
+                    once.cache_clear()
             sys.argv = ["tracer", *args]
             with warnings.catch_warnings():  # each command's warnings show as in a new process, once each
                 try:
@@ -208,9 +215,9 @@ def tracer_warm(args: list[str], env: dict[str, str] | None = None, cwd: str | P
     subprocess's captured pipes would hold it (file descriptors 1 and 2, the ranks it starts
     included), and the worker is put back as it was after each command (:func:`_warm_cli_loop`).
     Not for what only a process of its own shows: ``python -m tracer``'s start, signals and the
-    watchdog, ``os._exit``, what is imported before an error, that no warning is printed (a warning
-    shown once in a process), stderr's colours in a terminal (its console is made once, as in
-    :func:`cli_session`): those use :func:`tracer_cli`. Messages name the program ``tracer`` (the
+    watchdog, ``os._exit``, what is imported before an error, that no warning is printed (one of
+    torch's C++ code is shown once a process), stderr's colours in a terminal (its console is made
+    once, as in :func:`cli_session`): those use :func:`tracer_cli`. Messages name the program ``tracer`` (the
     console script's name; ``python -m tracer`` names itself so).
 
     Raises:
