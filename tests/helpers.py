@@ -1,8 +1,10 @@
 """What the tests share: one way to run the ``tracer`` command, one way to build runs by hand, and the
 small random-init models (built straight from HF configs, independent of :mod:`tracer.load.models`).
 
-- :func:`tracer_cli` runs ``python -m tracer ARGS`` in a subprocess; :func:`bad_cli` checks a bad
-  input's contract (exit 2, one line, no traceback); :func:`cli_batch` runs many argument lists
+- :func:`tracer_cli` runs ``python -m tracer ARGS`` in a subprocess; :func:`tracer_warm` runs the
+  same command by ``tracer.cli.main`` in a warm worker process kept for the whole test session (no
+  process start: torch is imported once); :func:`bad_cli` checks a bad input's contract (exit 2,
+  one line, no traceback); :func:`cli_batch` runs many argument lists
   in one process in which loading a model raises (bad input must be refused before any load);
   :func:`cli_session` runs several whole commands in one process (one import of torch);
   :class:`Worker` answers fuzz cases in a spawned process that may hang or crash.
@@ -51,10 +53,12 @@ def tracer_cli(args: list[str], env: dict[str, str] | None = None, cwd: str | Pa
     return proc
 
 
-def bad_cli(args: list[str], env: dict[str, str], cwd: str | Path, needle: str) -> subprocess.CompletedProcess:
-    """``tracer ARGS`` must refuse: exit 2, no traceback, one line on stderr holding ``needle``."""
+def bad_cli(args: list[str], env: dict[str, str], cwd: str | Path, needle: str, *,
+            warm: bool = False) -> subprocess.CompletedProcess:
+    """``tracer ARGS`` must refuse: exit 2, no traceback, one line on stderr holding ``needle``.
+    ``warm``: run it by :func:`tracer_warm` (no process start) instead of :func:`tracer_cli`."""
     # the error is the only line: progress lines (a slow phase before the error) are off here
-    proc = tracer_cli(args, {**env, "TRACER_PROGRESS": "off"}, cwd, check=False)
+    proc = (tracer_warm if warm else tracer_cli)(args, {**env, "TRACER_PROGRESS": "off"}, cwd, check=False)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert needle in proc.stderr, proc.stderr
@@ -105,7 +109,13 @@ def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cw
     ``SystemExit``). A case is the argument list, or ``{"args": [...], "env": {...}}``: variables
     set for that case only (``COLUMNS``, ``TTY_COMPATIBLE``: leave them out of ``env`` then, so the
     consoles made at import read them as each case prints). ``refuse_loads``: loading a model
-    raises in that process; ``refuse_reads``: opening a trace does."""
+    raises in that process; ``refuse_reads``: opening a trace does. Without either, the process is
+    the suite's warm worker (:func:`tracer_warm`, ``timeout`` a command); with one, a new process,
+    whose patches are in place before anything imports the functions they replace."""
+    if not (refuse_loads or refuse_reads):
+        return [tracer_warm(case["args"] if isinstance(case, dict) else case,
+                            {**env, **(case["env"] if isinstance(case, dict) else {})}, cwd, check=False,
+                            timeout=timeout) for case in cases]
     driver = _DRIVER.format(root=str(ROOT), refuse_loads=refuse_loads, refuse_reads=refuse_reads)
     proc = subprocess.run([sys.executable, "-c", driver, json.dumps(cases)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -113,6 +123,122 @@ def cli_session(cases: list[list[str] | dict[str, Any]], env: dict[str, str], cw
     assert len(done) == len(cases), proc.stderr[-3000:]
     return [subprocess.CompletedProcess(["tracer", *(args["args"] if isinstance(args, dict) else args)], code, out, err)
             for args, (code, out, err) in zip(cases, done)]
+
+
+def _warm_cli_loop(conn) -> None:
+    """The loop of :func:`tracer_warm`'s worker: for each ``(args, env, cwd)`` it receives, one whole
+    ``tracer`` command (:func:`tracer.cli.main`) with ``env`` as the whole environment, ``cwd`` as
+    the working folder and file descriptors 1 and 2 sent to files (as a subprocess's captured pipes
+    are: what child processes and native code write lands there too); it answers ``("done", exit
+    code, stdout, stderr)``, or ``("exception", traceback)`` when something other than SystemExit
+    escaped ``main``. After each command the process is put back as it was: environment, folder,
+    signal handlers, warning filters, torch's flags; before each, torch's global RNG is seeded as a new
+    process's is and the warnings shown once (Python's, transformers' ``warning_once``) are forgotten."""
+    import io
+    import locale
+    import signal
+    import tempfile
+    import traceback
+    import warnings
+
+    for name in ("COLUMNS", "LINES", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR", "NO_COLOR"):
+        os.environ.pop(name, None)  # the console made at import reads each command's COLUMNS as it prints
+    import tracer.report.terminal  # noqa: F401 - that console (stderr), made here and not in a command's environment
+    from tracer.cli import main
+    from tracer.cli_exit import restore_signals
+
+    seed = torch.initial_seed()  # a fresh process's: sampling without a seed starts where a new process does
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+
+    def text(f) -> str:  # as subprocess.run(text=True) decodes a pipe: locale encoding, universal newlines
+        f.seek(0)
+        return io.TextIOWrapper(f, encoding=locale.getpreferredencoding(False), newline=None).read()
+
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        args, env, cwd = request
+        saved_env, saved_cwd = dict(os.environ), os.getcwd()
+        handlers = {s: signal.getsignal(s) for s in sigs}
+        flags = (torch.get_num_threads(), torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+                 torch.is_grad_enabled())
+        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        sys.stdout.flush(), sys.stderr.flush()
+        fd1, fd2 = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        code, problem = 0, None
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            torch.manual_seed(seed)
+            warnings.onceregistry.clear()  # warnings and transformers' *_once messages: shown again, as in
+            # a new process
+            hf_logging = sys.modules.get("transformers.utils.logging")
+            for once in (getattr(hf_logging, "warning_once", None), getattr(hf_logging, "info_once", None)):
+                if hasattr(once, "cache_clear"):
+                    once.cache_clear()
+            sys.argv = ["tracer", *args]
+            with warnings.catch_warnings():  # each command's warnings show as in a new process, once each
+                try:
+                    main()
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
+            problem = traceback.format_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(fd1, 1), os.dup2(fd2, 2)
+            os.close(fd1), os.close(fd2)
+            restore_signals()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            torch.set_num_threads(flags[0]), torch.set_default_dtype(flags[1])
+            torch.use_deterministic_algorithms(flags[2]), torch.set_grad_enabled(flags[3])
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        conn.send(("exception", problem) if problem else ("done", code, text(out), text(err)))
+
+
+_WARM: list[Worker] = []  # the one warm worker of this pytest process, started on first use
+
+
+def tracer_warm(args: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None, *,
+                check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``tracer ARGS`` as :func:`tracer_cli` runs it (``env`` default :func:`cli_env`, ``cwd``
+    default this process's; ``check``: raise AssertionError unless it exits 0), but by
+    :func:`tracer.cli.main` in one warm worker process that this pytest process starts once and
+    keeps (torch and transformers are imported once, not once per command: about 4 s of CPU a
+    command on a 2-core machine). What the command prints reaches the test exactly as a
+    subprocess's captured pipes would hold it (file descriptors 1 and 2, the ranks it starts
+    included), and the worker is put back as it was after each command (:func:`_warm_cli_loop`).
+    Not for what only a process of its own shows: ``python -m tracer``'s start, signals and the
+    watchdog, ``os._exit``, what is imported before an error, that no warning is printed (one of
+    torch's C++ code is shown once a process), stderr's colours in a terminal (its console is made
+    once, as in :func:`cli_session`): those use :func:`tracer_cli`. Messages name the program ``tracer`` (the
+    console script's name; ``python -m tracer`` names itself so).
+
+    Raises:
+        AssertionError: the command exits non-zero with ``check``; it runs past ``timeout`` seconds
+            or crashes the worker (which is started again for the next command); something other
+            than SystemExit escapes ``main`` (the traceback is the message).
+    """
+    if not _WARM:
+        import atexit
+
+        _WARM.append(Worker(_warm_cli_loop, daemon=False))  # its commands start processes (TP ranks)
+        atexit.register(lambda: _WARM[0].proc.is_alive() and _WARM[0].close())
+    if not _WARM[0].proc.is_alive():  # ended by something outside it: a new one
+        _WARM[0].start()
+    answer = _WARM[0].ask((list(args), cli_env() if env is None else dict(env), str(cwd or os.getcwd())), timeout)
+    if answer[0] != "done":
+        raise AssertionError(f"tracer {args}: {answer[0]}: {answer[1]}")
+    _, code, out, err = answer
+    if check and code != 0:
+        raise AssertionError(f"tracer {args} exited {code}: {err}")
+    return subprocess.CompletedProcess(["tracer", *args], code, out, err)
 
 
 def cli_batch(cases: list[list[str]], cwd: str | Path, timeout: float = 120, *,
@@ -130,17 +256,18 @@ class Worker:
     """One spawned process answering ``(outcome kind, text)`` requests for a path, with a timeout per
     request; ``target(conn)`` is the child's loop (a module-level function, for spawn): it receives
     paths and sends answers until it receives None. A hang or a crash is an answer too, and the
-    child is started again."""
+    child is started again. ``daemon``: False for a child that starts processes of its own (a
+    daemonic one may not); then it must be closed before this process exits."""
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, daemon: bool = True) -> None:
         import multiprocessing as mp
 
-        self.ctx, self.target = mp.get_context("spawn"), target
+        self.ctx, self.target, self.daemon = mp.get_context("spawn"), target, daemon
         self.start()
 
     def start(self) -> None:
         self.conn, child = self.ctx.Pipe()
-        self.proc = self.ctx.Process(target=self.target, args=(child,), daemon=True)
+        self.proc = self.ctx.Process(target=self.target, args=(child,), daemon=self.daemon)
         self.proc.start()
 
     def ask(self, path: str, timeout: float):

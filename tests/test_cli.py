@@ -1,5 +1,8 @@
-"""End to end through the `tracer` command (subprocess): every bad input of issue 2, and --fail-on exit
-codes, tolerances, --decode/--verdict/--wide (issue 3)."""
+"""End to end through the `tracer` command: every bad input of issue 2, and --fail-on exit codes,
+tolerances, --decode/--verdict/--wide (issue 3). Most commands run by ``tracer.cli.main`` in the
+suite's warm worker process (tests/helpers.tracer_warm: no process start each); the first run (nothing
+on stderr), the bad inputs of a process of their own (cuda, missing weights, files) and the
+process-level checks run ``python -m tracer`` in a subprocess."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import bad_cli, tracer_cli
+from tests.helpers import bad_cli, tracer_cli, tracer_warm
 from tracer.store.trace import TraceReader
 from tracer.store.crc import crc32_bytes
 from tracer.store.integrity import seal
@@ -35,7 +38,7 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     # loaded machine can make appear for a slow phase, are off for this check)
     assert proc.stderr == ""
 
-    proc = tracer_cli(["compare", str(out), "--format", "json"], cli_env, tmp_path)
+    proc = tracer_warm(["compare", str(out), "--format", "json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["scenario"] == "prefix-cache" and doc["model"] == "tiny-llama"
     assert doc["positions"] == [80, 90]  # N = 90 byte tokens, P = 80 (last multiple of 16 below 90)
@@ -59,7 +62,7 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
 
 
 def test_run_json_matches_python_api(tmp_path, cli_env, prompt_file, monkeypatch):
-    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
+    proc = tracer_warm(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
                    "--format", "json", "--no-store"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["trace"] is None
@@ -73,7 +76,7 @@ def test_run_json_matches_python_api(tmp_path, cli_env, prompt_file, monkeypatch
 
 
 def test_aligned_mitigation_is_bit_identical_on_cpu(tmp_path, cli_env, prompt_file):
-    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--mitigation", "aligned",
+    proc = tracer_warm(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--mitigation", "aligned",
                    "--device", "cpu", "--format", "json", "--no-store"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["identical"] is True and doc["first_divergent"] is None
@@ -82,18 +85,18 @@ def test_aligned_mitigation_is_bit_identical_on_cpu(tmp_path, cli_env, prompt_fi
 
 @pytest.mark.parametrize("fmt,marker", [("csv", "name,kind,n_diff"), ("markdown", "| capture point |")])
 def test_other_formats(tmp_path, cli_env, prompt_file, fmt, marker):
-    proc = tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
+    proc = tracer_warm(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu",
                    "--format", fmt, "--no-store"], cli_env, tmp_path)
     assert marker in proc.stdout
 
 
 def test_default_output_path_and_show(tmp_path, cli_env, prompt_file):
-    tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu"], cli_env, tmp_path)
+    tracer_warm(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu"], cli_env, tmp_path)
     traces = list((tmp_path / "traces").glob("tiny-llama-prefix-cache-*.h5"))
     assert len(traces) == 1
-    proc = tracer_cli(["show", str(traces[0])], cli_env, tmp_path)
+    proc = tracer_warm(["show", str(traces[0])], cli_env, tmp_path)
     assert "torch" in proc.stdout and "cache hit" in proc.stdout
-    proc = tracer_cli(["show", str(traces[0]), "--json"], cli_env, tmp_path)
+    proc = tracer_warm(["show", str(traces[0]), "--json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     assert doc["header"]["model"]["name"] == "tiny-llama" and [r["name"] for r in doc["runs"]] == ["A", "B"]
 
@@ -127,7 +130,7 @@ def test_help(tmp_path, cli_env):
     (["compare", "/nonexistent/trace.h5"], "not found"),
 ])
 def test_bad_input(tmp_path, cli_env, args, needle):
-    bad_cli(args, cli_env, tmp_path, needle)
+    bad_cli(args, cli_env, tmp_path, needle, warm=True)
 
 
 def test_cuda_requested_but_absent(tmp_path, cli_env):
@@ -144,9 +147,10 @@ def test_model_files_missing(tmp_path, cli_env):
 def test_bad_token_ids_file(tmp_path, cli_env):
     f = tmp_path / "ids.json"
     f.write_text('{"ids": [1, 2]}')
-    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "JSON array of ints")
+    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "JSON array of ints", warm=True)
     f.write_text(json.dumps([1] * 40 + [99999]))
-    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "outside the model's vocabulary")
+    bad_cli(["run", "tiny-llama", "--token-ids-file", str(f)], cli_env, tmp_path, "outside the model's vocabulary",
+            warm=True)
 
 
 def test_existing_output_is_not_clobbered(tmp_path, cli_env, prompt_file):
@@ -170,15 +174,15 @@ def test_corrupt_and_foreign_trace_files(tmp_path, cli_env):
 
 def test_runs_with_different_token_ids_refused(tmp_path, cli_env, prompt_file):
     out = tmp_path / "t.h5"
-    tracer_cli(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu", "-o", str(out)],
+    tracer_warm(["run", "tiny-llama", "--prompt-file", str(prompt_file), "--device", "cpu", "-o", str(out)],
            cli_env, tmp_path)
     with h5py.File(out, "r+") as f:  # plant a different prompt in run B
         ids = f["runs/B/token_ids"][...]
         ids[3] = (ids[3] + 1) % 256
         f["runs/B/token_ids"][...] = ids
         seal(f["runs/B/token_ids"], crc32_bytes(ids))  # a trace written so, not a damaged one
-    bad_cli(["compare", str(out)], cli_env, tmp_path, "different token ids")
-    bad_cli(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z")
+    bad_cli(["compare", str(out)], cli_env, tmp_path, "different token ids", warm=True)
+    bad_cli(["compare", str(out), "A", "Z"], cli_env, tmp_path, "Z", warm=True)
 
 
 def test_no_store_contradicting_store_is_one_line_error():
@@ -197,7 +201,7 @@ def trace(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli3")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent), COLUMNS="200")
     out = tmp / "t.h5"
-    proc = tracer_cli(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "-o", str(out)], env, tmp)
+    proc = tracer_warm(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "-o", str(out)], env, tmp)
     assert proc.returncode == 0  # report only by default, diverged or not
     return out, env, tmp
 
@@ -224,7 +228,7 @@ def test_fail_on_exit_codes(trace, rule, atol, rtol):
     args = ["compare", str(path), "--fail-on", rule, "--format", "json"]
     args += ["--atol", str(atol)] if atol is not None else []
     args += ["--rtol", str(rtol)] if rtol is not None else []
-    proc = tracer_cli(args, env, tmp, check=False)
+    proc = tracer_warm(args, env, tmp, check=False)
     any_diff, outside, flips = _oracle(path, atol or 0.0, rtol or 0.0)
     want_fail = {"any": any_diff, "flip": flips > 0, "tolerance": outside}[rule]
     assert proc.returncode == (1 if want_fail else 0), proc.stderr
@@ -239,7 +243,7 @@ def test_divergent_trace_exists_for_the_rules(trace):
 
 def test_run_fail_on_any(trace):
     _, env, tmp = trace
-    proc = tracer_cli(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "--no-store", "--fail-on", "any",
+    proc = tracer_warm(["run", "tiny-llama", "--dtype", "float32", "--device", "cpu", "--no-store", "--fail-on", "any",
                    "--format", "json"], env, tmp, check=False)
     doc = json.loads(proc.stdout)
     assert proc.returncode == (0 if doc["identical"] else 1)
@@ -249,10 +253,10 @@ def test_run_fail_on_any(trace):
 
 def test_wide_table_and_origins(trace):
     path, env, tmp = trace
-    proc = tracer_cli(["compare", str(path), "--wide"], env, tmp)
+    proc = tracer_warm(["compare", str(path), "--wide"], env, tmp)
     for col in ("SQNR dB", "cosine", "<1‰", "<5‰", "NaN/Inf", "max ULP (line)", "ULP histogram"):
         assert col in proc.stdout
-    doc = json.loads(tracer_cli(["compare", str(path), "--format", "json"], env, tmp).stdout)
+    doc = json.loads(tracer_warm(["compare", str(path), "--format", "json"], env, tmp).stdout)
     if not doc["identical"]:
         assert doc["origins"] and proc.stdout.index("origin:") < proc.stdout.index("capture point")
 
@@ -266,20 +270,20 @@ def test_wide_table_and_origins(trace):
 ])
 def test_bad_values_exit_2(trace, args, needle):
     path, env, tmp = trace
-    bad_cli(["compare", str(path), *args], env, tmp, needle)
-    bad_cli(["run", "tiny-llama", "--device", "cpu", "--no-store", *args], env, tmp, needle)
+    bad_cli(["compare", str(path), *args], env, tmp, needle, warm=True)
+    bad_cli(["run", "tiny-llama", "--device", "cpu", "--no-store", *args], env, tmp, needle, warm=True)
 
 
 def test_bad_decode_and_verdict_exit_2(trace):
     _, env, tmp = trace
-    bad_cli(["run", "tiny-llama", "--device", "cpu", "--decode", "-3"], env, tmp, "--decode -3")
+    bad_cli(["run", "tiny-llama", "--device", "cpu", "--decode", "-3"], env, tmp, "--decode -3", warm=True)
     bad_cli(["run", "tiny-llama", "--device", "cpu", "--dtype", "float64", "--verdict"], env, tmp,
-         "--verdict needs a precision above float64")
+            "--verdict needs a precision above float64", warm=True)
 
 
 def test_decode_and_verdict_through_the_cli(trace):
     _, env, tmp = trace
-    proc = tracer_cli(["run", "tiny-llama", "--device", "cpu", "--no-store", "--length", "40", "--decode", "4",
+    proc = tracer_warm(["run", "tiny-llama", "--device", "cpu", "--no-store", "--length", "40", "--decode", "4",
                    "--verdict"], env, tmp)
     assert "replay:" in proc.stdout and "noise verdict:" in proc.stdout
 
@@ -288,7 +292,7 @@ def test_compare_says_where_its_report_went(trace):
     """A newcomer's trial: ``tracer compare T --report sub/r.html`` wrote the report (folders made) and
     said nothing; it now says where, after the table, as ``tracer run --report`` does."""
     out, env, tmp = trace
-    proc = tracer_cli(["compare", str(out), "--report", "sub/r.html"], env, tmp)
+    proc = tracer_warm(["compare", str(out), "--report", "sub/r.html"], env, tmp)
     assert proc.stderr.splitlines()[-1] == "report: sub/r.html" and (tmp / "sub" / "r.html").is_file()
 
 
@@ -424,13 +428,13 @@ def test_report_and_plot_say_what_they_wrote(trace):
 
     out, env, tmp = trace
     term = dict(env, TTY_COMPATIBLE="1", COLUMNS="200", TRACER_PROGRESS="off")
-    proc = tracer_cli(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"], term, tmp)
+    proc = tracer_warm(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"], term, tmp)
     kb = os.path.getsize(tmp / "x.html") / 1e3
     assert re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout).strip() == \
         f"wrote {tmp / 'x.html'}: the HTML report of {out}, {kb:.3g} KB", proc.stdout
-    proc = tracer_cli(["plot", str(out), "-o", str(tmp / "x.png"), "--kind", "heatmap", "--overwrite"], term, tmp)
+    proc = tracer_warm(["plot", str(out), "-o", str(tmp / "x.png"), "--kind", "heatmap", "--overwrite"], term, tmp)
     assert f"wrote {tmp / 'x.png'}: the heatmap figure of {out}, " in re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
-    piped = tracer_cli(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"],
+    piped = tracer_warm(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"],
                        dict(env, TRACER_PROGRESS="off"), tmp)
     assert piped.stdout == f"{tmp / 'x.html'}\n"
 

@@ -107,11 +107,11 @@ def test_layer_outputs_match_hf_hidden_states(tiny, ref, dump):
 
 def test_cli_import_then_compare(ref, dump, tmp_path, cli_env):
     out = tmp_path / "engine.h5"
-    r = subprocess.run([sys.executable, "-m", "tracer", "import", str(dump), "-o", str(out), "-r", f"{ref}:B"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    from tests.helpers import tracer_warm
+
+    r = tracer_warm(["import", str(dump), "-o", str(out), "-r", f"{ref}:B"], cli_env, tmp_path, check=False)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, "-m", "tracer", "compare", f"{ref}:B", str(out), "--fail-on", "any"],
-                       capture_output=True, text=True, env=cli_env, cwd=tmp_path)
+    r = tracer_warm(["compare", f"{ref}:B", str(out), "--fail-on", "any"], cli_env, tmp_path, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "HF vs SGLang dumper" in r.stdout and "bit-identical" in r.stdout
     assert "model.layers.0.self_attn.q_proj ← non_intrusive__model.layers.0.self_attn.qkv_proj.output" in r.stdout

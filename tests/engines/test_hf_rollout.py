@@ -513,12 +513,10 @@ def test_tracer_compare_of_a_stored_rl_trace_keeps_its_rl_metrics(tmp_path):
 
 
 def test_smollm2_cli_prints_the_rl_summary_first_then_where_the_gap_is_born(cli_env, tmp_path):
-    import subprocess
-    import sys
+    from tests.helpers import tracer_warm
 
-    out = subprocess.run([sys.executable, "-m", "tracer", "run", "smollm2-135m", "--scenario", "rollout-vs-train",
-                          "--length", "32", "--new-tokens", "8", "--no-store"], capture_output=True, text=True,
-                         env=cli_env, cwd=tmp_path, timeout=600)
+    out = tracer_warm(["run", "smollm2-135m", "--scenario", "rollout-vs-train", "--length", "32", "--new-tokens", "8",
+                       "--no-store"], cli_env, tmp_path, check=False)
     assert out.returncode == 0, out.stderr
     lines = [x for x in out.stdout.splitlines() if x.strip()]
     assert lines[0].startswith("RL step:") and "4 sequences × 8 response tokens" in lines[0]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tracer
-from tests.helpers import tracer_cli
+from tests.helpers import tracer_cli, tracer_warm
 from tracer.errors import TracerError
 
 CPU = dict(device="cpu", store="none", progress=False)
@@ -147,8 +147,8 @@ def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
     env = dict(cli_env, OMP_NUM_THREADS="2")  # spawned: 2 // 2 = 1 thread per rank; torchrun: 1 per rank
     args = ["run", "tiny-llama", "--device", "cpu", "--scenario", "tensor-parallel", "--tp", "2",
             "--tp-mode", "distributed", "--length", "24", "--format", "json"]
-    assert tracer_cli(args + ["-o", str(tmp_path / "spawn.h5")], env, tmp_path, check=False,
-                      timeout=300).returncode == 0
+    assert tracer_warm(args + ["-o", str(tmp_path / "spawn.h5")], env, tmp_path, check=False,
+                       timeout=300).returncode == 0
     tr = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                          "-m", "tracer", *args, "-o", str(tmp_path / "torchrun.h5")], env=env, cwd=tmp_path,
                         capture_output=True, text=True, timeout=300)
@@ -156,8 +156,8 @@ def test_torchrun_ranks_give_what_the_spawned_ranks_give(cli_env, tmp_path):
     assert tr.stdout.count('"scenario"') == 1  # only rank 0 reports
     with tracer.read_trace(tmp_path / "torchrun.h5") as r:
         assert r.header["tensor_parallel"]["launcher"] == "torchrun"
-    same = tracer_cli(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env,
-                      tmp_path, check=False, timeout=300)
+    same = tracer_warm(["compare", f"{tmp_path / 'spawn.h5'}:B", f"{tmp_path / 'torchrun.h5'}:B", "-f", "json"], env,
+                       tmp_path, check=False, timeout=300)
     assert json.loads(same.stdout)["identical"] is True
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -63,16 +61,16 @@ def test_cast_vs_dtype_header_and_compare_warning(saved, tmp_path, cli_env):
     assert ha["cast_after_load"]["detected"] is False
     assert hb["cast_after_load"]["detected"] is True and key in hb["cast_after_load"]["evidence"][0]
 
-    proc = subprocess.run([sys.executable, "-m", "tracer", "compare", str(paths[0]), str(paths[1])],
-                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    from tests.helpers import tracer_warm
+
+    proc = tracer_warm(["compare", str(paths[0]), str(paths[1])], cli_env, tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr
     out = " ".join(proc.stdout.split())  # piped output is fitted to the width: lines wrap at words
     assert "warning: the numeric contract differs" in out
     assert f"buffer {key} dtype float32 (A) vs bfloat16 (B)" in out
     assert "model not cast (A) vs cast after loading (B)" in out
     # the same contract on both sides: no warning
-    proc = subprocess.run([sys.executable, "-m", "tracer", "compare", str(paths[0]), str(paths[0])],
-                          env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = tracer_warm(["compare", str(paths[0]), str(paths[0])], cli_env, tmp_path, check=False)
     assert proc.returncode == 0 and "numeric contract differs" not in proc.stdout
 
 

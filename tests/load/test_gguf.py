@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -126,18 +124,18 @@ def test_cli_runs_gguf_file_on_token_ids(qwen3_gguf, tmp_path, cli_env):
     cli_env["TRACER_CACHE_DIR"] = str(tmp_path / "cache")
     ids_file = tmp_path / "ids.json"
     ids_file.write_text(json.dumps(IDS))
-    proc = subprocess.run([sys.executable, "-m", "tracer", "run", str(path), "--token-ids-file", str(ids_file),
-                           "--device", "cpu", "--dtype", "float32", "--scenario", "repeat", "--format", "json",
-                           "--no-store"], env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    from tests.helpers import tracer_warm
+
+    proc = tracer_warm(["run", str(path), "--token-ids-file", str(ids_file), "--device", "cpu", "--dtype", "float32",
+                        "--scenario", "repeat", "--format", "json", "--no-store"], cli_env, tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["model"] == "tiny-qwen3" and out["identical"] is True
     # 1 embedding + 2 layers + 2 KV caches + final norm, then the logits
     assert [p["kind"] for p in out["layers"]].count("kv_cache") == 2 and len(out["layers"]) == 6
     # text on a tokenizer-less model: one line, exit 2, says what to do
-    proc = subprocess.run([sys.executable, "-m", "tracer", "run", str(path), "--device", "cpu", "--no-store"],
-                          env={**cli_env, "TRACER_PROGRESS": "off"}, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)  # the error is the only line: no progress line of a slow load
+    proc = tracer_warm(["run", str(path), "--device", "cpu", "--no-store"], {**cli_env, "TRACER_PROGRESS": "off"},
+                       tmp_path, check=False)  # the error is the only line: no progress line of a slow load
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "has no tokenizer" in proc.stderr and "--token-ids-file" in proc.stderr

@@ -1,4 +1,6 @@
-"""`tracer audit` end to end through the CLI on tiny-llama, and comparing traces of two files."""
+"""`tracer audit` end to end through the CLI on tiny-llama, and comparing traces of two files (the
+commands by ``tracer.cli.main`` in the suite's warm worker, tests/helpers.tracer_warm, but one run of
+the two-file comparison and the refusal of the device scenario, in a process of their own)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import bad_cli, tracer_cli
+from tests.helpers import bad_cli, tracer_cli, tracer_warm
 from tracer.loops.audit import checks, parse_levels
 from tracer.errors import TracerError
 from tracer.store.trace import TraceReader
@@ -15,7 +17,7 @@ from tracer.store.trace import TraceReader
 
 def test_audit_end_to_end(tmp_path, cli_env):
     out = tmp_path / "audit.h5"
-    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--length", "48",
+    proc = tracer_warm(["audit", "tiny-llama", "--device", "cpu", "--dtype", "float32", "--length", "48",
                    "--levels", "0,1,3,4,5,7", "--format", "json", "-o", str(out)], cli_env, tmp_path)
     doc = json.loads(proc.stdout)
     rows = {r["key"]: r for r in doc["rows"]}
@@ -45,16 +47,17 @@ def test_audit_end_to_end(tmp_path, cli_env):
         assert (reader.header["tensor_parallel"]["backend"], reader.header["tensor_parallel"]["world_size"]) == ("gloo", 2)
         assert reader.header["audit"]["L5-kv-nvfp4"]["params"]["kv_block_format"]["scale"] == "e4m3"
     # a stored audit run pair compares again from the file
-    again = json.loads(tracer_cli(["compare", str(out), "L5-kv-fp8.A", "L5-kv-fp8.B", "-f", "json"], cli_env, tmp_path).stdout)
+    again = json.loads(tracer_warm(["compare", str(out), "L5-kv-fp8.A", "L5-kv-fp8.B", "-f", "json"], cli_env,
+                                   tmp_path).stdout)
     assert again["scenario"] == "kv-quant" and again["logits"]["n_diff"] > 0
 
 
 def test_audit_table_and_markdown(tmp_path, cli_env):
-    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "0,2",
+    proc = tracer_warm(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "0,2",
                    "--no-store", "--format", "markdown"], cli_env, tmp_path)
     assert "| level |" in proc.stdout and "cache miss vs hit at N-1" in proc.stdout
     assert "largely solved" in proc.stdout
-    proc = tracer_cli(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "7", "--no-store"],
+    proc = tracer_warm(["audit", "tiny-llama", "--device", "cpu", "--length", "40", "--levels", "7", "--no-store"],
                   cli_env, tmp_path)
     assert " bitwise, " in proc.stdout  # "N checks: K hold(s) bitwise, ..."
     if not torch.cuda.is_available():
@@ -72,7 +75,7 @@ def test_audit_table_and_markdown(tmp_path, cli_env):
     (["run", "tiny-llama", "--scenario", "attention", "--attn-b", "magic"], "attention"),
 ])
 def test_bad_audit_and_scenario_input(tmp_path, cli_env, args, needle):
-    bad_cli(args, cli_env, tmp_path, needle)
+    bad_cli(args, cli_env, tmp_path, needle, warm=True)
 
 
 def test_audit_takes_the_scenario_options_of_its_checks():
@@ -101,15 +104,16 @@ def test_device_scenario_without_gpu(tmp_path, cli_env):
 
 
 def test_compare_two_trace_files(tmp_path, cli_env):
-    for name in ("one.h5", "two.h5"):
-        tracer_cli(["run", "tiny-llama", "--scenario", "repeat", "--length", "30", "--device", "cpu", "-o",
+    # two processes: one of its own, the suite's warm worker (tests/helpers.tracer_warm)
+    for name, command in (("one.h5", tracer_cli), ("two.h5", tracer_warm)):
+        command(["run", "tiny-llama", "--scenario", "repeat", "--length", "30", "--device", "cpu", "-o",
                 str(tmp_path / name)], cli_env, tmp_path)
-    doc = json.loads(tracer_cli(["compare", str(tmp_path / "one.h5"), str(tmp_path / "two.h5:B"), "-f", "json"],
+    doc = json.loads(tracer_warm(["compare", str(tmp_path / "one.h5"), str(tmp_path / "two.h5:B"), "-f", "json"],
                             cli_env, tmp_path).stdout)
     # a file without :RUN takes the other side's run name
     assert doc["runs"] == [f"{tmp_path / 'one.h5'}:B", f"{tmp_path / 'two.h5'}:B"]
     assert doc["identical"] is True  # same machine, same plan
-    bad_cli(["compare", str(tmp_path / "one.h5:Z"), str(tmp_path / "two.h5")], cli_env, tmp_path, "Z")
+    bad_cli(["compare", str(tmp_path / "one.h5:Z"), str(tmp_path / "two.h5")], cli_env, tmp_path, "Z", warm=True)
 
 
 def test_parse_levels_and_checks():

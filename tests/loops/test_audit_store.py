@@ -100,8 +100,10 @@ def test_cost_of_a_plan():
 
 def test_cli_plan_costs_and_results_as_they_come(tmp_path, cli_env):
     out = tmp_path / "a.h5"
-    proc = subprocess.run([sys.executable, "-m", "tracer", "audit", "tiny-llama", "--device", "cpu", "--levels", "0,3",
-                           "-o", str(out)], env=cli_env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    from tests.helpers import tracer_warm
+
+    proc = tracer_warm(["audit", "tiny-llama", "--device", "cpu", "--levels", "0,3", "-o", str(out)], cli_env, tmp_path,
+                       check=False)
     assert proc.returncode == 0, proc.stderr
     err = [line for line in proc.stderr.splitlines() if not line.startswith("load: ")]  # a slow load says so
     assert err[0].startswith(f"audit: 3 of 3 checks run on tiny-llama (cpu, bfloat16), N = {DEFAULT_LENGTH} tokens")

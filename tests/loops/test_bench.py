@@ -55,11 +55,11 @@ def test_bench_takes_format_like_every_command(tmp_path):
     import csv
     import io
 
-    from tests.helpers import cli_batch, tracer_cli
+    from tests.helpers import cli_batch, tracer_warm
 
     args = ["bench", "tiny-llama", "--device", "cpu", "--length", "32", "--reps", "1", "--warmup", "0", "--no-peers",
             "--outdir", str(tmp_path / "b")]
-    out = tracer_cli([*args, "--format", "csv"], cwd=tmp_path).stdout
+    out = tracer_warm([*args, "--format", "csv"], cwd=tmp_path).stdout
     rows = list(csv.reader(io.StringIO(out)))
     assert rows[0] == ["mode", "median_s", "min_s", "max_s"] and {"a", "b"} <= {r[0] for r in rows[1:]}, out
     (c1, e1), (c2, e2) = cli_batch([[*args, "--json", "--format", "csv"], [*args, "--format", "nope"]], tmp_path)

@@ -12,8 +12,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -169,9 +167,10 @@ def test_item_progress_lines_without_a_terminal():
 
 
 def test_sweep_progress_lines_when_stderr_is_not_a_terminal(tmp_path, cli_env):
-    proc = subprocess.run([sys.executable, "-m", "tracer", "sweep", "tiny-llama", "--device", "cpu", "--lengths",
-                           "20,24", "--output", str(tmp_path / "s.h5")], capture_output=True, text=True,
-                          env=cli_env, cwd=tmp_path, timeout=600)
+    from tests.helpers import tracer_warm
+
+    proc = tracer_warm(["sweep", "tiny-llama", "--device", "cpu", "--lengths", "20,24", "--output",
+                        str(tmp_path / "s.h5")], cli_env, tmp_path, check=False)
     assert proc.returncode == 0, proc.stderr
     lines = [x for x in proc.stderr.splitlines() if x.startswith("sweep: ") and " running " not in x]
     assert [re.match(r"sweep: (\d)/2 \(\d+%\) N=(\d+) b=16 (diverges|bit-identical)", x).group(1, 2) for x in lines] \

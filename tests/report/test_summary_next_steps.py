@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -131,8 +129,9 @@ def test_tracer_compare_prints_only_suggestions_it_accepts(tmp_path, cli_env):
     with TraceWriter(tmp_path / "t.h5", header={"model": {"name": "tiny-llama"}, "scenario": {"name": "prefix-cache"}}) as w:
         for r in runs:
             w.add_run(r)
-    out = subprocess.run([sys.executable, "-m", "tracer", "compare", str(tmp_path / "t.h5")], capture_output=True,
-                         text=True, env=cli_env, cwd=tmp_path).stdout
+    from tests.helpers import tracer_warm
+
+    out = tracer_warm(["compare", str(tmp_path / "t.h5")], cli_env, tmp_path, check=False).stdout
     nexts = [line.partition("next:")[2] for line in out.splitlines() if line.startswith("next:")]
     assert len(nexts) >= 3, out
     for s in nexts:

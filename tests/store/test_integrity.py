@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import H, T, V, cli_batch, cli_env, make_runs, tracer_cli, write_trace
+from tests.helpers import H, T, V, cli_batch, cli_env, make_runs, tracer_warm, write_trace
 from tracer.diff.compare import compare_trace
 from tracer.errors import TracerError
 from tracer.execute.records import CaptureRecord, RunRecord
@@ -72,7 +72,7 @@ def test_kv_cache_of_a_recomputing_run_is_reported_but_does_not_fail(tmp_path):
 
 def test_cli_fail_on_any_fails_when_a_point_is_missing(tmp_path):
     write_trace(tmp_path / "t.h5", make_runs(diverge_at=None, drop_in_b="model.layers.1"))
-    proc = tracer_cli(["compare", "t.h5", "--fail-on", "any"], cli_env(), tmp_path, check=False, timeout=60)
+    proc = tracer_warm(["compare", "t.h5", "--fail-on", "any"], cli_env(), tmp_path, check=False, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "not compared" in proc.stdout and "model.layers.1" in proc.stderr
 
@@ -306,7 +306,7 @@ def test_a_trace_without_checksums_is_compared_unverified_in_every_format(tmp_pa
     verdict = next(i for i, line in enumerate(lines) if line.startswith("verdict:"))
     assert lines[verdict + 1].startswith("unverified:") and bare in lines[verdict + 1]
     assert bare in report_html(path)  # tracer report, from the stored comparison (none here: recomputed)
-    proc = tracer_cli(["compare", str(path), "--format", "json"], check=False)
+    proc = tracer_warm(["compare", str(path), "--format", "json"], check=False)
     assert proc.returncode == 0 and json.loads(proc.stdout)["unverified"] == [str(path)]
     good = write_trace(tmp_path / "good.h5", make_runs(diverge_at=None))
     assert tracer.compare_trace(str(good), device="cpu").unverified == ()
@@ -575,7 +575,7 @@ def test_overwrite_replaces_only_regular_files(tmp_path):
 def test_show_escapes_control_characters_and_markup(tmp_path):
     header = {"model": {"name": "m"}, "hostname": "\x1b]0;owned\x07\x1b[2J[/bogus][bold]x"}
     write_trace(tmp_path / "t.h5", make_runs(), header=header)
-    proc = tracer_cli(["show", "t.h5"], cli_env(), tmp_path, check=False, timeout=60)
+    proc = tracer_warm(["show", "t.h5"], cli_env(), tmp_path, check=False, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout
     assert "\\x1b]0;owned\\x07\\x1b[2J[/bogus][bold]x" in proc.stdout
@@ -764,7 +764,7 @@ def test_a_nonsense_kv_transfer_is_refused_with_or_without_checksums(tmp_path, k
         read_trace(str(path)).__enter__()
     msg = str(e.value)
     assert msg.startswith("trace corrupt:") and "meta of run B" in msg and words in msg and "\n" not in msg, msg
-    proc = tracer_cli(["compare", str(path)], check=False)
+    proc = tracer_warm(["compare", str(path)], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and words in proc.stderr, proc.stderr
     # every role the spec lists (traces/README.md), as its writers lay it out, still reads
     for ok in ({"role": "miss", "transferred": 0, "files": 0, "producer": {}},
