@@ -11,6 +11,7 @@ stand-in engine that writes the file when its request finishes.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,7 +156,8 @@ class _Engine:
     def reset_prefix_cache(self) -> None:
         pass
 
-    def start(self, prompts, max_tokens):
+    def start(self, prompts, max_tokens, extra_args=None):
+        self.extra_args = extra_args
         return [("0", "req-0")]
 
     def finish(self):
@@ -332,3 +334,118 @@ def test_a_file_over_the_input_budget_is_refused_as_the_whole_read_refused_it(tm
     else:
         assert not isinstance(before, str) and not whole, before
         _same_run(before, now)
+
+
+# ---------------------------------------------------------------- files written for a window alone
+
+
+def _window_file(path: Path, whole: dict[str, torch.Tensor], rows: tuple[int, int], **changed) -> dict:
+    """What tracer's connector writes when a request names the window ``rows``: the whole file's rows of
+    positions w0..w1-1 (a slice of ``whole``, the oracle), every token id, and ``window``; ``changed``
+    replaces tensors."""
+    w0, w1 = rows
+    tensors = {"hidden_states": whole["hidden_states"][w0:w1].clone(), "token_ids": whole["token_ids"],
+               "window": torch.tensor([w0, w1]), **changed}
+    save_file(tensors, str(path))
+    return tensors
+
+
+@pytest.mark.parametrize(("written", "asked"), [((0, T), (0, T)), ((5, 21), (5, 21)), ((5, 21), (9, 12)),
+                                                ((T - 16, T), (T - 1, T))])
+def test_a_window_file_gives_the_rows_the_whole_file_gives(tmp_path, written, asked):
+    """A file of the written window's rows alone, read directly for that window or one inside it, maps
+    onto the same captures as the whole file (bit for bit, mapping lines, notes, positions)."""
+    whole_path, path = tmp_path / "whole.safetensors", tmp_path / "window.safetensors"
+    whole = _file(whole_path, seed=5)
+    _window_file(path, whole, written)
+    ref, emap = _ref(whole["token_ids"], asked), engine_map("qwen3")
+    fast = _fast(path, ref, emap)
+    assert fast is not None
+    expected = _oracle(whole_path, ref, emap)
+    fast = replace(fast, path=expected.path)
+    _same_mapping(expected, fast)
+    assert torch.equal(fast.tensors["model.layers.1"], whole["hidden_states"][asked[0]:asked[1], 2])
+
+
+def test_a_window_file_read_whole_holds_its_positions_alone(tmp_path):
+    """``read_dump`` of a window file: positions w0..w1-1 with their token ids, one entry per slot of
+    w1 - w0 rows, the window and prompt length in the facts; mapped, the same tensors as the whole file."""
+    whole_path, path = tmp_path / "whole.safetensors", tmp_path / "window.safetensors"
+    whole = _file(whole_path, seed=6)
+    _window_file(path, whole, (20, 30))
+    raw = read_dump(str(path))
+    assert raw.tokens[0]["positions"].tolist() == list(range(20, 30))
+    assert torch.equal(raw.tokens[0]["input_ids"], whole["token_ids"][20:30])
+    assert raw.facts["window"] == [20, 30] and raw.facts["prompt_tokens"] == T
+    assert [e.tensor.shape for e in raw.entries] == [(10, H)] * (L + 1)
+    ref, emap = _ref(whole["token_ids"], (20, 30)), engine_map("qwen3")
+    got, expected = map_dump(raw, ref, emap), _oracle(whole_path, ref, emap)
+    assert got.positions == expected.positions and list(got.tensors) == list(expected.tensors)
+    for name, t in expected.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.int16), t.view(torch.int16)), name
+
+
+@pytest.mark.parametrize("how", ["float", "three", "reversed", "past-the-prompt", "rows-mismatch", "negative"])
+def test_a_damaged_window_is_one_line_and_never_read_directly(tmp_path, how):
+    """A ``window`` that does not name the file's rows inside its prompt: the direct read gives way and the
+    whole read refuses in one line naming the file."""
+    path = tmp_path / "window.safetensors"
+    whole = _file(tmp_path / "whole.safetensors", seed=7)
+    window = {"float": torch.tensor([4.0, 8.0]), "three": torch.tensor([4, 8, 9]), "reversed": torch.tensor([8, 4]),
+              "past-the-prompt": torch.tensor([T - 2, T + 2]), "rows-mismatch": torch.tensor([4, 9]),
+              "negative": torch.tensor([-4, 0])}[how]
+    _window_file(path, whole, (4, 8), window=window)
+    assert _fast(path, _ref(whole["token_ids"], (4, 8)), engine_map("qwen3")) is None
+    with pytest.raises(TracerError) as e:
+        read_dump(str(path))
+    assert "window" in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_window_outside_the_files_rows_is_left_to_the_whole_read(tmp_path):
+    """Asked for positions the window file does not hold: no direct read; the whole read maps what it
+    holds (the compared positions it lacks are the whole read's to report)."""
+    path = tmp_path / "window.safetensors"
+    whole = _file(tmp_path / "whole.safetensors", seed=8)
+    _window_file(path, whole, (10, 20))
+    emap = engine_map("qwen3")
+    for asked in ((5, 15), (15, 25), (0, T)):
+        assert _fast(path, _ref(whole["token_ids"], asked), emap) is None
+
+
+class _WindowEngine(_Engine):
+    """The stand-in engine writing what tracer's connector writes for the window the request names."""
+
+    def finish(self):
+        from tracer.engines.vllm.hidden_states import requested_window
+
+        params = (self.extra_args or {}).get("kv_transfer_params")
+        w = requested_window(params, self.tensors["token_ids"].numel())
+        self.tensors = {**self.tensors, "hidden_states": self.tensors["hidden_states"][w[0]:w[1]].clone(),
+                        "window": torch.tensor(list(w))}
+        return super().finish()
+
+
+@pytest.mark.parametrize("window", [(0, T), (T - 16, T), (7, 8)])
+def test_the_compiled_capture_asks_for_its_window_and_reads_it_directly(tmp_path, monkeypatch, window):
+    """execute_compiled names its window in the request (``kv_transfer_params``), reads the window file
+    without the whole read, and gives the run the whole file gave (captures bit for bit)."""
+    tensors = _file(tmp_path / "whole.safetensors", seed=9)
+    prompt = tensors["token_ids"].tolist()
+    expected, _ = _capture(tmp_path, tensors, prompt, window, _points(), monkeypatch, "direct")
+    monkeypatch.setattr(sys.modules[__name__], "_Engine", _WindowEngine)
+    got, whole_read = _capture(tmp_path, tensors, prompt, window, _points(), monkeypatch, "direct")
+    assert not whole_read
+    _same_run(expected, got)
+
+
+def test_the_connector_takes_a_window_only_where_it_fits_the_prompt():
+    """``requested_window``: two ints 0 <= w0 < w1 <= n; anything else (no window, floats, bools, three
+    numbers, reversed, past the prompt) gives None, so the whole file is written."""
+    from tracer.engines.vllm.hidden_states import WINDOW_PARAM, requested_window, window_params
+
+    assert requested_window(window_params((3, 9))["kv_transfer_params"], 9) == (3, 9)
+    assert requested_window({WINDOW_PARAM: (0, 1)}, 1) == (0, 1)
+    for bad in (None, {}, {"other": [1, 2]}, {WINDOW_PARAM: [1.0, 2.0]}, {WINDOW_PARAM: [True, 2]},
+                {WINDOW_PARAM: [1, 2, 3]}, {WINDOW_PARAM: [5, 5]}, {WINDOW_PARAM: [6, 5]}, {WINDOW_PARAM: [-1, 2]},
+                {WINDOW_PARAM: [3, 10]}, {WINDOW_PARAM: "3:9"}, [3, 9]):
+        assert requested_window(bad, 9) is None, bad

@@ -148,6 +148,23 @@ def test_a_planted_perturbation_in_a_compiled_layer_is_found_at_that_layer(loade
     assert all(not p.diff.n_diff for p in c.points[:[q.name for q in c.points].index(f"model.layers.{k}")])
 
 
+def test_the_compiled_capture_of_a_window_has_vllm_write_its_rows_alone(loaded, compiled):
+    """A window of the last 16 positions: vLLM's connector (tracer's) writes those rows alone, a file
+    about 16/64 of the whole prompt's, and the capture equals, bit for bit, the same rows of the whole
+    prompt's capture by the same compiled engine."""
+    points = discover_points(loaded.model, "layers")
+    opts = {"settings": COMPILED}
+    whole, _ = ve.execute_loaded(loaded, IDS, _plan("A"), points, (0, N), engine_options=opts)
+    tail, _ = ve.execute_loaded(loaded, IDS, _plan("B"), points, (N - 16, N), engine_options=opts)
+    row_bytes = 31 * 576 * 2  # the embedding and 30 layers, hidden 576, bf16
+    assert whole.meta["hidden_states_file_bytes"] >= N * row_bytes
+    assert 16 * row_bytes <= tail.meta["hidden_states_file_bytes"] < 17 * row_bytes + N * 8 + 4096
+    assert sorted(tail.captures) == sorted(whole.captures)
+    for name, cap in whole.captures.items():
+        assert tuple(tail.captures[name].tensor.shape) == (16, 576), name
+        assert torch.equal(_bits(tail.captures[name].tensor), _bits(cap.tensor[N - 16:])), name
+
+
 class _Remote:
     remote = True
 

