@@ -328,3 +328,37 @@ def test_a_start_the_guard_ended_is_one_line_naming_the_log_and_what_to_do():
     assert "\n" not in line and line.startswith("vLLM's VLLM::Worker_TP2 (pid 7) exited")
     assert "vLLM's log /tmp/v.log" in line and "fewer TP ranks (--tp)" in line and "TRACER_ENGINE_START_S" in line
     assert "fewer TP ranks" not in start_failure("x", None, 1) and "output above" in start_failure("x", None, 1)
+
+
+_FINALIZER = r"""
+import os, signal, sys, time
+from tracer.errors import Terminated, raise_on_termination
+raise_on_termination(on_signal=(lambda: None) if sys.argv[2] == "ack" else None)
+class Bomb:
+    def __del__(self):
+        os.kill(os.getpid(), int(sys.argv[1]))
+        time.sleep(0.05)  # the handler raises in here, in a finalizer: Python prints and drops it
+t0 = time.monotonic()
+try:
+    Bomb()
+    while time.monotonic() - t0 < 5:
+        sum(range(1000))
+    print("not delivered", flush=True)
+except (Terminated, KeyboardInterrupt) as e:
+    print(type(e).__name__, f"{time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("sig", "ack", "expected"), [(signal.SIGTERM, "", "Terminated"),
+                                                      (signal.SIGINT, "", "KeyboardInterrupt"),
+                                                      (signal.SIGINT, "ack", "KeyboardInterrupt")])
+def test_a_signal_whose_handler_raised_in_a_finalizer_reaches_the_main_code(sig, ack, expected):
+    """A signal that arrives while the main thread runs a finalizer (``__del__``): the handler's
+    exception there is dropped by Python, so tracer delivers the signal again once the unraisable hook
+    has returned; the main code gets it within the second, and nothing is printed as "ignored"
+    (delivered inside the hook, it was dropped a second time and the command went on)."""
+    out = subprocess.run([sys.executable, "-c", _FINALIZER, str(int(sig)), ack], capture_output=True, text=True,
+                         env=_env(), cwd=ROOT, timeout=60)
+    name, _, took = out.stdout.strip().partition(" ")
+    assert name == expected, out.stdout + out.stderr[-600:]
+    assert float(took) < 1.0 and "Exception ignored" not in out.stderr, out.stderr[-600:]

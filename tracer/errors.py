@@ -95,12 +95,18 @@ def raise_on_termination(on_signal: Callable[[], None] | None = None) -> None:
     def handler(signum: int, _frame: object) -> None:
         if on_signal is not None:
             on_signal()
+        if _IN_HOOK:  # raised here it would be dropped again: deliver it once the hook has returned
+            _redeliver_later(signum)
+            return
         _RECEIVED.append(signum)
         raise Terminated(signum)
 
-    def interrupt_handler(_signum: int, _frame: object) -> None:
+    def interrupt_handler(signum: int, _frame: object) -> None:
         if on_signal is not None:
             on_signal()
+        if _IN_HOOK:
+            _redeliver_later(signum)
+            return
         raise KeyboardInterrupt
 
     for sig, fn in ((signal.SIGTERM, handler), (getattr(signal, "SIGHUP", None), handler),
@@ -113,10 +119,28 @@ def raise_on_termination(on_signal: Callable[[], None] | None = None) -> None:
     _redeliver_swallowed()
 
 
+#: the main thread is inside :func:`_redeliver_swallowed`'s hook (a handler must not raise there)
+_IN_HOOK: list[bool] = []
+
+
+def _redeliver_later(signum: int, delay: float = 0.01) -> None:
+    """Deliver ``signum`` to the main thread again ``delay`` seconds from now, from a helper thread:
+    its handler then runs in the code the main thread went back to, not in the hook that is running
+    now (a handler's exception there would be dropped too)."""
+    import _thread
+    import threading
+
+    timer = threading.Timer(delay, _thread.interrupt_main, args=(signum,))
+    timer.daemon = True
+    timer.start()
+
+
 def _redeliver_swallowed() -> None:
     """A handler's exception raised while the main thread ran a finalizer (``__del__``, a weakref
     callback) is printed and dropped by Python ("Exception ignored in ..."), and the command went on
-    for minutes: such an interrupt is delivered again, to the main thread, instead of printed."""
+    for minutes: such an interrupt is delivered again, to the main thread, instead of printed. It is
+    delivered once the hook has returned (:func:`_redeliver_later`): delivered inside the hook, the
+    handler's exception would be dropped as well ("Exception ignored in sys.unraisablehook")."""
     import signal
     import sys
 
@@ -127,9 +151,11 @@ def _redeliver_swallowed() -> None:
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
         if isinstance(exc, (Terminated, KeyboardInterrupt)):
-            import _thread
-
-            _thread.interrupt_main(exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
+            _IN_HOOK.append(True)
+            try:
+                _redeliver_later(exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
+            finally:
+                _IN_HOOK.pop()
             return
         previous(unraisable)
 
