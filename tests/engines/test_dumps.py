@@ -585,3 +585,37 @@ def test_a_prefills_rows_are_a_view_and_a_second_placement_is_checked_position_b
                       engine_map("llama"))
     assert torch.equal(mapped.tensors["model.layers.0"], rows[:, 1])  # the first rows of every position
     assert any(n.startswith("model.layers.0 at position(s) 6: a later engine tensor") for n in mapped.notes), mapped.notes
+
+
+def test_a_hidden_states_file_is_compared_from_the_reference_windows_rows_alone(ref, tmp_path, monkeypatch):
+    """A vLLM hidden-states file of run B's prompt (the window's rows are B's own captures, the other
+    rows noise): `tracer compare` reads only the window's rows (the whole read is never made) and
+    gives what the whole read gives: every layer and the embedding bit-identical to the reference."""
+    from safetensors.torch import save_file
+
+    from tracer.diff import compare_dump as cd
+
+    reader = tracer.read_trace(ref)
+    ids = reader.run("B", load_tensors=False).token_ids
+    layers = sorted((n for n in reader.capture_names("B") if n.count(".") == 2 and n.startswith("model.layers.")),
+                    key=lambda n: int(n.rsplit(".", 1)[1]))
+    slots = [reader.tensor("B", "model.embed_tokens")] + [reader.tensor("B", n) for n in layers]
+    reader.close()
+    hs = torch.randn(N, len(slots), slots[0].shape[-1]).to(slots[0].dtype)
+    hs[P:N] = torch.stack(slots, dim=1)
+    path = tmp_path / "req.safetensors"
+    save_file({"hidden_states": hs, "token_ids": torch.tensor(ids)}, str(path))
+    whole = compare_dump((ref, "B"), str(path))
+    real = cd.read_dump
+    monkeypatch.setattr(cd, "read_dump", lambda *a: pytest.fail("the whole file was read"))
+    direct = compare_dump((ref, "B"), str(path))
+    assert direct.identical and whole.identical and direct.positions == whole.positions == (P, N)
+    assert [p.name for p in direct.points] == [p.name for p in whole.points] == ["model.embed_tokens", *layers]
+    assert direct.facts["notes"] == whole.facts["notes"]
+    hs[N - 1, 2, 0] += 1.0  # one element of layer 1 at the last position: found there, by both reads
+    save_file({"hidden_states": hs, "token_ids": torch.tensor(ids)}, str(path))
+    direct = compare_dump((ref, "B"), str(path))
+    monkeypatch.setattr(cd, "read_dump", real)
+    whole = compare_dump((ref, "B"), str(path))
+    for c in (direct, whole):
+        assert {p.name: p.diff.n_diff for p in c.points if p.diff.n_diff} == {"model.layers.1": 1}

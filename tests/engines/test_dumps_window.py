@@ -202,7 +202,8 @@ def _same_run(a, b) -> None:
         assert x.tensor.dtype == y.tensor.dtype and x.tensor.shape == y.tensor.shape, name
         assert torch.equal(x.tensor.view(torch.int16), y.tensor.view(torch.int16)), name
         assert x.tensor.is_contiguous() and y.tensor.is_contiguous()
-    meta = lambda r: {k: v for k, v in r.meta.items() if k not in ("wall_s", "phases_s")}  # noqa: E731
+    skip = ("wall_s", "phases_s", "hidden_states_file_bytes")  # times; the file's size (a window file's is less)
+    meta = lambda r: {k: v for k, v in r.meta.items() if k not in skip}  # noqa: E731
     assert meta(a) == meta(b)
     assert set(a.meta["phases_s"]) == set(b.meta["phases_s"]) == {"request", "file_wait", "read", "map", "captures"}
 
@@ -436,6 +437,11 @@ def test_the_compiled_capture_asks_for_its_window_and_reads_it_directly(tmp_path
     got, whole_read = _capture(tmp_path, tensors, prompt, window, _points(), monkeypatch, "direct")
     assert not whole_read
     _same_run(expected, got)
+    whole_bytes = expected.meta["hidden_states_file_bytes"]
+    assert whole_bytes == (tmp_path / "whole.safetensors").stat().st_size
+    row_bytes = (L + 1) * H * 2
+    extra = got.meta["hidden_states_file_bytes"] - (whole_bytes - (T - (window[1] - window[0])) * row_bytes)
+    assert 16 <= extra <= 16 + 128  # the window tensor's 16 bytes and its header entry: the other rows are gone
 
 
 def test_the_connector_takes_a_window_only_where_it_fits_the_prompt():

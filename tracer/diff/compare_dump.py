@@ -24,8 +24,8 @@ from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.engines.dumps.hidden_states import check_slots
-from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump
+from tracer.engines.dumps.hidden_states import ENGINE as HS_ENGINE, check_slots, read_window
+from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump, map_window
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
 from tracer.execute.records import CaptureRecord, RunRecord
@@ -78,12 +78,23 @@ def _resolve_run(reader: TraceReader, run: str | None) -> str:
 
 
 def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | None = None) -> MappedDump:
-    """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``.
+    """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``. A vLLM
+    hidden-states file is read for the reference window's rows alone where that gives the whole
+    read's mapping (:func:`tracer.engines.dumps.hidden_states.read_window`); anything else whole.
 
     Raises:
         TracerError: any malformed dump, unknown names, mismatched tokens (one line each).
     """
     layout = ref_layout(reader, run)
+    # a vLLM hidden-states file: the reference window's rows alone, where that read gives what the whole
+    # read gives (read_window and map_window say None otherwise)
+    rows = read_window(dump, layout.window, layout.n_layers) if Path(dump).suffix == ".safetensors" else None
+    if rows is not None:
+        entries, file_ids, facts = rows
+        emap = load_engine_map(layout.family, engine_map, engine=facts.get("framework"))
+        mapped = map_window(str(Path(dump)), HS_ENGINE, entries, file_ids, layout, emap, facts)
+        if mapped is not None:
+            return mapped
     raw = read_dump(dump)
     check_slots(raw, layout.n_layers)
     emap = load_engine_map(layout.family, engine_map, engine=raw.facts.get("framework"))
