@@ -362,3 +362,41 @@ def test_a_signal_whose_handler_raised_in_a_finalizer_reaches_the_main_code(sig,
     name, _, took = out.stdout.strip().partition(" ")
     assert name == expected, out.stdout + out.stderr[-600:]
     assert float(took) < 1.0 and "Exception ignored" not in out.stderr, out.stderr[-600:]
+
+
+_AT_EXIT = r"""
+import atexit, os, signal, sys, time
+from tracer.cli_exit import exit_interrupted
+from tracer.errors import raise_on_termination
+raise_on_termination(on_signal=lambda: None)
+def step(i):
+    def f():
+        if i == 0:
+            os.kill(os.getpid(), int(sys.argv[1]))  # a second signal while the first one's exit hooks run
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.2:
+            sum(range(1000))
+        print("hook", i, flush=True)
+    return f
+for i in reversed(range(4)):  # atexit runs the last registered first: 0, 1, 2, 3
+    atexit.register(step(i))
+try:
+    raise KeyboardInterrupt  # the first Ctrl-C: the command cleans up and exits 130 after its exit hooks
+except KeyboardInterrupt:
+    exit_interrupted(True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_the_exit_hooks_ends_that_hook_alone(sig):
+    """A second signal while an interrupted command runs its exit hooks (``exit_interrupted``: the
+    engine's shutdown, the writer process, the partial files) ends the hook it struck, as Python's
+    atexit does; every later hook still runs (the partial files are removed), the command exits 130
+    with ``interrupted`` last. Redelivered as a finalizer's, it struck every later hook in turn (each
+    one's exception is printed and dropped by atexit too) and none ran."""
+    out = subprocess.run([sys.executable, "-c", _AT_EXIT, str(int(sig))], capture_output=True, text=True,
+                         env=_env(), cwd=ROOT, timeout=60)
+    assert out.returncode == 130, out.stdout + out.stderr[-600:]
+    assert [line for line in out.stdout.splitlines() if line.startswith("hook")] == ["hook 1", "hook 2", "hook 3"], \
+        out.stdout + out.stderr[-600:]
+    assert out.stderr.strip().splitlines()[-1] == "interrupted", out.stderr[-600:]

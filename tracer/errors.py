@@ -140,7 +140,9 @@ def _redeliver_swallowed() -> None:
     callback) is printed and dropped by Python ("Exception ignored in ..."), and the command went on
     for minutes: such an interrupt is delivered again, to the main thread, instead of printed. It is
     delivered once the hook has returned (:func:`_redeliver_later`): delivered inside the hook, the
-    handler's exception would be dropped as well ("Exception ignored in sys.unraisablehook")."""
+    handler's exception would be dropped as well ("Exception ignored in sys.unraisablehook"). An
+    interrupt that struck an exit hook (``atexit``) is not delivered again: it ended that hook, and
+    the process is exiting (delivered again, it struck every later hook in turn)."""
     import signal
     import sys
 
@@ -151,6 +153,10 @@ def _redeliver_swallowed() -> None:
     def hook(unraisable: Any) -> None:
         exc = unraisable.exc_value
         if isinstance(exc, (Terminated, KeyboardInterrupt)):
+            if "atexit callback" in (unraisable.err_msg or ""):
+                # the process is exiting: the exit hook it struck has ended; delivered again, it would
+                # strike every later hook in turn (their exceptions come here too) and none would run
+                return
             _IN_HOOK.append(True)
             try:
                 _redeliver_later(exc.signum if isinstance(exc, Terminated) else signal.SIGINT)

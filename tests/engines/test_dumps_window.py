@@ -455,3 +455,31 @@ def test_the_connector_takes_a_window_only_where_it_fits_the_prompt():
                 {WINDOW_PARAM: [1, 2, 3]}, {WINDOW_PARAM: [5, 5]}, {WINDOW_PARAM: [6, 5]}, {WINDOW_PARAM: [-1, 2]},
                 {WINDOW_PARAM: [3, 10]}, {WINDOW_PARAM: "3:9"}, [3, 9]):
         assert requested_window(bad, 9) is None, bad
+
+
+@pytest.mark.parametrize("differs_at", [0, 10, 19, 20, 30, 39, 50])
+def test_a_window_file_of_another_prompt_is_compared_where_the_whole_file_is(tmp_path, differs_at):
+    """A window file records the request's whole prompt: where it differs from the reference's
+    before the window, no row of the window was computed from the reference's prompt, and the whole
+    file of that request is refused (one line); the window file was compared as if it matched.
+    Where it differs inside the window, the rows before the difference alone are compared, as the
+    whole file's are; after the window, every row."""
+    whole_path, path = tmp_path / "whole.safetensors", tmp_path / "window.safetensors"
+    whole = _file(whole_path, seed=10)
+    _window_file(path, whole, (20, 40))
+    prompt = whole["token_ids"].clone()
+    prompt[differs_at] += 1  # the reference's prompt: the file's, but for one token
+    ref, emap = _ref(prompt, (20, 40)), engine_map("qwen3")
+    try:
+        expected = _oracle(whole_path, ref, emap)
+    except TracerError as e:
+        assert differs_at < 21 and "\n" not in str(e)  # nothing before the difference inside the window
+        with pytest.raises(TracerError) as got:
+            _oracle(path, ref, emap)
+        assert str(path) in str(got.value) and "\n" not in str(got.value)
+        return
+    got = _oracle(path, ref, emap)
+    assert got.positions == expected.positions == (20, min(differs_at, 40))
+    assert list(got.tensors) == list(expected.tensors)
+    for name, t in expected.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.int16), t.view(torch.int16)), name

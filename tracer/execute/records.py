@@ -354,7 +354,8 @@ class RawDump:
         engine: a display name (``SGLang dumper``, a per-pass dump, ``named tensors``).
         entries: the activations (token bookkeeping removed).
         tokens: step → ``{"input_ids": LongTensor (T,), "positions": LongTensor (T,) or None, "file": str}``,
-            plus ``"shape": (b, s)`` when the ids were dumped as a ``[b, s]`` batch (Megatron).
+            plus ``"shape": (b, s)`` when the ids were dumped as a ``[b, s]`` batch (Megatron), and
+            ``"prompt_ids"`` (the whole prompt from position 0) when the step's rows are a window of it.
         facts: e.g. ``tokenizer_path``, ``tp_size``, ``steps``, ``framework`` (``sglang``/``megatron``).
         ignored_inputs: names of module inputs (and gradients, parameters) that were read but are
             not activations tracer maps.

@@ -101,6 +101,8 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
     if ledger is not None:
         ledger.charge((w1 - w0) * 16, f"{path}: the int64 ids and positions of its {w1 - w0:,} tokens")
     tokens = {0: {"input_ids": ids[w0:w1].to(torch.long), "positions": torch.arange(w0, w1), "file": path}}
+    if window is not None:  # the prompt the rows follow: rows after an id other than the reference's are not compared
+        tokens[0]["prompt_ids"] = ids
     if ledger is not None:
         ledger.charge(hs.numel() * hs.element_size(), f"{path}: its rows regrouped by layer")
     facts = _facts(hs.shape[1])

@@ -79,7 +79,9 @@ def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[
     k tokens only keeps those k: a request sharing the reference's prefix, a packed sequence
     followed by padding); without ``positions`` a step's ids are located in the reference prompt
     (right after the previous step when they fit there, else the last occurrence: a cache hit
-    computes a suffix). Rows left out are counted in the notes (other requests, decode rows
+    computes a suffix). A step whose tokens hold ``prompt_ids`` (the whole prompt its rows follow,
+    from position 0: a window's hidden-states file) keeps only the rows before that prompt's first
+    id other than the reference's. Rows left out are counted in the notes (other requests, decode rows
     beyond the reference), one line per kind.
 
     Returns:
@@ -106,10 +108,16 @@ def align_steps(raw: RawDump, ref_ids: list[int]) -> tuple[dict[int, list[tuple[
             raise TracerError(f"{raw.path}: step {step} has activations but no input_ids; dump the token ids "
                               "(SGLang dumper core field input_ids, or input_ids in a tensors file)")
         ids = tok["input_ids"]
+        # a dump that records the prompt its rows follow (from position 0): rows from its first id
+        # other than the reference's on were computed from another prompt
+        prompt = tok.get("prompt_ids")
+        agree = None if prompt is None else _matched(prompt.reshape(-1).to(torch.long), ref, 0)
         copies = 0
         for a, b, pos in segments(ids, tok.get("positions"), f"{raw.path}: step {step}"):
             n = b - a
             k = n if pos is None else _matched(ids[a:b], ref, pos)
+            if agree is not None and pos is not None:
+                k = min(k, max(0, agree - pos))
             if pos is not None and k:
                 start = pos
                 if k < n:
