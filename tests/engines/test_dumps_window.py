@@ -101,6 +101,8 @@ def test_the_window_read_maps_as_the_whole_file_does(tmp_path, window):
     assert torch.equal(fast.tensors["model.embed_tokens"], tensors["hidden_states"][w0:w1, 0])
     rows = fast.tensors["model.layers.0"]
     assert rows.untyped_storage().nbytes() == (w1 - w0) * (L + 1) * H * 2  # the window's rows, not the file's
+    # vLLM saved each layer's hidden + residual already added: one plain tensor, which the line does not call summed
+    assert fast.mapping["model.layers.0"] == "hidden_states[:, 1]"
 
 
 def test_notes_of_sublayers_and_of_names_the_reference_lacks_are_the_whole_files(tmp_path):

@@ -234,7 +234,7 @@ def _describe(names: list[str], module: str, rule: dict[str, Any], i: int, n: in
     bits = []
     if rule.get("split"):
         bits.append(f"fused {module.rsplit('.', 1)[-1]}, part {i + 1} of {n}")
-    if "sum" in rule:
+    if "sum" in rule and (is_tuple or len(names) > 1):  # a single plain tensor (vLLM's hidden-states slot) is the sum
         bits.append("(hidden, residual) summed in the HF dtype")
     elif rule.get("element") is not None and is_tuple:
         bits.append(f"element {rule['element']} of a tuple")
