@@ -78,7 +78,7 @@ def _resolve_run(reader: TraceReader, run: str | None) -> str:
 
 
 def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | None = None) -> MappedDump:
-    """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``. A vLLM
+    """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``. A
     hidden-states file is read for the reference window's rows alone where that gives the whole
     read's mapping (:func:`tracer.engines.dumps.hidden_states.read_window`); anything else whole.
 
@@ -86,7 +86,7 @@ def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | 
         TracerError: any malformed dump, unknown names, mismatched tokens (one line each).
     """
     layout = ref_layout(reader, run)
-    # a vLLM hidden-states file: the reference window's rows alone, where that read gives what the whole
+    # a hidden-states file: the reference window's rows alone, where that read gives what the whole
     # read gives (read_window and map_window say None otherwise)
     rows = read_window(dump, layout.window, layout.n_layers) if Path(dump).suffix == ".safetensors" else None
     if rows is not None:
