@@ -400,3 +400,18 @@ def test_a_signal_during_the_exit_hooks_ends_that_hook_alone(sig):
     assert [line for line in out.stdout.splitlines() if line.startswith("hook")] == ["hook 1", "hook 2", "hook 3"], \
         out.stdout + out.stderr[-600:]
     assert out.stderr.strip().splitlines()[-1] == "interrupted", out.stderr[-600:]
+
+
+@pytest.mark.parametrize("command", ["show", "compare"])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(inputs, command):
+    """`tracer show T | head -1`: the reader of stdout closes the pipe after one line; the command ends
+    with 141 (128 + SIGPIPE, as a shell tool's), no error on stderr (its progress lines only), never 1
+    ("diverged": rich's own handling of a broken pipe exits 1)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", command, str(inputs["trace"])], env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away, as head does
+    err = proc.stderr.read()
+    code = proc.wait(timeout=120)
+    assert first and code == 141, (code, err[-600:])
+    assert not any(w in err for w in (b"rror", b"Traceback", b"Exception", b"Broken")), err[-600:]  # progress only

@@ -24,7 +24,7 @@ import typer
 from tracer import api
 from tracer.cli_exit import debug_exit, dump_on_crash, exit_interrupted, quiet_exit_on_signals, restore_signals
 from tracer.cli_parser import IN_PROCESS, OUTPUT_PANEL, RENDER, api_command, app, render_options
-from tracer.errors import EXIT_ERROR, EXIT_INTERNAL, TracerError
+from tracer.errors import EXIT_ERROR, EXIT_INTERNAL, TracerError, exit_broken_pipe
 
 #: what other code imports from here: the parser's app and tables (:mod:`tracer.cli_parser`)
 __all__ = ["IN_PROCESS", "OUTPUT_PANEL", "RENDER", "app", "close_options", "command", "main", "render_options",
@@ -315,6 +315,8 @@ def main(standalone: bool = False) -> None:
         if isinstance(e, SystemExit) and terminated_by() is None:
             raise
         exit_interrupted(standalone)
+    except BrokenPipeError:  # stdout's reader went away (`tracer show T --format json | head -1`)
+        exit_broken_pipe()
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
         from tracer.errors import interrupted_in
 

@@ -16,6 +16,25 @@ EXIT_OK = 0  # ran; bit-identical, or report-only mode
 EXIT_DIVERGED = 1  # ran; the comparison failed the rule chosen with --fail-on
 EXIT_ERROR = 2  # bad input, missing resource or corrupt file; nothing was run or written
 EXIT_INTERNAL = 3  # an internal error (a bug): one line, the traceback with TRACER_DEBUG=1
+EXIT_BROKEN_PIPE = 141  # stdout's reader went away (`tracer show T | head -1`): 128 + SIGPIPE, as a shell tool's
+
+
+def exit_broken_pipe() -> None:
+    """End the command quietly because the reader of stdout went away: stdout pointed at
+    ``os.devnull`` (nothing more is written, and Python's flush at exit cannot fail again), then
+    ``SystemExit(EXIT_BROKEN_PIPE)``, never exit 1, which says "diverged".
+
+    Raises:
+        SystemExit: always, with :data:`EXIT_BROKEN_PIPE`.
+    """
+    import os
+    import sys
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    raise SystemExit(EXIT_BROKEN_PIPE)
 
 
 class TracerError(Exception):

@@ -17,10 +17,19 @@ from rich.cells import cell_len
 from rich.console import Console, RenderableType
 from rich.text import Text
 
+from tracer.errors import exit_broken_pipe
 from tracer.report.layout import piped_width
 
 #: the indent of a line's continuation when nothing else says (under the first word)
 INDENT = 2
+
+
+class _StdoutConsole(Console):
+    """rich's console, ending a command whose stdout reader went away with
+    :func:`tracer.errors.exit_broken_pipe` (rich's own ``on_broken_pipe`` exits 1: "diverged")."""
+
+    def on_broken_pipe(self) -> None:
+        exit_broken_pipe()
 
 
 def stdout_console(explicit_columns: bool = False) -> Console:
@@ -29,10 +38,10 @@ def stdout_console(explicit_columns: bool = False) -> Console:
     :func:`tracer.report.layout.piped_width` wide (``$COLUMNS``, else 80), or wide enough for every
     column when the columns were asked for explicitly (``--wide``, ``--columns``): nothing asked for
     is left out of a file."""
-    console = Console()
+    console = _StdoutConsole()
     if console.is_terminal:
         return console
-    return Console(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
+    return _StdoutConsole(width=1 << 12 if explicit_columns else piped_width(), no_color=True, highlight=False)
 
 
 def fitted(console: Console) -> bool:
