@@ -96,7 +96,11 @@ def canonical(name: str) -> str:
     key = str(name).strip().lower().removeprefix("torch.")
     key = ALIASES.get(key, key)
     if key not in FLOATS:
-        raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}")
+        import difflib
+
+        close = difflib.get_close_matches(str(name), [*FLOATS, *ALIASES], n=1)
+        raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
     return key
 
 

@@ -529,3 +529,13 @@ def test_smollm2_second_load_reuses_cache(smollm2_cache, monkeypatch):
     expected = _dequantized("blk.0.ffn_down.weight")
     assert torch.equal(bits(again.model.model.layers[0].mlp.down_proj.weight), bits(expected))
     assert again.tokenizer("Paris")["input_ids"] == first.tokenizer("Paris")["input_ids"]
+
+
+@pytest.mark.parametrize(("given", "guess"), [("bfloat61", "bfloat16"), ("flaot32", "float32"), ("qqq", None)])
+def test_an_unknown_dtype_suggests_the_near_one(given, guess):
+    """A near-miss of a dtype name names the one meant; a word near none lists the valid ones alone."""
+    with pytest.raises(TracerError, match=r"unknown dtype .*valid: bfloat16") as e:
+        D.resolve_dtype(given)
+    assert ("did you mean" in str(e.value)) == (guess is not None)
+    if guess:
+        assert str(e.value).endswith(f"(did you mean {guess}?)")

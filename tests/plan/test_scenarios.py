@@ -86,3 +86,13 @@ def test_prefill_decode_plans_count_generated_tokens_and_decode_steps():
     assert "4 tokens generated (3 decode steps)" in a.description
     assert "generates 4 tokens" in b.description
     assert "1 decode step)" in prefill_decode(130, new_tokens=2).plan_a.description
+
+
+@pytest.mark.parametrize(("given", "guess"), [("align", "aligned"), ("determinstic", "deterministic"), ("hope", None)])
+def test_an_unknown_mitigation_suggests_the_near_one(given, guess):
+    """A near-miss names the mitigation meant; a word near none lists the choices alone."""
+    with pytest.raises(TracerError, match="unknown mitigation") as e:
+        prefix_cache(40, mitigation=given)
+    assert ("did you mean" in str(e.value)) == (guess is not None)
+    if guess:
+        assert str(e.value).endswith(f"(did you mean {guess}?)")

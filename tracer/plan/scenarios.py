@@ -73,7 +73,11 @@ def check_split(n_tokens: int, split_at: int) -> int:
 def check_mitigation(mitigation: str | None) -> str | None:
     """Validate a mitigation name (None = no mitigation)."""
     if mitigation is not None and mitigation not in MITIGATIONS:
-        raise TracerError(f"unknown mitigation '{mitigation}'; use one of: {', '.join(MITIGATIONS)}")
+        import difflib
+
+        close = difflib.get_close_matches(str(mitigation), list(MITIGATIONS), n=1)
+        raise TracerError(f"unknown mitigation '{mitigation}'; use one of: {', '.join(MITIGATIONS)}"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
     return mitigation
 
 
