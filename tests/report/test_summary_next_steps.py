@@ -333,3 +333,15 @@ def test_a_suggested_command_is_not_broken_inside_its_backticks():
     lines = fit(text, console, 7, label="next:").plain.splitlines()
     assert any(code in line for line in lines), lines
     assert all(len(line) <= 80 for line in lines)
+
+
+def test_a_comparison_with_an_aligned_side_gets_no_aligned_suggestion():
+    """A default trace against an aligned one (`tracer compare DEFAULT.h5 ALIGNED.h5`): one side already
+    ran --mitigation aligned, so it is not suggested; neither side aligned: suggested."""
+    aligned = "cache miss, aligned: 304 + 10 tokens (split at the block boundary)"
+    plain = "cache miss: all 314 tokens in one pass"
+    for a, b in ((plain, aligned), (aligned, plain)):
+        c = _comparison(facts={"versions_differ": [], "plan_a": a, "plan_b": b})
+        assert not any("--mitigation aligned" in s for s in next_steps(c, "compare")), (a, b)
+    c = _comparison(facts={"plan_a": plain, "plan_b": "cache hit: 304 cached tokens, then the 10-token suffix"})
+    assert any("--mitigation aligned" in s for s in next_steps(c, "compare"))

@@ -288,7 +288,8 @@ def next_steps(c: Comparison, command: str = "run") -> list[str]:
                      f"MLP, every Linear) with its GEMM shapes{_sublayers_cost(c)}")
     # two traces of one plan on two machines: aligning the split changes nothing between them
     same_plan = "versions_differ" in c.facts and c.facts.get("plan_a") == c.facts.get("plan_b")
-    if c.scenario.startswith("prefix-cache") and "aligned" not in str(c.facts.get("plan_a", "")) and not same_plan:
+    aligned = any("aligned" in str(c.facts.get(k, "")) for k in ("plan_a", "plan_b"))  # either side ran it already
+    if c.scenario.startswith("prefix-cache") and not aligned and not same_plan:
         steps.append(f"`{run}--mitigation aligned`: the cache-miss run also splits at P ({ALIGNED_SOURCE}); "
                      "checks whether aligning the split restores bitwise equality")
     if c.noise is None and engine is None:
