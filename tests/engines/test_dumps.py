@@ -619,3 +619,38 @@ def test_a_hidden_states_file_is_compared_from_the_reference_windows_rows_alone(
     whole = compare_dump((ref, "B"), str(path))
     for c in (direct, whole):
         assert {p.name: p.diff.n_diff for p in c.points if p.diff.n_diff} == {"model.layers.1": 1}
+
+
+@pytest.mark.parametrize("first", [P, P - 4])
+def test_a_window_file_is_compared_and_imported_as_its_whole_read_says(ref, tmp_path, monkeypatch, first):
+    """A hidden-states file of a window alone (tracer's connector: rows ``first..N-1`` and ``window``):
+    `tracer compare` and `tracer import` give what reading the file whole gives. The direct read took
+    the file for the whole prompt's: "positions only in the dump: 0..31" (rows the file does not hold)
+    and GEMM M 40 for the 8 or 12 rows the file holds, and the import lost the file's window."""
+    from safetensors.torch import save_file
+
+    from tracer.diff import compare_dump as cd
+
+    reader = tracer.read_trace(ref)
+    ids = reader.run("B", load_tensors=False).token_ids
+    layers = sorted((n for n in reader.capture_names("B") if n.count(".") == 2 and n.startswith("model.layers.")),
+                    key=lambda n: int(n.rsplit(".", 1)[1]))
+    slots = [reader.tensor("B", "model.embed_tokens")] + [reader.tensor("B", n) for n in layers]
+    reader.close()
+    hs = torch.randn(N - first, len(slots), slots[0].shape[-1]).to(slots[0].dtype)
+    hs[P - first:] = torch.stack(slots, dim=1)
+    path = tmp_path / "req.safetensors"
+    save_file({"hidden_states": hs, "token_ids": torch.tensor(ids), "window": torch.tensor([first, N])}, str(path))
+    got = {}
+    for how in ("direct", "whole"):
+        if how == "whole":
+            monkeypatch.setattr(cd, "read_window", lambda *a: None)
+        c = compare_dump((ref, "B"), str(path))
+        m = import_dump(str(path), (ref, "B"), str(tmp_path / f"{how}.h5"))
+        got[how] = (c.identical, c.positions, c.facts["notes"], c.facts["gemm_m_b"], m.facts, m.notes)
+    assert got["direct"] == got["whole"]
+    # independently: the file holds rows first..N-1 of a 40-token prompt
+    assert got["direct"][3] == [N - first] and got["direct"][4]["window"] == [first, N]
+    outside = [n for n in got["direct"][2] if n.startswith("positions only in the dump")]
+    assert outside == ([] if first == P else [f"positions only in the dump: {first}..{P - 1} (outside the reference's "
+                                                 f"kept window {P}..{N - 1})"])

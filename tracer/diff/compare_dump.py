@@ -24,7 +24,7 @@ from tracer.diff.logits import logits_diff
 from tracer.diff.refs import split_ref
 from tracer.diff.result import Comparison
 from tracer.errors import TracerError
-from tracer.engines.dumps.hidden_states import ENGINE as HS_ENGINE, check_slots, read_window
+from tracer.engines.dumps.hidden_states import ENGINE as HS_ENGINE, check_slots, is_window_file, read_window
 from tracer.engines.dumps.namemap import MappedDump, RefLayout, map_dump, map_window
 from tracer.engines.dumps.rules import load_engine_map
 from tracer.execute.kinds import PointKind
@@ -79,16 +79,19 @@ def _resolve_run(reader: TraceReader, run: str | None) -> str:
 
 def map_engine_dump(dump: str, reader: TraceReader, run: str, engine_map: str | None = None) -> MappedDump:
     """Read ``dump`` and map it onto run ``run`` of the open reference trace ``reader``. A
-    hidden-states file is read for the reference window's rows alone where that gives the whole
-    read's mapping (:func:`tracer.engines.dumps.hidden_states.read_window`); anything else whole.
+    hidden-states file of a whole prompt is read for the reference window's rows alone where that
+    gives the whole read's mapping (:func:`tracer.engines.dumps.hidden_states.read_window`); anything
+    else whole (a window file too: it holds its window's rows alone).
 
     Raises:
         TracerError: any malformed dump, unknown names, mismatched tokens (one line each).
     """
     layout = ref_layout(reader, run)
     # a hidden-states file: the reference window's rows alone, where that read gives what the whole
-    # read gives (read_window and map_window say None otherwise)
-    rows = read_window(dump, layout.window, layout.n_layers) if Path(dump).suffix == ".safetensors" else None
+    # read gives (read_window and map_window say None otherwise); not a window file (tracer's connector):
+    # it holds its window's rows alone, which map_window would take for a whole prompt's (notes, GEMM M)
+    whole_prompt = Path(dump).suffix == ".safetensors" and not is_window_file(dump)
+    rows = read_window(dump, layout.window, layout.n_layers) if whole_prompt else None
     if rows is not None:
         entries, file_ids, facts = rows
         emap = load_engine_map(layout.family, engine_map, engine=facts.get("framework"))

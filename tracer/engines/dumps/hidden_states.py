@@ -184,6 +184,22 @@ def read_window(path: str, window: tuple[int, int], n_layers: int) -> tuple[list
     return _entries(str(p), rows), ids.to(torch.long), _facts(shape[1])
 
 
+def is_window_file(path: str) -> bool:
+    """Whether ``path`` is a hidden-states file of a window's rows alone (its tensors exactly
+    :data:`WINDOW_KEYS`; only the safetensors header is read). False for any other file, one that is
+    not a regular file (a FIFO is never opened: it could block) or one that cannot be read (reading it
+    whole then says what is wrong)."""
+    from safetensors import safe_open
+
+    try:
+        if not Path(path).is_file():
+            return False
+        with safe_open(str(path), framework="pt") as f:
+            return set(f.keys()) == WINDOW_KEYS
+    except Exception:  # noqa: BLE001 - safetensors raises its own types
+        return False
+
+
 def check_slots(raw: RawDump, n_layers: int) -> None:
     """Refuse a hidden-states file whose slot count is not the reference's layers + 1 (the ids it was
     written with are not in the file, so any other count cannot be placed).
@@ -199,4 +215,4 @@ def check_slots(raw: RawDump, n_layers: int) -> None:
 
 
 __all__ = ["KEYS", "WINDOW_KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states", "read_window",
-           "check_slots"]
+           "is_window_file", "check_slots"]
