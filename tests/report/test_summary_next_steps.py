@@ -345,3 +345,19 @@ def test_a_comparison_with_an_aligned_side_gets_no_aligned_suggestion():
         assert not any("--mitigation aligned" in s for s in next_steps(c, "compare")), (a, b)
     c = _comparison(facts={"plan_a": plain, "plan_b": "cache hit: 304 cached tokens, then the 10-token suffix"})
     assert any("--mitigation aligned" in s for s in next_steps(c, "compare"))
+
+
+def test_a_vllm_run_that_ran_aligned_gets_no_aligned_suggestion():
+    """`tracer run M --engine vllm --mitigation aligned`: vLLM describes its own plans (the miss chunked
+    at P by the scheduler's budget); that run already aligned the split, so `--mitigation aligned` is
+    not suggested again. The same run without the mitigation still gets it."""
+    from tracer.engines.vllm.realise import realise
+    from tracer.plan.scenarios import prefix_cache
+
+    engine = {"engine": "vllm"}
+    for mitigation, suggested in ((None, True), ("aligned", False)):
+        scen = realise(prefix_cache(64, split_at=32, mitigation=mitigation))
+        c = _comparison(facts={"plan_a": scen.plan_a.description, "plan_b": scen.plan_b.description,
+                               "engine_a": engine, "engine_b": engine})
+        steps = next_steps(c)
+        assert any("--mitigation aligned" in s for s in steps) == suggested, (mitigation, scen.plan_a.description)

@@ -91,7 +91,7 @@ def realise(scen: Scenario) -> Scenario:
             settings["chunks"] = "chunked" if scen.name == "chunked-prefill" or aligned else "prefix-cache"
             if settings["chunks"] == "prefix-cache":
                 _check_grid(scen.name, plan, settings["block_size"])
-        description = _describe(plan, settings)
+        description = _describe(plan, settings, aligned=scen.name == "prefix-cache" and settings.get("chunks") == "chunked")
         if scen.name == "compile":  # both engines write vLLM's hidden-states output: only the compilation differs
             settings["hidden_states"] = True
         if plan.compile:  # ``compile``: run B is vLLM's own compiled forward, captured through its hidden-states output
@@ -135,13 +135,15 @@ def _check_grid(name: str, plan: RunPlan, block_size: int) -> None:
                           f"--block-size B (a multiple of {BLOCK} on the CPU) to cache the last full block")
 
 
-def _describe(plan: RunPlan, settings: dict[str, Any]) -> str:
-    """The plan's description as vLLM realises it."""
+def _describe(plan: RunPlan, settings: dict[str, Any], aligned: bool = False) -> str:
+    """The plan's description as vLLM realises it (``aligned``: prefix-cache's miss under
+    ``--mitigation aligned``, named so as the reference's is: the report does not suggest it again)."""
     bs = settings["block_size"]
     mode = settings.get("chunks")
     if mode == "chunked":
         size = plan.chunks[0][1]
-        return (f"in vLLM (KV block {bs}): one request, split by the scheduler's budget of {size} tokens per step "
+        return (f"in vLLM (KV block {bs}): {'cache miss, aligned: ' if aligned else ''}one request, split by the "
+                f"scheduler's budget of {size} tokens per step "
                 f"(chunked prefill: {' + '.join(str(e - s) for s, e in plan.chunks)} tokens)")
     if mode == "prefix-cache":
         p = plan.chunks[-1][0]
