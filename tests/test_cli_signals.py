@@ -415,3 +415,20 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(inputs, comma
     code = proc.wait(timeout=120)
     assert first and code == 141, (code, err[-600:])
     assert not any(w in err for w in (b"rror", b"Traceback", b"Exception", b"Broken")), err[-600:]  # progress only
+
+
+@pytest.mark.parametrize("args", [["show", "TRACE", "--format", "json"], ["show", "TRACE"], ["--help"],
+                                  ["compare", "--help"]])
+def test_a_reader_gone_before_the_output_ends_any_command_quietly_with_141(inputs, args):
+    """`tracer show T --format json | head -c 10`, `tracer --help | head -1`: output that is not rich's
+    (print, click's help) met a closed pipe; click turned the BrokenPipeError into exit 1 ("diverged").
+    The reader is gone before the command writes (closed at once: the interpreter takes longer to start),
+    so every write fails; the command ends with 141 and no error."""
+    argv = [str(inputs["trace"]) if a == "TRACE" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", *argv], env=_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before any output
+    err = proc.stderr.read()
+    code = proc.wait(timeout=120)
+    assert code == 141, (code, err[-600:])
+    assert not any(w in err for w in (b"rror", b"Traceback", b"Exception", b"Broken")), err[-600:]

@@ -248,6 +248,30 @@ def command() -> None:
     main(standalone=True)
 
 
+def _file_id(fd: int) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of what descriptor ``fd`` points at; None where it is closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _reader_gone(stdout_before: tuple[Any, tuple[int, int] | None]) -> bool:
+    """Whether an exit 1 came from click or rich meeting a closed stdout (``tracer --help | head -1``,
+    a print of ``--format json``): click put its ``PacifyFlushWrapper`` in ``sys.stdout``, or rich
+    pointed descriptor 1 at ``os.devnull``, neither so when the command began (``stdout_before``:
+    ``sys.stdout`` and :func:`_file_id` of descriptor 1 then)."""
+    if sys.stdout is not stdout_before[0] and type(sys.stdout).__name__ == "PacifyFlushWrapper":
+        return True
+    try:
+        st = os.stat(os.devnull)
+    except OSError:
+        return False
+    null = (st.st_dev, st.st_ino)
+    return _file_id(1) == null != stdout_before[1]
+
+
 def main(standalone: bool = False) -> None:
     """Run one ``tracer`` command from ``sys.argv``; exits with its code (``SystemExit``).
 
@@ -276,6 +300,7 @@ def main(standalone: bool = False) -> None:
     if standalone:
         watchdog.start()  # the backstop: a command stuck in native code (holding the GIL) still ends on a signal
         dump_on_crash()
+    stdout_before = (sys.stdout, _file_id(1))
     try:  # typer >= 0.24 carries its own copy of click
         from typer._click import exceptions as click_errors
     except ImportError:  # pragma: no cover - older typer: click itself
@@ -313,6 +338,8 @@ def main(standalone: bool = False) -> None:
         sys.exit(EXIT_ERROR)
     except (KeyboardInterrupt, SystemExit) as e:
         if isinstance(e, SystemExit) and terminated_by() is None:
+            if e.code == 1 and _reader_gone(stdout_before):  # click's or rich's exit 1 says "diverged"
+                exit_broken_pipe()
             raise
         exit_interrupted(standalone)
     except BrokenPipeError:  # stdout's reader went away (`tracer show T --format json | head -1`)
