@@ -98,7 +98,7 @@ def canonical(name: str) -> str:
     if key not in FLOATS:
         import difflib
 
-        close = difflib.get_close_matches(str(name), [*FLOATS, *ALIASES], n=1)
+        close = difflib.get_close_matches(key, [*FLOATS, *ALIASES], n=1)  # as read: lower case, no torch.
         raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}"
                           + (f" (did you mean {close[0]}?)" if close else ""))
     return key

@@ -531,9 +531,11 @@ def test_smollm2_second_load_reuses_cache(smollm2_cache, monkeypatch):
     assert again.tokenizer("Paris")["input_ids"] == first.tokenizer("Paris")["input_ids"]
 
 
-@pytest.mark.parametrize(("given", "guess"), [("bfloat61", "bfloat16"), ("flaot32", "float32"), ("qqq", None)])
+@pytest.mark.parametrize(("given", "guess"), [("bfloat61", "bfloat16"), ("flaot32", "float32"), ("qqq", None),
+                                             ("FP33", "fp32"), ("TORCH.BFLOAT61", "bfloat16")])
 def test_an_unknown_dtype_suggests_the_near_one(given, guess):
-    """A near-miss of a dtype name names the one meant; a word near none lists the valid ones alone."""
+    """A near-miss of a dtype name names the one meant (in any case, with torch.: names are read so);
+    a word near none lists the valid ones alone."""
     with pytest.raises(TracerError, match=r"unknown dtype .*valid: bfloat16") as e:
         D.resolve_dtype(given)
     assert ("did you mean" in str(e.value)) == (guess is not None)

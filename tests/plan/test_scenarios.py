@@ -88,9 +88,10 @@ def test_prefill_decode_plans_count_generated_tokens_and_decode_steps():
     assert "1 decode step)" in prefill_decode(130, new_tokens=2).plan_a.description
 
 
-@pytest.mark.parametrize(("given", "guess"), [("align", "aligned"), ("determinstic", "deterministic"), ("hope", None)])
+@pytest.mark.parametrize(("given", "guess"), [("align", "aligned"), ("determinstic", "deterministic"), ("hope", None),
+                                             ("ALIGNED", "aligned")])
 def test_an_unknown_mitigation_suggests_the_near_one(given, guess):
-    """A near-miss names the mitigation meant; a word near none lists the choices alone."""
+    """A near-miss names the mitigation meant (in capitals too); a word near none lists the choices alone."""
     with pytest.raises(TracerError, match="unknown mitigation") as e:
         prefix_cache(40, mitigation=given)
     assert ("did you mean" in str(e.value)) == (guess is not None)

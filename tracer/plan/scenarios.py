@@ -75,7 +75,7 @@ def check_mitigation(mitigation: str | None) -> str | None:
     if mitigation is not None and mitigation not in MITIGATIONS:
         import difflib
 
-        close = difflib.get_close_matches(str(mitigation), list(MITIGATIONS), n=1)
+        close = difflib.get_close_matches(str(mitigation).lower(), list(MITIGATIONS), n=1)
         raise TracerError(f"unknown mitigation '{mitigation}'; use one of: {', '.join(MITIGATIONS)}"
                           + (f" (did you mean {close[0]}?)" if close else ""))
     return mitigation
