@@ -35,12 +35,12 @@ def _same(a, b) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def test_batched_comparison_equals_each_point_compared_alone(lm):
+def test_batched_comparison_equals_each_point_compared_alone(lm, tmp_path):
     """Every point of a real run (kv-quant, bf16: the runs differ from the first KV cache on) goes
     through one batch; each point's numbers equal a batch of that point alone."""
     kw = dict(loaded=lm, scenario="kv-quant", length=300, progress=False)
     res = tracer.run(**kw, store="none")
-    out = tracer.run(**kw, store="tensors")  # no file: the runs keep their tensors
+    out = tracer.run(**kw, store="tensors", output=str(tmp_path / "t.h5"))  # the runs keep their tensors too
     rec_a, rec_b = out.runs
     assert rec_a.captures and out.comparison.to_dict()["layers"] == res.comparison.to_dict()["layers"]
     differing = 0
