@@ -32,7 +32,7 @@ from tracer.api_files import (compare_trace, import_dump, plot_file, read_sweep,
 from tracer.config import COMMAND_OPTIONS, OPTIONS, RunConfig
 from tracer.engines.table import check_engine, is_reference
 from tracer.plan.engines import check_engine_options
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.load.recipes import list_models
 from tracer.run_result import RunResult as _RunResult
 from tracer.validate import validate
@@ -311,10 +311,8 @@ def options(topic: str | None = None) -> dict[str, dict[str, Any]]:
     if topic is None:
         return out
     if topic not in out:
-        import difflib
-
-        close = difflib.get_close_matches(topic, list(out), n=1)
-        raise TracerError(f"unknown help topic {topic!r}" + (f" (did you mean {close[0]}?)" if close else "")
+        close = did_you_mean(topic, list(out))
+        raise TracerError(f"unknown help topic {topic!r}" + (f" (did you mean {close}?)" if close else "")
                           + f"; topics: {', '.join(out)}")
     return {topic: out[topic]}
 

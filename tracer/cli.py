@@ -342,7 +342,7 @@ def main(standalone: bool = False) -> None:
                 exit_broken_pipe()
             raise
         exit_interrupted(standalone)
-    except BrokenPipeError:  # stdout's reader went away (`tracer show T --format json | head -1`)
+    except BrokenPipeError:  # stdout's reader went away where click did not catch it itself (above: its exit 1)
         exit_broken_pipe()
     except Exception as e:  # noqa: BLE001 - a bug: one line and code 3, never the code of "diverged"
         from tracer.errors import interrupted_in

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from tracer.config_help import BRIEF, HELP, PANELS, SCENARIO_NOTES
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.plan.checks import applicable_options, check_applicable, scenario_option_names
 from tracer.plan.scenarios import SCENARIOS
 
@@ -175,10 +175,8 @@ class RunConfig:
         valid = tuple(OPTIONS) if allowed is None else allowed
         unknown = sorted(k for k in options if k not in valid)
         if unknown:
-            import difflib
-
-            close = difflib.get_close_matches(unknown[0], valid, n=1)
-            raise TracerError(f"unknown option(s) {', '.join(unknown)}" + (f" (did you mean {close[0]}?)" if close else "")
+            close = did_you_mean(unknown[0], valid)
+            raise TracerError(f"unknown option(s) {', '.join(unknown)}" + (f" (did you mean {close}?)" if close else "")
                               + f"; valid: {', '.join(valid)}")
         groups: dict[str, dict[str, Any]] = {g: {} for g in _GROUPS}
         scen_opts: dict[str, Any] = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -96,11 +96,9 @@ def canonical(name: str) -> str:
     key = str(name).strip().lower().removeprefix("torch.")
     key = ALIASES.get(key, key)
     if key not in FLOATS:
-        import difflib
-
-        close = difflib.get_close_matches(key, [*FLOATS, *ALIASES], n=1)  # as read: lower case, no torch.
+        close = did_you_mean(key, [*FLOATS, *ALIASES])  # as read: lower case, no torch.
         raise TracerError(f"unknown dtype {name!r}; valid: {', '.join([*FLOATS, *ALIASES])}"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+                          + (f" (did you mean {close}?)" if close else ""))
     return key
 
 

@@ -37,6 +37,15 @@ def exit_broken_pipe() -> None:
     raise SystemExit(EXIT_BROKEN_PIPE)
 
 
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...], cutoff: float = 0.6) -> str | None:
+    """The choice closest to ``word`` (``difflib``), or None when none is close: the "did you mean"
+    of a one-line error about an unknown name."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
 class TracerError(Exception):
     """Bad input or a missing resource, with a one-line message that names the fix.
 

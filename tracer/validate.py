@@ -14,7 +14,7 @@ from typing import Any
 
 from tracer.config import COMPRESSIONS, POSITIONS, STORE_MODES, PromptConfig, RunConfig
 from tracer.engines.table import name_of, row
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 
 
 def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one_length: bool = True) -> RunConfig:
@@ -51,7 +51,7 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
     if s.block_size is not None:
         check_block_size(s.block_size)
     if st.mode not in STORE_MODES:
-        guess = preflight.did_you_mean(str(st.mode), STORE_MODES)
+        guess = did_you_mean(str(st.mode), STORE_MODES)
         raise TracerError(f"unknown --store '{st.mode}'; use one of: {', '.join(STORE_MODES)}"
                           + (f" (did you mean {guess}?)" if guess else ""))
     if st.compression not in COMPRESSIONS:
@@ -66,11 +66,11 @@ def validate(cfg: RunConfig, loaded: Any = None, *, new_output: bool = True, one
                               + ("keeps every tensor" if st.mode == "tensors" else "keeps no tensors"))
         st.budget()
     if c.granularity not in GRANULARITIES:
-        guess = preflight.did_you_mean(str(c.granularity), GRANULARITIES)
+        guess = did_you_mean(str(c.granularity), GRANULARITIES)
         raise TracerError(f"unknown granularity '{c.granularity}'; use one of: {', '.join(GRANULARITIES)}"
                           + (f" (did you mean {guess}?)" if guess else ""))
     if c.positions not in POSITIONS:
-        guess = preflight.did_you_mean(str(c.positions), POSITIONS)
+        guess = did_you_mean(str(c.positions), POSITIONS)
         raise TracerError(f"unknown --positions '{c.positions}'; use window (P..N-1) or all (0..N-1)"
                           + (f" (did you mean {guess}?)" if guess else ""))
     check_mitigation(s.mitigation)

@@ -587,6 +587,17 @@ def test_a_prefills_rows_are_a_view_and_a_second_placement_is_checked_position_b
     assert any(n.startswith("model.layers.0 at position(s) 6: a later engine tensor") for n in mapped.notes), mapped.notes
 
 
+def _run_b_slots(ref: str) -> tuple[list[int], list[str], list[torch.Tensor]]:
+    """Run B of the reference: its token ids, its decoder layers' names in order, and its captures as
+    a hidden-states file's slots (the embedding, then each layer), each ``[window rows, hidden]``."""
+    with tracer.read_trace(ref) as reader:
+        ids = reader.run("B", load_tensors=False).token_ids
+        layers = sorted((n for n in reader.capture_names("B") if n.count(".") == 2 and n.startswith("model.layers.")),
+                        key=lambda n: int(n.rsplit(".", 1)[1]))
+        slots = [reader.tensor("B", "model.embed_tokens")] + [reader.tensor("B", n) for n in layers]
+    return ids, layers, slots
+
+
 def test_a_hidden_states_file_is_compared_from_the_reference_windows_rows_alone(ref, tmp_path, monkeypatch):
     """A vLLM hidden-states file of run B's prompt (the window's rows are B's own captures, the other
     rows noise): `tracer compare` reads only the window's rows (the whole read is never made) and
@@ -595,12 +606,7 @@ def test_a_hidden_states_file_is_compared_from_the_reference_windows_rows_alone(
 
     from tracer.diff import compare_dump as cd
 
-    reader = tracer.read_trace(ref)
-    ids = reader.run("B", load_tensors=False).token_ids
-    layers = sorted((n for n in reader.capture_names("B") if n.count(".") == 2 and n.startswith("model.layers.")),
-                    key=lambda n: int(n.rsplit(".", 1)[1]))
-    slots = [reader.tensor("B", "model.embed_tokens")] + [reader.tensor("B", n) for n in layers]
-    reader.close()
+    ids, layers, slots = _run_b_slots(ref)
     hs = torch.randn(N, len(slots), slots[0].shape[-1]).to(slots[0].dtype)
     hs[P:N] = torch.stack(slots, dim=1)
     path = tmp_path / "req.safetensors"
@@ -631,12 +637,7 @@ def test_a_window_file_is_compared_and_imported_as_its_whole_read_says(ref, tmp_
 
     from tracer.diff import compare_dump as cd
 
-    reader = tracer.read_trace(ref)
-    ids = reader.run("B", load_tensors=False).token_ids
-    layers = sorted((n for n in reader.capture_names("B") if n.count(".") == 2 and n.startswith("model.layers.")),
-                    key=lambda n: int(n.rsplit(".", 1)[1]))
-    slots = [reader.tensor("B", "model.embed_tokens")] + [reader.tensor("B", n) for n in layers]
-    reader.close()
+    ids, layers, slots = _run_b_slots(ref)
     hs = torch.randn(N - first, len(slots), slots[0].shape[-1]).to(slots[0].dtype)
     hs[P - first:] = torch.stack(slots, dim=1)
     path = tmp_path / "req.safetensors"

@@ -11,24 +11,17 @@ this machine has. What needs torch (a CUDA device index, MPS) is left to
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 import re
 from pathlib import Path
 from typing import Any
 
-from tracer.errors import TracerError, option
+from tracer.errors import TracerError, did_you_mean, option
 
 #: attention implementations always accepted; "flash_attention_2" too when flash_attn is importable
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
-
-
-def did_you_mean(word: str, choices: list[str] | tuple[str, ...], cutoff: float = 0.6) -> str | None:
-    """The choice closest to ``word`` (``difflib``), or None when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
-    return close[0] if close else None
 
 
 def _hf_cached(name: str) -> bool:

@@ -11,7 +11,7 @@ import inspect
 import math
 from typing import Any
 
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.files import MAX_TOKENS
 from tracer.engines.table import ENGINE_OPTIONS
 
@@ -137,10 +137,8 @@ def check_applicable(scen: Any) -> None:
                               "build them into your own Scenario")
         return
     if scen.name not in SCENARIOS:
-        import difflib
-
-        close = difflib.get_close_matches(str(scen.name), list(SCENARIOS), n=1)
-        raise TracerError(f"unknown scenario '{scen.name}'" + (f" (did you mean {close[0]}?)" if close else "")
+        close = did_you_mean(str(scen.name), list(SCENARIOS))
+        raise TracerError(f"unknown scenario '{scen.name}'" + (f" (did you mean {close}?)" if close else "")
                           + f"; use one of: {', '.join(SCENARIOS)}")
     uses = applicable_options(scen.name)
     extra = sorted(k for k in scen.params() if k not in ("mitigation", "engine", *ENGINE_OPTIONS) and k not in uses)

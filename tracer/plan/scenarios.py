@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from tracer.engines.table import default
-from tracer.errors import TracerError
+from tracer.errors import TracerError, did_you_mean
 from tracer.plan.engines import engine_scenario, prefill_decode
 from tracer.plan.plans import MITIGATIONS, PADDINGS, TP_MODES, Batch, RunPlan, Scenario, TPSpec
 from tracer.plan.quant import FORMATS, check_format
@@ -73,11 +73,9 @@ def check_split(n_tokens: int, split_at: int) -> int:
 def check_mitigation(mitigation: str | None) -> str | None:
     """Validate a mitigation name (None = no mitigation)."""
     if mitigation is not None and mitigation not in MITIGATIONS:
-        import difflib
-
-        close = difflib.get_close_matches(str(mitigation).lower(), list(MITIGATIONS), n=1)
+        close = did_you_mean(str(mitigation).lower(), MITIGATIONS)
         raise TracerError(f"unknown mitigation '{mitigation}'; use one of: {', '.join(MITIGATIONS)}"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+                          + (f" (did you mean {close}?)" if close else ""))
     return mitigation
 
 

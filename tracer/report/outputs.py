@@ -57,7 +57,7 @@ def check_plot_options(kind: str | None, layers: object, output: str | os.PathLi
         TracerError: one line naming the option and the fix.
     """
     if kind is not None and kind not in KINDS:
-        from tracer.load.preflight import did_you_mean
+        from tracer.errors import did_you_mean
 
         guess = did_you_mean(str(kind), KINDS)
         raise TracerError(f"unknown plot kind '{kind}'; use one of: {', '.join(KINDS)}"

@@ -214,5 +214,5 @@ def check_slots(raw: RawDump, n_layers: int) -> None:
                           f"eagle_aux_hidden_state_layer_ids = list(range({n_layers + 1})) (the embedding and every layer)")
 
 
-__all__ = ["KEYS", "WINDOW_KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states", "read_window",
-           "is_window_file", "check_slots"]
+__all__ = ["KEYS", "WINDOW_KEYS", "LAYOUT", "ENGINE", "is_hidden_states", "slot_module", "read_hidden_states",
+           "read_window", "is_window_file", "check_slots"]

@@ -9,7 +9,8 @@ graph, so it sees the bits the compiled model computes: the embedding and every 
 output (``hidden + residual``) at every prompt position. The request names the compared window,
 so tracer's connector gathers, copies and writes only the window's rows (a user's LLM built with
 vLLM's own connector writes them all); tracer reads back only the rows of the compared window
-(:func:`tracer.engines.dumps.hidden_states.read_window`) and the prompt's token ids, and names slot ``j`` by the vLLM engine map (:func:`tracer.engines.dumps.namemap.map_window`:
+(:func:`tracer.engines.dumps.hidden_states.read_window`) and the prompt's token ids, and names
+slot ``j`` by the vLLM engine map (:func:`tracer.engines.dumps.namemap.map_window`:
 ``model.embed_tokens``, then ``model.layers.{j-1}``); where that direct read does not apply as it
 is (a map rule that is not a plain renaming, a file the whole read would refuse or map otherwise)
 the whole file is read as an engine dump (:mod:`tracer.engines.dumps.hidden_states`) and mapped
