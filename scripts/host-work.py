@@ -144,26 +144,30 @@ def _cuda_calls(fn) -> dict[str, int]:
 
 
 class _WriterTime:
-    """The CPU time of the trace writer's tasks (:class:`~tracer.store.writer.TraceWriter`'s set-up,
-    run, meta and comparison writes, on whichever thread runs them), summed while installed."""
+    """The CPU time of the trace writer's tasks in this process (what
+    :class:`~tracer.store.trace_file.TraceFile` does to the partial file, or with ``TRACER_WRITER=process``
+    what :class:`~tracer.store.writer_process.RemoteTraceFile` does to send it: set-up, run, meta and
+    comparison writes, on whichever thread runs them), summed while installed."""
 
-    TASKS = ("_create", "_write_run", "_set_meta", "_remove_run", "_write_comparison")
+    TASKS = ("create", "write_run", "set_meta", "remove_run", "write_comparison")
 
     def __init__(self) -> None:
-        from tracer.store.writer import TraceWriter
+        from tracer.store.trace_file import TraceFile
+        from tracer.store.writer_process import RemoteTraceFile
 
         self.s = 0.0
-        for name in self.TASKS:
-            fn = getattr(TraceWriter, name)
+        for cls in (TraceFile, RemoteTraceFile):
+            for name in self.TASKS:
+                fn = getattr(cls, name)
 
-            def timed(*a, _fn=fn, **k):
-                t0 = time.thread_time()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    self.s += time.thread_time() - t0
+                def timed(*a, _fn=fn, **k):
+                    t0 = time.thread_time()
+                    try:
+                        return _fn(*a, **k)
+                    finally:
+                        self.s += time.thread_time() - t0
 
-            setattr(TraceWriter, name, timed)
+                setattr(cls, name, timed)
 
 
 def gpu_path() -> None:

@@ -126,7 +126,7 @@ def main() -> None:
         + (f", {torch.cuda.get_device_name()}" if cuda else ""))
     for k in names:
         ratio = statistics.median(w / p for w, p in zip(wall[k], wall["plain"]))
-        say(f"{k:8} wall median {statistics.median(wall[k]) * 1e3:7.1f} min {min(wall[k]) * 1e3:7.1f} ms   "
+        say(f"{k:9} wall median {statistics.median(wall[k]) * 1e3:7.1f} min {min(wall[k]) * 1e3:7.1f} ms   "
             f"CPU median {statistics.median(cpu[k]) * 1e3:7.1f} min {min(cpu[k]) * 1e3:7.1f} ms   ÷ plain {ratio:.3f}")
     spent: dict[str, float] = collections.defaultdict(float)
     originals = []
