@@ -404,6 +404,19 @@ def test_a_damaged_window_is_one_line_and_never_read_directly(tmp_path, how):
     assert "window" in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_window_files_token_ids_of_two_dims_are_named_as_the_fault(tmp_path):
+    """A window file whose ``token_ids`` are ``[1, T]`` (a batch row, not vLLM's ``[T]``): the error names
+    the token ids and their shape, not the (sound) window."""
+    path = tmp_path / "window.safetensors"
+    whole = _file(tmp_path / "whole.safetensors", seed=8)
+    _window_file(path, whole, (4, 8), token_ids=whole["token_ids"][None])
+    assert _fast(path, _ref(whole["token_ids"], (4, 8)), engine_map("qwen3")) is None
+    with pytest.raises(TracerError) as e:
+        read_dump(str(path))
+    msg = str(e.value)
+    assert f"token_ids (1, {T})" in msg and "its window" not in msg and str(path) in msg and "\n" not in msg
+
+
 def test_a_window_outside_the_files_rows_is_left_to_the_whole_read(tmp_path):
     """Asked for positions the window file does not hold: no direct read; the whole read maps what it
     holds (the compared positions it lacks are the whole read's to report)."""

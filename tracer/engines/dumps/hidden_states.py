@@ -83,15 +83,18 @@ def read_hidden_states(path: str, tensors: dict[str, torch.Tensor], ledger: Any 
     if hs.dim() != 3 or not hs.is_floating_point():
         raise TracerError(f"{path}: hidden_states is {tuple(hs.shape)} {str(hs.dtype).removeprefix('torch.')}; vLLM's "
                           "hidden-states file holds [tokens, layers, hidden] in the model's dtype")
+    if ids.dim() != 1:
+        raise TracerError(f"{path}: token_ids {tuple(ids.shape)} are not one row of the prompt's ids; vLLM's "
+                          "hidden-states file holds them as [tokens]: the file is damaged")
     window = None
     if "window" in tensors:
-        window = _file_window(tensors["window"], hs.shape[0], ids.shape[0] if ids.dim() == 1 else -1)
+        window = _file_window(tensors["window"], hs.shape[0], ids.shape[0])
         if window is None:
             w = tensors["window"]
             raise TracerError(f"{path}: its window {w.tolist() if w.numel() <= 4 else tuple(w.shape)} does not name "
                               f"the positions [w0, w1) of its {hs.shape[0]} rows inside its {ids.numel()} token ids; "
                               "the file is damaged")
-    elif ids.dim() != 1 or ids.shape[0] != hs.shape[0]:
+    elif ids.shape[0] != hs.shape[0]:
         raise TracerError(f"{path}: token_ids {tuple(ids.shape)} do not give one id per row of hidden_states "
                           f"{tuple(hs.shape)}; the file is damaged")
     if _not_ids(ids):
