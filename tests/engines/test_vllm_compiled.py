@@ -231,3 +231,29 @@ def test_a_compiled_engine_built_after_an_eager_one_has_its_own_rotary(eager, co
     assert rotary(eager) is not rotary(compiled)
     assert rotary(eager)._forward_method.__name__ == "forward_cpu"
     assert rotary(compiled)._forward_method.__name__ == "forward_native"
+
+
+def test_a_tensor_parallel_request_is_done_once_rank_zero_wrote_its_file(monkeypatch):
+    """With TP = 2, only rank 0 writes the file; vLLM's output aggregator must then report the request
+    done on rank 0's word alone, or its blocks are never freed. vLLM 0.26's hidden-states connector does
+    not say so (the base class's ``None``: wait for every rank); that version is simulated here."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector)
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+    from tracer.engines.vllm.hidden_states import HostHiddenStatesConnector
+
+    monkeypatch.setattr(ExampleHiddenStatesConnector, "get_finished_count", KVConnectorBase_V1.get_finished_count)
+    agg = KVOutputAggregator.from_connector(object.__new__(HostHiddenStatesConnector), world_size=2)
+
+    def output(sent):
+        out = copy.copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        out.kv_connector_output = KVConnectorOutput(finished_sending=sent)
+        return out
+
+    done = agg.aggregate([output({"req-1"}), output(None)])  # rank 0 wrote req-1; rank 1 writes nothing
+    assert done.kv_connector_output.finished_sending == {"req-1"}

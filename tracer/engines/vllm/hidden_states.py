@@ -103,6 +103,12 @@ class HostHiddenStatesConnector(ExampleHiddenStatesConnector):  # type: ignore[m
                 os.close(lock_fd)
         self._written = getattr(self, "_written", set()) | {pending.req_id}
 
+    def get_finished_count(self) -> int:
+        """One report per request: TP rank 0 alone writes the file and says it is done (vLLM 0.32's own
+        connector says so too; 0.26's does not, and its output aggregator would wait for every TP rank,
+        never freeing the request's blocks)."""
+        return 1
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's bookkeeping of a finished request, plus the window its ``kv_transfer_params`` names
         (:func:`requested_window`), kept on the pending save for the worker."""
