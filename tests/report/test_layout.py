@@ -316,3 +316,26 @@ def test_headline_lines_hang_under_their_label_in_a_narrow_terminal(planted):
     assert text.split() == one.split()  # only the line breaks differ
     for line in text.splitlines():
         assert line[:indent].strip() == "" or line.split(":")[0] in dict(head), line
+
+
+def test_flips_give_way_before_a_name_loses_its_layer_index():
+    """`tracer run --granularity sublayers` at 80 columns (a newcomer's report): the name column at 32
+    showed "…post_attention_layernorm", no layer; the flips column ("-" on every layer row; the logits
+    line says the flips) gives way instead, and the name keeps "layers.2". Where narrowing keeps every
+    index (the middle elided), flips stays."""
+    headers = {"point": "capture point", "diff": "differing / total", "max_abs": "max abs diff",
+               "ulp": "max ULP*", "flips": "flips"}
+    name = "model.layers.2.post_attention_layernorm"
+    cells = {"point": ["model.embed_tokens", name, "…layers.3.self_attn.kv_cache"],
+             "diff": ["0 / 576", "14 / 576", "45,752 / 49,152"], "max_abs": ["0", "9.77e-04", "0.281"],
+             "ulp": ["0", "18", "455"], "flips": ["-", "-", "0"]}
+    fit = fit_columns(tuple(headers), headers, cells, 80, name_min=34, spare=("flips",))
+    widths = dict(zip(fit.columns, fit.widths))
+    assert fit.dropped == ("flips",) and fit.width <= 80
+    assert shorten_left(name, widths["point"]).endswith("layers.2.post_attention_layernorm")
+    # the same table where narrowing keeps every layer index: the name narrows, flips stays
+    cells["point"][1] = "model.layers.12.self_attn.kv_cache"
+    fit = fit_columns(tuple(headers), headers, cells, 80, name_min=34, spare=("flips",))
+    widths = dict(zip(fit.columns, fit.widths))
+    assert "flips" in fit.columns and fit.width <= 80
+    assert shorten_left("model.layers.12.self_attn.kv_cache", widths["point"]).startswith("…layers.12")

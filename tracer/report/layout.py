@@ -173,6 +173,16 @@ def _keeps_index(name: str, short: str) -> bool:
     return any(shown[i:i + 2] == parts[index - 1:index + 1] for i in range(len(shown) - 1)) if index else parts[0] in shown
 
 
+def _loses_an_index(cells: list[str], width: int) -> bool:
+    """Whether a name column of ``width`` characters would cut the layer index of one of ``cells``
+    (names, each maybe followed by a marker or a note line) that it now shows whole or shortened."""
+    for cell in cells:
+        name = cell.split("\n")[0].partition("  ")[0]  # the name alone: a marker ("  ◀ origin") or note follows
+        if len(name) > width and not _keeps_index(name, shorten_left(name, max(width, 1))):
+            return True
+    return False
+
+
 def name_cell(name: str, marker: str, width: int, note: str = "") -> str:
     """The name column's text: ``name + marker`` on one line when it fits ``width``; else the name
     shortened from the left at a dot (:func:`shorten_left`) so that the marker stays beside it, as
@@ -229,7 +239,9 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
             not numbers), and not below ``flex_min`` characters (or their widest cell): a label
             that stays readable (an audit's check) rather than one word a line.
         gaps: the table's overhead (:func:`table_width`: :data:`BOXED` or :data:`BARE`).
-        spare: kept columns that give way last, once the name is at its floor and the table still
+        spare: kept columns that give way before the name narrows so far that a shown name loses
+            its layer index (where dropping them alone makes the table fit), and last, once the name
+            is at its floor and the table still
             does not fit (a narrow terminal), in this order; only when that makes it fit.
 
     Every other column is at least as wide as its widest cell. When the kept columns do not fit
@@ -263,6 +275,19 @@ def fit_columns(columns: tuple[str, ...], headers: dict[str, str], cells: dict[s
         shown.remove(k)
         dropped.append(k)
     over = table_width([lowest[k] for k in shown], gaps) - width
+    names = cells.get(name_key, [])
+    if over > 0 and name_key in shown and spare and _loses_an_index(names, lowest[name_key] - over) and \
+            not _loses_an_index(names, lowest[name_key]):
+        # narrowing the name would cut a shown name's layer index (…post_attention_layernorm, which
+        # layer?): the spare kept columns give way first, where that alone makes the table fit
+        going = []
+        for k in (k for k in spare if k in shown):
+            going.append(k)
+            if table_width([lowest[c] for c in shown if c not in going], gaps) <= width:
+                shown = [c for c in shown if c not in going]
+                dropped += going
+                over = 0
+                break
     if over > 0 and name_key in shown:  # the kept columns alone are too wide: the name gives way, down to a floor
         floor = min(lowest[name_key], max(NAME_FLOOR, header_min(headers[name_key])))
         lowest[name_key] = max(floor, lowest[name_key] - over)
