@@ -285,7 +285,7 @@ def test_decode_and_verdict_through_the_cli(trace):
     _, env, tmp = trace
     proc = tracer_warm(["run", "tiny-llama", "--device", "cpu", "--no-store", "--length", "40", "--decode", "4",
                    "--verdict"], env, tmp)
-    assert "replay:" in proc.stdout and "noise verdict:" in proc.stdout
+    assert "decode: the" in proc.stdout and "noise verdict:" in proc.stdout
 
 
 def test_compare_says_where_its_report_went(trace):

@@ -27,11 +27,11 @@ class Replay(schema.Record):
     text_b: str | None = None
 
     def line(self) -> str:
-        """One line for people."""
+        """One line for people, without a label (the report puts ``decode:`` before it)."""
         n = len(self.tokens_a)
         if self.first_diff is None:
-            return f"replay: the {n} greedy tokens after the prompt are identical in both runs"
-        return f"replay: the greedy continuations differ from generated token {self.first_diff} of {n}"
+            return f"the {n} greedy tokens after the prompt are identical in both runs"
+        return f"the greedy continuations differ from generated token {self.first_diff} of {n}"
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
         doc["steps"] = len(self.tokens_a)

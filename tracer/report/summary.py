@@ -375,7 +375,8 @@ def headline(c: Comparison, command: str = "run") -> list[tuple[str, str]]:
     if "versions_differ" in c.facts:  # runs from two traces
         out.append(("versions", "; ".join(c.facts["versions_differ"]) or "the same in both traces"))
     if c.replay is not None:
-        out.append(("decode", c.replay.line()))
+        shown = c.replay.first_diff is not None or c.replay.text_a is not None  # replay_lines prints them
+        out.append(("decode", c.replay.line() + (" (both continuations below)" if shown else "")))
     out.extend(("next", s) for s in next_steps(c, command))
     return out
 

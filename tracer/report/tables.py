@@ -354,8 +354,8 @@ def logits_lines(c: Comparison) -> list[str]:
         return []
     lg = c.logits
     return [f"logits: KL(A‖B) mean {_num(lg.kl_mean)} max {_num(lg.kl_max)} nats · top-5 overlap "
-            f"{lg.top5_overlap:.4g} · top-10 overlap {lg.top10_overlap:.4g} · worst rank in B of A's top "
-            f"token {lg.rank_of_a_top_in_b_max} · {flips_text(c)}"]
+            f"{lg.top5_overlap:.4g} · top-10 overlap {lg.top10_overlap:.4g} · A's top token at worst "
+            f"#{lg.rank_of_a_top_in_b_max + 1} in B · {flips_text(c)}"]
 
 
 def replay_lines(c: Comparison) -> list[str]:
@@ -363,7 +363,7 @@ def replay_lines(c: Comparison) -> list[str]:
     rp = c.replay
     if rp is None:
         return []
-    lines = [rp.line()]
+    lines = [f"decode: {rp.line()}"]
     if rp.first_diff is not None or rp.text_a is not None:
         for run, toks, text in ((c.run_a, rp.tokens_a, rp.text_a), (c.run_b, rp.tokens_b, rp.text_b)):
             lines.append(f"  {run}: {text!r}" if text is not None else f"  {run}: {list(toks)}")
