@@ -165,6 +165,24 @@ def test_notebook_capture_refuses_what_would_compare_nothing(tiny_llama):
         tracer.compare(a, b)
 
 
+def test_a_notebook_capture_says_what_it_ran(tiny_llama):
+    """The report's run lines of two ``tracer.capture`` blocks said "A: tracer.capture" and "B:
+    tracer.capture" (a newcomer could not tell them apart): each now says its tokens and the GEMM M of
+    each forward call, as the forward calls made here (40 tokens at once; 32, then 8 on the cache)."""
+    import tracer
+
+    ids = torch.arange(1, 41)[None]
+    with torch.inference_mode():
+        with tracer.capture(tiny_llama) as full:
+            tiny_llama(input_ids=ids)
+        with tracer.capture(tiny_llama) as hit:
+            out = tiny_llama(input_ids=ids[:, :32], use_cache=True)
+            tiny_llama(input_ids=ids[:, 32:], past_key_values=out.past_key_values, use_cache=True)
+    plans = [full.run_record("A").plan["description"], hit.run_record("B").plan["description"]]
+    assert plans == ["tracer.capture: 40 tokens in 1 forward call (GEMM M per step: 40)",
+                     "tracer.capture: 40 tokens in 2 forward calls (GEMM M per step: 32, 8)"]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_captures_by_reference_equal_copies(family):
     """The residual stream and the logits kept by reference (no copy kernel, the default on a GPU)

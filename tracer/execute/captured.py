@@ -117,5 +117,16 @@ class Captured(RecordsView):
             raise TracerError(f"capture {name} holds nothing: no forward pass of the model ran inside its "
                               "'with tracer.capture(...)' block; call the model inside the block")
         n = len(self._capture.token_ids) or self._capture._n_tokens
-        return RunRecord(name=name, token_ids=self.token_ids, plan={"description": "tracer.capture"},
+        return RunRecord(name=name, token_ids=self.token_ids, plan={"description": _description(self.records(), n)},
                          window=(0, n), captures=self.records(), meta={})
+
+
+def _description(records: dict[str, CaptureRecord], n: int) -> str:
+    """What a capture ran, for the report's run lines: ``tracer.capture: 314 tokens in 2 forward calls
+    (GEMM M per step: 304, 10)``, from the positions of the first point's recorded calls."""
+    steps = next(([int(c["positions"][1]) - int(c["positions"][0]) for c in r.calls if c.get("positions")]
+                  for r in records.values() if r.calls), [])
+    calls = f" in {len(steps)} forward call{'s' * (len(steps) != 1)} (GEMM M per step: " \
+            f"{', '.join(map(str, steps))})" if steps else ""
+    return f"tracer.capture: {n} token{'s' * (n != 1)}{calls}"
+
