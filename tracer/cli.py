@@ -147,7 +147,7 @@ def show_cmd(opts: dict[str, Any], show_fmt: str, as_json: bool) -> None:
     from tracer.progress import phase
     from tracer.report.show import check_show_format, print_trace_info
 
-    fmt = "json" if as_json else check_show_format(show_fmt)
+    fmt = check_show_format(show_fmt, as_json)  # --json does not hide an unknown --format
     with phase("show", f"reading {opts['path']}"):
         info = api.trace_info(**opts)
     print_trace_info(info, opts["path"], fmt)
