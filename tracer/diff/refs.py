@@ -34,7 +34,7 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
 
     Raises:
         TracerError: no or too many arguments; a second trace missing, or there but no regular file
-            (a FIFO, a symlink loop: named as what it is).
+            (a FIFO, a symlink loop: named as what it is), or a trace where a run name belongs.
     """
     if not 1 <= len(refs) <= 3:
         raise TracerError("give TRACE [RUN_A [RUN_B]] or TRACE[:RUN] TRACE2[:RUN]")
@@ -48,6 +48,8 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
         if path.lower().endswith((".h5", ".hdf5")) or "/" in path:
             if os.path.lexists(path):  # there, but no regular file (a FIFO, a symlink loop): say what it is
                 check_input_file(path, "input")
+                raise TracerError(f"{ref} names a trace among {len(refs)} arguments; give TRACE RUN_A RUN_B (two runs of "
+                                  "one trace) or TRACE[:RUN] TRACE2[:RUN] (a run of each of two traces)")
             raise TracerError(f"trace file {path} not found; give an existing trace (or a run name of {refs[0]})")
     runs = [first[1]] if first[1] is not None else []
     runs += refs[1:]
