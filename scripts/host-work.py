@@ -53,7 +53,9 @@ from tracer.config import RunConfig  # noqa: E402
 from tracer.load.hf_cache import cache_kwarg  # noqa: E402
 from tracer.validate import validate  # noqa: E402
 
-SYNC_METHODS = ("item", "tolist", "cpu", "numpy")
+#: the Tensor methods counted as syncs; .item() is not among them: it dispatches aten::_local_scalar_dense, which
+#: _Ops counts (scalar_reads) as it does int() and float(), so wrapping it too counted each .item() twice
+SYNC_METHODS = ("tolist", "cpu", "numpy")
 
 
 class _Ops(TorchDispatchMode):
@@ -111,6 +113,12 @@ class _Counts:
         for m, fn in self._methods.items():
             setattr(torch.Tensor, m, fn)
         torch.cuda.synchronize = self._sync
+
+
+def sync_count(counts: _Counts, ops: _Ops) -> int:
+    """The syncs of one block: the calls of :data:`SYNC_METHODS` and ``torch.cuda.synchronize``, and the
+    scalar reads (``.item()``, ``int()``, ``float()``: one ``aten::_local_scalar_dense`` each)."""
+    return sum(counts.syncs.values()) + ops.scalar_reads
 
 
 def _h5_objects(path: Path) -> dict[str, int] | None:
@@ -252,7 +260,7 @@ def main() -> None:
         finish()
         prof.disable()
         rows[name] = {"hooked calls": counts.hooked, "aten ops": ops.n, "kernels": ops.kernels,
-                      "syncs": sum(counts.syncs.values()) + ops.scalar_reads,
+                      "syncs": sync_count(counts, ops),
                       "sync calls": dict(counts.syncs, scalar_reads=ops.scalar_reads),
                       "py calls": pstats.Stats(prof).total_calls}
         if args.device.startswith("cuda"):

@@ -31,7 +31,7 @@ if [ "$device" = cpu ]; then n=130; backend=(); budget=128; small=32; else
 row() {  # row NAME ARGS...
   local name=$1; shift
   local cmd=($py -m tracer run "$model" --engine vllm --scenario prefill-decode --length "$n" --new-tokens 16
-             --device "$device" "${backend[@]}" --store none --all-rows --format json "$@")
+             --device "$device" "${backend[@]}" --store none --format json "$@")
   echo "== $name: ${cmd[*]}"
   timeout 300 "${cmd[@]}" > "$out/$name.json" 2> "$out/$name.txt"
   local rc=$?

@@ -101,6 +101,15 @@ def test_default_output_path_and_show(tmp_path, cli_env, prompt_file):
     assert doc["header"]["model"]["name"] == "tiny-llama" and [r["name"] for r in doc["runs"]] == ["A", "B"]
 
 
+def test_show_checks_its_format_with_json_too(tmp_path):
+    """`tracer show T --json --format yaml` printed the JSON: --json skipped the check of --format."""
+    from tests.helpers import cli_batch
+
+    (tmp_path / "t.h5").write_bytes(b"")  # the format is checked before the trace is read
+    [(code, err)] = cli_batch([["show", "t.h5", "--json", "--format", "yaml"]], tmp_path)
+    assert code == 2 and err.strip() == "error: unknown format 'yaml' for tracer show; use one of: table, json", err
+
+
 def test_models_lists_builtins(tmp_path, cli_env):
     proc = tracer_cli(["models"], cli_env, tmp_path)
     for name in ("smollm2-135m", "tiny-llama", "qwen3-0.6b-shape"):

@@ -73,7 +73,7 @@ def run_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None, all
 
     from tracer.load.prompts import prompt_file_note
 
-    cols = check_table(fmt, columns, wide)
+    cols = check_table(fmt, columns, wide, all_rows=all_rows)
     check_outputs(report=report, output=opts["output"], overwrite=opts["overwrite"])
     opts["store"] = _store(opts["store"], no_store)
     if (note := prompt_file_note(opts.get("prompt"))) is not None:  # before the run too, not only under the table
@@ -113,7 +113,7 @@ def compare_cmd(opts: dict[str, Any], fmt: str, wide: bool, columns: str | None,
     from tracer.progress import phase
     from tracer.report.terminal import check_outputs, check_table, fail_on_exit, print_comparison, write_after
 
-    cols = check_table(fmt, columns, wide)
+    cols = check_table(fmt, columns, wide, all_rows=all_rows)
     check_outputs(report=report, output=None, overwrite=overwrite_report)  # before any work: nothing is clobbered
     refs = " ".join(str(opts[k]) for k in ("path", "run_a", "run_b") if opts[k] is not None)
     with phase("compare", f"comparing {refs}"):
@@ -147,7 +147,7 @@ def show_cmd(opts: dict[str, Any], show_fmt: str, as_json: bool) -> None:
     from tracer.progress import phase
     from tracer.report.show import check_show_format, print_trace_info
 
-    fmt = "json" if as_json else check_show_format(show_fmt)
+    fmt = check_show_format(show_fmt, as_json)  # --json does not hide an unknown --format
     with phase("show", f"reading {opts['path']}"):
         info = api.trace_info(**opts)
     print_trace_info(info, opts["path"], fmt)

@@ -76,3 +76,18 @@ def test_compare_trace_on_an_explicit_device_and_a_missing_one(tmp_path):
     else:
         on_gpu = compare_trace(str(path), device="cuda")
         assert [p.diff.n_diff for p in on_gpu.points] == [p.diff.n_diff for p in on_cpu.points]
+
+
+def test_a_trace_given_where_a_run_name_belongs_is_not_called_missing(tmp_path):
+    """`tracer compare t.h5:A t.h5:B C` said "trace file t.h5 not found" of a trace that is there."""
+    from tracer.diff.refs import resolve_refs
+
+    t = tmp_path / "t.h5"
+    t.write_bytes(b"")  # only its existence is looked at
+    for refs in ([f"{t}:A", f"{t}:B", "C"], [str(t), "A", f"{t}:B"]):
+        with pytest.raises(TracerError) as e:
+            resolve_refs(refs)
+        msg = str(e.value)
+        assert "not found" not in msg and "among 3 arguments" in msg and "TRACE RUN_A RUN_B" in msg, msg
+    with pytest.raises(TracerError, match="trace file .*nope.h5 not found"):  # a missing one still is
+        resolve_refs([str(t), str(tmp_path / "nope.h5")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -429,6 +430,23 @@ def test_cli_error_is_one_line_and_exit_2(ref, dump, tmp_path, cli_env):
                        cwd=tmp_path)
     assert r.returncode == 2 and "holds no engine dump" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "loop"])
+def test_a_dump_path_that_is_no_regular_file_is_named_as_what_it_is(ref, tmp_path, kind):
+    """`tracer compare REF.h5:B x.safetensors` with a FIFO there said "trace file x.safetensors not
+    found; give an existing trace": the file exists, and it is no trace. A symlink loop: the same."""
+    path = tmp_path / "x.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "y.safetensors").symlink_to(path)
+        path.symlink_to(tmp_path / "y.safetensors")
+    with pytest.raises(TracerError) as e:
+        tracer.compare_trace(f"{ref}:B", str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and "not found" not in msg and str(path) in msg, msg
+    assert ("is a FIFO" in msg and "regular file" in msg) if kind == "fifo" else "symbolic links" in msg, msg
 
 
 def _vllm_pass(reader, run: str) -> dict:

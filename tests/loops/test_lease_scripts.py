@@ -39,3 +39,23 @@ def test_run_phases_times_both_writers(tmp_path):
     rows = {line.split()[0] for line in text.splitlines() if "wall median" in line}
     assert rows == {"plain", "none", "tensors", "auto", "tensors-p", "auto-p"}, text
     assert "phases of tensors" in text and "execute_plan" in text
+
+
+def test_host_work_counts_each_sync_once():
+    """scripts/host-work.py counted each .item() twice: as a wrapped Tensor.item call and as the
+    aten::_local_scalar_dense it dispatches."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("host_work", ROOT / "scripts" / "host-work.py")
+    hw = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hw)
+    t = torch.tensor([1.5, 2.0])
+    for read in (lambda: t[0].item(), lambda: int(t[0]), lambda: float(t[0]), lambda: t.tolist(), lambda: t.numpy()):
+        with hw._Ops() as ops, hw._Counts() as counts:
+            read()
+        assert hw.sync_count(counts, ops) == 1, (counts.syncs, ops.scalar_reads)
+    with hw._Ops() as ops, hw._Counts() as counts:
+        t.add(1)
+    assert hw.sync_count(counts, ops) == 0

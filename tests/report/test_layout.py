@@ -253,6 +253,20 @@ def test_a_new_format_is_refused_everywhere_until_every_result_has_a_writer(monk
         check_table("tsv")
 
 
+def test_table_options_with_another_format_are_refused(tmp_path):
+    """`tracer compare T --format json --wide` (or csv with --columns, markdown with --all-rows) printed
+    exactly what the format prints without them: the option was dropped without a word."""
+    from tests.helpers import cli_batch
+
+    (tmp_path / "t.h5").write_bytes(b"")  # the options are checked before the trace is read
+    cases = [["compare", "t.h5", "--format", "json", "--wide"], ["compare", "t.h5", "-f", "csv", "--columns", "diff"],
+             ["run", "tiny-llama", "--format", "markdown", "--all-rows"], ["run", "tiny-llama", "-f", "json", "--wide"]]
+    for args, (code, err) in zip(cases, cli_batch(cases, tmp_path)):
+        flag, fmt = args[-1] if args[-1].startswith("--") else args[-2], args[3]
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {flag} ") and f"--format {fmt}" in err, \
+            (args, code, err)
+
+
 def test_kept_columns_fit_80_with_a_narrower_name():
     """`tracer run --positions all` at 80 columns: the logits' "5,293,056 / 15,433,728" made the kept columns
     81 wide with the name at NAME_MIN, and rich squeezed the table back to 80 by folding "flips" into

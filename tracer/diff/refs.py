@@ -5,10 +5,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from pathlib import Path
 
 from tracer.errors import TracerError
+from tracer.files import check_input_file
 
 
 def _is_file_ref(ref: str) -> bool:
@@ -31,7 +33,8 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
     other side's name, else its first run).
 
     Raises:
-        TracerError: no or too many arguments.
+        TracerError: no or too many arguments; a second trace missing, or there but no regular file
+            (a FIFO, a symlink loop: named as what it is), or a trace where a run name belongs.
     """
     if not 1 <= len(refs) <= 3:
         raise TracerError("give TRACE [RUN_A [RUN_B]] or TRACE[:RUN] TRACE2[:RUN]")
@@ -43,6 +46,10 @@ def resolve_refs(refs: list[str]) -> tuple[tuple[str, str | None], tuple[str, st
     for ref in refs[1:]:  # a run name never looks like a file: a missing second trace is named as such
         path = split_ref(ref)[0]
         if path.lower().endswith((".h5", ".hdf5")) or "/" in path:
+            if os.path.lexists(path):  # there, but no regular file (a FIFO, a symlink loop): say what it is
+                check_input_file(path, "input")
+                raise TracerError(f"{ref} names a trace among {len(refs)} arguments; give TRACE RUN_A RUN_B (two runs of "
+                                  "one trace) or TRACE[:RUN] TRACE2[:RUN] (a run of each of two traces)")
             raise TracerError(f"trace file {path} not found; give an existing trace (or a run name of {refs[0]})")
     runs = [first[1]] if first[1] is not None else []
     runs += refs[1:]

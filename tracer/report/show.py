@@ -119,8 +119,9 @@ def print_trace_info(info: dict[str, Any], path: str, fmt: str | bool = "table",
         print_fitted(out, printable(f"stored comparison {name}: {comp.get('verdict', '?')}"), 2)
 
 
-def check_show_format(fmt: str) -> str:
-    """``--format`` of ``tracer show``.
+def check_show_format(fmt: str, as_json: bool = False) -> str:
+    """``--format`` of ``tracer show``, checked even with ``--json`` (its other spelling of ``--format
+    json``, as ``tracer bench`` takes them: :func:`tracer.report.terminal.check_bench_format`).
 
     Raises:
         TracerError: a format other than :data:`SHOW_FORMATS`.
@@ -129,4 +130,4 @@ def check_show_format(fmt: str) -> str:
 
     if fmt not in SHOW_FORMATS:
         raise TracerError(f"unknown format '{fmt}' for tracer show; use one of: {', '.join(SHOW_FORMATS)}")
-    return fmt
+    return "json" if as_json else fmt

@@ -60,17 +60,24 @@ def check_outputs(*, report: str | None = None, plot: str | None = None, output:
         check_figure_path(plot, overwrite)
 
 
-def check_table(fmt: str, columns: str | None = None, wide: bool = False, audit: bool = False) -> tuple[str, ...]:
+def check_table(fmt: str, columns: str | None = None, wide: bool = False, audit: bool = False,
+                all_rows: bool = False) -> tuple[str, ...]:
     """The table columns of a comparison report, checked with the format (one of
     :data:`tracer.report.layout.FORMATS`, which every result renders: :mod:`tracer.report.render`)
     before anything runs; ``audit``: an audit's report (its table has no column options).
 
     Raises:
-        TracerError: unknown format or column.
+        TracerError: unknown format or column; ``--wide``, ``--columns`` or ``--all-rows`` with a
+            format other than ``table`` (json, csv and markdown hold every column and row: the
+            option would do nothing).
     """
     from tracer.report.layout import check_columns, check_format
 
     check_format(fmt)
+    given = [flag for flag, on in (("--wide", wide), ("--columns", columns is not None), ("--all-rows", all_rows)) if on]
+    if given and fmt != "table":
+        raise TracerError(f"{given[0]} picks the table's columns or rows, but --format {fmt} holds every column and "
+                          f"row: drop {given[0]}, or use --format table")
     return check_columns(columns, wide)
 
 
