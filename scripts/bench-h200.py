@@ -202,6 +202,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split()]
     reps = [int(x) for x in args.reps.split()]
     reps = reps * len(lengths) if len(reps) == 1 else reps
+    if len(reps) < len(lengths):  # zip would skip the last lengths without a word
+        ap.error(f"--reps gives {len(reps)} counts for {len(lengths)} lengths; give one count, or one per length")
     scratch = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     doc = {"command": " ".join(sys.argv), "versions": versions(args.device), "benches": []}
     tables = []

@@ -357,3 +357,7 @@ def main(standalone: bool = False) -> None:
         exit_interrupted(standalone)
     quiet_exit_on_signals()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":  # python -m tracer.cli, as python -m tracer
+    command()

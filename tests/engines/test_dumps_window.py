@@ -498,3 +498,12 @@ def test_a_window_file_of_another_prompt_is_compared_where_the_whole_file_is(tmp
     assert list(got.tensors) == list(expected.tensors)
     for name, t in expected.tensors.items():
         assert torch.equal(got.tensors[name].view(torch.int16), t.view(torch.int16)), name
+    # the window's rows after the difference were dumped, for other ids: never "not dumped by the engine"
+    for mapped in (got, expected):
+        left = [n for n in mapped.notes if n.startswith("positions only in the reference")]
+        if differs_at < 40:
+            span = f"{differs_at}..39" if differs_at < 39 else "39"
+            assert left == [f"positions only in the reference: {span} (dumped, but for other token ids "
+                            "than the reference's: another prompt)"], mapped.notes
+        else:
+            assert left == [], mapped.notes

@@ -451,7 +451,7 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
         lo -= 1
     hi = inside[-1] + 1
     if w0 < lo or hi < w1:
-        notes.append(f"positions only in the reference: {ranges([p for p in range(w0, w1) if not lo <= p < hi])} (not dumped by the engine)")
+        notes.append(_only_in_reference([p for p in range(w0, w1) if not lo <= p < hi], raw))
     outside = [p for p in dumped if not lo <= p < hi]
     if outside:
         notes.append(_only_in_dump(ranges(outside), ref.window))
@@ -490,6 +490,22 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
+
+
+def _only_in_reference(missing: list[int], raw: RawDump) -> str:
+    """The note on the reference's kept positions that are not compared: not in the dump, or in it
+    with other token ids than the reference's (rows the alignment left out; the dump's ``positions``
+    say which were dumped)."""
+    dumped: set[int] = set()
+    for tok in raw.tokens.values():
+        pos = tok.get("positions")
+        if pos is not None:
+            dumped.update(int(p) for p in pos.reshape(-1).tolist())
+    other = [p for p in missing if p in dumped]
+    absent = [p for p in missing if p not in dumped]
+    parts = ([f"{ranges(absent)} (not dumped by the engine)"] if absent else []) + \
+        ([f"{ranges(other)} (dumped, but for other token ids than the reference's: another prompt)"] if other else [])
+    return "positions only in the reference: " + "; ".join(parts)
 
 
 def _only_in_dump(positions: str, window: tuple[int, int]) -> str:
