@@ -37,6 +37,12 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     # about past_key_values), and the CLI filters no warning to get there (progress lines, which a
     # loaded machine can make appear for a slow phase, are off for this check)
     assert proc.stderr == ""
+    # the trace line says the size written and how to write none (a newcomer's traces/ grew unseen)
+    size = out.stat().st_size
+    shown = next(f"{size / s:.3g} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("bytes", 1))
+                 if size >= s or u == "bytes")
+    assert f"({shown}; --no-store writes none)" in " ".join(proc.stdout.split())
+    assert "--no-store" not in tracer_warm(["compare", str(out)], cli_env, tmp_path).stdout  # read, not written
 
     proc = tracer_warm(["compare", str(out), "--format", "json"], cli_env, tmp_path)
     doc = json.loads(proc.stdout)

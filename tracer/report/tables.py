@@ -26,8 +26,8 @@ from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
 from tracer.report.console import print_fitted, print_whole, stdout_console
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME_MAX, NAME_MIN,  # noqa: F401
-                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
-                                  readable_width, table_width)
+                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, human_size,
+                                  name_cell, readable_width, table_width)
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
@@ -425,7 +425,21 @@ def print_report(c: Comparison, console: Console | None = None,
     if (bare := unverified_text(c)) is not None:
         print_fitted(console, printable(bare), len("unverified: "), label="unverified:", style="bold yellow")
     if c.trace:
-        print_fitted(console, Text(f"trace: {printable(c.trace)}", style="dim"), len("trace: "))
+        print_fitted(console, Text(f"trace: {printable(c.trace)}{_written(c.trace, command)}", style="dim"),
+                     len("trace: "))
+
+
+def _written(path: str, command: str) -> str:
+    """After the trace a run wrote: its size, and how to write none (a default run writes one, tens of
+    MB; ``traces/`` fills up unseen); nothing for a trace that was only read."""
+    import os
+
+    if command != "run":
+        return ""
+    try:
+        return f" ({human_size(os.path.getsize(path))}; --no-store writes none)"
+    except OSError:
+        return ""
 
 
 #: run metadata leading every CSV row (the same value on each row of one comparison)

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
+from tracer.report.layout import human_size
 from tracer.report.textsafe import printable
 
 err = Console(stderr=True)
@@ -195,18 +196,10 @@ def print_path(path: Any, what: str | None = None) -> None:
         print(path)
         return
     try:
-        size = f", {_size(os.path.getsize(path))}"
+        size = f", {human_size(os.path.getsize(path))}"
     except OSError:
         size = ""
     print_fitted(console, f"wrote {printable(path)}: {what}{size}")
-
-
-def _size(n: int) -> str:
-    """``412 KB``, ``1.2 MB`` (powers of 1000, as ls -h --si and file managers)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} bytes"
 
 
 def print_models(models: list[dict[str, Any]]) -> None:
