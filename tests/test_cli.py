@@ -39,8 +39,8 @@ def test_run_table_json_and_trace(tmp_path, cli_env, prompt_file):
     assert proc.stderr == ""
     # the trace line says the size written and how to write none (a newcomer's traces/ grew unseen)
     size = out.stat().st_size
-    shown = next(f"{size / s:.3g} {u}" for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("bytes", 1))
-                 if size >= s or u == "bytes")
+    shown = next(f"{size / s:.1f} {u}" for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                 if size >= s or u == "B")
     assert f"({shown}; --no-store writes none)" in " ".join(proc.stdout.split())
     assert "--no-store" not in tracer_warm(["compare", str(out)], cli_env, tmp_path).stdout  # read, not written
 
@@ -444,9 +444,9 @@ def test_report_and_plot_say_what_they_wrote(trace):
     out, env, tmp = trace
     term = dict(env, TTY_COMPATIBLE="1", COLUMNS="200", TRACER_PROGRESS="off")
     proc = tracer_warm(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"], term, tmp)
-    kb = os.path.getsize(tmp / "x.html") / 1e3
+    kib = os.path.getsize(tmp / "x.html") / 2**10
     assert re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout).strip() == \
-        f"wrote {tmp / 'x.html'}: the HTML report of {out}, {kb:.3g} KB", proc.stdout
+        f"wrote {tmp / 'x.html'}: the HTML report of {out}, {kib:.1f} KiB", proc.stdout
     proc = tracer_warm(["plot", str(out), "-o", str(tmp / "x.png"), "--kind", "heatmap", "--overwrite"], term, tmp)
     assert f"wrote {tmp / 'x.png'}: the heatmap figure of {out}, " in re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
     piped = tracer_warm(["report", str(out), "-o", str(tmp / "x.html"), "--overwrite"],

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tracer import pipeline, schema
 from tracer.config import RunConfig
 from tracer.diff.metrics import flips_phrase
-from tracer.errors import TracerError
+from tracer.errors import TracerError, option
 from tracer.execute.kinds import PointKind
 from tracer.engines import door
 from tracer.engines.table import is_reference, name_of
@@ -281,7 +281,7 @@ def disk_line(info: ModelInfo, n: int, todo: list[Check], reasons: dict[str, str
     from tracer.store.budget import format_size
 
     if cfg.store.mode == "none":
-        return "audit: disk: nothing is written (--store none)"
+        return f"audit: disk: nothing is written ({option('store', 'none')})"
     runs = [c for c in todo if c.key not in reasons and c.key not in done]
     pairs = len(runs) + (sum(len(c.mitigations) for c in runs) if mitigations else 0)
     full = trace_bytes(info, n, cfg.capture.granularity, cfg.capture.kv_cache)
@@ -380,7 +380,7 @@ def plan_lines(info: ModelInfo, n: int, todo: list[Check], costs: dict[str, Any]
         lines.append(f"  {c.key:<{width}}  {what}")
     lines.append(f"audit: to run: {total.text()}"
                  + ("; a diverging check is run again under each mitigation (aligned, deterministic)" if mitigations else "")
-                 + f"; the tokens grow in proportion to --length (N = {n} here), the passes do not")
+                 + f"; the tokens grow in proportion to {option('length').rstrip('=')} (N = {n} here), the passes do not")
     return lines
 
 

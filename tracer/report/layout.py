@@ -89,14 +89,6 @@ PIPED_WIDTH = 80
 ELLIPSIS = "…"
 
 
-def human_size(n: int) -> str:
-    """``412 KB``, ``1.2 MB`` (powers of 1000, as ls -h --si and file managers)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} bytes"
-
-
 def piped_width(environ: dict[str, str] | None = None) -> int:
     """The width of output that is not a terminal: ``$COLUMNS`` when it is a positive integer,
     else :data:`PIPED_WIDTH` (80, as rich's own console)."""

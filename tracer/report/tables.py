@@ -26,8 +26,8 @@ from tracer.execute.kernels import summarize
 from tracer.report import rl as rl_report
 from tracer.report.console import print_fitted, print_whole, stdout_console
 from tracer.report.layout import (COLUMN_HEADERS, DEFAULT_COLUMNS, FORMATS, NAME_MAX, NAME_MIN,  # noqa: F401
-                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, human_size,
-                                  name_cell, readable_width, table_width)
+                                  SPARE, WIDE_COLUMNS, check_columns, check_format, fit_columns, name_cell,
+                                  readable_width, table_width)
 from tracer.report.origins import origin_lines, origin_record
 from tracer.report.rl import markdown_lines, print_rl
 from tracer.report.rl import csv_meta as rl_meta
@@ -35,6 +35,7 @@ from tracer.report.summary import (flip_tie, flip_tokens, flips_text, headline, 
                                    rows_that_matter,
                                    positions_text, unverified_text, verdict_line)
 from tracer.report.textsafe import printable
+from tracer.store.budget import format_size
 from tracer.store.trace import json_safe
 
 
@@ -437,7 +438,7 @@ def _written(path: str, command: str) -> str:
     if command != "run":
         return ""
     try:
-        return f" ({human_size(os.path.getsize(path))}; --no-store writes none)"
+        return f" ({format_size(os.path.getsize(path))}; --no-store writes none)"
     except OSError:
         return ""
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.text import Text
 
 from tracer.errors import EXIT_DIVERGED, EXIT_ERROR, TracerError
-from tracer.report.layout import human_size
+from tracer.store.budget import format_size
 from tracer.report.textsafe import printable
 
 err = Console(stderr=True)
@@ -187,7 +187,7 @@ def print_import(mapped: Any, output: str, run_name: str) -> None:
 
 def print_path(path: Any, what: str | None = None) -> None:
     """``tracer plot``, ``tracer report``: the file written. In a terminal one sentence saying what it
-    is and its size (``wrote x.html: the HTML report of T.h5, 412 KB``); piped, the path alone on
+    is and its size (``wrote x.html: the HTML report of T.h5, 402.3 KiB``); piped, the path alone on
     stdout (scripts read it)."""
     from tracer.report.console import print_fitted, stdout_console
 
@@ -196,7 +196,7 @@ def print_path(path: Any, what: str | None = None) -> None:
         print(path)
         return
     try:
-        size = f", {human_size(os.path.getsize(path))}"
+        size = f", {format_size(os.path.getsize(path))}"
     except OSError:
         size = ""
     print_fitted(console, f"wrote {printable(path)}: {what}{size}")
