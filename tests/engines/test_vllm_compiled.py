@@ -165,6 +165,23 @@ def test_the_compiled_capture_of_a_window_has_vllm_write_its_rows_alone(loaded, 
         assert torch.equal(_bits(tail.captures[name].tensor), _bits(cap.tensor[N - 16:])), name
 
 
+
+def test_a_compiled_capture_empties_vllms_prefix_cache_once(loaded, compiled, monkeypatch):
+    """vLLM's ``reset_prefix_cache`` walks every KV block in Python (tens of thousands on an H200): a
+    capture asks for it once (it asked twice: the executor and then the compiled path), and the
+    request is still a cache miss (every prompt token computed)."""
+    from tracer.engines.vllm.running import VllmEngine
+
+    calls = []
+    real = VllmEngine.reset_prefix_cache
+    monkeypatch.setattr(VllmEngine, "reset_prefix_cache", lambda self: calls.append(1) or real(self))
+    points = discover_points(loaded.model, "layers")
+    for name in ("A", "B"):
+        run, _ = ve.execute_loaded(loaded, IDS, _plan(name), points, (0, N), engine_options={"settings": COMPILED})
+        assert run.meta["cached_tokens"] == 0
+    assert len(calls) == 2
+
+
 class _Remote:
     remote = True
 

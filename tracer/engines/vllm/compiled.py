@@ -120,7 +120,9 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     returned), ``file_wait`` (until the connector's file was written), ``read`` (the window's rows
     and the token ids; the whole file too where the direct read does not apply), ``map`` (onto HF
     names) and ``captures``; ``meta["hidden_states_file_bytes"]`` is the size of the file vLLM's
-    connector wrote (the window's rows alone with tracer's connector).
+    connector wrote (the window's rows alone with tracer's connector). The caller empties vLLM's
+    prefix cache first (:func:`tracer.engines.vllm.engine.execute_loaded` does), so that every
+    prompt token is computed.
 
     Raises:
         TracerError: a plan of several requests or chunks, a file vLLM did not write, a file that
@@ -131,8 +133,7 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
                           "request of the whole prompt per run; use a plan of one chunk and no batch, or run it eager")
     from tracer.engines.vllm.hidden_states import window_params
 
-    eng.reset_prefix_cache()
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # the caller emptied the prefix cache (execute_loaded): a cache miss
     # the connector writes the window's rows alone (a user's LLM with vLLM's own connector: the whole file)
     (label, internal), = eng.start([list(token_ids)], max_tokens=max(decode, 1), extra_args=window_params(window))
     out = eng.finish()[label]
