@@ -207,7 +207,7 @@ def _same_run(a, b) -> None:
     skip = ("wall_s", "phases_s", "hidden_states_file_bytes")  # times; the file's size (a window file's is less)
     meta = lambda r: {k: v for k, v in r.meta.items() if k not in skip}  # noqa: E731
     assert meta(a) == meta(b)
-    assert set(a.meta["phases_s"]) == set(b.meta["phases_s"]) == {"request", "file_wait", "read", "map", "captures"}
+    assert set(a.meta["phases_s"]) == set(b.meta["phases_s"]) == {"request", "file_wait", "read", "map", "captures", "record"}
 
 
 @pytest.mark.parametrize("window", [(0, T), (7, 23), (T - 16, T)])

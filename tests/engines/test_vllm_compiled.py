@@ -179,6 +179,9 @@ def test_a_compiled_capture_empties_vllms_prefix_cache_once(loaded, compiled, mo
     for name in ("A", "B"):
         run, _ = ve.execute_loaded(loaded, IDS, _plan(name), points, (0, N), engine_options={"settings": COMPILED})
         assert run.meta["cached_tokens"] == 0
+        # where the time outside vLLM's request goes, phase by phase (the executor's own included)
+        assert set(run.meta["phases_s"]) == {"prepare", "request", "file_wait", "read", "map", "captures", "record"}
+        assert all(t >= 0 for t in run.meta["phases_s"].values())
     assert len(calls) == 2
 
 

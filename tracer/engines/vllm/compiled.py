@@ -119,7 +119,8 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
     ``meta["phases_s"]`` holds the seconds of each phase: ``request`` (vLLM's request until it
     returned), ``file_wait`` (until the connector's file was written), ``read`` (the window's rows
     and the token ids; the whole file too where the direct read does not apply), ``map`` (onto HF
-    names) and ``captures``; ``meta["hidden_states_file_bytes"]`` is the size of the file vLLM's
+    names), ``captures`` and ``record`` (the run's facts and meta; the executor adds ``prepare``:
+    its checks, the engine's lookup and the prefix cache emptied); ``meta["hidden_states_file_bytes"]`` is the size of the file vLLM's
     connector wrote (the window's rows alone with tracer's connector). The caller empties vLLM's
     prefix cache first (:func:`tracer.engines.vllm.engine.execute_loaded` does), so that every
     prompt token is computed.
@@ -189,6 +190,7 @@ def execute_compiled(eng: Any, loaded: Any, token_ids: list[int], plan: Any, poi
         **dict(meta or {})}
     if decode:
         record_meta["decode_tokens"] = list(out.outputs[0].token_ids)[:decode]
+    phases["record"] = time.perf_counter() - t4 - phases["captures"]  # the run's facts and meta
     return RunRecord(name=plan.name, token_ids=list(token_ids), plan=plan.to_dict(), window=(int(window[0]), int(window[1])),
                      captures=captures, meta=record_meta, extras={"partial_logits": {}})
 

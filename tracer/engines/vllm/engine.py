@@ -134,6 +134,7 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
         TracerError: compilation/graphs on, plan features vLLM cannot realise here, a schedule
             that differs from the plan, hooks that saw nothing (one line each).
     """
+    entered = time.perf_counter()
     meta, options = dict(meta or {}), dict(engine_options or {})
     if decode < 0:
         raise TracerError(f"--decode {decode} is negative; give a number of tokens to generate (0 = off)")
@@ -158,7 +159,10 @@ def execute_loaded(loaded: Any, token_ids: list[int], plan: Any, points: list[Ca
             raise TracerError("--kernels records vLLM's modules with hooks, which a compiled vLLM never runs; run it eager")
         from tracer.engines.vllm.compiled import execute_compiled
 
-        return execute_compiled(eng, loaded, token_ids, plan, points, window, ref, emap, decode=decode, meta=meta), None
+        prepare = time.perf_counter() - entered
+        run = execute_compiled(eng, loaded, token_ids, plan, points, window, ref, emap, decode=decode, meta=meta)
+        run.meta["phases_s"]["prepare"] = prepare  # checks, the engine's lookup, the prefix cache emptied
+        return run, None
     if kernels and eng.remote:
         raise TracerError("--kernels records the kernels of vLLM's modules in this process; with vLLM's engine core in "
                           "its own process run without --kernels (or set VLLM_ENABLE_V1_MULTIPROCESSING=0)")
