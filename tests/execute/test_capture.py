@@ -183,6 +183,19 @@ def test_a_notebook_capture_says_what_it_ran(tiny_llama):
                      "tracer.capture: 40 tokens in 2 forward calls (GEMM M per step: 32, 8)"]
 
 
+def test_a_batched_notebook_capture_says_the_gemm_m_of_every_row(tiny_llama):
+    """A forward of 4 rows of 17 tokens multiplies matrices of M = 4 x 17 = 68 rows; the run line said
+    "GEMM M per step: 17" (the traced row 0's positions alone), which reads as an unbatched run."""
+    import tracer
+
+    ids = torch.arange(1, 18)[None].repeat(4, 1)
+    with torch.inference_mode():
+        with tracer.capture(tiny_llama) as batch:
+            tiny_llama(input_ids=ids)
+    assert batch.run_record("A").plan["description"] == \
+        "tracer.capture: 17 tokens of row 0 of 4 in 1 forward call (GEMM M per step: 68)"
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_captures_by_reference_equal_copies(family):
     """The residual stream and the logits kept by reference (no copy kernel, the default on a GPU)

@@ -123,10 +123,17 @@ class Captured(RecordsView):
 
 def _description(records: dict[str, CaptureRecord], n: int) -> str:
     """What a capture ran, for the report's run lines: ``tracer.capture: 314 tokens in 2 forward calls
-    (GEMM M per step: 304, 10)``, from the positions of the first point's recorded calls."""
-    steps = next(([int(c["positions"][1]) - int(c["positions"][0]) for c in r.calls if c.get("positions")]
-                  for r in records.values() if r.calls), [])
-    calls = f" in {len(steps)} forward call{'s' * (len(steps) != 1)} (GEMM M per step: " \
-            f"{', '.join(map(str, steps))})" if steps else ""
-    return f"tracer.capture: {n} token{'s' * (n != 1)}{calls}"
-
+    (GEMM M per step: 304, 10)``, from the positions of the first point's recorded calls; a batch of
+    several rows says so, and its GEMM M counts every row (``17 tokens of row 0 of 4 ... 68``)."""
+    calls = next(([c for c in r.calls if c.get("positions")] for r in records.values() if r.calls), [])
+    steps, batch = [], 1
+    for c in calls:
+        k = int(c["positions"][1]) - int(c["positions"][0])
+        # the call's rows: the leading dim of an input or output shaped (rows, positions, ...)
+        rows = next((int(s[0]) for s in [*c.get("in", []), *c.get("out", [])] if len(s) >= 2 and int(s[1]) == k), 1)
+        steps.append(rows * k)
+        batch = max(batch, rows)
+    text = f" in {len(steps)} forward call{'s' * (len(steps) != 1)} (GEMM M per step: " \
+           f"{', '.join(map(str, steps))})" if steps else ""
+    of = f" of row 0 of {batch}" if batch > 1 else ""
+    return f"tracer.capture: {n} token{'s' * (n != 1)}{of}{text}"
