@@ -88,3 +88,23 @@ def test_what_is_not_a_result_is_refused_in_one_line():
         render({}, "json")
     with pytest.raises(TracerError, match="unknown format 'tsv'; use one of: table, json, csv, markdown"):
         render(RESULTS["sweep"], "tsv")
+
+
+def _table(obj: object) -> str:
+    out = io.StringIO()
+    render(obj, "table", Console(file=out, width=200, color_system=None))
+    return " ".join(out.getvalue().split())
+
+
+def test_a_trace_only_read_is_not_said_written(tmp_path):
+    """tracer.compare_trace(PATH) rendered as a table from Python is ``tracer compare``'s table: the
+    trace was only read, so its line names the path alone; it said "(3.0 MiB; --no-store writes none)"
+    (the run's line, render's default command), as if this call had written it."""
+    import dataclasses
+
+    path = tmp_path / "t.h5"
+    path.write_bytes(b"\0" * (3 << 20))  # 3 MiB exactly
+    c = dataclasses.replace(RESULTS["comparison"], trace=str(path))
+    text = _table(c)
+    assert f"trace: {path}" in text
+    assert "MiB" not in text and "writes none" not in text

@@ -66,6 +66,8 @@ def render(obj: Any, fmt: str = "table", console: Console | None = None, **optio
     """
     kind = kind_of(obj)
     if kind == "comparison":
+        if "command" not in options and not hasattr(obj, "comparison"):
+            options["written"] = False  # a bare Comparison (compare_trace, compare): its trace was only read
         obj = getattr(obj, "comparison", obj)
     return WRITERS[kind][check_format(fmt)](obj, console or stdout_console(), options)
 
@@ -75,7 +77,7 @@ def render(obj: Any, fmt: str = "table", console: Console | None = None, **optio
 
 def _comparison_table(c: Any, console: Console, options: dict[str, Any]) -> None:
     print_report(c, console, options.get("columns") or DEFAULT_COLUMNS, options.get("all_rows", False),
-                 options.get("command", "run"))
+                 options.get("command", "run"), written=options.get("written"))
 
 
 # ---------------------------------------------------------------- sweep

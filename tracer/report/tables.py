@@ -377,7 +377,8 @@ MAX_ROWS = 15
 
 
 def print_report(c: Comparison, console: Console | None = None,
-                 columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run") -> None:
+                 columns: tuple[str, ...] = DEFAULT_COLUMNS, all_rows: bool = False, command: str = "run",
+                 written: bool | None = None) -> None:
     """Print the headline block (:func:`tracer.report.summary.headline`: verdict, origin, first divergent
     point, growth, logits, what to try next), then the title line, the table of the rows that matter
     (:func:`tracer.report.summary.rows_that_matter`: at most :data:`MAX_ROWS`, whatever the
@@ -387,6 +388,8 @@ def print_report(c: Comparison, console: Console | None = None,
 
     Styled in a terminal, every line fitted to its width (:func:`tracer.report.console.fit`: broken
     between words, continuations indented); plain text when piped, fitted to `$COLUMNS` (else 80) the same way.
+    ``written``: whether this run wrote the trace (its line then says the size and how to write
+    none); None: when ``command`` is ``run``.
     """
     console = console or stdout_console()
     if c.rl is not None:  # rollout-vs-train: what RL stacks log comes first, then where the gap is born
@@ -426,16 +429,17 @@ def print_report(c: Comparison, console: Console | None = None,
     if (bare := unverified_text(c)) is not None:
         print_fitted(console, printable(bare), len("unverified: "), label="unverified:", style="bold yellow")
     if c.trace:
-        print_fitted(console, Text(f"trace: {printable(c.trace)}{_written(c.trace, command)}", style="dim"),
+        wrote = command == "run" if written is None else written
+        print_fitted(console, Text(f"trace: {printable(c.trace)}{_written(c.trace, wrote)}", style="dim"),
                      len("trace: "))
 
 
-def _written(path: str, command: str) -> str:
+def _written(path: str, written: bool) -> str:
     """After the trace a run wrote: its size, and how to write none (a default run writes one, tens of
     MB; ``traces/`` fills up unseen); nothing for a trace that was only read."""
     import os
 
-    if command != "run":
+    if not written:
         return ""
     try:
         return f" ({format_size(os.path.getsize(path))}; --no-store writes none)"
