@@ -108,3 +108,16 @@ def test_a_trace_only_read_is_not_said_written(tmp_path):
     text = _table(c)
     assert f"trace: {path}" in text
     assert "MiB" not in text and "writes none" not in text
+
+
+def test_a_run_rendered_from_python_names_the_keyword_that_writes_none(tmp_path):
+    """tracer.render(tracer.run(...), "table") from Python: the trace line says how to write none as
+    Python writes it, store="none" (it said --no-store, a flag of the tracer command, which tracer.run
+    does not take), as tracer.audit's plan lines name keywords from Python."""
+    path = tmp_path / "t.h5"
+    path.write_bytes(b"\0" * 2048)  # 2 KiB exactly
+    import dataclasses
+
+    c = dataclasses.replace(RESULTS["comparison"], trace=str(path))
+    text = _table(tracer.RunResult(comparison=c, scenario=None, trace=str(path), token_ids=[1, 2]))
+    assert f'trace: {path} (2.0 KiB; store="none" writes none)' in text

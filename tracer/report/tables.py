@@ -439,10 +439,13 @@ def _written(path: str, written: bool) -> str:
     MB; ``traces/`` fills up unseen); nothing for a trace that was only read."""
     import os
 
+    from tracer.errors import from_cli, option
+
     if not written:
         return ""
     try:
-        return f" ({format_size(os.path.getsize(path))}; --no-store writes none)"
+        how = "--no-store" if from_cli() else option("store", "none")  # tracer.run(store="none") from Python
+        return f" ({format_size(os.path.getsize(path))}; {how} writes none)"
     except OSError:
         return ""
 
