@@ -27,11 +27,12 @@ class Replay(schema.Record):
     text_b: str | None = None
 
     def line(self) -> str:
-        """One line for people, without a label (the report puts ``decode:`` before it)."""
+        """One line for people, without a label (the report puts ``decode:`` before it); the first
+        differing generated token counted from 1 (``first_diff`` + 1)."""
         n = len(self.tokens_a)
         if self.first_diff is None:
             return f"the {n} greedy tokens after the prompt are identical in both runs"
-        return f"the greedy continuations differ from generated token {self.first_diff} of {n}"
+        return f"the greedy continuations differ from generated token {self.first_diff + 1} of {n}"  # 1-based
 
     def schema_extras(self, doc: dict[str, Any]) -> None:
         doc["steps"] = len(self.tokens_a)
