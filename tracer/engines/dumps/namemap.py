@@ -24,6 +24,7 @@ import torch
 from tracer.execute.records import DumpEntry, RawDump
 from tracer.errors import TracerError, option
 from tracer.execute.kinds import PointKind
+from tracer.engines.dumps.coverage import one_side, only_in_dump, only_in_reference
 from tracer.engines.dumps.tokens import align_steps, ranges, segments, token_rows  # align_steps: re-exported
 from tracer.engines.dumps.shards import UNMARKED_PARTIAL, _unshard
 from tracer.engines.dumps.slots import Slot, place, rows_of
@@ -317,9 +318,9 @@ def map_window(path: str, engine: str, entries: list[DumpEntry], token_ids: torc
     notes = []
     outside = ", ".join(ranges(r) for r in (range(0, w0), range(w1, n)) if r)  # two runs, never adjacent
     if outside:
-        notes.append(_only_in_dump(outside, ref.window))
+        notes.append(only_in_dump(outside, ref.window))
     tensors = {name: rows[name] for name in ref.names if name in rows}
-    notes += _one_side(ref, set(rows) - set(ref.names), set(tensors), set(), [])
+    notes += one_side(ref.names, set(rows) - set(ref.names), set(tensors), set(), [])
     return MappedDump(engine=engine, path=path, positions=(w0, w1), tensors=tensors,
                       mapping={name: mapping[name] for name in tensors}, notes=notes,
                       facts={"tp_size": 1, "steps": [0], "step_tokens": [n], **(facts or {})})
@@ -451,10 +452,10 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
         lo -= 1
     hi = inside[-1] + 1
     if w0 < lo or hi < w1:
-        notes.append(_only_in_reference([p for p in range(w0, w1) if not lo <= p < hi], raw))
+        notes.append(only_in_reference([p for p in range(w0, w1) if not lo <= p < hi], raw))
     outside = [p for p in dumped if not lo <= p < hi]
     if outside:
-        notes.append(_only_in_dump(ranges(outside), ref.window))
+        notes.append(only_in_dump(ranges(outside), ref.window))
     tensors: dict[str, torch.Tensor] = {}
     partial: set[str] = set()
     partial_rows: dict[str, tuple[list[int], torch.Tensor]] = {}
@@ -483,58 +484,13 @@ def _assemble(raw: RawDump, ref: RefLayout, rows: dict[str, Slot],
                 raise TracerError(_width_error(name, tuple(stacked.shape[1:]), feat, ref, override))
             stacked = stacked.reshape(hi - lo, *feat)
         tensors[name] = stacked
-    notes += _one_side(ref, (set(rows) - set(ref.names)) | uncaptured, set(tensors) | partial, ignored, raw.ignored_inputs)
+    notes += one_side(ref.names, (set(rows) - set(ref.names)) | uncaptured, set(tensors) | partial, ignored, raw.ignored_inputs)
     tp = max((e.tp_size for e in raw.entries), default=1)
     steps = sorted({e.step for e in raw.entries})
     facts = {"tp_size": tp, "steps": steps, "step_tokens": [len(raw.tokens[s]["input_ids"]) for s in steps], **raw.facts}
     return MappedDump(engine=raw.engine, path=raw.path, positions=(lo, hi), tensors=tensors,
                       mapping={n: mapping[n] for n in tensors}, notes=notes, facts=facts,
                       partial_logits={n: (ps, t, mapping[n]) for n, (ps, t) in partial_rows.items()})
-
-
-def _only_in_reference(missing: list[int], raw: RawDump) -> str:
-    """The note on the reference's kept positions that are not compared: not in the dump, or in it
-    with other token ids than the reference's (rows the alignment left out; the dump's ``positions``
-    say which were dumped)."""
-    dumped: set[int] = set()
-    for tok in raw.tokens.values():
-        pos = tok.get("positions")
-        if pos is not None:
-            dumped.update(int(p) for p in pos.reshape(-1).tolist())
-    other = [p for p in missing if p in dumped]
-    absent = [p for p in missing if p not in dumped]
-    parts = ([f"{ranges(absent)} (not dumped by the engine)"] if absent else []) + \
-        ([f"{ranges(other)} (dumped, but for other token ids than the reference's: another prompt)"] if other else [])
-    return "positions only in the reference: " + "; ".join(parts)
-
-
-def _only_in_dump(positions: str, window: tuple[int, int]) -> str:
-    """The note on dumped positions outside the reference's kept ``window`` (``positions``: as
-    :func:`ranges` writes them)."""
-    return f"positions only in the dump: {positions} (outside the reference's kept window {window[0]}..{window[1] - 1})"
-
-
-def _one_side(ref: RefLayout, uncaptured: set[str], compared: set[str], ignored: set[str],
-              ignored_inputs: list[str]) -> list[str]:
-    """The notes on names present on one side only: ``uncaptured`` (HF names engine tensors map onto
-    that the reference did not capture), ``compared`` (HF names given rows, whole or in part),
-    ``ignored`` (engine modules matched by an ignore pattern), ``ignored_inputs`` (the dump's
-    module inputs)."""
-    notes = []
-    extra = sorted(uncaptured)
-    if extra:
-        notes.append(f"engine tensors mapped to HF points the reference did not capture (trace it with --granularity "
-                     f"sublayers): {', '.join(extra[:6])}{f' ... ({len(extra)} in all)' if len(extra) > 6 else ''}")
-    only_ref = [n for n, (k, *_r) in ref.names.items() if n not in compared and k != PointKind.KV_CACHE]
-    if only_ref:
-        notes.append(f"capture points only in the reference (no engine tensor): {', '.join(only_ref[:8])}"
-                     f"{f' ... ({len(only_ref)} in all)' if len(only_ref) > 8 else ''}")
-    if ignored:
-        notes.append(f"engine tensors read and not mapped (ignore patterns): {', '.join(sorted(ignored)[:6])}"
-                     f"{' ...' if len(ignored) > 6 else ''}")
-    if ignored_inputs:
-        notes.append(f"module inputs in the dump not compared: {len(ignored_inputs)} names")
-    return notes
 
 
 def _width_error(name: str, got: tuple[int, ...], feat: tuple[int, ...], ref: RefLayout, override: str | None) -> str:
